@@ -1,0 +1,36 @@
+"""crf — serverless launcher and SDK for low-communication (DiLoCo) distributed training.
+
+Public API is imported lazily so that ``import crf`` pulls in neither torch-heavy modules nor
+any cloud SDK until they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "RunSpec": "crf.spec",
+    "RunStore": "crf.store",
+    "ObjectStoreAllReduce": "crf.replica.allreduce",
+    "ObjectStoreManager": "crf.replica.manager",
+    "ReplicaContext": "crf.replica.context",
+    "ServerlessExecutor": "crf.executors.base",
+    "ReplicaHandle": "crf.executors.base",
+    "ReplicaResult": "crf.executors.base",
+    "LocalProcessExecutor": "crf.executors.local",
+    "ComposerReplicationTrainer": "crf.replica.composer",
+    "ComposerConfig": "crf.replica.composer",
+    "compose_loss": "crf.replica.composer",
+    "launch": "crf.launcher.driver",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'crf' has no attribute {name!r}")

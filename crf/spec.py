@@ -1,0 +1,104 @@
+"""The run spec: everything a replica needs to know, written once to ``run.json``.
+
+The driver validates it before launching anything (bad input fails early with a message that
+says what to fix); replicas read it from the store, so the environment carries only the run
+URI, the rank and the world size (DESIGN.md, "The replica contract").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+SPEC_VERSION = 1
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class SpecError(ValueError):
+    """A run spec field is invalid; the message names the field and the fix."""
+
+
+def new_run_id(prefix: str = "run") -> str:
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class RunSpec:
+    """One training run: N replicas, H inner steps per round, R rounds."""
+
+    run_id: str
+    run_uri: str
+    job: str = "lm"
+    job_config: dict[str, Any] = field(default_factory=dict)
+    entrypoint: list[str] | None = None  # a user's own command instead of `python -m crf.replica`
+    replicas: int = 2
+    sync_every: int = 20  # H: inner optimizer steps between outer steps
+    rounds: int = 5
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    seed: int = 0
+    min_replicas: int = 1  # quorum may close at the deadline with at least this many
+    round_timeout_s: float = 300.0  # how long a replica waits for the others in one round
+    num_shards: int | None = None  # default: one shard per replica
+    keep_rounds: int = 3  # rounds kept in the store; older ones are garbage-collected
+    wire_dtype: str = "float32"
+    backend: str = "local"
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    version: int = SPEC_VERSION
+
+    @property
+    def total_steps(self) -> int:
+        return self.rounds * self.sync_every
+
+    def validate(self) -> RunSpec:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise SpecError(msg)
+
+        need(bool(_RUN_ID_RE.match(self.run_id)),
+             f"run id {self.run_id!r} is invalid: use letters, digits, '.', '_' or '-' "
+             "(at most 128, starting with a letter or digit)")
+        need(isinstance(self.replicas, int) and self.replicas >= 1,
+             f"--replicas must be an integer >= 1 (got {self.replicas!r})")
+        need(isinstance(self.sync_every, int) and self.sync_every >= 1,
+             f"--sync-every must be an integer >= 1 (got {self.sync_every!r})")
+        need(isinstance(self.rounds, int) and self.rounds >= 1,
+             f"--rounds must be an integer >= 1 (got {self.rounds!r})")
+        need(self.outer_lr > 0, f"--outer-lr must be > 0 (got {self.outer_lr})")
+        need(0 <= self.outer_momentum < 1,
+             f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})")
+        need(isinstance(self.min_replicas, int) and 1 <= self.min_replicas <= self.replicas,
+             f"--min-replicas must be between 1 and --replicas={self.replicas} "
+             f"(got {self.min_replicas!r})")
+        need(self.round_timeout_s > 0,
+             f"--round-timeout must be > 0 seconds (got {self.round_timeout_s})")
+        need(self.num_shards is None or (isinstance(self.num_shards, int) and self.num_shards >= 1),
+             f"num_shards must be None or an integer >= 1 (got {self.num_shards!r})")
+        need(isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,
+             f"keep_rounds must be an integer >= 1 (got {self.keep_rounds!r})")
+        need(self.wire_dtype in WIRE_DTYPES,
+             f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(WIRE_DTYPES)}")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise SpecError(f"run.json has unknown fields {sorted(unknown)}: written by a newer crf?")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunSpec:
+        return cls.from_dict(json.loads(text))

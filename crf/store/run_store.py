@@ -1,0 +1,271 @@
+"""RunStore: one run's folder in an object store, behind fsspec.
+
+Everything replicas and the driver share goes through this class, so it holds the guarantees
+of DESIGN.md in one place:
+
+* ``put`` publishes atomically: a reader sees the whole object or nothing (temp file + rename
+  on a file system; a single PUT on object stores);
+* ``put_if_absent`` is a real create-if-absent (``os.link`` of a fully written temp file on a
+  file system, a lock in ``memory://``; S3 ``If-None-Match`` / GCS generation match slot in as
+  further backends);
+* ``wait_for`` polls with exponential backoff until keys exist or a deadline passes;
+* transient I/O errors are retried a bounded number of times.
+
+Keys are ``/``-separated paths relative to the run folder (``rounds/3/quorum.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import fsspec
+
+from crf.store.errors import ObjectNotFound, StoreNotWritable, StoreTimeout
+
+T = TypeVar("T")
+
+_TMP_MARK = ".crf-tmp-"
+_MEMORY_LOCK = threading.Lock()
+
+#: schemes with a real create-if-absent today; cloud schemes are added with their backends.
+SUPPORTED_SCHEMES = ("file", "memory")
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """Return (scheme, path) for a store URI; a bare path means ``file``."""
+    if "://" not in uri:
+        return "file", os.path.abspath(os.path.expanduser(uri))
+    scheme, rest = uri.split("://", 1)
+    if scheme == "file":
+        return "file", os.path.abspath(os.path.expanduser(rest or "/"))
+    return scheme, rest
+
+
+def normalize_uri(uri: str) -> str:
+    """Canonical form: ``file:///abs/path`` for local folders, scheme kept otherwise."""
+    scheme, path = split_uri(uri)
+    if scheme == "file":
+        return "file://" + path
+    return f"{scheme}://{path.rstrip('/')}"
+
+
+def join_uri(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *[p.strip("/") for p in parts if p]])
+
+
+class RunStore:
+    """A folder in an object store with atomic, integrity-friendly primitives."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = 4,
+        retry_backoff_s: float = 0.2,
+    ) -> None:
+        scheme, path = split_uri(uri)
+        if scheme not in SUPPORTED_SCHEMES:
+            raise StoreNotWritable(
+                f"store scheme {scheme!r} is not supported yet (in {uri!r}); "
+                f"use one of: {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}"
+            )
+        self.scheme = scheme
+        self.uri = normalize_uri(uri)
+        self.fs = fsspec.filesystem(scheme, **(storage_options or {}))
+        self.root = path.rstrip("/") if scheme != "memory" else "/" + path.strip("/")
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.uri!r})"
+
+    # ---------------------------------------------------------------- paths
+    def path(self, key: str) -> str:
+        key = key.strip("/")
+        return f"{self.root}/{key}" if key else self.root
+
+    def child(self, prefix: str) -> RunStore:
+        """A RunStore rooted at a sub-folder (same filesystem object)."""
+        sub = RunStore.__new__(RunStore)
+        sub.__dict__.update(self.__dict__)
+        sub.root = self.path(prefix)
+        sub.uri = join_uri(self.uri, prefix)
+        return sub
+
+    # ---------------------------------------------------------------- retry
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Run fn, retrying transient errors (not 'not found') with backoff."""
+        delay = self.retry_backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except (FileNotFoundError, FileExistsError, ObjectNotFound, IsADirectoryError):
+                raise
+            except OSError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---------------------------------------------------------------- writes
+    def put(self, key: str, data: bytes) -> None:
+        """Publish ``data`` at ``key`` atomically, replacing any previous object."""
+        self._retry(f"put {key}", lambda: self._put(self.path(key), data, exclusive=False))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if nothing is there. True if this call created it."""
+        return self._retry(
+            f"create {key}", lambda: self._put(self.path(key), data, exclusive=True)
+        )
+
+    def _put(self, path: str, data: bytes, *, exclusive: bool) -> bool:
+        if self.scheme == "file":
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"{_TMP_MARK}{uuid.uuid4().hex}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                if exclusive:
+                    try:
+                        os.link(tmp, path)  # atomic create-if-absent of a complete file
+                    except FileExistsError:
+                        return False
+                else:
+                    os.replace(tmp, path)
+                return True
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        if self.scheme == "memory":
+            with _MEMORY_LOCK:
+                if exclusive and self.fs.exists(path):
+                    return False
+                self.fs.pipe_file(path, bytes(data))
+                return True
+        raise StoreNotWritable(f"no writer for scheme {self.scheme}")  # pragma: no cover
+
+    def put_json(self, key: str, obj: Any) -> None:
+        self.put(key, json.dumps(obj, indent=1, sort_keys=True, default=str).encode())
+
+    def put_json_if_absent(self, key: str, obj: Any) -> bool:
+        return self.put_if_absent(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def delete(self, key: str) -> None:
+        """Remove a key or a whole prefix; missing is fine."""
+        path = self.path(key)
+
+        def _rm() -> None:
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._retry(f"delete {key}", _rm)
+
+    # ---------------------------------------------------------------- reads
+    def get(self, key: str) -> bytes:
+        path = self.path(key)
+
+        def _get() -> bytes:
+            try:
+                return self.fs.cat_file(path)
+            except (FileNotFoundError, KeyError):
+                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
+            except IsADirectoryError:
+                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} is a folder") from None
+
+        return self._retry(f"get {key}", _get)
+
+    def get_json(self, key: str) -> Any:
+        return json.loads(self.get(key))
+
+    def exists(self, key: str) -> bool:
+        return bool(self._retry(f"exists {key}", lambda: self.fs.exists(self.path(key))))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of the immediate children of ``prefix`` (files and folders), sorted."""
+        path = self.path(prefix)
+
+        def _ls() -> list[str]:
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            names = []
+            for e in entries:
+                name = str(e).rstrip("/").rsplit("/", 1)[-1]
+                if name and not name.startswith(_TMP_MARK) and str(e).rstrip("/") != path:
+                    names.append(name)
+            return sorted(set(names))
+
+        return self._retry(f"list {prefix}", _ls)
+
+    def wait_for(
+        self,
+        keys: Iterable[str],
+        timeout_s: float,
+        *,
+        poll_s: float = 0.02,
+        max_poll_s: float = 0.5,
+    ) -> None:
+        """Block until every key exists; StoreTimeout names the missing ones."""
+        missing = list(keys)
+
+        def _check() -> bool:
+            nonlocal missing
+            missing = [k for k in missing if not self.exists(k)]
+            return not missing
+
+        if not wait_until(_check, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s):
+            raise StoreTimeout(
+                f"timed out after {timeout_s:.1f}s waiting for {len(missing)} object(s) in "
+                f"{self.uri}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            )
+
+    # ---------------------------------------------------------------- checks
+    def check_writable(self) -> None:
+        """Write and delete a probe object; StoreNotWritable says what to fix."""
+        key = f".crf-probe-{uuid.uuid4().hex}"
+        try:
+            self.put(key, b"probe")
+            if self.get(key) != b"probe":
+                raise StoreNotWritable(f"store {self.uri} did not read back what was written")
+            self.delete(key)
+        except StoreNotWritable:
+            raise
+        except Exception as e:  # permission, missing bucket, read-only fs...
+            raise StoreNotWritable(
+                f"cannot write to store {self.uri}: {type(e).__name__}: {e}. "
+                "Check the path/bucket exists and that you may write there."
+            ) from None
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    *,
+    poll_s: float = 0.02,
+    max_poll_s: float = 0.5,
+) -> bool:
+    """Poll ``predicate`` with exponential backoff; True as soon as it holds, False at deadline."""
+    deadline = time.monotonic() + timeout_s
+    delay = poll_s
+    while True:
+        if predicate():
+            return True
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(delay, max(0.0, deadline - now)))
+        delay = min(delay * 1.6, max_poll_s)
