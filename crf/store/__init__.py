@@ -1,6 +1,6 @@
 """The run store: fsspec URIs -> atomic put, create-if-absent, get, list, wait."""
 
-from crf.store.codec import decode_tensor, encode_tensor
+from crf.store.codec import decode_blob, decode_tensor, encode_blob, encode_tensor
 from crf.store.errors import (
     CorruptObjectError,
     ObjectNotFound,
@@ -25,7 +25,9 @@ __all__ = [
     "StoreError",
     "StoreNotWritable",
     "StoreTimeout",
+    "decode_blob",
     "decode_tensor",
+    "encode_blob",
     "encode_tensor",
     "join_uri",
     "normalize_uri",

@@ -44,11 +44,11 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
+def raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu().reshape(-1)
     if t.numel() == 0:
         return b""
-    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+    return t.view(torch.uint8).numpy().tobytes()
 
 
 def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> bytes:
@@ -57,7 +57,7 @@ def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> b
     header["dtype"] = dtype_name(tensor.dtype)
     header["shape"] = list(tensor.shape)
     hbytes = json.dumps(header, sort_keys=True).encode()
-    payload = _raw_bytes(tensor)
+    payload = raw_bytes(tensor)
     digest = hashlib.sha256(hbytes + payload).digest()
     return _FIXED.pack(MAGIC, len(hbytes), len(payload), digest) + hbytes + payload
 
@@ -91,3 +91,28 @@ def decode_tensor(data: bytes, *, where: str = "object") -> tuple[torch.Tensor, 
     if t.numel() * t.element_size() != plen:
         raise CorruptObjectError(f"{where}: payload size does not match shape {shape}")
     return t, header
+
+
+BLOB_MAGIC = b"CRFBLOB1"
+
+
+def encode_blob(payload: bytes, meta: dict[str, Any] | None = None) -> bytes:
+    """Wrap opaque bytes (e.g. a torch.save'd checkpoint) with a header and a SHA-256."""
+    hbytes = json.dumps(dict(meta or {}), sort_keys=True).encode()
+    digest = hashlib.sha256(hbytes + payload).digest()
+    return _FIXED.pack(BLOB_MAGIC, len(hbytes), len(payload), digest) + hbytes + payload
+
+
+def decode_blob(data: bytes, *, where: str = "object") -> tuple[bytes, dict[str, Any]]:
+    """Verify and unwrap an encode_blob object; CorruptObjectError if anything is off."""
+    if len(data) < _FIXED.size:
+        raise CorruptObjectError(f"{where}: truncated ({len(data)} bytes)")
+    magic, hlen, plen, digest = _FIXED.unpack_from(data)
+    if magic != BLOB_MAGIC:
+        raise CorruptObjectError(f"{where}: not a crf blob (bad magic {magic!r})")
+    if len(data) != _FIXED.size + hlen + plen:
+        raise CorruptObjectError(f"{where}: truncated or padded")
+    body = memoryview(data)[_FIXED.size :]
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptObjectError(f"{where}: checksum mismatch (object is corrupted)")
+    return bytes(body[hlen:]), json.loads(bytes(body[:hlen]))

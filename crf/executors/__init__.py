@@ -1,0 +1,37 @@
+"""How replicas start: the ServerlessExecutor protocol and its backends.
+
+Executors know nothing of training: they start a command N times with the replica contract in
+its environment (DESIGN.md, "The replica contract"), report process state, and read each
+replica's ``results/<rank>.json`` back from the store. Backends are imported lazily so that
+``import crf.executors`` never needs a cloud SDK.
+"""
+
+from crf.executors.base import (
+    ENV_RANK,
+    ENV_RUN_ID,
+    ENV_RUN_URI,
+    ENV_WORLD_SIZE,
+    ExecutorError,
+    ReplicaHandle,
+    ReplicaResult,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+    default_entrypoint,
+    replica_env,
+)
+
+__all__ = [
+    "ENV_RANK",
+    "ENV_RUN_ID",
+    "ENV_RUN_URI",
+    "ENV_WORLD_SIZE",
+    "ExecutorError",
+    "ReplicaHandle",
+    "ReplicaResult",
+    "ReplicaState",
+    "ReplicaStatus",
+    "ServerlessExecutor",
+    "default_entrypoint",
+    "replica_env",
+]

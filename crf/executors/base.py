@@ -1,0 +1,300 @@
+"""The ServerlessExecutor protocol: how N replicas start, are watched, stopped and collected.
+
+Every backend (local processes, Modal, HF Jobs, SageMaker) starts the same command N times with
+the replica contract in the environment and nothing else: ``CRF_RUN_URI``, ``CRF_RANK``,
+``CRF_WORLD_SIZE``, ``CRF_RUN_ID``. Everything else a replica needs is in ``run.json`` in the
+store, so a backend never has to understand training, and a user's own entrypoint
+(``["python", "my_train.py"]``) is started exactly like the built-in ``python -m crf.replica``.
+
+The executor knows the *process* side (exit codes, logs, cancel); the replica's own account of
+what it did lives in the store at ``results/<rank>.json``. ``collect`` joins the two, so the
+driver gets one row per replica whichever backend ran it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+ENV_RUN_URI = "CRF_RUN_URI"
+ENV_RANK = "CRF_RANK"
+ENV_WORLD_SIZE = "CRF_WORLD_SIZE"
+ENV_RUN_ID = "CRF_RUN_ID"
+
+Entrypoint = str | Sequence[str] | None
+
+
+class ExecutorError(RuntimeError):
+    """Replicas cannot be started or controlled; the message says what to change."""
+
+
+class ReplicaState(StrEnum):
+    """Lifecycle of one replica as the backend sees it (not the training phase)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (ReplicaState.SUCCEEDED, ReplicaState.FAILED, ReplicaState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What ``status()`` returns: a state, the exit code once known, and a short reason."""
+
+    state: ReplicaState
+    exit_code: int | None = None
+    message: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+
+@dataclass
+class ReplicaHandle:
+    """Enough to find one replica again: which backend, which run, which rank, which job/pid.
+
+    Handles are plain data (``to_dict``) so a driver can save them and a later process can ask
+    the same backend about them.
+    """
+
+    backend: str
+    run_id: str
+    rank: int
+    backend_id: str  # pid for local processes, job/function-call id for cloud backends
+    run_uri: str
+    world_size: int
+    log_path: str | None = None
+    started_at: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ReplicaResult:
+    """One replica at the end: the backend's exit status joined with ``results/<rank>.json``."""
+
+    handle: ReplicaHandle
+    state: ReplicaState
+    exit_code: int | None
+    result: dict[str, Any] | None  # the replica's own result; None if it never wrote one
+    error: str | None = None
+    ended_at: float = field(default_factory=time.time)
+
+    @property
+    def rank(self) -> int:
+        return self.handle.rank
+
+    @property
+    def ok(self) -> bool:
+        """Exited cleanly and did not report a failure itself.
+
+        A replica that exits 0 without a result (a user's script that does not use the SDK's
+        result writer) still counts as ok: the process is the authority on success.
+        """
+        if self.state is not ReplicaState.SUCCEEDED:
+            return False
+        return self.result is None or self.result.get("status", "ok") == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "state": str(self.state),
+            "exit_code": self.exit_code,
+            "ok": self.ok,
+            "error": self.error,
+            "result": self.result,
+            "handle": self.handle.to_dict(),
+        }
+
+
+def default_entrypoint() -> list[str]:
+    """The built-in replica runtime, run by the same interpreter as the driver."""
+    return [sys.executable, "-m", "crf.replica"]
+
+
+def build_command(entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()) -> list[str]:
+    """Normalise an entrypoint (None, a shell-like string, or an argv list) to an argv list."""
+    if entrypoint is None:
+        cmd = default_entrypoint()
+    elif isinstance(entrypoint, str):
+        cmd = shlex.split(entrypoint)
+    else:
+        cmd = [str(part) for part in entrypoint]
+    if not cmd or not cmd[0]:
+        raise ExecutorError(
+            "the entrypoint is empty: give a command such as 'python my_train.py' "
+            "(or leave it out to run the built-in replica, python -m crf.replica)"
+        )
+    return cmd + [str(a) for a in entrypoint_args]
+
+
+def replica_env(
+    run_uri: str,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The variables one replica gets: the caller's extras, then the contract (which wins)."""
+    out = {str(k): str(v) for k, v in (env or {}).items()}
+    out.update(
+        {
+            ENV_RUN_URI: run_uri,
+            ENV_RANK: str(rank),
+            ENV_WORLD_SIZE: str(world_size),
+            ENV_RUN_ID: run_id,
+        }
+    )
+    return out
+
+
+def run_id_from_uri(run_uri: str) -> str:
+    """The run id is the last part of the run URI (DESIGN.md, replica contract)."""
+    return run_uri.rstrip("/").rsplit("/", 1)[-1]
+
+
+def check_launch_args(n_replicas: int, run_uri: str, *, in_process: bool) -> None:
+    """Checks every backend makes before starting anything."""
+    if not isinstance(n_replicas, int) or isinstance(n_replicas, bool) or n_replicas < 1:
+        raise ExecutorError(f"n_replicas must be an integer >= 1 (got {n_replicas!r})")
+    if not run_uri:
+        raise ExecutorError("run_uri is required: the store folder the replicas meet in")
+    if not in_process and run_uri.startswith("memory://"):
+        raise ExecutorError(
+            f"the run store {run_uri!r} is memory://, which exists only inside one process; "
+            "replicas started as separate processes or containers cannot see it. "
+            "Use a file:// URI or a plain folder path (or an object store) instead; "
+            "memory:// is only for in-process tests that run replicas as threads."
+        )
+
+
+class ServerlessExecutor(ABC):
+    """Starts N replicas of one command and reports on them.
+
+    Subclasses implement ``launch_replicas``, ``status``, ``logs`` and ``cancel``; ``wait``,
+    ``cancel_all`` and ``collect`` are shared so every backend gathers results the same way.
+    """
+
+    #: backend name, recorded in handles and in run.json
+    name: ClassVar[str] = "base"
+    #: True for executors whose replicas share the driver's process (threads): only they may
+    #: use a memory:// store.
+    in_process: ClassVar[bool] = False
+
+    @abstractmethod
+    def launch_replicas(
+        self,
+        n_replicas: int,
+        entrypoint: Entrypoint = None,
+        entrypoint_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        run_uri: str,
+        run_id: str | None = None,
+    ) -> list[ReplicaHandle]:
+        """Start ranks 0..n_replicas-1; return one handle per rank, in rank order."""
+
+    @abstractmethod
+    def status(self, handle: ReplicaHandle) -> ReplicaStatus:
+        """Current state of one replica; never blocks for long."""
+
+    @abstractmethod
+    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
+        """Lines the replica printed (no trailing newline); with follow, until it ends."""
+
+    @abstractmethod
+    def cancel(self, handle: ReplicaHandle) -> None:
+        """Stop one replica (and everything it started); a finished replica is left alone."""
+
+    # ------------------------------------------------------------------ shared helpers
+    def cancel_all(self, handles: Sequence[ReplicaHandle]) -> None:
+        """Cancel every replica that is still running. Backends may do it in parallel."""
+        for h in handles:
+            if not self.status(h).terminal:
+                self.cancel(h)
+
+    def wait(
+        self,
+        handles: Sequence[ReplicaHandle],
+        timeout: float | None = None,
+        *,
+        poll_s: float = 0.2,
+    ) -> bool:
+        """Block until every replica has ended; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if all(self.status(h).terminal for h in handles):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+    def read_result(self, handle: ReplicaHandle) -> tuple[dict[str, Any] | None, str | None]:
+        """``results/<rank>.json`` from the store: (result, problem reading it)."""
+        from crf.store import ObjectNotFound, RunStore  # lazy: the store pulls in fsspec
+
+        key = f"results/{handle.rank}.json"
+        try:
+            data = RunStore(handle.run_uri).get_json(key)
+        except ObjectNotFound:
+            return None, None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return None, f"{key} is not valid JSON ({e})"
+        except Exception as e:  # store unreachable: report, do not lose the exit codes
+            return None, f"could not read {key}: {type(e).__name__}: {e}"
+        if not isinstance(data, dict):
+            return None, f"{key} is not a JSON object"
+        return data, None
+
+    def collect(
+        self,
+        handles: Sequence[ReplicaHandle],
+        timeout: float | None = None,
+        *,
+        cancel_on_timeout: bool = True,
+        poll_s: float = 0.2,
+    ) -> list[ReplicaResult]:
+        """Wait for every replica, then join exit codes with the results in the store.
+
+        If ``timeout`` passes first, the replicas still running are cancelled and reported as
+        such (``cancel_on_timeout``), or ``TimeoutError`` is raised and nothing is stopped.
+        """
+        finished = self.wait(handles, timeout, poll_s=poll_s)
+        timed_out: set[int] = set()
+        if not finished:
+            late = [h for h in handles if not self.status(h).terminal]
+            if not cancel_on_timeout:
+                ranks = ", ".join(str(h.rank) for h in late)
+                raise TimeoutError(f"replica(s) {ranks} still running after {timeout}s")
+            timed_out = {h.rank for h in late}
+            self.cancel_all(late)
+        results = []
+        for h in handles:
+            st = self.status(h)
+            data, problem = self.read_result(h)
+            error = problem
+            if h.rank in timed_out:
+                error = f"did not finish within {timeout}s and was cancelled"
+            elif data is not None and data.get("status") == "failed":
+                error = str(data.get("error") or "replica reported failure")
+            elif st.state is ReplicaState.FAILED:
+                error = st.message or f"exited with code {st.exit_code}"
+            elif st.state is ReplicaState.CANCELLED:
+                error = st.message or "cancelled"
+            results.append(ReplicaResult(h, st.state, st.exit_code, data, error))
+        return results

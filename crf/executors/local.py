@@ -1,0 +1,340 @@
+"""LocalProcessExecutor: each replica is a subprocess on this machine.
+
+Why each replica gets its own session (``start_new_session=True``): a replica may start
+children (data loader workers, a user's helper processes). Putting every replica in its own
+process group lets ``cancel`` stop the whole tree with one ``killpg``, and keeps a Ctrl-C in
+the driver's terminal from reaching the replicas directly - the driver decides what to stop.
+
+Output goes to ``<log_dir>/replica-<rank>.log`` (stdout and stderr interleaved, unbuffered),
+which is what ``logs()`` reads. Replicas talk only through the store given as ``run_uri``, so
+a ``memory://`` store (which lives inside one process) is refused before anything starts.
+The environment carries the replica contract and any caller extras (credentials included):
+nothing secret is ever put on the command line, where ``ps`` would show it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from crf.executors.base import (
+    Entrypoint,
+    ExecutorError,
+    ReplicaHandle,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+    build_command,
+    check_launch_args,
+    replica_env,
+    run_id_from_uri,
+)
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen[bytes]
+    pgid: int
+    cancelled: bool = False
+
+
+def _key(handle: ReplicaHandle) -> str:
+    return f"{handle.run_id}/{handle.rank}/{handle.backend_id}"
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (a zombie has already exited)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.parent.parent.joinpath("self").exists():  # Linux: read the state letter
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _live_groups(pgids: set[int]) -> set[int]:
+    """Which of ``pgids`` still hold a live (non-zombie) process.
+
+    ``killpg(pgid, 0)`` also succeeds for zombies, which in a container whose init does not
+    reap would make every cancel wait out its whole grace period, so on Linux read /proc.
+    """
+    proc = Path("/proc")
+    if not proc.joinpath("self").exists():
+        alive = set()
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+            alive.add(pgid)
+        return alive
+    wanted = {str(p): p for p in pgids}
+    alive = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] in wanted and fields[0] != "Z":
+            alive.add(wanted[fields[2]])
+    return alive
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalProcessExecutor(ServerlessExecutor):
+    """Run replicas as local subprocesses, one process group each.
+
+    Args:
+        log_dir: where ``replica-<rank>.log`` files go. Default: ``<run folder>/logs`` when the
+            store is a local folder (so a run's logs sit with its results), else a new
+            temporary folder.
+        grace_period_s: how long ``cancel`` waits after SIGTERM before SIGKILL.
+        cwd: working directory of the replicas (default: the driver's).
+        inherit_env: start from the driver's environment (PATH, virtualenv, credentials
+            already exported). With False, replicas get only PATH/HOME/LANG plus ``env``.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None = None,
+        *,
+        grace_period_s: float = 10.0,
+        cwd: str | os.PathLike[str] | None = None,
+        inherit_env: bool = True,
+        poll_s: float = 0.1,
+    ) -> None:
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.grace_period_s = grace_period_s
+        self.cwd = os.fspath(cwd) if cwd is not None else None
+        self.inherit_env = inherit_env
+        self.poll_s = poll_s
+        self._procs: dict[str, _Proc] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ launch
+    def _default_log_dir(self, run_uri: str, run_id: str) -> Path:
+        if run_uri.startswith("file://"):
+            return Path(run_uri.removeprefix("file://")) / "logs"
+        return Path(tempfile.mkdtemp(prefix=f"crf-{run_id}-logs-"))
+
+    def _base_env(self) -> dict[str, str]:
+        if self.inherit_env:
+            env = dict(os.environ)
+        else:
+            env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+        # Live logs: without this a Python replica's prints sit in a buffer until it exits.
+        env["PYTHONUNBUFFERED"] = "1"
+        # The replica runs the same crf as the driver, even from a source checkout that was
+        # never pip-installed.
+        import crf
+
+        root = str(Path(crf.__file__).resolve().parent.parent)
+        parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in parts:
+            parts.append(root)
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+        return env
+
+    def _resolve(self, cmd: list[str]) -> list[str]:
+        """Fail before starting anything if the program cannot be found."""
+        prog = cmd[0]
+        if os.sep in prog or (os.altsep and os.altsep in prog):
+            path = prog if os.path.isabs(prog) else os.path.join(self.cwd or os.getcwd(), prog)
+            if not os.access(path, os.X_OK):
+                raise ExecutorError(f"entrypoint program {prog!r} does not exist or is not executable")
+            return cmd
+        if shutil.which(prog) is None:
+            raise ExecutorError(
+                f"entrypoint program {prog!r} was not found on PATH; "
+                "give a full path or a command that exists here"
+            )
+        return cmd
+
+    def launch_replicas(
+        self,
+        n_replicas: int,
+        entrypoint: Entrypoint = None,
+        entrypoint_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        run_uri: str,
+        run_id: str | None = None,
+    ) -> list[ReplicaHandle]:
+        check_launch_args(n_replicas, run_uri, in_process=False)
+        from crf.store import normalize_uri  # lazy: keeps `import crf.executors` light
+
+        run_uri = normalize_uri(run_uri)
+        run_id = run_id or run_id_from_uri(run_uri)
+        cmd = self._resolve(build_command(entrypoint, entrypoint_args))
+        log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        base_env = self._base_env()
+
+        handles: list[ReplicaHandle] = []
+        try:
+            for rank in range(n_replicas):
+                log_path = log_dir / f"replica-{rank}.log"
+                child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
+                with open(log_path, "ab") as log_file:
+                    popen = subprocess.Popen(
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=child_env,
+                        cwd=self.cwd,
+                        start_new_session=True,
+                        close_fds=True,
+                    )
+                handle = ReplicaHandle(
+                    backend=self.name,
+                    run_id=run_id,
+                    rank=rank,
+                    backend_id=str(popen.pid),
+                    run_uri=run_uri,
+                    world_size=n_replicas,
+                    log_path=str(log_path),
+                    extra={"pgid": popen.pid, "program": cmd[0]},
+                )
+                with self._lock:
+                    self._procs[_key(handle)] = _Proc(popen, pgid=popen.pid)
+                handles.append(handle)
+        except OSError as e:
+            self.cancel_all(handles)  # all or nothing: no orphan half of a run
+            raise ExecutorError(f"could not start replica {len(handles)}: {e}") from e
+        return handles
+
+    # ------------------------------------------------------------------ status
+    def status(self, handle: ReplicaHandle) -> ReplicaStatus:
+        proc = self._procs.get(_key(handle))
+        if proc is None:
+            return self._foreign_status(handle)
+        code = proc.popen.poll()
+        if code is None:
+            return ReplicaStatus(ReplicaState.RUNNING)
+        if proc.cancelled:
+            return ReplicaStatus(ReplicaState.CANCELLED, code, "cancelled")
+        if code == 0:
+            return ReplicaStatus(ReplicaState.SUCCEEDED, 0)
+        if code < 0:
+            return ReplicaStatus(ReplicaState.FAILED, code, f"killed by {_signal_name(code)}")
+        return ReplicaStatus(ReplicaState.FAILED, code, f"exited with code {code}")
+
+    def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus:
+        """A handle from another executor instance (e.g. a saved run): ask the OS and store."""
+        if _pid_alive(int(handle.backend_id)):
+            return ReplicaStatus(ReplicaState.RUNNING)
+        result, _ = self.read_result(handle)
+        if result is not None and result.get("status") == "ok":
+            return ReplicaStatus(ReplicaState.SUCCEEDED, None, "exit code unknown (not our child)")
+        return ReplicaStatus(
+            ReplicaState.FAILED, None, "process ended without an ok result; exit code unknown"
+        )
+
+    # ------------------------------------------------------------------ logs
+    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
+        if not handle.log_path or not os.path.exists(handle.log_path):
+            return iter(())
+        return self._follow(handle) if follow else self._read_all(handle.log_path)
+
+    @staticmethod
+    def _read_all(path: str) -> Iterator[str]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                yield line.rstrip("\n")
+
+    def _follow(self, handle: ReplicaHandle) -> Iterator[str]:
+        """Tail the log until the replica has ended and everything it wrote was read."""
+        assert handle.log_path is not None
+        with open(handle.log_path, "rb") as f:
+            pending = b""
+            while True:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    if self.status(handle).terminal:
+                        chunk = f.read()  # whatever was written between the read and exit
+                        if not chunk:
+                            break
+                    else:
+                        time.sleep(self.poll_s)
+                        continue
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line.decode("utf-8", errors="replace")
+            if pending:
+                yield pending.decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ cancel
+    def cancel(self, handle: ReplicaHandle) -> None:
+        self.cancel_all([handle])
+
+    def cancel_all(self, handles: Sequence[ReplicaHandle]) -> None:
+        """SIGTERM every group at once, wait one grace period in total, then SIGKILL.
+
+        The whole group is signalled, so children the replica started stop with it; a
+        replica that has already exited keeps its own status even if a stray child of it is
+        cleaned up here.
+        """
+        groups: dict[int, _Proc | None] = {}
+        for h in handles:
+            proc = self._procs.get(_key(h))
+            groups[int(h.extra.get("pgid", h.backend_id))] = proc
+            if proc is not None and proc.popen.poll() is None:
+                proc.cancelled = True
+        alive = _live_groups(set(groups))
+        if not alive:
+            return
+        for pgid in alive:
+            _killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_period_s
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for pgid in alive:
+                proc = groups[pgid]
+                if proc is not None:
+                    proc.popen.poll()  # reap, so a dead leader stops counting as alive
+            alive = _live_groups(alive)
+        for pgid in alive:
+            _killpg(pgid, signal.SIGKILL)
+        for proc in groups.values():
+            if proc is not None:
+                try:
+                    proc.popen.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+                    pass

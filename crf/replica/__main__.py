@@ -1,0 +1,56 @@
+"""``python -m crf.replica``: the replica entrypoint every backend starts.
+
+Reads the env contract and ``run.json``, runs the job named there, writes the result. Exits 0
+on success, 1 if the job failed (the failure is also recorded in ``results/<rank>.json``),
+2 if the environment breaks the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def _set_threads(world_size: int, backend: str) -> None:
+    """Replicas sharing one machine (local backend) split its cores instead of oversubscribing."""
+    import torch
+
+    threads = os.environ.get("CRF_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    elif backend == "local":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("CRF_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s [replica {os.environ.get('CRF_RANK', '?')}] %(levelname)s %(name)s: %(message)s",
+    )
+    from crf.replica.context import ContractError, ReplicaContext
+    from crf.replica.jobs import get_job, job_config
+
+    try:
+        ctx = ReplicaContext.from_env()
+    except ContractError as e:
+        print(f"crf.replica: {e}", file=sys.stderr)
+        return 2
+    _set_threads(ctx.world_size, ctx.spec.backend)
+    log = logging.getLogger("crf.replica")
+    log.info("run %s rank %d/%d job %s", ctx.spec.run_id, ctx.rank, ctx.world_size, ctx.spec.job)
+    try:
+        with ctx:
+            job = get_job(ctx.spec.job)
+            metrics = job.run(ctx, job_config(ctx.spec.job, ctx.spec.job_config))
+            ctx.finish(metrics)
+    except Exception:
+        log.exception("replica failed")
+        return 1
+    log.info("done: %d steps, %s rounds committed", ctx.step,
+             ctx.manager.rounds_committed if ctx.manager else 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

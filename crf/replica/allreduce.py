@@ -1,0 +1,417 @@
+"""ObjectStoreAllReduce: average tensors across replicas that meet only through a store.
+
+One round (DESIGN.md, "One round of the exchange"):
+
+1. every replica flattens its tensors into one vector, cuts it into ``num_shards`` shards and
+   uploads ``rounds/<r>/contrib/<rank>/<shard>``, then its manifest (layout + hash) last;
+2. the first replica that sees all N manifests — or the round deadline pass with at least
+   ``min_replicas`` — creates ``rounds/<r>/quorum.json`` (create-if-absent: one decision);
+3. shard ``s`` is owned by ``participants[s % len(participants)]``; the owner averages it over
+   the quorum in rank order (fp32 accumulation, so every replica that computes a shard gets the
+   same bits) and publishes ``rounds/<r>/reduced/<s>``; if the owner does not publish within
+   ``shard_grace_s`` any participant computes it — the inputs are all in the store;
+4. every participant downloads all reduced shards and copies the average back in place.
+
+Per replica and round this moves about P up and 2·P down (P = payload), whatever N is.
+A contribution whose integrity check fails is never averaged: the round is marked failed for
+everyone (``rounds/<r>/failed.json``) so all replicas stay consistent and discard it together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from crf.store import (
+    CorruptObjectError,
+    ObjectNotFound,
+    RunStore,
+    decode_tensor,
+    encode_tensor,
+    wait_until,
+)
+from crf.store.codec import dtype_from_name, dtype_name
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class AllReduceError(RuntimeError):
+    """The round could not complete (quorum not reached, round failed, layout mismatch)."""
+
+
+class LayoutMismatchError(AllReduceError, ValueError):
+    """Replicas passed tensors of different count, shape or dtype."""
+
+
+class QuorumTimeout(AllReduceError, TimeoutError):
+    """Fewer than min_replicas contributions arrived before the round deadline."""
+
+
+class RoundFailed(AllReduceError):
+    """Another participant declared this round failed (e.g. a corrupt contribution)."""
+
+
+@dataclass
+class AllReduceResult:
+    """What happened in one round, for metrics and the manager's should_commit()."""
+
+    round: int
+    participants: list[int]
+    in_quorum: bool
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: float = 0.0
+    shards_computed: list[int] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def layout_of(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Per-tensor [shape, dtype]: replicas must agree on it exactly."""
+    return [[list(t.shape), dtype_name(t.dtype)] for t in tensors]
+
+
+def _layout_hash(layout: list[list[Any]]) -> str:
+    return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
+
+
+def shard_bounds(total: int, num_shards: int) -> list[tuple[int, int]]:
+    """Split [0, total) into num_shards contiguous near-equal ranges (first ones larger)."""
+    base, extra = divmod(total, num_shards)
+    bounds, start = [], 0
+    for s in range(num_shards):
+        size = base + (1 if s < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+class ObjectStoreAllReduce:
+    """Average lists of tensors in place across ``world_size`` replicas through a run store.
+
+    ``store`` is a :class:`~crf.store.RunStore` or a URI of the run folder. Rounds are numbered
+    by the caller (``round=``) or count up from 0. ``world_size == 1`` never touches the store.
+    """
+
+    def __init__(
+        self,
+        store: RunStore | str,
+        world_size: int,
+        rank: int,
+        *,
+        run_id: str | None = None,
+        min_replicas: int | None = None,
+        round_timeout_s: float = 300.0,
+        shard_grace_s: float = 30.0,
+        num_shards: int | None = None,
+        keep_rounds: int = 3,
+        wire_dtype: str = "float32",
+        on_phase: Callable[[str], None] | None = None,
+    ) -> None:
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank must be < world_size ({world_size}), got rank={rank}")
+        min_replicas = world_size if min_replicas is None else min_replicas
+        _check_int("min_replicas", min_replicas, 1)
+        if min_replicas > world_size:
+            raise ValueError(f"min_replicas ({min_replicas}) must be <= world_size ({world_size})")
+        if num_shards is not None:
+            _check_int("num_shards", num_shards, 1)
+        _check_int("keep_rounds", keep_rounds, 1)
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        if round_timeout_s <= 0:
+            raise ValueError(f"round_timeout_s must be > 0, got {round_timeout_s}")
+        self.store = RunStore(store) if isinstance(store, str) else store
+        self.world_size = world_size
+        self.rank = rank
+        self.run_id = run_id or self.store.uri.rstrip("/").rsplit("/", 1)[-1]
+        self.min_replicas = min_replicas
+        self.round_timeout_s = round_timeout_s
+        self.shard_grace_s = shard_grace_s
+        self.num_shards = num_shards or world_size
+        self.keep_rounds = keep_rounds
+        self.wire_dtype = dtype_from_name(wire_dtype)
+        self.on_phase = on_phase
+        self.next_round = 0
+        self.history: list[AllReduceResult] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _phase(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase)
+
+    def _put(self, res: AllReduceResult, key: str, data: bytes, *, exclusive: bool = False) -> bool:
+        res.bytes_up += len(data)
+        if exclusive:
+            return self.store.put_if_absent(key, data)
+        self.store.put(key, data)
+        return True
+
+    def _get(self, res: AllReduceResult, key: str) -> bytes:
+        data = self.store.get(key)
+        res.bytes_down += len(data)
+        return data
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def allreduce(
+        self, tensors: Sequence[torch.Tensor], round: int | None = None
+    ) -> AllReduceResult:
+        """Average ``tensors`` across the quorum of this round, in place.
+
+        Returns the round's result; if this replica is not in the quorum the tensors are left
+        untouched and ``result.in_quorum`` is False. Raises :class:`AllReduceError` subclasses
+        when the round cannot complete.
+        """
+        r = self.next_round if round is None else _check_int("round", round, 0)
+        self.next_round = r + 1
+        t0 = time.monotonic()
+        tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+            if not t.is_floating_point():
+                raise TypeError(f"tensor {i} has dtype {t.dtype}: only floating tensors average")
+        res = AllReduceResult(round=r, participants=[self.rank], in_quorum=True)
+        if self.world_size == 1:
+            res.seconds = time.monotonic() - t0
+            self.history.append(res)
+            return res
+
+        layout = layout_of(tensors)
+        lhash = _layout_hash(layout)
+        flat = (
+            torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+            if tensors
+            else torch.empty(0, dtype=torch.float32)
+        )
+        total = flat.numel()
+        bounds = shard_bounds(total, self.num_shards)
+        base = f"rounds/{r}"
+
+        # 1. publish my contribution, shards first and the manifest last
+        self._phase("uploading")
+        for s, (a, b) in enumerate(bounds):
+            meta = self._meta(r, s, lhash, total)
+            payload = flat[a:b].to(self.wire_dtype)
+            self._put(res, f"{base}/contrib/{self.rank}/{s}", encode_tensor(payload, meta))
+        manifest = {
+            "rank": self.rank, "run_id": self.run_id, "round": r, "layout_hash": lhash,
+            "layout": layout, "numel": total, "num_shards": self.num_shards,
+            "wire_dtype": dtype_name(self.wire_dtype),
+        }
+        self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
+
+        # 2. quorum
+        self._phase("quorum")
+        participants = self._decide_quorum(res, r)
+        res.participants = participants
+        if self.rank not in participants:
+            res.in_quorum = False
+            res.seconds = time.monotonic() - t0
+            self.history.append(res)
+            return res
+        self._check_layouts(res, r, participants, manifest)
+
+        # 3. reduce-scatter: my shards first, then (after a grace period) orphans
+        self._phase("reducing")
+        mine = [s for s in range(self.num_shards) if participants[s % len(participants)] == self.rank]
+        for s in mine:
+            self._reduce_shard(res, r, s, participants, bounds[s], lhash, total)
+
+        # 4. all-gather
+        self._phase("gathering")
+        out = torch.empty(total, dtype=torch.float32)
+        grace_deadline = time.monotonic() + self.shard_grace_s
+        pending = list(range(self.num_shards))
+        delay = 0.01
+        while pending:
+            self._raise_if_failed(r)
+            progressed = False
+            for s in list(pending):
+                key = f"{base}/reduced/{s}"
+                try:
+                    data = self._get(res, key)
+                except ObjectNotFound:
+                    continue
+                t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}")
+                a, b = bounds[s]
+                if hdr.get("layout_hash") != lhash or t.numel() != b - a:
+                    raise AllReduceError(f"{key}: reduced shard does not match this round's layout")
+                out[a:b] = t.to(torch.float32)
+                pending.remove(s)
+                progressed = True
+            if not pending:
+                break
+            if time.monotonic() >= grace_deadline:
+                # owners are late or dead: compute their shards ourselves (same bits)
+                for s in list(pending):
+                    log.warning("round %d: shard %d owner is late; computing it", r, s)
+                    self._reduce_shard(res, r, s, participants, bounds[s], lhash, total)
+                grace_deadline = time.monotonic() + self.shard_grace_s
+            elif progressed:
+                delay = 0.01
+            else:
+                time.sleep(delay)
+                delay = min(delay * 1.6, 0.25)
+
+        # copy the average back in place, each tensor in its own dtype
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(out[offset : offset + n].view(t.shape).to(t.dtype))
+            offset += n
+        res.seconds = time.monotonic() - t0
+        self.history.append(res)
+        return res
+
+    # ------------------------------------------------------------------ steps
+    def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
+        return {"run_id": self.run_id, "round": r, "rank": self.rank, "shard": s,
+                "layout_hash": lhash, "numel_total": total}
+
+    def _arrived(self, r: int) -> list[int]:
+        ranks = []
+        for name in self.store.list(f"rounds/{r}/contrib"):
+            if name.isdigit() and self.store.exists(f"rounds/{r}/contrib/{name}/manifest.json"):
+                ranks.append(int(name))
+        return sorted(ranks)
+
+    def _decide_quorum(self, res: AllReduceResult, r: int) -> list[int]:
+        """Read or create rounds/<r>/quorum.json; exactly one decision per round."""
+        key = f"rounds/{r}/quorum.json"
+        deadline = time.monotonic() + self.round_timeout_s
+        decided: dict[str, Any] | None = None
+
+        def _try() -> bool:
+            nonlocal decided
+            try:
+                decided = json.loads(self._get(res, key))
+                return True
+            except ObjectNotFound:
+                pass
+            arrived = [a for a in self._arrived(r) if a < self.world_size]
+            late = time.monotonic() >= deadline
+            if len(arrived) == self.world_size or (late and len(arrived) >= self.min_replicas):
+                body = {"round": r, "participants": arrived, "decided_by": self.rank,
+                        "decided_at": time.time(), "run_id": self.run_id,
+                        "reason": "all arrived" if len(arrived) == self.world_size else "deadline"}
+                self._put(res, key, json.dumps(body).encode(), exclusive=True)
+                decided = json.loads(self._get(res, key))  # read back whoever won
+                return True
+            return False
+
+        # keep polling a little past the deadline so a decision by a peer is seen
+        if not wait_until(_try, self.round_timeout_s + 1.0, poll_s=0.02, max_poll_s=0.25):
+            raise QuorumTimeout(
+                f"round {r}: only {len(self._arrived(r))} of {self.world_size} replicas arrived "
+                f"within {self.round_timeout_s:.0f}s (need min_replicas={self.min_replicas})"
+            )
+        assert decided is not None
+        if decided.get("run_id") not in (None, self.run_id):
+            raise AllReduceError(f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}")
+        return sorted(int(p) for p in decided["participants"])
+
+    def _check_layouts(
+        self, res: AllReduceResult, r: int, participants: list[int], mine: dict[str, Any]
+    ) -> None:
+        for p in participants:
+            if p == self.rank:
+                continue
+            other = json.loads(self._get(res, f"rounds/{r}/contrib/{p}/manifest.json"))
+            if other.get("run_id") != self.run_id:
+                raise LayoutMismatchError(
+                    f"round {r}: replica {p}'s contribution is from run {other.get('run_id')!r}"
+                )
+            if other["layout_hash"] != mine["layout_hash"]:
+                raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))
+
+    def _reduce_shard(
+        self,
+        res: AllReduceResult,
+        r: int,
+        s: int,
+        participants: list[int],
+        bounds: tuple[int, int],
+        lhash: str,
+        total: int,
+    ) -> None:
+        key = f"rounds/{r}/reduced/{s}"
+        if self.store.exists(key):
+            return
+        acc: torch.Tensor | None = None
+        for p in participants:  # fixed rank order: identical bits on every replica
+            ckey = f"rounds/{r}/contrib/{p}/{s}"
+            try:
+                t, hdr = decode_tensor(self._get(res, ckey), where=f"{self.store.uri}/{ckey}")
+                expect = {"run_id": self.run_id, "round": r, "rank": p, "shard": s,
+                          "layout_hash": lhash, "numel_total": total}
+                bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+                if bad or t.numel() != bounds[1] - bounds[0]:
+                    raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
+            except (CorruptObjectError, ObjectNotFound) as e:
+                res.rejected.append(str(e))
+                self._fail_round(r, f"rejected contribution: {e}")
+                raise RoundFailed(f"round {r} failed: {e}") from e
+            t = t.to(torch.float32)
+            acc = t.clone() if acc is None else acc.add_(t)
+        assert acc is not None
+        acc.div_(len(participants))
+        meta = self._meta(r, s, lhash, total) | {"participants": participants}
+        self._put(res, key, encode_tensor(acc.to(self.wire_dtype), meta), exclusive=True)
+        res.shards_computed.append(s)
+
+    def _fail_round(self, r: int, reason: str) -> None:
+        body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
+        self.store.put_if_absent(f"rounds/{r}/failed.json", json.dumps(body).encode())
+
+    def _raise_if_failed(self, r: int) -> None:
+        try:
+            body = self.store.get_json(f"rounds/{r}/failed.json")
+        except ObjectNotFound:
+            return
+        raise RoundFailed(f"round {r} failed (declared by replica {body.get('by')}): {body.get('reason')}")
+
+    # ------------------------------------------------------------------ gc
+    def collect_garbage(self, current_round: int) -> list[int]:
+        """Delete rounds older than ``keep_rounds`` before ``current_round``; returns them."""
+        removed = []
+        for name in self.store.list("rounds"):
+            if name.isdigit() and int(name) <= current_round - self.keep_rounds:
+                self.store.delete(f"rounds/{name}")
+                removed.append(int(name))
+        return sorted(removed)
+
+
+def _describe_mismatch(r: int, me: int, mine: dict[str, Any], p: int, other: dict[str, Any]) -> str:
+    a, b = mine["layout"], other.get("layout", [])
+    if len(a) != len(b):
+        what = f"{len(a)} tensors here vs {len(b)} on replica {p}"
+    else:
+        diffs = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        i = diffs[0]
+        what = (f"tensor {i} is {a[i][1]}{tuple(a[i][0])} here vs {b[i][1]}{tuple(b[i][0])} "
+                f"on replica {p}")
+    return (f"round {r}: replicas {me} and {p} disagree on the tensors to average ({what}); "
+            "every replica must build the same model")

@@ -1,0 +1,244 @@
+"""ObjectStoreAllReduce: the sharded exchange, quorum, failure handling and validation.
+
+Replicas are threads sharing one store (memory:// and file://); the multi-process path is
+covered by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from crf.replica.allreduce import (
+    LayoutMismatchError,
+    ObjectStoreAllReduce,
+    QuorumTimeout,
+    RoundFailed,
+    shard_bounds,
+)
+from crf.store import RunStore
+from tests.conftest import run_threads
+
+SHAPES = [(7,), (0,), (3, 5), (1,), (2, 2, 3)]
+
+
+def make_tensors(rank: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+def reference_mean(ranks: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """fp32 accumulation in rank order, then cast back: what every replica must get."""
+    per = [make_tensors(r, dtype) for r in ranks]
+    out = []
+    for i in range(len(SHAPES)):
+        acc = per[0][i].float().clone()
+        for p in per[1:]:
+            acc += p[i].float()
+        out.append((acc / len(ranks)).to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_shards", [None, 4, 50])
+def test_average_is_exact_and_identical(store: RunStore, dtype, num_shards) -> None:
+    n = 3
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, n, rank, run_id="t", num_shards=num_shards,
+                                  round_timeout_s=30)
+        ts = make_tensors(rank, dtype)
+        res = ar.allreduce(ts)
+        return ts, res
+
+    out = run_threads(n, replica)
+    expect = reference_mean([0, 1, 2], dtype)
+    for ts, res in out:
+        assert res.in_quorum and res.participants == [0, 1, 2]
+        for got, want in zip(ts, expect, strict=True):
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.equal(got, want)
+
+
+def test_bytes_counted_and_sharded_traffic(store: RunStore) -> None:
+    n = 4
+    payload = 4 * 40_000  # fp32 bytes
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, n, rank, run_id="t")
+        return ar.allreduce([torch.full((40_000,), float(rank))])
+
+    results = run_threads(n, replica)
+    for res in results:
+        # ~P up (+P/N reduced shard) and ~2P down, not (N-1)P: headers add a little
+        assert payload <= res.bytes_up <= payload * (1 + 1 / n) + 4096
+        assert res.bytes_down <= 2 * payload + 16384
+
+
+def test_world_size_one_passes_through_without_store(store: RunStore) -> None:
+    ar = ObjectStoreAllReduce(store, 1, 0)
+    t = torch.randn(5)
+    before = t.clone()
+    res = ar.allreduce([t])
+    assert torch.equal(t, before) and res.in_quorum and res.bytes_up == 0
+    assert store.list("") == []
+
+
+@pytest.mark.parametrize(
+    "world,rank,exc,msg",
+    [
+        (2, 2, ValueError, "rank must be < world_size"),
+        (2, -1, ValueError, "rank must be >= 0"),
+        (0, 0, ValueError, "world_size must be >= 1"),
+        (2.0, 0, TypeError, "world_size must be an int"),
+        (2, "1", TypeError, "rank must be an int"),
+        (True, 0, TypeError, "world_size must be an int"),
+    ],
+)
+def test_rank_world_validation(world, rank, exc, msg) -> None:
+    with pytest.raises(exc, match=msg):
+        ObjectStoreAllReduce("memory://v", world, rank)
+
+
+def test_other_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        ObjectStoreAllReduce("memory://v", 2, 0, min_replicas=3)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        ObjectStoreAllReduce("memory://v", 2, 0, wire_dtype="int4")
+    ar = ObjectStoreAllReduce("memory://v", 1, 0)
+    with pytest.raises(TypeError, match="only floating"):
+        ar.allreduce([torch.arange(3)])
+
+
+def test_layout_mismatch_is_a_clear_error(store: RunStore) -> None:
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", round_timeout_s=10)
+        shape = (3, 4) if rank == 0 else (4, 3)
+        return ar.allreduce([torch.ones(2), torch.ones(shape)])
+
+    out = run_threads(2, replica)
+    for e in out:
+        assert isinstance(e, LayoutMismatchError)
+        assert "tensor 1 is float32(3, 4) here vs float32(4, 3)" in str(e) or \
+               "tensor 1 is float32(4, 3) here vs float32(3, 4)" in str(e)
+
+    def count(rank: int):
+        ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", round_timeout_s=10)
+        return ar.allreduce([torch.ones(2)] * (1 + rank), round=1)
+
+    for e in run_threads(2, count):
+        assert isinstance(e, LayoutMismatchError) and "1 tensors here vs 2" in str(e) or \
+               "2 tensors here vs 1" in str(e)
+
+
+def test_quorum_at_deadline_and_late_replica_excluded(store: RunStore) -> None:
+    """Two of three arrive; the deadline closes the quorum with them; the third is out."""
+    import time
+
+    def replica(rank: int):
+        if rank == 2:
+            time.sleep(1.5)  # straggler
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", min_replicas=2,
+                                  round_timeout_s=0.5)
+        ts = make_tensors(rank)
+        before = [t.clone() for t in ts]
+        return ar.allreduce(ts), ts, before
+
+    out = run_threads(3, replica)
+    expect = reference_mean([0, 1], torch.float32)
+    for rank in (0, 1):
+        res, ts, _ = out[rank]
+        assert res.in_quorum and res.participants == [0, 1]
+        assert all(torch.equal(a, b) for a, b in zip(ts, expect, strict=True))
+    res, ts, before = out[2]
+    assert not res.in_quorum and res.participants == [0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(ts, before, strict=True))
+    quorum = json.loads(store.get("rounds/0/quorum.json"))
+    assert quorum["reason"] == "deadline" and quorum["participants"] == [0, 1]
+
+
+def test_quorum_timeout_below_min_replicas(store: RunStore) -> None:
+    ar = ObjectStoreAllReduce(store, 3, 0, run_id="t", min_replicas=2, round_timeout_s=0.3)
+    with pytest.raises(QuorumTimeout, match="only 1 of 3 replicas arrived"):
+        ar.allreduce([torch.ones(3)])
+    assert not store.exists("rounds/0/quorum.json")
+
+
+class _Died(Exception):
+    pass
+
+
+def test_dead_shard_owner_is_covered(store: RunStore) -> None:
+    """Replica 1 uploads, is in the quorum, then dies before reducing its shard."""
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3,
+                                  round_timeout_s=20)
+        if rank == 1:
+            def die(*a, **k):
+                raise _Died()
+            ar._reduce_shard = die  # type: ignore[method-assign]
+        ts = make_tensors(rank)
+        ar.allreduce(ts)
+        return ts
+
+    out = run_threads(3, replica)
+    assert isinstance(out[1], _Died)
+    expect = reference_mean([0, 1, 2], torch.float32)
+    for rank in (0, 2):
+        assert all(torch.equal(a, b) for a, b in zip(out[rank], expect, strict=True))
+    assert store.exists("rounds/0/reduced/1")
+
+
+def test_corrupt_contribution_is_never_averaged(store: RunStore) -> None:
+    """A bit flip in one uploaded shard fails the round for everyone, consistently."""
+    real_put = store.put
+
+    def flipping_put(key: str, data: bytes) -> None:
+        if key == "rounds/0/contrib/2/0":
+            b = bytearray(data)
+            b[-3] ^= 0xFF
+            data = bytes(b)
+        real_put(key, data)
+
+    store.put = flipping_put  # type: ignore[method-assign]
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", round_timeout_s=20,
+                                  shard_grace_s=0.5)
+        ts = make_tensors(rank)
+        before = [t.clone() for t in ts]
+        try:
+            ar.allreduce(ts)
+        except RoundFailed as e:
+            return e, ts, before
+        return None, ts, before
+
+    for err, ts, before in run_threads(3, replica):
+        assert isinstance(err, RoundFailed) and "checksum mismatch" in str(err)
+        assert all(torch.equal(a, b) for a, b in zip(ts, before, strict=True))
+    assert "checksum" in json.loads(store.get("rounds/0/failed.json"))["reason"]
+
+
+def test_garbage_collection_keeps_last_rounds(store: RunStore) -> None:
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", keep_rounds=2)
+        for _ in range(5):
+            ar.allreduce([torch.ones(4) * rank])
+            if rank == 0:
+                ar.collect_garbage(ar.next_round - 1)
+        return ar
+
+    run_threads(2, replica)
+    # round 4 is current; rounds <= 2 are gone (a replica still reading round 3 is safe)
+    assert store.list("rounds") == ["3", "4"]
+
+
+def test_shard_bounds_cover_everything() -> None:
+    for total in (0, 1, 7, 100):
+        for k in (1, 3, 8):
+            b = shard_bounds(total, k)
+            assert len(b) == k and b[0][0] == 0 and b[-1][1] == total
+            assert all(x[1] == y[0] for x, y in zip(b, b[1:], strict=False))
