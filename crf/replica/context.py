@@ -173,6 +173,8 @@ class ReplicaContext:
         self._t_mark = now
         res = m.last_result
         r = self.step // self.spec.sync_every - 1
+        # a replica that healed into a later round skips the inner steps it no longer needs
+        self.step = max(self.step, m.current_step() * self.spec.sync_every)
         self._synced_rounds.append({
             "round": r,
             "exchange_round": res.round if res else None,

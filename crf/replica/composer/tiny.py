@@ -63,13 +63,13 @@ def tiny_qwen2(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    devnull_state = torch.random.get_rng_state()
+    saved_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         model = Qwen2ForCausalLM(cfg)
     finally:
         # Building the model must not change the caller's RNG stream (trainers seed their own).
-        torch.random.set_rng_state(devnull_state)
+        torch.random.set_rng_state(saved_state)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -145,8 +145,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     eval0 = evaluate(model, data)
     with ctx.diloco(model, opt):
-        for step in range(ctx.step, ctx.total_steps):
-            batch = data.batch(step, ctx.data_seed)
+        while ctx.step < ctx.total_steps:  # ctx.step jumps ahead if this replica heals
+            batch = data.batch(ctx.step, ctx.data_seed)
             loss = model(input_ids=batch, labels=batch).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -1,0 +1,217 @@
+"""``ComposerConfig``: TRL's ``GRPOConfig`` plus the composer's channel knobs.
+
+Every knob is a plain dataclass field. Names never reuse TRL's: ``GRPOConfig.beta`` stays the
+KL-to-reference weight of the GRPO term; the composer's weights are ``distill_alpha`` and
+``replay_beta``. Invalid values and combinations fail at construction with a message that
+names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from crf.replica.composer.losses import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+
+_OPD_DEFAULT_THRESHOLD = 1.0
+_OPD_DEFAULT_FORWARD_WEIGHT = 1.0
+
+
+@dataclass
+class ComposerConfig(GRPOConfig):
+    r"""Configuration of ``ComposerReplicationTrainer``.
+
+    ``loss = grpo + distill_alpha · distill + replay_beta · replay`` (see docs/composer.md).
+
+    Channel 2 — distillation from the policy conditioned on a hint:
+        distill_alpha: weight of the channel (0 disables it; it is then skipped entirely).
+        distill_jsd_beta: GKD's β of the generalized JSD: 0 = forward KL(teacher‖student),
+            1 = reverse KL(student‖teacher), in between the β-skewed JSD.
+        distill_temperature: logits are divided by it before the divergence.
+        distill_clip: optional per-token cap on the divergence (value ``min(x, clip)``, the
+            gradient above the cap is scaled by ``clip / x``).
+        distill_wrapper: ``"none"``, ``"taid"`` or ``"entropy_opd"``.
+        distill_hint_column: dataset column holding the hint (str; None/"" = no hint).
+        distill_teacher_prompt_column: dataset column holding the teacher's full prompt; when
+            present and non-empty it is used instead of ``hint`` + template.
+        distill_hint_template: how the teacher prompt is built from a hint, with ``{hint}``
+            and ``{prompt}``; for conversational prompts it is applied to the last message.
+        taid_t: constant TAID interpolation t in [0, 1].
+        taid_schedule: ``"linear"`` or ``"adaptive"`` (the paper's); exclusive with taid_t.
+            With neither, call ``trainer.set_taid_t(t)`` yourself; training without any t
+            raises ``ValueError`` at the first step.
+        taid_t_start, taid_t_end, taid_momentum, taid_step_size: schedule parameters (paper
+            defaults 0.4, 1.0, 0.99, 5e-4).
+        opd_entropy_threshold: teacher entropy (nats) from which entropy-aware OPD adds the
+            forward KL term (default 1.0).
+        opd_forward_weight: weight of that forward KL term (default 1.0).
+
+    Channel 3 — replay of correct teacher traces against the policy's own rollouts:
+        replay_beta: weight of the channel (0 disables it).
+        replay_loss: ``"dpo"`` (frozen reference = the initial policy) or ``"simpo"``.
+        replay_trace_column: dataset column holding the correct trace (the completion text).
+        replay_reward_threshold: rollouts whose total reward is >= this are not used as
+            "rejected" (they are already correct). None = every rollout.
+        dpo_beta: DPO's β.
+        simpo_beta, simpo_gamma: SimPO's β and target margin γ.
+    """
+
+    distill_alpha: float = field(default=0.0, metadata={"help": "weight of channel 2"})
+    distill_jsd_beta: float = field(default=0.5, metadata={"help": "GKD generalized-JSD beta"})
+    distill_temperature: float = field(default=1.0, metadata={"help": "distillation temperature"})
+    distill_clip: float | None = field(default=None, metadata={"help": "per-token cap"})
+    distill_wrapper: str = field(default="none", metadata={"help": "none | taid | entropy_opd"})
+    distill_hint_column: str = field(default="hint", metadata={"help": "hint column"})
+    distill_teacher_prompt_column: str = field(
+        default="teacher_prompt", metadata={"help": "full teacher prompt column"}
+    )
+    distill_hint_template: str = field(
+        default="{hint}\n{prompt}", metadata={"help": "teacher prompt from {hint} and {prompt}"}
+    )
+    taid_t: float | None = field(default=None, metadata={"help": "constant TAID t"})
+    taid_schedule: str | None = field(default=None, metadata={"help": "linear | adaptive"})
+    taid_t_start: float = field(default=0.4, metadata={"help": "TAID schedule start"})
+    taid_t_end: float = field(default=1.0, metadata={"help": "TAID schedule end"})
+    taid_momentum: float = field(default=0.99, metadata={"help": "TAID adaptive momentum"})
+    taid_step_size: float = field(default=5e-4, metadata={"help": "TAID adaptive step size"})
+    opd_entropy_threshold: float | None = field(
+        default=None, metadata={"help": "entropy-aware OPD threshold (nats), default 1.0"}
+    )
+    opd_forward_weight: float | None = field(
+        default=None, metadata={"help": "entropy-aware OPD forward-KL weight, default 1.0"}
+    )
+    replay_beta: float = field(default=0.0, metadata={"help": "weight of channel 3"})
+    replay_loss: str = field(default="dpo", metadata={"help": "dpo | simpo"})
+    replay_trace_column: str = field(default="trace", metadata={"help": "trace column"})
+    replay_reward_threshold: float | None = field(
+        default=None, metadata={"help": "skip rollouts with reward >= this as rejected"}
+    )
+    dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta"})
+    simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta"})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO gamma (target margin)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate_composer()
+
+    # ------------------------------------------------------------------ validation
+    @property
+    def resolved_opd_entropy_threshold(self) -> float:
+        v = self.opd_entropy_threshold
+        return _OPD_DEFAULT_THRESHOLD if v is None else float(v)
+
+    @property
+    def resolved_opd_forward_weight(self) -> float:
+        v = self.opd_forward_weight
+        return _OPD_DEFAULT_FORWARD_WEIGHT if v is None else float(v)
+
+    def validate_composer(self) -> None:
+        """Raise ``ValueError`` naming the field for any invalid value or combination."""
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"ComposerConfig: {msg}")
+
+        wrapper = self.distill_wrapper
+        need(isinstance(wrapper, str), f"distill_wrapper must be a string (got {wrapper!r})")
+        low = wrapper.lower()
+        need(
+            not ("taid" in low and ("opd" in low or "entropy" in low)),
+            f"distill_wrapper={wrapper!r}: TAID and entropy-aware OPD are alternatives, "
+            "not a stack; choose one of 'taid' or 'entropy_opd'",
+        )
+        need(
+            wrapper in DISTILL_WRAPPERS,
+            f"unknown distill_wrapper {wrapper!r}; choose one of {', '.join(DISTILL_WRAPPERS)}",
+        )
+        need(
+            self.replay_loss in REPLAY_LOSSES,
+            f"unknown replay_loss {self.replay_loss!r}; choose one of {', '.join(REPLAY_LOSSES)}",
+        )
+        for name in ("distill_alpha", "replay_beta"):
+            v = getattr(self, name)
+            need(
+                isinstance(v, int | float) and v >= 0 and v == v,
+                f"{name} must be a number >= 0 (got {v!r}); it is a loss weight",
+            )
+        need(
+            0.0 <= self.distill_jsd_beta <= 1.0,
+            f"distill_jsd_beta must be in [0, 1] (got {self.distill_jsd_beta})",
+        )
+        need(
+            self.distill_temperature > 0,
+            f"distill_temperature must be > 0 (got {self.distill_temperature})",
+        )
+        need(
+            self.distill_clip is None or self.distill_clip > 0,
+            f"distill_clip must be None or > 0 (got {self.distill_clip})",
+        )
+        need(self.dpo_beta > 0, f"dpo_beta must be > 0 (got {self.dpo_beta})")
+        need(self.simpo_beta > 0, f"simpo_beta must be > 0 (got {self.simpo_beta})")
+        need(self.simpo_gamma >= 0, f"simpo_gamma must be >= 0 (got {self.simpo_gamma})")
+        need(
+            "{hint}" in self.distill_hint_template,
+            f"distill_hint_template must contain '{{hint}}' (got {self.distill_hint_template!r})",
+        )
+
+        # TAID knobs
+        taid_knobs = self.taid_t is not None or self.taid_schedule is not None
+        opd_knobs = self.opd_entropy_threshold is not None or self.opd_forward_weight is not None
+        if wrapper == "taid":
+            need(
+                not opd_knobs,
+                "distill_wrapper='taid' but opd_entropy_threshold/opd_forward_weight are set: "
+                "TAID and entropy-aware OPD cannot be combined",
+            )
+        elif wrapper == "entropy_opd":
+            need(
+                not taid_knobs,
+                "distill_wrapper='entropy_opd' but taid_t/taid_schedule are set: "
+                "TAID and entropy-aware OPD cannot be combined",
+            )
+        else:
+            need(
+                not taid_knobs,
+                "taid_t/taid_schedule are set but distill_wrapper is 'none': "
+                "set distill_wrapper='taid' to use TAID",
+            )
+            need(
+                not opd_knobs,
+                "opd_entropy_threshold/opd_forward_weight are set but distill_wrapper is "
+                "'none': set distill_wrapper='entropy_opd' to use them",
+            )
+        need(
+            not (self.taid_t is not None and self.taid_schedule is not None),
+            "set either taid_t (a constant t) or taid_schedule, not both",
+        )
+        need(
+            self.taid_t is None or 0.0 <= self.taid_t <= 1.0,
+            f"taid_t must be in [0, 1] (got {self.taid_t})",
+        )
+        need(
+            self.taid_schedule is None or self.taid_schedule in TAID_SCHEDULES,
+            f"unknown taid_schedule {self.taid_schedule!r}; choose one of "
+            f"{', '.join(TAID_SCHEDULES)} (or leave it None and set taid_t)",
+        )
+        need(
+            0.0 <= self.taid_t_start <= self.taid_t_end <= 1.0,
+            f"TAID needs 0 <= taid_t_start <= taid_t_end <= 1 (got {self.taid_t_start}, "
+            f"{self.taid_t_end})",
+        )
+        need(0.0 <= self.taid_momentum < 1.0, f"taid_momentum must be in [0, 1) (got "
+             f"{self.taid_momentum})")
+        need(self.taid_step_size >= 0, f"taid_step_size must be >= 0 (got {self.taid_step_size})")
+        need(
+            self.opd_entropy_threshold is None or self.opd_entropy_threshold >= 0,
+            f"opd_entropy_threshold must be >= 0 nats (got {self.opd_entropy_threshold})",
+        )
+        need(
+            self.opd_forward_weight is None or self.opd_forward_weight >= 0,
+            f"opd_forward_weight must be >= 0 (got {self.opd_forward_weight})",
+        )
+        need(
+            not (self.use_vllm and (self.distill_alpha > 0 or self.replay_beta > 0)),
+            "the distill/replay channels need the policy's hidden states from the training "
+            "forward pass; use_vllm=True is not supported with distill_alpha/replay_beta > 0",
+        )
