@@ -63,29 +63,49 @@ class RunSpec:
             if not cond:
                 raise SpecError(msg)
 
-        need(bool(_RUN_ID_RE.match(self.run_id)),
-             f"run id {self.run_id!r} is invalid: use letters, digits, '.', '_' or '-' "
-             "(at most 128, starting with a letter or digit)")
-        need(isinstance(self.replicas, int) and self.replicas >= 1,
-             f"--replicas must be an integer >= 1 (got {self.replicas!r})")
-        need(isinstance(self.sync_every, int) and self.sync_every >= 1,
-             f"--sync-every must be an integer >= 1 (got {self.sync_every!r})")
-        need(isinstance(self.rounds, int) and self.rounds >= 1,
-             f"--rounds must be an integer >= 1 (got {self.rounds!r})")
+        need(
+            bool(_RUN_ID_RE.match(self.run_id)),
+            f"run id {self.run_id!r} is invalid: use letters, digits, '.', '_' or '-' "
+            "(at most 128, starting with a letter or digit)",
+        )
+        need(
+            isinstance(self.replicas, int) and self.replicas >= 1,
+            f"--replicas must be an integer >= 1 (got {self.replicas!r})",
+        )
+        need(
+            isinstance(self.sync_every, int) and self.sync_every >= 1,
+            f"--sync-every must be an integer >= 1 (got {self.sync_every!r})",
+        )
+        need(
+            isinstance(self.rounds, int) and self.rounds >= 1,
+            f"--rounds must be an integer >= 1 (got {self.rounds!r})",
+        )
         need(self.outer_lr > 0, f"--outer-lr must be > 0 (got {self.outer_lr})")
-        need(0 <= self.outer_momentum < 1,
-             f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})")
-        need(isinstance(self.min_replicas, int) and 1 <= self.min_replicas <= self.replicas,
-             f"--min-replicas must be between 1 and --replicas={self.replicas} "
-             f"(got {self.min_replicas!r})")
-        need(self.round_timeout_s > 0,
-             f"--round-timeout must be > 0 seconds (got {self.round_timeout_s})")
-        need(self.num_shards is None or (isinstance(self.num_shards, int) and self.num_shards >= 1),
-             f"num_shards must be None or an integer >= 1 (got {self.num_shards!r})")
-        need(isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,
-             f"keep_rounds must be an integer >= 1 (got {self.keep_rounds!r})")
-        need(self.wire_dtype in WIRE_DTYPES,
-             f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(WIRE_DTYPES)}")
+        need(
+            0 <= self.outer_momentum < 1,
+            f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})",
+        )
+        need(
+            isinstance(self.min_replicas, int) and 1 <= self.min_replicas <= self.replicas,
+            f"--min-replicas must be between 1 and --replicas={self.replicas} "
+            f"(got {self.min_replicas!r})",
+        )
+        need(
+            self.round_timeout_s > 0,
+            f"--round-timeout must be > 0 seconds (got {self.round_timeout_s})",
+        )
+        need(
+            self.num_shards is None or (isinstance(self.num_shards, int) and self.num_shards >= 1),
+            f"num_shards must be None or an integer >= 1 (got {self.num_shards!r})",
+        )
+        need(
+            isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,
+            f"keep_rounds must be an integer >= 1 (got {self.keep_rounds!r})",
+        )
+        need(
+            self.wire_dtype in WIRE_DTYPES,
+            f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(WIRE_DTYPES)}",
+        )
         return self
 
     def to_json(self) -> str:
@@ -96,7 +116,9 @@ class RunSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise SpecError(f"run.json has unknown fields {sorted(unknown)}: written by a newer crf?")
+            raise SpecError(
+                f"run.json has unknown fields {sorted(unknown)}: written by a newer crf?"
+            )
         return cls(**data)
 
     @classmethod

@@ -47,8 +47,9 @@ def test_average_is_exact_and_identical(store: RunStore, dtype, num_shards) -> N
     n = 3
 
     def replica(rank: int):
-        ar = ObjectStoreAllReduce(store, n, rank, run_id="t", num_shards=num_shards,
-                                  round_timeout_s=30)
+        ar = ObjectStoreAllReduce(
+            store, n, rank, run_id="t", num_shards=num_shards, round_timeout_s=30
+        )
         ts = make_tensors(rank, dtype)
         res = ar.allreduce(ts)
         return ts, res
@@ -121,16 +122,20 @@ def test_layout_mismatch_is_a_clear_error(store: RunStore) -> None:
     out = run_threads(2, replica)
     for e in out:
         assert isinstance(e, LayoutMismatchError)
-        assert "tensor 1 is float32(3, 4) here vs float32(4, 3)" in str(e) or \
-               "tensor 1 is float32(4, 3) here vs float32(3, 4)" in str(e)
+        assert "tensor 1 is float32(3, 4) here vs float32(4, 3)" in str(
+            e
+        ) or "tensor 1 is float32(4, 3) here vs float32(3, 4)" in str(e)
 
     def count(rank: int):
         ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", round_timeout_s=10)
         return ar.allreduce([torch.ones(2)] * (1 + rank), round=1)
 
     for e in run_threads(2, count):
-        assert isinstance(e, LayoutMismatchError) and "1 tensors here vs 2" in str(e) or \
-               "2 tensors here vs 1" in str(e)
+        assert (
+            isinstance(e, LayoutMismatchError)
+            and "1 tensors here vs 2" in str(e)
+            or "2 tensors here vs 1" in str(e)
+        )
 
 
 def test_quorum_at_deadline_and_late_replica_excluded(store: RunStore) -> None:
@@ -140,8 +145,7 @@ def test_quorum_at_deadline_and_late_replica_excluded(store: RunStore) -> None:
     def replica(rank: int):
         if rank == 2:
             time.sleep(1.5)  # straggler
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", min_replicas=2,
-                                  round_timeout_s=0.5)
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", min_replicas=2, round_timeout_s=0.5)
         ts = make_tensors(rank)
         before = [t.clone() for t in ts]
         return ar.allreduce(ts), ts, before
@@ -174,11 +178,12 @@ def test_dead_shard_owner_is_covered(store: RunStore) -> None:
     """Replica 1 uploads, is in the quorum, then dies before reducing its shard."""
 
     def replica(rank: int):
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3,
-                                  round_timeout_s=20)
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3, round_timeout_s=20)
         if rank == 1:
+
             def die(*a, **k):
                 raise _Died()
+
             ar._reduce_shard = die  # type: ignore[method-assign]
         ts = make_tensors(rank)
         ar.allreduce(ts)
@@ -206,8 +211,7 @@ def test_corrupt_contribution_is_never_averaged(store: RunStore) -> None:
     store.put = flipping_put  # type: ignore[method-assign]
 
     def replica(rank: int):
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", round_timeout_s=20,
-                                  shard_grace_s=0.5)
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", round_timeout_s=20, shard_grace_s=0.5)
         ts = make_tensors(rank)
         before = [t.clone() for t in ts]
         try:

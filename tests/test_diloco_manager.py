@@ -69,15 +69,29 @@ def reference(n: int, outer_lr: float, momentum: float, nesterov: bool) -> dict[
 
 
 def train_replica(
-    store: RunStore, n: int, rank: int, *, outer_lr: float, momentum: float, nesterov: bool,
-    min_replicas: int | None = None, round_timeout_s: float = 30, slow: dict | None = None,
+    store: RunStore,
+    n: int,
+    rank: int,
+    *,
+    outer_lr: float,
+    momentum: float,
+    nesterov: bool,
+    min_replicas: int | None = None,
+    round_timeout_s: float = 30,
+    slow: dict | None = None,
 ) -> tuple[torch.nn.Module, ObjectStoreManager, list[bool]]:
     model = init_model()
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=momentum,
-                            nesterov=nesterov)
-    ex = ObjectStoreAllReduce(store, n, rank, run_id="t", min_replicas=min_replicas,
-                              round_timeout_s=round_timeout_s, shard_grace_s=1.0)
+    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=momentum, nesterov=nesterov)
+    ex = ObjectStoreAllReduce(
+        store,
+        n,
+        rank,
+        run_id="t",
+        min_replicas=min_replicas,
+        round_timeout_s=round_timeout_s,
+        shard_grace_s=1.0,
+    )
     mgr = ObjectStoreManager(ex, heal_timeout_s=20)
     mgr.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     commits = []
@@ -103,8 +117,9 @@ def train_replica(
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_matches_handwritten_diloco_nesterov(store: RunStore, n: int) -> None:
-    out = run_threads(n, lambda r: train_replica(store, n, r, outer_lr=0.7, momentum=0.9,
-                                                  nesterov=True))
+    out = run_threads(
+        n, lambda r: train_replica(store, n, r, outer_lr=0.7, momentum=0.9, nesterov=True)
+    )
     want = reference(n, 0.7, 0.9, True)
     for model, mgr, commits in out:
         assert commits == [True] * ROUNDS and mgr.rounds_committed == ROUNDS
@@ -118,8 +133,9 @@ def test_matches_handwritten_diloco_nesterov(store: RunStore, n: int) -> None:
 def test_fedavg_equivalence_at_outer_lr_1(store: RunStore) -> None:
     """Outer SGD lr=1 without momentum: the new global is the plain mean of local weights."""
     n = 2
-    out = run_threads(n, lambda r: train_replica(store, n, r, outer_lr=1.0, momentum=0.0,
-                                                  nesterov=False))
+    out = run_threads(
+        n, lambda r: train_replica(store, n, r, outer_lr=1.0, momentum=0.0, nesterov=False)
+    )
     theta = {k: v.clone() for k, v in init_model().state_dict().items()}
     step = 0
     for _ in range(ROUNDS):  # FedAvg by hand
@@ -141,9 +157,20 @@ def test_replica_outside_quorum_heals_and_rejoins(store: RunStore) -> None:
     """Replica 2 is late for round 0: the others commit without it, it gets
     should_commit() == False (no exception), heals from global/0, and ends identical."""
     n = 3
-    out = run_threads(n, lambda r: train_replica(
-        store, n, r, outer_lr=0.7, momentum=0.9, nesterov=True, min_replicas=2,
-        round_timeout_s=0.6, slow={H - 1: 2.0} if r == 2 else None))
+    out = run_threads(
+        n,
+        lambda r: train_replica(
+            store,
+            n,
+            r,
+            outer_lr=0.7,
+            momentum=0.9,
+            nesterov=True,
+            min_replicas=2,
+            round_timeout_s=0.6,
+            slow={H - 1: 2.0} if r == 2 else None,
+        ),
+    )
     (m0, g0, c0), (m1, g1, c1), (m2, g2, c2) = out
     assert c0 == [True] * ROUNDS and c1 == [True] * ROUNDS
     assert c2[0] is False and g2.rounds_missed[0] == 0 and g2.last_healed_from is not None
@@ -156,8 +183,9 @@ def test_replica_outside_quorum_heals_and_rejoins(store: RunStore) -> None:
 
 def test_exchange_failure_gives_false_not_exception(store: RunStore) -> None:
     """Fewer than min_replicas arrive: should_commit() is False and step() does not raise."""
-    model, mgr, commits = train_replica(store, 2, 0, outer_lr=0.7, momentum=0.9, nesterov=True,
-                                        min_replicas=2, round_timeout_s=0.2)
+    model, mgr, commits = train_replica(
+        store, 2, 0, outer_lr=0.7, momentum=0.9, nesterov=True, min_replicas=2, round_timeout_s=0.2
+    )
     assert commits == [False] * ROUNDS
     assert "QuorumTimeout" in (mgr.last_error or "")
     # weights were restored to the global copy every round: still the initial weights

@@ -17,15 +17,35 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def crf(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
     env = dict(os.environ, CRF_LOG_LEVEL="WARNING")
     return subprocess.run(
-        [sys.executable, "-m", "crf.launcher.cli", *args], cwd=cwd, env=env,
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "crf.launcher.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
-    proc = crf("launch", "--backend", "local", "--replicas", "3", "--job", "lm",
-               "--sync-every", "10", "--rounds", "4", "--run-id", "e2e-lm",
-               "--store", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
+    proc = crf(
+        "launch",
+        "--backend",
+        "local",
+        "--replicas",
+        "3",
+        "--job",
+        "lm",
+        "--sync-every",
+        "10",
+        "--rounds",
+        "4",
+        "--run-id",
+        "e2e-lm",
+        "--store",
+        str(tmp_path / "runs"),
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run = tmp_path / "runs" / "e2e-lm"
     result = json.loads((run / "result.json").read_text())
@@ -68,9 +88,23 @@ def test_user_entrypoint_joins_the_exchange(tmp_path: Path) -> None:
         "            ctx.log_step(loss=loss.item())\n"
         "    ctx.finish({'final': loss.item()})\n"
     )
-    proc = crf("launch", "--replicas", "2", "--sync-every", "5", "--rounds", "3",
-               "--entrypoint", f"{sys.executable} {script}", "--run-id", "user-ep",
-               "--store", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
+    proc = crf(
+        "launch",
+        "--replicas",
+        "2",
+        "--sync-every",
+        "5",
+        "--rounds",
+        "3",
+        "--entrypoint",
+        f"{sys.executable} {script}",
+        "--run-id",
+        "user-ep",
+        "--store",
+        str(tmp_path / "runs"),
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "runs" / "user-ep" / "result.json").read_text())
     assert result["weights_identical"] is True

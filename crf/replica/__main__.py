@@ -24,9 +24,10 @@ def _set_threads(world_size: int, backend: str) -> None:
 
 
 def main() -> int:
+    rank = os.environ.get("CRF_RANK", "?")
     logging.basicConfig(
         level=os.environ.get("CRF_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s [replica {os.environ.get('CRF_RANK', '?')}] %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s [replica {rank}] %(levelname)s %(name)s: %(message)s",
     )
     from crf.replica.context import ContractError, ReplicaContext
     from crf.replica.jobs import get_job, job_config
@@ -47,8 +48,11 @@ def main() -> int:
     except Exception:
         log.exception("replica failed")
         return 1
-    log.info("done: %d steps, %s rounds committed", ctx.step,
-             ctx.manager.rounds_committed if ctx.manager else 0)
+    log.info(
+        "done: %d steps, %s rounds committed",
+        ctx.step,
+        ctx.manager.rounds_committed if ctx.manager else 0,
+    )
     return 0
 
 

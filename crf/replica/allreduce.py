@@ -217,8 +217,13 @@ class ObjectStoreAllReduce:
             payload = flat[a:b].to(self.wire_dtype)
             self._put(res, f"{base}/contrib/{self.rank}/{s}", encode_tensor(payload, meta))
         manifest = {
-            "rank": self.rank, "run_id": self.run_id, "round": r, "layout_hash": lhash,
-            "layout": layout, "numel": total, "num_shards": self.num_shards,
+            "rank": self.rank,
+            "run_id": self.run_id,
+            "round": r,
+            "layout_hash": lhash,
+            "layout": layout,
+            "numel": total,
+            "num_shards": self.num_shards,
             "wire_dtype": dtype_name(self.wire_dtype),
         }
         self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
@@ -236,7 +241,9 @@ class ObjectStoreAllReduce:
 
         # 3. reduce-scatter: my shards first, then (after a grace period) orphans
         self._phase("reducing")
-        mine = [s for s in range(self.num_shards) if participants[s % len(participants)] == self.rank]
+        mine = [
+            s for s in range(self.num_shards) if participants[s % len(participants)] == self.rank
+        ]
         for s in mine:
             self._reduce_shard(res, r, s, participants, bounds[s], lhash, total)
 
@@ -288,8 +295,14 @@ class ObjectStoreAllReduce:
 
     # ------------------------------------------------------------------ steps
     def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
-        return {"run_id": self.run_id, "round": r, "rank": self.rank, "shard": s,
-                "layout_hash": lhash, "numel_total": total}
+        return {
+            "run_id": self.run_id,
+            "round": r,
+            "rank": self.rank,
+            "shard": s,
+            "layout_hash": lhash,
+            "numel_total": total,
+        }
 
     def _arrived(self, r: int) -> list[int]:
         ranks = []
@@ -314,9 +327,14 @@ class ObjectStoreAllReduce:
             arrived = [a for a in self._arrived(r) if a < self.world_size]
             late = time.monotonic() >= deadline
             if len(arrived) == self.world_size or (late and len(arrived) >= self.min_replicas):
-                body = {"round": r, "participants": arrived, "decided_by": self.rank,
-                        "decided_at": time.time(), "run_id": self.run_id,
-                        "reason": "all arrived" if len(arrived) == self.world_size else "deadline"}
+                body = {
+                    "round": r,
+                    "participants": arrived,
+                    "decided_by": self.rank,
+                    "decided_at": time.time(),
+                    "run_id": self.run_id,
+                    "reason": "all arrived" if len(arrived) == self.world_size else "deadline",
+                }
                 self._put(res, key, json.dumps(body).encode(), exclusive=True)
                 decided = json.loads(self._get(res, key))  # read back whoever won
                 return True
@@ -330,7 +348,9 @@ class ObjectStoreAllReduce:
             )
         assert decided is not None
         if decided.get("run_id") not in (None, self.run_id):
-            raise AllReduceError(f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}")
+            raise AllReduceError(
+                f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
+            )
         return sorted(int(p) for p in decided["participants"])
 
     def _check_layouts(
@@ -365,8 +385,14 @@ class ObjectStoreAllReduce:
             ckey = f"rounds/{r}/contrib/{p}/{s}"
             try:
                 t, hdr = decode_tensor(self._get(res, ckey), where=f"{self.store.uri}/{ckey}")
-                expect = {"run_id": self.run_id, "round": r, "rank": p, "shard": s,
-                          "layout_hash": lhash, "numel_total": total}
+                expect = {
+                    "run_id": self.run_id,
+                    "round": r,
+                    "rank": p,
+                    "shard": s,
+                    "layout_hash": lhash,
+                    "numel_total": total,
+                }
                 bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
                 if bad or t.numel() != bounds[1] - bounds[0]:
                     raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
@@ -391,7 +417,9 @@ class ObjectStoreAllReduce:
             body = self.store.get_json(f"rounds/{r}/failed.json")
         except ObjectNotFound:
             return
-        raise RoundFailed(f"round {r} failed (declared by replica {body.get('by')}): {body.get('reason')}")
+        raise RoundFailed(
+            f"round {r} failed (declared by replica {body.get('by')}): {body.get('reason')}"
+        )
 
     # ------------------------------------------------------------------ gc
     def collect_garbage(self, current_round: int) -> list[int]:
@@ -411,7 +439,11 @@ def _describe_mismatch(r: int, me: int, mine: dict[str, Any], p: int, other: dic
     else:
         diffs = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
         i = diffs[0]
-        what = (f"tensor {i} is {a[i][1]}{tuple(a[i][0])} here vs {b[i][1]}{tuple(b[i][0])} "
-                f"on replica {p}")
-    return (f"round {r}: replicas {me} and {p} disagree on the tensors to average ({what}); "
-            "every replica must build the same model")
+        what = (
+            f"tensor {i} is {a[i][1]}{tuple(a[i][0])} here vs {b[i][1]}{tuple(b[i][0])} "
+            f"on replica {p}"
+        )
+    return (
+        f"round {r}: replicas {me} and {p} disagree on the tensors to average ({what}); "
+        "every replica must build the same model"
+    )

@@ -61,7 +61,13 @@ class ReplicaContext:
     """One replica's view of the run (see module docstring)."""
 
     def __init__(
-        self, store: RunStore, spec: RunSpec, rank: int, world_size: int, *, shard_grace_s: float | None = None
+        self,
+        store: RunStore,
+        spec: RunSpec,
+        rank: int,
+        world_size: int,
+        *,
+        shard_grace_s: float | None = None,
     ) -> None:
         if world_size != spec.replicas:
             raise ContractError(
@@ -76,8 +82,8 @@ class ReplicaContext:
         self.seed = spec.seed
         self.data_seed = spec.seed * 1_000_003 + rank + 1
         self.total_steps = spec.total_steps
-        self.shard_grace_s = shard_grace_s if shard_grace_s is not None else min(
-            30.0, spec.round_timeout_s
+        self.shard_grace_s = (
+            shard_grace_s if shard_grace_s is not None else min(30.0, spec.round_timeout_s)
         )
         self.manager: ObjectStoreManager | None = None
         self.model: torch.nn.Module | None = None
@@ -129,10 +135,16 @@ class ReplicaContext:
 
         spec = self.spec
         exchange = ObjectStoreAllReduce(
-            self.store, self.world_size, self.rank, run_id=spec.run_id,
-            min_replicas=spec.min_replicas, round_timeout_s=spec.round_timeout_s,
-            shard_grace_s=self.shard_grace_s, num_shards=spec.num_shards,
-            keep_rounds=spec.keep_rounds, wire_dtype=spec.wire_dtype,
+            self.store,
+            self.world_size,
+            self.rank,
+            run_id=spec.run_id,
+            min_replicas=spec.min_replicas,
+            round_timeout_s=spec.round_timeout_s,
+            shard_grace_s=self.shard_grace_s,
+            num_shards=spec.num_shards,
+            keep_rounds=spec.keep_rounds,
+            wire_dtype=spec.wire_dtype,
             on_phase=self._set_phase,
         )
         manager = ObjectStoreManager(exchange, on_phase=self._set_phase)
@@ -141,15 +153,22 @@ class ReplicaContext:
         )
         momentum = spec.outer_momentum
         outer = torch.optim.SGD(
-            model.parameters(), lr=spec.outer_lr, momentum=momentum,
+            model.parameters(),
+            lr=spec.outer_lr,
+            momentum=momentum,
             nesterov=spec.nesterov and momentum > 0,
         )
         self.manager, self.model = manager, model
         self._set_phase("training")
         self._t_mark = time.monotonic()
         with DiLoCo(
-            manager, [model], inner_optimizer, outer, sync_every=spec.sync_every,
-            use_bucketization=False, pin_memory=False,
+            manager,
+            [model],
+            inner_optimizer,
+            outer,
+            sync_every=spec.sync_every,
+            use_bucketization=False,
+            pin_memory=False,
         ) as algo:
             # registered after DiLoCo's hooks, so it runs after a sync's outer step
             hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
@@ -175,17 +194,19 @@ class ReplicaContext:
         r = self.step // self.spec.sync_every - 1
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * self.spec.sync_every)
-        self._synced_rounds.append({
-            "round": r,
-            "exchange_round": res.round if res else None,
-            "committed": m.last_committed,
-            "participants": res.participants if res else [],
-            "sync_s": sync_s,
-            "bytes_up": res.bytes_up if res else 0,
-            "bytes_down": res.bytes_down if res else 0,
-            "error": m.last_error,
-            "healed_from": m.last_healed_from,
-        })
+        self._synced_rounds.append(
+            {
+                "round": r,
+                "exchange_round": res.round if res else None,
+                "committed": m.last_committed,
+                "participants": res.participants if res else [],
+                "sync_s": sync_s,
+                "bytes_up": res.bytes_up if res else 0,
+                "bytes_down": res.bytes_down if res else 0,
+                "error": m.last_error,
+                "healed_from": m.last_healed_from,
+            }
+        )
         self._set_phase("training")
 
     # ------------------------------------------------------------------ metrics
@@ -214,7 +235,9 @@ class ReplicaContext:
                 "round": r,
                 "rank": self.rank,
                 "loss": loss,
-                "metrics": {k: self._round_sums[k] / self._round_counts[k] for k in self._round_sums},
+                "metrics": {
+                    k: self._round_sums[k] / self._round_counts[k] for k in self._round_sums
+                },
                 "compute_s": self._compute_s,
                 "step": self.step,
                 "updated_at": time.time(),
@@ -225,8 +248,12 @@ class ReplicaContext:
         self._synced_rounds = []
 
     def _set_phase(self, phase: str) -> None:
-        phase = {"uploading": "syncing", "quorum": "syncing", "reducing": "syncing",
-                 "gathering": "syncing"}.get(phase, phase)
+        phase = {
+            "uploading": "syncing",
+            "quorum": "syncing",
+            "reducing": "syncing",
+            "gathering": "syncing",
+        }.get(phase, phase)
         if phase != self.phase:
             self.phase = phase
             self._beat(force=True)
@@ -238,9 +265,14 @@ class ReplicaContext:
         self._last_beat = now
         m = self.manager
         state = {
-            "rank": self.rank, "phase": self.phase, "step": self.step,
-            "round": (m.current_step() if m else 0), "loss": self.last_loss,
-            "updated_at": now, "pid": os.getpid(), "host": socket.gethostname(),
+            "rank": self.rank,
+            "phase": self.phase,
+            "step": self.step,
+            "round": (m.current_step() if m else 0),
+            "loss": self.last_loss,
+            "updated_at": now,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
             "rounds_committed": m.rounds_committed if m else 0,
         }
         try:
@@ -258,7 +290,8 @@ class ReplicaContext:
             "error": error,
             "rounds_committed": m.rounds_committed if m else 0,
             "rounds_missed": list(m.rounds_missed) if m else [],
-            "final_loss": self._round_losses.get(last_round) if last_round is not None
+            "final_loss": self._round_losses.get(last_round)
+            if last_round is not None
             else self.last_loss,
             "weights_sha256": weights_sha256(self.model) if self.model is not None else None,
             "bytes_up": m.bytes_up if m else 0,

@@ -243,6 +243,7 @@ class ObjectStoreManager:
             return False
         failed = self.store.exists(f"rounds/{r}/failed.json")
         if not failed:
+
             def _ready() -> bool:
                 if self.store.exists(f"rounds/{r}/failed.json"):
                     return True

@@ -9,16 +9,16 @@ from crf.store.errors import (
     StoreTimeout,
 )
 from crf.store.run_store import (
-    SUPPORTED_SCHEMES,
     RunStore,
     join_uri,
     normalize_uri,
+    register_scheme,
     split_uri,
+    supported_schemes,
     wait_until,
 )
 
 __all__ = [
-    "SUPPORTED_SCHEMES",
     "CorruptObjectError",
     "ObjectNotFound",
     "RunStore",
@@ -31,6 +31,8 @@ __all__ = [
     "encode_tensor",
     "join_uri",
     "normalize_uri",
+    "register_scheme",
     "split_uri",
+    "supported_schemes",
     "wait_until",
 ]

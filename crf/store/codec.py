@@ -65,7 +65,9 @@ def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> b
 def decode_tensor(data: bytes, *, where: str = "object") -> tuple[torch.Tensor, dict[str, Any]]:
     """Parse and verify an object written by encode_tensor; raise CorruptObjectError if bad."""
     if len(data) < _FIXED.size:
-        raise CorruptObjectError(f"{where}: truncated ({len(data)} bytes, header needs {_FIXED.size})")
+        raise CorruptObjectError(
+            f"{where}: truncated ({len(data)} bytes, header needs {_FIXED.size})"
+        )
     magic, hlen, plen, digest = _FIXED.unpack_from(data)
     if magic != MAGIC:
         raise CorruptObjectError(f"{where}: not a crf tensor object (bad magic {magic!r})")

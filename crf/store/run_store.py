@@ -33,8 +33,55 @@ T = TypeVar("T")
 _TMP_MARK = ".crf-tmp-"
 _MEMORY_LOCK = threading.Lock()
 
-#: schemes with a real create-if-absent today; cloud schemes are added with their backends.
-SUPPORTED_SCHEMES = ("file", "memory")
+#: A writer publishes ``data`` at ``path`` atomically; with ``exclusive`` it must be a real
+#: create-if-absent and return False if the object exists. One per scheme: a cloud scheme slots
+#: in with ``register_scheme`` (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, ...).
+Writer = Callable[["RunStore", str, bytes, bool], bool]
+_WRITERS: dict[str, Writer] = {}
+_FS_OPTIONS: dict[str, Callable[[], dict[str, Any]]] = {}
+
+
+def register_scheme(
+    scheme: str, writer: Writer, fs_options: Callable[[], dict[str, Any]] | None = None
+) -> None:
+    """Make ``scheme://`` usable as a run store (``fs_options`` gives fsspec defaults)."""
+    _WRITERS[scheme] = writer
+    if fs_options is not None:
+        _FS_OPTIONS[scheme] = fs_options
+
+
+def supported_schemes() -> tuple[str, ...]:
+    return tuple(_WRITERS)
+
+
+def _put_file(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f"{_TMP_MARK}{uuid.uuid4().hex}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if exclusive:
+            try:
+                os.link(tmp, path)  # atomic create-if-absent of a complete file
+            except FileExistsError:
+                return False
+        else:
+            os.replace(tmp, path)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _put_memory(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
+    with _MEMORY_LOCK:
+        if exclusive and store.fs.exists(path):
+            return False
+        store.fs.pipe_file(path, bytes(data))
+        return True
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -71,14 +118,15 @@ class RunStore:
         retry_backoff_s: float = 0.2,
     ) -> None:
         scheme, path = split_uri(uri)
-        if scheme not in SUPPORTED_SCHEMES:
+        if scheme not in _WRITERS:
             raise StoreNotWritable(
-                f"store scheme {scheme!r} is not supported yet (in {uri!r}); "
-                f"use one of: {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}"
+                f"store scheme {scheme!r} is not supported (in {uri!r}); "
+                f"use one of: {', '.join(s + '://' for s in supported_schemes())}"
             )
         self.scheme = scheme
         self.uri = normalize_uri(uri)
-        self.fs = fsspec.filesystem(scheme, **(storage_options or {}))
+        options = {**_FS_OPTIONS.get(scheme, dict)(), **(storage_options or {})}
+        self.fs = fsspec.filesystem(scheme, **options)
         self.root = path.rstrip("/") if scheme != "memory" else "/" + path.strip("/")
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
@@ -122,38 +170,10 @@ class RunStore:
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if nothing is there. True if this call created it."""
-        return self._retry(
-            f"create {key}", lambda: self._put(self.path(key), data, exclusive=True)
-        )
+        return self._retry(f"create {key}", lambda: self._put(self.path(key), data, exclusive=True))
 
     def _put(self, path: str, data: bytes, *, exclusive: bool) -> bool:
-        if self.scheme == "file":
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, f"{_TMP_MARK}{uuid.uuid4().hex}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                if exclusive:
-                    try:
-                        os.link(tmp, path)  # atomic create-if-absent of a complete file
-                    except FileExistsError:
-                        return False
-                else:
-                    os.replace(tmp, path)
-                return True
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        if self.scheme == "memory":
-            with _MEMORY_LOCK:
-                if exclusive and self.fs.exists(path):
-                    return False
-                self.fs.pipe_file(path, bytes(data))
-                return True
-        raise StoreNotWritable(f"no writer for scheme {self.scheme}")  # pragma: no cover
+        return _WRITERS[self.scheme](self, path, data, exclusive)
 
     def put_json(self, key: str, obj: Any) -> None:
         self.put(key, json.dumps(obj, indent=1, sort_keys=True, default=str).encode())
@@ -269,3 +289,7 @@ def wait_until(
             return False
         time.sleep(min(delay, max(0.0, deadline - now)))
         delay = min(delay * 1.6, max_poll_s)
+
+
+register_scheme("file", _put_file)
+register_scheme("memory", _put_memory)

@@ -14,11 +14,31 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "a small bird", "the robot",
-             "our teacher", "the red fox", "a tired child", "the farmer"]
+_SUBJECTS = [
+    "the cat",
+    "a dog",
+    "the old man",
+    "my sister",
+    "a small bird",
+    "the robot",
+    "our teacher",
+    "the red fox",
+    "a tired child",
+    "the farmer",
+]
 _VERBS = ["sees", "likes", "chases", "finds", "paints", "helps", "follows", "hears"]
-_OBJECTS = ["the ball", "a green apple", "the river", "two stones", "the moon", "a blue box",
-            "the garden", "some bread", "the tall tree", "a paper boat"]
+_OBJECTS = [
+    "the ball",
+    "a green apple",
+    "the river",
+    "two stones",
+    "the moon",
+    "a blue box",
+    "the garden",
+    "some bread",
+    "the tall tree",
+    "a paper boat",
+]
 _PLACES = ["at home", "in the park", "by the sea", "after lunch", "every day", "at night"]
 
 
@@ -57,8 +77,15 @@ class Config:
     eval_batches: int = 4
 
     def validate(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "seq_len", "batch_size",
-                     "corpus_sentences", "eval_batches"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "seq_len",
+            "batch_size",
+            "corpus_sentences",
+            "eval_batches",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"lm option {name} must be >= 1 (got {getattr(self, name)})")
         if self.hidden_size % self.num_heads:
@@ -76,9 +103,13 @@ def build_model(cfg: Config, vocab_size: int, seed: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mcfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.hidden_size * 2,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.seq_len,
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.hidden_size * 2,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.seq_len,
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
@@ -121,8 +152,6 @@ class CorpusShard:
         rows = [self.eval_ids[i * L : (i + 1) * L] for i in range(len(self.eval_ids) // L)]
         rows = rows[: n * self.cfg.eval_batches]
         return [torch.stack(rows[i : i + n]) for i in range(0, len(rows), n)]
-
-
 
 
 def evaluate(model: Any, data: CorpusShard) -> float:
