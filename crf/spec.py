@@ -49,6 +49,7 @@ class RunSpec:
     num_shards: int | None = None  # default: one shard per replica
     keep_rounds: int = 3  # rounds kept in the store; older ones are garbage-collected
     wire_dtype: str = "float32"
+    save_inner_state: bool = True  # each replica saves its inner optimizer per round (resume)
     backend: str = "local"
     backend_options: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import socket
@@ -32,7 +33,7 @@ import torch
 from crf.replica.allreduce import ObjectStoreAllReduce
 from crf.replica.manager import ObjectStoreManager
 from crf.spec import RunSpec
-from crf.store import RunStore
+from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
 from crf.store.codec import raw_bytes
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,9 @@ class ReplicaContext:
             shard_grace_s if shard_grace_s is not None else min(30.0, spec.round_timeout_s)
         )
         self.manager: ObjectStoreManager | None = None
+        self._inner: torch.optim.Optimizer | None = None
+        self.resumed_from: int | None = None  # global round this replica resumed from
+        self.resumed_inner = False
         self.model: torch.nn.Module | None = None
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
@@ -170,12 +174,44 @@ class ReplicaContext:
             use_bucketization=False,
             pin_memory=False,
         ) as algo:
+            self._inner = inner_optimizer
+            self._resume(manager, inner_optimizer)
             # registered after DiLoCo's hooks, so it runs after a sync's outer step
             hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
             try:
                 yield algo
             finally:
                 hook.remove()
+
+    def _resume(self, manager: ObjectStoreManager, inner: torch.optim.Optimizer) -> None:
+        """A (re)started replica joins at the newest committed round: global weights and outer
+        momentum from ``global/<r>``, its own inner-optimizer state if it saved one for that
+        round, and its step counter (= data position) at the start of round r + 1."""
+        latest = manager.latest_global()
+        if latest is None:
+            return
+        manager.load_global(latest)
+        self.resumed_from = latest
+        self.step = (latest + 1) * self.spec.sync_every
+        try:
+            blob = self.store.get(f"replicas/{self.rank}/inner/state.pt")
+            payload, meta = decode_blob(blob, where=f"replicas/{self.rank}/inner/state.pt")
+            if meta.get("round") == latest and meta.get("run_id") == self.spec.run_id:
+                inner.load_state_dict(torch.load(io.BytesIO(payload), weights_only=True))
+                self.resumed_inner = True
+        except (ObjectNotFound, CorruptObjectError) as e:
+            log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
+        log.info("resumed from global/%d at step %d", latest, self.step)
+        self._beat(force=True)
+
+    def _save_inner(self, r: int) -> None:
+        """Save this replica's inner-optimizer state after a committed round (for restarts)."""
+        if not self.spec.save_inner_state or self._inner is None:
+            return
+        buf = io.BytesIO()
+        torch.save(self._inner.state_dict(), buf)
+        meta = {"round": r, "run_id": self.spec.run_id, "step": self.step}
+        self.store.put(f"replicas/{self.rank}/inner/state.pt", encode_blob(buf.getvalue(), meta))
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
@@ -194,6 +230,8 @@ class ReplicaContext:
         r = self.step // self.spec.sync_every - 1
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * self.spec.sync_every)
+        if m.last_committed:
+            self._save_inner(m.current_step() - 1)
         self._synced_rounds.append(
             {
                 "round": r,
@@ -303,6 +341,7 @@ class ReplicaContext:
             "steps": self.step,
             "wall_s": round(time.time() - self._t_start, 3),
             "rejected": list(m.rejected) if m else [],
+            "resumed_from": self.resumed_from,
             "job_metrics": job_metrics,
         }
 

@@ -50,8 +50,33 @@ def register_scheme(
         _FS_OPTIONS[scheme] = fs_options
 
 
+#: cloud schemes register themselves when their module is imported (lazily: their SDKs are
+#: optional extras, and ``import crf`` must not need them).
+_LAZY_SCHEMES = {
+    "s3": "crf.store.s3",
+    "gs": "crf.store.gcs",
+    "gcs": "crf.store.gcs",
+    "hf": "crf.store.hf",
+}
+
+
 def supported_schemes() -> tuple[str, ...]:
-    return tuple(_WRITERS)
+    return tuple(dict.fromkeys([*_WRITERS, *_LAZY_SCHEMES]))
+
+
+def _ensure_scheme(scheme: str) -> None:
+    if scheme in _WRITERS or scheme not in _LAZY_SCHEMES:
+        return
+    import importlib
+
+    try:
+        importlib.import_module(_LAZY_SCHEMES[scheme])
+    except ImportError as e:
+        extra = {"gs": "gcs", "gcs": "gcs"}.get(scheme, scheme)
+        raise StoreNotWritable(
+            f"{scheme}:// stores need an optional dependency ({e.name or e}): "
+            f"pip install 'composer-replication[{extra}]'"
+        ) from None
 
 
 def _put_file(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
@@ -118,6 +143,7 @@ class RunStore:
         retry_backoff_s: float = 0.2,
     ) -> None:
         scheme, path = split_uri(uri)
+        _ensure_scheme(scheme)
         if scheme not in _WRITERS:
             raise StoreNotWritable(
                 f"store scheme {scheme!r} is not supported (in {uri!r}); "
