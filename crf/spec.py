@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPEC_VERSION = 1
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -48,7 +48,8 @@ class RunSpec:
     round_timeout_s: float = 300.0  # how long a replica waits for the others in one round
     num_shards: int | None = None  # default: one shard per replica
     keep_rounds: int = 3  # rounds kept in the store; older ones are garbage-collected
-    wire_dtype: str = "float32"
+    wire_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 (block-wise scales)
+    error_feedback: bool = False  # with a lossy wire: resend what quantization dropped
     save_inner_state: bool = True  # each replica saves its inner optimizer per round (resume)
     backend: str = "local"
     backend_options: dict[str, Any] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from crf.replica import wire as wirefmt
 from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
@@ -37,11 +38,9 @@ from crf.store import (
     encode_tensor,
     wait_until,
 )
-from crf.store.codec import dtype_from_name, dtype_name
+from crf.store.codec import dtype_name
 
 log = logging.getLogger(__name__)
-
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class AllReduceError(RuntimeError):
@@ -125,6 +124,7 @@ class ObjectStoreAllReduce:
         num_shards: int | None = None,
         keep_rounds: int = 3,
         wire_dtype: str = "float32",
+        error_feedback: bool = False,
         on_phase: Callable[[str], None] | None = None,
     ) -> None:
         _check_int("world_size", world_size, 1)
@@ -138,8 +138,10 @@ class ObjectStoreAllReduce:
         if num_shards is not None:
             _check_int("num_shards", num_shards, 1)
         _check_int("keep_rounds", keep_rounds, 1)
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        if wire_dtype not in wirefmt.WIRE_FORMATS:
+            raise ValueError(
+                f"wire_dtype must be one of {wirefmt.WIRE_FORMATS}, got {wire_dtype!r}"
+            )
         if round_timeout_s <= 0:
             raise ValueError(f"round_timeout_s must be > 0, got {round_timeout_s}")
         self.store = RunStore(store) if isinstance(store, str) else store
@@ -151,7 +153,9 @@ class ObjectStoreAllReduce:
         self.shard_grace_s = shard_grace_s
         self.num_shards = num_shards or world_size
         self.keep_rounds = keep_rounds
-        self.wire_dtype = dtype_from_name(wire_dtype)
+        self.wire = wire_dtype
+        self.error_feedback = error_feedback and wire_dtype != "float32"
+        self._residual: torch.Tensor | None = None  # what quantization dropped last round
         self.on_phase = on_phase
         self.next_round = 0
         self.history: list[AllReduceResult] = []
@@ -207,6 +211,9 @@ class ObjectStoreAllReduce:
             else torch.empty(0, dtype=torch.float32)
         )
         total = flat.numel()
+        residual = torch.zeros_like(flat) if self.error_feedback else None
+        if self.error_feedback and self._residual is not None and self._residual.numel() == total:
+            flat += self._residual  # error feedback: resend what was dropped last round
         bounds = shard_bounds(total, self.num_shards)
         base = f"rounds/{r}"
 
@@ -214,7 +221,9 @@ class ObjectStoreAllReduce:
         self._phase("uploading")
         for s, (a, b) in enumerate(bounds):
             meta = self._meta(r, s, lhash, total)
-            payload = flat[a:b].to(self.wire_dtype)
+            payload = wirefmt.encode(flat[a:b], self.wire)
+            if self.error_feedback:
+                residual[a:b] = flat[a:b] - wirefmt.decode(payload, self.wire, b - a)
             self._put(res, f"{base}/contrib/{self.rank}/{s}", encode_tensor(payload, meta))
         manifest = {
             "rank": self.rank,
@@ -224,9 +233,12 @@ class ObjectStoreAllReduce:
             "layout": layout,
             "numel": total,
             "num_shards": self.num_shards,
-            "wire_dtype": dtype_name(self.wire_dtype),
+            "wire_dtype": self.wire,
         }
         self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
+
+        if residual is not None:
+            self._residual = residual
 
         # 2. quorum
         self._phase("quorum")
@@ -264,9 +276,11 @@ class ObjectStoreAllReduce:
                     continue
                 t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}")
                 a, b = bounds[s]
-                if hdr.get("layout_hash") != lhash or t.numel() != b - a:
+                if hdr.get("layout_hash") != lhash or not wirefmt.wire_numel_ok(
+                    t, self.wire, b - a
+                ):
                     raise AllReduceError(f"{key}: reduced shard does not match this round's layout")
-                out[a:b] = t.to(torch.float32)
+                out[a:b] = wirefmt.decode(t, self.wire, b - a)
                 pending.remove(s)
                 progressed = True
             if not pending:
@@ -302,6 +316,7 @@ class ObjectStoreAllReduce:
             "shard": s,
             "layout_hash": lhash,
             "numel_total": total,
+            "wire": self.wire,
         }
 
     def _arrived(self, r: int) -> list[int]:
@@ -364,6 +379,11 @@ class ObjectStoreAllReduce:
                 raise LayoutMismatchError(
                     f"round {r}: replica {p}'s contribution is from run {other.get('run_id')!r}"
                 )
+            if other.get("wire_dtype") != mine["wire_dtype"]:
+                raise LayoutMismatchError(
+                    f"round {r}: replica {p} sends {other.get('wire_dtype')} on the wire, "
+                    f"this replica {mine['wire_dtype']}: all replicas must use one wire format"
+                )
             if other["layout_hash"] != mine["layout_hash"]:
                 raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))
 
@@ -392,20 +412,21 @@ class ObjectStoreAllReduce:
                     "shard": s,
                     "layout_hash": lhash,
                     "numel_total": total,
+                    "wire": self.wire,
                 }
                 bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
-                if bad or t.numel() != bounds[1] - bounds[0]:
+                if bad or not wirefmt.wire_numel_ok(t, self.wire, bounds[1] - bounds[0]):
                     raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
             except (CorruptObjectError, ObjectNotFound) as e:
                 res.rejected.append(str(e))
                 self._fail_round(r, f"rejected contribution: {e}")
                 raise RoundFailed(f"round {r} failed: {e}") from e
-            t = t.to(torch.float32)
+            t = wirefmt.decode(t, self.wire, bounds[1] - bounds[0])
             acc = t.clone() if acc is None else acc.add_(t)
         assert acc is not None
         acc.div_(len(participants))
         meta = self._meta(r, s, lhash, total) | {"participants": participants}
-        self._put(res, key, encode_tensor(acc.to(self.wire_dtype), meta), exclusive=True)
+        self._put(res, key, encode_tensor(wirefmt.encode(acc, self.wire), meta), exclusive=True)
         res.shards_computed.append(s)
 
     def _fail_round(self, r: int, reason: str) -> None:

@@ -149,6 +149,7 @@ class ReplicaContext:
             num_shards=spec.num_shards,
             keep_rounds=spec.keep_rounds,
             wire_dtype=spec.wire_dtype,
+            error_feedback=spec.error_feedback,
             on_phase=self._set_phase,
         )
         manager = ObjectStoreManager(exchange, on_phase=self._set_phase)
