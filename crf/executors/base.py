@@ -222,6 +222,16 @@ class ServerlessExecutor(ABC):
         """Stop one replica (and everything it started); a finished replica is left alone."""
 
     # ------------------------------------------------------------------ shared helpers
+    def check_run_uri(self, run_uri: str) -> None:
+        """Refuse a store this backend's replicas cannot reach (memory:// for processes)."""
+        check_launch_args(1, run_uri, in_process=self.in_process)
+
+    def check_command(
+        self, entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()
+    ) -> list[str]:
+        """The argv replicas will run; backends that can, check the program exists."""
+        return build_command(entrypoint, entrypoint_args)
+
     def cancel_all(self, handles: Sequence[ReplicaHandle]) -> None:
         """Cancel every replica that is still running. Backends may do it in parallel."""
         for h in handles:

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -170,13 +171,25 @@ class LocalProcessExecutor(ServerlessExecutor):
         env["PYTHONPATH"] = os.pathsep.join(parts)
         return env
 
-    def _resolve(self, cmd: list[str]) -> list[str]:
-        """Fail before starting anything if the program cannot be found."""
+    def check_command(
+        self, entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()
+    ) -> list[str]:
+        """The argv to run; fails before anything starts if the program cannot be found.
+
+        A bare ``python``/``python3`` program means the driver's own interpreter, so a user's
+        script sees the same virtualenv (and crf) as the driver even when the shell's PATH
+        points elsewhere.
+        """
+        cmd = build_command(entrypoint, entrypoint_args)
+        if cmd[0] in ("python", "python3"):
+            cmd[0] = sys.executable
         prog = cmd[0]
         if os.sep in prog or (os.altsep and os.altsep in prog):
             path = prog if os.path.isabs(prog) else os.path.join(self.cwd or os.getcwd(), prog)
             if not os.access(path, os.X_OK):
-                raise ExecutorError(f"entrypoint program {prog!r} does not exist or is not executable")
+                raise ExecutorError(
+                    f"entrypoint program {prog!r} does not exist or is not executable"
+                )
             return cmd
         if shutil.which(prog) is None:
             raise ExecutorError(
@@ -200,7 +213,7 @@ class LocalProcessExecutor(ServerlessExecutor):
 
         run_uri = normalize_uri(run_uri)
         run_id = run_id or run_id_from_uri(run_uri)
-        cmd = self._resolve(build_command(entrypoint, entrypoint_args))
+        cmd = self.check_command(entrypoint, entrypoint_args)
         log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
         log_dir.mkdir(parents=True, exist_ok=True)
         base_env = self._base_env()
@@ -332,6 +345,16 @@ class LocalProcessExecutor(ServerlessExecutor):
             alive = _live_groups(alive)
         for pgid in alive:
             _killpg(pgid, signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: return only once the groups are really gone.
+        deadline = time.monotonic() + 5.0
+        while alive and time.monotonic() < deadline:
+            for pgid in alive:
+                proc = groups[pgid]
+                if proc is not None:
+                    proc.popen.poll()
+            alive = _live_groups(alive)
+            if alive:
+                time.sleep(0.01)
         for proc in groups.values():
             if proc is not None:
                 try:

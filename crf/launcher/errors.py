@@ -9,4 +9,3 @@ from __future__ import annotations
 
 class LaunchError(ValueError):
     """Bad launch input (or a run that may not start); the message says what to fix."""
-

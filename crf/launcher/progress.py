@@ -75,7 +75,8 @@ def render_progress(
     now = time.time() if now is None else now
     done = sum(v.status.terminal for v in views)
     table = Table(
-        title=f"crf run {run_id} - {done}/{len(views)} replicas finished - {elapsed_s:.0f}s",
+        title=f"crf run {run_id} - {done}/{len(views)} replicas finished - {elapsed_s:.0f}s "
+        f"(H={sync_every})",
         title_justify="left",
         expand=False,
     )
@@ -108,5 +109,4 @@ def render_progress(
             fmt_loss(hb.get("loss")),
             Text(age or "-", style=age_style),
         )
-    table.caption = f"H={sync_every} inner steps per round"
     return table

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -172,13 +173,15 @@ def render_summary(
     console.print(table)
 
     for row in summary["replicas"]:
-        if row["ok"]:
-            continue
-        console.print(f"[bold red]replica {row['rank']}[/]: {row.get('error') or 'failed'}")
+        if row["ok"] or row["state"] == ReplicaState.CANCELLED:
+            continue  # a cancelled replica is in the table; its log tail says nothing new
+        console.print(
+            f"[bold red]replica {row['rank']}[/]: {escape(str(row.get('error') or 'failed'))}"
+        )
         for line in row.get("log_tail", []):
-            console.print(Text(f"    {line}", style="dim"))
+            console.print(Text(f"    {line}", style="dim"), soft_wrap=True)
         if row.get("log_path"):
-            console.print(f"    log: {row['log_path']}")
+            console.print(f"    log: {row['log_path']}", soft_wrap=True, highlight=False)
 
     status = summary["status"]
     style = {"ok": "bold green", "failed": "bold red"}.get(status, "bold yellow")
@@ -187,15 +190,19 @@ def render_summary(
         parts.append(f"final loss {fmt_loss(summary['final_loss'])}")
     if summary["weights_identical"]:
         parts.append("[green]weights identical across replicas[/]")
-    elif any(r.get("weights_sha256") for r in summary["replicas"]):
-        parts.append("[yellow]replica weights differ (or some are missing)[/]")
+    else:
+        hashes = [r.get("weights_sha256") for r in summary["replicas"]]
+        if len({h for h in hashes if h}) > 1:
+            parts.append("[bold red]replica weights differ[/]")
+        elif any(hashes):
+            parts.append("[yellow]not every replica reported its weights hash[/]")
     if summary.get("error"):
-        parts.append(f"[red]{summary['error']}[/]")
+        parts.append(f"[red]{escape(summary['error'])}[/]")
     console.print("run " + " - ".join(parts))
     if result_path:
-        console.print(f"result: {result_path}")
+        console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
     if plot_path:
-        console.print(f"loss plot: {plot_path}")
+        console.print(f"loss plot: {plot_path}", soft_wrap=True, highlight=False)
 
 
 # ---------------------------------------------------------------------- metrics + plot
@@ -235,6 +242,7 @@ def plot_losses(metrics: dict[int, list[dict[str, Any]]], *, title: str = "") ->
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
@@ -252,6 +260,7 @@ def plot_losses(metrics: dict[int, list[dict[str, Any]]], *, title: str = "") ->
         if missed:
             mx, my = zip(*missed, strict=True)
             ax.plot(mx, my, "o", markerfacecolor="white", color=line.get_color())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("mean loss over the round")
     ax.set_title(title or "loss per replica")

@@ -1,0 +1,197 @@
+"""Benchmark: one all-reduce round through the store, against baselines measured in the same run.
+
+For N replica processes and a payload of P MB (fp32) it times, per round and per replica:
+
+* ``crf``   — ObjectStoreAllReduce (sharded reduce-scatter / all-gather through the store);
+* ``floor`` — one plain write of P and one read of P per replica through the same store
+              (the least any store-based exchange can move);
+* ``naive`` — every replica uploads P and downloads every other replica's upload ((N−1)·P);
+* ``gloo``  — ``torch.distributed`` all_reduce with the gloo backend among the same processes
+              (needs open ports between replicas: what crf avoids).
+
+It prints a table with seconds per round (median), bytes up / down per replica in units of P,
+ratios against the floor and the naive design, and the peak extra memory of a replica in units
+of P. Usage::
+
+    python bench/exchange.py                       # quick: N in {2,4}, P in {16,64} MB, file://
+    python bench/exchange.py --full                # N in {2,4,8}, P in {16,64,256} MB
+    python bench/exchange.py --stores file,s3      # s3 through a local moto server
+    python bench/exchange.py --wire int8           # crf with a compressed wire format
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MB = 1 << 20
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _worker(kind: str, uri: str, n: int, rank: int, numel: int, rounds: int, wire: str,
+            port: int, barrier: Any, out: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from crf.replica.allreduce import ObjectStoreAllReduce
+    from crf.store import RunStore
+
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    base_rss = _rss_peak()
+    times, up, down = [], 0, 0
+    store = RunStore(uri)
+    if kind == "gloo":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n)
+    ar = ObjectStoreAllReduce(store, n, rank, run_id="bench", wire_dtype=wire,
+                              keep_rounds=2) if kind == "crf" else None
+    payload = data.numpy().tobytes()
+    for r in range(rounds):
+        t = data.clone()
+        barrier.wait()
+        t0 = time.perf_counter()
+        if kind == "crf":
+            res = ar.allreduce([t], round=r)
+            up, down = up + res.bytes_up, down + res.bytes_down
+            if rank == 0:
+                ar.collect_garbage(r)
+        elif kind == "floor":
+            store.put(f"floor/{r}/{rank}", payload)
+            got = store.get(f"floor/{r}/{rank}")
+            up, down = up + len(payload), down + len(got)
+        elif kind == "naive":
+            store.put(f"naive/{r}/{rank}", payload)
+            store.wait_for([f"naive/{r}/{p}" for p in range(n)], timeout_s=600)
+            acc = t.clone()
+            for p in range(n):
+                if p != rank:
+                    blob = store.get(f"naive/{r}/{p}")
+                    down += len(blob)
+                    acc += torch.frombuffer(bytearray(blob), dtype=torch.float32)
+            acc /= n
+            up += len(payload)
+        elif kind == "gloo":
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+            t /= n
+        times.append(time.perf_counter() - t0)
+        barrier.wait()
+        if kind in ("floor", "naive") and rank == 0:
+            store.delete(f"{kind}/{r}")
+    if kind == "gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    out.put((rank, statistics.median(times), up / rounds, down / rounds,
+             max(0, _rss_peak() - base_rss)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(kind: str, uri: str, n: int, mb: int, rounds: int, wire: str) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(n), ctx.Queue()
+    numel = mb * MB // 4
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(kind, uri, n, r, numel, rounds, wire, port,
+                                               barrier, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    rows = [out.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+    payload = numel * 4
+    return {
+        "s": max(r[1] for r in rows),  # a round ends when the slowest replica has the result
+        "up": max(r[2] for r in rows) / payload,
+        "down": max(r[3] for r in rows) / payload,
+        "mem": max(r[4] for r in rows) / payload,
+    }
+
+
+def _s3_uri() -> tuple[str, Any]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="bench")
+    return f"s3://bench/{uuid.uuid4().hex}", server
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--full", action="store_true", help="N in {2,4,8}, P in {16,64,256} MB")
+    ap.add_argument("--replicas", default=None, help="comma list of N (default 2,4)")
+    ap.add_argument("--mb", default=None, help="comma list of P in MB (default 16,64)")
+    ap.add_argument("--stores", default="file", help="comma list: file,s3")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wire", default="float32", help="crf wire format")
+    ap.add_argument("--kinds", default="crf,floor,naive,gloo")
+    args = ap.parse_args()
+    ns = [int(x) for x in (args.replicas or ("2,4,8" if args.full else "2,4")).split(",")]
+    mbs = [int(x) for x in (args.mb or ("16,64,256" if args.full else "16,64")).split(",")]
+    kinds = args.kinds.split(",")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"all-reduce round, crf wire={args.wire} (ratios measured in this run)")
+    for col in ("store", "N", "P MB", "kind", "s/round", "up/P", "down/P", "mem/P",
+                "vs floor", "vs naive", "vs gloo"):
+        table.add_column(col, justify="right")
+    servers = []
+    for store_kind in args.stores.split(","):
+        for n in ns:
+            for mb in mbs:
+                res: dict[str, dict[str, float]] = {}
+                for kind in kinds:
+                    if store_kind == "s3":
+                        uri, server = _s3_uri()
+                        servers.append(server)
+                    else:
+                        uri = f"file://{tempfile.mkdtemp(prefix='crf-bench-')}"
+                    console.log(f"{store_kind} N={n} P={mb}MB {kind}")
+                    res[kind] = measure(kind, uri, n, mb, args.rounds,
+                                        args.wire if kind == "crf" else "float32")
+                for kind, m in res.items():
+                    def ratio(base: str, m: dict[str, float] = m) -> str:
+                        return f"{m['s'] / res[base]['s']:.2f}x" if base in res else "-"
+
+                    table.add_row(store_kind, str(n), str(mb), kind, f"{m['s']:.3f}",
+                                  f"{m['up']:.2f}", f"{m['down']:.2f}", f"{m['mem']:.2f}",
+                                  ratio("floor"), ratio("naive"), ratio("gloo"))
+                table.add_section()
+    console.print(table)
+    for s in servers:
+        s.stop()
+
+
+if __name__ == "__main__":
+    main()

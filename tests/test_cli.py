@@ -1,0 +1,320 @@
+"""`crf launch` and `crf.launch`: bad input fails before launch, real runs write result.json.
+
+Runs use a user entrypoint written into tmp_path (the contract: CRF_* env in, heartbeat,
+metrics and results/<rank>.json out through RunStore) and a fake job registered in-process, so
+these tests do not depend on the training stack - only on the driver, executor and store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from crf.launcher.cli import app
+from crf.replica import jobs
+
+REPLICA_SCRIPT = r"""
+import os, sys, time
+from crf.store import RunStore
+
+rank, world = int(os.environ["CRF_RANK"]), int(os.environ["CRF_WORLD_SIZE"])
+store = RunStore(os.environ["CRF_RUN_URI"])
+spec = store.get_json("run.json")
+print(f"replica {rank} running job {spec['job']} with {spec['job_config']}", flush=True)
+
+def beat(phase, rnd, loss):
+    store.put_json(f"replicas/{rank}/state.json", {"rank": rank, "phase": phase, "round": rnd,
+                   "step": rnd * spec["sync_every"], "loss": loss, "updated_at": time.time(),
+                   "pid": os.getpid(), "host": "test"})
+
+beat("starting", 0, None)
+if str(rank) in os.environ.get("SLEEP_RANKS", "").split(","):
+    time.sleep(600)
+loss = None
+for r in range(spec["rounds"]):
+    loss = 2.0 / (r + 1) + 0.1 * rank
+    store.put_json(f"metrics/{rank}/{r}.json", {"round": r, "rank": rank, "committed": r != 1,
+                   "participants": list(range(world)), "loss": loss, "metrics": {},
+                   "sync_s": 0.01, "compute_s": 0.02, "bytes_up": 1000, "bytes_down": 2000})
+    beat("training", r + 1, loss)
+if str(rank) in os.environ.get("FAIL_RANKS", "").split(","):
+    print("something went badly wrong", flush=True)
+    beat("failed", spec["rounds"], loss)
+    sys.exit(3)
+store.put_json(f"results/{rank}.json", {
+    "rank": rank, "status": "ok", "error": None, "rounds_committed": spec["rounds"],
+    "rounds_missed": 0, "final_loss": loss, "weights_sha256": "w" * 64,
+    "bytes_up": 1000 * spec["rounds"], "bytes_down": 2000 * spec["rounds"], "sync_s": 0.05,
+    "compute_s": 0.1, "steps": spec["rounds"] * spec["sync_every"], "wall_s": 0.2,
+    "job_metrics": {},
+})
+beat("done", spec["rounds"], loss)
+"""
+
+
+@dataclasses.dataclass
+class _FakeConfig:
+    lr: float = 0.1
+    steps: int = 10
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"testjob option lr must be > 0 (got {self.lr})")
+
+
+@pytest.fixture(autouse=True)
+def testjob(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A registered job whose config the driver validates (the script ignores it)."""
+    mod = types.ModuleType("crf_test_fake_job")
+    mod.Config = _FakeConfig  # type: ignore[attr-defined]
+    mod.run = lambda ctx, cfg: {}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(jobs.JOBS, "testjob", mod.__name__)
+    return "testjob"
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "my_train.py"
+    path.write_text(REPLICA_SCRIPT)
+    return path
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return tmp_path / "runs"
+
+
+def crf(*args: str):
+    result = CliRunner().invoke(app, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def _common(base: Path, script: Path, run_id: str = "t1") -> list[str]:
+    return [
+        "launch",
+        "--job",
+        "testjob",
+        "--store",
+        str(base),
+        "--run-id",
+        run_id,
+        "--entrypoint",
+        f"python {script}",
+    ]
+
+
+def test_version() -> None:
+    from crf import __version__
+
+    result = crf("version")
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "nope"], "unknown backend 'nope'; available backends: local"),
+        (["--backend", "modal"], "backend 'modal' is not available yet"),
+        (["--backend", "sagemaker"], "coming later: modal, hf, sagemaker"),
+        (["--job", "nope"], "unknown job 'nope'; available jobs:"),
+        (["--replicas", "0"], "--replicas must be an integer >= 1"),
+        (["-n", "-3"], "--replicas must be an integer >= 1"),
+        (["--sync-every", "0"], "--sync-every must be an integer >= 1"),
+        (["-r", "0"], "--rounds must be an integer >= 1"),
+        (["-n", "2", "--min-replicas", "3"], "--min-replicas must be between 1 and"),
+        (["--outer-momentum", "1.5"], "--outer-momentum must be in [0, 1)"),
+        (["--round-timeout", "0"], "--round-timeout must be > 0"),
+        (["--run-id", "../escape"], "run id '../escape' is invalid"),
+        (["--set", "lr"], "--set expects KEY=VALUE"),
+        (["--set", "bogus=1"], "job 'testjob' has no option(s) bogus; its options are: lr"),
+        (["--set", "lr=fast"], "job option lr='fast' is not a valid float"),
+        (["--set", "lr=-1"], "testjob option lr must be > 0"),
+        (["--entrypoint", "no-such-program-crf-test x.py"], "was not found on PATH"),
+        (["--entrypoint", "python 'unclosed"], "cannot be parsed"),
+        (["--store", "memory://crf/runs"], "memory://"),
+        (["--store", "nosuch://bucket/crf"], "store scheme 'nosuch' is not supported"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+    ],
+)
+def test_bad_input_fails_before_launch(
+    args: list[str], message: str, base: Path, script: Path
+) -> None:
+    cmd = _common(base, script)
+    # later options win in click, so the case's own --run-id/--store/... override the defaults
+    result = crf(*cmd, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "error:" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1  # one line, no traceback
+    assert not (base / "t1").exists()  # nothing written, nothing launched
+
+
+def test_unwritable_store_is_refused(tmp_path: Path, script: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = crf(*_common(blocker / "runs", script))
+    assert result.exit_code == 2
+    assert "cannot write to store" in result.output and "--store" in result.output
+    assert blocker.read_text() == "not a folder"
+
+
+def test_existing_run_folder_is_refused_and_left_untouched(base: Path, script: Path) -> None:
+    run = base / "t1"
+    (run / "results").mkdir(parents=True)
+    (run / "run.json").write_text('{"original": true}')
+    (run / "results" / "0.json").write_text('{"rank": 0}')
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+    listing = sorted(run.rglob("*"))
+
+    result = crf(*_common(base, script), "-n", "2")
+    assert result.exit_code == 2
+    assert "already holds a run" in result.output and "choose another --run-id" in result.output
+    assert sorted(run.rglob("*")) == listing
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in before} == before
+
+
+def test_non_empty_run_folder_is_refused(base: Path, script: Path) -> None:
+    (base / "t1").mkdir(parents=True)
+    (base / "t1" / "notes.txt").write_text("mine")
+    result = crf(*_common(base, script))
+    assert result.exit_code == 2 and "is not empty" in result.output
+    assert sorted(p.name for p in (base / "t1").iterdir()) == ["notes.txt"]
+
+
+def test_launch_ok_writes_result_and_plot(base: Path, script: Path) -> None:
+    result = crf(
+        *_common(base, script),
+        "-n",
+        "2",
+        "-H",
+        "3",
+        "-r",
+        "3",
+        "--set",
+        "lr=0.5",
+        "--outer-lr",
+        "0.5",
+    )
+    assert result.exit_code == 0, result.output
+    run = base / "t1"
+    spec = json.loads((run / "run.json").read_text())
+    assert spec["job"] == "testjob" and spec["job_config"] == {"lr": 0.5}
+    assert spec["replicas"] == 2 and spec["sync_every"] == 3 and spec["outer_lr"] == 0.5
+    assert spec["entrypoint"] == ["python", str(script)]
+
+    summary = json.loads((run / "result.json").read_text())
+    assert summary["status"] == "ok" and summary["run_id"] == "t1"
+    assert summary["weights_identical"] is True
+    assert [r["rank"] for r in summary["replicas"]] == [0, 1]
+    assert all(r["exit_code"] == 0 and r["rounds_committed"] == 3 for r in summary["replicas"])
+    assert summary["final_loss"] == pytest.approx((2 / 3 + 2 / 3 + 0.1) / 2)
+    assert summary["bytes_up"] == 6000 and summary["bytes_down"] == 12000
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["loss_plot"] == str(run / "loss.png")
+
+    # the live table (non-interactive console: final frame) and the summary
+    out = result.output
+    assert "phase" in out and "heartbeat" in out
+    assert "summary" in out and "ok (0)" in out and "3/3" in out
+    assert f"loss plot: {run / 'loss.png'}" in out
+    assert f"result: {run / 'result.json'}" in out
+    assert "weights identical" in out
+    assert "running job testjob" in (run / "logs" / "replica-1.log").read_text()
+
+
+def test_failed_replica_gives_nonzero_exit(
+    base: Path, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAIL_RANKS", "1")  # replicas inherit the driver's environment
+    store = f"file://{base}"
+    cmd = _common(base, script, run_id="bad")
+    cmd[cmd.index("--store") + 1] = store
+    result = crf(*cmd, "-n", "2", "-r", "2", "--no-progress")
+    assert result.exit_code == 1, result.output
+    summary = json.loads((base / "bad" / "result.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["weights_identical"] is False
+    ok, bad = summary["replicas"]
+    assert ok["ok"] and ok["exit_code"] == 0
+    assert not bad["ok"] and bad["exit_code"] == 3 and bad["state"] == "failed"
+    assert bad["error"] == "exited with code 3"
+    assert "something went badly wrong" in bad["log_tail"]
+    assert "phase" not in result.output  # --no-progress: no live table
+    assert "replica 1" in result.output and "something went badly wrong" in result.output
+    assert "failed (3)" in result.output
+
+
+def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
+    import crf as crf_pkg
+    from crf.executors.local import LocalProcessExecutor
+    from crf.launcher.errors import LaunchError
+
+    with pytest.raises(LaunchError, match="memory://"):
+        crf_pkg.launch(job="testjob", store="memory://x", entrypoint=["python", str(script)])
+    with pytest.raises(LaunchError, match="unknown launch option"):
+        crf_pkg.launch(job="testjob", store=str(base), typo_option=1)
+
+    summary = crf_pkg.launch(
+        job="testjob",
+        replicas=1,
+        rounds=2,
+        sync_every=1,
+        store=str(base),
+        run_id="api",
+        entrypoint=["python", str(script)],
+        executor=crf_pkg.LocalProcessExecutor(log_dir=tmp_path / "api-logs"),
+        progress=False,
+        report=False,
+        poll_s=0.1,
+    )
+    assert isinstance(crf_pkg.LocalProcessExecutor(), LocalProcessExecutor)
+    assert summary["status"] == "ok" and summary["world_size"] == 1
+    assert json.loads((base / "api" / "result.json").read_text())["status"] == "ok"
+    assert (tmp_path / "api-logs" / "replica-0.log").exists()
+
+
+def test_timeout_cancels_the_run(base: Path, script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLEEP_RANKS", "1")
+    result = crf(*_common(base, script, run_id="slow"), "-n", "2", "--timeout", "4")
+    assert result.exit_code == 1, result.output
+    summary = json.loads((base / "slow" / "result.json").read_text())
+    assert summary["status"] == "failed"
+    assert "did not finish within 4.0s" in summary["error"]
+    assert [r["state"] for r in summary["replicas"]] == ["succeeded", "cancelled"]
+
+
+def test_ctrl_c_cancels_replicas(base: Path, script: Path, tmp_path: Path) -> None:
+    """SIGINT reaches only the driver (replicas have their own sessions); it cancels them."""
+    # a separate driver process: the in-process test job is not registered there, use lm
+    cmd = [sys.executable, "-m", "crf.launcher.cli", *_common(base, script, run_id="intr")]
+    cmd[cmd.index("testjob")] = "lm"
+    env = {**os.environ, "SLEEP_RANKS": "0,1"}
+    with open(tmp_path / "driver.log", "wb") as out:
+        driver = subprocess.Popen([*cmd, "-n", "2"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        beats = [base / "intr" / "replicas" / str(r) / "state.json" for r in (0, 1)]
+        deadline = time.monotonic() + 30
+        while not all(b.exists() for b in beats):
+            assert driver.poll() is None and time.monotonic() < deadline, "replicas never started"
+            time.sleep(0.05)
+        pids = [json.loads(b.read_text())["pid"] for b in beats]
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(30) == 130, (tmp_path / "driver.log").read_text()
+    summary = json.loads((base / "intr" / "result.json").read_text())
+    assert summary["status"] == "cancelled"
+    assert [r["state"] for r in summary["replicas"]] == ["cancelled", "cancelled"]
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
