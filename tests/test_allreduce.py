@@ -292,3 +292,22 @@ def test_int8_error_feedback_keeps_error_from_accumulating(store: RunStore) -> N
         return (mean - x).abs().mean().item()
 
     assert run(True, "ef") < 0.3 * run(False, "noef")
+
+
+def test_stale_base_round_is_kept_out_of_the_quorum(store: RunStore) -> None:
+    """A replica whose weights start from an older global round (it missed a commit) must
+    not be averaged with the others: it is left out and told so (in_quorum False)."""
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", round_timeout_s=20, min_replicas=2)
+        ts = make_tensors(rank)
+        return ar.allreduce(ts, round=5, base_round=3 if rank == 1 else 4), ts
+
+    out = run_threads(3, replica)
+    expect = reference_mean([0, 2], torch.float32)
+    for rank in (0, 2):
+        res, ts = out[rank]
+        assert res.participants == [0, 2]
+        assert all(torch.equal(a, b) for a, b in zip(ts, expect, strict=True))
+    assert out[1][0].in_quorum is False and out[1][0].stale_behind == 4
+    assert json.loads(store.get("rounds/5/quorum.json"))["stale"] == [1]

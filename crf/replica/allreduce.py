@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from crf.replica import wire as wirefmt
+from crf.replica.faults import maybe_fault
 from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
@@ -55,6 +56,11 @@ class QuorumTimeout(AllReduceError, TimeoutError):
     """Fewer than min_replicas contributions arrived before the round deadline."""
 
 
+class _Stale(Exception):
+    def __init__(self, top: int) -> None:
+        self.top = top
+
+
 class RoundFailed(AllReduceError):
     """Another participant declared this round failed (e.g. a corrupt contribution)."""
 
@@ -71,6 +77,9 @@ class AllReduceResult:
     seconds: float = 0.0
     shards_computed: list[int] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
+    #: set when this replica's weights are based on an older global round than the others':
+    #: the newest base among the arrivals, which this replica must heal to
+    stale_behind: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -158,6 +167,7 @@ class ObjectStoreAllReduce:
         self._residual: torch.Tensor | None = None  # what quantization dropped last round
         self.on_phase = on_phase
         self.next_round = 0
+        self._manifests: dict[int, dict[int, dict[str, Any]]] = {}
         self.history: list[AllReduceResult] = []
 
     # ------------------------------------------------------------------ helpers
@@ -180,13 +190,17 @@ class ObjectStoreAllReduce:
     # ------------------------------------------------------------------ public
     @torch.no_grad()
     def allreduce(
-        self, tensors: Sequence[torch.Tensor], round: int | None = None
+        self,
+        tensors: Sequence[torch.Tensor],
+        round: int | None = None,
+        base_round: int | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` across the quorum of this round, in place.
 
         Returns the round's result; if this replica is not in the quorum the tensors are left
-        untouched and ``result.in_quorum`` is False. Raises :class:`AllReduceError` subclasses
-        when the round cannot complete.
+        untouched and ``result.in_quorum`` is False. ``base_round`` (DiLoCo: the global round
+        these weights start from) keeps a replica that missed a commit out of the quorum.
+        Raises :class:`AllReduceError` subclasses when the round cannot complete.
         """
         r = self.next_round if round is None else _check_int("round", round, 0)
         self.next_round = r + 1
@@ -225,12 +239,14 @@ class ObjectStoreAllReduce:
             if self.error_feedback:
                 residual[a:b] = flat[a:b] - wirefmt.decode(payload, self.wire, b - a)
             self._put(res, f"{base}/contrib/{self.rank}/{s}", encode_tensor(payload, meta))
+            maybe_fault("uploading", self.rank, r, self.store)
         manifest = {
             "rank": self.rank,
             "run_id": self.run_id,
             "round": r,
             "layout_hash": lhash,
             "layout": layout,
+            "base_round": base_round,
             "numel": total,
             "num_shards": self.num_shards,
             "wire_dtype": self.wire,
@@ -239,10 +255,15 @@ class ObjectStoreAllReduce:
 
         if residual is not None:
             self._residual = residual
+        for old in [k for k in self._manifests if k < r]:
+            del self._manifests[old]
 
         # 2. quorum
         self._phase("quorum")
-        participants = self._decide_quorum(res, r)
+        try:
+            participants = self._decide_quorum(res, r, base_round)
+        except _Stale as e:
+            participants, res.stale_behind = [], e.top
         res.participants = participants
         if self.rank not in participants:
             res.in_quorum = False
@@ -250,6 +271,7 @@ class ObjectStoreAllReduce:
             self.history.append(res)
             return res
         self._check_layouts(res, r, participants, manifest)
+        maybe_fault("after_quorum", self.rank, r, self.store)
 
         # 3. reduce-scatter: my shards first, then (after a grace period) orphans
         self._phase("reducing")
@@ -258,6 +280,7 @@ class ObjectStoreAllReduce:
         ]
         for s in mine:
             self._reduce_shard(res, r, s, participants, bounds[s], lhash, total)
+        maybe_fault("after_reduce", self.rank, r, self.store)
 
         # 4. all-gather
         self._phase("gathering")
@@ -319,15 +342,33 @@ class ObjectStoreAllReduce:
             "wire": self.wire,
         }
 
-    def _arrived(self, r: int) -> list[int]:
-        ranks = []
+    def _arrived(self, r: int) -> dict[int, dict[str, Any]]:
+        """Manifests of the replicas whose contribution to round r is complete."""
+        cache = self._manifests.setdefault(r, {})
         for name in self.store.list(f"rounds/{r}/contrib"):
-            if name.isdigit() and self.store.exists(f"rounds/{r}/contrib/{name}/manifest.json"):
-                ranks.append(int(name))
-        return sorted(ranks)
+            if not name.isdigit() or int(name) in cache or int(name) >= self.world_size:
+                continue
+            try:
+                cache[int(name)] = self.store.get_json(f"rounds/{r}/contrib/{name}/manifest.json")
+            except (ObjectNotFound, ValueError):
+                continue  # still uploading (manifest is written last)
+        return dict(sorted(cache.items()))
 
-    def _decide_quorum(self, res: AllReduceResult, r: int) -> list[int]:
-        """Read or create rounds/<r>/quorum.json; exactly one decision per round."""
+    @staticmethod
+    def _eligible(arrived: dict[int, dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """Split arrivals into (eligible, stale): a replica whose weights are based on an
+        older global round than the others missed a commit and must heal, not contribute."""
+        bases = {k: m.get("base_round") for k, m in arrived.items()}
+        known = [b for b in bases.values() if b is not None]
+        if not known:
+            return sorted(arrived), []
+        top = max(known)
+        eligible = sorted(k for k, b in bases.items() if b is None or b == top)
+        return eligible, sorted(set(arrived) - set(eligible))
+
+    def _decide_quorum(self, res: AllReduceResult, r: int, base: int | None) -> list[int]:
+        """Read or create rounds/<r>/quorum.json; exactly one decision per round. Raises
+        _Stale as soon as this replica sees it is behind the others (it must heal)."""
         key = f"rounds/{r}/quorum.json"
         deadline = time.monotonic() + self.round_timeout_s
         decided: dict[str, Any] | None = None
@@ -339,16 +380,29 @@ class ObjectStoreAllReduce:
                 return True
             except ObjectNotFound:
                 pass
-            arrived = [a for a in self._arrived(r) if a < self.world_size]
+            arrived = self._arrived(r)
+            eligible, stale = self._eligible(arrived)
+            if self.rank in stale:
+                raise _Stale(max(arrived[e].get("base_round") or -1 for e in eligible))
+            everyone = len(arrived) == self.world_size
             late = time.monotonic() >= deadline
-            if len(arrived) == self.world_size or (late and len(arrived) >= self.min_replicas):
+            if (everyone or late) and eligible and len(eligible) >= self.min_replicas:
                 body = {
                     "round": r,
-                    "participants": arrived,
+                    "participants": eligible,
+                    "stale": stale,
+                    "base_round": max(
+                        (
+                            arrived[e].get("base_round")
+                            for e in eligible
+                            if arrived[e].get("base_round") is not None
+                        ),
+                        default=None,
+                    ),
                     "decided_by": self.rank,
                     "decided_at": time.time(),
                     "run_id": self.run_id,
-                    "reason": "all arrived" if len(arrived) == self.world_size else "deadline",
+                    "reason": "all arrived" if everyone else "deadline",
                 }
                 self._put(res, key, json.dumps(body).encode(), exclusive=True)
                 decided = json.loads(self._get(res, key))  # read back whoever won
@@ -362,6 +416,8 @@ class ObjectStoreAllReduce:
                 f"within {self.round_timeout_s:.0f}s (need min_replicas={self.min_replicas})"
             )
         assert decided is not None
+        if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
+            raise _Stale(int(decided["base_round"]))
         if decided.get("run_id") not in (None, self.run_id):
             raise AllReduceError(
                 f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
@@ -425,6 +481,7 @@ class ObjectStoreAllReduce:
             acc = t.clone() if acc is None else acc.add_(t)
         assert acc is not None
         acc.div_(len(participants))
+        maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, lhash, total) | {"participants": participants}
         self._put(res, key, encode_tensor(wirefmt.encode(acc, self.wire), meta), exclusive=True)
         res.shards_computed.append(s)

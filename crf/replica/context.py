@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from crf.replica.allreduce import ObjectStoreAllReduce
+from crf.replica.faults import maybe_fault
 from crf.replica.manager import ObjectStoreManager
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
@@ -216,6 +217,7 @@ class ReplicaContext:
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
+        maybe_fault("inner_step", self.rank, None, self.store, step=self.step)
         if self.step % self.spec.sync_every != 0 or self.manager is None:
             return
         m = self.manager

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 GLOBAL_STATE = "global/{r}/state.pt"
 
 
+class HealError(RuntimeError):
+    """A replica that missed a committed round could not load a global state to catch up."""
+
+
 class _QueuedWork:
     """What ``allreduce`` returns: waiting on it runs the batched exchange once."""
 
@@ -77,6 +81,7 @@ class ObjectStoreManager:
         )
         self.on_phase = on_phase
         self._step = 0
+        self.base_round = -1  # the global round these weights start from (-1: initial)
         self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         self._queue: list[torch.Tensor] = []
         self._flushed = False
@@ -138,6 +143,7 @@ class ObjectStoreManager:
         if self._commit:
             self.rounds_committed += 1
             self._step = r + 1
+            self.base_round = r
             parts = self.last_result.participants if self.last_result else [self.rank]
             if self.exchange.world_size > 1 and self.rank == min(parts):
                 self._pending_global = r  # written after the outer step (after_outer_step)
@@ -147,9 +153,12 @@ class ObjectStoreManager:
         self._phase("healing")
         try:
             self.heal(r)
-        except Exception as e:  # healing is best effort: keep the restored weights
-            log.warning("round %d: healing failed: %s", r, e)
-            self.last_error = f"{self.last_error or ''}; heal failed: {e}".strip("; ")
+        except HealError as e:  # fatal: continuing would fork the weights
+            self.fatal_error = e
+            self.last_error = f"{self.last_error or ''}; {e}".strip("; ")
+        except (StoreError, OSError, CorruptObjectError) as e:
+            self.fatal_error = HealError(f"healing after round {r} failed: {e}")
+            self.last_error = str(self.fatal_error)
         self._step = max(self._step, r + 1)
         self.last_sync_s = time.monotonic() - self._sync_t0
         return False
@@ -162,7 +171,7 @@ class ObjectStoreManager:
         self._flushed = True
         self._phase("syncing")
         try:
-            res = self.exchange.allreduce(self._queue, round=self._step)
+            res = self.exchange.allreduce(self._queue, round=self._step, base_round=self.base_round)
             self.last_result = res
             self._commit = res.in_quorum
             if not res.in_quorum:
@@ -234,34 +243,56 @@ class ObjectStoreManager:
         ckpt = torch.load(io.BytesIO(payload), weights_only=True)
         self.load_state_dict(ckpt["state"])
         self.last_healed_from = r
+        self.base_round = r
         self._step = r + 1
 
     def heal(self, r: int) -> bool:
-        """Load the newest global state at or after round ``r`` (waiting for it if the
-        round is being committed by others). Returns True if state was loaded."""
+        """Catch up after missing round ``r``: load the newest global state if others moved on
+        (they committed round r, or this replica found its weights based on an older round
+        than theirs). If nobody committed anything newer, the restored weights already are the
+        newest global state and nothing is loaded. Never loads a global state older than what
+        the others have: that would silently fork the weights, so it raises
+        :class:`HealError` instead (the replica exits and a restart resumes it)."""
         if self.exchange.world_size == 1:
             return False
-        failed = self.store.exists(f"rounds/{r}/failed.json")
-        if not failed:
 
-            def _ready() -> bool:
-                if self.store.exists(f"rounds/{r}/failed.json"):
-                    return True
-                latest = self.latest_global()
-                return latest is not None and latest >= r
+        def failed() -> bool:
+            return self.store.exists(f"rounds/{r}/failed.json")
 
-            committed_by_others = self.store.exists(f"rounds/{r}/quorum.json")
-            if committed_by_others:
-                wait_until(_ready, self.heal_timeout_s, poll_s=0.05, max_poll_s=0.5)
-        latest = self.latest_global()
-        if latest is None:
-            return False
-        try:
-            self.load_global(latest)
-        except ObjectNotFound:  # GC'd between list and get: take the next newest
+        def newest() -> int:
             latest = self.latest_global()
-            if latest is None:
-                return False
-            self.load_global(latest)
-        log.info("healed from global/%d", latest)
-        return True
+            return -1 if latest is None else latest
+
+        res = self.last_result
+        if res is not None and res.stale_behind is not None:
+            target = res.stale_behind
+        elif self.store.exists(f"rounds/{r}/quorum.json") and not failed():
+            target = r
+        else:
+            # nobody committed round r (so far). If a quorum forms later without us, our
+            # manifest's base_round marks us stale in the next round and we heal then.
+            return False
+        if target <= self.base_round:
+            return False
+        ok = wait_until(
+            lambda: newest() >= target or (target == r and failed()),
+            self.heal_timeout_s,
+            poll_s=0.05,
+            max_poll_s=0.5,
+        )
+        if not ok:
+            raise HealError(
+                f"the other replicas are at global round {target} but no global/<{target} or "
+                f"later> appeared within {self.heal_timeout_s:.0f}s (did its writer die?); "
+                "restart this replica to resume from the newest global state"
+            )
+        if newest() < target:  # round r failed after all
+            return False
+        for _ in range(3):  # the newest may be garbage-collected between list and get
+            try:
+                self.load_global(newest())
+                log.info("healed from global/%d", self.last_healed_from)
+                return True
+            except ObjectNotFound:
+                continue
+        raise HealError(f"could not read a global state at or after round {target}")

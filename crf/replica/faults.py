@@ -1,0 +1,51 @@
+"""Fault injection for chaos tests: a replica SIGKILLs itself at a named point.
+
+Set ``CRF_FAULT`` in a replica's environment to one or more ``;``-separated specs
+``rank=R,point=P,round=N`` (round optional: any round) where P is one of :data:`POINTS`.
+Each fault fires once per run: before dying the replica creates ``faults/<spec>`` in the store
+with create-if-absent, so a restarted replica that passes the same point again lives on.
+Unset (the default), this costs one dict lookup per point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from typing import Any
+
+POINTS = (
+    "inner_step",  # after an inner optimizer step
+    "uploading",  # after the first contribution shard is uploaded, before the manifest
+    "after_quorum",  # after the quorum is decided, before reducing
+    "owning_shard",  # while owning a shard: inputs read, reduced shard not published
+    "after_reduce",  # after publishing owned shards, before gathering
+)
+
+
+def _parse(text: str) -> list[dict[str, str]]:
+    specs = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kv = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
+        if kv.get("point") not in POINTS or "rank" not in kv:
+            raise ValueError(f"bad CRF_FAULT spec {part!r}: need rank=R,point=one of {POINTS}")
+        specs.append(kv)
+    return specs
+
+
+def maybe_fault(
+    point: str, rank: int, round: int | None, store: Any, step: int | None = None
+) -> None:
+    text = os.environ.get("CRF_FAULT")
+    if not text:
+        return
+    for kv in _parse(text):
+        if kv["point"] != point or int(kv["rank"]) != rank:
+            continue
+        if "round" in kv and round is not None and int(kv["round"]) != round:
+            continue
+        if "step" in kv and step is not None and int(kv["step"]) != step:
+            continue
+        tag = hashlib.sha1(repr(sorted(kv.items())).encode()).hexdigest()[:12]
+        if store.put_if_absent(f"faults/{tag}", repr(kv).encode()):
+            os.kill(os.getpid(), signal.SIGKILL)
