@@ -24,6 +24,7 @@ _LAZY = {
     "ComposerReplicationTrainer": "crf.replica.composer",
     "ComposerConfig": "crf.replica.composer",
     "compose_loss": "crf.replica.composer",
+    "DiLoCoCallback": "crf.replica.composer",
     "launch": "crf.launcher.driver",
 }
 

@@ -185,6 +185,12 @@ class ReplicaContext:
             finally:
                 hook.remove()
 
+    def resume_step(self) -> int:
+        """The inner step this replica will start from (0 unless a global state exists):
+        lets a job that builds its data pipeline before ``diloco()`` skip what it used."""
+        rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
+        return (max(rounds) + 1) * self.spec.sync_every if rounds else 0
+
     def _resume(self, manager: ObjectStoreManager, inner: torch.optim.Optimizer) -> None:
         """A (re)started replica joins at the newest committed round: global weights and outer
         momentum from ``global/<r>``, its own inner-optimizer state if it saved one for that

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from crf.replica.composer.losses import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+from crf.replica.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 
 _OPD_DEFAULT_THRESHOLD = 1.0
 _OPD_DEFAULT_FORWARD_WEIGHT = 1.0
@@ -154,6 +154,13 @@ class ComposerConfig(GRPOConfig):
             "{hint}" in self.distill_hint_template,
             f"distill_hint_template must contain '{{hint}}' (got {self.distill_hint_template!r})",
         )
+        try:
+            self.distill_hint_template.format(hint="", prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"ComposerConfig: distill_hint_template {self.distill_hint_template!r} may only "
+                f"use the fields {{hint}} and {{prompt}} (write '{{{{' for a literal brace): {e!r}"
+            ) from None
 
         # TAID knobs
         taid_knobs = self.taid_t is not None or self.taid_schedule is not None
@@ -199,8 +206,10 @@ class ComposerConfig(GRPOConfig):
             f"TAID needs 0 <= taid_t_start <= taid_t_end <= 1 (got {self.taid_t_start}, "
             f"{self.taid_t_end})",
         )
-        need(0.0 <= self.taid_momentum < 1.0, f"taid_momentum must be in [0, 1) (got "
-             f"{self.taid_momentum})")
+        need(
+            0.0 <= self.taid_momentum < 1.0,
+            f"taid_momentum must be in [0, 1) (got {self.taid_momentum})",
+        )
         need(self.taid_step_size >= 0, f"taid_step_size must be >= 0 (got {self.taid_step_size})")
         need(
             self.opd_entropy_threshold is None or self.opd_entropy_threshold >= 0,
@@ -209,9 +218,4 @@ class ComposerConfig(GRPOConfig):
         need(
             self.opd_forward_weight is None or self.opd_forward_weight >= 0,
             f"opd_forward_weight must be >= 0 (got {self.opd_forward_weight})",
-        )
-        need(
-            not (self.use_vllm and (self.distill_alpha > 0 or self.replay_beta > 0)),
-            "the distill/replay channels need the policy's hidden states from the training "
-            "forward pass; use_vllm=True is not supported with distill_alpha/replay_beta > 0",
         )

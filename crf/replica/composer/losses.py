@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from crf.replica.composer.names import DISTILL_WRAPPERS, TAID_SCHEDULES
+
 __all__ = [
     "ComposedLoss",
     "TAIDSchedule",
@@ -51,10 +53,6 @@ __all__ = [
     "taid_interpolate",
     "teacher_entropy",
 ]
-
-DISTILL_WRAPPERS = ("none", "taid", "entropy_opd")
-REPLAY_LOSSES = ("dpo", "simpo")
-TAID_SCHEDULES = ("linear", "adaptive")
 
 
 # --------------------------------------------------------------------------- distillation
@@ -82,8 +80,12 @@ def generalized_jsd(
             torch.stack([student_log_probs + torch.log1p(-b), teacher_log_probs + torch.log(b)]),
             dim=0,
         )
-        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
-        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+        kl_teacher = F.kl_div(
+            mixture_log_probs, teacher_log_probs, reduction="none", log_target=True
+        )
+        kl_student = F.kl_div(
+            mixture_log_probs, student_log_probs, reduction="none", log_target=True
+        )
         jsd = b * kl_teacher + (1 - b) * kl_student
     return jsd.sum(-1)
 
@@ -236,7 +238,9 @@ def sequence_logps(
 
     ``logits[:, i]`` must be the prediction for ``labels[:, i]`` (already shifted).
     """
-    logps = torch.gather(F.log_softmax(logits.float(), dim=-1), -1, labels.unsqueeze(-1))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logps = torch.gather(F.log_softmax(logits, dim=-1), -1, labels.unsqueeze(-1))
     logps = logps.squeeze(-1) * mask.to(logps.dtype)
     total = logps.sum(-1)
     if average:

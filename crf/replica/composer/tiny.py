@@ -49,7 +49,9 @@ def tiny_qwen2(
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     if hidden_size % num_heads:
-        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})"
+        )
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -1,0 +1,79 @@
+"""``DiLoCoCallback``: joins a Hugging Face / TRL trainer to a crf run.
+
+- ``on_train_begin`` enters ``ctx.diloco(model, inner_optimizer)`` (kept open in an
+  ``ExitStack`` until ``on_train_end``): the trainer's own optimizer becomes DiLoCo's inner
+  optimizer, and every ``sync_every`` optimizer steps the replicas average pseudo-gradients.
+- ``on_step_end`` asks the trainer to log every optimizer step, and ``on_log`` then calls
+  ``ctx.log_step(loss=..., reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)``
+  exactly once per inner optimizer step (metrics a step did not produce are left out).
+
+``ctx`` may be ``None`` (standalone/debug runs): the callback then only records the history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+from transformers import TrainerCallback
+
+__all__ = ["DEFAULT_STEP_METRICS", "DiLoCoCallback"]
+
+DEFAULT_STEP_METRICS = ("reward", "grpo_loss", "distill_loss", "replay_loss")
+
+
+class DiLoCoCallback(TrainerCallback):
+    """See module docstring. ``history`` holds one dict per optimizer step."""
+
+    def __init__(self, ctx: Any | None, metrics: tuple[str, ...] = DEFAULT_STEP_METRICS) -> None:
+        self.ctx = ctx
+        self.metrics = tuple(metrics)
+        self.history: list[dict[str, float]] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._last_logged_step = -1
+
+    # ------------------------------------------------------------------ DiLoCo
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._last_logged_step = state.global_step
+        if self.ctx is None:
+            return
+        if model is None or optimizer is None:
+            raise RuntimeError(
+                "DiLoCoCallback needs the trainer's model and optimizer at on_train_begin "
+                f"(got model={type(model).__name__}, optimizer={type(optimizer).__name__})"
+            )
+        # accelerate wraps the optimizer; DiLoCo hooks the torch optimizer whose step() runs
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self.ctx.diloco(model, inner))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Leave the DiLoCo context (idempotent); called by on_train_end."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    # ------------------------------------------------------------------ metrics
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_log = True  # one log (hence one ctx.log_step) per optimizer step
+        if self.ctx is not None and getattr(self.ctx, "step", 0) >= self.ctx.total_steps:
+            control.should_training_stop = True  # healed into a later round: nothing left
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs or state.global_step <= self._last_logged_step:
+            return
+        self._last_logged_step = state.global_step
+        record: dict[str, float] = {"step": float(state.global_step), "loss": float(logs["loss"])}
+        for key in self.metrics:
+            value = logs.get(key)
+            if value is not None and math.isfinite(float(value)):
+                record[key] = float(value)
+        self.history.append(record)
+        if self.ctx is not None:
+            extra = {k: v for k, v in record.items() if k not in ("step", "loss")}
+            self.ctx.log_step(loss=record["loss"], **extra)

@@ -1,0 +1,473 @@
+"""``ComposerReplicationTrainer``: TRL's ``GRPOTrainer`` with two extra loss channels.
+
+``loss = grpo + distill_alpha · distill + replay_beta · replay`` (see docs/composer.md).
+
+It only uses TRL's extension points:
+
+- ``_generate_and_score_completions`` (after TRL's own): attaches the channels' inputs to the
+  generation batch as tensors with leading dim = batch (TRL does not forward dataset columns
+  to the loss): the teacher prompts (prompt + hint) for channel 2, the tokenized correct
+  traces and — for DPO — the frozen reference's sequence log-probs for channel 3.
+- ``_compute_loss``: runs TRL's GRPO term while a forward hook on the backbone captures the
+  last hidden state, turns the completion positions into logits with the model's own output
+  embedding (no second forward pass of the policy), computes the channels and adds them with
+  ``compose_loss``. A channel with weight 0 or without inputs in the batch is skipped
+  entirely, so the update is then bit-identical to a stock ``GRPOTrainer``.
+
+Nothing here draws from the global RNG after ``super().__init__()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import is_peft_model
+from torch import nn
+from trl import GRPOTrainer
+from trl.trainer.utils import pad, use_adapter
+
+from crf.replica.composer.config import ComposerConfig
+from crf.replica.composer.losses import (
+    TAIDSchedule,
+    compose_loss,
+    distill_per_token,
+    dpo_loss,
+    masked_row_mean,
+    sequence_logps,
+    simpo_loss,
+)
+
+__all__ = ["ComposerReplicationTrainer", "capture_hidden"]
+
+
+@contextlib.contextmanager
+def capture_hidden(module: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collect ``module``'s output hidden state (``last_hidden_state`` or ``output[0]``) for
+    every forward call made inside the block."""
+    store: list[torch.Tensor] = []
+
+    def hook(_mod: nn.Module, _args: Any, output: Any) -> None:
+        h = getattr(output, "last_hidden_state", None)
+        store.append(h if h is not None else output[0])
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield store
+    finally:
+        handle.remove()
+
+
+def _logit_scale(text_config: Any) -> float:
+    """The multiplier TRL's fused LM head applies to the logits (see
+    ``trl.trainer.utils.add_fused_lm_head``)."""
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        ls = text_config.logits_scaling
+        scale = ls if text_config.model_type == "hyperclovax" else 1 / ls
+    return 1.0 if scale is None else float(scale)
+
+
+class ComposerReplicationTrainer(GRPOTrainer):
+    """GRPO + hint-conditioned self-distillation + trace replay (see module docstring).
+
+    Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a ``ComposerConfig``.
+    Dataset columns used (names configurable): ``hint`` or ``teacher_prompt`` for channel 2,
+    ``trace`` for channel 3. Rows without them simply don't take part in that channel.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any, args: ComposerConfig | None = None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = ComposerConfig(output_dir=f"{str(name).split('/')[-1] or 'model'}-Composer")
+        if not isinstance(args, ComposerConfig):
+            raise TypeError(
+                f"ComposerReplicationTrainer needs args=ComposerConfig(...) (a GRPOConfig subclass "
+                f"with the composer's knobs), got {type(args).__name__}"
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        # ---- nothing below may consume the global RNG (bit-exactness with GRPOTrainer) ----
+        self._distill_on = args.distill_alpha > 0
+        self._replay_on = args.replay_beta > 0
+        self._last_local_rewards: torch.Tensor | None = None
+        self._taid_manual_t: float | None = None
+        self._taid_schedule: TAIDSchedule | None = None
+        if args.distill_wrapper == "taid" and args.taid_schedule is not None:
+            self._taid_schedule = TAIDSchedule(
+                mode=args.taid_schedule,
+                t_start=args.taid_t_start,
+                t_end=args.taid_t_end,
+                momentum=args.taid_momentum,
+                step_size=args.taid_step_size,
+            )
+        self._taid_window = [0.0, 0]
+        self._replay_ref: nn.Module | None = None
+        if self._replay_on and args.replay_loss == "dpo":
+            self._replay_ref = self._build_replay_reference()
+
+    # ------------------------------------------------------------------ public helpers
+    @property
+    def taid_t(self) -> float | None:
+        """The TAID interpolation value the next step uses (None if TAID has no t yet)."""
+        if self._taid_manual_t is not None:
+            return self._taid_manual_t
+        if self.args.taid_t is not None:
+            return float(self.args.taid_t)
+        if self._taid_schedule is not None:
+            return self._taid_schedule.t
+        return None
+
+    def set_taid_t(self, t: float) -> None:
+        """Set TAID's t by hand (overrides taid_t and the schedule), e.g. from a callback."""
+        if self.args.distill_wrapper != "taid":
+            raise ValueError("set_taid_t needs distill_wrapper='taid'")
+        if not 0.0 <= float(t) <= 1.0:
+            raise ValueError(f"TAID t must be in [0, 1] (got {t})")
+        self._taid_manual_t = float(t)
+
+    # ------------------------------------------------------------------ model plumbing
+    def _hf_model(self, model: nn.Module | None = None) -> nn.Module:
+        m = self.accelerator.unwrap_model(self.model if model is None else model)
+        if is_peft_model(m):
+            m = m.get_base_model()
+        return m
+
+    def _build_replay_reference(self) -> nn.Module | None:
+        """The frozen DPO reference: TRL's reference model when GRPO has one (beta > 0), the
+        PEFT base (adapters disabled) for a PEFT policy, else a frozen copy of the initial
+        policy (``deepcopy`` draws no random numbers)."""
+        if self.ref_model is not None:
+            return None  # use self.ref_model
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(unwrapped):
+            return None  # adapters disabled at use
+        ref = copy.deepcopy(unwrapped)
+        # TRL patched `forward` on the instance with a closure bound to the *policy*; the copy
+        # must use its own class forward.
+        if "forward" in ref.__dict__:
+            del ref.forward
+        ref.requires_grad_(False)
+        ref.eval()
+        return ref
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[tuple[nn.Module, nn.Module]]:
+        """Yield (module to call, HF model whose backbone/head to use) for the reference."""
+        if self._replay_ref is not None:
+            yield self._replay_ref, self._replay_ref
+        elif self.ref_model is not None:
+            yield self.ref_model, self._hf_model(self.ref_model)
+        else:
+            model = self.accelerator.unwrap_model(self.model)
+            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                yield self.model, self._hf_model(self.model)
+
+    def _logits_from_hidden(self, hf: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of ``hidden`` through the model's output embedding, with the same
+        logit scale / soft-capping as TRL's fused head (not divided by any temperature)."""
+        head = hf.get_output_embeddings()
+        text_config = hf.config.get_text_config()
+        with torch.autocast(hidden.device.type, enabled=False):
+            if type(head) is nn.Linear:
+                bias = None if head.bias is None else head.bias.float()
+                logits = F.linear(hidden.float(), head.weight.float(), bias)
+            else:
+                logits = head(hidden).float()
+        scale = _logit_scale(text_config)
+        if scale != 1.0:
+            logits = logits * scale
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return logits
+
+    def _completion_logits(
+        self,
+        model: nn.Module,
+        hf: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        n_last: int,
+    ) -> torch.Tensor:
+        """Logits predicting the last ``n_last`` tokens of ``input_ids`` (one forward)."""
+        with capture_hidden(hf.base_model) as store, self.accelerator.autocast():
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+                logits_to_keep=1,
+            )
+        hidden = store[0] if len(store) == 1 else torch.cat(store, 0)
+        return self._logits_from_hidden(hf, hidden[:, -n_last - 1 : -1])
+
+    # ------------------------------------------------------------------ generation side
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
+        if self._replay_on:
+            n = len(prompts)
+            start = self.accelerator.process_index * n
+            local = rewards_per_func[start : start + n]
+            weights = self.reward_weights.to(local.device).unsqueeze(0)
+            self._last_local_rewards = (local * weights).nansum(dim=1)
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        rewards, self._last_local_rewards = self._last_local_rewards, None
+        if self._distill_on:
+            self._attach_distill_inputs(inputs, output)
+        if self._replay_on:
+            self._attach_replay_inputs(inputs, output, rewards)
+        return output
+
+    def _teacher_prompt(self, example: dict[str, Any]) -> Any:
+        args = self.args
+        full = example.get(args.distill_teacher_prompt_column)
+        if full is not None and len(full) > 0:
+            return full
+        hint = example.get(args.distill_hint_column)
+        if hint is None or (isinstance(hint, str) and hint == ""):
+            return None
+        prompt = example.get("prompt")
+        if isinstance(prompt, str):
+            return args.distill_hint_template.format(hint=hint, prompt=prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[-1].get("content"), str):
+            last = dict(prompt[-1])
+            last["content"] = args.distill_hint_template.format(hint=hint, prompt=last["content"])
+            return [*prompt[:-1], last]
+        raise ValueError(
+            f"cannot attach a hint to prompt {prompt!r}: use a string prompt, a conversation "
+            f"whose last message has string content, or a '{args.distill_teacher_prompt_column}' "
+            "column with the teacher's full prompt"
+        )
+
+    def _attach_distill_inputs(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> None:
+        teacher_prompts = [self._teacher_prompt(x) for x in inputs]
+        rows = [p is not None for p in teacher_prompts]
+        if not any(rows):
+            return
+        filled = [
+            p if p is not None else x["prompt"]
+            for p, x in zip(teacher_prompts, inputs, strict=True)
+        ]
+        ids_list, _, _ = self._tokenize_prompts(filled)
+        device = self.accelerator.device
+        ids = [torch.tensor(i) for i in ids_list]
+        output["distill_prompt_ids"] = pad(
+            ids, padding_value=self._tokenizer.pad_token_id, padding_side="left"
+        ).to(device)
+        output["distill_prompt_mask"] = pad(
+            [torch.ones_like(i) for i in ids], padding_value=0, padding_side="left"
+        ).to(device)
+        output["distill_rows"] = torch.tensor(rows, dtype=torch.bool, device=device)
+        output["distill_num_rows"] = torch.tensor(float(sum(rows)), device=device)
+
+    def _trace_eos_id(self) -> int:
+        eos = getattr(self._hf_model().generation_config, "eos_token_id", None)
+        if isinstance(eos, list | tuple):
+            eos = eos[0] if eos else None
+        return self._tokenizer.eos_token_id if eos is None else int(eos)
+
+    def _attach_replay_inputs(
+        self, inputs: list[dict[str, Any]], output: dict[str, Any], rewards: torch.Tensor | None
+    ) -> None:
+        args = self.args
+        traces = [x.get(args.replay_trace_column) for x in inputs]
+        rows = [isinstance(t, str) and t != "" for t in traces]
+        if args.replay_reward_threshold is not None and rewards is not None:
+            rows = [
+                r and not bool(rw >= args.replay_reward_threshold)
+                for r, rw in zip(rows, rewards.tolist(), strict=True)
+            ]
+        if not any(rows):
+            return
+        eos = self._trace_eos_id()
+        encoded = self._tokenizer(
+            text=[t if r else "" for t, r in zip(traces, rows, strict=True)],
+            add_special_tokens=False,
+        )["input_ids"]
+        chosen = [list(ids) + [eos] for ids in encoded]
+        # A rollout token-identical to its trace makes a degenerate pair (zero gradient for
+        # DPO and SimPO alike): leave it out instead of diluting the channel's mean.
+        comp_ids, comp_mask = output["completion_ids"], output["completion_mask"]
+        for i, r in enumerate(rows):
+            if r and comp_ids[i][comp_mask[i].bool()].tolist() == chosen[i]:
+                rows[i] = False
+        if not any(rows):
+            return
+        device = self.accelerator.device
+        chosen_t = [torch.tensor(c) for c in chosen]
+        chosen_ids = pad(chosen_t, padding_value=self._tokenizer.pad_token_id, padding_side="right")
+        chosen_mask = pad(
+            [torch.ones_like(c) for c in chosen_t], padding_value=0, padding_side="right"
+        )
+        output["replay_chosen_ids"] = chosen_ids.to(device)
+        output["replay_chosen_mask"] = chosen_mask.to(device)
+        output["replay_rows"] = torch.tensor(rows, dtype=torch.bool, device=device)
+        output["replay_num_rows"] = torch.tensor(float(sum(rows)), device=device)
+        if args.replay_loss == "dpo":
+            ref_c, ref_r = self._reference_logps(output)
+            output["replay_ref_chosen_logps"] = ref_c
+            output["replay_ref_rejected_logps"] = ref_r
+
+    @torch.no_grad()
+    def _reference_logps(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frozen reference's summed log-probs (temperature 1) of chosen traces and rollouts."""
+        prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+        seqs = {
+            "chosen": (output["replay_chosen_ids"], output["replay_chosen_mask"]),
+            "rejected": (output["completion_ids"], output["completion_mask"]),
+        }
+        bs = max(1, self.args.per_device_train_batch_size)
+        out: dict[str, torch.Tensor] = {}
+        with self._reference() as (ref, ref_hf):
+            for key, (ids, mask) in seqs.items():
+                parts = []
+                for s in range(0, ids.size(0), bs):
+                    sl = slice(s, s + bs)
+                    logits = self._completion_logits(
+                        ref,
+                        ref_hf,
+                        torch.cat([prompt_ids[sl], ids[sl]], 1),
+                        torch.cat([prompt_mask[sl], mask[sl]], 1),
+                        ids.size(1),
+                    )
+                    parts.append(sequence_logps(logits, ids[sl], mask[sl]))
+                out[key] = torch.cat(parts)
+        return out["chosen"], out["rejected"]
+
+    # ------------------------------------------------------------------ loss side
+    def _compute_loss(self, model, inputs):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1
+        use_distill = self._distill_on and "distill_prompt_ids" in inputs
+        use_replay = self._replay_on and "replay_chosen_ids" in inputs
+        if not (use_distill or use_replay):
+            loss = super()._compute_loss(model, inputs)  # exactly TRL's path
+            self._metrics[mode]["grpo_loss"].append(float(loss.detach()) * accum)
+            return loss
+
+        hf = self._hf_model(model)
+        with capture_hidden(hf.base_model) as store:
+            grpo = super()._compute_loss(model, inputs)
+        hidden = store[0] if len(store) == 1 else torch.cat(store, 0)
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        n_comp = completion_ids.size(1)
+        mask = (
+            completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        )
+        student_logits = self._logits_from_hidden(hf, hidden[:, -n_comp - 1 : -1])
+        spg = args.steps_per_generation if mode == "train" else 1
+
+        distill = replay = None
+        distill_scale = replay_scale = 1.0
+        taid_t = None
+        if use_distill:
+            rows = inputs["distill_rows"]
+            n_here = int(rows.sum())
+            if n_here > 0:
+                idx = rows.nonzero(as_tuple=True)[0]
+                with torch.no_grad():
+                    teacher_logits = self._completion_logits(
+                        model,
+                        hf,
+                        torch.cat([inputs["distill_prompt_ids"][idx], completion_ids[idx]], 1),
+                        torch.cat([inputs["distill_prompt_mask"][idx], completion_mask[idx]], 1),
+                        n_comp,
+                    )
+                if args.distill_wrapper == "taid":
+                    taid_t = self.taid_t  # None -> ValueError in taid_interpolate
+                per_token = distill_per_token(
+                    student_logits[idx],
+                    teacher_logits,
+                    jsd_beta=args.distill_jsd_beta,
+                    temperature=args.distill_temperature,
+                    clip=args.distill_clip,
+                    wrapper=args.distill_wrapper,
+                    taid_t=taid_t,
+                    opd_entropy_threshold=args.resolved_opd_entropy_threshold,
+                    opd_forward_weight=args.resolved_opd_forward_weight,
+                )
+                distill = masked_row_mean(per_token, mask[idx]).mean()
+                window = float(inputs["distill_num_rows"]) * accum / spg
+                distill_scale = n_here / max(window, 1.0)
+
+        if use_replay:
+            rows = inputs["replay_rows"]
+            n_here = int(rows.sum())
+            if n_here > 0:
+                idx = rows.nonzero(as_tuple=True)[0]
+                chosen_ids = inputs["replay_chosen_ids"][idx]
+                chosen_mask = inputs["replay_chosen_mask"][idx]
+                chosen_logits = self._completion_logits(
+                    model,
+                    hf,
+                    torch.cat([inputs["prompt_ids"][idx], chosen_ids], 1),
+                    torch.cat([inputs["prompt_mask"][idx], chosen_mask], 1),
+                    chosen_ids.size(1),
+                )
+                average = args.replay_loss == "simpo"
+                pol_c = sequence_logps(chosen_logits, chosen_ids, chosen_mask, average=average)
+                pol_r = sequence_logps(
+                    student_logits[idx], completion_ids[idx], mask[idx], average=average
+                )
+                if args.replay_loss == "dpo":
+                    per_row = dpo_loss(
+                        pol_c,
+                        pol_r,
+                        inputs["replay_ref_chosen_logps"][idx],
+                        inputs["replay_ref_rejected_logps"][idx],
+                        beta=args.dpo_beta,
+                    )
+                else:
+                    per_row = simpo_loss(pol_c, pol_r, beta=args.simpo_beta, gamma=args.simpo_gamma)
+                replay = per_row.mean()
+                window = float(inputs["replay_num_rows"]) * accum / spg
+                replay_scale = n_here / max(window, 1.0)
+
+        composed = compose_loss(
+            grpo,
+            distill=distill,
+            replay=replay,
+            alpha=args.distill_alpha,
+            beta=args.replay_beta,
+            distill_scale=distill_scale,
+            replay_scale=replay_scale,
+            grpo_scale=accum,
+        )
+        for key, value in composed.metrics().items():
+            self._metrics[mode][key].append(value)
+        if taid_t is not None and distill is not None:
+            self._metrics[mode]["taid_t"].append(taid_t)
+            if mode == "train":
+                self._taid_window[0] += composed.distill_loss
+                self._taid_window[1] += 1
+        return composed.total
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        out = super().training_step(model, inputs, num_items_in_batch)
+        # TRL counts micro-batches in self._step; an optimizer step ends every
+        # current_gradient_accumulation_steps of them. Advance the TAID schedule there.
+        if (
+            self._taid_schedule is not None
+            and self._step % self.current_gradient_accumulation_steps == 0
+        ):
+            total, count = self._taid_window
+            if count:
+                mean = total / count
+                if math.isfinite(mean):
+                    self._taid_schedule.step(mean, self.state.global_step + 1, self.state.max_steps)
+            self._taid_window = [0.0, 0]
+        return out

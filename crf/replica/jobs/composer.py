@@ -1,0 +1,309 @@
+"""The ``composer`` job: the composer trainer (GRPO + hint distillation + trace replay) on a
+tiny model and an embedded task, as one DiLoCo replica.
+
+Everything is built in code, nothing is downloaded: a character-level tokenizer, a tiny Qwen2
+from a ``Qwen2Config`` and the string-reversal task of ``crf.replica.composer.task`` (prompt
+``"abc="``, answer ``"cba"``, partial-credit reward), whose hints (channel 2) and correct
+traces (channel 3) are generated with the prompts.
+
+- Every replica builds bit-identical initial weights from ``ctx.seed`` (DiLoCo needs that).
+- The example pool is generated from ``ctx.seed`` (the same on every replica); replica
+  ``rank`` trains on ``pool[rank::world_size]``, in an order and with sampling noise drawn
+  from ``ctx.data_seed`` (the trainer's seed).
+- The trainer's own optimizer is DiLoCo's inner optimizer: ``DiLoCoCallback`` enters
+  ``ctx.diloco(model, optimizer)`` at ``on_train_begin`` and calls ``ctx.log_step(loss=...,
+  reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)`` once per optimizer step.
+- It trains exactly ``ctx.total_steps`` optimizer steps (``max_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from crf.replica.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+
+
+@dataclass
+class Config:
+    """Knobs of the composer job (``crf launch --job composer --set key=value``)."""
+
+    # task: reverse strings of min_len..max_len characters over `letters`
+    letters: str = "abcd"
+    min_len: int = 2
+    max_len: int = 3
+    num_examples: int = 2048  # the pool all replicas share out
+    eval_examples: int = 64  # held-out prompts for greedy exact-match before/after
+    # tiny Qwen2
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    # GRPO
+    learning_rate: float = 5e-3
+    prompts_per_step: int = 8
+    num_generations: int = 4
+    temperature: float = 1.0
+    grpo_beta: float = 0.0  # KL-to-reference weight of the GRPO term (TRL's `beta`)
+    # channel 2: distillation from the policy conditioned on the hint
+    distill_alpha: float = 0.1
+    distill_jsd_beta: float = 0.5
+    distill_temperature: float = 1.0
+    distill_clip: float = 0.0  # 0 = no clip
+    distill_wrapper: str = "none"
+    taid_t: float = -1.0  # < 0 = unset
+    taid_schedule: str = ""  # "", "linear" or "adaptive"
+    # channel 3: replay of correct traces against the policy's own wrong rollouts
+    replay_beta: float = 1.0
+    replay_loss: str = "simpo"
+    dpo_beta: float = 0.1
+    simpo_beta: float = 2.0
+    simpo_gamma: float = 0.5
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"composer option {msg}")
+
+        need(
+            len(self.letters) >= 2 and len(set(self.letters)) == len(self.letters),
+            f"letters must be >= 2 distinct characters (got {self.letters!r})",
+        )
+        need(not set(self.letters) & set("=|"), "letters must not contain '=' or '|'")
+        need(
+            1 <= self.min_len <= self.max_len,
+            f"min_len/max_len must satisfy 1 <= min_len <= max_len (got {self.min_len}, "
+            f"{self.max_len})",
+        )
+        for name in (
+            "num_examples",
+            "eval_examples",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "prompts_per_step",
+        ):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1 (got {getattr(self, name)})")
+        need(
+            self.num_generations >= 2,
+            f"num_generations must be >= 2 for GRPO's group baseline (got {self.num_generations})",
+        )
+        need(
+            self.hidden_size % self.num_heads == 0,
+            f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
+        )
+        need(self.learning_rate > 0, f"learning_rate must be > 0 (got {self.learning_rate})")
+        need(self.temperature > 0, f"temperature must be > 0 (got {self.temperature})")
+        for name in ("grpo_beta", "distill_alpha", "replay_beta", "distill_clip"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0 (got {getattr(self, name)})")
+        need(
+            self.distill_wrapper in DISTILL_WRAPPERS,
+            f"distill_wrapper {self.distill_wrapper!r} is unknown; choose one of "
+            f"{', '.join(DISTILL_WRAPPERS)}",
+        )
+        need(
+            self.replay_loss in REPLAY_LOSSES,
+            f"replay_loss {self.replay_loss!r} is unknown; choose one of "
+            f"{', '.join(REPLAY_LOSSES)}",
+        )
+        need(
+            self.taid_schedule in ("", *TAID_SCHEDULES),
+            f"taid_schedule {self.taid_schedule!r} is unknown; choose '' or one of "
+            f"{', '.join(TAID_SCHEDULES)}",
+        )
+        need(
+            0.0 <= self.distill_jsd_beta <= 1.0,
+            f"distill_jsd_beta must be in [0, 1] (got {self.distill_jsd_beta})",
+        )
+        for name in ("distill_temperature", "dpo_beta", "simpo_beta"):
+            need(getattr(self, name) > 0, f"{name} must be > 0 (got {getattr(self, name)})")
+        need(self.simpo_gamma >= 0, f"simpo_gamma must be >= 0 (got {self.simpo_gamma})")
+        need(self.taid_t < 0 or self.taid_t <= 1, f"taid_t must be in [0, 1] (got {self.taid_t})")
+        if self.distill_wrapper == "taid":
+            need(
+                (self.taid_t >= 0) != bool(self.taid_schedule),
+                "distill_wrapper=taid needs exactly one of taid_t (in [0, 1]) or taid_schedule",
+            )
+        else:
+            need(
+                self.taid_t < 0 and not self.taid_schedule,
+                "taid_t/taid_schedule are only valid with distill_wrapper=taid",
+            )
+
+    # ------------------------------------------------------------------ derived
+    def composer_kwargs(self) -> dict[str, Any]:
+        """The ComposerConfig fields this job sets from its knobs."""
+        kw: dict[str, Any] = dict(
+            beta=self.grpo_beta,
+            distill_alpha=self.distill_alpha,
+            distill_jsd_beta=self.distill_jsd_beta,
+            distill_temperature=self.distill_temperature,
+            distill_clip=self.distill_clip or None,
+            distill_wrapper=self.distill_wrapper,
+            replay_beta=self.replay_beta,
+            replay_loss=self.replay_loss,
+            replay_reward_threshold=1.0,  # exact answers are not "rejected"
+            dpo_beta=self.dpo_beta,
+            simpo_beta=self.simpo_beta,
+            simpo_gamma=self.simpo_gamma,
+        )
+        if self.distill_wrapper == "taid":
+            if self.taid_schedule:
+                kw["taid_schedule"] = self.taid_schedule
+            else:
+                kw["taid_t"] = self.taid_t
+        return kw
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(history: list[dict[str, float]], sync_every: int) -> dict[str, Any]:
+    """Per-round means of the step history, and first-vs-last-round job metrics."""
+    sync_every = max(1, sync_every)
+    rounds = [history[i : i + sync_every] for i in range(0, len(history), sync_every)]
+    per_round = []
+    for r, steps in enumerate(rounds):
+        entry: dict[str, Any] = {"round": r}
+        for key in ("loss", "reward", "grpo_loss", "distill_loss", "replay_loss"):
+            entry[key] = _mean([s[key] for s in steps if key in s])
+        per_round.append(entry)
+    out: dict[str, Any] = {"steps": len(history), "rounds": per_round}
+    if per_round:
+        out["reward_first_round"] = per_round[0]["reward"]
+        out["reward_last_round"] = per_round[-1]["reward"]
+        for key in ("loss", "grpo_loss", "distill_loss", "replay_loss"):
+            out[f"{key}_last_round"] = per_round[-1][key]
+    return out
+
+
+def greedy_exact_match(
+    model: Any, tokenizer: Any, examples: list[dict[str, Any]], max_new: int
+) -> float:
+    """Fraction of prompts whose greedy completion is exactly the answer."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    enc = tokenizer([e["prompt"] for e in examples], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
+
+
+@dataclass
+class ReplicaSetup:
+    """What one replica trains: tokenizer, model (seeded by ``ctx.seed``), its data shard
+    (ordered by ``ctx.data_seed``) and the shared held-out prompts."""
+
+    tokenizer: Any
+    model: Any
+    shard: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]
+
+
+def build(ctx: Any, cfg: Config) -> ReplicaSetup:
+    """Identical initial weights on every replica; a disjoint data shard per rank."""
+    from crf.replica.composer import char_tokenizer, tiny_qwen2
+    from crf.replica.composer.task import make_examples, task_alphabet
+
+    tokenizer = char_tokenizer(task_alphabet(cfg.letters))
+    model = tiny_qwen2(
+        tokenizer,
+        seed=int(ctx.seed),
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        max_position_embeddings=4 * (cfg.max_len + 2) + 8,
+    )
+    model.train()
+    shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
+    pool = make_examples(cfg.num_examples, int(ctx.seed), **shape)
+    shard = pool[ctx.rank :: ctx.world_size]
+    if not shard:
+        raise ValueError(
+            f"num_examples={cfg.num_examples} leaves replica {ctx.rank} of {ctx.world_size} "
+            "without data: raise num_examples"
+        )
+    random.Random(int(ctx.data_seed)).shuffle(shard)
+    held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
+    return ReplicaSetup(tokenizer, model, shard, held_out)
+
+
+def run(ctx: Any, cfg: Config) -> dict[str, Any]:
+    """Train ``ctx.total_steps`` inner steps of the composer trainer under DiLoCo."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import PrinterCallback, ProgressCallback
+
+    from crf.replica.composer import (
+        ComposerConfig,
+        ComposerReplicationTrainer,
+        DiLoCoCallback,
+        save_tiny,
+    )
+    from crf.replica.composer.task import HINT_TEMPLATE, reverse_reward
+
+    setup = build(ctx, cfg)
+    model, tokenizer = setup.model, setup.tokenizer
+    max_new = cfg.max_len + 2
+    exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
+
+    # a restarted replica resumes at the round after the newest global state: train only the
+    # remaining steps, on the data it has not seen yet (the shard rotated past what it used)
+    start = int(ctx.resume_step()) if hasattr(ctx, "resume_step") else 0
+    steps = int(ctx.total_steps) - start
+    if start:
+        k = (start * cfg.prompts_per_step) % len(setup.shard)
+        setup.shard[:] = setup.shard[k:] + setup.shard[:k]
+    if steps <= 0:
+        return {"resumed_at_step": start, "steps_trained": 0}
+    callback = DiLoCoCallback(ctx)
+    with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
+        if cfg.grpo_beta > 0:  # TRL reloads the GRPO reference from config._name_or_path
+            save_tiny(model, tokenizer, f"{tmp}/init-model")
+        args = ComposerConfig(
+            output_dir=f"{tmp}/out",
+            max_steps=steps,
+            seed=int(ctx.data_seed),
+            learning_rate=cfg.learning_rate,
+            lr_scheduler_type="constant",
+            per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+            num_generations=cfg.num_generations,
+            max_completion_length=max_new,
+            temperature=cfg.temperature,
+            distill_hint_template=HINT_TEMPLATE,
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            **cfg.composer_kwargs(),
+        )
+        trainer = ComposerReplicationTrainer(
+            model=model,
+            reward_funcs=reverse_reward,
+            args=args,
+            train_dataset=Dataset.from_list(setup.shard),
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+        for noisy in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(noisy)
+        try:
+            trainer.train()
+        finally:
+            callback.close()
+
+    metrics = summarize(callback.history, int(ctx.spec.sync_every))
+    metrics["exact_match_before"] = exact_before
+    metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
+    metrics["shard_size"] = len(setup.shard)
+    return metrics
