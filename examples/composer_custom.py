@@ -1,7 +1,7 @@
 """Bring your own model, dataset and reward to the composer trainer, as a crf replica.
 
     # one replica per process, DiLoCo across them (crf sets CRF_RUN_URI/CRF_RANK/...):
-    crf launch --entrypoint python examples/composer_custom.py --model ./my-model -n 4 ...
+    crf launch -n 4 --entrypoint "python examples/composer_custom.py --model ./my-model"
     # standalone (CRF_RUN_URI unset): plain training in this process, no DiLoCo
     python examples/composer_custom.py --model ./my-model --max-steps 50
 
