@@ -61,6 +61,18 @@ class _Stale(Exception):
         self.top = top
 
 
+@dataclass
+class _Round:
+    """What the reduce step of one round needs to know."""
+
+    round: int
+    participants: list[int]
+    bounds: list[tuple[int, int]]
+    lhash: str
+    total: int
+    mine: dict[int, torch.Tensor]  # this replica's wire tensors, by shard
+
+
 class RoundFailed(AllReduceError):
     """Another participant declared this round failed (e.g. a corrupt contribution)."""
 
@@ -135,6 +147,7 @@ class ObjectStoreAllReduce:
         wire_dtype: str = "float32",
         error_feedback: bool = False,
         on_phase: Callable[[str], None] | None = None,
+        max_poll_s: float | None = None,
     ) -> None:
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
@@ -166,6 +179,8 @@ class ObjectStoreAllReduce:
         self.error_feedback = error_feedback and wire_dtype != "float32"
         self._residual: torch.Tensor | None = None  # what quantization dropped last round
         self.on_phase = on_phase
+        # polling a local folder is cheap; an object store is billed and rate-limited per call
+        self.max_poll_s = max_poll_s or (0.05 if self.store.scheme in ("file", "memory") else 0.5)
         self.next_round = 0
         self._manifests: dict[int, dict[int, dict[str, Any]]] = {}
         self.history: list[AllReduceResult] = []
@@ -231,14 +246,21 @@ class ObjectStoreAllReduce:
         bounds = shard_bounds(total, self.num_shards)
         base = f"rounds/{r}"
 
-        # 1. publish my contribution, shards first and the manifest last
+        # 1. publish my contribution, shards first and the manifest last. The shard this
+        #    replica will own in a full quorum stays in memory: the owner never needs to
+        #    download its own contribution, so a replica uploads ~P, not P + P/N.
         self._phase("uploading")
+        mine_wire: dict[int, torch.Tensor] = {}
+        held_back = []
         for s, (a, b) in enumerate(bounds):
-            meta = self._meta(r, s, lhash, total)
             payload = wirefmt.encode(flat[a:b], self.wire)
+            mine_wire[s] = payload
             if self.error_feedback:
                 residual[a:b] = flat[a:b] - wirefmt.decode(payload, self.wire, b - a)
-            self._put(res, f"{base}/contrib/{self.rank}/{s}", encode_tensor(payload, meta))
+            if s % self.world_size == self.rank:
+                held_back.append(s)
+                continue
+            self._upload_contrib(res, r, s, payload, lhash, total)
             maybe_fault("uploading", self.rank, r, self.store)
         manifest = {
             "rank": self.rank,
@@ -250,6 +272,7 @@ class ObjectStoreAllReduce:
             "numel": total,
             "num_shards": self.num_shards,
             "wire_dtype": self.wire,
+            "held_back": held_back,
         }
         self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
 
@@ -271,23 +294,34 @@ class ObjectStoreAllReduce:
             self.history.append(res)
             return res
         self._check_layouts(res, r, participants, manifest)
+        # a degraded quorum moves ownership: publish held-back shards someone else now owns
+        for s in held_back:
+            if participants[s % len(participants)] != self.rank:
+                self._upload_contrib(res, r, s, mine_wire[s], lhash, total)
         maybe_fault("after_quorum", self.rank, r, self.store)
 
         # 3. reduce-scatter: my shards first, then (after a grace period) orphans
         self._phase("reducing")
-        mine = [
-            s for s in range(self.num_shards) if participants[s % len(participants)] == self.rank
-        ]
-        for s in mine:
-            self._reduce_shard(res, r, s, participants, bounds[s], lhash, total)
+        reduced_here: dict[int, torch.Tensor] = {}
+        job = _Round(r, participants, bounds, lhash, total, mine_wire)
+        for s in range(self.num_shards):
+            if participants[s % len(participants)] == self.rank:
+                w = self._reduce_shard(res, job, s)
+                if w is not None:
+                    reduced_here[s] = w
         maybe_fault("after_reduce", self.rank, r, self.store)
 
         # 4. all-gather
         self._phase("gathering")
         out = torch.empty(total, dtype=torch.float32)
+        pending = []
+        for s, (a, b) in enumerate(bounds):
+            if s in reduced_here:  # published by this replica: no need to download it
+                out[a:b] = wirefmt.decode(reduced_here[s], self.wire, b - a)
+            else:
+                pending.append(s)
         grace_deadline = time.monotonic() + self.shard_grace_s
-        pending = list(range(self.num_shards))
-        delay = 0.01
+        delay = 0.005
         while pending:
             self._raise_if_failed(r)
             progressed = False
@@ -297,28 +331,23 @@ class ObjectStoreAllReduce:
                     data = self._get(res, key)
                 except ObjectNotFound:
                     continue
-                t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}")
                 a, b = bounds[s]
-                if hdr.get("layout_hash") != lhash or not wirefmt.wire_numel_ok(
-                    t, self.wire, b - a
-                ):
-                    raise AllReduceError(f"{key}: reduced shard does not match this round's layout")
-                out[a:b] = wirefmt.decode(t, self.wire, b - a)
+                out[a:b] = self._decode_reduced(r, s, key, data, lhash, b - a)
                 pending.remove(s)
                 progressed = True
             if not pending:
                 break
             if time.monotonic() >= grace_deadline:
-                # owners are late or dead: compute their shards ourselves (same bits)
+                # owners are late or dead: compute their shards ourselves
                 for s in list(pending):
                     log.warning("round %d: shard %d owner is late; computing it", r, s)
-                    self._reduce_shard(res, r, s, participants, bounds[s], lhash, total)
+                    self._reduce_shard(res, job, s)
                 grace_deadline = time.monotonic() + self.shard_grace_s
             elif progressed:
-                delay = 0.01
+                delay = 0.005
             else:
                 time.sleep(delay)
-                delay = min(delay * 1.6, 0.25)
+                delay = min(delay * 1.6, self.max_poll_s)
 
         # copy the average back in place, each tensor in its own dtype
         offset = 0
@@ -410,7 +439,9 @@ class ObjectStoreAllReduce:
             return False
 
         # keep polling a little past the deadline so a decision by a peer is seen
-        if not wait_until(_try, self.round_timeout_s + 1.0, poll_s=0.02, max_poll_s=0.25):
+        if not wait_until(
+            _try, self.round_timeout_s + 1.0, poll_s=0.005, max_poll_s=self.max_poll_s
+        ):
             raise QuorumTimeout(
                 f"round {r}: only {len(self._arrived(r))} of {self.world_size} replicas arrived "
                 f"within {self.round_timeout_s:.0f}s (need min_replicas={self.min_replicas})"
@@ -443,48 +474,98 @@ class ObjectStoreAllReduce:
             if other["layout_hash"] != mine["layout_hash"]:
                 raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))
 
-    def _reduce_shard(
-        self,
-        res: AllReduceResult,
-        r: int,
-        s: int,
-        participants: list[int],
-        bounds: tuple[int, int],
-        lhash: str,
-        total: int,
+    def _upload_contrib(
+        self, res: AllReduceResult, r: int, s: int, payload: torch.Tensor, lhash: str, total: int
     ) -> None:
+        key = f"rounds/{r}/contrib/{self.rank}/{s}"
+        self._put(res, key, encode_tensor(payload, self._meta(r, s, lhash, total)))
+
+    def _fetch_contrib(
+        self, res: AllReduceResult, job: _Round, p: int, s: int, wait_s: float
+    ) -> torch.Tensor | None:
+        """Participant p's wire tensor for shard s, or None if missing or bad (reported)."""
+        r = job.round
+        ckey = f"rounds/{r}/contrib/{p}/{s}"
+        if wait_s > 0:
+            wait_until(
+                lambda: self.store.exists(ckey), wait_s, poll_s=0.005, max_poll_s=self.max_poll_s
+            )
+        a, b = job.bounds[s]
+        try:
+            t, hdr = decode_tensor(self._get(res, ckey), where=f"{self.store.uri}/{ckey}")
+            expect = {
+                "run_id": self.run_id,
+                "round": r,
+                "rank": p,
+                "shard": s,
+                "layout_hash": job.lhash,
+                "numel_total": job.total,
+                "wire": self.wire,
+            }
+            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+            if bad or not wirefmt.wire_numel_ok(t, self.wire, b - a):
+                raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
+            return t
+        except ObjectNotFound:
+            msg = f"{ckey}: missing"
+        except CorruptObjectError as e:
+            msg = str(e)
+        log.warning("round %d: contribution left out of shard %d: %s", r, s, msg)
+        res.rejected.append(msg)
+        return None
+
+    def _reduce_shard(self, res: AllReduceResult, job: _Round, s: int) -> torch.Tensor | None:
+        """Average shard s over the participants whose contribution is present and intact,
+        in rank order with fp32 accumulation, and publish it (create-if-absent). The
+        published object is the one truth every replica downloads, so a contribution left out
+        (missing after the grace period, or failing its integrity check) changes that shard's
+        average for everyone alike and never forks the weights. Returns the wire tensor if
+        this call published it."""
+        r = job.round
         key = f"rounds/{r}/reduced/{s}"
         if self.store.exists(key):
-            return
+            return None
+        owner = job.participants[s % len(job.participants)]
+        a, b = job.bounds[s]
         acc: torch.Tensor | None = None
-        for p in participants:  # fixed rank order: identical bits on every replica
-            ckey = f"rounds/{r}/contrib/{p}/{s}"
-            try:
-                t, hdr = decode_tensor(self._get(res, ckey), where=f"{self.store.uri}/{ckey}")
-                expect = {
-                    "run_id": self.run_id,
-                    "round": r,
-                    "rank": p,
-                    "shard": s,
-                    "layout_hash": lhash,
-                    "numel_total": total,
-                    "wire": self.wire,
-                }
-                bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
-                if bad or not wirefmt.wire_numel_ok(t, self.wire, bounds[1] - bounds[0]):
-                    raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
-            except (CorruptObjectError, ObjectNotFound) as e:
-                res.rejected.append(str(e))
-                self._fail_round(r, f"rejected contribution: {e}")
-                raise RoundFailed(f"round {r} failed: {e}") from e
-            t = wirefmt.decode(t, self.wire, bounds[1] - bounds[0])
-            acc = t.clone() if acc is None else acc.add_(t)
-        assert acc is not None
-        acc.div_(len(participants))
+        used = []
+        for p in job.participants:  # fixed rank order
+            if p == self.rank:
+                w: torch.Tensor | None = job.mine[s]
+            elif s % self.world_size == p and owner == p:
+                w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
+                res.rejected.append(f"rounds/{r}/contrib/{p}/{s}: owner {p} did not reduce it")
+            else:
+                lazy = s % self.world_size == p  # uploaded after the quorum, maybe not yet
+                w = self._fetch_contrib(res, job, p, s, self.shard_grace_s if lazy else 0.0)
+            if w is None:
+                continue
+            v = wirefmt.decode(w, self.wire, b - a)
+            acc = v.clone() if acc is None else acc.add_(v)
+            used.append(p)
+        if acc is None:
+            raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
+        acc.div_(len(used))
         maybe_fault("owning_shard", self.rank, r, self.store)
-        meta = self._meta(r, s, lhash, total) | {"participants": participants}
-        self._put(res, key, encode_tensor(wirefmt.encode(acc, self.wire), meta), exclusive=True)
-        res.shards_computed.append(s)
+        meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
+        wire = wirefmt.encode(acc, self.wire)
+        if self._put(res, key, encode_tensor(wire, meta), exclusive=True):
+            res.shards_computed.append(s)
+            return wire
+        return None
+
+    def _decode_reduced(
+        self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
+    ) -> torch.Tensor:
+        try:
+            t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}")
+            if hdr.get("layout_hash") != lhash or not wirefmt.wire_numel_ok(t, self.wire, n):
+                raise CorruptObjectError(f"{key}: reduced shard does not match this round")
+        except CorruptObjectError as e:
+            # the one copy everyone needs is bad: nobody can finish this round consistently
+            self._fail_round(r, f"bad reduced shard: {e}")
+            raise RoundFailed(f"round {r} failed: {e}") from e
+        return wirefmt.decode(t, self.wire, n)
 
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}

@@ -35,7 +35,7 @@ from crf.replica.faults import maybe_fault
 from crf.replica.manager import ObjectStoreManager
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
-from crf.store.codec import raw_bytes
+from crf.store.codec import raw_view
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(raw_bytes(t))
+        h.update(raw_view(t))
     return h.hexdigest()
 
 

@@ -44,11 +44,16 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
-def raw_bytes(t: torch.Tensor) -> bytes:
+def raw_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (for hashing and writing)."""
     t = t.detach().contiguous().cpu().reshape(-1)
     if t.numel() == 0:
-        return b""
-    return t.view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return bytes(raw_view(t))
 
 
 def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> bytes:
@@ -57,9 +62,11 @@ def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> b
     header["dtype"] = dtype_name(tensor.dtype)
     header["shape"] = list(tensor.shape)
     hbytes = json.dumps(header, sort_keys=True).encode()
-    payload = raw_bytes(tensor)
-    digest = hashlib.sha256(hbytes + payload).digest()
-    return _FIXED.pack(MAGIC, len(hbytes), len(payload), digest) + hbytes + payload
+    payload = raw_view(tensor)
+    h = hashlib.sha256(hbytes)
+    h.update(payload)
+    fixed = _FIXED.pack(MAGIC, len(hbytes), payload.nbytes, h.digest())
+    return b"".join((fixed, hbytes, payload))  # the only copy of the payload
 
 
 def decode_tensor(data: bytes, *, where: str = "object") -> tuple[torch.Tensor, dict[str, Any]]:
