@@ -42,8 +42,18 @@ def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _worker(kind: str, uri: str, n: int, rank: int, numel: int, rounds: int, wire: str,
-            port: int, barrier: Any, out: Any) -> None:
+def _worker(
+    kind: str,
+    uri: str,
+    n: int,
+    rank: int,
+    numel: int,
+    rounds: int,
+    wire: str,
+    port: int,
+    barrier: Any,
+    out: Any,
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -57,10 +67,14 @@ def _worker(kind: str, uri: str, n: int, rank: int, numel: int, rounds: int, wir
     if kind == "gloo":
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=n)
-    ar = ObjectStoreAllReduce(store, n, rank, run_id="bench", wire_dtype=wire,
-                              keep_rounds=2) if kind == "crf" else None
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n
+        )
+    ar = (
+        ObjectStoreAllReduce(store, n, rank, run_id="bench", wire_dtype=wire, keep_rounds=2)
+        if kind == "crf"
+        else None
+    )
     payload = data.numpy().tobytes()
     for r in range(rounds):
         t = data.clone()
@@ -99,8 +113,9 @@ def _worker(kind: str, uri: str, n: int, rank: int, numel: int, rounds: int, wir
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    out.put((rank, statistics.median(times), up / rounds, down / rounds,
-             max(0, _rss_peak() - base_rss)))
+    out.put(
+        (rank, statistics.median(times), up / rounds, down / rounds, max(0, _rss_peak() - base_rss))
+    )
 
 
 def _free_port() -> int:
@@ -114,8 +129,10 @@ def measure(kind: str, uri: str, n: int, mb: int, rounds: int, wire: str) -> dic
     barrier, out = ctx.Barrier(n), ctx.Queue()
     numel = mb * MB // 4
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(kind, uri, n, r, numel, rounds, wire, port,
-                                               barrier, out)) for r in range(n)]
+    procs = [
+        ctx.Process(target=_worker, args=(kind, uri, n, r, numel, rounds, wire, port, barrier, out))
+        for r in range(n)
+    ]
     for p in procs:
         p.start()
     rows = [out.get(timeout=1800) for _ in procs]
@@ -136,8 +153,12 @@ def _s3_uri() -> tuple[str, Any]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="bench")
@@ -163,8 +184,19 @@ def main() -> None:
 
     console = Console()
     table = Table(title=f"all-reduce round, crf wire={args.wire} (ratios measured in this run)")
-    for col in ("store", "N", "P MB", "kind", "s/round", "up/P", "down/P", "mem/P",
-                "vs floor", "vs naive", "vs gloo"):
+    for col in (
+        "store",
+        "N",
+        "P MB",
+        "kind",
+        "s/round",
+        "up/P",
+        "down/P",
+        "mem/P",
+        "vs floor",
+        "vs naive",
+        "vs gloo",
+    ):
         table.add_column(col, justify="right")
     servers = []
     for store_kind in args.stores.split(","):
@@ -178,15 +210,27 @@ def main() -> None:
                     else:
                         uri = f"file://{tempfile.mkdtemp(prefix='crf-bench-')}"
                     console.log(f"{store_kind} N={n} P={mb}MB {kind}")
-                    res[kind] = measure(kind, uri, n, mb, args.rounds,
-                                        args.wire if kind == "crf" else "float32")
+                    res[kind] = measure(
+                        kind, uri, n, mb, args.rounds, args.wire if kind == "crf" else "float32"
+                    )
                 for kind, m in res.items():
-                    def ratio(base: str, m: dict[str, float] = m) -> str:
+
+                    def ratio(base: str, m: dict[str, float] = m, res: dict = res) -> str:
                         return f"{m['s'] / res[base]['s']:.2f}x" if base in res else "-"
 
-                    table.add_row(store_kind, str(n), str(mb), kind, f"{m['s']:.3f}",
-                                  f"{m['up']:.2f}", f"{m['down']:.2f}", f"{m['mem']:.2f}",
-                                  ratio("floor"), ratio("naive"), ratio("gloo"))
+                    table.add_row(
+                        store_kind,
+                        str(n),
+                        str(mb),
+                        kind,
+                        f"{m['s']:.3f}",
+                        f"{m['up']:.2f}",
+                        f"{m['down']:.2f}",
+                        f"{m['mem']:.2f}",
+                        ratio("floor"),
+                        ratio("naive"),
+                        ratio("gloo"),
+                    )
                 table.add_section()
     console.print(table)
     for s in servers:

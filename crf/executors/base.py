@@ -9,6 +9,13 @@ store, so a backend never has to understand training, and a user's own entrypoin
 The executor knows the *process* side (exit codes, logs, cancel); the replica's own account of
 what it did lives in the store at ``results/<rank>.json``. ``collect`` joins the two, so the
 driver gets one row per replica whichever backend ran it.
+
+Restarts: a replica that dies (preempted, OOM-killed, crashed) is started again *for the same
+rank* with ``relaunch(handle)``; it resumes from the store by itself (newest ``global/<r>`` plus
+its own inner-optimizer state), so a backend only has to run the same command again. A backend
+whose platform can restart failed containers itself (a retry strategy, ``retries=``, a job's
+backoff limit) sets ``native_restarts``, applies the ``max_restarts`` it is given at launch and
+reports how often it did in ``ReplicaStatus.restarts``; the driver then only counts.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class ReplicaStatus:
     state: ReplicaState
     exit_code: int | None = None
     message: str = ""
+    #: restarts the backend did by itself (backends with ``native_restarts`` only)
+    restarts: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -183,11 +192,40 @@ def check_launch_args(n_replicas: int, run_uri: str, *, in_process: bool) -> Non
         )
 
 
+@dataclass
+class LaunchRecord:
+    """How a run's replicas were started, kept in memory so one rank can be started again.
+
+    Never serialized: ``env`` may hold credentials.
+    """
+
+    n_replicas: int
+    entrypoint: Entrypoint
+    entrypoint_args: tuple[str, ...]
+    env: dict[str, str]
+    run_uri: str
+    run_id: str
+
+
+def check_ranks(ranks: Sequence[int] | None, n_replicas: int) -> list[int]:
+    """The ranks to start (all of them by default); ExecutorError for out-of-range ones."""
+    if ranks is None:
+        return list(range(n_replicas))
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n_replicas:
+            raise ExecutorError(f"rank {r!r} is not in [0, {n_replicas})")
+        if r not in out:
+            out.append(r)
+    return out
+
+
 class ServerlessExecutor(ABC):
     """Starts N replicas of one command and reports on them.
 
     Subclasses implement ``launch_replicas``, ``status``, ``logs`` and ``cancel``; ``wait``,
-    ``cancel_all`` and ``collect`` are shared so every backend gathers results the same way.
+    ``cancel_all``, ``collect`` and ``relaunch`` are shared so every backend gathers results
+    and restarts replicas the same way.
     """
 
     #: backend name, recorded in handles and in run.json
@@ -195,6 +233,9 @@ class ServerlessExecutor(ABC):
     #: True for executors whose replicas share the driver's process (threads): only they may
     #: use a memory:// store.
     in_process: ClassVar[bool] = False
+    #: True when the platform restarts a failed replica by itself (see the module docstring);
+    #: the driver then passes ``max_restarts`` to ``launch_replicas`` instead of relaunching.
+    native_restarts: ClassVar[bool] = False
 
     @abstractmethod
     def launch_replicas(
@@ -206,8 +247,16 @@ class ServerlessExecutor(ABC):
         *,
         run_uri: str,
         run_id: str | None = None,
+        ranks: Sequence[int] | None = None,
+        max_restarts: int = 0,
     ) -> list[ReplicaHandle]:
-        """Start ranks 0..n_replicas-1; return one handle per rank, in rank order."""
+        """Start ranks 0..n_replicas-1 (or only ``ranks``, e.g. to restart one) of a run of
+        ``n_replicas``; return one handle per started rank, in rank order.
+
+        Implementations call ``remember_launch`` so ``relaunch`` can start a rank again.
+        ``max_restarts`` is for backends with ``native_restarts``; others ignore it (the
+        driver relaunches instead).
+        """
 
     @abstractmethod
     def status(self, handle: ReplicaHandle) -> ReplicaStatus:
@@ -220,6 +269,40 @@ class ServerlessExecutor(ABC):
     @abstractmethod
     def cancel(self, handle: ReplicaHandle) -> None:
         """Stop one replica (and everything it started); a finished replica is left alone."""
+
+    # ------------------------------------------------------------------ restarts
+    def remember_launch(self, record: LaunchRecord) -> None:
+        """Keep how a run was started (in memory only) for ``relaunch``."""
+        if not hasattr(self, "_launch_records"):
+            self._launch_records: dict[str, LaunchRecord] = {}
+        self._launch_records[record.run_id] = record
+
+    def relaunch(self, handle: ReplicaHandle) -> ReplicaHandle:
+        """Start ``handle``'s rank again with the command and environment it was first started
+        with; return the new handle (``extra["attempt"]`` counts up from 0).
+
+        The new process finds its own place in the run from the store (it resumes from the
+        newest global state), so nothing about the old process is carried over. Only runs this
+        executor instance launched can be relaunched: the environment, which may hold
+        credentials, is never written anywhere it could be read back from.
+        """
+        record = getattr(self, "_launch_records", {}).get(handle.run_id)
+        if record is None:
+            raise ExecutorError(
+                f"cannot relaunch replica {handle.rank} of run {handle.run_id}: it was not "
+                "launched by this executor (resume the run instead: crf launch --resume)"
+            )
+        (new,) = self.launch_replicas(
+            record.n_replicas,
+            record.entrypoint,
+            record.entrypoint_args,
+            record.env,
+            run_uri=record.run_uri,
+            run_id=record.run_id,
+            ranks=[handle.rank],
+        )
+        new.extra["attempt"] = int(handle.extra.get("attempt", 0)) + 1
+        return new
 
     # ------------------------------------------------------------------ shared helpers
     def check_run_uri(self, run_uri: str) -> None:

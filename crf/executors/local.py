@@ -6,10 +6,12 @@ process group lets ``cancel`` stop the whole tree with one ``killpg``, and keeps
 the driver's terminal from reaching the replicas directly - the driver decides what to stop.
 
 Output goes to ``<log_dir>/replica-<rank>.log`` (stdout and stderr interleaved, unbuffered),
-which is what ``logs()`` reads. Replicas talk only through the store given as ``run_uri``, so
-a ``memory://`` store (which lives inside one process) is refused before anything starts.
-The environment carries the replica contract and any caller extras (credentials included):
-nothing secret is ever put on the command line, where ``ps`` would show it.
+which is what ``logs()`` reads. A restarted (``relaunch``) or resumed replica appends to the
+same file after a separator line, so one file tells a rank's whole story. Replicas talk only
+through the store given as ``run_uri``, so a ``memory://`` store (which lives inside one
+process) is refused before anything starts. The environment carries the replica contract and
+any caller extras (credentials included): nothing secret is ever put on the command line,
+where ``ps`` would show it.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from pathlib import Path
 from crf.executors.base import (
     Entrypoint,
     ExecutorError,
+    LaunchRecord,
     ReplicaHandle,
     ReplicaState,
     ReplicaStatus,
     ServerlessExecutor,
     build_command,
     check_launch_args,
+    check_ranks,
     replica_env,
     run_id_from_uri,
 )
@@ -207,8 +211,13 @@ class LocalProcessExecutor(ServerlessExecutor):
         *,
         run_uri: str,
         run_id: str | None = None,
+        ranks: Sequence[int] | None = None,
+        max_restarts: int = 0,
     ) -> list[ReplicaHandle]:
+        """Start the replicas as subprocesses. Local processes have no platform retries:
+        ``max_restarts`` is ignored and the driver relaunches failed ranks itself."""
         check_launch_args(n_replicas, run_uri, in_process=False)
+        to_start = check_ranks(ranks, n_replicas)
         from crf.store import normalize_uri  # lazy: keeps `import crf.executors` light
 
         run_uri = normalize_uri(run_uri)
@@ -220,10 +229,16 @@ class LocalProcessExecutor(ServerlessExecutor):
 
         handles: list[ReplicaHandle] = []
         try:
-            for rank in range(n_replicas):
+            for rank in to_start:
                 log_path = log_dir / f"replica-{rank}.log"
                 child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
                 with open(log_path, "ab") as log_file:
+                    if log_file.tell() > 0:  # a restart or a resume: mark where it begins
+                        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                        log_file.write(
+                            f"----- crf: replica {rank} started again at {stamp} -----\n".encode()
+                        )
+                        log_file.flush()
                     popen = subprocess.Popen(
                         cmd,
                         stdin=subprocess.DEVNULL,
@@ -249,7 +264,17 @@ class LocalProcessExecutor(ServerlessExecutor):
                 handles.append(handle)
         except OSError as e:
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
-            raise ExecutorError(f"could not start replica {len(handles)}: {e}") from e
+            raise ExecutorError(f"could not start replica {rank}: {e}") from e
+        self.remember_launch(
+            LaunchRecord(
+                n_replicas=n_replicas,
+                entrypoint=entrypoint,
+                entrypoint_args=tuple(str(a) for a in entrypoint_args),
+                env={str(k): str(v) for k, v in (env or {}).items()},
+                run_uri=run_uri,
+                run_id=run_id,
+            )
+        )
         return handles
 
     # ------------------------------------------------------------------ status

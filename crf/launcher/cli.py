@@ -4,6 +4,10 @@ Exit codes are part of the interface, so scripts and CI can rely on them:
 0 the run finished ok; 1 the run started but failed (see result.json); 2 bad input, nothing was
 launched; 130 interrupted with Ctrl-C (replicas were cancelled).
 
+``crf launch --resume RUN_ID`` continues a stopped run from its own ``run.json``; the options
+that define a run (replicas, job, H, rounds, ...) are refused with it rather than silently
+ignored, since the run keeps the ones it was launched with.
+
 Bad input prints one red line that says what to fix - no traceback. Heavy modules (the store,
 torch, job configs) are imported inside the commands so ``crf --help`` stays instant.
 """
@@ -17,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from crf.launcher.driver import DEFAULT_MAX_RESTARTS  # light: no store, no torch
 from crf.spec import RunSpec
 
 app = typer.Typer(
@@ -63,8 +68,39 @@ def version() -> None:
     Console().print(f"crf {__version__}")
 
 
+#: launch options that define a run: fixed in its run.json, so refused with --resume
+RUN_DEFINING = (
+    "replicas",
+    "job",
+    "sync_every",
+    "rounds",
+    "run_id",
+    "outer_lr",
+    "outer_momentum",
+    "min_replicas",
+    "round_timeout",
+    "seed",
+    "set_",
+    "entrypoint",
+)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user set this option (by name: typer may carry its own click's enum)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _flag(ctx: typer.Context, name: str) -> str:
+    for param in ctx.command.params:
+        if param.name == name and param.opts:
+            return max(param.opts, key=len)
+    return "--" + name.replace("_", "-")
+
+
 @app.command()
 def launch(
+    ctx: typer.Context,
     backend: Annotated[
         str,
         typer.Option(help="Where replicas run: local (modal, hf, sagemaker come later)."),
@@ -116,14 +152,50 @@ def launch(
         float | None,
         typer.Option(help="Cancel the replicas if the run takes longer (seconds)."),
     ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(help="Restart a replica that dies at most this many times (per replica)."),
+    ] = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: Annotated[
+        int | None,
+        typer.Option(help="At most this many restarts in the whole run (default: no cap)."),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN_ID",
+            help="Continue a stopped run (in --store) from its last committed round, "
+            "with the options in its run.json.",
+        ),
+    ] = None,
 ) -> None:
     """Launch N replicas, show their progress, and print a summary when they finish."""
-    from crf.launcher.driver import prepare, run
+    from crf.launcher.driver import prepare, prepare_resume, run
     from crf.launcher.errors import LaunchError
 
     job_options = parse_sets(set_)
     if timeout is not None and timeout <= 0:
         _fail(f"--timeout must be > 0 seconds (got {timeout})")
+    if resume is not None:
+        fixed = [_flag(ctx, name) for name in RUN_DEFINING if _given(ctx, name)]
+        if fixed:
+            _fail(
+                f"{', '.join(fixed)} cannot be combined with --resume: a resumed run keeps the "
+                "options in its run.json"
+            )
+        try:
+            plan = prepare_resume(
+                resume,
+                store=store,
+                backend=backend if _given(ctx, "backend") else None,
+                max_restarts=max_restarts,
+                max_run_restarts=max_run_restarts,
+            )
+            summary = run(plan, progress=not no_progress, timeout_s=timeout)
+        except LaunchError as e:
+            _fail(str(e))
+        raise typer.Exit(_exit_code(summary))
     try:
         plan = prepare(
             job=job,
@@ -140,13 +212,19 @@ def launch(
             min_replicas=min_replicas,
             round_timeout_s=round_timeout,
             seed=seed,
+            max_restarts=max_restarts,
+            max_run_restarts=max_run_restarts,
         )
         summary = run(plan, progress=not no_progress, timeout_s=timeout)
     except LaunchError as e:
         _fail(str(e))
+    raise typer.Exit(_exit_code(summary))
+
+
+def _exit_code(summary: dict) -> int:
     if summary["status"] == "ok":
-        raise typer.Exit(EXIT_OK)
-    raise typer.Exit(EXIT_INTERRUPTED if summary["status"] == "cancelled" else EXIT_FAILED)
+        return EXIT_OK
+    return EXIT_INTERRUPTED if summary["status"] == "cancelled" else EXIT_FAILED
 
 
 def main() -> None:  # pragma: no cover - `python -m crf.launcher.cli`

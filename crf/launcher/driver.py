@@ -7,20 +7,38 @@ run folder behind. ``run`` then writes ``run.json`` with create-if-absent (two d
 for one run id cannot both win), starts the replicas, shows their heartbeats, and writes the
 summary to ``result.json``. The replicas never need the driver: if it dies, they go on, and
 the store still gets their results.
+
+While it watches, the driver also restarts replicas that die (``RestartPolicy``): the new
+process resumes from the store by itself, so a restart is just "run the same command again".
+``prepare_resume`` / ``resume`` continue a run whose driver and replicas all stopped, from its
+``run.json`` (never rewritten) and its newest committed ``global/<r>``. Every driver launch of
+a run is recorded under ``launches/<k>.json`` (0 = the first launch, then one per resume), with
+what each ended replica attempt left behind under ``launches/<k>/`` - so neither a restart nor a
+resume overwrites anything without keeping it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shlex
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from crf.executors.base import ExecutorError, ReplicaHandle, ReplicaState, ServerlessExecutor
+from rich.markup import escape
+
+from crf.executors.base import (
+    ExecutorError,
+    ReplicaHandle,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+)
 from crf.launcher.errors import LaunchError
 from crf.spec import RunSpec, SpecError, new_run_id
 
@@ -36,6 +54,11 @@ DEFAULT_STORE = "./crf-runs"
 _MANAGED = {"run_id", "run_uri", "job", "job_config", "entrypoint", "replicas", "sync_every",
             "rounds", "backend", "created_at", "version"}  # fmt: skip
 LOG_TAIL_LINES = 15
+DEFAULT_MAX_RESTARTS = 3
+#: exit codes that a restart cannot fix: 2 = the replica contract is broken (crf.replica)
+NO_RESTART_EXIT_CODES = frozenset({2})
+#: a replica on another host whose heartbeat is younger than this may still be running
+LIVE_HEARTBEAT_S = 60.0
 
 
 def _backend_list() -> str:
@@ -63,6 +86,43 @@ def display_path(store: RunStore, key: str = "") -> str:
 
 
 @dataclass
+class RestartPolicy:
+    """How often the driver starts a failed replica again.
+
+    ``max_restarts`` per replica (rank) and ``max_run_restarts`` for the whole run (None: no
+    cap beyond N x max_restarts). A restarted replica resumes from the newest global state and
+    its own saved inner-optimizer state, so a restart costs only that replica's work since the
+    last committed round. A replica that exits 2 (its environment breaks the contract) or was
+    cancelled is never restarted: running it again cannot help.
+    """
+
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    max_run_restarts: int | None = None
+
+    def validate(self) -> RestartPolicy:
+        for name in ("max_restarts", "max_run_restarts"):
+            value = getattr(self, name)
+            if value is None and name == "max_run_restarts":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                flag = "--" + name.replace("_", "-")
+                raise LaunchError(f"{flag} must be an integer >= 0 (got {value!r})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ResumeInfo:
+    """What ``prepare_resume`` found: which launch this is and where the run stands."""
+
+    launch: int  # this driver launch's number (0 was the first launch)
+    from_round: int | None  # newest committed global round (None: nothing committed yet)
+    previous_status: str | None  # status in the previous result.json, if any
+
+
+@dataclass
 class Plan:
     """A validated run, ready to start: nothing has been written or launched yet."""
 
@@ -70,6 +130,8 @@ class Plan:
     store: RunStore
     executor: ServerlessExecutor
     command: list[str] | None  # None: the backend's default, python -m crf.replica
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    resume: ResumeInfo | None = None  # set when continuing an existing run
 
 
 def _validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -99,6 +161,8 @@ def prepare(
     job_options: Mapping[str, Any] | None = None,
     entrypoint: str | Sequence[str] | None = None,
     executor: ServerlessExecutor | None = None,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: int | None = None,
     **spec_fields: Any,
 ) -> Plan:
     """Validate every input; LaunchError says what to fix. Writes nothing but a probe."""
@@ -107,6 +171,7 @@ def prepare(
     unknown = sorted(set(spec_fields) - ({f.name for f in dataclasses.fields(RunSpec)} - _MANAGED))
     if unknown:
         raise LaunchError(f"unknown launch option(s): {', '.join(unknown)}")
+    policy = RestartPolicy(max_restarts, max_run_restarts).validate()
     if executor is None:
         executor = make_executor(backend)
     run_id = run_id if run_id is not None else new_run_id()
@@ -156,7 +221,7 @@ def prepare(
         if probe.exists("run.json"):
             raise LaunchError(
                 f"run folder {display_path(probe)} already holds a run (run.json exists); "
-                "choose another --run-id (resuming a run is not supported yet)"
+                f"choose another --run-id, or continue it with --resume {run_id}"
             )
         probe.check_writable()
         leftovers = [n for n in probe.list() if not n.startswith(".crf-probe-")]
@@ -170,7 +235,144 @@ def prepare(
         raise LaunchError(f"{e} (check --store)") from None
     except OSError as e:
         raise LaunchError(f"cannot use store {run_uri}: {e} (check --store)") from None
-    return Plan(spec, run_store, executor, command)
+    return Plan(spec, run_store, executor, command, restart=policy)
+
+
+# ---------------------------------------------------------------------- resume
+def _pid_alive(pid: int, run_id: str | None = None) -> bool:
+    """Whether a process with this pid runs on this host (a zombie does not count) - and, when
+    its environment is readable, whether it is a replica of ``run_id`` (pids get reused)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc (macOS): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    if state == "Z":
+        return False
+    if run_id is not None:
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:  # another user's process: assume it may be ours
+            return True
+        return f"CRF_RUN_ID={run_id}".encode() in environ
+    return True
+
+
+def _live_replicas(
+    store: RunStore, replicas: int, run_id: str, now: float | None = None
+) -> list[str]:
+    """Replicas of a run that may still be running, each as a short description.
+
+    Two sets of replicas for one rank would both publish contributions under that rank, so a
+    resume must not start while the old ones live. On this host the heartbeat's pid says it
+    for sure; for another host a recent heartbeat is all we have.
+    """
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    live = []
+    for rank in range(replicas):
+        hb = _read_heartbeat(store, rank)
+        if not hb or hb.get("phase") in ("done", "failed"):
+            continue
+        pid, updated = hb.get("pid"), hb.get("updated_at")
+        age = now - updated if isinstance(updated, int | float) else None
+        if hb.get("host") == host and isinstance(pid, int):
+            if _pid_alive(pid, run_id):
+                live.append(f"replica {rank} (pid {pid} on this host)")
+        elif age is not None and age < LIVE_HEARTBEAT_S:
+            live.append(f"replica {rank} (on {hb.get('host')}, heartbeat {age:.0f}s ago)")
+    return live
+
+
+def _launch_numbers(store: RunStore) -> list[int]:
+    return sorted(
+        int(n.removesuffix(".json"))
+        for n in store.list("launches")
+        if n.removesuffix(".json").isdigit()
+    )
+
+
+def prepare_resume(
+    run_id: str,
+    *,
+    store: str | None = None,
+    backend: str | None = None,
+    executor: ServerlessExecutor | None = None,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: int | None = None,
+) -> Plan:
+    """Validate that run ``run_id`` in ``store`` can be continued; LaunchError otherwise.
+
+    The run keeps everything in its ``run.json`` (job, N, H, rounds, deadlines...), which is
+    read and never rewritten. Refused: a run folder without ``run.json``, a run that already
+    finished ok, a run whose replicas may still be running, and another backend than the one
+    the run was launched on.
+    """
+    from crf.store import RunStore, StoreError, join_uri, normalize_uri
+
+    policy = RestartPolicy(max_restarts, max_run_restarts).validate()
+    try:
+        run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
+        run_store = RunStore(run_uri, retries=0)
+        where = display_path(run_store)
+        if not run_store.exists("run.json"):
+            raise LaunchError(
+                f"nothing to resume at {where}: it holds no run.json (check --store and the run id)"
+            )
+        try:
+            spec = RunSpec.from_json(run_store.get("run.json")).validate()
+        except (ValueError, TypeError) as e:  # SpecError and JSON errors are ValueErrors
+            raise LaunchError(f"{where}/run.json cannot be read: {e}") from None
+        previous = None
+        if run_store.exists("result.json"):
+            try:
+                previous = run_store.get_json("result.json").get("status")
+            except (ValueError, AttributeError):
+                previous = None
+        live = _live_replicas(run_store, spec.replicas, spec.run_id)
+        launches = _launch_numbers(run_store)
+        rounds = [int(n) for n in run_store.list("global") if n.isdigit()]
+    except StoreError as e:
+        raise LaunchError(f"{e} (check --store)") from None
+    except OSError as e:
+        raise LaunchError(f"cannot use store {run_uri}: {e} (check --store)") from None
+    if previous == "ok":
+        raise LaunchError(
+            f"run {run_id} already finished (result.json says ok); there is nothing to resume"
+        )
+    if live:
+        raise LaunchError(
+            f"run {run_id} still has running replicas: {', '.join(live)}; stop them (or let "
+            "them finish) before resuming, or two replicas would share one rank"
+        )
+    if backend is not None and backend != spec.backend:
+        raise LaunchError(
+            f"run {run_id} was launched on backend {spec.backend!r}; resume it there "
+            f"(got --backend {backend})"
+        )
+    if executor is None:
+        executor = make_executor(spec.backend)
+    try:
+        executor.check_run_uri(run_uri)
+        executor.check_command(spec.entrypoint)
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
+    _validate_job(spec.job, spec.job_config)
+    # replicas find the run where it is now, even if the folder was moved since launch
+    spec.run_uri = run_store.uri
+    info = ResumeInfo(
+        launch=(max(launches) + 1) if launches else 1,
+        from_round=max(rounds) if rounds else None,
+        previous_status=previous,
+    )
+    return Plan(spec, RunStore(run_uri), executor, spec.entrypoint, policy, info)
 
 
 def _read_heartbeat(store: RunStore, rank: int) -> dict[str, Any] | None:
@@ -191,9 +393,139 @@ def _newline_after(console: Console, enabled: bool) -> Iterator[None]:
             console.line()
 
 
+class Supervisor:
+    """Keeps a run's replicas going: relaunches failed ones within the restart policy and
+    records every attempt that ended, so the summary can say what happened.
+
+    ``handles`` always holds the current attempt of each rank (rank order). Before a rank is
+    relaunched, what its failed attempt left (``results/<rank>.json``, its last heartbeat, its
+    exit status) is moved to ``launches/<k>/attempts/<rank>-<attempt>.json``: the new process
+    must not be judged by its predecessor's result, and the record must not be lost either.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        handles: Sequence[ReplicaHandle],
+        *,
+        launch_no: int,
+        console: Console | None = None,
+    ) -> None:
+        self.plan = plan
+        self.handles = list(handles)
+        self.launch_no = launch_no
+        self.console = console
+        self.restarts = {h.rank: 0 for h in handles}
+        self.attempts: dict[int, list[dict[str, Any]]] = {h.rank: [] for h in handles}
+        self.not_restarted: dict[int, str] = {}
+        self.stopped = False  # set once the driver cancels the run: no more restarts
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts.values())
+
+    def _why_not(self, rank: int, status: ReplicaStatus) -> str | None:
+        policy = self.plan.restart
+        if self.stopped:
+            return "the run is being stopped"
+        if status.exit_code in NO_RESTART_EXIT_CODES:
+            return f"exit code {status.exit_code} means its environment is broken"
+        if self.restarts[rank] >= policy.max_restarts:
+            return f"it already restarted {self.restarts[rank]} time(s) (--max-restarts)"
+        if policy.max_run_restarts is not None and self.total_restarts >= policy.max_run_restarts:
+            return f"the run already restarted {self.total_restarts} time(s) (--max-run-restarts)"
+        return None
+
+    def check(self, index: int, heartbeat: dict[str, Any] | None) -> ReplicaStatus:
+        """The status of the replica at ``index``, relaunching it first if it failed and may
+        restart (the returned status is then the new attempt's)."""
+        executor = self.plan.executor
+        handle = self.handles[index]
+        status = executor.status(handle)
+        if executor.native_restarts:  # the platform restarts it; we only count
+            self.restarts[handle.rank] = max(self.restarts[handle.rank], status.restarts)
+            return status
+        if status.state is not ReplicaState.FAILED or handle.rank in self.not_restarted:
+            return status
+        reason = self._why_not(handle.rank, status)
+        if reason is not None:
+            self.not_restarted[handle.rank] = reason
+            self._say(
+                f"[red]replica {handle.rank} {escape(_what(status))}; not restarting it: "
+                f"{escape(reason)}[/]"
+            )
+            return status
+        if heartbeat and (heartbeat.get("updated_at") or 0) < handle.started_at - 1:
+            heartbeat = None  # written by an earlier attempt: says nothing about this one
+        self._record(handle, status, heartbeat)
+        try:
+            new = executor.relaunch(handle)
+        except ExecutorError as e:
+            self.not_restarted[handle.rank] = f"relaunch failed: {e}"
+            self._say(f"[red]replica {handle.rank}: could not restart it: {escape(str(e))}[/]")
+            return status
+        self.restarts[handle.rank] += 1
+        self.handles[index] = new
+        where = f" in round {heartbeat.get('round')}" if heartbeat else ""
+        self._say(
+            f"[yellow]replica {handle.rank} {escape(_what(status))}{where}: restarted it "
+            f"({self.restarts[handle.rank]}/{self.plan.restart.max_restarts}); it resumes "
+            "from the newest global state[/]"
+        )
+        return executor.status(new)
+
+    def _record(
+        self, handle: ReplicaHandle, status: ReplicaStatus, heartbeat: dict[str, Any] | None
+    ) -> None:
+        store = self.plan.store
+        attempt = int(handle.extra.get("attempt", 0))
+        record: dict[str, Any] = {
+            "rank": handle.rank,
+            "launch": self.launch_no,
+            "attempt": attempt,
+            "backend_id": handle.backend_id,
+            "state": str(status.state),
+            "exit_code": status.exit_code,
+            "message": status.message,
+            "started_at": handle.started_at,
+            "ended_at": time.time(),
+            "phase": (heartbeat or {}).get("phase"),
+            "round": (heartbeat or {}).get("round"),
+            "step": (heartbeat or {}).get("step"),
+            "result": None,
+        }
+        try:
+            key = f"results/{handle.rank}.json"
+            if store.exists(key):
+                record["result"] = store.get_json(key)
+            store.put_json(
+                f"launches/{self.launch_no}/attempts/{handle.rank}-{attempt}.json", record
+            )
+            if record["result"] is not None:
+                store.delete(key)
+        except Exception as e:  # bookkeeping must never stop a restart
+            record["record_error"] = f"{type(e).__name__}: {e}"
+        slim = {k: v for k, v in record.items() if k != "result"}
+        if isinstance(record["result"], dict):  # it failed cleanly and said why
+            slim["error"] = record["result"].get("error")
+            slim["rejected"] = record["result"].get("rejected") or []
+        self.attempts[handle.rank].append(slim)
+
+    def _say(self, message: str) -> None:
+        """Tell the user at once (above the live table): a restart is news, not a summary."""
+        if self.console is not None:
+            self.console.print(message, highlight=False)
+
+
+def _what(status: ReplicaStatus) -> str:
+    """'was killed by SIGKILL' / 'exited with code 1' for a failed replica."""
+    if status.message.startswith("killed"):
+        return f"was {status.message}"
+    return status.message or f"failed (exit code {status.exit_code})"
+
+
 def _watch(
-    plan: Plan,
-    handles: Sequence[ReplicaHandle],
+    sup: Supervisor,
     *,
     console: Console,
     progress: bool,
@@ -201,20 +533,22 @@ def _watch(
     poll_s: float,
     started: float,
 ) -> bool:
-    """Poll process status and heartbeats until every replica ended; True if timed out."""
+    """Poll process status and heartbeats until every replica ended (relaunching failed ones
+    through ``sup``); True if the run timed out and was cancelled."""
     from rich.live import Live
 
     from crf.launcher.progress import ReplicaView, render_progress
 
+    plan = sup.plan
     spec, store, executor = plan.spec, plan.store, plan.executor
-    beats: dict[int, dict[str, Any] | None] = {h.rank: None for h in handles}
+    beats: dict[int, dict[str, Any] | None] = {h.rank: None for h in sup.handles}
 
     def refresh() -> tuple[bool, Any]:
         views = []
-        for h in handles:
-            st = executor.status(h)
+        for i, h in enumerate(sup.handles):
             beats[h.rank] = _read_heartbeat(store, h.rank) or beats[h.rank]
-            views.append(ReplicaView(h.rank, st, beats[h.rank]))
+            st = sup.check(i, beats[h.rank])
+            views.append(ReplicaView(h.rank, st, beats[h.rank], sup.restarts[h.rank]))
         table = render_progress(
             views,
             run_id=spec.run_id,
@@ -233,7 +567,8 @@ def _watch(
             if done:
                 return False
             if timeout_s is not None and time.time() - started > timeout_s:
-                executor.cancel_all(handles)
+                sup.stopped = True
+                executor.cancel_all(sup.handles)
                 if live is not None:
                     live.update(refresh()[1], refresh=True)
                 return True
@@ -247,6 +582,54 @@ def _log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:
         return []
 
 
+def _start_launch(plan: Plan, started: float) -> int:
+    """Claim this driver launch in the store; return its number.
+
+    A first launch creates ``run.json`` (create-if-absent: two drivers racing for one run id
+    cannot both win). A resume leaves ``run.json`` alone, claims ``launches/<k>.json`` with
+    create-if-absent (two drivers resuming at once cannot both win either), and keeps the
+    previous ``result.json`` and ``results/<rank>.json`` under ``launches/<k>/previous/``
+    before its replicas write new ones.
+    """
+    spec, store = plan.spec, plan.store
+    record = {
+        "launch": 0,
+        "started_at": started,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "backend": spec.backend,
+        "restart_policy": plan.restart.to_dict(),
+        "resumed_from_round": None,
+    }
+    if plan.resume is None:
+        if not store.put_if_absent("run.json", spec.to_json().encode()):
+            raise LaunchError(
+                f"run folder {display_path(store)} already holds a run (run.json exists); "
+                f"choose another --run-id, or continue it with --resume {spec.run_id}"
+            )
+        store.put_json_if_absent("launches/0.json", record)
+        return 0
+    k = plan.resume.launch
+    record.update(launch=k, resumed_from_round=plan.resume.from_round)
+    if not store.put_json_if_absent(f"launches/{k}.json", record):
+        raise LaunchError(
+            f"another driver is resuming run {spec.run_id} right now (launches/{k}.json "
+            "exists); let it run, or wait for it to stop"
+        )
+    keep = [("result.json", f"launches/{k}/previous/result.json")]
+    keep += [
+        (f"results/{r}.json", f"launches/{k}/previous/results/{r}.json")
+        for r in range(spec.replicas)
+    ]
+    for src, dst in keep:
+        with contextlib.suppress(Exception):  # missing is normal; nothing here may block
+            data = store.get(src)
+            store.put(dst, data)
+            if src != "result.json":
+                store.delete(src)
+    return k
+
+
 def run(
     plan: Plan,
     *,
@@ -258,40 +641,55 @@ def run(
     poll_s: float = 0.5,
     plot: bool = True,
 ) -> dict[str, Any]:
-    """Write run.json, start the replicas, watch them, write result.json; return the summary."""
+    """Write run.json (or claim a resume), start the replicas, watch them (restarting failed
+    ones), write result.json; return the summary."""
     from rich.console import Console
 
     from crf.launcher.summary import build_summary, plot_losses, read_metrics, render_summary
 
     console = console or Console()
     spec, store, executor = plan.spec, plan.store, plan.executor
-    if not store.put_if_absent("run.json", spec.to_json().encode()):
-        raise LaunchError(
-            f"run folder {display_path(store)} already holds a run (run.json exists); "
-            "choose another --run-id"
-        )
     started = time.time()
+    from crf.store import StoreError
+
+    try:
+        launch_no = _start_launch(plan, started)
+    except (OSError, StoreError) as e:  # after the store's own retries
+        raise LaunchError(f"cannot write to the run folder {display_path(store)}: {e}") from None
     if report:
         console.print(
             f"[bold]crf[/] run [bold]{spec.run_id}[/]: {spec.replicas} replica(s) of job "
             f"{spec.job!r} on {spec.backend}, {spec.rounds} round(s) x {spec.sync_every} steps"
         )
+        if plan.resume is not None:
+            r = plan.resume.from_round
+            where = f"round {r + 1} (global/{r})" if r is not None else "the start"
+            console.print(f"resuming (launch {launch_no}): replicas continue from {where}")
         console.print(f"run folder: {display_path(store)}", soft_wrap=True, highlight=False)
+    extra = {"launch": launch_no, "restart_policy": plan.restart.to_dict()}
+    if plan.resume is not None:
+        extra["resumed_from_round"] = plan.resume.from_round
     try:
         handles = executor.launch_replicas(
-            spec.replicas, plan.command, (), env, run_uri=spec.run_uri, run_id=spec.run_id
+            spec.replicas,
+            plan.command,
+            (),
+            env,
+            run_uri=spec.run_uri,
+            run_id=spec.run_id,
+            max_restarts=plan.restart.max_restarts,
         )
     except ExecutorError as e:
-        failed = build_summary(spec=spec, results=[], started_at=started, error=str(e))
+        failed = build_summary(spec=spec, results=[], started_at=started, error=str(e), **extra)
         store.put_json("result.json", failed)
         raise LaunchError(f"could not start the replicas: {e}") from None
 
+    sup = Supervisor(plan, handles, launch_no=launch_no, console=console if report else None)
     error: str | None = None
     cancelled = False
     try:
         timed_out = _watch(
-            plan,
-            handles,
+            sup,
             console=console,
             progress=progress,
             timeout_s=timeout_s,
@@ -302,15 +700,20 @@ def run(
             error = f"the run did not finish within {timeout_s}s; its replicas were cancelled"
     except KeyboardInterrupt:
         cancelled = True
+        sup.stopped = True
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
-        executor.cancel_all(handles)
+        executor.cancel_all(sup.handles)
 
-    results = executor.collect(handles, timeout=60)
+    results = executor.collect(sup.handles, timeout=60)
     tails = {
         r.rank: _log_tail(executor, r.handle)
         for r in results
         if not r.ok and r.state is not ReplicaState.CANCELLED
     }
+    try:
+        metrics = read_metrics(store, spec.replicas)
+    except Exception:  # a summary without per-round detail beats no summary
+        metrics = {}
     summary = build_summary(
         spec=spec,
         results=results,
@@ -318,11 +721,16 @@ def run(
         cancelled=cancelled,
         error=error,
         log_tails=tails,
+        attempts=sup.attempts,
+        restarts=sup.restarts,
+        not_restarted=sup.not_restarted,
+        metrics=metrics,
+        **extra,
     )
     plot_path = None
     if plot:
         try:
-            png = plot_losses(read_metrics(store, spec.replicas), title=f"crf run {spec.run_id}")
+            png = plot_losses(metrics, title=f"crf run {spec.run_id}")
         except Exception as e:  # a plot must never turn a good run into a crash
             png = None
             console.print(f"[yellow]could not draw the loss plot: {type(e).__name__}: {e}[/]")
@@ -332,6 +740,15 @@ def run(
     summary["loss_plot"] = plot_path
     summary["result_path"] = display_path(store, "result.json")
     store.put_json("result.json", summary)
+    with contextlib.suppress(Exception):  # the launch record is history, not the result
+        record = store.get_json(f"launches/{launch_no}.json")
+        record.update(
+            ended_at=summary["ended_at"],
+            status=summary["status"],
+            restarts=summary["restarts"],
+            error=summary["error"],
+        )
+        store.put_json(f"launches/{launch_no}.json", record)
     if report:
         render_summary(summary, console, result_path=summary["result_path"], plot_path=plot_path)
     return summary
@@ -356,14 +773,18 @@ def launch(
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     plot: bool = True,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: int | None = None,
     **spec_fields: Any,
 ) -> dict[str, Any]:
     """Run N replicas to the end and return the summary that was written to result.json.
 
     ``spec_fields`` are the other RunSpec fields (outer_lr, outer_momentum, min_replicas,
     round_timeout_s, seed, ...). ``env`` adds variables to every replica (credentials go
-    here, never in ``entrypoint``). Raises LaunchError for bad input, before launching;
-    a run that starts and fails returns a summary with ``status == "failed"``.
+    here, never in ``entrypoint``). A replica that fails is started again, at most
+    ``max_restarts`` times per replica and ``max_run_restarts`` times in all. Raises
+    LaunchError for bad input, before launching; a run that starts and fails returns a
+    summary with ``status == "failed"``.
     """
     plan = prepare(
         job=job,
@@ -376,7 +797,49 @@ def launch(
         job_options=job_options,
         entrypoint=entrypoint,
         executor=executor,
+        max_restarts=max_restarts,
+        max_run_restarts=max_run_restarts,
         **spec_fields,
+    )
+    return run(
+        plan,
+        env=env,
+        progress=progress,
+        report=report,
+        console=console,
+        timeout_s=timeout_s,
+        poll_s=poll_s,
+        plot=plot,
+    )
+
+
+def resume(
+    run_id: str,
+    *,
+    store: str | None = None,
+    backend: str | None = None,
+    env: Mapping[str, str] | None = None,
+    executor: ServerlessExecutor | None = None,
+    progress: bool = True,
+    report: bool = True,
+    console: Console | None = None,
+    timeout_s: float | None = None,
+    poll_s: float = 0.5,
+    plot: bool = True,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: int | None = None,
+) -> dict[str, Any]:
+    """Continue run ``run_id`` whose driver and replicas stopped: start all N replicas again;
+    each resumes from the newest committed ``global/<r>`` with its own inner-optimizer state
+    and data position, so no committed round is lost and none is trained twice. Returns the
+    summary written to result.json (``launch`` says which driver launch this was)."""
+    plan = prepare_resume(
+        run_id,
+        store=store,
+        backend=backend,
+        executor=executor,
+        max_restarts=max_restarts,
+        max_run_restarts=max_run_restarts,
     )
     return run(
         plan,

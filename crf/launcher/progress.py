@@ -3,7 +3,9 @@
 Two sources, on purpose: the backend knows whether the *process* is alive (and its exit code);
 only the replica knows its training phase, round, step and loss, which it publishes in
 ``replicas/<rank>/state.json``. A replica whose process runs but whose heartbeat is old is
-shown with its heartbeat age in yellow, which is how a hang looks from outside.
+shown with its heartbeat age in yellow, which is how a hang looks from outside. Once the
+driver has restarted a replica, a ``restarts`` column appears (kept out of a clean run's table,
+where it would only be zeros).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ReplicaView:
     rank: int
     status: ReplicaStatus
     heartbeat: dict[str, Any] | None
+    restarts: int = 0
 
 
 def fmt_loss(value: Any) -> str:
@@ -87,6 +90,9 @@ def render_progress(
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
     table.add_column("heartbeat", justify="right")
+    show_restarts = any(v.restarts for v in views)
+    if show_restarts:
+        table.add_column("restarts", justify="right")
     for v in views:
         hb = v.heartbeat or {}
         phase = str(hb.get("phase", "-"))
@@ -100,7 +106,7 @@ def render_progress(
             age = f"{secs:.0f}s ago"
             if secs > STALE_AFTER_S and not v.status.terminal:
                 age_style = "yellow"
-        table.add_row(
+        cells: list[Any] = [
             str(v.rank),
             process_text(v.status),
             Text(phase, style=_PHASE_STYLE.get(phase, "")),
@@ -108,5 +114,8 @@ def render_progress(
             f"{step}" if step is not None else "-",
             fmt_loss(hb.get("loss")),
             Text(age or "-", style=age_style),
-        )
+        ]
+        if show_restarts:
+            cells.append(Text(str(v.restarts) if v.restarts else "-", style="yellow"))
+        table.add_row(*cells)
     return table

@@ -4,14 +4,21 @@ The summary joins what the backend saw (exit codes) with what each replica repor
 (``results/<rank>.json``), so one file answers "did it work, did the replicas agree, what did
 it cost". ``weights_identical`` is the DiLoCo invariant made visible: after the last outer step
 every replica must hold the same bits.
+
+It also says what went wrong on the way, because an elastic run that "finished ok" can hide a
+lot: how often each replica was restarted (and how each attempt ended), which rounds each
+replica missed (from ``metrics/<rank>/<r>.json``, so rounds it spent dead count too), which
+store objects were rejected as corrupt or foreign (never averaged), and the worst time any
+replica spent waiting in one round.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -38,7 +45,71 @@ RESULT_FIELDS = (
 )
 
 
-def replica_row(res: ReplicaResult, log_tail: Sequence[str] = ()) -> dict[str, Any]:
+#: a store key named in a rejection message (contribution, reduced shard, checkpoint, ...)
+_OBJECT_KEY = re.compile(
+    r"(rounds/\d+/(?:contrib/\d+/[\w.]+|reduced/\d+|quorum\.json|failed\.json)"
+    r"|global/\d+/state\.pt|replicas/\d+/inner/state\.pt)"
+)
+#: a contribution that was not there to average (its replica died or was late), as opposed
+#: to one that was there but bad
+_LEFT_OUT = re.compile(r": (missing|owner \d+ did not reduce it)$")
+
+
+#: the last line of a Python traceback: "pkg.mod.SomeError: what happened"
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Timeout|Failed|Exit)\b.*")
+
+
+def last_exception(lines: Sequence[str]) -> str | None:
+    """The last exception line in a log tail, if any: the reason a replica that could not
+    write its own result (e.g. its store was down) died, for the summary's error column."""
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line.strip()):
+            return line.strip()
+    return None
+
+
+def is_left_out(message: Any) -> bool:
+    """A replica's ``rejected`` entry for a part that was absent, not for a bad object."""
+    return bool(_LEFT_OUT.search(str(message)))
+
+
+def rejected_objects(messages: Sequence[Any]) -> list[str]:
+    """The distinct store keys named in a replica's ``rejected`` messages, sorted by round.
+
+    One bad object can produce several messages (the replica that found it, then the round
+    failure every other replica sees); counting keys counts objects, not messages. A message
+    that names no key still counts, as itself.
+    """
+    keys: list[str] = []
+    for msg in messages:
+        found = _OBJECT_KEY.findall(str(msg)) or [str(msg)]
+        if found[0] not in keys:  # the first key named is the object the message is about
+            keys.append(found[0])
+
+    def order(key: str) -> tuple[int, str]:
+        m = re.search(r"\d+", key)
+        return (int(m.group()) if m else -1, key)
+
+    return sorted(keys, key=order)
+
+
+def rounds_missed(metrics: Sequence[Mapping[str, Any]], rounds: int) -> list[int]:
+    """Rounds this replica did not commit: it was out of the quorum, the round failed, or it
+    was not running (dead, restarting, healed past it) - no committed metrics for it."""
+    committed = {m.get("round") for m in metrics if m.get("committed")}
+    return [r for r in range(rounds) if r not in committed]
+
+
+def replica_row(
+    res: ReplicaResult,
+    log_tail: Sequence[str] = (),
+    *,
+    rounds: int | None = None,
+    metrics: Sequence[Mapping[str, Any]] | None = None,
+    attempts: Sequence[Mapping[str, Any]] = (),
+    restarts: int = 0,
+    not_restarted: str | None = None,
+) -> dict[str, Any]:
     data = res.result or {}
     row: dict[str, Any] = {
         "rank": res.rank,
@@ -52,6 +123,34 @@ def replica_row(res: ReplicaResult, log_tail: Sequence[str] = ()) -> dict[str, A
     }
     for key in RESULT_FIELDS:
         row[key] = data.get(key)
+    # rounds missed over the whole run, not just the last attempt, when the replica logged
+    # per-round metrics; otherwise what the replica itself reported
+    if metrics and rounds is not None:
+        row["rounds_missed"] = rounds_missed(metrics, rounds)
+    syncs = [m.get("sync_s") for m in metrics or ()]
+    syncs = [float(v) for v in syncs if isinstance(v, int | float) and not isinstance(v, bool)]
+    row["max_sync_s"] = round(max(syncs), 3) if syncs else None
+    reported = list(data.get("rejected") or [])
+    for attempt in attempts:  # what earlier attempts of this rank reported before dying
+        reported.extend(attempt.get("rejected") or [])
+    for m in metrics or ():  # and what attempts that left no result logged per round
+        for x in m.get("rejected") or ():
+            if x not in reported:
+                reported.append(x)
+    # bad objects (corrupt, foreign, wrong round or shape: never averaged) apart from parts
+    # that were simply not there (a dead or late replica's: left out of the average)
+    row["rejected"] = [x for x in reported if not is_left_out(x)]
+    row["left_out"] = [x for x in reported if is_left_out(x)]
+    row["objects_rejected"] = len(rejected_objects(row["rejected"]))
+    row["restarts"] = restarts
+    row["attempts"] = [dict(a) for a in attempts]
+    row["resumed_from"] = data.get("resumed_from")
+    if not_restarted:
+        row["not_restarted"] = not_restarted
+    if res.result is None and row["error"] and log_tail:  # it died without saying why
+        reason = last_exception(log_tail)
+        if reason:
+            row["error"] = f"{row['error']}: {reason}"
     if log_tail:
         row["log_tail"] = list(log_tail)
     return row
@@ -72,15 +171,35 @@ def build_summary(
     cancelled: bool = False,
     error: str | None = None,
     log_tails: dict[int, list[str]] | None = None,
+    attempts: Mapping[int, Sequence[Mapping[str, Any]]] | None = None,
+    restarts: Mapping[int, int] | None = None,
+    not_restarted: Mapping[int, str] | None = None,
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]] | None = None,
+    launch: int = 0,
+    restart_policy: Mapping[str, Any] | None = None,
+    resumed_from_round: int | None = None,
 ) -> dict[str, Any]:
     """The dict written to ``result.json`` (and returned by ``crf.launch``).
 
-    ``status`` is ``ok`` only if every replica exited cleanly and none reported a failure:
-    an elastic run may finish with fewer replicas, but a replica that died is still a failure
-    someone should look at.
+    ``status`` is ``ok`` only if every replica's last attempt exited cleanly and none reported
+    a failure: an elastic run may finish with fewer replicas, but a replica that stayed dead
+    is still a failure someone should look at. A replica that died and was restarted, and
+    then finished, is ok - its restarts are in the row and in ``restarts``.
     """
     ended_at = time.time() if ended_at is None else ended_at
-    rows = [replica_row(r, (log_tails or {}).get(r.rank, ())) for r in results]
+    metrics = metrics or {}
+    rows = [
+        replica_row(
+            r,
+            (log_tails or {}).get(r.rank, ()),
+            rounds=spec.rounds,
+            metrics=metrics.get(r.rank),
+            attempts=(attempts or {}).get(r.rank, ()),
+            restarts=(restarts or {}).get(r.rank, 0),
+            not_restarted=(not_restarted or {}).get(r.rank),
+        )
+        for r in results
+    ]
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
     if cancelled:
@@ -89,6 +208,11 @@ def build_summary(
         status = "failed"
     else:
         status = "ok"
+    committed = {m.get("round") for ms in metrics.values() for m in ms if m.get("committed")} & set(
+        range(spec.rounds)
+    )
+    all_rejected = rejected_objects([msg for row in rows for msg in row["rejected"]])
+    syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
     return {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
@@ -104,6 +228,20 @@ def build_summary(
         "final_loss": _mean([row["final_loss"] for row in rows if row["ok"]]),
         "bytes_up": sum(row["bytes_up"] or 0 for row in rows),
         "bytes_down": sum(row["bytes_down"] or 0 for row in rows),
+        "launch": launch,
+        "resumed_from_round": resumed_from_round,
+        "restart_policy": dict(restart_policy or {}),
+        "restarts": sum(row["restarts"] for row in rows),
+        # rounds at least one replica committed, and rounds nobody did (e.g. a bad object
+        # failed the round for everyone); None when no replica logged per-round metrics
+        "rounds_completed": len(committed) if metrics else None,
+        "rounds_lost": sorted(set(range(spec.rounds)) - committed) if metrics else None,
+        "objects_rejected": len(all_rejected),
+        "rejected_objects": all_rejected,
+        "contributions_left_out": len(
+            rejected_objects([msg for row in rows for msg in row["left_out"]])
+        ),
+        "max_sync_s": max(syncs) if syncs else None,
         "started_at": started_at,
         "ended_at": ended_at,
         "wall_s": round(ended_at - started_at, 3),
@@ -142,6 +280,30 @@ def _exit_text(row: dict[str, Any]) -> Text:
     return Text(f"failed ({code})" if code is not None else "failed", style="bold red")
 
 
+def _rounds_text(row: dict[str, Any], rounds: Any) -> str:
+    """Committed rounds: the replica's own count, or - when it ran in several attempts (a
+    restart, a resume) - the whole run's count from its per-round metrics."""
+    committed = row.get("rounds_committed")
+    missed = row.get("rounds_missed")
+    several = row.get("restarts") or row.get("resumed_from") is not None
+    if several and isinstance(missed, list) and isinstance(rounds, int):
+        committed = rounds - len(missed)
+    return f"{committed}/{rounds}" if committed is not None else "-"
+
+
+def _count(value: Any) -> str:
+    n = len(value) if isinstance(value, list) else value
+    return str(n) if isinstance(n, int) and n else "-"
+
+
+def _attempt_text(a: Mapping[str, Any]) -> str:
+    how = a.get("message") or a.get("state") or "failed"
+    if a.get("error"):
+        how = f"{how}: {a['error']}"
+    where = f" in round {a['round']} ({a.get('phase')})" if a.get("round") is not None else ""
+    return f"attempt {a.get('attempt', '?')} {how}{where}"
+
+
 def render_summary(
     summary: dict[str, Any],
     console: Console,
@@ -149,45 +311,92 @@ def render_summary(
     result_path: str | None = None,
     plot_path: str | None = None,
 ) -> None:
-    """Print the per-replica table, the verdict, and where result.json / loss.png are."""
+    """Print the per-replica table, what went wrong on the way (restarts, rejected objects),
+    the verdict, and where result.json / loss.png are."""
     rounds = summary.get("rounds")
+    rows = summary["replicas"]
+    # the fault columns only when something happened: in a clean run they are all zeros
+    faults = any(
+        row.get("restarts") or row.get("objects_rejected") or row.get("rounds_missed")
+        for row in rows
+    )
     table = Table(title=f"crf run {summary['run_id']} - summary", title_justify="left")
     table.add_column("rank", justify="right")
-    table.add_column("exit")
-    table.add_column("rounds", justify="right")
+    table.add_column("exit", no_wrap=True)
+    table.add_column("rounds", justify="right", no_wrap=True)
+    if faults:
+        table.add_column("missed", justify="right")
+        table.add_column("restarts", justify="right")
+        table.add_column("rejected", justify="right")
     table.add_column("final loss", justify="right")
     table.add_column("sent", justify="right")
     table.add_column("received", justify="right")
     table.add_column("sync time", justify="right")
-    for row in summary["replicas"]:
-        committed = row.get("rounds_committed")
-        table.add_row(
-            str(row["rank"]),
-            _exit_text(row),
-            f"{committed}/{rounds}" if committed is not None else "-",
+    for row in rows:
+        cells = [str(row["rank"]), _exit_text(row), _rounds_text(row, rounds)]
+        if faults:
+            cells += [
+                _count(row.get("rounds_missed")),
+                _count(row.get("restarts")),
+                _count(row.get("objects_rejected")),
+            ]
+        cells += [
             fmt_loss(row.get("final_loss")),
             fmt_bytes(row.get("bytes_up")),
             fmt_bytes(row.get("bytes_down")),
             fmt_seconds(row.get("sync_s")),
-        )
+        ]
+        table.add_row(*cells)
     console.print(table)
 
+    for row in summary["replicas"]:
+        attempts = row.get("attempts") or []
+        if attempts:
+            console.print(
+                f"[yellow]replica {row['rank']}[/] restarted {len(attempts)} time(s): "
+                + escape("; ".join(_attempt_text(a) for a in attempts)),
+                soft_wrap=True,
+                highlight=False,
+            )
+        if isinstance(row.get("rounds_missed"), list) and row["rounds_missed"] and attempts:
+            console.print(
+                f"    rounds missed: {', '.join(map(str, row['rounds_missed']))}",
+                highlight=False,
+            )
     for row in summary["replicas"]:
         if row["ok"] or row["state"] == ReplicaState.CANCELLED:
             continue  # a cancelled replica is in the table; its log tail says nothing new
         console.print(
             f"[bold red]replica {row['rank']}[/]: {escape(str(row.get('error') or 'failed'))}"
         )
+        if row.get("not_restarted"):
+            console.print(f"    not restarted: {escape(row['not_restarted'])}", highlight=False)
         for line in row.get("log_tail", []):
             console.print(Text(f"    {line}", style="dim"), soft_wrap=True)
         if row.get("log_path"):
             console.print(f"    log: {row['log_path']}", soft_wrap=True, highlight=False)
+    if summary.get("rejected_objects"):
+        keys = summary["rejected_objects"]
+        console.print(
+            f"[yellow]{len(keys)} object(s) rejected (never averaged):[/] "
+            + escape(", ".join(keys[:10]))
+            + (" ..." if len(keys) > 10 else ""),
+            soft_wrap=True,
+            highlight=False,
+        )
 
     status = summary["status"]
     style = {"ok": "bold green", "failed": "bold red"}.get(status, "bold yellow")
     parts = [f"[{style}]{status}[/]", f"wall {fmt_seconds(summary.get('wall_s'))}"]
+    if summary.get("launch"):
+        parts.append(f"launch {summary['launch']} (resumed)")
     if summary.get("final_loss") is not None:
         parts.append(f"final loss {fmt_loss(summary['final_loss'])}")
+    if summary.get("restarts"):
+        parts.append(f"[yellow]{summary['restarts']} restart(s)[/]")
+    if summary.get("rounds_lost"):
+        lost = ", ".join(map(str, summary["rounds_lost"]))
+        parts.append(f"[yellow]round(s) {lost} committed by nobody[/]")
     if summary["weights_identical"]:
         parts.append("[green]weights identical across replicas[/]")
     else:

@@ -401,6 +401,7 @@ class ObjectStoreAllReduce:
         key = f"rounds/{r}/quorum.json"
         deadline = time.monotonic() + self.round_timeout_s
         decided: dict[str, Any] | None = None
+        checked: list[bool] = []  # whether global/ was looked at yet (once, then at deciding)
 
         def _try() -> bool:
             nonlocal decided
@@ -415,7 +416,16 @@ class ObjectStoreAllReduce:
                 raise _Stale(max(arrived[e].get("base_round") or -1 for e in eligible))
             everyone = len(arrived) == self.world_size
             late = time.monotonic() >= deadline
-            if (everyone or late) and eligible and len(eligible) >= self.min_replicas:
+            deciding = (everyone or late) and eligible and len(eligible) >= self.min_replicas
+            if deciding or not checked:
+                checked.append(True)
+                newest = self._newest_global()
+                if newest is not None and newest >= r:
+                    # round r was committed already and its folder garbage-collected: this
+                    # replica lags the others by more than keep_rounds (a straggler). A quorum
+                    # decided now would fork the weights; catch up instead.
+                    raise _Stale(newest)
+            if deciding:
                 body = {
                     "round": r,
                     "participants": eligible,
@@ -454,6 +464,10 @@ class ObjectStoreAllReduce:
                 f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
             )
         return sorted(int(p) for p in decided["participants"])
+
+    def _newest_global(self) -> int | None:
+        rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
+        return max(rounds) if rounds else None
 
     def _check_layouts(
         self, res: AllReduceResult, r: int, participants: list[int], mine: dict[str, Any]

@@ -100,6 +100,7 @@ class ReplicaContext:
         self._round_loss: list[float] = []
         self._round_losses: dict[int, float] = {}
         self._synced_rounds: list[dict[str, Any]] = []
+        self._n_rejected = 0  # how many of manager.rejected are already in per-round metrics
         self._last_beat = 0.0
         self._t_start = time.time()
         self._compute_s = 0.0
@@ -241,6 +242,8 @@ class ReplicaContext:
         self.step = max(self.step, m.current_step() * self.spec.sync_every)
         if m.last_committed:
             self._save_inner(m.current_step() - 1)
+        # objects this round left out or refused (m.rejected accumulates over the run)
+        rejected, self._n_rejected = list(m.rejected[self._n_rejected :]), len(m.rejected)
         self._synced_rounds.append(
             {
                 "round": r,
@@ -251,6 +254,7 @@ class ReplicaContext:
                 "bytes_up": res.bytes_up if res else 0,
                 "bytes_down": res.bytes_down if res else 0,
                 "error": m.last_error,
+                "rejected": rejected,
                 "healed_from": m.last_healed_from,
             }
         )

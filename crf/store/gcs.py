@@ -1,0 +1,141 @@
+"""``gs://`` / ``gcs://`` run stores through gcsfs (install ``composer-replication[gcs]``).
+
+Guarantees (see docs/stores.md):
+
+* ``put`` is one upload request (simple upload; above ``UPLOAD_CHUNKSIZE`` a resumable upload,
+  which GCS finalizes as one new generation): readers see the old generation or the new one.
+* ``put_if_absent`` uploads with the precondition ``ifGenerationMatch=0`` ("only if no live
+  object has this name"): GCS checks it atomically and answers 412, which gcsfs raises as
+  FileExistsError. A retried upload whose first attempt had landed also gets 412, so each
+  create carries a random ``crf-writer`` custom-metadata token and a 412 is answered by one
+  metadata read: the token tells whether the object there is this call's.
+
+Credentials: gcsfs's default chain (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth
+application-default login``, the metadata server on GCP); ``STORAGE_EMULATOR_HOST`` selects an
+emulator. Pass ``token=``/``project=`` as storage options to override. Nothing is logged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from typing import Any
+
+import aiohttp
+import gcsfs
+from gcsfs.retry import HttpError
+
+from crf.store.errors import StoreNotWritable
+from crf.store.run_store import RunStore, register_scheme
+
+#: custom-metadata key holding the random token of the call that created an object
+WRITER_META = "crf-writer"
+#: objects of at least this size go up as a resumable upload in chunks of this size
+UPLOAD_CHUNKSIZE = 50 * 2**20
+#: tries of one put_if_absent (same token) on transient errors before RunStore's own retries
+CREATE_ATTEMPTS = 3
+
+
+if "mode" not in inspect.signature(gcsfs.GCSFileSystem._pipe_file).parameters:
+    raise ImportError(
+        f"gcsfs {gcsfs.__version__} cannot make conditional writes; gcsfs>=2024.12 is needed"
+    )
+
+
+class GCSUnreachable(StoreNotWritable, ConnectionError):
+    """The GCS endpoint could not be reached (a ConnectionError, so RunStore retries it)."""
+
+
+def _fs_options() -> dict[str, Any]:
+    # Other replicas write behind this process's back: never trust a cached listing.
+    return {"use_listings_cache": False}
+
+
+def _endpoint(store: RunStore) -> str:
+    ep = getattr(store.fs, "_endpoint", None) or os.environ.get("STORAGE_EMULATOR_HOST")
+    return ep or "storage.googleapis.com"
+
+
+def _created_by(store: RunStore, path: str, token: str) -> bool:
+    """After a 412: is the object at ``path`` the one this call (token) created?"""
+    store.fs.invalidate_cache(path)
+    try:
+        info = store.fs.info(path)
+    except FileNotFoundError:
+        return False  # deleted since: whoever created it, it was not us
+    return (info.get("metadata") or {}).get(WRITER_META) == token
+
+
+def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException:
+    """Turn configuration errors into StoreNotWritable saying what to fix; others unchanged."""
+    bucket = path.split("/", 1)[0]
+    where = f"gs://{bucket} (endpoint: {_endpoint(store)})"
+    if isinstance(e, FileNotFoundError):  # an upload only 404s when the bucket is missing
+        return StoreNotWritable(
+            f"GCS bucket {bucket!r} not found at {_endpoint(store)}: create it (e.g. "
+            f"`gcloud storage buckets create gs://{bucket}`), or fix the bucket in the run URI "
+            "(or STORAGE_EMULATOR_HOST / endpoint_url if that is not a GCS endpoint)"
+        )
+    if isinstance(e, HttpError) and e.code == 401:
+        return StoreNotWritable(
+            f"not authenticated to {where}: set GOOGLE_APPLICATION_CREDENTIALS to a service "
+            "account key file, run `gcloud auth application-default login`, or run on GCP "
+            "with a service account attached"
+        )
+    if isinstance(e, OSError) and str(e).startswith("Forbidden"):
+        return StoreNotWritable(
+            f"access denied writing to {where}: the credentials in use lack "
+            "storage.objects.create there; check the bucket's IAM and which credentials "
+            "gcsfs picks up"
+        )
+    if isinstance(e, ConnectionError | aiohttp.ClientConnectionError):
+        return GCSUnreachable(
+            f"cannot reach the GCS endpoint for {where}: check the network, "
+            "STORAGE_EMULATOR_HOST or the endpoint_url storage option"
+        )
+    return e
+
+
+def _attempt(store: RunStore, path: str, data: bytes, token: str | None) -> bool:
+    fs = store.fs
+    if token is None:
+        fs.pipe_file(path, data, chunksize=UPLOAD_CHUNKSIZE)
+        return True
+    try:
+        fs.pipe_file(
+            path,
+            data,
+            chunksize=UPLOAD_CHUNKSIZE,
+            mode="create",  # gcsfs: ifGenerationMatch=0 on the upload -> 412 if it exists
+            metadata={WRITER_META: token},
+        )
+        return True
+    except FileExistsError:
+        return _created_by(store, path, token)
+
+
+def _put_gcs(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
+    # A create retried after a lost response must keep its token to recognise its own object,
+    # so exclusive writes retry transient failures here (RunStore's retries mint a new token).
+    token = os.urandom(16).hex() if exclusive else None
+    attempts = CREATE_ATTEMPTS if exclusive else 1
+    for attempt in range(attempts):
+        try:
+            return _attempt(store, path, data, token)
+        except StoreNotWritable:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised, translated when it is a config error
+            translated = _not_writable(store, path, e)
+            definitive = translated is not e and not isinstance(translated, GCSUnreachable)
+            if definitive or attempt + 1 == attempts:
+                if translated is e:
+                    raise
+                raise translated from None
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# the module is imported for gs:// and gcs://: register both names gcsfs answers to
+register_scheme("gs", _put_gcs, _fs_options)
+register_scheme("gcs", _put_gcs, _fs_options)

@@ -1,0 +1,181 @@
+"""``s3://`` run stores through s3fs (install ``composer-replication[s3]``).
+
+Guarantees (see docs/stores.md):
+
+* ``put`` is one ``PutObject`` (or, above ``2 * MULTIPART_CHUNKSIZE``, a multipart upload that
+  becomes visible only at ``CompleteMultipartUpload``): a reader sees the old object, or the
+  whole new one, never a part.
+* ``put_if_absent`` is S3's conditional write, ``If-None-Match: *`` (on ``PutObject``, or on
+  ``CompleteMultipartUpload`` for large objects): S3 refuses the write with 412 when the key
+  exists, atomically on the server. A retried request whose first attempt had in fact landed
+  also gets 412, so each create carries a random ``x-amz-meta-crf-writer`` token and a 412 is
+  answered by one ``HeadObject``: the token tells whether the object there is this call's.
+
+Credentials and the endpoint come from boto's standard chain (``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws``, an instance
+or task role; ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` for S3-compatible services).
+Nothing here logs or prints them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from typing import Any
+
+import s3fs
+from botocore.exceptions import (
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+
+from crf.store.errors import StoreNotWritable
+from crf.store.run_store import RunStore, register_scheme
+
+#: object metadata key holding the random token of the call that created an object
+WRITER_META = "crf-writer"
+#: objects of at least twice this size go up as a multipart upload (parts of this size)
+MULTIPART_CHUNKSIZE = 50 * 2**20
+#: tries of one put_if_absent (same token) on transient errors before RunStore's own retries
+CREATE_ATTEMPTS = 3
+
+
+if "mode" not in inspect.signature(s3fs.S3FileSystem._pipe_file).parameters:
+    # older s3fs pass mode= on to PutObject, which drops it: creates would not be conditional
+    raise ImportError(
+        f"s3fs {s3fs.__version__} cannot make conditional writes; s3fs>=2024.12 is needed"
+    )
+
+
+class S3Unreachable(StoreNotWritable, ConnectionError):
+    """The S3 endpoint could not be reached (a ConnectionError, so RunStore retries it)."""
+
+
+def _fs_options() -> dict[str, Any]:
+    # Other replicas write behind this process's back: a cached listing would hide their
+    # objects from list()/exists()/wait_for() for ever, so never cache listings.
+    return {"use_listings_cache": False}
+
+
+def _endpoint(store: RunStore) -> str:
+    return (
+        getattr(store.fs, "endpoint_url", None)
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or "the AWS default endpoint"
+    )
+
+
+def _client_error(e: BaseException) -> ClientError | None:
+    """The botocore ClientError behind an s3fs-translated exception, if any."""
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, ClientError):
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    ce = _client_error(e)
+    if ce is None:
+        return False
+    err = ce.response.get("Error", {})
+    status = ce.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return err.get("Code") == "PreconditionFailed" or status == 412
+
+
+def _split(store: RunStore, path: str) -> tuple[str, str]:
+    bucket, key, _ = store.fs.split_path(path)
+    return bucket, key
+
+
+def _created_by(store: RunStore, path: str, token: str) -> bool:
+    """After a 412: is the object at ``path`` the one this call (token) created?"""
+    bucket, key = _split(store, path)
+    try:
+        head = store.fs.call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return False  # deleted since: whoever created it, it was not us
+    return (head.get("Metadata") or {}).get(WRITER_META) == token
+
+
+def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException:
+    """Turn configuration errors into StoreNotWritable saying what to fix; others unchanged."""
+    bucket, _ = _split(store, path)
+    where = f"s3://{bucket} (endpoint: {_endpoint(store)})"
+    if isinstance(e, NoCredentialsError | PartialCredentialsError):
+        return StoreNotWritable(
+            f"no usable AWS credentials for {where}: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones), or AWS_PROFILE "
+            "with ~/.aws/credentials, or run where an instance/task role is attached"
+        )
+    if isinstance(e, EndpointConnectionError | ConnectTimeoutError):
+        return S3Unreachable(
+            f"cannot reach the S3 endpoint for {where}: check AWS_ENDPOINT_URL (or the "
+            "endpoint_url storage option), the region and the network"
+        )
+    if isinstance(e, FileNotFoundError):  # PutObject only 404s for NoSuchBucket
+        return StoreNotWritable(
+            f"S3 bucket {bucket!r} does not exist at {_endpoint(store)}: create it (e.g. "
+            f"`aws s3 mb s3://{bucket}`) or fix the bucket in the run URI"
+        )
+    if isinstance(e, PermissionError):
+        return StoreNotWritable(
+            f"access denied writing to {where}: the credentials in use may not "
+            "s3:PutObject there (or are invalid); check the IAM/bucket policy and which "
+            "credentials boto picks up (env vars, AWS_PROFILE, role)"
+        )
+    return e
+
+
+def _attempt(store: RunStore, path: str, data: bytes, token: str | None) -> bool:
+    fs = store.fs
+    if token is None:
+        fs.pipe_file(path, data, chunksize=MULTIPART_CHUNKSIZE)
+        return True
+    try:
+        fs.pipe_file(
+            path,
+            data,
+            chunksize=MULTIPART_CHUNKSIZE,
+            mode="create",  # s3fs: IfNoneMatch="*" on PutObject / CompleteMultipartUpload
+            Metadata={WRITER_META: token},
+        )
+        return True
+    except FileExistsError:
+        return _created_by(store, path, token)
+    except OSError as e:
+        if _precondition_failed(e):  # a 412 s3fs did not translate to FileExistsError
+            return _created_by(store, path, token)
+        raise
+
+
+def _put_s3(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
+    # A create retried after a lost response must keep its token to recognise its own object,
+    # so exclusive writes retry transient failures here (RunStore's retries mint a new token).
+    # 409 ConditionalRequestConflict (a concurrent conditional write in flight) lands here too.
+    token = os.urandom(16).hex() if exclusive else None
+    attempts = CREATE_ATTEMPTS if exclusive else 1
+    for attempt in range(attempts):
+        try:
+            return _attempt(store, path, data, token)
+        except StoreNotWritable:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised, translated when it is a config error
+            translated = _not_writable(store, path, e)
+            definitive = translated is not e and not isinstance(translated, S3Unreachable)
+            if definitive or attempt + 1 == attempts:
+                if translated is e:
+                    raise
+                raise translated from None
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+register_scheme("s3", _put_s3, _fs_options)

@@ -1,0 +1,90 @@
+"""Chaos: 4 local replicas of the lm job, 1-2 of them SIGKILLed at random moments (a random
+point of a random round), restarted by the driver. The run must complete, every replica -
+survivors and restarted ones - must end with bit-identical weights, and the summary must say
+what happened: restarts, the rounds each replica missed, objects rejected.
+
+The kill plan is drawn from a seed printed in the test output; set ``CRF_CHAOS_SEED`` to
+replay a failure, e.g. ``CRF_CHAOS_SEED=123 pytest tests/test_chaos.py -s``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from crf.replica.faults import POINTS
+from tests.fault_helpers import committed_rounds, describe, fired_faults, launch_lm, worst_wait
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+N, H, ROUNDS, DEADLINE = 4, 4, 8, 2.5
+DEFAULT_SEED = 99
+
+
+def kill_plan(seed: int) -> list[tuple[int, str, int, int | None]]:
+    """1-2 distinct victims, each (rank, point, round, inner step or None)."""
+    rng = random.Random(seed)
+    victims = rng.sample(range(N), rng.choice([1, 2]))
+    plan = []
+    for rank in victims:
+        point = rng.choice(POINTS)
+        r = rng.randint(1, ROUNDS - 3)  # leave rounds for the restarted replica to rejoin
+        step = r * H + rng.randint(1, H) if point == "inner_step" else None
+        plan.append((rank, point, r, step))
+    return plan
+
+
+def fault_env(plan: list[tuple[int, str, int, int | None]]) -> str:
+    return ";".join(
+        f"rank={rank},point={point},step={step}"
+        if step is not None
+        else f"rank={rank},point={point},round={r}"
+        for rank, point, r, step in plan
+    )
+
+
+def test_chaos_random_kills(tmp_path: Path) -> None:
+    seed = int(os.environ.get("CRF_CHAOS_SEED", DEFAULT_SEED))
+    plan = kill_plan(seed)
+    print(f"\nchaos seed={seed} (CRF_CHAOS_SEED to replay): kills {plan}")
+    summary = launch_lm(
+        tmp_path / "runs",
+        "chaos",
+        replicas=N,
+        sync_every=H,
+        rounds=ROUNDS,
+        round_timeout_s=DEADLINE,
+        env={"CRF_FAULT": fault_env(plan)},
+        max_restarts=2,
+    )
+    run = tmp_path / "runs" / "chaos"
+    print(describe(summary))
+
+    # every planned kill happened, and each was answered by exactly one restart
+    assert len(fired_faults(run)) == len(plan), (fired_faults(run), plan)
+    victims = {rank for rank, *_ in plan}
+    assert summary["restarts"] == len(plan)
+    for row in summary["replicas"]:
+        assert row["restarts"] == (1 if row["rank"] in victims else 0), row
+    # the run completed: all rounds, every replica ok, bit-identical weights everywhere
+    assert summary["status"] == "ok", describe(summary)
+    assert summary["rounds_completed"] == ROUNDS and summary["rounds_lost"] == []
+    assert summary["weights_identical"] is True
+    assert len({row["weights_sha256"] for row in summary["replicas"]}) == 1
+    # the summary tells the story: when each victim died, what it missed, nothing rejected
+    assert summary["objects_rejected"] == 0
+    for rank, point, r, _ in plan:
+        row = summary["replicas"][rank]
+        (attempt,) = row["attempts"]
+        assert attempt["exit_code"] == -9 and attempt["round"] == r, (point, attempt)
+        assert row["rounds_missed"] == [
+            k for k in range(ROUNDS) if k not in committed_rounds(run, rank)
+        ]
+        assert any(k > r for k in committed_rounds(run, rank)), (rank, point, r)  # rejoined
+    survivors = [k for k in range(N) if k not in victims]
+    wait = worst_wait(run, survivors)
+    print(f"[figure] chaos: survivors' worst wait in a round {wait:.2f}s (deadline {DEADLINE}s)")
+    assert wait <= DEADLINE + 2 * min(30.0, DEADLINE) + 1.5

@@ -1,0 +1,419 @@
+"""Replicas die, the run goes on: kills at every point of a round, restarts, stragglers, bad
+objects in the store, store errors, and two runs sharing one bucket.
+
+Real replica processes of the lm job (tiny config) through the real driver; faults come from
+``CRF_FAULT`` (a replica SIGKILLs itself at a named point, once per run) and from
+tests/replica_shim.py (store errors, slowness, bad objects). Round deadlines are a few seconds
+so a dead replica costs little wall time. Figures quoted in docs/faults.md are printed here
+(``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from crf.executors.base import ExecutorError, ReplicaState
+from crf.executors.local import LocalProcessExecutor
+from crf.launcher.errors import LaunchError
+from crf.store import RunStore, decode_tensor
+from tests.fault_helpers import (
+    baseline_wait,
+    committed_rounds,
+    describe,
+    fired_faults,
+    launch_lm,
+    metrics,
+    worst_wait,
+)
+from tests.flaky_store import FaultPlan, install
+
+# ---------------------------------------------------------------------- store errors (unit)
+
+
+def test_a_single_failed_get_or_put_is_retried(tmp_path: Path) -> None:
+    store = install(RunStore(f"file://{tmp_path}/run"), plan := FaultPlan())
+    plan.fail_first = {"put": 1, "get": 1, "list": 1, "exists": 1}
+    t0 = time.monotonic()
+    store.put("a/b.json", b"{}")  # first PUT fails, its retry lands
+    assert store.get("a/b.json") == b"{}"
+    assert store.list("a") == ["b.json"]
+    assert store.exists("a/b.json")
+    assert plan.failures == 4
+    assert time.monotonic() - t0 >= 4 * store.retry_backoff_s  # backed off before each retry
+    # slow responses are only slow
+    plan.slow_every, plan.slow_s = 1, 0.05
+    assert store.put_if_absent("c", b"1") and not store.put_if_absent("c", b"2")
+    assert store.get("c") == b"1" and plan.slowed >= 3
+
+
+def test_a_store_that_stays_down_fails_within_a_bounded_time(tmp_path: Path) -> None:
+    store = install(RunStore(f"file://{tmp_path}/run"), FaultPlan(down_from_key=""))
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionRefusedError, match="store unreachable: GET x"):
+        store.get("x")
+    took = time.monotonic() - t0
+    # 1 + 4 attempts, backing off 0.2 + 0.4 + 0.8 + 1.6 s in between
+    assert 3.0 <= took < 4.5, took
+    print(f"\n[figure] one request against a dead store gives up after {took:.2f}s")
+
+
+# ---------------------------------------------------------------------- kills
+
+
+def test_sigkill_at_every_point_never_blocks_the_others(tmp_path: Path) -> None:
+    """A replica SIGKILLed during inner steps, while uploading, after the quorum, while it
+    owns a shard, and after reducing: the others close each round by its deadline (plus the
+    shard grace period when a dead participant owned a shard), the driver restarts the dead
+    one, it resumes from the newest global state and rejoins, and all end bit-identical."""
+    n, h, rounds, deadline = 4, 4, 12, 2.5
+    kills = {  # (rank, point) -> round it dies in
+        (1, "inner_step"): 1,
+        (2, "uploading"): 3,
+        (3, "after_quorum"): 5,
+        (0, "owning_shard"): 7,  # rank 0 is also the round's global/<r> writer
+        (1, "after_reduce"): 9,
+    }
+    faults = ";".join(
+        f"rank={rank},point={point},step={r * h + 2}"
+        if point == "inner_step"
+        else f"rank={rank},point={point},round={r}"
+        for (rank, point), r in kills.items()
+    )
+    summary = launch_lm(
+        tmp_path / "runs",
+        "kills",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_FAULT": faults},
+        max_restarts=2,
+        max_run_restarts=10,
+    )
+    run = tmp_path / "runs" / "kills"
+    print("\n" + describe(summary))
+    assert len(fired_faults(run)) == len(kills), fired_faults(run)
+    assert summary["status"] == "ok", describe(summary)
+    assert summary["weights_identical"] is True
+    assert summary["restarts"] == len(kills)
+    assert {row["rank"]: row["restarts"] for row in summary["replicas"]} == {0: 1, 1: 2, 2: 1, 3: 1}
+    assert summary["rounds_completed"] == rounds and summary["rounds_lost"] == []
+    assert summary["objects_rejected"] == 0
+
+    grace = min(30.0, deadline)
+    # a round's worst case: the deadline for a contribution that never comes, then a grace
+    # period for a dead owner's shard (and one more for a part uploaded late after a
+    # degraded quorum moved its shard), plus slack for a loaded 2-core machine
+    bound = deadline + 2 * grace + 1.5
+    for (rank, point), r in kills.items():
+        row = summary["replicas"][rank]
+        # the summary says when it died; it came back and committed later rounds. (It may
+        # even redo its death round: a dead lowest participant left no global/<r>, so its
+        # restart resumes from global/<r-1> and commits round r from the published shards.)
+        assert any(a["round"] == r and a["exit_code"] == -9 for a in row["attempts"]), row
+        assert any(c > r for c in committed_rounds(run, rank)), (rank, point)
+        # the others: their wait in the kill round is bounded by the round deadline (a
+        # contribution that never came) plus the shard grace (a shard nobody reduced)
+        others = [k for k in range(n) if k != rank]
+        wait = worst_wait(run, others, {r})
+        print(f"[figure] kill {point:13s} (rank {rank}, round {r}): others waited {wait:.2f}s")
+        assert wait <= bound, (point, wait)
+    worst = worst_wait(run, range(n))
+    print(
+        f"[figure] {len(kills)} kills survived; worst wait in a committed round {worst:.2f}s "
+        f"(deadline {deadline}s, grace {grace}s); "
+        f"{summary['contributions_left_out']} dead replicas' parts left out"
+    )
+    assert worst <= bound
+
+
+def test_restart_policy_caps_and_reports(tmp_path: Path) -> None:
+    """--max-restarts 0: a killed replica stays dead, the others finish without it, and the
+    summary says why it was not restarted (the run is then failed, not silently ok)."""
+    summary = launch_lm(
+        tmp_path / "runs",
+        "capped",
+        replicas=2,
+        sync_every=3,
+        rounds=4,
+        round_timeout_s=2.0,
+        env={"CRF_FAULT": "rank=1,point=uploading,round=1"},
+        max_restarts=0,
+    )
+    print("\n" + describe(summary))
+    ok, dead = summary["replicas"]
+    assert summary["status"] == "failed" and summary["restarts"] == 0
+    assert ok["ok"] and ok["rounds_committed"] == 4 and ok["rounds_missed"] == []
+    assert dead["exit_code"] == -9 and "killed by SIGKILL" in dead["error"]
+    assert "--max-restarts" in dead["not_restarted"]
+    assert dead["rounds_missed"] == [1, 2, 3]
+
+
+def test_executor_relaunches_one_rank(tmp_path: Path) -> None:
+    """relaunch() starts the same rank with the same command and environment (kept in memory
+    only: it may hold credentials), appending to the same log; ranks= starts a subset."""
+    code = (
+        "import os; print('hi'); open(os.environ['OUT'] + os.environ['CRF_RANK'], 'a').write('x')"
+    )
+    ex = LocalProcessExecutor(log_dir=tmp_path / "logs")
+    env = {"OUT": str(tmp_path / "out-"), "MY_SECRET": "s3cr3t"}
+    uri = f"file://{tmp_path}/runs/r"
+    (h,) = ex.launch_replicas(3, [sys.executable, "-c", code], env=env, run_uri=uri, ranks=[1])
+    assert (h.rank, h.world_size, h.extra.get("attempt", 0)) == (1, 3, 0)
+    assert ex.wait([h], timeout=30)
+    again = ex.relaunch(h)
+    assert (again.rank, again.extra["attempt"]) == (1, 1) and again.backend_id != h.backend_id
+    assert ex.wait([again], timeout=30) and ex.status(again).state is ReplicaState.SUCCEEDED
+    assert (tmp_path / "out-1").read_text() == "xx" and not (tmp_path / "out-0").exists()
+    log = (tmp_path / "logs" / "replica-1.log").read_text().splitlines()
+    assert log[0] == "hi" and "replica 1 started again" in log[1] and log[2] == "hi", log
+    assert "s3cr3t" not in json.dumps([h.to_dict(), again.to_dict()])
+    with pytest.raises(ExecutorError, match=r"rank 3 is not in \[0, 3\)"):
+        ex.launch_replicas(3, [sys.executable, "-c", code], run_uri=uri, ranks=[3])
+    with pytest.raises(ExecutorError, match="not launched by this executor"):
+        LocalProcessExecutor().relaunch(h)
+
+
+def test_fault_columns_in_tables() -> None:
+    """The summary table grows missed/restarts/rejected columns once something happened; the
+    live table a restarts column once a replica was restarted."""
+    from rich.console import Console
+
+    from crf.executors.base import ReplicaStatus
+    from crf.launcher.progress import ReplicaView, render_progress
+    from crf.launcher.summary import render_summary
+
+    row = {
+        "rank": 0,
+        "state": "succeeded",
+        "exit_code": 0,
+        "ok": True,
+        "rounds_committed": 3,
+        "rounds_missed": [1],
+        "restarts": 1,
+        "objects_rejected": 2,
+        "resumed_from": 0,
+        "attempts": [{"attempt": 0, "message": "killed by SIGKILL", "round": 1, "phase": "x"}],
+    }
+    summary = {
+        "run_id": "t",
+        "rounds": 4,
+        "replicas": [row],
+        "status": "ok",
+        "weights_identical": True,
+        "restarts": 1,
+        "rejected_objects": ["rounds/1/contrib/1/0", "rounds/2/contrib/1/0"],
+    }
+    console = Console(record=True, width=150)
+    render_summary(summary, console)
+    text = console.export_text()
+    assert all(col in text for col in ("missed", "restarts", "rejected", "3/4"))
+    assert "replica 0 restarted 1 time(s): attempt 0 killed by SIGKILL in round 1" in text
+    assert "2 object(s) rejected (never averaged): rounds/1/contrib/1/0" in text
+    assert "1 restart(s)" in text
+    view = ReplicaView(0, ReplicaStatus(ReplicaState.RUNNING), None)
+    for restarts, shown in ((0, False), (2, True)):
+        view.restarts = restarts
+        console = Console(record=True, width=150)
+        console.print(render_progress([view], run_id="t", rounds=4, sync_every=2, elapsed_s=1))
+        assert ("restarts" in console.export_text()) is shown
+
+
+# ---------------------------------------------------------------------- stragglers
+
+
+@pytest.mark.parametrize(
+    ("sleep_s", "keep_rounds"),
+    [(1.0, 3), (3.0, 2)],
+    ids=["behind-by-a-round", "behind-past-garbage-collection"],
+)
+def test_straggler_does_not_stall_the_others_and_rejoins(
+    tmp_path: Path, sleep_s: float, keep_rounds: int
+) -> None:
+    """Rank 2 is made slow in round 2 (3 inner steps x ``sleep_s``, deadline 2 s): the others
+    close rounds at the deadline without it; it heals from the newest global state and takes
+    part in the later rounds again, ending with the same weights. In the second case it lags
+    so far that its round's folder was garbage-collected: it must still catch up, never
+    decide a quorum of its own for a round the others committed long ago."""
+    n, h, rounds, deadline = 3, 4, 8, 2.0
+    slow = {"rank": 2, "from_step": 2 * h + 1, "to_step": 3 * h, "sleep_s": sleep_s}
+    summary = launch_lm(
+        tmp_path / "runs",
+        "straggler",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_TEST_SLOW": json.dumps(slow)},
+        shim=True,
+        keep_rounds=keep_rounds,
+    )
+    run = tmp_path / "runs" / "straggler"
+    print("\n" + describe(summary))
+    assert summary["status"] == "ok" and summary["restarts"] == 0
+    assert summary["weights_identical"] is True
+    straggler = summary["replicas"][2]
+    assert 2 in straggler["rounds_missed"]
+    healed = [m for m in metrics(run, 2).values() if m.get("healed_from") is not None]
+    assert healed, metrics(run, 2)
+    # it never committed a round alone (that would fork the weights until it healed)
+    for r, m in metrics(run, 2).items():
+        assert not m["committed"] or len(m["participants"]) > 1, (r, m)
+    if keep_rounds == 2:  # ~9 s late: round 2's folder was gone, it saw it was behind
+        assert metrics(run, 2)[2]["participants"] == [], metrics(run, 2)[2]
+    # it rejoined: it took part in the last rounds, not forever one behind
+    assert rounds - 1 in committed_rounds(run, 2) and rounds - 2 in committed_rounds(run, 2)
+    wait = worst_wait(run, [0, 1])
+    print(
+        f"[figure] straggler ({3 * sleep_s:.0f}s late, missed {straggler['rounds_missed']}): "
+        f"the others' worst wait in a round {wait:.2f}s (deadline {deadline}s)"
+    )
+    assert wait <= deadline + 1.5
+    assert summary["replicas"][0]["rounds_missed"] in ([], [0])  # round 0: start-up skew only
+
+
+# ---------------------------------------------------------------------- bad objects
+
+BAD = [  # (rank that publishes it, round, kind, what the reader says)
+    (1, 1, "truncate", "truncated"),
+    (2, 2, "bitflip", "checksum mismatch"),
+    (1, 3, "shape", "does not match"),
+    (2, 4, "foreign_run", "another-run"),
+    (0, 5, "old_round", "'round': 4"),
+]
+
+
+def test_bad_objects_are_rejected_reported_and_never_averaged(tmp_path: Path) -> None:
+    """Each replica publishes a bad part of a shard (truncated, bit-flipped, wrong shape,
+    another run's, an old round's): the shard's owner detects it, leaves it out of that
+    shard's average (the published reduced shard lists the parts it used), reports it in its
+    per-round metrics and result, and the driver's summary lists every bad object. The round
+    still commits, every replica applies the same reduced shards, and weights stay identical."""
+    n, h, rounds = 3, 3, 8
+    corrupt = [{"rank": rank, "round": r, "kind": kind} for rank, r, kind, _ in BAD]
+    summary = launch_lm(
+        tmp_path / "runs",
+        "bad",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=20.0,
+        env={"CRF_TEST_CORRUPT": json.dumps(corrupt)},
+        shim=True,
+        keep_rounds=100,  # keep every round's objects, to check what was averaged
+    )
+    run = tmp_path / "runs" / "bad"
+    print("\n" + describe(summary))
+    assert summary["status"] == "ok" and summary["weights_identical"] is True
+    bad_keys = [f"rounds/{r}/contrib/{rank}/{(rank + 1) % n}" for rank, r, _, _ in BAD]
+    assert summary["objects_rejected"] == len(BAD)
+    assert summary["rejected_objects"] == bad_keys
+    assert summary["rounds_lost"] == [] and summary["rounds_completed"] == rounds
+    for (rank, r, kind, said), key in zip(BAD, bad_keys, strict=True):
+        shard = (rank + 1) % n  # its owner in a full quorum is the replica of that rank
+        owner = summary["replicas"][shard]
+        # detected and reported: in the owner's per-round metrics and in its result
+        m = metrics(run, shard)[r]
+        assert m["committed"] is True
+        assert any(key in x and said in x for x in m["rejected"]), (kind, m["rejected"])
+        assert any(key in x for x in owner["rejected"]), (kind, owner["rejected"])
+        # never averaged: the published shard (the one every replica applies) left it out
+        _, header = decode_tensor((run / "rounds" / str(r) / "reduced" / str(shard)).read_bytes())
+        assert header["participants"] == sorted(set(range(n)) - {rank}), (kind, header)
+        assert not (run / "rounds" / str(r) / "failed.json").exists()
+    for r in range(rounds):  # every other shard of every round was averaged over everyone
+        for s in range(n):
+            _, header = decode_tensor((run / "rounds" / str(r) / "reduced" / str(s)).read_bytes())
+            if (r, s) not in {(br, (rank + 1) % n) for rank, br, _, _ in BAD}:
+                assert header["participants"] == [0, 1, 2], (r, s, header)
+            assert header["run_id"] == "bad"
+    print(
+        f"[figure] {len(BAD)} bad objects published, {summary['objects_rejected']} rejected; "
+        f"a fault-free round's exchange takes {baseline_wait(run, range(n)):.3f}s (median)"
+    )
+
+
+# ---------------------------------------------------------------------- store errors (e2e)
+
+
+def test_store_errors_in_replicas(tmp_path: Path) -> None:
+    """Every replica's store fails one request in 13 and stalls one in 17 for 0.2 s: no
+    replica dies of it. Rank 1's store then goes down for good (from its round-3 upload): it
+    ends with a clear error in bounded time and the others finish without it."""
+    flaky = {
+        "*": {"fail_every": 13, "slow_every": 17, "slow_s": 0.2},
+        "1": {"fail_every": 13, "down_from_key": "rounds/3/contrib"},
+    }
+    summary = launch_lm(
+        tmp_path / "runs",
+        "flaky",
+        replicas=3,
+        sync_every=4,
+        rounds=6,
+        round_timeout_s=3.0,
+        env={"CRF_TEST_FLAKY": json.dumps(flaky)},
+        shim=True,
+        max_restarts=0,
+    )
+    run = tmp_path / "runs" / "flaky"
+    print("\n" + describe(summary))
+    rows = summary["replicas"]
+    logs = {k: (run / "logs" / f"replica-{k}.log").read_text() for k in range(3)}
+    for k in (0, 2):
+        assert rows[k]["ok"] and rows[k]["rounds_committed"] == 6, rows[k]
+        report = [line for line in logs[k].splitlines() if "failed," in line][-1]
+        failed = int(report.split(" failed")[0].rsplit(" ", 1)[-1])
+        assert failed >= 10, report  # many single failures, all survived
+        print(f"[figure] rank {k}: {report.split('; exit')[0]}")
+    assert rows[0]["weights_sha256"] == rows[2]["weights_sha256"]
+    dead = rows[1]
+    assert summary["status"] == "failed" and dead["exit_code"] == 1
+    # a clear error: the summary names the exception that ended it, not just the exit code
+    assert "store unreachable" in dead["error"], dead["error"]
+    down = float(logs[1].split("store unreachable from now on (t=")[1].split(")")[0])
+    ended = float(logs[1].split("; exit at t=")[1].split()[0])
+    print(f"[figure] store down for good: the replica ended {ended - down:.1f}s later")
+    assert ended - down < 60, ended - down
+
+
+# ---------------------------------------------------------------------- two runs, one bucket
+
+
+def test_two_runs_in_one_bucket_never_see_each_other(tmp_path: Path) -> None:
+    """Two runs at once in one store, one id a prefix of the other: each sees only its own
+    objects (every object carries its run id), and neither run folder can be launched over."""
+    base = tmp_path / "bucket"
+    out: dict[str, dict] = {}
+
+    def go(run_id: str, seed: int) -> None:
+        out[run_id] = launch_lm(
+            base, run_id, replicas=2, sync_every=3, rounds=3, round_timeout_s=20.0, seed=seed
+        )
+
+    threads = [threading.Thread(target=go, args=a) for a in (("exp", 1), ("exp-2", 2))]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    assert sorted(p.name for p in base.iterdir()) == ["exp", "exp-2"]
+    for run_id in ("exp", "exp-2"):
+        s = out[run_id]
+        assert s["status"] == "ok" and s["weights_identical"] and s["objects_rejected"] == 0
+        run = base / run_id
+        assert json.loads((run / "run.json").read_text())["run_id"] == run_id
+        for path in run.glob("rounds/*/quorum.json"):
+            assert json.loads(path.read_text())["run_id"] == run_id
+        for path in run.glob("rounds/*/contrib/*/manifest.json"):
+            assert json.loads(path.read_text())["run_id"] == run_id
+        for path in run.glob("rounds/*/*/*/[0-9]"):
+            assert decode_tensor(path.read_bytes())[1]["run_id"] == run_id
+    assert out["exp"]["weights_sha256"] != out["exp-2"]["weights_sha256"]
+
+    before = {p: p.read_bytes() for p in (base / "exp").rglob("*") if p.is_file()}
+    with pytest.raises(LaunchError, match="already holds a run.*--resume exp"):
+        launch_lm(base, "exp", replicas=2, sync_every=3, rounds=3, round_timeout_s=20.0)
+    assert {p: p.read_bytes() for p in (base / "exp").rglob("*") if p.is_file()} == before

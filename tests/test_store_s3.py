@@ -1,0 +1,155 @@
+"""s3:// run stores through s3fs against moto's S3 server on 127.0.0.1 (no AWS, no internet)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from crf.store import RunStore, StoreNotWritable, StoreTimeout
+from tests import cloud_servers
+from tests.cloud_servers import (
+    MotoS3,
+    check_allreduce,
+    check_basic_ops,
+    check_single_winner,
+    closed_port_url,
+)
+
+moto_s3 = cloud_servers.moto_s3  # the fixtures, visible to this module's tests
+s3_env = cloud_servers.s3_env
+
+pytest.importorskip("s3fs", reason="s3 tests need the s3 extra: pip install -e .[dev]")
+
+FRESH = {"skip_instance_cache": True}  # a client of its own, as another process would have
+
+
+@pytest.fixture
+def bucket(s3_env: MotoS3) -> str:
+    return s3_env.new_bucket()
+
+
+def test_put_get_list_delete(bucket: str) -> None:
+    store = RunStore(f"s3://{bucket}/crf/run1")
+    check_basic_ops(store)
+    store.check_writable()
+
+
+def test_put_if_absent_one_winner_among_threads(bucket: str) -> None:
+    check_single_winner([RunStore(f"s3://{bucket}/run")])
+
+
+def test_put_if_absent_one_winner_among_clients(bucket: str) -> None:
+    uri = f"s3://{bucket}/run"
+    check_single_winner([RunStore(uri, storage_options=FRESH) for _ in range(3)])
+
+
+def test_put_if_absent_is_a_conditional_put(bucket: str, s3_env: MotoS3) -> None:
+    store = RunStore(f"s3://{bucket}/run")
+    assert store.put_if_absent("k", b"first") is True
+    # the server refuses the second write: prove it with a raw client, outside our code
+    client = s3_env.client()
+    with pytest.raises(client.exceptions.ClientError, match="PreconditionFailed"):
+        client.put_object(Bucket=bucket, Key="run/k", Body=b"x", IfNoneMatch="*")
+    assert store.put_if_absent("k", b"second") is False
+    assert store.get("k") == b"first"
+    head = client.head_object(Bucket=bucket, Key="run/k")
+    assert len(head["Metadata"]["crf-writer"]) == 32  # the creator's token, nothing secret
+
+
+def test_put_if_absent_large_object_uses_multipart(bucket: str, monkeypatch) -> None:
+    import crf.store.s3 as s3
+
+    monkeypatch.setattr(s3, "MULTIPART_CHUNKSIZE", 5 * 2**20)  # S3's minimum part size
+    big = bytes(range(256)) * (42 * 2**10)  # 10.5 MiB: three parts
+    calls: list[str] = []
+    store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
+    real = store.fs._call_s3
+
+    async def spy(method, *a, **kw):
+        calls.append(method)
+        return await real(method, *a, **kw)
+
+    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    assert store.put_if_absent("big", big) is True
+    assert "complete_multipart_upload" in calls and "put_object" not in calls
+    calls.clear()
+    assert store.put_if_absent("big", big[::-1]) is False  # IfNoneMatch on the completion
+    assert "complete_multipart_upload" in calls and "abort_multipart_upload" in calls
+    assert store.get("big") == big
+
+
+def test_create_retried_after_a_lost_response_still_wins(bucket: str, monkeypatch) -> None:
+    """The first PUT lands but its answer is lost: the retry gets 412 and must report a win."""
+    store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
+    real = store.fs.pipe_file
+    lost = []
+
+    def flaky(path, data, **kw):
+        real(path, data, **kw)
+        if not lost:
+            lost.append(path)
+            raise ConnectionResetError("connection reset after the upload")
+
+    monkeypatch.setattr(store.fs, "pipe_file", flaky)
+    assert store.put_if_absent("q", b"mine") is True
+    assert lost and store.get("q") == b"mine"
+    # someone else's object is still someone else's
+    assert store.put_if_absent("q", b"other") is False
+
+
+def test_second_client_sees_new_objects(bucket: str) -> None:
+    """No stale listing cache: objects written by another client show up in list/exists."""
+    uri = f"s3://{bucket}/run"
+    reader, writer = RunStore(uri, storage_options=FRESH), RunStore(uri, storage_options=FRESH)
+    assert reader.list("rounds/0") == [] and not reader.exists("rounds/0/a")
+    writer.put("rounds/0/a", b"1")
+    assert reader.list("rounds/0") == ["a"] and reader.exists("rounds/0/a")
+    writer.put("rounds/0/b", b"2")
+    assert reader.list("rounds/0") == ["a", "b"]
+    writer.delete("rounds/0/a")
+    assert reader.list("rounds/0") == ["b"] and not reader.exists("rounds/0/a")
+
+
+def test_wait_for(bucket: str) -> None:
+    uri = f"s3://{bucket}/run"
+    reader, writer = RunStore(uri, storage_options=FRESH), RunStore(uri)
+    t = threading.Timer(0.3, lambda: [writer.put(k, b"x") for k in ("w/1", "w/2")])
+    t.start()
+    t0 = time.monotonic()
+    reader.wait_for(["w/1", "w/2"], timeout_s=20)
+    assert time.monotonic() - t0 < 15
+    t.join()
+    with pytest.raises(StoreTimeout, match="w/3"):
+        reader.wait_for(["w/1", "w/3"], timeout_s=0.3)
+
+
+def test_check_writable_missing_bucket(s3_env: MotoS3) -> None:
+    store = RunStore("s3://crf-no-such-bucket/run", storage_options=FRESH)
+    with pytest.raises(StoreNotWritable, match=r"does not exist.*create it"):
+        store.check_writable()
+
+
+def test_check_writable_without_credentials(s3_env: MotoS3, monkeypatch, bucket: str) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
+    with pytest.raises(StoreNotWritable, match="no usable AWS credentials.*AWS_ACCESS_KEY_ID"):
+        store.check_writable()
+
+
+def test_check_writable_wrong_endpoint(s3_env: MotoS3, monkeypatch) -> None:
+    secret = "crfSECRETvalue0123456789"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed_port_url())
+    fast = {**FRESH, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = RunStore("s3://crf-bucket/run", storage_options=fast, retries=0)
+    store.fs.retries = 1  # s3fs's own retry loop (class default 5): keep the test fast
+    with pytest.raises(StoreNotWritable, match="cannot reach the S3 endpoint") as exc:
+        store.check_writable()
+    assert secret not in str(exc.value)
+
+
+def test_allreduce_over_s3(bucket: str) -> None:
+    check_allreduce(RunStore(f"s3://{bucket}/crf/ar"))
