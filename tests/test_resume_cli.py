@@ -101,7 +101,9 @@ def test_kill_everything_mid_run_then_resume(tmp_path: Path) -> None:
     # what the kill left: rounds 0-2 committed and saved, round 3 half-trained and lost
     store = RunStore(f"file://{run}")
     latest = max(int(n) for n in store.list("global") if n.isdigit())
-    inner = [decode_blob(store.get(f"replicas/{k}/inner/state.pt"))[1]["round"] for k in range(N)]
+    inner = [
+        decode_blob(store.get(f"replicas/{k}/inner/{latest}.pt"))[1]["round"] for k in range(N)
+    ]
     assert latest == killed_round - 1 and inner == [latest] * N, (latest, inner)
     spec_before = (run / "run.json").read_bytes()
     done_before = {

@@ -102,6 +102,7 @@ class ReplicaContext:
         self._synced_rounds: list[dict[str, Any]] = []
         self._n_rejected = 0  # how many of manager.rejected are already in per-round metrics
         self._last_beat = 0.0
+        self._beat_paused_until = 0.0
         self._t_start = time.time()
         self._compute_s = 0.0
         self._sync_s = 0.0
@@ -203,8 +204,8 @@ class ReplicaContext:
         self.resumed_from = latest
         self.step = (latest + 1) * self.spec.sync_every
         try:
-            blob = self.store.get(f"replicas/{self.rank}/inner/state.pt")
-            payload, meta = decode_blob(blob, where=f"replicas/{self.rank}/inner/state.pt")
+            key = f"replicas/{self.rank}/inner/{latest}.pt"
+            payload, meta = decode_blob(self.store.get(key), where=key)
             if meta.get("round") == latest and meta.get("run_id") == self.spec.run_id:
                 inner.load_state_dict(torch.load(io.BytesIO(payload), weights_only=True))
                 self.resumed_inner = True
@@ -220,7 +221,13 @@ class ReplicaContext:
         buf = io.BytesIO()
         torch.save(self._inner.state_dict(), buf)
         meta = {"round": r, "run_id": self.spec.run_id, "step": self.step}
-        self.store.put(f"replicas/{self.rank}/inner/state.pt", encode_blob(buf.getvalue(), meta))
+        # one object per round: a resume needs the state of exactly the newest global round,
+        # and global/<r> may be written after this replica already saved round r + 1
+        self.store.put(f"replicas/{self.rank}/inner/{r}.pt", encode_blob(buf.getvalue(), meta))
+        for name in self.store.list(f"replicas/{self.rank}/inner"):
+            stem = name.removesuffix(".pt")
+            if stem.isdigit() and int(stem) <= r - self.spec.keep_rounds:
+                self.store.delete(f"replicas/{self.rank}/inner/{name}")
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
@@ -311,7 +318,9 @@ class ReplicaContext:
 
     def _beat(self, *, force: bool = False) -> None:
         now = time.time()
-        if not force and now - self._last_beat < HEARTBEAT_EVERY_S:
+        if now < self._beat_paused_until or (
+            not force and now - self._last_beat < HEARTBEAT_EVERY_S
+        ):
             return
         self._last_beat = now
         m = self.manager
@@ -328,8 +337,9 @@ class ReplicaContext:
         }
         try:
             self.store.put_json(f"replicas/{self.rank}/state.json", state)
-        except Exception as e:  # a heartbeat must never kill training
-            log.warning("heartbeat failed: %s", e)
+        except Exception as e:  # a heartbeat must never kill training, nor slow every step
+            log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
+            self._beat_paused_until = time.time() + 30.0
 
     # ------------------------------------------------------------------ results
     def result(self, status: str, error: str | None, job_metrics: dict[str, Any]) -> dict[str, Any]:
