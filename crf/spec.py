@@ -34,7 +34,7 @@ class RunSpec:
 
     run_id: str
     run_uri: str
-    job: str = "lm"
+    job: str = "composer"
     job_config: dict[str, Any] = field(default_factory=dict)
     entrypoint: list[str] | None = None  # a user's own command instead of `python -m crf.replica`
     replicas: int = 2

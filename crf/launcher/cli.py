@@ -70,6 +70,8 @@ def version() -> None:
 
 #: launch options that define a run: fixed in its run.json, so refused with --resume
 RUN_DEFINING = (
+    "wire_dtype",
+    "error_feedback",
     "replicas",
     "job",
     "sync_every",
@@ -108,7 +110,9 @@ def launch(
     replicas: Annotated[
         int, typer.Option("--replicas", "-n", help="Number of replicas (N).")
     ] = REPLICAS,
-    job: Annotated[str, typer.Option(help="What each replica trains (a registered job).")] = "lm",
+    job: Annotated[
+        str, typer.Option(help="What each replica trains (a registered job).")
+    ] = "composer",
     sync_every: Annotated[
         int, typer.Option("--sync-every", "-H", help="Inner steps between syncs (H).")
     ] = SYNC_EVERY,
@@ -134,6 +138,17 @@ def launch(
         float, typer.Option(help="Seconds a replica waits for the others in one round.")
     ] = ROUND_TIMEOUT,
     seed: Annotated[int, typer.Option(help="Seed for the shared initial weights.")] = SEED,
+    wire_dtype: Annotated[
+        str,
+        typer.Option(
+            help="Pseudo-gradient wire format: float32, bfloat16, float16 or int8 "
+            "(block-wise scales, ~4x fewer bytes)."
+        ),
+    ] = "float32",
+    error_feedback: Annotated[
+        bool,
+        typer.Option(help="With a lossy wire format, resend what quantization dropped."),
+    ] = False,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="Job option KEY=VALUE (repeatable).", metavar="KEY=VALUE"),
@@ -212,6 +227,8 @@ def launch(
             min_replicas=min_replicas,
             round_timeout_s=round_timeout,
             seed=seed,
+            wire_dtype=wire_dtype,
+            error_feedback=error_feedback,
             max_restarts=max_restarts,
             max_run_restarts=max_run_restarts,
         )

@@ -151,7 +151,7 @@ def _validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]
 
 def prepare(
     *,
-    job: str = "lm",
+    job: str = "composer",
     replicas: int = 2,
     sync_every: int = 20,
     rounds: int = 5,
@@ -756,7 +756,7 @@ def run(
 
 def launch(
     *,
-    job: str = "lm",
+    job: str = "composer",
     replicas: int = 2,
     sync_every: int = 20,
     rounds: int = 5,

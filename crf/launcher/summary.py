@@ -162,6 +162,30 @@ def _mean(values: Sequence[Any]) -> float | None:
     return sum(nums) / len(nums) if nums else None
 
 
+def learning_curve(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """Per-round means over replicas of the loss and of the job's reward (if it logs one):
+    the numbers a user checks to see the run learned, first round against last."""
+    out: dict[str, Any] = {}
+    for name in ("loss", "reward"):
+        per_round: dict[int, list[float]] = {}
+        for rows in metrics.values():
+            for m in rows:
+                v = m.get(name) if name == "loss" else (m.get("metrics") or {}).get(name)
+                if isinstance(v, int | float) and isinstance(m.get("round"), int):
+                    per_round.setdefault(m["round"], []).append(float(v))
+        if per_round:
+            curve = {r: sum(v) / len(v) for r, v in sorted(per_round.items())}
+            first, last = min(curve), max(curve)
+            out[name] = {
+                "per_round": curve,
+                "first": curve[first],
+                "last": curve[last],
+                "first_round": first,
+                "last_round": last,
+            }
+    return out
+
+
 def build_summary(
     *,
     spec: Any,
@@ -242,6 +266,7 @@ def build_summary(
             rejected_objects([msg for row in rows for msg in row["left_out"]])
         ),
         "max_sync_s": max(syncs) if syncs else None,
+        "learning": learning_curve(metrics),
         "started_at": started_at,
         "ended_at": ended_at,
         "wall_s": round(ended_at - started_at, 3),
@@ -392,6 +417,12 @@ def render_summary(
         parts.append(f"launch {summary['launch']} (resumed)")
     if summary.get("final_loss") is not None:
         parts.append(f"final loss {fmt_loss(summary['final_loss'])}")
+    reward = (summary.get("learning") or {}).get("reward")
+    if reward and reward["last_round"] > reward["first_round"]:
+        parts.append(
+            f"mean reward {reward['first']:.3f} (round {reward['first_round']}) -> "
+            f"{reward['last']:.3f} (round {reward['last_round']})"
+        )
     if summary.get("restarts"):
         parts.append(f"[yellow]{summary['restarts']} restart(s)[/]")
     if summary.get("rounds_lost"):
