@@ -30,7 +30,19 @@ from crf.store import RunStore, decode_blob
 from tests.fault_helpers import TINY_SETS
 
 N, H, ROUNDS = 3, 4, 8
-COMMON = ["--job", "lm", "-n", str(N), "-H", str(H), "-r", str(ROUNDS), "--round-timeout", "30", *TINY_SETS]
+COMMON = [
+    "--job",
+    "lm",
+    "-n",
+    str(N),
+    "-H",
+    str(H),
+    "-r",
+    str(ROUNDS),
+    "--round-timeout",
+    "30",
+    *TINY_SETS,
+]
 
 
 def crf_cmd(*args: str) -> list[str]:
