@@ -87,3 +87,19 @@ def test_heartbeat_metrics_and_result_written() -> None:
         assert res["rounds_committed"] == ROUNDS and res["steps"] == ROUNDS * H
     hashes = {json.loads(store.get(f"results/{r}.json"))["weights_sha256"] for r in range(N)}
     assert len(hashes) == 1
+
+
+def test_resume_falls_back_when_the_newest_global_is_corrupt() -> None:
+    """A bit-flipped newest global/<r> is rejected and the replica resumes from the one
+    before it (the exchange then marks it stale and it heals to the newer round)."""
+    store, spec = new_store()
+    run_threads(N, lambda r: train(store, spec, r, stop_after_round=1))
+    key = "global/1/state.pt"
+    blob = bytearray(store.get(key))
+    blob[-5] ^= 0xFF
+    store.put(key, bytes(blob))
+    ctx = ReplicaContext(store, spec, 0, N, shard_grace_s=2.0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with ctx.diloco(model, opt):
+        assert ctx.resumed_from == 0 and ctx.step == H

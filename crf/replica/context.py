@@ -197,10 +197,17 @@ class ReplicaContext:
         """A (re)started replica joins at the newest committed round: global weights and outer
         momentum from ``global/<r>``, its own inner-optimizer state if it saved one for that
         round, and its step counter (= data position) at the start of round r + 1."""
-        latest = manager.latest_global()
+        rounds = sorted((int(n) for n in self.store.list("global") if n.isdigit()), reverse=True)
+        latest = None
+        for r in rounds:  # newest first; a corrupt or vanished one falls back to the previous
+            try:
+                manager.load_global(r)
+                latest = r
+                break
+            except (ObjectNotFound, CorruptObjectError) as e:
+                log.warning("cannot resume from global/%d (%s): trying an older one", r, e)
         if latest is None:
             return
-        manager.load_global(latest)
         self.resumed_from = latest
         self.step = (latest + 1) * self.spec.sync_every
         try:
