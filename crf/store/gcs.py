@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 from typing import Any
 
 import aiohttp
 import gcsfs
 from gcsfs.retry import HttpError
 
+from crf.store.conditional import tokened_put
 from crf.store.errors import StoreNotWritable
 from crf.store.run_store import RunStore, register_scheme
 
@@ -33,8 +33,6 @@ from crf.store.run_store import RunStore, register_scheme
 WRITER_META = "crf-writer"
 #: objects of at least this size go up as a resumable upload in chunks of this size
 UPLOAD_CHUNKSIZE = 50 * 2**20
-#: tries of one put_if_absent (same token) on transient errors before RunStore's own retries
-CREATE_ATTEMPTS = 3
 
 
 if "mode" not in inspect.signature(gcsfs.GCSFileSystem._pipe_file).parameters:
@@ -116,24 +114,12 @@ def _attempt(store: RunStore, path: str, data: bytes, token: str | None) -> bool
 
 
 def _put_gcs(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
-    # A create retried after a lost response must keep its token to recognise its own object,
-    # so exclusive writes retry transient failures here (RunStore's retries mint a new token).
-    token = os.urandom(16).hex() if exclusive else None
-    attempts = CREATE_ATTEMPTS if exclusive else 1
-    for attempt in range(attempts):
-        try:
-            return _attempt(store, path, data, token)
-        except StoreNotWritable:
-            raise
-        except Exception as e:  # noqa: BLE001 - re-raised, translated when it is a config error
-            translated = _not_writable(store, path, e)
-            definitive = translated is not e and not isinstance(translated, GCSUnreachable)
-            if definitive or attempt + 1 == attempts:
-                if translated is e:
-                    raise
-                raise translated from None
-            time.sleep(0.2 * 2**attempt)
-    raise AssertionError("unreachable")  # pragma: no cover
+    return tokened_put(
+        lambda token: _attempt(store, path, data, token),
+        lambda e: _not_writable(store, path, e),
+        GCSUnreachable,
+        exclusive,
+    )
 
 
 # the module is imported for gs:// and gcs://: register both names gcsfs answers to

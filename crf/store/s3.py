@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 from typing import Any
 
 import s3fs
@@ -33,6 +32,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from crf.store.conditional import tokened_put
 from crf.store.errors import StoreNotWritable
 from crf.store.run_store import RunStore, register_scheme
 
@@ -40,8 +40,6 @@ from crf.store.run_store import RunStore, register_scheme
 WRITER_META = "crf-writer"
 #: objects of at least twice this size go up as a multipart upload (parts of this size)
 MULTIPART_CHUNKSIZE = 50 * 2**20
-#: tries of one put_if_absent (same token) on transient errors before RunStore's own retries
-CREATE_ATTEMPTS = 3
 
 
 if "mode" not in inspect.signature(s3fs.S3FileSystem._pipe_file).parameters:
@@ -157,25 +155,12 @@ def _attempt(store: RunStore, path: str, data: bytes, token: str | None) -> bool
 
 
 def _put_s3(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
-    # A create retried after a lost response must keep its token to recognise its own object,
-    # so exclusive writes retry transient failures here (RunStore's retries mint a new token).
-    # 409 ConditionalRequestConflict (a concurrent conditional write in flight) lands here too.
-    token = os.urandom(16).hex() if exclusive else None
-    attempts = CREATE_ATTEMPTS if exclusive else 1
-    for attempt in range(attempts):
-        try:
-            return _attempt(store, path, data, token)
-        except StoreNotWritable:
-            raise
-        except Exception as e:  # noqa: BLE001 - re-raised, translated when it is a config error
-            translated = _not_writable(store, path, e)
-            definitive = translated is not e and not isinstance(translated, S3Unreachable)
-            if definitive or attempt + 1 == attempts:
-                if translated is e:
-                    raise
-                raise translated from None
-            time.sleep(0.2 * 2**attempt)
-    raise AssertionError("unreachable")  # pragma: no cover
+    return tokened_put(
+        lambda token: _attempt(store, path, data, token),
+        lambda e: _not_writable(store, path, e),
+        S3Unreachable,
+        exclusive,
+    )
 
 
 register_scheme("s3", _put_s3, _fs_options)
