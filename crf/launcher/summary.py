@@ -39,6 +39,9 @@ RESULT_FIELDS = (
     "bytes_down",
     "sync_s",
     "compute_s",
+    "bytes_per_round",
+    "wire",
+    "compression",
     "steps",
     "wall_s",
     "job_metrics",
@@ -48,7 +51,7 @@ RESULT_FIELDS = (
 #: a store key named in a rejection message (contribution, reduced shard, checkpoint, ...)
 _OBJECT_KEY = re.compile(
     r"(rounds/\d+/(?:contrib/\d+/[\w.]+|reduced/\d+|quorum\.json|failed\.json)"
-    r"|global/\d+/state\.pt|replicas/\d+/inner/state\.pt)"
+    r"|global/\d+/state\.pt|replicas/\d+/inner/\d+\.pt)"
 )
 #: a contribution that was not there to average (its replica died or was late), as opposed
 #: to one that was there but bad
@@ -329,6 +332,11 @@ def _attempt_text(a: Mapping[str, Any]) -> str:
     return f"attempt {a.get('attempt', '?')} {how}{where}"
 
 
+def _wire_text(row: Mapping[str, Any]) -> str:
+    ratio = row.get("compression")
+    return f"{row.get('wire') or '-'}" + (f" {ratio:.1f}x" if ratio and ratio != 1 else "")
+
+
 def render_summary(
     summary: dict[str, Any],
     console: Console,
@@ -356,7 +364,9 @@ def render_summary(
     table.add_column("final loss", justify="right")
     table.add_column("sent", justify="right")
     table.add_column("received", justify="right")
+    table.add_column("compute", justify="right")
     table.add_column("sync time", justify="right")
+    table.add_column("wire", justify="right")
     for row in rows:
         cells = [str(row["rank"]), _exit_text(row), _rounds_text(row, rounds)]
         if faults:
@@ -369,7 +379,9 @@ def render_summary(
             fmt_loss(row.get("final_loss")),
             fmt_bytes(row.get("bytes_up")),
             fmt_bytes(row.get("bytes_down")),
+            fmt_seconds(row.get("compute_s")),
             fmt_seconds(row.get("sync_s")),
+            _wire_text(row),
         ]
         table.add_row(*cells)
     console.print(table)

@@ -33,6 +33,7 @@ import torch
 from crf.replica.allreduce import ObjectStoreAllReduce
 from crf.replica.faults import maybe_fault
 from crf.replica.manager import ObjectStoreManager
+from crf.replica.wire import compression as wire_compression
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
 from crf.store.codec import raw_view
@@ -366,6 +367,11 @@ class ReplicaContext:
             "bytes_down": m.bytes_down if m else 0,
             "ckpt_bytes_up": m.ckpt_bytes_up if m else 0,
             "ckpt_bytes_down": m.ckpt_bytes_down if m else 0,
+            "bytes_per_round": (
+                round((m.bytes_up + m.bytes_down) / max(1, len(m.exchange.history))) if m else 0
+            ),
+            "wire": self.spec.wire_dtype,
+            "compression": wire_compression(self.spec.wire_dtype),
             "sync_s": round(self._sync_s, 4),
             "compute_s": round(self._compute_s, 4),
             "steps": self.step,

@@ -59,3 +59,10 @@ def wire_numel_ok(w: torch.Tensor, wire: str, n: int) -> bool:
     if wire in _FLOATS:
         return w.numel() == n
     return w.numel() == (n + INT8_BLOCK - 1) // INT8_BLOCK * 4 + n
+
+
+def compression(wire: str) -> float:
+    """Bytes of fp32 per byte on the wire (int8 pays 4 bytes of scale per block)."""
+    if wire in _FLOATS:
+        return 4.0 / torch.empty(0, dtype=_FLOATS[wire]).element_size()
+    return 4.0 * INT8_BLOCK / (INT8_BLOCK + 4)
