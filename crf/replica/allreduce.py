@@ -506,7 +506,9 @@ class ObjectStoreAllReduce:
             )
         a, b = job.bounds[s]
         try:
-            t, hdr = decode_tensor(self._get(res, ckey), where=f"{self.store.uri}/{ckey}")
+            t, hdr = decode_tensor(
+                self._get(res, ckey), where=f"{self.store.uri}/{ckey}", copy=False
+            )
             expect = {
                 "run_id": self.run_id,
                 "round": r,
@@ -572,7 +574,7 @@ class ObjectStoreAllReduce:
         self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
     ) -> torch.Tensor:
         try:
-            t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}")
+            t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
             if hdr.get("layout_hash") != lhash or not wirefmt.wire_numel_ok(t, self.wire, n):
                 raise CorruptObjectError(f"{key}: reduced shard does not match this round")
         except CorruptObjectError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import warnings
 from typing import Any
 
 import torch
@@ -69,8 +70,14 @@ def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> b
     return b"".join((fixed, hbytes, payload))  # the only copy of the payload
 
 
-def decode_tensor(data: bytes, *, where: str = "object") -> tuple[torch.Tensor, dict[str, Any]]:
-    """Parse and verify an object written by encode_tensor; raise CorruptObjectError if bad."""
+def decode_tensor(
+    data: bytes, *, where: str = "object", copy: bool = True
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Parse and verify an object written by encode_tensor; raise CorruptObjectError if bad.
+
+    With ``copy=False`` the tensor shares memory with the immutable ``data`` (one copy less on
+    the exchange's hot path): the caller must only read it.
+    """
     if len(data) < _FIXED.size:
         raise CorruptObjectError(
             f"{where}: truncated ({len(data)} bytes, header needs {_FIXED.size})"
@@ -92,11 +99,13 @@ def decode_tensor(data: bytes, *, where: str = "object") -> tuple[torch.Tensor, 
         shape = [int(s) for s in header["shape"]]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptObjectError(f"{where}: unreadable header ({e})") from None
-    payload = bytearray(body[hlen:])
+    payload = bytearray(body[hlen:]) if copy else body[hlen:]
     if plen == 0:
         t = torch.empty(shape, dtype=dtype)
     else:
-        t = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
+        with warnings.catch_warnings():  # read-only buffer when copy=False: documented above
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
     if t.numel() * t.element_size() != plen:
         raise CorruptObjectError(f"{where}: payload size does not match shape {shape}")
     return t, header
