@@ -126,9 +126,9 @@ def test_version() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--backend", "nope"], "unknown backend 'nope'; available backends: local"),
-        (["--backend", "modal"], "backend 'modal' is not available yet"),
-        (["--backend", "sagemaker"], "coming later: modal, hf, sagemaker"),
+        (["--backend", "nope"], "unknown backend 'nope'; available backends: local, modal"),
+        (["--backend", "modal"], "cannot reach the run folder"),
+        (["--backend", "sagemaker"], "use an object store: --store s3://"),
         (["--job", "nope"], "unknown job 'nope'; available jobs:"),
         (["--replicas", "0"], "--replicas must be an integer >= 1"),
         (["-n", "-3"], "--replicas must be an integer >= 1"),

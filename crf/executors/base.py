@@ -220,6 +220,37 @@ def check_ranks(ranks: Sequence[int] | None, n_replicas: int) -> list[int]:
     return out
 
 
+@dataclass
+class BackendPlan:
+    """What ``crf launch --dry-run`` prints: what would start where, on what, at what price.
+
+    ``hourly_usd`` is per replica, from the backend's published list price for the chosen
+    hardware (None where the backend publishes none, or for the local backend: free).
+    """
+
+    backend: str
+    replicas: int
+    where: str  # e.g. "Modal sandboxes in app crf", "this machine"
+    image: str
+    hardware: str
+    command: list[str]
+    store: str
+    region: str | None = None
+    timeout_s: float | None = None
+    hourly_usd: float | None = None
+    secrets: list[str] = field(default_factory=list)  # names only, never values
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_hourly_usd(self) -> float | None:
+        return None if self.hourly_usd is None else self.hourly_usd * self.replicas
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["total_hourly_usd"] = self.total_hourly_usd
+        return out
+
+
 class ServerlessExecutor(ABC):
     """Starts N replicas of one command and reports on them.
 
@@ -269,6 +300,29 @@ class ServerlessExecutor(ABC):
     @abstractmethod
     def cancel(self, handle: ReplicaHandle) -> None:
         """Stop one replica (and everything it started); a finished replica is left alone."""
+
+    # ------------------------------------------------------------------ planning, reattach
+    def check_ready(self, run_uri: str) -> None:
+        """Everything that can be checked before launching: credentials, hardware names,
+        whether replicas on this backend can reach ``run_uri``. ExecutorError says what to
+        fix. The default (local processes) has nothing more to check."""
+        self.check_run_uri(run_uri)
+
+    def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
+        """The plan ``--dry-run`` prints; launches nothing, writes nothing."""
+        cmd = build_command(command)
+        return BackendPlan(self.name, n_replicas, "this machine", "-", "-", cmd, run_uri)
+
+    def config(self) -> dict[str, Any]:
+        """Constructor options (never secrets) that rebuild an equivalent executor in another
+        process, so ``crf status/logs/cancel`` can reattach to a run (kept in the store)."""
+        return {}
+
+    def find_replicas(self, run_id: str, run_uri: str, world_size: int) -> list[ReplicaHandle]:
+        """Find a run's replicas through the backend's own tags/labels (for runs whose
+        handles were never saved, e.g. the driver died right after launching). Backends
+        without tags raise ExecutorError."""
+        raise ExecutorError(f"the {self.name} backend cannot look up replicas by run id")
 
     # ------------------------------------------------------------------ restarts
     def remember_launch(self, record: LaunchRecord) -> None:

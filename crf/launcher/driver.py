@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 
     from crf.store import RunStore
 
-AVAILABLE_BACKENDS = ("local",)
-PLANNED_BACKENDS = ("modal", "hf", "sagemaker")
+AVAILABLE_BACKENDS = ("local", "modal", "hf", "sagemaker")
 DEFAULT_STORE = "./crf-runs"
 #: RunSpec fields that launch() takes under their own names; the rest pass through **spec_fields
 _MANAGED = {"run_id", "run_uri", "job", "job_config", "entrypoint", "replicas", "sync_every",
@@ -61,21 +60,14 @@ NO_RESTART_EXIT_CODES = frozenset({2})
 LIVE_HEARTBEAT_S = 60.0
 
 
-def _backend_list() -> str:
-    return f"{', '.join(AVAILABLE_BACKENDS)} (coming later: {', '.join(PLANNED_BACKENDS)})"
+def make_executor(backend: str, options: Mapping[str, Any] | None = None) -> ServerlessExecutor:
+    """The executor for a backend name and its options; LaunchError says what to fix."""
+    from crf.executors.registry import make_executor as build
 
-
-def make_executor(backend: str) -> ServerlessExecutor:
-    """The executor for a backend name; LaunchError for unknown or not-yet-available ones."""
-    if backend == "local":
-        from crf.executors.local import LocalProcessExecutor
-
-        return LocalProcessExecutor()
-    if backend in PLANNED_BACKENDS:
-        raise LaunchError(
-            f"backend {backend!r} is not available yet; available backends: {_backend_list()}"
-        )
-    raise LaunchError(f"unknown backend {backend!r}; available backends: {_backend_list()}")
+    try:
+        return build(backend, options)
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
 
 
 def display_path(store: RunStore, key: str = "") -> str:
@@ -163,9 +155,12 @@ def prepare(
     executor: ServerlessExecutor | None = None,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
     max_run_restarts: int | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+    dry_run: bool = False,
     **spec_fields: Any,
 ) -> Plan:
-    """Validate every input; LaunchError says what to fix. Writes nothing but a probe."""
+    """Validate every input; LaunchError says what to fix. Writes nothing but a probe (and
+    not even that with ``dry_run``)."""
     from crf.store import RunStore, StoreError, join_uri, normalize_uri
 
     unknown = sorted(set(spec_fields) - ({f.name for f in dataclasses.fields(RunSpec)} - _MANAGED))
@@ -173,7 +168,7 @@ def prepare(
         raise LaunchError(f"unknown launch option(s): {', '.join(unknown)}")
     policy = RestartPolicy(max_restarts, max_run_restarts).validate()
     if executor is None:
-        executor = make_executor(backend)
+        executor = make_executor(backend, backend_options)
     run_id = run_id if run_id is not None else new_run_id()
     try:
         run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
@@ -197,7 +192,7 @@ def prepare(
     except TypeError as e:  # e.g. outer_lr="fast" from Python: comparisons fail
         raise LaunchError(f"a run option has the wrong type: {e}") from None
     try:
-        executor.check_run_uri(run_uri)
+        executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
 
@@ -223,6 +218,8 @@ def prepare(
                 f"run folder {display_path(probe)} already holds a run (run.json exists); "
                 f"choose another --run-id, or continue it with --resume {run_id}"
             )
+        if dry_run:
+            return Plan(spec, probe, executor, command, restart=policy)
         probe.check_writable()
         leftovers = [n for n in probe.list() if not n.startswith(".crf-probe-")]
         if leftovers:
@@ -358,9 +355,9 @@ def prepare_resume(
             f"(got --backend {backend})"
         )
     if executor is None:
-        executor = make_executor(spec.backend)
+        executor = make_executor(spec.backend, saved_backend_options(run_store))
     try:
-        executor.check_run_uri(run_uri)
+        executor.check_ready(run_uri)
         executor.check_command(spec.entrypoint)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
@@ -373,6 +370,16 @@ def prepare_resume(
         previous_status=previous,
     )
     return Plan(spec, RunStore(run_uri), executor, spec.entrypoint, policy, info)
+
+
+def saved_backend_options(store: RunStore) -> dict[str, Any]:
+    """The executor options a run was launched with (``backend.json``; empty if absent)."""
+    try:
+        data = store.get_json("backend.json")
+    except Exception:
+        return {}
+    options = data.get("options") if isinstance(data, dict) else None
+    return {k: v for k, v in (options or {}).items() if v is not None}
 
 
 def _read_heartbeat(store: RunStore, rank: int) -> dict[str, Any] | None:
@@ -466,6 +473,7 @@ class Supervisor:
             return status
         self.restarts[handle.rank] += 1
         self.handles[index] = new
+        save_handles(self.plan.store, self.launch_no, self.handles)
         where = f" in round {heartbeat.get('round')}" if heartbeat else ""
         self._say(
             f"[yellow]replica {handle.rank} {escape(_what(status))}{where}: restarted it "
@@ -515,6 +523,15 @@ class Supervisor:
         """Tell the user at once (above the live table): a restart is news, not a summary."""
         if self.console is not None:
             self.console.print(message, highlight=False)
+
+
+def save_handles(store: RunStore, launch_no: int, handles: Sequence[ReplicaHandle]) -> None:
+    """Keep the current handles in the store (plain data, no secrets) so ``crf status``,
+    ``crf logs`` and ``crf cancel`` can reattach from any process."""
+    with contextlib.suppress(Exception):  # bookkeeping must never stop a run
+        store.put_json(
+            f"launches/{launch_no}/handles.json", {"handles": [h.to_dict() for h in handles]}
+        )
 
 
 def _what(status: ReplicaStatus) -> str:
@@ -582,6 +599,14 @@ def _log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:
         return []
 
 
+def backend_config(plan: Plan) -> dict[str, Any]:
+    """The executor's non-secret options, for rebuilding it in another process."""
+    try:
+        return dict(plan.executor.config())
+    except Exception:
+        return {}
+
+
 def _start_launch(plan: Plan, started: float) -> int:
     """Claim this driver launch in the store; return its number.
 
@@ -608,6 +633,7 @@ def _start_launch(plan: Plan, started: float) -> int:
                 f"choose another --run-id, or continue it with --resume {spec.run_id}"
             )
         store.put_json_if_absent("launches/0.json", record)
+        store.put_json("backend.json", {"backend": spec.backend, "options": backend_config(plan)})
         return 0
     k = plan.resume.launch
     record.update(launch=k, resumed_from_round=plan.resume.from_round)
@@ -684,6 +710,7 @@ def run(
         store.put_json("result.json", failed)
         raise LaunchError(f"could not start the replicas: {e}") from None
 
+    save_handles(store, launch_no, handles)
     sup = Supervisor(plan, handles, launch_no=launch_no, console=console if report else None)
     error: str | None = None
     cancelled = False

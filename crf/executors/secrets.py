@@ -1,0 +1,129 @@
+"""Store credentials for replicas that run elsewhere, and keeping them out of sight.
+
+A replica in a container needs the store's credentials, and nothing else of the driver's
+environment. ``store_secrets`` picks exactly those for the run URI's scheme from the driver's
+environment (or the SDK's own credential chain), so a backend can hand them to its secret
+mechanism (a Modal Secret, HF Jobs ``secrets=``, ...) - never as plain environment that a
+describe call would show, never on a command line, never in run.json.
+
+``redact`` is applied to every log line a cloud executor returns, so a replica that prints its
+environment still does not leak a key into the driver's terminal or the summary.
+
+Google credentials are a *file* (``GOOGLE_APPLICATION_CREDENTIALS``) on the driver's machine;
+they travel as the file's contents in ``CRF_GCS_CREDENTIALS_JSON`` and ``materialize`` writes
+them back to a private file inside the container before the store is opened.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from collections.abc import Iterable, Mapping
+
+#: variables passed through per store scheme when set in the driver's environment
+_PASS_THROUGH: dict[str, tuple[str, ...]] = {
+    "s3": (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+    ),
+    "gs": ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "GOOGLE_CLOUD_PROJECT"),
+    "hf": ("HF_TOKEN", "HF_ENDPOINT"),
+}
+_PASS_THROUGH["gcs"] = _PASS_THROUGH["gs"]
+GCS_JSON_VAR = "CRF_GCS_CREDENTIALS_JSON"
+#: variable names whose values are secret (the rest of a secret bundle, e.g. an endpoint URL,
+#: is only private); all of a bundle travels through the secret mechanism either way
+SECRET_NAMES = frozenset(
+    {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", GCS_JSON_VAR}
+)
+
+
+class MissingCredentials(RuntimeError):
+    """The store's credentials cannot be found; the message says which variable to set."""
+
+
+def scheme_of(run_uri: str) -> str:
+    return run_uri.split("://", 1)[0] if "://" in run_uri else "file"
+
+
+def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables a replica needs to reach ``run_uri``'s store (empty for local folders).
+
+    S3 falls back to boto3's credential chain (profile files, SSO) and HF to the token saved
+    by ``hf auth login``, resolved here on the driver so the container gets plain values.
+    MissingCredentials when none can be found.
+    """
+    env = os.environ if environ is None else environ
+    scheme = scheme_of(run_uri)
+    out = {k: env[k] for k in _PASS_THROUGH.get(scheme, ()) if env.get(k)}
+    if scheme == "s3" and "AWS_ACCESS_KEY_ID" not in out:
+        try:
+            import boto3
+
+            creds = boto3.Session().get_credentials()
+        except Exception:  # boto3 missing or a broken profile: report as missing below
+            creds = None
+        if creds is None:
+            raise MissingCredentials(
+                f"no AWS credentials for {run_uri}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or configure a profile with `aws configure`)"
+            )
+        frozen = creds.get_frozen_credentials()
+        out["AWS_ACCESS_KEY_ID"] = frozen.access_key
+        out["AWS_SECRET_ACCESS_KEY"] = frozen.secret_key
+        if frozen.token:
+            out["AWS_SESSION_TOKEN"] = frozen.token
+    elif scheme in ("gs", "gcs") and "STORAGE_EMULATOR_HOST" not in out:
+        path = env.get("GOOGLE_APPLICATION_CREDENTIALS")
+        if not path:
+            raise MissingCredentials(
+                f"no Google credentials for {run_uri}: set GOOGLE_APPLICATION_CREDENTIALS to a "
+                "service-account JSON file (replicas in containers cannot use your gcloud login)"
+            )
+        try:
+            with open(path, encoding="utf-8") as f:
+                out[GCS_JSON_VAR] = f.read()
+        except OSError as e:
+            raise MissingCredentials(
+                f"GOOGLE_APPLICATION_CREDENTIALS={path} cannot be read ({e})"
+            ) from None
+    elif scheme == "hf" and "HF_TOKEN" not in out:
+        try:
+            from huggingface_hub import get_token
+
+            token = get_token()
+        except ImportError:
+            token = None
+        if not token:
+            raise MissingCredentials(
+                f"no Hugging Face token for {run_uri}: set HF_TOKEN or run `hf auth login`"
+            )
+        out["HF_TOKEN"] = token
+    return out
+
+
+def materialize(environ: dict[str, str] | None = None) -> None:
+    """Inside a replica: turn ``CRF_GCS_CREDENTIALS_JSON`` back into a private credentials file
+    and point ``GOOGLE_APPLICATION_CREDENTIALS`` at it (no-op when it is absent)."""
+    env = os.environ if environ is None else environ
+    data = env.pop(GCS_JSON_VAR, None)
+    if not data or env.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return
+    fd, path = tempfile.mkstemp(prefix="crf-gcs-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(data)
+    os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+    env["GOOGLE_APPLICATION_CREDENTIALS"] = path
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret value (of 6+ characters) replaced by ``***``."""
+    for value in sorted({s for s in secrets if s and len(s) >= 6}, key=len, reverse=True):
+        text = text.replace(value, "***")
+    return text
