@@ -666,12 +666,18 @@ def run(
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     plot: bool = True,
+    detach: bool = False,
 ) -> dict[str, Any]:
     """Write run.json (or claim a resume), start the replicas, watch them (restarting failed
-    ones), write result.json; return the summary."""
+    ones), write result.json; return the summary.
+
+    With ``detach`` it returns right after the launch, with ``status == "detached"``: the
+    replicas go on by themselves, and ``crf status RUN`` gathers the summary once they end
+    (restarts are then only those the platform does itself).
+    """
     from rich.console import Console
 
-    from crf.launcher.summary import build_summary, plot_losses, read_metrics, render_summary
+    from crf.launcher.summary import build_summary
 
     console = console or Console()
     spec, store, executor = plan.spec, plan.store, plan.executor
@@ -711,6 +717,25 @@ def run(
         raise LaunchError(f"could not start the replicas: {e}") from None
 
     save_handles(store, launch_no, handles)
+    if detach:
+        if report:
+            base = spec.run_uri.rstrip("/").rsplit("/", 1)[0]
+            where = f" --store {base}"
+            console.print(
+                f"detached: {spec.replicas} replica(s) started. Follow with "
+                f"[bold]crf status {spec.run_id}{where}[/] or "
+                f"[bold]crf logs {spec.run_id}{where} --follow[/]; "
+                f"stop with [bold]crf cancel {spec.run_id}{where}[/]",
+                highlight=False,
+                soft_wrap=True,
+            )
+        return {
+            "status": "detached",
+            "run_id": spec.run_id,
+            "run_uri": spec.run_uri,
+            "launch": launch_no,
+            "handles": [h.to_dict() for h in handles],
+        }
     sup = Supervisor(plan, handles, launch_no=launch_no, console=console if report else None)
     error: str | None = None
     cancelled = False
@@ -731,7 +756,53 @@ def run(
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         executor.cancel_all(sup.handles)
 
-    results = executor.collect(sup.handles, timeout=60)
+    return finish_run(
+        plan.spec,
+        store,
+        executor,
+        sup.handles,
+        launch_no=launch_no,
+        started=started,
+        cancelled=cancelled,
+        error=error,
+        attempts=sup.attempts,
+        restarts=sup.restarts,
+        not_restarted=sup.not_restarted,
+        extra=extra,
+        report=report,
+        console=console,
+        plot=plot,
+    )
+
+
+def finish_run(
+    spec: RunSpec,
+    store: RunStore,
+    executor: ServerlessExecutor,
+    handles: Sequence[ReplicaHandle],
+    *,
+    launch_no: int,
+    started: float,
+    cancelled: bool = False,
+    error: str | None = None,
+    attempts: Mapping[int, Sequence[Mapping[str, Any]]] | None = None,
+    restarts: Mapping[int, int] | None = None,
+    not_restarted: Mapping[int, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    report: bool = True,
+    console: Console | None = None,
+    plot: bool = True,
+) -> dict[str, Any]:
+    """Gather ended replicas into the summary: ``result.json``, the loss plot, the launch
+    record, and the rendered table. Used by the watching driver and by ``crf status`` for a
+    detached run whose replicas have all ended."""
+    from rich.console import Console
+
+    from crf.launcher.summary import build_summary, plot_losses, read_metrics, render_summary
+
+    console = console or Console()
+    extra = dict(extra or {})
+    results = executor.collect(handles, timeout=60)
     tails = {
         r.rank: _log_tail(executor, r.handle)
         for r in results
@@ -748,9 +819,9 @@ def run(
         cancelled=cancelled,
         error=error,
         log_tails=tails,
-        attempts=sup.attempts,
-        restarts=sup.restarts,
-        not_restarted=sup.not_restarted,
+        attempts=attempts,
+        restarts=restarts,
+        not_restarted=not_restarted,
         metrics=metrics,
         **extra,
     )
