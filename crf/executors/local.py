@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crf.executors.base import (
+    BackendPlan,
     Entrypoint,
     ExecutorError,
     LaunchRecord,
@@ -276,6 +277,23 @@ class LocalProcessExecutor(ServerlessExecutor):
             )
         )
         return handles
+
+    def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
+        """Replicas share this machine's cores (``python -m crf.replica`` splits them)."""
+        cores = os.cpu_count() or 1
+        return BackendPlan(
+            backend=self.name,
+            replicas=n_replicas,
+            where=f"{n_replicas} subprocess(es) on this machine",
+            image=f"this Python ({sys.executable})",
+            hardware=f"{cores} CPU core(s) shared, {max(1, cores // n_replicas)} thread(s) each",
+            command=self.check_command(command),
+            store=run_uri,
+            notes=[f"logs: {self.log_dir or '<run folder>/logs'}/replica-<rank>.log"],
+        )
+
+    def config(self) -> dict[str, object]:
+        return {"log_dir": os.fspath(self.log_dir) if self.log_dir else None}
 
     # ------------------------------------------------------------------ status
     def status(self, handle: ReplicaHandle) -> ReplicaStatus:

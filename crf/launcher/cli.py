@@ -15,7 +15,8 @@ torch, job configs) are imported inside the commands so ``crf --help`` stays ins
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, NoReturn
+import time
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -105,8 +106,51 @@ def launch(
     ctx: typer.Context,
     backend: Annotated[
         str,
-        typer.Option(help="Where replicas run: local (modal, hf, sagemaker come later)."),
+        typer.Option(help="Where replicas run: local, modal, hf (Hugging Face Jobs), sagemaker."),
     ] = "local",
+    hardware: Annotated[
+        str | None,
+        typer.Option(
+            "--hardware",
+            "--gpu",
+            "--flavor",
+            "--instance-type",
+            help="Per-replica hardware in the backend's own terms: a Modal GPU (A10G, H100:2), "
+            "an HF Jobs flavor (a10g-small), a SageMaker instance type (ml.g5.xlarge).",
+        ),
+    ] = None,
+    image: Annotated[
+        str | None, typer.Option(help="Container image for cloud backends (default: see docs).")
+    ] = None,
+    region: Annotated[
+        str | None, typer.Option(help="Region for cloud backends that have one.")
+    ] = None,
+    opt: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--opt",
+            "-o",
+            help="Other backend option KEY=VALUE (repeatable), e.g. -o namespace=my-org, "
+            "-o role_arn=arn:aws:iam::123:role/crf, -o spot=true.",
+            metavar="KEY=VALUE",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Check everything and print the plan (what starts where, hardware, "
+            "hourly cost) without launching or writing anything.",
+        ),
+    ] = False,
+    detach: Annotated[
+        bool,
+        typer.Option(
+            "--detach",
+            help="Start the replicas, print the run id and return; follow with crf status / "
+            "crf logs, stop with crf cancel.",
+        ),
+    ] = False,
     replicas: Annotated[
         int, typer.Option("--replicas", "-n", help="Number of replicas (N).")
     ] = REPLICAS,
@@ -192,6 +236,11 @@ def launch(
     job_options = parse_sets(set_)
     if timeout is not None and timeout <= 0:
         _fail(f"--timeout must be > 0 seconds (got {timeout})")
+    backend_options = (
+        None
+        if resume is not None and not (hardware or image or region or opt)
+        else _backend_options(backend, hardware, image, region, opt, timeout)
+    )
     if resume is not None:
         fixed = [_flag(ctx, name) for name in RUN_DEFINING if _given(ctx, name)]
         if fixed:
@@ -206,8 +255,12 @@ def launch(
                 backend=backend if _given(ctx, "backend") else None,
                 max_restarts=max_restarts,
                 max_run_restarts=max_run_restarts,
+                backend_options=backend_options,
             )
-            summary = run(plan, progress=not no_progress, timeout_s=timeout)
+            if dry_run:
+                _print_plan(plan)
+                raise typer.Exit(EXIT_OK)
+            summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
         except LaunchError as e:
             _fail(str(e))
         raise typer.Exit(_exit_code(summary))
@@ -231,15 +284,228 @@ def launch(
             error_feedback=error_feedback,
             max_restarts=max_restarts,
             max_run_restarts=max_run_restarts,
+            backend_options=backend_options,
+            dry_run=dry_run,
         )
-        summary = run(plan, progress=not no_progress, timeout_s=timeout)
+        if dry_run:
+            _print_plan(plan)
+            raise typer.Exit(EXIT_OK)
+        summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
     except LaunchError as e:
         _fail(str(e))
     raise typer.Exit(_exit_code(summary))
 
 
+def _backend_options(
+    backend: str,
+    hardware: str | None,
+    image: str | None,
+    region: str | None,
+    opt: list[str] | None,
+    timeout: float | None,
+) -> dict[str, str | float]:
+    """The executor's constructor options from the generic flags and ``-o KEY=VALUE``."""
+    from crf.executors.base import ExecutorError
+    from crf.executors.registry import executor_class, option_names
+
+    try:
+        cls = executor_class(backend)
+    except ExecutorError as e:
+        _fail(str(e))
+    known = option_names(cls)
+    out: dict[str, str | float] = {}
+    for item in opt or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            _fail(f"--opt expects KEY=VALUE (got {item!r})")
+        out[key.strip().replace("-", "_")] = value
+    hw_name = getattr(cls, "hardware_option", None)
+    for flag, name, value in (
+        ("--hardware", hw_name, hardware),
+        ("--image", "image", image),
+        ("--region", "region", region),
+    ):
+        if value is None:
+            continue
+        if name is None or name not in known:
+            _fail(f"the {backend} backend has no {flag} option (its options: {', '.join(known)})")
+        out[name] = value
+    if timeout is not None and "timeout_s" in known and "timeout_s" not in out:
+        out["timeout_s"] = timeout + 600  # the platform's limit is a safety net past --timeout
+    return out
+
+
+def _print_plan(plan: Any) -> None:
+    """``--dry-run``: the backend's plan as a table, with the hourly cost where known."""
+    from rich.table import Table
+
+    spec = plan.spec
+    bp = plan.executor.describe(spec.replicas, plan.command, spec.run_uri)
+    table = Table(title=f"crf launch --dry-run: run {spec.run_id}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    price = (
+        "not published for this hardware"
+        if bp.hourly_usd is None
+        else f"${bp.hourly_usd:.2f}/h per replica, ${bp.total_hourly_usd:.2f}/h for {bp.replicas}"
+    )
+    if spec.backend == "local":
+        price = "free (this machine)"
+    rows = [
+        ("backend", bp.backend),
+        ("replicas", str(bp.replicas)),
+        ("where", bp.where),
+        ("image", bp.image),
+        ("hardware", bp.hardware),
+        ("region", bp.region or "-"),
+        ("command", " ".join(bp.command) if len(" ".join(bp.command)) < 200 else bp.command[0]),
+        ("store", bp.store),
+        ("job", f"{spec.job} {spec.job_config or ''}".strip()),
+        ("schedule", f"{spec.rounds} round(s) x {spec.sync_every} inner steps"),
+        ("timeout", "-" if bp.timeout_s is None else f"{bp.timeout_s:.0f} s"),
+        ("secrets", ", ".join(bp.secrets) or "-"),
+        ("cost", price),
+    ]
+    for key, value in rows:
+        table.add_row(key, escape(str(value)))
+    console = Console()
+    console.print(table)
+    for note in bp.notes:
+        console.print(f"- {escape(note)}", highlight=False)
+    console.print("nothing was launched or written (--dry-run)")
+
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(help="Base folder/URI the run lives in (as for crf launch). Default: ./crf-runs"),
+]
+
+
+@app.command()
+def runs(store: StoreOpt = None) -> None:
+    """List the runs in a store: id, backend, job, size, when, status."""
+    import datetime
+
+    from rich.table import Table
+
+    from crf.launcher.attach import list_runs
+
+    try:
+        rows = list_runs(store)
+    except Exception as e:
+        _fail(f"cannot list runs in {store or './crf-runs'}: {e} (check --store)")
+    console = Console()
+    if not rows:
+        console.print(f"no runs in {escape(store or './crf-runs')}")
+        return
+    table = Table(title=f"runs in {store or './crf-runs'}")
+    for col in ("run", "backend", "job", "replicas", "rounds", "created", "status"):
+        table.add_column(col)
+    colors = {"ok": "green", "failed": "red", "running": "cyan", "cancelled": "yellow"}
+    for r in rows:
+        created = datetime.datetime.fromtimestamp(r["created_at"] or 0).strftime("%Y-%m-%d %H:%M")
+        color = colors.get(r["status"], "white")
+        table.add_row(
+            r["run_id"], r["backend"], r["job"], str(r["replicas"]), str(r["rounds"]), created,
+            f"[{color}]{escape(r['status'])}[/]",
+        )  # fmt: skip
+    console.print(table)
+
+
+@app.command()
+def status(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    store: StoreOpt = None,
+) -> None:
+    """Show a run's replicas as its backend and heartbeats see them; a detached run whose
+    replicas have all ended gets its summary (result.json) here."""
+    from crf.launcher.attach import attach, gather
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.progress import ReplicaView, render_progress
+
+    try:
+        run_ = attach(run_id, store)
+    except LaunchError as e:
+        _fail(str(e))
+    console = Console()
+    rows = run_.statuses()
+    spec = run_.spec
+    started = float(run_.launch_record.get("started_at") or spec.created_at)
+    views = [ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in rows]
+    console.print(
+        render_progress(
+            views,
+            run_id=spec.run_id,
+            rounds=spec.rounds,
+            sync_every=spec.sync_every,
+            elapsed_s=time.time() - started,
+        )
+    )
+    result = run_.result()
+    if result is None and all(st.terminal for _, st, _ in rows):
+        result = gather(run_, report=True, console=console)
+    elif result is not None:
+        from crf.launcher.summary import render_summary
+
+        render_summary(result, console, result_path=result.get("result_path"),
+                       plot_path=result.get("loss_plot"))  # fmt: skip
+    if result is None:
+        console.print(f"[cyan]running[/] (launch {run_.launch_no} on {spec.backend})")
+        raise typer.Exit(EXIT_OK)
+    raise typer.Exit(_exit_code(result))
+
+
+@app.command()
+def logs(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    store: StoreOpt = None,
+    rank: Annotated[int | None, typer.Option(help="Only this replica (default: all).")] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the replicas end.")
+    ] = False,
+) -> None:
+    """Print a run's replica logs (prefixed with the rank when showing several)."""
+    from crf.executors.base import ExecutorError
+    from crf.launcher.attach import attach, follow_logs
+    from crf.launcher.errors import LaunchError
+
+    try:
+        run_ = attach(run_id, store)
+        prefix = rank is None and len(run_.handles) > 1
+        for r, line in follow_logs(run_, rank, follow):
+            typer.echo(f"[{r}] {line}" if prefix else line)
+    except (LaunchError, ExecutorError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@app.command()
+def cancel(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    store: StoreOpt = None,
+) -> None:
+    """Stop every replica of a run (from any machine that can reach its store and backend),
+    then write its summary."""
+    from crf.executors.base import ExecutorError
+    from crf.launcher.attach import attach, gather
+    from crf.launcher.errors import LaunchError
+
+    try:
+        run_ = attach(run_id, store)
+        live = [h for h, st, _ in run_.statuses() if not st.terminal]
+        run_.executor.cancel_all(live)
+    except (LaunchError, ExecutorError) as e:
+        _fail(str(e))
+    console = Console()
+    console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
+    if run_.result() is None:
+        summary = gather(run_, report=False, console=console, cancelled=bool(live))
+        console.print(f"summary written: {escape(str(summary.get('result_path')))}")
+
+
 def _exit_code(summary: dict) -> int:
-    if summary["status"] == "ok":
+    if summary["status"] in ("ok", "detached"):
         return EXIT_OK
     return EXIT_INTERRUPTED if summary["status"] == "cancelled" else EXIT_FAILED
 

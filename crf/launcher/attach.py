@@ -1,0 +1,225 @@
+"""Reattach to a run from any process: ``crf runs``, ``crf status``, ``crf logs``, ``crf cancel``.
+
+Everything needed to find a run's replicas again is in its run folder, never in the driver's
+memory: ``run.json`` (what was launched), ``backend.json`` (the executor's non-secret
+options), ``launches/<k>.json`` (each driver launch) and ``launches/<k>/handles.json`` (the
+current handle of each rank). When the handles are missing - the driver died between the
+launch and writing them - the backend's own labels/tags find the replicas
+(``find_replicas``). Credentials come from the environment of the process that reattaches,
+as they did for the launch.
+
+A detached run has no driver watching it, so ``crf status`` is also where it gets its
+summary: once every replica has ended and the latest launch has no result yet, ``status``
+gathers the results into ``result.json`` exactly as a watching driver would have.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from crf.executors.base import ExecutorError, ReplicaHandle, ReplicaStatus, ServerlessExecutor
+from crf.launcher.errors import LaunchError
+from crf.spec import RunSpec
+
+
+@dataclass
+class AttachedRun:
+    """A run found in a store, with an executor able to ask its backend about it."""
+
+    spec: RunSpec
+    store: Any  # RunStore
+    executor: ServerlessExecutor
+    launch_no: int
+    launch_record: dict[str, Any]
+    handles: list[ReplicaHandle]
+
+    def statuses(self) -> list[tuple[ReplicaHandle, ReplicaStatus, dict[str, Any] | None]]:
+        from crf.launcher.driver import _read_heartbeat
+
+        out = []
+        for h in self.handles:
+            try:
+                st = self.executor.status(h)
+            except ExecutorError as e:
+                from crf.executors.base import ReplicaState
+
+                st = ReplicaStatus(ReplicaState.FAILED, None, f"status unavailable: {e}")
+            out.append((h, st, _read_heartbeat(self.store, h.rank)))
+        return out
+
+    def result(self) -> dict[str, Any] | None:
+        """This launch's ``result.json``, if it was written (by its driver or a gather)."""
+        try:
+            data = self.store.get_json("result.json")
+        except Exception:
+            return None
+        if not isinstance(data, dict) or int(data.get("launch", 0) or 0) != self.launch_no:
+            return None
+        return data
+
+    def handle(self, rank: int) -> ReplicaHandle:
+        for h in self.handles:
+            if h.rank == rank:
+                return h
+        ranks = ", ".join(str(h.rank) for h in self.handles)
+        raise LaunchError(f"run {self.spec.run_id} has no replica {rank} (ranks: {ranks})")
+
+
+def run_store(run_id: str, store: str | None) -> Any:
+    from crf.launcher.driver import DEFAULT_STORE
+    from crf.store import RunStore, join_uri, normalize_uri
+
+    try:
+        uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
+        st = RunStore(uri, retries=1)
+        if not st.exists("run.json"):
+            raise LaunchError(
+                f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
+                "list runs with `crf runs --store ...`"
+            )
+    except LaunchError:
+        raise
+    except Exception as e:
+        raise LaunchError(f"cannot open run {run_id!r} in {store or DEFAULT_STORE}: {e}") from None
+    return st
+
+
+def attach(run_id: str, store: str | None = None) -> AttachedRun:
+    """Open run ``run_id`` in ``store`` and rebuild its executor; LaunchError if impossible."""
+    from crf.launcher.driver import make_executor, saved_backend_options
+
+    st = run_store(run_id, store)
+    spec = RunSpec.from_json(st.get("run.json").decode())
+    executor = make_executor(spec.backend, saved_backend_options(st))
+    launches = [int(n[:-5]) for n in st.list("launches") if n.endswith(".json")]
+    launch_no = max(launches) if launches else 0
+    try:
+        record = st.get_json(f"launches/{launch_no}.json")
+    except Exception:
+        record = {}
+    handles: list[ReplicaHandle] = []
+    try:
+        saved = st.get_json(f"launches/{launch_no}/handles.json")
+        handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
+    except Exception:
+        handles = []
+    if not handles:
+        try:
+            handles = executor.find_replicas(spec.run_id, spec.run_uri, spec.replicas)
+        except ExecutorError as e:
+            raise LaunchError(
+                f"run {run_id} has no saved replica handles and {e}; nothing to attach to"
+            ) from None
+    handles.sort(key=lambda h: h.rank)
+    return AttachedRun(spec, st, executor, launch_no, record, handles)
+
+
+def gather(
+    run: AttachedRun, *, report: bool = False, console: Any = None, cancelled: bool = False
+) -> dict[str, Any]:
+    """Write this launch's summary (all replicas have ended); return it."""
+    from crf.launcher.driver import finish_run
+
+    record = run.launch_record
+    extra: dict[str, Any] = {"launch": run.launch_no}
+    if record.get("restart_policy"):
+        extra["restart_policy"] = record["restart_policy"]
+    if record.get("resumed_from_round") is not None:
+        extra["resumed_from_round"] = record["resumed_from_round"]
+    return finish_run(
+        run.spec,
+        run.store,
+        run.executor,
+        run.handles,
+        launch_no=run.launch_no,
+        started=float(record.get("started_at") or time.time()),
+        extra=extra,
+        cancelled=cancelled,
+        report=report,
+        console=console,
+    )
+
+
+def follow_logs(run: AttachedRun, rank: int | None, follow: bool) -> Iterator[tuple[int, str]]:
+    """(rank, line) for one replica, or for all of them one after the other (without follow)
+    or interleaved as they arrive (with follow)."""
+    handles = [run.handle(rank)] if rank is not None else run.handles
+    if not follow or len(handles) == 1:
+        for h in handles:
+            for line in run.executor.logs(h, follow=follow):
+                yield h.rank, line
+        return
+    import queue
+    import threading
+
+    q: queue.Queue[tuple[int, str] | None] = queue.Queue()
+
+    def pump(h: ReplicaHandle) -> None:
+        try:
+            for line in run.executor.logs(h, follow=True):
+                q.put((h.rank, line))
+        finally:
+            q.put(None)
+
+    for h in handles:
+        threading.Thread(target=pump, args=(h,), daemon=True).start()
+    ended = 0
+    while ended < len(handles):
+        item = q.get()
+        if item is None:
+            ended += 1
+        else:
+            yield item
+
+
+def list_runs(store: str | None) -> list[dict[str, Any]]:
+    """One row per run folder under ``store``: id, backend, job, size, when, status.
+
+    The status is the newest launch's ``result.json`` status when it exists; otherwise
+    ``running`` if a heartbeat is fresh, else ``stopped`` (a driver died, or a detached run
+    that nobody gathered yet - ``crf status`` tells which).
+    """
+    from crf.launcher.driver import DEFAULT_STORE, LIVE_HEARTBEAT_S
+    from crf.store import RunStore, normalize_uri
+
+    base = RunStore(normalize_uri(store or DEFAULT_STORE), retries=1)
+    rows = []
+    for name in sorted(base.list()):
+        try:
+            spec = RunSpec.from_json(base.get(f"{name}/run.json").decode())
+        except Exception:
+            continue  # not a run folder
+        status = "stopped"
+        try:
+            result = base.get_json(f"{name}/result.json")
+            launches = [int(n[:-5]) for n in base.list(f"{name}/launches") if n.endswith(".json")]
+            if int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
+                status = str(result.get("status"))
+        except Exception:
+            result = None
+        if result is None or status == "stopped":
+            now = time.time()
+            for r in range(spec.replicas):
+                try:
+                    beat = base.get_json(f"{name}/replicas/{r}/state.json")
+                except Exception:
+                    continue
+                if now - float(beat.get("updated_at") or 0) < LIVE_HEARTBEAT_S:
+                    status = "running"
+                    break
+        rows.append(
+            {
+                "run_id": spec.run_id,
+                "backend": spec.backend,
+                "job": spec.job,
+                "replicas": spec.replicas,
+                "rounds": spec.rounds,
+                "created_at": spec.created_at,
+                "status": status,
+            }
+        )
+    rows.sort(key=lambda r: r.get("created_at") or 0, reverse=True)
+    return rows

@@ -1,0 +1,140 @@
+"""`crf launch --dry-run / --detach` and `crf runs / status / logs / cancel` from other processes.
+
+Every command runs as its own `crf` process (the launcher exits after --detach; status, logs
+and cancel then reattach through the store alone), with the contract-following replica script
+of test_cli.py as the entrypoint, so no training stack is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import REPLICA_SCRIPT
+
+CRF = [sys.executable, "-m", "crf.launcher.cli"]
+
+
+def crf(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str]:
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    p = subprocess.run(
+        [*CRF, *args], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "my_train.py"
+    path.write_text(REPLICA_SCRIPT)
+    return path
+
+
+def _launch(base: Path, script: Path, run_id: str, *extra: str, env=None) -> tuple[int, str]:
+    return crf(
+        "launch", "--job", "lm", "--store", str(base), "--run-id", run_id, "-n", "2",
+        "--rounds", "3", "--entrypoint", f"python {script}", "--no-progress", *extra, env=env,
+    )  # fmt: skip
+
+
+def _wait_ended(base: Path, run_id: str, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [
+            base / run_id / "replicas" / str(r) / "state.json" for r in range(n)
+        ]
+        if all(p.exists() and json.loads(p.read_text())["phase"] == "done" for p in done):
+            time.sleep(0.5)  # the processes exit right after their last heartbeat
+            return
+        time.sleep(0.2)
+    raise AssertionError("replicas did not finish")
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, script: Path) -> None:
+    base = tmp_path / "runs"
+    code, out = _launch(base, script, "dry", "--dry-run")
+    assert code == 0, out
+    words = ("backend", "local", "replicas", "hardware", "cost", "free", "nothing was launched")
+    for word in words:
+        assert word in out
+    assert not (base / "dry").exists()
+
+
+def test_dry_run_cloud_backend_refuses_a_local_store(tmp_path: Path, script: Path) -> None:
+    code, out = _launch(tmp_path / "runs", script, "x", "--backend", "hf", "--dry-run")
+    assert code == 2
+    assert "use an object store" in out and "Traceback" not in out
+
+
+def test_backend_options_are_checked(tmp_path: Path, script: Path) -> None:
+    code, out = _launch(tmp_path / "runs", script, "x", "--gpu", "A10G")
+    assert code == 2 and "local backend has no --hardware option" in out
+    code, out = _launch(tmp_path / "runs", script, "x", "-o", "nope=1")
+    assert code == 2 and "has no option nope" in out
+    code, out = _launch(tmp_path / "runs", script, "x", "-o", "novalue")
+    assert code == 2 and "--opt expects KEY=VALUE" in out
+    assert not (tmp_path / "runs" / "x").exists()
+
+
+def test_detach_then_status_logs_and_runs(tmp_path: Path, script: Path) -> None:
+    base = tmp_path / "runs"
+    code, out = _launch(base, script, "det", "--detach")
+    assert code == 0, out
+    assert "detached" in out and "crf status det" in out
+    handles = json.loads((base / "det" / "launches" / "0" / "handles.json").read_text())
+    assert [h["rank"] for h in handles["handles"]] == [0, 1]
+    backend = json.loads((base / "det" / "backend.json").read_text())
+    assert backend["backend"] == "local"
+    _wait_ended(base, "det", 2)
+    assert not (base / "det" / "result.json").exists()  # nobody gathered yet
+
+    code, out = crf("logs", "det", "--store", str(base))
+    assert code == 0, out
+    assert "[0] replica 0 running job lm" in out and "[1] replica 1 running job lm" in out
+    code, out = crf("logs", "det", "--store", str(base), "--rank", "1", "--follow")
+    assert code == 0 and "replica 1 running job lm" in out and "[1]" not in out
+
+    code, out = crf("status", "det", "--store", str(base))
+    assert code == 0, out
+    assert "succeeded" in out and "run ok" in out
+    result = json.loads((base / "det" / "result.json").read_text())
+    assert result["status"] == "ok" and result["launch"] == 0
+    assert [r["ok"] for r in result["replicas"]] == [True, True]
+
+    code, out = crf("runs", "--store", str(base))
+    assert code == 0 and "det" in out and "ok" in out
+
+
+def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path) -> None:
+    base = tmp_path / "runs"
+    code, out = _launch(base, script, "long", "--detach", env={"SLEEP_RANKS": "0,1"})
+    assert code == 0, out
+    pids = [
+        int(h["backend_id"])
+        for h in json.loads((base / "long/launches/0/handles.json").read_text())["handles"]
+    ]
+    code, out = crf("status", "long", "--store", str(base))
+    assert code == 0 and "running" in out
+    code, out = crf("runs", "--store", str(base))
+    assert "running" in out
+
+    code, out = crf("cancel", "long", "--store", str(base))
+    assert code == 0, out
+    assert "cancelled 2 running replica(s)" in out
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    result = json.loads((base / "long" / "result.json").read_text())
+    assert result["status"] == "cancelled"
+    code, out = crf("status", "long", "--store", str(base))
+    assert code == 130 and "cancelled" in out
+
+
+def test_status_of_an_unknown_run_says_how_to_find_runs(tmp_path: Path) -> None:
+    code, out = crf("status", "nope", "--store", str(tmp_path))
+    assert code == 2 and "no run 'nope'" in out and "crf runs" in out
