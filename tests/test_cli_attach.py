@@ -23,9 +23,7 @@ CRF = [sys.executable, "-m", "crf.launcher.cli"]
 
 def crf(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str]:
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    p = subprocess.run(
-        [*CRF, *args], capture_output=True, text=True, env=full_env, timeout=timeout
-    )
+    p = subprocess.run([*CRF, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -46,9 +44,7 @@ def _launch(base: Path, script: Path, run_id: str, *extra: str, env=None) -> tup
 def _wait_ended(base: Path, run_id: str, n: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = [
-            base / run_id / "replicas" / str(r) / "state.json" for r in range(n)
-        ]
+        done = [base / run_id / "replicas" / str(r) / "state.json" for r in range(n)]
         if all(p.exists() and json.loads(p.read_text())["phase"] == "done" for p in done):
             time.sleep(0.5)  # the processes exit right after their last heartbeat
             return
