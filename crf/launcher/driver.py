@@ -304,6 +304,7 @@ def prepare_resume(
     executor: ServerlessExecutor | None = None,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
     max_run_restarts: int | None = None,
+    backend_options: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Validate that run ``run_id`` in ``store`` can be continued; LaunchError otherwise.
 
@@ -355,7 +356,8 @@ def prepare_resume(
             f"(got --backend {backend})"
         )
     if executor is None:
-        executor = make_executor(spec.backend, saved_backend_options(run_store))
+        options = {**saved_backend_options(run_store), **(backend_options or {})}
+        executor = make_executor(spec.backend, options)
     try:
         executor.check_ready(run_uri)
         executor.check_command(spec.entrypoint)
