@@ -8,7 +8,8 @@ says how to submit one container, ask its state, read its logs and stop it:
   (``python -c BOOTSTRAP <argv>``) that installs what the image lacks, fetches that exact code
   through fsspec, and runs ``python -m crf.replica`` with it first on ``PYTHONPATH``. Replicas
   therefore always run the driver's version of crf, on any stock Python/PyTorch image, and the
-  image needs no rebuild when crf changes. (Modal mounts the source natively instead.)
+  image needs no rebuild when crf changes. (Modal too: its image only pre-installs the
+  requirements, so the bootstrap finds them and goes straight to fetching the code.)
 * **Secrets.** Store credentials (``crf.executors.secrets.store_secrets``) and everything the
   caller passes as ``env`` go through the backend's secret mechanism; the plain environment
   holds only the replica contract (run URI, rank, world size, run id) and public settings.
