@@ -370,6 +370,15 @@ def test_a_job_deleted_or_unknown_is_reported_not_raised(emu: HFJobsEmulator, hf
     assert st.state is ReplicaState.FAILED and "not found" in st.message
     assert list(ex.logs(h)) == []
     ex.cancel(h)
+    # a job someone deleted on the Hub counts as cancelled, not as a failure to restart
+    job = HfApi(endpoint=emu.endpoint, token=TOKEN).run_job(
+        image="python:3.12", command=["python", "-c", "pass"], namespace=USER
+    )
+    wait_for(lambda: emu.jobs[job.id].output_closed, "the job to end")
+    emu.jobs[job.id].stage = "DELETED"
+    gone = ReplicaHandle("hf", "r", 0, job.id, "s3://b/runs/r", 1, extra={"namespace": USER})
+    st = make(emu).status(gone)  # a fresh executor: the namespace comes from the handle
+    assert st.state is ReplicaState.CANCELLED and "deleted" in st.message
 
 
 # --------------------------------------------------------------------------- through the CLI
