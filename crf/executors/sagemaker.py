@@ -1,0 +1,895 @@
+"""SageMakerExecutor: each replica is one Amazon SageMaker training job, driven through boto3.
+
+Why training jobs, one per replica: a training job is SageMaker's pay-per-second unit of "run
+this container on that instance until it exits", with CloudWatch logs, tags, a stop call and a
+hard time limit - exactly the container contract every crf backend needs. Replicas meet only
+in the store, never over the network, so each job is a single instance (``InstanceCount=1``)
+and none of SageMaker's distributed-training machinery is involved. Only boto3 is used (not
+the ``sagemaker`` SDK): five API calls do not justify a heavy dependency with its own opinions
+about code upload.
+
+How the code gets in. SageMaker caps every ``ContainerEntrypoint``/``ContainerArguments`` item
+at 256 characters, far less than the shared ``BOOTSTRAP`` (cloud.py), while ``Environment``
+values may hold 512. So the bootstrap - preceded by a short step that loads the run's secret -
+travels base64-encoded in ``CRF_BOOT_0..k`` environment chunks (public code, no secret), the
+entrypoint is a one-line loader that joins and runs them (``python -c LOADER``), and the
+replica command is ``ContainerArguments``. Everything else is the shared cloud path: the crf
+source is uploaded to ``<run>/code/`` and fetched by the bootstrap.
+
+Secrets. ``Environment`` is shown to anyone allowed to ``DescribeTrainingJob``, so no secret
+ever goes there. For an ``s3://`` store the job's IAM execution role (``role_arn``, required)
+grants the store access, exactly as it grants SageMaker itself access to S3, so the caller's
+AWS keys are dropped rather than shipped. Whatever else a replica needs - a Hugging Face
+token, a GCS key file, an S3 endpoint override, the caller's ``env`` - goes into one AWS
+Secrets Manager secret per launch (``crf/<run-id>/<nonce>``, tagged ``crf-run``); the job's
+``Environment`` carries only its ARN (``CRF_SECRET_ARN``), the container fetches it with its
+role before the bootstrap runs, and ``collect`` deletes it once the run's replicas have ended
+(also when a later ``crf status``/``crf cancel`` gathers a detached run). With a plain AWS S3
+store no secret is created at all.
+
+Restarts (why ``native_restarts`` is False). SageMaker's ``RetryStrategy`` retries a job only
+after a SageMaker *InternalServerError*, never after the container itself fails (a crash, an
+OOM kill, a store outage). Claiming native restarts would leave those replicas dead, so the
+driver relaunches failed ranks itself (each attempt is a new job: names are single-use), and
+``max_restarts`` is additionally passed as ``RetryStrategy`` so platform faults are retried
+inside the same job. Those internal retries are visible only as extra ``Starting`` entries in
+the job's status transitions, reported as ``ReplicaStatus.restarts``.
+
+Logs are read from CloudWatch Logs, group ``/aws/sagemaker/TrainingJobs``, streams
+``<job-name>/algo-1-<epoch>`` (one per container start).
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import json
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import boto3  # the registry turns a missing boto3 into "pip install ...[sagemaker]"
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from crf.executors.base import (
+    ENV_RUN_URI,
+    BackendPlan,
+    Entrypoint,
+    ExecutorError,
+    ReplicaHandle,
+    ReplicaResult,
+    ReplicaState,
+    ReplicaStatus,
+)
+from crf.executors.cloud import BOOTSTRAP, LABEL_RANK, LABEL_RUN, CloudExecutor
+from crf.executors.secrets import MissingCredentials, redact, scheme_of, store_secrets
+
+DEFAULT_INSTANCE_TYPE = "ml.g5.xlarge"  # one A10G (24 GB): the cheapest current-gen GPU type
+DEFAULT_VOLUME_GB = 30
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+#: where ``role_arn`` is read from when the option is not given
+ROLE_ARN_ENV = "CRF_SAGEMAKER_ROLE_ARN"
+ENV_SECRET_ARN = "CRF_SECRET_ARN"
+ENV_BOOT_N, ENV_BOOT_PREFIX = "CRF_BOOT_N", "CRF_BOOT_"
+#: SageMaker's request limits (CreateTrainingJob API reference)
+MAX_ARG_CHARS, MAX_ENV_VALUE_CHARS, MAX_ENV_ENTRIES, MAX_ARGS = 256, 512, 100, 100
+MAX_JOB_NAME = 63
+MAX_RETRY_ATTEMPTS = 30
+#: store variables the execution role makes unnecessary for an s3:// store
+ROLE_REPLACES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
+
+_ROLE_ARN_RE = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+$")
+_INSTANCE_RE = re.compile(r"^ml\.[a-z0-9]+(?:-[a-z0-9]+)*\.[a-z0-9]+$")
+_JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+_ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_EXIT_RE = re.compile(r"exit(?:ed with)?[ _-]?(?:code|status)[\s:=]+(-?\d+)", re.IGNORECASE)
+
+# SageMaker *training* on-demand list prices, USD per instance-hour, us-east-1, from
+# https://aws.amazon.com/sagemaker/ai/pricing/ ("Training" tab), as published in 2025 and
+# cross-checked against public copies on 2026-11-23 (no live read was possible then). Other
+# regions cost more or less; managed spot is billed at the (lower) spot price.
+HOURLY_USD: dict[str, float] = {
+    "ml.m5.large": 0.115,
+    "ml.m5.xlarge": 0.23,
+    "ml.m5.2xlarge": 0.461,
+    "ml.m5.4xlarge": 0.922,
+    "ml.c5.xlarge": 0.204,
+    "ml.c5.2xlarge": 0.408,
+    "ml.c5.4xlarge": 0.816,
+    "ml.g4dn.xlarge": 0.736,
+    "ml.g4dn.2xlarge": 0.94,
+    "ml.g4dn.12xlarge": 4.89,
+    "ml.g5.xlarge": 1.408,
+    "ml.g5.2xlarge": 1.515,
+    "ml.g5.4xlarge": 2.03,
+    "ml.g5.8xlarge": 3.06,
+    "ml.g5.12xlarge": 7.09,
+    "ml.g5.48xlarge": 20.36,
+    "ml.p3.2xlarge": 3.825,
+    "ml.p3.8xlarge": 14.688,
+    "ml.p3.16xlarge": 28.152,
+    "ml.p4d.24xlarge": 37.688,
+}
+
+# The AWS PyTorch training Deep Learning Container (boto3 has no image lookup; the sagemaker
+# SDK's image_uris table is where these come from). torch 2.8 / Python 3.12 satisfies crf's
+# torch>=2.6; the bootstrap installs the rest (torchft, trl, s3fs...) at start.
+DLC_REPOSITORY = "pytorch-training"
+DLC_TAG_GPU = "2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker"
+DLC_TAG_CPU = "2.8.0-cpu-py312-ubuntu22.04-sagemaker"
+DLC_ACCOUNT = "763104351884"
+_DLC_ACCOUNTS = {  # regions whose DLCs live in another AWS account
+    "af-south-1": "626614931356",
+    "ap-east-1": "871362719292",
+    "ap-northeast-3": "364406365360",
+    "ap-southeast-3": "907027046896",
+    "eu-south-1": "692866216735",
+    "il-central-1": "780543022126",
+    "me-central-1": "914824155844",
+    "me-south-1": "217643126080",
+    "cn-north-1": "727897471807",
+    "cn-northwest-1": "727897471807",
+}
+
+# Runs in the container before BOOTSTRAP (same namespace): the secret's values become
+# environment variables. The job's role needs secretsmanager:GetSecretValue on it.
+SECRET_STEP = r"""
+import json, os, subprocess, sys
+_arn = os.environ.pop("CRF_SECRET_ARN", "")
+if _arn:
+    try:
+        import boto3
+    except ImportError:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "boto3"])
+        import boto3
+    _sm = boto3.client("secretsmanager", region_name=_arn.split(":")[3])
+    os.environ.update(json.loads(_sm.get_secret_value(SecretId=_arn)["SecretString"]))
+    del _sm
+    print("crf bootstrap: secret loaded from Secrets Manager", flush=True)
+"""
+#: the container's entrypoint program: joins CRF_BOOT_0..N-1, decodes and runs them
+LOADER = (
+    "import os,base64 as b;exec(b.b64decode(''.join(os.environ.pop('CRF_BOOT_%d'%i)"
+    "for i in range(int(os.environ.pop('CRF_BOOT_N'))))))"
+)
+
+
+def boot_environment() -> dict[str, str]:
+    """``CRF_BOOT_N`` and ``CRF_BOOT_<i>``: SECRET_STEP + BOOTSTRAP, base64, in chunks that fit
+    SageMaker's 512-character limit on environment values."""
+    data = base64.b64encode((SECRET_STEP + BOOTSTRAP).encode()).decode()
+    chunks = [data[i : i + MAX_ENV_VALUE_CHARS] for i in range(0, len(data), MAX_ENV_VALUE_CHARS)]
+    env = {f"{ENV_BOOT_PREFIX}{i}": c for i, c in enumerate(chunks)}
+    env[ENV_BOOT_N] = str(len(chunks))
+    return env
+
+
+def slug(run_id: str) -> str:
+    """A run id as job-name characters ([a-zA-Z0-9-])."""
+    return re.sub(r"[^a-zA-Z0-9]+", "-", run_id).strip("-") or "run"
+
+
+def job_name(run_id: str, rank: int) -> str:
+    """``crf-<run>-r<rank>-<nonce>``: valid (<= 63 chars, [a-zA-Z0-9-]) and new on every call,
+    because a training job name can never be used twice in an account and region."""
+    tail = f"-r{rank}-{uuid.uuid4().hex[:6]}"
+    name = f"crf-{slug(run_id)[: MAX_JOB_NAME - 4 - len(tail)]}{tail}"
+    assert _JOB_NAME_RE.match(name), name
+    return name
+
+
+def known_instance_types() -> list[str]:
+    """The training instance types the installed botocore knows (its API model's enum)."""
+    try:
+        import botocore.session
+
+        model = botocore.session.get_session().get_service_model("sagemaker")
+        shape = model.operation_model("CreateTrainingJob").input_shape
+        return list(shape.members["ResourceConfig"].members["InstanceType"].enum)
+    except Exception:  # a botocore without the model: fall back to the priced ones
+        return sorted(HOURLY_USD)
+
+
+def has_gpu(instance_type: str) -> bool:
+    """ml.p* and ml.g* families carry NVIDIA GPUs; the rest (m, c, r, t, trn...) do not."""
+    family = instance_type.split(".")[1] if instance_type.count(".") == 2 else ""
+    return family[:1] in ("p", "g")
+
+
+def default_image(region: str, instance_type: str) -> str:
+    """The AWS PyTorch training DLC for ``region``, GPU or CPU build by instance type."""
+    account = _DLC_ACCOUNTS.get(region, DLC_ACCOUNT)
+    domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+    tag = DLC_TAG_GPU if has_gpu(instance_type) else DLC_TAG_CPU
+    return f"{account}.dkr.ecr.{region}.{domain}/{DLC_REPOSITORY}:{tag}"
+
+
+def exit_code_from(reason: str) -> int | None:
+    """The exit code SageMaker quotes in a FailureReason, if it quotes one."""
+    m = _EXIT_RE.search(reason or "")
+    return int(m.group(1)) if m else None
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _msg(e: ClientError) -> str:
+    err = e.response.get("Error", {})
+    return f"{err.get('Code', '?')}: {err.get('Message', e)}"
+
+
+def _optional_float(value: Any, what: str) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ExecutorError(f"{what} must be a number of seconds (got {value!r})") from None
+
+
+class SageMakerExecutor(CloudExecutor):
+    """Run each replica as a SageMaker training job (one instance each).
+
+    Args:
+        instance_type: per-replica instance, ``ml.<family>.<size>`` (``--instance-type``).
+        image: container image; default: the AWS PyTorch training DLC for the region.
+        role_arn: the IAM execution role the jobs run as (required; or ``CRF_SAGEMAKER_ROLE_ARN``).
+            It must be assumable by sagemaker.amazonaws.com and may read/write the store.
+        region: AWS region (default: the boto3 default region).
+        volume_gb: the job's EBS volume size.
+        spot: use managed spot training (cheaper, may wait for capacity or be interrupted).
+        max_wait_s: with ``spot``, how long a job may wait for capacity plus run
+            (default ``timeout_s`` + 1 h).
+        timeout_s: each job's ``MaxRuntimeInSeconds`` (default: a day).
+        output_path: the S3 prefix SageMaker requires for job output (crf writes none there);
+            default ``<run>/sagemaker`` for an s3:// store, required otherwise.
+        poll_s: how often ``logs(follow=True)`` polls CloudWatch.
+    """
+
+    name = "sagemaker"
+    kind = "SageMaker training job"
+    hardware_option: ClassVar[str] = "instance_type"
+    native_restarts = False  # see the module docstring: RetryStrategy skips container failures
+
+    def __init__(
+        self,
+        instance_type: str = DEFAULT_INSTANCE_TYPE,
+        *,
+        image: str | None = None,
+        role_arn: str | None = None,
+        region: str | None = None,
+        volume_gb: int = DEFAULT_VOLUME_GB,
+        spot: bool = False,
+        max_wait_s: float | None = None,
+        timeout_s: float | None = None,
+        output_path: str | None = None,
+        poll_s: float = 2.0,
+    ) -> None:
+        super().__init__(image=image, timeout_s=_optional_float(timeout_s, "timeout_s"))
+        self.instance_type = str(instance_type).strip()
+        if not _INSTANCE_RE.match(self.instance_type):
+            raise ExecutorError(
+                f"{instance_type!r} is not a SageMaker instance type; they look like "
+                f"ml.<family>.<size>, e.g. --instance-type {DEFAULT_INSTANCE_TYPE}"
+            )
+        self.role_arn = role_arn or os.environ.get(ROLE_ARN_ENV) or None
+        if self.role_arn and not _ROLE_ARN_RE.match(self.role_arn):
+            raise ExecutorError(
+                f"role_arn {self.role_arn!r} is not an IAM role ARN; it looks like "
+                "arn:aws:iam::123456789012:role/MySageMakerRole"
+            )
+        self.region = region or boto3.session.Session().region_name or None
+        self.volume_gb = int(volume_gb)
+        if self.volume_gb < 1:
+            raise ExecutorError(f"volume_gb must be >= 1 (got {volume_gb})")
+        self.spot = bool(spot)
+        self.max_wait_s = _optional_float(max_wait_s, "max_wait_s")
+        if self.max_wait_s is not None and not self.spot:
+            raise ExecutorError("max_wait_s only applies to spot jobs: add -o spot=true")
+        if self.spot and self.max_wait_s is not None and self.max_wait_s < self.timeout_s:
+            raise ExecutorError(
+                f"max_wait_s ({self.max_wait_s:.0f}) must be at least the job timeout "
+                f"({self.timeout_s:.0f} s): it counts the wait for spot capacity plus the run"
+            )
+        if output_path is not None and not str(output_path).startswith("s3://"):
+            raise ExecutorError(f"output_path must be an s3:// URI (got {output_path!r})")
+        self.output_path = output_path
+        self.poll_s = float(poll_s)
+        self._clients: dict[tuple[str, str], Any] = {}
+        self._run_secrets: dict[str, tuple[str, str]] = {}  # run id -> (ARN, payload)
+        self._retries: dict[str, int] = {}  # run id -> RetryStrategy attempts
+
+    # ------------------------------------------------------------------ AWS plumbing
+    def _region(self) -> str:
+        if not self.region:
+            raise ExecutorError(
+                "no AWS region for SageMaker: pass --region (e.g. --region us-east-1) or set "
+                "AWS_DEFAULT_REGION"
+            )
+        return self.region
+
+    def _client(self, service: str, region: str | None = None) -> Any:
+        region = region or self._region()
+        with self._lock:
+            client = self._clients.get((service, region))
+            if client is None:
+                client = boto3.session.Session().client(
+                    service,
+                    region_name=region,
+                    config=Config(retries={"max_attempts": 6, "mode": "standard"}),
+                )
+                self._clients[(service, region)] = client
+        return client
+
+    def _handle_region(self, handle: ReplicaHandle) -> str:
+        return str(handle.extra.get("region") or self._region())
+
+    def _image(self, region: str | None = None) -> str:
+        if self.image:
+            return self.image
+        region = region or self.region
+        if not region:
+            return default_image("<region>", self.instance_type)
+        return default_image(region, self.instance_type)
+
+    # ------------------------------------------------------------------ checks
+    def check_command(
+        self, entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()
+    ) -> list[str]:
+        """The replica command, which must fit SageMaker's ContainerArguments limits."""
+        cmd = super().check_command(entrypoint, entrypoint_args)
+        if len(cmd) > MAX_ARGS:
+            raise ExecutorError(
+                f"SageMaker allows at most {MAX_ARGS} container arguments (the command has "
+                f"{len(cmd)}); put them in a script or a config file"
+            )
+        for arg in cmd:
+            if len(arg) > MAX_ARG_CHARS or "\n" in arg or "\r" in arg:
+                raise ExecutorError(
+                    f"SageMaker limits each container argument to one line of at most "
+                    f"{MAX_ARG_CHARS} characters; {arg[:40]!r}... does not fit: put it in a "
+                    "script (or a job option) instead"
+                )
+        return cmd
+
+    def _check_instance_type(self) -> None:
+        known = known_instance_types()
+        if self.instance_type in known:
+            return
+        close = difflib.get_close_matches(self.instance_type, known, n=3, cutoff=0.75)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ExecutorError(
+            f"unknown SageMaker training instance type {self.instance_type!r}; {hint}"
+            f"e.g. ml.g5.xlarge (1 A10G), ml.g4dn.xlarge (1 T4), ml.m5.xlarge (CPU). "
+            f"(boto3 {boto3.__version__} knows {len(known)} types; upgrade it for newer ones)"
+        )
+
+    def check_backend(self) -> None:
+        """Instance type, role and region valid; AWS accepts the credentials and lets them
+        use SageMaker - all before anything is launched."""
+        self._check_instance_type()
+        if not self.role_arn:
+            raise ExecutorError(
+                "SageMaker jobs need an IAM execution role: -o role_arn=arn:aws:iam::<account>:"
+                f"role/<name> (or set {ROLE_ARN_ENV}); see docs/backends/sagemaker.md"
+            )
+        region = self._region()
+        try:
+            ident = self._client("sts", region).get_caller_identity()
+        except NoCredentialsError:
+            raise ExecutorError(
+                "no AWS credentials for SageMaker: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (`aws configure` / `aws sso login`)"
+            ) from None
+        except ClientError as e:
+            raise ExecutorError(
+                f"AWS rejected your credentials ({_msg(e)}); check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or refresh them (`aws sso login`)"
+            ) from None
+        except BotoCoreError as e:
+            raise ExecutorError(f"cannot reach AWS STS in {region}: {e}") from None
+        try:
+            self._client("sagemaker", region).list_training_jobs(MaxResults=1)
+        except ClientError as e:
+            raise ExecutorError(
+                f"{ident.get('Arn', 'your AWS identity')} cannot use SageMaker in {region} "
+                f"({_msg(e)}); it needs sagemaker:CreateTrainingJob/DescribeTrainingJob/"
+                f"StopTrainingJob/ListTrainingJobs/ListTags/AddTags and iam:PassRole on "
+                f"{self.role_arn}"
+            ) from None
+        except BotoCoreError as e:
+            raise ExecutorError(f"cannot reach SageMaker in {region}: {e}") from None
+
+    def check_ready(self, run_uri: str) -> None:
+        super().check_ready(run_uri)
+        self._output_path(run_uri)
+
+    def _output_path(self, run_uri: str) -> str:
+        if self.output_path:
+            return self.output_path
+        if scheme_of(run_uri) == "s3":
+            return f"{run_uri.rstrip('/')}/sagemaker"
+        raise ExecutorError(
+            "SageMaker requires an S3 location for job output (crf writes nothing there, "
+            f"but the API insists): add -o output_path=s3://<bucket>/<prefix> (the store "
+            f"{run_uri} is not on S3)"
+        )
+
+    # ------------------------------------------------------------------ secrets
+    def secrets_for(self, run_uri: str, env: Mapping[str, str] | None) -> dict[str, str]:
+        """What goes into the run's Secrets Manager secret: the store bundle minus what the
+        execution role replaces (AWS keys and region for an s3:// store), plus ``env``.
+        Everything dropped is still redacted from logs."""
+        try:
+            bundle = store_secrets(run_uri)
+        except MissingCredentials as e:
+            raise ExecutorError(str(e)) from None
+        with self._lock:
+            self._secret_values.update(bundle.values())
+        if scheme_of(run_uri) == "s3":
+            bundle = {k: v for k, v in bundle.items() if k not in ROLE_REPLACES}
+        bundle.update({str(k): str(v) for k, v in (env or {}).items()})
+        with self._lock:
+            self._secret_values.update(bundle.values())
+        return bundle
+
+    def _secret_name(self, run_id: str) -> str:
+        safe = re.sub(r"[^A-Za-z0-9/_+=.@-]", "-", run_id)[:400]
+        return f"crf/{safe}/{uuid.uuid4().hex[:8]}"
+
+    def _ensure_secret(self, run_id: str, secrets: Mapping[str, str]) -> str | None:
+        """The ARN of this launch's secret (created on first use); None when nothing is
+        secret (a plain AWS S3 store: the role does it all)."""
+        if not secrets:
+            return None
+        payload = json.dumps(dict(secrets), sort_keys=True)
+        with self._lock:
+            known = self._run_secrets.get(run_id)
+        if known is not None and known[1] == payload:
+            return known[0]
+        try:
+            arn = self._client("secretsmanager").create_secret(
+                Name=self._secret_name(run_id),
+                SecretString=payload,
+                Description=f"crf run {run_id}: what its SageMaker replicas need besides their "
+                "role; deleted when the run is collected",
+                Tags=[{"Key": LABEL_RUN, "Value": run_id}],
+            )["ARN"]
+        except ClientError as e:
+            raise ExecutorError(
+                f"could not create the run's Secrets Manager secret ({_msg(e)}); your identity "
+                "needs secretsmanager:CreateSecret/TagResource/DeleteSecret on crf/*"
+            ) from None
+        with self._lock:
+            self._run_secrets[run_id] = (arn, payload)
+        return arn
+
+    def _delete_secret(self, arn: str) -> bool:
+        region = arn.split(":")[3] if arn.count(":") >= 6 else None
+        try:
+            self._client("secretsmanager", region).delete_secret(
+                SecretId=arn, ForceDeleteWithoutRecovery=True
+            )
+        except ClientError as e:
+            if _code(e) != "ResourceNotFoundException":
+                return False
+        except BotoCoreError:
+            return False
+        with self._lock:
+            for run_id, (known, _) in list(self._run_secrets.items()):
+                if known == arn:
+                    del self._run_secrets[run_id]
+        return True
+
+    def delete_secrets(self, handles: Sequence[ReplicaHandle]) -> list[str]:
+        """Delete the Secrets Manager secrets these replicas were started with (best effort;
+        works on handles from another process too: the ARN is in the handle, or in the
+        job's Environment). Returns the ARNs deleted."""
+        arns: set[str] = set()
+        for h in handles:
+            if "secret_arn" in h.extra:
+                arn = h.extra.get("secret_arn")
+            else:
+                try:
+                    arn = (self._describe(h).get("Environment") or {}).get(ENV_SECRET_ARN)
+                except (ClientError, BotoCoreError, ExecutorError):
+                    arn = None
+            if arn:
+                arns.add(str(arn))
+        return [arn for arn in sorted(arns) if self._delete_secret(arn)]
+
+    # ------------------------------------------------------------------ launch
+    def container_argv(self, command: Sequence[str]) -> list[str]:
+        """``python -c LOADER <command>``: the first three items are the ContainerEntrypoint,
+        the command is ContainerArguments; the bootstrap itself is in the Environment."""
+        return ["python", "-c", LOADER, *command]
+
+    def launch_replicas(
+        self,
+        n_replicas: int,
+        entrypoint: Entrypoint = None,
+        entrypoint_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        run_uri: str,
+        run_id: str | None = None,
+        ranks: Sequence[int] | None = None,
+        max_restarts: int = 0,
+    ) -> list[ReplicaHandle]:
+        """As CloudExecutor's, plus: a secret created by a launch that fails is deleted."""
+        with self._lock:
+            before = {arn for arn, _ in self._run_secrets.values()}
+        try:
+            return super().launch_replicas(
+                n_replicas,
+                entrypoint,
+                entrypoint_args,
+                env,
+                run_uri=run_uri,
+                run_id=run_id,
+                ranks=ranks,
+                max_restarts=max_restarts,
+            )
+        except BaseException:
+            with self._lock:
+                created = {arn for arn, _ in self._run_secrets.values()} - before
+            for arn in created:
+                self._delete_secret(arn)
+            raise
+
+    def _environment(self, env: Mapping[str, str], secret_arn: str | None, region: str
+                     ) -> dict[str, str]:  # fmt: skip
+        out = dict(env)
+        out["AWS_DEFAULT_REGION"] = region  # public; the role's credentials need a region
+        if secret_arn:
+            out[ENV_SECRET_ARN] = secret_arn
+        out.update(boot_environment())
+        if len(out) > MAX_ENV_ENTRIES:
+            raise ExecutorError(f"too many environment variables for SageMaker ({len(out)})")
+        for key, value in out.items():
+            if not _ENV_KEY_RE.match(key) or len(value) > MAX_ENV_VALUE_CHARS:
+                raise ExecutorError(
+                    f"SageMaker cannot pass environment variable {key} (names are [A-Za-z_]"
+                    f"[A-Za-z0-9_]*, values at most {MAX_ENV_VALUE_CHARS} characters)"
+                )
+        return out
+
+    def _submit(
+        self,
+        *,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        argv: list[str],
+        env: dict[str, str],
+        secrets: dict[str, str],
+        labels: dict[str, str],
+        max_restarts: int,
+    ) -> tuple[str, dict[str, Any]]:
+        if not self.role_arn:
+            raise ExecutorError("no role_arn: SageMaker jobs need an IAM execution role")
+        region = self._region()
+        output = self._output_path(env[ENV_RUN_URI])
+        secret_arn = self._ensure_secret(run_id, secrets)
+        name = job_name(run_id, rank)
+        stopping: dict[str, int] = {"MaxRuntimeInSeconds": max(1, math.ceil(self.timeout_s))}
+        if self.spot:
+            wait = self.max_wait_s if self.max_wait_s is not None else self.timeout_s + 3600
+            stopping["MaxWaitTimeInSeconds"] = max(stopping["MaxRuntimeInSeconds"], math.ceil(wait))
+        if max_restarts > 0:  # relaunches (max_restarts=0) keep the run's first setting
+            self._retries[run_id] = min(int(max_restarts), MAX_RETRY_ATTEMPTS)
+        request: dict[str, Any] = {
+            "TrainingJobName": name,
+            "AlgorithmSpecification": {
+                "TrainingImage": self._image(region),
+                "TrainingInputMode": "File",
+                "ContainerEntrypoint": argv[:3],
+                "ContainerArguments": argv[3:],
+            },
+            "RoleArn": self.role_arn,
+            "OutputDataConfig": {"S3OutputPath": output},
+            "ResourceConfig": {
+                "InstanceType": self.instance_type,
+                "InstanceCount": 1,
+                "VolumeSizeInGB": self.volume_gb,
+            },
+            "StoppingCondition": stopping,
+            "EnableManagedSpotTraining": self.spot,
+            "Environment": self._environment(env, secret_arn, region),
+            "Tags": [{"Key": k, "Value": v} for k, v in labels.items()],
+        }
+        if self._retries.get(run_id):
+            request["RetryStrategy"] = {"MaximumRetryAttempts": self._retries[run_id]}
+        try:
+            created = self._client("sagemaker", region).create_training_job(**request)
+        except ClientError as e:
+            msg = redact(_msg(e), self._secret_values)
+            raise ExecutorError(f"SageMaker refused training job {name}: {msg}") from None
+        extra = {
+            "job_name": name,
+            "job_arn": created.get("TrainingJobArn"),
+            "region": region,
+            "secret_arn": secret_arn,
+            "instance_type": self.instance_type,
+        }
+        return name, extra
+
+    # ------------------------------------------------------------------ status
+    def _describe(self, handle: ReplicaHandle) -> dict[str, Any]:
+        client = self._client("sagemaker", self._handle_region(handle))
+        return client.describe_training_job(TrainingJobName=handle.backend_id)
+
+    @staticmethod
+    def status_from(desc: Mapping[str, Any]) -> ReplicaStatus:
+        """A DescribeTrainingJob answer as a ReplicaStatus."""
+        state = desc.get("TrainingJobStatus")
+        secondary = str(desc.get("SecondaryStatus") or "")
+        starts = sum(
+            1 for t in desc.get("SecondaryStatusTransitions") or [] if t.get("Status") == "Starting"
+        )
+        restarts = max(0, starts - 1)
+        if state == "InProgress":
+            running = secondary in ("Training", "Uploading")
+            return ReplicaStatus(
+                ReplicaState.RUNNING if running else ReplicaState.PENDING, None, secondary, restarts
+            )
+        if state == "Completed":  # SageMaker completes a job only when its container exits 0
+            return ReplicaStatus(ReplicaState.SUCCEEDED, 0, "", restarts)
+        if state == "Failed":
+            reason = str(desc.get("FailureReason") or "failed")
+            return ReplicaStatus(ReplicaState.FAILED, exit_code_from(reason), reason, restarts)
+        if state in ("Stopped", "Stopping"):
+            if secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded"):
+                limit = (desc.get("StoppingCondition") or {}).get("MaxRuntimeInSeconds")
+                msg = f"stopped by SageMaker: {secondary} (MaxRuntimeInSeconds={limit})"
+                return ReplicaStatus(ReplicaState.FAILED, 124, msg, restarts)
+            msg = "stopped" if state == "Stopped" else "stopping"
+            return ReplicaStatus(ReplicaState.CANCELLED, None, msg, restarts)
+        return ReplicaStatus(ReplicaState.FAILED, None, f"SageMaker status {state}", restarts)
+
+    def status(self, handle: ReplicaHandle) -> ReplicaStatus:
+        try:
+            desc = self._describe(handle)
+        except ClientError as e:
+            if _code(e) in ("ValidationException", "ResourceNotFound"):
+                return ReplicaStatus(
+                    ReplicaState.FAILED,
+                    None,
+                    f"training job {handle.backend_id} not found in "
+                    f"{self._handle_region(handle)} ({_msg(e)})",
+                )
+            raise ExecutorError(f"cannot describe {handle.backend_id}: {_msg(e)}") from None
+        except BotoCoreError as e:
+            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+        return self.status_from(desc)
+
+    # ------------------------------------------------------------------ logs
+    def _streams(self, logs: Any, job: str) -> list[str]:
+        """The job's log streams (one per container start), oldest first."""
+        found: list[tuple[int, str]] = []
+        kw: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamNamePrefix": f"{job}/"}
+        while True:
+            try:
+                page = logs.describe_log_streams(**kw)
+            except ClientError as e:
+                if _code(e) == "ResourceNotFoundException":  # no job has logged yet
+                    return []
+                raise
+            for s in page.get("logStreams", []):
+                found.append((int(s.get("creationTime") or 0), s["logStreamName"]))
+            token = page.get("nextToken")
+            if not token or token == kw.get("nextToken"):
+                break
+            kw["nextToken"] = token
+        return [name for _, name in sorted(found)]
+
+    def _new_events(self, logs: Any, job: str, tokens: dict[str, str | None]
+                    ) -> Iterator[str]:  # fmt: skip
+        for stream in self._streams(logs, job):
+            while True:
+                kw: dict[str, Any] = {
+                    "logGroupName": LOG_GROUP,
+                    "logStreamName": stream,
+                    "startFromHead": True,
+                }
+                if tokens.get(stream):
+                    kw["nextToken"] = tokens[stream]
+                page = logs.get_log_events(**kw)
+                for event in page.get("events", []):
+                    yield str(event.get("message", "")).rstrip("\n")
+                token = page.get("nextForwardToken")
+                if not token or token == tokens.get(stream):
+                    break  # the same token back means the end of the stream (for now)
+                tokens[stream] = token
+
+    def _raw_logs(self, handle: ReplicaHandle, follow: bool) -> Iterator[str]:
+        logs = self._client("logs", self._handle_region(handle))
+        tokens: dict[str, str | None] = {}
+        final = False
+        try:
+            while True:
+                n = 0
+                for line in self._new_events(logs, handle.backend_id, tokens):
+                    n += 1
+                    yield line
+                if not follow or final:
+                    return
+                if n:
+                    continue
+                if self.status(handle).terminal:
+                    final = True  # one more pass for what was ingested after the last read
+                time.sleep(self.poll_s)
+        except ClientError as e:
+            raise ExecutorError(f"cannot read the logs of {handle.backend_id}: {_msg(e)}") from None
+        except BotoCoreError as e:
+            raise ExecutorError(f"cannot reach CloudWatch Logs: {e}") from None
+
+    # ------------------------------------------------------------------ cancel, collect
+    def cancel(self, handle: ReplicaHandle) -> None:
+        try:
+            self._client("sagemaker", self._handle_region(handle)).stop_training_job(
+                TrainingJobName=handle.backend_id
+            )
+        except ClientError as e:
+            if _code(e) == "ValidationException":  # already ended (or never existed)
+                return
+            raise ExecutorError(f"cannot stop {handle.backend_id}: {_msg(e)}") from None
+        except BotoCoreError as e:
+            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+
+    def collect(
+        self,
+        handles: Sequence[ReplicaHandle],
+        timeout: float | None = None,
+        *,
+        cancel_on_timeout: bool = True,
+        poll_s: float = 0.2,
+    ) -> list[ReplicaResult]:
+        """As the base's, then the run's secret is deleted: no replica needs it any more."""
+        results = super().collect(
+            handles, timeout, cancel_on_timeout=cancel_on_timeout, poll_s=poll_s
+        )
+        if all(r.state.terminal for r in results):
+            self.delete_secrets(handles)
+        return results
+
+    # ------------------------------------------------------------------ reattach
+    def find_replicas(self, run_id: str, run_uri: str, world_size: int) -> list[ReplicaHandle]:
+        """The newest training job of each rank tagged ``crf-run=<run_id>``."""
+        region = self._region()
+        sm = self._client("sagemaker", region)
+        newest: dict[int, tuple[dict[str, Any], int]] = {}
+        try:
+            pages = sm.get_paginator("list_training_jobs").paginate(
+                NameContains=f"crf-{slug(run_id)[:40]}",
+                SortBy="CreationTime",
+                SortOrder="Ascending",
+            )
+            for page in pages:
+                for summary in page.get("TrainingJobSummaries", []):
+                    tags = sm.list_tags(ResourceArn=summary["TrainingJobArn"]).get("Tags", [])
+                    labels = {t["Key"]: t["Value"] for t in tags}
+                    if labels.get(LABEL_RUN) != run_id:
+                        continue
+                    try:
+                        rank = int(labels.get(LABEL_RANK, ""))
+                    except ValueError:
+                        continue
+                    if 0 <= rank < world_size:
+                        attempts = newest[rank][1] + 1 if rank in newest else 0
+                        newest[rank] = (summary, attempts)
+        except ClientError as e:
+            raise ExecutorError(f"cannot list SageMaker training jobs: {_msg(e)}") from None
+        except BotoCoreError as e:
+            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+        if not newest:
+            raise ExecutorError(
+                f"no SageMaker training jobs tagged {LABEL_RUN}={run_id} in {region}"
+            )
+        handles = []
+        for rank, (summary, attempt) in sorted(newest.items()):
+            created = summary.get("CreationTime")
+            handles.append(
+                ReplicaHandle(
+                    backend=self.name,
+                    run_id=run_id,
+                    rank=rank,
+                    backend_id=summary["TrainingJobName"],
+                    run_uri=run_uri,
+                    world_size=world_size,
+                    started_at=created.timestamp() if hasattr(created, "timestamp") else 0.0,
+                    extra={
+                        "job_name": summary["TrainingJobName"],
+                        "job_arn": summary["TrainingJobArn"],
+                        "region": region,
+                        "attempt": attempt,
+                    },
+                )
+            )
+        return handles
+
+    # ------------------------------------------------------------------ plan, config
+    def _secret_names(self, run_uri: str) -> list[str]:
+        try:
+            bundle = store_secrets(run_uri)
+        except MissingCredentials:
+            return []
+        if scheme_of(run_uri) == "s3":
+            bundle = {k: v for k, v in bundle.items() if k not in ROLE_REPLACES}
+        return sorted(bundle)
+
+    def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
+        region = self.region or "<default region>"
+        notes = [
+            f"each replica: training job crf-<run>-r<rank>-<nonce>, {self.instance_type} x 1, "
+            f"{self.volume_gb} GB volume, role {self.role_arn or '<role_arn missing>'}",
+            f"logs: CloudWatch {LOG_GROUP}, stream <job-name>/algo-1-*",
+        ]
+        if scheme_of(run_uri) == "s3":
+            notes.append("store access: the job's IAM role (your AWS keys are not passed)")
+        names = self._secret_names(run_uri)
+        if names:
+            notes.append(
+                f"secrets: {', '.join(names)} go into a Secrets Manager secret crf/<run-id>/*, "
+                "deleted when the run is collected; jobs see only its ARN"
+            )
+        if self.spot:
+            wait = self.max_wait_s if self.max_wait_s is not None else self.timeout_s + 3600
+            notes.append(
+                f"managed spot: billed at the spot price (below the on-demand price shown); "
+                f"a job may wait for capacity, {wait:.0f} s in all"
+            )
+        if self.region and self.region != "us-east-1":
+            notes.append("price: us-east-1 list price; other regions differ")
+        if self.instance_type not in HOURLY_USD:
+            notes.append("price: not in crf's table; see https://aws.amazon.com/sagemaker/pricing/")
+        bp = self.plan(
+            n_replicas,
+            command,
+            run_uri,
+            where=f"{n_replicas} {self.kind}(s) in {region}",
+            image=self._image(),
+            hardware=f"{self.instance_type}{' (spot)' if self.spot else ''}",
+            hourly_usd=HOURLY_USD.get(self.instance_type),
+            notes=notes,
+        )
+        bp.secrets = names
+        return bp
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "instance_type": self.instance_type,
+            "image": self.image,
+            "role_arn": self.role_arn,
+            "region": self.region,
+            "volume_gb": self.volume_gb,
+            "spot": self.spot,
+            "max_wait_s": self.max_wait_s,
+            "timeout_s": self.timeout_s,
+            "output_path": self.output_path,
+        }
+
+
+__all__ = [
+    "DEFAULT_INSTANCE_TYPE",
+    "HOURLY_USD",
+    "LOADER",
+    "LOG_GROUP",
+    "SageMakerExecutor",
+    "boot_environment",
+    "default_image",
+    "exit_code_from",
+    "job_name",
+]
