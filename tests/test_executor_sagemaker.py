@@ -377,6 +377,11 @@ def test_live_job_status_logs_follow_cancel_and_no_secret_leaks(aws: Aws, script
     assert any(CALLER_TOKEN in line for line in raw)  # proves the redaction did something
     assert not any(DRIVER_SECRET in line or DRIVER_KEY in line for line in raw)
 
+    # another process (crf logs) learns the caller's values from the secret itself
+    fresh = registry.make_executor("sagemaker", ex.config())
+    again = list(fresh.logs(ReplicaHandle(**json.loads(json.dumps(handles[0].to_dict())))))
+    assert "env MY_TOKEN=***" in again and not any(CALLER_TOKEN in line for line in again)
+
     ex.cancel_all(handles)
     follower.join(60)
     assert not follower.is_alive(), "logs(follow=True) did not end after the job stopped"

@@ -80,6 +80,8 @@ ENV_BOOT_N, ENV_BOOT_PREFIX = "CRF_BOOT_N", "CRF_BOOT_"
 MAX_ARG_CHARS, MAX_ENV_VALUE_CHARS, MAX_ENV_ENTRIES, MAX_ARGS = 256, 512, 100, 100
 MAX_JOB_NAME = 63
 MAX_RETRY_ATTEMPTS = 30
+#: how old a DescribeTrainingJob answer ``status()`` may reuse
+STATUS_MAX_AGE_S = 1.0
 #: store variables the execution role makes unnecessary for an s3:// store
 ROLE_REPLACES = (
     "AWS_ACCESS_KEY_ID",
@@ -310,6 +312,8 @@ class SageMakerExecutor(CloudExecutor):
         self._clients: dict[tuple[str, str], Any] = {}
         self._run_secrets: dict[str, tuple[str, str]] = {}  # run id -> (ARN, payload)
         self._retries: dict[str, int] = {}  # run id -> RetryStrategy attempts
+        self._described: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+        self._secrets_read: set[str] = set()  # ARNs whose values are known (for redaction)
 
     # ------------------------------------------------------------------ AWS plumbing
     def _region(self) -> str:
@@ -474,6 +478,7 @@ class SageMakerExecutor(CloudExecutor):
             ) from None
         with self._lock:
             self._run_secrets[run_id] = (arn, payload)
+            self._secrets_read.add(arn)
         return arn
 
     def _delete_secret(self, arn: str) -> bool:
@@ -627,9 +632,20 @@ class SageMakerExecutor(CloudExecutor):
         return name, extra
 
     # ------------------------------------------------------------------ status
-    def _describe(self, handle: ReplicaHandle) -> dict[str, Any]:
-        client = self._client("sagemaker", self._handle_region(handle))
-        return client.describe_training_job(TrainingJobName=handle.backend_id)
+    def _describe(self, handle: ReplicaHandle, max_age_s: float = 0.0) -> dict[str, Any]:
+        """DescribeTrainingJob, or an answer at most ``max_age_s`` old: the driver asks for
+        every replica's status twice a second, more than SageMaker's describe quota likes."""
+        key = (self._handle_region(handle), handle.backend_id)
+        now = time.monotonic()
+        with self._lock:
+            cached = self._described.get(key)
+        if cached is not None and now - cached[0] <= max_age_s:
+            return cached[1]
+        client = self._client("sagemaker", key[0])
+        desc = client.describe_training_job(TrainingJobName=handle.backend_id)
+        with self._lock:
+            self._described[key] = (now, desc)
+        return desc
 
     @staticmethod
     def status_from(desc: Mapping[str, Any]) -> ReplicaStatus:
@@ -661,7 +677,7 @@ class SageMakerExecutor(CloudExecutor):
 
     def status(self, handle: ReplicaHandle) -> ReplicaStatus:
         try:
-            desc = self._describe(handle)
+            desc = self._describe(handle, STATUS_MAX_AGE_S)
         except ClientError as e:
             if _code(e) in ("ValidationException", "ResourceNotFound"):
                 return ReplicaStatus(
@@ -714,6 +730,24 @@ class SageMakerExecutor(CloudExecutor):
                     break  # the same token back means the end of the stream (for now)
                 tokens[stream] = token
 
+    def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
+        """Redacted log lines. A process that did not launch the run (``crf logs``) does not
+        know what the caller passed in its secret, so it reads the secret (while it exists)
+        and redacts those values too."""
+        arn = handle.extra.get("secret_arn")
+        if arn and arn not in self._secrets_read:
+            try:
+                got = self._client("secretsmanager", str(arn).split(":")[3]).get_secret_value(
+                    SecretId=arn
+                )
+                values = json.loads(got["SecretString"]).values()
+            except (ClientError, BotoCoreError, ValueError, IndexError, AttributeError):
+                values = []  # deleted already, or not readable: redact what is known
+            with self._lock:
+                self._secret_values.update(str(v) for v in values)
+                self._secrets_read.add(str(arn))
+        return super().logs(handle, follow)
+
     def _raw_logs(self, handle: ReplicaHandle, follow: bool) -> Iterator[str]:
         logs = self._client("logs", self._handle_region(handle))
         tokens: dict[str, str | None] = {}
@@ -738,6 +772,8 @@ class SageMakerExecutor(CloudExecutor):
 
     # ------------------------------------------------------------------ cancel, collect
     def cancel(self, handle: ReplicaHandle) -> None:
+        with self._lock:  # the next status() must see the stop
+            self._described.pop((self._handle_region(handle), handle.backend_id), None)
         try:
             self._client("sagemaker", self._handle_region(handle)).stop_training_job(
                 TrainingJobName=handle.backend_id
