@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -412,6 +413,81 @@ def test_crf_launch_on_modal_two_replicas_over_s3(
     assert all(sb.definition.timeout_secs == int(timeout_s) for sb in started)
     assert "testing" not in out
     assert not modal_env.unimplemented
+
+
+SLEEPER = (
+    "import os, time; "
+    "print(f'replica {os.environ[\"CRF_RANK\"]} waiting', flush=True); time.sleep(600)"
+)
+
+
+def crf_cli(*args: str, timeout: float = 300) -> tuple[int, str]:
+    env = {**os.environ, "CRF_LOG_LEVEL": "WARNING", "COLUMNS": "200"}
+    p = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_cli_dry_run_detach_status_logs_cancel(s3_env: MotoS3, modal_env: FakeModal) -> None:
+    """The CLI's reattaching commands on a detached Modal run, each in its own process: they
+    rebuild the executor from backend.json and use the saved handles, or the Sandbox tags
+    once the handles are gone."""
+    store = f"s3://{s3_env.new_bucket()}/runs"
+    before = len(modal_env.sandboxes)
+    code, out = crf_cli(
+        "launch", "--backend", "modal", "--gpu", "H100:2", "-n", "3", "--job", "lm",
+        "--store", store, "--run-id", "dry", "--dry-run",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "modal" in out and "2x H100" in out and "nothing was launched" in out
+    assert f"{3 * hourly_price('H100:2', None, None):.2f}" in out  # the run's hourly cost
+    assert len(modal_env.sandboxes) == before
+
+    code, out = crf_cli(
+        "launch", "--backend", "modal", "-n", "2", "--job", "lm", "--store", store,
+        "--run-id", "det", "--entrypoint", f"python -c {shlex.quote(SLEEPER)}", "--detach",
+    )  # fmt: skip
+    assert code == 0, out
+    ids = {sb.tags["crf-rank"]: sid for sid, sb in modal_env.sandboxes.items()
+           if sb.tags.get("crf-run") == "det"}  # fmt: skip
+    assert sorted(ids) == ["0", "1"]
+    for sid in ids.values():
+        wait_output(modal_env.sandboxes[sid], "waiting")
+
+    code, out = crf_cli("status", "det", "--store", store)
+    assert code == 0 and out.count("running") >= 2, out
+    code, out = crf_cli("logs", "det", "--store", store, "--rank", "1")
+    assert code == 0 and "replica 1 waiting" in out, out
+
+    bucket, prefix = store.removeprefix("s3://").split("/", 1)
+    s3_env.client().delete_object(Bucket=bucket, Key=f"{prefix}/det/launches/0/handles.json")
+    code, out = crf_cli("status", "det", "--store", store)  # found by the Sandbox tags
+    assert code == 0 and out.count("running") >= 2, out
+
+    code, out = crf_cli("cancel", "det", "--store", store)
+    assert code == 0 and "cancelled 2" in out, out
+    for sid in ids.values():
+        sb = modal_env.sandboxes[sid]
+        deadline = time.monotonic() + 30
+        while not sb.done and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sb.terminated and sb.tags["crf-cancelled"] == "1"
+    assert read_json(s3_env, bucket, f"{prefix}/det/result.json")["status"] == "cancelled"
+    assert not modal_env.unimplemented
+
+
+def wait_output(sb: Any, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in sb.output(1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert text in sb.output(1), sb.output(1) + sb.output(2)
 
 
 # --------------------------------------------------------------------------- real Modal
