@@ -365,6 +365,21 @@ def test_unknown_sandbox_id(executor: ModalExecutor, run_uri: str) -> None:
         executor.status(h)
 
 
+def test_the_fake_refuses_calls_it_does_not_cover(modal_env: FakeModal) -> None:
+    """An RPC the fake does not implement fails loudly instead of answering something made up."""
+    import modal
+    from modal.exception import Error as ModalError
+
+    client = modal.Client.from_credentials(TOKEN_ID, TOKEN_SECRET)
+    try:
+        with pytest.raises(ModalError, match="fake modal servicer: SandboxGetFromName"):
+            modal.Sandbox.from_name("crf", "no-such-sandbox", client=client)
+    finally:
+        client.close()
+    assert modal_env.unimplemented == ["SandboxGetFromNameV2"]
+    modal_env.unimplemented.clear()
+
+
 # --------------------------------------------------------------------------- end to end
 def read_json(s3: MotoS3, bucket: str, key: str) -> Any:
     return json.loads(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())

@@ -151,6 +151,7 @@ def hourly_price(gpu: str | None, cpu: float | None, memory_mb: int | None) -> f
 
 def modal_credentials() -> tuple[str, str] | None:
     """(token id, token secret) from MODAL_TOKEN_ID/SECRET or ~/.modal.toml, else None."""
+    _modal()  # ExecutorError naming the pip extra when the client is missing
     from modal.config import config
 
     token_id, token_secret = config.get("token_id"), config.get("token_secret")
