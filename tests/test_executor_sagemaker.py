@@ -257,6 +257,26 @@ def test_failure_reason_exit_codes() -> None:
     assert exit_code_from("") is None
 
 
+def test_status_from_describe_answers() -> None:
+    def desc(status: str, secondary: str, starts: int = 1, **kw: Any) -> dict[str, Any]:
+        trans = [{"Status": "Starting"}, {"Status": "Training"}] * starts
+        return {"TrainingJobStatus": status, "SecondaryStatus": secondary,
+                "SecondaryStatusTransitions": trans, **kw}  # fmt: skip
+
+    st = SageMakerExecutor.status_from
+    assert st(desc("InProgress", "Starting")).state is ReplicaState.PENDING
+    assert st(desc("InProgress", "Downloading")).state is ReplicaState.PENDING
+    running = st(desc("InProgress", "Training", starts=3))  # retried twice by SageMaker
+    assert running.state is ReplicaState.RUNNING and running.restarts == 2
+    assert st(desc("Completed", "Completed")).exit_code == 0
+    failed = st(desc("Failed", "Failed", FailureReason="AlgorithmError: x, exit code: 2"))
+    assert failed.state is ReplicaState.FAILED and failed.exit_code == 2
+    assert st(desc("Stopping", "Stopping")).state is ReplicaState.CANCELLED
+    assert st(desc("Stopped", "Stopped")).state is ReplicaState.CANCELLED
+    timed = st(desc("Stopped", "MaxRuntimeExceeded", StoppingCondition={"MaxRuntimeInSeconds": 9}))
+    assert timed.state is ReplicaState.FAILED and timed.exit_code == 124 and "9" in timed.message
+
+
 def test_default_image_follows_region_and_hardware() -> None:
     gpu = default_image("us-west-2", "ml.g5.xlarge")
     assert gpu.startswith("763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:")
@@ -427,6 +447,18 @@ def test_failed_job_exit_code_relaunch_and_launch_cleanup(aws: Aws, script: Path
     assert first.status in ("Stopping", "Stopped")
     arn = first.request["Environment"][ENV_SECRET_ARN]
     assert not secret_exists(aws, arn)
+
+
+def test_spot_job_stopped_by_its_time_limit(aws: Aws, script: Path) -> None:
+    ex = executor(spot=True, timeout_s=2)
+    (h,) = ex.launch_replicas(1, ["python", str(script), "sleep"], run_uri=aws.uri("limit"))
+    request = aws.emu.jobs[h.backend_id].request
+    assert request["EnableManagedSpotTraining"] is True
+    assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 2, "MaxWaitTimeInSeconds": 3602}
+    wait_for(lambda: ex.status(h).terminal, "the time limit to stop the job")
+    st = ex.status(h)
+    assert st.state is ReplicaState.FAILED and st.exit_code == 124, st
+    assert "MaxRuntimeExceeded" in st.message
 
 
 def test_reattach_from_config_and_by_tags(aws: Aws, script: Path) -> None:
