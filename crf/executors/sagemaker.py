@@ -292,7 +292,12 @@ class SageMakerExecutor(CloudExecutor):
                 f"role_arn {self.role_arn!r} is not an IAM role ARN; it looks like "
                 "arn:aws:iam::123456789012:role/MySageMakerRole"
             )
-        self.region = region or boto3.session.Session().region_name or None
+        if not region:
+            try:  # AWS_DEFAULT_REGION / AWS_REGION / the profile's region
+                region = boto3.session.Session().region_name
+            except BotoCoreError:  # e.g. AWS_PROFILE names a missing profile: say so later
+                region = None
+        self.region = region or None
         self.volume_gb = int(volume_gb)
         if self.volume_gb < 1:
             raise ExecutorError(f"volume_gb must be >= 1 (got {volume_gb})")
