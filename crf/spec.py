@@ -51,6 +51,12 @@ class RunSpec:
     wire_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 (block-wise scales)
     error_feedback: bool = False  # with a lossy wire: resend what quantization dropped
     save_inner_state: bool = True  # each replica saves its inner optimizer per round (resume)
+    # Streaming DiLoCo (arXiv 2501.18512): the model is split into `fragments` contiguous groups
+    # of parameters, synced one at a time every sync_every / fragments inner steps, each sync
+    # its own exchange round; a fragment's exchange starts `fragment_sync_delay` inner steps
+    # before the replica waits for it, so the transfer overlaps with training.
+    fragments: int = 1
+    fragment_sync_delay: int = 0
     backend: str = "local"
     backend_options: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
@@ -59,6 +65,16 @@ class RunSpec:
     @property
     def total_steps(self) -> int:
         return self.rounds * self.sync_every
+
+    @property
+    def sync_period(self) -> int:
+        """Inner steps between two exchange rounds (one per fragment sync)."""
+        return self.sync_every // max(1, self.fragments) if isinstance(self.fragments, int) else 0
+
+    @property
+    def exchange_rounds(self) -> int:
+        """Exchange rounds in the whole run: ``fragments`` per outer round."""
+        return self.rounds * self.fragments
 
     def validate(self) -> RunSpec:
         def need(cond: bool, msg: str) -> None:
@@ -107,6 +123,26 @@ class RunSpec:
         need(
             self.wire_dtype in WIRE_DTYPES,
             f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(WIRE_DTYPES)}",
+        )
+        need(
+            isinstance(self.fragments, int)
+            and not isinstance(self.fragments, bool)
+            and 1 <= self.fragments <= self.sync_every,
+            f"--fragments must be an integer between 1 and --sync-every={self.sync_every} "
+            f"(got {self.fragments!r})",
+        )
+        need(
+            self.sync_every % self.fragments == 0,
+            f"--sync-every ({self.sync_every}) must be divisible by --fragments "
+            f"({self.fragments}): each fragment syncs every sync_every / fragments inner steps",
+        )
+        need(
+            isinstance(self.fragment_sync_delay, int)
+            and not isinstance(self.fragment_sync_delay, bool)
+            and 0 <= self.fragment_sync_delay < self.sync_period,
+            f"--fragment-sync-delay must be an integer in [0, sync_every / fragments = "
+            f"{self.sync_period}) (got {self.fragment_sync_delay!r}): a fragment's exchange "
+            "must finish before the next fragment's starts",
         )
         return self
 

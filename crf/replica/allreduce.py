@@ -177,7 +177,9 @@ class ObjectStoreAllReduce:
         self.keep_rounds = keep_rounds
         self.wire = wire_dtype
         self.error_feedback = error_feedback and wire_dtype != "float32"
-        self._residual: torch.Tensor | None = None  # what quantization dropped last round
+        # what quantization dropped last time, per fragment (Streaming DiLoCo syncs fragments
+        # of different - or, for identical blocks, equal - sizes in turn)
+        self._residual: dict[int | None, torch.Tensor] = {}
         self.on_phase = on_phase
         # polling a local folder is cheap; an object store is billed and rate-limited per call
         self.max_poll_s = max_poll_s or (0.05 if self.store.scheme in ("file", "memory") else 0.5)
@@ -209,12 +211,15 @@ class ObjectStoreAllReduce:
         tensors: Sequence[torch.Tensor],
         round: int | None = None,
         base_round: int | None = None,
+        fragment: int | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` across the quorum of this round, in place.
 
         Returns the round's result; if this replica is not in the quorum the tensors are left
         untouched and ``result.in_quorum`` is False. ``base_round`` (DiLoCo: the global round
         these weights start from) keeps a replica that missed a commit out of the quorum.
+        ``fragment`` (Streaming DiLoCo: which part of the model this round carries) is
+        recorded in the manifest, checked against the others', and keys error feedback.
         Raises :class:`AllReduceError` subclasses when the round cannot complete.
         """
         r = self.next_round if round is None else _check_int("round", round, 0)
@@ -241,8 +246,9 @@ class ObjectStoreAllReduce:
         )
         total = flat.numel()
         residual = torch.zeros_like(flat) if self.error_feedback else None
-        if self.error_feedback and self._residual is not None and self._residual.numel() == total:
-            flat += self._residual  # error feedback: resend what was dropped last round
+        previous = self._residual.get(fragment)
+        if self.error_feedback and previous is not None and previous.numel() == total:
+            flat += previous  # error feedback: resend what was dropped last time
         bounds = shard_bounds(total, self.num_shards)
         base = f"rounds/{r}"
 
@@ -273,11 +279,12 @@ class ObjectStoreAllReduce:
             "num_shards": self.num_shards,
             "wire_dtype": self.wire,
             "held_back": held_back,
+            "fragment": fragment,
         }
         self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
 
         if residual is not None:
-            self._residual = residual
+            self._residual[fragment] = residual
         for old in [k for k in self._manifests if k < r]:
             del self._manifests[old]
 
@@ -484,6 +491,12 @@ class ObjectStoreAllReduce:
                 raise LayoutMismatchError(
                     f"round {r}: replica {p} sends {other.get('wire_dtype')} on the wire, "
                     f"this replica {mine['wire_dtype']}: all replicas must use one wire format"
+                )
+            if other.get("fragment") != mine.get("fragment"):
+                raise LayoutMismatchError(
+                    f"round {r}: replica {p} syncs fragment {other.get('fragment')}, this "
+                    f"replica fragment {mine.get('fragment')}: all replicas must use the same "
+                    "fragments"
                 )
             if other["layout_hash"] != mine["layout_hash"]:
                 raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))

@@ -51,6 +51,40 @@ class ContractError(RuntimeError):
     """The replica's environment does not follow the contract (missing/invalid CRF_* vars)."""
 
 
+class ModelFragment(torch.nn.Module):
+    """A contiguous group of a model's parameters, as the nn.Module torchft's DiLoCo wants per
+    fragment. It holds the model's own Parameter objects (no copy); ``names`` are their names
+    in the model (a module cannot register a name with dots)."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        self.names = [n for n, _ in named]
+        for i, (_, p) in enumerate(named):
+            self.register_parameter(f"p{i}", p)
+
+
+def split_model(model: torch.nn.Module, fragments: int) -> list[torch.nn.Module]:
+    """The model's parameters (in ``named_parameters`` order, tied ones once) in ``fragments``
+    contiguous groups of about equal size. One fragment is the model itself."""
+    if fragments == 1:
+        return [model]
+    named = list(model.named_parameters())
+    if len(named) < fragments:
+        raise ValueError(
+            f"fragments={fragments} but the model has only {len(named)} parameter tensors"
+        )
+    total = sum(p.numel() for _, p in named)
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    acc = 0
+    for i, (name, p) in enumerate(named):
+        groups[-1].append((name, p))
+        acc += p.numel()
+        left, to_open = len(named) - i - 1, fragments - len(groups)
+        if to_open and (left == to_open or (acc >= total * len(groups) / fragments and left)):
+            groups.append([])
+    return [ModelFragment(g) for g in groups]
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     """Hash of every tensor in the state dict (names, dtypes, shapes, bytes), name-sorted."""
     h = hashlib.sha256()
@@ -101,6 +135,11 @@ class ReplicaContext:
         self._round_loss: list[float] = []
         self._round_losses: dict[int, float] = {}
         self._synced_rounds: list[dict[str, Any]] = []
+        self._sync_entries: list[dict[str, Any]] = []  # per sync, until its round is over
+        self._outer_commits: dict[int, list[bool]] = {}
+        self.fragments: list[torch.nn.Module] = []
+        self._blocked_mark = 0.0
+        self._transfer_mark = 0.0
         self._n_rejected = 0  # how many of manager.rejected are already in per-round metrics
         self._last_beat = 0.0
         self._beat_paused_until = 0.0
@@ -138,7 +177,12 @@ class ReplicaContext:
         self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer
     ) -> Iterator[Any]:
         """Wrap training in torchft's DiLoCo: every ``sync_every`` inner optimizer steps the
-        replicas average pseudo-gradients through the store and take the outer step."""
+        replicas average pseudo-gradients through the store and take the outer step. With
+        ``fragments > 1`` (Streaming DiLoCo) the model is split into that many contiguous
+        groups of parameters, one synced every ``sync_every / fragments`` steps, each sync's
+        exchange starting ``fragment_sync_delay`` steps before the replica waits for it; on
+        leaving, every fragment is set back to its global copy, so all replicas end with the
+        same weights."""
         from torchft.local_sgd import DiLoCo
 
         spec = self.spec
@@ -154,50 +198,92 @@ class ReplicaContext:
             keep_rounds=spec.keep_rounds,
             wire_dtype=spec.wire_dtype,
             error_feedback=spec.error_feedback,
-            on_phase=self._set_phase,
         )
-        manager = ObjectStoreManager(exchange, on_phase=self._set_phase)
-        manager.register_state_dict_fn(
-            "model", lambda sd: model.load_state_dict(sd), lambda: model.state_dict()
-        )
+        manager = ObjectStoreManager(exchange, on_phase=self._set_phase, async_checkpoints=True)
+        fragments = split_model(model, spec.fragments)
+        self.fragments = fragments
+        if len(fragments) == 1:
+            manager.register_state_dict_fn(
+                "model", lambda sd: model.load_state_dict(sd), lambda: model.state_dict()
+            )
+        else:
+            # the parameters are in the fragments' global copies; "model" keeps the rest
+            # (buffers), and a loaded state puts every fragment's global copy in the model
+            params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            manager.register_state_dict_fn(
+                "model",
+                lambda sd: model.load_state_dict(sd, strict=False),
+                lambda: {k: v for k, v in model.state_dict().items() if k not in params},
+            )
+            manager.on_loaded = self._load_fragments
         momentum = spec.outer_momentum
-        outer = torch.optim.SGD(
-            model.parameters(),
-            lr=spec.outer_lr,
-            momentum=momentum,
-            nesterov=spec.nesterov and momentum > 0,
-        )
+        outers = [
+            torch.optim.SGD(
+                f.parameters(),
+                lr=spec.outer_lr,
+                momentum=momentum,
+                nesterov=spec.nesterov and momentum > 0,
+            )
+            for f in fragments
+        ]
         self.manager, self.model = manager, model
+        self._blocked_mark = self._transfer_mark = 0.0
         self._set_phase("training")
         self._t_mark = time.monotonic()
-        with DiLoCo(
+        algo = DiLoCo(
             manager,
-            [model],
+            fragments,
             inner_optimizer,
-            outer,
+            outers[0] if len(outers) == 1 else outers,
             sync_every=spec.sync_every,
             use_bucketization=False,
             pin_memory=False,
-        ) as algo:
+            fragment_sync_delay=spec.fragment_sync_delay,
+        )
+        # DiLoCo allreduces each parameter of the fragment it syncs: knowing how many, the
+        # manager starts the exchange the moment the last one is queued
+        manager.set_fragment_sizes([len(list(f.named_parameters())) for f in fragments])
+        ok = False
+        with algo:
             self._inner = inner_optimizer
             self._resume(manager, inner_optimizer)
             # registered after DiLoCo's hooks, so it runs after a sync's outer step
             hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
             try:
                 yield algo
+                ok = True
             finally:
                 hook.remove()
+                if ok:
+                    if len(fragments) > 1:
+                        self._load_fragments(manager.state_dict())
+                    manager.close()
+                else:
+                    try:
+                        manager.close()
+                    except Exception as e:  # the job's own error is the one to report
+                        log.warning("pending checkpoint writes failed: %s", e)
+
+    def _load_fragments(self, state: dict[str, Any]) -> None:
+        """Put every fragment's global copy (``original_parameters`` in DiLoCo's state) into
+        the model: after healing or resuming, and when training ends."""
+        with torch.no_grad():
+            for i, frag in enumerate(self.fragments):
+                glob = state[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
+                for name, p in frag.named_parameters():
+                    p.data.copy_(glob[name])
 
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used."""
         rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
-        return (max(rounds) + 1) * self.spec.sync_every if rounds else 0
+        return (max(rounds) + 1) * self.spec.sync_period if rounds else 0
 
     def _resume(self, manager: ObjectStoreManager, inner: torch.optim.Optimizer) -> None:
         """A (re)started replica joins at the newest committed round: global weights and outer
         momentum from ``global/<r>``, its own inner-optimizer state if it saved one for that
-        round, and its step counter (= data position) at the start of round r + 1."""
+        round, and its step counter (= data position) at the start of round r + 1. (Rounds
+        here are exchange rounds: one per fragment sync, ``sync_every / fragments`` steps.)"""
         rounds = sorted((int(n) for n in self.store.list("global") if n.isdigit()), reverse=True)
         latest = None
         for r in rounds:  # newest first; a corrupt or vanished one falls back to the previous
@@ -210,62 +296,92 @@ class ReplicaContext:
         if latest is None:
             return
         self.resumed_from = latest
-        self.step = (latest + 1) * self.spec.sync_every
+        self.step = (latest + 1) * self.spec.sync_period
         try:
             key = f"replicas/{self.rank}/inner/{latest}.pt"
             payload, meta = decode_blob(self.store.get(key), where=key)
             if meta.get("round") == latest and meta.get("run_id") == self.spec.run_id:
-                inner.load_state_dict(torch.load(io.BytesIO(payload), weights_only=True))
+                saved = torch.load(io.BytesIO(payload), weights_only=True)
+                if self.spec.fragments > 1:  # also this replica's own (local) weights
+                    inner.load_state_dict(saved["inner_optimizer"])
+                    with torch.no_grad():
+                        for name, p in self.model.named_parameters():
+                            p.copy_(saved["local_params"][name])
+                else:
+                    inner.load_state_dict(saved)
                 self.resumed_inner = True
-        except (ObjectNotFound, CorruptObjectError) as e:
+        except (ObjectNotFound, CorruptObjectError, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
 
     def _save_inner(self, r: int) -> None:
-        """Save this replica's inner-optimizer state after a committed round (for restarts)."""
+        """Save this replica's inner-optimizer state after a committed round (for restarts).
+        With fragments, also its weights: only the fragment just synced is global, the others
+        hold this replica's local progress, which global/<r> does not have. Serialized now,
+        written in the background (``ObjectStoreManager.persist``)."""
         if not self.spec.save_inner_state or self._inner is None:
             return
         buf = io.BytesIO()
-        torch.save(self._inner.state_dict(), buf)
+        if self.spec.fragments > 1 and self.model is not None:
+            local = {n: p.detach() for n, p in self.model.named_parameters()}
+            torch.save({"inner_optimizer": self._inner.state_dict(), "local_params": local}, buf)
+        else:
+            torch.save(self._inner.state_dict(), buf)
         meta = {"round": r, "run_id": self.spec.run_id, "step": self.step}
-        # one object per round: a resume needs the state of exactly the newest global round,
-        # and global/<r> may be written after this replica already saved round r + 1
-        self.store.put(f"replicas/{self.rank}/inner/{r}.pt", encode_blob(buf.getvalue(), meta))
-        for name in self.store.list(f"replicas/{self.rank}/inner"):
-            stem = name.removesuffix(".pt")
-            if stem.isdigit() and int(stem) <= r - self.spec.keep_rounds:
-                self.store.delete(f"replicas/{self.rank}/inner/{name}")
+        payload = buf.getvalue()
+
+        def write() -> None:
+            # one object per round: a resume needs the state of exactly the newest global
+            # round, and global/<r> may be written after this replica already saved r + 1
+            self.store.put(f"replicas/{self.rank}/inner/{r}.pt", encode_blob(payload, meta))
+            for name in self.store.list(f"replicas/{self.rank}/inner"):
+                stem = name.removesuffix(".pt")
+                if stem.isdigit() and int(stem) <= r - self.spec.keep_rounds:
+                    self.store.delete(f"replicas/{self.rank}/inner/{name}")
+
+        if self.manager is not None:
+            self.manager.persist(write)
+        else:
+            write()
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
         maybe_fault("inner_step", self.rank, None, self.store, step=self.step)
-        if self.step % self.spec.sync_every != 0 or self.manager is None:
+        period = self.spec.sync_period
+        if self.step % period != 0 or self.manager is None:
             return
         m = self.manager
         m.after_outer_step()
         if m.fatal_error is not None:
             raise m.fatal_error
+        res = m.last_result
+        e = self.step // period - 1  # the exchange round that just synced
+        # a replica that healed into a later round skips the inner steps it no longer needs
+        self.step = max(self.step, m.current_step() * period)
+        if m.last_committed:
+            with m.blocking():
+                self._save_inner(m.current_step() - 1)
+        # time: blocked in the manager (starting the exchange, waiting for it, healing,
+        # snapshotting checkpoints) vs the rest; the background transfer counts apart
         now = time.monotonic()
-        sync_s = m.last_sync_s
+        sync_s, self._blocked_mark = m.blocked_s - self._blocked_mark, m.blocked_s
+        transfer_s, self._transfer_mark = m.transfer_s - self._transfer_mark, m.transfer_s
         self._sync_s += sync_s
         self._compute_s += max(0.0, now - self._t_mark - sync_s)
         self._t_mark = now
-        res = m.last_result
-        r = self.step // self.spec.sync_every - 1
-        # a replica that healed into a later round skips the inner steps it no longer needs
-        self.step = max(self.step, m.current_step() * self.spec.sync_every)
-        if m.last_committed:
-            self._save_inner(m.current_step() - 1)
         # objects this round left out or refused (m.rejected accumulates over the run)
         rejected, self._n_rejected = list(m.rejected[self._n_rejected :]), len(m.rejected)
-        self._synced_rounds.append(
+        F = self.spec.fragments
+        self._sync_entries.append(
             {
-                "round": r,
+                "round": e // F,
                 "exchange_round": res.round if res else None,
+                "fragment": e % F,
                 "committed": m.last_committed,
                 "participants": res.participants if res else [],
                 "sync_s": sync_s,
+                "transfer_s": transfer_s,
                 "bytes_up": res.bytes_up if res else 0,
                 "bytes_down": res.bytes_down if res else 0,
                 "error": m.last_error,
@@ -273,7 +389,47 @@ class ReplicaContext:
                 "healed_from": m.last_healed_from,
             }
         )
+        self._outer_commits.setdefault(e // F, []).append(m.last_committed)
+        self._fold_syncs(final=False)
         self._set_phase("training")
+
+    def _fold_syncs(self, *, final: bool) -> None:
+        """Turn the syncs of each finished outer round (``sync_every`` steps: one sync per
+        fragment) into that round's metrics record."""
+        F, done, keep = self.spec.fragments, {}, []
+        for entry in self._sync_entries:
+            r = entry["round"]
+            if final or self.step >= (r + 1) * self.spec.sync_every:
+                done.setdefault(r, []).append(entry)
+            else:
+                keep.append(entry)
+        self._sync_entries = keep
+        for r, entries in sorted(done.items()):
+            if F == 1:
+                (info,) = entries
+                self._synced_rounds.append(info)
+                continue
+            parts = set(entries[0]["participants"])
+            for x in entries[1:]:
+                parts &= set(x["participants"])
+            errors = [x["error"] for x in entries if x["error"]]
+            healed = [x["healed_from"] for x in entries if x["healed_from"] is not None]
+            self._synced_rounds.append(
+                {
+                    "round": r,
+                    "exchange_round": entries[-1]["exchange_round"],
+                    "committed": all(x["committed"] for x in entries),
+                    "participants": sorted(parts),
+                    "sync_s": sum(x["sync_s"] for x in entries),
+                    "transfer_s": sum(x["transfer_s"] for x in entries),
+                    "bytes_up": sum(x["bytes_up"] for x in entries),
+                    "bytes_down": sum(x["bytes_down"] for x in entries),
+                    "error": "; ".join(errors) or None,
+                    "rejected": [j for x in entries for j in x["rejected"]],
+                    "healed_from": healed[-1] if healed else None,
+                    "fragments": entries,
+                }
+            )
 
     # ------------------------------------------------------------------ metrics
     def log_step(self, loss: float | None = None, **metrics: float) -> None:
@@ -336,7 +492,9 @@ class ReplicaContext:
             "rank": self.rank,
             "phase": self.phase,
             "step": self.step,
-            "round": (m.current_step() if m else 0),
+            "round": (m.current_step() // self.spec.fragments if m else 0),
+            "exchange_round": (m.current_step() if m else 0),
+            "transfer": m.transfer_phase if m else None,
             "loss": self.last_loss,
             "updated_at": now,
             "pid": os.getpid(),
@@ -352,13 +510,24 @@ class ReplicaContext:
     # ------------------------------------------------------------------ results
     def result(self, status: str, error: str | None, job_metrics: dict[str, Any]) -> dict[str, Any]:
         m = self.manager
+        F = self.spec.fragments
         last_round = max(self._round_losses) if self._round_losses else None
+        if F == 1 or m is None:
+            committed = m.rounds_committed if m else 0
+            missed = list(m.rounds_missed) if m else []
+        else:  # an outer round counts as committed when every one of its syncs was
+            committed = sum(all(v) for v in self._outer_commits.values())
+            missed = sorted(r for r, v in self._outer_commits.items() if not all(v))
         return {
             "rank": self.rank,
             "status": status,
             "error": error,
-            "rounds_committed": m.rounds_committed if m else 0,
-            "rounds_missed": list(m.rounds_missed) if m else [],
+            "rounds_committed": committed,
+            "rounds_missed": missed,
+            "fragments": F,
+            "fragment_sync_delay": self.spec.fragment_sync_delay,
+            "syncs_committed": m.rounds_committed if m else 0,
+            "syncs_missed": list(m.rounds_missed) if m else [],
             "final_loss": self._round_losses.get(last_round)
             if last_round is not None
             else self.last_loss,
@@ -368,12 +537,15 @@ class ReplicaContext:
             "ckpt_bytes_up": m.ckpt_bytes_up if m else 0,
             "ckpt_bytes_down": m.ckpt_bytes_down if m else 0,
             "bytes_per_round": (
-                round((m.bytes_up + m.bytes_down) / max(1, len(m.exchange.history))) if m else 0
+                round((m.bytes_up + m.bytes_down) * F / max(1, len(m.exchange.history))) if m else 0
             ),
             "wire": self.spec.wire_dtype,
             "compression": wire_compression(self.spec.wire_dtype),
             "sync_s": round(self._sync_s, 4),
             "compute_s": round(self._compute_s, 4),
+            # the exchanges' own time, in the background: sync_s is only what training waited
+            "transfer_s": round(m.transfer_s, 4) if m else 0.0,
+            "ckpt_s": round(m.ckpt_s, 4) if m else 0.0,
             "steps": self.step,
             "wall_s": round(time.time() - self._t_start, 3),
             "rejected": list(m.rejected) if m else [],
@@ -383,6 +555,9 @@ class ReplicaContext:
 
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
         """Write this replica's result (``results/<rank>.json``) and the final heartbeat."""
+        if self.manager is not None:
+            self.manager.close()  # pending checkpoint writes land before the result
+        self._fold_syncs(final=True)
         if self._synced_rounds or self._round_loss:
             self._flush_round_metrics()
         self.store.put_json(f"results/{self.rank}.json", self.result("ok", None, job_metrics or {}))

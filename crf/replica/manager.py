@@ -1,22 +1,36 @@
 """ObjectStoreManager: the part of ``torchft.Manager`` that ``torchft.local_sgd.DiLoCo`` uses,
 implemented over :class:`ObjectStoreAllReduce` instead of a lighthouse and process groups.
 
-DiLoCo calls ``start_quorum()``, then ``allreduce(tensor)`` once per parameter, then
-``wait()`` on every work and ``should_commit()``. We queue the tensors and run ONE batched
-exchange on the first ``wait()`` (or at ``should_commit()``), averaging in place.
+DiLoCo calls ``start_quorum()``, then ``allreduce(tensor)`` once per parameter of the fragment
+it syncs (``prepare_sync``), then - ``fragment_sync_delay`` inner steps later with Streaming
+DiLoCo, at once otherwise - ``wait()`` on every work and ``should_commit()``
+(``perform_sync``). We queue the tensors and run ONE batched exchange per sync, averaging in
+place. The exchange starts in a background thread as soon as the fragment's last tensor is
+queued (``set_fragment_sizes`` says how many that is; without it, when the next inner step
+begins or at the first ``wait()``), so the upload and the others' reduction run while the
+inner steps go on: only ``wait()``/``should_commit()`` block. ``blocked_s`` counts the time
+the training thread spent blocked in this manager, ``transfer_s`` the time the background
+exchange took - the difference is the overlap.
 
 ``should_commit()`` never raises: a replica outside the quorum, or whose exchange failed,
 gets ``False`` (DiLoCo then discards the round's inner steps) and heals from ``global/<r>``
 before its next round, so it rejoins with the same weights and outer momentum as everyone.
-The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``).
+The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``):
+the state is serialized at once (the weights change with the next inner step) and, with
+``async_checkpoints``, uploaded by a background writer so training does not wait for it;
+``drain()`` waits for pending writes (a replica calls it before reporting its result).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future as _ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -42,7 +56,7 @@ class HealError(RuntimeError):
 
 
 class _QueuedWork:
-    """What ``allreduce`` returns: waiting on it runs the batched exchange once."""
+    """What ``allreduce`` returns: waiting on it waits for the round's batched exchange."""
 
     def __init__(self, manager: ObjectStoreManager, tensor: torch.Tensor) -> None:
         self._manager = manager
@@ -70,6 +84,8 @@ class ObjectStoreManager:
         *,
         heal_timeout_s: float | None = None,
         on_phase: Callable[[str], None] | None = None,
+        background: bool = True,
+        async_checkpoints: bool = False,
     ) -> None:
         self.exchange = exchange
         self.store = exchange.store
@@ -99,8 +115,35 @@ class ObjectStoreManager:
         self.ckpt_bytes_up = 0  # global checkpoints written / read for healing
         self.ckpt_bytes_down = 0
         self.rejected: list[str] = []
-        self._sync_t0 = 0.0
         self._pending_global: int | None = None
+        # background exchange (one at a time: DiLoCo waits for a sync before the next starts)
+        self.background = background
+        self._sizes: list[int] | None = None  # tensors per fragment (set_fragment_sizes)
+        self._launched = False
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[AllReduceResult | None, BaseException | None] | None = None
+        self.transfer_phase: str | None = None  # what the background exchange is doing
+        #: called (in the exchange's thread) when a round's exchange starts: tests and
+        #: benchmarks see that the transfer began before anyone waited for it
+        self.on_transfer_start: Callable[[int], None] | None = None
+        self.fragment_of: Callable[[int], int] = lambda r: 0  # exchange round -> fragment
+        # time accounting (seconds, cumulative over the run)
+        self.blocked_s = 0.0  # the training thread blocked in this manager
+        self.transfer_s = 0.0  # background exchanges, start to finish
+        self.last_transfer_s = 0.0
+        self.ckpt_s = 0.0  # background checkpoint writes
+        self._blocking_depth = 0
+        self._blocked_at_quorum = 0.0
+        self.last_round: int | None = None  # the exchange round of the last sync
+        # checkpoint writes (global/<r>, a replica's inner state) off the training thread
+        self.async_checkpoints = async_checkpoints
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[_ThreadFuture] = []
+        #: called with the whole loaded state after load_global (e.g. to put every fragment's
+        #: global copy back into the model)
+        self.on_loaded: Callable[[dict[str, Any]], None] | None = None
+        if exchange.on_phase is None:
+            exchange.on_phase = self._transfer_phase
 
     # -------------------------------------------------------------- torchft surface
     def register_state_dict_fn(
@@ -112,15 +155,31 @@ class ObjectStoreManager:
         """Checkpoints are taken between steps by the same thread: nothing to lock."""
 
     def disallow_state_dict_read(self) -> None:
-        """See allow_state_dict_read."""
+        """DiLoCo calls this before every inner optimizer step: if a sync's tensors are queued
+        but its exchange has not started (fragment sizes unknown), they are complete now."""
+        if self._queue and not self._launched:
+            with self.blocking():
+                self._launch()
+
+    def set_fragment_sizes(self, sizes: list[int]) -> None:
+        """How many tensors DiLoCo allreduces for each fragment (fragment = round % len).
+        With it the exchange starts the moment the fragment's last tensor is queued."""
+        self._sizes = list(sizes) or None
+        if self._sizes is not None:
+            n = len(self._sizes)
+            self.fragment_of = lambda r: r % n
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+        if self._launched and not self._flushed:  # not waited for: finish it first
+            self.flush()
         self._queue = []
         self._flushed = False
+        self._launched = False
+        self._outcome = None
         self._commit = False
         self.last_result = None
         self.last_error = None
-        self._sync_t0 = time.monotonic()
+        self._blocked_at_quorum = self.blocked_s
 
     def current_step(self) -> int:
         return self._step
@@ -130,15 +189,28 @@ class ObjectStoreManager:
         self._step = step
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> _QueuedWork:
-        if self._flushed:
+        if self._flushed or self._launched:
             raise RuntimeError("allreduce() after the round's exchange ran: call start_quorum()")
         self._queue.append(tensor)
+        sizes = self._sizes
+        if sizes is not None and len(self._queue) == sizes[self.fragment_of(self._step)]:
+            with self.blocking():
+                self._launch()
         return _QueuedWork(self, tensor)
 
     def should_commit(self, timeout: Any = None) -> bool:
         """True if this replica took part in the round; otherwise heal and return False."""
+        with self.blocking():
+            committed = self._should_commit()
+        # this sync's blocked time: starting the exchange, waiting for it, healing
+        self.last_sync_s = self.blocked_s - self._blocked_at_quorum
+        return committed
+
+    def _should_commit(self) -> bool:
         self.flush()
+        self._raise_if_write_failed()
         r = self._step
+        self.last_round = r
         self.last_committed = self._commit
         if self._commit:
             self.rounds_committed += 1
@@ -147,7 +219,6 @@ class ObjectStoreManager:
             parts = self.last_result.participants if self.last_result else [self.rank]
             if self.exchange.world_size > 1 and self.rank == min(parts):
                 self._pending_global = r  # written after the outer step (after_outer_step)
-            self.last_sync_s = time.monotonic() - self._sync_t0
             return True
         self.rounds_missed.append(r)
         self._phase("healing")
@@ -160,18 +231,75 @@ class ObjectStoreManager:
             self.fatal_error = HealError(f"healing after round {r} failed: {e}")
             self.last_error = str(self.fatal_error)
         self._step = max(self._step, r + 1)
-        self.last_sync_s = time.monotonic() - self._sync_t0
         return False
 
     # -------------------------------------------------------------- exchange
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Count the time the training thread spends in here (nested calls once)."""
+        self._blocking_depth += 1
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._blocking_depth -= 1
+            if self._blocking_depth == 0:
+                self.blocked_s += time.monotonic() - t0
+
+    def _transfer_phase(self, phase: str) -> None:
+        self.transfer_phase = phase
+
+    def _launch(self) -> None:
+        """Start the round's exchange over the queued tensors (in the background)."""
+        self._launched = True
+        tensors, r, base = list(self._queue), self._step, self.base_round
+        if not self.background:
+            self._run_exchange(tensors, r, base)
+            return
+        self._thread = threading.Thread(
+            target=self._run_exchange, args=(tensors, r, base), name=f"crf-exchange-{r}"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run_exchange(self, tensors: list[torch.Tensor], r: int, base: int) -> None:
+        t0 = time.monotonic()
+        try:
+            if self.on_transfer_start is not None:
+                self.on_transfer_start(r)
+            res = self.exchange.allreduce(
+                tensors, round=r, base_round=base, fragment=self.fragment_of(r)
+            )
+            self._outcome = (res, None)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread in flush()
+            self._outcome = (None, e)
+        finally:
+            self.last_transfer_s = time.monotonic() - t0
+            self.transfer_s += self.last_transfer_s
+            self.transfer_phase = None
+
     def flush(self) -> None:
-        """Run the round's batched exchange once; errors become should_commit() == False."""
+        """Wait for the round's batched exchange (starting it if it has not started yet);
+        errors become should_commit() == False."""
         if self._flushed:
             return
+        with self.blocking():
+            self._flush()
+
+    def _flush(self) -> None:
         self._flushed = True
         self._phase("syncing")
         try:
-            res = self.exchange.allreduce(self._queue, round=self._step, base_round=self.base_round)
+            if not self._launched:
+                self._launch()
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            assert self._outcome is not None
+            res, err = self._outcome
+            if err is not None:
+                raise err
+            assert res is not None
             self.last_result = res
             self._commit = res.in_quorum
             if not res.in_quorum:
@@ -202,6 +330,53 @@ class ObjectStoreManager:
         if self.on_phase is not None:
             self.on_phase(phase)
 
+    # -------------------------------------------------------------- background writes
+    def persist(self, write: Callable[[], None]) -> None:
+        """Run a checkpoint write: in the background writer with ``async_checkpoints``
+        (in order, one at a time), else now. A failed background write is raised as
+        ``fatal_error`` at the next sync (and by ``drain``)."""
+        if not self.async_checkpoints:
+            write()
+            return
+        self._raise_if_write_failed()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-ckpt")
+        self._writes.append(self._writer.submit(self._timed_write, write))
+
+    def _timed_write(self, write: Callable[[], None]) -> None:
+        t0 = time.monotonic()
+        try:
+            write()
+        finally:
+            self.ckpt_s += time.monotonic() - t0
+
+    def _raise_if_write_failed(self) -> None:
+        done = [f for f in self._writes if f.done()]
+        self._writes = [f for f in self._writes if not f.done()]
+        for f in done:
+            e = f.exception()
+            if e is not None and self.fatal_error is None:
+                log.error("a checkpoint write failed: %s", e)
+                self.fatal_error = e if isinstance(e, Exception) else RuntimeError(str(e))
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for pending background checkpoint writes; raise the first that failed."""
+        pending, self._writes = self._writes, []
+        for f in pending:
+            f.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Wait for a running exchange and pending writes, then stop the writer thread."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            self.drain()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+
     # -------------------------------------------------------------- global state
     def state_dict(self) -> dict[str, Any]:
         return {key: save() for key, (_, save) in self._state_fns.items()}
@@ -212,13 +387,19 @@ class ObjectStoreManager:
                 load(state[key])
 
     def after_outer_step(self) -> None:
-        """Write ``global/<r>`` if this replica is the round's lowest participant; GC."""
+        """Write ``global/<r>`` if this replica is the round's lowest participant; GC. The
+        state is serialized now; the upload runs in the background with async_checkpoints."""
         r, self._pending_global = self._pending_global, None
         if r is None:
             return
-        buf = io.BytesIO()
-        torch.save({"round": r, "state": self.state_dict()}, buf)
-        blob = encode_blob(buf.getvalue(), {"round": r, "run_id": self.exchange.run_id})
+        with self.blocking():
+            buf = io.BytesIO()
+            torch.save({"round": r, "state": self.state_dict()}, buf)
+            payload = buf.getvalue()
+            self.persist(lambda: self._write_global(r, payload))
+
+    def _write_global(self, r: int, payload: bytes) -> None:
+        blob = encode_blob(payload, {"round": r, "run_id": self.exchange.run_id})
         self.store.put(GLOBAL_STATE.format(r=r), blob)
         self.ckpt_bytes_up += len(blob)
         self.exchange.collect_garbage(r)
@@ -242,6 +423,8 @@ class ObjectStoreManager:
             raise CorruptObjectError(f"{key} belongs to run {meta.get('run_id')!r}")
         ckpt = torch.load(io.BytesIO(payload), weights_only=True)
         self.load_state_dict(ckpt["state"])
+        if self.on_loaded is not None:
+            self.on_loaded(ckpt["state"])
         self.last_healed_from = r
         self.base_round = r
         self._step = r + 1
