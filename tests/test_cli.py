@@ -130,6 +130,7 @@ def test_version() -> None:
         (["--backend", "modal"], "cannot reach the run folder"),
         (["--backend", "sagemaker"], "use an object store: --store s3://"),
         (["--job", "nope"], "unknown job 'nope'; available jobs:"),
+        (["--fragments", "3", "-H", "4"], "must be divisible by --fragments (3)"),
         (["--replicas", "0"], "--replicas must be an integer >= 1"),
         (["-n", "-3"], "--replicas must be an integer >= 1"),
         (["--sync-every", "0"], "--sync-every must be an integer >= 1"),

@@ -71,6 +71,8 @@ def version() -> None:
 
 #: launch options that define a run: fixed in its run.json, so refused with --resume
 RUN_DEFINING = (
+    "fragments",
+    "fragment_sync_delay",
     "wire_dtype",
     "error_feedback",
     "replicas",
@@ -182,6 +184,20 @@ def launch(
         float, typer.Option(help="Seconds a replica waits for the others in one round.")
     ] = ROUND_TIMEOUT,
     seed: Annotated[int, typer.Option(help="Seed for the shared initial weights.")] = SEED,
+    fragments: Annotated[
+        int,
+        typer.Option(
+            help="Streaming DiLoCo: sync the model in this many fragments, one every "
+            "H/fragments steps (1 = vanilla DiLoCo)."
+        ),
+    ] = _DEFAULTS["fragments"],
+    fragment_sync_delay: Annotated[
+        int,
+        typer.Option(
+            help="Streaming DiLoCo: inner steps a fragment's upload overlaps with training "
+            "before the replica waits for it."
+        ),
+    ] = _DEFAULTS["fragment_sync_delay"],
     wire_dtype: Annotated[
         str,
         typer.Option(
@@ -281,6 +297,8 @@ def launch(
             round_timeout_s=round_timeout,
             seed=seed,
             wire_dtype=wire_dtype,
+            fragments=fragments,
+            fragment_sync_delay=fragment_sync_delay,
             error_feedback=error_feedback,
             max_restarts=max_restarts,
             max_run_restarts=max_run_restarts,
