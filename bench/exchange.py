@@ -4,7 +4,8 @@ For N replica processes and a payload of P MB (fp32) it times, per round and per
 
 * ``crf``   — ObjectStoreAllReduce (sharded reduce-scatter / all-gather through the store);
 * ``floor`` — one plain write of P and one read of P per replica through the same store
-              (the least any store-based exchange can move);
+              (the least any store-based exchange can move); like crf's round objects it is
+              written with ``durable=False`` (no fsync on file://);
 * ``naive`` — every replica uploads P and downloads every other replica's upload ((N−1)·P);
 * ``gloo``  — ``torch.distributed`` all_reduce with the gloo backend among the same processes
               (needs open ports between replicas: what crf avoids).
@@ -86,11 +87,11 @@ def _worker(
             if rank == 0:
                 ar.collect_garbage(r)
         elif kind == "floor":
-            store.put(f"floor/{r}/{rank}", payload)
+            store.put(f"floor/{r}/{rank}", payload, durable=False)
             got = store.get(f"floor/{r}/{rank}")
             up, down = up + len(payload), down + len(got)
         elif kind == "naive":
-            store.put(f"naive/{r}/{rank}", payload)
+            store.put(f"naive/{r}/{rank}", payload, durable=False)
             store.wait_for([f"naive/{r}/{p}" for p in range(n)], timeout_s=600)
             acc = t.clone()
             for p in range(n):

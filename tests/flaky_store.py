@@ -121,9 +121,9 @@ def install(store: RunStore, plan: FaultPlan) -> RunStore:
     if store.scheme != "memory":  # memory:// writes through fs.pipe_file, already wrapped
         put = store._put
 
-        def flaky_put(path: str, data: bytes, *, exclusive: bool) -> bool:
+        def flaky_put(path: str, data: bytes, *, exclusive: bool, **kw: Any) -> bool:
             plan.before("put", path.removeprefix(store.root).lstrip("/"))
-            return put(path, data, exclusive=exclusive)
+            return put(path, data, exclusive=exclusive, **kw)
 
         store._put = flaky_put  # type: ignore[method-assign]
     return store

@@ -76,6 +76,8 @@ def install_corrupt(rank: int) -> None:
 
     def bad_put(self: ObjectStoreAllReduce, res: Any, key: str, data: bytes, **kw: Any) -> bool:
         if key in targets:
+            if isinstance(data, list):  # encode_tensor_parts: buffers written one after another
+                data = b"".join(data)
             data = corrupt(data, targets[key])
             print(f"[replica_shim] published a bad {key} ({targets[key]})", flush=True)
         return put(self, res, key, data, **kw)

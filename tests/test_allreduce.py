@@ -7,6 +7,7 @@ covered by the end-to-end tests.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -218,12 +219,12 @@ def test_corrupt_contribution_is_never_averaged(store: RunStore) -> None:
     average, the rejection is reported, and every replica still ends identical."""
     real_put = store.put
 
-    def flipping_put(key: str, data: bytes) -> None:
+    def flipping_put(key: str, data: bytes, **kw: Any) -> None:
         if key == "rounds/0/contrib/2/0":
-            b = bytearray(data)
+            b = bytearray(b"".join(data) if isinstance(data, list) else data)
             b[-3] ^= 0xFF
             data = bytes(b)
-        real_put(key, data)
+        real_put(key, data, **kw)
 
     store.put = flipping_put  # type: ignore[method-assign]
 
@@ -246,12 +247,12 @@ def test_bad_reduced_shard_fails_the_round_for_everyone(store: RunStore) -> None
     failed for all, and no replica applies anything."""
     real_put_if_absent = store.put_if_absent
 
-    def flipping(key: str, data: bytes) -> bool:
+    def flipping(key: str, data: bytes, **kw: Any) -> bool:
         if key == "rounds/0/reduced/1":
-            b = bytearray(data)
+            b = bytearray(b"".join(data) if isinstance(data, list) else data)
             b[-1] ^= 0x01
             data = bytes(b)
-        return real_put_if_absent(key, data)
+        return real_put_if_absent(key, data, **kw)
 
     store.put_if_absent = flipping  # type: ignore[method-assign]
 
@@ -358,3 +359,37 @@ def test_stale_base_round_is_kept_out_of_the_quorum(store: RunStore) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ts, expect, strict=True))
     assert out[1][0].in_quorum is False and out[1][0].stale_behind == 4
     assert json.loads(store.get("rounds/5/quorum.json"))["stale"] == [1]
+
+
+def test_non_contiguous_tensors_and_rounds_of_other_sizes(store: RunStore) -> None:
+    """The exact wire reads the tensors in place (no flat copy) and writes the average back
+    into each; non-contiguous tensors, mixed dtypes (which take the flat path) and rounds of
+    other sizes (Streaming DiLoCo's fragments, reusing the kept buffers) all come out exact."""
+    n = 2
+
+    def tensors(rank: int, k: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(10 * rank + k)
+        a = torch.randn(4, 6, generator=g).t()  # non-contiguous
+        b = torch.randn(5 + k, generator=g)
+        c = torch.randn(3, generator=g)
+        c = c.to(torch.bfloat16) if k == 2 else c
+        return [a, b, c]
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, n, rank, run_id="t", num_shards=3, round_timeout_s=30)
+        out = []
+        for k in range(4):  # sizes 35, 36, 37 (with a bf16 tensor), 38
+            ts = tensors(rank, k)
+            ar.allreduce(ts, fragment=k % 2)
+            out.append(ts)
+        return out
+
+    out = run_threads(n, replica)
+    for k in range(4):
+        per = [tensors(r, k) for r in range(n)]
+        for i in range(3):
+            want = ((per[0][i].float() + per[1][i].float()) / n).to(per[0][i].dtype)
+            for rank in range(n):
+                got = out[rank][k][i]
+                assert not (i == 0 and got.is_contiguous())
+                assert torch.equal(got, want), (k, i, rank)

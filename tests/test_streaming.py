@@ -154,14 +154,14 @@ def plug_late_upload(store: RunStore, round_: int, until: Any) -> None:
     put = store._put
     done = threading.Event()
 
-    def late_put(path: str, data: bytes, *, exclusive: bool) -> bool:
+    def late_put(path: str, data: bytes, *, exclusive: bool, **kw: Any) -> bool:
         if not done.is_set() and f"/rounds/{round_}/contrib/" in path:
             done.set()
             for _ in range(600):
                 if until():
                     break
                 threading.Event().wait(0.05)
-        return put(path, data, exclusive=exclusive)
+        return put(path, data, exclusive=exclusive, **kw)
 
     store._put = late_put  # type: ignore[method-assign]
 
@@ -175,11 +175,11 @@ def test_upload_starts_before_wait_and_blocked_excludes_transfer(tmp_path: Path)
     put = gated._put
     upload_seen, release = threading.Event(), threading.Event()
 
-    def gated_put(path: str, data: bytes, *, exclusive: bool) -> bool:
+    def gated_put(path: str, data: bytes, *, exclusive: bool, **kw: Any) -> bool:
         if "/contrib/0/" in path:
             upload_seen.set()
             assert release.wait(30), "the test never released the upload"
-        return put(path, data, exclusive=exclusive)
+        return put(path, data, exclusive=exclusive, **kw)
 
     gated._put = gated_put  # type: ignore[method-assign]
 

@@ -19,11 +19,14 @@ everyone (``rounds/<r>/failed.json``) so all replicas stay consistent and discar
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +39,9 @@ from crf.store import (
     ObjectNotFound,
     RunStore,
     decode_tensor,
-    encode_tensor,
     wait_until,
 )
-from crf.store.codec import dtype_name
+from crf.store.codec import dtype_name, encode_tensor_parts
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,32 @@ class _Round:
     lhash: str
     total: int
     mine: dict[int, torch.Tensor]  # this replica's wire tensors, by shard
+
+
+class _Segments:
+    """1-D tensors read as one concatenated vector, without concatenating them."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.starts = []
+        pos = 0
+        for p in parts:
+            self.starts.append(pos)
+            pos += p.numel()
+        self.numel = pos
+
+    def pieces(self, a: int, b: int) -> list[torch.Tensor]:
+        """Views of the parts that cover [a, b), in order."""
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, a) - 1)
+        while a < b and i < len(self.parts):
+            start, part = self.starts[i], self.parts[i]
+            lo, hi = a - start, min(b, start + part.numel()) - start
+            if hi > lo:
+                out.append(part[lo:hi])
+                a = start + hi
+            i += 1
+        return out
 
 
 class RoundFailed(AllReduceError):
@@ -148,6 +176,7 @@ class ObjectStoreAllReduce:
         error_feedback: bool = False,
         on_phase: Callable[[str], None] | None = None,
         max_poll_s: float | None = None,
+        max_transfers: int = 8,
     ) -> None:
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
@@ -185,6 +214,10 @@ class ObjectStoreAllReduce:
         self.max_poll_s = max_poll_s or (0.05 if self.store.scheme in ("file", "memory") else 0.5)
         self.next_round = 0
         self._manifests: dict[int, dict[int, dict[str, Any]]] = {}
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self.max_transfers = max_transfers
+        self._executor: ThreadPoolExecutor | None = None
+        self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
 
     # ------------------------------------------------------------------ helpers
@@ -192,17 +225,43 @@ class ObjectStoreAllReduce:
         if self.on_phase is not None:
             self.on_phase(phase)
 
-    def _put(self, res: AllReduceResult, key: str, data: bytes, *, exclusive: bool = False) -> bool:
-        res.bytes_up += len(data)
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        """An fp32 work buffer of ``numel`` values, kept for the next round of that size."""
+        buf = self._buffers.get((name, numel))
+        if buf is None:
+            buf = self._buffers[(name, numel)] = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+    def _put(self, res: AllReduceResult, key: str, data: Any, *, exclusive: bool = False) -> bool:
+        """Publish bytes or a list of buffers (``encode_tensor_parts``), counting them."""
+        n = sum(memoryview(d).nbytes for d in data) if isinstance(data, list) else len(data)
+        with self._count_lock:
+            res.bytes_up += n
+        # a round's objects are transient and checksummed end to end: no fsync (file://).
+        # A crash loses the round anyway; resumption reads global/ and inner/, kept durable.
         if exclusive:
-            return self.store.put_if_absent(key, data)
-        self.store.put(key, data)
+            return self.store.put_if_absent(key, data, durable=False)
+        self.store.put(key, data, durable=False)
         return True
 
     def _get(self, res: AllReduceResult, key: str) -> bytes:
         data = self.store.get(key)
-        res.bytes_down += len(data)
+        with self._count_lock:
+            res.bytes_down += len(data)
         return data
+
+    def _get_if_there(self, res: AllReduceResult, key: str) -> bytes | None:
+        try:
+            return self._get(res, key)
+        except ObjectNotFound:
+            return None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """Threads for a round's independent transfers (shard parts, reduced shards)."""
+        if self._executor is None:
+            workers = max(1, min(self.max_transfers, self.num_shards))
+            self._executor = ThreadPoolExecutor(workers, thread_name_prefix="crf-transfer")
+        return self._executor
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -239,16 +298,27 @@ class ObjectStoreAllReduce:
 
         layout = layout_of(tensors)
         lhash = _layout_hash(layout)
-        flat = (
-            torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-            if tensors
-            else torch.empty(0, dtype=torch.float32)
-        )
-        total = flat.numel()
-        residual = torch.zeros_like(flat) if self.error_feedback else None
-        previous = self._residual.get(fragment)
-        if self.error_feedback and previous is not None and previous.numel() == total:
-            flat += previous  # error feedback: resend what was dropped last time
+        total = sum(t.numel() for t in tensors)
+        views = [t.detach().reshape(-1) for t in tensors]  # a view unless non-contiguous
+        residual = None
+        if self.wire == "float32" and all(v.dtype == torch.float32 for v in views):
+            # the exact wire reads the tensors themselves: a shard is the list of their
+            # slices it covers, checksummed and written without being copied into one vector
+            source = _Segments(views)
+            flat = None
+        else:
+            # one fp32 vector to encode from, in a buffer kept from round to round (a fresh
+            # allocation of P bytes costs page faults, which can take longer than the copy)
+            flat = self._buffer("flat", total)
+            offset = 0
+            for v in views:
+                flat[offset : offset + v.numel()].copy_(v)
+                offset += v.numel()
+            residual = torch.zeros_like(flat) if self.error_feedback else None
+            previous = self._residual.get(fragment)
+            if self.error_feedback and previous is not None and previous.numel() == total:
+                flat += previous  # error feedback: resend what was dropped last time
+            source = _Segments([flat])
         bounds = shard_bounds(total, self.num_shards)
         base = f"rounds/{r}"
 
@@ -256,17 +326,26 @@ class ObjectStoreAllReduce:
         #    replica will own in a full quorum stays in memory: the owner never needs to
         #    download its own contribution, so a replica uploads ~P, not P + P/N.
         self._phase("uploading")
-        mine_wire: dict[int, torch.Tensor] = {}
+        mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
         held_back = []
+        uploads = []
         for s, (a, b) in enumerate(bounds):
-            payload = wirefmt.encode(flat[a:b], self.wire)
+            if flat is None:
+                payload: Any = source.pieces(a, b)
+            else:
+                payload = wirefmt.encode(flat[a:b], self.wire)
+                if residual is not None:
+                    residual[a:b] = flat[a:b] - wirefmt.decode(payload, self.wire, b - a)
             mine_wire[s] = payload
-            if self.error_feedback:
-                residual[a:b] = flat[a:b] - wirefmt.decode(payload, self.wire, b - a)
             if s % self.world_size == self.rank:
                 held_back.append(s)
                 continue
-            self._upload_contrib(res, r, s, payload, lhash, total)
+            # parts go up in parallel: checksums and writes of one overlap another's I/O
+            uploads.append(
+                self._pool().submit(self._upload_contrib, res, r, s, payload, lhash, total)
+            )
+        for f in uploads:
+            f.result()
             maybe_fault("uploading", self.rank, r, self.store)
         manifest = {
             "rank": self.rank,
@@ -313,37 +392,45 @@ class ObjectStoreAllReduce:
         job = _Round(r, participants, bounds, lhash, total, mine_wire)
         for s in range(self.num_shards):
             if participants[s % len(participants)] == self.rank:
-                w = self._reduce_shard(res, job, s)
+                w = self._reduce_shard(res, job, s, first=True)
                 if w is not None:
                     reduced_here[s] = w
         maybe_fault("after_reduce", self.rank, r, self.store)
 
         # 4. all-gather
         self._phase("gathering")
-        out = torch.empty(total, dtype=torch.float32)
         pending = []
+        # the averages stay where they are (this replica's reduced buffers, the downloaded
+        # objects) until every shard is here and verified; then one copy into the tensors
+        got: dict[int, torch.Tensor] = {}
         for s, (a, b) in enumerate(bounds):
             if s in reduced_here:  # published by this replica: no need to download it
-                out[a:b] = wirefmt.decode(reduced_here[s], self.wire, b - a)
+                got[s] = wirefmt.decode(reduced_here[s], self.wire, b - a)
             else:
                 pending.append(s)
         grace_deadline = time.monotonic() + self.shard_grace_s
         delay = 0.005
+        missed = False
         while pending:
-            self._raise_if_failed(r)
+            if missed:  # a peer may have declared the round failed while we wait
+                self._raise_if_failed(r)
             progressed = False
-            for s in list(pending):
-                key = f"{base}/reduced/{s}"
-                try:
-                    data = self._get(res, key)
-                except ObjectNotFound:
+            # downloads in parallel; each lands in its slice of `out` when it arrives
+            fetches = [
+                (s, self._pool().submit(self._get_if_there, res, f"{base}/reduced/{s}"))
+                for s in pending
+            ]
+            for s, f in fetches:
+                data = f.result()
+                if data is None:
                     continue
                 a, b = bounds[s]
-                out[a:b] = self._decode_reduced(r, s, key, data, lhash, b - a)
+                got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
                 pending.remove(s)
                 progressed = True
             if not pending:
                 break
+            missed = True
             if time.monotonic() >= grace_deadline:
                 # owners are late or dead: compute their shards ourselves
                 for s in list(pending):
@@ -357,10 +444,18 @@ class ObjectStoreAllReduce:
                 delay = min(delay * 1.6, self.max_poll_s)
 
         # copy the average back in place, each tensor in its own dtype
+        averaged = _Segments([got[s] for s in range(len(bounds))])
         offset = 0
         for t in tensors:
             n = t.numel()
-            t.copy_(out[offset : offset + n].view(t.shape).to(t.dtype))
+            pieces = averaged.pieces(offset, offset + n)
+            if t.is_contiguous():
+                dst, pos = t.view(-1), 0
+                for piece in pieces:
+                    dst[pos : pos + piece.numel()].copy_(piece)
+                    pos += piece.numel()
+            else:
+                t.copy_((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(t.shape))
             offset += n
         res.seconds = time.monotonic() - t0
         self.history.append(res)
@@ -479,10 +574,13 @@ class ObjectStoreAllReduce:
     def _check_layouts(
         self, res: AllReduceResult, r: int, participants: list[int], mine: dict[str, Any]
     ) -> None:
+        cached = self._manifests.get(r, {})
         for p in participants:
             if p == self.rank:
                 continue
-            other = json.loads(self._get(res, f"rounds/{r}/contrib/{p}/manifest.json"))
+            other = cached.get(p) or json.loads(
+                self._get(res, f"rounds/{r}/contrib/{p}/manifest.json")
+            )
             if other.get("run_id") != self.run_id:
                 raise LayoutMismatchError(
                     f"round {r}: replica {p}'s contribution is from run {other.get('run_id')!r}"
@@ -502,10 +600,10 @@ class ObjectStoreAllReduce:
                 raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))
 
     def _upload_contrib(
-        self, res: AllReduceResult, r: int, s: int, payload: torch.Tensor, lhash: str, total: int
+        self, res: AllReduceResult, r: int, s: int, payload: Any, lhash: str, total: int
     ) -> None:
         key = f"rounds/{r}/contrib/{self.rank}/{s}"
-        self._put(res, key, encode_tensor(payload, self._meta(r, s, lhash, total)))
+        self._put(res, key, encode_tensor_parts(payload, self._meta(r, s, lhash, total)))
 
     def _fetch_contrib(
         self, res: AllReduceResult, job: _Round, p: int, s: int, wait_s: float
@@ -543,34 +641,55 @@ class ObjectStoreAllReduce:
         res.rejected.append(msg)
         return None
 
-    def _reduce_shard(self, res: AllReduceResult, job: _Round, s: int) -> torch.Tensor | None:
+    def _reduce_shard(
+        self, res: AllReduceResult, job: _Round, s: int, *, first: bool = False
+    ) -> torch.Tensor | None:
         """Average shard s over the participants whose contribution is present and intact,
         in rank order with fp32 accumulation, and publish it (create-if-absent). The
         published object is the one truth every replica downloads, so a contribution left out
         (missing after the grace period, or failing its integrity check) changes that shard's
         average for everyone alike and never forks the weights. Returns the wire tensor if
-        this call published it."""
+        this call published it. ``first``: the owner's own first attempt (nobody else computes
+        a shard before its grace period, so it skips asking whether it exists)."""
         r = job.round
         key = f"rounds/{r}/reduced/{s}"
-        if self.store.exists(key):
+        if not first and self.store.exists(key):
             return None
         owner = job.participants[s % len(job.participants)]
         a, b = job.bounds[s]
         acc: torch.Tensor | None = None
         used = []
+        fetches = {  # the others' parts download in parallel, and add up in rank order
+            p: self._pool().submit(
+                self._fetch_contrib,
+                res,
+                job,
+                p,
+                s,
+                self.shard_grace_s if s % self.world_size == p else 0.0,  # uploaded late?
+            )
+            for p in job.participants
+            if p != self.rank and not (s % self.world_size == p and owner == p)
+        }
         for p in job.participants:  # fixed rank order
             if p == self.rank:
                 w: torch.Tensor | None = job.mine[s]
-            elif s % self.world_size == p and owner == p:
+            elif p not in fetches:
                 w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
                 res.rejected.append(f"rounds/{r}/contrib/{p}/{s}: owner {p} did not reduce it")
             else:
-                lazy = s % self.world_size == p  # uploaded after the quorum, maybe not yet
-                w = self._fetch_contrib(res, job, p, s, self.shard_grace_s if lazy else 0.0)
+                w = fetches[p].result()
             if w is None:
                 continue
-            v = wirefmt.decode(w, self.wire, b - a)
-            acc = v.clone() if acc is None else acc.add_(v)
+            pieces = w if isinstance(w, list) else [wirefmt.decode(w, self.wire, b - a)]
+            first_part = acc is None
+            if acc is None:  # a kept buffer per shard: this round may own several
+                acc = self._buffer(f"acc{s}", b - a)
+            pos = 0
+            for piece in pieces:
+                dst = acc[pos : pos + piece.numel()]
+                dst.copy_(piece) if first_part else dst.add_(piece)
+                pos += piece.numel()
             used.append(p)
         if acc is None:
             raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
@@ -578,7 +697,7 @@ class ObjectStoreAllReduce:
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
         wire = wirefmt.encode(acc, self.wire)
-        if self._put(res, key, encode_tensor(wire, meta), exclusive=True):
+        if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
             res.shards_computed.append(s)
             return wire
         return None
@@ -608,6 +727,12 @@ class ObjectStoreAllReduce:
         raise RoundFailed(
             f"round {r} failed (declared by replica {body.get('by')}): {body.get('reason')}"
         )
+
+    def close(self) -> None:
+        """Stop the transfer threads (a later round starts them again)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     # ------------------------------------------------------------------ gc
     def collect_garbage(self, current_round: int) -> list[int]:

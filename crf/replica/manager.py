@@ -370,6 +370,7 @@ class ObjectStoreManager:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.exchange.close()
         try:
             self.drain()
         finally:

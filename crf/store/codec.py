@@ -1,10 +1,19 @@
 """Self-checking binary format for tensor objects in the store.
 
 Every tensor object carries its own header (JSON: dtype, shape, run, round, rank, shard, ...)
-and a SHA-256 of header+payload, so a truncated, bit-flipped or foreign object is detected by
+and a checksum of header+payload, so a truncated, bit-flipped or foreign object is detected by
 the reader and never averaged (DESIGN.md, "Rules every writer keeps").
 
-Layout: MAGIC(8) | header_len u32 | payload_len u64 | sha256(32) | header json | payload
+Layout: MAGIC(8) | header_len u32 | payload_len u64 | digest(32) | header json | payload
+
+* ``CRFTNSR2`` (written): the digest is XXH3-128 (16 bytes, zero-padded). It detects
+  corruption and truncation like SHA-256 - it is not a defence against someone who can write
+  to the bucket, which no checksum in the object is - at ~5x less CPU (about 2.9 GB/s vs
+  0.6 GB/s on the benchmark machine), which matters on the exchange's hot path.
+* ``CRFTNSR1`` (still read): SHA-256.
+
+``encode_tensor_parts`` returns the object as buffers (header bytes, then the tensor's own
+memory) so a file store can write it without joining them into one new object first.
 """
 
 from __future__ import annotations
@@ -19,8 +28,26 @@ import torch
 
 from crf.store.errors import CorruptObjectError
 
-MAGIC = b"CRFTNSR1"
+MAGIC = b"CRFTNSR2"  # XXH3-128
+MAGIC_SHA256 = b"CRFTNSR1"
 _FIXED = struct.Struct("<8sIQ32s")
+
+
+def _xxh3() -> Any:
+    try:
+        import xxhash
+    except ImportError:  # a dependency of datasets, which crf requires
+        msg = "crf's tensor objects need the xxhash package: pip install xxhash"
+        raise ImportError(msg) from None
+    return xxhash.xxh3_128()
+
+
+def _digest(magic: bytes, *parts: Any) -> bytes:
+    h = hashlib.sha256() if magic == MAGIC_SHA256 else _xxh3()
+    for part in parts:
+        h.update(part)
+    return h.digest().ljust(32, b"\0")
+
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -57,17 +84,39 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return bytes(raw_view(t))
 
 
-def encode_tensor(tensor: torch.Tensor, meta: dict[str, Any] | None = None) -> bytes:
-    """Serialize one tensor with its metadata and an integrity hash."""
+def encode_tensor_parts(
+    tensor: torch.Tensor | list[torch.Tensor],
+    meta: dict[str, Any] | None = None,
+    *,
+    magic: bytes = MAGIC,
+) -> list[Any]:
+    """The object of :func:`encode_tensor` as buffers: the fixed header and json, then the
+    tensor's own memory (no copy; do not modify the tensor until the buffers are written).
+    A list of 1-D tensors of one dtype is encoded as their concatenation, still without
+    copying them."""
+    parts = tensor if isinstance(tensor, list) else [tensor]
+    if not parts:
+        parts = [torch.empty(0, dtype=torch.float32)]
     header = dict(meta or {})
-    header["dtype"] = dtype_name(tensor.dtype)
-    header["shape"] = list(tensor.shape)
+    header["dtype"] = dtype_name(parts[0].dtype)
+    if isinstance(tensor, list):
+        if any(p.dtype != parts[0].dtype or p.dim() != 1 for p in parts):
+            raise ValueError("encode_tensor_parts: a list must hold 1-D tensors of one dtype")
+        header["shape"] = [sum(p.numel() for p in parts)]
+    else:
+        header["shape"] = list(tensor.shape)
     hbytes = json.dumps(header, sort_keys=True).encode()
-    payload = raw_view(tensor)
-    h = hashlib.sha256(hbytes)
-    h.update(payload)
-    fixed = _FIXED.pack(MAGIC, len(hbytes), payload.nbytes, h.digest())
-    return b"".join((fixed, hbytes, payload))  # the only copy of the payload
+    payload = [raw_view(p) for p in parts]
+    digest = _digest(magic, hbytes, *payload)
+    fixed = _FIXED.pack(magic, len(hbytes), sum(v.nbytes for v in payload), digest)
+    return [fixed + hbytes, *payload]
+
+
+def encode_tensor(
+    tensor: torch.Tensor, meta: dict[str, Any] | None = None, *, magic: bytes = MAGIC
+) -> bytes:
+    """Serialize one tensor with its metadata and an integrity checksum."""
+    return b"".join(encode_tensor_parts(tensor, meta, magic=magic))
 
 
 def decode_tensor(
@@ -83,7 +132,7 @@ def decode_tensor(
             f"{where}: truncated ({len(data)} bytes, header needs {_FIXED.size})"
         )
     magic, hlen, plen, digest = _FIXED.unpack_from(data)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_SHA256):
         raise CorruptObjectError(f"{where}: not a crf tensor object (bad magic {magic!r})")
     expected = _FIXED.size + hlen + plen
     if len(data) != expected:
@@ -91,7 +140,7 @@ def decode_tensor(
             f"{where}: truncated or padded ({len(data)} bytes, header says {expected})"
         )
     body = memoryview(data)[_FIXED.size :]
-    if hashlib.sha256(body).digest() != digest:
+    if _digest(magic, body) != digest:
         raise CorruptObjectError(f"{where}: checksum mismatch (object is corrupted)")
     try:
         header = json.loads(bytes(body[:hlen]))

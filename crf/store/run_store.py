@@ -29,6 +29,9 @@ import fsspec
 from crf.store.errors import ObjectNotFound, StoreNotWritable, StoreTimeout
 
 T = TypeVar("T")
+#: what ``put`` takes: bytes, or a list of buffers written one after the other (no join on
+#: file://; joined for other schemes)
+Data = Any
 
 _TMP_MARK = ".crf-tmp-"
 _MEMORY_LOCK = threading.Lock()
@@ -79,14 +82,19 @@ def _ensure_scheme(scheme: str) -> None:
         ) from None
 
 
-def _put_file(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
+def _put_file(
+    store: RunStore, path: str, data: Data, exclusive: bool, durable: bool = True
+) -> bool:
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{_TMP_MARK}{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    with open(tmp, "wb", buffering=0) as f:
+        for part in data if isinstance(data, list | tuple) else (data,):
+            view = memoryview(part).cast("B")
+            while view:  # an unbuffered write may be short
+                view = view[f.write(view) :]
+        if durable:
+            os.fsync(f.fileno())
     try:
         if exclusive:
             try:
@@ -190,15 +198,26 @@ class RunStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ---------------------------------------------------------------- writes
-    def put(self, key: str, data: bytes) -> None:
-        """Publish ``data`` at ``key`` atomically, replacing any previous object."""
-        self._retry(f"put {key}", lambda: self._put(self.path(key), data, exclusive=False))
+    def put(self, key: str, data: Data, *, durable: bool = True) -> None:
+        """Publish ``data`` (bytes, or a list of buffers) at ``key`` atomically, replacing
+        any previous object. ``durable=False``: the object may be lost if the machine crashes
+        (no fsync on file://; object stores are always durable) - for transient objects that
+        carry their own checksum, like an exchange round's shards."""
+        kw = {} if durable else {"durable": False}
+        self._retry(f"put {key}", lambda: self._put(self.path(key), data, exclusive=False, **kw))
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: Data, *, durable: bool = True) -> bool:
         """Create ``key`` only if nothing is there. True if this call created it."""
-        return self._retry(f"create {key}", lambda: self._put(self.path(key), data, exclusive=True))
+        kw = {} if durable else {"durable": False}
+        return self._retry(
+            f"create {key}", lambda: self._put(self.path(key), data, exclusive=True, **kw)
+        )
 
-    def _put(self, path: str, data: bytes, *, exclusive: bool) -> bool:
+    def _put(self, path: str, data: Data, *, exclusive: bool, durable: bool = True) -> bool:
+        if self.scheme == "file":
+            return _put_file(self, path, data, exclusive, durable)
+        if isinstance(data, list | tuple):
+            data = b"".join(data)
         return _WRITERS[self.scheme](self, path, data, exclusive)
 
     def put_json(self, key: str, obj: Any) -> None:

@@ -1,0 +1,195 @@
+"""Benchmark: how much of the exchange Streaming DiLoCo hides behind the inner steps.
+
+N replica processes train a synthetic model of P MB under ``ReplicaContext.diloco`` (the real
+torchft DiLoCo, the real manager and exchange) through a file:// store made slow with
+:func:`crf.store.throttle.throttle` (latency per request, bandwidth per replica and direction).
+An inner step is a fixed "compute" time (a sleep: it stands for a GPU's forward/backward and
+leaves the CPU to the exchange) plus a real SGD step over the P MB of weights.
+
+Each configuration runs vanilla DiLoCo (fragments=1) or Streaming DiLoCo (fragments=F,
+fragment_sync_delay=d) and the table shows, per sync and averaged over replicas:
+
+* ``transfer s/sync`` - the background exchange's own time (start to averaged result);
+* ``blocked s/sync``  - the time training waited for it (``sync_s``: starting the exchange,
+  waiting in ``wait()``/``should_commit()``, checkpoint snapshots);
+* ``blocked/transfer`` - 1.0 means no overlap at all, 0 means fully hidden;
+* ``wall s`` - the slowest replica's wall time, and ``ideal`` = steps x step time.
+
+Usage::
+
+    python bench/overlap.py                           # N in {2,4}, P=16 MB, 50 ms + 40 MB/s
+    python bench/overlap.py --replicas 2 --mb 64 --latency-ms 50 --mbps 100
+    python bench/overlap.py --configs 1:0,2:1,2:3,4:1  # fragments:delay pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MB = 1 << 20
+
+
+def _worker(uri: str, rank: int, n: int, args: dict[str, Any], out: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from crf.replica.context import ReplicaContext
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+    from crf.store.throttle import throttle
+
+    store = throttle(RunStore(uri), args["latency_s"], args["mbps"])
+    spec = RunSpec.from_json(store.get("run.json"))
+    ctx = ReplicaContext(store, spec, rank, n, shard_grace_s=30.0)
+    numel = args["mb"] * MB // 4 // args["tensors"]
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.randn(numel) * 0.01) for _ in range(args["tensors"])]
+    )
+    grads = [torch.full((numel,), 1e-3 * (rank + 1)) for _ in range(args["tensors"])]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ctx.diloco(model, opt):
+        while ctx.step < ctx.total_steps:
+            time.sleep(args["step_s"])  # the "forward/backward"
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            opt.step()
+            ctx.log_step(loss=0.0)
+    ctx.finish({})
+    res = ctx.result("ok", None, {})
+    syncs = max(1, len(ctx.manager.exchange.history))
+    out.put(
+        {
+            "rank": rank,
+            "syncs": syncs,
+            "transfer": res["transfer_s"] / syncs,
+            "blocked": res["sync_s"] / syncs,
+            "ckpt": res["ckpt_s"] / syncs,
+            "wall": res["wall_s"],
+            "train_wall": res["compute_s"] + res["sync_s"],
+            "sha": res["weights_sha256"],
+            "committed": res["syncs_committed"],
+        }
+    )
+
+
+def run_config(n: int, fragments: int, delay: int, args: argparse.Namespace) -> dict[str, Any]:
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+
+    uri = f"file://{tempfile.mkdtemp(prefix='crf-overlap-')}/run"
+    spec = RunSpec(
+        run_id="overlap",
+        run_uri=uri,
+        replicas=n,
+        sync_every=args.sync_every,
+        rounds=args.rounds,
+        fragments=fragments,
+        fragment_sync_delay=delay,
+        round_timeout_s=600,
+        save_inner_state=args.save_inner,
+    ).validate()
+    RunStore(uri).put_if_absent("run.json", spec.to_json().encode())
+    wargs = {
+        "latency_s": args.latency_ms / 1000,
+        "mbps": args.mbps,
+        "mb": args.mb,
+        "tensors": args.tensors,
+        "step_s": args.step_ms / 1000,
+    }
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(uri, r, n, wargs, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    rows = [out.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    rows.sort(key=lambda r: r["rank"])
+    return {
+        "syncs": rows[0]["syncs"],
+        "transfer": statistics.mean(r["transfer"] for r in rows),
+        "blocked": statistics.mean(r["blocked"] for r in rows),
+        "blocked_max": max(r["blocked"] for r in rows),
+        "ckpt": statistics.mean(r["ckpt"] for r in rows),
+        "train_wall": max(r["train_wall"] for r in rows),
+        "identical": len({r["sha"] for r in rows}) == 1,
+        "committed": min(r["committed"] for r in rows) == rows[0]["syncs"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", default="2,4", help="comma list of N")
+    ap.add_argument("--mb", type=int, default=16, help="model size P in MB (fp32)")
+    ap.add_argument("--tensors", type=int, default=16, help="parameter tensors in the model")
+    ap.add_argument("--configs", default="1:0,2:1,2:3,4:1", help="fragments:delay pairs")
+    ap.add_argument("--sync-every", type=int, default=8, help="H, inner steps per outer round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--step-ms", type=float, default=150.0, help="compute time of a step")
+    ap.add_argument("--latency-ms", type=float, default=50.0, help="per store request")
+    ap.add_argument("--mbps", type=float, default=40.0, help="MB/s per replica and direction")
+    ap.add_argument("--save-inner", action="store_true", help="save inner state each sync")
+    args = ap.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    table = Table(
+        title=(
+            f"Streaming DiLoCo overlap: P={args.mb} MB, H={args.sync_every}, "
+            f"{args.rounds} rounds, step {args.step_ms:.0f} ms, store +{args.latency_ms:.0f} ms/"
+            f"request, {args.mbps:.0f} MB/s per replica"
+        )
+    )
+    for col in (
+        "N",
+        "fragments",
+        "delay",
+        "syncs",
+        "transfer s/sync",
+        "blocked s/sync",
+        "blocked max",
+        "blocked/transfer",
+        "ckpt s/sync",
+        "train wall s",
+        "ideal s",
+        "identical",
+    ):
+        table.add_column(col, justify="right")
+    ideal = args.rounds * args.sync_every * args.step_ms / 1000
+    for n in (int(x) for x in args.replicas.split(",")):
+        for pair in args.configs.split(","):
+            f, d = (int(x) for x in pair.split(":"))
+            console.log(f"N={n} fragments={f} delay={d}")
+            m = run_config(n, f, d, args)
+            table.add_row(
+                str(n),
+                str(f),
+                str(d),
+                str(m["syncs"]),
+                f"{m['transfer']:.3f}",
+                f"{m['blocked']:.3f}",
+                f"{m['blocked_max']:.3f}",
+                f"{m['blocked'] / m['transfer']:.2f}" if m["transfer"] else "-",
+                f"{m['ckpt']:.3f}",
+                f"{m['train_wall']:.2f}",
+                f"{ideal:.2f}",
+                "yes" if m["identical"] and m["committed"] else "NO",
+            )
+        table.add_section()
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
