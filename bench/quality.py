@@ -1,0 +1,587 @@
+"""Benchmark: does DiLoCo through the store learn as well as synchronous data parallel, and for
+how many fewer bytes?
+
+crf's claim is that N replicas exchanging pseudo-gradients every H inner steps through an
+object store reach (nearly) the quality of synchronous data-parallel training while moving a
+small fraction of its bytes. This script measures both halves of that claim on the ``lm`` job
+(a tiny Llama on generated text, everything built in code) with the same model init, data
+shards, per-replica batch, inner optimizer (AdamW, same lr) and total inner steps:
+
+* ``diloco``  — N real replica processes started by ``crf.launcher.driver.launch(job="lm",
+                backend="local")`` over a file:// store: crf's ObjectStoreAllReduce /
+                ObjectStoreManager / torchft DiLoCo path, exactly as a real run. Bytes are what
+                the replicas report (``bytes_up + bytes_down`` of the exchange, per replica).
+* ``ddp``     — N processes of ``torch.nn.parallel.DistributedDataParallel`` over gloo. Bytes
+                are measured twice: the gradient payload every step (a DDP comm hook that counts
+                the buckets it all-reduces), and the TCP payload the process really sent and
+                received (``TCP_INFO`` of its sockets). The ratio column uses the
+                bandwidth-optimal ring all-reduce of the measured payload,
+                ``2·(N−1)/N·P`` sent + ``2·(N−1)/N·P`` received per step and replica — the
+                least any synchronous all-reduce can move, so DiLoCo's advantage is not
+                inflated by gloo's own overhead (printed beside it).
+* ``single``  — one replica alone for the same steps: on shard 0, and on the whole corpus.
+
+DiLoCo's outer optimizer is Nesterov SGD with lr 0.7 and momentum 0.5 (``OUTER_LR`` below:
+chosen on another seed than the one reported); one more row runs crf's run default (0.7/0.9,
+the DiLoCo paper's, meant for hundreds of rounds) so the cost of not tuning it is visible.
+
+Every method is scored by the lm job's own ``evaluate`` on the same held-out eval set, on the
+final weights (for DiLoCo: the global weights after the last outer step, identical on every
+replica). Printed: eval loss, loss relative to DDP, bytes per replica, bytes relative to DDP,
+wall time, and PASS/FAIL for the targets (H=50: within 3% of DDP with >= 50x fewer bytes;
+int8: within 4% with >= 200x fewer bytes). Usage::
+
+    python bench/quality.py                 # full: N=4, 400 inner steps (~15 min on 2 cores)
+    python bench/quality.py --quick         # 100 steps, a few minutes
+    python bench/quality.py --out docs/q.md # also write a markdown table (+ .json beside it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: targets of issue 6: (H, wire) -> (max eval loss above DDP in %, min bytes ratio vs DDP)
+TARGETS: dict[tuple[int, str], tuple[float, float]] = {
+    (50, "float32"): (3.0, 50.0),
+    (50, "int8"): (4.0, 200.0),
+}
+#: DiLoCo's outer Nesterov SGD for this benchmark. crf's run default (0.7, 0.9, the DiLoCo
+#: paper's, tuned for hundreds of rounds) is reported beside it: with 8 rounds, momentum 0.9
+#: overshoots. Chosen on seed 1 (H=50 fp32, 400 steps: 0.7/0.9 +4.8% vs DDP, 0.7/0.5 -0.9%,
+#: 1.0/0.0 +0.3%); the reported numbers are seed 0's, so the choice did not see them.
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
+RING_FORMULA = "DDP bytes = 2·(N−1)/N·P sent + 2·(N−1)/N·P received per step (ring, bound)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One comparison: everything every method shares."""
+
+    replicas: int = 4
+    steps: int = 400  # inner steps per replica, a multiple of every H
+    syncs: tuple[int, ...] = (10, 50)
+    wires: tuple[str, ...] = ("float32", "int8")
+    seed: int = 0
+    outer_lr: float = OUTER_LR
+    outer_momentum: float = OUTER_MOMENTUM
+    lm: dict[str, Any] = field(default_factory=dict)  # lm job options (crf.replica.jobs.lm)
+
+    def check(self) -> Setting:
+        for h in self.syncs:
+            if self.steps % h:
+                raise SystemExit(f"--steps {self.steps} must be a multiple of every H ({h})")
+        return self
+
+
+@dataclass
+class Row:
+    """One method's result; bytes are per replica over the whole run."""
+
+    method: str
+    kind: str  # ddp | diloco | single
+    eval_loss: float
+    eval_loss_initial: float
+    bytes_total: int  # sent + received (DDP: the ring bound of the measured payload)
+    bytes_up: int
+    bytes_down: int
+    wall_s: float
+    steps: int
+    sync_every: int | None = None
+    wire: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- measuring TCP bytes
+def tcp_bytes() -> tuple[int, int]:
+    """(payload bytes acked, payload bytes received) over every TCP socket of this process,
+    read from the kernel's ``TCP_INFO`` (``tcpi_bytes_acked`` / ``tcpi_bytes_received``)."""
+    sent = recv = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:
+            info = b""  # not a TCP socket
+        finally:
+            s.close()
+        if len(info) >= 136:  # struct tcp_info: u64 bytes_acked at 120, bytes_received at 128
+            acked, received = struct.unpack_from("QQ", info, 120)
+            sent += acked
+            recv += received
+    return sent, recv
+
+
+# ---------------------------------------------------------------------- DDP and one replica
+def _data_seed(seed: int, rank: int) -> int:
+    """The data seed crf.replica.context.ReplicaContext gives replica ``rank``."""
+    return seed * 1_000_003 + rank + 1
+
+
+def train_worker(rank: int, world: int, mode: str, setting: Setting, out_dir: str) -> None:
+    """One process of ``ddp`` (world > 1) or ``single`` (mode shard0 | all): the lm job's
+    model, data and training step, without crf. Writes ``<out_dir>/<rank>.json``."""
+    import torch
+
+    torch.set_num_threads(1)  # as crf's local backend does for replicas sharing a machine
+    from crf.replica.context import weights_sha256
+    from crf.replica.jobs import job_config
+    from crf.replica.jobs.lm import CorpusShard, build_model, evaluate
+
+    cfg = job_config("lm", dict(setting.lm))
+    n_shards = 1 if mode == "all" else setting.replicas
+    data = CorpusShard(cfg, rank, n_shards, setting.seed)
+    model = build_model(cfg, len(data.itos), setting.seed)
+    model.train()
+    eval0 = evaluate(model, data) if rank == 0 else float("nan")
+    counter = {"payload": 0, "calls": 0}
+    net = model
+    pg = None
+    if mode == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
+        )
+        pg = dist.group.WORLD
+        net = DistributedDataParallel(model)
+
+        # no annotations: DDP checks them at runtime against dist.GradBucket, and
+        # ``from __future__ import annotations`` would make them strings
+        def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+            buf = bucket.buffer()
+            state["payload"] += buf.numel() * buf.element_size()
+            state["calls"] += 1
+            buf.div_(world)
+            fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        net.register_comm_hook(counter, counting_allreduce)
+        dist.barrier()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    tcp0 = tcp_bytes()
+    t0 = time.monotonic()
+    seed = _data_seed(setting.seed, rank)
+    loss = torch.zeros(())
+    for step in range(setting.steps):
+        batch = data.batch(step, seed)
+        loss = net(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    train_s = time.monotonic() - t0
+    tcp1 = tcp_bytes()
+    result = {
+        "rank": rank,
+        "train_s": train_s,
+        "last_train_loss": float(loss.detach()),
+        "payload_bytes": counter["payload"],
+        "allreduce_calls": counter["calls"],
+        "tcp_sent": tcp1[0] - tcp0[0],
+        "tcp_received": tcp1[1] - tcp0[1],
+        "params": sum(p.numel() for p in model.parameters()),
+        "weights_sha256": weights_sha256(model),
+        "eval_loss_initial": eval0,
+        "eval_loss": evaluate(model, data) if rank == 0 else float("nan"),
+    }
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    if pg is not None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, mode: str, setting: Setting) -> tuple[list[dict[str, Any]], float]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="crf-quality-") as d:
+        t0 = time.monotonic()
+        mp.spawn(train_worker, args=(world, mode, setting, d), nprocs=world, join=True)
+        wall = time.monotonic() - t0
+        return [json.loads(Path(d, f"{r}.json").read_text()) for r in range(world)], wall
+
+
+def run_ddp(setting: Setting) -> Row:
+    n = setting.replicas
+    res, wall = _spawn(n, "ddp", setting)
+    if len({r["weights_sha256"] for r in res}) != 1:
+        raise RuntimeError("DDP replicas ended with different weights")
+    payload = res[0]["payload_bytes"]  # bytes handed to all-reduce, all steps
+    ring_each_way = round(2 * (n - 1) / n * payload)
+    return Row(
+        method=f"DDP (gloo, N={n})",
+        kind="ddp",
+        eval_loss=res[0]["eval_loss"],
+        eval_loss_initial=res[0]["eval_loss_initial"],
+        bytes_total=2 * ring_each_way,
+        bytes_up=ring_each_way,
+        bytes_down=ring_each_way,
+        wall_s=wall,
+        steps=setting.steps,
+        extra={
+            "payload_bytes_per_step": payload / setting.steps,
+            "allreduce_calls_per_step": res[0]["allreduce_calls"] / setting.steps,
+            "params": res[0]["params"],
+            "gloo_tcp_bytes": max(r["tcp_sent"] + r["tcp_received"] for r in res),
+            "gloo_tcp_sent": [r["tcp_sent"] for r in res],
+            "gloo_tcp_received": [r["tcp_received"] for r in res],
+            "formula": RING_FORMULA,
+        },
+    )
+
+
+def run_single(setting: Setting, mode: str) -> Row:
+    res, wall = _spawn(1, mode, setting)
+    what = f"shard 0 of {setting.replicas}" if mode == "shard0" else "whole corpus"
+    return Row(
+        method=f"one replica ({what})",
+        kind="single",
+        eval_loss=res[0]["eval_loss"],
+        eval_loss_initial=res[0]["eval_loss_initial"],
+        bytes_total=0,
+        bytes_up=0,
+        bytes_down=0,
+        wall_s=wall,
+        steps=setting.steps,
+        extra={"params": res[0]["params"]},
+    )
+
+
+# ---------------------------------------------------------------------- DiLoCo through crf
+def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: str = "") -> Row:
+    """One crf run of ``setting.replicas`` real replica processes over a file:// store."""
+    from crf.launcher.driver import launch
+    from crf.store import RunStore
+
+    run_id = f"quality-h{sync_every}-{wire}-{time.time_ns()}"
+    t0 = time.monotonic()
+    summary = launch(
+        job="lm",
+        backend="local",
+        replicas=setting.replicas,
+        sync_every=sync_every,
+        rounds=setting.steps // sync_every,
+        store=store,
+        run_id=run_id,
+        job_options=dict(setting.lm),
+        progress=False,
+        report=False,
+        plot=False,
+        env={"CRF_LOG_LEVEL": "WARNING"},
+        seed=setting.seed,
+        outer_lr=setting.outer_lr,
+        outer_momentum=setting.outer_momentum,
+        wire_dtype=wire,
+    )
+    wall = time.monotonic() - t0
+    if summary["status"] != "ok" or not summary["weights_identical"]:
+        raise RuntimeError(
+            f"DiLoCo run {run_id} did not finish cleanly: status={summary['status']} "
+            f"weights_identical={summary['weights_identical']} error={summary.get('error')}"
+        )
+    rows = summary["replicas"]
+    jm = rows[0]["job_metrics"]
+    evals = {round(r["job_metrics"]["eval_loss_final"], 9) for r in rows}
+    if len(evals) != 1:  # identical weights must score identically
+        raise RuntimeError(f"replicas of {run_id} disagree on the eval loss: {evals}")
+    per = [(r["bytes_up"] or 0) + (r["bytes_down"] or 0) for r in rows]
+    worst = max(range(len(rows)), key=lambda i: per[i])
+    run_store = RunStore(summary["run_uri"])
+    results = [run_store.get_json(f"results/{r}.json") for r in range(len(rows))]
+    return Row(
+        method=f"DiLoCo H={sync_every} {wire}{label}",
+        kind="diloco",
+        eval_loss=jm["eval_loss_final"],
+        eval_loss_initial=jm["eval_loss_initial"],
+        bytes_total=per[worst],
+        bytes_up=rows[worst]["bytes_up"],
+        bytes_down=rows[worst]["bytes_down"],
+        wall_s=wall,
+        steps=setting.steps,
+        sync_every=sync_every,
+        wire=wire,
+        extra={
+            "run_id": run_id,
+            "rounds": summary["rounds"],
+            "bytes_per_round": rows[worst]["bytes_per_round"],
+            "bytes_per_replica": per,
+            "compression": rows[0]["compression"],
+            "ckpt_bytes_up_rank0": results[0].get("ckpt_bytes_up"),
+            "sync_s_max": max(r["sync_s"] or 0 for r in rows),
+            "params": jm["params"],
+            "outer_lr": setting.outer_lr,
+            "outer_momentum": setting.outer_momentum,
+        },
+    )
+
+
+# ---------------------------------------------------------------------- report
+def verdicts(rows: list[Row]) -> list[dict[str, Any]]:
+    ddp = next(r for r in rows if r.kind == "ddp")
+    out = []
+    for r in rows:
+        target = TARGETS.get((r.sync_every or 0, r.wire or ""))
+        if r.kind != "diloco" or target is None or r.extra.get("reference"):
+            continue
+        max_pct, min_ratio = target
+        pct = 100.0 * (r.eval_loss - ddp.eval_loss) / ddp.eval_loss
+        ratio = ddp.bytes_total / max(1, r.bytes_total)
+        ok_loss, ok_bytes = pct <= max_pct, ratio >= min_ratio
+        out.append(
+            {
+                "method": r.method,
+                "loss_vs_ddp_pct": pct,
+                "max_pct": max_pct,
+                "bytes_ratio": ratio,
+                "min_ratio": min_ratio,
+                "pass": ok_loss and ok_bytes,
+                "why": (
+                    ""
+                    if ok_loss and ok_bytes
+                    else "; ".join(
+                        w
+                        for w, bad in (
+                            (f"loss {pct:+.2f}% > +{max_pct}%", not ok_loss),
+                            (f"bytes {ratio:.1f}x < {min_ratio}x", not ok_bytes),
+                        )
+                        if bad
+                    )
+                ),
+            }
+        )
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"  # pragma: no cover
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
+    ddp = next(r for r in rows if r.kind == "ddp")
+    out = []
+    for r in rows:
+        pct = 100.0 * (r.eval_loss - ddp.eval_loss) / ddp.eval_loss
+        ratio = "-" if r.bytes_total == 0 else f"{ddp.bytes_total / r.bytes_total:.1f}x"
+        if r.kind == "ddp":
+            ratio = "1.0x"
+        out.append(
+            [
+                r.method,
+                f"{r.eval_loss_initial:.4f} -> {r.eval_loss:.4f}",
+                f"{pct:+.2f}%",
+                fmt_bytes(r.bytes_total) if r.bytes_total else "0",
+                ratio,
+                f"{r.wall_s:.0f} s",
+            ]
+        )
+    return out
+
+
+HEADERS = ["method", "eval loss (init -> final)", "vs DDP", "bytes / replica", "DDP / this", "wall"]
+
+
+def notes(rows: list[Row]) -> list[str]:
+    """How the bytes were counted, under the table."""
+    ddp = next(r for r in rows if r.kind == "ddp")
+    per_step, tcp = ddp.extra["payload_bytes_per_step"], ddp.extra["gloo_tcp_bytes"]
+    out = [
+        f"P = {per_step:,.0f} bytes of fp32 gradient per step ({ddp.extra['params']:,} "
+        f"params), measured by a DDP comm hook. {RING_FORMULA}.",
+        f"gloo really moved {fmt_bytes(tcp)} per replica over TCP (TCP_INFO of its sockets, "
+        f"{tcp / ddp.bytes_total:.3f}x the ring bound); the ratios use the bound.",
+        "DiLoCo bytes: crf's own count of the exchange objects a replica put and got "
+        "(pseudo-gradient shards, manifests, quorum, reduced shards), sent + received, the "
+        "busiest replica; without the global checkpoint the lowest rank writes for resume.",
+    ]
+    ckpt = [r.extra.get("ckpt_bytes_up_rank0") for r in rows if r.kind == "diloco"]
+    if any(ckpt):
+        out[-1] += f" (that checkpoint: {fmt_bytes(max(c or 0 for c in ckpt))} for rank 0.)"
+    return out
+
+
+def print_report(setting: Setting, rows: list[Row], console: Any) -> list[dict[str, Any]]:
+    from rich.table import Table
+
+    table = Table(
+        title=f"lm job, N={setting.replicas}, {setting.steps} inner steps per replica, "
+        f"lm options {setting.lm or 'default'}, DiLoCo outer Nesterov SGD "
+        f"lr {setting.outer_lr} momentum {setting.outer_momentum} unless named"
+    )
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h == "method" else "right")
+    for cells in table_rows(rows):
+        table.add_row(*cells)
+    console.print(table)
+    for line in notes(rows):
+        console.print(line, highlight=False)
+    checks = verdicts(rows)
+    for v in checks:
+        mark = "[green]PASS[/green]" if v["pass"] else "[red]FAIL[/red]"
+        console.print(
+            f"{mark} {v['method']}: eval loss {v['loss_vs_ddp_pct']:+.2f}% vs DDP "
+            f"(target <= +{v['max_pct']}%), {v['bytes_ratio']:.1f}x fewer bytes "
+            f"(target >= {v['min_ratio']:.0f}x){'  -- ' + v['why'] if v['why'] else ''}"
+        )
+    return checks
+
+
+def markdown(setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) -> str:
+    lines = [
+        f"N={setting.replicas} replicas, {setting.steps} inner steps per replica, seed "
+        f"{setting.seed}, lm options {setting.lm or 'default'}; DiLoCo outer Nesterov SGD lr "
+        f"{setting.outer_lr} momentum {setting.outer_momentum} unless named.",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADERS))) + "|",
+    ]
+    lines += [
+        "| " + " | ".join(c.replace("->", "→") for c in cells) + " |" for cells in table_rows(rows)
+    ]
+    lines.append("")
+    lines += notes(rows)
+    lines.append("")
+    for v in checks:
+        lines.append(
+            f"- **{'PASS' if v['pass'] else 'FAIL'}** {v['method']}: eval loss "
+            f"{v['loss_vs_ddp_pct']:+.2f}% vs DDP (target ≤ +{v['max_pct']}%), "
+            f"{v['bytes_ratio']:.1f}× fewer bytes (target ≥ {v['min_ratio']:.0f}×)"
+            + (f" — {v['why']}" if v["why"] else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="100 inner steps: a few minutes")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="inner steps per replica")
+    p.add_argument("--syncs", default="10,50", help="H values for DiLoCo, comma separated")
+    p.add_argument("--wires", default="float32,int8", help="DiLoCo wire formats")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--outer-lr", type=float, default=OUTER_LR)
+    p.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
+    p.add_argument(
+        "--reference-outer",
+        default=None,
+        help="LR,MOMENTUM of an extra DiLoCo H=max fp32 row for reference (default: crf's "
+        "run defaults in the full setting, none with --quick; 'none' to skip)",
+    )
+    p.add_argument("--set", action="append", default=[], help="lm job option key=value")
+    p.add_argument("--store", default=None, help="store folder for DiLoCo runs (default: tmp)")
+    p.add_argument("--out", default=None, help="write a markdown table here (+ .json beside it)")
+    p.add_argument("--skip", default="", help="methods to skip: single,diloco")
+    a = p.parse_args(argv)
+
+    lm: dict[str, Any] = {}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        lm[k] = v
+    from crf.replica.jobs import job_config
+
+    lm = {k: getattr(job_config("lm", lm), k) for k in lm}  # typed + validated
+    setting = Setting(
+        replicas=a.replicas,
+        steps=a.steps or (100 if a.quick else 400),
+        syncs=tuple(int(h) for h in a.syncs.split(",") if h),
+        wires=tuple(w for w in a.wires.split(",") if w),
+        seed=a.seed,
+        outer_lr=a.outer_lr,
+        outer_momentum=a.outer_momentum,
+        lm=lm,
+    ).check()
+    skip = set(a.skip.split(","))
+    ref_text = a.reference_outer or ("none" if a.quick else "")
+    from crf.spec import RunSpec
+
+    spec_default = RunSpec(run_id="x", run_uri="file:///x")
+    crf_default = (spec_default.outer_lr, spec_default.outer_momentum)
+    reference: tuple[float, float] | None = None
+    if ref_text == "":
+        reference = crf_default
+    elif ref_text != "none":
+        lr_text, _, mom_text = ref_text.partition(",")
+        reference = (float(lr_text), float(mom_text))
+
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # e.g. nohup into a file: keep the table readable
+        console = Console(width=140)
+    rows: list[Row] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="crf-quality-runs-") as tmp:
+        store = a.store or tmp
+        console.print(f"[bold]DDP[/bold] gloo, N={setting.replicas}, {setting.steps} steps ...")
+        rows.append(run_ddp(setting))
+        if "diloco" not in skip:
+            for h in setting.syncs:
+                for w in setting.wires:
+                    console.print(f"[bold]DiLoCo[/bold] H={h} wire={w} through crf ...")
+                    rows.append(run_diloco(setting, h, w, store))
+            if reference is not None:
+                h, (olr, om) = max(setting.syncs), reference
+                console.print(f"[bold]DiLoCo[/bold] H={h} float32, outer {olr}/{om} ...")
+                ref = dataclasses.replace(setting, outer_lr=olr, outer_momentum=om)
+                tag = "crf default" if reference == crf_default else "reference"
+                row = run_diloco(ref, h, "float32", store, f", outer {olr}/{om} ({tag})")
+                row.extra["reference"] = True
+                rows.append(row)
+        if "single" not in skip:
+            for mode in ("shard0", "all"):
+                console.print(f"[bold]one replica[/bold] ({mode}) ...")
+                rows.append(run_single(setting, mode))
+    console.print(f"total {time.monotonic() - t0:.0f} s")
+    checks = print_report(setting, rows, console)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(markdown(setting, rows, checks))
+        out.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "setting": dataclasses.asdict(setting),
+                    "rows": [dataclasses.asdict(r) for r in rows],
+                    "checks": checks,
+                },
+                indent=1,
+            )
+        )
+        console.print(f"wrote {out} and {out.with_suffix('.json')}")
+    if a.quick:
+        console.print(
+            "--quick is a smoke run: H=50 gets only "
+            f"{setting.steps // max(setting.syncs)} rounds, so its verdicts say little; "
+            "the targets are for the full setting."
+        )
+        return 0
+    return 0 if all(v["pass"] for v in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
