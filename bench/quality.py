@@ -456,7 +456,7 @@ def markdown(setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) ->
         f"{setting.seed}, lm options {setting.lm or 'default'}; DiLoCo outer Nesterov SGD lr "
         f"{setting.outer_lr} momentum {setting.outer_momentum} unless named.",
         "",
-        "| " + " | ".join(HEADERS) + " |",
+        "| " + " | ".join(h.replace("->", "→") for h in HEADERS) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADERS))) + "|",
     ]
     lines += [
