@@ -31,8 +31,8 @@ replica). Printed: eval loss, loss relative to DDP, bytes per replica, bytes rel
 wall time, and PASS/FAIL for the targets (H=50: within 3% of DDP with >= 50x fewer bytes;
 int8: within 4% with >= 200x fewer bytes). Usage::
 
-    python bench/quality.py                 # full: N=4, 400 inner steps (~15 min on 2 cores)
-    python bench/quality.py --quick         # 100 steps, a few minutes
+    python bench/quality.py                 # full: N=4, 400 inner steps (4-8 min on 2 cores)
+    python bench/quality.py --quick         # 100 steps, about 3 minutes (a smoke run)
     python bench/quality.py --out docs/q.md # also write a markdown table (+ .json beside it)
 """
 
