@@ -107,8 +107,12 @@ class Row:
 
 # ---------------------------------------------------------------------- measuring TCP bytes
 def tcp_bytes() -> tuple[int, int]:
-    """(payload bytes acked, payload bytes received) over every TCP socket of this process,
-    read from the kernel's ``TCP_INFO`` (``tcpi_bytes_acked`` / ``tcpi_bytes_received``)."""
+    """(payload bytes sent, payload bytes received) over every TCP socket of this process,
+    read from the kernel's ``TCP_INFO``.
+
+    Sent is ``tcpi_bytes_sent - tcpi_bytes_retrans`` (Linux 4.19+), counted when the kernel
+    transmits; ``tcpi_bytes_acked`` (the fallback on older kernels) lags behind by whatever
+    the peer has not acknowledged yet (delayed ACKs), which under-counted the last step."""
     sent = recv = 0
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -124,7 +128,11 @@ def tcp_bytes() -> tuple[int, int]:
             info = b""  # not a TCP socket
         finally:
             s.close()
-        if len(info) >= 136:  # struct tcp_info: u64 bytes_acked at 120, bytes_received at 128
+        if len(info) >= 216:  # struct tcp_info: u64 bytes_sent at 200, bytes_retrans at 208
+            out, retrans = struct.unpack_from("QQ", info, 200)
+            sent += out - retrans
+            recv += struct.unpack_from("Q", info, 128)[0]
+        elif len(info) >= 136:  # u64 bytes_acked at 120, bytes_received at 128
             acked, received = struct.unpack_from("QQ", info, 120)
             sent += acked
             recv += received
