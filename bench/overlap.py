@@ -13,13 +13,16 @@ fragment_sync_delay=d) and the table shows, per sync and averaged over replicas:
 * ``blocked s/sync``  - the time training waited for it (``sync_s``: starting the exchange,
   waiting in ``wait()``/``should_commit()``, checkpoint snapshots);
 * ``blocked/transfer`` - 1.0 means no overlap at all, 0 means fully hidden;
+* ``window s``        - the compute a fragment's exchange can hide behind: ``delay`` inner
+  steps. Blocked time is about ``max(0, transfer - window)`` plus a fixed cost per sync
+  (starting the exchange, the outer step), so pick ``d`` with ``d x step >= transfer``;
 * ``wall s`` - the slowest replica's wall time, and ``ideal`` = steps x step time.
 
 Usage::
 
     python bench/overlap.py                           # N in {2,4}, P=16 MB, 50 ms + 40 MB/s
     python bench/overlap.py --replicas 2 --mb 64 --latency-ms 50 --mbps 100
-    python bench/overlap.py --configs 1:0,2:1,2:3,4:1  # fragments:delay pairs
+    python bench/overlap.py --configs 1:0,2:1,2:12,4:6  # fragments:delay pairs (d < H/F)
 """
 
 from __future__ import annotations
@@ -132,9 +135,11 @@ def main() -> None:
     ap.add_argument("--replicas", default="2,4", help="comma list of N")
     ap.add_argument("--mb", type=int, default=16, help="model size P in MB (fp32)")
     ap.add_argument("--tensors", type=int, default=16, help="parameter tensors in the model")
-    ap.add_argument("--configs", default="1:0,2:1,2:3,4:1", help="fragments:delay pairs")
-    ap.add_argument("--sync-every", type=int, default=8, help="H, inner steps per outer round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--configs", default="1:0,2:1,2:12,4:6", help="fragments:delay pairs (delay < H/F)"
+    )
+    ap.add_argument("--sync-every", type=int, default=32, help="H, inner steps per outer round")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=150.0, help="compute time of a step")
     ap.add_argument("--latency-ms", type=float, default=50.0, help="per store request")
     ap.add_argument("--mbps", type=float, default=40.0, help="MB/s per replica and direction")
@@ -161,6 +166,7 @@ def main() -> None:
         "blocked s/sync",
         "blocked max",
         "blocked/transfer",
+        "window s",
         "ckpt s/sync",
         "train wall s",
         "ideal s",
@@ -182,6 +188,7 @@ def main() -> None:
                 f"{m['blocked']:.3f}",
                 f"{m['blocked_max']:.3f}",
                 f"{m['blocked'] / m['transfer']:.2f}" if m["transfer"] else "-",
+                f"{d * args.step_ms / 1000:.2f}",
                 f"{m['ckpt']:.3f}",
                 f"{m['train_wall']:.2f}",
                 f"{ideal:.2f}",
