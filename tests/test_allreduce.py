@@ -7,6 +7,7 @@ covered by the end-to-end tests.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -393,3 +394,58 @@ def test_non_contiguous_tensors_and_rounds_of_other_sizes(store: RunStore) -> No
                 got = out[rank][k][i]
                 assert not (i == 0 and got.is_contiguous())
                 assert torch.equal(got, want), (k, i, rank)
+
+
+@pytest.mark.parametrize("drop", [None, False])
+def test_a_finished_replica_drops_its_contribution_shards(tmp_path, drop) -> None:
+    """On a local folder each replica deletes its contribution shards once it holds every
+    reduced shard (the disk need not write them back); manifests, quorum and reduced shards
+    stay for the GC. ``drop_contributions=False`` keeps them, as object stores do by default."""
+    store = RunStore(f"file://{tmp_path}/run")
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", drop_contributions=drop)
+        ar.allreduce(make_tensors(rank))
+        ar.close()  # waits for the background delete
+        return ar
+
+    run_threads(3, replica)
+    for rank in range(3):
+        left = sorted(store.list(f"rounds/0/contrib/{rank}"))
+        if drop is None:
+            assert left == ["manifest.json"]
+        else:
+            assert "manifest.json" in left and len(left) == 3  # two shards went up
+    assert sorted(store.list("rounds/0/reduced")) == ["0", "1", "2"]
+    assert not ObjectStoreAllReduce(RunStore("memory://x/y"), 2, 0).drop_contributions
+
+
+def test_a_late_owner_defers_to_the_average_published_without_it(tmp_path) -> None:
+    """Replica 1 reaches its own shard only after the others covered it (grace) and dropped
+    their contributions: it finds them gone, takes the published average and reports
+    nothing as rejected; all three end identical."""
+    store = RunStore(f"file://{tmp_path}/run")
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3, round_timeout_s=20)
+        if rank == 1:
+            real = ar._reduce_shard
+
+            def late(res, job, s, *, first=False):
+                others_gone = [f"rounds/0/contrib/{p}/1" for p in (0, 2)]
+                deadline = time.monotonic() + 20
+                while any(store.exists(k) for k in others_gone) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                return real(res, job, s, first=first)
+
+            ar._reduce_shard = late  # type: ignore[method-assign]
+        ts = make_tensors(rank)
+        res = ar.allreduce(ts)
+        ar.close()
+        return torch.cat([t.reshape(-1) for t in ts]), res
+
+    out = run_threads(3, replica)
+    expect = shardwise_mean({1: [0, 2]}, 3)
+    for flat, _ in out:
+        assert torch.equal(flat, expect)
+    assert out[1][1].rejected == [] and 1 not in out[1][1].shards_computed

@@ -63,6 +63,11 @@ class _Stale(Exception):
         self.top = top
 
 
+class _AlreadyReduced(Exception):
+    """A contribution is gone because its shard's average was published (and the uploader
+    then dropped it): the attempt to reduce that shard is moot."""
+
+
 @dataclass
 class _Round:
     """What the reduce step of one round needs to know."""
@@ -177,6 +182,7 @@ class ObjectStoreAllReduce:
         on_phase: Callable[[str], None] | None = None,
         max_poll_s: float | None = None,
         max_transfers: int = 8,
+        drop_contributions: bool | None = None,
     ) -> None:
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
@@ -216,6 +222,12 @@ class ObjectStoreAllReduce:
         self._manifests: dict[int, dict[int, dict[str, Any]]] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.max_transfers = max_transfers
+        # a replica's contribution shards are dead weight once it has every reduced shard:
+        # on a local folder deleting them then (not keep_rounds later) spares the disk their
+        # write-back; on object stores a delete is one more billed request, left to the GC
+        self.drop_contributions = (
+            self.store.scheme == "file" if drop_contributions is None else drop_contributions
+        )
         self._executor: ThreadPoolExecutor | None = None
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
@@ -457,11 +469,24 @@ class ObjectStoreAllReduce:
             else:
                 t.copy_((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(t.shape))
             offset += n
+        if self.drop_contributions:  # in the background: nobody waits for it
+            self._pool().submit(self._drop_contributions, r, len(bounds))
         res.seconds = time.monotonic() - t0
         self.history.append(res)
         return res
 
     # ------------------------------------------------------------------ steps
+    def _drop_contributions(self, r: int, shards: int) -> None:
+        """Delete this replica's contribution shards of round r (not its manifest, which a
+        slow participant may still read). Every reduced shard exists by now, so no reducer
+        needs them: an owner's late first attempt finds them gone and defers to the
+        published average (:class:`_AlreadyReduced`)."""
+        for s in range(shards):
+            try:
+                self.store.delete(f"rounds/{r}/contrib/{self.rank}/{s}")
+            except Exception as e:  # only disk space is at stake; the GC retries later
+                log.debug("round %d: could not drop contribution shard %d: %s", r, s, e)
+
     def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
@@ -612,8 +637,12 @@ class ObjectStoreAllReduce:
         r = job.round
         ckey = f"rounds/{r}/contrib/{p}/{s}"
         if wait_s > 0:
+            rkey = f"rounds/{r}/reduced/{s}"  # once published, the part is not needed
             wait_until(
-                lambda: self.store.exists(ckey), wait_s, poll_s=0.005, max_poll_s=self.max_poll_s
+                lambda: self.store.exists(ckey) or self.store.exists(rkey),
+                wait_s,
+                poll_s=0.005,
+                max_poll_s=self.max_poll_s,
             )
         a, b = job.bounds[s]
         try:
@@ -634,6 +663,10 @@ class ObjectStoreAllReduce:
                 raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
             return t
         except ObjectNotFound:
+            if self.store.exists(f"rounds/{r}/reduced/{s}"):
+                # dropped by its uploader after the round completed: this shard's average
+                # is published already, and this attempt would lose the race anyway
+                raise _AlreadyReduced(s) from None
             msg = f"{ckey}: missing"
         except CorruptObjectError as e:
             msg = str(e)
@@ -678,7 +711,10 @@ class ObjectStoreAllReduce:
                 w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
                 res.rejected.append(f"rounds/{r}/contrib/{p}/{s}: owner {p} did not reduce it")
             else:
-                w = fetches[p].result()
+                try:
+                    w = fetches[p].result()
+                except _AlreadyReduced:
+                    return None
             if w is None:
                 continue
             pieces = w if isinstance(w, list) else [wirefmt.decode(w, self.wire, b - a)]
