@@ -153,27 +153,3 @@ def test_check_writable_wrong_endpoint(s3_env: MotoS3, monkeypatch) -> None:
 
 def test_allreduce_over_s3(bucket: str) -> None:
     check_allreduce(RunStore(f"s3://{bucket}/crf/ar"))
-
-
-def test_get_is_one_streamed_request(bucket: str, monkeypatch) -> None:
-    """A read is a single GetObject streamed into one buffer (s3fs's cat_file would first
-    ask for the size and, for large objects, join concurrent ranges: ~3x the memory)."""
-    from crf.store import ObjectNotFound
-    from crf.store import s3 as s3store
-
-    monkeypatch.setattr(s3store, "READ_CHUNK", 64 << 10)  # many chunks for a small object
-    store = RunStore(f"s3://{bucket}/run")
-    data = bytes(range(256)) * 12_000 + b"tail"  # ~3 MB, not a multiple of the chunk
-    store.put("big", data)
-    calls: list[str] = []
-    real = store.fs._call_s3
-
-    async def counting(method, *a, **kw):
-        calls.append(method)
-        return await real(method, *a, **kw)
-
-    monkeypatch.setattr(store.fs, "_call_s3", counting)
-    got = store.get("big")
-    assert got == data and calls == ["get_object"]
-    with pytest.raises(ObjectNotFound):
-        store.get("nothing/here")

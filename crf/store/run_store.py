@@ -42,24 +42,13 @@ _MEMORY_LOCK = threading.Lock()
 Writer = Callable[["RunStore", str, bytes, bool], bool]
 _WRITERS: dict[str, Writer] = {}
 _FS_OPTIONS: dict[str, Callable[[], dict[str, Any]]] = {}
-#: A reader returns the whole object at ``path`` (raising FileNotFoundError when there is
-#: none), for schemes that can do better than fsspec's ``cat_file`` (S3: one GET streamed into
-#: one buffer). The rest use ``cat_file``.
-Reader = Callable[["RunStore", str], "bytes | bytearray"]
-_READERS: dict[str, Reader] = {}
 
 
 def register_scheme(
-    scheme: str,
-    writer: Writer,
-    fs_options: Callable[[], dict[str, Any]] | None = None,
-    reader: Reader | None = None,
+    scheme: str, writer: Writer, fs_options: Callable[[], dict[str, Any]] | None = None
 ) -> None:
-    """Make ``scheme://`` usable as a run store (``fs_options`` gives fsspec defaults,
-    ``reader`` replaces ``cat_file`` for whole-object reads)."""
+    """Make ``scheme://`` usable as a run store (``fs_options`` gives fsspec defaults)."""
     _WRITERS[scheme] = writer
-    if reader is not None:
-        _READERS[scheme] = reader
     if fs_options is not None:
         _FS_OPTIONS[scheme] = fs_options
 
@@ -251,14 +240,11 @@ class RunStore:
 
     # ---------------------------------------------------------------- reads
     def get(self, key: str) -> bytes:
-        """The whole object at ``key`` (a ``bytearray`` on schemes whose reader fills one
-        buffer in place; use it as bytes)."""
         path = self.path(key)
-        reader = _READERS.get(self.scheme)
 
         def _get() -> bytes:
             try:
-                return reader(self, path) if reader else self.fs.cat_file(path)  # type: ignore[return-value]
+                return self.fs.cat_file(path)
             except (FileNotFoundError, KeyError):
                 raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
             except IsADirectoryError:

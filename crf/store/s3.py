@@ -23,7 +23,6 @@ import inspect
 import os
 from typing import Any
 
-import fsspec.asyn
 import s3fs
 from botocore.exceptions import (
     ClientError,
@@ -155,46 +154,6 @@ def _attempt(store: RunStore, path: str, data: bytes, token: str | None) -> bool
         raise
 
 
-#: a streamed GET copies the body into its buffer in pieces of at most this size
-READ_CHUNK = 1 << 20
-
-
-def _get_s3(store: RunStore, path: str) -> bytearray:
-    """The object at ``path`` in one ``GetObject`` streamed into a buffer of its size.
-
-    Why not ``cat_file``: s3fs asks for the size first (a ``HeadObject``, one more round trip
-    on every read) and, above its block size, reads ranges concurrently and joins them, so
-    reading P bytes peaks at about 3·P of memory. This peaks at P plus one chunk. A missing
-    key raises FileNotFoundError (s3fs translates ``NoSuchKey``); a body cut short raises
-    OSError, which the store retries."""
-    fs = store.fs
-    bucket, key, version = fs.split_path(path)
-    extra = {"VersionId": version} if version else {}
-
-    async def _read() -> bytearray:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
-        body = resp["Body"]
-        try:
-            size = int(resp["ContentLength"])
-            buf = bytearray(size)
-            view = memoryview(buf)
-            pos = 0
-            while pos < size:
-                try:
-                    chunk = await body.read(min(READ_CHUNK, size - pos))
-                except Exception as e:  # aiohttp's payload errors are not OSErrors
-                    raise OSError(f"s3://{bucket}/{key}: read failed at byte {pos}: {e}") from e
-                if not chunk:
-                    raise OSError(f"s3://{bucket}/{key}: body ended at byte {pos} of {size}")
-                view[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-            return buf
-        finally:
-            body.close()
-
-    return fsspec.asyn.sync(fs.loop, _read)
-
-
 def _put_s3(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
     return tokened_put(
         lambda token: _attempt(store, path, data, token),
@@ -204,4 +163,4 @@ def _put_s3(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
     )
 
 
-register_scheme("s3", _put_s3, _fs_options, reader=_get_s3)
+register_scheme("s3", _put_s3, _fs_options)
