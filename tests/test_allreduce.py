@@ -449,3 +449,31 @@ def test_a_late_owner_defers_to_the_average_published_without_it(tmp_path) -> No
     for flat, _ in out:
         assert torch.equal(flat, expect)
     assert out[1][1].rejected == [] and 1 not in out[1][1].shards_computed
+
+
+def test_int8_codec_round_trips_block_by_block() -> None:
+    """The chunked int8 codec: per-block absmax scales, codes within ±127, the tail block
+    padded, decode into a caller's buffer equal to a fresh decode, and an all-zero block
+    keeps scale 1 (no division by zero)."""
+    from crf.replica import wire
+
+    n = wire.INT8_CHUNK + wire.INT8_BLOCK * 3 + 17  # more than one chunk, a partial block
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 5
+    x[: wire.INT8_BLOCK] = 0.0
+    w = wire.encode(x, "int8")
+    nblocks = (n + wire.INT8_BLOCK - 1) // wire.INT8_BLOCK
+    assert w.dtype == torch.uint8 and w.numel() == nblocks * 4 + n
+    scales = w[: nblocks * 4].clone().view(torch.float32)
+    assert scales[0] == 1.0
+    for i in (1, nblocks // 2, nblocks - 1):
+        block = x[i * wire.INT8_BLOCK : (i + 1) * wire.INT8_BLOCK]
+        assert scales[i] == block.abs().max() / 127.0
+    y = wire.decode(w, "int8", n)
+    assert torch.equal(y[: wire.INT8_BLOCK], torch.zeros(wire.INT8_BLOCK))
+    # at most half a step of its block's scale away
+    step = scales.repeat_interleave(wire.INT8_BLOCK)[:n]
+    assert torch.all((y - x).abs() <= step / 2 + 1e-6)
+    out = torch.full((n,), float("nan"))
+    assert wire.decode(w, "int8", n, out=out) is out and torch.equal(out, y)
+    with pytest.raises(ValueError, match="fp32 values"):
+        wire.decode(w, "int8", n, out=torch.empty(n - 1))

@@ -415,9 +415,16 @@ class ObjectStoreAllReduce:
         # the averages stay where they are (this replica's reduced buffers, the downloaded
         # objects) until every shard is here and verified; then one copy into the tensors
         got: dict[int, torch.Tensor] = {}
+
+        def into(a: int, b: int) -> torch.Tensor | None:
+            # a compressed wire decodes into the flat buffer: its content (this replica's
+            # uncompressed contribution) is not needed once encoded, and the tensors
+            # themselves stay untouched until the whole round is here
+            return None if flat is None else flat[a:b]
+
         for s, (a, b) in enumerate(bounds):
             if s in reduced_here:  # published by this replica: no need to download it
-                got[s] = wirefmt.decode(reduced_here[s], self.wire, b - a)
+                got[s] = wirefmt.decode(reduced_here[s], self.wire, b - a, out=into(a, b))
             else:
                 pending.append(s)
         grace_deadline = time.monotonic() + self.shard_grace_s
@@ -437,7 +444,9 @@ class ObjectStoreAllReduce:
                 if data is None:
                     continue
                 a, b = bounds[s]
-                got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
+                got[s] = self._decode_reduced(
+                    r, s, f"{base}/reduced/{s}", data, lhash, b - a, out=into(a, b)
+                )
                 pending.remove(s)
                 progressed = True
             if not pending:
@@ -739,7 +748,14 @@ class ObjectStoreAllReduce:
         return None
 
     def _decode_reduced(
-        self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
+        self,
+        r: int,
+        s: int,
+        key: str,
+        data: bytes,
+        lhash: str,
+        n: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
@@ -749,7 +765,7 @@ class ObjectStoreAllReduce:
             # the one copy everyone needs is bad: nobody can finish this round consistently
             self._fail_round(r, f"bad reduced shard: {e}")
             raise RoundFailed(f"round {r} failed: {e}") from e
-        return wirefmt.decode(t, self.wire, n)
+        return wirefmt.decode(t, self.wire, n, out=out)
 
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}

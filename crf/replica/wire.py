@@ -26,33 +26,63 @@ def check_wire(name: str) -> str:
     return name
 
 
+#: int8 encodes and decodes this many values at a time (a multiple of INT8_BLOCK): the
+#: temporaries (abs, quotient, codes) stay a few MB whatever the shard size, and the passes
+#: over a chunk run in cache
+INT8_CHUNK = INT8_BLOCK * 4096
+
+
 def encode(x: torch.Tensor, wire: str) -> torch.Tensor:
-    """fp32 1-D -> the tensor stored on the wire (a float tensor, or uint8 bytes for int8)."""
+    """fp32 1-D -> the tensor stored on the wire (a float tensor, or uint8 bytes for int8:
+    ``nblocks`` fp32 scales, then ``n`` int8 codes)."""
     if wire in _FLOATS:
         return x.to(_FLOATS[wire])
     n = x.numel()
     nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
-    padded = torch.zeros(nblocks * INT8_BLOCK, dtype=torch.float32)
-    padded[:n] = x
-    blocks = padded.view(nblocks, INT8_BLOCK)
-    scales = blocks.abs().amax(dim=1) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-    return torch.cat([scales.view(torch.uint8), q.view(torch.uint8)])
+    out = torch.empty(nblocks * 4 + n, dtype=torch.uint8)
+    scales = out[: nblocks * 4].view(torch.float32)
+    codes = out[nblocks * 4 :].view(torch.int8)
+    for a in range(0, n, INT8_CHUNK):
+        b = min(a + INT8_CHUNK, n)
+        chunk = x[a:b]
+        if (b - a) % INT8_BLOCK:  # the last, partial block: pad it with zeros
+            padded = torch.zeros((b - a + INT8_BLOCK - 1) // INT8_BLOCK * INT8_BLOCK)
+            padded[: b - a] = chunk
+            chunk = padded
+        blocks = chunk.view(-1, INT8_BLOCK)
+        # absmax as max(max, -min): exactly the same values, and two reductions are ~10x
+        # faster than materializing abs() on this CPU build
+        s = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(127.0)
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = blocks / s[:, None]
+        codes[a:b] = q.round_().clamp_(-127, 127).view(-1)[: b - a].to(torch.int8)
+        scales[a // INT8_BLOCK : a // INT8_BLOCK + s.numel()] = s
+    return out
 
 
-def decode(w: torch.Tensor, wire: str, n: int) -> torch.Tensor:
-    """Inverse of :func:`encode` for a shard of ``n`` values; always returns fp32."""
+def decode(w: torch.Tensor, wire: str, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`encode` for a shard of ``n`` values; always returns fp32, written
+    into ``out`` (a contiguous fp32 tensor of ``n`` values) when given."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != n):
+        raise ValueError(f"out must be {n} fp32 values, got {out.numel()} {out.dtype}")
     if wire in _FLOATS:
-        return w.to(torch.float32)
+        return w.to(torch.float32) if out is None else out.copy_(w)
     nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
     if w.dtype != torch.uint8 or w.numel() != nblocks * 4 + n:
         raise ValueError(f"int8 shard has {w.numel()} bytes, expected {nblocks * 4 + n}")
+    # the scales may sit at any byte offset of a downloaded object: copy them to align them
     scales = w[: nblocks * 4].clone().view(torch.float32)
-    q = w[nblocks * 4 :].clone().view(torch.int8).to(torch.float32)
-    padded = torch.zeros(nblocks * INT8_BLOCK, dtype=torch.float32)
-    padded[:n] = q
-    return (padded.view(nblocks, INT8_BLOCK) * scales[:, None]).reshape(-1)[:n]
+    codes = w[nblocks * 4 :].view(torch.int8)
+    out = torch.empty(n, dtype=torch.float32) if out is None else out
+    full = n // INT8_BLOCK * INT8_BLOCK
+    for a in range(0, full, INT8_CHUNK):
+        b = min(a + INT8_CHUNK, full)
+        dst = out[a:b].view(-1, INT8_BLOCK)
+        dst.copy_(codes[a:b].view(-1, INT8_BLOCK))
+        dst.mul_(scales[a // INT8_BLOCK : b // INT8_BLOCK, None])
+    if full < n:
+        out[full:].copy_(codes[full:]).mul_(scales[-1])
+    return out
 
 
 def wire_numel_ok(w: torch.Tensor, wire: str, n: int) -> bool:
