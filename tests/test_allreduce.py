@@ -477,3 +477,36 @@ def test_int8_codec_round_trips_block_by_block() -> None:
     assert wire.decode(w, "int8", n, out=out) is out and torch.equal(out, y)
     with pytest.raises(ValueError, match="fp32 values"):
         wire.decode(w, "int8", n, out=torch.empty(n - 1))
+    # adding a shard chunk by chunk gives the bits of adding its full decode
+    acc = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(wire.decode_add(w, "int8", n, acc.clone()), acc + y)
+
+
+@pytest.mark.parametrize("non_contiguous", [False, True])
+def test_compressed_wire_over_many_tensors_matches_one_vector(
+    store: RunStore, non_contiguous: bool
+) -> None:
+    """int8 shards that straddle tensors are encoded from the tensors' slices and decoded
+    back into them (in place, or through a copy for a non-contiguous tensor): the same bits
+    as averaging the same values laid out as one vector."""
+    n = 3
+
+    def tensors(rank: int) -> list[torch.Tensor]:
+        ts = [t * 50 for t in make_tensors(rank)]
+        if non_contiguous:
+            ts[2] = ts[2].t().contiguous().t()  # same values, strides of a transpose
+        return ts
+
+    def replica(rank: int, prefix: str, as_one: bool):
+        ar = ObjectStoreAllReduce(store.child(prefix), n, rank, run_id="t", wire_dtype="int8")
+        ts = tensors(rank)
+        if as_one:
+            ts = [torch.cat([t.reshape(-1) for t in ts])]
+        ar.allreduce(ts)
+        return torch.cat([t.reshape(-1) for t in ts])
+
+    many = run_threads(n, lambda r: replica(r, "many", False))
+    one = run_threads(n, lambda r: replica(r, "one", True))
+    for got in many:
+        assert torch.equal(got, one[0])
+    assert not torch.equal(one[0], torch.cat([t.reshape(-1) for t in tensors(0)]))

@@ -106,6 +106,15 @@ class _Segments:
         return out
 
 
+def _gather_fp32(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """One fp32 vector of ``pieces``: the piece itself when it is a single fp32 slice."""
+    if len(pieces) == 1:
+        return pieces[0].float()  # no copy for fp32
+    if not pieces:
+        return torch.zeros(0)
+    return torch.cat([p.float() for p in pieces])
+
+
 class RoundFailed(AllReduceError):
     """Another participant declared this round failed (e.g. a corrupt contribution)."""
 
@@ -313,24 +322,18 @@ class ObjectStoreAllReduce:
         total = sum(t.numel() for t in tensors)
         views = [t.detach().reshape(-1) for t in tensors]  # a view unless non-contiguous
         residual = None
-        if self.wire == "float32" and all(v.dtype == torch.float32 for v in views):
-            # the exact wire reads the tensors themselves: a shard is the list of their
-            # slices it covers, checksummed and written without being copied into one vector
-            source = _Segments(views)
-            flat = None
-        else:
-            # one fp32 vector to encode from, in a buffer kept from round to round (a fresh
-            # allocation of P bytes costs page faults, which can take longer than the copy)
-            flat = self._buffer("flat", total)
-            offset = 0
-            for v in views:
-                flat[offset : offset + v.numel()].copy_(v)
-                offset += v.numel()
-            residual = torch.zeros_like(flat) if self.error_feedback else None
+        previous = None
+        # the exact wire reads the tensors themselves: a shard is the list of their slices it
+        # covers, checksummed and written without being copied into one vector. A compressed
+        # wire encodes shard by shard from those slices too (a shard inside one fp32 tensor
+        # is encoded straight from it), so no fp32 copy of the whole vector is kept
+        source = _Segments(views)
+        exact = self.wire == "float32" and all(v.dtype == torch.float32 for v in views)
+        if not exact and self.error_feedback:
+            residual = torch.zeros(total)
             previous = self._residual.get(fragment)
-            if self.error_feedback and previous is not None and previous.numel() == total:
-                flat += previous  # error feedback: resend what was dropped last time
-            source = _Segments([flat])
+            if previous is not None and previous.numel() != total:
+                previous = None
         bounds = shard_bounds(total, self.num_shards)
         base = f"rounds/{r}"
 
@@ -342,12 +345,16 @@ class ObjectStoreAllReduce:
         held_back = []
         uploads = []
         for s, (a, b) in enumerate(bounds):
-            if flat is None:
+            if exact:
                 payload: Any = source.pieces(a, b)
             else:
-                payload = wirefmt.encode(flat[a:b], self.wire)
+                x = _gather_fp32(source.pieces(a, b))
+                if previous is not None:
+                    x = x + previous[a:b]  # error feedback: resend what was dropped last time
+                payload = wirefmt.encode(x, self.wire)
                 if residual is not None:
-                    residual[a:b] = flat[a:b] - wirefmt.decode(payload, self.wire, b - a)
+                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a)
+                del x
             mine_wire[s] = payload
             if s % self.world_size == self.rank:
                 held_back.append(s)
@@ -415,16 +422,9 @@ class ObjectStoreAllReduce:
         # the averages stay where they are (this replica's reduced buffers, the downloaded
         # objects) until every shard is here and verified; then one copy into the tensors
         got: dict[int, torch.Tensor] = {}
-
-        def into(a: int, b: int) -> torch.Tensor | None:
-            # a compressed wire decodes into the flat buffer: its content (this replica's
-            # uncompressed contribution) is not needed once encoded, and the tensors
-            # themselves stay untouched until the whole round is here
-            return None if flat is None else flat[a:b]
-
-        for s, (a, b) in enumerate(bounds):
+        for s in range(len(bounds)):
             if s in reduced_here:  # published by this replica: no need to download it
-                got[s] = wirefmt.decode(reduced_here[s], self.wire, b - a, out=into(a, b))
+                got[s] = reduced_here[s]
             else:
                 pending.append(s)
         grace_deadline = time.monotonic() + self.shard_grace_s
@@ -444,9 +444,7 @@ class ObjectStoreAllReduce:
                 if data is None:
                     continue
                 a, b = bounds[s]
-                got[s] = self._decode_reduced(
-                    r, s, f"{base}/reduced/{s}", data, lhash, b - a, out=into(a, b)
-                )
+                got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
                 pending.remove(s)
                 progressed = True
             if not pending:
@@ -464,8 +462,49 @@ class ObjectStoreAllReduce:
                 time.sleep(delay)
                 delay = min(delay * 1.6, self.max_poll_s)
 
-        # copy the average back in place, each tensor in its own dtype
-        averaged = _Segments([got[s] for s in range(len(bounds))])
+        # every shard is here and verified: write the average into the tensors, each in its
+        # own dtype
+        if not exact and all(t.is_contiguous() for t in tensors):
+            self._decode_in_place(got, bounds, tensors)
+        else:
+            self._copy_in_place(got, bounds, tensors)
+        if self.drop_contributions:  # in the background: nobody waits for it
+            self._pool().submit(self._drop_contributions, r, len(bounds))
+        res.seconds = time.monotonic() - t0
+        self.history.append(res)
+        return res
+
+    # ------------------------------------------------------------------ result
+    def _decode_in_place(
+        self,
+        got: dict[int, torch.Tensor],
+        bounds: list[tuple[int, int]],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        """Decode each compressed shard straight into the contiguous tensors: a shard that is
+        one fp32 slice is written in place, so no fp32 copy of the whole average is made."""
+        dest = _Segments([t.view(-1) for t in tensors])
+        for s, (a, b) in enumerate(bounds):
+            targets = dest.pieces(a, b)
+            if len(targets) == 1 and targets[0].dtype == torch.float32:
+                wirefmt.decode(got[s], self.wire, b - a, out=targets[0])
+                continue
+            values, pos = wirefmt.decode(got[s], self.wire, b - a), 0
+            for piece in targets:
+                piece.copy_(values[pos : pos + piece.numel()])
+                pos += piece.numel()
+
+    def _copy_in_place(
+        self,
+        got: dict[int, torch.Tensor],
+        bounds: list[tuple[int, int]],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        """Copy the averaged shards (the exact wire's fp32 objects: no decode) into the
+        tensors, non-contiguous ones included."""
+        averaged = _Segments(
+            [wirefmt.decode(got[s], self.wire, b - a) for s, (a, b) in enumerate(bounds)]
+        )
         offset = 0
         for t in tensors:
             n = t.numel()
@@ -478,11 +517,6 @@ class ObjectStoreAllReduce:
             else:
                 t.copy_((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(t.shape))
             offset += n
-        if self.drop_contributions:  # in the background: nobody waits for it
-            self._pool().submit(self._drop_contributions, r, len(bounds))
-        res.seconds = time.monotonic() - t0
-        self.history.append(res)
-        return res
 
     # ------------------------------------------------------------------ steps
     def _drop_contributions(self, r: int, shards: int) -> None:
@@ -726,15 +760,19 @@ class ObjectStoreAllReduce:
                     return None
             if w is None:
                 continue
-            pieces = w if isinstance(w, list) else [wirefmt.decode(w, self.wire, b - a)]
             first_part = acc is None
             if acc is None:  # a kept buffer per shard: this round may own several
                 acc = self._buffer(f"acc{s}", b - a)
-            pos = 0
-            for piece in pieces:
-                dst = acc[pos : pos + piece.numel()]
-                dst.copy_(piece) if first_part else dst.add_(piece)
-                pos += piece.numel()
+            if isinstance(w, list):  # the exact wire's fp32 slices
+                pos = 0
+                for piece in w:
+                    dst = acc[pos : pos + piece.numel()]
+                    dst.copy_(piece) if first_part else dst.add_(piece)
+                    pos += piece.numel()
+            elif first_part:  # compressed: decoded straight into the accumulator
+                wirefmt.decode(w, self.wire, b - a, out=acc)
+            else:
+                wirefmt.decode_add(w, self.wire, b - a, acc)
             used.append(p)
         if acc is None:
             raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
@@ -748,14 +786,7 @@ class ObjectStoreAllReduce:
         return None
 
     def _decode_reduced(
-        self,
-        r: int,
-        s: int,
-        key: str,
-        data: bytes,
-        lhash: str,
-        n: int,
-        out: torch.Tensor | None = None,
+        self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
     ) -> torch.Tensor:
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
@@ -765,7 +796,7 @@ class ObjectStoreAllReduce:
             # the one copy everyone needs is bad: nobody can finish this round consistently
             self._fail_round(r, f"bad reduced shard: {e}")
             raise RoundFailed(f"round {r} failed: {e}") from e
-        return wirefmt.decode(t, self.wire, n, out=out)
+        return t  # decoded once the whole round is here (allreduce, step 4)
 
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}

@@ -85,6 +85,31 @@ def decode(w: torch.Tensor, wire: str, n: int, out: torch.Tensor | None = None) 
     return out
 
 
+def decode_add(w: torch.Tensor, wire: str, n: int, acc: torch.Tensor) -> torch.Tensor:
+    """``acc += decode(w)`` chunk by chunk, so the decoded shard is never materialized (the
+    same bits as adding a full decode: both are element-wise fp32 adds)."""
+    if wire in _FLOATS:
+        return acc.add_(w)
+    nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
+    if w.dtype != torch.uint8 or w.numel() != nblocks * 4 + n or acc.numel() != n:
+        raise ValueError(f"int8 shard has {w.numel()} bytes, expected {nblocks * 4 + n}")
+    scales = w[: nblocks * 4].clone().view(torch.float32)
+    codes = w[nblocks * 4 :].view(torch.int8)
+    tmp = torch.empty(min(n, INT8_CHUNK), dtype=torch.float32)
+    for a in range(0, n, INT8_CHUNK):
+        b = min(a + INT8_CHUNK, n)
+        part = tmp[: b - a]
+        part.copy_(codes[a:b])
+        full = (b - a) // INT8_BLOCK * INT8_BLOCK
+        if full:
+            blocks = part[:full].view(-1, INT8_BLOCK)
+            blocks.mul_(scales[a // INT8_BLOCK : (a + full) // INT8_BLOCK, None])
+        if full < b - a:  # the last, partial block
+            part[full:].mul_(scales[-1])
+        acc[a:b].add_(part)
+    return acc
+
+
 def wire_numel_ok(w: torch.Tensor, wire: str, n: int) -> bool:
     if wire in _FLOATS:
         return w.numel() == n
