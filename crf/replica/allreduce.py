@@ -500,8 +500,8 @@ class ObjectStoreAllReduce:
         bounds: list[tuple[int, int]],
         tensors: list[torch.Tensor],
     ) -> None:
-        """Copy the averaged shards (the exact wire's fp32 objects: no decode) into the
-        tensors, non-contiguous ones included."""
+        """Copy the averaged shards into the tensors, non-contiguous ones included: the exact
+        wire's fp32 objects as they are, a compressed wire's decoded to fp32 first."""
         averaged = _Segments(
             [wirefmt.decode(got[s], self.wire, b - a) for s, (a, b) in enumerate(bounds)]
         )

@@ -60,6 +60,30 @@ def encode(x: torch.Tensor, wire: str) -> torch.Tensor:
     return out
 
 
+def _int8_parts(w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 scales, int8 codes) of an int8 shard of ``n`` values, checked for size. The
+    scales may sit at any byte offset of a downloaded object: they are copied to align them."""
+    nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
+    if w.dtype != torch.uint8 or w.numel() != nblocks * 4 + n:
+        raise ValueError(f"int8 shard has {w.numel()} bytes, expected {nblocks * 4 + n}")
+    return w[: nblocks * 4].clone().view(torch.float32), w[nblocks * 4 :].view(torch.int8)
+
+
+def _dequantize(
+    scales: torch.Tensor, codes: torch.Tensor, a: int, b: int, dst: torch.Tensor
+) -> torch.Tensor:
+    """Values [a, b) of an int8 shard into ``dst`` (b - a fp32 values; ``a`` on a block
+    boundary): codes times their block's scale."""
+    dst.copy_(codes[a:b])
+    full = (b - a) // INT8_BLOCK * INT8_BLOCK
+    if full:
+        first = a // INT8_BLOCK
+        dst[:full].view(-1, INT8_BLOCK).mul_(scales[first : first + full // INT8_BLOCK, None])
+    if full < b - a:  # the last, partial block
+        dst[full:].mul_(scales[-1])
+    return dst
+
+
 def decode(w: torch.Tensor, wire: str, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`encode` for a shard of ``n`` values; always returns fp32, written
     into ``out`` (a contiguous fp32 tensor of ``n`` values) when given."""
@@ -67,21 +91,11 @@ def decode(w: torch.Tensor, wire: str, n: int, out: torch.Tensor | None = None) 
         raise ValueError(f"out must be {n} fp32 values, got {out.numel()} {out.dtype}")
     if wire in _FLOATS:
         return w.to(torch.float32) if out is None else out.copy_(w)
-    nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
-    if w.dtype != torch.uint8 or w.numel() != nblocks * 4 + n:
-        raise ValueError(f"int8 shard has {w.numel()} bytes, expected {nblocks * 4 + n}")
-    # the scales may sit at any byte offset of a downloaded object: copy them to align them
-    scales = w[: nblocks * 4].clone().view(torch.float32)
-    codes = w[nblocks * 4 :].view(torch.int8)
+    scales, codes = _int8_parts(w, n)
     out = torch.empty(n, dtype=torch.float32) if out is None else out
-    full = n // INT8_BLOCK * INT8_BLOCK
-    for a in range(0, full, INT8_CHUNK):
-        b = min(a + INT8_CHUNK, full)
-        dst = out[a:b].view(-1, INT8_BLOCK)
-        dst.copy_(codes[a:b].view(-1, INT8_BLOCK))
-        dst.mul_(scales[a // INT8_BLOCK : b // INT8_BLOCK, None])
-    if full < n:
-        out[full:].copy_(codes[full:]).mul_(scales[-1])
+    for a in range(0, n, INT8_CHUNK):
+        b = min(a + INT8_CHUNK, n)
+        _dequantize(scales, codes, a, b, out[a:b])
     return out
 
 
@@ -90,23 +104,11 @@ def decode_add(w: torch.Tensor, wire: str, n: int, acc: torch.Tensor) -> torch.T
     same bits as adding a full decode: both are element-wise fp32 adds)."""
     if wire in _FLOATS:
         return acc.add_(w)
-    nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
-    if w.dtype != torch.uint8 or w.numel() != nblocks * 4 + n or acc.numel() != n:
-        raise ValueError(f"int8 shard has {w.numel()} bytes, expected {nblocks * 4 + n}")
-    scales = w[: nblocks * 4].clone().view(torch.float32)
-    codes = w[nblocks * 4 :].view(torch.int8)
+    scales, codes = _int8_parts(w, n)
     tmp = torch.empty(min(n, INT8_CHUNK), dtype=torch.float32)
     for a in range(0, n, INT8_CHUNK):
         b = min(a + INT8_CHUNK, n)
-        part = tmp[: b - a]
-        part.copy_(codes[a:b])
-        full = (b - a) // INT8_BLOCK * INT8_BLOCK
-        if full:
-            blocks = part[:full].view(-1, INT8_BLOCK)
-            blocks.mul_(scales[a // INT8_BLOCK : (a + full) // INT8_BLOCK, None])
-        if full < b - a:  # the last, partial block
-            part[full:].mul_(scales[-1])
-        acc[a:b].add_(part)
+        acc[a:b].add_(_dequantize(scales, codes, a, b, tmp[: b - a]))
     return acc
 
 
