@@ -48,6 +48,9 @@ class RunSpec:
     round_timeout_s: float = 300.0  # how long a replica waits for the others in one round
     num_shards: int | None = None  # default: one shard per replica
     keep_rounds: int = 3  # rounds kept in the store; older ones are garbage-collected
+    # global/<r> (weights + outer momentum, about 3 P) and the inner states are written every
+    # this many exchange rounds, at the last round, and when a replica asks for one to heal
+    checkpoint_every: int = 1
     wire_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 (block-wise scales)
     error_feedback: bool = False  # with a lossy wire: resend what quantization dropped
     save_inner_state: bool = True  # each replica saves its inner optimizer per round (resume)
@@ -119,6 +122,13 @@ class RunSpec:
         need(
             isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,
             f"keep_rounds must be an integer >= 1 (got {self.keep_rounds!r})",
+        )
+        need(
+            isinstance(self.checkpoint_every, int)
+            and not isinstance(self.checkpoint_every, bool)
+            and self.checkpoint_every >= 1,
+            f"checkpoint_every must be an integer >= 1 (got {self.checkpoint_every!r}): "
+            "global checkpoints are written every that many rounds",
         )
         need(
             self.wire_dtype in WIRE_DTYPES,

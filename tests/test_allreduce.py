@@ -141,14 +141,18 @@ def test_layout_mismatch_is_a_clear_error(store: RunStore) -> None:
         )
 
 
-def test_quorum_at_deadline_and_late_replica_excluded(store: RunStore) -> None:
-    """Two of three arrive; the deadline closes the quorum with them; the third is out."""
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_quorum_at_deadline_and_late_replica_excluded(store: RunStore, catch_up: bool) -> None:
+    """Two of three arrive; the deadline closes the quorum with them; the third is out. With
+    catch_up (the default) it takes the published average; without, its tensors stay."""
     import time
 
     def replica(rank: int):
         if rank == 2:
             time.sleep(1.5)  # straggler
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", min_replicas=2, round_timeout_s=0.5)
+        ar = ObjectStoreAllReduce(
+            store, 3, rank, run_id="t", min_replicas=2, round_timeout_s=0.5, catch_up=catch_up
+        )
         ts = make_tensors(rank)
         before = [t.clone() for t in ts]
         return ar.allreduce(ts), ts, before
@@ -160,8 +164,9 @@ def test_quorum_at_deadline_and_late_replica_excluded(store: RunStore) -> None:
         assert res.in_quorum and res.participants == [0, 1]
         assert all(torch.equal(a, b) for a, b in zip(ts, expect, strict=True))
     res, ts, before = out[2]
-    assert not res.in_quorum and res.participants == [0, 1]
-    assert all(torch.equal(a, b) for a, b in zip(ts, before, strict=True))
+    assert not res.in_quorum and res.participants == [0, 1] and res.caught_up is catch_up
+    want = expect if catch_up else before
+    assert all(torch.equal(a, b) for a, b in zip(ts, want, strict=True))
     quorum = json.loads(store.get("rounds/0/quorum.json"))
     assert quorum["reason"] == "deadline" and quorum["participants"] == [0, 1]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -79,6 +80,9 @@ def train_replica(
     min_replicas: int | None = None,
     round_timeout_s: float = 30,
     slow: dict | None = None,
+    rounds: int = ROUNDS,
+    checkpoint_every: int = 1,
+    catch_up: bool = True,
 ) -> tuple[torch.nn.Module, ObjectStoreManager, list[bool]]:
     model = init_model()
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
@@ -91,13 +95,15 @@ def train_replica(
         min_replicas=min_replicas,
         round_timeout_s=round_timeout_s,
         shard_grace_s=1.0,
+        catch_up=catch_up,
     )
-    mgr = ObjectStoreManager(ex, heal_timeout_s=20)
+    mgr = ObjectStoreManager(ex, heal_timeout_s=20, checkpoint_every=checkpoint_every)
+    mgr.final_round = rounds - 1
     mgr.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     commits = []
     with DiLoCo(mgr, [model], inner, outer, sync_every=H, use_bucketization=False) as d:
         step = 0
-        while step < ROUNDS * H:
+        while step < rounds * H:
             if slow and step in slow:
                 time.sleep(slow[step])
             x, y = batch(rank, step)
@@ -153,32 +159,103 @@ def test_fedavg_equivalence_at_outer_lr_1(store: RunStore) -> None:
             torch.testing.assert_close(v, theta[k], rtol=1e-5, atol=1e-6)
 
 
-def test_replica_outside_quorum_heals_and_rejoins(store: RunStore) -> None:
-    """Replica 2 is late for round 0: the others commit without it, it gets
-    should_commit() == False (no exception), heals from global/0, and ends identical."""
-    n = 3
-    out = run_threads(
-        n,
+def _late_for_round_0(
+    store: RunStore, sleep_s: float = 2.0, timeout_s: float = 0.6, **kw: Any
+) -> list:
+    """Three replicas; replica 2 sleeps through round 0's deadline, the others commit it."""
+    return run_threads(
+        3,
         lambda r: train_replica(
             store,
-            n,
+            3,
             r,
             outer_lr=0.7,
             momentum=0.9,
             nesterov=True,
             min_replicas=2,
-            round_timeout_s=0.6,
-            slow={H - 1: 2.0} if r == 2 else None,
+            round_timeout_s=timeout_s,
+            slow={H - 1: sleep_s} if r == 2 else None,
+            **kw,
         ),
     )
-    (m0, g0, c0), (m1, g1, c1), (m2, g2, c2) = out
+
+
+def _assert_identical(out: list) -> None:
+    s0 = out[0][0].state_dict()
+    for m, _, _ in out[1:]:
+        assert all(torch.equal(s0[k], v) for k, v in m.state_dict().items())
+
+
+def test_late_replica_takes_the_published_average(store: RunStore) -> None:
+    """Replica 2 is late for round 0 (it wakes at 3 s, the deadline is 2 s): the others
+    commit without it. Its base is theirs and they have not decided round 1 yet (they wait
+    for it until 4 s), so it takes round 0's published average as its own (P down, no
+    checkpoint load), commits the round too, is on time for round 1, and ends bit-identical."""
+    out = _late_for_round_0(store, sleep_s=3.0, timeout_s=2.0)
+    (_, g0, c0), (_, _, c1), (_, g2, c2) = out
+    assert c0 == [True] * ROUNDS and c1 == [True] * ROUNDS and c2 == [True] * ROUNDS
+    assert g2.rounds_caught_up == [0] and g2.rounds_missed == []
+    assert g2.last_healed_from is None and g2.ckpt_bytes_down == 0
+    assert 2 not in g0.exchange.history[0].participants
+    assert g2.current_step() == ROUNDS
+    _assert_identical(out)
+
+
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_replica_outside_quorum_heals_and_rejoins(store: RunStore, catch_up: bool) -> None:
+    """Replica 2 wakes when the others are rounds ahead (or it may not catch up): it gets
+    should_commit() == False (no exception), heals from global/<r>, and ends identical."""
+    out = _late_for_round_0(store, catch_up=catch_up)
+    (_, _, c0), (_, _, c1), (_, g2, c2) = out
     assert c0 == [True] * ROUNDS and c1 == [True] * ROUNDS
     assert c2[0] is False and g2.rounds_missed[0] == 0 and g2.last_healed_from is not None
     # it never lags: it healed into a round the others committed and ends on the last one
     assert g2.current_step() == ROUNDS
-    s0 = m0.state_dict()
-    for m in (m1, m2):
-        assert all(torch.equal(s0[k], v) for k, v in m.state_dict().items())
+    _assert_identical(out)
+
+
+def test_checkpoint_every_writes_periodic_and_final_globals(store: RunStore) -> None:
+    """checkpoint_every=2 over 5 rounds: global/1, global/3 and the last round's global/4 are
+    written (and nothing else); the weights are the same as with a checkpoint every round."""
+    out = run_threads(
+        2,
+        lambda r: train_replica(
+            store, 2, r, outer_lr=0.7, momentum=0.9, nesterov=True, rounds=5, checkpoint_every=2
+        ),
+    )
+    for _, mgr, commits in out:
+        mgr.drain()
+        assert commits == [True] * 5
+    assert sorted(store.list("global"), key=int) == ["1", "3", "4"]
+    ref_store = RunStore(f"memory://ckpt-ref/{time.time_ns()}")
+    ref = run_threads(
+        2,
+        lambda r: train_replica(
+            ref_store, 2, r, outer_lr=0.7, momentum=0.9, nesterov=True, rounds=5
+        ),
+    )
+    want = ref[0][0].state_dict()
+    assert sorted(ref_store.list("global"), key=int) == ["2", "3", "4"]  # GC keeps 3
+    for model, _, _ in out:
+        assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
+    assert out[0][1].ckpt_bytes_up < ref[0][1].ckpt_bytes_up
+
+
+def test_checkpoint_on_request_heals_a_replica(store: RunStore) -> None:
+    """checkpoint_every larger than the run: only the last round's global is due. Replica 2
+    wakes up after the others committed several rounds without it (no catch-up), asks for a
+    global state under heal/, the lowest participant writes the newest one it holds while
+    it waits in the next quorum, and replica 2 heals from it and ends identical."""
+    out = _late_for_round_0(store, catch_up=False, rounds=8, checkpoint_every=100)
+    (_, g0, c0), _, (_, g2, c2) = out
+    for _, mgr, _ in out:
+        mgr.drain()
+    assert c2[0] is False and g2.last_healed_from is not None and g2.ckpt_bytes_down > 0
+    # healed from a global written on request: not the last round's (that one is due anyway)
+    assert g2.last_healed_from < 7
+    assert store.list("heal") == []  # the request was served and removed
+    assert "7" in store.list("global") and len(store.list("global")) < 8
+    _assert_identical(out)
 
 
 def test_exchange_failure_gives_false_not_exception(store: RunStore) -> None:

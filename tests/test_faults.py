@@ -11,6 +11,7 @@ so a dead replica costs little wall time. Figures quoted in docs/faults.md are p
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -231,18 +232,22 @@ def test_fault_columns_in_tables() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sleep_s", "keep_rounds"),
-    [(1.0, 3), (3.0, 2)],
-    ids=["behind-by-a-round", "behind-past-garbage-collection"],
+    ("sleep_s", "keep_rounds", "checkpoint_every"),
+    [(1.0, 3, 1), (3.0, 2, 1), (3.0, 2, 100)],
+    ids=["behind-by-a-round", "behind-past-garbage-collection", "past-gc-no-periodic-globals"],
 )
 def test_straggler_does_not_stall_the_others_and_rejoins(
-    tmp_path: Path, sleep_s: float, keep_rounds: int
+    tmp_path: Path, sleep_s: float, keep_rounds: int, checkpoint_every: int
 ) -> None:
     """Rank 2 is made slow in round 2 (3 inner steps x ``sleep_s``, deadline 2 s): the others
-    close rounds at the deadline without it; it heals from the newest global state and takes
-    part in the later rounds again, ending with the same weights. In the second case it lags
-    so far that its round's folder was garbage-collected: it must still catch up, never
-    decide a quorum of its own for a round the others committed long ago."""
+    close rounds at the deadline without it. About a second late, it takes round 2's
+    published average (or, if the others decided round 3 already, heals from the newest
+    global state) and takes part in the later rounds again, ending with the same weights.
+    In the other cases it lags so far that its round's folder was garbage-collected: it must
+    still catch up, never decide a quorum of its own for a round the others committed long
+    ago - also when global states are written only at the end and on request
+    (``checkpoint_every`` 100): a later round in the store tells it that it is behind, and it
+    asks for a global state under heal/."""
     n, h, rounds, deadline = 3, 4, 8, 2.0
     slow = {"rank": 2, "from_step": 2 * h + 1, "to_step": 3 * h, "sleep_s": sleep_s}
     summary = launch_lm(
@@ -255,15 +260,25 @@ def test_straggler_does_not_stall_the_others_and_rejoins(
         env={"CRF_TEST_SLOW": json.dumps(slow)},
         shim=True,
         keep_rounds=keep_rounds,
+        checkpoint_every=checkpoint_every,
     )
     run = tmp_path / "runs" / "straggler"
     print("\n" + describe(summary))
     assert summary["status"] == "ok" and summary["restarts"] == 0
     assert summary["weights_identical"] is True
     straggler = summary["replicas"][2]
-    assert 2 in straggler["rounds_missed"]
+    result = json.loads((run / "results" / "2.json").read_text())
     healed = [m for m in metrics(run, 2).values() if m.get("healed_from") is not None]
-    assert healed, metrics(run, 2)
+    if result["syncs_caught_up"]:  # late by a round: took its average, no checkpoint load
+        assert sleep_s == 1.0 and result["syncs_caught_up"] == [2], result
+        assert straggler["rounds_missed"] == [] and not healed
+    else:
+        assert 2 in straggler["rounds_missed"]
+        assert healed, metrics(run, 2)
+    if checkpoint_every > 1:  # globals: on request and the last round's, not every round
+        globals_ = sorted(int(n) for n in os.listdir(run / "global"))
+        assert rounds - 1 in globals_ and len(globals_) < rounds, globals_
+        assert not (run / "heal").exists() or not os.listdir(run / "heal")
     # it never committed a round alone (that would fork the weights until it healed)
     for r, m in metrics(run, 2).items():
         assert not m["committed"] or len(m["participants"]) > 1, (r, m)

@@ -75,6 +75,7 @@ RUN_DEFINING = (
     "fragment_sync_delay",
     "wire_dtype",
     "error_feedback",
+    "checkpoint_every",
     "replicas",
     "job",
     "sync_every",
@@ -209,6 +210,15 @@ def launch(
         bool,
         typer.Option(help="With a lossy wire format, resend what quantization dropped."),
     ] = False,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            help="Write the global checkpoint (weights + outer momentum, ~3x the model) every "
+            "this many rounds, at the last round and when a replica needs one to heal; a "
+            "whole-run resume restarts from the newest.",
+            min=1,
+        ),
+    ] = 1,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="Job option KEY=VALUE (repeatable).", metavar="KEY=VALUE"),
@@ -300,6 +310,7 @@ def launch(
             fragments=fragments,
             fragment_sync_delay=fragment_sync_delay,
             error_feedback=error_feedback,
+            checkpoint_every=checkpoint_every,
             max_restarts=max_restarts,
             max_run_restarts=max_run_restarts,
             backend_options=backend_options,

@@ -655,6 +655,16 @@ def _start_launch(plan: Plan, started: float) -> int:
             store.put(dst, data)
             if src != "result.json":
                 store.delete(src)
+    # no replica of the run is alive (checked before): exchange rounds after the newest
+    # global state belong to the stopped launch, and the replicas will run them again from
+    # that state; so would heal requests. Left in place, a resumed round could read its old
+    # quorum and averages (with checkpoint_every > 1 there are up to that many such rounds).
+    top = plan.resume.from_round
+    with contextlib.suppress(Exception):
+        for name in store.list("rounds"):
+            if name.isdigit() and (top is None or int(name) > top):
+                store.delete(f"rounds/{name}")
+        store.delete("heal")
     return k
 
 

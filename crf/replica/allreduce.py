@@ -38,6 +38,7 @@ from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
     RunStore,
+    StoreError,
     decode_tensor,
     wait_until,
 )
@@ -134,6 +135,10 @@ class AllReduceResult:
     #: set when this replica's weights are based on an older global round than the others':
     #: the newest base among the arrivals, which this replica must heal to
     stale_behind: int | None = None
+    #: left out of the quorum (late) but with the participants' base: this replica took the
+    #: round's published average instead of its own pseudo-gradient, so its outer step gives
+    #: the same weights as everyone's without loading a global checkpoint
+    caught_up: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -192,6 +197,8 @@ class ObjectStoreAllReduce:
         max_poll_s: float | None = None,
         max_transfers: int = 8,
         drop_contributions: bool | None = None,
+        catch_up: bool = True,
+        checkpoint_every: int = 1,
     ) -> None:
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
@@ -204,6 +211,7 @@ class ObjectStoreAllReduce:
         if num_shards is not None:
             _check_int("num_shards", num_shards, 1)
         _check_int("keep_rounds", keep_rounds, 1)
+        _check_int("checkpoint_every", checkpoint_every, 1)
         if wire_dtype not in wirefmt.WIRE_FORMATS:
             raise ValueError(
                 f"wire_dtype must be one of {wirefmt.WIRE_FORMATS}, got {wire_dtype!r}"
@@ -237,6 +245,15 @@ class ObjectStoreAllReduce:
         self.drop_contributions = (
             self.store.scheme == "file" if drop_contributions is None else drop_contributions
         )
+        #: a late replica with the participants' base takes the published average (P down)
+        #: rather than healing from a global checkpoint (about 3 P)
+        self.catch_up = catch_up
+        #: global/<r> is written every this many rounds (and on demand): with more than one,
+        #: a replica cannot rely on global/ to tell it is behind, so it looks at rounds/ too
+        self.checkpoint_every = checkpoint_every
+        #: called every second or so while this replica waits for the others to arrive (the
+        #: manager serves pending heal requests from it)
+        self.on_wait: Callable[[], None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
@@ -395,6 +412,8 @@ class ObjectStoreAllReduce:
         res.participants = participants
         if self.rank not in participants:
             res.in_quorum = False
+            if participants and self.catch_up:
+                res.caught_up = self._catch_up(res, r, bounds, lhash, tensors, exact)
             res.seconds = time.monotonic() - t0
             self.history.append(res)
             return res
@@ -475,6 +494,66 @@ class ObjectStoreAllReduce:
         return res
 
     # ------------------------------------------------------------------ result
+    def _catch_up(
+        self,
+        res: AllReduceResult,
+        r: int,
+        bounds: list[tuple[int, int]],
+        lhash: str,
+        tensors: list[torch.Tensor],
+        exact: bool,
+    ) -> bool:
+        """Left out of round r's quorum but not stale (same base as the participants): wait
+        for the round's reduced shards and put the average in the tensors. The caller's
+        outer step then produces exactly the participants' weights and momentum, so the
+        replica rejoins without a global checkpoint. False if the round fails or its
+        average does not appear in time (the caller heals from global/ then), and if the
+        others already decided a later round: this replica would be late for that one too,
+        so it jumps to the newest global state instead of catching up round by round."""
+        if self._later_decided_round(r) is not None:
+            return False
+        self._phase("catching up")
+        base = f"rounds/{r}"
+        got: dict[int, torch.Tensor] = {}
+        pending = list(range(len(bounds)))
+        deadline = time.monotonic() + self.round_timeout_s + 2 * self.shard_grace_s
+        delay = 0.005
+        try:
+            while pending:
+                self._raise_if_failed(r)
+                fetches = [
+                    (s, self._pool().submit(self._get_if_there, res, f"{base}/reduced/{s}"))
+                    for s in pending
+                ]
+                progressed = False
+                for s, f in fetches:
+                    data = f.result()
+                    if data is None:
+                        continue
+                    a, b = bounds[s]
+                    got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
+                    pending.remove(s)
+                    progressed = True
+                if not pending:
+                    break
+                if time.monotonic() >= deadline:
+                    log.warning("round %d: its average did not appear; healing instead", r)
+                    return False
+                if progressed:
+                    delay = 0.005
+                else:
+                    time.sleep(delay)
+                    delay = min(delay * 1.6, self.max_poll_s)
+        except (AllReduceError, StoreError, CorruptObjectError) as e:
+            log.warning("round %d: cannot take its average (%s); healing instead", r, e)
+            return False
+        if not exact and all(t.is_contiguous() for t in tensors):
+            self._decode_in_place(got, bounds, tensors)
+        else:
+            self._copy_in_place(got, bounds, tensors)
+        log.info("round %d: late for the quorum; took the published average", r)
+        return True
+
     def _decode_in_place(
         self,
         got: dict[int, torch.Tensor],
@@ -572,6 +651,7 @@ class ObjectStoreAllReduce:
         deadline = time.monotonic() + self.round_timeout_s
         decided: dict[str, Any] | None = None
         checked: list[bool] = []  # whether global/ was looked at yet (once, then at deciding)
+        next_hook = [time.monotonic() + 1.0]
 
         def _try() -> bool:
             nonlocal decided
@@ -580,6 +660,9 @@ class ObjectStoreAllReduce:
                 return True
             except ObjectNotFound:
                 pass
+            if self.on_wait is not None and time.monotonic() >= next_hook[0]:
+                next_hook[0] = time.monotonic() + 1.0
+                self.on_wait()
             arrived = self._arrived(r)
             eligible, stale = self._eligible(arrived)
             if self.rank in stale:
@@ -595,6 +678,12 @@ class ObjectStoreAllReduce:
                     # replica lags the others by more than keep_rounds (a straggler). A quorum
                     # decided now would fork the weights; catch up instead.
                     raise _Stale(newest)
+                if self.checkpoint_every > 1:
+                    # global/ is written only every few rounds: a later decided round shows
+                    # just as well that this replica lags the others
+                    later = self._later_decided_round(r)
+                    if later is not None:
+                        raise _Stale(later)
             if deciding:
                 body = {
                     "round": r,
@@ -634,6 +723,17 @@ class ObjectStoreAllReduce:
                 f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
             )
         return sorted(int(p) for p in decided["participants"])
+
+    def _later_decided_round(self, r: int) -> int | None:
+        """If a round after r has a quorum (the others moved past r), the round before it:
+        the global round this replica must at least heal to. None otherwise."""
+        later = sorted((int(n) for n in self.store.list("rounds") if n.isdigit()), reverse=True)
+        for k in later:
+            if k <= r:
+                break
+            if self.store.exists(f"rounds/{k}/quorum.json"):
+                return k - 1
+        return None
 
     def _newest_global(self) -> int | None:
         rounds = [int(n) for n in self.store.list("global") if n.isdigit()]

@@ -199,7 +199,13 @@ class ReplicaContext:
             wire_dtype=spec.wire_dtype,
             error_feedback=spec.error_feedback,
         )
-        manager = ObjectStoreManager(exchange, on_phase=self._set_phase, async_checkpoints=True)
+        manager = ObjectStoreManager(
+            exchange,
+            on_phase=self._set_phase,
+            async_checkpoints=True,
+            checkpoint_every=spec.checkpoint_every,
+        )
+        manager.final_round = spec.exchange_rounds - 1
         fragments = split_model(model, spec.fragments)
         self.fragments = fragments
         if len(fragments) == 1:
@@ -322,6 +328,9 @@ class ReplicaContext:
         written in the background (``ObjectStoreManager.persist``)."""
         if not self.spec.save_inner_state or self._inner is None:
             return
+        k = self.spec.checkpoint_every
+        if k > 1 and (r + 1) % k != 0 and r < self.spec.exchange_rounds - 1:
+            return  # saved with the periodic global states only (a resume starts from one)
         buf = io.BytesIO()
         if self.spec.fragments > 1 and self.model is not None:
             local = {n: p.detach() for n, p in self.model.named_parameters()}
@@ -337,7 +346,7 @@ class ReplicaContext:
             self.store.put(f"replicas/{self.rank}/inner/{r}.pt", encode_blob(payload, meta))
             for name in self.store.list(f"replicas/{self.rank}/inner"):
                 stem = name.removesuffix(".pt")
-                if stem.isdigit() and int(stem) <= r - self.spec.keep_rounds:
+                if stem.isdigit() and int(stem) <= r - self.spec.keep_rounds * k:
                     self.store.delete(f"replicas/{self.rank}/inner/{name}")
 
         if self.manager is not None:
@@ -528,6 +537,8 @@ class ReplicaContext:
             "fragment_sync_delay": self.spec.fragment_sync_delay,
             "syncs_committed": m.rounds_committed if m else 0,
             "syncs_missed": list(m.rounds_missed) if m else [],
+            # late for the quorum, took the published average (no checkpoint load)
+            "syncs_caught_up": list(m.rounds_caught_up) if m else [],
             "final_loss": self._round_losses.get(last_round)
             if last_round is not None
             else self.last_loss,

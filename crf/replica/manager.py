@@ -86,7 +86,12 @@ class ObjectStoreManager:
         on_phase: Callable[[str], None] | None = None,
         background: bool = True,
         async_checkpoints: bool = False,
+        checkpoint_every: int = 1,
     ) -> None:
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+            raise TypeError(f"checkpoint_every must be an int, got {checkpoint_every!r}")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.exchange = exchange
         self.store = exchange.store
         self.rank = exchange.rank
@@ -116,6 +121,16 @@ class ObjectStoreManager:
         self.ckpt_bytes_down = 0
         self.rejected: list[str] = []
         self._pending_global: int | None = None
+        #: global/<r> is written every this many rounds, at ``final_round`` and on request
+        self.checkpoint_every = checkpoint_every
+        self.final_round: int | None = None
+        # the newest global state not written (checkpoint_every > 1): served on request
+        self._cached: tuple[int, bytes] | None = None
+        self._cache_lock = threading.Lock()
+        self.rounds_caught_up: list[int] = []  # left out, took the published average
+        exchange.checkpoint_every = checkpoint_every
+        if checkpoint_every > 1:
+            exchange.on_wait = self._serve_heal_requests
         # background exchange (one at a time: DiLoCo waits for a sync before the next starts)
         self.background = background
         self._sizes: list[int] | None = None  # tensors per fragment (set_fragment_sizes)
@@ -217,7 +232,7 @@ class ObjectStoreManager:
             self._step = r + 1
             self.base_round = r
             parts = self.last_result.participants if self.last_result else [self.rank]
-            if self.exchange.world_size > 1 and self.rank == min(parts):
+            if self.exchange.world_size > 1 and parts and self.rank == min(parts):
                 self._pending_global = r  # written after the outer step (after_outer_step)
             return True
         self.rounds_missed.append(r)
@@ -301,8 +316,10 @@ class ObjectStoreManager:
                 raise err
             assert res is not None
             self.last_result = res
-            self._commit = res.in_quorum
-            if not res.in_quorum:
+            self._commit = res.in_quorum or res.caught_up
+            if res.caught_up:
+                self.rounds_caught_up.append(self._step)
+            elif not res.in_quorum:
                 self.last_error = f"not in the quorum of round {self._step}: {res.participants}"
             self._account(res)
         except LayoutMismatchError as e:
@@ -388,27 +405,90 @@ class ObjectStoreManager:
                 load(state[key])
 
     def after_outer_step(self) -> None:
-        """Write ``global/<r>`` if this replica is the round's lowest participant; GC. The
-        state is serialized now; the upload runs in the background with async_checkpoints."""
+        """The round's lowest participant writes ``global/<r>`` when one is due (every
+        ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to heal)
+        and collects garbage. The state is serialized now (the weights change with the next
+        inner step); the upload runs in the background with async_checkpoints. A state not
+        written is kept in memory so a heal request can still be served from it."""
         r, self._pending_global = self._pending_global, None
         if r is None:
             return
         with self.blocking():
+            due = self.global_due(r)
             buf = io.BytesIO()
             torch.save({"round": r, "state": self.state_dict()}, buf)
             payload = buf.getvalue()
-            self.persist(lambda: self._write_global(r, payload))
+            with self._cache_lock:
+                self._cached = None if due else (r, payload)
+            if due:
+                self.persist(lambda: self._write_global(r, payload))
+            else:
+                self.persist(lambda: self._collect_garbage(r))
+
+    def global_due(self, r: int) -> bool:
+        """Whether round r's global state is written (by its lowest participant)."""
+        k = self.checkpoint_every
+        if k == 1 or (r + 1) % k == 0:
+            return True
+        if self.final_round is not None and r >= self.final_round:
+            return True
+        return bool(self._heal_requests())
+
+    def _heal_requests(self) -> dict[str, int]:
+        """Pending requests: ``heal/<rank>.json`` -> the global round that replica needs."""
+        out = {}
+        for name in self.store.list("heal"):
+            try:
+                out[name] = int(self.store.get_json(f"heal/{name}")["target"])
+            except (ObjectNotFound, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _serve_heal_requests(self) -> None:
+        """Called while the exchange waits for late replicas: if one asked for a global state
+        and this replica holds the newest one unwritten, write it now (the asker is not in
+        this round: without it, the round would wait for it until the deadline)."""
+        with self._cache_lock:
+            cached = self._cached
+            if cached is None:
+                return
+            try:
+                wanted = self._heal_requests()
+            except (StoreError, OSError) as e:
+                log.debug("could not list heal requests: %s", e)
+                return
+            if not any(t <= cached[0] for t in wanted.values()):
+                return
+            self._cached = None
+        try:
+            self._write_global(*cached)
+            log.info("wrote global/%d for a replica that is healing", cached[0])
+        except (StoreError, OSError) as e:
+            log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
 
     def _write_global(self, r: int, payload: bytes) -> None:
         blob = encode_blob(payload, {"round": r, "run_id": self.exchange.run_id})
         self.store.put(GLOBAL_STATE.format(r=r), blob)
         self.ckpt_bytes_up += len(blob)
+        if self.checkpoint_every > 1:
+            for name, target in self._heal_requests().items():
+                if target <= r:  # served: the asker loads global/<r> or newer
+                    with contextlib.suppress(ObjectNotFound):
+                        self.store.delete(f"heal/{name}")
+        self._collect_garbage(r)
+
+    def _collect_garbage(self, r: int) -> None:
         self.exchange.collect_garbage(r)
         self._gc_globals(r)
 
     def _gc_globals(self, r: int) -> None:
-        for name in self.store.list("global"):
-            if name.isdigit() and int(name) <= r - self.exchange.keep_rounds:
+        """Keep the globals of the last ``keep_rounds`` checkpoint periods (a corrupt newest
+        one falls back to an older one on resume)."""
+        horizon = r - self.exchange.keep_rounds * self.checkpoint_every
+        names = [n for n in self.store.list("global") if n.isdigit()]
+        newest = max((int(n) for n in names), default=None)
+        for name in names:
+            if int(name) <= horizon and int(name) != newest:
                 self.store.delete(f"global/{name}")
 
     def latest_global(self) -> int | None:
@@ -458,6 +538,20 @@ class ObjectStoreManager:
             return False
         if target <= self.base_round:
             return False
+        asked = self.checkpoint_every > 1 and newest() < target
+        if asked:  # global/ is written only every few rounds: ask for one
+            body = {"rank": self.rank, "target": target, "round": r, "at": time.time()}
+            self.store.put_json(f"heal/{self.rank}.json", body)
+        try:
+            return self._heal_from_global(r, target, failed, newest)
+        finally:
+            if asked:
+                with contextlib.suppress(StoreError, OSError):
+                    self.store.delete(f"heal/{self.rank}.json")
+
+    def _heal_from_global(
+        self, r: int, target: int, failed: Callable[[], bool], newest: Callable[[], int]
+    ) -> bool:
         ok = wait_until(
             lambda: newest() >= target or (target == r and failed()),
             self.heal_timeout_s,
