@@ -127,8 +127,8 @@ class RunSpec:
             isinstance(self.checkpoint_every, int)
             and not isinstance(self.checkpoint_every, bool)
             and self.checkpoint_every >= 1,
-            f"checkpoint_every must be an integer >= 1 (got {self.checkpoint_every!r}): "
-            "global checkpoints are written every that many rounds",
+            f"--checkpoint-every must be an integer >= 1 (got {self.checkpoint_every!r}): "
+            "global states are written every that many rounds",
         )
         need(
             self.wire_dtype in WIRE_DTYPES,

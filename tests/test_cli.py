@@ -135,6 +135,7 @@ def test_version() -> None:
         (["-n", "-3"], "--replicas must be an integer >= 1"),
         (["--sync-every", "0"], "--sync-every must be an integer >= 1"),
         (["-r", "0"], "--rounds must be an integer >= 1"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be an integer >= 1"),
         (["-n", "2", "--min-replicas", "3"], "--min-replicas must be between 1 and"),
         (["--outer-momentum", "1.5"], "--outer-momentum must be in [0, 1)"),
         (["--round-timeout", "0"], "--round-timeout must be > 0"),

@@ -69,12 +69,18 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_kill_everything_mid_run_then_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("checkpoint_every", "killed_round"), [(1, 3), (3, 4)], ids=["every-round", "every-3rd"]
+)
+def test_kill_everything_mid_run_then_resume(
+    tmp_path: Path, checkpoint_every: int, killed_round: int
+) -> None:
     """The driver is SIGKILLed after round 0 (its replicas go on without it), then every
-    replica is SIGKILLed in round 3's inner steps (CRF_FAULT). ``--resume`` continues from
-    global/2 and ends bit-identical to the same run left alone."""
+    replica is SIGKILLed in round ``killed_round``'s inner steps (CRF_FAULT). ``--resume``
+    continues from global/2 and ends bit-identical to the same run left alone. With
+    ``--checkpoint-every 3`` global/2 is the newest (round 3 was committed but not saved):
+    the resumed replicas train round 3 again, from the saved state."""
     base = tmp_path / "bucket"
-    killed_round = 3
     faults = ";".join(f"rank={k},point=inner_step,step={killed_round * H + 2}" for k in range(N))
     out = {name: open(tmp_path / f"{name}.log", "w") for name in ("ref", "victim")}  # noqa: SIM115
     launch = ["launch", "--store", str(base), "--no-progress", *COMMON]
@@ -82,7 +88,7 @@ def test_kill_everything_mid_run_then_resume(tmp_path: Path) -> None:
         crf_cmd(*launch, "--run-id", "ref"), env=_env(), stdout=out["ref"], stderr=subprocess.STDOUT
     )
     victim = subprocess.Popen(
-        crf_cmd(*launch, "--run-id", "victim"),
+        crf_cmd(*launch, "--run-id", "victim", "--checkpoint-every", str(checkpoint_every)),
         env={**_env(), "CRF_FAULT": faults},
         stdout=out["victim"],
         stderr=subprocess.STDOUT,
@@ -90,7 +96,11 @@ def test_kill_everything_mid_run_then_resume(tmp_path: Path) -> None:
     )
     run = base / "victim"
     try:
-        _wait(lambda: (run / "global" / "0").exists() or victim.poll() is not None, 180, "round 0")
+        _wait(
+            lambda: (run / "metrics/0/0.json").exists() or victim.poll() is not None,
+            180,
+            "round 0",
+        )
         assert victim.poll() is None, (tmp_path / "victim.log").read_text()
         os.killpg(victim.pid, signal.SIGKILL)  # the driver goes first: the replicas go on
         victim.wait(10)
@@ -116,7 +126,7 @@ def test_kill_everything_mid_run_then_resume(tmp_path: Path) -> None:
     inner = [
         decode_blob(store.get(f"replicas/{k}/inner/{latest}.pt"))[1]["round"] for k in range(N)
     ]
-    assert latest == killed_round - 1 and inner == [latest] * N, (latest, inner)
+    assert latest == 2 and inner == [latest] * N, (latest, inner)
     spec_before = (run / "run.json").read_bytes()
     done_before = {
         p: p.stat().st_mtime_ns
@@ -150,6 +160,8 @@ def test_kill_everything_mid_run_then_resume(tmp_path: Path) -> None:
         logged = sorted(int(p.stem) for p in (run / "metrics" / str(row["rank"])).glob("*.json"))
         assert logged == list(range(ROUNDS)), logged
     assert {p: p.stat().st_mtime_ns for p in done_before} == done_before  # none redone
+    if checkpoint_every > 1:  # periodic globals plus the last round's
+        assert sorted(int(n) for n in store.list("global")) == [2, 5, 7]
     # the same bits as the run nobody killed: the resumed replicas retrained nothing and
     # skipped nothing (weights, outer momentum, inner optimizer and data position restored)
     assert result["weights_identical"] is True

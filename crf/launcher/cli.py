@@ -215,8 +215,7 @@ def launch(
         typer.Option(
             help="Write the global checkpoint (weights + outer momentum, ~3x the model) every "
             "this many rounds, at the last round and when a replica needs one to heal; a "
-            "whole-run resume restarts from the newest.",
-            min=1,
+            "whole-run resume restarts from the newest."
         ),
     ] = 1,
     set_: Annotated[
@@ -390,7 +389,15 @@ def _print_plan(plan: Any) -> None:
         ("command", " ".join(bp.command) if len(" ".join(bp.command)) < 200 else bp.command[0]),
         ("store", bp.store),
         ("job", f"{spec.job} {spec.job_config or ''}".strip()),
-        ("schedule", f"{spec.rounds} round(s) x {spec.sync_every} inner steps"),
+        (
+            "schedule",
+            f"{spec.rounds} round(s) x {spec.sync_every} inner steps"
+            + (
+                f", global state every {spec.checkpoint_every} exchange rounds"
+                if spec.checkpoint_every > 1
+                else ""
+            ),
+        ),
         ("timeout", "-" if bp.timeout_s is None else f"{bp.timeout_s:.0f} s"),
         ("secrets", ", ".join(bp.secrets) or "-"),
         ("cost", price),
