@@ -79,6 +79,9 @@ class Setting:
     outer_lr: float = OUTER_LR
     outer_momentum: float = OUTER_MOMENTUM
     lm: dict[str, Any] = field(default_factory=dict)  # lm job options (crf.replica.jobs.lm)
+    #: DiLoCo runs write their global state every this many rounds; 0: only at the last
+    #: round (what a DDP run saves too: the trained model), plus any a healing replica asks for
+    checkpoint_every: int = 0
 
     def check(self) -> Setting:
         for h in self.syncs:
@@ -301,6 +304,7 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
         outer_lr=setting.outer_lr,
         outer_momentum=setting.outer_momentum,
         wire_dtype=wire,
+        checkpoint_every=setting.checkpoint_every or setting.steps // sync_every,
     )
     wall = time.monotonic() - t0
     if summary["status"] != "ok" or not summary["weights_identical"]:
@@ -317,6 +321,8 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
     worst = max(range(len(rows)), key=lambda i: per[i])
     run_store = RunStore(summary["run_uri"])
     results = [run_store.get_json(f"results/{r}.json") for r in range(len(rows))]
+    ckpt = [(x.get("ckpt_bytes_up") or 0) + (x.get("ckpt_bytes_down") or 0) for x in results]
+    with_ckpt = max(p + c for p, c in zip(per, ckpt, strict=True))
     return Row(
         method=f"DiLoCo H={sync_every} {wire}{label}",
         kind="diloco",
@@ -336,6 +342,9 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
             "bytes_per_replica": per,
             "compression": rows[0]["compression"],
             "ckpt_bytes_up_rank0": results[0].get("ckpt_bytes_up"),
+            "ckpt_bytes_per_replica": ckpt,
+            "bytes_with_ckpt": with_ckpt,
+            "checkpoint_every": setting.checkpoint_every or setting.steps // sync_every,
             "sync_s_max": max(r["sync_s"] or 0 for r in rows),
             "params": jm["params"],
             "outer_lr": setting.outer_lr,
@@ -397,6 +406,8 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
         ratio = "-" if r.bytes_total == 0 else f"{ddp.bytes_total / r.bytes_total:.1f}x"
         if r.kind == "ddp":
             ratio = "1.0x"
+        with_ckpt = r.extra.get("bytes_with_ckpt")
+        ckpt_ratio = f"{ddp.bytes_total / with_ckpt:.1f}x" if with_ckpt else "-"
         out.append(
             [
                 r.method,
@@ -404,13 +415,22 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
                 f"{pct:+.2f}%",
                 fmt_bytes(r.bytes_total) if r.bytes_total else "0",
                 ratio,
+                ckpt_ratio,
                 f"{r.wall_s:.0f} s",
             ]
         )
     return out
 
 
-HEADERS = ["method", "eval loss (init -> final)", "vs DDP", "bytes / replica", "DDP / this", "wall"]
+HEADERS = [
+    "method",
+    "eval loss (init -> final)",
+    "vs DDP",
+    "bytes / replica",
+    "DDP / this",
+    "DDP / this, with checkpoints",
+    "wall",
+]
 
 
 def notes(rows: list[Row]) -> list[str]:
@@ -428,7 +448,13 @@ def notes(rows: list[Row]) -> list[str]:
     ]
     ckpt = [r.extra.get("ckpt_bytes_up_rank0") for r in rows if r.kind == "diloco"]
     if any(ckpt):
-        out[-1] += f" (that checkpoint: {fmt_bytes(max(c or 0 for c in ckpt))} for rank 0.)"
+        every = {r.extra.get("checkpoint_every") for r in rows if r.kind == "diloco"}
+        out[-1] += (
+            f" 'with checkpoints' adds the global states a replica wrote or read (rank 0 "
+            f"wrote at most {fmt_bytes(max(c or 0 for c in ckpt))}; checkpoint_every "
+            f"{', '.join(str(e) for e in sorted(every))}: only the last round's, which DDP "
+            "would save too, and none is counted for DDP)."
+        )
     return out
 
 
@@ -501,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
         "run defaults in the full setting, none with --quick; 'none' to skip)",
     )
     p.add_argument("--set", action="append", default=[], help="lm job option key=value")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="DiLoCo global state every K rounds (default 0: only the last round's)",
+    )
     p.add_argument("--store", default=None, help="store folder for DiLoCo runs (default: tmp)")
     p.add_argument("--out", default=None, help="write a markdown table here (+ .json beside it)")
     p.add_argument("--skip", default="", help="methods to skip: single,diloco")
@@ -522,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         outer_lr=a.outer_lr,
         outer_momentum=a.outer_momentum,
         lm=lm,
+        checkpoint_every=a.checkpoint_every,
     ).check()
     skip = set(a.skip.split(","))
     ref_text = a.reference_outer or ("none" if a.quick else "")

@@ -234,6 +234,9 @@ class ObjectStoreManager:
             parts = self.last_result.participants if self.last_result else [self.rank]
             if self.exchange.world_size > 1 and parts and self.rank == min(parts):
                 self._pending_global = r  # written after the outer step (after_outer_step)
+            else:
+                with self._cache_lock:  # another replica holds the newest state now
+                    self._cached = None
             return True
         self.rounds_missed.append(r)
         self._phase("healing")
