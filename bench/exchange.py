@@ -18,6 +18,7 @@ of P. Usage::
     python bench/exchange.py --full                # N in {2,4,8}, P in {16,64,256} MB
     python bench/exchange.py --stores file,s3      # s3 through a local moto server
     python bench/exchange.py --wire int8           # crf with a compressed wire format
+    python bench/exchange.py --full --repeat 3     # each cell 3 times, interleaved: medians
 """
 
 from __future__ import annotations
@@ -200,7 +201,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--wire", default="float32", help="crf wire format")
     ap.add_argument("--kinds", default="crf,floor,naive,gloo")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every kind this many times, interleaved (crf, floor, naive, gloo, crf, "
+        "...); seconds are the median over repeats and each ratio the median of the repeats' "
+        "ratios, so a slow spell of the machine hits every kind alike",
+    )
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     ns = [int(x) for x in (args.replicas or ("2,4,8" if args.full else "2,4")).split(",")]
     mbs = [int(x) for x in (args.mb or ("16,64,256" if args.full else "16,64")).split(",")]
     kinds = args.kinds.split(",")
@@ -228,21 +239,34 @@ def main() -> None:
     for store_kind in args.stores.split(","):
         for n in ns:
             for mb in mbs:
-                res: dict[str, dict[str, float]] = {}
-                for kind in kinds:
-                    if store_kind == "s3":
-                        uri, server = _s3_uri()
-                        servers.append(server)
-                    else:
-                        uri = f"file://{tempfile.mkdtemp(prefix='crf-bench-')}"
-                    console.log(f"{store_kind} N={n} P={mb}MB {kind}")
-                    res[kind] = measure(
-                        kind, uri, n, mb, args.rounds, args.wire if kind == "crf" else "float32"
-                    )
+                runs: list[dict[str, dict[str, float]]] = []
+                for i in range(args.repeat):
+                    runs.append({})
+                    for kind in kinds:
+                        if store_kind == "s3":
+                            uri, server = _s3_uri()
+                            servers.append(server)
+                        else:
+                            uri = f"file://{tempfile.mkdtemp(prefix='crf-bench-')}"
+                        rep = f" (repeat {i + 1}/{args.repeat})" if args.repeat > 1 else ""
+                        console.log(f"{store_kind} N={n} P={mb}MB {kind}{rep}")
+                        runs[-1][kind] = measure(
+                            kind, uri, n, mb, args.rounds, args.wire if kind == "crf" else "float32"
+                        )
+                res = {
+                    kind: {
+                        k: statistics.median(run[kind][k] for run in runs) for k in runs[0][kind]
+                    }
+                    for kind in kinds
+                }
                 for kind, m in res.items():
 
-                    def ratio(base: str, m: dict[str, float] = m, res: dict = res) -> str:
-                        return f"{m['s'] / res[base]['s']:.2f}x" if base in res else "-"
+                    def ratio(base: str, kind: str = kind, runs: list = runs) -> str:
+                        if base not in runs[0]:
+                            return "-"
+                        return (
+                            f"{statistics.median(r[kind]['s'] / r[base]['s'] for r in runs):.2f}x"
+                        )
 
                     table.add_row(
                         store_kind,
