@@ -202,6 +202,7 @@ def test_fault_columns_in_tables() -> None:
         "restarts": 1,
         "objects_rejected": 2,
         "resumed_from": 0,
+        "syncs_caught_up": [2],
         "attempts": [{"attempt": 0, "message": "killed by SIGKILL", "round": 1, "phase": "x"}],
     }
     summary = {
@@ -220,6 +221,7 @@ def test_fault_columns_in_tables() -> None:
     assert "replica 0 restarted 1 time(s): attempt 0 killed by SIGKILL in round 1" in text
     assert "2 object(s) rejected (never averaged): rounds/1/contrib/1/0" in text
     assert "1 restart(s)" in text
+    assert "replica 0 was late for exchange round(s) 2 and took the published average" in text
     view = ReplicaView(0, ReplicaStatus(ReplicaState.RUNNING), None)
     for restarts, shown in ((0, False), (2, True)):
         view.restarts = restarts

@@ -33,6 +33,7 @@ from crf.launcher.progress import fmt_loss
 RESULT_FIELDS = (
     "rounds_committed",
     "rounds_missed",
+    "syncs_caught_up",
     "final_loss",
     "weights_sha256",
     "bytes_up",
@@ -393,6 +394,14 @@ def render_summary(
                 f"[yellow]replica {row['rank']}[/] restarted {len(attempts)} time(s): "
                 + escape("; ".join(_attempt_text(a) for a in attempts)),
                 soft_wrap=True,
+                highlight=False,
+            )
+        late = row.get("syncs_caught_up")
+        if isinstance(late, list) and late:
+            console.print(
+                f"replica {row['rank']} was late for exchange round(s) "
+                f"{', '.join(map(str, late))} and took the published average (no checkpoint "
+                "load)",
                 highlight=False,
             )
         if isinstance(row.get("rounds_missed"), list) and row["rounds_missed"] and attempts:

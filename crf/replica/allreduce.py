@@ -177,6 +177,9 @@ class ObjectStoreAllReduce:
 
     ``store`` is a :class:`~crf.store.RunStore` or a URI of the run folder. Rounds are numbered
     by the caller (``round=``) or count up from 0. ``world_size == 1`` never touches the store.
+    A replica that arrives after its round's quorum closed, with the same ``base_round`` as
+    the participants, gets the round's average anyway (``catch_up``, on by default; the result
+    says ``caught_up``) while the others have not moved on to a later round.
     """
 
     def __init__(

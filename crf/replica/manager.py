@@ -435,7 +435,11 @@ class ObjectStoreManager:
             return True
         if self.final_round is not None and r >= self.final_round:
             return True
-        return bool(self._heal_requests())
+        try:
+            return bool(self._heal_requests())
+        except (StoreError, OSError) as e:  # the next round's exchange will say more
+            log.warning("could not look for heal requests after round %d: %s", r, e)
+            return False
 
     def _heal_requests(self) -> dict[str, int]:
         """Pending requests: ``heal/<rank>.json`` -> the global round that replica needs."""
