@@ -117,7 +117,7 @@ def _worker(
                 ar.collect_garbage(r)
         elif kind == "floor":
             store.put(f"floor/{r}/{rank}", payload, durable=False)
-            got = store.get(f"floor/{r}/{rank}")
+            got = store.get(f"floor/{r}/{rank}", size_hint=len(payload))
             up, down = up + len(payload), down + len(got)
         elif kind == "naive":
             store.put(f"naive/{r}/{rank}", payload, durable=False)
@@ -125,7 +125,7 @@ def _worker(
             acc = t.clone()
             for p in range(n):
                 if p != rank:
-                    blob = store.get(f"naive/{r}/{p}")
+                    blob = store.get(f"naive/{r}/{p}", size_hint=len(payload))
                     down += len(blob)
                     acc += torch.frombuffer(bytearray(blob), dtype=torch.float32)
             acc /= n

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from crf.store import RunStore, StoreNotWritable, StoreTimeout
+from crf.store import ObjectNotFound, RunStore, StoreNotWritable, StoreTimeout
 from tests import cloud_servers
 from tests.cloud_servers import (
     MotoS3,
@@ -78,6 +78,46 @@ def test_put_if_absent_large_object_uses_multipart(bucket: str, monkeypatch) -> 
     assert store.put_if_absent("big", big[::-1]) is False  # IfNoneMatch on the completion
     assert "complete_multipart_upload" in calls and "abort_multipart_upload" in calls
     assert store.get("big") == big
+
+
+def test_polls_and_small_reads_are_one_request_each(bucket: str, monkeypatch) -> None:
+    """The exchange polls for objects and reads shards whose size it knows: on S3 each is
+    one request (fsspec alone: a HEAD before every read, and a HEAD plus a LIST for every
+    object not there yet)."""
+    store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
+    store.put("k", b"v" * 1000)
+    calls: list[str] = []
+    real = store.fs._call_s3
+
+    async def spy(method, *a, **kw):
+        calls.append(method)
+        return await real(method, *a, **kw)
+
+    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    real_sync = store.fs.call_s3
+
+    def spy_sync(method, *a, **kw):
+        calls.append(method)
+        return real_sync(method, *a, **kw)
+
+    monkeypatch.setattr(store.fs, "call_s3", spy_sync)
+    assert store.get("k", size_hint=1000) == b"v" * 1000
+    assert calls == ["get_object"]
+    calls.clear()
+    with pytest.raises(ObjectNotFound):
+        store.get("missing", size_hint=1000)
+    assert calls == ["get_object"]
+    calls.clear()
+    assert store.object_exists("k") and not store.object_exists("missing")
+    assert calls == ["head_object", "head_object"]
+    calls.clear()
+    store.put_json("k2", {"a": 1})
+    calls.clear()
+    assert store.get_json("k2") == {"a": 1}  # JSON objects are small
+    assert calls == ["get_object"]
+    calls.clear()
+    assert store.get("k") == b"v" * 1000  # no hint: fsspec's own path (HEAD, then GET)
+    assert calls == ["head_object", "get_object"]
 
 
 def test_create_retried_after_a_lost_response_still_wins(bucket: str, monkeypatch) -> None:

@@ -161,6 +161,13 @@ def _layout_hash(layout: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
 
+def _size_hint(bounds: tuple[int, int]) -> int:
+    """An upper bound of a shard object's size (fp32 values + header): lets an S3 store
+    read it with one GET (:meth:`RunStore.get`)."""
+    a, b = bounds
+    return (b - a) * 4 + (64 << 10)
+
+
 def shard_bounds(total: int, num_shards: int) -> list[tuple[int, int]]:
     """Split [0, total) into num_shards contiguous near-equal ranges (first ones larger)."""
     base, extra = divmod(total, num_shards)
@@ -285,15 +292,17 @@ class ObjectStoreAllReduce:
         self.store.put(key, data, durable=False)
         return True
 
-    def _get(self, res: AllReduceResult, key: str) -> bytes:
-        data = self.store.get(key)
+    def _get(self, res: AllReduceResult, key: str, size_hint: int | None = None) -> bytes:
+        data = self.store.get(key, size_hint=size_hint)
         with self._count_lock:
             res.bytes_down += len(data)
         return data
 
-    def _get_if_there(self, res: AllReduceResult, key: str) -> bytes | None:
+    def _get_if_there(
+        self, res: AllReduceResult, key: str, size_hint: int | None = None
+    ) -> bytes | None:
         try:
-            return self._get(res, key)
+            return self._get(res, key, size_hint)
         except ObjectNotFound:
             return None
 
@@ -458,7 +467,12 @@ class ObjectStoreAllReduce:
             progressed = False
             # downloads in parallel; each lands in its slice of `out` when it arrives
             fetches = [
-                (s, self._pool().submit(self._get_if_there, res, f"{base}/reduced/{s}"))
+                (
+                    s,
+                    self._pool().submit(
+                        self._get_if_there, res, f"{base}/reduced/{s}", _size_hint(bounds[s])
+                    ),
+                )
                 for s in pending
             ]
             for s, f in fetches:
@@ -525,7 +539,12 @@ class ObjectStoreAllReduce:
             while pending:
                 self._raise_if_failed(r)
                 fetches = [
-                    (s, self._pool().submit(self._get_if_there, res, f"{base}/reduced/{s}"))
+                    (
+                        s,
+                        self._pool().submit(
+                            self._get_if_there, res, f"{base}/reduced/{s}", _size_hint(bounds[s])
+                        ),
+                    )
                     for s in pending
                 ]
                 progressed = False
@@ -659,7 +678,7 @@ class ObjectStoreAllReduce:
         def _try() -> bool:
             nonlocal decided
             try:
-                decided = json.loads(self._get(res, key))
+                decided = json.loads(self._get(res, key, 0))
                 return True
             except ObjectNotFound:
                 pass
@@ -706,7 +725,7 @@ class ObjectStoreAllReduce:
                     "reason": "all arrived" if everyone else "deadline",
                 }
                 self._put(res, key, json.dumps(body).encode(), exclusive=True)
-                decided = json.loads(self._get(res, key))  # read back whoever won
+                decided = json.loads(self._get(res, key, 0))  # read back whoever won
                 return True
             return False
 
@@ -734,7 +753,7 @@ class ObjectStoreAllReduce:
         for k in later:
             if k <= r:
                 break
-            if self.store.exists(f"rounds/{k}/quorum.json"):
+            if self.store.object_exists(f"rounds/{k}/quorum.json"):
                 return k - 1
         return None
 
@@ -750,7 +769,7 @@ class ObjectStoreAllReduce:
             if p == self.rank:
                 continue
             other = cached.get(p) or json.loads(
-                self._get(res, f"rounds/{r}/contrib/{p}/manifest.json")
+                self._get(res, f"rounds/{r}/contrib/{p}/manifest.json", 0)
             )
             if other.get("run_id") != self.run_id:
                 raise LayoutMismatchError(
@@ -785,7 +804,7 @@ class ObjectStoreAllReduce:
         if wait_s > 0:
             rkey = f"rounds/{r}/reduced/{s}"  # once published, the part is not needed
             wait_until(
-                lambda: self.store.exists(ckey) or self.store.exists(rkey),
+                lambda: self.store.object_exists(ckey) or self.store.object_exists(rkey),
                 wait_s,
                 poll_s=0.005,
                 max_poll_s=self.max_poll_s,
@@ -793,7 +812,9 @@ class ObjectStoreAllReduce:
         a, b = job.bounds[s]
         try:
             t, hdr = decode_tensor(
-                self._get(res, ckey), where=f"{self.store.uri}/{ckey}", copy=False
+                self._get(res, ckey, _size_hint(job.bounds[s])),
+                where=f"{self.store.uri}/{ckey}",
+                copy=False,
             )
             expect = {
                 "run_id": self.run_id,
@@ -809,7 +830,7 @@ class ObjectStoreAllReduce:
                 raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
             return t
         except ObjectNotFound:
-            if self.store.exists(f"rounds/{r}/reduced/{s}"):
+            if self.store.object_exists(f"rounds/{r}/reduced/{s}"):
                 # dropped by its uploader after the round completed: this shard's average
                 # is published already, and this attempt would lose the race anyway
                 raise _AlreadyReduced(s) from None
@@ -832,7 +853,7 @@ class ObjectStoreAllReduce:
         a shard before its grace period, so it skips asking whether it exists)."""
         r = job.round
         key = f"rounds/{r}/reduced/{s}"
-        if not first and self.store.exists(key):
+        if not first and self.store.object_exists(key):
             return None
         owner = job.participants[s % len(job.participants)]
         a, b = job.bounds[s]

@@ -528,7 +528,7 @@ class ObjectStoreManager:
             return False
 
         def failed() -> bool:
-            return self.store.exists(f"rounds/{r}/failed.json")
+            return self.store.object_exists(f"rounds/{r}/failed.json")
 
         def newest() -> int:
             latest = self.latest_global()
@@ -537,7 +537,7 @@ class ObjectStoreManager:
         res = self.last_result
         if res is not None and res.stale_behind is not None:
             target = res.stale_behind
-        elif self.store.exists(f"rounds/{r}/quorum.json") and not failed():
+        elif self.store.object_exists(f"rounds/{r}/quorum.json") and not failed():
             target = r
         else:
             # nobody committed round r (so far). If a quorum forms later without us, our

@@ -239,12 +239,23 @@ class RunStore:
         self._retry(f"delete {key}", _rm)
 
     # ---------------------------------------------------------------- reads
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, size_hint: int | None = None) -> bytes:
+        """The object's bytes. ``size_hint``: about how big it is, if the caller knows. s3fs
+        asks for an object's size (a HEAD) before every read, to choose between one GET and
+        concurrent ranged GETs; an object known to be below its block size is read with one
+        GET, and a missing one costs one request instead of a HEAD and a LIST."""
         path = self.path(key)
+        kwargs: dict[str, Any] = {}
+        if (
+            size_hint is not None
+            and self.scheme == "s3"
+            and size_hint < getattr(self.fs, "default_block_size", 0)
+        ):
+            kwargs["max_concurrency"] = 1
 
         def _get() -> bytes:
             try:
-                return self.fs.cat_file(path)
+                return self.fs.cat_file(path, **kwargs)
             except (FileNotFoundError, KeyError):
                 raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
             except IsADirectoryError:
@@ -253,10 +264,27 @@ class RunStore:
         return self._retry(f"get {key}", _get)
 
     def get_json(self, key: str) -> Any:
-        return json.loads(self.get(key))
+        return json.loads(self.get(key, size_hint=0))
 
     def exists(self, key: str) -> bool:
         return bool(self._retry(f"exists {key}", lambda: self.fs.exists(self.path(key))))
+
+    def object_exists(self, key: str) -> bool:
+        """Whether the object ``key`` exists (an object, not a folder). On S3 that is one
+        HEAD: fsspec's ``exists`` also lists the prefix when the HEAD misses, to find
+        folders, which doubles the requests of every poll for an object not there yet."""
+        if self.scheme != "s3":
+            return self.exists(key)
+        bucket, name, _ = self.fs.split_path(self.path(key))
+
+        def _head() -> bool:
+            try:
+                self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+                return True
+            except FileNotFoundError:
+                return False
+
+        return self._retry(f"exists {key}", _head)
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of the immediate children of ``prefix`` (files and folders), sorted."""
@@ -289,7 +317,7 @@ class RunStore:
 
         def _check() -> bool:
             nonlocal missing
-            missing = [k for k in missing if not self.exists(k)]
+            missing = [k for k in missing if not self.object_exists(k)]
             return not missing
 
         if not wait_until(_check, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s):
