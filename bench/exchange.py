@@ -91,6 +91,10 @@ def _worker(
     data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     times, up, down, extras = [], 0, 0, []
     store = RunStore(uri)
+    # a replica talks to its store (run.json, heartbeats) before its first exchange: warm
+    # the client up here too, so that its one-time set-up (an S3 client loads its service
+    # model and opens a connection) is not timed or counted as a round's memory
+    store.object_exists(f"warmup/{rank}")
     if kind == "gloo":
         import torch.distributed as dist
 
