@@ -306,7 +306,15 @@ def test_ctrl_c_cancels_replicas(base: Path, script: Path, tmp_path: Path) -> No
     cmd[cmd.index("testjob")] = "lm"
     env = {**os.environ, "SLEEP_RANKS": "0,1"}
     with open(tmp_path / "driver.log", "wb") as out:
-        driver = subprocess.Popen([*cmd, "-n", "2"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        # as from a terminal: a shell without job control starts background commands with
+        # SIGINT ignored, and a child inherits that (Python then installs no handler)
+        driver = subprocess.Popen(
+            [*cmd, "-n", "2"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         beats = [base / "intr" / "replicas" / str(r) / "state.json" for r in (0, 1)]
         deadline = time.monotonic() + 30
         while not all(b.exists() for b in beats):
