@@ -464,25 +464,7 @@ class ObjectStoreAllReduce:
         while pending:
             if missed:  # a peer may have declared the round failed while we wait
                 self._raise_if_failed(r)
-            progressed = False
-            # downloads in parallel; each lands in its slice of `out` when it arrives
-            fetches = [
-                (
-                    s,
-                    self._pool().submit(
-                        self._get_if_there, res, f"{base}/reduced/{s}", _size_hint(bounds[s])
-                    ),
-                )
-                for s in pending
-            ]
-            for s, f in fetches:
-                data = f.result()
-                if data is None:
-                    continue
-                a, b = bounds[s]
-                got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
-                pending.remove(s)
-                progressed = True
+            progressed = self._fetch_reduced(res, r, bounds, lhash, pending, got)
             if not pending:
                 break
             missed = True
@@ -500,10 +482,7 @@ class ObjectStoreAllReduce:
 
         # every shard is here and verified: write the average into the tensors, each in its
         # own dtype
-        if not exact and all(t.is_contiguous() for t in tensors):
-            self._decode_in_place(got, bounds, tensors)
-        else:
-            self._copy_in_place(got, bounds, tensors)
+        self._write_average(got, bounds, tensors, exact)
         if self.drop_contributions:  # in the background: nobody waits for it
             self._pool().submit(self._drop_contributions, r, len(bounds))
         res.seconds = time.monotonic() - t0
@@ -530,7 +509,6 @@ class ObjectStoreAllReduce:
         if self._later_decided_round(r) is not None:
             return False
         self._phase("catching up")
-        base = f"rounds/{r}"
         got: dict[int, torch.Tensor] = {}
         pending = list(range(len(bounds)))
         deadline = time.monotonic() + self.round_timeout_s + 2 * self.shard_grace_s
@@ -538,24 +516,7 @@ class ObjectStoreAllReduce:
         try:
             while pending:
                 self._raise_if_failed(r)
-                fetches = [
-                    (
-                        s,
-                        self._pool().submit(
-                            self._get_if_there, res, f"{base}/reduced/{s}", _size_hint(bounds[s])
-                        ),
-                    )
-                    for s in pending
-                ]
-                progressed = False
-                for s, f in fetches:
-                    data = f.result()
-                    if data is None:
-                        continue
-                    a, b = bounds[s]
-                    got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
-                    pending.remove(s)
-                    progressed = True
+                progressed = self._fetch_reduced(res, r, bounds, lhash, pending, got)
                 if not pending:
                     break
                 if time.monotonic() >= deadline:
@@ -569,12 +530,54 @@ class ObjectStoreAllReduce:
         except (AllReduceError, StoreError, CorruptObjectError) as e:
             log.warning("round %d: cannot take its average (%s); healing instead", r, e)
             return False
+        self._write_average(got, bounds, tensors, exact)
+        log.info("round %d: late for the quorum; took the published average", r)
+        return True
+
+    def _fetch_reduced(
+        self,
+        res: AllReduceResult,
+        r: int,
+        bounds: list[tuple[int, int]],
+        lhash: str,
+        pending: list[int],
+        got: dict[int, torch.Tensor],
+    ) -> bool:
+        """One pass over round r's pending reduced shards, downloaded in parallel: each one
+        there is verified into ``got`` and leaves ``pending``. True if any arrived."""
+        base = f"rounds/{r}"
+        fetches = [
+            (
+                s,
+                self._pool().submit(
+                    self._get_if_there, res, f"{base}/reduced/{s}", _size_hint(bounds[s])
+                ),
+            )
+            for s in pending
+        ]
+        progressed = False
+        for s, f in fetches:
+            data = f.result()
+            if data is None:
+                continue
+            a, b = bounds[s]
+            got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
+            pending.remove(s)
+            progressed = True
+        return progressed
+
+    def _write_average(
+        self,
+        got: dict[int, torch.Tensor],
+        bounds: list[tuple[int, int]],
+        tensors: list[torch.Tensor],
+        exact: bool,
+    ) -> None:
+        """Every shard is here and verified: write the average into the tensors."""
         if not exact and all(t.is_contiguous() for t in tensors):
             self._decode_in_place(got, bounds, tensors)
         else:
             self._copy_in_place(got, bounds, tensors)
-        log.info("round %d: late for the quorum; took the published average", r)
-        return True
 
     def _decode_in_place(
         self,
