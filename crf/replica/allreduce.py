@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,13 @@ from crf.store import (
 from crf.store.codec import dtype_name, encode_tensor_parts
 
 log = logging.getLogger(__name__)
+
+
+#: when every replica has arrived, how long the others leave the lowest eligible rank to write
+#: the round's quorum before deciding themselves (it may have died after arriving)
+_DECIDER_GRACE_S = 1.0
+#: how often a replica waiting for reduced shards asks whether a peer declared the round failed
+_FAILED_CHECK_S = 1.0
 
 
 class AllReduceError(RuntimeError):
@@ -79,6 +86,18 @@ class _Round:
     lhash: str
     total: int
     mine: dict[int, torch.Tensor]  # this replica's wire tensors, by shard
+    #: contributions fetched while the quorum was being decided, by (rank, shard)
+    early: dict[tuple[int, int], Future] = field(default_factory=dict)
+
+
+@dataclass
+class _Early:
+    """A round's reduce step started during its quorum wait (see ``_fetch_early``)."""
+
+    job: _Round
+    manifest: dict[str, Any]
+    res: AllReduceResult
+    fetches: dict[tuple[int, int], Future] = field(default_factory=dict)
 
 
 class _Segments:
@@ -265,6 +284,8 @@ class ObjectStoreAllReduce:
         #: manager serves pending heal requests from it)
         self.on_wait: Callable[[], None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._control_executor: ThreadPoolExecutor | None = None
+        self._early: _Early | None = None
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
 
@@ -305,6 +326,14 @@ class ObjectStoreAllReduce:
             return self._get(res, key, size_hint)
         except ObjectNotFound:
             return None
+
+    def _control(self) -> ThreadPoolExecutor:
+        """Threads for small control requests (the quorum, manifests, listings) that run
+        next to each other: kept apart from the transfer threads so that a poll never
+        queues behind a download."""
+        if self._control_executor is None:
+            self._control_executor = ThreadPoolExecutor(4, thread_name_prefix="crf-control")
+        return self._control_executor
 
     def _pool(self) -> ThreadPoolExecutor:
         """Threads for a round's independent transfers (shard parts, reduced shards)."""
@@ -409,19 +438,34 @@ class ObjectStoreAllReduce:
             "fragment": fragment,
         }
         self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
+        self._manifests.setdefault(r, {})[self.rank] = manifest  # never read back
 
         if residual is not None:
             self._residual[fragment] = residual
         for old in [k for k in self._manifests if k < r]:
             del self._manifests[old]
 
-        # 2. quorum
+        # 2. quorum. While it is being decided, the contributions to the shards this
+        #    replica owns in a full quorum are already downloaded, as each peer's manifest
+        #    shows its parts complete: the reduce step then starts with them at hand
         self._phase("quorum")
+        self._early = _Early(
+            _Round(r, list(range(self.world_size)), bounds, lhash, total, mine_wire),
+            manifest,
+            res,
+        )
         try:
             participants = self._decide_quorum(res, r, base_round)
         except _Stale as e:
             participants, res.stale_behind = [], e.top
+        finally:
+            early, self._early = self._early.fetches, None
         res.participants = participants
+        if participants != list(range(self.world_size)) or self.rank not in participants:
+            # another quorum moves ownership (or this replica reduces nothing): drop them
+            for f in early.values():
+                f.cancel()
+            early = {}
         if self.rank not in participants:
             res.in_quorum = False
             if participants and self.catch_up:
@@ -439,7 +483,7 @@ class ObjectStoreAllReduce:
         # 3. reduce-scatter: my shards first, then (after a grace period) orphans
         self._phase("reducing")
         reduced_here: dict[int, torch.Tensor] = {}
-        job = _Round(r, participants, bounds, lhash, total, mine_wire)
+        job = _Round(r, participants, bounds, lhash, total, mine_wire, early)
         for s in range(self.num_shards):
             if participants[s % len(participants)] == self.rank:
                 w = self._reduce_shard(res, job, s, first=True)
@@ -460,14 +504,16 @@ class ObjectStoreAllReduce:
                 pending.append(s)
         grace_deadline = time.monotonic() + self.shard_grace_s
         delay = 0.005
-        missed = False
+        # a peer may declare the round failed while we wait: asked once a second, not on
+        # every poll (a round's shards usually arrive within a poll or two)
+        next_failed_check = time.monotonic() + _FAILED_CHECK_S
         while pending:
-            if missed:  # a peer may have declared the round failed while we wait
+            if time.monotonic() >= next_failed_check:
                 self._raise_if_failed(r)
+                next_failed_check = time.monotonic() + _FAILED_CHECK_S
             progressed = self._fetch_reduced(res, r, bounds, lhash, pending, got)
             if not pending:
                 break
-            missed = True
             if time.monotonic() >= grace_deadline:
                 # owners are late or dead: compute their shards ourselves
                 for s in list(pending):
@@ -646,15 +692,29 @@ class ObjectStoreAllReduce:
         }
 
     def _arrived(self, r: int) -> dict[int, dict[str, Any]]:
-        """Manifests of the replicas whose contribution to round r is complete."""
+        """Manifests of the replicas whose contribution to round r is complete. New ones are
+        read in parallel; once all are known the folder is not listed again."""
         cache = self._manifests.setdefault(r, {})
-        for name in self.store.list(f"rounds/{r}/contrib"):
-            if not name.isdigit() or int(name) in cache or int(name) >= self.world_size:
-                continue
-            try:
-                cache[int(name)] = self.store.get_json(f"rounds/{r}/contrib/{name}/manifest.json")
-            except (ObjectNotFound, ValueError):
-                continue  # still uploading (manifest is written last)
+        if len(cache) < self.world_size:
+            new = [
+                int(name)
+                for name in self.store.list(f"rounds/{r}/contrib")
+                if name.isdigit() and int(name) not in cache and int(name) < self.world_size
+            ]
+            reads = [
+                (
+                    p,
+                    self._control().submit(
+                        self.store.get_json, f"rounds/{r}/contrib/{p}/manifest.json"
+                    ),
+                )
+                for p in new
+            ]
+            for p, f in reads:
+                try:
+                    cache[p] = f.result()
+                except (ObjectNotFound, ValueError):
+                    continue  # still uploading (manifest is written last)
         return dict(sorted(cache.items()))
 
     @staticmethod
@@ -671,44 +731,54 @@ class ObjectStoreAllReduce:
 
     def _decide_quorum(self, res: AllReduceResult, r: int, base: int | None) -> list[int]:
         """Read or create rounds/<r>/quorum.json; exactly one decision per round. Raises
-        _Stale as soon as this replica sees it is behind the others (it must heal)."""
+        _Stale as soon as this replica sees it is behind the others (it must heal).
+
+        Each poll reads the decision and the arrivals concurrently. When every replica has
+        arrived, the lowest eligible rank writes the decision and the others read it (a
+        race of N conditional writes costs N - 1 refusals, each followed by two reads);
+        anyone decides if it has not appeared within ``_DECIDER_GRACE_S``."""
         key = f"rounds/{r}/quorum.json"
         deadline = time.monotonic() + self.round_timeout_s
         decided: dict[str, Any] | None = None
-        checked: list[bool] = []  # whether global/ was looked at yet (once, then at deciding)
         next_hook = [time.monotonic() + 1.0]
+        # whether this replica lags the others (global/ or, with sparse checkpoints, a later
+        # decided round says so) is asked once up front, concurrently with the first poll,
+        # and again when it decides unless that answer is fresh
+        lag_check = [self._control().submit(self._lag_behind, r), time.monotonic()]
+        everyone_since: list[float] = []
+
+        def _lagging(fresh: bool) -> None:
+            if fresh and time.monotonic() - lag_check[1] > _DECIDER_GRACE_S:
+                lag_check[:] = [self._control().submit(self._lag_behind, r), time.monotonic()]
+            behind = lag_check[0].result()
+            if behind is not None:
+                raise _Stale(behind)
 
         def _try() -> bool:
             nonlocal decided
-            try:
-                decided = json.loads(self._get(res, key, 0))
+            reading = self._control().submit(self._get_if_there, res, key, 0)
+            arrived = self._arrived(r)
+            data = reading.result()
+            if data is not None:
+                decided = json.loads(data)
                 return True
-            except ObjectNotFound:
-                pass
             if self.on_wait is not None and time.monotonic() >= next_hook[0]:
                 next_hook[0] = time.monotonic() + 1.0
                 self.on_wait()
-            arrived = self._arrived(r)
             eligible, stale = self._eligible(arrived)
+            if self._early is not None and self.rank in eligible:
+                self._fetch_early(arrived)
             if self.rank in stale:
                 raise _Stale(max(arrived[e].get("base_round") or -1 for e in eligible))
             everyone = len(arrived) == self.world_size
             late = time.monotonic() >= deadline
             deciding = (everyone or late) and eligible and len(eligible) >= self.min_replicas
-            if deciding or not checked:
-                checked.append(True)
-                newest = self._newest_global()
-                if newest is not None and newest >= r:
-                    # round r was committed already and its folder garbage-collected: this
-                    # replica lags the others by more than keep_rounds (a straggler). A quorum
-                    # decided now would fork the weights; catch up instead.
-                    raise _Stale(newest)
-                if self.checkpoint_every > 1:
-                    # global/ is written only every few rounds: a later decided round shows
-                    # just as well that this replica lags the others
-                    later = self._later_decided_round(r)
-                    if later is not None:
-                        raise _Stale(later)
+            _lagging(fresh=bool(deciding))
+            if deciding and not late and eligible[0] != self.rank:
+                if not everyone_since:
+                    everyone_since.append(time.monotonic())
+                if time.monotonic() - everyone_since[0] < _DECIDER_GRACE_S:
+                    return False  # the lowest eligible rank decides; read its decision
             if deciding:
                 body = {
                     "round": r,
@@ -727,8 +797,10 @@ class ObjectStoreAllReduce:
                     "run_id": self.run_id,
                     "reason": "all arrived" if everyone else "deadline",
                 }
-                self._put(res, key, json.dumps(body).encode(), exclusive=True)
-                decided = json.loads(self._get(res, key, 0))  # read back whoever won
+                if self._put(res, key, json.dumps(body).encode(), exclusive=True):
+                    decided = body
+                else:  # someone else decided first: theirs is the decision
+                    decided = json.loads(self._get(res, key, 0))
                 return True
             return False
 
@@ -748,6 +820,38 @@ class ObjectStoreAllReduce:
                 f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
             )
         return sorted(int(p) for p in decided["participants"])
+
+    def _lag_behind(self, r: int) -> int | None:
+        """The global round this replica must heal to if the others are past round r."""
+        newest = self._newest_global()
+        if newest is not None and newest >= r:
+            # round r was committed already and its folder garbage-collected: this replica
+            # lags the others by more than keep_rounds (a straggler). A quorum decided now
+            # would fork the weights; catch up instead.
+            return newest
+        if self.checkpoint_every > 1:
+            # global/ is written only every few rounds: a later decided round shows just as
+            # well that this replica lags the others
+            return self._later_decided_round(r)
+        return None
+
+    def _fetch_early(self, arrived: dict[int, dict[str, Any]]) -> None:
+        """Start downloading the parts of the shards this replica owns in a full quorum from
+        every peer whose manifest is here and matches this replica's (same run, layout,
+        wire, fragment and base): with everyone in the quorum they are exactly what the
+        reduce step reads, and until then they only cost their download."""
+        early = self._early
+        assert early is not None
+        job, mine = early.job, early.manifest
+        same = ("run_id", "layout_hash", "wire_dtype", "fragment", "num_shards", "base_round")
+        for p, m in arrived.items():
+            if p == self.rank or any(m.get(k) != mine[k] for k in same):
+                continue
+            for s in range(self.rank, self.num_shards, self.world_size):
+                if (p, s) not in early.fetches:
+                    early.fetches[(p, s)] = self._pool().submit(
+                        self._fetch_contrib, early.res, job, p, s, 0.0
+                    )
 
     def _later_decided_round(self, r: int) -> int | None:
         """If a round after r has a quorum (the others moved past r), the round before it:
@@ -863,7 +967,8 @@ class ObjectStoreAllReduce:
         acc: torch.Tensor | None = None
         used = []
         fetches = {  # the others' parts download in parallel, and add up in rank order
-            p: self._pool().submit(
+            p: job.early.pop((p, s), None)
+            or self._pool().submit(
                 self._fetch_contrib,
                 res,
                 job,
@@ -940,9 +1045,10 @@ class ObjectStoreAllReduce:
 
     def close(self) -> None:
         """Stop the transfer threads (a later round starts them again)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for executor in (self._executor, self._control_executor):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._executor = self._control_executor = None
 
     # ------------------------------------------------------------------ gc
     def collect_garbage(self, current_round: int) -> list[int]:
