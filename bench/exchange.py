@@ -91,10 +91,13 @@ def _worker(
     data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     times, up, down, extras = [], 0, 0, []
     store = RunStore(uri)
-    # a replica talks to its store (run.json, heartbeats) before its first exchange: warm
-    # the client up here too, so that its one-time set-up (an S3 client loads its service
-    # model and opens a connection) is not timed or counted as a round's memory
-    store.object_exists(f"warmup/{rank}")
+    # a replica talks to its store through the same client before its first exchange (it
+    # reads run.json, writes heartbeats, lists global/ to resume): do the same here, so that
+    # the client's one-time set-up (an S3 client loads its service model, builds its
+    # request pipeline and opens connections) is not timed or counted as a round's memory
+    store.put(f"warmup/{rank}", b"{}", durable=False)
+    store.get(f"warmup/{rank}", size_hint=2)
+    store.list("warmup")
     if kind == "gloo":
         import torch.distributed as dist
 
