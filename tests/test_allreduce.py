@@ -583,7 +583,7 @@ def test_owner_downloads_its_shard_while_the_quorum_is_open(store: RunStore) -> 
     def replica(rank: int):
         if rank == 2:
             time.sleep(0.8)
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", round_timeout_s=30)
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", round_timeout_s=30, fetch_early=True)
         if rank == 0:
             fetch = ar._fetch_contrib
 
@@ -602,3 +602,10 @@ def test_owner_downloads_its_shard_while_the_quorum_is_open(store: RunStore) -> 
         assert all(torch.equal(a, b) for a, b in zip(ts, expect, strict=True))
     assert sorted((p, s) for p, s, _ in fetched) == [(1, 0), (2, 0)]  # once each
     assert (1, 0, False) in fetched  # replica 1's part came down before the quorum existed
+
+
+def test_early_downloads_are_for_object_stores(tmp_path) -> None:
+    """Owners download during the quorum on object stores; on a local folder the reads are
+    cheap and would compete with the peers' writes, so there it is off unless asked for."""
+    assert not ObjectStoreAllReduce(RunStore(f"file://{tmp_path}"), 2, 0).fetch_early
+    assert ObjectStoreAllReduce(RunStore(f"file://{tmp_path}"), 2, 0, fetch_early=True).fetch_early

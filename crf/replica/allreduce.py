@@ -228,6 +228,7 @@ class ObjectStoreAllReduce:
         drop_contributions: bool | None = None,
         catch_up: bool = True,
         checkpoint_every: int = 1,
+        fetch_early: bool | None = None,
     ) -> None:
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
@@ -273,6 +274,13 @@ class ObjectStoreAllReduce:
         # write-back; on object stores a delete is one more billed request, left to the GC
         self.drop_contributions = (
             self.store.scheme == "file" if drop_contributions is None else drop_contributions
+        )
+        #: owners download their shard's parts while the quorum is open (``_fetch_early``):
+        #: on an object store that takes requests off the round's critical path; on a local
+        #: folder the reads are cheap anyway and would only compete with the peers' writes
+        #: for the cores and the disk (measured: N = 8 / 64 MB 0.56 s -> 0.73-1.03 s)
+        self.fetch_early = (
+            self.store.scheme not in ("file", "memory") if fetch_early is None else fetch_early
         )
         #: a late replica with the participants' base takes the published average (P down)
         #: rather than healing from a global checkpoint (about 3 P)
@@ -766,7 +774,7 @@ class ObjectStoreAllReduce:
                 next_hook[0] = time.monotonic() + 1.0
                 self.on_wait()
             eligible, stale = self._eligible(arrived)
-            if self._early is not None and self.rank in eligible:
+            if self._early is not None and self.fetch_early and self.rank in eligible:
                 self._fetch_early(arrived)
             if self.rank in stale:
                 raise _Stale(max(arrived[e].get("base_round") or -1 for e in eligible))
