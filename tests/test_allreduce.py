@@ -182,6 +182,25 @@ class _Died(Exception):
     pass
 
 
+def run_with_a_death(store: RunStore, dead: int, step: str) -> list[Any]:
+    """Three replicas average once; replica ``dead`` dies (raises _Died) when it reaches the
+    exchange's ``step`` method. Returns each one's (flat tensors, result) or exception."""
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3, round_timeout_s=20)
+        if rank == dead:
+
+            def die(*a, **k):
+                raise _Died()
+
+            setattr(ar, step, die)
+        ts = make_tensors(rank)
+        res = ar.allreduce(ts)
+        return torch.cat([t.reshape(-1) for t in ts]), res
+
+    return run_threads(3, replica)
+
+
 def shardwise_mean(users: dict[int, list[int]], num_shards: int) -> torch.Tensor:
     """Expected flat average when shard s is averaged over ranks users.get(s, all 3)."""
     per = [torch.cat([t.reshape(-1) for t in make_tensors(r)]) for r in range(3)]
@@ -198,20 +217,7 @@ def shardwise_mean(users: dict[int, list[int]], num_shards: int) -> torch.Tensor
 def test_dead_shard_owner_is_covered(store: RunStore) -> None:
     """Replica 1 uploads, is in the quorum, then dies before reducing its shard: the others
     compute shard 1 without it (its own part of shard 1 never left it) and stay identical."""
-
-    def replica(rank: int):
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3, round_timeout_s=20)
-        if rank == 1:
-
-            def die(*a, **k):
-                raise _Died()
-
-            ar._reduce_shard = die  # type: ignore[method-assign]
-        ts = make_tensors(rank)
-        res = ar.allreduce(ts)
-        return torch.cat([t.reshape(-1) for t in ts]), res
-
-    out = run_threads(3, replica)
+    out = run_with_a_death(store, 1, "_reduce_shard")
     assert isinstance(out[1], _Died)
     expect = shardwise_mean({1: [0, 2]}, 3)
     for rank in (0, 2):
@@ -550,25 +556,11 @@ def test_a_decider_that_died_after_arriving_is_replaced(store: RunStore) -> None
     """Replica 0 publishes its contribution, then dies before deciding the quorum it was due
     to write: after a short grace the others decide it themselves, cover the shard replica
     0 owned (its own part of it never left it) and finish identical."""
-
-    def replica(rank: int):
-        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", shard_grace_s=0.3, round_timeout_s=20)
-        if rank == 0:
-
-            def die(*a, **k):
-                raise _Died()
-
-            ar._decide_quorum = die  # type: ignore[method-assign]
-        ts = make_tensors(rank)
-        t0 = time.monotonic()
-        res = ar.allreduce(ts)
-        return torch.cat([t.reshape(-1) for t in ts]), res, time.monotonic() - t0
-
-    out = run_threads(3, replica)
+    out = run_with_a_death(store, 0, "_decide_quorum")
     assert isinstance(out[0], _Died)
     expect = shardwise_mean({0: [1, 2]}, 3)
     for rank in (1, 2):
-        got, res, _ = out[rank]
+        got, res = out[rank]
         assert res.participants == [0, 1, 2]
         assert torch.equal(got, expect)
     quorum = json.loads(store.get("rounds/0/quorum.json"))

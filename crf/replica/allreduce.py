@@ -752,18 +752,19 @@ class ObjectStoreAllReduce:
         # whether this replica lags the others (global/ or, with sparse checkpoints, a later
         # decided round says so) is asked once up front, concurrently with the first poll,
         # and again when it decides unless that answer is fresh
-        lag_check = [self._control().submit(self._lag_behind, r), time.monotonic()]
-        everyone_since: list[float] = []
+        lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
+        everyone_at: float | None = None  # when this replica first saw every replica here
 
         def _lagging(fresh: bool) -> None:
-            if fresh and time.monotonic() - lag_check[1] > _DECIDER_GRACE_S:
-                lag_check[:] = [self._control().submit(self._lag_behind, r), time.monotonic()]
-            behind = lag_check[0].result()
+            nonlocal lag_check, lag_asked
+            if fresh and time.monotonic() - lag_asked > _DECIDER_GRACE_S:
+                lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
+            behind = lag_check.result()
             if behind is not None:
                 raise _Stale(behind)
 
         def _try() -> bool:
-            nonlocal decided
+            nonlocal decided, everyone_at
             reading = self._control().submit(self._get_if_there, res, key, 0)
             arrived = self._arrived(r)
             data = reading.result()
@@ -783,9 +784,8 @@ class ObjectStoreAllReduce:
             deciding = (everyone or late) and eligible and len(eligible) >= self.min_replicas
             _lagging(fresh=bool(deciding))
             if deciding and not late and eligible[0] != self.rank:
-                if not everyone_since:
-                    everyone_since.append(time.monotonic())
-                if time.monotonic() - everyone_since[0] < _DECIDER_GRACE_S:
+                everyone_at = everyone_at or time.monotonic()
+                if time.monotonic() - everyone_at < _DECIDER_GRACE_S:
                     return False  # the lowest eligible rank decides; read its decision
             if deciding:
                 body = {
