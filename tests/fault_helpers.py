@@ -112,4 +112,10 @@ def describe(summary: dict[str, Any]) -> str:
             f"rejected={row['objects_rejected']} max_sync_s={row['max_sync_s']} "
             f"resumed_from={row['resumed_from']} error={row['error']}"
         )
+        for a in row.get("attempts") or []:  # earlier attempts: why each one ended
+            lines.append(
+                f"    attempt {a.get('attempt')}: {a.get('state')} exit={a.get('exit_code')} "
+                f"phase={a.get('phase')} round={a.get('round')} error={a.get('error')} "
+                f"message={a.get('message')}"
+            )
     return "\n".join(lines)
