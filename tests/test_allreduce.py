@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from crf.replica import allreduce as allreduce_mod
 from crf.replica.allreduce import (
     LayoutMismatchError,
     ObjectStoreAllReduce,
@@ -550,6 +551,47 @@ def test_lowest_rank_decides_a_full_quorum(store: RunStore) -> None:
     assert attempts == {0: 1}
     quorum = json.loads(store.get("rounds/0/quorum.json"))
     assert quorum["decided_by"] == 0 and quorum["reason"] == "all arrived"
+
+
+def test_lag_is_asked_where_it_can_matter(store: RunStore, monkeypatch) -> None:
+    """Whether a replica lags the others costs a LIST of global/ (and of rounds/): rank 0,
+    the usual decider of a full quorum, asks up front, a replica that only reads the
+    decision never needs to. A straggler alone in a round the others left long ago (its
+    folder gone, a newer global state there) asks at once and learns it is behind, long
+    before the round's deadline."""
+    n = 3
+    asked: list[int] = []
+    # "still waiting after 0.5 s" must not fire on a slow machine: only the rules above
+    monkeypatch.setattr(allreduce_mod, "_LAG_CHECK_AFTER_S", 60.0)
+
+    def replica(rank: int, r: int = 0, base: int = -1):
+        ar = ObjectStoreAllReduce(store, n, rank, run_id="t", round_timeout_s=30)
+        lag = ar._lag_behind
+
+        def counting(round_: int):
+            asked.append(rank)
+            return lag(round_)
+
+        ar._lag_behind = counting  # type: ignore[method-assign]
+        return ar.allreduce(make_tensors(rank), round=r, base_round=base)
+
+    # everyone arrives, in rank order: only rank 0 is ever alone, nobody waits for long
+    def in_order(rank: int):
+        if rank > 0:
+            store.wait_for([f"rounds/0/contrib/{rank - 1}/manifest.json"], 10, poll_s=0.001)
+        return replica(rank)
+
+    out = run_threads(n, in_order)
+    assert all(res.participants == [0, 1, 2] for res in out)
+    assert asked == [0]
+
+    # the straggler: round 7's folder is gone and global/9 exists
+    store.put("global/9/state.pt", b"x")
+    asked.clear()
+    t0 = time.monotonic()
+    res = replica(2, r=7, base=6)
+    assert res.in_quorum is False and res.stale_behind == 9
+    assert asked == [2] and time.monotonic() - t0 < 10
 
 
 def test_a_decider_that_died_after_arriving_is_replaced(store: RunStore) -> None:

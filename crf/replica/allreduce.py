@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 _DECIDER_GRACE_S = 1.0
 #: how often a replica waiting for reduced shards asks whether a peer declared the round failed
 _FAILED_CHECK_S = 1.0
+#: a replica other than rank 0 asks whether it lags the others (global/, a later decided
+#: round) only when it is about to decide or when the quorum has not filled within this long:
+#: in a round that fills at once only rank 0, the usual decider, asks
+_LAG_CHECK_AFTER_S = 0.5
 
 
 class AllReduceError(RuntimeError):
@@ -750,15 +754,33 @@ class ObjectStoreAllReduce:
         decided: dict[str, Any] | None = None
         next_hook = [time.monotonic() + 1.0]
         # whether this replica lags the others (global/ or, with sparse checkpoints, a later
-        # decided round says so) is asked once up front, concurrently with the first poll,
-        # and again when it decides unless that answer is fresh
-        lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
+        # decided round says so) is asked concurrently with the polls: up front by rank 0
+        # (which decides a full quorum), by a replica that finds itself alone in the round (a
+        # straggler whose round the others left long ago), by one still waiting for arrivals
+        # after _LAG_CHECK_AFTER_S, and by anyone about to decide unless its answer is fresh.
+        # A replica that only reads a decision needs no answer: the decision says whether it
+        # took part, and one left out checks for later rounds before catching up
+        started = time.monotonic()
+        lag_check: Future[int | None] | None = None
+        lag_asked = 0.0
         everyone_at: float | None = None  # when this replica first saw every replica here
 
-        def _lagging(fresh: bool) -> None:
+        def _ask_lag() -> None:
             nonlocal lag_check, lag_asked
-            if fresh and time.monotonic() - lag_asked > _DECIDER_GRACE_S:
-                lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
+            lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
+
+        if self.rank == 0:
+            _ask_lag()
+
+        def _lagging(deciding: bool, waiting: bool, alone: bool) -> None:
+            now = time.monotonic()
+            overdue = waiting and now - started >= _LAG_CHECK_AFTER_S
+            if lag_check is None and (deciding or alone or overdue):
+                _ask_lag()
+            elif deciding and now - lag_asked > _DECIDER_GRACE_S:
+                _ask_lag()  # stale answer: the others may have moved on since
+            if lag_check is None or not (deciding or lag_check.done()):
+                return
             behind = lag_check.result()
             if behind is not None:
                 raise _Stale(behind)
@@ -781,12 +803,12 @@ class ObjectStoreAllReduce:
                 raise _Stale(max(arrived[e].get("base_round") or -1 for e in eligible))
             everyone = len(arrived) == self.world_size
             late = time.monotonic() >= deadline
-            deciding = (everyone or late) and eligible and len(eligible) >= self.min_replicas
-            _lagging(fresh=bool(deciding))
+            deciding = bool((everyone or late) and eligible and len(eligible) >= self.min_replicas)
             if deciding and not late and eligible[0] != self.rank:
                 everyone_at = everyone_at or time.monotonic()
-                if time.monotonic() - everyone_at < _DECIDER_GRACE_S:
-                    return False  # the lowest eligible rank decides; read its decision
+                # the lowest eligible rank decides; read its decision
+                deciding = time.monotonic() - everyone_at >= _DECIDER_GRACE_S
+            _lagging(deciding, waiting=not everyone, alone=list(arrived) == [self.rank])
             if deciding:
                 body = {
                     "round": r,
