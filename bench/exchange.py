@@ -86,6 +86,11 @@ def _worker(
 
     torch.set_num_threads(1)
     from crf.replica.allreduce import ObjectStoreAllReduce
+    from crf.replica.memory import limit_malloc_arenas
+
+    # every kind runs in a process set up as a replica's is (python -m crf.replica caps
+    # glibc's malloc arenas before its transfer threads start); --malloc-arenas 0: glibc's
+    limit_malloc_arenas()
     from crf.store import RunStore
 
     data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -187,10 +192,25 @@ def measure(kind: str, uri: str, n: int, mb: int, rounds: int, wire: str) -> dic
     }
 
 
-def _s3_uri() -> tuple[str, Any]:
+def _moto_without_module_scan() -> None:
+    """moto finds the backend for every request under one server-wide lock, and on the way
+    lists its own package folder (``moto.backends.list_of_moto_modules``: a listdir and
+    about 200 stat calls, ~5 ms here). That makes every request, whatever its size, wait
+    for every other one: an emulator artefact that real S3 does not have, and one that
+    weighs on a protocol in proportion to its request count. The folder does not change
+    while the server runs, so it is listed once. ``--moto-stock`` measures moto as shipped."""
+    from moto import backends
+
+    modules = tuple(backends.list_of_moto_modules())
+    backends.list_of_moto_modules = lambda: modules  # type: ignore[assignment]
+
+
+def _s3_uri(stock: bool = False) -> tuple[str, Any]:
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    if not stock:
+        _moto_without_module_scan()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     os.environ.update(
@@ -222,7 +242,22 @@ def main() -> None:
         "...); seconds are the median over repeats and each ratio the median of the repeats' "
         "ratios, so a slow spell of the machine hits every kind alike",
     )
+    ap.add_argument(
+        "--moto-stock",
+        action="store_true",
+        help="serve S3 with moto as shipped (it lists its package folder on every request, "
+        "under a server-wide lock: see _moto_without_module_scan)",
+    )
+    ap.add_argument(
+        "--malloc-arenas",
+        type=int,
+        default=None,
+        help="glibc malloc arenas per replica process (default: what a replica uses, "
+        "crf.replica.memory.DEFAULT_ARENAS; 0: glibc's default, up to 8 per core)",
+    )
     args = ap.parse_args()
+    if args.malloc_arenas is not None:  # read by each worker (spawned: inherits the env)
+        os.environ["CRF_MALLOC_ARENAS"] = str(args.malloc_arenas)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     ns = [int(x) for x in (args.replicas or ("2,4,8" if args.full else "2,4")).split(",")]
@@ -258,7 +293,7 @@ def main() -> None:
                     runs.append({})
                     for kind in kinds:
                         if store_kind == "s3":
-                            uri, server = _s3_uri()
+                            uri, server = _s3_uri(args.moto_stock)
                             servers.append(server)
                         else:
                             uri = f"file://{tempfile.mkdtemp(prefix='crf-bench-')}"

@@ -24,6 +24,10 @@ def _set_threads(world_size: int, backend: str) -> None:
 
 
 def main() -> int:
+    from crf.replica.memory import limit_malloc_arenas
+
+    # before any transfer thread exists: shard-sized buffers then come back to one arena
+    limit_malloc_arenas()
     rank = os.environ.get("CRF_RANK", "?")
     logging.basicConfig(
         level=os.environ.get("CRF_LOG_LEVEL", "INFO"),
