@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from crf.store import ObjectNotFound, RunStore, StoreNotWritable, StoreTimeout
+from crf.store import ObjectNotFound, RunStore, StoreError, StoreNotWritable, StoreTimeout
 from tests import cloud_servers
 from tests.cloud_servers import (
     MotoS3,
@@ -137,6 +137,38 @@ def test_create_retried_after_a_lost_response_still_wins(bucket: str, monkeypatc
     assert lost and store.get("q") == b"mine"
     # someone else's object is still someone else's
     assert store.put_if_absent("q", b"other") is False
+
+
+def test_a_read_damaged_in_transit_is_read_again(bucket: str, monkeypatch) -> None:
+    """botocore checks a body's CRC32 and raises its own FlexibleChecksumError (not an
+    OSError) on a mismatch; one such read against moto under load failed a whole round. The
+    object is intact: the read is tried again, and only if every try fails the caller gets
+    a StoreError it handles like any other store failure. (The damage is simulated around
+    the real read: moto cannot be made to garble one response on purpose.)"""
+    from botocore.exceptions import FlexibleChecksumError
+
+    store = RunStore(f"s3://{bucket}/run", storage_options=FRESH, retry_backoff_s=0.01)
+    store.put("shard", b"x" * 1000)
+    real = store.fs.cat_file
+    damaged = []
+
+    def garbled(path, **kw):
+        data = real(path, **kw)
+        if len(damaged) < 2:
+            damaged.append(path)
+            raise FlexibleChecksumError(error_msg="Expected checksum A did not match B")
+        return data
+
+    monkeypatch.setattr(store.fs, "cat_file", garbled)
+    assert store.get("shard") == b"x" * 1000 and len(damaged) == 2
+
+    def always(path, **kw):
+        real(path, **kw)
+        raise FlexibleChecksumError(error_msg="Expected checksum A did not match B")
+
+    monkeypatch.setattr(store.fs, "cat_file", always)
+    with pytest.raises(StoreError, match="FlexibleChecksumError on every one of 5 tries"):
+        store.get("shard")
 
 
 def test_second_client_sees_new_objects(bucket: str) -> None:

@@ -16,7 +16,9 @@ Keys are ``/``-separated paths relative to the run folder (``rounds/3/quorum.jso
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import threading
 import time
@@ -26,9 +28,10 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from crf.store.errors import ObjectNotFound, StoreNotWritable, StoreTimeout
+from crf.store.errors import ObjectNotFound, StoreError, StoreNotWritable, StoreTimeout
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 #: what ``put`` takes: bytes, or a list of buffers written one after the other (no join on
 #: file://; joined for other schemes)
 Data = Any
@@ -117,6 +120,24 @@ def _put_memory(store: RunStore, path: str, data: bytes, exclusive: bool) -> boo
         return True
 
 
+@functools.cache
+def _garbled_in_transit() -> tuple[type[BaseException], ...]:
+    """Client errors that say a response was damaged or cut short on the way: its checksum
+    did not match, or the body ended early. The stored object is usually intact and a new
+    request gets it whole (seen against moto under load: one read of a 32 MB reduced shard
+    failed its CRC32 check). botocore raises these as its own exceptions, not OSErrors, so
+    without this one bad response would fail the whole round."""
+    try:
+        from botocore.exceptions import (
+            FlexibleChecksumError,
+            IncompleteReadError,
+            ResponseStreamingError,
+        )
+    except ImportError:  # no S3 extra installed: nothing of this kind can be raised
+        return ()
+    return (FlexibleChecksumError, IncompleteReadError, ResponseStreamingError)
+
+
 def split_uri(uri: str) -> tuple[str, str]:
     """Return (scheme, path) for a store URI; a bare path means ``file``."""
     if "://" not in uri:
@@ -183,16 +204,26 @@ class RunStore:
 
     # ---------------------------------------------------------------- retry
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run fn, retrying transient errors (not 'not found') with backoff."""
+        """Run fn, retrying transient errors (not 'not found') with backoff. A response
+        damaged on the way (see :func:`_garbled_in_transit`) is transient too; if every try
+        fails so, the error becomes a :class:`StoreError` that callers handle like any
+        other store failure."""
         delay = self.retry_backoff_s
+        transit = _garbled_in_transit() if self.scheme not in ("file", "memory") else ()
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except (FileNotFoundError, FileExistsError, ObjectNotFound, IsADirectoryError):
                 raise
-            except OSError:
+            except (OSError, *transit) as e:
                 if attempt == self.retries:
-                    raise
+                    if isinstance(e, OSError):
+                        raise
+                    raise StoreError(
+                        f"{what}: {type(e).__name__} on every one of {self.retries + 1} tries ({e})"
+                    ) from e
+                if not isinstance(e, OSError):
+                    log.warning("%s: %s; trying again", what, e)
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
