@@ -68,6 +68,9 @@ def test_the_cap_is_configurable_and_the_environment_wins() -> None:
     assert arenas("1", MALLOC_ARENA_MAX="3") == ("False", 3)
 
 
-def test_a_negative_cap_is_refused() -> None:
+def test_a_bad_cap_is_refused_with_what_to_fix(monkeypatch) -> None:
     with pytest.raises(ValueError, match="arenas must be >= 0"):
         limit_malloc_arenas(-1)
+    monkeypatch.setenv("CRF_MALLOC_ARENAS", "one")
+    with pytest.raises(ValueError, match="CRF_MALLOC_ARENAS must be a whole number.*'one'"):
+        limit_malloc_arenas()

@@ -53,8 +53,9 @@ _DECIDER_GRACE_S = 1.0
 #: how often a replica waiting for reduced shards asks whether a peer declared the round failed
 _FAILED_CHECK_S = 1.0
 #: a replica other than rank 0 asks whether it lags the others (global/, a later decided
-#: round) only when it is about to decide or when the quorum has not filled within this long:
-#: in a round that fills at once only rank 0, the usual decider, asks
+#: round) only when it is about to decide, finds itself alone in its round, or still waits for
+#: arrivals this long after its own: in a round that fills at once only rank 0 (the usual
+#: decider) asks
 _LAG_CHECK_AFTER_S = 0.5
 
 
