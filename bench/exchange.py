@@ -205,31 +205,19 @@ def _moto_without_module_scan() -> None:
     backends.list_of_moto_modules = lambda: modules  # type: ignore[assignment]
 
 
+_MOTO_PUTS_SERIALIZED: list[bool] = []
+
+
 def _moto_atomic_conditional_puts() -> None:
-    """moto honours ``If-None-Match: *`` but checks and stores without a lock on its threaded
-    server, where S3 makes the check atomic: two owners racing for one reduced shard (the
-    owner and, past its grace, a replica covering for it) could then both write it, and a
-    reader of the first got a body that failed its checksum (seen at N = 8 / 256 MB).
-    Conditional writes are serialized here as tests/cloud_servers.py does; plain puts (the
-    floor's, the naive design's, crf's parts) are not."""
+    """moto's conditional puts made atomic as on S3 (tests.emulators.moto_s3, which the S3
+    tests use too): once, for all the servers a run starts one after another."""
     import threading
 
-    from moto.s3.responses import S3Response
+    from tests.emulators.moto_s3 import serialize_conditional_puts
 
-    if getattr(S3Response, "_crf_bench_locked", False):  # one server after another: once
-        return
-    S3Response._crf_bench_locked = True  # type: ignore[attr-defined]
-    lock = threading.Lock()
-    for name in ("put_object", "_key_response_post"):  # PutObject, CompleteMultipartUpload
-        original = getattr(S3Response, name)
-
-        def guarded(self: Any, *a: Any, _original: Any = original, **kw: Any) -> Any:
-            if self.headers.get("If-None-Match") is None:
-                return _original(self, *a, **kw)
-            with lock:
-                return _original(self, *a, **kw)
-
-        setattr(S3Response, name, guarded)
+    if not _MOTO_PUTS_SERIALIZED:
+        serialize_conditional_puts(threading.Lock())
+        _MOTO_PUTS_SERIALIZED.append(True)
 
 
 def _s3_uri(stock: bool = False) -> tuple[str, Any]:

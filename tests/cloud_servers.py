@@ -3,8 +3,8 @@
 * S3: moto's ``ThreadedMotoServer`` on 127.0.0.1 (random port), reached by s3fs/boto3 through
   ``AWS_ENDPOINT_URL``. moto 5.2 honours ``If-None-Match: *`` on PutObject and on
   CompleteMultipartUpload, but checks-then-stores without a lock on its threaded server; real
-  S3 makes the check atomic. The fixture serialises moto's two write handlers so a racing test
-  measures our client, not moto's race window.
+  S3 makes the check atomic. The fixture serialises moto's conditional writes
+  (``tests.emulators.moto_s3``) so a racing test measures our client, not moto's race window.
 * GCS: ``gcp-storage-emulator`` on 127.0.0.1 (free port), reached by gcsfs through
   ``STORAGE_EMULATOR_HOST`` with ``token="anon"``. The emulator IGNORES ``ifGenerationMatch``
   (a second create silently overwrites; its source never reads the parameter), so the fixture
@@ -69,7 +69,7 @@ class MotoS3:
 def moto_s3() -> Iterator[MotoS3]:
     pytest.importorskip("s3fs", reason="s3 tests need the s3 extra: pip install -e .[dev]")
     moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (the dev extra)")
-    from moto.s3.responses import S3Response
+    from tests.emulators.moto_s3 import serialize_conditional_puts
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -77,14 +77,7 @@ def moto_s3() -> Iterator[MotoS3]:
     moto = MotoS3(endpoint=f"http://{host}:{port}")
 
     mp = pytest.MonkeyPatch()
-    for name in ("put_object", "_key_response_post"):  # PutObject, CompleteMultipartUpload
-        original = getattr(S3Response, name)
-
-        def locked(self: Any, *a: Any, _original: Any = original, **kw: Any) -> Any:
-            with moto.lock:
-                return _original(self, *a, **kw)
-
-        mp.setattr(S3Response, name, locked)
+    serialize_conditional_puts(moto.lock, mp.setattr)
     try:
         yield moto
     finally:

@@ -17,7 +17,6 @@ the environment wins: glibc reads it itself and this module then leaves it alone
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -50,8 +49,8 @@ def limit_malloc_arenas(arenas: int | None = None) -> bool:
     if arenas == 0 or "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = bool(libc.mallopt(_M_ARENA_MAX, arenas))
+        # the interpreter's own symbols include libc's (find_library would run ldconfig)
+        ok = bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     if not ok:
