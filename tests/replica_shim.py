@@ -8,10 +8,13 @@ Run as ``python tests/replica_shim.py`` (``crf launch --entrypoint``). It then r
 * ``CRF_TEST_SLOW`` - a straggler: JSON ``{"rank": R, "from_step": a, "to_step": b,
   "sleep_s": s}`` makes rank R sleep ``s`` after each inner step ``a..b``;
 * ``CRF_TEST_CORRUPT`` - bad objects: a JSON list of ``{"rank": R, "round": r, "kind": K}``;
-  rank R publishes a bad ``rounds/<r>/contrib/<R>/<s>`` of kind K, where s = (R + 1) mod N
-  (a part R uploads: its own shard's part never leaves it): ``truncate``, ``bitflip``,
-  ``shape`` (one value short, otherwise valid), ``foreign_run`` (another run's id) or
-  ``old_round`` (the previous round's number) - all with valid checksums except the first two.
+  rank R publishes a bad frame for shard s = (R + 1) mod N in its contribution object
+  ``rounds/<r>/contrib/<R>.*`` (named ``rounds/<r>/contrib/<R>#<s>``; a part R uploads: its
+  own shard's part never leaves it), of kind K: ``truncate`` (the frame's header says it
+  is longer than it is), ``bitflip``, ``shape`` (one value short, otherwise valid),
+  ``foreign_run`` (another run's id) or ``old_round`` (the previous round's number) - all
+  with valid checksums except the first two. The bad frame keeps its length, so the other
+  frames of the object stay where readers look for them.
 
 ``CRF_FAULT`` (SIGKILL at a named point) needs no shim: ``crf.replica.faults`` reads it.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import time
 from typing import Any
@@ -27,25 +31,48 @@ from typing import Any
 KINDS = ("truncate", "bitflip", "shape", "foreign_run", "old_round")
 
 
-def corrupt(data: bytes, kind: str) -> bytes:
-    """A bad version of an encoded contribution shard."""
-    from crf.store import decode_tensor, encode_tensor
+_FIXED = struct.Struct("<8sIQ32s")  # the tensor codec's frame header (crf.store.codec)
 
-    if kind == "truncate":
-        return data[: len(data) // 2]
+
+def corrupt(frame: bytes, kind: str) -> bytes:
+    """A bad version of one encoded shard frame, of the same length."""
+    from crf.store import decode_tensor
+    from crf.store.codec import encode_tensor_parts
+
+    magic, hlen, plen, digest = _FIXED.unpack_from(frame)
+    if kind == "truncate":  # as if the writer was cut short: the header claims more
+        return _FIXED.pack(magic, hlen, plen + 4, digest) + frame[_FIXED.size :]
     if kind == "bitflip":
-        bad = bytearray(data)
+        bad = bytearray(frame)
         bad[-1] ^= 0x01
         return bytes(bad)
-    t, header = decode_tensor(data)
+    t, header = decode_tensor(frame)
     meta = {k: v for k, v in header.items() if k not in ("dtype", "shape")}
-    if kind == "shape":
-        return encode_tensor(t[:-1].clone(), meta)
-    if kind == "foreign_run":
-        return encode_tensor(t, {**meta, "run_id": "another-run"})
-    if kind == "old_round":
-        return encode_tensor(t, {**meta, "round": int(meta["round"]) - 1})
-    raise ValueError(f"unknown corruption kind {kind!r}; one of {KINDS}")
+    if kind == "shape":  # the value dropped goes to the header's padding
+        t, hlen = t[:-1].clone(), hlen + t.element_size()
+    elif kind == "foreign_run":
+        meta["run_id"] = "another-run"
+    elif kind == "old_round":
+        meta["round"] = int(meta["round"]) - 1
+    else:
+        raise ValueError(f"unknown corruption kind {kind!r}; one of {KINDS}")
+    out = b"".join(bytes(p) for p in encode_tensor_parts(t, meta, header_bytes=hlen))
+    assert len(out) == len(frame)
+    return out
+
+
+def corrupt_shard_frame(obj: bytes, index: int, kind: str) -> bytes:
+    """``obj`` (a packed contribution) with its ``index``-th shard frame made bad."""
+    from crf.replica.contribution import manifest_length
+    from crf.store.codec import MAGIC
+
+    pos = obj.index(MAGIC, manifest_length(obj, "contribution"))  # the manifest's pad ends
+    for _ in range(index):
+        _, hlen, plen, _ = _FIXED.unpack_from(obj, pos)
+        pos += _FIXED.size + hlen + plen
+    _, hlen, plen, _ = _FIXED.unpack_from(obj, pos)
+    end = pos + _FIXED.size + hlen + plen
+    return obj[:pos] + corrupt(obj[pos:end], kind) + obj[end:]
 
 
 def install_slow(rank: int) -> None:
@@ -70,16 +97,20 @@ def install_corrupt(rank: int) -> None:
         return
     from crf.replica.allreduce import ObjectStoreAllReduce
 
-    shard = (rank + 1) % int(os.environ["CRF_WORLD_SIZE"])
-    targets = {f"rounds/{s['round']}/contrib/{rank}/{shard}": s["kind"] for s in specs}
+    world = int(os.environ["CRF_WORLD_SIZE"])
+    shard = (rank + 1) % world
+    # the object holds a frame for every shard but the ones the rank keeps (s % N == rank)
+    index = [s for s in range(world) if s % world != rank].index(shard)
+    targets = {f"rounds/{s['round']}/contrib/{rank}.": s["kind"] for s in specs}
     put = ObjectStoreAllReduce._put
 
     def bad_put(self: ObjectStoreAllReduce, res: Any, key: str, data: bytes, **kw: Any) -> bool:
-        if key in targets:
-            if isinstance(data, list):  # encode_tensor_parts: buffers written one after another
-                data = b"".join(data)
-            data = corrupt(data, targets[key])
-            print(f"[replica_shim] published a bad {key} ({targets[key]})", flush=True)
+        kind = next((k for prefix, k in targets.items() if key.startswith(prefix)), None)
+        if kind is not None:
+            if isinstance(data, list):  # buffers written one after another
+                data = b"".join(bytes(d) for d in data)
+            data = corrupt_shard_frame(data, index, kind)
+            print(f"[replica_shim] published a bad {key}#{shard} ({kind})", flush=True)
         return put(self, res, key, data, **kw)
 
     ObjectStoreAllReduce._put = bad_put  # type: ignore[method-assign]

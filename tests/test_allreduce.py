@@ -21,7 +21,9 @@ from crf.replica.allreduce import (
     RoundFailed,
     shard_bounds,
 )
+from crf.replica.contribution import find_contribution
 from crf.store import RunStore
+from crf.store.codec import MAGIC
 from tests.conftest import run_threads
 
 SHAPES = [(7,), (0,), (3, 5), (1,), (2, 2, 3)]
@@ -227,16 +229,24 @@ def test_dead_shard_owner_is_covered(store: RunStore) -> None:
     assert any("owner 1 did not reduce it" in m for m in out[0][1].rejected + out[2][1].rejected)
 
 
+def flip_in_shard_frame(data: Any, frame: int) -> bytes:
+    """A contribution object with one payload byte of its ``frame``-th shard frame flipped
+    (frames start with the tensor codec's magic; the payload ends where the next begins)."""
+    b = bytearray(b"".join(data) if isinstance(data, list) else data)
+    starts = [i for i in range(len(b)) if b[i : i + 8] == MAGIC]
+    end = starts[frame + 1] if frame + 1 < len(starts) else len(b)
+    b[end - 3] ^= 0xFF
+    return bytes(b)
+
+
 def test_corrupt_contribution_is_never_averaged(store: RunStore) -> None:
     """A bit flip in one uploaded shard: that contribution is left out of that shard's
     average, the rejection is reported, and every replica still ends identical."""
     real_put = store.put
 
     def flipping_put(key: str, data: bytes, **kw: Any) -> None:
-        if key == "rounds/0/contrib/2/0":
-            b = bytearray(b"".join(data) if isinstance(data, list) else data)
-            b[-3] ^= 0xFF
-            data = bytes(b)
+        if key.startswith("rounds/0/contrib/2."):  # replica 2's: frames of shards 0 and 1
+            data = flip_in_shard_frame(data, 0)
         real_put(key, data, **kw)
 
     store.put = flipping_put  # type: ignore[method-assign]
@@ -252,7 +262,7 @@ def test_corrupt_contribution_is_never_averaged(store: RunStore) -> None:
     for flat, _ in out:
         assert torch.equal(flat, expect)
     rejected = out[0][1].rejected  # shard 0 is owned by replica 0
-    assert any("checksum mismatch" in m for m in rejected), rejected
+    assert any("rounds/0/contrib/2#0" in m and "checksum mismatch" in m for m in rejected), rejected
 
 
 def test_bad_reduced_shard_fails_the_round_for_everyone(store: RunStore) -> None:
@@ -409,10 +419,10 @@ def test_non_contiguous_tensors_and_rounds_of_other_sizes(store: RunStore) -> No
 
 
 @pytest.mark.parametrize("drop", [None, False])
-def test_a_finished_replica_drops_its_contribution_shards(tmp_path, drop) -> None:
-    """On a local folder each replica deletes its contribution shards once it holds every
-    reduced shard (the disk need not write them back); manifests, quorum and reduced shards
-    stay for the GC. ``drop_contributions=False`` keeps them, as object stores do by default."""
+def test_a_finished_replica_drops_its_contribution(tmp_path, drop) -> None:
+    """On a local folder each replica deletes its contribution once it holds every reduced
+    shard (the disk need not write it back); the quorum and reduced shards stay for the GC.
+    ``drop_contributions=False`` keeps them, as object stores do by default."""
     store = RunStore(f"file://{tmp_path}/run")
 
     def replica(rank: int):
@@ -422,13 +432,10 @@ def test_a_finished_replica_drops_its_contribution_shards(tmp_path, drop) -> Non
         return ar
 
     run_threads(3, replica)
-    for rank in range(3):
-        left = sorted(store.list(f"rounds/0/contrib/{rank}"))
-        if drop is None:
-            assert left == ["manifest.json"]
-        else:
-            assert "manifest.json" in left and len(left) == 3  # two shards went up
+    left = [find_contribution(store, 0, rank) for rank in range(3)]
+    assert left == [None] * 3 if drop is None else all(left)
     assert sorted(store.list("rounds/0/reduced")) == ["0", "1", "2"]
+    assert store.exists("rounds/0/quorum.json")
     assert not ObjectStoreAllReduce(RunStore("memory://x/y"), 2, 0).drop_contributions
 
 
@@ -444,9 +451,11 @@ def test_a_late_owner_defers_to_the_average_published_without_it(tmp_path) -> No
             real = ar._reduce_shard
 
             def late(res, job, s, *, first=False):
-                others_gone = [f"rounds/0/contrib/{p}/1" for p in (0, 2)]
                 deadline = time.monotonic() + 20
-                while any(store.exists(k) for k in others_gone) and time.monotonic() < deadline:
+                while (
+                    any(find_contribution(store, 0, p) for p in (0, 2))
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.02)
                 return real(res, job, s, first=first)
 
@@ -578,7 +587,10 @@ def test_lag_is_asked_where_it_can_matter(store: RunStore, monkeypatch) -> None:
     # everyone arrives, in rank order: only rank 0 is ever alone, nobody waits for long
     def in_order(rank: int):
         if rank > 0:
-            store.wait_for([f"rounds/0/contrib/{rank - 1}/manifest.json"], 10, poll_s=0.001)
+            deadline = time.monotonic() + 10
+            while find_contribution(store, 0, rank - 1) is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
         return replica(rank)
 
     out = run_threads(n, in_order)
@@ -621,9 +633,9 @@ def test_owner_downloads_its_shard_while_the_quorum_is_open(store: RunStore) -> 
         if rank == 0:
             fetch = ar._fetch_contrib
 
-            def recording_fetch(res, job, p, s, wait_s):
+            def recording_fetch(res, job, p, s, wait_s, **kw):
                 fetched.append((p, s, store.exists("rounds/0/quorum.json")))
-                return fetch(res, job, p, s, wait_s)
+                return fetch(res, job, p, s, wait_s, **kw)
 
             ar._fetch_contrib = recording_fetch  # type: ignore[method-assign]
         ts = make_tensors(rank)

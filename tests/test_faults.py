@@ -22,6 +22,7 @@ import pytest
 from crf.executors.base import ExecutorError, ReplicaState
 from crf.executors.local import LocalProcessExecutor
 from crf.launcher.errors import LaunchError
+from crf.replica.contribution import read_manifest
 from crf.store import RunStore, decode_tensor
 from tests.fault_helpers import (
     baseline_wait,
@@ -332,7 +333,7 @@ def test_bad_objects_are_rejected_reported_and_never_averaged(tmp_path: Path) ->
     run = tmp_path / "runs" / "bad"
     print("\n" + describe(summary))
     assert summary["status"] == "ok" and summary["weights_identical"] is True
-    bad_keys = [f"rounds/{r}/contrib/{rank}/{(rank + 1) % n}" for rank, r, _, _ in BAD]
+    bad_keys = [f"rounds/{r}/contrib/{rank}#{(rank + 1) % n}" for rank, r, _, _ in BAD]
     assert summary["objects_rejected"] == len(BAD)
     assert summary["rejected_objects"] == bad_keys
     assert summary["rounds_lost"] == [] and summary["rounds_completed"] == rounds
@@ -428,9 +429,11 @@ def test_two_runs_in_one_bucket_never_see_each_other(tmp_path: Path) -> None:
         assert json.loads((run / "run.json").read_text())["run_id"] == run_id
         for path in run.glob("rounds/*/quorum.json"):
             assert json.loads(path.read_text())["run_id"] == run_id
-        for path in run.glob("rounds/*/contrib/*/manifest.json"):
-            assert json.loads(path.read_text())["run_id"] == run_id
-        for path in run.glob("rounds/*/*/*/[0-9]"):
+        store = RunStore(f"file://{run}")
+        for path in run.glob("rounds/*/contrib/[0-9]*"):
+            key = str(path.relative_to(run))
+            assert read_manifest(store, key)["run_id"] == run_id
+        for path in run.glob("rounds/*/reduced/[0-9]*"):
             assert decode_tensor(path.read_bytes())[1]["run_id"] == run_id
     assert out["exp"]["weights_sha256"] != out["exp-2"]["weights_sha256"]
 

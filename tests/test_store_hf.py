@@ -251,14 +251,17 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> FakeHub:
             super().__init__(*a, **kw)
             self._api = FakeHfApi(fake)
 
-        def _crf_fetch(self, u: Any) -> bytes:  # the one HTTP GET, served from the fake
+        def _crf_fetch(self, u: Any, start: int | None = None, end: int | None = None) -> bytes:
+            # the one HTTP GET (with a Range header when start/end are given), from the fake
             with fake.lock:
                 try:
                     if u.type == "bucket":
-                        return FakeHfApi(fake)._bucket(u.id)[u.path_in_repo]
-                    return fake.files(u.id, u.revision)[u.path_in_repo]
+                        data = FakeHfApi(fake)._bucket(u.id)[u.path_in_repo]
+                    else:
+                        data = fake.files(u.id, u.revision)[u.path_in_repo]
                 except KeyError:
                     raise FileNotFoundError(u.path_in_repo) from None
+            return data if start is None or end is None else data[start:end]
 
     fsspec.register_implementation("hf", FakeTransportFs, clobber=True)
     sleeps: list[float] = []

@@ -51,7 +51,8 @@ RESULT_FIELDS = (
 
 #: a store key named in a rejection message (contribution, reduced shard, checkpoint, ...)
 _OBJECT_KEY = re.compile(
-    r"(rounds/\d+/(?:contrib/\d+/[\w.]+|reduced/\d+|quorum\.json|failed\.json)"
+    r"(rounds/\d+/(?:contrib/\d+#\d+|held/\d+/\d+|contrib/\d+|reduced/\d+|quorum\.json"
+    r"|failed\.json)"
     r"|global/\d+/state\.pt|replicas/\d+/inner/\d+\.pt)"
 )
 #: a contribution that was not there to average (its replica died or was late), as opposed

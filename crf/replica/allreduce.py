@@ -2,10 +2,15 @@
 
 One round (DESIGN.md, "One round of the exchange"):
 
-1. every replica flattens its tensors into one vector, cuts it into ``num_shards`` shards and
-   uploads ``rounds/<r>/contrib/<rank>/<shard>``, then its manifest (layout + hash) last;
-2. the first replica that sees all N manifests — or the round deadline pass with at least
-   ``min_replicas`` — creates ``rounds/<r>/quorum.json`` (create-if-absent: one decision);
+1. every replica cuts its tensors (read as one vector, not copied into one) into
+   ``num_shards`` shards and uploads them, with a manifest (layout, base round, wire) in front,
+   as ONE object ``rounds/<r>/contrib/<rank>`` (:mod:`crf.replica.contribution`: each shard
+   at a byte range every replica can compute, so a reader fetches just its shard); the shard
+   a replica owns in a full quorum stays home;
+2. when all N contributions are listed the lowest rank among them reads their manifests and
+   creates ``rounds/<r>/quorum.json`` (create-if-absent: one decision) with the participants
+   and what it checked of them; anyone decides if it has not appeared after a grace period,
+   or once the round deadline passes with at least ``min_replicas`` arrived;
 3. shard ``s`` is owned by ``participants[s % len(participants)]``; the owner averages it over
    the quorum in rank order (fp32 accumulation, so every replica that computes a shard gets the
    same bits) and publishes ``rounds/<r>/reduced/<s>``; if the owner does not publish within
@@ -33,6 +38,21 @@ from typing import Any
 import torch
 
 from crf.replica import wire as wirefmt
+from crf.replica.contribution import (
+    FACTS,
+    Arrival,
+    Packing,
+    contrib_key,
+    contrib_name,
+    encode_manifest,
+    facts_digest,
+    held_key,
+    manifest_size,
+    parse_contrib_name,
+    read_manifest,
+    shard_header_size,
+    shard_name,
+)
 from crf.replica.faults import maybe_fault
 from crf.store import (
     CorruptObjectError,
@@ -52,6 +72,9 @@ log = logging.getLogger(__name__)
 _DECIDER_GRACE_S = 1.0
 #: how often a replica waiting for reduced shards asks whether a peer declared the round failed
 _FAILED_CHECK_S = 1.0
+#: how often a replica that has not seen every contribution yet asks for the round's decision
+#: (it can only be a deadline decision, which left this replica out)
+_DECISION_POLL_S = 1.0
 #: a replica other than rank 0 asks whether it lags the others (global/, a later decided
 #: round) only when it is about to decide, finds itself alone in its round, or still waits for
 #: arrivals this long after its own: in a round that fills at once only rank 0 (the usual
@@ -91,8 +114,20 @@ class _Round:
     lhash: str
     total: int
     mine: dict[int, torch.Tensor]  # this replica's wire tensors, by shard
+    packing: Packing
+    #: the participants' contribution objects (names in rounds/<r>/contrib/), by rank
+    names: dict[int, str]
     #: contributions fetched while the quorum was being decided, by (rank, shard)
     early: dict[tuple[int, int], Future] = field(default_factory=dict)
+
+
+@dataclass
+class _Part:
+    """A participant's wire tensor for one shard, or why it cannot be averaged (reported
+    when the reduce step uses it: an early download that ends up unused reports nothing)."""
+
+    tensor: torch.Tensor | None
+    problem: str | None = None
 
 
 @dataclass
@@ -271,7 +306,8 @@ class ObjectStoreAllReduce:
         # polling a local folder is cheap; an object store is billed and rate-limited per call
         self.max_poll_s = max_poll_s or (0.05 if self.store.scheme in ("file", "memory") else 0.5)
         self.next_round = 0
-        self._manifests: dict[int, dict[int, dict[str, Any]]] = {}
+        #: contributions listed in a round (complete: each is one atomic PUT), by rank
+        self._present: dict[int, dict[int, Arrival]] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.max_transfers = max_transfers
         # a replica's contribution shards are dead weight once it has every reduced shard:
@@ -328,6 +364,12 @@ class ObjectStoreAllReduce:
 
     def _get(self, res: AllReduceResult, key: str, size_hint: int | None = None) -> bytes:
         data = self.store.get(key, size_hint=size_hint)
+        with self._count_lock:
+            res.bytes_down += len(data)
+        return data
+
+    def _get_range(self, res: AllReduceResult, key: str, start: int, end: int) -> bytes:
+        data = self.store.get_range(key, start, end)
         with self._count_lock:
             res.bytes_down += len(data)
         return data
@@ -406,15 +448,21 @@ class ObjectStoreAllReduce:
             if previous is not None and previous.numel() != total:
                 previous = None
         bounds = shard_bounds(total, self.num_shards)
-        base = f"rounds/{r}"
 
-        # 1. publish my contribution, shards first and the manifest last. The shard this
-        #    replica will own in a full quorum stays in memory: the owner never needs to
-        #    download its own contribution, so a replica uploads ~P, not P + P/N.
+        # 1. publish my contribution: the manifest and every shard but the ones this replica
+        #    owns in a full quorum (those stay in memory: the owner never downloads its own
+        #    part, so a replica uploads ~P, not P + P/N), packed into one object, one PUT
         self._phase("uploading")
+        packing = Packing(
+            bounds,
+            self.wire,
+            self.world_size,
+            manifest_size(layout, self.run_id, self.num_shards, self.world_size),
+            shard_header_size(self.run_id),
+        )
         mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
-        held_back = []
-        uploads = []
+        held_back = packing.kept(self.rank)
+        encoding = []
         for s, (a, b) in enumerate(bounds):
             if exact:
                 payload: Any = source.pieces(a, b)
@@ -427,16 +475,15 @@ class ObjectStoreAllReduce:
                     residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a)
                 del x
             mine_wire[s] = payload
-            if s % self.world_size == self.rank:
-                held_back.append(s)
-                continue
-            # parts go up in parallel: checksums and writes of one overlap another's I/O
-            uploads.append(
-                self._pool().submit(self._upload_contrib, res, r, s, payload, lhash, total)
-            )
-        for f in uploads:
-            f.result()
-            maybe_fault("uploading", self.rank, r, self.store)
+            if s not in held_back:  # checksums of the shards are computed in parallel
+                encoding.append(
+                    self._pool().submit(
+                        encode_tensor_parts,
+                        payload,
+                        self._meta(r, s, lhash, total),
+                        header_bytes=packing.header_bytes,
+                    )
+                )
         manifest = {
             "rank": self.rank,
             "run_id": self.run_id,
@@ -450,25 +497,36 @@ class ObjectStoreAllReduce:
             "held_back": held_back,
             "fragment": fragment,
         }
-        self._put(res, f"{base}/contrib/{self.rank}/manifest.json", json.dumps(manifest).encode())
-        self._manifests.setdefault(r, {})[self.rank] = manifest  # never read back
+        parts: list[Any] = [encode_manifest(manifest, packing.manifest_bytes)]
+        for f in encoding:
+            parts.extend(f.result())
+        facts = facts_digest(manifest)
+        mine = Arrival(self.rank, base_round, facts, contrib_name(self.rank, base_round, facts))
+        maybe_fault("uploading", self.rank, r, self.store)
+        self._put(res, contrib_key(r, mine.name), parts)
+        del parts
 
         if residual is not None:
             self._residual[fragment] = residual
-        for old in [k for k in self._manifests if k < r]:
-            del self._manifests[old]
+        for old in [k for k in self._present if k < r]:
+            del self._present[old]
+        present = self._present.setdefault(r, {})
+        present[self.rank] = mine
 
         # 2. quorum. While it is being decided, the contributions to the shards this
-        #    replica owns in a full quorum are already downloaded, as each peer's manifest
-        #    shows its parts complete: the reduce step then starts with them at hand
+        #    replica owns in a full quorum are already downloaded, as each peer's object
+        #    appears: the reduce step then starts with them at hand
         self._phase("quorum")
-        self._early = _Early(
-            _Round(r, list(range(self.world_size)), bounds, lhash, total, mine_wire),
+        everyone = list(range(self.world_size))
+        self._early = _Early(  # names: the listing's, as it grows
+            _Round(r, everyone, bounds, lhash, total, mine_wire, packing, names={}),
             manifest,
             res,
         )
+        decided: dict[str, Any] = {}
         try:
-            participants = self._decide_quorum(res, r, base_round)
+            decided = self._decide_quorum(res, r)
+            participants = sorted(int(p) for p in decided["participants"])
         except _Stale as e:
             participants, res.stale_behind = [], e.top
         finally:
@@ -486,17 +544,19 @@ class ObjectStoreAllReduce:
             res.seconds = time.monotonic() - t0
             self.history.append(res)
             return res
-        self._check_layouts(res, r, participants, manifest)
+        names = {int(p): c["name"] for p, c in decided["contributions"].items()}
+        self._check_layouts(res, r, participants, manifest, facts, decided)
         # a degraded quorum moves ownership: publish held-back shards someone else now owns
         for s in held_back:
             if participants[s % len(participants)] != self.rank:
-                self._upload_contrib(res, r, s, mine_wire[s], lhash, total)
+                meta = self._meta(r, s, lhash, total)
+                self._put(res, held_key(r, self.rank, s), encode_tensor_parts(mine_wire[s], meta))
         maybe_fault("after_quorum", self.rank, r, self.store)
 
         # 3. reduce-scatter: my shards first, then (after a grace period) orphans
         self._phase("reducing")
         reduced_here: dict[int, torch.Tensor] = {}
-        job = _Round(r, participants, bounds, lhash, total, mine_wire, early)
+        job = _Round(r, participants, bounds, lhash, total, mine_wire, packing, names, early)
         for s in range(self.num_shards):
             if participants[s % len(participants)] == self.rank:
                 w = self._reduce_shard(res, job, s, first=True)
@@ -543,7 +603,7 @@ class ObjectStoreAllReduce:
         # own dtype
         self._write_average(got, bounds, tensors, exact)
         if self.drop_contributions:  # in the background: nobody waits for it
-            self._pool().submit(self._drop_contributions, r, len(bounds))
+            self._pool().submit(self._drop_contributions, r, mine.name)
         res.seconds = time.monotonic() - t0
         self.history.append(res)
         return res
@@ -682,16 +742,17 @@ class ObjectStoreAllReduce:
             offset += n
 
     # ------------------------------------------------------------------ steps
-    def _drop_contributions(self, r: int, shards: int) -> None:
-        """Delete this replica's contribution shards of round r (not its manifest, which a
-        slow participant may still read). Every reduced shard exists by now, so no reducer
-        needs them: an owner's late first attempt finds them gone and defers to the
-        published average (:class:`_AlreadyReduced`)."""
-        for s in range(shards):
+    def _drop_contributions(self, r: int, name: str) -> None:
+        """Delete this replica's contribution to round r (and any shard it published after a
+        degraded quorum). Every reduced shard exists by now, so no reducer needs them: an
+        owner's late first attempt finds them gone and defers to the published average
+        (:class:`_AlreadyReduced`), and the quorum is decided, so nobody reads the
+        manifest."""
+        for key in (contrib_key(r, name), f"rounds/{r}/held/{self.rank}"):
             try:
-                self.store.delete(f"rounds/{r}/contrib/{self.rank}/{s}")
+                self.store.delete(key)
             except Exception as e:  # only disk space is at stake; the GC retries later
-                log.debug("round %d: could not drop contribution shard %d: %s", r, s, e)
+                log.debug("round %d: could not drop %s: %s", r, key, e)
 
     def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
         return {
@@ -704,37 +765,23 @@ class ObjectStoreAllReduce:
             "wire": self.wire,
         }
 
-    def _arrived(self, r: int) -> dict[int, dict[str, Any]]:
-        """Manifests of the replicas whose contribution to round r is complete. New ones are
-        read in parallel; once all are known the folder is not listed again."""
-        cache = self._manifests.setdefault(r, {})
-        if len(cache) < self.world_size:
-            new = [
-                int(name)
-                for name in self.store.list(f"rounds/{r}/contrib")
-                if name.isdigit() and int(name) not in cache and int(name) < self.world_size
-            ]
-            reads = [
-                (
-                    p,
-                    self._control().submit(
-                        self.store.get_json, f"rounds/{r}/contrib/{p}/manifest.json"
-                    ),
-                )
-                for p in new
-            ]
-            for p, f in reads:
-                try:
-                    cache[p] = f.result()
-                except (ObjectNotFound, ValueError):
-                    continue  # still uploading (manifest is written last)
-        return dict(sorted(cache.items()))
+    def _list_present(self, r: int) -> dict[int, Arrival]:
+        """Contributions to round r in the store (complete: each is one atomic PUT), by rank,
+        with what their names tell (base round, facts digest). Once all are there the folder
+        is not listed again."""
+        present = self._present.setdefault(r, {})
+        if len(present) < self.world_size:
+            for name in self.store.list(f"rounds/{r}/contrib"):
+                arrival = parse_contrib_name(name)
+                if arrival is not None and arrival.rank < self.world_size:
+                    present.setdefault(arrival.rank, arrival)
+        return dict(sorted(present.items()))
 
     @staticmethod
-    def _eligible(arrived: dict[int, dict[str, Any]]) -> tuple[list[int], list[int]]:
+    def _eligible(arrived: dict[int, Arrival]) -> tuple[list[int], list[int]]:
         """Split arrivals into (eligible, stale): a replica whose weights are based on an
         older global round than the others missed a commit and must heal, not contribute."""
-        bases = {k: m.get("base_round") for k, m in arrived.items()}
+        bases = {k: a.base_round for k, a in arrived.items()}
         known = [b for b in bases.values() if b is not None]
         if not known:
             return sorted(arrived), []
@@ -742,14 +789,18 @@ class ObjectStoreAllReduce:
         eligible = sorted(k for k, b in bases.items() if b is None or b == top)
         return eligible, sorted(set(arrived) - set(eligible))
 
-    def _decide_quorum(self, res: AllReduceResult, r: int, base: int | None) -> list[int]:
-        """Read or create rounds/<r>/quorum.json; exactly one decision per round. Raises
-        _Stale as soon as this replica sees it is behind the others (it must heal).
+    def _decide_quorum(self, res: AllReduceResult, r: int) -> dict[str, Any]:
+        """Read or create rounds/<r>/quorum.json; exactly one decision per round, returned.
+        Raises _Stale as soon as this replica sees it is behind the others (it must heal).
 
-        Each poll reads the decision and the arrivals concurrently. When every replica has
-        arrived, the lowest eligible rank writes the decision and the others read it (a
-        race of N conditional writes costs N - 1 refusals, each followed by two reads);
-        anyone decides if it has not appeared within ``_DECIDER_GRACE_S``."""
+        Each poll lists the contributions, whose names tell each one's base round and facts
+        digest (:mod:`crf.replica.contribution`), and reads the decision once it can be
+        there. When every replica's contribution is listed, the lowest eligible rank (on the
+        newest base round) writes the decision - who takes part, who is stale, each
+        participant's contribution and facts digest - and the others read it (a race of N
+        conditional writes costs N - 1 refusals, each followed by two reads). Anyone decides
+        if it has not appeared within ``_DECIDER_GRACE_S``, and at the round deadline with at
+        least ``min_replicas`` eligible."""
         key = f"rounds/{r}/quorum.json"
         deadline = time.monotonic() + self.round_timeout_s
         decided: dict[str, Any] | None = None
@@ -786,22 +837,51 @@ class ObjectStoreAllReduce:
             if behind is not None:
                 raise _Stale(behind)
 
+        # the decision is asked for on every poll once every contribution is listed (but by
+        # the replica that is to write it), and otherwise once a second: before then it can
+        # only be a deadline decision by the others (this replica is a straggler). A replica
+        # that finds itself alone asks at once: it may be a straggler whose peers decided
+        # the round without it and then dropped their contributions (file stores), which
+        # takes the round's average rather than healing
+        asked = time.monotonic()
+        alone_asked = False
+        mine = self._present[r][self.rank]
+
         def _try() -> bool:
-            nonlocal decided, everyone_at
-            reading = self._control().submit(self._get_if_there, res, key, 0)
-            arrived = self._arrived(r)
-            data = reading.result()
+            nonlocal decided, everyone_at, asked, alone_asked
+            known = self._present.get(r, {})
+            now = time.monotonic()
+            ask = (
+                (len(known) == self.world_size and self._eligible(known)[0][:1] != [self.rank])
+                or now - asked >= _DECISION_POLL_S
+                or now >= deadline
+            )
+            reading = self._control().submit(self._get_if_there, res, key, 0) if ask else None
+            asked = now if ask else asked
+            arrived = self._list_present(r)
+            if reading is None and not alone_asked and list(arrived) == [self.rank]:
+                reading, asked, alone_asked = (
+                    self._control().submit(self._get_if_there, res, key, 0),
+                    now,
+                    True,
+                )
+            eligible, stale = self._eligible(arrived)
+            if self._early is not None and self.fetch_early and self.rank in eligible:
+                same = [
+                    p
+                    for p, a in arrived.items()
+                    if (a.base_round, a.facts) == (mine.base_round, mine.facts)
+                ]
+                self._fetch_early({p: arrived[p] for p in same})
+            if self.rank in stale:
+                raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
+            data = reading.result() if reading is not None else None
             if data is not None:
                 decided = json.loads(data)
                 return True
             if self.on_wait is not None and time.monotonic() >= next_hook[0]:
                 next_hook[0] = time.monotonic() + 1.0
                 self.on_wait()
-            eligible, stale = self._eligible(arrived)
-            if self._early is not None and self.fetch_early and self.rank in eligible:
-                self._fetch_early(arrived)
-            if self.rank in stale:
-                raise _Stale(max(arrived[e].get("base_round") or -1 for e in eligible))
             everyone = len(arrived) == self.world_size
             late = time.monotonic() >= deadline
             deciding = bool((everyone or late) and eligible and len(eligible) >= self.min_replicas)
@@ -810,38 +890,38 @@ class ObjectStoreAllReduce:
                 # the lowest eligible rank decides; read its decision
                 deciding = time.monotonic() - everyone_at >= _DECIDER_GRACE_S
             _lagging(deciding, waiting=not everyone, alone=list(arrived) == [self.rank])
-            if deciding:
-                body = {
-                    "round": r,
-                    "participants": eligible,
-                    "stale": stale,
-                    "base_round": max(
-                        (
-                            arrived[e].get("base_round")
-                            for e in eligible
-                            if arrived[e].get("base_round") is not None
-                        ),
-                        default=None,
-                    ),
-                    "decided_by": self.rank,
-                    "decided_at": time.time(),
-                    "run_id": self.run_id,
-                    "reason": "all arrived" if everyone else "deadline",
-                }
-                if self._put(res, key, json.dumps(body).encode(), exclusive=True):
-                    decided = body
-                else:  # someone else decided first: theirs is the decision
-                    decided = json.loads(self._get(res, key, 0))
-                return True
-            return False
+            if not deciding:
+                return False
+            bases = [arrived[e].base_round for e in eligible]
+            body = {
+                "round": r,
+                "participants": eligible,
+                "stale": stale,
+                "base_round": max((b for b in bases if b is not None), default=None),
+                "contributions": {
+                    str(p): {"name": arrived[p].name, "facts": arrived[p].facts} for p in eligible
+                },
+                # what the digests stand for, as in the decider's own manifest
+                "facts": {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
+                "decided_by": self.rank,
+                "decided_at": time.time(),
+                "run_id": self.run_id,
+                "reason": "all arrived" if everyone else "deadline",
+            }
+            if self._put(res, key, json.dumps(body).encode(), exclusive=True):
+                decided = body
+            else:  # someone else decided first: theirs is the decision
+                decided = json.loads(self._get(res, key, 0))
+            return True
 
         # keep polling a little past the deadline so a decision by a peer is seen
         if not wait_until(
             _try, self.round_timeout_s + 1.0, poll_s=0.005, max_poll_s=self.max_poll_s
         ):
             raise QuorumTimeout(
-                f"round {r}: only {len(self._arrived(r))} of {self.world_size} replicas arrived "
-                f"within {self.round_timeout_s:.0f}s (need min_replicas={self.min_replicas})"
+                f"round {r}: only {len(self._list_present(r))} of {self.world_size} replicas "
+                f"arrived within {self.round_timeout_s:.0f}s (need "
+                f"min_replicas={self.min_replicas})"
             )
         assert decided is not None
         if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
@@ -850,7 +930,7 @@ class ObjectStoreAllReduce:
             raise AllReduceError(
                 f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
             )
-        return sorted(int(p) for p in decided["participants"])
+        return decided
 
     def _lag_behind(self, r: int) -> int | None:
         """The global round this replica must heal to if the others are past round r."""
@@ -866,22 +946,27 @@ class ObjectStoreAllReduce:
             return self._later_decided_round(r)
         return None
 
-    def _fetch_early(self, arrived: dict[int, dict[str, Any]]) -> None:
+    def _fetch_early(self, peers: dict[int, Arrival]) -> None:
         """Start downloading the parts of the shards this replica owns in a full quorum from
-        every peer whose manifest is here and matches this replica's (same run, layout,
-        wire, fragment and base): with everyone in the quorum they are exactly what the
-        reduce step reads, and until then they only cost their download."""
+        every peer whose contribution is here and matches this replica's (same base round
+        and facts digest): with everyone in the quorum they are exactly what the reduce step
+        reads, and until then they only cost their download."""
         early = self._early
         assert early is not None
-        job, mine = early.job, early.manifest
-        same = ("run_id", "layout_hash", "wire_dtype", "fragment", "num_shards", "base_round")
-        for p, m in arrived.items():
-            if p == self.rank or any(m.get(k) != mine[k] for k in same):
+        job = early.job
+        for p, arrival in peers.items():
+            if p == self.rank:
                 continue
+            job.names[p] = arrival.name
             for s in range(self.rank, self.num_shards, self.world_size):
                 if (p, s) not in early.fetches:
                     early.fetches[(p, s)] = self._pool().submit(
-                        self._fetch_contrib, early.res, job, p, s, 0.0
+                        self._fetch_contrib,
+                        early.res,
+                        job,
+                        p,
+                        s,
+                        0.0,
                     )
 
     def _later_decided_round(self, r: int) -> int | None:
@@ -900,15 +985,33 @@ class ObjectStoreAllReduce:
         return max(rounds) if rounds else None
 
     def _check_layouts(
-        self, res: AllReduceResult, r: int, participants: list[int], mine: dict[str, Any]
+        self,
+        res: AllReduceResult,
+        r: int,
+        participants: list[int],
+        mine: dict[str, Any],
+        my_facts: str,
+        decided: dict[str, Any],
     ) -> None:
-        cached = self._manifests.get(r, {})
+        """Every participant must send the same tensors, wire and fragment as this replica.
+        The decision carries a digest of each participant's facts; only a participant whose
+        digest differs has its manifest read, to say how."""
+        contributions = decided.get("contributions") or {}
         for p in participants:
-            if p == self.rank:
+            c = contributions.get(str(p)) or {}
+            if p == self.rank or c.get("facts") == my_facts:
                 continue
-            other = cached.get(p) or json.loads(
-                self._get(res, f"rounds/{r}/contrib/{p}/manifest.json", 0)
-            )
+            try:
+                other = read_manifest(
+                    self.store,
+                    contrib_key(r, c.get("name", "")),
+                    lambda k, a, b: self._get_range(res, k, a, b),
+                )
+            except (ObjectNotFound, CorruptObjectError) as e:
+                raise AllReduceError(
+                    f"round {r}: replica {p} sends other tensors or settings than this "
+                    f"replica, and its manifest is unreadable ({e})"
+                ) from None
             if other.get("run_id") != self.run_id:
                 raise LayoutMismatchError(
                     f"round {r}: replica {p}'s contribution is from run {other.get('run_id')!r}"
@@ -924,36 +1027,45 @@ class ObjectStoreAllReduce:
                     f"replica fragment {mine.get('fragment')}: all replicas must use the same "
                     "fragments"
                 )
-            if other["layout_hash"] != mine["layout_hash"]:
+            if other.get("layout_hash") != mine["layout_hash"]:
                 raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))
-
-    def _upload_contrib(
-        self, res: AllReduceResult, r: int, s: int, payload: Any, lhash: str, total: int
-    ) -> None:
-        key = f"rounds/{r}/contrib/{self.rank}/{s}"
-        self._put(res, key, encode_tensor_parts(payload, self._meta(r, s, lhash, total)))
+            if other.get("num_shards") != mine["num_shards"]:
+                raise LayoutMismatchError(
+                    f"round {r}: replica {p} cuts the vector into {other.get('num_shards')} "
+                    f"shards, this replica {mine['num_shards']}: all replicas must use the "
+                    "same num_shards"
+                )
 
     def _fetch_contrib(
-        self, res: AllReduceResult, job: _Round, p: int, s: int, wait_s: float
-    ) -> torch.Tensor | None:
-        """Participant p's wire tensor for shard s, or None if missing or bad (reported)."""
+        self,
+        res: AllReduceResult,
+        job: _Round,
+        p: int,
+        s: int,
+        wait_s: float,
+    ) -> _Part:
+        """Participant p's wire tensor for shard s, or why it cannot be averaged. A shard p
+        keeps is read from ``held/`` (p published it for a degraded quorum, perhaps late:
+        ``wait_s``); any other from its range of p's contribution object."""
         r = job.round
-        ckey = f"rounds/{r}/contrib/{p}/{s}"
-        if wait_s > 0:
+        held = s in job.packing.kept(p)
+        key = held_key(r, p, s) if held else contrib_key(r, job.names[p])
+        name = key if held else shard_name(r, p, s)
+        if wait_s > 0 and held:
             rkey = f"rounds/{r}/reduced/{s}"  # once published, the part is not needed
             wait_until(
-                lambda: self.store.object_exists(ckey) or self.store.object_exists(rkey),
+                lambda: self.store.object_exists(key) or self.store.object_exists(rkey),
                 wait_s,
                 poll_s=0.005,
                 max_poll_s=self.max_poll_s,
             )
-        a, b = job.bounds[s]
         try:
-            t, hdr = decode_tensor(
-                self._get(res, ckey, _size_hint(job.bounds[s])),
-                where=f"{self.store.uri}/{ckey}",
-                copy=False,
-            )
+            if held:
+                data = self._get(res, key, _size_hint(job.bounds[s]))
+            else:
+                a, b = job.packing.ranges(p)[s]
+                data = self._get_range(res, key, a, b)
+            t, hdr = decode_tensor(data, where=f"{self.store.uri}/{name}", copy=False)
             expect = {
                 "run_id": self.run_id,
                 "round": r,
@@ -964,20 +1076,18 @@ class ObjectStoreAllReduce:
                 "wire": self.wire,
             }
             bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
-            if bad or not wirefmt.wire_numel_ok(t, self.wire, b - a):
-                raise CorruptObjectError(f"{ckey}: header does not match this round ({bad})")
-            return t
+            lo, hi = job.bounds[s]
+            if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo):
+                raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
+            return _Part(t)
         except ObjectNotFound:
             if self.store.object_exists(f"rounds/{r}/reduced/{s}"):
                 # dropped by its uploader after the round completed: this shard's average
                 # is published already, and this attempt would lose the race anyway
                 raise _AlreadyReduced(s) from None
-            msg = f"{ckey}: missing"
+            return _Part(None, f"{name}: missing")
         except CorruptObjectError as e:
-            msg = str(e)
-        log.warning("round %d: contribution left out of shard %d: %s", r, s, msg)
-        res.rejected.append(msg)
-        return None
+            return _Part(None, str(e))
 
     def _reduce_shard(
         self, res: AllReduceResult, job: _Round, s: int, *, first: bool = False
@@ -1012,15 +1122,19 @@ class ObjectStoreAllReduce:
         }
         for p in job.participants:  # fixed rank order
             if p == self.rank:
-                w: torch.Tensor | None = job.mine[s]
+                w: Any = job.mine[s]
             elif p not in fetches:
                 w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
-                res.rejected.append(f"rounds/{r}/contrib/{p}/{s}: owner {p} did not reduce it")
+                res.rejected.append(f"{shard_name(r, p, s)}: owner {p} did not reduce it")
             else:
                 try:
-                    w = fetches[p].result()
+                    part = fetches[p].result()
                 except _AlreadyReduced:
                     return None
+                if part.problem is not None:
+                    log.warning("round %d: left out of shard %d: %s", r, s, part.problem)
+                    res.rejected.append(part.problem)
+                w = part.tensor
             if w is None:
                 continue
             first_part = acc is None

@@ -16,7 +16,7 @@ from typing import Any
 
 POINTS = (
     "inner_step",  # after an inner optimizer step
-    "uploading",  # after the first contribution shard is uploaded, before the manifest
+    "uploading",  # its contribution encoded, before the one PUT that publishes it
     "after_quorum",  # after the quorum is decided, before reducing
     "owning_shard",  # while owning a shard: inputs read, reduced shard not published
     "after_reduce",  # after publishing owned shards, before gathering

@@ -112,6 +112,13 @@ def decode_add(w: torch.Tensor, wire: str, n: int, acc: torch.Tensor) -> torch.T
     return acc
 
 
+def wire_nbytes(wire: str, n: int) -> int:
+    """Bytes of a shard of ``n`` values on the wire (what :func:`encode` returns)."""
+    if wire in _FLOATS:
+        return n * torch.empty(0, dtype=_FLOATS[wire]).element_size()
+    return (n + INT8_BLOCK - 1) // INT8_BLOCK * 4 + n
+
+
 def wire_numel_ok(w: torch.Tensor, wire: str, n: int) -> bool:
     if wire in _FLOATS:
         return w.numel() == n

@@ -5,6 +5,7 @@ and a checksum of header+payload, so a truncated, bit-flipped or foreign object 
 the reader and never averaged (DESIGN.md, "Rules every writer keeps").
 
 Layout: MAGIC(8) | header_len u32 | payload_len u64 | digest(32) | header json | payload
+(``FRAME_OVERHEAD`` bytes before the json).
 
 * ``CRFTNSR2`` (written): the digest is XXH3-128 (16 bytes, zero-padded). It detects
   corruption and truncation like SHA-256 - it is not a defence against someone who can write
@@ -31,6 +32,8 @@ from crf.store.errors import CorruptObjectError
 MAGIC = b"CRFTNSR2"  # XXH3-128
 MAGIC_SHA256 = b"CRFTNSR1"
 _FIXED = struct.Struct("<8sIQ32s")
+#: bytes of a tensor object before its json header
+FRAME_OVERHEAD = _FIXED.size
 
 
 def _xxh3() -> Any:
@@ -89,11 +92,14 @@ def encode_tensor_parts(
     meta: dict[str, Any] | None = None,
     *,
     magic: bytes = MAGIC,
+    header_bytes: int | None = None,
 ) -> list[Any]:
     """The object of :func:`encode_tensor` as buffers: the fixed header and json, then the
     tensor's own memory (no copy; do not modify the tensor until the buffers are written).
     A list of 1-D tensors of one dtype is encoded as their concatenation, still without
-    copying them."""
+    copying them. ``header_bytes``: pad the json header with spaces to exactly this length
+    (still valid json), so that the frame's size depends only on the payload's and a reader
+    can compute where a frame packed among others starts (the exchange's contributions)."""
     parts = tensor if isinstance(tensor, list) else [tensor]
     if not parts:
         parts = [torch.empty(0, dtype=torch.float32)]
@@ -106,6 +112,12 @@ def encode_tensor_parts(
     else:
         header["shape"] = list(tensor.shape)
     hbytes = json.dumps(header, sort_keys=True).encode()
+    if header_bytes is not None:
+        if len(hbytes) > header_bytes:
+            raise ValueError(
+                f"tensor header is {len(hbytes)} bytes, more than the {header_bytes} reserved"
+            )
+        hbytes = hbytes.ljust(header_bytes, b" ")
     payload = [raw_view(p) for p in parts]
     digest = _digest(magic, hbytes, *payload)
     fixed = _FIXED.pack(magic, len(hbytes), sum(v.nbytes for v in payload), digest)

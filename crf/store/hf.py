@@ -518,25 +518,36 @@ class RunStoreHfFileSystem(HfFileSystem):
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
-        if not self._crf_fresh or start is not None or end is not None:
+        ranged = start is not None or end is not None
+        if not self._crf_fresh or (ranged and (start is None or start < 0 or end is None)):
             return super().cat_file(path, start=start, end=end, **kwargs)
         u = self._crf_uri(path)
         if not u.path_in_repo:
             raise IsADirectoryError(path)
-        return self._crf_fetch(u)
+        return self._crf_fetch(u, start, end) if ranged else self._crf_fetch(u)
 
-    def _crf_fetch(self, u: Any) -> bytes:
-        """The whole object in ONE GET, so a concurrent replace can't tear the read."""
+    def _crf_fetch(self, u: Any, start: int | None = None, end: int | None = None) -> bytes:
+        """The whole object, or bytes [start, end) of it, in ONE GET, so a concurrent
+        replace can't tear the read."""
         if u.type == "bucket":
             url = f"{self.endpoint}/buckets/{u.id}/resolve/{quote(u.path_in_repo)}"
         else:
             url = hf_hub_url(
                 u.id, u.path_in_repo, repo_type=u.type, revision=u.revision, endpoint=self.endpoint
             )
-        response = http_backoff("GET", url, headers=build_hf_headers(token=self.token))
+        headers = build_hf_headers(token=self.token)
+        if start is not None and end is not None:
+            if end <= start:
+                return b""
+            headers["Range"] = f"bytes={start}-{end - 1}"
+        response = http_backoff("GET", url, headers=headers)
         if response.status_code == 404:
             raise FileNotFoundError(f"hf://{u.type}s/{u.id}/{u.path_in_repo}")
+        if response.status_code == 416:  # the range starts past the end of the object
+            return b""
         hf_raise_for_status(response)
+        if start is not None and end is not None and response.status_code != 206:
+            return response.content[start:end]  # a server that ignored the Range header
         return response.content
 
     def rm(self, path: str, recursive: bool = False, maxdepth: int | None = None, **kw: Any):

@@ -294,6 +294,29 @@ class RunStore:
 
         return self._retry(f"get {key}", _get)
 
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object ``key`` in one request (an HTTP ``Range`` read
+        on object stores, a seek on a file system): shorter if the object ends first. The
+        exchange packs a replica's contribution shards into one object and each reader
+        fetches just its shard's range, so an upload is one PUT instead of one per shard."""
+        if start < 0 or end < start:
+            raise ValueError(f"get_range {key}: bad range [{start}, {end})")
+        path = self.path(key)
+
+        def _get() -> bytes:
+            if end == start:
+                if not self.fs.isfile(path):
+                    raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist")
+                return b""
+            try:
+                return self.fs.cat_file(path, start=start, end=end)
+            except (FileNotFoundError, KeyError):
+                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
+            except IsADirectoryError:
+                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} is a folder") from None
+
+        return self._retry(f"get {key} [{start}:{end}]", _get)
+
     def get_json(self, key: str) -> Any:
         return json.loads(self.get(key, size_hint=0))
 
