@@ -228,6 +228,10 @@ def check_basic_ops(store: Any) -> None:
     assert store.exists("a/b/d") and not store.exists("a/b/zz")
     store.put("a/b/d", b"replaced")
     assert store.get("a/b/d") == b"replaced"
+    assert store.get_range("a/b/d", 2, 5) == b"pla"  # one ranged read
+    assert store.get_range("a/b/d", 6, 100) == b"ed"
+    with pytest.raises(ObjectNotFound):
+        store.get_range("a/b/zz", 0, 3)
     store.delete("a/b")
     assert store.list("a") == ["x"]
     with pytest.raises(ObjectNotFound, match="does not exist"):

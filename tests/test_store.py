@@ -136,3 +136,18 @@ def test_memory_store_is_shared_in_process_only() -> None:
     assert RunStore("memory://shared-test/x").get("k") == b"v"
     a.delete("")
     assert sys.modules["crf.store"]  # sanity
+
+
+def test_get_range_reads_part_of_an_object(store: RunStore) -> None:
+    """Bytes [start, end) in one read; shorter at the end of the object; empty ranges and
+    missing objects behave as get() does; a bad range is refused."""
+    store.put("a/b", bytes(range(100)))
+    assert store.get_range("a/b", 10, 20) == bytes(range(10, 20))
+    assert store.get_range("a/b", 95, 200) == bytes(range(95, 100))
+    assert store.get_range("a/b", 7, 7) == b""
+    with pytest.raises(ObjectNotFound):
+        store.get_range("a/missing", 0, 10)
+    with pytest.raises(ObjectNotFound):
+        store.get_range("a", 0, 10)  # a folder
+    with pytest.raises(ValueError, match="bad range"):
+        store.get_range("a/b", 5, 2)

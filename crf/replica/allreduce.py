@@ -873,12 +873,12 @@ class ObjectStoreAllReduce:
                     if (a.base_round, a.facts) == (mine.base_round, mine.facts)
                 ]
                 self._fetch_early({p: arrived[p] for p in same})
-            if self.rank in stale:
-                raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
             data = reading.result() if reading is not None else None
-            if data is not None:
+            if data is not None:  # a decision stands, whatever the listing says now
                 decided = json.loads(data)
                 return True
+            if self.rank in stale:
+                raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
             if self.on_wait is not None and time.monotonic() >= next_hook[0]:
                 next_hook[0] = time.monotonic() + 1.0
                 self.on_wait()

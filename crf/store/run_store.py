@@ -45,15 +45,32 @@ _MEMORY_LOCK = threading.Lock()
 Writer = Callable[["RunStore", str, bytes, bool], bool]
 _WRITERS: dict[str, Writer] = {}
 _FS_OPTIONS: dict[str, Callable[[], dict[str, Any]]] = {}
+#: A reader returns bytes [start, end) of the object at ``path`` in one request (the whole
+#: object when start is None), raising FileNotFoundError if there is none. Optional per
+#: scheme: fsspec's ``cat_file`` serves the others.
+Reader = Callable[["RunStore", str, "int | None", "int | None"], Any]
+_READERS: dict[str, Reader] = {}
+#: schemes whose writer takes a list of buffers as they are (the others get them joined)
+_TAKES_PARTS: set[str] = {"file"}
 
 
 def register_scheme(
-    scheme: str, writer: Writer, fs_options: Callable[[], dict[str, Any]] | None = None
+    scheme: str,
+    writer: Writer,
+    fs_options: Callable[[], dict[str, Any]] | None = None,
+    reader: Reader | None = None,
+    takes_parts: bool = False,
 ) -> None:
-    """Make ``scheme://`` usable as a run store (``fs_options`` gives fsspec defaults)."""
+    """Make ``scheme://`` usable as a run store (``fs_options`` gives fsspec defaults;
+    ``reader`` replaces fsspec's for reads of known extent: see ``RunStore.get``;
+    ``takes_parts``: the writer is given a list of buffers unjoined)."""
     _WRITERS[scheme] = writer
+    if takes_parts:
+        _TAKES_PARTS.add(scheme)
     if fs_options is not None:
         _FS_OPTIONS[scheme] = fs_options
+    if reader is not None:
+        _READERS[scheme] = reader
 
 
 #: cloud schemes register themselves when their module is imported (lazily: their SDKs are
@@ -247,7 +264,7 @@ class RunStore:
     def _put(self, path: str, data: Data, *, exclusive: bool, durable: bool = True) -> bool:
         if self.scheme == "file":
             return _put_file(self, path, data, exclusive, durable)
-        if isinstance(data, list | tuple):
+        if isinstance(data, list | tuple) and self.scheme not in _TAKES_PARTS:
             data = b"".join(data)
         return _WRITERS[self.scheme](self, path, data, exclusive)
 
@@ -277,6 +294,7 @@ class RunStore:
         GET, and a missing one costs one request instead of a HEAD and a LIST."""
         path = self.path(key)
         kwargs: dict[str, Any] = {}
+        reader = _READERS.get(self.scheme) if size_hint is not None else None
         if (
             size_hint is not None
             and self.scheme == "s3"
@@ -286,6 +304,8 @@ class RunStore:
 
         def _get() -> bytes:
             try:
+                if reader is not None:
+                    return reader(self, path, None, None)
                 return self.fs.cat_file(path, **kwargs)
             except (FileNotFoundError, KeyError):
                 raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
@@ -302,6 +322,7 @@ class RunStore:
         if start < 0 or end < start:
             raise ValueError(f"get_range {key}: bad range [{start}, {end})")
         path = self.path(key)
+        reader = _READERS.get(self.scheme)
 
         def _get() -> bytes:
             if end == start:
@@ -309,6 +330,8 @@ class RunStore:
                     raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist")
                 return b""
             try:
+                if reader is not None:
+                    return reader(self, path, start, end)
                 return self.fs.cat_file(path, start=start, end=end)
             except (FileNotFoundError, KeyError):
                 raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
