@@ -136,6 +136,10 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
     return e
 
 
+#: objects at least this big go up as a PartsBody even when they are one buffer
+STREAM_FROM = 1 << 20
+
+
 class PartsBody(io.RawIOBase):
     """Buffers read one after another as one seekable file, without joining them.
 
@@ -143,8 +147,9 @@ class PartsBody(io.RawIOBase):
     (Python 3.11) copies what the socket did not take at once into its own buffer: a second
     copy of the object; a list of buffers (a tensor frame's header and the tensor's own
     memory) would first be joined into a third. Read as a file, the body goes out in small
-    chunks and neither copy is made (measured: a 32 MB frame put as a list peaked at +64 MB,
-    as this body at +3 MB). Slicing (s3fs cuts a multipart upload's parts so) gives a view.
+    chunks and neither copy is made (measured against moto: a 32 MB frame put as a list
+    peaked at +64 MB, as this body at +0 MB, in the same time as one bytes object, which
+    peaks at +32 MB). Slicing (s3fs cuts a multipart upload's parts so) gives a view.
     """
 
     def __init__(self, parts: list[Any], start: int = 0, end: int | None = None) -> None:
@@ -180,6 +185,21 @@ class PartsBody(io.RawIOBase):
         self._pos = self._lo + min(max(0, base + offset), len(self))
         return self.tell()
 
+    def read(self, size: int = -1) -> Any:
+        """Up to ``size`` bytes; within one buffer a view of it, not a copy (the HTTP client
+        reads the body 256 KiB at a time and only writes what it gets to its socket)."""
+        left = self._hi - self._pos
+        n = left if size is None or size < 0 else min(size, left)
+        if n <= 0:
+            return b""
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        lo = self._pos - self._starts[i]
+        if lo + n <= len(self._parts[i]):
+            self._pos += n
+            return self._parts[i][lo : lo + n]
+        out = bytearray(n)
+        return bytes(memoryview(out)[: self.readinto(out)])
+
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         want = min(len(out), self._hi - self._pos)
@@ -200,6 +220,8 @@ def _attempt(store: RunStore, path: str, data: Any, token: str | None) -> bool:
     fs = store.fs
     if isinstance(data, list | tuple):
         data = PartsBody(list(data))  # a fresh one per attempt: it starts at 0
+    elif len(data) >= STREAM_FROM:
+        data = PartsBody([data])
     if token is None:
         fs.pipe_file(path, data, chunksize=MULTIPART_CHUNKSIZE)
         return True
