@@ -220,12 +220,25 @@ def _moto_atomic_conditional_puts() -> None:
         _MOTO_PUTS_SERIALIZED.append(True)
 
 
+_MOTO_RANGES_PATCHED: list[bool] = []
+
+
+def _moto_reads_only_the_range() -> None:
+    """moto reads the whole object for a ranged GET (tests.emulators.moto_s3): once."""
+    from tests.emulators.moto_s3 import serve_ranges_from_the_range
+
+    if not _MOTO_RANGES_PATCHED:
+        serve_ranges_from_the_range()
+        _MOTO_RANGES_PATCHED.append(True)
+
+
 def _s3_uri(stock: bool = False) -> tuple[str, Any]:
     from moto.server import ThreadedMotoServer
 
     _moto_atomic_conditional_puts()
     if not stock:
         _moto_without_module_scan()
+        _moto_reads_only_the_range()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -262,7 +275,8 @@ def main() -> None:
         "--moto-stock",
         action="store_true",
         help="serve S3 with moto as shipped (it lists its package folder on every request, "
-        "under a server-wide lock: see _moto_without_module_scan)",
+        "under a server-wide lock, and reads the whole object for a ranged GET: see "
+        "_moto_without_module_scan and tests.emulators.moto_s3)",
     )
     ap.add_argument(
         "--malloc-arenas",
