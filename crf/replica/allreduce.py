@@ -806,12 +806,13 @@ class ObjectStoreAllReduce:
         decided: dict[str, Any] | None = None
         next_hook = [time.monotonic() + 1.0]
         # whether this replica lags the others (global/ or, with sparse checkpoints, a later
-        # decided round says so) is asked concurrently with the polls: up front by rank 0
-        # (which decides a full quorum), by a replica that finds itself alone in the round (a
-        # straggler whose round the others left long ago), by one still waiting for arrivals
-        # after _LAG_CHECK_AFTER_S, and by anyone about to decide unless its answer is fresh.
-        # A replica that only reads a decision needs no answer: the decision says whether it
-        # took part, and one left out checks for later rounds before catching up
+        # decided round says so) is asked concurrently with the polls: by a replica that finds
+        # itself alone in the round (a straggler whose round the others left long ago), by
+        # one still waiting for arrivals after _LAG_CHECK_AFTER_S, and by anyone about to
+        # decide a round not everyone arrived for (a deadline decision) unless its answer is
+        # fresh. A replica that only reads a decision needs no answer: the decision says
+        # whether it took part, and one left out checks for later rounds before catching up;
+        # nor does one deciding a round every replica arrived for (see _lagging)
         started = time.monotonic()
         lag_check: Future[int | None] | None = None
         lag_asked = 0.0
@@ -821,10 +822,12 @@ class ObjectStoreAllReduce:
             nonlocal lag_check, lag_asked
             lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
 
-        if self.rank == 0:
-            _ask_lag()
-
         def _lagging(deciding: bool, waiting: bool, alone: bool) -> None:
+            if deciding and not waiting:
+                # every contribution to round r is listed: nobody has moved past round r
+                # (a replica ahead would have left it, and the GC removed its contribution;
+                # a round decided without this one has its decision here, which wins)
+                return
             now = time.monotonic()
             overdue = waiting and now - started >= _LAG_CHECK_AFTER_S
             if lag_check is None and (deciding or alone or overdue):
@@ -859,12 +862,14 @@ class ObjectStoreAllReduce:
             reading = self._control().submit(self._get_if_there, res, key, 0) if ask else None
             asked = now if ask else asked
             arrived = self._list_present(r)
-            if reading is None and not alone_asked and list(arrived) == [self.rank]:
-                reading, asked, alone_asked = (
-                    self._control().submit(self._get_if_there, res, key, 0),
-                    now,
-                    True,
-                )
+            alone = list(arrived) == [self.rank]
+            everyone_now = len(arrived) == self.world_size
+            if reading is None and (
+                (not alone_asked and alone)
+                or (everyone_now and self._eligible(arrived)[0][:1] != [self.rank])
+            ):  # alone (see above), or everyone just appeared in this listing
+                reading, asked = self._control().submit(self._get_if_there, res, key, 0), now
+                alone_asked = alone_asked or alone
             eligible, stale = self._eligible(arrived)
             if self._early is not None and self.fetch_early and self.rank in eligible:
                 same = [
