@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import fsspec.asyn
 import pytest
@@ -24,6 +25,20 @@ s3_env = cloud_servers.s3_env
 pytest.importorskip("s3fs", reason="s3 tests need the s3 extra: pip install -e .[dev]")
 
 FRESH = {"skip_instance_cache": True}  # a client of its own, as another process would have
+
+
+def spy_on_calls(store: RunStore, monkeypatch: pytest.MonkeyPatch, what: Any = None) -> list:
+    """Record every S3 call the store's client makes: ``what(method, kwargs)`` (default:
+    the method's name), in order."""
+    calls: list = []
+    real = store.fs._call_s3
+
+    async def spy(method: str, *a: Any, **kw: Any) -> Any:
+        calls.append(method if what is None else what(method, kw))
+        return await real(method, *a, **kw)
+
+    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    return calls
 
 
 @pytest.fixture
@@ -64,15 +79,8 @@ def test_put_if_absent_large_object_uses_multipart(bucket: str, monkeypatch) -> 
 
     monkeypatch.setattr(s3, "MULTIPART_CHUNKSIZE", 5 * 2**20)  # S3's minimum part size
     big = bytes(range(256)) * (42 * 2**10)  # 10.5 MiB: three parts
-    calls: list[str] = []
     store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
-    real = store.fs._call_s3
-
-    async def spy(method, *a, **kw):
-        calls.append(method)
-        return await real(method, *a, **kw)
-
-    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    calls = spy_on_calls(store, monkeypatch)
     assert store.put_if_absent("big", big) is True
     assert "complete_multipart_upload" in calls and "put_object" not in calls
     calls.clear()
@@ -97,14 +105,7 @@ def test_a_list_of_buffers_goes_up_unjoined(bucket: str, monkeypatch) -> None:
     store.put("small", parts)
     assert store.get("small") == whole
     monkeypatch.setattr(s3, "MULTIPART_CHUNKSIZE", 5 * 2**20)  # S3's minimum part size
-    calls: list[str] = []
-    real = store.fs._call_s3
-
-    async def spy(method, *a, **kw):
-        calls.append(method)
-        return await real(method, *a, **kw)
-
-    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    calls = spy_on_calls(store, monkeypatch)
     assert store.put_if_absent("big", parts) is True
     assert calls.count("upload_part") == 3 and "complete_multipart_upload" in calls
     assert store.put_if_absent("big", parts) is False
@@ -134,14 +135,7 @@ def test_polls_and_small_reads_are_one_request_each(bucket: str, monkeypatch) ->
     object not there yet)."""
     store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
     store.put("k", b"v" * 1000)
-    calls: list[str] = []
-    real = store.fs._call_s3
-
-    async def spy(method, *a, **kw):
-        calls.append(method)
-        return await real(method, *a, **kw)
-
-    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    calls = spy_on_calls(store, monkeypatch)
     real_sync = store.fs.call_s3
 
     def spy_sync(method, *a, **kw):
@@ -280,14 +274,7 @@ def test_ranged_reads_are_one_get_with_a_range(bucket: str, monkeypatch) -> None
     of the object, and a missing object is ObjectNotFound."""
     store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
     store.put("k", bytes(range(256)) * 4)
-    calls: list[tuple[str, str | None]] = []
-    real = store.fs._call_s3
-
-    async def spy(method, *a, **kw):
-        calls.append((method, kw.get("Range")))
-        return await real(method, *a, **kw)
-
-    monkeypatch.setattr(store.fs, "_call_s3", spy)
+    calls = spy_on_calls(store, monkeypatch, lambda method, kw: (method, kw.get("Range")))
     assert store.get_range("k", 10, 20) == bytes(range(10, 20))
     assert calls == [("get_object", "bytes=10-19")]
     assert store.get_range("k", 1020, 2000) == bytes(range(252, 256))
@@ -307,17 +294,13 @@ def test_a_round_puts_one_object_per_contribution(bucket: str, monkeypatch) -> N
     from tests.conftest import run_threads
 
     n = 4
-    calls: dict[int, list[tuple[str, str, str | None]]] = {r: [] for r in range(n)}
+    calls: dict[int, list[tuple[str, str, str | None]]] = {}
 
     def replica(rank: int) -> torch.Tensor:
         store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
-        real = store.fs._call_s3
-
-        async def spy(method, *a, **kw):
-            calls[rank].append((method, str(kw.get("Key", "")), kw.get("Range")))
-            return await real(method, *a, **kw)
-
-        monkeypatch.setattr(store.fs, "_call_s3", spy)
+        calls[rank] = spy_on_calls(
+            store, monkeypatch, lambda m, kw: (m, str(kw.get("Key", "")), kw.get("Range"))
+        )
         ar = ObjectStoreAllReduce(store, n, rank, run_id="t", round_timeout_s=60)
         t = torch.full((1000,), float(rank))
         ar.allreduce([t])
