@@ -443,7 +443,8 @@ def notes(rows: list[Row]) -> list[str]:
         f"gloo really moved {fmt_bytes(tcp)} per replica over TCP (TCP_INFO of its sockets, "
         f"{tcp / ddp.bytes_total:.3f}x the ring bound); the ratios use the bound.",
         "DiLoCo bytes: crf's own count of the exchange objects a replica put and got "
-        "(pseudo-gradient shards, manifests, quorum, reduced shards), sent + received, the "
+        "(each replica's contribution - its pseudo-gradient shards and manifest, one object - "
+        "the quorum, the reduced shards), sent + received, the "
         "busiest replica; without the global checkpoint the lowest rank writes for resume.",
     ]
     ckpt = [r.extra.get("ckpt_bytes_up_rank0") for r in rows if r.kind == "diloco"]
