@@ -4,13 +4,14 @@ One round (DESIGN.md, "One round of the exchange"):
 
 1. every replica cuts its tensors (read as one vector, not copied into one) into
    ``num_shards`` shards and uploads them, with a manifest (layout, base round, wire) in front,
-   as ONE object ``rounds/<r>/contrib/<rank>`` (:mod:`crf.replica.contribution`: each shard
-   at a byte range every replica can compute, so a reader fetches just its shard); the shard
-   a replica owns in a full quorum stays home;
-2. when all N contributions are listed the lowest rank among them reads their manifests and
-   creates ``rounds/<r>/quorum.json`` (create-if-absent: one decision) with the participants
-   and what it checked of them; anyone decides if it has not appeared after a grace period,
-   or once the round deadline passes with at least ``min_replicas`` arrived;
+   as ONE object ``rounds/<r>/contrib/<rank>.<base round>.<facts>``
+   (:mod:`crf.replica.contribution`: each shard at a byte range every replica can compute,
+   so a reader fetches just its shard); the shard a replica owns in a full quorum stays home;
+2. when all N contributions are listed, the lowest eligible rank (on the newest base round)
+   creates ``rounds/<r>/quorum.json`` (create-if-absent: one decision) from the listing
+   alone - the names carry what the decision needs - with the participants, their
+   contributions and facts digests; anyone decides if it has not appeared after a grace
+   period, or once the round deadline passes with at least ``min_replicas`` arrived;
 3. shard ``s`` is owned by ``participants[s % len(participants)]``; the owner averages it over
    the quorum in rank order (fp32 accumulation, so every replica that computes a shard gets the
    same bits) and publishes ``rounds/<r>/reduced/<s>``; if the owner does not publish within
@@ -18,8 +19,10 @@ One round (DESIGN.md, "One round of the exchange"):
 4. every participant downloads all reduced shards and copies the average back in place.
 
 Per replica and round this moves about P up and 2·P down (P = payload), whatever N is.
-A contribution whose integrity check fails is never averaged: the round is marked failed for
-everyone (``rounds/<r>/failed.json``) so all replicas stay consistent and discard it together.
+A contribution whose integrity check fails is never averaged: it is left out of that shard's
+average, which every replica then copies alike. A reduced shard that fails its check marks
+the round failed for everyone (``rounds/<r>/failed.json``), so all replicas discard it
+together.
 """
 
 from __future__ import annotations

@@ -541,7 +541,8 @@ class ObjectStoreManager:
             target = r
         else:
             # nobody committed round r (so far). If a quorum forms later without us, our
-            # manifest's base_round marks us stale in the next round and we heal then.
+            # contribution's base round (in its name) marks us stale in the next round and
+            # we heal then.
             return False
         if target <= self.base_round:
             return False
