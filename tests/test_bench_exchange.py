@@ -1,6 +1,7 @@
 """bench/exchange.py measures what the issue's exchange targets are about, with real replica
-processes over a file:// store: bytes per replica and the peak extra memory of a round. Only
-sizes are asserted here; the times are the benchmark's business (this machine is noisy)."""
+processes over a file:// store and over S3 (moto): bytes per replica and the peak extra
+memory of a round. Only sizes are asserted here; the times are the benchmark's business
+(this machine is noisy)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import exchange  # noqa: E402
+
+from tests import cloud_servers  # noqa: E402
+
+moto_s3 = cloud_servers.moto_s3  # the S3 fixtures, visible to this module's tests
+s3_env = cloud_servers.s3_env
 
 
 def test_peak_memory_reset_sees_a_new_allocation() -> None:
@@ -38,3 +44,16 @@ def test_crf_round_moves_and_holds_what_the_targets_allow(tmp_path: Path, n: int
     # peak extra memory of a round <= 2 P; the floor (one read of P) holds about P
     assert crf["mem"] <= 2.0 and crf["mem1"] <= 2.0, crf  # also the first round
     assert 0.9 <= floor["mem"] <= 1.2, floor
+
+
+@pytest.mark.slow
+def test_crf_round_over_s3_holds_what_the_targets_allow(s3_env: cloud_servers.MotoS3) -> None:
+    """The same over S3 (moto on 127.0.0.1): replica processes read into one buffer and
+    write without copies (crf.store.s3), so a round stays within 2·P of extra memory, the
+    first round included."""
+    uri = f"s3://{s3_env.new_bucket()}/bench"
+    n, mb = 4, 16
+    crf = exchange.measure("crf", uri, n, mb, 2, "float32")
+    assert crf["up"] == pytest.approx(1.0, abs=0.01)
+    assert crf["down"] == pytest.approx(2 * (n - 1) / n, abs=0.01)
+    assert crf["mem"] <= 2.0 and crf["mem1"] <= 2.0, crf
