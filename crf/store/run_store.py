@@ -288,25 +288,20 @@ class RunStore:
 
     # ---------------------------------------------------------------- reads
     def get(self, key: str, *, size_hint: int | None = None) -> bytes:
-        """The object's bytes. ``size_hint``: about how big it is, if the caller knows. s3fs
-        asks for an object's size (a HEAD) before every read, to choose between one GET and
-        concurrent ranged GETs; an object known to be below its block size is read with one
-        GET, and a missing one costs one request instead of a HEAD and a LIST."""
+        """The object's bytes. ``size_hint``: about how big it is, if the caller knows (any
+        value says "an object, not a folder, and read it whole"). Where the scheme has a
+        reader of its own (S3: ``crf.store.s3``), such a read is that reader's one request:
+        s3fs would ask for the object's size (a HEAD) first, to choose between one GET and
+        concurrent ranged GETs, answer a missing object with a HEAD and a LIST, and hold the
+        body twice while reading it."""
         path = self.path(key)
-        kwargs: dict[str, Any] = {}
         reader = _READERS.get(self.scheme) if size_hint is not None else None
-        if (
-            size_hint is not None
-            and self.scheme == "s3"
-            and size_hint < getattr(self.fs, "default_block_size", 0)
-        ):
-            kwargs["max_concurrency"] = 1
 
         def _get() -> bytes:
             try:
                 if reader is not None:
                     return reader(self, path, None, None)
-                return self.fs.cat_file(path, **kwargs)
+                return self.fs.cat_file(path)
             except (FileNotFoundError, KeyError):
                 raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
             except IsADirectoryError:
