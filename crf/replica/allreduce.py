@@ -78,10 +78,9 @@ _FAILED_CHECK_S = 1.0
 #: how often a replica that has not seen every contribution yet asks for the round's decision
 #: (it can only be a deadline decision, which left this replica out)
 _DECISION_POLL_S = 1.0
-#: a replica other than rank 0 asks whether it lags the others (global/, a later decided
-#: round) only when it is about to decide, finds itself alone in its round, or still waits for
-#: arrivals this long after its own: in a round that fills at once only rank 0 (the usual
-#: decider) asks
+#: a replica asks whether it lags the others (global/, a later decided round) only when it is
+#: about to decide a round not everyone arrived for, finds itself alone in its round, or still
+#: waits for arrivals this long after its own: in a round that fills at once nobody asks
 _LAG_CHECK_AFTER_S = 0.5
 
 
@@ -513,8 +512,7 @@ class ObjectStoreAllReduce:
             self._residual[fragment] = residual
         for old in [k for k in self._present if k < r]:
             del self._present[old]
-        present = self._present.setdefault(r, {})
-        present[self.rank] = mine
+        self._present.setdefault(r, {})[self.rank] = mine
 
         # 2. quorum. While it is being decided, the contributions to the shards this
         #    replica owns in a full quorum are already downloaded, as each peer's object
@@ -855,32 +853,30 @@ class ObjectStoreAllReduce:
 
         def _try() -> bool:
             nonlocal decided, everyone_at, asked, alone_asked
-            known = self._present.get(r, {})
             now = time.monotonic()
-            ask = (
-                (len(known) == self.world_size and self._eligible(known)[0][:1] != [self.rank])
-                or now - asked >= _DECISION_POLL_S
-                or now >= deadline
-            )
-            reading = self._control().submit(self._get_if_there, res, key, 0) if ask else None
-            asked = now if ask else asked
-            arrived = self._list_present(r)
-            alone = list(arrived) == [self.rank]
-            everyone_now = len(arrived) == self.world_size
-            if reading is None and (
-                (not alone_asked and alone)
-                or (everyone_now and self._eligible(arrived)[0][:1] != [self.rank])
-            ):  # alone (see above), or everyone just appeared in this listing
-                reading, asked = self._control().submit(self._get_if_there, res, key, 0), now
-                alone_asked = alone_asked or alone
+            # the once-a-second ask goes out next to the listing
+            reading = None
+            if now - asked >= _DECISION_POLL_S or now >= deadline:
+                reading = self._control().submit(self._get_if_there, res, key, 0)
+            arrived = self._list_present(r)  # no request once every contribution is known
             eligible, stale = self._eligible(arrived)
+            everyone = len(arrived) == self.world_size
+            alone = list(arrived) == [self.rank]
+            if reading is None and (
+                (alone and not alone_asked) or (everyone and eligible[:1] != [self.rank])
+            ):
+                reading = self._control().submit(self._get_if_there, res, key, 0)
+                alone_asked = alone_asked or alone
+            if reading is not None:
+                asked = now
             if self._early is not None and self.fetch_early and self.rank in eligible:
-                same = [
-                    p
-                    for p, a in arrived.items()
-                    if (a.base_round, a.facts) == (mine.base_round, mine.facts)
-                ]
-                self._fetch_early({p: arrived[p] for p in same})
+                self._fetch_early(
+                    {
+                        p: a
+                        for p, a in arrived.items()
+                        if (a.base_round, a.facts) == (mine.base_round, mine.facts)
+                    }
+                )
             data = reading.result() if reading is not None else None
             if data is not None:  # a decision stands, whatever the listing says now
                 decided = json.loads(data)
@@ -890,14 +886,13 @@ class ObjectStoreAllReduce:
             if self.on_wait is not None and time.monotonic() >= next_hook[0]:
                 next_hook[0] = time.monotonic() + 1.0
                 self.on_wait()
-            everyone = len(arrived) == self.world_size
             late = time.monotonic() >= deadline
             deciding = bool((everyone or late) and eligible and len(eligible) >= self.min_replicas)
             if deciding and not late and eligible[0] != self.rank:
                 everyone_at = everyone_at or time.monotonic()
                 # the lowest eligible rank decides; read its decision
                 deciding = time.monotonic() - everyone_at >= _DECIDER_GRACE_S
-            _lagging(deciding, waiting=not everyone, alone=list(arrived) == [self.rank])
+            _lagging(deciding, waiting=not everyone, alone=alone)
             if not deciding:
                 return False
             bases = [arrived[e].base_round for e in eligible]
