@@ -79,6 +79,14 @@ class RunSpec:
         """Exchange rounds in the whole run: ``fragments`` per outer round."""
         return self.rounds * self.fragments
 
+    def saves_inner_state(self, r: int) -> bool:
+        """Whether each replica saves its inner-optimizer state after exchange round r: with
+        the periodic global states (a resume starts from one) and at the last round."""
+        if not self.save_inner_state:
+            return False
+        k = self.checkpoint_every
+        return k == 1 or (r + 1) % k == 0 or r >= self.exchange_rounds - 1
+
     def validate(self) -> RunSpec:
         def need(cond: bool, msg: str) -> None:
             if not cond:

@@ -110,8 +110,15 @@ class ResumeInfo:
     """What ``prepare_resume`` found: which launch this is and where the run stands."""
 
     launch: int  # this driver launch's number (0 was the first launch)
-    from_round: int | None  # newest committed global round (None: nothing committed yet)
+    #: the global round the replicas continue from (None: nothing committed yet): the newest
+    #: one every replica's inner state was saved for, else the newest (see resume_point)
+    from_round: int | None
     previous_status: str | None  # status in the previous result.json, if any
+    #: newer global rounds set aside (under launches/<k>/superseded/) because a replica's
+    #: inner state of that round never landed; the resumed replicas compute them again
+    superseded: list[int] = field(default_factory=list)
+    #: replicas that resume with a fresh inner optimizer (no saved state of from_round)
+    fresh_inner: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -337,6 +344,14 @@ def prepare_resume(
         live = _live_replicas(run_store, spec.replicas, spec.run_id)
         launches = _launch_numbers(run_store)
         rounds = [int(n) for n in run_store.list("global") if n.isdigit()]
+        inner = {
+            k: {
+                int(n.removesuffix(".pt"))
+                for n in run_store.list(f"replicas/{k}/inner")
+                if n.removesuffix(".pt").isdigit()
+            }
+            for k in range(spec.replicas)
+        }
     except StoreError as e:
         raise LaunchError(f"{e} (check --store)") from None
     except OSError as e:
@@ -366,12 +381,43 @@ def prepare_resume(
     _validate_job(spec.job, spec.job_config)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
+    start, superseded = resume_point(spec, rounds, inner)
     info = ResumeInfo(
         launch=(max(launches) + 1) if launches else 1,
-        from_round=max(rounds) if rounds else None,
+        from_round=start,
         previous_status=previous,
+        superseded=superseded,
+        fresh_inner=[]
+        if start is None or not spec.saves_inner_state(start)
+        else [k for k in range(spec.replicas) if start not in inner[k]],
     )
     return Plan(spec, RunStore(run_uri), executor, spec.entrypoint, policy, info)
+
+
+def resume_point(
+    spec: RunSpec, rounds: list[int], inner: Mapping[int, set[int]]
+) -> tuple[int | None, list[int]]:
+    """Where a resume starts: (global round, newer global rounds to set aside).
+
+    A checkpoint is the global state of round r plus every replica's own inner-optimizer
+    state of r, written by each replica in the background after the round committed. A run
+    killed at any moment can hold ``global/<r>`` while a replica's ``inner/<r>`` never landed;
+    resuming there would restart that replica's inner optimizer and the run would no longer
+    be the run nobody killed. So the resume starts from the newest global round whose inner
+    states all exist, and the newer ones (recomputed, bit for bit, by the resumed replicas)
+    are set aside. If no kept round is complete (a replica was gone for a while, or the job
+    has no inner optimizer), it starts from the newest and those replicas start afresh.
+    """
+    if not rounds:
+        return None, []
+    newest = max(rounds)
+    complete = [
+        r
+        for r in rounds
+        if spec.saves_inner_state(r) and all(r in inner.get(k, set()) for k in range(spec.replicas))
+    ]
+    start = max(complete) if complete else newest
+    return start, sorted(r for r in rounds if r > start)
 
 
 def saved_backend_options(store: RunStore) -> dict[str, Any]:
@@ -618,6 +664,8 @@ def _start_launch(plan: Plan, started: float) -> int:
     previous ``result.json`` and ``results/<rank>.json`` under ``launches/<k>/previous/``
     before its replicas write new ones.
     """
+    from crf.store import ObjectNotFound
+
     spec, store = plan.spec, plan.store
     record = {
         "launch": 0,
@@ -639,6 +687,8 @@ def _start_launch(plan: Plan, started: float) -> int:
         return 0
     k = plan.resume.launch
     record.update(launch=k, resumed_from_round=plan.resume.from_round)
+    if plan.resume.superseded:
+        record["superseded_globals"] = plan.resume.superseded
     if not store.put_json_if_absent(f"launches/{k}.json", record):
         raise LaunchError(
             f"another driver is resuming run {spec.run_id} right now (launches/{k}.json "
@@ -660,6 +710,11 @@ def _start_launch(plan: Plan, started: float) -> int:
     # that state; so would heal requests. Left in place, a resumed round could read its old
     # quorum and averages (with checkpoint_every > 1 there are up to that many such rounds).
     top = plan.resume.from_round
+    for g in plan.resume.superseded:  # kept, not lost: the replicas write global/<g> again
+        src, dst = f"global/{g}/state.pt", f"launches/{k}/superseded/global/{g}/state.pt"
+        with contextlib.suppress(ObjectNotFound):
+            store.put(dst, store.get(src))
+            store.delete(f"global/{g}")
     with contextlib.suppress(Exception):
         for name in store.list("rounds"):
             if name.isdigit() and (top is None or int(name) > top):
@@ -709,6 +764,18 @@ def run(
             r = plan.resume.from_round
             where = f"round {r + 1} (global/{r})" if r is not None else "the start"
             console.print(f"resuming (launch {launch_no}): replicas continue from {where}")
+            if plan.resume.superseded:
+                names = ", ".join(f"global/{g}" for g in plan.resume.superseded)
+                console.print(
+                    f"set aside {names} (a replica's inner state of it never landed; kept "
+                    f"under launches/{launch_no}/superseded/): its rounds are computed again"
+                )
+            if plan.resume.fresh_inner:
+                ranks = ", ".join(str(k) for k in plan.resume.fresh_inner)
+                console.print(
+                    f"[yellow]replica(s) {ranks} have no saved inner-optimizer state of "
+                    f"global/{r}: they start it afresh (the run will not be bit-identical)[/]"
+                )
         console.print(f"run folder: {display_path(store)}", soft_wrap=True, highlight=False)
     extra = {"launch": launch_no, "restart_policy": plan.restart.to_dict()}
     if plan.resume is not None:
@@ -941,7 +1008,9 @@ def resume(
 ) -> dict[str, Any]:
     """Continue run ``run_id`` whose driver and replicas stopped: start all N replicas again;
     each resumes from the newest committed ``global/<r>`` with its own inner-optimizer state
-    and data position, so no committed round is lost and none is trained twice. Returns the
+    and data position, so no committed round is lost and none is trained twice. (If a
+    replica's inner state of that round never landed, the newest round saved whole is used
+    instead and the newer global states are set aside: see :func:`resume_point`.) Returns the
     summary written to result.json (``launch`` says which driver launch this was)."""
     plan = prepare_resume(
         run_id,

@@ -326,11 +326,9 @@ class ReplicaContext:
         With fragments, also its weights: only the fragment just synced is global, the others
         hold this replica's local progress, which global/<r> does not have. Serialized now,
         written in the background (``ObjectStoreManager.persist``)."""
-        if not self.spec.save_inner_state or self._inner is None:
+        if self._inner is None or not self.spec.saves_inner_state(r):
             return
         k = self.spec.checkpoint_every
-        if k > 1 and (r + 1) % k != 0 and r < self.spec.exchange_rounds - 1:
-            return  # saved with the periodic global states only (a resume starts from one)
         buf = io.BytesIO()
         if self.spec.fragments > 1 and self.model is not None:
             local = {n: p.detach() for n, p in self.model.named_parameters()}
@@ -361,16 +359,16 @@ class ReplicaContext:
         if self.step % period != 0 or self.manager is None:
             return
         m = self.manager
-        m.after_outer_step()
-        if m.fatal_error is not None:
-            raise m.fatal_error
         res = m.last_result
         e = self.step // period - 1  # the exchange round that just synced
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * period)
-        if m.last_committed:
+        if m.last_committed:  # queued before global/<r>: the writer's own inner state lands first
             with m.blocking():
                 self._save_inner(m.current_step() - 1)
+        m.after_outer_step()
+        if m.fatal_error is not None:
+            raise m.fatal_error
         # time: blocked in the manager (starting the exchange, waiting for it, healing,
         # snapshotting checkpoints) vs the rest; the background transfer counts apart
         now = time.monotonic()
