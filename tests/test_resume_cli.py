@@ -284,18 +284,18 @@ def test_resume_point_is_the_newest_global_every_inner_state_exists_for() -> Non
     newest complete one and sets the newer ones aside; with none complete, from the newest."""
     spec = RunSpec(run_id="x", run_uri="memory://x", job="lm", replicas=3, rounds=8).validate()
     every = {k: {0, 1, 2} for k in range(3)}
-    assert driver.resume_point(spec, [], every) == (None, [])
-    assert driver.resume_point(spec, [0, 1, 2], every) == (2, [])
+    assert driver.resume_point(spec, [], every) == (None, [], [])
+    assert driver.resume_point(spec, [0, 1, 2], every) == (2, [], [])
     lost = every | {2: {0, 1}}  # replica 2's inner/2 never landed
-    assert driver.resume_point(spec, [0, 1, 2], lost) == (1, [2])
-    assert driver.resume_point(spec, [2], lost) == (2, [])  # none complete: the newest
+    assert driver.resume_point(spec, [0, 1, 2], lost) == (1, [2], [])
+    assert driver.resume_point(spec, [2], lost) == (2, [], [2])  # none complete: the newest
     none_saved = RunSpec(**{**spec.__dict__, "save_inner_state": False}).validate()
-    assert driver.resume_point(none_saved, [1, 2], {}) == (2, [])
+    assert driver.resume_point(none_saved, [1, 2], {}) == (2, [], [])
     # --checkpoint-every 3: inner states exist for the periodic rounds (2, 5) and the last (7)
     k3 = RunSpec(**{**spec.__dict__, "checkpoint_every": 3}).validate()
-    assert driver.resume_point(k3, [2, 5], {k: {2, 5} for k in range(3)}) == (5, [])
+    assert driver.resume_point(k3, [2, 5], {k: {2, 5} for k in range(3)}) == (5, [], [])
     # a global written on request (round 3, to heal someone) has no inner states: not a cut
-    assert driver.resume_point(k3, [2, 3], {k: {2} for k in range(3)}) == (2, [3])
+    assert driver.resume_point(k3, [2, 3], {k: {2} for k in range(3)}) == (2, [3], [])
 
 
 def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Path) -> None:

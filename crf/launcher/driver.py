@@ -381,23 +381,22 @@ def prepare_resume(
     _validate_job(spec.job, spec.job_config)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
-    start, superseded = resume_point(spec, rounds, inner)
+    start, superseded, fresh = resume_point(spec, rounds, inner)
     info = ResumeInfo(
         launch=(max(launches) + 1) if launches else 1,
         from_round=start,
         previous_status=previous,
         superseded=superseded,
-        fresh_inner=[]
-        if start is None or not spec.saves_inner_state(start)
-        else [k for k in range(spec.replicas) if start not in inner[k]],
+        fresh_inner=fresh,
     )
     return Plan(spec, RunStore(run_uri), executor, spec.entrypoint, policy, info)
 
 
 def resume_point(
     spec: RunSpec, rounds: list[int], inner: Mapping[int, set[int]]
-) -> tuple[int | None, list[int]]:
-    """Where a resume starts: (global round, newer global rounds to set aside).
+) -> tuple[int | None, list[int], list[int]]:
+    """Where a resume starts: (global round, newer global rounds to set aside, replicas
+    without a saved inner state of that round). ``inner``: rank -> rounds it saved.
 
     A checkpoint is the global state of round r plus every replica's own inner-optimizer
     state of r, written by each replica in the background after the round committed. A run
@@ -409,15 +408,15 @@ def resume_point(
     has no inner optimizer), it starts from the newest and those replicas start afresh.
     """
     if not rounds:
-        return None, []
-    newest = max(rounds)
-    complete = [
-        r
-        for r in rounds
-        if spec.saves_inner_state(r) and all(r in inner.get(k, set()) for k in range(spec.replicas))
-    ]
-    start = max(complete) if complete else newest
-    return start, sorted(r for r in rounds if r > start)
+        return None, [], []
+
+    def missing(r: int) -> list[int]:
+        return [k for k in range(spec.replicas) if r not in inner.get(k, set())]
+
+    complete = [r for r in rounds if spec.saves_inner_state(r) and not missing(r)]
+    start = max(complete) if complete else max(rounds)
+    fresh = missing(start) if spec.saves_inner_state(start) else []
+    return start, sorted(r for r in rounds if r > start), fresh
 
 
 def saved_backend_options(store: RunStore) -> dict[str, Any]:

@@ -294,20 +294,23 @@ class RunStore:
         s3fs would ask for the object's size (a HEAD) first, to choose between one GET and
         concurrent ranged GETs, answer a missing object with a HEAD and a LIST, and hold the
         body twice while reading it."""
-        path = self.path(key)
         reader = _READERS.get(self.scheme) if size_hint is not None else None
+        return self._retry(f"get {key}", lambda: self._read(key, reader, None, None))
 
-        def _get() -> bytes:
-            try:
-                if reader is not None:
-                    return reader(self, path, None, None)
+    def _read(self, key: str, reader: Reader | None, start: int | None, end: int | None) -> bytes:
+        """One read attempt of ``key`` (whole when start is None), a missing object or a
+        folder answered as :class:`ObjectNotFound`."""
+        path = self.path(key)
+        try:
+            if reader is not None:
+                return reader(self, path, start, end)
+            if start is None:
                 return self.fs.cat_file(path)
-            except (FileNotFoundError, KeyError):
-                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
-            except IsADirectoryError:
-                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} is a folder") from None
-
-        return self._retry(f"get {key}", _get)
+            return self.fs.cat_file(path, start=start, end=end)
+        except (FileNotFoundError, KeyError):
+            raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
+        except IsADirectoryError:
+            raise ObjectNotFound(f"{self.uri}/{key.strip('/')} is a folder") from None
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object ``key`` in one request (an HTTP ``Range`` read
@@ -316,22 +319,13 @@ class RunStore:
         fetches just its shard's range, so an upload is one PUT instead of one per shard."""
         if start < 0 or end < start:
             raise ValueError(f"get_range {key}: bad range [{start}, {end})")
-        path = self.path(key)
-        reader = _READERS.get(self.scheme)
 
         def _get() -> bytes:
             if end == start:
-                if not self.fs.isfile(path):
+                if not self.fs.isfile(self.path(key)):
                     raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist")
                 return b""
-            try:
-                if reader is not None:
-                    return reader(self, path, start, end)
-                return self.fs.cat_file(path, start=start, end=end)
-            except (FileNotFoundError, KeyError):
-                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} does not exist") from None
-            except IsADirectoryError:
-                raise ObjectNotFound(f"{self.uri}/{key.strip('/')} is a folder") from None
+            return self._read(key, _READERS.get(self.scheme), start, end)
 
         return self._retry(f"get {key} [{start}:{end}]", _get)
 
