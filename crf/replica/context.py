@@ -32,7 +32,7 @@ import torch
 
 from crf.replica.allreduce import ObjectStoreAllReduce
 from crf.replica.faults import maybe_fault
-from crf.replica.manager import ObjectStoreManager
+from crf.replica.manager import ObjectStoreManager, restart_cannot_help
 from crf.replica.wire import compression as wire_compression
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
@@ -580,6 +580,8 @@ class ReplicaContext:
         try:
             body = self.result("failed", text, {})
             body["traceback"] = "".join(traceback.format_exception(error))[-4000:]
+            if restart_cannot_help(error):  # the driver leaves it down, whatever the exit code
+                body["restartable"] = False
             self.store.put_json(f"results/{self.rank}.json", body)
             self._beat(force=True)
         except Exception as e:  # the store itself may be the problem

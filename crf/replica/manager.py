@@ -55,6 +55,24 @@ class HealError(RuntimeError):
     """A replica that missed a committed round could not load a global state to catch up."""
 
 
+#: errors that say the run cannot work as it is set up (the replicas build different models,
+#: use different wires or fragments): a restart of the replica would hit them again
+UNRECOVERABLE_ERRORS: tuple[type[BaseException], ...] = (LayoutMismatchError,)
+
+
+def restart_cannot_help(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an error it was raised from) is one of
+    :data:`UNRECOVERABLE_ERRORS`: the replica then exits so that it is not restarted
+    (``python -m crf.replica`` exit code 3, ``"restartable": false`` in its result)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UNRECOVERABLE_ERRORS):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class _QueuedWork:
     """What ``allreduce`` returns: waiting on it waits for the round's batched exchange."""
 
@@ -239,6 +257,11 @@ class ObjectStoreManager:
                     self._cached = None
             return True
         self.rounds_missed.append(r)
+        if self.fatal_error is not None:
+            # the replica stops at this sync (e.g. the replicas disagree on the model): healing
+            # could only wait for a global state nobody writes, and would hide the real error
+            self._step = max(self._step, r + 1)
+            return False
         self._phase("healing")
         try:
             self.heal(r)
