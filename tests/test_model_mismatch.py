@@ -78,9 +78,7 @@ def _launch(tmp_path: Path, how: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("how", ["lm", "own-entrypoint"])
-def test_replicas_with_different_models_stop_at_once_and_say_why(
-    tmp_path: Path, how: str
-) -> None:
+def test_replicas_with_different_models_stop_at_once_and_say_why(tmp_path: Path, how: str) -> None:
     """Both replicas fail in round 0 with the layout mismatch (both shapes named), within the
     round deadline; neither is restarted; the summary says a restart cannot fix it."""
     summary = _launch(tmp_path, how)

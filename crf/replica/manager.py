@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,8 @@ from crf.store.run_store import wait_until
 log = logging.getLogger(__name__)
 
 GLOBAL_STATE = "global/{r}/state.pt"
+#: the variable torchft's DiLoCo reads to put a sync's tensors in buckets (turned off here)
+USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"
 
 
 class HealError(RuntimeError):
@@ -71,6 +74,31 @@ def restart_cannot_help(error: BaseException | None) -> bool:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
+
+
+def turn_off_bucketization(algo: Any) -> bool:
+    """Undo ``TORCHFT_USE_BUCKETIZATION`` on a torchft DiLoCo (its fragments read the variable
+    when built, over the ``use_bucketization=False`` crf passes); returns whether it was on.
+
+    Why off rather than supported: this manager already sends all of a sync's tensors in ONE
+    exchange (one contribution object, cut into ``num_shards`` shards), which is what buckets
+    are for with a process group; and torchft's buckets (``local_sgd``, nightly 2026.10.26)
+    are only right when each bucket's future completes before the next bucket is packed (the
+    copy-back callbacks read the loop's variables late), i.e. one blocking store round per
+    bucket, and never average a tensor that does not fit the space left in a bucket - the
+    replicas would drift apart silently. Per-tensor allreduce gathered into one exchange has
+    neither problem.
+    """
+    fragments = [f for f in getattr(algo, "_fragments", []) if getattr(f, "use_bucketization", 0)]
+    for fragment in fragments:
+        fragment.use_bucketization = False
+    if fragments:
+        log.warning(
+            "TORCHFT_USE_BUCKETIZATION=%s is ignored: crf already sends all of a sync's tensors "
+            "in one exchange (torchft's buckets would need one blocking store round each)",
+            os.environ.get(USE_BUCKETIZATION_ENV, ""),
+        )
+    return bool(fragments)
 
 
 class _QueuedWork:
