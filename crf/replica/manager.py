@@ -260,7 +260,9 @@ class ObjectStoreManager:
         return _QueuedWork(self, tensor)
 
     def should_commit(self, timeout: Any = None) -> bool:
-        """True if this replica took part in the round; otherwise heal and return False."""
+        """True if this replica took part in the round; otherwise heal and return False (no
+        heal after a fatal error, e.g. a layout mismatch: the replica raises it after the
+        outer step, see ``fatal_error``)."""
         with self.blocking():
             committed = self._should_commit()
         # this sync's blocked time: starting the exchange, waiting for it, healing
