@@ -152,6 +152,8 @@ def replica_row(
     row["resumed_from"] = data.get("resumed_from")
     if not_restarted:
         row["not_restarted"] = not_restarted
+    if data.get("restartable") is False:  # e.g. the replicas disagree on the model
+        row["restartable"] = False
     if res.result is None and row["error"] and log_tail:  # it died without saying why
         reason = last_exception(log_tail)
         if reason:
@@ -242,6 +244,11 @@ def build_summary(
     )
     all_rejected = rejected_objects([msg for row in rows for msg in row["rejected"]])
     syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
+    # what stopped the run for good, when a replica failed with an error no restart can fix
+    fatal = next(
+        (f"replica {r['rank']}: {r['error']}" for r in rows if r.get("restartable") is False),
+        None,
+    )
     return {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
@@ -249,6 +256,7 @@ def build_summary(
         "job": spec.job,
         "status": status,
         "error": error,
+        "fatal_error": fatal,
         "world_size": spec.replicas,
         "rounds": spec.rounds,
         "sync_every": spec.sync_every,
@@ -460,6 +468,8 @@ def render_summary(
             parts.append("[yellow]not every replica reported its weights hash[/]")
     if summary.get("error"):
         parts.append(f"[red]{escape(summary['error'])}[/]")
+    if summary.get("fatal_error"):
+        parts.append(f"[red]a restart cannot fix it: {escape(summary['fatal_error'])}[/]")
     console.print("run " + " - ".join(parts))
     if result_path:
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)

@@ -32,7 +32,11 @@ import torch
 
 from crf.replica.allreduce import ObjectStoreAllReduce
 from crf.replica.faults import maybe_fault
-from crf.replica.manager import ObjectStoreManager
+from crf.replica.manager import (
+    ObjectStoreManager,
+    restart_cannot_help,
+    turn_off_bucketization,
+)
 from crf.replica.wire import compression as wire_compression
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
@@ -246,6 +250,7 @@ class ReplicaContext:
             pin_memory=False,
             fragment_sync_delay=spec.fragment_sync_delay,
         )
+        turn_off_bucketization(algo)  # one exchange per sync already (see its docstring)
         # DiLoCo allreduces each parameter of the fragment it syncs: knowing how many, the
         # manager starts the exchange the moment the last one is queued
         manager.set_fragment_sizes([len(list(f.named_parameters())) for f in fragments])
@@ -580,6 +585,8 @@ class ReplicaContext:
         try:
             body = self.result("failed", text, {})
             body["traceback"] = "".join(traceback.format_exception(error))[-4000:]
+            if restart_cannot_help(error):  # the driver leaves it down, whatever the exit code
+                body["restartable"] = False
             self.store.put_json(f"results/{self.rank}.json", body)
             self._beat(force=True)
         except Exception as e:  # the store itself may be the problem
