@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from crf import jsonsafe
 from crf.replica import wire as wirefmt
 from crf.replica.contribution import (
     FACTS,
@@ -911,7 +912,7 @@ class ObjectStoreAllReduce:
                 "run_id": self.run_id,
                 "reason": "all arrived" if everyone else "deadline",
             }
-            if self._put(res, key, json.dumps(body).encode(), exclusive=True):
+            if self._put(res, key, jsonsafe.dumps(body).encode(), exclusive=True):
                 decided = body
             else:  # someone else decided first: theirs is the decision
                 decided = json.loads(self._get(res, key, 0))
@@ -1180,7 +1181,7 @@ class ObjectStoreAllReduce:
 
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
-        self.store.put_if_absent(f"rounds/{r}/failed.json", json.dumps(body).encode())
+        self.store.put_if_absent(f"rounds/{r}/failed.json", jsonsafe.dumps(body).encode())
 
     def _raise_if_failed(self, r: int) -> None:
         try:
