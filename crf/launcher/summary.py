@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from crf import jsonsafe
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import fmt_loss
 
@@ -193,6 +194,26 @@ def learning_curve(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[s
     return out
 
 
+def nonfinite_loss(
+    rows: Sequence[Mapping[str, Any]], metrics: Mapping[int, Sequence[Mapping[str, Any]]]
+) -> str | None:
+    """Where the loss went NaN/Inf (the first round of the first replica it did), or None. A
+    loss is read as the replica wrote it: a non-finite float is the string "NaN"/"Infinity"
+    in its JSON (:mod:`crf.jsonsafe`)."""
+    bad: list[tuple[int, int, str]] = []
+    for rank, rows_of in metrics.items():
+        for m in rows_of:
+            if jsonsafe.is_nonfinite(m.get("loss")) and isinstance(m.get("round"), int):
+                bad.append((m["round"], rank, str(m["loss"])))
+    if bad:
+        r, rank, value = min(bad)
+        return f"the loss is {value} on replica {rank} from round {r}"
+    for row in rows:
+        if jsonsafe.is_nonfinite(row.get("final_loss")):
+            return f"the final loss of replica {row.get('rank')} is {row['final_loss']}"
+    return None
+
+
 def build_summary(
     *,
     spec: Any,
@@ -215,7 +236,8 @@ def build_summary(
     ``status`` is ``ok`` only if every replica's last attempt exited cleanly and none reported
     a failure: an elastic run may finish with fewer replicas, but a replica that stayed dead
     is still a failure someone should look at. A replica that died and was restarted, and
-    then finished, is ok - its restarts are in the row and in ``restarts``.
+    then finished, is ok - its restarts are in the row and in ``restarts``. A run whose loss
+    went NaN/Inf is never ok, whatever the exit codes say.
     """
     ended_at = time.time() if ended_at is None else ended_at
     metrics = metrics or {}
@@ -239,6 +261,10 @@ def build_summary(
         status = "failed"
     else:
         status = "ok"
+    diverged = nonfinite_loss(rows, metrics)
+    if diverged is not None and status != "cancelled":
+        status = "failed"
+        error = f"{error}; {diverged}" if error else diverged
     committed = {m.get("round") for ms in metrics.values() for m in ms if m.get("committed")} & set(
         range(spec.rounds)
     )

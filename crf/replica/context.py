@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from crf.replica.allreduce import ObjectStoreAllReduce
+from crf.replica.allreduce import NonFiniteError, ObjectStoreAllReduce, describe_nonfinite
 from crf.replica.faults import maybe_fault
 from crf.replica.manager import (
     ObjectStoreManager,
@@ -368,6 +368,8 @@ class ReplicaContext:
         e = self.step // period - 1  # the exchange round that just synced
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * period)
+        if m.fatal_error is None:  # before its state is saved anywhere
+            self._check_weights_finite(e // self.spec.fragments)
         if m.last_committed:  # queued before global/<r>: the writer's own inner state lands first
             with m.blocking():
                 self._save_inner(m.current_step() - 1)
@@ -404,6 +406,22 @@ class ReplicaContext:
         self._outer_commits.setdefault(e // F, []).append(m.last_committed)
         self._fold_syncs(final=False)
         self._set_phase("training")
+
+    def _check_weights_finite(self, r: int) -> None:
+        """After a sync's outer step (once per sync, one pass over the weights): weights that
+        hold NaN/Inf end this replica with :class:`NonFiniteError`, before they are written
+        to global/ or to its inner state, rather than train on garbage. A restart would not
+        help: it resumes from the same global state and data and computes the same numbers
+        (the replica exits with code 3, which the driver does not restart)."""
+        if self.model is None:
+            return
+        for name, p in self.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                raise NonFiniteError(
+                    f"round {r} (step {self.step}): weights went non-finite after the outer "
+                    f"step ({name}: {describe_nonfinite(p.detach())}); lower --outer-lr or "
+                    "the job's learning rate"
+                )
 
     def _fold_syncs(self, *, final: bool) -> None:
         """Turn the syncs of each finished outer round (``sync_every`` steps: one sync per

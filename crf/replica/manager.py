@@ -41,6 +41,7 @@ from crf.replica.allreduce import (
     AllReduceError,
     AllReduceResult,
     LayoutMismatchError,
+    NonFiniteError,
     ObjectStoreAllReduce,
     RoundFailed,
 )
@@ -59,8 +60,9 @@ class HealError(RuntimeError):
 
 
 #: errors that say the run cannot work as it is set up (the replicas build different models,
-#: use different wires or fragments): a restart of the replica would hit them again
-UNRECOVERABLE_ERRORS: tuple[type[BaseException], ...] = (LayoutMismatchError,)
+#: use different wires or fragments; this replica's numbers went NaN/Inf, which a restart
+#: from the same global state and data computes again): a restart would hit them again
+UNRECOVERABLE_ERRORS: tuple[type[BaseException], ...] = (LayoutMismatchError, NonFiniteError)
 
 
 def restart_cannot_help(error: BaseException | None) -> bool:
@@ -381,6 +383,11 @@ class ObjectStoreManager:
         except LayoutMismatchError as e:
             self.fatal_error = e
             self.last_error = str(e)
+            self._commit = False
+        except NonFiniteError as e:  # this replica's own numbers: fatal, never averaged
+            log.error("%s", e)
+            self.fatal_error = e
+            self.last_error = f"{type(e).__name__}: {e}"
             self._commit = False
         except (AllReduceError, StoreError, OSError, CorruptObjectError) as e:
             log.warning("round %d: exchange failed: %s", self._step, e)

@@ -112,6 +112,19 @@ def decode_add(w: torch.Tensor, wire: str, n: int, acc: torch.Tensor) -> torch.T
     return acc
 
 
+def all_finite(w: torch.Tensor | list[torch.Tensor], wire: str, n: int) -> bool:
+    """Whether a shard on the wire decodes to finite values only, read without decoding it:
+    the values themselves for a float wire (fp32 slices included), the block scales for
+    int8 (a code is a small integer, so its value is finite exactly when its scale is; a
+    NaN or infinite input makes its block's absmax, hence its scale, non-finite)."""
+    if isinstance(w, list):
+        return all(bool(torch.isfinite(p).all()) for p in w)
+    if wire in _FLOATS:
+        return bool(torch.isfinite(w).all())
+    scales, _ = _int8_parts(w, n)
+    return bool(torch.isfinite(scales).all())
+
+
 def wire_nbytes(wire: str, n: int) -> int:
     """Bytes of a shard of ``n`` values on the wire (what :func:`encode` returns)."""
     if wire in _FLOATS:
