@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from crf.replica.allreduce import NonFiniteError, ObjectStoreAllReduce, describe_nonfinite
-from crf.replica.faults import maybe_fault
+from crf.replica.faults import maybe_fault, maybe_poison
 from crf.replica.manager import (
     ObjectStoreManager,
     restart_cannot_help,
@@ -360,6 +360,11 @@ class ReplicaContext:
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
         maybe_fault("inner_step", self.rank, None, self.store, step=self.step)
+        if self.model is not None and maybe_poison(
+            "nan_weights", self.rank, None, self.store, step=self.step
+        ):
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = float("nan")
         period = self.spec.sync_period
         if self.step % period != 0 or self.manager is None:
             return
