@@ -253,6 +253,8 @@ def test_nonfinite_replica_fails_clearly_and_nan_parts_are_left_out(tmp_path: Pa
     _, header = decode_tensor((run / "rounds" / "1" / "reduced" / "0").read_bytes())
     assert header["participants"] == [0, 2]
     assert rows[0]["rounds_missed"] == [] and rows[1]["rounds_missed"] == []
+    # replica 2's last heartbeat has its NaN loss, as the string "NaN"
+    assert strict_loads((run / "replicas" / "2" / "state.json").read_bytes())["loss"] == "NaN"
     n = assert_all_json_strict(run)
     assert n > 10
     print(f"\n[figure] {n} JSON files of a run with NaNs, all strict JSON")
