@@ -75,6 +75,27 @@ def test_every_json_crf_writes_is_valid_json(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- the exchange
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_check_finds_any_nan_or_inf(dtype: torch.dtype) -> None:
+    """wire.finite (min and max in one pass) agrees with torch.isfinite wherever the bad
+    value sits, and the int8 wire is judged by its block scales."""
+    from crf.replica import wire as wirefmt
+
+    assert wirefmt.finite(torch.empty(0, dtype=dtype))
+    base = torch.randn(1000).to(dtype)
+    assert wirefmt.finite(base) and wirefmt.all_finite([base[:10], base[10:]], "float32", 1000)
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 511, 999):
+            x = base.clone()
+            x[at] = bad
+            assert not wirefmt.finite(x), (bad, at)
+            assert not wirefmt.all_finite([base[:at], x[at:]], "float32", 1000)
+    codes = wirefmt.encode(base.float(), "int8")
+    assert wirefmt.all_finite(codes, "int8", 1000)
+    codes[4:8].view(torch.float32)[0] = math.nan  # the second block's scale
+    assert not wirefmt.all_finite(codes, "int8", 1000)
+
+
 def _tensors(rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7 + rank)
     return [

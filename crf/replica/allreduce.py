@@ -1211,7 +1211,7 @@ class ObjectStoreAllReduce:
         if acc is None:
             raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
         acc.div_(len(used))
-        if not bool(torch.isfinite(acc).all()):  # finite parts whose sum overflowed fp32
+        if not wirefmt.finite(acc):  # finite parts whose sum overflowed fp32
             why = f"the sum of shard {s} overflowed float32 ({describe_nonfinite(acc)})"
             self._fail_round(r, why)
             raise RoundFailed(f"round {r} failed: {why}")
@@ -1251,18 +1251,16 @@ class ObjectStoreAllReduce:
         the wire. A non-finite pseudo-gradient means this replica's weights went non-finite
         during its inner steps (or the wire cannot carry its values): it must not be averaged,
         and the replica cannot go on, so it raises :class:`NonFiniteError`."""
-        if (fp32 is None or bool(torch.isfinite(fp32).all())) and wirefmt.all_finite(
-            payload, self.wire, b - a
-        ):
+        if (fp32 is None or wirefmt.finite(fp32)) and wirefmt.all_finite(payload, self.wire, b - a):
             return
         values = fp32 if fp32 is not None else _gather_fp32(source.pieces(a, b))
-        if bool(torch.isfinite(values).all()):
+        if wirefmt.finite(values):
             raise NonFiniteError(
                 f"round {r}: this replica's pseudo-gradient overflows the {self.wire} wire "
                 f"(shard {s}: {describe_nonfinite(wirefmt.decode(payload, self.wire, b - a))}); "
                 "use a wider wire format (--wire bfloat16 or float32)"
             )
-        first = next(i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all()))
+        first = next(i for i, t in enumerate(tensors) if not wirefmt.finite(t))
         raise NonFiniteError(
             f"round {r}: this replica's pseudo-gradient holds non-finite values (tensor {first} "
             f"of {len(tensors)}: {describe_nonfinite(tensors[first].detach())}): its weights "

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from crf.replica import wire as wirefmt
 from crf.replica.allreduce import NonFiniteError, ObjectStoreAllReduce, describe_nonfinite
 from crf.replica.faults import maybe_fault, maybe_poison
 from crf.replica.manager import (
@@ -421,7 +422,7 @@ class ReplicaContext:
         if self.model is None:
             return
         for name, p in self.model.named_parameters():
-            if not bool(torch.isfinite(p).all()):
+            if not wirefmt.finite(p.detach()):
                 raise NonFiniteError(
                     f"round {r} (step {self.step}): weights went non-finite after the outer "
                     f"step ({name}: {describe_nonfinite(p.detach())}); lower --outer-lr or "
