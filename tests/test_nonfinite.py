@@ -199,6 +199,7 @@ def test_weights_that_go_nonfinite_after_the_outer_step_end_the_replica(tmp_path
     assert ctx.step == 2  # it stopped at the first sync
     result = strict_loads((tmp_path / "run" / "results" / "0.json").read_bytes())
     assert result["status"] == "failed" and result["error"].startswith("NonFiniteError: round 0")
+    assert result["restartable"] is False  # the driver leaves it down
     assert_all_json_strict(tmp_path / "run")
 
 
@@ -266,7 +267,8 @@ def test_nonfinite_replica_fails_clearly_and_nan_parts_are_left_out(tmp_path: Pa
     assert [row["ok"] for row in rows] == [True, True, False], out
     bad = rows[2]
     assert bad["exit_code"] == 3 and bad["restarts"] == 0, bad
-    assert "NaN/Inf" in bad["not_restarted"], bad
+    assert "restart cannot fix" in bad["not_restarted"] and bad["restartable"] is False, bad
+    assert summary["fatal_error"].startswith("replica 2: NonFiniteError: round 2"), summary
     assert bad["error"].startswith("NonFiniteError: round 2"), bad["error"]
     assert "pseudo-gradient holds non-finite values" in bad["error"]
     # the NaN part was never averaged, and the summary says which object it was
