@@ -339,6 +339,9 @@ class ObjectStoreAllReduce:
         self._early: _Early | None = None
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
+        #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks
+        #: restart at each: :func:`crf.replica.wire.int8_blocks`)
+        self._segments: dict[str, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ helpers
     def _phase(self, phase: str) -> None:
@@ -363,6 +366,18 @@ class ObjectStoreAllReduce:
             return self.store.put_if_absent(key, data, durable=False)
         self.store.put(key, data, durable=False)
         return True
+
+    def _shard_segments(
+        self, lhash: str, sizes: list[int], bounds: list[tuple[int, int]]
+    ) -> list[list[int]]:
+        """The tensors' pieces in each shard (kept by layout hash: the reduce and gather
+        steps of a round, which know only the hash, cut int8 blocks along them too)."""
+        segs = self._segments.get(lhash)
+        if segs is None:
+            if len(self._segments) >= 16:  # fragments of one model: a handful of layouts
+                self._segments.clear()
+            segs = self._segments[lhash] = wirefmt.shard_segments(sizes, bounds)
+        return segs
 
     def _get(self, res: AllReduceResult, key: str, size_hint: int | None = None) -> bytes:
         data = self.store.get(key, size_hint=size_hint)
@@ -450,6 +465,7 @@ class ObjectStoreAllReduce:
             if previous is not None and previous.numel() != total:
                 previous = None
         bounds = shard_bounds(total, self.num_shards)
+        segs = self._shard_segments(lhash, [v.numel() for v in views], bounds)
 
         # 1. publish my contribution: the manifest and every shard but the ones this replica
         #    owns in a full quorum (those stay in memory: the owner never downloads its own
@@ -461,6 +477,7 @@ class ObjectStoreAllReduce:
             self.world_size,
             manifest_size(layout, self.run_id, self.num_shards, self.world_size),
             shard_header_size(self.run_id),
+            segs,
         )
         mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
         held_back = packing.kept(self.rank)
@@ -472,9 +489,9 @@ class ObjectStoreAllReduce:
                 x = _gather_fp32(source.pieces(a, b))
                 if previous is not None:
                     x = x + previous[a:b]  # error feedback: resend what was dropped last time
-                payload = wirefmt.encode(x, self.wire)
+                payload = wirefmt.encode(x, self.wire, segs[s])
                 if residual is not None:
-                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a)
+                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a, segments=segs[s])
                 del x
             mine_wire[s] = payload
             if s not in held_back:  # checksums of the shards are computed in parallel
@@ -708,12 +725,13 @@ class ObjectStoreAllReduce:
         """Decode each compressed shard straight into the contiguous tensors: a shard that is
         one fp32 slice is written in place, so no fp32 copy of the whole average is made."""
         dest = _Segments([t.view(-1) for t in tensors])
+        segs = wirefmt.shard_segments([t.numel() for t in tensors], bounds)
         for s, (a, b) in enumerate(bounds):
             targets = dest.pieces(a, b)
             if len(targets) == 1 and targets[0].dtype == torch.float32:
-                wirefmt.decode(got[s], self.wire, b - a, out=targets[0])
+                wirefmt.decode(got[s], self.wire, b - a, out=targets[0], segments=segs[s])
                 continue
-            values, pos = wirefmt.decode(got[s], self.wire, b - a), 0
+            values, pos = wirefmt.decode(got[s], self.wire, b - a, segments=segs[s]), 0
             for piece in targets:
                 piece.copy_(values[pos : pos + piece.numel()])
                 pos += piece.numel()
@@ -726,8 +744,12 @@ class ObjectStoreAllReduce:
     ) -> None:
         """Copy the averaged shards into the tensors, non-contiguous ones included: the exact
         wire's fp32 objects as they are, a compressed wire's decoded to fp32 first."""
+        segs = wirefmt.shard_segments([t.numel() for t in tensors], bounds)
         averaged = _Segments(
-            [wirefmt.decode(got[s], self.wire, b - a) for s, (a, b) in enumerate(bounds)]
+            [
+                wirefmt.decode(got[s], self.wire, b - a, segments=segs[s])
+                for s, (a, b) in enumerate(bounds)
+            ]
         )
         offset = 0
         for t in tensors:
@@ -879,7 +901,7 @@ class ObjectStoreAllReduce:
                 )
             data = reading.result() if reading is not None else None
             if data is not None:  # a decision stands, whatever the listing says now
-                decided = json.loads(data)
+                decided = self._read_decision(r, key, data)
                 return True
             if self.rank in stale:
                 raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
@@ -914,7 +936,7 @@ class ObjectStoreAllReduce:
             if self._put(res, key, json.dumps(body).encode(), exclusive=True):
                 decided = body
             else:  # someone else decided first: theirs is the decision
-                decided = json.loads(self._get(res, key, 0))
+                decided = self._read_decision(r, key, self._get(res, key, 0))
             return True
 
         # keep polling a little past the deadline so a decision by a peer is seen
@@ -929,10 +951,47 @@ class ObjectStoreAllReduce:
         assert decided is not None
         if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
             raise _Stale(int(decided["base_round"]))
-        if decided.get("run_id") not in (None, self.run_id):
-            raise AllReduceError(
-                f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
-            )
+        return decided
+
+    def _read_decision(self, r: int, key: str, data: bytes) -> dict[str, Any]:
+        """Round r's quorum.json, checked for where it came from: this run, round r, and
+        participants that are ranks of this run, each with its own contribution (whose name
+        carries the rank, and the digest of run, layout, wire and shards that
+        ``_check_layouts`` compares). A decision copied from another run or round, or
+        unreadable, is never followed: it holds the round's one create-if-absent key, so no
+        good decision can replace it, and the round fails for everyone alike
+        (``failed.json``, as for a bad reduced shard), reported as rejected."""
+        problems = []
+        try:
+            decided = json.loads(data)
+        except ValueError as e:
+            decided, problems = {}, [f"unreadable ({e})"]
+        if not isinstance(decided, dict):
+            decided, problems = {}, ["not a json object"]
+        if not problems:
+            if decided.get("run_id") != self.run_id:
+                problems.append(f"run {decided.get('run_id')!r}, not {self.run_id!r}")
+            if decided.get("round") != r:
+                problems.append(f"round {decided.get('round')!r}, not {r}")
+            parts = decided.get("participants")
+            contributions = decided.get("contributions")
+            if not isinstance(parts, list) or not isinstance(contributions, dict):
+                problems.append("no participants or contributions")
+            else:
+                for p in parts:
+                    c = contributions.get(str(p))
+                    name = c.get("name") if isinstance(c, dict) else None
+                    arrival = parse_contrib_name(name) if isinstance(name, str) else None
+                    if not (isinstance(p, int) and 0 <= p < self.world_size) or (
+                        arrival is None or arrival.rank != p
+                    ):
+                        problems.append(f"participant {p!r} is not a rank with a contribution")
+                        break
+        if problems:
+            msg = f"{key}: not this run's decision of round {r} ({'; '.join(problems)})"
+            log.warning("rejected %s", msg)
+            self._fail_round(r, f"bad quorum: {msg}")
+            raise RoundFailed(f"round {r} failed: {msg}")
         return decided
 
     def _lag_behind(self, r: int) -> int | None:
@@ -1080,7 +1139,8 @@ class ObjectStoreAllReduce:
             }
             bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
             lo, hi = job.bounds[s]
-            if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo):
+            segs = self._segments[job.lhash][s]
+            if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo, segs):
                 raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
             return _Part(t)
         except ObjectNotFound:
@@ -1108,6 +1168,7 @@ class ObjectStoreAllReduce:
             return None
         owner = job.participants[s % len(job.participants)]
         a, b = job.bounds[s]
+        segs = self._segments[job.lhash][s]  # int8 blocks restart at every tensor
         acc: torch.Tensor | None = None
         used = []
         fetches = {  # the others' parts download in parallel, and add up in rank order
@@ -1150,16 +1211,16 @@ class ObjectStoreAllReduce:
                     dst.copy_(piece) if first_part else dst.add_(piece)
                     pos += piece.numel()
             elif first_part:  # compressed: decoded straight into the accumulator
-                wirefmt.decode(w, self.wire, b - a, out=acc)
+                wirefmt.decode(w, self.wire, b - a, out=acc, segments=segs)
             else:
-                wirefmt.decode_add(w, self.wire, b - a, acc)
+                wirefmt.decode_add(w, self.wire, b - a, acc, segments=segs)
             used.append(p)
         if acc is None:
             raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
         acc.div_(len(used))
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
-        wire = wirefmt.encode(acc, self.wire)
+        wire = wirefmt.encode(acc, self.wire, segs)
         if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
             res.shards_computed.append(s)
             return wire
@@ -1168,10 +1229,31 @@ class ObjectStoreAllReduce:
     def _decode_reduced(
         self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
     ) -> torch.Tensor:
+        """A downloaded reduced shard, checked for where it came from: its header must name
+        this run, round r, shard s, this layout and wire, a reducer of this run, and its size
+        fit. One copied from an older round of this run or from another run (same layout,
+        valid checksum) is as unusable as a corrupt one: never averaged, and the round fails
+        for everyone (the key is create-if-absent: no good copy can replace it)."""
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
-            if hdr.get("layout_hash") != lhash or not wirefmt.wire_numel_ok(t, self.wire, n):
-                raise CorruptObjectError(f"{key}: reduced shard does not match this round")
+            expect = {
+                "run_id": self.run_id,
+                "round": r,
+                "shard": s,
+                "layout_hash": lhash,
+                "wire": self.wire,
+            }
+            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+            rank = hdr.get("rank")
+            if not (isinstance(rank, int) and 0 <= rank < self.world_size):
+                bad["rank"] = rank
+            if bad:
+                raise CorruptObjectError(
+                    f"{key}: reduced shard is not this run's round {r} shard {s} ({bad})"
+                )
+            segs = self._segments[lhash][s] if lhash in self._segments else None
+            if not wirefmt.wire_numel_ok(t, self.wire, n, segs):
+                raise CorruptObjectError(f"{key}: reduced shard has the wrong size")
         except CorruptObjectError as e:
             # the one copy everyone needs is bad: nobody can finish this round consistently
             self._fail_round(r, f"bad reduced shard: {e}")
