@@ -222,6 +222,12 @@ def _layout_hash(layout: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
 
+def tensors_layout_hash(tensors: Sequence[torch.Tensor]) -> str:
+    """The digest of the tensors' shapes and dtypes that an exchange checks (the model's,
+    for the checkpoints that carry it)."""
+    return _layout_hash(layout_of(tensors))
+
+
 def _size_hint(bounds: tuple[int, int]) -> int:
     """An upper bound of a shard object's size (fp32 values + header): lets an S3 store
     read it with one GET (:meth:`RunStore.get`)."""
