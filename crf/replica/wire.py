@@ -51,6 +51,8 @@ def int8_blocks(n: int, segments: Sequence[int] | None = None) -> tuple[list[Seg
         segments = [n]
     out, pos, blocks = [], 0, 0
     for m in segments:
+        if m < 0:
+            raise ValueError(f"int8 segments must not be negative, got {m}")
         if m:
             out.append((pos, pos + m, blocks))
             pos, blocks = pos + m, blocks + (m + INT8_BLOCK - 1) // INT8_BLOCK
