@@ -1257,7 +1257,7 @@ class ObjectStoreAllReduce:
                 raise CorruptObjectError(
                     f"{key}: reduced shard is not this run's round {r} shard {s} ({bad})"
                 )
-            segs = self._segments[lhash][s] if lhash in self._segments else None
+            segs = self._segments[lhash][s]
             if not wirefmt.wire_numel_ok(t, self.wire, n, segs):
                 raise CorruptObjectError(f"{key}: reduced shard has the wrong size")
         except CorruptObjectError as e:
