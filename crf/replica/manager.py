@@ -609,14 +609,19 @@ class ObjectStoreManager:
                 )
             if newest() < target:  # round r failed after all
                 return False
-            for _ in range(3):  # the newest may be garbage-collected between list and get
-                try:
-                    self.load_global(newest())
-                    log.info("healed from global/%d", self.last_healed_from)
-                    return True
-                except ObjectNotFound:
-                    continue
-                except CorruptObjectError:
-                    break  # refused and reported: wait for a usable one, as for a missing one
-            else:
-                raise HealError(f"could not read a global state at or after round {target}")
+            try:
+                self.load_global(newest())
+                log.info("healed from global/%d", self.last_healed_from)
+                return True
+            except ObjectNotFound:
+                # listed before its object landed (a folder store), or collected since the
+                # listing: look again
+                pass
+            except CorruptObjectError:
+                pass  # refused and reported: wait for a usable one, as for a missing one
+            if time.monotonic() >= deadline:
+                raise HealError(
+                    f"could not read a global state at or after round {target} within "
+                    f"{self.heal_timeout_s:.0f}s"
+                )
+            time.sleep(0.05)
