@@ -701,3 +701,19 @@ def test_int8_small_tensor_keeps_its_own_precision(store: RunStore, num_shards: 
     for i in (0, 2):  # the large tensors keep the precision of their own scale too
         scale = max(t[i].abs().max().item() for t in (tensors(0), tensors(1))) / 127
         assert (out[0][i] - exact[i]).abs().max().item() <= 1.5 * scale
+
+
+def test_int8_blocks_follow_the_tensors_pieces() -> None:
+    """The pieces of each shard (a tensor split by a shard boundary gives one to each, an
+    empty tensor none) and the blocks cut along them: a block per started 256 values of
+    each piece, none spanning two."""
+    from crf.replica import wire
+
+    sizes = [300, 0, 10, 700]
+    bounds = shard_bounds(sum(sizes), 3)  # [0, 337), [337, 674), [674, 1010)
+    assert wire.shard_segments(sizes, bounds) == [[300, 10, 27], [337], [336]]
+    pieces, nblocks = wire.int8_blocks(337, [300, 10, 27])
+    assert pieces == [(0, 300, 0), (300, 310, 2), (310, 337, 3)] and nblocks == 4
+    assert wire.wire_nbytes("int8", 337, [300, 10, 27]) == 4 * 4 + 337
+    with pytest.raises(ValueError, match="cover 336 values"):
+        wire.int8_blocks(337, [336])
