@@ -10,6 +10,7 @@ import torch
 
 from crf.replica import contribution as c
 from crf.replica.allreduce import ObjectStoreAllReduce, layout_of, shard_bounds
+from crf.replica.wire import shard_segments
 from crf.store import CorruptObjectError, RunStore, decode_tensor
 from tests.conftest import run_threads
 
@@ -94,12 +95,15 @@ def test_every_computed_range_holds_its_shard_frame(tmp_path, wire, world, num_s
     layout = layout_of([torch.empty(s) for s in shapes])
     total = sum(torch.empty(s).numel() for s in shapes)
     shards = num_shards or world
+    bounds = shard_bounds(total, shards)
     packing = c.Packing(
-        shard_bounds(total, shards),
+        bounds,
         wire,
         world,
         c.manifest_size(layout, "t", shards, world),
         c.shard_header_size("t"),
+        # int8 blocks restart at every tensor: the frames' sizes depend on the pieces
+        shard_segments([torch.empty(s).numel() for s in shapes], bounds),
     )
     quorum = json.loads(store.get("rounds/0/quorum.json"))
     assert sorted(quorum["participants"]) == list(range(world))

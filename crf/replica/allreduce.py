@@ -260,6 +260,12 @@ def _layout_hash(layout: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
 
+def tensors_layout_hash(tensors: Sequence[torch.Tensor]) -> str:
+    """The digest of the tensors' shapes and dtypes that an exchange checks (the model's,
+    for the checkpoints that carry it)."""
+    return _layout_hash(layout_of(tensors))
+
+
 def _size_hint(bounds: tuple[int, int]) -> int:
     """An upper bound of a shard object's size (fp32 values + header): lets an S3 store
     read it with one GET (:meth:`RunStore.get`)."""
@@ -377,6 +383,9 @@ class ObjectStoreAllReduce:
         self._early: _Early | None = None
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
+        #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks
+        #: restart at each: :func:`crf.replica.wire.int8_blocks`)
+        self._segments: dict[str, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ helpers
     def _phase(self, phase: str) -> None:
@@ -401,6 +410,18 @@ class ObjectStoreAllReduce:
             return self.store.put_if_absent(key, data, durable=False)
         self.store.put(key, data, durable=False)
         return True
+
+    def _shard_segments(
+        self, lhash: str, sizes: list[int], bounds: list[tuple[int, int]]
+    ) -> list[list[int]]:
+        """The tensors' pieces in each shard (kept by layout hash: the reduce and gather
+        steps of a round, which know only the hash, cut int8 blocks along them too)."""
+        segs = self._segments.get(lhash)
+        if segs is None:
+            if len(self._segments) >= 16:  # fragments of one model: a handful of layouts
+                self._segments.clear()
+            segs = self._segments[lhash] = wirefmt.shard_segments(sizes, bounds)
+        return segs
 
     def _get(self, res: AllReduceResult, key: str, size_hint: int | None = None) -> bytes:
         data = self.store.get(key, size_hint=size_hint)
@@ -488,6 +509,7 @@ class ObjectStoreAllReduce:
             if previous is not None and previous.numel() != total:
                 previous = None
         bounds = shard_bounds(total, self.num_shards)
+        segs = self._shard_segments(lhash, [v.numel() for v in views], bounds)
 
         # 1. publish my contribution: the manifest and every shard but the ones this replica
         #    owns in a full quorum (those stay in memory: the owner never downloads its own
@@ -499,6 +521,7 @@ class ObjectStoreAllReduce:
             self.world_size,
             manifest_size(layout, self.run_id, self.num_shards, self.world_size),
             shard_header_size(self.run_id),
+            segs,
         )
         mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
         held_back = packing.kept(self.rank)
@@ -506,17 +529,17 @@ class ObjectStoreAllReduce:
         for s, (a, b) in enumerate(bounds):
             if exact:
                 payload: Any = source.pieces(a, b)
-                self._check_own_finite(r, s, tensors, source, a, b, payload)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
             else:
                 x = _gather_fp32(source.pieces(a, b))
                 if previous is not None:
                     x = x + previous[a:b]  # error feedback: resend what was dropped last time
-                payload = wirefmt.encode(x, self.wire)
+                payload = wirefmt.encode(x, self.wire, segs[s])
                 # the fp32 values (int8 would encode a NaN block as finite garbage) and what
                 # went on the wire (float16 overflows past 65504)
-                self._check_own_finite(r, s, tensors, source, a, b, payload, x)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, x, segs[s])
                 if residual is not None:
-                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a)
+                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a, segments=segs[s])
                 del x
             if maybe_poison("nan_contribution", self.rank, r, self.store):
                 payload = _poisoned(payload, self.wire, b - a)
@@ -647,7 +670,7 @@ class ObjectStoreAllReduce:
         # every shard is here and verified: write the average into the tensors, each in its
         # own dtype
         self._check_averages_finite(
-            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds
+            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
         )
         self._write_average(got, bounds, tensors, exact)
         if self.drop_contributions:  # in the background: nobody waits for it
@@ -694,7 +717,7 @@ class ObjectStoreAllReduce:
                 else:
                     time.sleep(delay)
                     delay = min(delay * 1.6, self.max_poll_s)
-            self._check_averages_finite(r, got, bounds)
+            self._check_averages_finite(r, got, bounds, self._segments[lhash])
         except (AllReduceError, StoreError, CorruptObjectError) as e:
             log.warning("round %d: cannot take its average (%s); healing instead", r, e)
             return False
@@ -756,12 +779,13 @@ class ObjectStoreAllReduce:
         """Decode each compressed shard straight into the contiguous tensors: a shard that is
         one fp32 slice is written in place, so no fp32 copy of the whole average is made."""
         dest = _Segments([t.view(-1) for t in tensors])
+        segs = wirefmt.shard_segments([t.numel() for t in tensors], bounds)
         for s, (a, b) in enumerate(bounds):
             targets = dest.pieces(a, b)
             if len(targets) == 1 and targets[0].dtype == torch.float32:
-                wirefmt.decode(got[s], self.wire, b - a, out=targets[0])
+                wirefmt.decode(got[s], self.wire, b - a, out=targets[0], segments=segs[s])
                 continue
-            values, pos = wirefmt.decode(got[s], self.wire, b - a), 0
+            values, pos = wirefmt.decode(got[s], self.wire, b - a, segments=segs[s]), 0
             for piece in targets:
                 piece.copy_(values[pos : pos + piece.numel()])
                 pos += piece.numel()
@@ -774,8 +798,12 @@ class ObjectStoreAllReduce:
     ) -> None:
         """Copy the averaged shards into the tensors, non-contiguous ones included: the exact
         wire's fp32 objects as they are, a compressed wire's decoded to fp32 first."""
+        segs = wirefmt.shard_segments([t.numel() for t in tensors], bounds)
         averaged = _Segments(
-            [wirefmt.decode(got[s], self.wire, b - a) for s, (a, b) in enumerate(bounds)]
+            [
+                wirefmt.decode(got[s], self.wire, b - a, segments=segs[s])
+                for s, (a, b) in enumerate(bounds)
+            ]
         )
         offset = 0
         for t in tensors:
@@ -927,7 +955,7 @@ class ObjectStoreAllReduce:
                 )
             data = reading.result() if reading is not None else None
             if data is not None:  # a decision stands, whatever the listing says now
-                decided = json.loads(data)
+                decided = self._read_decision(r, key, data)
                 return True
             if self.rank in stale:
                 raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
@@ -962,7 +990,7 @@ class ObjectStoreAllReduce:
             if self._put(res, key, jsonsafe.dumps(body).encode(), exclusive=True):
                 decided = body
             else:  # someone else decided first: theirs is the decision
-                decided = json.loads(self._get(res, key, 0))
+                decided = self._read_decision(r, key, self._get(res, key, 0))
             return True
 
         # keep polling a little past the deadline so a decision by a peer is seen
@@ -977,10 +1005,47 @@ class ObjectStoreAllReduce:
         assert decided is not None
         if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
             raise _Stale(int(decided["base_round"]))
-        if decided.get("run_id") not in (None, self.run_id):
-            raise AllReduceError(
-                f"{key} belongs to run {decided.get('run_id')!r}, not {self.run_id!r}"
-            )
+        return decided
+
+    def _read_decision(self, r: int, key: str, data: bytes) -> dict[str, Any]:
+        """Round r's quorum.json, checked for where it came from: this run, round r, and
+        participants that are ranks of this run, each with its own contribution (whose name
+        carries the rank, and the digest of run, layout, wire and shards that
+        ``_check_layouts`` compares). A decision copied from another run or round, or
+        unreadable, is never followed: it holds the round's one create-if-absent key, so no
+        good decision can replace it, and the round fails for everyone alike
+        (``failed.json``, as for a bad reduced shard), reported as rejected."""
+        problems = []
+        try:
+            decided = json.loads(data)
+        except ValueError as e:
+            decided, problems = {}, [f"unreadable ({e})"]
+        if not isinstance(decided, dict):
+            decided, problems = {}, ["not a json object"]
+        if not problems:
+            if decided.get("run_id") != self.run_id:
+                problems.append(f"run {decided.get('run_id')!r}, not {self.run_id!r}")
+            if decided.get("round") != r:
+                problems.append(f"round {decided.get('round')!r}, not {r}")
+            parts = decided.get("participants")
+            contributions = decided.get("contributions")
+            if not isinstance(parts, list) or not isinstance(contributions, dict):
+                problems.append("no participants or contributions")
+            else:
+                for p in parts:
+                    c = contributions.get(str(p))
+                    name = c.get("name") if isinstance(c, dict) else None
+                    arrival = parse_contrib_name(name) if isinstance(name, str) else None
+                    if not (isinstance(p, int) and 0 <= p < self.world_size) or (
+                        arrival is None or arrival.rank != p
+                    ):
+                        problems.append(f"participant {p!r} is not a rank with a contribution")
+                        break
+        if problems:
+            msg = f"{key}: not this run's decision of round {r} ({'; '.join(problems)})"
+            log.warning("rejected %s", msg)
+            self._fail_round(r, f"bad quorum: {msg}")
+            raise RoundFailed(f"round {r} failed: {msg}")
         return decided
 
     def _lag_behind(self, r: int) -> int | None:
@@ -1128,9 +1193,10 @@ class ObjectStoreAllReduce:
             }
             bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
             lo, hi = job.bounds[s]
-            if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo):
+            segs = self._segments[job.lhash][s]
+            if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo, segs):
                 raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
-            if not wirefmt.all_finite(t, self.wire, hi - lo):  # checked here, in parallel
+            if not wirefmt.all_finite(t, self.wire, hi - lo, segs):  # checked here, in parallel
                 return _Part(None, f"{name}: {_NONFINITE}")
             return _Part(t)
         except ObjectNotFound:
@@ -1158,6 +1224,7 @@ class ObjectStoreAllReduce:
             return None
         owner = job.participants[s % len(job.participants)]
         a, b = job.bounds[s]
+        segs = self._segments[job.lhash][s]  # int8 blocks restart at every tensor
         acc: torch.Tensor | None = None
         used = []
         fetches = {  # the others' parts download in parallel, and add up in rank order
@@ -1176,7 +1243,8 @@ class ObjectStoreAllReduce:
         for p in job.participants:  # fixed rank order
             if p == self.rank:
                 w: Any = job.mine[s]
-                if not wirefmt.all_finite(w, self.wire, b - a):  # e.g. poisoned after its check
+                # e.g. poisoned after its check
+                if not wirefmt.all_finite(w, self.wire, b - a, segs):
                     log.warning("round %d: left out of shard %d: its own part is not finite", r, s)
                     res.rejected.append(f"{shard_name(r, p, s)}: {_NONFINITE}")
                     w = None
@@ -1204,9 +1272,9 @@ class ObjectStoreAllReduce:
                     dst.copy_(piece) if first_part else dst.add_(piece)
                     pos += piece.numel()
             elif first_part:  # compressed: decoded straight into the accumulator
-                wirefmt.decode(w, self.wire, b - a, out=acc)
+                wirefmt.decode(w, self.wire, b - a, out=acc, segments=segs)
             else:
-                wirefmt.decode_add(w, self.wire, b - a, acc)
+                wirefmt.decode_add(w, self.wire, b - a, acc, segments=segs)
             used.append(p)
         if acc is None:
             raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
@@ -1217,7 +1285,7 @@ class ObjectStoreAllReduce:
             raise RoundFailed(f"round {r} failed: {why}")
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
-        wire = wirefmt.encode(acc, self.wire)
+        wire = wirefmt.encode(acc, self.wire, segs)
         if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
             res.shards_computed.append(s)
             return wire
@@ -1226,10 +1294,31 @@ class ObjectStoreAllReduce:
     def _decode_reduced(
         self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
     ) -> torch.Tensor:
+        """A downloaded reduced shard, checked for where it came from: its header must name
+        this run, round r, shard s, this layout and wire, a reducer of this run, and its size
+        fit. One copied from an older round of this run or from another run (same layout,
+        valid checksum) is as unusable as a corrupt one: never averaged, and the round fails
+        for everyone (the key is create-if-absent: no good copy can replace it)."""
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
-            if hdr.get("layout_hash") != lhash or not wirefmt.wire_numel_ok(t, self.wire, n):
-                raise CorruptObjectError(f"{key}: reduced shard does not match this round")
+            expect = {
+                "run_id": self.run_id,
+                "round": r,
+                "shard": s,
+                "layout_hash": lhash,
+                "wire": self.wire,
+            }
+            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+            rank = hdr.get("rank")
+            if not (isinstance(rank, int) and 0 <= rank < self.world_size):
+                bad["rank"] = rank
+            if bad:
+                raise CorruptObjectError(
+                    f"{key}: reduced shard is not this run's round {r} shard {s} ({bad})"
+                )
+            segs = self._segments[lhash][s]
+            if not wirefmt.wire_numel_ok(t, self.wire, n, segs):
+                raise CorruptObjectError(f"{key}: reduced shard has the wrong size")
         except CorruptObjectError as e:
             # the one copy everyone needs is bad: nobody can finish this round consistently
             self._fail_round(r, f"bad reduced shard: {e}")
@@ -1245,19 +1334,23 @@ class ObjectStoreAllReduce:
         a: int,
         b: int,
         payload: Any,
-        fp32: torch.Tensor | None = None,
+        fp32: torch.Tensor | None,
+        segs: list[int],
     ) -> None:
         """Before anything is uploaded: this replica's shard s must be finite, as fp32 and on
         the wire. A non-finite pseudo-gradient means this replica's weights went non-finite
         during its inner steps (or the wire cannot carry its values): it must not be averaged,
         and the replica cannot go on, so it raises :class:`NonFiniteError`."""
-        if (fp32 is None or wirefmt.finite(fp32)) and wirefmt.all_finite(payload, self.wire, b - a):
+        if (fp32 is None or wirefmt.finite(fp32)) and wirefmt.all_finite(
+            payload, self.wire, b - a, segs
+        ):
             return
         values = fp32 if fp32 is not None else _gather_fp32(source.pieces(a, b))
         if wirefmt.finite(values):
+            decoded = wirefmt.decode(payload, self.wire, b - a, segments=segs)
             raise NonFiniteError(
                 f"round {r}: this replica's pseudo-gradient overflows the {self.wire} wire "
-                f"(shard {s}: {describe_nonfinite(wirefmt.decode(payload, self.wire, b - a))}); "
+                f"(shard {s}: {describe_nonfinite(decoded)}); "
                 "use a wider wire format (--wire bfloat16 or float32)"
             )
         first = next(i for i, t in enumerate(tensors) if not wirefmt.finite(t))
@@ -1268,13 +1361,17 @@ class ObjectStoreAllReduce:
         )
 
     def _check_averages_finite(
-        self, r: int, got: dict[int, torch.Tensor], bounds: list[tuple[int, int]]
+        self,
+        r: int,
+        got: dict[int, torch.Tensor],
+        bounds: list[tuple[int, int]],
+        segs: list[list[int]],
     ) -> None:
         """Downloaded averages must be finite before they go into the weights: a reducer
         leaves non-finite parts out, so a non-finite reduced shard is a bad object - the
         round fails for everyone, like a corrupt one."""
         for s, w in got.items():
-            if not wirefmt.all_finite(w, self.wire, bounds[s][1] - bounds[s][0]):
+            if not wirefmt.all_finite(w, self.wire, bounds[s][1] - bounds[s][0], segs[s]):
                 why = f"bad reduced shard: rounds/{r}/reduced/{s}: {_NONFINITE}"
                 self._fail_round(r, why)
                 raise RoundFailed(f"round {r} failed: {why}")

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from crf.replica import wire as wirefmt
-from crf.replica.allreduce import NonFiniteError, ObjectStoreAllReduce, describe_nonfinite
+from crf.replica.allreduce import (
+    NonFiniteError,
+    ObjectStoreAllReduce,
+    describe_nonfinite,
+    tensors_layout_hash,
+)
 from crf.replica.faults import maybe_fault, maybe_poison
 from crf.replica.manager import (
     ObjectStoreManager,
@@ -132,6 +137,7 @@ class ReplicaContext:
         self.resumed_from: int | None = None  # global round this replica resumed from
         self.resumed_inner = False
         self.model: torch.nn.Module | None = None
+        self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
         self.last_loss: float | None = None
@@ -211,6 +217,8 @@ class ReplicaContext:
             checkpoint_every=spec.checkpoint_every,
         )
         manager.final_round = spec.exchange_rounds - 1
+        # global and inner states carry the model's layout; one of another model is refused
+        self.layout = manager.state_layout = tensors_layout_hash(list(model.parameters()))
         fragments = split_model(model, spec.fragments)
         self.fragments = fragments
         if len(fragments) == 1:
@@ -312,17 +320,30 @@ class ReplicaContext:
         try:
             key = f"replicas/{self.rank}/inner/{latest}.pt"
             payload, meta = decode_blob(self.store.get(key), where=key)
-            if meta.get("round") == latest and meta.get("run_id") == self.spec.run_id:
-                saved = torch.load(io.BytesIO(payload), weights_only=True)
-                if self.spec.fragments > 1:  # also this replica's own (local) weights
-                    inner.load_state_dict(saved["inner_optimizer"])
-                    with torch.no_grad():
-                        for name, p in self.model.named_parameters():
-                            p.copy_(saved["local_params"][name])
-                else:
-                    inner.load_state_dict(saved)
-                self.resumed_inner = True
-        except (ObjectNotFound, CorruptObjectError, KeyError) as e:
+            expect = {
+                "run_id": self.spec.run_id,
+                "round": latest,
+                "rank": self.rank,
+                "layout": self.layout,
+            }
+            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
+            if bad:  # a copy from another run, round, replica or model: never loaded
+                raise CorruptObjectError(
+                    f"{key}: not this replica's inner state of round {latest} ({bad})"
+                )
+            saved = torch.load(io.BytesIO(payload), weights_only=True)
+            if self.spec.fragments > 1:  # also this replica's own (local) weights
+                inner.load_state_dict(saved["inner_optimizer"])
+                with torch.no_grad():
+                    for name, p in self.model.named_parameters():
+                        p.copy_(saved["local_params"][name])
+            else:
+                inner.load_state_dict(saved)
+            self.resumed_inner = True
+        except CorruptObjectError as e:  # refused: reported, then as if it were missing
+            manager.rejected.append(str(e))
+            log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
+        except (ObjectNotFound, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
@@ -341,7 +362,13 @@ class ReplicaContext:
             torch.save({"inner_optimizer": self._inner.state_dict(), "local_params": local}, buf)
         else:
             torch.save(self._inner.state_dict(), buf)
-        meta = {"round": r, "run_id": self.spec.run_id, "step": self.step}
+        meta = {
+            "round": r,
+            "run_id": self.spec.run_id,
+            "rank": self.rank,
+            "layout": self.layout,
+            "step": self.step,
+        }
         payload = buf.getvalue()
 
         def write() -> None:

@@ -204,8 +204,11 @@ class Packing:
         world_size: int,
         manifest_bytes: int,
         header_bytes: int,
+        segments: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.bounds = list(bounds)
+        #: per shard, the lengths of the tensors' pieces (int8 blocks restart at each)
+        self.segments = list(segments) if segments is not None else [None] * len(self.bounds)
         self.wire = wire
         self.world_size = world_size
         self.manifest_bytes = manifest_bytes
@@ -215,8 +218,10 @@ class Packing:
     @cached_property
     def frame_sizes(self) -> list[int]:
         return [
-            FRAME_OVERHEAD + self.header_bytes + wirefmt.wire_nbytes(self.wire, b - a)
-            for a, b in self.bounds
+            FRAME_OVERHEAD
+            + self.header_bytes
+            + wirefmt.wire_nbytes(self.wire, b - a, self.segments[s])
+            for s, (a, b) in enumerate(self.bounds)
         ]
 
     def kept(self, rank: int) -> list[int]:

@@ -168,6 +168,12 @@ class ObjectStoreManager:
         self.ckpt_bytes_up = 0  # global checkpoints written / read for healing
         self.ckpt_bytes_down = 0
         self.rejected: list[str] = []
+        #: a digest of the model's tensors (set by ReplicaContext): global states carry it
+        #: and one of another layout is refused
+        self.state_layout: str | None = None
+        #: global rounds whose state was refused (foreign, stale copy, corrupt): never
+        #: loaded again, as if they were not there
+        self._bad_globals: set[int] = set()
         self._pending_global: int | None = None
         #: global/<r> is written every this many rounds, at ``final_round`` and on request
         self.checkpoint_every = checkpoint_every
@@ -534,7 +540,9 @@ class ObjectStoreManager:
             log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
 
     def _write_global(self, r: int, payload: bytes) -> None:
-        blob = encode_blob(payload, {"round": r, "run_id": self.exchange.run_id})
+        meta = {"round": r, "run_id": self.exchange.run_id, "layout": self.state_layout}
+        blob = encode_blob(payload, meta)
+        self._bad_globals.discard(r)  # replaced by this one
         self.store.put(GLOBAL_STATE.format(r=r), blob)
         self.ckpt_bytes_up += len(blob)
         if self.checkpoint_every > 1:
@@ -559,17 +567,39 @@ class ObjectStoreManager:
                 self.store.delete(f"global/{name}")
 
     def latest_global(self) -> int | None:
-        rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
+        """The newest global round in the store, but one whose state was refused."""
+        rounds = [
+            int(n)
+            for n in self.store.list("global")
+            if n.isdigit() and int(n) not in self._bad_globals
+        ]
         return max(rounds) if rounds else None
 
     def load_global(self, r: int) -> None:
+        """Load ``global/<r>``. It must be this run's state of round r, of this model's
+        layout (its header says so, under its checksum): one that is corrupt, from another
+        run, copied from another round or of another layout raises CorruptObjectError, is
+        reported in ``rejected`` and is never considered again (``latest_global`` skips it),
+        so the caller falls back as for a missing one."""
         key = GLOBAL_STATE.format(r=r)
         data = self.store.get(key)
         self.ckpt_bytes_down += len(data)
-        payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
-        if meta.get("run_id") != self.exchange.run_id:
-            raise CorruptObjectError(f"{key} belongs to run {meta.get('run_id')!r}")
-        ckpt = torch.load(io.BytesIO(payload), weights_only=True)
+        try:
+            payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
+            expect = {"run_id": self.exchange.run_id, "round": r}
+            if self.state_layout is not None:
+                expect["layout"] = self.state_layout
+            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
+            if bad:
+                raise CorruptObjectError(f"{key}: not this run's global state of round {r} ({bad})")
+            ckpt = torch.load(io.BytesIO(payload), weights_only=True)
+            if not isinstance(ckpt, dict) or ckpt.get("round") != r:
+                raise CorruptObjectError(f"{key}: its state is not of round {r}")
+        except CorruptObjectError as e:
+            log.warning("rejected %s", e)
+            self._bad_globals.add(r)
+            self.rejected.append(str(e))
+            raise
         self.load_state_dict(ckpt["state"])
         if self.on_loaded is not None:
             self.on_loaded(ckpt["state"])
@@ -620,25 +650,38 @@ class ObjectStoreManager:
     def _heal_from_global(
         self, r: int, target: int, failed: Callable[[], bool], newest: Callable[[], int]
     ) -> bool:
-        ok = wait_until(
-            lambda: newest() >= target or (target == r and failed()),
-            self.heal_timeout_s,
-            poll_s=0.05,
-            max_poll_s=0.5,
-        )
-        if not ok:
-            raise HealError(
-                f"the other replicas are at global round {target} but no global/<{target} or "
-                f"later> appeared within {self.heal_timeout_s:.0f}s (did its writer die?); "
-                "restart this replica to resume from the newest global state"
+        deadline = time.monotonic() + self.heal_timeout_s
+        while True:
+            ok = wait_until(
+                lambda: newest() >= target or (target == r and failed()),
+                max(0.0, deadline - time.monotonic()),
+                poll_s=0.05,
+                max_poll_s=0.5,
             )
-        if newest() < target:  # round r failed after all
-            return False
-        for _ in range(3):  # the newest may be garbage-collected between list and get
+            if not ok:
+                refused = sorted(g for g in self._bad_globals if g >= target)
+                raise HealError(
+                    f"the other replicas are at global round {target} but no "
+                    f"{'usable ' if refused else ''}global/<{target} or later> appeared within "
+                    f"{self.heal_timeout_s:.0f}s (did its writer die?"
+                    + "".join(f"; global/{g} refused" for g in refused)
+                    + "); restart this replica to resume from the newest global state"
+                )
+            if newest() < target:  # round r failed after all
+                return False
             try:
                 self.load_global(newest())
                 log.info("healed from global/%d", self.last_healed_from)
                 return True
             except ObjectNotFound:
-                continue
-        raise HealError(f"could not read a global state at or after round {target}")
+                # listed before its object landed (a folder store), or collected since the
+                # listing: look again
+                pass
+            except CorruptObjectError:
+                pass  # refused and reported: wait for a usable one, as for a missing one
+            if time.monotonic() >= deadline:
+                raise HealError(
+                    f"could not read a global state at or after round {target} within "
+                    f"{self.heal_timeout_s:.0f}s"
+                )
+            time.sleep(0.05)

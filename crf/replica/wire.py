@@ -4,8 +4,10 @@
 * ``bfloat16`` / ``float16`` — 2 bytes per value (~2x fewer bytes).
 * ``int8`` — block-wise absmax quantization: per block of ``INT8_BLOCK`` values one fp32
   scale (absmax / 127) and int8 codes, ~4x fewer bytes (as in prime/INTELLECT-1's int8
-  all-reduce). Accumulation always happens in fp32 after decoding, in rank order, so the
-  reduction stays deterministic: every replica that decodes the same object gets the same bits.
+  all-reduce). Blocks never span two tensors (:func:`int8_blocks`): each tensor's piece of a
+  shard starts a block of its own, so a tensor's precision is relative to its own values.
+  Accumulation always happens in fp32 after decoding, in rank order, so the reduction stays
+  deterministic: every replica that decodes the same object gets the same bits.
 
 Error feedback (optional, per replica) keeps what quantization dropped and adds it to the next
 round's contribution, so the error does not accumulate over rounds.
@@ -13,7 +15,9 @@ round's contribution, so the error does not accumulate over rounds.
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -33,17 +37,34 @@ def check_wire(name: str) -> str:
 #: over a chunk run in cache
 INT8_CHUNK = INT8_BLOCK * 4096
 
+#: a piece of a shard that int8 blocks do not cross: (start, end, index of its first block)
+Segment = tuple[int, int, int]
 
-def encode(x: torch.Tensor, wire: str) -> torch.Tensor:
-    """fp32 1-D -> the tensor stored on the wire (a float tensor, or uint8 bytes for int8:
-    ``nblocks`` fp32 scales, then ``n`` int8 codes)."""
-    if wire in _FLOATS:
-        return x.to(_FLOATS[wire])
+
+def int8_blocks(n: int, segments: Sequence[int] | None = None) -> tuple[list[Segment], int]:
+    """Where the int8 blocks of a shard of ``n`` values lie: one (start, end, first block)
+    per segment, and the number of blocks. ``segments`` are the lengths of the tensors'
+    pieces the shard holds, in order (None: one piece). Blocks restart at every piece, so a
+    block never holds values of two tensors: a small tensor (a bias of magnitude 0.01) next to
+    a large one keeps a scale of its own instead of sharing the large values' scale. Every
+    replica derives the pieces from the same layout, so every one cuts the same blocks."""
+    if segments is None:
+        segments = [n]
+    out, pos, blocks = [], 0, 0
+    for m in segments:
+        if m < 0:
+            raise ValueError(f"int8 segments must not be negative, got {m}")
+        if m:
+            out.append((pos, pos + m, blocks))
+            pos, blocks = pos + m, blocks + (m + INT8_BLOCK - 1) // INT8_BLOCK
+    if pos != n:
+        raise ValueError(f"int8 segments cover {pos} values, the shard has {n}")
+    return out, blocks
+
+
+def _encode_into(x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> None:
+    """Quantize ``x`` (one piece) into its ``scales`` and ``codes``, blocks from its start."""
     n = x.numel()
-    nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
-    out = torch.empty(nblocks * 4 + n, dtype=torch.uint8)
-    scales = out[: nblocks * 4].view(torch.float32)
-    codes = out[nblocks * 4 :].view(torch.int8)
     for a in range(0, n, INT8_CHUNK):
         b = min(a + INT8_CHUNK, n)
         chunk = x[a:b]
@@ -59,58 +80,96 @@ def encode(x: torch.Tensor, wire: str) -> torch.Tensor:
         q = blocks / s[:, None]
         codes[a:b] = q.round_().clamp_(-127, 127).view(-1)[: b - a].to(torch.int8)
         scales[a // INT8_BLOCK : a // INT8_BLOCK + s.numel()] = s
+
+
+def encode(x: torch.Tensor, wire: str, segments: Sequence[int] | None = None) -> torch.Tensor:
+    """fp32 1-D -> the tensor stored on the wire (a float tensor, or uint8 bytes for int8:
+    ``nblocks`` fp32 scales, then ``n`` int8 codes; blocks as :func:`int8_blocks` cuts
+    them for ``segments``)."""
+    if wire in _FLOATS:
+        return x.to(_FLOATS[wire])
+    n = x.numel()
+    pieces, nblocks = int8_blocks(n, segments)
+    out = torch.empty(nblocks * 4 + n, dtype=torch.uint8)
+    scales = out[: nblocks * 4].view(torch.float32)
+    codes = out[nblocks * 4 :].view(torch.int8)
+    for a, b, k in pieces:
+        m = (b - a + INT8_BLOCK - 1) // INT8_BLOCK
+        _encode_into(x[a:b], scales[k : k + m], codes[a:b])
     return out
 
 
-def _int8_parts(w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 scales, int8 codes) of an int8 shard of ``n`` values, checked for size. The
-    scales may sit at any byte offset of a downloaded object: they are copied to align them."""
-    nblocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
+def _int8_parts(
+    w: torch.Tensor, n: int, segments: Sequence[int] | None
+) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+    """(fp32 scales, int8 codes, pieces) of an int8 shard of ``n`` values, checked for size.
+    The scales may sit at any byte offset of a downloaded object: they are copied to align
+    them."""
+    pieces, nblocks = int8_blocks(n, segments)
     if w.dtype != torch.uint8 or w.numel() != nblocks * 4 + n:
         raise ValueError(f"int8 shard has {w.numel()} bytes, expected {nblocks * 4 + n}")
-    return w[: nblocks * 4].clone().view(torch.float32), w[nblocks * 4 :].view(torch.int8)
+    return w[: nblocks * 4].clone().view(torch.float32), w[nblocks * 4 :].view(torch.int8), pieces
+
+
+def _chunks(pieces: list[Segment]) -> list[tuple[int, int, int]]:
+    """(start, end, first block) of at most INT8_CHUNK values each, covering the pieces."""
+    out = []
+    for a0, b0, k0 in pieces:
+        for a in range(a0, b0, INT8_CHUNK):
+            out.append((a, min(a + INT8_CHUNK, b0), k0 + (a - a0) // INT8_BLOCK))
+    return out
 
 
 def _dequantize(
-    scales: torch.Tensor, codes: torch.Tensor, a: int, b: int, dst: torch.Tensor
+    scales: torch.Tensor, codes: torch.Tensor, a: int, b: int, first: int, dst: torch.Tensor
 ) -> torch.Tensor:
-    """Values [a, b) of an int8 shard into ``dst`` (b - a fp32 values; ``a`` on a block
-    boundary): codes times their block's scale."""
+    """Values [a, b) of an int8 shard into ``dst`` (b - a fp32 values; ``a`` starts block
+    ``first``, and [a, b) lies in one piece): codes times their block's scale."""
     dst.copy_(codes[a:b])
-    full = (b - a) // INT8_BLOCK * INT8_BLOCK
-    if full:
-        first = a // INT8_BLOCK
-        dst[:full].view(-1, INT8_BLOCK).mul_(scales[first : first + full // INT8_BLOCK, None])
-    if full < b - a:  # the last, partial block
-        dst[full:].mul_(scales[-1])
+    nfull = (b - a) // INT8_BLOCK
+    if nfull:
+        dst[: nfull * INT8_BLOCK].view(-1, INT8_BLOCK).mul_(scales[first : first + nfull, None])
+    if nfull * INT8_BLOCK < b - a:  # the piece's last, partial block
+        dst[nfull * INT8_BLOCK :].mul_(scales[first + nfull])
     return dst
 
 
-def decode(w: torch.Tensor, wire: str, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of :func:`encode` for a shard of ``n`` values; always returns fp32, written
-    into ``out`` (a contiguous fp32 tensor of ``n`` values) when given."""
+def decode(
+    w: torch.Tensor,
+    wire: str,
+    n: int,
+    out: torch.Tensor | None = None,
+    segments: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`encode` for a shard of ``n`` values (cut into the same
+    ``segments``); always returns fp32, written into ``out`` (a contiguous fp32 tensor of
+    ``n`` values) when given."""
     if out is not None and (out.dtype != torch.float32 or out.numel() != n):
         raise ValueError(f"out must be {n} fp32 values, got {out.numel()} {out.dtype}")
     if wire in _FLOATS:
         return w.to(torch.float32) if out is None else out.copy_(w)
-    scales, codes = _int8_parts(w, n)
+    scales, codes, pieces = _int8_parts(w, n, segments)
     out = torch.empty(n, dtype=torch.float32) if out is None else out
-    for a in range(0, n, INT8_CHUNK):
-        b = min(a + INT8_CHUNK, n)
-        _dequantize(scales, codes, a, b, out[a:b])
+    for a, b, k in _chunks(pieces):
+        _dequantize(scales, codes, a, b, k, out[a:b])
     return out
 
 
-def decode_add(w: torch.Tensor, wire: str, n: int, acc: torch.Tensor) -> torch.Tensor:
+def decode_add(
+    w: torch.Tensor,
+    wire: str,
+    n: int,
+    acc: torch.Tensor,
+    segments: Sequence[int] | None = None,
+) -> torch.Tensor:
     """``acc += decode(w)`` chunk by chunk, so the decoded shard is never materialized (the
     same bits as adding a full decode: both are element-wise fp32 adds)."""
     if wire in _FLOATS:
         return acc.add_(w)
-    scales, codes = _int8_parts(w, n)
+    scales, codes, pieces = _int8_parts(w, n, segments)
     tmp = torch.empty(min(n, INT8_CHUNK), dtype=torch.float32)
-    for a in range(0, n, INT8_CHUNK):
-        b = min(a + INT8_CHUNK, n)
-        acc[a:b].add_(_dequantize(scales, codes, a, b, tmp[: b - a]))
+    for a, b, k in _chunks(pieces):
+        acc[a:b].add_(_dequantize(scales, codes, a, b, k, tmp[: b - a]))
     return acc
 
 
@@ -125,7 +184,12 @@ def finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
-def all_finite(w: torch.Tensor | list[torch.Tensor], wire: str, n: int) -> bool:
+def all_finite(
+    w: torch.Tensor | list[torch.Tensor],
+    wire: str,
+    n: int,
+    segments: Sequence[int] | None = None,
+) -> bool:
     """Whether a shard on the wire decodes to finite values only, read without decoding it:
     the values themselves for a float wire (fp32 slices included), the block scales for
     int8 (a code is a small integer, so its value is finite exactly when its scale is; a
@@ -134,21 +198,44 @@ def all_finite(w: torch.Tensor | list[torch.Tensor], wire: str, n: int) -> bool:
         return all(finite(p) for p in w)
     if wire in _FLOATS:
         return finite(w)
-    scales, _ = _int8_parts(w, n)
+    scales, _, _ = _int8_parts(w, n, segments)
     return finite(scales)
 
 
-def wire_nbytes(wire: str, n: int) -> int:
+def wire_nbytes(wire: str, n: int, segments: Sequence[int] | None = None) -> int:
     """Bytes of a shard of ``n`` values on the wire (what :func:`encode` returns)."""
     if wire in _FLOATS:
         return n * torch.empty(0, dtype=_FLOATS[wire]).element_size()
-    return (n + INT8_BLOCK - 1) // INT8_BLOCK * 4 + n
+    return int8_blocks(n, segments)[1] * 4 + n
 
 
-def wire_numel_ok(w: torch.Tensor, wire: str, n: int) -> bool:
+def wire_numel_ok(
+    w: torch.Tensor, wire: str, n: int, segments: Sequence[int] | None = None
+) -> bool:
     if wire in _FLOATS:
         return w.numel() == n
-    return w.numel() == (n + INT8_BLOCK - 1) // INT8_BLOCK * 4 + n
+    return w.numel() == wire_nbytes(wire, n, segments)
+
+
+def shard_segments(sizes: Sequence[int], bounds: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Per shard [a, b) of the concatenated tensors (of ``sizes`` values each), the lengths
+    of the tensors' pieces it holds, in order: what :func:`int8_blocks` cuts blocks along.
+    A tensor split across shards gives a piece to each."""
+    starts, pos = [], 0
+    for m in sizes:
+        starts.append(pos)
+        pos += m
+    out = []
+    for a, b in bounds:
+        segs = []
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(sizes) and starts[i] < b:
+            lo, hi = max(a, starts[i]), min(b, starts[i] + sizes[i])
+            if hi > lo:
+                segs.append(hi - lo)
+            i += 1
+        out.append(segs)
+    return out
 
 
 def compression(wire: str) -> float:
