@@ -257,10 +257,14 @@ def launch(
     """Launch N replicas, show their progress, and print a summary when they finish."""
     from crf.launcher.driver import prepare, prepare_resume, run
     from crf.launcher.errors import LaunchError
+    from crf.spec import SpecError, check_seconds
 
     job_options = parse_sets(set_)
-    if timeout is not None and timeout <= 0:
-        _fail(f"--timeout must be > 0 seconds (got {timeout})")
+    if timeout is not None:
+        try:
+            check_seconds("--timeout", timeout)
+        except SpecError as e:
+            _fail(str(e))
     backend_options = (
         None
         if resume is not None and not (hardware or image or region or opt)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import socket
@@ -40,7 +41,7 @@ from crf.executors.base import (
     ServerlessExecutor,
 )
 from crf.launcher.errors import LaunchError
-from crf.spec import RunSpec, SpecError, new_run_id
+from crf.spec import RunSpec, SpecError, check_run_id, check_seconds, new_run_id
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -327,6 +328,10 @@ def prepare_resume(
 
     policy = RestartPolicy(max_restarts, max_run_restarts).validate()
     try:
+        check_run_id(run_id, "--resume run id")  # one folder in --store, never a path out
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
+    try:
         run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
         run_store = RunStore(run_uri, retries=0)
         where = display_path(run_store)
@@ -334,10 +339,7 @@ def prepare_resume(
             raise LaunchError(
                 f"nothing to resume at {where}: it holds no run.json (check --store and the run id)"
             )
-        try:
-            spec = RunSpec.from_json(run_store.get("run.json")).validate()
-        except (ValueError, TypeError) as e:  # SpecError and JSON errors are ValueErrors
-            raise LaunchError(f"{where}/run.json cannot be read: {e}") from None
+        spec = read_run_spec(run_store)
         previous = None
         if run_store.exists("result.json"):
             try:
@@ -420,6 +422,38 @@ def resume_point(
     start = max(complete) if complete else max(rounds)
     fresh = missing(start) if spec.saves_inner_state(start) else []
     return start, sorted(r for r in rounds if r > start), fresh
+
+
+def read_run_spec(store: RunStore) -> RunSpec:
+    """The run's ``run.json`` as a valid RunSpec. A damaged one (not UTF-8, not JSON, not an
+    object, a field of the wrong type or out of range) is a LaunchError that names the file
+    and what is wrong with it, for ``--resume``, ``crf status``, ``crf logs`` and
+    ``crf cancel`` alike."""
+    where = display_path(store, "run.json")
+    raw = store.get("run.json")
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LaunchError(
+            f"{where} is damaged: not UTF-8 text (bad byte at offset {e.start}); restore it "
+            "from a copy, or remove the run folder"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LaunchError(
+            f"{where} is damaged: not valid JSON ({e.msg} at line {e.lineno}, column "
+            f"{e.colno}); restore it from a copy, or remove the run folder"
+        ) from None
+    if not isinstance(data, dict):
+        raise LaunchError(
+            f"{where} is damaged: it holds a JSON {type(data).__name__}, not the run's "
+            "options (an object); restore it from a copy, or remove the run folder"
+        )
+    try:
+        return RunSpec.from_dict(data).validate()
+    except (SpecError, TypeError) as e:  # TypeError: a missing field, or one of a wrong type
+        raise LaunchError(f"{where} is damaged: {e}") from None
 
 
 def saved_backend_options(store: RunStore) -> dict[str, Any]:
@@ -759,6 +793,11 @@ def run(
 
     from crf.launcher.summary import build_summary
 
+    if timeout_s is not None:
+        try:
+            check_seconds("--timeout", timeout_s)
+        except SpecError as e:
+            raise LaunchError(str(e)) from None
     console = console or Console()
     spec, store, executor = plan.spec, plan.store, plan.executor
     started = time.time()
