@@ -45,9 +45,11 @@ MIN_REPLICAS, ROUND_TIMEOUT, SEED = (
 )
 
 
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
-    raise typer.Exit(EXIT_USAGE)
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """One red line (a message with line breaks, e.g. a client library's, is joined)."""
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def parse_sets(items: list[str] | None) -> dict[str, str]:
@@ -258,6 +260,7 @@ def launch(
     from crf.launcher.driver import prepare, prepare_resume, run
     from crf.launcher.errors import LaunchError
     from crf.spec import SpecError, check_seconds
+    from crf.store.errors import StoreError
 
     job_options = parse_sets(set_)
     if timeout is not None:
@@ -292,6 +295,8 @@ def launch(
             summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
         except LaunchError as e:
             _fail(str(e))
+        except StoreError as e:
+            _fail(f"the run's store failed: {e}", EXIT_FAILED)
         raise typer.Exit(_exit_code(summary))
     try:
         plan = prepare(
@@ -325,6 +330,8 @@ def launch(
         summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
     except LaunchError as e:
         _fail(str(e))
+    except StoreError as e:  # after launch: the replicas fail on it too (exit 1, not 2)
+        _fail(f"the run's store failed: {e}", EXIT_FAILED)
     raise typer.Exit(_exit_code(summary))
 
 
@@ -462,10 +469,11 @@ def status(
     from crf.launcher.attach import attach, gather
     from crf.launcher.errors import LaunchError
     from crf.launcher.progress import ReplicaView, render_progress
+    from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
-    except LaunchError as e:
+    except (LaunchError, StoreError) as e:
         _fail(str(e))
     console = Console()
     rows = run_.statuses()
@@ -508,13 +516,14 @@ def logs(
     from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, follow_logs
     from crf.launcher.errors import LaunchError
+    from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
         prefix = rank is None and len(run_.handles) > 1
         for r, line in follow_logs(run_, rank, follow):
             typer.echo(f"[{r}] {line}" if prefix else line)
-    except (LaunchError, ExecutorError) as e:
+    except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -530,12 +539,13 @@ def cancel(
     from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, gather
     from crf.launcher.errors import LaunchError
+    from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
         live = [h for h, st, _ in run_.statuses() if not st.terminal]
         run_.executor.cancel_all(live)
-    except (LaunchError, ExecutorError) as e:
+    except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     console = Console()
     console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")

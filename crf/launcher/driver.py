@@ -152,6 +152,19 @@ def _validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]
     return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
 
 
+def _check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
+    """LaunchError if the backend cannot run that many replicas (see replica_limit)."""
+    limit_of = getattr(executor, "replica_limit", None)
+    found = limit_of() if callable(limit_of) else None
+    if found is not None and replicas > found[0]:
+        limit, why = found
+        name = getattr(executor, "name", "this")
+        raise LaunchError(
+            f"--replicas {replicas} is more than the {name} backend can run: at most {limit} "
+            f"({why}); lower --replicas or use a cloud backend"
+        )
+
+
 def prepare(
     *,
     job: str = "composer",
@@ -202,6 +215,7 @@ def prepare(
         raise LaunchError(str(e)) from None
     except TypeError as e:  # e.g. outer_lr="fast" from Python: comparisons fail
         raise LaunchError(f"a run option has the wrong type: {e}") from None
+    _check_replica_limit(executor, spec.replicas)
     try:
         executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
     except ExecutorError as e:
@@ -239,10 +253,14 @@ def prepare(
                 "choose another --run-id or another --store"
             )
         run_store = RunStore(run_uri)
+    except LaunchError:
+        raise
     except StoreError as e:
         raise LaunchError(f"{e} (check --store)") from None
-    except OSError as e:
-        raise LaunchError(f"cannot use store {run_uri}: {e} (check --store)") from None
+    except Exception as e:  # noqa: BLE001 - any other client error: one line, not a traceback
+        raise LaunchError(
+            f"cannot use store {run_uri}: {type(e).__name__}: {e} (check --store)"
+        ) from None
     return Plan(spec, run_store, executor, command, restart=policy)
 
 
@@ -357,10 +375,14 @@ def prepare_resume(
             }
             for k in range(spec.replicas)
         }
+    except LaunchError:
+        raise
     except StoreError as e:
         raise LaunchError(f"{e} (check --store)") from None
-    except OSError as e:
-        raise LaunchError(f"cannot use store {run_uri}: {e} (check --store)") from None
+    except Exception as e:  # noqa: BLE001 - any other client error: one line, not a traceback
+        raise LaunchError(
+            f"cannot use store {run_uri}: {type(e).__name__}: {e} (check --store)"
+        ) from None
     if previous == "ok":
         raise LaunchError(
             f"run {run_id} already finished (result.json says ok); there is nothing to resume"
@@ -378,6 +400,7 @@ def prepare_resume(
     if executor is None:
         options = {**saved_backend_options(run_store), **(backend_options or {})}
         executor = make_executor(spec.backend, options)
+    _check_replica_limit(executor, spec.replicas)
     try:
         executor.check_ready(run_uri)
         executor.check_command(spec.entrypoint)
@@ -906,6 +929,14 @@ def run(
     )
 
 
+def _one_line(e: BaseException) -> str:
+    """A store error as one line: StoreErrors already say what to fix; others get their type."""
+    from crf.store import StoreError
+
+    text = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def finish_run(
     spec: RunSpec,
     store: RunStore,
@@ -964,11 +995,21 @@ def finish_run(
             png = None
             console.print(f"[yellow]could not draw the loss plot: {type(e).__name__}: {e}[/]")
         if png is not None:
-            store.put("loss.png", png)
-            plot_path = display_path(store, "loss.png")
+            try:
+                store.put("loss.png", png)
+                plot_path = display_path(store, "loss.png")
+            except Exception as e:  # the store went away (bucket deleted...): said below
+                console.print(f"[yellow]could not save the loss plot: {_one_line(e)}[/]")
     summary["loss_plot"] = plot_path
     summary["result_path"] = display_path(store, "result.json")
-    store.put_json("result.json", summary)
+    try:
+        store.put_json("result.json", summary)
+    except Exception as e:  # noqa: BLE001 - the summary is still shown; the cause in one line
+        # A store that disappeared mid-run (bucket deleted, credentials revoked) fails the
+        # replicas too; the user gets the summary and one line saying why it was not saved.
+        summary["result_path"] = None
+        why = f"result.json could not be written to {display_path(store)}: {_one_line(e)}"
+        summary["error"] = f"{summary['error']}; {why}" if summary.get("error") else why
     with contextlib.suppress(Exception):  # the launch record is history, not the result
         record = store.get_json(f"launches/{launch_no}.json")
         record.update(
