@@ -68,8 +68,7 @@ def check_seconds(flag: str, value: object) -> float:
     ``nan`` compares false with everything, so a plain ``> 0`` check lets it through."""
     if not is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_WAIT_S:
         raise SpecError(
-            f"{flag} must be a finite number of seconds > 0 and at most {MAX_WAIT_S:.0f} "
-            f"(got {value!r})"
+            f"{flag} must be > 0 seconds, a finite number at most {MAX_WAIT_S:.0f} (got {value!r})"
         )
     return float(value)
 
@@ -171,16 +170,17 @@ class RunSpec:
         )
         need(
             _is_int(self.replicas) and 1 <= self.replicas <= MAX_REPLICAS,
-            f"--replicas must be an integer between 1 and {MAX_REPLICAS} (got {self.replicas!r})",
+            f"--replicas must be an integer >= 1 and at most {MAX_REPLICAS} "
+            f"(got {self.replicas!r})",
         )
         need(
             _is_int(self.sync_every) and 1 <= self.sync_every <= MAX_TOTAL_STEPS,
-            f"--sync-every must be an integer between 1 and {MAX_TOTAL_STEPS} "
+            f"--sync-every must be an integer >= 1 and at most {MAX_TOTAL_STEPS} "
             f"(got {self.sync_every!r})",
         )
         need(
             _is_int(self.rounds) and 1 <= self.rounds <= MAX_TOTAL_STEPS,
-            f"--rounds must be an integer between 1 and {MAX_TOTAL_STEPS} (got {self.rounds!r})",
+            f"--rounds must be an integer >= 1 and at most {MAX_TOTAL_STEPS} (got {self.rounds!r})",
         )
         need(
             self.rounds * self.sync_every <= MAX_TOTAL_STEPS,
@@ -189,7 +189,7 @@ class RunSpec:
         )
         need(
             is_number(self.outer_lr) and math.isfinite(self.outer_lr) and self.outer_lr > 0,
-            f"--outer-lr must be a finite number > 0 (got {self.outer_lr!r})",
+            f"--outer-lr must be > 0 and finite (got {self.outer_lr!r})",
         )
         need(
             is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1,

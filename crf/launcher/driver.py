@@ -209,13 +209,14 @@ def prepare(
         backend=getattr(executor, "name", backend),
         **spec_fields,
     )
+    if isinstance(replicas, int) and replicas >= 1:  # the machine's limit says more than N's
+        _check_replica_limit(executor, replicas)
     try:
         spec.validate()
     except SpecError as e:
         raise LaunchError(str(e)) from None
     except TypeError as e:  # e.g. outer_lr="fast" from Python: comparisons fail
         raise LaunchError(f"a run option has the wrong type: {e}") from None
-    _check_replica_limit(executor, spec.replicas)
     try:
         executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
     except ExecutorError as e:
