@@ -164,8 +164,16 @@ _GOOD_SPEC = {"run_id": "r1", "run_uri": "file:///tmp/x", "job": "testjob"}
         (json.dumps({**_GOOD_SPEC, "backend": None}).encode(), "backend must be a string"),
         (json.dumps({"job": "testjob"}).encode(), "missing 2 required positional arguments"),
     ],
-    ids=["bad-json", "bad-utf8", "a-list", "str-int", "float-int", "list-dict", "none-str",
-         "missing"],  # fmt: skip
+    ids=[
+        "bad-json",
+        "bad-utf8",
+        "a-list",
+        "str-int",
+        "float-int",
+        "list-dict",
+        "none-str",
+        "missing",
+    ],  # fmt: skip
 )
 def test_a_damaged_run_json_is_named(
     command: str, content: bytes, reason: str, tmp_path: Path
