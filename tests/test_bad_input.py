@@ -42,7 +42,9 @@ def script(tmp_path: Path) -> Path:
 
 
 def _launch_args(base: Path, script: Path) -> list[str]:
-    # --timeout bounds a run that main would have launched (this file must fail, not hang)
+    # --timeout bounds a run that main would have launched (this file must fail, not hang).
+    # Cases that main would launch with a huge N or round count (its driver then grew to
+    # 22 GB and was OOM-killed) add --dry-run: the same checks, and nothing could start.
     return ["launch", "--job", "testjob", "--store", str(base), "--run-id", "t1",
             "--entrypoint", f"python {script}", "--no-progress", "--timeout", "60"]  # fmt: skip
 
@@ -68,8 +70,14 @@ def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
         (["--run-id", "abc\n"], "run id 'abc\\n' is invalid"),
         (["--run-id", "abc\r"], "run id 'abc\\r' is invalid"),
         (["-H", str(10**12)], "--sync-every must be an integer >= 1 and at most 2147483647"),
-        (["--rounds", str(10**30)], "--rounds must be an integer >= 1 and at most 2147483647"),
-        (["-H", "100000", "-r", "100000"], "--rounds x --sync-every is 10000000000 inner steps"),
+        (
+            ["--dry-run", "--rounds", str(10**30)],
+            "--rounds must be an integer >= 1 and at most 2147483647",
+        ),
+        (
+            ["--dry-run", "-H", "100000", "-r", "100000"],
+            "--rounds x --sync-every is 10000000000 inner steps",
+        ),
         (["--seed", str(2**70)], f"--seed must be an integer between 0 and {MAX_SEED}"),
         (["--seed", "-1"], f"--seed must be an integer between 0 and {MAX_SEED}"),
         (["--timeout", "nan"], "--timeout must be > 0 seconds, a finite number"),
@@ -81,7 +89,10 @@ def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
         (["--round-timeout", "inf"], "--round-timeout must be > 0 seconds, a finite number"),
         (["--round-timeout", "nan"], "--round-timeout must be > 0 seconds, a finite number"),
         (["--round-timeout", "1e300"], "--round-timeout must be > 0 seconds, a finite number"),
-        (["--replicas", "100000"], "--replicas 100000 is more than the local backend can run"),
+        (
+            ["--dry-run", "--replicas", "100000"],
+            "--replicas 100000 is more than the local backend can run",
+        ),
     ],
 )
 def test_bad_values_fail_before_launch(
@@ -100,7 +111,7 @@ def test_local_replicas_are_capped_by_the_machine(tmp_path: Path, script: Path) 
     assert limit >= 1 and "GiB of memory" in why
     base = tmp_path / "runs"
     n = limit + 1
-    result = crf(*_launch_args(base, script), "--replicas", str(n))
+    result = crf(*_launch_args(base, script), "--dry-run", "--replicas", str(n))
     assert result.exit_code == 2, result.output
     line = _one_error_line(result.output)
     if n <= MAX_REPLICAS:
