@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,11 +21,60 @@ from crf import jsonsafe
 
 SPEC_VERSION = 1
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# matched with fullmatch: ``$`` would also match before a trailing newline ("abc\n")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+# Ranges of the run options, declared once (RunSpec.validate, used by the CLI and the SDK
+# alike). Each bound is what something downstream accepts, so a value past it would only fail
+# after launch, in every replica:
+#: at most this many replicas on any backend: each one reads a slice of every other's
+#: contribution, so a round costs N**2 store requests (a million at 1024)
+MAX_REPLICAS = 1024
+#: at most this many inner steps in a run (rounds x H): step numbers then fit in 32 bits
+#: wherever they are stored, and no run of that length finishes (2**31 steps at 10 ms each
+#: take 8 months; real runs stop well below 10**7)
+MAX_TOTAL_STEPS = 2**31 - 1
+#: seeds are in [0, 2**32): numpy's ``np.random.seed`` (which ``transformers.set_seed`` calls
+#: with the replica's data seed) takes no other value; torch takes 64 bits
+MAX_SEED = 2**32 - 1
+#: the longest wait Python's threading and time.sleep accept (about 292 years); a longer
+#: deadline raises OverflowError in the replica
+MAX_WAIT_S = float(threading.TIMEOUT_MAX)
 
 
 class SpecError(ValueError):
     """A run spec field is invalid; the message names the field and the fix."""
+
+
+def check_run_id(run_id: object, what: str = "run id") -> str:
+    """``run_id`` if it is a valid run id, else SpecError. A run id is one folder name under
+    the store: no ``/``, no ``..``, no whitespace or control character, so neither a new run
+    nor ``--resume`` / ``crf status`` / ``crf cancel`` can reach outside ``--store``."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+        raise SpecError(
+            f"{what} {run_id!r} is invalid: use letters, digits, '.', '_' or '-' "
+            "(at most 128, starting with a letter or digit)"
+        )
+    return run_id
+
+
+def is_number(value: object) -> bool:
+    """A real int or float (not a bool, not a string)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_seconds(flag: str, value: object) -> float:
+    """``value`` as seconds if it is a finite number in (0, MAX_WAIT_S], else SpecError:
+    ``nan`` compares false with everything, so a plain ``> 0`` check lets it through."""
+    if not is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_WAIT_S:
+        raise SpecError(
+            f"{flag} must be > 0 seconds, a finite number at most {MAX_WAIT_S:.0f} (got {value!r})"
+        )
+    return float(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def new_run_id(prefix: str = "run") -> str:
@@ -94,37 +145,67 @@ class RunSpec:
             if not cond:
                 raise SpecError(msg)
 
+        check_run_id(self.run_id)
+        for name in ("run_uri", "job", "backend", "wire_dtype"):
+            need(
+                isinstance(getattr(self, name), str),
+                f"{name} must be a string (got {getattr(self, name)!r})",
+            )
+        for name in ("job_config", "backend_options"):
+            need(
+                isinstance(getattr(self, name), dict),
+                f"{name} must be a mapping (got {getattr(self, name)!r})",
+            )
         need(
-            bool(_RUN_ID_RE.match(self.run_id)),
-            f"run id {self.run_id!r} is invalid: use letters, digits, '.', '_' or '-' "
-            "(at most 128, starting with a letter or digit)",
+            self.entrypoint is None
+            or (
+                isinstance(self.entrypoint, list)
+                and all(isinstance(a, str) for a in self.entrypoint)
+            ),
+            f"entrypoint must be a list of strings (got {self.entrypoint!r})",
         )
         need(
-            isinstance(self.replicas, int) and self.replicas >= 1,
-            f"--replicas must be an integer >= 1 (got {self.replicas!r})",
+            is_number(self.created_at) and math.isfinite(self.created_at),
+            f"created_at must be a time in seconds (got {self.created_at!r})",
         )
         need(
-            isinstance(self.sync_every, int) and self.sync_every >= 1,
-            f"--sync-every must be an integer >= 1 (got {self.sync_every!r})",
+            _is_int(self.replicas) and 1 <= self.replicas <= MAX_REPLICAS,
+            f"--replicas must be an integer >= 1 and at most {MAX_REPLICAS} "
+            f"(got {self.replicas!r})",
         )
         need(
-            isinstance(self.rounds, int) and self.rounds >= 1,
-            f"--rounds must be an integer >= 1 (got {self.rounds!r})",
-        )
-        need(self.outer_lr > 0, f"--outer-lr must be > 0 (got {self.outer_lr})")
-        need(
-            0 <= self.outer_momentum < 1,
-            f"--outer-momentum must be in [0, 1) (got {self.outer_momentum})",
+            _is_int(self.sync_every) and 1 <= self.sync_every <= MAX_TOTAL_STEPS,
+            f"--sync-every must be an integer >= 1 and at most {MAX_TOTAL_STEPS} "
+            f"(got {self.sync_every!r})",
         )
         need(
-            isinstance(self.min_replicas, int) and 1 <= self.min_replicas <= self.replicas,
+            _is_int(self.rounds) and 1 <= self.rounds <= MAX_TOTAL_STEPS,
+            f"--rounds must be an integer >= 1 and at most {MAX_TOTAL_STEPS} (got {self.rounds!r})",
+        )
+        need(
+            self.rounds * self.sync_every <= MAX_TOTAL_STEPS,
+            f"--rounds x --sync-every is {self.rounds * self.sync_every} inner steps, more "
+            f"than the {MAX_TOTAL_STEPS} a run may have; lower --rounds or --sync-every",
+        )
+        need(
+            is_number(self.outer_lr) and math.isfinite(self.outer_lr) and self.outer_lr > 0,
+            f"--outer-lr must be > 0 and finite (got {self.outer_lr!r})",
+        )
+        need(
+            is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1,
+            f"--outer-momentum must be in [0, 1) (got {self.outer_momentum!r})",
+        )
+        need(
+            _is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
+            f"--seed must be an integer between 0 and {MAX_SEED} (got {self.seed!r}): "
+            "numpy, which seeds each replica's data order, takes no other",
+        )
+        need(
+            _is_int(self.min_replicas) and 1 <= self.min_replicas <= self.replicas,
             f"--min-replicas must be between 1 and --replicas={self.replicas} "
             f"(got {self.min_replicas!r})",
         )
-        need(
-            self.round_timeout_s > 0,
-            f"--round-timeout must be > 0 seconds (got {self.round_timeout_s})",
-        )
+        check_seconds("--round-timeout", self.round_timeout_s)
         need(
             self.num_shards is None or (isinstance(self.num_shards, int) and self.num_shards >= 1),
             f"num_shards must be None or an integer >= 1 (got {self.num_shards!r})",

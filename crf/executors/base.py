@@ -308,6 +308,11 @@ class ServerlessExecutor(ABC):
         fix. The default (local processes) has nothing more to check."""
         self.check_run_uri(run_uri)
 
+    def replica_limit(self) -> tuple[int, str] | None:
+        """The most replicas this backend can run at once, and why (None: no limit known
+        here; the platform's own quotas answer at launch). Checked before launching."""
+        return None
+
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         """The plan ``--dry-run`` prints; launches nothing, writes nothing."""
         cmd = build_command(command)

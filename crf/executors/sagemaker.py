@@ -188,7 +188,7 @@ def job_name(run_id: str, rank: int) -> str:
     because a training job name can never be used twice in an account and region."""
     tail = f"-r{rank}-{uuid.uuid4().hex[:6]}"
     name = f"crf-{slug(run_id)[: MAX_JOB_NAME - 4 - len(tail)]}{tail}"
-    assert _JOB_NAME_RE.match(name), name
+    assert _JOB_NAME_RE.fullmatch(name), name
     return name
 
 
@@ -282,13 +282,13 @@ class SageMakerExecutor(CloudExecutor):
     ) -> None:
         super().__init__(image=image, timeout_s=_optional_float(timeout_s, "timeout_s"))
         self.instance_type = str(instance_type).strip()
-        if not _INSTANCE_RE.match(self.instance_type):
+        if not _INSTANCE_RE.fullmatch(self.instance_type):
             raise ExecutorError(
                 f"{instance_type!r} is not a SageMaker instance type; they look like "
                 f"ml.<family>.<size>, e.g. --instance-type {DEFAULT_INSTANCE_TYPE}"
             )
         self.role_arn = role_arn or os.environ.get(ROLE_ARN_ENV) or None
-        if self.role_arn and not _ROLE_ARN_RE.match(self.role_arn):
+        if self.role_arn and not _ROLE_ARN_RE.fullmatch(self.role_arn):
             raise ExecutorError(
                 f"role_arn {self.role_arn!r} is not an IAM role ARN; it looks like "
                 "arn:aws:iam::123456789012:role/MySageMakerRole"
@@ -570,7 +570,7 @@ class SageMakerExecutor(CloudExecutor):
         if len(out) > MAX_ENV_ENTRIES:
             raise ExecutorError(f"too many environment variables for SageMaker ({len(out)})")
         for key, value in out.items():
-            if not _ENV_KEY_RE.match(key) or len(value) > MAX_ENV_VALUE_CHARS:
+            if not _ENV_KEY_RE.fullmatch(key) or len(value) > MAX_ENV_VALUE_CHARS:
                 raise ExecutorError(
                     f"SageMaker cannot pass environment variable {key} (names are [A-Za-z_]"
                     f"[A-Za-z0-9_]*, values at most {MAX_ENV_VALUE_CHARS} characters)"

@@ -70,8 +70,13 @@ class AttachedRun:
 
 def run_store(run_id: str, store: str | None) -> Any:
     from crf.launcher.driver import DEFAULT_STORE
+    from crf.spec import SpecError, check_run_id
     from crf.store import RunStore, join_uri, normalize_uri
 
+    try:
+        check_run_id(run_id)  # one folder in --store, never a path out of it
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
     try:
         uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
         st = RunStore(uri, retries=1)
@@ -89,16 +94,19 @@ def run_store(run_id: str, store: str | None) -> Any:
 
 def attach(run_id: str, store: str | None = None) -> AttachedRun:
     """Open run ``run_id`` in ``store`` and rebuild its executor; LaunchError if impossible."""
-    from crf.launcher.driver import make_executor, saved_backend_options
+    from crf.launcher.driver import make_executor, read_run_spec, saved_backend_options
 
     st = run_store(run_id, store)
-    spec = RunSpec.from_json(st.get("run.json").decode())
+    spec = read_run_spec(st)
     executor = make_executor(spec.backend, saved_backend_options(st))
-    launches = [int(n[:-5]) for n in st.list("launches") if n.endswith(".json")]
+    names = st.list("launches")
+    launches = [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
     launch_no = max(launches) if launches else 0
     try:
         record = st.get_json(f"launches/{launch_no}.json")
     except Exception:
+        record = {}
+    if not isinstance(record, dict):
         record = {}
     handles: list[ReplicaHandle] = []
     try:

@@ -45,9 +45,11 @@ MIN_REPLICAS, ROUND_TIMEOUT, SEED = (
 )
 
 
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
-    raise typer.Exit(EXIT_USAGE)
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """One red line (a message with line breaks, e.g. a client library's, is joined)."""
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def parse_sets(items: list[str] | None) -> dict[str, str]:
@@ -257,10 +259,15 @@ def launch(
     """Launch N replicas, show their progress, and print a summary when they finish."""
     from crf.launcher.driver import prepare, prepare_resume, run
     from crf.launcher.errors import LaunchError
+    from crf.spec import SpecError, check_seconds
+    from crf.store.errors import StoreError
 
     job_options = parse_sets(set_)
-    if timeout is not None and timeout <= 0:
-        _fail(f"--timeout must be > 0 seconds (got {timeout})")
+    if timeout is not None:
+        try:
+            check_seconds("--timeout", timeout)
+        except SpecError as e:
+            _fail(str(e))
     backend_options = (
         None
         if resume is not None and not (hardware or image or region or opt)
@@ -288,6 +295,8 @@ def launch(
             summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
         except LaunchError as e:
             _fail(str(e))
+        except StoreError as e:
+            _fail(f"the run's store failed: {e}", EXIT_FAILED)
         raise typer.Exit(_exit_code(summary))
     try:
         plan = prepare(
@@ -321,6 +330,8 @@ def launch(
         summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
     except LaunchError as e:
         _fail(str(e))
+    except StoreError as e:  # after launch: the replicas fail on it too (exit 1, not 2)
+        _fail(f"the run's store failed: {e}", EXIT_FAILED)
     raise typer.Exit(_exit_code(summary))
 
 
@@ -458,10 +469,11 @@ def status(
     from crf.launcher.attach import attach, gather
     from crf.launcher.errors import LaunchError
     from crf.launcher.progress import ReplicaView, render_progress
+    from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
-    except LaunchError as e:
+    except (LaunchError, StoreError) as e:
         _fail(str(e))
     console = Console()
     rows = run_.statuses()
@@ -504,13 +516,14 @@ def logs(
     from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, follow_logs
     from crf.launcher.errors import LaunchError
+    from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
         prefix = rank is None and len(run_.handles) > 1
         for r, line in follow_logs(run_, rank, follow):
             typer.echo(f"[{r}] {line}" if prefix else line)
-    except (LaunchError, ExecutorError) as e:
+    except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -526,12 +539,13 @@ def cancel(
     from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, gather
     from crf.launcher.errors import LaunchError
+    from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
         live = [h for h, st, _ in run_.statuses() if not st.terminal]
         run_.executor.cancel_all(live)
-    except (LaunchError, ExecutorError) as e:
+    except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     console = Console()
     console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")

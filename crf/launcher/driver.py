@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import socket
@@ -40,7 +41,7 @@ from crf.executors.base import (
     ServerlessExecutor,
 )
 from crf.launcher.errors import LaunchError
-from crf.spec import RunSpec, SpecError, new_run_id
+from crf.spec import RunSpec, SpecError, check_run_id, check_seconds, new_run_id
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -151,6 +152,19 @@ def _validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]
     return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
 
 
+def _check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
+    """LaunchError if the backend cannot run that many replicas (see replica_limit)."""
+    limit_of = getattr(executor, "replica_limit", None)
+    found = limit_of() if callable(limit_of) else None
+    if found is not None and replicas > found[0]:
+        limit, why = found
+        name = getattr(executor, "name", "this")
+        raise LaunchError(
+            f"--replicas {replicas} is more than the {name} backend can run: at most {limit} "
+            f"({why}); lower --replicas or use a cloud backend"
+        )
+
+
 def prepare(
     *,
     job: str = "composer",
@@ -195,6 +209,8 @@ def prepare(
         backend=getattr(executor, "name", backend),
         **spec_fields,
     )
+    if isinstance(replicas, int) and replicas >= 1:  # the machine's limit says more than N's
+        _check_replica_limit(executor, replicas)
     try:
         spec.validate()
     except SpecError as e:
@@ -238,10 +254,14 @@ def prepare(
                 "choose another --run-id or another --store"
             )
         run_store = RunStore(run_uri)
+    except LaunchError:
+        raise
     except StoreError as e:
         raise LaunchError(f"{e} (check --store)") from None
-    except OSError as e:
-        raise LaunchError(f"cannot use store {run_uri}: {e} (check --store)") from None
+    except Exception as e:  # noqa: BLE001 - any other client error: one line, not a traceback
+        raise LaunchError(
+            f"cannot use store {run_uri}: {type(e).__name__}: {e} (check --store)"
+        ) from None
     return Plan(spec, run_store, executor, command, restart=policy)
 
 
@@ -327,6 +347,10 @@ def prepare_resume(
 
     policy = RestartPolicy(max_restarts, max_run_restarts).validate()
     try:
+        check_run_id(run_id, "--resume run id")  # one folder in --store, never a path out
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
+    try:
         run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
         run_store = RunStore(run_uri, retries=0)
         where = display_path(run_store)
@@ -334,10 +358,7 @@ def prepare_resume(
             raise LaunchError(
                 f"nothing to resume at {where}: it holds no run.json (check --store and the run id)"
             )
-        try:
-            spec = RunSpec.from_json(run_store.get("run.json")).validate()
-        except (ValueError, TypeError) as e:  # SpecError and JSON errors are ValueErrors
-            raise LaunchError(f"{where}/run.json cannot be read: {e}") from None
+        spec = read_run_spec(run_store)
         previous = None
         if run_store.exists("result.json"):
             try:
@@ -355,10 +376,14 @@ def prepare_resume(
             }
             for k in range(spec.replicas)
         }
+    except LaunchError:
+        raise
     except StoreError as e:
         raise LaunchError(f"{e} (check --store)") from None
-    except OSError as e:
-        raise LaunchError(f"cannot use store {run_uri}: {e} (check --store)") from None
+    except Exception as e:  # noqa: BLE001 - any other client error: one line, not a traceback
+        raise LaunchError(
+            f"cannot use store {run_uri}: {type(e).__name__}: {e} (check --store)"
+        ) from None
     if previous == "ok":
         raise LaunchError(
             f"run {run_id} already finished (result.json says ok); there is nothing to resume"
@@ -376,6 +401,7 @@ def prepare_resume(
     if executor is None:
         options = {**saved_backend_options(run_store), **(backend_options or {})}
         executor = make_executor(spec.backend, options)
+    _check_replica_limit(executor, spec.replicas)
     try:
         executor.check_ready(run_uri)
         executor.check_command(spec.entrypoint)
@@ -420,6 +446,38 @@ def resume_point(
     start = max(complete) if complete else max(rounds)
     fresh = missing(start) if spec.saves_inner_state(start) else []
     return start, sorted(r for r in rounds if r > start), fresh
+
+
+def read_run_spec(store: RunStore) -> RunSpec:
+    """The run's ``run.json`` as a valid RunSpec. A damaged one (not UTF-8, not JSON, not an
+    object, a field of the wrong type or out of range) is a LaunchError that names the file
+    and what is wrong with it, for ``--resume``, ``crf status``, ``crf logs`` and
+    ``crf cancel`` alike."""
+    where = display_path(store, "run.json")
+    raw = store.get("run.json")
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LaunchError(
+            f"{where} is damaged: not UTF-8 text (bad byte at offset {e.start}); restore it "
+            "from a copy, or remove the run folder"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LaunchError(
+            f"{where} is damaged: not valid JSON ({e.msg} at line {e.lineno}, column "
+            f"{e.colno}); restore it from a copy, or remove the run folder"
+        ) from None
+    if not isinstance(data, dict):
+        raise LaunchError(
+            f"{where} is damaged: it holds a JSON {type(data).__name__}, not the run's "
+            "options (an object); restore it from a copy, or remove the run folder"
+        )
+    try:
+        return RunSpec.from_dict(data).validate()
+    except (SpecError, TypeError) as e:  # TypeError: a missing field, or one of a wrong type
+        raise LaunchError(f"{where} is damaged: {e}") from None
 
 
 def saved_backend_options(store: RunStore) -> dict[str, Any]:
@@ -759,6 +817,11 @@ def run(
 
     from crf.launcher.summary import build_summary
 
+    if timeout_s is not None:
+        try:
+            check_seconds("--timeout", timeout_s)
+        except SpecError as e:
+            raise LaunchError(str(e)) from None
     console = console or Console()
     spec, store, executor = plan.spec, plan.store, plan.executor
     started = time.time()
@@ -867,6 +930,14 @@ def run(
     )
 
 
+def _one_line(e: BaseException) -> str:
+    """A store error as one line: StoreErrors already say what to fix; others get their type."""
+    from crf.store import StoreError
+
+    text = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def finish_run(
     spec: RunSpec,
     store: RunStore,
@@ -925,11 +996,21 @@ def finish_run(
             png = None
             console.print(f"[yellow]could not draw the loss plot: {type(e).__name__}: {e}[/]")
         if png is not None:
-            store.put("loss.png", png)
-            plot_path = display_path(store, "loss.png")
+            try:
+                store.put("loss.png", png)
+                plot_path = display_path(store, "loss.png")
+            except Exception as e:  # the store went away (bucket deleted...): said below
+                console.print(f"[yellow]could not save the loss plot: {_one_line(e)}[/]")
     summary["loss_plot"] = plot_path
     summary["result_path"] = display_path(store, "result.json")
-    store.put_json("result.json", summary)
+    try:
+        store.put_json("result.json", summary)
+    except Exception as e:  # noqa: BLE001 - the summary is still shown; the cause in one line
+        # A store that disappeared mid-run (bucket deleted, credentials revoked) fails the
+        # replicas too; the user gets the summary and one line saying why it was not saved.
+        summary["result_path"] = None
+        why = f"result.json could not be written to {display_path(store)}: {_one_line(e)}"
+        summary["error"] = f"{summary['error']}; {why}" if summary.get("error") else why
     with contextlib.suppress(Exception):  # the launch record is history, not the result
         record = store.get_json(f"launches/{launch_no}.json")
         record.update(

@@ -127,7 +127,9 @@ class ReplicaContext:
         self.rank = rank
         self.world_size = world_size
         self.seed = spec.seed
-        self.data_seed = spec.seed * 1_000_003 + rank + 1
+        # kept in [0, 2**32) (numpy's seed range, which transformers' set_seed needs) for
+        # every valid seed; the same value as before for the seeds that fitted already
+        self.data_seed = (spec.seed * 1_000_003 + rank + 1) % 2**32
         self.total_steps = spec.total_steps
         self.shard_grace_s = (
             shard_grace_s if shard_grace_s is not None else min(30.0, spec.round_timeout_s)

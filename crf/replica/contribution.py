@@ -91,7 +91,7 @@ def contrib_name(rank: int, base_round: int | None, facts: str) -> str:
 
 def parse_contrib_name(name: str) -> Arrival | None:
     """The arrival a listed name stands for; None for anything else (a temp file)."""
-    m = _NAME.match(name)
+    m = _NAME.fullmatch(name)  # fullmatch: "$" alone also matches before a final "\n"
     if m is None:
         return None
     base = None if m.group(2) == "none" else int(m.group(2))

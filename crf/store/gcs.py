@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import gcsfs
 from gcsfs.retry import HttpError
+from google.auth.exceptions import RefreshError
 
 from crf.store.conditional import tokened_put
 from crf.store.errors import StoreNotWritable
@@ -75,7 +76,7 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
             f"`gcloud storage buckets create gs://{bucket}`), or fix the bucket in the run URI "
             "(or STORAGE_EMULATOR_HOST / endpoint_url if that is not a GCS endpoint)"
         )
-    if isinstance(e, HttpError) and e.code == 401:
+    if (isinstance(e, HttpError) and e.code == 401) or isinstance(e, RefreshError):
         return StoreNotWritable(
             f"not authenticated to {where}: set GOOGLE_APPLICATION_CREDENTIALS to a service "
             "account key file, run `gcloud auth application-default login`, or run on GCP "
@@ -83,9 +84,9 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
         )
     if isinstance(e, OSError) and str(e).startswith("Forbidden"):
         return StoreNotWritable(
-            f"access denied writing to {where}: the credentials in use lack "
-            "storage.objects.create there; check the bucket's IAM and which credentials "
-            "gcsfs picks up"
+            f"access denied to {where}: the credentials in use lack storage.objects.get, "
+            ".list or .create there; check the bucket's IAM and which credentials gcsfs "
+            "picks up"
         )
     if isinstance(e, ConnectionError | aiohttp.ClientConnectionError):
         return GCSUnreachable(
@@ -93,6 +94,24 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
             "STORAGE_EMULATOR_HOST or the endpoint_url storage option"
         )
     return e
+
+
+def _check_credentials(store: RunStore) -> None:
+    """Refresh the credentials once, now: gcsfs refreshes them inside each request and
+    retries a failed refresh (wrong key, revoked grant) six times with backoff, ~35 s before
+    a 401 surfaces. A valid token is kept and reused by the first request, so this costs
+    nothing when the credentials are good (anonymous access has none to refresh)."""
+    credentials = getattr(store.fs, "credentials", None)
+    if credentials is not None and getattr(credentials, "credentials", None) is not None:
+        credentials.maybe_refresh()
+
+
+def _explain(store: RunStore, e: BaseException) -> BaseException:
+    """Any operation's error, explained as the writer's are (see :func:`_not_writable`);
+    a missing object is not a configuration error here."""
+    if isinstance(e, FileNotFoundError):
+        return e
+    return _not_writable(store, store.root.lstrip("/"), e)
 
 
 def _attempt(store: RunStore, path: str, data: bytes, token: str | None) -> bool:
@@ -123,5 +142,5 @@ def _put_gcs(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
 
 
 # the module is imported for gs:// and gcs://: register both names gcsfs answers to
-register_scheme("gs", _put_gcs, _fs_options)
-register_scheme("gcs", _put_gcs, _fs_options)
+for _scheme in ("gs", "gcs"):
+    register_scheme(_scheme, _put_gcs, _fs_options, explain=_explain, on_open=_check_credentials)

@@ -584,4 +584,9 @@ def _fs_options() -> dict[str, Any]:
 
 
 fsspec.register_implementation("hf", RunStoreHfFileSystem, clobber=True)
-register_scheme("hf", _put_hf, _fs_options)
+register_scheme(
+    "hf",
+    _put_hf,
+    _fs_options,
+    explain=lambda store, e: _explain(store.uri, e, getattr(store.fs, "endpoint", "the Hub")),
+)

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import fsspec
 
@@ -53,6 +53,18 @@ Reader = Callable[["RunStore", str, "int | None", "int | None"], Any]
 _READERS: dict[str, Reader] = {}
 #: schemes whose writer takes a list of buffers as they are (the others get them joined)
 _TAKES_PARTS: set[str] = {"file"}
+#: An explainer turns a scheme's client error that is the user's to fix (no or wrong
+#: credentials, an unreachable endpoint, a missing bucket, no permission) into a StoreError
+#: whose one-line message says what to fix, and returns any other error unchanged. RunStore
+#: applies it to every operation (``_retry``), so reads, listings and deletes say it in one
+#: line as writes do, instead of a client library's traceback.
+Explainer = Callable[["RunStore", BaseException], BaseException]
+_EXPLAINERS: dict[str, Explainer] = {}
+#: Called once when a RunStore opens (not for ``child``): a scheme checks there what would
+#: otherwise fail slowly on the first request (GCS: credentials that cannot be refreshed,
+#: which gcsfs retries for ~35 s before giving up).
+Opener = Callable[["RunStore"], None]
+_OPENERS: dict[str, Opener] = {}
 
 
 def register_scheme(
@@ -61,11 +73,18 @@ def register_scheme(
     fs_options: Callable[[], dict[str, Any]] | None = None,
     reader: Reader | None = None,
     takes_parts: bool = False,
+    explain: Explainer | None = None,
+    on_open: Opener | None = None,
 ) -> None:
     """Make ``scheme://`` usable as a run store (``fs_options`` gives fsspec defaults;
     ``reader`` replaces fsspec's for reads of known extent: see ``RunStore.get``;
-    ``takes_parts``: the writer is given a list of buffers unjoined)."""
+    ``takes_parts``: the writer is given a list of buffers unjoined; ``explain``: see
+    :data:`Explainer`; ``on_open``: see :data:`Opener`)."""
     _WRITERS[scheme] = writer
+    if explain is not None:
+        _EXPLAINERS[scheme] = explain
+    if on_open is not None:
+        _OPENERS[scheme] = on_open
     if takes_parts:
         _TAKES_PARTS.add(scheme)
     if fs_options is not None:
@@ -203,6 +222,14 @@ class RunStore:
         self.root = path.rstrip("/") if scheme != "memory" else "/" + path.strip("/")
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
+        opener = _OPENERS.get(scheme)
+        if opener is not None:
+            try:
+                opener(self)
+            except StoreError:
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised, explained when it is known
+                self._raise_explained(e)
 
     def __repr__(self) -> str:
         return f"RunStore({self.uri!r})"
@@ -221,7 +248,31 @@ class RunStore:
         return sub
 
     # ---------------------------------------------------------------- retry
+    def explain(self, e: BaseException) -> BaseException:
+        """``e`` as a one-line StoreError if the scheme knows it for a mistake the user can
+        fix (see :data:`Explainer`); ``e`` itself otherwise."""
+        explainer = _EXPLAINERS.get(self.scheme)
+        if explainer is None or isinstance(e, StoreError):
+            return e
+        return explainer(self, e)
+
+    def _raise_explained(self, e: BaseException) -> NoReturn:
+        explained = self.explain(e)
+        if explained is e:
+            raise e
+        raise explained from None
+
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Run fn, retrying transient errors (not 'not found') with backoff; an error that
+        is the user's to fix is raised as the scheme explains it (:meth:`explain`)."""
+        try:
+            return self._retry_raw(what, fn)
+        except (FileNotFoundError, FileExistsError, ObjectNotFound, IsADirectoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised, explained when it is known
+            self._raise_explained(e)
+
+    def _retry_raw(self, what: str, fn: Callable[[], T]) -> T:
         """Run fn, retrying transient errors (not 'not found') with backoff. A response
         damaged on the way (see :func:`_garbled_in_transit`) is transient too; if every try
         fails so, the error becomes a :class:`StoreError` that callers handle like any

@@ -129,9 +129,9 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
         )
     if isinstance(e, PermissionError):
         return StoreNotWritable(
-            f"access denied writing to {where}: the credentials in use may not "
-            "s3:PutObject there (or are invalid); check the IAM/bucket policy and which "
-            "credentials boto picks up (env vars, AWS_PROFILE, role)"
+            f"access denied to {where}: the credentials in use may not read or write there "
+            "(s3:GetObject, s3:PutObject, s3:ListBucket) or are invalid; check the IAM/bucket "
+            "policy and which credentials boto picks up (env vars, AWS_PROFILE, role)"
         )
     return e
 
@@ -295,4 +295,11 @@ def _put_s3(store: RunStore, path: str, data: Any, exclusive: bool) -> bool:
     )
 
 
-register_scheme("s3", _put_s3, _fs_options, _read_s3, takes_parts=True)
+register_scheme(
+    "s3",
+    _put_s3,
+    _fs_options,
+    _read_s3,
+    takes_parts=True,
+    explain=lambda store, e: _not_writable(store, store.root, e),
+)
