@@ -64,6 +64,7 @@ BASE_REQUIREMENTS = (
     "rich",
     "matplotlib",
     "xxhash>=3.4",
+    "psutil>=5.9",
 )
 STORE_REQUIREMENTS = {
     "s3": ("s3fs>=2024.12", "boto3"),
@@ -80,7 +81,7 @@ need = os.environ.get("CRF_REQUIREMENTS", "").split()
 mods = {"torch": "torch", "torchft": "torchft-nightly", "trl": "trl", "fsspec": "fsspec",
         "typer": "typer", "rich": "rich", "s3fs": "s3fs", "gcsfs": "gcsfs",
         "huggingface_hub": "huggingface_hub", "transformers": "transformers",
-        "matplotlib": "matplotlib", "xxhash": "xxhash"}
+        "matplotlib": "matplotlib", "xxhash": "xxhash", "psutil": "psutil"}
 missing = [r for r in need if any(r.startswith(p) and u.find_spec(m) is None
                                   for m, p in mods.items())]
 if missing:

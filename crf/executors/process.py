@@ -1,0 +1,89 @@
+"""Is the process behind a saved pid still the replica that was started, or someone else?
+
+A local replica is found again (``crf status``, ``crf cancel``, the resume check) through a
+pid saved in its handle or heartbeat. Pids are reused: once a replica has ended, the OS may
+give its number to any later process, and trusting the bare number would call an ended run
+"running" and SIGTERM a stranger. So a pid counts as the replica only when the process holding
+it also started when the replica did (its start time, recorded at launch) and carries the
+replica's run id and rank in its environment (set by the executor for every replica). Both are
+read through psutil, which knows how on each OS.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import psutil
+
+from crf.executors.base import ENV_RANK, ENV_RUN_ID
+
+#: how far apart two readings of one process's start time may be: psutil adds the start
+#: offset to the boot time, which the kernel recomputes when the clock is stepped
+START_TIME_TOLERANCE_S = 1.0
+
+
+class PidOwner(StrEnum):
+    """Who holds a pid now."""
+
+    GONE = "gone"  # no live process (never was, ended, or a zombie waiting to be reaped)
+    REPLICA = "replica"  # the replica itself, as far as can be checked
+    OTHER = "other"  # a live process that is provably not the replica
+
+
+def process_started_at(pid: int | None = None) -> float | None:
+    """The start time (epoch seconds) of process ``pid`` (this process by default); None when
+    it cannot be read. Saved next to a pid so a later check can tell a reused pid apart."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def pid_owner(
+    pid: int,
+    *,
+    run_id: str | None = None,
+    rank: int | None = None,
+    started_at: float | None = None,
+) -> PidOwner:
+    """Who holds ``pid``: gone, the replica (``run_id``/``rank``, started at ``started_at``),
+    or another process.
+
+    What is not known is not held against the process: a handle saved before start times
+    were recorded has no ``started_at``, and another user's environment cannot be read (nor
+    could that process be signalled). Such a process counts as the replica, as before.
+    """
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return PidOwner.GONE
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return PidOwner.GONE
+        if started_at is not None and abs(proc.create_time() - started_at) > START_TIME_TOLERANCE_S:
+            return PidOwner.OTHER
+        if run_id is None and rank is None:
+            return PidOwner.REPLICA
+        try:
+            env = proc.environ()
+        except psutil.AccessDenied:
+            return PidOwner.REPLICA
+    except psutil.NoSuchProcess:
+        return PidOwner.GONE
+    except psutil.Error:  # e.g. AccessDenied on the status itself: assume it is the replica
+        return PidOwner.REPLICA
+    if run_id is not None and env.get(ENV_RUN_ID) != run_id:
+        return PidOwner.OTHER
+    if rank is not None and env.get(ENV_RANK) != str(rank):
+        return PidOwner.OTHER
+    return PidOwner.REPLICA
+
+
+def is_replica_process(
+    pid: int,
+    *,
+    run_id: str | None = None,
+    rank: int | None = None,
+    started_at: float | None = None,
+) -> bool:
+    """Whether ``pid`` is held by the live replica (see ``pid_owner``)."""
+    return pid_owner(pid, run_id=run_id, rank=rank, started_at=started_at) is PidOwner.REPLICA
