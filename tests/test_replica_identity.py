@@ -24,7 +24,10 @@ from crf.executors.local import LocalProcessExecutor
 from crf.executors.process import PidOwner, pid_owner, process_started_at
 from crf.launcher.driver import _live_replicas
 from crf.store import RunStore
-from tests.test_cli_attach import _launch, _wait_ended, crf, script  # noqa: F401 (fixture)
+from tests import test_cli_attach
+from tests.test_cli_attach import _launch, _wait_ended, crf
+
+script = test_cli_attach.script  # the fixture, visible to this module's tests
 
 
 @pytest.fixture
