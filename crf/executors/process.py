@@ -50,8 +50,9 @@ def pid_owner(
     or another process.
 
     What is not known is not held against the process: a handle saved before start times
-    were recorded has no ``started_at``, and another user's environment cannot be read (nor
-    could that process be signalled). Such a process counts as the replica, as before.
+    were recorded has no ``started_at``, a wrapper may have dropped ``CRF_RANK``, and another
+    user's environment cannot be read (nor could that process be signalled). Such a process
+    counts as the replica, as before.
     """
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return PidOwner.GONE
@@ -73,7 +74,7 @@ def pid_owner(
         return PidOwner.REPLICA
     if run_id is not None and env.get(ENV_RUN_ID) != run_id:
         return PidOwner.OTHER
-    if rank is not None and env.get(ENV_RANK) != str(rank):
+    if rank is not None and env.get(ENV_RANK, str(rank)) != str(rank):
         return PidOwner.OTHER
     return PidOwner.REPLICA
 
