@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.test_cli import REPLICA_SCRIPT
@@ -101,3 +102,41 @@ def test_a_secret_a_replica_prints_is_hidden_from_crf_logs_in_a_fresh_process(
     assert logs.returncode == 0, out
     assert "key on stdout: ***" in out and "key on stderr: ***" in out, out  # it was printed
     assert SECRET not in out
+
+
+def test_the_redacting_wrapper_hides_secrets_keeps_streams_exit_codes_and_signals() -> None:
+    """``python -m crf.executors.redacted`` on its own: what every container's command runs
+    under. Lines on both streams come through with the secret replaced (also one split over
+    two writes), the exit code is the command's, and a stop signal reaches the command."""
+    env = {**os.environ, "CRF_SECRET_NAMES": "MY_API_KEY,SHORT", "MY_API_KEY": SECRET,
+           "SHORT": "abc"}  # fmt: skip
+    code = (
+        "import os, sys, time\n"
+        "k = os.environ['MY_API_KEY']\n"
+        "print('out ' + k, flush=True)\n"
+        "sys.stdout.write('split ' + k[:5]); sys.stdout.flush(); time.sleep(0.2)\n"
+        "print(k[5:] + ' end', flush=True)\n"
+        "print('err ' + k + ' abc', file=sys.stderr, flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    wrapper = [sys.executable, "-m", "crf.executors.redacted"]
+    p = subprocess.run([*wrapper, sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 3, p.stderr
+    assert p.stdout.splitlines() == ["out ***", "split *** end"]
+    assert p.stderr.splitlines() == ["err *** abc"]  # too short to be redacted: "abc"
+    sleeper = subprocess.Popen(
+        [*wrapper, sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); "
+         "time.sleep(60)"],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert sleeper.stdout is not None
+        command_pid = int(sleeper.stdout.readline())
+        sleeper.terminate()
+        assert sleeper.wait(timeout=30) == -15  # the command got SIGTERM and died of it ...
+        assert not psutil.pid_exists(command_pid)  # ... and was reaped, not left behind
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
