@@ -44,8 +44,20 @@ def redact_bytes(data: bytes, values: Iterable[str]) -> bytes:
 
 
 def pump(fd: int, out: BinaryIO, values: set[str]) -> None:
-    """Copy ``fd`` to ``out`` until EOF, whole lines at a time, secrets replaced."""
+    """Copy ``fd`` to ``out`` until EOF, whole lines at a time, secrets replaced. If ``out``
+    breaks, the rest is read and dropped, so the command never blocks on a full pipe."""
     pending = b""
+
+    def emit(data: bytes) -> None:
+        nonlocal out_ok
+        if out_ok:
+            try:
+                out.write(redact_bytes(data, values))
+                out.flush()
+            except (OSError, ValueError):
+                out_ok = False
+
+    out_ok = True
     while True:
         try:
             chunk = os.read(fd, 1 << 16)
@@ -60,11 +72,9 @@ def pump(fd: int, out: BinaryIO, values: set[str]) -> None:
                 continue
             cut = len(pending)
         ready, pending = pending[:cut], pending[cut:]
-        out.write(redact_bytes(ready, values))
-        out.flush()
+        emit(ready)
     if pending:
-        out.write(redact_bytes(pending, values))
-        out.flush()
+        emit(pending)
 
 
 def run(argv: Sequence[str]) -> int:
