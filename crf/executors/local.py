@@ -371,11 +371,15 @@ class LocalProcessExecutor(ServerlessExecutor):
         group. (While any member of the replica's group lives, the OS does not reuse its id.)
         """
         groups: dict[int, _Proc | None] = {}
+        foreign: dict[int, ReplicaHandle] = {}
         for h in handles:
             proc = self._procs.get(_key(h))
-            if proc is None and self._owner(h) is PidOwner.OTHER:
-                continue
-            groups[int(h.extra.get("pgid", h.backend_id))] = proc
+            pgid = int(h.extra.get("pgid", h.backend_id))
+            if proc is None:
+                if self._owner(h) is PidOwner.OTHER:
+                    continue
+                foreign[pgid] = h
+            groups[pgid] = proc
             if proc is not None and proc.popen.poll() is None:
                 proc.cancelled = True
         alive = _live_groups(set(groups))
@@ -391,6 +395,10 @@ class LocalProcessExecutor(ServerlessExecutor):
                 if proc is not None:
                     proc.popen.poll()  # reap, so a dead leader stops counting as alive
             alive = _live_groups(alive)
+        # a foreign group that emptied during the grace period may have a new owner by now
+        alive = {
+            p for p in alive if p not in foreign or self._owner(foreign[p]) is not PidOwner.OTHER
+        }
         for pgid in alive:
             _killpg(pgid, signal.SIGKILL)
         # SIGKILL is delivered asynchronously: return only once the groups are really gone.
