@@ -60,7 +60,7 @@ def test_status_and_cancel_leave_a_process_that_took_a_replicas_pid_alone(
     path = base / "reused" / "launches" / "0" / "handles.json"
     saved = json.loads(path.read_text())
     h0, h1 = saved["handles"]
-    assert isinstance(h0["extra"]["pid_started_at"], float)  # recorded at launch
+    assert h0["extra"]["pid_started_at"]  # recorded at launch
     # rank 0's pid now belongs to a process with the run's own environment: only its start
     # time differs; rank 1's to a plain one, and its handle predates start times
     twin = _stranger(strangers, {"CRF_RUN_ID": "reused", "CRF_RANK": "0"})
@@ -86,7 +86,12 @@ def test_cancel_all_and_resume_check_tell_a_reused_pid_from_the_replica(
     twin = _stranger(strangers, {"CRF_RUN_ID": run_id, "CRF_RANK": "0"})
     started = process_started_at(twin.pid)
     assert started is not None
-    other_start = started - 100.0  # when "the replica" that had this pid started
+    # when "the replica" that had this pid started (one clock tick earlier)
+    if isinstance(started, str):
+        boot, ticks = started.rsplit("/", 1)
+        other_start: str | float = f"{boot}/{int(ticks) - 1}"
+    else:
+        other_start = started - 100.0
     assert pid_owner(twin.pid, run_id=run_id, rank=0, started_at=started) is PidOwner.REPLICA
     assert pid_owner(twin.pid, run_id=run_id, rank=0, started_at=other_start) is PidOwner.OTHER
     assert pid_owner(twin.pid, run_id="another-run", rank=0) is PidOwner.OTHER

@@ -309,7 +309,7 @@ class LocalProcessExecutor(ServerlessExecutor):
             int(handle.backend_id),
             run_id=handle.run_id,
             rank=handle.rank,
-            started_at=float(started) if isinstance(started, int | float) else None,
+            started_at=started if isinstance(started, str | int | float) else None,
         )
 
     def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus:

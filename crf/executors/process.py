@@ -5,21 +5,23 @@ pid saved in its handle or heartbeat. Pids are reused: once a replica has ended,
 give its number to any later process, and trusting the bare number would call an ended run
 "running" and SIGTERM a stranger. So a pid counts as the replica only when the process holding
 it also started when the replica did (its start time, recorded at launch) and carries the
-replica's run id and rank in its environment (set by the executor for every replica). Both are
-read through psutil, which knows how on each OS.
+replica's run id and rank in its environment (set by the executor for every replica; read
+through psutil, which knows how on each OS).
 """
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
+from pathlib import Path
 
 import psutil
 
 from crf.executors.base import ENV_RANK, ENV_RUN_ID
 
-#: how far apart two readings of one process's start time may be: psutil adds the start
-#: offset to the boot time, which the kernel recomputes when the clock is stepped
+#: off Linux the start time is psutil's wall-clock one: readings may differ by this much
 START_TIME_TOLERANCE_S = 1.0
+_PROC = Path("/proc")
 
 
 class PidOwner(StrEnum):
@@ -30,13 +32,37 @@ class PidOwner(StrEnum):
     OTHER = "other"  # a live process that is provably not the replica
 
 
-def process_started_at(pid: int | None = None) -> float | None:
-    """The start time (epoch seconds) of process ``pid`` (this process by default); None when
-    it cannot be read. Saved next to a pid so a later check can tell a reused pid apart."""
+def process_started_at(pid: int | None = None) -> str | float | None:
+    """When process ``pid`` (this process by default) started, as a value to save next to the
+    pid so a later check can tell a reused pid apart; None when it cannot be read.
+
+    On Linux: ``<boot id>/<start in clock ticks since boot>``, exact and immune to changes of
+    the system clock (psutil's own pid-reuse check also uses the time since boot, for that
+    reason; a wall-clock start moves whenever the clock is stepped). Elsewhere psutil's
+    wall-clock ``create_time()``.
+    """
+    pid = os.getpid() if pid is None else pid
+    if _PROC.joinpath("self").exists():
+        try:
+            boot = _PROC.joinpath("sys/kernel/random/boot_id").read_text().strip()
+            # after the command name: state, ppid, ..., starttime is the 20th field
+            ticks = _PROC.joinpath(str(pid), "stat").read_text().rsplit(")", 1)[1].split()[19]
+            return f"{boot}/{int(ticks)}"
+        except (OSError, IndexError, ValueError):
+            return None
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, ValueError):
         return None
+
+
+def _same_start(now: str | float | None, saved: str | float) -> bool | None:
+    """Whether two start values name one start; None when they cannot be compared."""
+    if isinstance(saved, str) and isinstance(now, str):
+        return now == saved
+    if isinstance(saved, int | float) and isinstance(now, int | float):
+        return abs(now - saved) <= START_TIME_TOLERANCE_S
+    return None
 
 
 def pid_owner(
@@ -44,7 +70,7 @@ def pid_owner(
     *,
     run_id: str | None = None,
     rank: int | None = None,
-    started_at: float | None = None,
+    started_at: str | float | None = None,
 ) -> PidOwner:
     """Who holds ``pid``: gone, the replica (``run_id``/``rank``, started at ``started_at``),
     or another process.
@@ -60,7 +86,7 @@ def pid_owner(
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return PidOwner.GONE
-        if started_at is not None and abs(proc.create_time() - started_at) > START_TIME_TOLERANCE_S:
+        if started_at is not None and _same_start(process_started_at(pid), started_at) is False:
             return PidOwner.OTHER
         if run_id is None and rank is None:
             return PidOwner.REPLICA
@@ -84,7 +110,7 @@ def is_replica_process(
     *,
     run_id: str | None = None,
     rank: int | None = None,
-    started_at: float | None = None,
+    started_at: str | float | None = None,
 ) -> bool:
     """Whether ``pid`` is held by the live replica (see ``pid_owner``)."""
     return pid_owner(pid, run_id=run_id, rank=rank, started_at=started_at) is PidOwner.REPLICA

@@ -268,7 +268,7 @@ def _live_replicas(
         age = now - updated if isinstance(updated, int | float) else None
         if hb.get("host") == host and isinstance(pid, int):
             started = hb.get("pid_started_at")
-            started = float(started) if isinstance(started, int | float) else None
+            started = started if isinstance(started, str | int | float) else None
             if is_replica_process(pid, run_id=run_id, rank=rank, started_at=started):
                 live.append(f"replica {rank} (pid {pid} on this host)")
         elif age is not None and age < LIVE_HEARTBEAT_S:
