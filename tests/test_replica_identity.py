@@ -14,9 +14,11 @@ import json
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from crf.executors.base import ReplicaHandle
@@ -47,6 +49,10 @@ def _stranger(procs: list[subprocess.Popen[bytes]], env: dict[str, str] | None =
         ["sleep", "120"], env={**os.environ, **(env or {})}, start_new_session=True
     )
     procs.append(p)
+    # Popen returns once execve has begun; the new environment shows a moment later
+    deadline = time.monotonic() + 30
+    while not psutil.Process(p.pid).environ() and time.monotonic() < deadline:
+        time.sleep(0.01)
     return p
 
 

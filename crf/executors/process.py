@@ -76,9 +76,9 @@ def pid_owner(
     or another process.
 
     What is not known is not held against the process: a handle saved before start times
-    were recorded has no ``started_at``, a wrapper may have dropped ``CRF_RANK``, and another
-    user's environment cannot be read (nor could that process be signalled). Such a process
-    counts as the replica, as before.
+    were recorded has no ``started_at``, a wrapper may have dropped ``CRF_RANK``, another
+    user's environment cannot be read (nor could that process be signalled), and a process
+    still inside execve shows an empty one. Such a process counts as the replica, as before.
     """
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return PidOwner.GONE
@@ -93,6 +93,8 @@ def pid_owner(
         try:
             env = proc.environ()
         except psutil.AccessDenied:
+            return PidOwner.REPLICA
+        if not env:  # mid-execve (just launched) the kernel shows no environment yet
             return PidOwner.REPLICA
     except psutil.NoSuchProcess:
         return PidOwner.GONE
