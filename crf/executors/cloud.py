@@ -9,11 +9,14 @@ says how to submit one container, ask its state, read its logs and stop it:
   through fsspec, and runs ``python -m crf.replica`` with it first on ``PYTHONPATH``. Replicas
   therefore always run the driver's version of crf, on any stock Python/PyTorch image, and the
   image needs no rebuild when crf changes. (Modal too: its image only pre-installs the
-  requirements, so the bootstrap finds them and goes straight to fetching the code.)
+  requirements, so the bootstrap finds them and goes straight to fetching the code.) The
+  command runs under ``python -m crf.executors.redacted``, which hides the container's secrets
+  from its output before the platform stores it.
 * **Secrets.** Store credentials (``crf.executors.secrets.store_secrets``) and everything the
   caller passes as ``env`` go through the backend's secret mechanism; the plain environment
-  holds only the replica contract (run URI, rank, world size, run id) and public settings.
-  Every log line returned is redacted.
+  holds only the replica contract (run URI, rank, world size, run id), public settings and
+  the secrets' names (``CRF_SECRET_NAMES``), with which the container redacts its own output
+  at the source. Every log line returned is redacted again.
 * **Reachability.** A container cannot see this machine's disk: ``file://`` and ``memory://``
   run folders are refused before anything starts.
 * **Labels.** Every container is labelled ``crf-run=<run id>``, ``crf-rank=<rank>`` so a later
@@ -44,7 +47,13 @@ from crf.executors.base import (
     replica_env,
     run_id_from_uri,
 )
-from crf.executors.secrets import MissingCredentials, redact, scheme_of, store_secrets
+from crf.executors.secrets import (
+    ENV_SECRET_NAMES,
+    MissingCredentials,
+    redact,
+    scheme_of,
+    store_secrets,
+)
 
 #: the command a container runs when the user gives no entrypoint (``python`` of the image)
 CONTAINER_ENTRYPOINT = ("python", "-m", "crf.replica")
@@ -64,6 +73,7 @@ BASE_REQUIREMENTS = (
     "rich",
     "matplotlib",
     "xxhash>=3.4",
+    "psutil>=5.9",
 )
 STORE_REQUIREMENTS = {
     "s3": ("s3fs>=2024.12", "boto3"),
@@ -80,7 +90,7 @@ need = os.environ.get("CRF_REQUIREMENTS", "").split()
 mods = {"torch": "torch", "torchft": "torchft-nightly", "trl": "trl", "fsspec": "fsspec",
         "typer": "typer", "rich": "rich", "s3fs": "s3fs", "gcsfs": "gcsfs",
         "huggingface_hub": "huggingface_hub", "transformers": "transformers",
-        "matplotlib": "matplotlib", "xxhash": "xxhash"}
+        "matplotlib": "matplotlib", "xxhash": "xxhash", "psutil": "psutil"}
 missing = [r for r in need if any(r.startswith(p) and u.find_spec(m) is None
                                   for m, p in mods.items())]
 if missing:
@@ -102,7 +112,7 @@ argv = sys.argv[1:]
 if argv and argv[0] in ("python", "python3"):
     argv[0] = sys.executable
 print("crf bootstrap: code " + os.environ["CRF_CODE_KEY"], flush=True)
-os.execvpe(argv[0], argv, os.environ)
+os.execvpe(sys.executable, [sys.executable, "-m", "crf.executors.redacted", *argv], os.environ)
 """
 
 
@@ -288,7 +298,11 @@ class CloudExecutor(ServerlessExecutor):
                     rank=rank,
                     world_size=n_replicas,
                     argv=argv,
-                    env=self.container_env(run_uri, run_id, rank, n_replicas, code_key),
+                    env={
+                        **self.container_env(run_uri, run_id, rank, n_replicas, code_key),
+                        # names only: the container hides these variables' values itself
+                        ENV_SECRET_NAMES: ",".join(sorted(secrets)),
+                    },
                     secrets=secrets,
                     labels=self.labels(run_id, rank),
                     max_restarts=max_restarts,

@@ -43,6 +43,7 @@ from crf.executors.base import (
     replica_env,
     run_id_from_uri,
 )
+from crf.executors.process import PidOwner, pid_owner, process_started_at
 
 
 @dataclass
@@ -61,23 +62,6 @@ def _signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-
-
-def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie (a zombie has already exited)."""
-    stat = Path(f"/proc/{pid}/stat")
-    if stat.parent.parent.joinpath("self").exists():  # Linux: read the state letter
-        try:
-            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _live_groups(pgids: set[int]) -> set[int]:
@@ -282,7 +266,12 @@ class LocalProcessExecutor(ServerlessExecutor):
                     run_uri=run_uri,
                     world_size=n_replicas,
                     log_path=str(log_path),
-                    extra={"pgid": popen.pid, "program": cmd[0]},
+                    # the start time tells this process from a later one given the same pid
+                    extra={
+                        "pgid": popen.pid,
+                        "program": cmd[0],
+                        "pid_started_at": process_started_at(popen.pid),
+                    },
                 )
                 with self._lock:
                     self._procs[_key(handle)] = _Proc(popen, pgid=popen.pid)
@@ -335,9 +324,21 @@ class LocalProcessExecutor(ServerlessExecutor):
             return ReplicaStatus(ReplicaState.FAILED, code, f"killed by {_signal_name(code)}")
         return ReplicaStatus(ReplicaState.FAILED, code, f"exited with code {code}")
 
+    @staticmethod
+    def _owner(handle: ReplicaHandle) -> PidOwner:
+        """Who holds the handle's pid now: the replica only if its start time (recorded at
+        launch; absent from older handles) and its run id and rank match - pids get reused."""
+        started = handle.extra.get("pid_started_at")
+        return pid_owner(
+            int(handle.backend_id),
+            run_id=handle.run_id,
+            rank=handle.rank,
+            started_at=started if isinstance(started, str | int | float) else None,
+        )
+
     def _foreign_status(self, handle: ReplicaHandle) -> ReplicaStatus:
         """A handle from another executor instance (e.g. a saved run): ask the OS and store."""
-        if _pid_alive(int(handle.backend_id)):
+        if self._owner(handle) is PidOwner.REPLICA:
             return ReplicaStatus(ReplicaState.RUNNING)
         result, _ = self.read_result(handle)
         if result is not None and result.get("status") == "ok":
@@ -389,12 +390,20 @@ class LocalProcessExecutor(ServerlessExecutor):
 
         The whole group is signalled, so children the replica started stop with it; a
         replica that has already exited keeps its own status even if a stray child of it is
-        cleaned up here.
+        cleaned up here. A handle this executor did not start (a saved run) is signalled only
+        while its pid is not held by another process: a pid that was reused names a stranger's
+        group. (While any member of the replica's group lives, the OS does not reuse its id.)
         """
         groups: dict[int, _Proc | None] = {}
+        foreign: dict[int, ReplicaHandle] = {}
         for h in handles:
             proc = self._procs.get(_key(h))
-            groups[int(h.extra.get("pgid", h.backend_id))] = proc
+            pgid = int(h.extra.get("pgid", h.backend_id))
+            if proc is None:
+                if self._owner(h) is PidOwner.OTHER:
+                    continue
+                foreign[pgid] = h
+            groups[pgid] = proc
             if proc is not None and proc.popen.poll() is None:
                 proc.cancelled = True
         alive = _live_groups(set(groups))
@@ -410,6 +419,10 @@ class LocalProcessExecutor(ServerlessExecutor):
                 if proc is not None:
                     proc.popen.poll()  # reap, so a dead leader stops counting as alive
             alive = _live_groups(alive)
+        # a foreign group that emptied during the grace period may have a new owner by now
+        alive = {
+            p for p in alive if p not in foreign or self._owner(foreign[p]) is not PidOwner.OTHER
+        }
         for pgid in alive:
             _killpg(pgid, signal.SIGKILL)
         # SIGKILL is delivered asynchronously: return only once the groups are really gone.

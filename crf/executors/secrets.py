@@ -6,8 +6,13 @@ environment (or the SDK's own credential chain), so a backend can hand them to i
 mechanism (a Modal Secret, HF Jobs ``secrets=``, ...) - never as plain environment that a
 describe call would show, never on a command line, never in run.json.
 
-``redact`` is applied to every log line a cloud executor returns, so a replica that prints its
-environment still does not leak a key into the driver's terminal or the summary.
+A replica redacts its own output at the source: the container's bootstrap runs the replica
+command under ``python -m crf.executors.redacted``, which hides the value of every variable
+named in ``CRF_SECRET_NAMES`` (names only, set by the executor; values never travel in plain
+environment) and of the well-known credential variables before a line reaches the platform's
+log store. So ``crf logs`` from any process, which knows neither the caller's ``env`` nor a
+deleted SageMaker secret, shows no secret either. ``redact`` is applied again to every log line
+a cloud executor returns (lines printed before the command started, older runs).
 
 Google credentials are a *file* (``GOOGLE_APPLICATION_CREDENTIALS``) on the driver's machine;
 they travel as the file's contents in ``CRF_GCS_CREDENTIALS_JSON`` and ``materialize`` writes
@@ -42,6 +47,11 @@ GCS_JSON_VAR = "CRF_GCS_CREDENTIALS_JSON"
 SECRET_NAMES = frozenset(
     {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", GCS_JSON_VAR}
 )
+#: plain environment of a container: the comma-separated NAMES of the variables it got through
+#: the secret mechanism, so the replica can hide their values from its own output
+ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
+#: shorter values are not redacted: hiding every "1" or "true" would garble the logs
+MIN_SECRET_CHARS = 6
 
 
 class MissingCredentials(RuntimeError):
@@ -122,8 +132,25 @@ def materialize(environ: dict[str, str] | None = None) -> None:
     env["GOOGLE_APPLICATION_CREDENTIALS"] = path
 
 
+def secret_values(environ: Mapping[str, str] | None = None) -> set[str]:
+    """The values to hide from a replica's output: those of the variables ``CRF_SECRET_NAMES``
+    names and of the credential variables in ``SECRET_NAMES``, as set in ``environ``. A
+    multi-line value also counts line by line (output is filtered a line at a time)."""
+    env = os.environ if environ is None else environ
+    names = {n.strip() for n in env.get(ENV_SECRET_NAMES, "").split(",") if n.strip()}
+    values = set()
+    for name in names | SECRET_NAMES:
+        value = env.get(name)
+        if value:
+            values.add(value)
+            if "\n" in value:
+                values.update(part.strip() for part in value.splitlines())
+    return {v for v in values if len(v) >= MIN_SECRET_CHARS}
+
+
 def redact(text: str, secrets: Iterable[str]) -> str:
     """``text`` with every secret value (of 6+ characters) replaced by ``***``."""
-    for value in sorted({s for s in secrets if s and len(s) >= 6}, key=len, reverse=True):
+    values = {s for s in secrets if s and len(s) >= MIN_SECRET_CHARS}
+    for value in sorted(values, key=len, reverse=True):
         text = text.replace(value, "***")
     return text

@@ -40,6 +40,7 @@ from crf.executors.base import (
     ReplicaStatus,
     ServerlessExecutor,
 )
+from crf.executors.process import is_replica_process
 from crf.launcher.errors import LaunchError
 from crf.spec import RunSpec, SpecError, check_run_id, check_seconds, new_run_id
 
@@ -266,32 +267,6 @@ def prepare(
 
 
 # ---------------------------------------------------------------------- resume
-def _pid_alive(pid: int, run_id: str | None = None) -> bool:
-    """Whether a process with this pid runs on this host (a zombie does not count) - and, when
-    its environment is readable, whether it is a replica of ``run_id`` (pids get reused)."""
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc (macOS): ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    if state == "Z":
-        return False
-    if run_id is not None:
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:  # another user's process: assume it may be ours
-            return True
-        return f"CRF_RUN_ID={run_id}".encode() in environ
-    return True
-
-
 def _live_replicas(
     store: RunStore, replicas: int, run_id: str, now: float | None = None
 ) -> list[str]:
@@ -299,7 +274,8 @@ def _live_replicas(
 
     Two sets of replicas for one rank would both publish contributions under that rank, so a
     resume must not start while the old ones live. On this host the heartbeat's pid says it
-    for sure; for another host a recent heartbeat is all we have.
+    for sure (while held by the replica: same start time, run id and rank - pids get reused);
+    for another host a recent heartbeat is all we have.
     """
     now = time.time() if now is None else now
     host = socket.gethostname()
@@ -311,7 +287,9 @@ def _live_replicas(
         pid, updated = hb.get("pid"), hb.get("updated_at")
         age = now - updated if isinstance(updated, int | float) else None
         if hb.get("host") == host and isinstance(pid, int):
-            if _pid_alive(pid, run_id):
+            started = hb.get("pid_started_at")
+            started = started if isinstance(started, str | int | float) else None
+            if is_replica_process(pid, run_id=run_id, rank=rank, started_at=started):
                 live.append(f"replica {rank} (pid {pid} on this host)")
         elif age is not None and age < LIVE_HEARTBEAT_S:
             live.append(f"replica {rank} (on {hb.get('host')}, heartbeat {age:.0f}s ago)")

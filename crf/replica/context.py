@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from crf.executors.process import process_started_at
 from crf.replica import wire as wirefmt
 from crf.replica.allreduce import (
     NonFiniteError,
@@ -155,6 +156,8 @@ class ReplicaContext:
         self._transfer_mark = 0.0
         self._n_rejected = 0  # how many of manager.rejected are already in per-round metrics
         self._last_beat = 0.0
+        # with the pid in the heartbeat: tells this process from a later one given its pid
+        self._started_at = process_started_at()
         self._beat_paused_until = 0.0
         self._t_start = time.time()
         self._compute_s = 0.0
@@ -563,6 +566,7 @@ class ReplicaContext:
             "loss": self.last_loss,
             "updated_at": now,
             "pid": os.getpid(),
+            "pid_started_at": self._started_at,
             "host": socket.gethostname(),
             "rounds_committed": m.rounds_committed if m else 0,
         }
