@@ -159,6 +159,88 @@ def test_restart_policy_caps_and_reports(tmp_path: Path) -> None:
     assert dead["rounds_missed"] == [1, 2, 3]
 
 
+def test_a_dead_replica_costs_one_deadline_per_run_not_one_per_round(tmp_path: Path) -> None:
+    """Rank 3 of 4 is SIGKILLed in round 1 before its upload and never restarted. Round 1
+    waits its deadline for it; later rounds do not: it was no member of round 1 and its
+    heartbeat stopped, so each later round is decided as soon as the three live replicas
+    arrived ("all live arrived", rank 3 recorded as not waited for). One permanent death
+    adds one round deadline to the run, not one per round."""
+    n, h, rounds, deadline = 4, 4, 5, 10.0
+    summary = launch_lm(
+        tmp_path / "runs",
+        "dead",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_FAULT": "rank=3,point=uploading,round=1"},
+        max_restarts=0,
+        keep_rounds=100,  # keep every round's decision to read it
+    )
+    run = tmp_path / "runs" / "dead"
+    print("\n" + describe(summary))
+    assert summary["status"] == "failed" and summary["replicas"][3]["exit_code"] == -9
+    survivors = [0, 1, 2]
+    for k in survivors:
+        assert summary["replicas"][k]["ok"], describe(summary)
+        assert committed_rounds(run, k) == list(range(rounds)), metrics(run, k)
+    assert len({summary["replicas"][k]["weights_sha256"] for k in survivors}) == 1
+    quorum = {
+        r: json.loads((run / "rounds" / str(r) / "quorum.json").read_text()) for r in range(rounds)
+    }
+    assert quorum[1]["participants"] == survivors and quorum[1]["reason"] == "deadline"
+    for r in range(2, rounds):  # decided once the live ones were in, nobody waited for 3
+        assert quorum[r]["participants"] == survivors, quorum[r]
+        assert quorum[r]["reason"] == "all live arrived", quorum[r]
+        assert quorum[r]["not_waited_for"] == [3], quorum[r]
+    # the wait the death added to the run, per survivor: its exchanges from round 1 on
+    # (round 0 holds start-up skew). Without liveness this is ~(rounds - 1) deadlines
+    added = max(sum(m["sync_s"] for r, m in metrics(run, k).items() if r >= 1) for k in survivors)
+    print(
+        f"[figure] one permanent death (round 1 of {rounds}, deadline {deadline:.0f}s): "
+        f"the survivors' exchanges took {added:.2f}s in all from round 1 on"
+    )
+    assert added < deadline + 0.5 * deadline, added
+
+
+def test_a_restarted_replica_is_waited_for_again_and_rejoins(tmp_path: Path) -> None:
+    """Rank 2 of 3 is SIGKILLed in round 1 and restarted. While it is down the others go on
+    without it (no deadline per round); once its restart resumed, its heartbeat makes the
+    others wait for it again and it takes part in the rounds up to the last one. Every
+    round takes ~1.5 s (everyone sleeps a little per step) so the restart, which needs a few
+    seconds to start, comes back with rounds to spare."""
+    n, h, rounds, deadline = 3, 4, 16, 3.0
+    everyone = {"rank": "*", "from_step": 0, "to_step": 10**6, "sleep_s": 0.3}
+    summary = launch_lm(
+        tmp_path / "runs",
+        "back",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_FAULT": "rank=2,point=uploading,round=1", "CRF_TEST_SLOW": json.dumps(everyone)},
+        shim=True,
+        max_restarts=1,
+    )
+    run = tmp_path / "runs" / "back"
+    print("\n" + describe(summary))
+    assert summary["status"] == "ok" and summary["restarts"] == 1, describe(summary)
+    assert summary["weights_identical"] is True
+    assert summary["rounds_completed"] == rounds and summary["rounds_lost"] == []
+    back = committed_rounds(run, 2)
+    # it rejoined: it committed rounds after its death, the last one among them
+    assert any(r > 1 for r in back) and rounds - 1 in back, back
+    joined = min(r for r in back if r > 1)
+    # the others waited one deadline for the dead replica (round 1) and, when it came back,
+    # for it to catch up (less than a deadline): never a deadline per round while it was down
+    added = max(sum(m["sync_s"] for r, m in metrics(run, k).items() if r >= 1) for k in (0, 1))
+    print(
+        f"[figure] killed in round 1, restarted, rejoined in round {joined}: the others' "
+        f"exchanges took {added:.2f}s in all from round 1 on (deadline {deadline:.0f}s)"
+    )
+    assert added < 2 * deadline + 0.5 * deadline, added
+
+
 def test_executor_relaunches_one_rank(tmp_path: Path) -> None:
     """relaunch() starts the same rank with the same command and environment (kept in memory
     only: it may hold credentials), appending to the same log; ranks= starts a subset."""

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from crf.replica.allreduce import ObjectStoreAllReduce
+from crf.replica.allreduce import HEARTBEAT_KEY, ObjectStoreAllReduce
 from crf.replica.faults import maybe_fault
 from crf.replica.manager import ObjectStoreManager
 from crf.replica.wire import compression as wire_compression
@@ -198,6 +198,9 @@ class ReplicaContext:
             keep_rounds=spec.keep_rounds,
             wire_dtype=spec.wire_dtype,
             error_feedback=spec.error_feedback,
+            # this context's heartbeats tell the others who is alive: a dead replica costs
+            # one round deadline, not one per round
+            follow_liveness=True,
         )
         manager = ObjectStoreManager(
             exchange,
@@ -509,7 +512,7 @@ class ReplicaContext:
             "rounds_committed": m.rounds_committed if m else 0,
         }
         try:
-            self.store.put_json(f"replicas/{self.rank}/state.json", state)
+            self.store.put_json(HEARTBEAT_KEY.format(rank=self.rank), state)
         except Exception as e:  # a heartbeat must never kill training, nor slow every step
             log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
             self._beat_paused_until = time.time() + 30.0
