@@ -49,6 +49,8 @@ from crf.store.run_store import wait_until
 log = logging.getLogger(__name__)
 
 GLOBAL_STATE = "global/{r}/state.pt"
+#: how many times a healing replica tries to read the newest global state (see heal)
+_HEAL_READ_TRIES = 10
 
 
 class HealError(RuntimeError):
@@ -574,11 +576,15 @@ class ObjectStoreManager:
             )
         if newest() < target:  # round r failed after all
             return False
-        for _ in range(3):  # the newest may be garbage-collected between list and get
+        # the newest may be garbage-collected between list and get, or listed before its
+        # state landed (a local folder appears with the writer's temp file in it): a replica
+        # that rejoins a run whose rounds take a fraction of a second meets both, so it
+        # tries again for a few seconds
+        for attempt in range(_HEAL_READ_TRIES):
             try:
                 self.load_global(newest())
                 log.info("healed from global/%d", self.last_healed_from)
                 return True
             except ObjectNotFound:
-                continue
+                time.sleep(min(1.0, 0.05 * 2**attempt))
         raise HealError(f"could not read a global state at or after round {target}")
