@@ -209,6 +209,7 @@ class ReplicaContext:
             checkpoint_every=spec.checkpoint_every,
         )
         manager.final_round = spec.exchange_rounds - 1
+        manager.on_blocked = self._beat  # heartbeats go on while it waits (once a second)
         fragments = split_model(model, spec.fragments)
         self.fragments = fragments
         if len(fragments) == 1:

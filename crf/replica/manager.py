@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 GLOBAL_STATE = "global/{r}/state.pt"
 #: how many times a healing replica tries to read the newest global state (see heal)
 _HEAL_READ_TRIES = 10
+#: how often ``on_blocked`` is called while the training thread waits (exchange, heal)
+_KEEPALIVE_S = 1.0
 
 
 class HealError(RuntimeError):
@@ -161,6 +163,10 @@ class ObjectStoreManager:
         self.on_loaded: Callable[[dict[str, Any]], None] | None = None
         if exchange.on_phase is None:
             exchange.on_phase = self._transfer_phase
+        #: called about once a second while the training thread waits for an exchange or a
+        #: global state to heal from: the replica's heartbeat goes on, so the others (which
+        #: follow liveness) see a replica that is slow, not dead
+        self.on_blocked: Callable[[], None] | None = None
 
     # -------------------------------------------------------------- torchft surface
     def register_state_dict_fn(
@@ -313,7 +319,10 @@ class ObjectStoreManager:
             if not self._launched:
                 self._launch()
             if self._thread is not None:
-                self._thread.join()
+                self._thread.join(_KEEPALIVE_S)
+                while self._thread.is_alive():  # a long wait: the heartbeat goes on
+                    self._keepalive()
+                    self._thread.join(_KEEPALIVE_S)
                 self._thread = None
             assert self._outcome is not None
             res, err = self._outcome
@@ -351,6 +360,13 @@ class ObjectStoreManager:
     def _phase(self, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(phase)
+
+    def _keepalive(self) -> None:
+        if self.on_blocked is not None:
+            try:
+                self.on_blocked()
+            except Exception as e:  # a heartbeat never ends a wait early
+                log.debug("keepalive failed: %s", e)
 
     # -------------------------------------------------------------- background writes
     def persist(self, write: Callable[[], None]) -> None:
@@ -562,8 +578,12 @@ class ObjectStoreManager:
     def _heal_from_global(
         self, r: int, target: int, failed: Callable[[], bool], newest: Callable[[], int]
     ) -> bool:
+        def there() -> bool:
+            self._keepalive()
+            return newest() >= target or (target == r and failed())
+
         ok = wait_until(
-            lambda: newest() >= target or (target == r and failed()),
+            there,
             self.heal_timeout_s,
             poll_s=0.05,
             max_poll_s=0.5,
