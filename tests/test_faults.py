@@ -28,9 +28,11 @@ from tests.fault_helpers import (
     baseline_wait,
     committed_rounds,
     describe,
-    fired_faults,
+    kill_fired,
     launch_lm,
     metrics,
+    took_part,
+    unexplained_attempts,
     worst_wait,
 )
 from tests.flaky_store import FaultPlan, install
@@ -70,21 +72,22 @@ def test_a_store_that_stays_down_fails_within_a_bounded_time(tmp_path: Path) -> 
 
 def test_sigkill_at_every_point_never_blocks_the_others(tmp_path: Path) -> None:
     """A replica SIGKILLed during inner steps, while uploading, after the quorum, while it
-    owns a shard, and after reducing: the others close each round by its deadline (plus the
-    shard grace period when a dead participant owned a shard), the driver restarts the dead
-    one, it resumes from the newest global state and rejoins, and all end bit-identical."""
-    # the others do not wait for a dead replica after the round it died in, so every round
-    # is made to take >= 1.2 s (everyone sleeps 0.3 s a step): a restarted replica (importing
-    # torch alone can take 5-8 s on a loaded 2-core machine) comes back while the run goes on
-    # - rank 1's restart in time to die again in round 9 - and commits later rounds
-    n, h, rounds, deadline = 4, 4, 18, 2.5
+    owns a shard, and after reducing (five replicas, one point each): the others close each
+    round by its deadline (plus the shard grace period when a dead participant owned a
+    shard), the driver restarts the dead one, it resumes from the newest global state and
+    rejoins, and all end bit-identical. How fast a restart comes back depends on the machine
+    (5-25 s on a loaded 2-core one), and the others do not wait for a dead replica after the
+    round it died in: the test asserts what holds whatever the timing."""
+    # every round takes >= 1.2 s (everyone sleeps 0.3 s a step), so on a quiet machine a
+    # restart comes back while the run goes on and commits later rounds
+    n, h, rounds, deadline = 5, 4, 18, 2.5
     everyone = {"rank": "*", "from_step": 0, "to_step": 10**6, "sleep_s": 0.3}
-    kills = {  # (rank, point) -> round it dies in
+    kills = {  # (rank, point) -> round it dies in; each rank dies once
         (1, "inner_step"): 1,
         (2, "uploading"): 3,
         (3, "after_quorum"): 5,
         (0, "owning_shard"): 7,  # rank 0 is also the round's global/<r> writer
-        (1, "after_reduce"): 9,
+        (4, "after_reduce"): 9,
     }
     faults = ";".join(
         f"rank={rank},point={point},step={r * h + 2}"
@@ -106,27 +109,35 @@ def test_sigkill_at_every_point_never_blocks_the_others(tmp_path: Path) -> None:
     )
     run = tmp_path / "runs" / "kills"
     print("\n" + describe(summary))
-    assert len(fired_faults(run)) == len(kills), fired_faults(run)
     assert summary["status"] == "ok", describe(summary)
     assert summary["weights_identical"] is True
-    assert summary["restarts"] == len(kills)
-    assert {row["rank"]: row["restarts"] for row in summary["replicas"]} == {0: 1, 1: 2, 2: 1, 3: 1}
     assert summary["rounds_completed"] == rounds and summary["rounds_lost"] == []
     assert summary["objects_rejected"] == 0
+    for row in summary["replicas"]:  # every attempt that ended was a kill or said why
+        assert not unexplained_attempts(row), row
 
     grace = min(30.0, deadline)
     # a round's worst case: the deadline for a contribution that never comes, then a grace
     # period for a dead owner's shard (and one more for a part uploaded late after a
     # degraded quorum moved its shard), plus slack for a loaded 2-core machine
     bound = deadline + 2 * grace + 1.5
+    fired = 0
     for (rank, point), r in kills.items():
         row = summary["replicas"][rank]
-        # the summary says when it died; it came back and committed later rounds. (It may
-        # even redo its death round: a dead lowest participant left no global/<r>, so its
-        # restart resumes from global/<r-1> and commits round r from the published shards.)
+        if not kill_fired(run, rank, point):
+            # the only way a replica alive from the start misses its kill: it was not in
+            # that round (late on a loaded machine, it caught up or healed past it)
+            assert not took_part(run, rank, r), (rank, point, metrics(run, rank).get(r))
+            print(f"[figure] kill {point:13s} (rank {rank}, round {r}): not in that round")
+            continue
+        fired += 1
+        # the summary says when it died; it was restarted, and it came back and committed
+        # later rounds - or, a restart slower than the rest of the run, came back after the
+        # others finished and took the final global state: either way it ends as they do.
+        # (It may even redo its death round: a dead lowest participant left no global/<r>,
+        # so its restart resumes from global/<r-1> and commits round r from the shards.)
         assert any(a["round"] == r and a["exit_code"] == -9 for a in row["attempts"]), row
-        # it rejoined, or (a restart slower than the rest of the run) came back after the
-        # others finished and took the final global state: either way it ends as they do
+        assert row["restarts"] >= 1, row
         rejoined = any(c > r for c in committed_rounds(run, rank))
         assert rejoined or row["resumed_from"] == rounds - 1, (rank, point, row)
         # the others: their wait in the kill round is bounded by the round deadline (a
@@ -135,10 +146,11 @@ def test_sigkill_at_every_point_never_blocks_the_others(tmp_path: Path) -> None:
         wait = worst_wait(run, others, {r})
         print(f"[figure] kill {point:13s} (rank {rank}, round {r}): others waited {wait:.2f}s")
         assert wait <= bound, (point, wait)
+    assert fired >= 1 and summary["restarts"] >= fired, describe(summary)
     worst = worst_wait(run, range(n))
     print(
-        f"[figure] {len(kills)} kills survived; worst wait in a committed round {worst:.2f}s "
-        f"(deadline {deadline}s, grace {grace}s); "
+        f"[figure] {fired} of {len(kills)} kills fired and survived; worst wait in a committed "
+        f"round {worst:.2f}s (deadline {deadline}s, grace {grace}s); "
         f"{summary['contributions_left_out']} dead replicas' parts left out"
     )
     assert worst <= bound
@@ -214,10 +226,10 @@ def test_a_restarted_replica_is_waited_for_again_and_rejoins(tmp_path: Path) -> 
     """Rank 2 of 3 is SIGKILLed in round 1 and restarted. While it is down the others go on
     without it (no deadline per round); once its restart resumed, its heartbeat makes the
     others wait for it again and it takes part in the rounds up to the last one. Every
-    round takes ~1.5 s (everyone sleeps a little per step) so the restart, which needs a few
-    seconds to start, comes back with rounds to spare."""
-    n, h, rounds, deadline = 3, 4, 16, 3.0
-    everyone = {"rank": "*", "from_step": 0, "to_step": 10**6, "sleep_s": 0.3}
+    round takes >= 1.6 s (everyone sleeps 0.4 s a step) so the restart, which needs 5-25 s
+    to start on a 2-core machine (quiet to loaded), comes back with rounds to spare."""
+    n, h, rounds, deadline = 3, 4, 20, 3.0
+    everyone = {"rank": "*", "from_step": 0, "to_step": 10**6, "sleep_s": 0.4}
     summary = launch_lm(
         tmp_path / "runs",
         "back",
