@@ -226,9 +226,10 @@ def test_a_restarted_replica_is_waited_for_again_and_rejoins(tmp_path: Path) -> 
     """Rank 2 of 3 is SIGKILLed in round 1 and restarted. While it is down the others go on
     without it (no deadline per round); once its restart resumed, its heartbeat makes the
     others wait for it again and it takes part in the rounds up to the last one. Every
-    round takes >= 1.6 s (everyone sleeps 0.4 s a step) so the restart, which needs 5-25 s
-    to start on a 2-core machine (quiet to loaded), comes back with rounds to spare."""
-    n, h, rounds, deadline = 3, 4, 20, 3.0
+    round takes >= 1.6 s (everyone sleeps 0.4 s a step), 45 s in all, so the restart, which
+    needs 5-25 s to start on a 2-core machine (quiet to loaded), comes back with rounds to
+    spare."""
+    n, h, rounds, deadline = 3, 4, 28, 3.0
     everyone = {"rank": "*", "from_step": 0, "to_step": 10**6, "sleep_s": 0.4}
     summary = launch_lm(
         tmp_path / "runs",
