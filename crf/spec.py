@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from crf import jsonsafe
+
 SPEC_VERSION = 1
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -165,7 +167,7 @@ class RunSpec:
         return self
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+        return jsonsafe.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSpec:
@@ -175,6 +177,11 @@ class RunSpec:
             raise SpecError(
                 f"run.json has unknown fields {sorted(unknown)}: written by a newer crf?"
             )
+        data = dict(data)
+        for f in dataclasses.fields(cls):  # a non-finite float is written as its token
+            value = data.get(f.name)
+            if "float" in str(f.type).split(" | ") and jsonsafe.is_nonfinite(value):
+                data[f.name] = jsonsafe.number(value)
         return cls(**data)
 
     @classmethod

@@ -17,6 +17,10 @@ Run as ``python tests/replica_shim.py`` (``crf launch --entrypoint``). It then r
   with valid checksums except the first two. The bad frame keeps its length, so the other
   frames of the object stay where readers look for them.
 
+* ``CRF_TEST_JOB_SET`` - a replica set up unlike the others: JSON ``{"rank": R, "set":
+  {option: value}}`` makes rank R build its job with these options over the run's (e.g. another
+  ``hidden_size``: a model the others do not have).
+
 ``CRF_FAULT`` (SIGKILL at a named point) needs no shim: ``crf.replica.faults`` reads it.
 """
 
@@ -120,6 +124,20 @@ def install_corrupt(rank: int) -> None:
     ObjectStoreAllReduce._put = bad_put  # type: ignore[method-assign]
 
 
+def install_job_set(rank: int) -> None:
+    spec = json.loads(os.environ.get("CRF_TEST_JOB_SET") or "null")
+    if not spec or int(spec["rank"]) != rank:
+        return
+    import crf.replica.jobs as jobs
+
+    job_config = jobs.job_config
+
+    def other_config(name: str, values: dict[str, Any] | None) -> Any:
+        return job_config(name, {**(values or {}), **spec["set"]})
+
+    jobs.job_config = other_config  # crf.replica.__main__ imports it when main() runs
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import flaky_store
@@ -128,6 +146,7 @@ def main() -> int:
     flaky_store.install_from_env()
     install_slow(rank)
     install_corrupt(rank)
+    install_job_set(rank)
     from crf.replica.__main__ import main as replica_main
 
     return replica_main()

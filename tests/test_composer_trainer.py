@@ -80,6 +80,7 @@ def train(
     grpo_beta: float = 0.0,
     callbacks: tuple = (),
     run: bool = True,
+    rollout_func: Any = None,
     **kw: Any,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     model = tiny_qwen2(TOK, seed=0)
@@ -99,6 +100,7 @@ def train(
         train_dataset=dataset() if data is None else data,
         processing_class=TOK,
         callbacks=list(callbacks),
+        rollout_func=rollout_func,
     )
     trainer.remove_callback(PrinterCallback)
     if run:
@@ -238,6 +240,35 @@ def test_dpo_at_initialisation_logs_ln2(out_dir: str) -> None:
     assert first == pytest.approx(math.log(2.0), abs=1e-6)
 
 
+def _ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def tool_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
+    """A TRL ``rollout_func`` giving tool-calling rollouts: the model writes two tokens, a tool
+    answers with two (``env_mask`` 0, which TRL turns into its tool mask), the model writes one
+    more and ends. The first token varies with the row, so rewards differ."""
+    completions = [_ids("abcd"[i % 4] + "b") + _ids("dc") + _ids("a") for i in range(len(prompts))]
+    return {
+        "prompt_ids": [_ids(p) for p in prompts],
+        "completion_ids": [c + [TOK.eos_token_id] for c in completions],
+        "logprobs": None,
+        "env_mask": [[1, 1, 0, 0, 1, 1] for _ in prompts],
+    }
+
+
+def test_dpo_with_tool_mask_logs_ln2_at_initialisation(out_dir: str) -> None:
+    # Policy and reference must sum a rollout's log-probs over the same tokens (completion x
+    # tool mask); the reference used to sum over the tool result too (1.37 logged, not ln 2).
+    trainer, _ = train(
+        out_dir, steps=1, replay_beta=1.0, replay_loss="dpo", rollout_func=tool_rollout
+    )
+    batch = trainer._buffered_inputs[0]
+    assert "tool_mask" in batch and not batch["tool_mask"].bool().all()
+    (first,) = logged(trainer, "replay_loss")
+    assert first == pytest.approx(math.log(2.0), abs=1e-6)
+
+
 def test_simpo_replay_trains(out_dir: str) -> None:
     trainer, params = train(out_dir, replay_beta=1.0, replay_loss="simpo")
     assert len(logged(trainer, "replay_loss")) == 3
@@ -260,17 +291,59 @@ def test_every_channel_is_logged_every_step(out_dir: str) -> None:
     assert h["loss"] == pytest.approx(total, rel=1e-4, abs=1e-6)
 
 
+# --------------------------------------------------------------------------- truncation
+def truncating_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
+    """Rollouts ending with eos, except for prompts starting with "a" or "b": those stop
+    without eos, which TRL calls truncated (and, with mask_truncated_completions, masks)."""
+    completions = []
+    for i, p in enumerate(prompts):
+        ids = _ids("abcd"[i % 4] + "ba"[i % 2])
+        completions.append(ids if p[0] in "ab" else ids + [TOK.eos_token_id])
+    return {
+        "prompt_ids": [_ids(p) for p in prompts],
+        "completion_ids": completions,
+        "logprobs": None,
+    }
+
+
+def test_fully_masked_rollouts_take_no_part_in_distill_or_replay(out_dir: str) -> None:
+    # A truncated rollout masked whole must count exactly as a row without hint and trace (it
+    # used to be a distill row of value 0 and a replay pair with rejected log-prob 0).
+    rows = make_examples(64, 0, min_len=3, max_len=3)  # equal lengths: equal padding below
+    kept = [{**r, "hint": None, "trace": ""} if r["prompt"][0] in "ab" else r for r in rows]
+    common = dict(
+        steps=2,
+        rollout_func=truncating_rollout,
+        mask_truncated_completions=True,
+        replay_loss="simpo",
+        **ON,
+    )
+    masked, p_masked = train(out_dir, data=Dataset.from_list(rows), **common)
+    absent, p_absent = train(out_dir, data=Dataset.from_list(kept), **common)
+    clipped = logged(masked, "completions/clipped_ratio")
+    assert any(0 < c < 1 for c in clipped), clipped  # a step with rows masked whole and not
+    for key in ("distill_loss", "replay_loss"):
+        assert logged(absent, key), key
+        assert logged(masked, key) == pytest.approx(logged(absent, key), rel=1e-6, abs=1e-7), key
+    assert same(p_masked, p_absent)
+
+
 # --------------------------------------------------------------------------- loss scale
 class ComposeRecorder:
-    """Wraps the trainer module's compose_loss and records every call."""
+    """Wraps the trainer module's compose_loss and records every call (with the optimizer
+    step it belongs to once ``trainer`` is set)."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
         self.calls: list[dict[str, Any]] = []
+        self.trainer: Any = None
 
     def __call__(self, grpo, **kw):
         out = self.fn(grpo, **kw)
-        self.calls.append(dict(grpo=grpo.detach(), total=out.total.detach(), out=out, **kw))
+        step = None if self.trainer is None else self.trainer.state.global_step
+        self.calls.append(
+            dict(grpo=grpo.detach(), total=out.total.detach(), out=out, step=step, **kw)
+        )
         return out
 
 
@@ -318,6 +391,66 @@ def test_gradient_accumulation_keeps_trl_loss_scale(out_dir: str, recorder) -> N
     assert den > 0 and num / den < 1e-5  # same update, whether accumulated or not
     for key in ("loss", "grpo_loss", "distill_loss", "replay_loss"):
         assert logged(t1, key)[0] == pytest.approx(logged(t2, key)[0], rel=1e-5, abs=1e-7), key
+
+
+def one_right_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
+    """The first row of each generation batch is the right answer but stops without eos:
+    reward 1 (so ``replay_reward_threshold=1.0`` leaves it out of replay) and truncated (so
+    ``mask_truncated_completions`` masks it whole and it leaves distillation too). The other
+    rows are wrong. 7 channel rows cannot split evenly over two micro-batches of 4."""
+    completions = [
+        _ids(p[:-1][::-1]) if i % 8 == 0 else _ids("abcd"[i % 4] + "=") + [TOK.eos_token_id]
+        for i, p in enumerate(prompts)
+    ]
+    return {
+        "prompt_ids": [_ids(p) for p in prompts],
+        "completion_ids": completions,
+        "logprobs": None,
+    }
+
+
+def test_accumulated_step_logs_and_feeds_taid_the_row_weighted_mean(out_dir: str, recorder) -> None:
+    # The micro-batches of every step hold 3 and 4 channel rows; the step's value is the mean
+    # over its 7 rows (as the loss weighs them), not the mean of the two micro-batch means.
+    trainer, _ = train(
+        out_dir,
+        run=False,
+        steps=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        rollout_func=one_right_rollout,
+        mask_truncated_completions=True,
+        replay_reward_threshold=1.0,
+        replay_loss="simpo",
+        distill_wrapper="taid",
+        taid_schedule="adaptive",
+        **ON,
+    )
+    fed: list[float] = []
+    schedule_step = trainer._taid_schedule.step
+
+    def spy(loss: float, *args: Any) -> float:
+        fed.append(loss)
+        return schedule_step(loss, *args)
+
+    trainer._taid_schedule.step = spy
+    recorder.trainer = trainer
+    trainer.train()
+    for ch in ("replay", "distill"):
+        want = []
+        for step in range(3):
+            parts = [
+                (float(c[ch]), float(c[f"{ch}_scale"]))
+                for c in recorder.calls
+                if c["step"] == step and c[ch] is not None
+            ]  # scale = rows here / rows in the step
+            assert len(parts) == 2 and parts[0][1] != parts[1][1], (ch, parts)  # 3 and 4 rows
+            want.append(sum(v * s for v, s in parts) / sum(s for _, s in parts))
+        assert logged(trainer, f"{ch}_loss") == pytest.approx(want, rel=1e-6, abs=1e-7), ch
+    assert fed == pytest.approx(logged(trainer, "distill_loss"), rel=1e-6, abs=1e-7)
+    for h in trainer.state.log_history[:3]:  # the total is what the channels' values make
+        total = h["grpo_loss"] + 0.5 * h["distill_loss"] + 0.5 * h["replay_loss"]
+        assert h["loss"] == pytest.approx(total, rel=1e-4, abs=1e-6)
 
 
 def test_mixed_precision_keeps_trl_loss_scale(out_dir: str, recorder) -> None:

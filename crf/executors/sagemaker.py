@@ -56,6 +56,7 @@ import boto3  # the registry turns a missing boto3 into "pip install ...[sagemak
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+from crf import jsonsafe
 from crf.executors.base import (
     ENV_RUN_URI,
     BackendPlan,
@@ -463,7 +464,7 @@ class SageMakerExecutor(CloudExecutor):
         secret (a plain AWS S3 store: the role does it all)."""
         if not secrets:
             return None
-        payload = json.dumps(dict(secrets), sort_keys=True)
+        payload = jsonsafe.dumps(dict(secrets), sort_keys=True)
         with self._lock:
             known = self._run_secrets.get(run_id)
         if known is not None and known[1] == payload:

@@ -54,8 +54,11 @@ _MANAGED = {"run_id", "run_uri", "job", "job_config", "entrypoint", "replicas", 
             "rounds", "backend", "created_at", "version"}  # fmt: skip
 LOG_TAIL_LINES = 15
 DEFAULT_MAX_RESTARTS = 3
-#: exit codes that a restart cannot fix: 2 = the replica contract is broken (crf.replica)
-NO_RESTART_EXIT_CODES = frozenset({2})
+#: exit codes that a restart cannot fix (crf.replica): why, for the summary
+NO_RESTART_EXIT_CODES = {
+    2: "means its environment is broken",
+    3: "means it failed with an error a restart cannot fix",
+}
 #: a replica on another host whose heartbeat is younger than this may still be running
 LIVE_HEARTBEAT_S = 60.0
 
@@ -483,12 +486,23 @@ class Supervisor:
         if self.stopped:
             return "the run is being stopped"
         if status.exit_code in NO_RESTART_EXIT_CODES:
-            return f"exit code {status.exit_code} means its environment is broken"
+            return f"exit code {status.exit_code} {NO_RESTART_EXIT_CODES[status.exit_code]}"
+        if self._reported_unrestartable(rank):
+            return "it reported an error a restart cannot fix"
         if self.restarts[rank] >= policy.max_restarts:
             return f"it already restarted {self.restarts[rank]} time(s) (--max-restarts)"
         if policy.max_run_restarts is not None and self.total_restarts >= policy.max_run_restarts:
             return f"the run already restarted {self.total_restarts} time(s) (--max-run-restarts)"
         return None
+
+    def _reported_unrestartable(self, rank: int) -> bool:
+        """The failed attempt's result says a restart would hit the same error (a user's own
+        entrypoint exits 1 for any error; ``crf.replica`` also exits 3)."""
+        try:
+            result = self.plan.store.get_json(f"results/{rank}.json")
+        except Exception:  # no result (it died) or unreadable: the exit code decides
+            return False
+        return isinstance(result, dict) and result.get("restartable") is False
 
     def check(self, index: int, heartbeat: dict[str, Any] | None) -> ReplicaStatus:
         """The status of the replica at ``index``, relaunching it first if it failed and may

@@ -19,6 +19,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from crf import jsonsafe
 from crf.executors.base import ReplicaState, ReplicaStatus
 
 STALE_AFTER_S = 60.0
@@ -51,7 +52,8 @@ class ReplicaView:
 
 
 def fmt_loss(value: Any) -> str:
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    value = jsonsafe.number(value)  # as written to JSON, NaN is the string "NaN"
+    if value is None:
         return "-"
     if math.isnan(value) or math.isinf(value):
         return str(value)

@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from crf import jsonsafe
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import fmt_loss
 
@@ -152,6 +153,8 @@ def replica_row(
     row["resumed_from"] = data.get("resumed_from")
     if not_restarted:
         row["not_restarted"] = not_restarted
+    if data.get("restartable") is False:  # e.g. the replicas disagree on the model
+        row["restartable"] = False
     if res.result is None and row["error"] and log_tail:  # it died without saying why
         reason = last_exception(log_tail)
         if reason:
@@ -191,6 +194,26 @@ def learning_curve(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[s
     return out
 
 
+def nonfinite_loss(
+    rows: Sequence[Mapping[str, Any]], metrics: Mapping[int, Sequence[Mapping[str, Any]]]
+) -> str | None:
+    """Where the loss went NaN/Inf (the first round of the first replica it did), or None. A
+    loss is read as the replica wrote it: a non-finite float is the string "NaN"/"Infinity"
+    in its JSON (:mod:`crf.jsonsafe`)."""
+    bad: list[tuple[int, int, str]] = []
+    for rank, rows_of in metrics.items():
+        for m in rows_of:
+            if jsonsafe.is_nonfinite(m.get("loss")) and isinstance(m.get("round"), int):
+                bad.append((m["round"], rank, str(m["loss"])))
+    if bad:
+        r, rank, value = min(bad)
+        return f"the loss is {value} on replica {rank} from round {r}"
+    for row in rows:
+        if jsonsafe.is_nonfinite(row.get("final_loss")):
+            return f"the final loss of replica {row.get('rank')} is {row['final_loss']}"
+    return None
+
+
 def build_summary(
     *,
     spec: Any,
@@ -213,7 +236,8 @@ def build_summary(
     ``status`` is ``ok`` only if every replica's last attempt exited cleanly and none reported
     a failure: an elastic run may finish with fewer replicas, but a replica that stayed dead
     is still a failure someone should look at. A replica that died and was restarted, and
-    then finished, is ok - its restarts are in the row and in ``restarts``.
+    then finished, is ok - its restarts are in the row and in ``restarts``. A run whose loss
+    went NaN/Inf is never ok, whatever the exit codes say.
     """
     ended_at = time.time() if ended_at is None else ended_at
     metrics = metrics or {}
@@ -237,11 +261,20 @@ def build_summary(
         status = "failed"
     else:
         status = "ok"
+    diverged = nonfinite_loss(rows, metrics)
+    if diverged is not None and status != "cancelled":
+        status = "failed"
+        error = f"{error}; {diverged}" if error else diverged
     committed = {m.get("round") for ms in metrics.values() for m in ms if m.get("committed")} & set(
         range(spec.rounds)
     )
     all_rejected = rejected_objects([msg for row in rows for msg in row["rejected"]])
     syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
+    # what stopped the run for good, when a replica failed with an error no restart can fix
+    fatal = next(
+        (f"replica {r['rank']}: {r['error']}" for r in rows if r.get("restartable") is False),
+        None,
+    )
     return {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
@@ -249,6 +282,7 @@ def build_summary(
         "job": spec.job,
         "status": status,
         "error": error,
+        "fatal_error": fatal,
         "world_size": spec.replicas,
         "rounds": spec.rounds,
         "sync_every": spec.sync_every,
@@ -460,6 +494,8 @@ def render_summary(
             parts.append("[yellow]not every replica reported its weights hash[/]")
     if summary.get("error"):
         parts.append(f"[red]{escape(summary['error'])}[/]")
+    if summary.get("fatal_error"):
+        parts.append(f"[red]a restart cannot fix it: {escape(summary['fatal_error'])}[/]")
     console.print("run " + " - ".join(parts))
     if result_path:
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)

@@ -2,7 +2,9 @@
 
 Reads the env contract and ``run.json``, runs the job named there, writes the result. Exits 0
 on success, 1 if the job failed (the failure is also recorded in ``results/<rank>.json``),
-2 if the environment breaks the contract.
+2 if the environment breaks the contract, 3 if the job failed with an error a restart cannot
+fix (the replicas disagree on the model: ``crf.replica.manager.restart_cannot_help``). The
+driver restarts a replica that exited 1, never one that exited 2 or 3.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+#: the job failed with an error that a restart of this replica would hit again
+EXIT_UNRECOVERABLE = 3
 
 
 def _set_threads(world_size: int, backend: str) -> None:
@@ -35,6 +40,7 @@ def main() -> int:
     )
     from crf.replica.context import ContractError, ReplicaContext
     from crf.replica.jobs import get_job, job_config
+    from crf.replica.manager import restart_cannot_help
 
     try:
         ctx = ReplicaContext.from_env()
@@ -49,7 +55,10 @@ def main() -> int:
             job = get_job(ctx.spec.job)
             metrics = job.run(ctx, job_config(ctx.spec.job, ctx.spec.job_config))
             ctx.finish(metrics)
-    except Exception:
+    except Exception as e:
+        if restart_cannot_help(e):  # one line: the traceback adds nothing to what it says
+            log.error("replica failed, and a restart cannot fix it: %s: %s", type(e).__name__, e)
+            return EXIT_UNRECOVERABLE
         log.exception("replica failed")
         return 1
     log.info(

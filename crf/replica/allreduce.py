@@ -19,8 +19,10 @@ One round (DESIGN.md, "One round of the exchange"):
 4. every participant downloads all reduced shards and copies the average back in place.
 
 Per replica and round this moves about P up and 2·P down (P = payload), whatever N is.
-A contribution whose integrity check fails is never averaged: it is left out of that shard's
-average, which every replica then copies alike. A reduced shard that fails its check marks
+A contribution whose integrity check fails, or that holds a NaN or infinite value, is never
+averaged: it is left out of that shard's average, which every replica then copies alike, and
+reported. A replica whose own pseudo-gradient is not finite uploads nothing and raises
+:class:`NonFiniteError`. A reduced shard that fails its check marks
 the round failed for everyone (``rounds/<r>/failed.json``), so all replicas discard it
 together.
 """
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from crf import jsonsafe
 from crf.replica import wire as wirefmt
 from crf.replica.contribution import (
     FACTS,
@@ -56,7 +59,7 @@ from crf.replica.contribution import (
     shard_header_size,
     shard_name,
 )
-from crf.replica.faults import maybe_fault
+from crf.replica.faults import maybe_fault, maybe_poison
 from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
@@ -103,6 +106,20 @@ class LayoutMismatchError(AllReduceError, ValueError):
 
 class QuorumTimeout(AllReduceError, TimeoutError):
     """Fewer than min_replicas contributions arrived before the round deadline."""
+
+
+class NonFiniteError(ArithmeticError):
+    """This replica's own numbers (its pseudo-gradient, its weights) hold NaN or infinite
+    values. Not an :class:`AllReduceError`: the round is not lost for the others, this
+    replica is - and so is a restart of it, which would compute the same numbers again from
+    the same global state and data (see docs/faults.md)."""
+
+
+def describe_nonfinite(t: torch.Tensor) -> str:
+    """'3 NaN, 1 Inf of 4096 values' (what a NonFiniteError message says about a tensor)."""
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    return f"{nan} NaN, {inf} Inf of {t.numel()} values"
 
 
 class _Stale(Exception):
@@ -184,6 +201,27 @@ def _gather_fp32(pieces: list[torch.Tensor]) -> torch.Tensor:
     if not pieces:
         return torch.zeros(0)
     return torch.cat([p.float() for p in pieces])
+
+
+#: how a rejection message says why a part was left out for its values
+_NONFINITE = "holds NaN/Inf values: never averaged"
+
+
+def _poisoned(payload: Any, wire: str, n: int) -> Any:
+    """A copy of a shard with its first value NaN (fault injection: ``nan_contribution``);
+    for int8, its first block's scale."""
+    if n == 0:
+        return payload
+    if isinstance(payload, list):
+        out = [p.clone() for p in payload]
+        next(p for p in out if p.numel()).view(-1)[0] = float("nan")
+        return out
+    out = payload.clone()
+    if wire == "int8":
+        out[:4].view(torch.float32)[0] = float("nan")
+    else:
+        out[0] = float("nan")
+    return out
 
 
 class RoundFailed(AllReduceError):
@@ -486,14 +524,20 @@ class ObjectStoreAllReduce:
         for s, (a, b) in enumerate(bounds):
             if exact:
                 payload: Any = source.pieces(a, b)
+                self._check_own_finite(r, s, tensors, source, a, b, payload)
             else:
                 x = _gather_fp32(source.pieces(a, b))
                 if previous is not None:
                     x = x + previous[a:b]  # error feedback: resend what was dropped last time
                 payload = wirefmt.encode(x, self.wire)
+                # the fp32 values (int8 would encode a NaN block as finite garbage) and what
+                # went on the wire (float16 overflows past 65504)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, x)
                 if residual is not None:
                     residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a)
                 del x
+            if maybe_poison("nan_contribution", self.rank, r, self.store):
+                payload = _poisoned(payload, self.wire, b - a)
             mine_wire[s] = payload
             if s not in held_back:  # checksums of the shards are computed in parallel
                 encoding.append(
@@ -621,6 +665,9 @@ class ObjectStoreAllReduce:
 
         # every shard is here and verified: write the average into the tensors, each in its
         # own dtype
+        self._check_averages_finite(
+            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds
+        )
         self._write_average(got, bounds, tensors, exact)
         if self.drop_contributions:  # in the background: nobody waits for it
             self._pool().submit(self._drop_contributions, r, mine.name)
@@ -666,6 +713,7 @@ class ObjectStoreAllReduce:
                 else:
                     time.sleep(delay)
                     delay = min(delay * 1.6, self.max_poll_s)
+            self._check_averages_finite(r, got, bounds)
         except (AllReduceError, StoreError, CorruptObjectError) as e:
             log.warning("round %d: cannot take its average (%s); healing instead", r, e)
             return False
@@ -1013,7 +1061,7 @@ class ObjectStoreAllReduce:
             }
             if complete and not everyone:  # not waited for: dead, ended or far behind
                 body["not_waited_for"] = [k for k in range(self.world_size) if k not in arrived]
-            if self._put(res, key, json.dumps(body).encode(), exclusive=True):
+            if self._put(res, key, jsonsafe.dumps(body).encode(), exclusive=True):
                 decided = body
             else:  # someone else decided first: theirs is the decision
                 decided = json.loads(self._get(res, key, 0))
@@ -1184,6 +1232,8 @@ class ObjectStoreAllReduce:
             lo, hi = job.bounds[s]
             if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo):
                 raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
+            if not wirefmt.all_finite(t, self.wire, hi - lo):  # checked here, in parallel
+                return _Part(None, f"{name}: {_NONFINITE}")
             return _Part(t)
         except ObjectNotFound:
             if self.store.object_exists(f"rounds/{r}/reduced/{s}"):
@@ -1228,6 +1278,10 @@ class ObjectStoreAllReduce:
         for p in job.participants:  # fixed rank order
             if p == self.rank:
                 w: Any = job.mine[s]
+                if not wirefmt.all_finite(w, self.wire, b - a):  # e.g. poisoned after its check
+                    log.warning("round %d: left out of shard %d: its own part is not finite", r, s)
+                    res.rejected.append(f"{shard_name(r, p, s)}: {_NONFINITE}")
+                    w = None
             elif p not in fetches:
                 w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
                 res.rejected.append(f"{shard_name(r, p, s)}: owner {p} did not reduce it")
@@ -1259,6 +1313,10 @@ class ObjectStoreAllReduce:
         if acc is None:
             raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
         acc.div_(len(used))
+        if not wirefmt.finite(acc):  # finite parts whose sum overflowed fp32
+            why = f"the sum of shard {s} overflowed float32 ({describe_nonfinite(acc)})"
+            self._fail_round(r, why)
+            raise RoundFailed(f"round {r} failed: {why}")
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
         wire = wirefmt.encode(acc, self.wire)
@@ -1280,9 +1338,52 @@ class ObjectStoreAllReduce:
             raise RoundFailed(f"round {r} failed: {e}") from e
         return t  # decoded once the whole round is here (allreduce, step 4)
 
+    def _check_own_finite(
+        self,
+        r: int,
+        s: int,
+        tensors: list[torch.Tensor],
+        source: _Segments,
+        a: int,
+        b: int,
+        payload: Any,
+        fp32: torch.Tensor | None = None,
+    ) -> None:
+        """Before anything is uploaded: this replica's shard s must be finite, as fp32 and on
+        the wire. A non-finite pseudo-gradient means this replica's weights went non-finite
+        during its inner steps (or the wire cannot carry its values): it must not be averaged,
+        and the replica cannot go on, so it raises :class:`NonFiniteError`."""
+        if (fp32 is None or wirefmt.finite(fp32)) and wirefmt.all_finite(payload, self.wire, b - a):
+            return
+        values = fp32 if fp32 is not None else _gather_fp32(source.pieces(a, b))
+        if wirefmt.finite(values):
+            raise NonFiniteError(
+                f"round {r}: this replica's pseudo-gradient overflows the {self.wire} wire "
+                f"(shard {s}: {describe_nonfinite(wirefmt.decode(payload, self.wire, b - a))}); "
+                "use a wider wire format (--wire bfloat16 or float32)"
+            )
+        first = next(i for i, t in enumerate(tensors) if not wirefmt.finite(t))
+        raise NonFiniteError(
+            f"round {r}: this replica's pseudo-gradient holds non-finite values (tensor {first} "
+            f"of {len(tensors)}: {describe_nonfinite(tensors[first].detach())}): its weights "
+            "went NaN/Inf during the inner steps; nothing was uploaded"
+        )
+
+    def _check_averages_finite(
+        self, r: int, got: dict[int, torch.Tensor], bounds: list[tuple[int, int]]
+    ) -> None:
+        """Downloaded averages must be finite before they go into the weights: a reducer
+        leaves non-finite parts out, so a non-finite reduced shard is a bad object - the
+        round fails for everyone, like a corrupt one."""
+        for s, w in got.items():
+            if not wirefmt.all_finite(w, self.wire, bounds[s][1] - bounds[s][0]):
+                why = f"bad reduced shard: rounds/{r}/reduced/{s}: {_NONFINITE}"
+                self._fail_round(r, why)
+                raise RoundFailed(f"round {r} failed: {why}")
+
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
-        self.store.put_if_absent(f"rounds/{r}/failed.json", json.dumps(body).encode())
+        self.store.put_if_absent(f"rounds/{r}/failed.json", jsonsafe.dumps(body).encode())
 
     def _raise_if_failed(self, r: int) -> None:
         try:

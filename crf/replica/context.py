@@ -30,9 +30,19 @@ from typing import Any
 
 import torch
 
-from crf.replica.allreduce import HEARTBEAT_KEY, ObjectStoreAllReduce
-from crf.replica.faults import maybe_fault
-from crf.replica.manager import ObjectStoreManager
+from crf.replica import wire as wirefmt
+from crf.replica.allreduce import (
+    HEARTBEAT_KEY,
+    NonFiniteError,
+    ObjectStoreAllReduce,
+    describe_nonfinite,
+)
+from crf.replica.faults import maybe_fault, maybe_poison
+from crf.replica.manager import (
+    ObjectStoreManager,
+    restart_cannot_help,
+    turn_off_bucketization,
+)
 from crf.replica.wire import compression as wire_compression
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
@@ -250,6 +260,7 @@ class ReplicaContext:
             pin_memory=False,
             fragment_sync_delay=spec.fragment_sync_delay,
         )
+        turn_off_bucketization(algo)  # one exchange per sync already (see its docstring)
         # DiLoCo allreduces each parameter of the fragment it syncs: knowing how many, the
         # manager starts the exchange the moment the last one is queued
         manager.set_fragment_sizes([len(list(f.named_parameters())) for f in fragments])
@@ -359,6 +370,11 @@ class ReplicaContext:
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
         maybe_fault("inner_step", self.rank, None, self.store, step=self.step)
+        if self.model is not None and maybe_poison(
+            "nan_weights", self.rank, None, self.store, step=self.step
+        ):
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = float("nan")
         period = self.spec.sync_period
         if self.step % period != 0 or self.manager is None:
             return
@@ -367,6 +383,8 @@ class ReplicaContext:
         e = self.step // period - 1  # the exchange round that just synced
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * period)
+        if m.fatal_error is None:  # before its state is saved anywhere
+            self._check_weights_finite(e // self.spec.fragments)
         if m.last_committed:  # queued before global/<r>: the writer's own inner state lands first
             with m.blocking():
                 self._save_inner(m.current_step() - 1)
@@ -403,6 +421,22 @@ class ReplicaContext:
         self._outer_commits.setdefault(e // F, []).append(m.last_committed)
         self._fold_syncs(final=False)
         self._set_phase("training")
+
+    def _check_weights_finite(self, r: int) -> None:
+        """After a sync's outer step (once per sync, one pass over the weights): weights that
+        hold NaN/Inf end this replica with :class:`NonFiniteError`, before they are written
+        to global/ or to its inner state, rather than train on garbage. A restart would not
+        help: it resumes from the same global state and data and computes the same numbers
+        (the replica exits with code 3, which the driver does not restart)."""
+        if self.model is None:
+            return
+        for name, p in self.model.named_parameters():
+            if not wirefmt.finite(p.detach()):
+                raise NonFiniteError(
+                    f"round {r} (step {self.step}): weights went non-finite after the outer "
+                    f"step ({name}: {describe_nonfinite(p.detach())}); lower --outer-lr or "
+                    "the job's learning rate"
+                )
 
     def _fold_syncs(self, *, final: bool) -> None:
         """Turn the syncs of each finished outer round (``sync_every`` steps: one sync per
@@ -584,6 +618,8 @@ class ReplicaContext:
         try:
             body = self.result("failed", text, {})
             body["traceback"] = "".join(traceback.format_exception(error))[-4000:]
+            if restart_cannot_help(error):  # the driver leaves it down, whatever the exit code
+                body["restartable"] = False
             self.store.put_json(f"results/{self.rank}.json", body)
             self._beat(force=True)
         except Exception as e:  # the store itself may be the problem

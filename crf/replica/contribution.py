@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from crf import jsonsafe
 from crf.replica import wire as wirefmt
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import FRAME_OVERHEAD
@@ -137,7 +138,7 @@ def shard_header_size(run_id: str) -> int:
 
 
 def encode_manifest(manifest: dict[str, Any], size: int) -> bytes:
-    body = json.dumps(manifest, sort_keys=True).encode()
+    body = jsonsafe.dumps(manifest, sort_keys=True).encode()
     need = _MHEAD.size + len(body)
     if need > size:  # manifest_size leaves ample room: this is a bug, not bad input
         raise ValueError(f"manifest needs {need} bytes, {size} reserved")

@@ -1,9 +1,11 @@
-"""Fault injection for chaos tests: a replica SIGKILLs itself at a named point.
+"""Fault injection for chaos tests: a replica SIGKILLs itself at a named point, or poisons
+its numbers with a NaN.
 
 Set ``CRF_FAULT`` in a replica's environment to one or more ``;``-separated specs
-``rank=R,point=P,round=N`` (round optional: any round) where P is one of :data:`POINTS`.
-Each fault fires once per run: before dying the replica creates ``faults/<spec>`` in the store
-with create-if-absent, so a restarted replica that passes the same point again lives on.
+``rank=R,point=P,round=N`` (round optional: any round) where P is one of :data:`POINTS` (the
+replica dies there) or :data:`POISON_POINTS` (a NaN is put there; the replica goes on).
+Each fault fires once per run: before it fires the replica creates ``faults/<spec>`` in the
+store with create-if-absent, so a restarted replica that passes the same point again lives on.
 Unset (the default), this costs one dict lookup per point.
 """
 
@@ -21,24 +23,30 @@ POINTS = (
     "owning_shard",  # while owning a shard: inputs read, reduced shard not published
     "after_reduce",  # after publishing owned shards, before gathering
 )
+POISON_POINTS = (
+    "nan_contribution",  # a NaN in its uploaded contribution, after its own finiteness check
+    "nan_weights",  # a NaN in its weights after an inner optimizer step (``step=``)
+)
 
 
 def _parse(text: str) -> list[dict[str, str]]:
     specs = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         kv = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
-        if kv.get("point") not in POINTS or "rank" not in kv:
-            raise ValueError(f"bad CRF_FAULT spec {part!r}: need rank=R,point=one of {POINTS}")
+        if kv.get("point") not in POINTS + POISON_POINTS or "rank" not in kv:
+            raise ValueError(
+                f"bad CRF_FAULT spec {part!r}: need rank=R,point=one of {POINTS + POISON_POINTS}"
+            )
         specs.append(kv)
     return specs
 
 
-def maybe_fault(
-    point: str, rank: int, round: int | None, store: Any, step: int | None = None
-) -> None:
+def _fires(point: str, rank: int, round: int | None, store: Any, step: int | None) -> bool:
+    """Whether a spec names this point now and has not fired yet in this run (it is marked
+    fired in the store before this returns True)."""
     text = os.environ.get("CRF_FAULT")
     if not text:
-        return
+        return False
     for kv in _parse(text):
         if kv["point"] != point or int(kv["rank"]) != rank:
             continue
@@ -48,4 +56,19 @@ def maybe_fault(
             continue
         tag = hashlib.sha1(repr(sorted(kv.items())).encode()).hexdigest()[:12]
         if store.put_if_absent(f"faults/{tag}", repr(kv).encode()):
-            os.kill(os.getpid(), signal.SIGKILL)
+            return True
+    return False
+
+
+def maybe_fault(
+    point: str, rank: int, round: int | None, store: Any, step: int | None = None
+) -> None:
+    if _fires(point, rank, round, store, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_poison(
+    point: str, rank: int, round: int | None, store: Any, step: int | None = None
+) -> bool:
+    """True once when a :data:`POISON_POINTS` spec names this point: the caller puts a NaN."""
+    return _fires(point, rank, round, store, step)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from crf.replica.allreduce import (
     AllReduceError,
     AllReduceResult,
     LayoutMismatchError,
+    NonFiniteError,
     ObjectStoreAllReduce,
     RoundFailed,
 )
@@ -53,10 +55,56 @@ GLOBAL_STATE = "global/{r}/state.pt"
 _HEAL_READ_TRIES = 10
 #: how often ``on_blocked`` is called while the training thread waits (exchange, heal)
 _KEEPALIVE_S = 1.0
+#: the variable torchft's DiLoCo reads to put a sync's tensors in buckets (turned off here)
+USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"
 
 
 class HealError(RuntimeError):
     """A replica that missed a committed round could not load a global state to catch up."""
+
+
+#: errors that say the run cannot work as it is set up (the replicas build different models,
+#: use different wires or fragments; this replica's numbers went NaN/Inf, which a restart
+#: from the same global state and data computes again): a restart would hit them again
+UNRECOVERABLE_ERRORS: tuple[type[BaseException], ...] = (LayoutMismatchError, NonFiniteError)
+
+
+def restart_cannot_help(error: BaseException | None) -> bool:
+    """Whether ``error`` (or an error it was raised from) is one of
+    :data:`UNRECOVERABLE_ERRORS`: the replica then exits so that it is not restarted
+    (``python -m crf.replica`` exit code 3, ``"restartable": false`` in its result)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UNRECOVERABLE_ERRORS):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def turn_off_bucketization(algo: Any) -> bool:
+    """Undo ``TORCHFT_USE_BUCKETIZATION`` on a torchft DiLoCo (its fragments read the variable
+    when built, over the ``use_bucketization=False`` crf passes); returns whether it was on.
+
+    Why off rather than supported: this manager already sends all of a sync's tensors in ONE
+    exchange (one contribution object, cut into ``num_shards`` shards), which is what buckets
+    are for with a process group; and torchft's buckets (``local_sgd``, nightly 2026.10.26)
+    are only right when each bucket's future completes before the next bucket is packed (the
+    copy-back callbacks read the loop's variables late), i.e. one blocking store round per
+    bucket, and never average a tensor that does not fit the space left in a bucket - the
+    replicas would drift apart silently. Per-tensor allreduce gathered into one exchange has
+    neither problem.
+    """
+    fragments = [f for f in getattr(algo, "_fragments", []) if getattr(f, "use_bucketization", 0)]
+    for fragment in fragments:
+        fragment.use_bucketization = False
+    if fragments:
+        log.warning(
+            "TORCHFT_USE_BUCKETIZATION=%s is ignored: crf already sends all of a sync's tensors "
+            "in one exchange (torchft's buckets would need one blocking store round each)",
+            os.environ.get(USE_BUCKETIZATION_ENV, ""),
+        )
+    return bool(fragments)
 
 
 class _QueuedWork:
@@ -222,7 +270,9 @@ class ObjectStoreManager:
         return _QueuedWork(self, tensor)
 
     def should_commit(self, timeout: Any = None) -> bool:
-        """True if this replica took part in the round; otherwise heal and return False."""
+        """True if this replica took part in the round; otherwise heal and return False (no
+        heal after a fatal error, e.g. a layout mismatch: the replica raises it after the
+        outer step, see ``fatal_error``)."""
         with self.blocking():
             committed = self._should_commit()
         # this sync's blocked time: starting the exchange, waiting for it, healing
@@ -247,6 +297,11 @@ class ObjectStoreManager:
                     self._cached = None
             return True
         self.rounds_missed.append(r)
+        if self.fatal_error is not None:
+            # the replica stops at this sync (e.g. the replicas disagree on the model): healing
+            # could only wait for a global state nobody writes, and would hide the real error
+            self._step = max(self._step, r + 1)
+            return False
         self._phase("healing")
         try:
             self.heal(r)
@@ -339,6 +394,11 @@ class ObjectStoreManager:
         except LayoutMismatchError as e:
             self.fatal_error = e
             self.last_error = str(e)
+            self._commit = False
+        except NonFiniteError as e:  # this replica's own numbers: fatal, never averaged
+            log.error("%s", e)
+            self.fatal_error = e
+            self.last_error = f"{type(e).__name__}: {e}"
             self._commit = False
         except (AllReduceError, StoreError, OSError, CorruptObjectError) as e:
             log.warning("round %d: exchange failed: %s", self._step, e)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from crf import jsonsafe
 from crf.store.errors import CorruptObjectError
 
 MAGIC = b"CRFTNSR2"  # XXH3-128
@@ -111,7 +112,7 @@ def encode_tensor_parts(
         header["shape"] = [sum(p.numel() for p in parts)]
     else:
         header["shape"] = list(tensor.shape)
-    hbytes = json.dumps(header, sort_keys=True).encode()
+    hbytes = jsonsafe.dumps(header, sort_keys=True).encode()
     if header_bytes is not None:
         if len(hbytes) > header_bytes:
             raise ValueError(
@@ -177,7 +178,7 @@ BLOB_MAGIC = b"CRFBLOB1"
 
 def encode_blob(payload: bytes, meta: dict[str, Any] | None = None) -> bytes:
     """Wrap opaque bytes (e.g. a torch.save'd checkpoint) with a header and a SHA-256."""
-    hbytes = json.dumps(dict(meta or {}), sort_keys=True).encode()
+    hbytes = jsonsafe.dumps(dict(meta or {}), sort_keys=True).encode()
     digest = hashlib.sha256(hbytes + payload).digest()
     return _FIXED.pack(BLOB_MAGIC, len(hbytes), len(payload), digest) + hbytes + payload
 

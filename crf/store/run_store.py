@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from crf import jsonsafe
 from crf.store.errors import ObjectNotFound, StoreError, StoreNotWritable, StoreTimeout
 
 T = TypeVar("T")
@@ -269,10 +270,10 @@ class RunStore:
         return _WRITERS[self.scheme](self, path, data, exclusive)
 
     def put_json(self, key: str, obj: Any) -> None:
-        self.put(key, json.dumps(obj, indent=1, sort_keys=True, default=str).encode())
+        self.put(key, jsonsafe.dumps(obj, indent=1, sort_keys=True, default=str).encode())
 
     def put_json_if_absent(self, key: str, obj: Any) -> bool:
-        return self.put_if_absent(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+        return self.put_if_absent(key, jsonsafe.dumps(obj, indent=1, sort_keys=True).encode())
 
     def delete(self, key: str) -> None:
         """Remove a key or a whole prefix; missing is fine."""

@@ -43,7 +43,7 @@ from crf.replica.composer.losses import (
     simpo_loss,
 )
 
-__all__ = ["ComposerReplicationTrainer", "capture_hidden"]
+__all__ = ["ComposerReplicationTrainer", "capture_hidden", "loss_mask"]
 
 
 @contextlib.contextmanager
@@ -61,6 +61,16 @@ def capture_hidden(module: nn.Module) -> Iterator[list[torch.Tensor]]:
         yield store
     finally:
         handle.remove()
+
+
+def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
+    """The completion tokens every loss term is over: the completion mask times TRL's tool mask
+    (0 on tool-result / environment tokens), exactly as TRL's own ``_compute_loss`` masks.
+
+    Every sum or mean over completion tokens — the policy's and the frozen reference's alike —
+    must use this one mask, or DPO compares log-probs over different token sets."""
+    mask = batch["completion_mask"]
+    return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
 
 
 def _logit_scale(text_config: Any) -> float:
@@ -109,7 +119,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 momentum=args.taid_momentum,
                 step_size=args.taid_step_size,
             )
-        self._taid_window = [0.0, 0]
+        # Per optimizer step: channel -> [sum of micro-batch mean x its rows, rows] (see
+        # _flush_channel_window).
+        self._channel_window: dict[str, list[float]] = {}
         self._replay_ref: nn.Module | None = None
         if self._replay_on and args.replay_loss == "dpo":
             self._replay_ref = self._build_replay_reference()
@@ -254,7 +266,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _attach_distill_inputs(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> None:
         teacher_prompts = [self._teacher_prompt(x) for x in inputs]
-        rows = [p is not None for p in teacher_prompts]
+        # A rollout with no loss token (e.g. truncated under mask_truncated_completions) has
+        # nothing to distil: it takes no part, rather than counting as a row of value 0.
+        has_tokens = (loss_mask(output).sum(1) > 0).tolist()
+        rows = [p is not None and h for p, h in zip(teacher_prompts, has_tokens, strict=True)]
         if not any(rows):
             return
         filled = [
@@ -284,7 +299,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
     ) -> None:
         args = self.args
         traces = [x.get(args.replay_trace_column) for x in inputs]
-        rows = [isinstance(t, str) and t != "" for t in traces]
+        # A rollout with no loss token (e.g. truncated under mask_truncated_completions) is no
+        # "rejected" answer: as a pair it would have log-prob 0 and only pull the trace up.
+        has_tokens = (loss_mask(output).sum(1) > 0).tolist()
+        rows = [
+            isinstance(t, str) and t != "" and h for t, h in zip(traces, has_tokens, strict=True)
+        ]
         if args.replay_reward_threshold is not None and rewards is not None:
             rows = [
                 r and not bool(rw >= args.replay_reward_threshold)
@@ -323,16 +343,20 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _reference_logps(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Frozen reference's summed log-probs (temperature 1) of chosen traces and rollouts."""
+        """Frozen reference's summed log-probs (temperature 1) of chosen traces and rollouts.
+
+        A rollout attends to all its tokens (completion mask) but is summed over the loss mask
+        (tool-result tokens excluded), exactly like the policy's side in ``_compute_loss``."""
         prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+        chosen_mask = output["replay_chosen_mask"]
         seqs = {
-            "chosen": (output["replay_chosen_ids"], output["replay_chosen_mask"]),
-            "rejected": (output["completion_ids"], output["completion_mask"]),
+            "chosen": (output["replay_chosen_ids"], chosen_mask, chosen_mask),
+            "rejected": (output["completion_ids"], output["completion_mask"], loss_mask(output)),
         }
         bs = max(1, self.args.per_device_train_batch_size)
         out: dict[str, torch.Tensor] = {}
         with self._reference() as (ref, ref_hf):
-            for key, (ids, mask) in seqs.items():
+            for key, (ids, mask, summed) in seqs.items():
                 parts = []
                 for s in range(0, ids.size(0), bs):
                     sl = slice(s, s + bs)
@@ -343,7 +367,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                         torch.cat([prompt_mask[sl], mask[sl]], 1),
                         ids.size(1),
                     )
-                    parts.append(sequence_logps(logits, ids[sl], mask[sl]))
+                    parts.append(sequence_logps(logits, ids[sl], summed[sl]))
                 out[key] = torch.cat(parts)
         return out["chosen"], out["rejected"]
 
@@ -365,18 +389,17 @@ class ComposerReplicationTrainer(GRPOTrainer):
         hidden = store[0] if len(store) == 1 else torch.cat(store, 0)
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         n_comp = completion_ids.size(1)
-        mask = (
-            completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        )
+        mask = loss_mask(inputs)
         student_logits = self._logits_from_hidden(hf, hidden[:, -n_comp - 1 : -1])
         spg = args.steps_per_generation if mode == "train" else 1
 
         distill = replay = None
         distill_scale = replay_scale = 1.0
+        n_distill = n_replay = 0
         taid_t = None
         if use_distill:
             rows = inputs["distill_rows"]
-            n_here = int(rows.sum())
+            n_here = n_distill = int(rows.sum())
             if n_here > 0:
                 idx = rows.nonzero(as_tuple=True)[0]
                 with torch.no_grad():
@@ -406,7 +429,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
         if use_replay:
             rows = inputs["replay_rows"]
-            n_here = int(rows.sum())
+            n_here = n_replay = int(rows.sum())
             if n_here > 0:
                 idx = rows.nonzero(as_tuple=True)[0]
                 chosen_ids = inputs["replay_chosen_ids"][idx]
@@ -447,27 +470,42 @@ class ComposerReplicationTrainer(GRPOTrainer):
             replay_scale=replay_scale,
             grpo_scale=accum,
         )
-        for key, value in composed.metrics().items():
-            self._metrics[mode][key].append(value)
+        if mode == "train":
+            # A channel's value is a mean over this micro-batch's rows; the step's value is the
+            # mean over all its rows (how the scales above weigh them), logged at the step end.
+            self._metrics[mode]["grpo_loss"].append(composed.grpo_loss)
+            for key, value, n in (
+                ("distill_loss", composed.distill_loss, n_distill),
+                ("replay_loss", composed.replay_loss, n_replay),
+            ):
+                if value is not None:
+                    acc = self._channel_window.setdefault(key, [0.0, 0.0])
+                    acc[0] += value * n
+                    acc[1] += n
+        else:
+            for key, value in composed.metrics().items():
+                self._metrics[mode][key].append(value)
         if taid_t is not None and distill is not None:
             self._metrics[mode]["taid_t"].append(taid_t)
-            if mode == "train":
-                self._taid_window[0] += composed.distill_loss
-                self._taid_window[1] += 1
         return composed.total
+
+    def _flush_channel_window(self) -> None:
+        """End of an optimizer step: log each channel's row-weighted mean over the step's
+        micro-batches (an unweighted mean of micro-batch means overweights the micro-batches
+        with few rows) and advance the TAID schedule with the same number."""
+        means = {key: total / n for key, (total, n) in self._channel_window.items() if n > 0}
+        self._channel_window = {}
+        for key, mean in means.items():
+            self._metrics["train"][key].append(mean)
+        mean = means.get("distill_loss")
+        if self._taid_schedule is not None and mean is not None and math.isfinite(mean):
+            self._taid_schedule.step(mean, self.state.global_step + 1, self.state.max_steps)
 
     def training_step(self, model, inputs, num_items_in_batch):
         out = super().training_step(model, inputs, num_items_in_batch)
         # TRL counts micro-batches in self._step; an optimizer step ends every
-        # current_gradient_accumulation_steps of them. Advance the TAID schedule there.
-        if (
-            self._taid_schedule is not None
-            and self._step % self.current_gradient_accumulation_steps == 0
-        ):
-            total, count = self._taid_window
-            if count:
-                mean = total / count
-                if math.isfinite(mean):
-                    self._taid_schedule.step(mean, self.state.global_step + 1, self.state.max_steps)
-            self._taid_window = [0.0, 0]
+        # current_gradient_accumulation_steps of them: log the step's channel means there and
+        # advance the TAID schedule.
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._flush_channel_window()
         return out
