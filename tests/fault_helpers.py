@@ -119,3 +119,26 @@ def describe(summary: dict[str, Any]) -> str:
                 f"message={a.get('message')}"
             )
     return "\n".join(lines)
+
+
+def kill_fired(run: Path, rank: int, point: str) -> bool:
+    """Whether the CRF_FAULT kill of ``rank`` at ``point`` fired (its marker is in faults/)."""
+    return any(f"'rank': '{rank}'" in m and f"'point': '{point}'" in m for m in fired_faults(run))
+
+
+def took_part(run: Path, rank: int, r: int) -> bool:
+    """Whether ``rank`` committed round r as one of its participants (per its metrics)."""
+    m = metrics(run, rank).get(r)
+    return bool(m and m.get("committed") and rank in (m.get("participants") or []))
+
+
+def unexplained_attempts(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A replica's ended attempts that were neither a SIGKILL (a planned fault) nor the
+    documented way out of a heal that cannot finish (``HealError``: the replica exits and its
+    restart resumes from the newest global state - on a loaded machine, when a round's only
+    global writer died and the next one is slow to come, a replica can meet it)."""
+    return [
+        a
+        for a in row.get("attempts") or []
+        if a.get("exit_code") != -9 and "HealError" not in str(a.get("error"))
+    ]

@@ -6,7 +6,8 @@ Run as ``python tests/replica_shim.py`` (``crf launch --entrypoint``). It then r
 
 * ``CRF_TEST_FLAKY`` - store requests that fail or stall (``flaky_store.install_from_env``);
 * ``CRF_TEST_SLOW`` - a straggler: JSON ``{"rank": R, "from_step": a, "to_step": b,
-  "sleep_s": s}`` makes rank R sleep ``s`` after each inner step ``a..b``;
+  "sleep_s": s}`` makes rank R sleep ``s`` after each inner step ``a..b`` (a list of such
+  specs adds up; rank ``"*"`` is every rank: rounds that take a while);
 * ``CRF_TEST_CORRUPT`` - bad objects: a JSON list of ``{"rank": R, "round": r, "kind": K}``;
   rank R publishes a bad frame for shard s = (R + 1) mod N in its contribution object
   ``rounds/<r>/contrib/<R>.*`` (named ``rounds/<r>/contrib/<R>#<s>``; a part R uploads: its
@@ -80,16 +81,19 @@ def corrupt_shard_frame(obj: bytes, index: int, kind: str) -> bytes:
 
 
 def install_slow(rank: int) -> None:
-    spec = json.loads(os.environ.get("CRF_TEST_SLOW") or "null")
-    if not spec or int(spec["rank"]) != rank:
+    specs = json.loads(os.environ.get("CRF_TEST_SLOW") or "[]")
+    specs = [specs] if isinstance(specs, dict) else specs
+    mine = [s for s in specs if s["rank"] == "*" or int(s["rank"]) == rank]
+    if not mine:
         return
     from crf.replica.context import ReplicaContext
 
     log_step = ReplicaContext.log_step
 
     def slow_log_step(self: ReplicaContext, *args: Any, **kwargs: Any) -> None:
-        if spec["from_step"] <= self.step <= spec["to_step"]:
-            time.sleep(float(spec["sleep_s"]))
+        for spec in mine:
+            if spec["from_step"] <= self.step <= spec["to_step"]:
+                time.sleep(float(spec["sleep_s"]))
         log_step(self, *args, **kwargs)
 
     ReplicaContext.log_step = slow_log_step  # type: ignore[method-assign]

@@ -717,3 +717,72 @@ def test_int8_blocks_follow_the_tensors_pieces() -> None:
     assert wire.wire_nbytes("int8", 337, [300, 10, 27]) == 4 * 4 + 337
     with pytest.raises(ValueError, match="cover 336 values"):
         wire.int8_blocks(337, [336])
+
+
+def test_membership_follows_liveness(store: RunStore) -> None:
+    """With ``follow_liveness`` a round waits for the previous round's members and for
+    replicas whose fresh heartbeat says they are at most one round behind. Rank 2 of 3 stops
+    after round 0 (its heartbeat, stuck in round 1, goes old): round 1 waits its deadline for
+    it, round 2 is decided as soon as ranks 0 and 1 are in. Then it comes back (a fresh
+    heartbeat one round behind) and round 3 waits for it: it takes part again."""
+    deadline = 3.0
+    took: dict[tuple[int, int], float] = {}
+
+    def beat(at: int, age: float) -> None:
+        body = {"phase": "training", "exchange_round": at, "updated_at": time.time() - age}
+        store.put_json("replicas/2/state.json", body)
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(
+            store,
+            3,
+            rank,
+            run_id="t",
+            min_replicas=2,
+            round_timeout_s=deadline,
+            follow_liveness=True,
+        )
+        out = {}
+        for r in range(4):
+            if rank == 2 and r == 1:
+                beat(1, 60.0)  # it died in round 1 long ago
+                while not store.exists("rounds/2/quorum.json"):
+                    time.sleep(0.01)
+                beat(2, 0.0)  # back, one round behind; computing round 3 takes it a while
+                time.sleep(1.0)
+                continue
+            if rank == 2 and r in (1, 2):
+                continue
+            if r == 3 and rank != 2:
+                time.sleep(0.5)  # computing round 3
+            t0 = time.monotonic()
+            out[r] = ar.allreduce(make_tensors(rank), round=r).participants
+            took[(rank, r)] = time.monotonic() - t0
+        return out
+
+    out = run_threads(3, replica)
+    assert out[0] == out[1] == {0: [0, 1, 2], 1: [0, 1], 2: [0, 1], 3: [0, 1, 2]}, out
+    assert out[2] == {0: [0, 1, 2], 3: [0, 1, 2]}, out
+    quorum = {r: json.loads(store.get(f"rounds/{r}/quorum.json")) for r in range(4)}
+    assert quorum[1]["reason"] == "deadline" and took[(0, 1)] >= deadline
+    assert quorum[2]["reason"] == "all live arrived" and quorum[2]["not_waited_for"] == [2]
+    assert took[(0, 2)] < deadline / 2 and took[(1, 2)] < deadline / 2, took
+    assert quorum[3]["reason"] == "all arrived"
+
+
+def test_without_heartbeats_a_replica_left_out_is_waited_for_as_before(store: RunStore) -> None:
+    """Without ``follow_liveness`` (the default: nothing writes heartbeats) every round waits
+    for everyone until its deadline, whoever took part in the round before."""
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 3, rank, run_id="t", min_replicas=2, round_timeout_s=1.0)
+        parts = []
+        for r in range(2):
+            if rank == 2:
+                break
+            parts.append(ar.allreduce(make_tensors(rank), round=r).participants)
+        return parts
+
+    out = run_threads(3, replica)
+    assert out[0] == out[1] == [[0, 1], [0, 1]]
+    assert json.loads(store.get("rounds/1/quorum.json"))["reason"] == "deadline"

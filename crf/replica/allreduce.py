@@ -85,6 +85,15 @@ _DECISION_POLL_S = 1.0
 #: about to decide a round not everyone arrived for, finds itself alone in its round, or still
 #: waits for arrivals this long after its own: in a round that fills at once nobody asks
 _LAG_CHECK_AFTER_S = 0.5
+#: where a replica's heartbeat lives (written by :class:`crf.replica.context.ReplicaContext`
+#: about once a second while it trains): ``exchange_round`` (the round it is at),
+#: ``phase`` and ``updated_at`` (its wall clock) are what membership reads
+HEARTBEAT_KEY = "replicas/{rank}/state.json"
+#: a heartbeat counts as a sign of life for this long, as a share of the round deadline (and
+#: at most _ALIVE_MAX_S): a live replica refreshes it every second, while a dead one's is
+#: at least a deadline old once the round it missed was decided
+_ALIVE_SHARE = 0.6
+_ALIVE_MAX_S = 30.0
 
 
 class AllReduceError(RuntimeError):
@@ -315,6 +324,7 @@ class ObjectStoreAllReduce:
         catch_up: bool = True,
         checkpoint_every: int = 1,
         fetch_early: bool | None = None,
+        follow_liveness: bool = False,
     ) -> None:
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
@@ -381,6 +391,14 @@ class ObjectStoreAllReduce:
         self._executor: ThreadPoolExecutor | None = None
         self._control_executor: ThreadPoolExecutor | None = None
         self._early: _Early | None = None
+        #: membership follows who is alive (see ``_all_live_arrived``): a round waits for the
+        #: previous round's members and for replicas whose heartbeat shows them at most a
+        #: round behind, not for one that died (needs heartbeats: ReplicaContext writes them)
+        self.follow_liveness = follow_liveness
+        self.alive_window_s = min(_ALIVE_MAX_S, _ALIVE_SHARE * round_timeout_s)
+        #: who arrived for a decided round (participants and stale), by round: the members
+        #: the next round waits for (None: the decision is not in the store)
+        self._members: dict[int, frozenset[int] | None] = {}
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
         #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks
@@ -595,6 +613,7 @@ class ObjectStoreAllReduce:
         try:
             decided = self._decide_quorum(res, r)
             participants = sorted(int(p) for p in decided["participants"])
+            self._remember_members(r, decided)
         except _Stale as e:
             participants, res.stale_behind = [], e.top
         finally:
@@ -854,6 +873,63 @@ class ObjectStoreAllReduce:
                     present.setdefault(arrival.rank, arrival)
         return dict(sorted(present.items()))
 
+    def _remember_members(self, r: int, decided: dict[str, Any]) -> None:
+        """Keep who arrived for decided round r (participants and stale ones): the members
+        round r + 1 waits for without asking for heartbeats."""
+        try:
+            members = frozenset(int(p) for p in decided.get("participants", [])) | frozenset(
+                int(p) for p in decided.get("stale", [])
+            )
+        except (TypeError, ValueError):
+            members = None
+        self._members = {k: v for k, v in self._members.items() if k >= r - 1}
+        self._members[r] = members
+
+    def _members_before(self, res: AllReduceResult, r: int) -> frozenset[int] | None:
+        """Who arrived for round r - 1 (its decision: this replica's memory, else one read);
+        None when unknown (round 0, or a decision garbage-collected or never made): then
+        round r waits for everyone, as it would without ``follow_liveness``."""
+        if r == 0:
+            return None
+        if r - 1 not in self._members:
+            data = self._get_if_there(res, f"rounds/{r - 1}/quorum.json", 0)
+            decided: Any = None
+            if data is not None:
+                try:
+                    decided = json.loads(data)
+                except ValueError:
+                    decided = None
+            if isinstance(decided, dict) and decided.get("run_id") in (None, self.run_id):
+                self._remember_members(r - 1, decided)
+            else:
+                self._members[r - 1] = None
+        return self._members.get(r - 1)
+
+    def _shows_life(self, k: int, r: int) -> bool:
+        """Whether replica k, which was no member of round r - 1, is to be waited for in
+        round r: its heartbeat is younger than ``alive_window_s`` and says it is at round
+        r - 1 or later (a restart that resumed, a straggler one round behind that will catch
+        up, a replica that healed). A dead replica's heartbeat stops; one far behind says an
+        older round; one that ended says so in its phase. An unreadable store answers yes:
+        waiting is what a round did before liveness was followed."""
+        try:
+            beat = json.loads(self.store.get(HEARTBEAT_KEY.format(rank=k)))
+        except ObjectNotFound:
+            return False
+        except (ValueError, CorruptObjectError):
+            return False
+        except (StoreError, OSError) as e:
+            log.debug("round %d: cannot read replica %d's heartbeat (%s): waiting for it", r, k, e)
+            return True
+        if not isinstance(beat, dict) or beat.get("phase") in ("done", "failed"):
+            return False
+        at, updated = beat.get("exchange_round"), beat.get("updated_at")
+        if isinstance(at, bool) or not isinstance(at, int):
+            return False
+        if isinstance(updated, bool) or not isinstance(updated, int | float):
+            return False
+        return at >= r - 1 and time.time() - updated <= self.alive_window_s
+
     @staticmethod
     def _eligible(arrived: dict[int, Arrival]) -> tuple[list[int], list[int]]:
         """Split arrivals into (eligible, stale): a replica whose weights are based on an
@@ -926,6 +1002,27 @@ class ObjectStoreAllReduce:
         asked = time.monotonic()
         alone_asked = False
         mine = self._present[r][self.rank]
+        # membership (follow_liveness): the arrivals whose absentees were last looked at, and
+        # the absentees found alive then (waited for until they arrive or the deadline)
+        looked_at: frozenset[int] | None = None
+        alive: set[int] = set()
+
+        def _all_live_arrived(arrived: dict[int, Arrival]) -> bool:
+            """Every replica this round waits for is here though some are not: the members
+            of round r - 1 arrived, and no absentee shows a sign of life (a fresh heartbeat at
+            round r - 1 or later). Heartbeats are read only then, once per set of arrivals,
+            so a round everyone arrives for costs no request more."""
+            nonlocal looked_at, alive
+            members = self._members_before(res, r)
+            if members is None or not members <= set(arrived):
+                return False
+            here = frozenset(arrived)
+            if here != looked_at:
+                looked_at = here
+                absent = [k for k in range(self.world_size) if k not in here]
+                verdicts = self._control().map(lambda k: self._shows_life(k, r), absent)
+                alive = {k for k, ok in zip(absent, verdicts, strict=True) if ok}
+            return not alive
 
         def _try() -> bool:
             nonlocal decided, everyone_at, asked, alone_asked
@@ -937,9 +1034,10 @@ class ObjectStoreAllReduce:
             arrived = self._list_present(r)  # no request once every contribution is known
             eligible, stale = self._eligible(arrived)
             everyone = len(arrived) == self.world_size
+            complete = everyone or (self.follow_liveness and _all_live_arrived(arrived))
             alone = list(arrived) == [self.rank]
             if reading is None and (
-                (alone and not alone_asked) or (everyone and eligible[:1] != [self.rank])
+                (alone and not alone_asked) or (complete and eligible[:1] != [self.rank])
             ):
                 reading = self._control().submit(self._get_if_there, res, key, 0)
                 alone_asked = alone_asked or alone
@@ -963,7 +1061,7 @@ class ObjectStoreAllReduce:
                 next_hook[0] = time.monotonic() + 1.0
                 self.on_wait()
             late = time.monotonic() >= deadline
-            deciding = bool((everyone or late) and eligible and len(eligible) >= self.min_replicas)
+            deciding = bool((complete or late) and eligible and len(eligible) >= self.min_replicas)
             if deciding and not late and eligible[0] != self.rank:
                 everyone_at = everyone_at or time.monotonic()
                 # the lowest eligible rank decides; read its decision
@@ -985,8 +1083,12 @@ class ObjectStoreAllReduce:
                 "decided_by": self.rank,
                 "decided_at": time.time(),
                 "run_id": self.run_id,
-                "reason": "all arrived" if everyone else "deadline",
+                "reason": "all arrived"
+                if everyone
+                else ("all live arrived" if complete else "deadline"),
             }
+            if complete and not everyone:  # not waited for: dead, ended or far behind
+                body["not_waited_for"] = [k for k in range(self.world_size) if k not in arrived]
             if self._put(res, key, jsonsafe.dumps(body).encode(), exclusive=True):
                 decided = body
             else:  # someone else decided first: theirs is the decision

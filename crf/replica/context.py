@@ -33,6 +33,7 @@ import torch
 from crf.executors.process import process_started_at
 from crf.replica import wire as wirefmt
 from crf.replica.allreduce import (
+    HEARTBEAT_KEY,
     NonFiniteError,
     ObjectStoreAllReduce,
     describe_nonfinite,
@@ -214,6 +215,9 @@ class ReplicaContext:
             keep_rounds=spec.keep_rounds,
             wire_dtype=spec.wire_dtype,
             error_feedback=spec.error_feedback,
+            # this context's heartbeats tell the others who is alive: a dead replica costs
+            # one round deadline, not one per round
+            follow_liveness=True,
         )
         manager = ObjectStoreManager(
             exchange,
@@ -224,6 +228,7 @@ class ReplicaContext:
         manager.final_round = spec.exchange_rounds - 1
         # global and inner states carry the model's layout; one of another model is refused
         self.layout = manager.state_layout = tensors_layout_hash(list(model.parameters()))
+        manager.on_blocked = self._beat  # heartbeats go on while it waits (once a second)
         fragments = split_model(model, spec.fragments)
         self.fragments = fragments
         if len(fragments) == 1:
@@ -571,7 +576,7 @@ class ReplicaContext:
             "rounds_committed": m.rounds_committed if m else 0,
         }
         try:
-            self.store.put_json(f"replicas/{self.rank}/state.json", state)
+            self.store.put_json(HEARTBEAT_KEY.format(rank=self.rank), state)
         except Exception as e:  # a heartbeat must never kill training, nor slow every step
             log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
             self._beat_paused_until = time.time() + 30.0

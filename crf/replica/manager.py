@@ -51,6 +51,8 @@ from crf.store.run_store import wait_until
 log = logging.getLogger(__name__)
 
 GLOBAL_STATE = "global/{r}/state.pt"
+#: how often ``on_blocked`` is called while the training thread waits (exchange, heal)
+_KEEPALIVE_S = 1.0
 #: the variable torchft's DiLoCo reads to put a sync's tensors in buckets (turned off here)
 USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"
 
@@ -213,6 +215,10 @@ class ObjectStoreManager:
         self.on_loaded: Callable[[dict[str, Any]], None] | None = None
         if exchange.on_phase is None:
             exchange.on_phase = self._transfer_phase
+        #: called about once a second while the training thread waits for an exchange or a
+        #: global state to heal from: the replica's heartbeat goes on, so the others (which
+        #: follow liveness) see a replica that is slow, not dead
+        self.on_blocked: Callable[[], None] | None = None
 
     # -------------------------------------------------------------- torchft surface
     def register_state_dict_fn(
@@ -372,7 +378,10 @@ class ObjectStoreManager:
             if not self._launched:
                 self._launch()
             if self._thread is not None:
-                self._thread.join()
+                self._thread.join(_KEEPALIVE_S)
+                while self._thread.is_alive():  # a long wait: the heartbeat goes on
+                    self._keepalive()
+                    self._thread.join(_KEEPALIVE_S)
                 self._thread = None
             assert self._outcome is not None
             res, err = self._outcome
@@ -415,6 +424,13 @@ class ObjectStoreManager:
     def _phase(self, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(phase)
+
+    def _keepalive(self) -> None:
+        if self.on_blocked is not None:
+            try:
+                self.on_blocked()
+            except Exception as e:  # a heartbeat never ends a wait early
+                log.debug("keepalive failed: %s", e)
 
     # -------------------------------------------------------------- background writes
     def persist(self, write: Callable[[], None]) -> None:
@@ -650,10 +666,14 @@ class ObjectStoreManager:
     def _heal_from_global(
         self, r: int, target: int, failed: Callable[[], bool], newest: Callable[[], int]
     ) -> bool:
+        def there() -> bool:
+            self._keepalive()  # heartbeats go on while it waits
+            return newest() >= target or (target == r and failed())
+
         deadline = time.monotonic() + self.heal_timeout_s
         while True:
             ok = wait_until(
-                lambda: newest() >= target or (target == r and failed()),
+                there,
                 max(0.0, deadline - time.monotonic()),
                 poll_s=0.05,
                 max_poll_s=0.5,
