@@ -2,7 +2,7 @@
 
 The driver validates it before launching anything (bad input fails early with a message that
 says what to fix); replicas read it from the store, so the environment carries only the run
-URI, the rank and the world size (DESIGN.md, "The replica contract").
+URI, the rank and the world size (docs/design.md, "Replica runtime").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How replicas start: the ServerlessExecutor protocol and its backends.
 
 Executors know nothing of training: they start a command N times with the replica contract in
-its environment (DESIGN.md, "The replica contract"), report process state, and read each
+its environment (docs/design.md, "Replica runtime"), report process state, and read each
 replica's ``results/<rank>.json`` back from the store. Backends are imported lazily so that
 ``import crf.executors`` never needs a cloud SDK.
 """

@@ -173,7 +173,7 @@ def replica_env(
 
 
 def run_id_from_uri(run_uri: str) -> str:
-    """The run id is the last part of the run URI (DESIGN.md, replica contract)."""
+    """The run id is the last part of the run URI (the replica contract, crf.spec)."""
     return run_uri.rstrip("/").rsplit("/", 1)[-1]
 
 

@@ -1,6 +1,6 @@
 """ObjectStoreAllReduce: average tensors across replicas that meet only through a store.
 
-One round (DESIGN.md, "One round of the exchange"):
+One round (docs/design.md, "Exchange"):
 
 1. every replica cuts its tensors (read as one vector, not copied into one) into
    ``num_shards`` shards and uploads them, with a manifest (layout, base round, wire) in front,

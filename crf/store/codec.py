@@ -2,7 +2,7 @@
 
 Every tensor object carries its own header (JSON: dtype, shape, run, round, rank, shard, ...)
 and a checksum of header+payload, so a truncated, bit-flipped or foreign object is detected by
-the reader and never averaged (DESIGN.md, "Rules every writer keeps").
+the reader and never averaged (docs/stores.md).
 
 Layout: MAGIC(8) | header_len u32 | payload_len u64 | digest(32) | header json | payload
 (``FRAME_OVERHEAD`` bytes before the json).

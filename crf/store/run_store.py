@@ -1,7 +1,7 @@
 """RunStore: one run's folder in an object store, behind fsspec.
 
-Everything replicas and the driver share goes through this class, so it holds the guarantees
-of DESIGN.md in one place:
+Everything replicas and the driver share goes through this class, so it holds the store's
+guarantees (docs/stores.md) in one place:
 
 * ``put`` publishes atomically: a reader sees the whole object or nothing (temp file + rename
   on a file system; a single PUT on object stores);
