@@ -3,7 +3,8 @@
 The launching driver knows the caller's ``env`` values and redacts them from what it prints;
 a later ``crf logs`` in a fresh process does not know them (and a SageMaker run's secret is
 deleted when the run ends). So the replica must hide them itself, before the platform stores
-its output. Each cloud backend runs here through its loopback emulator: the SDK launches one
+its output. Each cloud backend runs here through its loopback emulator (and the local backend,
+whose log file is the platform's store): the SDK launches one
 replica that prints the secret on stdout and stderr, then ``crf logs`` runs as its own process.
 """
 
@@ -60,8 +61,16 @@ def _modal(request: pytest.FixtureRequest) -> tuple[Any, str]:
     return ex, f"s3://{s3.new_bucket()}/runs"
 
 
+def _local(request: pytest.FixtureRequest) -> tuple[Any, str]:
+    from crf.executors.local import LocalProcessExecutor
+
+    tmp = request.getfixturevalue("tmp_path")
+    return LocalProcessExecutor(), str(tmp / "runs")
+
+
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest], tuple[Any, str]]] = {
     "hf": _hf,
+    "local": _local,
     "sagemaker": _sagemaker,
     "modal": _modal,
 }

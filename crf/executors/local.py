@@ -44,6 +44,7 @@ from crf.executors.base import (
     run_id_from_uri,
 )
 from crf.executors.process import PidOwner, pid_owner, process_started_at
+from crf.executors.secrets import ENV_SECRET_NAMES
 
 
 @dataclass
@@ -241,6 +242,14 @@ class LocalProcessExecutor(ServerlessExecutor):
             for rank in to_start:
                 log_path = log_dir / f"replica-{rank}.log"
                 child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
+                argv = cmd
+                secret_names = sorted(k for k in env or {} if not k.startswith("CRF_"))
+                if secret_names:
+                    # as on every cloud backend, the caller's env= values are secrets: the
+                    # replica's output passes through the redacting wrapper before it reaches
+                    # the log file, so no later `crf logs` can show them
+                    child_env[ENV_SECRET_NAMES] = ",".join(secret_names)
+                    argv = [sys.executable, "-m", "crf.executors.redacted", *cmd]
                 with open(log_path, "ab") as log_file:
                     if log_file.tell() > 0:  # a restart or a resume: mark where it begins
                         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -249,7 +258,7 @@ class LocalProcessExecutor(ServerlessExecutor):
                         )
                         log_file.flush()
                     popen = subprocess.Popen(
-                        cmd,
+                        argv,
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
                         stderr=subprocess.STDOUT,
