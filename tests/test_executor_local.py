@@ -204,7 +204,9 @@ def _start_sleeper(ex: LocalProcessExecutor, script: Path, run_uri: str, tmp_pat
         run_uri=run_uri,
     )
     leader, child = map(int, _wait_file(pidfile).split())
-    assert leader == int(h.backend_id)
+    # the replica's session is the handle's pid: the script itself, or the redacting wrapper
+    # that runs it when env= gives it secrets (then the script is the wrapper's child)
+    assert os.getpgid(leader) == int(h.backend_id)
     return h, leader, child
 
 
@@ -212,7 +214,7 @@ def test_cancel_kills_the_process_group(script: Path, run_uri: str, tmp_path: Pa
     ex = LocalProcessExecutor(log_dir=tmp_path / "logs", grace_period_s=5)
     h, leader, child = _start_sleeper(ex, script, run_uri, tmp_path)
     assert _alive(leader) and _alive(child)
-    assert os.getpgid(child) == leader  # the replica's child shares its group
+    assert os.getpgid(child) == int(h.backend_id)  # the replica's child shares its group
     assert b"s3cr3t" not in Path(f"/proc/{leader}/cmdline").read_bytes()
     ex.cancel(h)
     assert not _alive(leader) and not _alive(child)
