@@ -130,7 +130,10 @@ def test_kill_everything_mid_run_then_resume(
     # saves run in the background: a kill 2 inner steps into round 3 can land before one of
     # round 2's writes did (then the resume starts from global/1, which the test accepts)
     store = RunStore(f"file://{run}")
-    globals_ = sorted(int(n) for n in store.list("global") if n.isdigit())
+    # a global round is there once its state landed (a kill mid-write can leave its folder)
+    globals_ = sorted(
+        int(n) for n in store.list("global") if n.isdigit() and store.exists(f"global/{n}/state.pt")
+    )
     newest = globals_[-1]
     assert newest == 2 or (checkpoint_every == 1 and newest == 1), globals_
     if lose_inner:
@@ -325,3 +328,19 @@ def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Pat
     again = driver.prepare_resume("old", store=str(base))
     assert again.resume is not None and again.resume.superseded == []
     assert again.resume.from_round == 1
+
+
+def test_a_global_folder_whose_state_never_landed_is_not_a_round(tmp_path: Path) -> None:
+    """A kill during a global state's write can leave ``global/<r>/`` holding only the
+    writer's temp file. Every replica saved its inner state of round 2, but global/2 never
+    landed: the resume starts from global/1 (whole), not from a round with no state."""
+    base = tmp_path / "runs"
+    store = _fake_run(base)  # 2 replicas
+    store.put("global/1/state.pt", b"state 1")
+    store.put("global/2/.state.pt.tmp-crf", b"half a st")  # the write a kill cut short
+    for g in (1, 2):
+        for k in range(2):
+            store.put(f"replicas/{k}/inner/{g}.pt", f"inner {k} {g}".encode())
+    plan = driver.prepare_resume("old", store=str(base))
+    assert plan.resume is not None
+    assert (plan.resume.from_round, plan.resume.superseded) == (1, [])

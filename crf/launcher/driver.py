@@ -345,7 +345,13 @@ def prepare_resume(
                 previous = None
         live = _live_replicas(run_store, spec.replicas, spec.run_id)
         launches = _launch_numbers(run_store)
-        rounds = [int(n) for n in run_store.list("global") if n.isdigit()]
+        # a global round exists once its state landed: a kill during its write can leave
+        # the folder (with the writer's temp file) and nothing else
+        rounds = [
+            int(n)
+            for n in run_store.list("global")
+            if n.isdigit() and run_store.exists(f"global/{n}/state.pt")
+        ]
         inner = {
             k: {
                 int(n.removesuffix(".pt"))
