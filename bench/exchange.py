@@ -85,8 +85,8 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)
-    from crf.replica.allreduce import ObjectStoreAllReduce
-    from crf.replica.memory import limit_malloc_arenas
+    from crf.exchange.allreduce import ObjectStoreAllReduce
+    from crf.exchange.memory import limit_malloc_arenas
 
     # every kind runs in a process set up as a replica's is (python -m crf.replica caps
     # glibc's malloc arenas before its transfer threads start); --malloc-arenas 0: glibc's
@@ -283,7 +283,7 @@ def main() -> None:
         type=int,
         default=None,
         help="glibc malloc arenas per replica process (default: what a replica uses, "
-        "crf.replica.memory.DEFAULT_ARENAS; 0: glibc's default, up to 8 per core)",
+        "crf.exchange.memory.DEFAULT_ARENAS; 0: glibc's default, up to 8 per core)",
     )
     args = ap.parse_args()
     if args.malloc_arenas is not None:  # read by each worker (spawned: inherits the env)

@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "RunSpec": "crf.spec",
     "RunStore": "crf.store",
-    "ObjectStoreAllReduce": "crf.replica.allreduce",
-    "ObjectStoreManager": "crf.replica.manager",
+    "ObjectStoreAllReduce": "crf.exchange.allreduce",
+    "ObjectStoreManager": "crf.exchange.manager",
     "ReplicaContext": "crf.replica.context",
     "ServerlessExecutor": "crf.executors.base",
     "ReplicaHandle": "crf.executors.base",
@@ -24,10 +24,10 @@ _LAZY = {
     "ModalExecutor": "crf.executors.modal",
     "HFJobsExecutor": "crf.executors.hf_jobs",
     "SageMakerExecutor": "crf.executors.sagemaker",
-    "ComposerReplicationTrainer": "crf.replica.composer",
-    "ComposerConfig": "crf.replica.composer",
-    "compose_loss": "crf.replica.composer",
-    "DiLoCoCallback": "crf.replica.composer",
+    "ComposerReplicationTrainer": "crf.composer",
+    "ComposerConfig": "crf.composer",
+    "compose_loss": "crf.composer",
+    "DiLoCoCallback": "crf.composer",
     "launch": "crf.launcher.driver",
 }
 

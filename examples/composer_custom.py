@@ -72,13 +72,13 @@ def train(args: argparse.Namespace, ctx: Any | None) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
-    from crf.replica.composer import ComposerConfig, ComposerReplicationTrainer, DiLoCoCallback
+    from crf.composer import ComposerConfig, ComposerReplicationTrainer, DiLoCoCallback
 
     model_path = args.model
     if args.tiny:  # same seed on every replica -> identical initial weights
         import tempfile
 
-        from crf.replica.composer import char_tokenizer, save_tiny, tiny_qwen2
+        from crf.composer import char_tokenizer, save_tiny, tiny_qwen2
 
         tok = char_tokenizer(example_alphabet())
         seed = ctx.seed if ctx is not None else 0

@@ -261,7 +261,7 @@ def check_allreduce(store: Any, world: int = 3) -> None:
     on every replica."""
     import torch
 
-    from crf.replica.allreduce import ObjectStoreAllReduce
+    from crf.exchange.allreduce import ObjectStoreAllReduce
     from tests.conftest import run_threads
 
     shapes = [(7,), (3, 5), (1,), (2, 2, 3)]

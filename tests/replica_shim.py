@@ -21,7 +21,7 @@ Run as ``python tests/replica_shim.py`` (``crf launch --entrypoint``). It then r
   {option: value}}`` makes rank R build its job with these options over the run's (e.g. another
   ``hidden_size``: a model the others do not have).
 
-``CRF_FAULT`` (SIGKILL at a named point) needs no shim: ``crf.replica.faults`` reads it.
+``CRF_FAULT`` (SIGKILL at a named point) needs no shim: ``crf.faults`` reads it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def corrupt(frame: bytes, kind: str) -> bytes:
 
 def corrupt_shard_frame(obj: bytes, index: int, kind: str) -> bytes:
     """``obj`` (a packed contribution) with its ``index``-th shard frame made bad."""
-    from crf.replica.contribution import manifest_length
+    from crf.exchange.contribution import manifest_length
     from crf.store.codec import MAGIC
 
     pos = obj.index(MAGIC, manifest_length(obj, "contribution"))  # the manifest's pad ends
@@ -103,7 +103,7 @@ def install_corrupt(rank: int) -> None:
     specs = [s for s in json.loads(os.environ.get("CRF_TEST_CORRUPT") or "[]") if s["rank"] == rank]
     if not specs:
         return
-    from crf.replica.allreduce import ObjectStoreAllReduce
+    from crf.exchange.allreduce import ObjectStoreAllReduce
 
     world = int(os.environ["CRF_WORLD_SIZE"])
     shard = (rank + 1) % world

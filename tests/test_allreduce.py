@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from crf.replica import allreduce as allreduce_mod
-from crf.replica.allreduce import (
+from crf.exchange import allreduce as allreduce_mod
+from crf.exchange.allreduce import (
     LayoutMismatchError,
     ObjectStoreAllReduce,
     QuorumTimeout,
     RoundFailed,
     shard_bounds,
 )
-from crf.replica.contribution import find_contribution
+from crf.exchange.contribution import find_contribution
 from crf.store import RunStore
 from crf.store.codec import MAGIC
 from tests.conftest import run_threads
@@ -476,7 +476,7 @@ def test_int8_codec_round_trips_block_by_block() -> None:
     """The chunked int8 codec: per-block absmax scales, codes within ±127, the tail block
     padded, decode into a caller's buffer equal to a fresh decode, and an all-zero block
     keeps scale 1 (no division by zero)."""
-    from crf.replica import wire
+    from crf.exchange import wire
 
     n = wire.INT8_CHUNK + wire.INT8_BLOCK * 3 + 17  # more than one chunk, a partial block
     x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 5
@@ -512,7 +512,7 @@ def test_compressed_wire_over_many_tensors_matches_the_codec_shard_by_shard(
     as the codec applied shard by shard to the concatenated values, with its blocks cut
     along the tensors' pieces (issue 13: blocks never span two tensors, so this is no longer
     the bits of one long vector)."""
-    from crf.replica import wire
+    from crf.exchange import wire
 
     n = 3
 
@@ -707,7 +707,7 @@ def test_int8_blocks_follow_the_tensors_pieces() -> None:
     """The pieces of each shard (a tensor split by a shard boundary gives one to each, an
     empty tensor none) and the blocks cut along them: a block per started 256 values of
     each piece, none spanning two."""
-    from crf.replica import wire
+    from crf.exchange import wire
 
     sizes = [300, 0, 10, 700]
     bounds = shard_bounds(sum(sizes), 3)  # [0, 337), [337, 674), [674, 1010)

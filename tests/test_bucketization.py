@@ -1,6 +1,6 @@
 """``TORCHFT_USE_BUCKETIZATION`` in a replica's environment (issue 13, item 5): torchft's DiLoCo
 reads it and would put a sync's tensors in buckets, one allreduce per bucket; crf turns that
-off with a log line (``crf.replica.manager.turn_off_bucketization`` says why) and the run is
+off with a log line (``crf.exchange.manager.turn_off_bucketization`` says why) and the run is
 the same as without it, bit for bit.
 
 Replicas are threads over one file:// store, each a real ReplicaContext + torchft DiLoCo.
@@ -79,7 +79,7 @@ def test_bucketization_from_the_environment_is_turned_off_and_said(
     monkeypatch.setenv("TORCHFT_USE_BUCKETIZATION", "True")  # the value torchft checks for
     # bytes, despite the name: the model's 58 values make 4 buckets of 16
     monkeypatch.setattr(_StreamingDiLoCoFragment, "bucket_cap_mb", 64)
-    with caplog.at_level(logging.WARNING, logger="crf.replica.manager"):
+    with caplog.at_level(logging.WARNING, logger="crf.exchange.manager"):
         bucketed = run(tmp_path, "bucketed", fragments)
     assert not any(isinstance(x, BaseException) for x in bucketed), bucketed
     for got, want in zip(bucketed, plain, strict=True):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from crf.replica.faults import POINTS
+from crf.faults import POINTS
 from tests.fault_helpers import (
     committed_rounds,
     describe,

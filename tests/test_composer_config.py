@@ -10,7 +10,7 @@ pytest.importorskip("trl")
 
 from trl import GRPOConfig  # noqa: E402
 
-from crf.replica.composer import ComposerConfig  # noqa: E402
+from crf.composer import ComposerConfig  # noqa: E402
 
 BASE = dict(output_dir="/tmp/crf-composer-config-test", use_cpu=True, bf16=False, report_to=[])
 

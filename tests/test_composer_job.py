@@ -116,7 +116,7 @@ def test_job_config_is_light() -> None:
 def test_replicas_build_identical_weights_and_disjoint_shards() -> None:
     import torch
 
-    from crf.replica.composer.task import make_examples
+    from crf.composer.task import make_examples
     from crf.replica.jobs.composer import Config, build
 
     cfg = Config(num_examples=200)
@@ -232,7 +232,7 @@ def _load_example():
 
 @pytest.fixture()
 def tiny_model_dir(tmp_path: Path) -> str:
-    from crf.replica.composer import char_tokenizer, save_tiny, tiny_qwen2
+    from crf.composer import char_tokenizer, save_tiny, tiny_qwen2
 
     example = _load_example()
     tok = char_tokenizer(example.example_alphabet())

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from crf.replica.composer.losses import (
+from crf.composer.losses import (
     TAIDSchedule,
     compose_loss,
     distill_per_token,

@@ -18,8 +18,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-import crf.replica.composer.trainer as trainer_mod  # noqa: E402
-from crf.replica.composer import (  # noqa: E402
+import crf.composer.trainer as trainer_mod  # noqa: E402
+from crf.composer import (  # noqa: E402
     ComposerConfig,
     ComposerReplicationTrainer,
     DiLoCoCallback,
@@ -28,7 +28,7 @@ from crf.replica.composer import (  # noqa: E402
     save_tiny,
     tiny_qwen2,
 )
-from crf.replica.composer.task import (  # noqa: E402
+from crf.composer.task import (  # noqa: E402
     HINT_TEMPLATE,
     make_examples,
     reverse_reward,

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from crf.replica import contribution as c
-from crf.replica.allreduce import ObjectStoreAllReduce, layout_of, shard_bounds
-from crf.replica.wire import shard_segments
+from crf.exchange import contribution as c
+from crf.exchange.allreduce import ObjectStoreAllReduce, layout_of, shard_bounds
+from crf.exchange.wire import shard_segments
 from crf.store import CorruptObjectError, RunStore, decode_tensor
 from tests.conftest import run_threads
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torchft.local_sgd import DiLoCo
 
-from crf.replica.allreduce import ObjectStoreAllReduce
-from crf.replica.manager import ObjectStoreManager
+from crf.exchange.allreduce import ObjectStoreAllReduce
+from crf.exchange.manager import ObjectStoreManager
 from crf.store import RunStore
 from tests.conftest import run_threads
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from crf.exchange.contribution import read_manifest
 from crf.executors.base import ExecutorError, ReplicaState
 from crf.executors.local import LocalProcessExecutor
 from crf.launcher.errors import LaunchError
-from crf.replica.contribution import read_manifest
 from crf.store import RunStore, decode_tensor
 from tests.fault_helpers import (
     baseline_wait,

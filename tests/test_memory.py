@@ -1,4 +1,4 @@
-"""crf.replica.memory: the replica process caps glibc's malloc arenas (docs/performance.md,
+"""crf.exchange.memory: the replica process caps glibc's malloc arenas (docs/performance.md,
 "Memory: allocator arenas"). Each case runs in a fresh interpreter: the cap is process-wide
 and glibc's arenas are only observable from inside (``malloc_stats`` prints one block per
 arena to stderr)."""
@@ -12,12 +12,12 @@ import textwrap
 
 import pytest
 
-from crf.replica.memory import limit_malloc_arenas
+from crf.exchange.memory import limit_malloc_arenas
 
 PROBE = textwrap.dedent(
     """
     import ctypes, sys, threading
-    from crf.replica.memory import limit_malloc_arenas
+    from crf.exchange.memory import limit_malloc_arenas
     print(limit_malloc_arenas(None if sys.argv[1] == "-" else int(sys.argv[1])), flush=True)
     held, barrier = [], threading.Barrier(6)
     def work():  # six threads allocate at once, as the exchange's transfer threads do

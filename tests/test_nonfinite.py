@@ -4,7 +4,7 @@ NonFiniteError (exit 3, not restarted); a run whose loss is NaN is never ``ok``;
 file crf writes is valid JSON (a strict parser reads it).
 
 The exchange runs as threads over one store; the end-to-end test runs ``crf launch`` with
-real replica processes of the lm job, NaNs put in by ``CRF_FAULT`` (crf/replica/faults.py).
+real replica processes of the lm job, NaNs put in by ``CRF_FAULT`` (crf/faults.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from crf import jsonsafe
+from crf.exchange.allreduce import NonFiniteError, ObjectStoreAllReduce, shard_bounds
 from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState
 from crf.launcher.summary import build_summary
-from crf.replica.allreduce import NonFiniteError, ObjectStoreAllReduce, shard_bounds
 from crf.replica.context import ReplicaContext
 from crf.spec import RunSpec
 from crf.store import RunStore, decode_tensor
@@ -79,7 +79,7 @@ def test_every_json_crf_writes_is_valid_json(tmp_path: Path) -> None:
 def test_finite_check_finds_any_nan_or_inf(dtype: torch.dtype) -> None:
     """wire.finite (min and max in one pass) agrees with torch.isfinite wherever the bad
     value sits, and the int8 wire is judged by its block scales."""
-    from crf.replica import wire as wirefmt
+    from crf.exchange import wire as wirefmt
 
     assert wirefmt.finite(torch.empty(0, dtype=dtype))
     base = torch.randn(1000).to(dtype)

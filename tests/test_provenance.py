@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from crf.exchange.allreduce import ObjectStoreAllReduce
+from crf.exchange.manager import HealError, ObjectStoreManager
 from crf.launcher.summary import rejected_objects
-from crf.replica.allreduce import ObjectStoreAllReduce
 from crf.replica.context import ReplicaContext
-from crf.replica.manager import HealError, ObjectStoreManager
 from crf.spec import RunSpec
 from crf.store import RunStore
 from tests.conftest import run_threads

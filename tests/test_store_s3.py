@@ -290,7 +290,7 @@ def test_a_round_puts_one_object_per_contribution(bucket: str, monkeypatch) -> N
     manifest (at the object's start): the quorum is decided from the listing."""
     import torch
 
-    from crf.replica.allreduce import ObjectStoreAllReduce
+    from crf.exchange.allreduce import ObjectStoreAllReduce
     from tests.conftest import run_threads
 
     n = 4

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from crf.replica.allreduce import ObjectStoreAllReduce
+from crf.exchange.allreduce import ObjectStoreAllReduce
+from crf.exchange.manager import ObjectStoreManager
 from crf.replica.context import ReplicaContext, split_model
-from crf.replica.manager import ObjectStoreManager
 from crf.spec import RunSpec, SpecError
 from crf.store import RunStore
 from tests.conftest import run_threads

@@ -1,5 +1,7 @@
-"""What runs inside a replica: the env contract, jobs, the object-store all-reduce, the
-DiLoCo manager and the heartbeat/metrics/result writer. Imported lazily (torch-heavy)."""
+"""What runs inside a replica: the env contract, the job registry and built-in jobs, and the
+heartbeat/metrics/result writer (:mod:`crf.replica.context`). The exchange it drives lives in
+:mod:`crf.exchange`, the composer trainer in :mod:`crf.composer`. Imported lazily
+(torch-heavy)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,6 @@ from typing import Any
 
 _LAZY = {
     "ReplicaContext": "crf.replica.context",
-    "ObjectStoreAllReduce": "crf.replica.allreduce",
-    "ObjectStoreManager": "crf.replica.manager",
 }
 
 __all__ = sorted(_LAZY)

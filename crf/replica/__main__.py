@@ -3,7 +3,7 @@
 Reads the env contract and ``run.json``, runs the job named there, writes the result. Exits 0
 on success, 1 if the job failed (the failure is also recorded in ``results/<rank>.json``),
 2 if the environment breaks the contract, 3 if the job failed with an error a restart cannot
-fix (the replicas disagree on the model: ``crf.replica.manager.restart_cannot_help``). The
+fix (the replicas disagree on the model: ``crf.exchange.manager.restart_cannot_help``). The
 driver restarts a replica that exited 1, never one that exited 2 or 3.
 """
 
@@ -29,7 +29,7 @@ def _set_threads(world_size: int, backend: str) -> None:
 
 
 def main() -> int:
-    from crf.replica.memory import limit_malloc_arenas
+    from crf.exchange.memory import limit_malloc_arenas
 
     # before any transfer thread exists: shard-sized buffers then come back to one arena
     limit_malloc_arenas()
@@ -38,9 +38,9 @@ def main() -> int:
         level=os.environ.get("CRF_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s [replica {rank}] %(levelname)s %(name)s: %(message)s",
     )
+    from crf.exchange.manager import restart_cannot_help
     from crf.replica.context import ContractError, ReplicaContext
     from crf.replica.jobs import get_job, job_config
-    from crf.replica.manager import restart_cannot_help
 
     try:
         ctx = ReplicaContext.from_env()

@@ -30,22 +30,22 @@ from typing import Any
 
 import torch
 
-from crf.executors.process import process_started_at
-from crf.replica import wire as wirefmt
-from crf.replica.allreduce import (
+from crf.exchange import wire as wirefmt
+from crf.exchange.allreduce import (
     HEARTBEAT_KEY,
     NonFiniteError,
     ObjectStoreAllReduce,
     describe_nonfinite,
     tensors_layout_hash,
 )
-from crf.replica.faults import maybe_fault, maybe_poison
-from crf.replica.manager import (
+from crf.exchange.manager import (
     ObjectStoreManager,
     restart_cannot_help,
     turn_off_bucketization,
 )
-from crf.replica.wire import compression as wire_compression
+from crf.exchange.wire import compression as wire_compression
+from crf.executors.process import process_started_at
+from crf.faults import maybe_fault, maybe_poison
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
 from crf.store.codec import raw_view

@@ -2,7 +2,7 @@
 tiny model and an embedded task, as one DiLoCo replica.
 
 Everything is built in code, nothing is downloaded: a character-level tokenizer, a tiny Qwen2
-from a ``Qwen2Config`` and the string-reversal task of ``crf.replica.composer.task`` (prompt
+from a ``Qwen2Config`` and the string-reversal task of ``crf.composer.task`` (prompt
 ``"abc="``, answer ``"cba"``, partial-credit reward), whose hints (channel 2) and correct
 traces (channel 3) are generated with the prompts.
 
@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from crf.replica.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 
 
 @dataclass
@@ -209,8 +209,8 @@ class ReplicaSetup:
 
 def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     """Identical initial weights on every replica; a disjoint data shard per rank."""
-    from crf.replica.composer import char_tokenizer, tiny_qwen2
-    from crf.replica.composer.task import make_examples, task_alphabet
+    from crf.composer import char_tokenizer, tiny_qwen2
+    from crf.composer.task import make_examples, task_alphabet
 
     tokenizer = char_tokenizer(task_alphabet(cfg.letters))
     model = tiny_qwen2(
@@ -242,13 +242,13 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
 
-    from crf.replica.composer import (
+    from crf.composer import (
         ComposerConfig,
         ComposerReplicationTrainer,
         DiLoCoCallback,
         save_tiny,
     )
-    from crf.replica.composer.task import HINT_TEMPLATE, reverse_reward
+    from crf.composer.task import HINT_TEMPLATE, reverse_reward
 
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer

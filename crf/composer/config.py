@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from crf.replica.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 
 _OPD_DEFAULT_THRESHOLD = 1.0
 _OPD_DEFAULT_FORWARD_WEIGHT = 1.0

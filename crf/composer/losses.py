@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from crf.replica.composer.names import DISTILL_WRAPPERS, TAID_SCHEDULES
+from crf.composer.names import DISTILL_WRAPPERS, TAID_SCHEDULES
 
 __all__ = [
     "ComposedLoss",

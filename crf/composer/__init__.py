@@ -19,25 +19,25 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "ComposerReplicationTrainer": "crf.replica.composer.trainer",
-    "capture_hidden": "crf.replica.composer.trainer",
-    "ComposerConfig": "crf.replica.composer.config",
-    "DiLoCoCallback": "crf.replica.composer.callback",
-    "ComposedLoss": "crf.replica.composer.losses",
-    "TAIDSchedule": "crf.replica.composer.losses",
-    "compose_loss": "crf.replica.composer.losses",
-    "distill_per_token": "crf.replica.composer.losses",
-    "dpo_loss": "crf.replica.composer.losses",
-    "entropy_opd": "crf.replica.composer.losses",
-    "generalized_jsd": "crf.replica.composer.losses",
-    "masked_row_mean": "crf.replica.composer.losses",
-    "sequence_logps": "crf.replica.composer.losses",
-    "simpo_loss": "crf.replica.composer.losses",
-    "taid_interpolate": "crf.replica.composer.losses",
-    "teacher_entropy": "crf.replica.composer.losses",
-    "char_tokenizer": "crf.replica.composer.tiny",
-    "tiny_qwen2": "crf.replica.composer.tiny",
-    "save_tiny": "crf.replica.composer.tiny",
+    "ComposerReplicationTrainer": "crf.composer.trainer",
+    "capture_hidden": "crf.composer.trainer",
+    "ComposerConfig": "crf.composer.config",
+    "DiLoCoCallback": "crf.composer.callback",
+    "ComposedLoss": "crf.composer.losses",
+    "TAIDSchedule": "crf.composer.losses",
+    "compose_loss": "crf.composer.losses",
+    "distill_per_token": "crf.composer.losses",
+    "dpo_loss": "crf.composer.losses",
+    "entropy_opd": "crf.composer.losses",
+    "generalized_jsd": "crf.composer.losses",
+    "masked_row_mean": "crf.composer.losses",
+    "sequence_logps": "crf.composer.losses",
+    "simpo_loss": "crf.composer.losses",
+    "taid_interpolate": "crf.composer.losses",
+    "teacher_entropy": "crf.composer.losses",
+    "char_tokenizer": "crf.composer.tiny",
+    "tiny_qwen2": "crf.composer.tiny",
+    "save_tiny": "crf.composer.tiny",
 }
 
 __all__ = sorted(_LAZY)
@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'crf.replica.composer' has no attribute {name!r}")
+    raise AttributeError(f"module 'crf.composer' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -5,7 +5,7 @@ One round (docs/design.md, "Exchange"):
 1. every replica cuts its tensors (read as one vector, not copied into one) into
    ``num_shards`` shards and uploads them, with a manifest (layout, base round, wire) in front,
    as ONE object ``rounds/<r>/contrib/<rank>.<base round>.<facts>``
-   (:mod:`crf.replica.contribution`: each shard at a byte range every replica can compute,
+   (:mod:`crf.exchange.contribution`: each shard at a byte range every replica can compute,
    so a reader fetches just its shard); the shard a replica owns in a full quorum stays home;
 2. when all N contributions are listed, the lowest eligible rank (on the newest base round)
    creates ``rounds/<r>/quorum.json`` (create-if-absent: one decision) from the listing
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from crf import jsonsafe
-from crf.replica import wire as wirefmt
-from crf.replica.contribution import (
+from crf.exchange import wire as wirefmt
+from crf.exchange.contribution import (
     FACTS,
     Arrival,
     Packing,
@@ -59,7 +59,7 @@ from crf.replica.contribution import (
     shard_header_size,
     shard_name,
 )
-from crf.replica.faults import maybe_fault, maybe_poison
+from crf.faults import maybe_fault, maybe_poison
 from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
@@ -402,7 +402,7 @@ class ObjectStoreAllReduce:
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
         #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks
-        #: restart at each: :func:`crf.replica.wire.int8_blocks`)
+        #: restart at each: :func:`crf.exchange.wire.int8_blocks`)
         self._segments: dict[str, list[list[int]]] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -947,7 +947,7 @@ class ObjectStoreAllReduce:
         Raises _Stale as soon as this replica sees it is behind the others (it must heal).
 
         Each poll lists the contributions, whose names tell each one's base round and facts
-        digest (:mod:`crf.replica.contribution`), and reads the decision once it can be
+        digest (:mod:`crf.exchange.contribution`), and reads the decision once it can be
         there. When every replica's contribution is listed, the lowest eligible rank (on the
         newest base round) writes the decision - who takes part, who is stale, each
         participant's contribution and facts digest - and the others read it (a race of N

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from crf.replica.allreduce import (
+from crf.exchange.allreduce import (
     AllReduceError,
     AllReduceResult,
     LayoutMismatchError,

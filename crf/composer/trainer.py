@@ -32,8 +32,8 @@ from torch import nn
 from trl import GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
-from crf.replica.composer.config import ComposerConfig
-from crf.replica.composer.losses import (
+from crf.composer.config import ComposerConfig
+from crf.composer.losses import (
     TAIDSchedule,
     compose_loss,
     distill_per_token,
