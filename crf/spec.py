@@ -73,6 +73,28 @@ def check_seconds(flag: str, value: object) -> float:
     return float(value)
 
 
+def coerce_text(text: Any, like: Any, what: str) -> Any:
+    """A command-line string (``--set lr=3e-4``, ``--backend-opt gpu=A10G``) as the type of
+    ``like`` (the option's default: bool, int, float); anything else is returned as given.
+    ValueError names ``what`` and the value."""
+    if not isinstance(text, str) or like is None or isinstance(like, str):
+        return text
+    try:
+        if isinstance(like, bool):
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if isinstance(like, int | float):
+            return type(like)(text)
+    except ValueError:
+        kind = "true/false" if isinstance(like, bool) else f"a valid {type(like).__name__}"
+        raise ValueError(f"{what}={text!r} is not {kind}") from None
+    return text
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from crf.executors.base import ExecutorError, ServerlessExecutor
+from crf.spec import coerce_text
 
 BACKENDS: dict[str, tuple[str, str, str]] = {
     # name: (module, class, pip extra that provides its client)
@@ -42,21 +43,6 @@ def option_names(cls: type[ServerlessExecutor]) -> list[str]:
     return [p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD]
 
 
-def _coerce(value: Any, default: Any) -> Any:
-    """CLI strings to the type of the constructor's default (int, float, bool)."""
-    if not isinstance(value, str) or default is None or isinstance(default, str):
-        return value
-    if isinstance(default, bool):
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true/false, got {value!r}")
-    if isinstance(default, int | float):
-        return type(default)(value)
-    return value
-
-
 def make_executor(name: str, options: Mapping[str, Any] | None = None) -> ServerlessExecutor:
     """Build backend ``name`` from keyword options; ExecutorError names any unknown option."""
     cls = executor_class(name)
@@ -70,7 +56,7 @@ def make_executor(name: str, options: Mapping[str, Any] | None = None) -> Server
             f"its options are: {', '.join(known) or 'none'}"
         )
     try:
-        typed = {k: _coerce(v, sig[k].default) for k, v in opts.items()}
+        typed = {k: coerce_text(v, sig[k].default, k) for k, v in opts.items()}
         return cls(**typed)
     except (TypeError, ValueError) as e:
         raise ExecutorError(f"bad option for the {name} backend: {e}") from None

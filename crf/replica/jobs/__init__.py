@@ -13,6 +13,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from crf.spec import coerce_text
+
 JOBS: dict[str, str] = {
     "lm": "crf.replica.jobs.lm",
     "composer": "crf.replica.jobs.composer",
@@ -43,26 +45,9 @@ def job_config(name: str, values: dict[str, Any] | None) -> Any:
         )
     for key, val in list(values.items()):
         default = fields[key].default
-        if isinstance(val, str) and default is not dataclasses.MISSING and default is not None:
-            values[key] = _coerce(key, val, type(default))
+        if default is not dataclasses.MISSING:
+            values[key] = coerce_text(val, default, f"job option {key}")
     cfg = cls(**values)
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
-
-
-def _coerce(key: str, text: str, typ: type) -> Any:
-    """Turn a CLI string (``--set lr=3e-4``) into the type of the option's default."""
-    try:
-        if typ is bool:
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if typ in (int, float, str):
-            return typ(text)
-    except ValueError:
-        raise ValueError(f"job option {key}={text!r} is not a valid {typ.__name__}") from None
-    return text

@@ -1,0 +1,400 @@
+"""The run-folder contract: every key, listing, env var name and record that the driver and
+the replicas share through the store, in one place.
+
+The store is the only bus between the driver and the replicas (docs/design.md, "The run
+folder"), so what each side writes and reads there is an interface. Everything that names a
+key, counts rounds, reads a replica's environment or reads a record goes through this module;
+nothing else builds a key with an f-string or parses a message to recover one. This module
+sits at the bottom layer beside :mod:`crf.spec`: it imports nothing from crf but
+:mod:`crf.jsonsafe`, and needs no SDK and no torch.
+
+Layout of one run folder::
+
+    run.json                                  the run spec (written once, create-if-absent)
+    backend.json                              the backend and its options (no secrets)
+    result.json                               the driver's summary of the newest launch
+    launches/<k>.json                         who launched attempt k of the whole run, from where
+    launches/<k>/handles.json                 the replicas' handles (to attach, cancel, resume)
+    launches/<k>/attempts/<rank>-<a>.json     what a replica's failed attempt left
+    launches/<k>/previous/...                 the previous launch's result files, kept at resume
+    launches/<k>/superseded/global/<r>/...    global states a resume started past
+    replicas/<rank>/state.json                heartbeat
+    replicas/<rank>/inner/<r>.pt              inner-optimizer state after exchange round r
+    results/<rank>.json                       a replica's final result
+    metrics/<rank>/<r>.json                   per-round metrics
+    rounds/<r>/contrib/<rank>.<base>.<facts>  a contribution (manifest + shards, one object)
+    rounds/<r>/quorum.json                    who takes part in round r (first writer wins)
+    rounds/<r>/reduced/<s>                    the average of shard s over the quorum
+    rounds/<r>/held/<rank>/<s>                a shard kept when its owner left the quorum
+    rounds/<r>/failed.json                    round r cannot complete (why)
+    global/<r>/state.pt                       global weights + outer optimizer after round r
+    heal/<rank>.json                          a replica's request for a global state
+    faults/<tag>                              a fault-injection spec that has fired (tests)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# ---------------------------------------------------------------------------------- env vars
+#: the replica contract: all a replica needs in its environment (the rest is in run.json)
+ENV_RUN_URI = "CRF_RUN_URI"
+ENV_RANK = "CRF_RANK"
+ENV_WORLD_SIZE = "CRF_WORLD_SIZE"
+ENV_RUN_ID = "CRF_RUN_ID"
+#: optional knobs a replica reads
+ENV_LOG_LEVEL = "CRF_LOG_LEVEL"
+ENV_TORCH_THREADS = "CRF_TORCH_THREADS"
+ENV_FAULT = "CRF_FAULT"
+#: names of the env vars whose values are secrets (comma-separated), for the log redactor
+ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
+
+
+def replica_env(run_uri: str, rank: int, world_size: int, run_id: str) -> dict[str, str]:
+    """The replica contract's environment for one replica."""
+    return {
+        ENV_RUN_URI: run_uri,
+        ENV_RANK: str(rank),
+        ENV_WORLD_SIZE: str(world_size),
+        ENV_RUN_ID: run_id,
+    }
+
+
+# -------------------------------------------------------------------------------------- keys
+RUN_SPEC = "run.json"
+BACKEND = "backend.json"
+RESULT = "result.json"
+LAUNCHES = "launches"
+ROUNDS = "rounds"
+GLOBAL = "global"
+HEAL = "heal"
+RESULTS = "results"
+METRICS = "metrics"
+REPLICAS = "replicas"
+FAULTS = "faults"
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"{REPLICAS}/{rank}/state.json"
+
+
+def inner_dir(rank: int) -> str:
+    return f"{REPLICAS}/{rank}/inner"
+
+
+def inner_key(rank: int, r: int) -> str:
+    return f"{inner_dir(rank)}/{r}.pt"
+
+
+def result_key(rank: int) -> str:
+    return f"{RESULTS}/{rank}.json"
+
+
+def metrics_dir(rank: int) -> str:
+    return f"{METRICS}/{rank}"
+
+
+def metrics_key(rank: int, r: int) -> str:
+    return f"{metrics_dir(rank)}/{r}.json"
+
+
+def launch_key(k: int) -> str:
+    return f"{LAUNCHES}/{k}.json"
+
+
+def handles_key(k: int) -> str:
+    return f"{LAUNCHES}/{k}/handles.json"
+
+
+def attempt_key(k: int, rank: int, attempt: int) -> str:
+    return f"{LAUNCHES}/{k}/attempts/{rank}-{attempt}.json"
+
+
+def previous_key(k: int, key: str) -> str:
+    """Where launch k keeps the previous launch's ``key`` (``result.json``, results)."""
+    return f"{LAUNCHES}/{k}/previous/{key}"
+
+
+def superseded_key(k: int, key: str) -> str:
+    """Where launch k moves a global state it started past."""
+    return f"{LAUNCHES}/{k}/superseded/{key}"
+
+
+def round_dir(r: int) -> str:
+    return f"{ROUNDS}/{r}"
+
+
+def contrib_dir(r: int) -> str:
+    return f"{ROUNDS}/{r}/contrib"
+
+
+def contrib_key(r: int, name: str) -> str:
+    return f"{contrib_dir(r)}/{name}"
+
+
+def shard_name(r: int, rank: int, s: int) -> str:
+    """How records name shard s inside replica rank's contribution object (not a key)."""
+    return f"{contrib_dir(r)}/{rank}#{s}"
+
+
+def held_key(r: int, rank: int, s: int) -> str:
+    return f"{ROUNDS}/{r}/held/{rank}/{s}"
+
+
+def held_dir(r: int, rank: int) -> str:
+    return f"{ROUNDS}/{r}/held/{rank}"
+
+
+def quorum_key(r: int) -> str:
+    return f"{ROUNDS}/{r}/quorum.json"
+
+
+def reduced_key(r: int, s: int) -> str:
+    return f"{ROUNDS}/{r}/reduced/{s}"
+
+
+def failed_key(r: int) -> str:
+    return f"{ROUNDS}/{r}/failed.json"
+
+
+def global_dir(r: int) -> str:
+    return f"{GLOBAL}/{r}"
+
+
+def global_key(r: int) -> str:
+    return f"{GLOBAL}/{r}/state.pt"
+
+
+def heal_key(rank: int) -> str:
+    return f"{HEAL}/{rank}.json"
+
+
+def fault_key(tag: str) -> str:
+    return f"{FAULTS}/{tag}"
+
+
+# ---------------------------------------------------------------------------------- listings
+class Lister(Protocol):
+    """What listings need of a store (RunStore has it)."""
+
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    def exists(self, key: str) -> bool: ...
+
+
+def numbered(names: Iterable[str], suffix: str = "") -> list[int]:
+    """The numbers among ``names`` (``"3"``, or ``"3.json"`` with ``suffix=".json"``), sorted
+    ascending; other names (temp files, strays) are ignored."""
+    out = []
+    for name in names:
+        stem = name[: -len(suffix)] if suffix and name.endswith(suffix) else name
+        if (not suffix or name.endswith(suffix)) and stem.isdigit():
+            out.append(int(stem))
+    return sorted(out)
+
+
+def round_numbers(store: Lister) -> list[int]:
+    """Exchange rounds with a folder under ``rounds/``, ascending."""
+    return numbered(store.list(ROUNDS))
+
+
+def global_rounds(store: Lister, *, complete: bool = False) -> list[int]:
+    """Rounds with a global state folder, ascending. ``complete=True`` keeps only those whose
+    ``state.pt`` has landed (one request per round): a kill mid-write can leave the folder
+    with only the writer's temp file."""
+    rounds = numbered(store.list(GLOBAL))
+    if complete:
+        rounds = [r for r in rounds if store.exists(global_key(r))]
+    return rounds
+
+
+def inner_rounds(store: Lister, rank: int) -> list[int]:
+    """Exchange rounds for which replica ``rank`` saved its inner state, ascending."""
+    return numbered(store.list(inner_dir(rank)), ".pt")
+
+
+def metrics_rounds(store: Lister, rank: int) -> list[int]:
+    return numbered(store.list(metrics_dir(rank)), ".json")
+
+
+def launch_numbers(store: Lister) -> list[int]:
+    """Launches of the whole run (0 the first, one more per resume), ascending."""
+    return numbered(store.list(LAUNCHES), ".json")
+
+
+def heal_requests(store: Lister) -> list[int]:
+    """Ranks with a heal request, ascending."""
+    return numbered(store.list(HEAL), ".json")
+
+
+# ----------------------------------------------------------------------------------- records
+def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+class Record:
+    """A JSON object in the run folder, as a dataclass: ``to_dict`` for writers, ``from_dict``
+    for readers (unknown keys are ignored, so an older reader reads a newer writer's record;
+    missing keys take their defaults)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Any:
+        return cls(**_known(cls, data or {}))
+
+
+@dataclass
+class Rejection(Record):
+    """An object a replica did not use: ``key`` names it (a store key, or a shard inside a
+    contribution), ``reason`` says why. ``left_out`` marks a part that was absent (its
+    replica died or was late) rather than one that was there but bad."""
+
+    key: str
+    reason: str
+    left_out: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.reason}"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | str | None) -> Rejection:
+        if isinstance(data, str):  # a record written before rejections had a structure
+            key, _, reason = data.partition(": ")
+            return cls(key=key, reason=reason)
+        return cls(**_known(cls, data or {}))
+
+
+def rejected_keys(rejections: Iterable[Rejection]) -> list[str]:
+    """The distinct keys of bad (not merely absent) objects, sorted by round then name: one
+    bad object can be reported by several replicas, and counting keys counts objects."""
+    keys = {x.key for x in rejections if not x.left_out}
+
+    def order(key: str) -> tuple[int, str]:
+        digits = next((p for p in key.replace("#", "/").split("/") if p.isdigit()), None)
+        return (int(digits) if digits is not None else -1, key)
+
+    return sorted(keys, key=order)
+
+
+@dataclass
+class Heartbeat(Record):
+    """``replicas/<rank>/state.json``: what a replica is doing now (rewritten every few
+    seconds while it lives)."""
+
+    rank: int = 0
+    phase: str = "starting"
+    step: int = 0
+    round: int = 0  # outer round
+    exchange_round: int = 0  # one per fragment sync
+    transfer: str | None = None
+    loss: float | None = None
+    updated_at: float = 0.0
+    pid: int | None = None
+    pid_started_at: float | None = None
+    host: str | None = None
+    rounds_committed: int = 0
+
+
+@dataclass
+class RoundMetrics(Record):
+    """``metrics/<rank>/<r>.json``: one replica's numbers for one exchange round."""
+
+    round: int
+    rank: int
+    loss: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    compute_s: float = 0.0
+    step: int = 0
+    updated_at: float = 0.0
+    committed: bool = False
+    participants: list[int] = field(default_factory=list)
+    exchange_round: int | None = None
+    sync_s: float = 0.0
+    transfer_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    error: str | None = None
+    rejected: list[Rejection] = field(default_factory=list)
+    healed_from: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # the exchange's other facts
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RoundMetrics:
+        data = dict(data or {})
+        known = _known(cls, data)
+        known["rejected"] = [Rejection.from_dict(x) for x in data.get("rejected") or ()]
+        known.setdefault("extra", {})
+        known["extra"].update({k: v for k, v in data.items() if k not in known})
+        return cls(**known)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        extra = out.pop("extra")
+        return {**extra, **out}
+
+
+@dataclass
+class ResultRecord(Record):
+    """``results/<rank>.json``: a replica's final result (``ok`` or ``failed``)."""
+
+    rank: int
+    status: str
+    error: str | None = None
+    rounds_committed: int = 0
+    rounds_missed: list[int] = field(default_factory=list)
+    fragments: int = 1
+    fragment_sync_delay: int = 0
+    syncs_committed: int = 0
+    syncs_missed: list[int] = field(default_factory=list)
+    syncs_caught_up: list[int] = field(default_factory=list)
+    final_loss: float | None = None
+    weights_sha256: str | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    ckpt_bytes_up: int = 0
+    ckpt_bytes_down: int = 0
+    bytes_per_round: int = 0
+    wire: str = "float32"
+    compression: float = 1.0
+    sync_s: float = 0.0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    ckpt_s: float = 0.0
+    steps: int = 0
+    wall_s: float = 0.0
+    rejected: list[Rejection] = field(default_factory=list)
+    resumed_from: int | None = None
+    job_metrics: dict[str, Any] = field(default_factory=dict)
+    traceback: str | None = None
+    restartable: bool = True
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> ResultRecord:
+        data = dict(data or {})
+        known = _known(cls, data)
+        known["rejected"] = [Rejection.from_dict(x) for x in data.get("rejected") or ()]
+        return cls(**known)
+
+
+@dataclass
+class LaunchRecord(Record):
+    """``launches/<k>.json``: one launch of the whole run (0 the first, one per resume)."""
+
+    launch: int
+    started_at: float
+    host: str
+    pid: int
+    backend: str
+    restart_policy: dict[str, Any] = field(default_factory=dict)
+    resumed_from_round: int | None = None
+    superseded_globals: list[int] = field(default_factory=list)
+    ended_at: float | None = None
+    status: str | None = None
+    restarts: int = 0
+    error: str | None = None

@@ -1,0 +1,114 @@
+"""The shape of the code base, checked: small functions, small classes, one place for each
+fact of the run folder, no reference to a file outside the repository.
+
+These are the limits docs/extending.md promises a newcomer; they fail with the offender's
+name and size, so a change that grows past one says where.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "crf"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+MAX_FUNCTION_LINES = 80
+MAX_INSTANCE_ATTRIBUTES = 25
+#: the CLI's commands are mostly option declarations (one Annotated alias per option)
+FUNCTION_EXEMPT = {"crf/launcher/cli.py"}
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _trees() -> list[tuple[str, ast.Module]]:
+    return [(_rel(p), ast.parse(p.read_text(), filename=str(p))) for p in SOURCES]
+
+
+def long_functions() -> list[str]:
+    out = []
+    for rel, tree in _trees():
+        if rel in FUNCTION_EXEMPT:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{rel}:{node.lineno} {node.name}() is {n} lines")
+    return out
+
+
+def instance_attributes(cls: ast.ClassDef) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(cls):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self"
+                ):
+                    names.add(sub.attr)
+    return names
+
+
+def big_classes() -> list[str]:
+    out = []
+    for rel, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                n = len(instance_attributes(node))
+                if n > MAX_INSTANCE_ATTRIBUTES:
+                    out.append(f"{rel}:{node.lineno} {node.name} has {n} instance attributes")
+    return out
+
+
+def test_no_function_over_80_lines() -> None:
+    assert long_functions() == []
+
+
+def test_no_class_over_25_instance_attributes() -> None:
+    assert big_classes() == []
+
+
+#: a run-folder key written out by hand: the contract lives in crf/layout.py
+_KEY_LITERAL = re.compile(
+    r"""f?["'](?:rounds|global|heal|results|metrics|replicas|launches|faults)/"""
+    r"""|["'](?:run|backend|result)\.json["']"""
+)
+
+
+def test_run_folder_keys_are_built_only_in_layout() -> None:
+    offenders = []
+    for path in SOURCES:
+        rel = _rel(path)
+        if rel == "crf/layout.py":
+            continue
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _KEY_LITERAL.search(code) and '"""' not in code:
+                offenders.append(f"{rel}:{no}: {line.strip()}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("pattern", [r"\.\./shared", r"(?<![\w/])DESIGN\.md"])
+def test_nothing_refers_outside_the_repository(pattern: str) -> None:
+    files = [*SOURCES, *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    hits = [
+        f"{_rel(p)}:{no}"
+        for p in files
+        for no, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(pattern, line)
+    ]
+    assert hits == []
