@@ -46,6 +46,7 @@ from huggingface_hub import HfApi, JobHardware, get_token
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import JobNotFoundError
 
+from crf.executors import catalog
 from crf.executors.base import (
     ENV_RUN_ID,
     ENV_RUN_URI,
@@ -67,35 +68,11 @@ DEFAULT_IMAGE = "pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime"
 #: the Hub's own default is 30 minutes; crf always sends timeout_s (a day by default)
 HUB_DEFAULT_TIMEOUT_S = 30 * 60
 
-#: flavor -> (what it is, list price in USD per hour per job). Read 2026-11-23 from
-#: https://huggingface.co/docs/hub/jobs-pricing (billed per minute while starting or running).
+#: flavor -> (what it is, list price in USD per hour per job): dated data in
+#: catalog/hf_jobs.json (billed per minute while starting or running).
+_CATALOG = catalog.load("hf_jobs")
 FLAVORS: dict[str, tuple[str, float]] = {
-    "cpu-basic": ("2 vCPU, 16 GB RAM", 0.01),
-    "cpu-upgrade": ("8 vCPU, 32 GB RAM", 0.03),
-    "cpu-xl": ("16 vCPU, 124 GB RAM", 1.00),
-    "cpu-performance": ("32 vCPU, 256 GB RAM", 1.90),
-    "t4-small": ("1x Nvidia T4 16 GB, 4 vCPU, 15 GB RAM", 0.40),
-    "t4-medium": ("1x Nvidia T4 16 GB, 8 vCPU, 30 GB RAM", 0.60),
-    "l4x1": ("1x Nvidia L4 24 GB, 8 vCPU, 30 GB RAM", 0.80),
-    "l4x4": ("4x Nvidia L4 96 GB, 48 vCPU, 186 GB RAM", 3.80),
-    "l40sx1": ("1x Nvidia L40S 48 GB, 8 vCPU, 62 GB RAM", 1.80),
-    "l40sx4": ("4x Nvidia L40S 192 GB, 48 vCPU, 382 GB RAM", 8.30),
-    "l40sx8": ("8x Nvidia L40S 384 GB, 192 vCPU, 1534 GB RAM", 23.50),
-    "a10g-small": ("1x Nvidia A10G 24 GB, 4 vCPU, 15 GB RAM", 1.00),
-    "a10g-large": ("1x Nvidia A10G 24 GB, 12 vCPU, 46 GB RAM", 1.50),
-    "a10g-largex2": ("2x Nvidia A10G 48 GB, 24 vCPU, 92 GB RAM", 3.00),
-    "a10g-largex4": ("4x Nvidia A10G 96 GB, 48 vCPU, 184 GB RAM", 5.00),
-    "a100-large": ("1x Nvidia A100 80 GB, 12 vCPU, 142 GB RAM", 2.50),
-    "a100x4": ("4x Nvidia A100 320 GB, 48 vCPU, 568 GB RAM", 10.00),
-    "a100x8": ("8x Nvidia A100 640 GB, 96 vCPU, 1136 GB RAM", 20.00),
-    "h200": ("1x Nvidia H200 141 GB, 23 vCPU, 256 GB RAM", 5.00),
-    "h200x2": ("2x Nvidia H200 282 GB, 46 vCPU, 512 GB RAM", 10.00),
-    "h200x4": ("4x Nvidia H200 564 GB, 92 vCPU, 1024 GB RAM", 20.00),
-    "h200x8": ("8x Nvidia H200 1128 GB, 184 vCPU, 2048 GB RAM", 40.00),
-    "rtx-pro-6000": ("1x Nvidia RTX PRO 6000 96 GB, 23 vCPU, 256 GB RAM", 2.75),
-    "rtx-pro-6000x2": ("2x Nvidia RTX PRO 6000 192 GB, 46 vCPU, 512 GB RAM", 5.50),
-    "rtx-pro-6000x4": ("4x Nvidia RTX PRO 6000 384 GB, 92 vCPU, 1024 GB RAM", 11.00),
-    "rtx-pro-6000x8": ("8x Nvidia RTX PRO 6000 768 GB, 184 vCPU, 2048 GB RAM", 22.00),
+    name: (row["what"], row["usd_per_hour"]) for name, row in _CATALOG["flavors"].items()
 }
 
 _EXIT_CODE = re.compile(r"exit code\D{0,3}(-?\d+)", re.IGNORECASE)

@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
+from crf.executors import catalog
 from crf.executors.base import (
     BackendPlan,
     ExecutorError,
@@ -59,46 +60,15 @@ TAG_CANCELLED = "crf-cancelled"
 #: Python series the default image uses when the driver's own is not one Modal builds
 _PYTHON_SERIES = ("3.10", "3.11", "3.12", "3.13")
 
-# GPU names Modal accepts for ``gpu=`` (https://modal.com/docs/guide/gpu), and the most of each
-# one container may request (``"H100:8"``).
-GPU_TYPES: dict[str, int] = {
-    "T4": 8,
-    "L4": 8,
-    "A10": 4,
-    "A10G": 4,
-    "L40S": 8,
-    "A100": 8,
-    "A100-40GB": 8,
-    "A100-80GB": 8,
-    "RTX-PRO-6000": 8,
-    "H100": 8,
-    "H100!": 8,
-    "H200": 8,
-    "B200": 8,
-    "B200+": 8,
-}
-
-# List prices, USD per second, from https://modal.com/pricing as captured on 2026-07-01 (GPU
-# rates are per GPU; "A100" is the 40 GB card, "H100!" and "B200+" bill as H100 and B200).
-# Sandboxes bill CPU and memory at their own rate (3x the Functions rate of $0.0000131 per
-# core-second and $0.00000222 per GiB-second), at max(request, use). Region pinning adds Modal's
-# regional multiplier, which is not included.
-PRICES_DATE = "2026-07-01"
-GPU_USD_PER_S: dict[str, float] = {
-    "B200": 0.001736,
-    "H200": 0.001261,
-    "H100": 0.001097,
-    "RTX-PRO-6000": 0.000842,
-    "A100-80GB": 0.000694,
-    "A100-40GB": 0.000583,
-    "L40S": 0.000542,
-    "A10": 0.000306,
-    "L4": 0.000222,
-    "T4": 0.000164,
-}
-_PRICE_ALIASES = {"A100": "A100-40GB", "A10G": "A10", "H100!": "H100", "B200+": "B200"}
-SANDBOX_CPU_USD_PER_CORE_S = 0.00003942
-SANDBOX_MEM_USD_PER_GIB_S = 0.00000672
+# GPU names Modal accepts for ``gpu=`` and the most of each one container may request
+# (``"H100:8"``), and Modal's list prices in USD per second: dated data in catalog/modal.json.
+_CATALOG = catalog.load("modal")
+PRICES_DATE: str = _CATALOG.as_of
+GPU_TYPES: dict[str, int] = dict(_CATALOG["gpu_max_per_container"])
+GPU_USD_PER_S: dict[str, float] = dict(_CATALOG["gpu_usd_per_s"])
+_PRICE_ALIASES: dict[str, str] = dict(_CATALOG["price_aliases"])
+SANDBOX_CPU_USD_PER_CORE_S: float = _CATALOG["sandbox_cpu_usd_per_core_s"]
+SANDBOX_MEM_USD_PER_GIB_S: float = _CATALOG["sandbox_mem_usd_per_gib_s"]
 #: what Modal reserves when ``cpu``/``memory`` are not given
 DEFAULT_CPU_CORES = 0.125
 DEFAULT_MEMORY_MB = 128

@@ -57,6 +57,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from crf import jsonsafe
+from crf.executors import catalog
 from crf.executors.base import (
     ENV_RUN_URI,
     BackendPlan,
@@ -98,32 +99,10 @@ _JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 _ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _EXIT_RE = re.compile(r"exit(?:ed with)?[ _-]?(?:code|status)[\s:=]+(-?\d+)", re.IGNORECASE)
 
-# SageMaker *training* on-demand list prices, USD per instance-hour, us-east-1, from
-# https://aws.amazon.com/sagemaker/ai/pricing/ ("Training" tab), as published in 2025 and
-# cross-checked against public copies on 2026-11-23 (no live read was possible then). Other
-# regions cost more or less; managed spot is billed at the (lower) spot price.
-HOURLY_USD: dict[str, float] = {
-    "ml.m5.large": 0.115,
-    "ml.m5.xlarge": 0.23,
-    "ml.m5.2xlarge": 0.461,
-    "ml.m5.4xlarge": 0.922,
-    "ml.c5.xlarge": 0.204,
-    "ml.c5.2xlarge": 0.408,
-    "ml.c5.4xlarge": 0.816,
-    "ml.g4dn.xlarge": 0.736,
-    "ml.g4dn.2xlarge": 0.94,
-    "ml.g4dn.12xlarge": 4.89,
-    "ml.g5.xlarge": 1.408,
-    "ml.g5.2xlarge": 1.515,
-    "ml.g5.4xlarge": 2.03,
-    "ml.g5.8xlarge": 3.06,
-    "ml.g5.12xlarge": 7.09,
-    "ml.g5.48xlarge": 20.36,
-    "ml.p3.2xlarge": 3.825,
-    "ml.p3.8xlarge": 14.688,
-    "ml.p3.16xlarge": 28.152,
-    "ml.p4d.24xlarge": 37.688,
-}
+# SageMaker *training* on-demand list prices, USD per instance-hour, us-east-1: dated data in
+# catalog/sagemaker.json. Other regions cost more or less; managed spot bills the spot price.
+_CATALOG = catalog.load("sagemaker")
+HOURLY_USD: dict[str, float] = dict(_CATALOG["usd_per_hour"])
 
 # The AWS PyTorch training Deep Learning Container (boto3 has no image lookup; the sagemaker
 # SDK's image_uris table is where these come from). torch 2.8 / Python 3.12 satisfies crf's
