@@ -47,6 +47,13 @@ from crf.executors.base import (
     replica_env,
     run_id_from_uri,
 )
+from crf.executors.bootstrap import (
+    BOOTSTRAP,
+    ENV_CODE_KEY,
+    ENV_REQUIREMENTS,
+    STORE_EXTRAS,
+    requirements_for,
+)
 from crf.executors.secrets import (
     ENV_SECRET_NAMES,
     MissingCredentials,
@@ -60,62 +67,6 @@ CONTAINER_ENTRYPOINT = ("python", "-m", "crf.replica")
 #: a day: long enough for real runs, short enough that a forgotten run stops (Modal's maximum)
 DEFAULT_TIMEOUT_S = 24 * 3600.0
 LABEL_RUN, LABEL_RANK = "crf-run", "crf-rank"
-ENV_CODE_KEY = "CRF_CODE_KEY"
-ENV_REQUIREMENTS = "CRF_REQUIREMENTS"
-#: installed by the bootstrap when the image lacks them (the image's own torch is kept)
-BASE_REQUIREMENTS = (
-    "torch>=2.6",
-    "torchft-nightly",
-    "trl>=1.0",
-    "transformers",
-    "fsspec>=2024.12",
-    "typer",
-    "rich",
-    "matplotlib",
-    "xxhash>=3.4",
-    "psutil>=5.9",
-)
-STORE_REQUIREMENTS = {
-    "s3": ("s3fs>=2024.12", "boto3"),
-    "gs": ("gcsfs>=2024.12",),
-    "gcs": ("gcsfs>=2024.12",),
-    "hf": ("huggingface_hub>=2.4",),
-}
-
-# Runs inside the container with only the standard library guaranteed. Kept short: it is on
-# the job's command line (it holds no secret: credentials are read from the environment).
-BOOTSTRAP = r"""
-import importlib.util as u, io, os, subprocess, sys, tarfile, tempfile
-need = os.environ.get("CRF_REQUIREMENTS", "").split()
-mods = {"torch": "torch", "torchft": "torchft-nightly", "trl": "trl", "fsspec": "fsspec",
-        "typer": "typer", "rich": "rich", "s3fs": "s3fs", "gcsfs": "gcsfs",
-        "huggingface_hub": "huggingface_hub", "transformers": "transformers",
-        "matplotlib": "matplotlib", "xxhash": "xxhash", "psutil": "psutil"}
-missing = [r for r in need if any(r.startswith(p) and u.find_spec(m) is None
-                                  for m, p in mods.items())]
-if missing:
-    print("crf bootstrap: installing " + " ".join(missing), flush=True)
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *missing])
-data = os.environ.pop("CRF_GCS_CREDENTIALS_JSON", "")
-if data and not os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
-    fd, p = tempfile.mkstemp(suffix=".json"); os.write(fd, data.encode()); os.close(fd)
-    os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = p
-import fsspec
-uri = os.environ["CRF_RUN_URI"].rstrip("/") + "/" + os.environ["CRF_CODE_KEY"]
-with fsspec.open(uri, "rb") as f:
-    blob = f.read()
-src = tempfile.mkdtemp(prefix="crf-src-")
-tarfile.open(fileobj=io.BytesIO(blob)).extractall(src, filter="data")
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-os.environ.setdefault("PYTHONUNBUFFERED", "1")
-argv = sys.argv[1:]
-if argv and argv[0] in ("python", "python3"):
-    argv[0] = sys.executable
-print("crf bootstrap: code " + os.environ["CRF_CODE_KEY"], flush=True)
-os.execvpe(sys.executable, [sys.executable, "-m", "crf.executors.redacted", *argv], os.environ)
-"""
-
-
 def pack_source() -> tuple[bytes, str]:
     """The ``crf`` package the driver runs, as a reproducible tar.gz, and its SHA-256."""
     import crf
@@ -133,26 +84,6 @@ def pack_source() -> tuple[bytes, str]:
                 tar.addfile(info, f)
     data = buf.getvalue()
     return data, hashlib.sha256(data).hexdigest()
-
-
-def requirements_for(run_uri: str) -> list[str]:
-    """What the bootstrap installs if the image lacks it, for this store's scheme."""
-    return [*BASE_REQUIREMENTS, *STORE_REQUIREMENTS.get(scheme_of(run_uri), ())]
-
-
-def parse_kv(items: Sequence[str] | Mapping[str, str] | None, what: str) -> dict[str, str]:
-    """``["a=1", "b=2"]`` (or a mapping) -> dict; ExecutorError naming ``what`` otherwise."""
-    if items is None:
-        return {}
-    if isinstance(items, Mapping):
-        return {str(k): str(v) for k, v in items.items()}
-    out = {}
-    for item in items:
-        key, sep, value = str(item).partition("=")
-        if not sep or not key:
-            raise ExecutorError(f"{what} expects KEY=VALUE (got {item!r})")
-        out[key] = value
-    return out
 
 
 class CloudExecutor(ServerlessExecutor):
@@ -181,7 +112,7 @@ class CloudExecutor(ServerlessExecutor):
     def check_run_uri(self, run_uri: str) -> None:
         check_launch_args(1, run_uri, in_process=False)
         scheme = scheme_of(run_uri)
-        if scheme not in STORE_REQUIREMENTS:
+        if scheme not in STORE_EXTRAS:
             raise ExecutorError(
                 f"replicas on {self.name} run in the cloud and cannot reach the run folder "
                 f"{run_uri!r} on this machine; use an object store: --store s3://bucket/prefix, "
@@ -389,6 +320,5 @@ __all__ = [
     "LABEL_RUN",
     "CloudExecutor",
     "pack_source",
-    "parse_kv",
     "requirements_for",
 ]

@@ -9,7 +9,7 @@ the ``sagemaker`` SDK): five API calls do not justify a heavy dependency with it
 about code upload.
 
 How the code gets in. SageMaker caps every ``ContainerEntrypoint``/``ContainerArguments`` item
-at 256 characters, far less than the shared ``BOOTSTRAP`` (cloud.py), while ``Environment``
+at 256 characters, far less than the shared ``BOOTSTRAP`` (crf.executors.bootstrap), while ``Environment``
 values may hold 512. So the bootstrap - preceded by a short step that loads the run's secret -
 travels base64-encoded in ``CRF_BOOT_0..k`` environment chunks (public code, no secret), the
 entrypoint is a one-line loader that joins and runs them (``python -c LOADER``), and the
@@ -68,7 +68,8 @@ from crf.executors.base import (
     ReplicaState,
     ReplicaStatus,
 )
-from crf.executors.cloud import BOOTSTRAP, LABEL_RANK, LABEL_RUN, CloudExecutor
+from crf.executors.bootstrap import BOOTSTRAP, LOADER, SECRET_STEP
+from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor
 from crf.executors.secrets import MissingCredentials, redact, scheme_of, store_secrets
 
 DEFAULT_INSTANCE_TYPE = "ml.g5.xlarge"  # one A10G (24 GB): the cheapest current-gen GPU type
@@ -123,29 +124,6 @@ _DLC_ACCOUNTS = {  # regions whose DLCs live in another AWS account
     "cn-north-1": "727897471807",
     "cn-northwest-1": "727897471807",
 }
-
-# Runs in the container before BOOTSTRAP (same namespace): the secret's values become
-# environment variables. The job's role needs secretsmanager:GetSecretValue on it.
-SECRET_STEP = r"""
-import json, os, subprocess, sys
-_arn = os.environ.pop("CRF_SECRET_ARN", "")
-if _arn:
-    try:
-        import boto3
-    except ImportError:
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "boto3"])
-        import boto3
-    _sm = boto3.client("secretsmanager", region_name=_arn.split(":")[3])
-    os.environ.update(json.loads(_sm.get_secret_value(SecretId=_arn)["SecretString"]))
-    del _sm
-    print("crf bootstrap: secret loaded from Secrets Manager", flush=True)
-"""
-#: the container's entrypoint program: joins CRF_BOOT_0..N-1, decodes and runs them
-LOADER = (
-    "import os,base64 as b;exec(b.b64decode(''.join(os.environ.pop('CRF_BOOT_%d'%i)"
-    "for i in range(int(os.environ.pop('CRF_BOOT_N'))))))"
-)
-
 
 def boot_environment() -> dict[str, str]:
     """``CRF_BOOT_N`` and ``CRF_BOOT_<i>``: SECRET_STEP + BOOTSTRAP, base64, in chunks that fit

@@ -1,0 +1,138 @@
+"""The program every cloud container runs first, and what it installs.
+
+A container starts from a stock Python/PyTorch image, so before ``python -m crf.replica`` can
+run it needs crf's requirements and crf's code. ``BOOTSTRAP`` (run as ``python -c BOOTSTRAP
+<command>``) installs the requirements the image lacks, fetches the driver's exact crf source
+from the run folder and ``exec``s the replica command under ``crf.executors.redacted``.
+
+The requirements are not repeated here: ``requirements_for`` reads them from the installed
+package's own metadata (pyproject's ``dependencies`` plus the extra of the run folder's store),
+so the list a container installs is the list ``pip install composer-replication[s3]`` would.
+
+SageMaker cannot take a long command line, so it runs ``LOADER`` which joins the program from
+environment variables; its ``SECRET_STEP`` runs first and turns a Secrets Manager secret into
+environment variables.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import metadata
+
+from crf.executors.secrets import scheme_of
+
+#: the distribution whose metadata lists crf's requirements
+DISTRIBUTION = "composer-replication"
+ENV_CODE_KEY = "CRF_CODE_KEY"
+ENV_REQUIREMENTS = "CRF_REQUIREMENTS"
+#: the pip extra that holds a store scheme's client (pyproject's optional-dependencies)
+STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "hf": "hf"}
+#: import name of a requirement whose module is not its project name with '-' -> '_'
+IMPORT_NAMES = {"torchft-nightly": "torchft"}
+
+_EXTRA = re.compile(r"""^\s*extra\s*==\s*["']([^"']+)["']\s*$""")
+
+# Runs inside the container with only the standard library guaranteed. Kept short: it is on
+# the job's command line (it holds no secret: credentials are read from the environment).
+BOOTSTRAP = r"""
+import importlib.util as u, io, os, re, subprocess, sys, tarfile, tempfile
+need = os.environ.get("CRF_REQUIREMENTS", "").split()
+names = %r
+def mod(r):
+    n = re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]
+    return names.get(n, n.replace("-", "_"))
+missing = [r for r in need if u.find_spec(mod(r)) is None]
+if missing:
+    print("crf bootstrap: installing " + " ".join(missing), flush=True)
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *missing])
+data = os.environ.pop("CRF_GCS_CREDENTIALS_JSON", "")
+if data and not os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+    fd, p = tempfile.mkstemp(suffix=".json"); os.write(fd, data.encode()); os.close(fd)
+    os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = p
+import fsspec
+uri = os.environ["CRF_RUN_URI"].rstrip("/") + "/" + os.environ["CRF_CODE_KEY"]
+with fsspec.open(uri, "rb") as f:
+    blob = f.read()
+src = tempfile.mkdtemp(prefix="crf-src-")
+tarfile.open(fileobj=io.BytesIO(blob)).extractall(src, filter="data")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+argv = sys.argv[1:]
+if argv and argv[0] in ("python", "python3"):
+    argv[0] = sys.executable
+print("crf bootstrap: code " + os.environ["CRF_CODE_KEY"], flush=True)
+os.execvpe(sys.executable, [sys.executable, "-m", "crf.executors.redacted", *argv], os.environ)
+""" % (IMPORT_NAMES,)  # noqa: UP031 (the program's own braces would need escaping in format)
+
+# Runs in a SageMaker container before BOOTSTRAP (same namespace): the secret's values become
+# environment variables. The job's role needs secretsmanager:GetSecretValue on it.
+SECRET_STEP = r"""
+import json, os, subprocess, sys
+_arn = os.environ.pop("CRF_SECRET_ARN", "")
+if _arn:
+    try:
+        import boto3
+    except ImportError:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "boto3"])
+        import boto3
+    _sm = boto3.client("secretsmanager", region_name=_arn.split(":")[3])
+    os.environ.update(json.loads(_sm.get_secret_value(SecretId=_arn)["SecretString"]))
+    del _sm
+    print("crf bootstrap: secret loaded from Secrets Manager", flush=True)
+"""
+#: a SageMaker container's entrypoint program: joins CRF_BOOT_0..N-1, decodes and runs them
+LOADER = (
+    "import os,base64 as b;exec(b.b64decode(''.join(os.environ.pop('CRF_BOOT_%d'%i)"
+    "for i in range(int(os.environ.pop('CRF_BOOT_N'))))))"
+)
+
+
+@cache
+def _declared() -> tuple[tuple[str, str | None], ...]:
+    """(requirement, extra or None) for each requirement crf's metadata declares."""
+    try:
+        lines = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"crf's requirements come from the installed {DISTRIBUTION} package's metadata, "
+            "and it is not installed: pip install -e . (or pip install composer-replication)"
+        ) from None
+    out = []
+    for line in lines:
+        req, _, marker = line.partition(";")
+        extra = _EXTRA.match(marker)
+        if marker.strip() and extra is None:
+            continue  # a platform marker: not something a container image needs from crf
+        out.append((req.strip(), extra.group(1) if extra else None))
+    return tuple(out)
+
+
+def base_requirements() -> list[str]:
+    """crf's own dependencies (pyproject's ``dependencies``)."""
+    return [req for req, extra in _declared() if extra is None]
+
+
+def extra_requirements(extra: str) -> list[str]:
+    """The requirements of one pip extra (pyproject's ``optional-dependencies``)."""
+    return [req for req, name in _declared() if name == extra]
+
+
+def requirements_for(run_uri: str) -> list[str]:
+    """What a container needs for ``run_uri``: crf's dependencies plus the extra of the run
+    folder's store (s3fs for ``s3://``, gcsfs for ``gs://``, ...)."""
+    extra = STORE_EXTRAS.get(scheme_of(run_uri))
+    return [*base_requirements(), *(extra_requirements(extra) if extra else [])]
+
+
+__all__ = [
+    "BOOTSTRAP",
+    "ENV_CODE_KEY",
+    "ENV_REQUIREMENTS",
+    "LOADER",
+    "SECRET_STEP",
+    "STORE_EXTRAS",
+    "base_requirements",
+    "extra_requirements",
+    "requirements_for",
+]
