@@ -9,7 +9,7 @@ the ``sagemaker`` SDK): five API calls do not justify a heavy dependency with it
 about code upload.
 
 How the code gets in. SageMaker caps every ``ContainerEntrypoint``/``ContainerArguments`` item
-at 256 characters, far less than the shared ``BOOTSTRAP`` (crf.executors.bootstrap), while ``Environment``
+at 256 characters, far less than the shared ``BOOTSTRAP`` (bootstrap.py), while ``Environment``
 values may hold 512. So the bootstrap - preceded by a short step that loads the run's secret -
 travels base64-encoded in ``CRF_BOOT_0..k`` environment chunks (public code, no secret), the
 entrypoint is a one-line loader that joins and runs them (``python -c LOADER``), and the
