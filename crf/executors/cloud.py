@@ -67,6 +67,8 @@ CONTAINER_ENTRYPOINT = ("python", "-m", "crf.replica")
 #: a day: long enough for real runs, short enough that a forgotten run stops (Modal's maximum)
 DEFAULT_TIMEOUT_S = 24 * 3600.0
 LABEL_RUN, LABEL_RANK = "crf-run", "crf-rank"
+
+
 def pack_source() -> tuple[bytes, str]:
     """The ``crf`` package the driver runs, as a reproducible tar.gz, and its SHA-256."""
     import crf

@@ -125,6 +125,7 @@ _DLC_ACCOUNTS = {  # regions whose DLCs live in another AWS account
     "cn-northwest-1": "727897471807",
 }
 
+
 def boot_environment() -> dict[str, str]:
     """``CRF_BOOT_N`` and ``CRF_BOOT_<i>``: SECRET_STEP + BOOTSTRAP, base64, in chunks that fit
     SageMaker's 512-character limit on environment values."""
