@@ -30,6 +30,7 @@ Layout of one run folder::
     global/<r>/state.pt                       global weights + outer optimizer after round r
     heal/<rank>.json                          a replica's request for a global state
     faults/<tag>                              a fault-injection spec that has fired (tests)
+    code/crf-<sha>.tar.gz                     the crf source cloud containers fetch and run
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ def global_key(r: int) -> str:
 
 def heal_key(rank: int) -> str:
     return f"{HEAL}/{rank}.json"
+
+
+def code_key(digest: str) -> str:
+    """Where a cloud launch puts the crf source its containers fetch (one per content)."""
+    return f"code/crf-{digest}.tar.gz"
 
 
 def fault_key(tag: str) -> str:

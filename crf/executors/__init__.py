@@ -7,10 +7,6 @@ replica's ``results/<rank>.json`` back from the store. Backends are imported laz
 """
 
 from crf.executors.base import (
-    ENV_RANK,
-    ENV_RUN_ID,
-    ENV_RUN_URI,
-    ENV_WORLD_SIZE,
     ExecutorError,
     ReplicaHandle,
     ReplicaResult,
@@ -20,6 +16,7 @@ from crf.executors.base import (
     default_entrypoint,
     replica_env,
 )
+from crf.layout import ENV_RANK, ENV_RUN_ID, ENV_RUN_URI, ENV_WORLD_SIZE
 
 __all__ = [
     "ENV_RANK",

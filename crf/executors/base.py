@@ -30,10 +30,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-ENV_RUN_URI = "CRF_RUN_URI"
-ENV_RANK = "CRF_RANK"
-ENV_WORLD_SIZE = "CRF_WORLD_SIZE"
-ENV_RUN_ID = "CRF_RUN_ID"
+from crf import layout
 
 Entrypoint = str | Sequence[str] | None
 
@@ -159,16 +156,10 @@ def replica_env(
     world_size: int,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The variables one replica gets: the caller's extras, then the contract (which wins)."""
+    """The variables one replica gets: the caller's extras, then the replica contract
+    (``crf.layout.replica_env``), which wins over an extra of the same name."""
     out = {str(k): str(v) for k, v in (env or {}).items()}
-    out.update(
-        {
-            ENV_RUN_URI: run_uri,
-            ENV_RANK: str(rank),
-            ENV_WORLD_SIZE: str(world_size),
-            ENV_RUN_ID: run_id,
-        }
-    )
+    out.update(layout.replica_env(run_uri, rank, world_size, run_id))
     return out
 
 
@@ -205,6 +196,31 @@ class LaunchRecord:
     env: dict[str, str]
     run_uri: str
     run_id: str
+
+    @classmethod
+    def of(cls, n_replicas: int, entrypoint: Entrypoint, entrypoint_args: Sequence[str],
+           env: Mapping[str, str] | None, run_uri: str, run_id: str) -> LaunchRecord:  # fmt: skip
+        """The record of a ``launch_replicas`` call, its arguments copied as plain strings."""
+        return cls(
+            n_replicas=n_replicas,
+            entrypoint=entrypoint,
+            entrypoint_args=tuple(str(a) for a in entrypoint_args),
+            env={str(k): str(v) for k, v in (env or {}).items()},
+            run_uri=run_uri,
+            run_id=run_id,
+        )
+
+
+def prepare_launch(n_replicas: int, run_uri: str, run_id: str | None,
+                   ranks: Sequence[int] | None) -> tuple[str, str, list[int]]:  # fmt: skip
+    """What every process/container backend does first in ``launch_replicas``: check the
+    arguments, normalise the run URI; return (run URI, run id, ranks to start)."""
+    check_launch_args(n_replicas, run_uri, in_process=False)
+    to_start = check_ranks(ranks, n_replicas)
+    from crf.store import normalize_uri  # lazy: keeps `import crf.executors` light
+
+    run_uri = normalize_uri(run_uri)
+    return run_uri, run_id or run_id_from_uri(run_uri), to_start
 
 
 def check_ranks(ranks: Sequence[int] | None, n_replicas: int) -> list[int]:
@@ -400,7 +416,7 @@ class ServerlessExecutor(ABC):
         """``results/<rank>.json`` from the store: (result, problem reading it)."""
         from crf.store import ObjectNotFound, RunStore  # lazy: the store pulls in fsspec
 
-        key = f"results/{handle.rank}.json"
+        key = layout.result_key(handle.rank)
         try:
             data = RunStore(handle.run_uri).get_json(key)
         except ObjectNotFound:

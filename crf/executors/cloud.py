@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from crf import layout
 from crf.executors.base import (
     BackendPlan,
     Entrypoint,
@@ -43,9 +44,8 @@ from crf.executors.base import (
     ServerlessExecutor,
     build_command,
     check_launch_args,
-    check_ranks,
+    prepare_launch,
     replica_env,
-    run_id_from_uri,
 )
 from crf.executors.bootstrap import (
     BOOTSTRAP,
@@ -55,12 +55,12 @@ from crf.executors.bootstrap import (
     requirements_for,
 )
 from crf.executors.secrets import (
-    ENV_SECRET_NAMES,
     MissingCredentials,
     redact,
     scheme_of,
     store_secrets,
 )
+from crf.layout import ENV_SECRET_NAMES
 
 #: the command a container runs when the user gives no entrypoint (``python`` of the image)
 CONTAINER_ENTRYPOINT = ("python", "-m", "crf.replica")
@@ -160,7 +160,7 @@ class CloudExecutor(ServerlessExecutor):
         from crf.store import RunStore
 
         data, sha = pack_source()
-        key = f"code/crf-{sha[:16]}.tar.gz"
+        key = layout.code_key(sha[:16])
         store = RunStore(run_uri)
         if not store.exists(key):
             store.put_if_absent(key, data)
@@ -211,11 +211,7 @@ class CloudExecutor(ServerlessExecutor):
     ) -> list[ReplicaHandle]:
         check_launch_args(n_replicas, run_uri, in_process=False)
         self.check_run_uri(run_uri)
-        to_start = check_ranks(ranks, n_replicas)
-        from crf.store import normalize_uri
-
-        run_uri = normalize_uri(run_uri)
-        run_id = run_id or run_id_from_uri(run_uri)
+        run_uri, run_id, to_start = prepare_launch(n_replicas, run_uri, run_id, ranks)
         command = self.check_command(entrypoint, entrypoint_args)
         secrets = self.secrets_for(run_uri, env)
         try:
@@ -261,14 +257,7 @@ class CloudExecutor(ServerlessExecutor):
                 f"{redact(f'{type(e).__name__}: {e}', secrets.values())}"
             ) from None
         self.remember_launch(
-            LaunchRecord(
-                n_replicas=n_replicas,
-                entrypoint=entrypoint,
-                entrypoint_args=tuple(str(a) for a in entrypoint_args),
-                env={str(k): str(v) for k, v in (env or {}).items()},
-                run_uri=run_uri,
-                run_id=run_id,
-            )
+            LaunchRecord.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id)
         )
         return handles
 

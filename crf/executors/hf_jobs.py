@@ -48,9 +48,6 @@ from huggingface_hub.errors import JobNotFoundError
 
 from crf.executors import catalog
 from crf.executors.base import (
-    ENV_RUN_ID,
-    ENV_RUN_URI,
-    ENV_WORLD_SIZE,
     BackendPlan,
     ExecutorError,
     ReplicaHandle,
@@ -59,6 +56,7 @@ from crf.executors.base import (
 )
 from crf.executors.cloud import DEFAULT_TIMEOUT_S, LABEL_RANK, LABEL_RUN, CloudExecutor
 from crf.executors.secrets import redact
+from crf.layout import ENV_RUN_ID, ENV_RUN_URI, ENV_WORLD_SIZE
 
 #: the cheapest flavor (2 vCPU, 16 GB, $0.01/h): enough to try crf's small jobs; pick a GPU
 #: flavor with --flavor for real training

@@ -38,13 +38,11 @@ from crf.executors.base import (
     ReplicaStatus,
     ServerlessExecutor,
     build_command,
-    check_launch_args,
-    check_ranks,
+    prepare_launch,
     replica_env,
-    run_id_from_uri,
 )
 from crf.executors.process import PidOwner, pid_owner, process_started_at
-from crf.executors.secrets import ENV_SECRET_NAMES
+from crf.layout import ENV_RANK, ENV_RUN_ID, ENV_RUN_URI, ENV_SECRET_NAMES, ENV_WORLD_SIZE
 
 
 @dataclass
@@ -226,79 +224,70 @@ class LocalProcessExecutor(ServerlessExecutor):
     ) -> list[ReplicaHandle]:
         """Start the replicas as subprocesses. Local processes have no platform retries:
         ``max_restarts`` is ignored and the driver relaunches failed ranks itself."""
-        check_launch_args(n_replicas, run_uri, in_process=False)
-        to_start = check_ranks(ranks, n_replicas)
-        from crf.store import normalize_uri  # lazy: keeps `import crf.executors` light
-
-        run_uri = normalize_uri(run_uri)
-        run_id = run_id or run_id_from_uri(run_uri)
+        run_uri, run_id, to_start = prepare_launch(n_replicas, run_uri, run_id, ranks)
         cmd = self.check_command(entrypoint, entrypoint_args)
         log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
         log_dir.mkdir(parents=True, exist_ok=True)
         base_env = self._base_env()
-
         handles: list[ReplicaHandle] = []
         try:
             for rank in to_start:
-                log_path = log_dir / f"replica-{rank}.log"
                 child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
-                argv = cmd
-                secret_names = sorted(k for k in env or {} if not k.startswith("CRF_"))
-                if secret_names:
-                    # as on every cloud backend, the caller's env= values are secrets: the
-                    # replica's output passes through the redacting wrapper before it reaches
-                    # the log file, so no later `crf logs` can show them
-                    child_env[ENV_SECRET_NAMES] = ",".join(secret_names)
-                    argv = [sys.executable, "-m", "crf.executors.redacted", *cmd]
-                with open(log_path, "ab") as log_file:
-                    if log_file.tell() > 0:  # a restart or a resume: mark where it begins
-                        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                        log_file.write(
-                            f"----- crf: replica {rank} started again at {stamp} -----\n".encode()
-                        )
-                        log_file.flush()
-                    popen = subprocess.Popen(
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        env=child_env,
-                        cwd=self.cwd,
-                        start_new_session=True,
-                        close_fds=True,
-                    )
-                handle = ReplicaHandle(
-                    backend=self.name,
-                    run_id=run_id,
-                    rank=rank,
-                    backend_id=str(popen.pid),
-                    run_uri=run_uri,
-                    world_size=n_replicas,
-                    log_path=str(log_path),
-                    # the start time tells this process from a later one given the same pid
-                    extra={
-                        "pgid": popen.pid,
-                        "program": cmd[0],
-                        "pid_started_at": process_started_at(popen.pid),
-                    },
-                )
-                with self._lock:
-                    self._procs[_key(handle)] = _Proc(popen, pgid=popen.pid)
-                handles.append(handle)
+                handles.append(self._start(cmd, child_env, env, log_dir / f"replica-{rank}.log"))
         except OSError as e:
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
             raise ExecutorError(f"could not start replica {rank}: {e}") from e
         self.remember_launch(
-            LaunchRecord(
-                n_replicas=n_replicas,
-                entrypoint=entrypoint,
-                entrypoint_args=tuple(str(a) for a in entrypoint_args),
-                env={str(k): str(v) for k, v in (env or {}).items()},
-                run_uri=run_uri,
-                run_id=run_id,
-            )
+            LaunchRecord.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id)
         )
         return handles
+
+    def _start(self, cmd: list[str], child_env: dict[str, str], env: Mapping[str, str] | None,
+               log_path: Path) -> ReplicaHandle:  # fmt: skip
+        """Start one replica's process, its output appended to ``log_path``."""
+        argv = cmd
+        secret_names = sorted(k for k in env or {} if not k.startswith("CRF_"))
+        if secret_names:
+            # as on every cloud backend, the caller's env= values are secrets: the replica's
+            # output passes through the redacting wrapper before it reaches the log file, so
+            # no later `crf logs` can show them
+            child_env[ENV_SECRET_NAMES] = ",".join(secret_names)
+            argv = [sys.executable, "-m", "crf.executors.redacted", *cmd]
+        rank = child_env[ENV_RANK]
+        with open(log_path, "ab") as log_file:
+            if log_file.tell() > 0:  # a restart or a resume: mark where it begins
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                mark = f"----- crf: replica {rank} started again at {stamp} -----\n"
+                log_file.write(mark.encode())
+                log_file.flush()
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                cwd=self.cwd,
+                start_new_session=True,
+                close_fds=True,
+            )
+        handle = ReplicaHandle(
+            backend=self.name,
+            run_id=child_env[ENV_RUN_ID],
+            rank=int(rank),
+            backend_id=str(popen.pid),
+            run_uri=child_env[ENV_RUN_URI],
+            world_size=int(child_env[ENV_WORLD_SIZE]),
+            log_path=str(log_path),
+            # the start time tells this process from a later one given the same pid
+            extra={
+                "pgid": popen.pid,
+                "program": cmd[0],
+                "pid_started_at": process_started_at(popen.pid),
+            },
+        )
+        with self._lock:
+            self._procs[_key(handle)] = _Proc(popen, pgid=popen.pid)
+        return handle
 
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         """Replicas share this machine's cores (``python -m crf.replica`` splits them)."""

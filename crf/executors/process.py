@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from crf.executors.base import ENV_RANK, ENV_RUN_ID
+from crf.layout import ENV_RANK, ENV_RUN_ID
 
 #: off Linux the start time is psutil's wall-clock one: readings may differ by this much
 START_TIME_TOLERANCE_S = 1.0

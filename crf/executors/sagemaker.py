@@ -59,7 +59,6 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 from crf import jsonsafe
 from crf.executors import catalog
 from crf.executors.base import (
-    ENV_RUN_URI,
     BackendPlan,
     Entrypoint,
     ExecutorError,
@@ -71,6 +70,7 @@ from crf.executors.base import (
 from crf.executors.bootstrap import BOOTSTRAP, LOADER, SECRET_STEP
 from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor
 from crf.executors.secrets import MissingCredentials, redact, scheme_of, store_secrets
+from crf.layout import ENV_RUN_URI
 
 DEFAULT_INSTANCE_TYPE = "ml.g5.xlarge"  # one A10G (24 GB): the cheapest current-gen GPU type
 DEFAULT_VOLUME_GB = 30

@@ -26,6 +26,8 @@ import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 
+from crf.layout import ENV_SECRET_NAMES
+
 #: variables passed through per store scheme when set in the driver's environment
 _PASS_THROUGH: dict[str, tuple[str, ...]] = {
     "s3": (
@@ -47,9 +49,6 @@ GCS_JSON_VAR = "CRF_GCS_CREDENTIALS_JSON"
 SECRET_NAMES = frozenset(
     {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", GCS_JSON_VAR}
 )
-#: plain environment of a container: the comma-separated NAMES of the variables it got through
-#: the secret mechanism, so the replica can hide their values from its own output
-ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
 #: shorter values are not redacted: hiding every "1" or "true" would garble the logs
 MIN_SECRET_CHARS = 6
 
