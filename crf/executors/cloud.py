@@ -216,7 +216,7 @@ class CloudExecutor(ServerlessExecutor):
         secrets = self.secrets_for(run_uri, env)
         try:
             code_key = self.upload_source(run_uri)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever the store's client raises, said as one error
             raise ExecutorError(f"could not upload the crf source to {run_uri}: {e}") from e
         argv = self.container_argv(command)
         handles: list[ReplicaHandle] = []
@@ -250,7 +250,7 @@ class CloudExecutor(ServerlessExecutor):
         except ExecutorError:
             self.cancel_all(handles)  # all or nothing: no orphan half of a paid run
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - anything that escapes a submit: no orphans left
             self.cancel_all(handles)
             raise ExecutorError(
                 f"{self.name} refused to start replica {len(handles)}: "

@@ -46,7 +46,7 @@ from huggingface_hub import HfApi, JobHardware, get_token
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import JobNotFoundError
 
-from crf.executors import catalog
+from crf.executors import adaptors, catalog
 from crf.executors.base import (
     BackendPlan,
     ExecutorError,
@@ -72,6 +72,10 @@ _CATALOG = catalog.load("hf_jobs")
 FLAVORS: dict[str, tuple[str, float]] = {
     name: (row["what"], row["usd_per_hour"]) for name, row in _CATALOG["flavors"].items()
 }
+
+#: what the Hub client raises for a refused, failed or unreachable request (HfHubHTTPError,
+#: the HTTP library's transport errors, OSError): reported, never a reason to crash the driver
+HF_ERRORS = adaptors.huggingface_hub.errors()
 
 _EXIT_CODE = re.compile(r"exit code\D{0,3}(-?\d+)", re.IGNORECASE)
 _TOKEN_HELP = (
@@ -184,7 +188,7 @@ class HFJobsExecutor(CloudExecutor):
                 me = self._api().whoami(cache=True)
             except ExecutorError:
                 raise
-            except Exception as e:
+            except HF_ERRORS as e:
                 raise self._explain(e, "looking up your user (whoami)") from None
             self.namespace = str(me["name"])
         return self.namespace
@@ -203,7 +207,7 @@ class HFJobsExecutor(CloudExecutor):
             served = {h.name for h in self._api().list_jobs_hardware()}
         except ExecutorError:
             raise
-        except Exception:
+        except HF_ERRORS:
             served = set()
         if self.flavor not in served:
             raise ExecutorError(
@@ -224,7 +228,7 @@ class HFJobsExecutor(CloudExecutor):
         api = self._api()
         try:
             me = api.whoami(cache=True)
-        except Exception as e:
+        except HF_ERRORS as e:
             raise self._explain(e, "checking the token (whoami)") from None
         user = str(me.get("name"))
         allowed = [user] + [str(o.get("name")) for o in me.get("orgs") or [] if o.get("name")]
@@ -268,7 +272,7 @@ class HFJobsExecutor(CloudExecutor):
                 name=label_value(f"crf-{run_id}-{rank}"),
                 namespace=ns,
             )
-        except Exception as e:
+        except HF_ERRORS as e:
             raise self._explain(e, f"starting replica {rank}") from None
         return job.id, {"namespace": ns, "url": job.url, "flavor": self.flavor}
 
@@ -318,7 +322,7 @@ class HFJobsExecutor(CloudExecutor):
             return st
         except ExecutorError:
             raise
-        except Exception as e:
+        except HF_ERRORS as e:
             if _status_code(e) in (401, 403):
                 raise self._explain(e, f"reading job {job_id}") from None
             # a network blip or a 5xx must not stop the driver: keep the last known state
@@ -344,7 +348,7 @@ class HFJobsExecutor(CloudExecutor):
             return
         except ExecutorError:
             raise
-        except Exception as e:
+        except HF_ERRORS as e:
             raise self._explain(e, f"reading the logs of job {handle.backend_id}") from None
 
     def cancel(self, handle: ReplicaHandle) -> None:
@@ -357,7 +361,7 @@ class HFJobsExecutor(CloudExecutor):
             pass
         except ExecutorError:
             raise
-        except Exception as e:
+        except HF_ERRORS as e:
             raise self._explain(e, f"cancelling job {handle.backend_id}") from None
         with self._status_lock:
             self._seen.pop(handle.backend_id, None)
@@ -373,7 +377,7 @@ class HFJobsExecutor(CloudExecutor):
         try:
             labels = {LABEL_RUN: label_value(run_id)}
             jobs = list(self._api().list_jobs(labels=labels, namespace=ns))
-        except Exception as e:
+        except HF_ERRORS as e:
             raise self._explain(e, f"listing the jobs of run {run_id}") from None
         for job in jobs:
             env = job.environment or {}

@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from crf.executors import catalog
+from crf.executors import adaptors, catalog
 from crf.executors.base import (
     BackendPlan,
     ExecutorError,
@@ -76,13 +76,19 @@ _END = object()
 
 
 def _modal() -> Any:
+    """The modal SDK (through its adaptor); ExecutorError naming the extra when missing."""
     try:
-        import modal
-    except ImportError:
+        return adaptors.modal.load()
+    except adaptors.MissingSDK:
         raise ExecutorError(
             "the modal backend needs the modal client: pip install 'composer-replication[modal]'"
         ) from None
-    return modal
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """What the modal client raises for a refused, failed or unreachable call
+    (modal.exception.Error, gRPC errors, OSError)."""
+    return adaptors.modal.errors()
 
 
 def parse_gpu(gpu: str | None) -> tuple[str, int] | None:
@@ -122,8 +128,7 @@ def hourly_price(gpu: str | None, cpu: float | None, memory_mb: int | None) -> f
 def modal_credentials() -> tuple[str, str] | None:
     """(token id, token secret) from MODAL_TOKEN_ID/SECRET or ~/.modal.toml, else None."""
     _modal()  # ExecutorError naming the pip extra when the client is missing
-    from modal.config import config
-
+    config = adaptors.modal.load("config").config
     token_id, token_secret = config.get("token_id"), config.get("token_secret")
     return (token_id, token_secret) if token_id and token_secret else None
 
@@ -207,8 +212,7 @@ class ModalExecutor(CloudExecutor):
                 if creds is not None:
                     self._client_obj = modal.Client.from_credentials(*creds)
                 else:
-                    from modal.config import config
-
+                    config = adaptors.modal.load("config").config
                     if not config.get("oauth_refresh_token"):
                         raise ExecutorError(
                             "no Modal credentials: run `modal token new` or set "
@@ -236,20 +240,20 @@ class ModalExecutor(CloudExecutor):
         if client is not None:
             try:
                 client.close()
-            except Exception:
+            except _errors():
                 pass
 
     def _translate(self, e: Exception, what: str) -> ExecutorError:
-        from modal.exception import AuthError, ConnectionError, NotFoundError
+        exc = adaptors.modal.load("exception")
 
-        if isinstance(e, AuthError):
+        if isinstance(e, exc.AuthError):
             return ExecutorError(
                 f"Modal rejected the credentials while trying to {what} ({e}): run `modal token "
                 "new` or set MODAL_TOKEN_ID/MODAL_TOKEN_SECRET to a valid token"
             )
-        if isinstance(e, ConnectionError):
+        if isinstance(e, exc.ConnectionError):
             return ExecutorError(f"cannot reach Modal to {what}: {e}")
-        if isinstance(e, NotFoundError):
+        if isinstance(e, exc.NotFoundError):
             return ExecutorError(f"Modal cannot {what}: {e}")
         return ExecutorError(f"Modal failed to {what}: {type(e).__name__}: {e}")
 
@@ -258,8 +262,7 @@ class ModalExecutor(CloudExecutor):
         """GPU name known, credentials present, and accepted by Modal (``ClientHello``)."""
         parse_gpu(self.gpu)
         if modal_credentials() is None:
-            from modal.config import config
-
+            config = adaptors.modal.load("config").config
             if not config.get("oauth_refresh_token"):
                 raise ExecutorError(
                     "no Modal credentials: run `modal token new` or set "
@@ -269,7 +272,7 @@ class ModalExecutor(CloudExecutor):
             self._client().hello()
         except ExecutorError:
             raise
-        except Exception as e:
+        except _errors() as e:
             raise self._translate(e, "verify the token") from None
 
     # ------------------------------------------------------------------ launch
@@ -319,7 +322,7 @@ class ModalExecutor(CloudExecutor):
             )
         except ExecutorError:
             raise
-        except Exception as e:
+        except _errors() as e:
             from crf.executors.secrets import redact
 
             err = self._translate(e, f"create the Sandbox of replica {rank}")
@@ -337,7 +340,7 @@ class ModalExecutor(CloudExecutor):
                 sb = _modal().Sandbox.from_id(handle.backend_id, client=self._client())
             except ExecutorError:
                 raise
-            except Exception as e:
+            except _errors() as e:
                 raise self._translate(e, f"find Sandbox {handle.backend_id}") from None
             with self._lock:
                 self._sandboxes[handle.backend_id] = sb
@@ -347,7 +350,7 @@ class ModalExecutor(CloudExecutor):
         sb = self._sandbox(handle)
         try:
             code = sb.poll()
-        except Exception as e:
+        except _errors() as e:
             raise self._translate(e, f"poll Sandbox {handle.backend_id}") from None
         if code is None:
             return ReplicaStatus(ReplicaState.RUNNING)
@@ -372,7 +375,7 @@ class ModalExecutor(CloudExecutor):
             return True
         try:
             return sb.get_tags().get(TAG_CANCELLED) == "1"
-        except Exception:
+        except _errors():
             return False
 
     def cancel(self, handle: ReplicaHandle) -> None:
@@ -384,12 +387,12 @@ class ModalExecutor(CloudExecutor):
                 sb.set_tags(
                     {LABEL_RUN: handle.run_id, LABEL_RANK: str(handle.rank), TAG_CANCELLED: "1"}
                 )
-            except Exception:
+            except _errors():
                 pass
             with self._lock:
                 self._cancelled.add(handle.backend_id)
             sb.terminate()
-        except Exception as e:
+        except _errors() as e:
             raise self._translate(e, f"terminate Sandbox {handle.backend_id}") from None
 
     # ------------------------------------------------------------------ logs
@@ -433,7 +436,7 @@ class ModalExecutor(CloudExecutor):
                     if t.done() and not t.cancelled() and t.exception() is not None:
                         q.put(t.exception())
                         break
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any error goes to the reading thread
                 q.put(e)
             finally:
                 for t in tasks:
@@ -483,7 +486,7 @@ class ModalExecutor(CloudExecutor):
                     world_size=world_size,
                     extra={"app_id": app.app_id, "app_name": self.app_name, "gpu": self.gpu},
                 )
-        except Exception as e:
+        except _errors() as e:
             raise self._translate(e, f"list the Sandboxes of run {run_id}") from None
         if not found:
             raise ExecutorError(

@@ -8,11 +8,11 @@ process from ``config()`` saved in the store. Cloud backends are imported only w
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from crf.executors.adaptors import MissingSDK, import_with_extra
 from crf.executors.base import ExecutorError, ServerlessExecutor
 from crf.spec import coerce_text
 
@@ -30,8 +30,8 @@ def executor_class(name: str) -> type[ServerlessExecutor]:
         raise ExecutorError(f"unknown backend {name!r}; available backends: {', '.join(BACKENDS)}")
     module, cls, extra = BACKENDS[name]
     try:
-        return getattr(importlib.import_module(module), cls)
-    except ImportError as e:
+        return getattr(import_with_extra(module, extra), cls)
+    except MissingSDK as e:
         raise ExecutorError(
             f"the {name} backend needs its client library ({e.name or e}): "
             f"pip install 'composer-replication[{extra}]'"

@@ -72,11 +72,11 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
     scheme = scheme_of(run_uri)
     out = {k: env[k] for k in _PASS_THROUGH.get(scheme, ()) if env.get(k)}
     if scheme == "s3" and "AWS_ACCESS_KEY_ID" not in out:
-        try:
-            import boto3
+        from crf.executors.adaptors import MissingSDK, boto3, botocore
 
+        try:
             creds = boto3.Session().get_credentials()
-        except Exception:  # boto3 missing or a broken profile: report as missing below
+        except (MissingSDK, *botocore.errors()):  # no boto3 or a broken profile: missing
             creds = None
         if creds is None:
             raise MissingCredentials(
@@ -103,11 +103,11 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
                 f"GOOGLE_APPLICATION_CREDENTIALS={path} cannot be read ({e})"
             ) from None
     elif scheme == "hf" and "HF_TOKEN" not in out:
-        try:
-            from huggingface_hub import get_token
+        from crf.executors.adaptors import MissingSDK, huggingface_hub
 
-            token = get_token()
-        except ImportError:
+        try:
+            token = huggingface_hub.get_token()
+        except MissingSDK:
             token = None
         if not token:
             raise MissingCredentials(

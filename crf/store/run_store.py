@@ -110,12 +110,12 @@ def supported_schemes() -> tuple[str, ...]:
 def _ensure_scheme(scheme: str) -> None:
     if scheme in _WRITERS or scheme not in _LAZY_SCHEMES:
         return
-    import importlib
+    from crf.executors.adaptors import MissingSDK, import_with_extra
 
+    extra = {"gs": "gcs", "gcs": "gcs"}.get(scheme, scheme)
     try:
-        importlib.import_module(_LAZY_SCHEMES[scheme])
-    except ImportError as e:
-        extra = {"gs": "gcs", "gcs": "gcs"}.get(scheme, scheme)
+        import_with_extra(_LAZY_SCHEMES[scheme], extra)
+    except MissingSDK as e:
         raise StoreNotWritable(
             f"{scheme}:// stores need an optional dependency ({e.name or e}): "
             f"pip install 'composer-replication[{extra}]'"
@@ -164,15 +164,13 @@ def _garbled_in_transit() -> tuple[type[BaseException], ...]:
     request gets it whole (seen against moto under load: one read of a 32 MB reduced shard
     failed its CRC32 check). botocore raises these as its own exceptions, not OSErrors, so
     without this one bad response would fail the whole round."""
+    from crf.executors.adaptors import MissingSDK, botocore
+
     try:
-        from botocore.exceptions import (
-            FlexibleChecksumError,
-            IncompleteReadError,
-            ResponseStreamingError,
-        )
-    except ImportError:  # no S3 extra installed: nothing of this kind can be raised
+        exc = botocore.load("exceptions")
+    except MissingSDK:  # no S3 extra installed: nothing of this kind can be raised
         return ()
-    return (FlexibleChecksumError, IncompleteReadError, ResponseStreamingError)
+    return (exc.FlexibleChecksumError, exc.IncompleteReadError, exc.ResponseStreamingError)
 
 
 def split_uri(uri: str) -> tuple[str, str]:
