@@ -423,7 +423,7 @@ class ServerlessExecutor(ABC):
             return None, None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return None, f"{key} is not valid JSON ({e})"
-        except Exception as e:  # store unreachable: report, do not lose the exit codes
+        except Exception as e:  # noqa: BLE001 - any store client's error: report it, keep the exit codes
             return None, f"could not read {key}: {type(e).__name__}: {e}"
         if not isinstance(data, dict):
             return None, f"{key} is not a JSON object"

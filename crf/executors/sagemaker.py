@@ -52,12 +52,12 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-import boto3  # the registry turns a missing boto3 into "pip install ...[sagemaker]"
+import boto3  # imported through adaptors.import_with_extra: a missing boto3 names the extra
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from crf import jsonsafe
-from crf.executors import catalog
+from crf.executors import adaptors, catalog
 from crf.executors.base import (
     BackendPlan,
     Entrypoint,
@@ -153,12 +153,12 @@ def job_name(run_id: str, rank: int) -> str:
 def known_instance_types() -> list[str]:
     """The training instance types the installed botocore knows (its API model's enum)."""
     try:
-        import botocore.session
-
-        model = botocore.session.get_session().get_service_model("sagemaker")
+        session = adaptors.botocore.load("session")
+        model = session.get_session().get_service_model("sagemaker")
         shape = model.operation_model("CreateTrainingJob").input_shape
         return list(shape.members["ResourceConfig"].members["InstanceType"].enum)
-    except Exception:  # a botocore without the model: fall back to the priced ones
+    except (*adaptors.botocore.errors(), KeyError, AttributeError):
+        # a botocore without the model, or whose model is shaped differently: the priced ones
         return sorted(HOURLY_USD)
 
 

@@ -61,6 +61,7 @@ from huggingface_hub.utils import (
     parse_ratelimit_headers,
 )
 
+from crf.executors import adaptors
 from crf.store.errors import StoreError, StoreNotWritable
 from crf.store.run_store import RunStore, register_scheme
 
@@ -71,6 +72,9 @@ except ImportError:  # pragma: no cover - older clients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: what a Hub call raises when it is refused, fails or cannot connect (HfHubHTTPError, the HTTP
+#: client's errors, OSError); the retry loops look at these and re-raise the rest untouched
+HUB_ERRORS = adaptors.huggingface_hub.errors()
 
 
 def _env_float(name: str, default: float) -> float:
@@ -175,7 +179,7 @@ def _with_backoff(what: str, fn: Callable[[], T]) -> T:
     while True:
         try:
             return fn()
-        except Exception as e:
+        except HUB_ERRORS as e:
             if _status(e) == 429:
                 backoff.rate_limited(e)
             elif _transient(e) and transient < TRANSIENT_RETRIES:
@@ -244,7 +248,7 @@ def _commit_retrying(api: Any, u: Any, ops: Callable[[], list[Any]], message: st
         try:
             _commit(api, u, ops, message)
             return
-        except Exception as e:
+        except HUB_ERRORS as e:
             status = _status(e)
             if status == 429:
                 backoff.rate_limited(e)
@@ -285,7 +289,7 @@ def _create_in_repo(api: Any, u: Any, data: bytes) -> bool:
             head = api.repo_info(u.id, repo_type=u.type, revision=u.revision).sha
             if api.file_exists(u.id, u.path_in_repo, repo_type=u.type, revision=head):
                 return ambiguous and _is_our_commit(api, u, nonce)
-        except Exception as e:
+        except HUB_ERRORS as e:
             if _status(e) == 429:
                 backoff.rate_limited(e)
                 continue
@@ -303,7 +307,7 @@ def _create_in_repo(api: Any, u: Any, data: bytes) -> bool:
                 parent_commit=head,
             )
             return True
-        except Exception as e:
+        except HUB_ERRORS as e:
             status = _status(e)
             if status == 429:
                 backoff.rate_limited(e)

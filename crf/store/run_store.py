@@ -453,7 +453,8 @@ class RunStore:
             self.delete(key)
         except StoreNotWritable:
             raise
-        except Exception as e:  # permission, missing bucket, read-only fs...
+        except Exception as e:  # noqa: BLE001 - any client's error (permission, missing bucket,
+            # read-only fs...) has one answer here: not writable, and why
             raise StoreNotWritable(
                 f"cannot write to store {self.uri}: {type(e).__name__}: {e}. "
                 "Check the path/bucket exists and that you may write there."
