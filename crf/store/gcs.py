@@ -17,38 +17,32 @@ emulator. Pass ``token=``/``project=`` as storage options to override. Nothing i
 
 from __future__ import annotations
 
-import inspect
 import os
-from typing import Any
 
 import aiohttp
 import gcsfs
 from gcsfs.retry import HttpError
 from google.auth.exceptions import RefreshError
 
-from crf.store.conditional import tokened_put
+from crf.store.conditional import (
+    WRITER_META,
+    created_by,
+    require_create_mode,
+    tokened_put,
+    uncached_listings,
+)
 from crf.store.errors import StoreNotWritable
 from crf.store.run_store import RunStore, register_scheme
 
-#: custom-metadata key holding the random token of the call that created an object
-WRITER_META = "crf-writer"
 #: objects of at least this size go up as a resumable upload in chunks of this size
 UPLOAD_CHUNKSIZE = 50 * 2**20
 
 
-if "mode" not in inspect.signature(gcsfs.GCSFileSystem._pipe_file).parameters:
-    raise ImportError(
-        f"gcsfs {gcsfs.__version__} cannot make conditional writes; gcsfs>=2024.12 is needed"
-    )
+require_create_mode(gcsfs.GCSFileSystem, "gcsfs", gcsfs.__version__)
 
 
 class GCSUnreachable(StoreNotWritable, ConnectionError):
     """The GCS endpoint could not be reached (a ConnectionError, so RunStore retries it)."""
-
-
-def _fs_options() -> dict[str, Any]:
-    # Other replicas write behind this process's back: never trust a cached listing.
-    return {"use_listings_cache": False}
 
 
 def _endpoint(store: RunStore) -> str:
@@ -59,11 +53,7 @@ def _endpoint(store: RunStore) -> str:
 def _created_by(store: RunStore, path: str, token: str) -> bool:
     """After a 412: is the object at ``path`` the one this call (token) created?"""
     store.fs.invalidate_cache(path)
-    try:
-        info = store.fs.info(path)
-    except FileNotFoundError:
-        return False  # deleted since: whoever created it, it was not us
-    return (info.get("metadata") or {}).get(WRITER_META) == token
+    return created_by(lambda: store.fs.info(path).get("metadata"), token)
 
 
 def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException:
@@ -143,4 +133,6 @@ def _put_gcs(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
 
 # the module is imported for gs:// and gcs://: register both names gcsfs answers to
 for _scheme in ("gs", "gcs"):
-    register_scheme(_scheme, _put_gcs, _fs_options, explain=_explain, on_open=_check_credentials)
+    register_scheme(
+        _scheme, _put_gcs, uncached_listings, explain=_explain, on_open=_check_credentials
+    )

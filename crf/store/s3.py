@@ -20,7 +20,6 @@ Nothing here logs or prints them.
 from __future__ import annotations
 
 import bisect
-import inspect
 import io
 import os
 from typing import Any
@@ -36,31 +35,25 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from crf.store.conditional import tokened_put
+from crf.store.conditional import (
+    WRITER_META,
+    created_by,
+    require_create_mode,
+    tokened_put,
+    uncached_listings,
+)
 from crf.store.errors import StoreNotWritable
 from crf.store.run_store import RunStore, register_scheme
 
-#: object metadata key holding the random token of the call that created an object
-WRITER_META = "crf-writer"
 #: objects of at least twice this size go up as a multipart upload (parts of this size)
 MULTIPART_CHUNKSIZE = 50 * 2**20
 
 
-if "mode" not in inspect.signature(s3fs.S3FileSystem._pipe_file).parameters:
-    # older s3fs pass mode= on to PutObject, which drops it: creates would not be conditional
-    raise ImportError(
-        f"s3fs {s3fs.__version__} cannot make conditional writes; s3fs>=2024.12 is needed"
-    )
+require_create_mode(s3fs.S3FileSystem, "s3fs", s3fs.__version__)
 
 
 class S3Unreachable(StoreNotWritable, ConnectionError):
     """The S3 endpoint could not be reached (a ConnectionError, so RunStore retries it)."""
-
-
-def _fs_options() -> dict[str, Any]:
-    # Other replicas write behind this process's back: a cached listing would hide their
-    # objects from list()/exists()/wait_for() for ever, so never cache listings.
-    return {"use_listings_cache": False}
 
 
 def _endpoint(store: RunStore) -> str:
@@ -100,11 +93,9 @@ def _split(store: RunStore, path: str) -> tuple[str, str]:
 def _created_by(store: RunStore, path: str, token: str) -> bool:
     """After a 412: is the object at ``path`` the one this call (token) created?"""
     bucket, key = _split(store, path)
-    try:
-        head = store.fs.call_s3("head_object", Bucket=bucket, Key=key)
-    except FileNotFoundError:
-        return False  # deleted since: whoever created it, it was not us
-    return (head.get("Metadata") or {}).get(WRITER_META) == token
+    return created_by(
+        lambda: store.fs.call_s3("head_object", Bucket=bucket, Key=key).get("Metadata"), token
+    )
 
 
 def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException:
@@ -298,7 +289,7 @@ def _put_s3(store: RunStore, path: str, data: Any, exclusive: bool) -> bool:
 register_scheme(
     "s3",
     _put_s3,
-    _fs_options,
+    uncached_listings,
     _read_s3,
     takes_parts=True,
     explain=lambda store, e: _not_writable(store, store.root, e),
