@@ -31,6 +31,7 @@ import tarfile
 import threading
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -86,6 +87,21 @@ def pack_source() -> tuple[bytes, str]:
                 tar.addfile(info, f)
     data = buf.getvalue()
     return data, hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One container to start: what ``CloudExecutor.launch_replicas`` asks a backend's
+    ``_submit`` for (the plain env, the secrets apart, the labels that find it again)."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    argv: list[str]
+    env: dict[str, str]
+    secrets: dict[str, str]
+    labels: dict[str, str]
+    max_restarts: int
 
 
 class CloudExecutor(ServerlessExecutor):
@@ -183,18 +199,7 @@ class CloudExecutor(ServerlessExecutor):
         return {LABEL_RUN: run_id, LABEL_RANK: str(rank)}
 
     @abstractmethod
-    def _submit(
-        self,
-        *,
-        run_id: str,
-        rank: int,
-        world_size: int,
-        argv: list[str],
-        env: dict[str, str],
-        secrets: dict[str, str],
-        labels: dict[str, str],
-        max_restarts: int,
-    ) -> tuple[str, dict[str, Any]]:
+    def _submit(self, sub: Submission) -> tuple[str, dict[str, Any]]:
         """Start one container; return (backend id, extra handle fields)."""
 
     def launch_replicas(
@@ -223,18 +228,20 @@ class CloudExecutor(ServerlessExecutor):
         try:
             for rank in to_start:
                 backend_id, extra = self._submit(
-                    run_id=run_id,
-                    rank=rank,
-                    world_size=n_replicas,
-                    argv=argv,
-                    env={
-                        **self.container_env(run_uri, run_id, rank, n_replicas, code_key),
-                        # names only: the container hides these variables' values itself
-                        ENV_SECRET_NAMES: ",".join(sorted(secrets)),
-                    },
-                    secrets=secrets,
-                    labels=self.labels(run_id, rank),
-                    max_restarts=max_restarts,
+                    Submission(
+                        run_id=run_id,
+                        rank=rank,
+                        world_size=n_replicas,
+                        argv=argv,
+                        env={
+                            **self.container_env(run_uri, run_id, rank, n_replicas, code_key),
+                            # names only: the container hides these variables' values itself
+                            ENV_SECRET_NAMES: ",".join(sorted(secrets)),
+                        },
+                        secrets=secrets,
+                        labels=self.labels(run_id, rank),
+                        max_restarts=max_restarts,
+                    )
                 )
                 handles.append(
                     ReplicaHandle(

@@ -54,7 +54,7 @@ from crf.executors.base import (
     ReplicaState,
     ReplicaStatus,
 )
-from crf.executors.cloud import DEFAULT_TIMEOUT_S, LABEL_RANK, LABEL_RUN, CloudExecutor
+from crf.executors.cloud import DEFAULT_TIMEOUT_S, LABEL_RANK, LABEL_RUN, CloudExecutor, Submission
 from crf.executors.secrets import redact
 from crf.layout import ENV_RUN_ID, ENV_RUN_URI, ENV_WORLD_SIZE
 
@@ -245,35 +245,24 @@ class HFJobsExecutor(CloudExecutor):
     def labels(self, run_id: str, rank: int) -> dict[str, str]:
         return {LABEL_RUN: label_value(run_id), LABEL_RANK: str(rank)}
 
-    def _submit(
-        self,
-        *,
-        run_id: str,
-        rank: int,
-        world_size: int,
-        argv: list[str],
-        env: dict[str, str],
-        secrets: dict[str, str],
-        labels: dict[str, str],
-        max_restarts: int,
-    ) -> tuple[str, dict[str, Any]]:
-        """One ``run_job``; ``max_restarts`` is ignored (no native restarts, see above)."""
+    def _submit(self, sub: Submission) -> tuple[str, dict[str, Any]]:
+        """One ``run_job``; ``sub.max_restarts`` is ignored (no native restarts, see above)."""
         self._check_flavor()
         ns = self._ns()
         try:
             job = self._api().run_job(
                 image=str(self.image),
-                command=argv,
-                env=env,
-                secrets=secrets,
+                command=sub.argv,
+                env=sub.env,
+                secrets=sub.secrets,
                 flavor=self.flavor,
                 timeout=int(math.ceil(self.timeout_s)),
-                labels=labels,
-                name=label_value(f"crf-{run_id}-{rank}"),
+                labels=sub.labels,
+                name=label_value(f"crf-{sub.run_id}-{sub.rank}"),
                 namespace=ns,
             )
         except HF_ERRORS as e:
-            raise self._explain(e, f"starting replica {rank}") from None
+            raise self._explain(e, f"starting replica {sub.rank}") from None
         return job.id, {"namespace": ns, "url": job.url, "flavor": self.flavor}
 
     # ------------------------------------------------------------------ status

@@ -51,7 +51,8 @@ from crf.executors.base import (
     ReplicaState,
     ReplicaStatus,
 )
-from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, requirements_for
+from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, Submission, requirements_for
+from crf.layout import ENV_RUN_URI
 
 #: the longest a Modal Sandbox may live (``timeout=``), in seconds
 MAX_TIMEOUT_S = 24 * 3600
@@ -290,34 +291,23 @@ class ModalExecutor(CloudExecutor):
             self._images[reqs] = base.pip_install(*reqs)
         return self._images[reqs]
 
-    def _submit(
-        self,
-        *,
-        run_id: str,
-        rank: int,
-        world_size: int,
-        argv: list[str],
-        env: dict[str, str],
-        secrets: dict[str, str],
-        labels: dict[str, str],
-        max_restarts: int,
-    ) -> tuple[str, dict[str, Any]]:
+    def _submit(self, sub: Submission) -> tuple[str, dict[str, Any]]:
         parse_gpu(self.gpu)  # a bad name fails here, before Modal is asked
         modal = _modal()
         try:
             app = self._app()
             sb = modal.Sandbox.create(
-                *argv,
+                *sub.argv,
                 app=app,
-                image=self._image(env["CRF_RUN_URI"]),
-                env=env,
-                secrets=[modal.Secret.from_dict(secrets)] if secrets else [],
+                image=self._image(sub.env[ENV_RUN_URI]),
+                env=sub.env,
+                secrets=[modal.Secret.from_dict(sub.secrets)] if sub.secrets else [],
                 gpu=self.gpu,
                 cpu=self.cpu,
                 memory=self.memory_mb,
                 region=self.region,
                 timeout=max(1, int(round(self.timeout_s))),
-                tags=labels,
+                tags=sub.labels,
                 client=self._client(),
             )
         except ExecutorError:
@@ -325,8 +315,8 @@ class ModalExecutor(CloudExecutor):
         except _errors() as e:
             from crf.executors.secrets import redact
 
-            err = self._translate(e, f"create the Sandbox of replica {rank}")
-            raise ExecutorError(redact(str(err), secrets.values())) from None
+            err = self._translate(e, f"create the Sandbox of replica {sub.rank}")
+            raise ExecutorError(redact(str(err), sub.secrets.values())) from None
         with self._lock:
             self._sandboxes[sb.object_id] = sb
         extra = {"app_id": app.app_id, "app_name": self.app_name, "gpu": self.gpu}

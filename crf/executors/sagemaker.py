@@ -68,7 +68,7 @@ from crf.executors.base import (
     ReplicaStatus,
 )
 from crf.executors.bootstrap import BOOTSTRAP, LOADER, SECRET_STEP
-from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor
+from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, Submission
 from crf.executors.secrets import MissingCredentials, redact, scheme_of, store_secrets
 from crf.layout import ENV_RUN_URI
 
@@ -535,37 +535,26 @@ class SageMakerExecutor(CloudExecutor):
                 )
         return out
 
-    def _submit(
-        self,
-        *,
-        run_id: str,
-        rank: int,
-        world_size: int,
-        argv: list[str],
-        env: dict[str, str],
-        secrets: dict[str, str],
-        labels: dict[str, str],
-        max_restarts: int,
-    ) -> tuple[str, dict[str, Any]]:
+    def _submit(self, sub: Submission) -> tuple[str, dict[str, Any]]:
         if not self.role_arn:
             raise ExecutorError("no role_arn: SageMaker jobs need an IAM execution role")
         region = self._region()
-        output = self._output_path(env[ENV_RUN_URI])
-        secret_arn = self._ensure_secret(run_id, secrets)
-        name = job_name(run_id, rank)
+        output = self._output_path(sub.env[ENV_RUN_URI])
+        secret_arn = self._ensure_secret(sub.run_id, sub.secrets)
+        name = job_name(sub.run_id, sub.rank)
         stopping: dict[str, int] = {"MaxRuntimeInSeconds": max(1, math.ceil(self.timeout_s))}
         if self.spot:
             wait = self.max_wait_s if self.max_wait_s is not None else self.timeout_s + 3600
             stopping["MaxWaitTimeInSeconds"] = max(stopping["MaxRuntimeInSeconds"], math.ceil(wait))
-        if max_restarts > 0:  # relaunches (max_restarts=0) keep the run's first setting
-            self._retries[run_id] = min(int(max_restarts), MAX_RETRY_ATTEMPTS)
+        if sub.max_restarts > 0:  # relaunches (max_restarts=0) keep the run's first setting
+            self._retries[sub.run_id] = min(int(sub.max_restarts), MAX_RETRY_ATTEMPTS)
         request: dict[str, Any] = {
             "TrainingJobName": name,
             "AlgorithmSpecification": {
                 "TrainingImage": self._image(region),
                 "TrainingInputMode": "File",
-                "ContainerEntrypoint": argv[:3],
-                "ContainerArguments": argv[3:],
+                "ContainerEntrypoint": sub.argv[:3],
+                "ContainerArguments": sub.argv[3:],
             },
             "RoleArn": self.role_arn,
             "OutputDataConfig": {"S3OutputPath": output},
@@ -576,11 +565,11 @@ class SageMakerExecutor(CloudExecutor):
             },
             "StoppingCondition": stopping,
             "EnableManagedSpotTraining": self.spot,
-            "Environment": self._environment(env, secret_arn, region),
-            "Tags": [{"Key": k, "Value": v} for k, v in labels.items()],
+            "Environment": self._environment(sub.env, secret_arn, region),
+            "Tags": [{"Key": k, "Value": v} for k, v in sub.labels.items()],
         }
-        if self._retries.get(run_id):
-            request["RetryStrategy"] = {"MaximumRetryAttempts": self._retries[run_id]}
+        if self._retries.get(sub.run_id):
+            request["RetryStrategy"] = {"MaximumRetryAttempts": self._retries[sub.run_id]}
         try:
             created = self._client("sagemaker", region).create_training_job(**request)
         except ClientError as e:
