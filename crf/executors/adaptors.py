@@ -1,11 +1,15 @@
 """The cloud SDKs, each behind one lazy adaptor: imported on first use, never by ``import crf``.
 
 Every backend and store reaches its SDK (modal, huggingface_hub, boto3/botocore, gcsfs,
-s3fs) through an adaptor here, so a missing SDK fails the same way everywhere: a
-``MissingSDK`` (an ImportError) naming the pip extra that installs it. Each adaptor also
-lists the SDK's own error types (``errors()``), which callers catch instead of a bare
-``except Exception``: an error of the SDK or of the network under it is a failure to report,
-anything else is a bug that must surface.
+s3fs) through here, so a missing SDK fails the same way everywhere: a ``MissingSDK`` (an
+ImportError) naming the pip extra that installs it. Code that uses an SDK now and then goes
+through its adaptor (``adaptors.modal.load()``, ``adaptors.boto3.Session()``); a module that is
+all about one SDK (``crf.store.s3``, ``crf.executors.hf_jobs``, ...) imports it at its top and
+is itself imported through ``import_with_extra`` (the backend registry, the store's schemes).
+
+Each adaptor also lists the SDK's own error types (``errors()``), which callers catch instead
+of a bare ``except Exception``: an error of the SDK or of the network under it is a failure to
+report, anything else is a bug that must surface.
 """
 
 from __future__ import annotations
