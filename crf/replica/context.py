@@ -34,10 +34,10 @@ from crf.exchange import wire as wirefmt
 from crf.exchange.allreduce import (
     HEARTBEAT_KEY,
     NonFiniteError,
-    ObjectStoreAllReduce,
     describe_nonfinite,
     tensors_layout_hash,
 )
+from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import (
     ObjectStoreManager,
     restart_cannot_help,
@@ -203,27 +203,20 @@ class ReplicaContext:
         from torchft.local_sgd import DiLoCo
 
         spec = self.spec
-        exchange = ObjectStoreAllReduce(
-            self.store,
-            self.world_size,
-            self.rank,
-            run_id=spec.run_id,
-            min_replicas=spec.min_replicas,
-            round_timeout_s=spec.round_timeout_s,
+        config = ExchangeConfig.from_spec(
+            spec,
             shard_grace_s=self.shard_grace_s,
-            num_shards=spec.num_shards,
-            keep_rounds=spec.keep_rounds,
-            wire_dtype=spec.wire_dtype,
-            error_feedback=spec.error_feedback,
             # this context's heartbeats tell the others who is alive: a dead replica costs
             # one round deadline, not one per round
             follow_liveness=True,
         )
         manager = ObjectStoreManager(
-            exchange,
+            self.store,
+            self.world_size,
+            self.rank,
+            config,
             on_phase=self._set_phase,
             async_checkpoints=True,
-            checkpoint_every=spec.checkpoint_every,
         )
         manager.final_round = spec.exchange_rounds - 1
         # global and inner states carry the model's layout; one of another model is refused
