@@ -42,25 +42,23 @@ from typing import Any
 
 import torch
 
-from crf import jsonsafe
+from crf import jsonsafe, layout
 from crf.exchange import wire as wirefmt
 from crf.exchange.config import ExchangeConfig, ExchangeHooks, _check_int
 from crf.exchange.contribution import (
     FACTS,
     Arrival,
     Packing,
-    contrib_key,
     contrib_name,
     encode_manifest,
     facts_digest,
-    held_key,
     manifest_size,
     parse_contrib_name,
     read_manifest,
     shard_header_size,
-    shard_name,
 )
 from crf.faults import maybe_fault, maybe_poison
+from crf.layout import contrib_key, held_key, shard_name
 from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
@@ -86,10 +84,6 @@ _DECISION_POLL_S = 1.0
 #: about to decide a round not everyone arrived for, finds itself alone in its round, or still
 #: waits for arrivals this long after its own: in a round that fills at once nobody asks
 _LAG_CHECK_AFTER_S = 0.5
-#: where a replica's heartbeat lives (written by :class:`crf.replica.context.ReplicaContext`
-#: about once a second while it trains): ``exchange_round`` (the round it is at),
-#: ``phase`` and ``updated_at`` (its wall clock) are what membership reads
-HEARTBEAT_KEY = "replicas/{rank}/state.json"
 #: a heartbeat counts as a sign of life for this long, as a share of the round deadline (and
 #: at most _ALIVE_MAX_S): a live replica refreshes it every second, while a dead one's is
 #: at least a deadline old once the round it missed was decided
@@ -697,7 +691,7 @@ class ObjectStoreAllReduce:
     ) -> bool:
         """One pass over round r's pending reduced shards, downloaded in parallel: each one
         there is verified into ``got`` and leaves ``pending``. True if any arrived."""
-        base = f"rounds/{r}"
+        base = layout.round_dir(r)
         fetches = [
             (
                 s,
@@ -786,7 +780,7 @@ class ObjectStoreAllReduce:
         owner's late first attempt finds them gone and defers to the published average
         (:class:`_AlreadyReduced`), and the quorum is decided, so nobody reads the
         manifest."""
-        for key in (contrib_key(r, name), f"rounds/{r}/held/{self.rank}"):
+        for key in (contrib_key(r, name), layout.held_dir(r, self.rank)):
             try:
                 self.store.delete(key)
             except Exception as e:  # only disk space is at stake; the GC retries later
@@ -809,7 +803,7 @@ class ObjectStoreAllReduce:
         is not listed again."""
         present = self._present.setdefault(r, {})
         if len(present) < self.world_size:
-            for name in self.store.list(f"rounds/{r}/contrib"):
+            for name in self.store.list(layout.contrib_dir(r)):
                 arrival = parse_contrib_name(name)
                 if arrival is not None and arrival.rank < self.world_size:
                     present.setdefault(arrival.rank, arrival)
@@ -834,7 +828,7 @@ class ObjectStoreAllReduce:
         if r == 0:
             return None
         if r - 1 not in self._members:
-            data = self._get_if_there(res, f"rounds/{r - 1}/quorum.json", 0)
+            data = self._get_if_there(res, layout.quorum_key(r - 1), 0)
             decided: Any = None
             if data is not None:
                 try:
@@ -855,7 +849,7 @@ class ObjectStoreAllReduce:
         older round; one that ended says so in its phase. An unreadable store answers yes:
         waiting is what a round did before liveness was followed."""
         try:
-            beat = json.loads(self.store.get(HEARTBEAT_KEY.format(rank=k)))
+            beat = json.loads(self.store.get(layout.heartbeat_key(k)))
         except ObjectNotFound:
             return False
         except (ValueError, CorruptObjectError):
@@ -896,7 +890,7 @@ class ObjectStoreAllReduce:
         conditional writes costs N - 1 refusals, each followed by two reads). Anyone decides
         if it has not appeared within ``_DECIDER_GRACE_S``, and at the round deadline with at
         least ``min_replicas`` eligible."""
-        key = f"rounds/{r}/quorum.json"
+        key = layout.quorum_key(r)
         deadline = time.monotonic() + self.config.round_timeout_s
         decided: dict[str, Any] | None = None
         next_hook = [time.monotonic() + 1.0]
@@ -1137,13 +1131,13 @@ class ObjectStoreAllReduce:
         for k in later:
             if k <= r:
                 break
-            if self.store.object_exists(f"rounds/{k}/quorum.json"):
+            if self.store.object_exists(layout.quorum_key(k)):
                 return k - 1
         return None
 
     def _newest_global(self) -> int | None:
-        rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
-        return max(rounds) if rounds else None
+        rounds = layout.global_rounds(self.store)
+        return rounds[-1] if rounds else None
 
     def _check_layouts(
         self,
@@ -1213,7 +1207,7 @@ class ObjectStoreAllReduce:
         key = held_key(r, p, s) if held else contrib_key(r, job.names[p])
         name = key if held else shard_name(r, p, s)
         if wait_s > 0 and held:
-            rkey = f"rounds/{r}/reduced/{s}"  # once published, the part is not needed
+            rkey = layout.reduced_key(r, s)  # once published, the part is not needed
             wait_until(
                 lambda: self.store.object_exists(key) or self.store.object_exists(rkey),
                 wait_s,
@@ -1245,7 +1239,7 @@ class ObjectStoreAllReduce:
                 return _Part(None, f"{name}: {_NONFINITE}")
             return _Part(t)
         except ObjectNotFound:
-            if self.store.object_exists(f"rounds/{r}/reduced/{s}"):
+            if self.store.object_exists(layout.reduced_key(r, s)):
                 # dropped by its uploader after the round completed: this shard's average
                 # is published already, and this attempt would lose the race anyway
                 raise _AlreadyReduced(s) from None
@@ -1264,7 +1258,7 @@ class ObjectStoreAllReduce:
         this call published it. ``first``: the owner's own first attempt (nobody else computes
         a shard before its grace period, so it skips asking whether it exists)."""
         r = job.round
-        key = f"rounds/{r}/reduced/{s}"
+        key = layout.reduced_key(r, s)
         if not first and self.store.object_exists(key):
             return None
         owner = job.participants[s % len(job.participants)]
@@ -1423,20 +1417,20 @@ class ObjectStoreAllReduce:
 
     def round_failed(self, r: int) -> bool:
         """Whether some replica declared round ``r`` failed (it cannot complete)."""
-        return self.store.object_exists(f"rounds/{r}/failed.json")
+        return self.store.object_exists(layout.failed_key(r))
 
     def was_committed(self, r: int) -> bool:
         """Whether round ``r`` was decided and not failed, as far as the store says now: the
         others then took its outer step, and a replica that missed it is behind."""
-        return self.store.object_exists(f"rounds/{r}/quorum.json") and not self.round_failed(r)
+        return self.store.object_exists(layout.quorum_key(r)) and not self.round_failed(r)
 
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
-        self.store.put_if_absent(f"rounds/{r}/failed.json", jsonsafe.dumps(body).encode())
+        self.store.put_if_absent(layout.failed_key(r), jsonsafe.dumps(body).encode())
 
     def _raise_if_failed(self, r: int) -> None:
         try:
-            body = self.store.get_json(f"rounds/{r}/failed.json")
+            body = self.store.get_json(layout.failed_key(r))
         except ObjectNotFound:
             return
         raise RoundFailed(
@@ -1454,10 +1448,10 @@ class ObjectStoreAllReduce:
     def collect_garbage(self, current_round: int) -> list[int]:
         """Delete rounds older than ``keep_rounds`` before ``current_round``; returns them."""
         removed = []
-        for name in self.store.list("rounds"):
-            if name.isdigit() and int(name) <= current_round - self.config.keep_rounds:
-                self.store.delete(f"rounds/{name}")
-                removed.append(int(name))
+        for k in layout.round_numbers(self.store):
+            if k <= current_round - self.config.keep_rounds:
+                self.store.delete(layout.round_dir(k))
+                removed.append(k)
         return sorted(removed)
 
 

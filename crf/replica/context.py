@@ -32,7 +32,6 @@ import torch
 
 from crf.exchange import wire as wirefmt
 from crf.exchange.allreduce import (
-    HEARTBEAT_KEY,
     NonFiniteError,
     describe_nonfinite,
     tensors_layout_hash,
@@ -46,6 +45,7 @@ from crf.exchange.manager import (
 from crf.exchange.wire import compression as wire_compression
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
+from crf.layout import heartbeat_key
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
 from crf.store.codec import raw_view
@@ -569,7 +569,7 @@ class ReplicaContext:
             "rounds_committed": m.rounds_committed if m else 0,
         }
         try:
-            self.store.put_json(HEARTBEAT_KEY.format(rank=self.rank), state)
+            self.store.put_json(heartbeat_key(self.rank), state)
         except Exception as e:  # a heartbeat must never kill training, nor slow every step
             log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
             self._beat_paused_until = time.time() + 30.0
