@@ -150,7 +150,7 @@ class _Part:
     when the reduce step uses it: an early download that ends up unused reports nothing)."""
 
     tensor: torch.Tensor | None
-    problem: str | None = None
+    problem: layout.Rejection | None = None
 
 
 @dataclass
@@ -234,7 +234,8 @@ class AllReduceResult:
     bytes_down: int = 0
     seconds: float = 0.0
     shards_computed: list[int] = field(default_factory=list)
-    rejected: list[str] = field(default_factory=list)
+    #: parts left out or refused; the metrics write ``str(x)`` ("key: reason") for each
+    rejected: list[layout.Rejection] = field(default_factory=list)
     #: set when this replica's weights are based on an older global round than the others':
     #: the newest base among the arrivals, which this replica must heal to
     stale_behind: int | None = None
@@ -244,7 +245,9 @@ class AllReduceResult:
     caught_up: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["rejected"] = [x.to_dict() for x in self.rejected]
+        return out
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
@@ -1236,16 +1239,16 @@ class ObjectStoreAllReduce:
             if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo, segs):
                 raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
             if not wirefmt.all_finite(t, self.wire, hi - lo, segs):  # checked here, in parallel
-                return _Part(None, f"{name}: {_NONFINITE}")
+                return _Part(None, layout.Rejection(name, _NONFINITE))
             return _Part(t)
         except ObjectNotFound:
             if self.store.object_exists(layout.reduced_key(r, s)):
                 # dropped by its uploader after the round completed: this shard's average
                 # is published already, and this attempt would lose the race anyway
                 raise _AlreadyReduced(s) from None
-            return _Part(None, f"{name}: missing")
+            return _Part(None, layout.Rejection(name, "missing", left_out=True))
         except CorruptObjectError as e:
-            return _Part(None, str(e))
+            return _Part(None, layout.Rejection.from_dict(str(e)))  # "key: why"
 
     def _reduce_shard(
         self, res: AllReduceResult, job: _Round, s: int, *, first: bool = False
@@ -1285,11 +1288,15 @@ class ObjectStoreAllReduce:
                 # e.g. poisoned after its check
                 if not wirefmt.all_finite(w, self.wire, b - a, segs):
                     log.warning("round %d: left out of shard %d: its own part is not finite", r, s)
-                    res.rejected.append(f"{shard_name(r, p, s)}: {_NONFINITE}")
+                    res.rejected.append(layout.Rejection(shard_name(r, p, s), _NONFINITE))
                     w = None
             elif p not in fetches:
                 w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
-                res.rejected.append(f"{shard_name(r, p, s)}: owner {p} did not reduce it")
+                res.rejected.append(
+                    layout.Rejection(
+                        shard_name(r, p, s), f"owner {p} did not reduce it", left_out=True
+                    )
+                )
             else:
                 try:
                     part = fetches[p].result()
