@@ -786,7 +786,7 @@ class ObjectStoreAllReduce:
         for key in (contrib_key(r, name), layout.held_dir(r, self.rank)):
             try:
                 self.store.delete(key)
-            except Exception as e:  # only disk space is at stake; the GC retries later
+            except (StoreError, OSError) as e:  # only disk space is at stake; the GC retries
                 log.debug("round %d: could not drop %s: %s", r, key, e)
 
     def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
