@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from crf.exchange import allreduce as allreduce_mod
+from crf.exchange import quorum as quorum_mod
 from crf.exchange.allreduce import (
     LayoutMismatchError,
     ObjectStoreAllReduce,
@@ -586,7 +586,7 @@ def test_lag_is_asked_where_it_can_matter(store: RunStore, monkeypatch) -> None:
     n = 3
     asked: list[int] = []
     # "still waiting after 0.5 s" must not fire on a slow machine: only the rules above
-    monkeypatch.setattr(allreduce_mod, "_LAG_CHECK_AFTER_S", 60.0)
+    monkeypatch.setattr(quorum_mod, "LAG_CHECK_AFTER_S", 60.0)
 
     def replica(rank: int, r: int = 0, base: int = -1):
         ar = ObjectStoreAllReduce(store, n, rank, run_id="t", round_timeout_s=30)

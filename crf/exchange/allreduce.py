@@ -57,6 +57,8 @@ from crf.exchange.contribution import (
     read_manifest,
     shard_header_size,
 )
+from crf.exchange.quorum import QuorumDecision, QuorumPort
+from crf.exchange.quorum import Stale as _Stale
 from crf.faults import maybe_fault, maybe_poison
 from crf.layout import contrib_key, held_key, shard_name
 from crf.store import (
@@ -72,18 +74,8 @@ from crf.store.codec import dtype_name, encode_tensor_parts
 log = logging.getLogger(__name__)
 
 
-#: when every replica has arrived, how long the others leave the lowest eligible rank to write
-#: the round's quorum before deciding themselves (it may have died after arriving)
-_DECIDER_GRACE_S = 1.0
 #: how often a replica waiting for reduced shards asks whether a peer declared the round failed
 _FAILED_CHECK_S = 1.0
-#: how often a replica that has not seen every contribution yet asks for the round's decision
-#: (it can only be a deadline decision, which left this replica out)
-_DECISION_POLL_S = 1.0
-#: a replica asks whether it lags the others (global/, a later decided round) only when it is
-#: about to decide a round not everyone arrived for, finds itself alone in its round, or still
-#: waits for arrivals this long after its own: in a round that fills at once nobody asks
-_LAG_CHECK_AFTER_S = 0.5
 #: a heartbeat counts as a sign of life for this long, as a share of the round deadline (and
 #: at most _ALIVE_MAX_S): a live replica refreshes it every second, while a dead one's is
 #: at least a deadline old once the round it missed was decided
@@ -115,11 +107,6 @@ def describe_nonfinite(t: torch.Tensor) -> str:
     nan = int(torch.isnan(t).sum())
     inf = int(torch.isinf(t).sum())
     return f"{nan} NaN, {inf} Inf of {t.numel()} values"
-
-
-class _Stale(Exception):
-    def __init__(self, top: int) -> None:
-        self.top = top
 
 
 class _AlreadyReduced(Exception):
@@ -882,168 +869,55 @@ class ObjectStoreAllReduce:
         return eligible, sorted(set(arrived) - set(eligible))
 
     def _decide_quorum(self, res: AllReduceResult, r: int) -> dict[str, Any]:
-        """Read or create rounds/<r>/quorum.json; exactly one decision per round, returned.
-        Raises _Stale as soon as this replica sees it is behind the others (it must heal).
-
-        Each poll lists the contributions, whose names tell each one's base round and facts
-        digest (:mod:`crf.exchange.contribution`), and reads the decision once it can be
-        there. When every replica's contribution is listed, the lowest eligible rank (on the
-        newest base round) writes the decision - who takes part, who is stale, each
-        participant's contribution and facts digest - and the others read it (a race of N
-        conditional writes costs N - 1 refusals, each followed by two reads). Anyone decides
-        if it has not appeared within ``_DECIDER_GRACE_S``, and at the round deadline with at
-        least ``min_replicas`` eligible."""
+        """Read or create rounds/<r>/quorum.json; exactly one decision per round, returned
+        (the rules are :mod:`crf.exchange.quorum`'s). Raises _Stale as soon as this replica
+        sees it is behind the others (it must heal)."""
         key = layout.quorum_key(r)
-        deadline = time.monotonic() + self.config.round_timeout_s
-        decided: dict[str, Any] | None = None
-        next_hook = [time.monotonic() + 1.0]
-        # whether this replica lags the others (global/ or, with sparse checkpoints, a later
-        # decided round says so) is asked concurrently with the polls: by a replica that finds
-        # itself alone in the round (a straggler whose round the others left long ago), by
-        # one still waiting for arrivals after _LAG_CHECK_AFTER_S, and by anyone about to
-        # decide a round not everyone arrived for (a deadline decision) unless its answer is
-        # fresh. A replica that only reads a decision needs no answer: the decision says
-        # whether it took part, and one left out checks for later rounds before catching up;
-        # nor does one deciding a round every replica arrived for (see _lagging)
-        started = time.monotonic()
-        lag_check: Future[int | None] | None = None
-        lag_asked = 0.0
-        everyone_at: float | None = None  # when this replica first saw every replica here
 
-        def _ask_lag() -> None:
-            nonlocal lag_check, lag_asked
-            lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
-
-        def _lagging(deciding: bool, waiting: bool, alone: bool) -> None:
-            if deciding and not waiting:
-                # every contribution to round r is listed: nobody has moved past round r
-                # (a replica ahead would have left it, and the GC removed its contribution;
-                # a round decided without this one has its decision here, which wins)
-                return
-            now = time.monotonic()
-            overdue = waiting and now - started >= _LAG_CHECK_AFTER_S
-            if lag_check is None and (deciding or alone or overdue):
-                _ask_lag()
-            elif deciding and now - lag_asked > _DECIDER_GRACE_S:
-                _ask_lag()  # stale answer: the others may have moved on since
-            if lag_check is None or not (deciding or lag_check.done()):
-                return
-            behind = lag_check.result()
-            if behind is not None:
-                raise _Stale(behind)
-
-        # the decision is asked for on every poll once every contribution is listed (but by
-        # the replica that is to write it), and otherwise once a second: before then it can
-        # only be a deadline decision by the others (this replica is a straggler). A replica
-        # that finds itself alone asks at once: it may be a straggler whose peers decided
-        # the round without it and then dropped their contributions (file stores), which
-        # takes the round's average rather than healing
-        asked = time.monotonic()
-        alone_asked = False
-        mine = self._present[r][self.rank]
-        # membership (follow_liveness): the arrivals whose absentees were last looked at, and
-        # the absentees found alive then (waited for until they arrive or the deadline)
-        looked_at: frozenset[int] | None = None
-        alive: set[int] = set()
-
-        def _all_live_arrived(arrived: dict[int, Arrival]) -> bool:
-            """Every replica this round waits for is here though some are not: the members
-            of round r - 1 arrived, and no absentee shows a sign of life (a fresh heartbeat at
-            round r - 1 or later). Heartbeats are read only then, once per set of arrivals,
-            so a round everyone arrives for costs no request more."""
-            nonlocal looked_at, alive
-            members = self._members_before(res, r)
-            if members is None or not members <= set(arrived):
-                return False
-            here = frozenset(arrived)
-            if here != looked_at:
-                looked_at = here
-                absent = [k for k in range(self.world_size) if k not in here]
-                verdicts = self._control().map(lambda k: self._shows_life(k, r), absent)
-                alive = {k for k, ok in zip(absent, verdicts, strict=True) if ok}
-            return not alive
-
-        def _try() -> bool:
-            nonlocal decided, everyone_at, asked, alone_asked
-            now = time.monotonic()
-            # the once-a-second ask goes out next to the listing
-            reading = None
-            if now - asked >= _DECISION_POLL_S or now >= deadline:
-                reading = self._control().submit(self._get_if_there, res, key, 0)
-            arrived = self._list_present(r)  # no request once every contribution is known
-            eligible, stale = self._eligible(arrived)
-            everyone = len(arrived) == self.world_size
-            complete = everyone or (self.config.follow_liveness and _all_live_arrived(arrived))
-            alone = list(arrived) == [self.rank]
-            if reading is None and (
-                (alone and not alone_asked) or (complete and eligible[:1] != [self.rank])
-            ):
-                reading = self._control().submit(self._get_if_there, res, key, 0)
-                alone_asked = alone_asked or alone
-            if reading is not None:
-                asked = now
-            if self._early is not None and self.config.fetch_early and self.rank in eligible:
-                self._fetch_early(
-                    {
-                        p: a
-                        for p, a in arrived.items()
-                        if (a.base_round, a.facts) == (mine.base_round, mine.facts)
-                    }
-                )
-            data = reading.result() if reading is not None else None
-            if data is not None:  # a decision stands, whatever the listing says now
-                decided = self._read_decision(r, key, data)
-                return True
-            if self.rank in stale:
-                raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
-            if self.hooks.on_wait is not None and time.monotonic() >= next_hook[0]:
-                next_hook[0] = time.monotonic() + 1.0
-                self.hooks.on_wait()
-            late = time.monotonic() >= deadline
-            enough = len(eligible) >= self.config.min_replicas
-            deciding = bool((complete or late) and eligible and enough)
-            if deciding and not late and eligible[0] != self.rank:
-                everyone_at = everyone_at or time.monotonic()
-                # the lowest eligible rank decides; read its decision
-                deciding = time.monotonic() - everyone_at >= _DECIDER_GRACE_S
-            _lagging(deciding, waiting=not everyone, alone=alone)
-            if not deciding:
-                return False
-            bases = [arrived[e].base_round for e in eligible]
-            body = {
-                "round": r,
-                "participants": eligible,
-                "stale": stale,
-                "base_round": max((b for b in bases if b is not None), default=None),
-                "contributions": {
-                    str(p): {"name": arrived[p].name, "facts": arrived[p].facts} for p in eligible
-                },
-                # what the digests stand for, as in the decider's own manifest
-                "facts": {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
-                "decided_by": self.rank,
-                "decided_at": time.time(),
-                "run_id": self.config.run_id,
-                "reason": "all arrived"
-                if everyone
-                else ("all live arrived" if complete else "deadline"),
-            }
-            if complete and not everyone:  # not waited for: dead, ended or far behind
-                body["not_waited_for"] = [k for k in range(self.world_size) if k not in arrived]
+        def write(body: dict[str, Any]) -> dict[str, Any]:
             if self._put(res, key, jsonsafe.dumps(body).encode(), exclusive=True):
-                decided = body
-            else:  # someone else decided first: theirs is the decision
-                decided = self._read_decision(r, key, self._get(res, key, 0))
-            return True
+                return body
+            # someone else decided first: theirs is the decision
+            return self._read_decision(r, key, self._get(res, key, 0))
 
+        def fetch_early(peers: dict[int, Arrival]) -> None:
+            if self._early is not None and self.config.fetch_early:
+                self._fetch_early(peers)
+
+        port = QuorumPort(
+            rank=self.rank,
+            world_size=self.world_size,
+            min_replicas=self.config.min_replicas,
+            follow_liveness=self.config.follow_liveness,
+            control=self._control,
+            list_arrivals=lambda: self._list_present(r),
+            eligible=self._eligible,
+            read_if_there=lambda: self._get_if_there(res, key, 0),
+            read_decision=lambda data: self._read_decision(r, key, data),
+            write_decision=write,
+            members_before=lambda: self._members_before(res, r),
+            shows_life=lambda k: self._shows_life(k, r),
+            lag_behind=lambda: self._lag_behind(r),
+            fetch_early=fetch_early,
+            facts=lambda: {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
+            on_wait=self.hooks.on_wait,
+            run_id=self.config.run_id,
+        )
+        deadline = time.monotonic() + self.config.round_timeout_s
+        decision = QuorumDecision(port, r, self._present[r][self.rank], deadline)
         # keep polling a little past the deadline so a decision by a peer is seen
         if not wait_until(
-            _try, self.config.round_timeout_s + 1.0, poll_s=0.005, max_poll_s=self.config.max_poll_s
+            decision.poll,
+            self.config.round_timeout_s + 1.0,
+            poll_s=0.005,
+            max_poll_s=self.config.max_poll_s,
         ):
             raise QuorumTimeout(
                 f"round {r}: only {len(self._list_present(r))} of {self.world_size} replicas "
                 f"arrived within {self.config.round_timeout_s:.0f}s (need "
                 f"min_replicas={self.config.min_replicas})"
             )
+        decided = decision.decided
         assert decided is not None
         if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
             raise _Stale(int(decided["base_round"]))
