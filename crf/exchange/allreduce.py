@@ -467,36 +467,10 @@ class ObjectStoreAllReduce:
             shard_header_size(self.config.run_id),
             segs,
         )
-        mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
+        mine_wire, encoding = self._encode_shards(
+            r, tensors, source, packing, lhash, total, exact, previous, residual
+        )
         held_back = packing.kept(self.rank)
-        encoding = []
-        for s, (a, b) in enumerate(bounds):
-            if exact:
-                payload: Any = source.pieces(a, b)
-                self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
-            else:
-                x = _gather_fp32(source.pieces(a, b))
-                if previous is not None:
-                    x = x + previous[a:b]  # error feedback: resend what was dropped last time
-                payload = wirefmt.encode(x, self.wire, segs[s])
-                # the fp32 values (int8 would encode a NaN block as finite garbage) and what
-                # went on the wire (float16 overflows past 65504)
-                self._check_own_finite(r, s, tensors, source, a, b, payload, x, segs[s])
-                if residual is not None:
-                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a, segments=segs[s])
-                del x
-            if maybe_poison("nan_contribution", self.rank, r, self.store):
-                payload = _poisoned(payload, self.wire, b - a)
-            mine_wire[s] = payload
-            if s not in held_back:  # checksums of the shards are computed in parallel
-                encoding.append(
-                    self._pool().submit(
-                        encode_tensor_parts,
-                        payload,
-                        self._meta(r, s, lhash, total),
-                        header_bytes=packing.header_bytes,
-                    )
-                )
         manifest = {
             "rank": self.rank,
             "run_id": self.config.run_id,
@@ -578,6 +552,27 @@ class ObjectStoreAllReduce:
         maybe_fault("after_reduce", self.rank, r, self.store)
 
         # 4. all-gather
+        got = self._gather(res, job, reduced_here)
+
+        # every shard is here and verified: write the average into the tensors, each in its
+        # own dtype
+        self._check_averages_finite(
+            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
+        )
+        self._write_average(got, bounds, tensors, exact)
+        if self.config.drop_contributions:  # in the background: nobody waits for it
+            self._pool().submit(self._drop_contributions, r, mine.name)
+        res.seconds = time.monotonic() - t0
+        self.history.append(res)
+        return res
+
+    # ------------------------------------------------------------------ result
+    def _gather(
+        self, res: AllReduceResult, job: _Round, reduced_here: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Step 4, all-gather: every reduced shard of round ``job.round``, by shard (computing
+        those whose owner is late or dead), verified but not yet written anywhere."""
+        r, bounds, lhash = job.round, job.bounds, job.lhash
         self._phase("gathering")
         pending = []
         # the averages stay where they are (this replica's reduced buffers, the downloaded
@@ -611,20 +606,56 @@ class ObjectStoreAllReduce:
             else:
                 time.sleep(delay)
                 delay = min(delay * 1.6, self.config.max_poll_s)
+        return got
 
-        # every shard is here and verified: write the average into the tensors, each in its
-        # own dtype
-        self._check_averages_finite(
-            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
-        )
-        self._write_average(got, bounds, tensors, exact)
-        if self.config.drop_contributions:  # in the background: nobody waits for it
-            self._pool().submit(self._drop_contributions, r, mine.name)
-        res.seconds = time.monotonic() - t0
-        self.history.append(res)
-        return res
+    def _encode_shards(
+        self,
+        r: int,
+        tensors: list[torch.Tensor],
+        source: _Segments,
+        packing: Packing,
+        lhash: str,
+        total: int,
+        exact: bool,
+        previous: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[dict[int, Any], list[Future]]:
+        """Step 1's encoding: each shard's wire payload (checked finite; error feedback
+        applied and its residual kept), and the checksummed parts of those that are uploaded,
+        computed in parallel."""
+        bounds, segs = packing.bounds, packing.segments
+        mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
+        held_back = packing.kept(self.rank)
+        encoding = []
+        for s, (a, b) in enumerate(bounds):
+            if exact:
+                payload: Any = source.pieces(a, b)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
+            else:
+                x = _gather_fp32(source.pieces(a, b))
+                if previous is not None:
+                    x = x + previous[a:b]  # error feedback: resend what was dropped last time
+                payload = wirefmt.encode(x, self.wire, segs[s])
+                # the fp32 values (int8 would encode a NaN block as finite garbage) and what
+                # went on the wire (float16 overflows past 65504)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, x, segs[s])
+                if residual is not None:
+                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a, segments=segs[s])
+                del x
+            if maybe_poison("nan_contribution", self.rank, r, self.store):
+                payload = _poisoned(payload, self.wire, b - a)
+            mine_wire[s] = payload
+            if s not in held_back:  # checksums of the shards are computed in parallel
+                encoding.append(
+                    self._pool().submit(
+                        encode_tensor_parts,
+                        payload,
+                        self._meta(r, s, lhash, total),
+                        header_bytes=packing.header_bytes,
+                    )
+                )
+        return mine_wire, encoding
 
-    # ------------------------------------------------------------------ result
     def _catch_up(
         self,
         res: AllReduceResult,
