@@ -499,31 +499,15 @@ class ObjectStoreAllReduce:
             del self._present[old]
         self._present.setdefault(r, {})[self.rank] = mine
 
-        # 2. quorum. While it is being decided, the contributions to the shards this
-        #    replica owns in a full quorum are already downloaded, as each peer's object
-        #    appears: the reduce step then starts with them at hand
-        self._phase("quorum")
-        everyone = list(range(self.world_size))
-        self._early = _Early(  # names: the listing's, as it grows
-            _Round(r, everyone, bounds, lhash, total, mine_wire, packing, names={}),
-            manifest,
+        # 2. quorum
+        decided, early = self._join_quorum(
             res,
+            _Round(
+                r, list(range(self.world_size)), bounds, lhash, total, mine_wire, packing, names={}
+            ),
+            manifest,
         )
-        decided: dict[str, Any] = {}
-        try:
-            decided = self._decide_quorum(res, r)
-            participants = sorted(int(p) for p in decided["participants"])
-            self._remember_members(r, decided)
-        except _Stale as e:
-            participants, res.stale_behind = [], e.top
-        finally:
-            early, self._early = self._early.fetches, None
-        res.participants = participants
-        if participants != list(range(self.world_size)) or self.rank not in participants:
-            # another quorum moves ownership (or this replica reduces nothing): drop them
-            for f in early.values():
-                f.cancel()
-            early = {}
+        participants = res.participants
         if self.rank not in participants:
             res.in_quorum = False
             if participants and self.config.catch_up:
@@ -567,6 +551,34 @@ class ObjectStoreAllReduce:
         return res
 
     # ------------------------------------------------------------------ result
+    def _join_quorum(
+        self, res: AllReduceResult, job: _Round, manifest: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[tuple[int, int], Future]]:
+        """Step 2, the quorum: the round's decision (``res.participants`` set from it; empty
+        when this replica is stale) and the early downloads still of use. While it is being
+        decided, the contributions to the shards this replica owns in a full quorum are
+        already downloaded, as each peer's object appears: the reduce step then starts with
+        them at hand."""
+        r = job.round
+        self._phase("quorum")
+        self._early = _Early(job, manifest, res)  # names: the listing's, as it grows
+        decided: dict[str, Any] = {}
+        try:
+            decided = self._decide_quorum(res, r)
+            participants = sorted(int(p) for p in decided["participants"])
+            self._remember_members(r, decided)
+        except _Stale as e:
+            participants, res.stale_behind = [], e.top
+        finally:
+            early, self._early = self._early.fetches, None
+        res.participants = participants
+        if participants != list(range(self.world_size)) or self.rank not in participants:
+            # another quorum moves ownership (or this replica reduces nothing): drop them
+            for f in early.values():
+                f.cancel()
+            early = {}
+        return decided, early
+
     def _gather(
         self, res: AllReduceResult, job: _Round, reduced_here: dict[int, torch.Tensor]
     ) -> dict[int, torch.Tensor]:
