@@ -153,7 +153,9 @@ def test_nan_contribution_is_left_out_and_reported(
         assert torch.allclose(first[a:b], expect0, atol=tol)
         assert torch.allclose(first[b:], expect_rest, atol=tol)
     rejected = out[0][1].rejected  # shard 0's owner is replica 0
-    assert rejected == ["rounds/0/contrib/2#0: holds NaN/Inf values: never averaged"], rejected
+    assert [str(x) for x in rejected] == [
+        "rounds/0/contrib/2#0: holds NaN/Inf values: never averaged"
+    ], rejected
     assert all(res.rejected == [] for _, res in out[1:])
 
 

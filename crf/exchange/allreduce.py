@@ -42,25 +42,25 @@ from typing import Any
 
 import torch
 
-from crf import jsonsafe
+from crf import jsonsafe, layout
 from crf.exchange import wire as wirefmt
 from crf.exchange.config import ExchangeConfig, ExchangeHooks, _check_int
 from crf.exchange.contribution import (
     FACTS,
     Arrival,
     Packing,
-    contrib_key,
     contrib_name,
     encode_manifest,
     facts_digest,
-    held_key,
     manifest_size,
     parse_contrib_name,
     read_manifest,
     shard_header_size,
-    shard_name,
 )
+from crf.exchange.quorum import QuorumDecision, QuorumPort
+from crf.exchange.quorum import Stale as _Stale
 from crf.faults import maybe_fault, maybe_poison
+from crf.layout import contrib_key, held_key, shard_name
 from crf.store import (
     CorruptObjectError,
     ObjectNotFound,
@@ -74,22 +74,8 @@ from crf.store.codec import dtype_name, encode_tensor_parts
 log = logging.getLogger(__name__)
 
 
-#: when every replica has arrived, how long the others leave the lowest eligible rank to write
-#: the round's quorum before deciding themselves (it may have died after arriving)
-_DECIDER_GRACE_S = 1.0
 #: how often a replica waiting for reduced shards asks whether a peer declared the round failed
 _FAILED_CHECK_S = 1.0
-#: how often a replica that has not seen every contribution yet asks for the round's decision
-#: (it can only be a deadline decision, which left this replica out)
-_DECISION_POLL_S = 1.0
-#: a replica asks whether it lags the others (global/, a later decided round) only when it is
-#: about to decide a round not everyone arrived for, finds itself alone in its round, or still
-#: waits for arrivals this long after its own: in a round that fills at once nobody asks
-_LAG_CHECK_AFTER_S = 0.5
-#: where a replica's heartbeat lives (written by :class:`crf.replica.context.ReplicaContext`
-#: about once a second while it trains): ``exchange_round`` (the round it is at),
-#: ``phase`` and ``updated_at`` (its wall clock) are what membership reads
-HEARTBEAT_KEY = "replicas/{rank}/state.json"
 #: a heartbeat counts as a sign of life for this long, as a share of the round deadline (and
 #: at most _ALIVE_MAX_S): a live replica refreshes it every second, while a dead one's is
 #: at least a deadline old once the round it missed was decided
@@ -123,11 +109,6 @@ def describe_nonfinite(t: torch.Tensor) -> str:
     return f"{nan} NaN, {inf} Inf of {t.numel()} values"
 
 
-class _Stale(Exception):
-    def __init__(self, top: int) -> None:
-        self.top = top
-
-
 class _AlreadyReduced(Exception):
     """A contribution is gone because its shard's average was published (and the uploader
     then dropped it): the attempt to reduce that shard is moot."""
@@ -156,7 +137,7 @@ class _Part:
     when the reduce step uses it: an early download that ends up unused reports nothing)."""
 
     tensor: torch.Tensor | None
-    problem: str | None = None
+    problem: layout.Rejection | None = None
 
 
 @dataclass
@@ -240,7 +221,8 @@ class AllReduceResult:
     bytes_down: int = 0
     seconds: float = 0.0
     shards_computed: list[int] = field(default_factory=list)
-    rejected: list[str] = field(default_factory=list)
+    #: parts left out or refused; the metrics write ``str(x)`` ("key: reason") for each
+    rejected: list[layout.Rejection] = field(default_factory=list)
     #: set when this replica's weights are based on an older global round than the others':
     #: the newest base among the arrivals, which this replica must heal to
     stale_behind: int | None = None
@@ -250,7 +232,9 @@ class AllReduceResult:
     caught_up: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["rejected"] = [x.to_dict() for x in self.rejected]
+        return out
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
@@ -483,36 +467,10 @@ class ObjectStoreAllReduce:
             shard_header_size(self.config.run_id),
             segs,
         )
-        mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
+        mine_wire, encoding = self._encode_shards(
+            r, tensors, source, packing, lhash, total, exact, previous, residual
+        )
         held_back = packing.kept(self.rank)
-        encoding = []
-        for s, (a, b) in enumerate(bounds):
-            if exact:
-                payload: Any = source.pieces(a, b)
-                self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
-            else:
-                x = _gather_fp32(source.pieces(a, b))
-                if previous is not None:
-                    x = x + previous[a:b]  # error feedback: resend what was dropped last time
-                payload = wirefmt.encode(x, self.wire, segs[s])
-                # the fp32 values (int8 would encode a NaN block as finite garbage) and what
-                # went on the wire (float16 overflows past 65504)
-                self._check_own_finite(r, s, tensors, source, a, b, payload, x, segs[s])
-                if residual is not None:
-                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a, segments=segs[s])
-                del x
-            if maybe_poison("nan_contribution", self.rank, r, self.store):
-                payload = _poisoned(payload, self.wire, b - a)
-            mine_wire[s] = payload
-            if s not in held_back:  # checksums of the shards are computed in parallel
-                encoding.append(
-                    self._pool().submit(
-                        encode_tensor_parts,
-                        payload,
-                        self._meta(r, s, lhash, total),
-                        header_bytes=packing.header_bytes,
-                    )
-                )
         manifest = {
             "rank": self.rank,
             "run_id": self.config.run_id,
@@ -541,31 +499,15 @@ class ObjectStoreAllReduce:
             del self._present[old]
         self._present.setdefault(r, {})[self.rank] = mine
 
-        # 2. quorum. While it is being decided, the contributions to the shards this
-        #    replica owns in a full quorum are already downloaded, as each peer's object
-        #    appears: the reduce step then starts with them at hand
-        self._phase("quorum")
-        everyone = list(range(self.world_size))
-        self._early = _Early(  # names: the listing's, as it grows
-            _Round(r, everyone, bounds, lhash, total, mine_wire, packing, names={}),
-            manifest,
+        # 2. quorum
+        decided, early = self._join_quorum(
             res,
+            _Round(
+                r, list(range(self.world_size)), bounds, lhash, total, mine_wire, packing, names={}
+            ),
+            manifest,
         )
-        decided: dict[str, Any] = {}
-        try:
-            decided = self._decide_quorum(res, r)
-            participants = sorted(int(p) for p in decided["participants"])
-            self._remember_members(r, decided)
-        except _Stale as e:
-            participants, res.stale_behind = [], e.top
-        finally:
-            early, self._early = self._early.fetches, None
-        res.participants = participants
-        if participants != list(range(self.world_size)) or self.rank not in participants:
-            # another quorum moves ownership (or this replica reduces nothing): drop them
-            for f in early.values():
-                f.cancel()
-            early = {}
+        participants = res.participants
         if self.rank not in participants:
             res.in_quorum = False
             if participants and self.config.catch_up:
@@ -594,6 +536,55 @@ class ObjectStoreAllReduce:
         maybe_fault("after_reduce", self.rank, r, self.store)
 
         # 4. all-gather
+        got = self._gather(res, job, reduced_here)
+
+        # every shard is here and verified: write the average into the tensors, each in its
+        # own dtype
+        self._check_averages_finite(
+            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
+        )
+        self._write_average(got, bounds, tensors, exact)
+        if self.config.drop_contributions:  # in the background: nobody waits for it
+            self._pool().submit(self._drop_contributions, r, mine.name)
+        res.seconds = time.monotonic() - t0
+        self.history.append(res)
+        return res
+
+    # ------------------------------------------------------------------ result
+    def _join_quorum(
+        self, res: AllReduceResult, job: _Round, manifest: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[tuple[int, int], Future]]:
+        """Step 2, the quorum: the round's decision (``res.participants`` set from it; empty
+        when this replica is stale) and the early downloads still of use. While it is being
+        decided, the contributions to the shards this replica owns in a full quorum are
+        already downloaded, as each peer's object appears: the reduce step then starts with
+        them at hand."""
+        r = job.round
+        self._phase("quorum")
+        self._early = _Early(job, manifest, res)  # names: the listing's, as it grows
+        decided: dict[str, Any] = {}
+        try:
+            decided = self._decide_quorum(res, r)
+            participants = sorted(int(p) for p in decided["participants"])
+            self._remember_members(r, decided)
+        except _Stale as e:
+            participants, res.stale_behind = [], e.top
+        finally:
+            early, self._early = self._early.fetches, None
+        res.participants = participants
+        if participants != list(range(self.world_size)) or self.rank not in participants:
+            # another quorum moves ownership (or this replica reduces nothing): drop them
+            for f in early.values():
+                f.cancel()
+            early = {}
+        return decided, early
+
+    def _gather(
+        self, res: AllReduceResult, job: _Round, reduced_here: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Step 4, all-gather: every reduced shard of round ``job.round``, by shard (computing
+        those whose owner is late or dead), verified but not yet written anywhere."""
+        r, bounds, lhash = job.round, job.bounds, job.lhash
         self._phase("gathering")
         pending = []
         # the averages stay where they are (this replica's reduced buffers, the downloaded
@@ -627,20 +618,56 @@ class ObjectStoreAllReduce:
             else:
                 time.sleep(delay)
                 delay = min(delay * 1.6, self.config.max_poll_s)
+        return got
 
-        # every shard is here and verified: write the average into the tensors, each in its
-        # own dtype
-        self._check_averages_finite(
-            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
-        )
-        self._write_average(got, bounds, tensors, exact)
-        if self.config.drop_contributions:  # in the background: nobody waits for it
-            self._pool().submit(self._drop_contributions, r, mine.name)
-        res.seconds = time.monotonic() - t0
-        self.history.append(res)
-        return res
+    def _encode_shards(
+        self,
+        r: int,
+        tensors: list[torch.Tensor],
+        source: _Segments,
+        packing: Packing,
+        lhash: str,
+        total: int,
+        exact: bool,
+        previous: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[dict[int, Any], list[Future]]:
+        """Step 1's encoding: each shard's wire payload (checked finite; error feedback
+        applied and its residual kept), and the checksummed parts of those that are uploaded,
+        computed in parallel."""
+        bounds, segs = packing.bounds, packing.segments
+        mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
+        held_back = packing.kept(self.rank)
+        encoding = []
+        for s, (a, b) in enumerate(bounds):
+            if exact:
+                payload: Any = source.pieces(a, b)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
+            else:
+                x = _gather_fp32(source.pieces(a, b))
+                if previous is not None:
+                    x = x + previous[a:b]  # error feedback: resend what was dropped last time
+                payload = wirefmt.encode(x, self.wire, segs[s])
+                # the fp32 values (int8 would encode a NaN block as finite garbage) and what
+                # went on the wire (float16 overflows past 65504)
+                self._check_own_finite(r, s, tensors, source, a, b, payload, x, segs[s])
+                if residual is not None:
+                    residual[a:b] = x - wirefmt.decode(payload, self.wire, b - a, segments=segs[s])
+                del x
+            if maybe_poison("nan_contribution", self.rank, r, self.store):
+                payload = _poisoned(payload, self.wire, b - a)
+            mine_wire[s] = payload
+            if s not in held_back:  # checksums of the shards are computed in parallel
+                encoding.append(
+                    self._pool().submit(
+                        encode_tensor_parts,
+                        payload,
+                        self._meta(r, s, lhash, total),
+                        header_bytes=packing.header_bytes,
+                    )
+                )
+        return mine_wire, encoding
 
-    # ------------------------------------------------------------------ result
     def _catch_up(
         self,
         res: AllReduceResult,
@@ -697,7 +724,7 @@ class ObjectStoreAllReduce:
     ) -> bool:
         """One pass over round r's pending reduced shards, downloaded in parallel: each one
         there is verified into ``got`` and leaves ``pending``. True if any arrived."""
-        base = f"rounds/{r}"
+        base = layout.round_dir(r)
         fetches = [
             (
                 s,
@@ -786,10 +813,10 @@ class ObjectStoreAllReduce:
         owner's late first attempt finds them gone and defers to the published average
         (:class:`_AlreadyReduced`), and the quorum is decided, so nobody reads the
         manifest."""
-        for key in (contrib_key(r, name), f"rounds/{r}/held/{self.rank}"):
+        for key in (contrib_key(r, name), layout.held_dir(r, self.rank)):
             try:
                 self.store.delete(key)
-            except Exception as e:  # only disk space is at stake; the GC retries later
+            except (StoreError, OSError) as e:  # only disk space is at stake; the GC retries
                 log.debug("round %d: could not drop %s: %s", r, key, e)
 
     def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
@@ -809,7 +836,7 @@ class ObjectStoreAllReduce:
         is not listed again."""
         present = self._present.setdefault(r, {})
         if len(present) < self.world_size:
-            for name in self.store.list(f"rounds/{r}/contrib"):
+            for name in self.store.list(layout.contrib_dir(r)):
                 arrival = parse_contrib_name(name)
                 if arrival is not None and arrival.rank < self.world_size:
                     present.setdefault(arrival.rank, arrival)
@@ -834,7 +861,7 @@ class ObjectStoreAllReduce:
         if r == 0:
             return None
         if r - 1 not in self._members:
-            data = self._get_if_there(res, f"rounds/{r - 1}/quorum.json", 0)
+            data = self._get_if_there(res, layout.quorum_key(r - 1), 0)
             decided: Any = None
             if data is not None:
                 try:
@@ -855,7 +882,7 @@ class ObjectStoreAllReduce:
         older round; one that ended says so in its phase. An unreadable store answers yes:
         waiting is what a round did before liveness was followed."""
         try:
-            beat = json.loads(self.store.get(HEARTBEAT_KEY.format(rank=k)))
+            beat = json.loads(self.store.get(layout.heartbeat_key(k)))
         except ObjectNotFound:
             return False
         except (ValueError, CorruptObjectError):
@@ -885,168 +912,55 @@ class ObjectStoreAllReduce:
         return eligible, sorted(set(arrived) - set(eligible))
 
     def _decide_quorum(self, res: AllReduceResult, r: int) -> dict[str, Any]:
-        """Read or create rounds/<r>/quorum.json; exactly one decision per round, returned.
-        Raises _Stale as soon as this replica sees it is behind the others (it must heal).
+        """Read or create rounds/<r>/quorum.json; exactly one decision per round, returned
+        (the rules are :mod:`crf.exchange.quorum`'s). Raises _Stale as soon as this replica
+        sees it is behind the others (it must heal)."""
+        key = layout.quorum_key(r)
 
-        Each poll lists the contributions, whose names tell each one's base round and facts
-        digest (:mod:`crf.exchange.contribution`), and reads the decision once it can be
-        there. When every replica's contribution is listed, the lowest eligible rank (on the
-        newest base round) writes the decision - who takes part, who is stale, each
-        participant's contribution and facts digest - and the others read it (a race of N
-        conditional writes costs N - 1 refusals, each followed by two reads). Anyone decides
-        if it has not appeared within ``_DECIDER_GRACE_S``, and at the round deadline with at
-        least ``min_replicas`` eligible."""
-        key = f"rounds/{r}/quorum.json"
-        deadline = time.monotonic() + self.config.round_timeout_s
-        decided: dict[str, Any] | None = None
-        next_hook = [time.monotonic() + 1.0]
-        # whether this replica lags the others (global/ or, with sparse checkpoints, a later
-        # decided round says so) is asked concurrently with the polls: by a replica that finds
-        # itself alone in the round (a straggler whose round the others left long ago), by
-        # one still waiting for arrivals after _LAG_CHECK_AFTER_S, and by anyone about to
-        # decide a round not everyone arrived for (a deadline decision) unless its answer is
-        # fresh. A replica that only reads a decision needs no answer: the decision says
-        # whether it took part, and one left out checks for later rounds before catching up;
-        # nor does one deciding a round every replica arrived for (see _lagging)
-        started = time.monotonic()
-        lag_check: Future[int | None] | None = None
-        lag_asked = 0.0
-        everyone_at: float | None = None  # when this replica first saw every replica here
-
-        def _ask_lag() -> None:
-            nonlocal lag_check, lag_asked
-            lag_check, lag_asked = self._control().submit(self._lag_behind, r), time.monotonic()
-
-        def _lagging(deciding: bool, waiting: bool, alone: bool) -> None:
-            if deciding and not waiting:
-                # every contribution to round r is listed: nobody has moved past round r
-                # (a replica ahead would have left it, and the GC removed its contribution;
-                # a round decided without this one has its decision here, which wins)
-                return
-            now = time.monotonic()
-            overdue = waiting and now - started >= _LAG_CHECK_AFTER_S
-            if lag_check is None and (deciding or alone or overdue):
-                _ask_lag()
-            elif deciding and now - lag_asked > _DECIDER_GRACE_S:
-                _ask_lag()  # stale answer: the others may have moved on since
-            if lag_check is None or not (deciding or lag_check.done()):
-                return
-            behind = lag_check.result()
-            if behind is not None:
-                raise _Stale(behind)
-
-        # the decision is asked for on every poll once every contribution is listed (but by
-        # the replica that is to write it), and otherwise once a second: before then it can
-        # only be a deadline decision by the others (this replica is a straggler). A replica
-        # that finds itself alone asks at once: it may be a straggler whose peers decided
-        # the round without it and then dropped their contributions (file stores), which
-        # takes the round's average rather than healing
-        asked = time.monotonic()
-        alone_asked = False
-        mine = self._present[r][self.rank]
-        # membership (follow_liveness): the arrivals whose absentees were last looked at, and
-        # the absentees found alive then (waited for until they arrive or the deadline)
-        looked_at: frozenset[int] | None = None
-        alive: set[int] = set()
-
-        def _all_live_arrived(arrived: dict[int, Arrival]) -> bool:
-            """Every replica this round waits for is here though some are not: the members
-            of round r - 1 arrived, and no absentee shows a sign of life (a fresh heartbeat at
-            round r - 1 or later). Heartbeats are read only then, once per set of arrivals,
-            so a round everyone arrives for costs no request more."""
-            nonlocal looked_at, alive
-            members = self._members_before(res, r)
-            if members is None or not members <= set(arrived):
-                return False
-            here = frozenset(arrived)
-            if here != looked_at:
-                looked_at = here
-                absent = [k for k in range(self.world_size) if k not in here]
-                verdicts = self._control().map(lambda k: self._shows_life(k, r), absent)
-                alive = {k for k, ok in zip(absent, verdicts, strict=True) if ok}
-            return not alive
-
-        def _try() -> bool:
-            nonlocal decided, everyone_at, asked, alone_asked
-            now = time.monotonic()
-            # the once-a-second ask goes out next to the listing
-            reading = None
-            if now - asked >= _DECISION_POLL_S or now >= deadline:
-                reading = self._control().submit(self._get_if_there, res, key, 0)
-            arrived = self._list_present(r)  # no request once every contribution is known
-            eligible, stale = self._eligible(arrived)
-            everyone = len(arrived) == self.world_size
-            complete = everyone or (self.config.follow_liveness and _all_live_arrived(arrived))
-            alone = list(arrived) == [self.rank]
-            if reading is None and (
-                (alone and not alone_asked) or (complete and eligible[:1] != [self.rank])
-            ):
-                reading = self._control().submit(self._get_if_there, res, key, 0)
-                alone_asked = alone_asked or alone
-            if reading is not None:
-                asked = now
-            if self._early is not None and self.config.fetch_early and self.rank in eligible:
-                self._fetch_early(
-                    {
-                        p: a
-                        for p, a in arrived.items()
-                        if (a.base_round, a.facts) == (mine.base_round, mine.facts)
-                    }
-                )
-            data = reading.result() if reading is not None else None
-            if data is not None:  # a decision stands, whatever the listing says now
-                decided = self._read_decision(r, key, data)
-                return True
-            if self.rank in stale:
-                raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
-            if self.hooks.on_wait is not None and time.monotonic() >= next_hook[0]:
-                next_hook[0] = time.monotonic() + 1.0
-                self.hooks.on_wait()
-            late = time.monotonic() >= deadline
-            enough = len(eligible) >= self.config.min_replicas
-            deciding = bool((complete or late) and eligible and enough)
-            if deciding and not late and eligible[0] != self.rank:
-                everyone_at = everyone_at or time.monotonic()
-                # the lowest eligible rank decides; read its decision
-                deciding = time.monotonic() - everyone_at >= _DECIDER_GRACE_S
-            _lagging(deciding, waiting=not everyone, alone=alone)
-            if not deciding:
-                return False
-            bases = [arrived[e].base_round for e in eligible]
-            body = {
-                "round": r,
-                "participants": eligible,
-                "stale": stale,
-                "base_round": max((b for b in bases if b is not None), default=None),
-                "contributions": {
-                    str(p): {"name": arrived[p].name, "facts": arrived[p].facts} for p in eligible
-                },
-                # what the digests stand for, as in the decider's own manifest
-                "facts": {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
-                "decided_by": self.rank,
-                "decided_at": time.time(),
-                "run_id": self.config.run_id,
-                "reason": "all arrived"
-                if everyone
-                else ("all live arrived" if complete else "deadline"),
-            }
-            if complete and not everyone:  # not waited for: dead, ended or far behind
-                body["not_waited_for"] = [k for k in range(self.world_size) if k not in arrived]
+        def write(body: dict[str, Any]) -> dict[str, Any]:
             if self._put(res, key, jsonsafe.dumps(body).encode(), exclusive=True):
-                decided = body
-            else:  # someone else decided first: theirs is the decision
-                decided = self._read_decision(r, key, self._get(res, key, 0))
-            return True
+                return body
+            # someone else decided first: theirs is the decision
+            return self._read_decision(r, key, self._get(res, key, 0))
 
+        def fetch_early(peers: dict[int, Arrival]) -> None:
+            if self._early is not None and self.config.fetch_early:
+                self._fetch_early(peers)
+
+        port = QuorumPort(
+            rank=self.rank,
+            world_size=self.world_size,
+            min_replicas=self.config.min_replicas,
+            follow_liveness=self.config.follow_liveness,
+            control=self._control,
+            list_arrivals=lambda: self._list_present(r),
+            eligible=self._eligible,
+            read_if_there=lambda: self._get_if_there(res, key, 0),
+            read_decision=lambda data: self._read_decision(r, key, data),
+            write_decision=write,
+            members_before=lambda: self._members_before(res, r),
+            shows_life=lambda k: self._shows_life(k, r),
+            lag_behind=lambda: self._lag_behind(r),
+            fetch_early=fetch_early,
+            facts=lambda: {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
+            on_wait=self.hooks.on_wait,
+            run_id=self.config.run_id,
+        )
+        deadline = time.monotonic() + self.config.round_timeout_s
+        decision = QuorumDecision(port, r, self._present[r][self.rank], deadline)
         # keep polling a little past the deadline so a decision by a peer is seen
         if not wait_until(
-            _try, self.config.round_timeout_s + 1.0, poll_s=0.005, max_poll_s=self.config.max_poll_s
+            decision.poll,
+            self.config.round_timeout_s + 1.0,
+            poll_s=0.005,
+            max_poll_s=self.config.max_poll_s,
         ):
             raise QuorumTimeout(
                 f"round {r}: only {len(self._list_present(r))} of {self.world_size} replicas "
                 f"arrived within {self.config.round_timeout_s:.0f}s (need "
                 f"min_replicas={self.config.min_replicas})"
             )
+        decided = decision.decided
         assert decided is not None
         if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
             raise _Stale(int(decided["base_round"]))
@@ -1137,13 +1051,13 @@ class ObjectStoreAllReduce:
         for k in later:
             if k <= r:
                 break
-            if self.store.object_exists(f"rounds/{k}/quorum.json"):
+            if self.store.object_exists(layout.quorum_key(k)):
                 return k - 1
         return None
 
     def _newest_global(self) -> int | None:
-        rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
-        return max(rounds) if rounds else None
+        rounds = layout.global_rounds(self.store)
+        return rounds[-1] if rounds else None
 
     def _check_layouts(
         self,
@@ -1213,7 +1127,7 @@ class ObjectStoreAllReduce:
         key = held_key(r, p, s) if held else contrib_key(r, job.names[p])
         name = key if held else shard_name(r, p, s)
         if wait_s > 0 and held:
-            rkey = f"rounds/{r}/reduced/{s}"  # once published, the part is not needed
+            rkey = layout.reduced_key(r, s)  # once published, the part is not needed
             wait_until(
                 lambda: self.store.object_exists(key) or self.store.object_exists(rkey),
                 wait_s,
@@ -1242,16 +1156,16 @@ class ObjectStoreAllReduce:
             if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo, segs):
                 raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
             if not wirefmt.all_finite(t, self.wire, hi - lo, segs):  # checked here, in parallel
-                return _Part(None, f"{name}: {_NONFINITE}")
+                return _Part(None, layout.Rejection(name, _NONFINITE))
             return _Part(t)
         except ObjectNotFound:
-            if self.store.object_exists(f"rounds/{r}/reduced/{s}"):
+            if self.store.object_exists(layout.reduced_key(r, s)):
                 # dropped by its uploader after the round completed: this shard's average
                 # is published already, and this attempt would lose the race anyway
                 raise _AlreadyReduced(s) from None
-            return _Part(None, f"{name}: missing")
+            return _Part(None, layout.Rejection(name, "missing", left_out=True))
         except CorruptObjectError as e:
-            return _Part(None, str(e))
+            return _Part(None, layout.Rejection.from_dict(str(e)))  # "key: why"
 
     def _reduce_shard(
         self, res: AllReduceResult, job: _Round, s: int, *, first: bool = False
@@ -1264,7 +1178,7 @@ class ObjectStoreAllReduce:
         this call published it. ``first``: the owner's own first attempt (nobody else computes
         a shard before its grace period, so it skips asking whether it exists)."""
         r = job.round
-        key = f"rounds/{r}/reduced/{s}"
+        key = layout.reduced_key(r, s)
         if not first and self.store.object_exists(key):
             return None
         owner = job.participants[s % len(job.participants)]
@@ -1291,11 +1205,15 @@ class ObjectStoreAllReduce:
                 # e.g. poisoned after its check
                 if not wirefmt.all_finite(w, self.wire, b - a, segs):
                     log.warning("round %d: left out of shard %d: its own part is not finite", r, s)
-                    res.rejected.append(f"{shard_name(r, p, s)}: {_NONFINITE}")
+                    res.rejected.append(layout.Rejection(shard_name(r, p, s), _NONFINITE))
                     w = None
             elif p not in fetches:
                 w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
-                res.rejected.append(f"{shard_name(r, p, s)}: owner {p} did not reduce it")
+                res.rejected.append(
+                    layout.Rejection(
+                        shard_name(r, p, s), f"owner {p} did not reduce it", left_out=True
+                    )
+                )
             else:
                 try:
                     part = fetches[p].result()
@@ -1423,20 +1341,20 @@ class ObjectStoreAllReduce:
 
     def round_failed(self, r: int) -> bool:
         """Whether some replica declared round ``r`` failed (it cannot complete)."""
-        return self.store.object_exists(f"rounds/{r}/failed.json")
+        return self.store.object_exists(layout.failed_key(r))
 
     def was_committed(self, r: int) -> bool:
         """Whether round ``r`` was decided and not failed, as far as the store says now: the
         others then took its outer step, and a replica that missed it is behind."""
-        return self.store.object_exists(f"rounds/{r}/quorum.json") and not self.round_failed(r)
+        return self.store.object_exists(layout.quorum_key(r)) and not self.round_failed(r)
 
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
-        self.store.put_if_absent(f"rounds/{r}/failed.json", jsonsafe.dumps(body).encode())
+        self.store.put_if_absent(layout.failed_key(r), jsonsafe.dumps(body).encode())
 
     def _raise_if_failed(self, r: int) -> None:
         try:
-            body = self.store.get_json(f"rounds/{r}/failed.json")
+            body = self.store.get_json(layout.failed_key(r))
         except ObjectNotFound:
             return
         raise RoundFailed(
@@ -1454,10 +1372,10 @@ class ObjectStoreAllReduce:
     def collect_garbage(self, current_round: int) -> list[int]:
         """Delete rounds older than ``keep_rounds`` before ``current_round``; returns them."""
         removed = []
-        for name in self.store.list("rounds"):
-            if name.isdigit() and int(name) <= current_round - self.config.keep_rounds:
-                self.store.delete(f"rounds/{name}")
-                removed.append(int(name))
+        for k in layout.round_numbers(self.store):
+            if k <= current_round - self.config.keep_rounds:
+                self.store.delete(layout.round_dir(k))
+                removed.append(k)
         return sorted(removed)
 
 

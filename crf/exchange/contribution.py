@@ -43,6 +43,7 @@ from typing import Any
 
 from crf import jsonsafe
 from crf.exchange import wire as wirefmt
+from crf.layout import contrib_dir, contrib_key
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import FRAME_OVERHEAD
 
@@ -98,27 +99,13 @@ def parse_contrib_name(name: str) -> Arrival | None:
     return Arrival(int(m.group(1)), base, m.group(3), name)
 
 
-def contrib_key(r: int, name: str) -> str:
-    return f"rounds/{r}/contrib/{name}"
-
-
 def find_contribution(store: RunStore, r: int, rank: int) -> str | None:
     """The key of replica ``rank``'s contribution to round ``r``, if there is one."""
-    for name in store.list(f"rounds/{r}/contrib"):
+    for name in store.list(contrib_dir(r)):
         arrival = parse_contrib_name(name)
         if arrival is not None and arrival.rank == rank:
             return contrib_key(r, name)
     return None
-
-
-def held_key(r: int, rank: int, s: int) -> str:
-    """Where a shard a replica kept goes when a degraded quorum gives it to another owner."""
-    return f"rounds/{r}/held/{rank}/{s}"
-
-
-def shard_name(r: int, rank: int, s: int) -> str:
-    """How messages name shard s inside replica rank's contribution object."""
-    return f"rounds/{r}/contrib/{rank}#{s}"
 
 
 def manifest_size(layout: Sequence[Any], run_id: str, num_shards: int, world_size: int) -> int:
