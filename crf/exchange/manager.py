@@ -238,7 +238,7 @@ class ObjectStoreManager:
             CheckpointWriter(async_checkpoints, self._write_failed),
             heal_timeout_s=heal_timeout_s,
             keepalive=self._keepalive,
-            on_reject=self.stats.rejected.append,
+            on_reject=lambda reason: self.stats.rejected.append(reason),
         )
         self.on_phase = on_phase
         self.background = background
