@@ -18,7 +18,9 @@ before its next round, so it rejoins with the same weights and outer momentum as
 The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``):
 the state is serialized at once (the weights change with the next inner step) and, with
 ``async_checkpoints``, uploaded by a background writer so training does not wait for it;
-``drain()`` waits for pending writes (a replica calls it before reporting its result).
+``drain()`` waits for pending writes (a replica calls it before reporting its result). What
+lies in ``global/``, ``heal/`` and a replica's ``inner/``, and how it is checked, is
+:mod:`crf.exchange.checkpoints`; the manager decides when.
 """
 
 from __future__ import annotations
