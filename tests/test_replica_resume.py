@@ -8,11 +8,14 @@ import json
 import threading
 import uuid
 
+import pytest
 import torch
 
+from crf import layout
+from crf.exchange.manager import ObjectStoreManager
 from crf.replica.context import ReplicaContext
 from crf.spec import RunSpec
-from crf.store import RunStore
+from crf.store import CorruptObjectError, RunStore
 from tests.conftest import run_threads
 
 H, ROUNDS, N = 3, 4, 2
@@ -103,3 +106,22 @@ def test_resume_falls_back_when_the_newest_global_is_corrupt() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with ctx.diloco(model, opt):
         assert ctx.resumed_from == 0 and ctx.step == H
+
+
+def test_inner_states_round_trip_and_old_ones_are_collected() -> None:
+    """A replica's inner state after round r lands at its layout key (written in the
+    background), reads back as saved, is refused (and reported) under another model's
+    layout, and only the last keep_rounds rounds' states are kept."""
+    store = RunStore(f"memory://resume-test/{uuid.uuid4().hex}")
+    m = ObjectStoreManager(store, N, 1, run_id="t", keep_rounds=2, async_checkpoints=True)
+    m.state_layout = "this-model"
+    for r in range(5):
+        m.checkpoints.save_inner(r, {"r": torch.tensor(r)}, step=r * H)
+    m.drain()
+    assert layout.inner_rounds(store, 1) == [3, 4]
+    assert torch.equal(m.checkpoints.load_inner(4)["r"], torch.tensor(4))
+    m.state_layout = "another-model"
+    with pytest.raises(CorruptObjectError):
+        m.checkpoints.load_inner(4)
+    assert len(m.rejected) == 1 and layout.inner_key(1, 4) in m.rejected[0]
+    m.close()

@@ -18,20 +18,20 @@ before its next round, so it rejoins with the same weights and outer momentum as
 The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``):
 the state is serialized at once (the weights change with the next inner step) and, with
 ``async_checkpoints``, uploaded by a background writer so training does not wait for it;
-``drain()`` waits for pending writes (a replica calls it before reporting its result).
+``drain()`` waits for pending writes (a replica calls it before reporting its result). What
+lies in ``global/``, ``heal/`` and a replica's ``inner/``, and how it is checked, is
+:mod:`crf.exchange.checkpoints`; the manager decides when.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future as _ThreadFuture
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,28 +45,25 @@ from crf.exchange.allreduce import (
     ObjectStoreAllReduce,
     RoundFailed,
 )
+from crf.exchange.checkpoints import Checkpoints, CheckpointWriter, HealError
 from crf.exchange.config import ExchangeConfig, ExchangeHooks
-from crf.store import (
-    CorruptObjectError,
-    ObjectNotFound,
-    RunStore,
-    StoreError,
-    decode_blob,
-    encode_blob,
-)
-from crf.store.run_store import wait_until
+from crf.store import CorruptObjectError, RunStore, StoreError
 
 log = logging.getLogger(__name__)
 
-GLOBAL_STATE = "global/{r}/state.pt"
 #: how often ``on_blocked`` is called while the training thread waits (exchange, heal)
 _KEEPALIVE_S = 1.0
 #: the variable torchft's DiLoCo reads to put a sync's tensors in buckets (turned off here)
 USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"
 
-
-class HealError(RuntimeError):
-    """A replica that missed a committed round could not load a global state to catch up."""
+__all__ = [
+    "HealError",
+    "ManagerStats",
+    "ObjectStoreManager",
+    "UNRECOVERABLE_ERRORS",
+    "restart_cannot_help",
+    "turn_off_bucketization",
+]
 
 
 #: errors that say the run cannot work as it is set up (the replicas build different models,
@@ -131,10 +128,85 @@ class _QueuedWork:
         return fut
 
 
+class _Part:
+    """An attribute kept in one of the manager's parts (``stats``, ``checkpoints``), read and
+    set under the name the manager has always had (``manager.bytes_up``,
+    ``manager.final_round``)."""
+
+    def __init__(self, part: str, name: str | None = None) -> None:
+        self.part = part
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
+
+
+@dataclass
+class ManagerStats:
+    """What a manager counts over the run: the replica's metrics and result read it."""
+
+    rounds_committed: int = 0
+    rounds_missed: list[int] = field(default_factory=list)
+    rounds_caught_up: list[int] = field(default_factory=list)  # left out, took the average
+    bytes_up: int = 0  # exchange traffic only (pseudo-gradients, quorum, reduced shards)
+    bytes_down: int = 0
+    #: objects left out or refused (exchange parts, global and inner states), as text
+    rejected: list[str] = field(default_factory=list)
+    blocked_s: float = 0.0  # the training thread blocked in the manager
+    transfer_s: float = 0.0  # background exchanges, start to finish
+    last_transfer_s: float = 0.0
+    last_sync_s: float = 0.0  # the last sync's blocked time
+
+
+@dataclass
+class _Sync:
+    """One sync, from ``start_quorum()`` to ``should_commit()``: the queued tensors and the
+    background exchange over them (one at a time: DiLoCo waits for a sync before the next)."""
+
+    blocked_before: float = 0.0  # ``blocked_s`` when it started
+    queue: list[torch.Tensor] = field(default_factory=list)
+    launched: bool = False
+    flushed: bool = False
+    thread: threading.Thread | None = None
+    outcome: tuple[AllReduceResult | None, BaseException | None] | None = None
+    commit: bool = False
+
+
 class ObjectStoreManager:
-    """Duck-typed ``torchft.Manager`` for DiLoCo over an object store."""
+    """Duck-typed ``torchft.Manager`` for DiLoCo over an object store. Its counters are in
+    ``stats`` (:class:`ManagerStats`), its global and inner states in ``checkpoints``
+    (:class:`~crf.exchange.checkpoints.Checkpoints`); both are also read under the names
+    below."""
 
     _use_async_quorum = False
+
+    rounds_committed = _Part("stats")
+    rounds_missed = _Part("stats")
+    rounds_caught_up = _Part("stats")
+    bytes_up = _Part("stats")
+    bytes_down = _Part("stats")
+    rejected = _Part("stats")
+    blocked_s = _Part("stats")
+    transfer_s = _Part("stats")
+    last_transfer_s = _Part("stats")
+    last_sync_s = _Part("stats")
+    #: a digest of the model's tensors (set by ReplicaContext): global and inner states carry
+    #: it and one of another layout is refused
+    state_layout = _Part("checkpoints", "layout")
+    #: the last round: its global state is always written
+    final_round = _Part("checkpoints")
+    heal_timeout_s = _Part("checkpoints")
+    checkpoint_every = _Part("checkpoints")
+    ckpt_bytes_up = _Part("checkpoints", "bytes_up")  # global checkpoints written
+    ckpt_bytes_down = _Part("checkpoints", "bytes_down")  # and read, to heal or resume
 
     def __init__(
         self,
@@ -151,81 +223,43 @@ class ObjectStoreManager:
     ) -> None:
         """Builds its own exchange from ``config`` (or its fields as keywords in ``options``)
         with this manager's hooks: it serves heal requests while waiting and reports the
-        transfer's phase, so nothing is set on the exchange after it is built."""
+        transfer's phase, so nothing is set on the exchange after it is built. With
+        ``async_checkpoints`` checkpoint writes run off the training thread; with
+        ``background`` the exchange does."""
         if config is not None and options:
             raise TypeError("pass either config= or its fields as keywords, not both")
         config = config or ExchangeConfig(**options)
-        checkpoint_every = config.checkpoint_every
         hooks = ExchangeHooks(
             on_phase=self._transfer_phase,
-            on_wait=self._serve_heal_requests if checkpoint_every > 1 else None,
+            on_wait=self._serve_heal_requests if config.checkpoint_every > 1 else None,
         )
-        exchange = ObjectStoreAllReduce(store, world_size, rank, config, hooks)
-        self.exchange = exchange
-        self.store = exchange.store
-        self.rank = exchange.rank
-        self.heal_timeout_s = (
-            heal_timeout_s
-            if heal_timeout_s is not None
-            else exchange.config.round_timeout_s + 2 * exchange.config.shard_grace_s
+        self.exchange = ObjectStoreAllReduce(store, world_size, rank, config, hooks)
+        self.stats = ManagerStats()
+        self.checkpoints = Checkpoints(
+            self.exchange,
+            CheckpointWriter(async_checkpoints, self._write_failed),
+            heal_timeout_s=heal_timeout_s,
+            keepalive=self._keepalive,
+            on_reject=lambda reason: self.stats.rejected.append(reason),
         )
         self.on_phase = on_phase
+        self.background = background
         self._step = 0
         self.base_round = -1  # the global round these weights start from (-1: initial)
         self._state_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
-        self._queue: list[torch.Tensor] = []
-        self._flushed = False
-        self._commit = False
+        self._sync = _Sync()
+        self._sizes: list[int] | None = None  # tensors per fragment (set_fragment_sizes)
+        self._blocking_depth = 0
         self.last_result: AllReduceResult | None = None
         self.last_error: str | None = None
         self.fatal_error: Exception | None = None
-        self.last_sync_s = 0.0
         self.last_healed_from: int | None = None
-        self.rounds_committed = 0
         self.last_committed = False
-        self.rounds_missed: list[int] = []
-        self.bytes_up = 0  # exchange traffic only (pseudo-gradients, quorum, reduced shards)
-        self.bytes_down = 0
-        self.ckpt_bytes_up = 0  # global checkpoints written / read for healing
-        self.ckpt_bytes_down = 0
-        self.rejected: list[str] = []
-        #: a digest of the model's tensors (set by ReplicaContext): global states carry it
-        #: and one of another layout is refused
-        self.state_layout: str | None = None
-        #: global rounds whose state was refused (foreign, stale copy, corrupt): never
-        #: loaded again, as if they were not there
-        self._bad_globals: set[int] = set()
-        self._pending_global: int | None = None
-        #: global/<r> is written every this many rounds, at ``final_round`` and on request
-        self.checkpoint_every = checkpoint_every
-        self.final_round: int | None = None
-        # the newest global state not written (checkpoint_every > 1): served on request
-        self._cached: tuple[int, bytes] | None = None
-        self._cache_lock = threading.Lock()
-        self.rounds_caught_up: list[int] = []  # left out, took the published average
-        # background exchange (one at a time: DiLoCo waits for a sync before the next starts)
-        self.background = background
-        self._sizes: list[int] | None = None  # tensors per fragment (set_fragment_sizes)
-        self._launched = False
-        self._thread: threading.Thread | None = None
-        self._outcome: tuple[AllReduceResult | None, BaseException | None] | None = None
+        self.last_round: int | None = None  # the exchange round of the last sync
         self.transfer_phase: str | None = None  # what the background exchange is doing
         #: called (in the exchange's thread) when a round's exchange starts: tests and
         #: benchmarks see that the transfer began before anyone waited for it
         self.on_transfer_start: Callable[[int], None] | None = None
-        self.fragment_of: Callable[[int], int] = lambda r: 0  # exchange round -> fragment
-        # time accounting (seconds, cumulative over the run)
-        self.blocked_s = 0.0  # the training thread blocked in this manager
-        self.transfer_s = 0.0  # background exchanges, start to finish
-        self.last_transfer_s = 0.0
-        self.ckpt_s = 0.0  # background checkpoint writes
-        self._blocking_depth = 0
-        self._blocked_at_quorum = 0.0
-        self.last_round: int | None = None  # the exchange round of the last sync
-        # checkpoint writes (global/<r>, a replica's inner state) off the training thread
-        self.async_checkpoints = async_checkpoints
-        self._writer: ThreadPoolExecutor | None = None
-        self._writes: list[_ThreadFuture] = []
         #: called with the whole loaded state after load_global (e.g. to put every fragment's
         #: global copy back into the model)
         self.on_loaded: Callable[[dict[str, Any]], None] | None = None
@@ -233,6 +267,32 @@ class ObjectStoreManager:
         #: global state to heal from: the replica's heartbeat goes on, so the others (which
         #: follow liveness) see a replica that is slow, not dead
         self.on_blocked: Callable[[], None] | None = None
+
+    @property
+    def store(self) -> RunStore:
+        return self.exchange.store
+
+    @property
+    def rank(self) -> int:
+        return self.exchange.rank
+
+    @property
+    def ckpt_s(self) -> float:
+        """Time the background checkpoint writes took."""
+        return self.checkpoints.writer.seconds
+
+    @property
+    def async_checkpoints(self) -> bool:
+        return self.checkpoints.writer.background
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The running sync's exchange thread, if any (tests look at it)."""
+        return self._sync.thread
+
+    def fragment_of(self, r: int) -> int:
+        """The fragment exchange round ``r`` syncs (0 without fragment sizes)."""
+        return r % len(self._sizes) if self._sizes else 0
 
     # -------------------------------------------------------------- torchft surface
     def register_state_dict_fn(
@@ -246,7 +306,7 @@ class ObjectStoreManager:
     def disallow_state_dict_read(self) -> None:
         """DiLoCo calls this before every inner optimizer step: if a sync's tensors are queued
         but its exchange has not started (fragment sizes unknown), they are complete now."""
-        if self._queue and not self._launched:
+        if self._sync.queue and not self._sync.launched:
             with self.blocking():
                 self._launch()
 
@@ -254,21 +314,13 @@ class ObjectStoreManager:
         """How many tensors DiLoCo allreduces for each fragment (fragment = round % len).
         With it the exchange starts the moment the fragment's last tensor is queued."""
         self._sizes = list(sizes) or None
-        if self._sizes is not None:
-            n = len(self._sizes)
-            self.fragment_of = lambda r: r % n
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
-        if self._launched and not self._flushed:  # not waited for: finish it first
+        if self._sync.launched and not self._sync.flushed:  # not waited for: finish it first
             self.flush()
-        self._queue = []
-        self._flushed = False
-        self._launched = False
-        self._outcome = None
-        self._commit = False
+        self._sync = _Sync(blocked_before=self.stats.blocked_s)
         self.last_result = None
         self.last_error = None
-        self._blocked_at_quorum = self.blocked_s
 
     def current_step(self) -> int:
         return self._step
@@ -278,11 +330,12 @@ class ObjectStoreManager:
         self._step = step
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> _QueuedWork:
-        if self._flushed or self._launched:
+        sync = self._sync
+        if sync.flushed or sync.launched:
             raise RuntimeError("allreduce() after the round's exchange ran: call start_quorum()")
-        self._queue.append(tensor)
+        sync.queue.append(tensor)
         sizes = self._sizes
-        if sizes is not None and len(self._queue) == sizes[self.fragment_of(self._step)]:
+        if sizes is not None and len(sync.queue) == sizes[self.fragment_of(self._step)]:
             with self.blocking():
                 self._launch()
         return _QueuedWork(self, tensor)
@@ -294,27 +347,26 @@ class ObjectStoreManager:
         with self.blocking():
             committed = self._should_commit()
         # this sync's blocked time: starting the exchange, waiting for it, healing
-        self.last_sync_s = self.blocked_s - self._blocked_at_quorum
+        self.stats.last_sync_s = self.stats.blocked_s - self._sync.blocked_before
         return committed
 
     def _should_commit(self) -> bool:
         self.flush()
-        self._raise_if_write_failed()
+        self.checkpoints.writer.check()
         r = self._step
         self.last_round = r
-        self.last_committed = self._commit
-        if self._commit:
-            self.rounds_committed += 1
+        self.last_committed = self._sync.commit
+        if self._sync.commit:
+            self.stats.rounds_committed += 1
             self._step = r + 1
             self.base_round = r
             parts = self.last_result.participants if self.last_result else [self.rank]
             if self.exchange.world_size > 1 and parts and self.rank == min(parts):
-                self._pending_global = r  # written after the outer step (after_outer_step)
+                self.checkpoints.owe(r)  # written after the outer step (after_outer_step)
             else:
-                with self._cache_lock:  # another replica holds the newest state now
-                    self._cached = None
+                self.checkpoints.forget_cached()  # another replica holds the newest state
             return True
-        self.rounds_missed.append(r)
+        self.stats.rounds_missed.append(r)
         if self.fatal_error is not None:
             # the replica stops at this sync (e.g. the replicas disagree on the model): healing
             # could only wait for a global state nobody writes, and would hide the real error
@@ -343,25 +395,26 @@ class ObjectStoreManager:
         finally:
             self._blocking_depth -= 1
             if self._blocking_depth == 0:
-                self.blocked_s += time.monotonic() - t0
+                self.stats.blocked_s += time.monotonic() - t0
 
     def _transfer_phase(self, phase: str) -> None:
         self.transfer_phase = phase
 
     def _launch(self) -> None:
         """Start the round's exchange over the queued tensors (in the background)."""
-        self._launched = True
-        tensors, r, base = list(self._queue), self._step, self.base_round
+        sync = self._sync
+        sync.launched = True
+        args = (sync, list(sync.queue), self._step, self.base_round)
         if not self.background:
-            self._run_exchange(tensors, r, base)
+            self._run_exchange(*args)
             return
-        self._thread = threading.Thread(
-            target=self._run_exchange, args=(tensors, r, base), name=f"crf-exchange-{r}"
+        sync.thread = threading.Thread(
+            target=self._run_exchange, args=args, name=f"crf-exchange-{self._step}"
         )
-        self._thread.daemon = True
-        self._thread.start()
+        sync.thread.daemon = True
+        sync.thread.start()
 
-    def _run_exchange(self, tensors: list[torch.Tensor], r: int, base: int) -> None:
+    def _run_exchange(self, sync: _Sync, tensors: list[torch.Tensor], r: int, base: int) -> None:
         t0 = time.monotonic()
         try:
             if self.on_transfer_start is not None:
@@ -369,71 +422,77 @@ class ObjectStoreManager:
             res = self.exchange.allreduce(
                 tensors, round=r, base_round=base, fragment=self.fragment_of(r)
             )
-            self._outcome = (res, None)
+            sync.outcome = (res, None)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread in flush()
-            self._outcome = (None, e)
+            sync.outcome = (None, e)
         finally:
-            self.last_transfer_s = time.monotonic() - t0
-            self.transfer_s += self.last_transfer_s
+            self.stats.last_transfer_s = time.monotonic() - t0
+            self.stats.transfer_s += self.stats.last_transfer_s
             self.transfer_phase = None
 
     def flush(self) -> None:
         """Wait for the round's batched exchange (starting it if it has not started yet);
         errors become should_commit() == False."""
-        if self._flushed:
+        if self._sync.flushed:
             return
         with self.blocking():
             self._flush()
 
     def _flush(self) -> None:
-        self._flushed = True
+        sync = self._sync
+        sync.flushed = True
         self._phase("syncing")
         try:
-            if not self._launched:
-                self._launch()
-            if self._thread is not None:
-                self._thread.join(_KEEPALIVE_S)
-                while self._thread.is_alive():  # a long wait: the heartbeat goes on
-                    self._keepalive()
-                    self._thread.join(_KEEPALIVE_S)
-                self._thread = None
-            assert self._outcome is not None
-            res, err = self._outcome
-            if err is not None:
-                raise err
-            assert res is not None
+            res = self._wait_for_exchange(sync)
             self.last_result = res
-            self._commit = res.in_quorum or res.caught_up
+            sync.commit = res.in_quorum or res.caught_up
             if res.caught_up:
-                self.rounds_caught_up.append(self._step)
+                self.stats.rounds_caught_up.append(self._step)
             elif not res.in_quorum:
                 self.last_error = f"not in the quorum of round {self._step}: {res.participants}"
             self._account(res)
         except LayoutMismatchError as e:
             self.fatal_error = e
             self.last_error = str(e)
-            self._commit = False
+            sync.commit = False
         except NonFiniteError as e:  # this replica's own numbers: fatal, never averaged
             log.error("%s", e)
             self.fatal_error = e
             self.last_error = f"{type(e).__name__}: {e}"
-            self._commit = False
+            sync.commit = False
         except (AllReduceError, StoreError, OSError, CorruptObjectError) as e:
             log.warning("round %d: exchange failed: %s", self._step, e)
             self.last_error = f"{type(e).__name__}: {e}"
-            self._commit = False
+            sync.commit = False
             partial = self.exchange.history[-1] if self.exchange.history else None
             if isinstance(e, RoundFailed):
-                self.rejected.append(str(e))
+                self.stats.rejected.append(str(e))
             if partial is not None and partial.round == self._step:
                 self._account(partial)
         finally:
-            self._queue = []
+            sync.queue = []
+
+    def _wait_for_exchange(self, sync: _Sync) -> AllReduceResult:
+        """The sync's exchange result (starting it first if needed); raises its error."""
+        if not sync.launched:
+            self._launch()
+        if sync.thread is not None:
+            sync.thread.join(_KEEPALIVE_S)
+            while sync.thread.is_alive():  # a long wait: the heartbeat goes on
+                self._keepalive()
+                sync.thread.join(_KEEPALIVE_S)
+            sync.thread = None
+        assert sync.outcome is not None
+        res, err = sync.outcome
+        if err is not None:
+            raise err
+        assert res is not None
+        return res
 
     def _account(self, res: AllReduceResult) -> None:
-        self.bytes_up += res.bytes_up
-        self.bytes_down += res.bytes_down
-        self.rejected.extend(res.rejected)
+        self.stats.bytes_up += res.bytes_up
+        self.stats.bytes_down += res.bytes_down
+        self.stats.rejected.extend(res.rejected)
 
     def _phase(self, phase: str) -> None:
         if self.on_phase is not None:
@@ -443,56 +502,34 @@ class ObjectStoreManager:
         if self.on_blocked is not None:
             try:
                 self.on_blocked()
-            except Exception as e:  # a heartbeat never ends a wait early
+            # the replica's callback (its heartbeat): whatever it raises, a heartbeat never
+            # ends a wait early
+            except Exception as e:
                 log.debug("keepalive failed: %s", e)
 
-    # -------------------------------------------------------------- background writes
+    # -------------------------------------------------------------- checkpoint writes
     def persist(self, write: Callable[[], None]) -> None:
         """Run a checkpoint write: in the background writer with ``async_checkpoints``
         (in order, one at a time), else now. A failed background write is raised as
         ``fatal_error`` at the next sync (and by ``drain``)."""
-        if not self.async_checkpoints:
-            write()
-            return
-        self._raise_if_write_failed()
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-ckpt")
-        self._writes.append(self._writer.submit(self._timed_write, write))
+        self.checkpoints.writer.submit(write)
 
-    def _timed_write(self, write: Callable[[], None]) -> None:
-        t0 = time.monotonic()
-        try:
-            write()
-        finally:
-            self.ckpt_s += time.monotonic() - t0
-
-    def _raise_if_write_failed(self) -> None:
-        done = [f for f in self._writes if f.done()]
-        self._writes = [f for f in self._writes if not f.done()]
-        for f in done:
-            e = f.exception()
-            if e is not None and self.fatal_error is None:
-                log.error("a checkpoint write failed: %s", e)
-                self.fatal_error = e if isinstance(e, Exception) else RuntimeError(str(e))
+    def _write_failed(self, e: BaseException) -> None:
+        if self.fatal_error is None:
+            log.error("a checkpoint write failed: %s", e)
+            self.fatal_error = e if isinstance(e, Exception) else RuntimeError(str(e))
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for pending background checkpoint writes; raise the first that failed."""
-        pending, self._writes = self._writes, []
-        for f in pending:
-            f.result(timeout=timeout_s)
+        self.checkpoints.writer.drain(timeout_s)
 
     def close(self) -> None:
         """Wait for a running exchange and pending writes, then stop the writer thread."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._sync.thread is not None:
+            self._sync.thread.join()
+            self._sync.thread = None
         self.exchange.close()
-        try:
-            self.drain()
-        finally:
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
-                self._writer = None
+        self.checkpoints.close()
 
     # -------------------------------------------------------------- global state
     def state_dict(self) -> dict[str, Any]:
@@ -509,213 +546,49 @@ class ObjectStoreManager:
         and collects garbage. The state is serialized now (the weights change with the next
         inner step); the upload runs in the background with async_checkpoints. A state not
         written is kept in memory so a heal request can still be served from it."""
-        r, self._pending_global = self._pending_global, None
+        r = self.checkpoints.take_owed()
         if r is None:
             return
         with self.blocking():
-            due = self.global_due(r)
-            buf = io.BytesIO()
-            torch.save({"round": r, "state": self.state_dict()}, buf)
-            payload = buf.getvalue()
-            with self._cache_lock:
-                self._cached = None if due else (r, payload)
-            if due:
-                self.persist(lambda: self._write_global(r, payload))
-            else:
-                self.persist(lambda: self._collect_garbage(r))
+            self.checkpoints.snapshot(r, self.state_dict())
 
     def global_due(self, r: int) -> bool:
         """Whether round r's global state is written (by its lowest participant)."""
-        k = self.checkpoint_every
-        if k == 1 or (r + 1) % k == 0:
-            return True
-        if self.final_round is not None and r >= self.final_round:
-            return True
-        try:
-            return bool(self._heal_requests())
-        except (StoreError, OSError) as e:  # the next round's exchange will say more
-            log.warning("could not look for heal requests after round %d: %s", r, e)
-            return False
-
-    def _heal_requests(self) -> dict[str, int]:
-        """Pending requests: ``heal/<rank>.json`` -> the global round that replica needs."""
-        out = {}
-        for name in self.store.list("heal"):
-            try:
-                out[name] = int(self.store.get_json(f"heal/{name}")["target"])
-            except (ObjectNotFound, ValueError, KeyError, TypeError):
-                continue
-        return out
+        return self.checkpoints.due(r)
 
     def _serve_heal_requests(self) -> None:
-        """Called while the exchange waits for late replicas: if one asked for a global state
-        and this replica holds the newest one unwritten, write it now (the asker is not in
-        this round: without it, the round would wait for it until the deadline)."""
-        with self._cache_lock:
-            cached = self._cached
-            if cached is None:
-                return
-            try:
-                wanted = self._heal_requests()
-            except (StoreError, OSError) as e:
-                log.debug("could not list heal requests: %s", e)
-                return
-            if not any(t <= cached[0] for t in wanted.values()):
-                return
-            self._cached = None
-        try:
-            self._write_global(*cached)
-            log.info("wrote global/%d for a replica that is healing", cached[0])
-        except (StoreError, OSError) as e:
-            log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
+        """The exchange's ``on_wait`` hook: write a global state a healing replica asked for."""
+        self.checkpoints.serve_heal_requests()
 
     def _write_global(self, r: int, payload: bytes) -> None:
-        meta = {"round": r, "run_id": self.exchange.config.run_id, "layout": self.state_layout}
-        blob = encode_blob(payload, meta)
-        self._bad_globals.discard(r)  # replaced by this one
-        self.store.put(GLOBAL_STATE.format(r=r), blob)
-        self.ckpt_bytes_up += len(blob)
-        if self.checkpoint_every > 1:
-            for name, target in self._heal_requests().items():
-                if target <= r:  # served: the asker loads global/<r> or newer
-                    with contextlib.suppress(ObjectNotFound):
-                        self.store.delete(f"heal/{name}")
-        self._collect_garbage(r)
-
-    def _collect_garbage(self, r: int) -> None:
-        self.exchange.collect_garbage(r)
-        self._gc_globals(r)
-
-    def _gc_globals(self, r: int) -> None:
-        """Keep the globals of the last ``keep_rounds`` checkpoint periods (a corrupt newest
-        one falls back to an older one on resume)."""
-        horizon = r - self.exchange.config.keep_rounds * self.checkpoint_every
-        names = [n for n in self.store.list("global") if n.isdigit()]
-        newest = max((int(n) for n in names), default=None)
-        for name in names:
-            if int(name) <= horizon and int(name) != newest:
-                self.store.delete(f"global/{name}")
+        """Write ``global/<r>`` now (tests forge a writer with it)."""
+        self.checkpoints.write_global(r, payload)
 
     def latest_global(self) -> int | None:
         """The newest global round in the store, but one whose state was refused."""
-        rounds = [
-            int(n)
-            for n in self.store.list("global")
-            if n.isdigit() and int(n) not in self._bad_globals
-        ]
-        return max(rounds) if rounds else None
+        return self.checkpoints.latest_global()
 
     def load_global(self, r: int) -> None:
-        """Load ``global/<r>``. It must be this run's state of round r, of this model's
-        layout (its header says so, under its checksum): one that is corrupt, from another
-        run, copied from another round or of another layout raises CorruptObjectError, is
-        reported in ``rejected`` and is never considered again (``latest_global`` skips it),
-        so the caller falls back as for a missing one."""
-        key = GLOBAL_STATE.format(r=r)
-        data = self.store.get(key)
-        self.ckpt_bytes_down += len(data)
-        try:
-            payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
-            expect = {"run_id": self.exchange.config.run_id, "round": r}
-            if self.state_layout is not None:
-                expect["layout"] = self.state_layout
-            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
-            if bad:
-                raise CorruptObjectError(f"{key}: not this run's global state of round {r} ({bad})")
-            ckpt = torch.load(io.BytesIO(payload), weights_only=True)
-            if not isinstance(ckpt, dict) or ckpt.get("round") != r:
-                raise CorruptObjectError(f"{key}: its state is not of round {r}")
-        except CorruptObjectError as e:
-            log.warning("rejected %s", e)
-            self._bad_globals.add(r)
-            self.rejected.append(str(e))
-            raise
-        self.load_state_dict(ckpt["state"])
+        """Load ``global/<r>`` (checked: see :meth:`Checkpoints.read_global
+        <crf.exchange.checkpoints.Checkpoints.read_global>`, which raises CorruptObjectError
+        for one from elsewhere) into the registered state; these weights are then round r's."""
+        state = self.checkpoints.read_global(r)
+        self.load_state_dict(state)
         if self.on_loaded is not None:
-            self.on_loaded(ckpt["state"])
+            self.on_loaded(state)
         self.last_healed_from = r
         self.base_round = r
         self._step = r + 1
 
+    def load_newest_global(self) -> int | None:
+        """Resume: load the newest usable global state (a corrupt or vanished one falls back
+        to the one before it); returns its round, or None when there is none."""
+        return self.checkpoints.resume(self.load_global)
+
     def heal(self, r: int) -> bool:
-        """Catch up after missing round ``r``: load the newest global state if others moved on
-        (they committed round r, or this replica found its weights based on an older round
-        than theirs). If nobody committed anything newer, the restored weights already are the
-        newest global state and nothing is loaded. Never loads a global state older than what
-        the others have: that would silently fork the weights, so it raises
-        :class:`HealError` instead (the replica exits and a restart resumes it)."""
-        if self.exchange.world_size == 1:
-            return False
-
-        def failed() -> bool:
-            return self.exchange.round_failed(r)
-
-        def newest() -> int:
-            latest = self.latest_global()
-            return -1 if latest is None else latest
-
+        """Catch up after missing round ``r`` (see :meth:`Checkpoints.heal
+        <crf.exchange.checkpoints.Checkpoints.heal>`): load the newest global state if the
+        others moved on; raises HealError rather than load one older than theirs."""
         res = self.last_result
-        if res is not None and res.stale_behind is not None:
-            target = res.stale_behind
-        elif self.exchange.was_committed(r):
-            target = r
-        else:
-            # nobody committed round r (so far). If a quorum forms later without us, our
-            # contribution's base round (in its name) marks us stale in the next round and
-            # we heal then.
-            return False
-        if target <= self.base_round:
-            return False
-        asked = self.checkpoint_every > 1 and newest() < target
-        if asked:  # global/ is written only every few rounds: ask for one
-            body = {"rank": self.rank, "target": target, "round": r, "at": time.time()}
-            self.store.put_json(f"heal/{self.rank}.json", body)
-        try:
-            return self._heal_from_global(r, target, failed, newest)
-        finally:
-            if asked:
-                with contextlib.suppress(StoreError, OSError):
-                    self.store.delete(f"heal/{self.rank}.json")
-
-    def _heal_from_global(
-        self, r: int, target: int, failed: Callable[[], bool], newest: Callable[[], int]
-    ) -> bool:
-        def there() -> bool:
-            self._keepalive()  # heartbeats go on while it waits
-            return newest() >= target or (target == r and failed())
-
-        deadline = time.monotonic() + self.heal_timeout_s
-        while True:
-            ok = wait_until(
-                there,
-                max(0.0, deadline - time.monotonic()),
-                poll_s=0.05,
-                max_poll_s=0.5,
-            )
-            if not ok:
-                refused = sorted(g for g in self._bad_globals if g >= target)
-                raise HealError(
-                    f"the other replicas are at global round {target} but no "
-                    f"{'usable ' if refused else ''}global/<{target} or later> appeared within "
-                    f"{self.heal_timeout_s:.0f}s (did its writer die?"
-                    + "".join(f"; global/{g} refused" for g in refused)
-                    + "); restart this replica to resume from the newest global state"
-                )
-            if newest() < target:  # round r failed after all
-                return False
-            try:
-                self.load_global(newest())
-                log.info("healed from global/%d", self.last_healed_from)
-                return True
-            except ObjectNotFound:
-                # listed before its object landed (a folder store), or collected since the
-                # listing: look again
-                pass
-            except CorruptObjectError:
-                pass  # refused and reported: wait for a usable one, as for a missing one
-            if time.monotonic() >= deadline:
-                raise HealError(
-                    f"could not read a global state at or after round {target} within "
-                    f"{self.heal_timeout_s:.0f}s"
-                )
-            time.sleep(0.05)
+        stale_behind = res.stale_behind if res is not None else None
+        return self.checkpoints.heal(r, self.base_round, stale_behind, self.load_global)

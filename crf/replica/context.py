@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import socket
@@ -50,7 +49,7 @@ from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
 from crf.spec import RunSpec
-from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
+from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import raw_view
 
 log = logging.getLogger(__name__)
@@ -342,42 +341,22 @@ class ReplicaContext:
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used."""
-        rounds = [int(n) for n in self.store.list("global") if n.isdigit()]
-        return (max(rounds) + 1) * self.spec.sync_period if rounds else 0
+        rounds = layout.global_rounds(self.store)
+        return (rounds[-1] + 1) * self.spec.sync_period if rounds else 0
 
     def _resume(self, manager: ObjectStoreManager, inner: torch.optim.Optimizer) -> None:
         """A (re)started replica joins at the newest committed round: global weights and outer
         momentum from ``global/<r>``, its own inner-optimizer state if it saved one for that
         round, and its step counter (= data position) at the start of round r + 1. (Rounds
         here are exchange rounds: one per fragment sync, ``sync_every / fragments`` steps.)"""
-        rounds = sorted((int(n) for n in self.store.list("global") if n.isdigit()), reverse=True)
-        latest = None
-        for r in rounds:  # newest first; a corrupt or vanished one falls back to the previous
-            try:
-                manager.load_global(r)
-                latest = r
-                break
-            except (ObjectNotFound, CorruptObjectError) as e:
-                log.warning("cannot resume from global/%d (%s): trying an older one", r, e)
+        latest = manager.load_newest_global()
         if latest is None:
             return
         self.resumed_from = latest
         self.step = (latest + 1) * self.spec.sync_period
         try:
-            key = f"replicas/{self.rank}/inner/{latest}.pt"
-            payload, meta = decode_blob(self.store.get(key), where=key)
-            expect = {
-                "run_id": self.spec.run_id,
-                "round": latest,
-                "rank": self.rank,
-                "layout": self.layout,
-            }
-            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
-            if bad:  # a copy from another run, round, replica or model: never loaded
-                raise CorruptObjectError(
-                    f"{key}: not this replica's inner state of round {latest} ({bad})"
-                )
-            saved = torch.load(io.BytesIO(payload), weights_only=True)
+            # refused (reported in manager.rejected) or missing: started fresh
+            saved = manager.checkpoints.load_inner(latest)
             if self.spec.fragments > 1:  # also this replica's own (local) weights
                 inner.load_state_dict(saved["inner_optimizer"])
                 with torch.no_grad():
@@ -386,10 +365,7 @@ class ReplicaContext:
             else:
                 inner.load_state_dict(saved)
             self.resumed_inner = True
-        except CorruptObjectError as e:  # refused: reported, then as if it were missing
-            manager.rejected.append(str(e))
-            log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
-        except (ObjectNotFound, KeyError) as e:
+        except (CorruptObjectError, ObjectNotFound, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
@@ -398,38 +374,14 @@ class ReplicaContext:
         """Save this replica's inner-optimizer state after a committed round (for restarts).
         With fragments, also its weights: only the fragment just synced is global, the others
         hold this replica's local progress, which global/<r> does not have. Serialized now,
-        written in the background (``ObjectStoreManager.persist``)."""
-        if self._inner is None or not self.spec.saves_inner_state(r):
+        written in the background (``Checkpoints.save_inner``)."""
+        if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
-        k = self.spec.checkpoint_every
-        buf = io.BytesIO()
+        state: Any = self._inner.state_dict()
         if self.spec.fragments > 1 and self.model is not None:
             local = {n: p.detach() for n, p in self.model.named_parameters()}
-            torch.save({"inner_optimizer": self._inner.state_dict(), "local_params": local}, buf)
-        else:
-            torch.save(self._inner.state_dict(), buf)
-        meta = {
-            "round": r,
-            "run_id": self.spec.run_id,
-            "rank": self.rank,
-            "layout": self.layout,
-            "step": self.step,
-        }
-        payload = buf.getvalue()
-
-        def write() -> None:
-            # one object per round: a resume needs the state of exactly the newest global
-            # round, and global/<r> may be written after this replica already saved r + 1
-            self.store.put(f"replicas/{self.rank}/inner/{r}.pt", encode_blob(payload, meta))
-            for name in self.store.list(f"replicas/{self.rank}/inner"):
-                stem = name.removesuffix(".pt")
-                if stem.isdigit() and int(stem) <= r - self.spec.keep_rounds * k:
-                    self.store.delete(f"replicas/{self.rank}/inner/{name}")
-
-        if self.manager is not None:
-            self.manager.persist(write)
-        else:
-            write()
+            state = {"inner_optimizer": state, "local_params": local}
+        self.manager.checkpoints.save_inner(r, state, self.step)
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1

@@ -1,0 +1,430 @@
+"""Checkpoints: the global states a run's replicas heal and resume from, the heal requests that
+ask for one, and each replica's own inner state.
+
+The manager (:class:`~crf.exchange.manager.ObjectStoreManager`) decides *when* (a round was
+committed, a replica missed one, a replica restarts); this module knows *what* lies in the run
+folder and how it is checked:
+
+* ``global/<r>/state.pt``: the weights and outer-optimizer state after round ``r``, written by
+  the round's lowest participant every ``checkpoint_every`` rounds, at the last round and on
+  request. Its header names the run, the round and the model's layout; one that is corrupt or
+  from elsewhere is refused, reported, and never considered again.
+* ``heal/<rank>.json``: a replica that missed a committed round and finds no global state new
+  enough asks for one; whoever holds the newest state unwritten writes it.
+* ``replicas/<rank>/inner/<r>.pt``: a replica's inner-optimizer state (with fragments, also its
+  local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``.
+
+Writes run off the training thread when asked (:class:`CheckpointWriter`); the keys all come
+from :mod:`crf.layout`. Why it works this way: docs/design.md, "DiLoCo manager"; the keys:
+docs/design.md, "The run folder".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from crf import layout
+from crf.store import CorruptObjectError, ObjectNotFound, StoreError, decode_blob, encode_blob
+from crf.store.run_store import wait_until
+
+if TYPE_CHECKING:
+    from crf.exchange.allreduce import ObjectStoreAllReduce
+
+log = logging.getLogger(__name__)
+
+
+class HealError(RuntimeError):
+    """A replica that missed a committed round could not load a global state to catch up."""
+
+
+class CheckpointWriter:
+    """Checkpoint writes, now or (``background``) in one writer thread, in order: the state
+    is serialized by the caller at once (the weights change with the next inner step) and only
+    the upload waits. A failed background write is handed to ``on_failure`` at the next
+    :meth:`check` (the manager raises it at the next sync) and raised by :meth:`drain`."""
+
+    def __init__(self, background: bool, on_failure: Callable[[BaseException], None]) -> None:
+        self.background = background
+        self.seconds = 0.0  # background writes, start to finish, over the run
+        self._on_failure = on_failure
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    def submit(self, write: Callable[[], None]) -> None:
+        if not self.background:
+            write()
+            return
+        self.check()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-ckpt")
+        self._pending.append(self._pool.submit(self._timed, write))
+
+    def _timed(self, write: Callable[[], None]) -> None:
+        t0 = time.monotonic()
+        try:
+            write()
+        finally:
+            self.seconds += time.monotonic() - t0
+
+    def check(self) -> None:
+        """Hand the errors of finished writes to ``on_failure``; forget the finished ones."""
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for f in done:
+            e = f.exception()
+            if e is not None:
+                self._on_failure(e)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for pending writes; raise the first that failed."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Wait for pending writes (raising the first that failed), then stop the thread."""
+        try:
+            self.drain()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+class Checkpoints:
+    """One replica's side of the run's checkpoints (see the module docstring). It reads the
+    run id, ``keep_rounds`` and ``checkpoint_every`` from the exchange's config and asks the
+    exchange whether a round was committed or failed; ``keepalive`` is called while it waits
+    for a global state, ``on_reject`` with every object it refuses."""
+
+    def __init__(
+        self,
+        exchange: ObjectStoreAllReduce,
+        writer: CheckpointWriter,
+        *,
+        heal_timeout_s: float | None = None,
+        keepalive: Callable[[], None] = lambda: None,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        config = exchange.config
+        self.exchange = exchange
+        self.store = exchange.store
+        self.writer = writer
+        #: global/<r> is written every this many rounds, at ``final_round`` and on request
+        self.checkpoint_every = config.checkpoint_every
+        self.final_round: int | None = None
+        #: how long a healing replica waits for a global state new enough
+        self.heal_timeout_s = (
+            heal_timeout_s
+            if heal_timeout_s is not None
+            else config.round_timeout_s + 2 * config.shard_grace_s
+        )
+        #: a digest of the model's tensors: states carry it, and one of another layout is
+        #: refused
+        self.layout: str | None = None
+        self.bytes_up = 0  # global states written
+        self.bytes_down = 0  # global states read (healing, resuming)
+        self._keepalive = keepalive
+        self._reject = on_reject
+        #: global rounds whose state was refused (foreign, stale copy, corrupt): never
+        #: loaded again, as if they were not there
+        self._bad: set[int] = set()
+        self._owed: int | None = None  # a round whose global state this replica writes
+        # the newest global state not written (checkpoint_every > 1): served on request
+        self._cached: tuple[int, bytes] | None = None
+        self._cache_lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return self.exchange.rank
+
+    # ------------------------------------------------------------------ writing global/<r>
+    def owe(self, r: int) -> None:
+        """This replica was round ``r``'s lowest participant: it writes ``global/<r>`` (when
+        due) after the outer step (:meth:`snapshot`)."""
+        self._owed = r
+
+    def take_owed(self) -> int | None:
+        r, self._owed = self._owed, None
+        return r
+
+    def forget_cached(self) -> None:
+        """Another replica holds the newest global state now: nothing to serve."""
+        with self._cache_lock:
+            self._cached = None
+
+    def snapshot(self, r: int, state: dict[str, Any]) -> None:
+        """Round ``r``'s global ``state``, serialized now: written when due (in the background
+        with a background writer), else kept in memory so a heal request can still be served
+        from it; either way the store's old rounds are collected."""
+        due = self.due(r)
+        buf = io.BytesIO()
+        torch.save({"round": r, "state": state}, buf)
+        payload = buf.getvalue()
+        with self._cache_lock:
+            self._cached = None if due else (r, payload)
+        if due:
+            self.writer.submit(lambda: self.write_global(r, payload))
+        else:
+            self.writer.submit(lambda: self.collect_garbage(r))
+
+    def due(self, r: int) -> bool:
+        """Whether round r's global state is written (by its lowest participant)."""
+        k = self.checkpoint_every
+        if k == 1 or (r + 1) % k == 0:
+            return True
+        if self.final_round is not None and r >= self.final_round:
+            return True
+        try:
+            return bool(self.heal_requests())
+        except (StoreError, OSError) as e:  # the next round's exchange will say more
+            log.warning("could not look for heal requests after round %d: %s", r, e)
+            return False
+
+    def write_global(self, r: int, payload: bytes) -> None:
+        """Write ``global/<r>`` (``payload`` as :meth:`snapshot` serializes it), remove the
+        heal requests it serves and collect old rounds."""
+        meta = {"round": r, "run_id": self.exchange.config.run_id, "layout": self.layout}
+        blob = encode_blob(payload, meta)
+        self._bad.discard(r)  # replaced by this one
+        self.store.put(layout.global_key(r), blob)
+        self.bytes_up += len(blob)
+        if self.checkpoint_every > 1:
+            for rank, target in self.heal_requests().items():
+                if target <= r:  # served: the asker loads global/<r> or newer
+                    with contextlib.suppress(ObjectNotFound):
+                        self.store.delete(layout.heal_key(rank))
+        self.collect_garbage(r)
+
+    def collect_garbage(self, r: int) -> None:
+        """The exchange's old rounds, then the globals of all but the last ``keep_rounds``
+        checkpoint periods (a corrupt newest one falls back to an older one on resume)."""
+        self.exchange.collect_garbage(r)
+        horizon = r - self.exchange.config.keep_rounds * self.checkpoint_every
+        rounds = layout.global_rounds(self.store)
+        newest = max(rounds, default=None)
+        for g in rounds:
+            if g <= horizon and g != newest:
+                self.store.delete(layout.global_dir(g))
+
+    # ------------------------------------------------------------------ heal requests
+    def heal_requests(self) -> dict[int, int]:
+        """Pending requests: the asker's rank -> the global round it needs."""
+        out = {}
+        for rank in layout.heal_requests(self.store):
+            try:
+                out[rank] = int(self.store.get_json(layout.heal_key(rank))["target"])
+            except (ObjectNotFound, ValueError, KeyError, TypeError):
+                continue  # withdrawn since the listing, or not a request
+        return out
+
+    def serve_heal_requests(self) -> None:
+        """Called while the exchange waits for late replicas: if one asked for a global state
+        and this replica holds the newest one unwritten, write it now (the asker is not in
+        this round: without it, the round would wait for it until the deadline)."""
+        with self._cache_lock:
+            cached = self._cached
+            if cached is None:
+                return
+            try:
+                wanted = self.heal_requests()
+            except (StoreError, OSError) as e:
+                log.debug("could not list heal requests: %s", e)
+                return
+            if not any(t <= cached[0] for t in wanted.values()):
+                return
+            self._cached = None
+        try:
+            self.write_global(*cached)
+            log.info("wrote global/%d for a replica that is healing", cached[0])
+        except (StoreError, OSError) as e:
+            log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
+
+    # ------------------------------------------------------------------ reading global/<r>
+    def latest_global(self) -> int | None:
+        """The newest global round in the store, but one whose state was refused."""
+        rounds = [g for g in layout.global_rounds(self.store) if g not in self._bad]
+        return max(rounds) if rounds else None
+
+    def read_global(self, r: int) -> dict[str, Any]:
+        """The state in ``global/<r>``. It must be this run's state of round r, of this model's
+        layout (its header says so, under its checksum): one that is corrupt, from another
+        run, copied from another round or of another layout raises CorruptObjectError, is
+        reported (``on_reject``) and is never considered again (``latest_global`` skips it),
+        so the caller falls back as for a missing one (ObjectNotFound)."""
+        key = layout.global_key(r)
+        data = self.store.get(key)
+        self.bytes_down += len(data)
+        try:
+            payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
+            expect = {"run_id": self.exchange.config.run_id, "round": r}
+            if self.layout is not None:
+                expect["layout"] = self.layout
+            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
+            if bad:
+                raise CorruptObjectError(f"{key}: not this run's global state of round {r} ({bad})")
+            ckpt = torch.load(io.BytesIO(payload), weights_only=True)
+            if not isinstance(ckpt, dict) or ckpt.get("round") != r:
+                raise CorruptObjectError(f"{key}: its state is not of round {r}")
+        except CorruptObjectError as e:
+            log.warning("rejected %s", e)
+            self._bad.add(r)
+            self._reject(str(e))
+            raise
+        return ckpt["state"]
+
+    def resume(self, load: Callable[[int], None]) -> int | None:
+        """``load`` the newest usable global round (a corrupt or vanished one falls back to
+        the one before it); returns that round, or None when there is none."""
+        for r in reversed(layout.global_rounds(self.store)):
+            try:
+                load(r)
+                return r
+            except (ObjectNotFound, CorruptObjectError) as e:
+                log.warning("cannot resume from global/%d (%s): trying an older one", r, e)
+        return None
+
+    # ------------------------------------------------------------------ healing
+    def heal(
+        self, r: int, base_round: int, stale_behind: int | None, load: Callable[[int], None]
+    ) -> bool:
+        """Catch up after missing round ``r``: ``load`` the newest global state if others moved
+        on (they committed round r, or the exchange found this replica's weights, based on
+        ``base_round``, older than theirs: ``stale_behind``). If nobody committed anything
+        newer, the weights already are the newest global state and nothing is loaded. Never
+        loads a global state older than what the others have: that would silently fork the
+        weights, so it raises :class:`HealError` instead (the replica exits and a restart
+        resumes it)."""
+        if self.exchange.world_size == 1:
+            return False
+        if stale_behind is not None:
+            target = stale_behind
+        elif self.exchange.was_committed(r):
+            target = r
+        else:
+            # nobody committed round r (so far). If a quorum forms later without us, our
+            # contribution's base round (in its name) marks us stale in the next round and
+            # we heal then.
+            return False
+        if target <= base_round:
+            return False
+        asked = self.checkpoint_every > 1 and self._newest() < target
+        if asked:  # global/ is written only every few rounds: ask for one
+            body = {"rank": self.rank, "target": target, "round": r, "at": time.time()}
+            self.store.put_json(layout.heal_key(self.rank), body)
+        try:
+            return self._heal_from_global(r, target, load)
+        finally:
+            if asked:
+                with contextlib.suppress(StoreError, OSError):
+                    self.store.delete(layout.heal_key(self.rank))
+
+    def _newest(self) -> int:
+        latest = self.latest_global()
+        return -1 if latest is None else latest
+
+    def _heal_from_global(self, r: int, target: int, load: Callable[[int], None]) -> bool:
+        """Wait for a usable global state at or after ``target`` and load it; False if round
+        ``r`` failed after all (nothing to catch up with)."""
+
+        def there() -> bool:
+            self._keepalive()  # heartbeats go on while it waits
+            return self._newest() >= target or (target == r and self.exchange.round_failed(r))
+
+        deadline = time.monotonic() + self.heal_timeout_s
+        while True:
+            if not wait_until(
+                there, max(0.0, deadline - time.monotonic()), poll_s=0.05, max_poll_s=0.5
+            ):
+                raise self._nothing_to_heal_from(target)
+            newest = self._newest()
+            if newest < target:  # round r failed after all
+                return False
+            try:
+                load(newest)
+                log.info("healed from global/%d", newest)
+                return True
+            except ObjectNotFound:
+                # listed before its object landed (a folder store), or collected since the
+                # listing: look again
+                pass
+            except CorruptObjectError:
+                pass  # refused and reported: wait for a usable one, as for a missing one
+            if time.monotonic() >= deadline:
+                raise HealError(
+                    f"could not read a global state at or after round {target} within "
+                    f"{self.heal_timeout_s:.0f}s"
+                )
+            time.sleep(0.05)
+
+    def _nothing_to_heal_from(self, target: int) -> HealError:
+        refused = sorted(g for g in self._bad if g >= target)
+        return HealError(
+            f"the other replicas are at global round {target} but no "
+            f"{'usable ' if refused else ''}global/<{target} or later> appeared within "
+            f"{self.heal_timeout_s:.0f}s (did its writer die?"
+            + "".join(f"; global/{g} refused" for g in refused)
+            + "); restart this replica to resume from the newest global state"
+        )
+
+    # ------------------------------------------------------------------ inner state
+    def save_inner(self, r: int, state: Any, step: int) -> None:
+        """Save this replica's inner ``state`` after round ``r`` (for restarts): serialized
+        now, written by the writer. One object per round: a resume needs the state of exactly
+        the newest global round, and global/<r> may be written after this replica already
+        saved r + 1; those older than ``keep_rounds`` checkpoint periods are deleted."""
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        meta = {
+            "round": r,
+            "run_id": self.exchange.config.run_id,
+            "rank": self.rank,
+            "layout": self.layout,
+            "step": step,
+        }
+        payload = buf.getvalue()
+        horizon = r - self.exchange.config.keep_rounds * self.checkpoint_every
+
+        def write() -> None:
+            self.store.put(layout.inner_key(self.rank, r), encode_blob(payload, meta))
+            for old in layout.inner_rounds(self.store, self.rank):
+                if old <= horizon:
+                    self.store.delete(layout.inner_key(self.rank, old))
+
+        self.writer.submit(write)
+
+    def load_inner(self, r: int) -> Any:
+        """The inner state this replica saved after round ``r``. ObjectNotFound when there is
+        none; CorruptObjectError (reported with ``on_reject``) when it is corrupt or not this
+        replica's of round r in this run and model."""
+        key = layout.inner_key(self.rank, r)
+        try:
+            payload, meta = decode_blob(self.store.get(key), where=key)
+            expect = {
+                "run_id": self.exchange.config.run_id,
+                "round": r,
+                "rank": self.rank,
+                "layout": self.layout,
+            }
+            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
+            if bad:  # a copy from another run, round, replica or model: never loaded
+                raise CorruptObjectError(
+                    f"{key}: not this replica's inner state of round {r} ({bad})"
+                )
+            return torch.load(io.BytesIO(payload), weights_only=True)
+        except CorruptObjectError as e:
+            self._reject(str(e))
+            raise
+
+    def close(self) -> None:
+        """Wait for pending writes (raising the first that failed) and stop the writer."""
+        self.writer.close()
