@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from crf import jsonsafe
-from crf.exchange import wire as wirefmt
+from crf.exchange import codecs as wirefmt
 from crf.exchange.config import ExchangeConfig, ExchangeHooks, _check_int
 from crf.exchange.contribution import (
     FACTS,
