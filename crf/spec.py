@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf import jsonsafe
+from crf.exchange.codecs import codec_names
 
 SPEC_VERSION = 1
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+WIRE_DTYPES = codec_names()  # the built-in codecs; validate() asks the registry itself
 # matched with fullmatch: ``$`` would also match before a trailing newline ("abc\n")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -244,8 +245,8 @@ class RunSpec:
             "global states are written every that many rounds",
         )
         need(
-            self.wire_dtype in WIRE_DTYPES,
-            f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(WIRE_DTYPES)}",
+            self.wire_dtype in codec_names(),
+            f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(codec_names())}",
         )
         need(
             isinstance(self.fragments, int)

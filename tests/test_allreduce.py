@@ -480,7 +480,7 @@ def test_int8_codec_round_trips_block_by_block() -> None:
     """The chunked int8 codec: per-block absmax scales, codes within ±127, the tail block
     padded, decode into a caller's buffer equal to a fresh decode, and an all-zero block
     keeps scale 1 (no division by zero)."""
-    from crf.exchange import wire
+    from crf.exchange import codecs as wire
 
     n = wire.INT8_CHUNK + wire.INT8_BLOCK * 3 + 17  # more than one chunk, a partial block
     x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 5
@@ -516,7 +516,7 @@ def test_compressed_wire_over_many_tensors_matches_the_codec_shard_by_shard(
     as the codec applied shard by shard to the concatenated values, with its blocks cut
     along the tensors' pieces (issue 13: blocks never span two tensors, so this is no longer
     the bits of one long vector)."""
-    from crf.exchange import wire
+    from crf.exchange import codecs as wire
 
     n = 3
 
@@ -712,7 +712,7 @@ def test_int8_blocks_follow_the_tensors_pieces() -> None:
     """The pieces of each shard (a tensor split by a shard boundary gives one to each, an
     empty tensor none) and the blocks cut along them: a block per started 256 values of
     each piece, none spanning two."""
-    from crf.exchange import wire
+    from crf.exchange import codecs as wire
 
     sizes = [300, 0, 10, 700]
     bounds = shard_bounds(sum(sizes), 3)  # [0, 337), [337, 674), [674, 1010)

@@ -10,7 +10,7 @@ import torch
 
 from crf.exchange import contribution as c
 from crf.exchange.allreduce import ObjectStoreAllReduce, layout_of, shard_bounds
-from crf.exchange.wire import shard_segments
+from crf.exchange.codecs import shard_segments
 from crf.store import CorruptObjectError, RunStore, decode_tensor
 from tests.conftest import run_threads
 

@@ -79,7 +79,7 @@ def test_every_json_crf_writes_is_valid_json(tmp_path: Path) -> None:
 def test_finite_check_finds_any_nan_or_inf(dtype: torch.dtype) -> None:
     """wire.finite (min and max in one pass) agrees with torch.isfinite wherever the bad
     value sits, and the int8 wire is judged by its block scales."""
-    from crf.exchange import wire as wirefmt
+    from crf.exchange import codecs as wirefmt
 
     assert wirefmt.finite(torch.empty(0, dtype=dtype))
     base = torch.randn(1000).to(dtype)

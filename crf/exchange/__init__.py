@@ -2,7 +2,7 @@
 
 Usable on its own (bench/ and SDK users do): the all-reduce over a run folder
 (:mod:`crf.exchange.allreduce`), one replica's contribution and its wire encodings
-(:mod:`crf.exchange.contribution`, :mod:`crf.exchange.wire`), and the torchft-facing manager
+(:mod:`crf.exchange.contribution`, :mod:`crf.exchange.codecs`), and the torchft-facing manager
 that DiLoCo drives (:mod:`crf.exchange.manager`). Imported lazily (torch-heavy).
 """
 

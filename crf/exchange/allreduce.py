@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from crf import jsonsafe, layout
-from crf.exchange import wire as wirefmt
+from crf.exchange import codecs as wirefmt
 from crf.exchange.config import ExchangeConfig, ExchangeHooks, _check_int
 from crf.exchange.contribution import (
     FACTS,
@@ -323,7 +323,7 @@ class ObjectStoreAllReduce:
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
         #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks
-        #: restart at each: :func:`crf.exchange.wire.int8_blocks`)
+        #: restart at each: :func:`crf.exchange.codecs.int8.int8_blocks`)
         self._segments: dict[str, list[list[int]]] = {}
 
     @property

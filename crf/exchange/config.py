@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from crf.exchange.codecs import codec_names
+
 if TYPE_CHECKING:
     from crf.spec import RunSpec
-
-#: the wire formats the exchange can encode (see :mod:`crf.exchange.wire`)
-WIRE_FORMATS = ("float32", "bfloat16", "float16", "int8")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -49,7 +48,7 @@ class ExchangeConfig:
     num_shards: int | None = None
     #: rounds kept in the store; older ones are garbage-collected
     keep_rounds: int = 3
-    #: float32 | bfloat16 | float16 | int8 (block-wise scales)
+    #: a registered wire codec: float32 | bfloat16 | float16 | int8 (block-wise scales)
     wire_dtype: str = "float32"
     #: with a lossy wire, resend what quantization dropped last time
     error_feedback: bool = False
@@ -83,8 +82,8 @@ class ExchangeConfig:
         _check_int("keep_rounds", self.keep_rounds, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 1)
         _check_int("max_transfers", self.max_transfers, 1)
-        if self.wire_dtype not in WIRE_FORMATS:
-            raise ValueError(f"wire_dtype must be one of {WIRE_FORMATS}, got {self.wire_dtype!r}")
+        if self.wire_dtype not in codec_names():  # looked up now: a codec registered late counts
+            raise ValueError(f"wire_dtype must be one of {codec_names()}, got {self.wire_dtype!r}")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
 

@@ -42,7 +42,7 @@ from functools import cached_property
 from typing import Any
 
 from crf import jsonsafe
-from crf.exchange import wire as wirefmt
+from crf.exchange import codecs as wirefmt
 from crf.layout import contrib_dir, contrib_key
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import FRAME_OVERHEAD

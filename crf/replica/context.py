@@ -32,19 +32,19 @@ from typing import Any
 import torch
 
 from crf import layout
-from crf.exchange import wire as wirefmt
+from crf.exchange import codecs as wirefmt
 from crf.exchange.allreduce import (
     NonFiniteError,
     describe_nonfinite,
     tensors_layout_hash,
 )
+from crf.exchange.codecs import compression as wire_compression
 from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import (
     ObjectStoreManager,
     restart_cannot_help,
     turn_off_bucketization,
 )
-from crf.exchange.wire import compression as wire_compression
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
