@@ -265,7 +265,9 @@ def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
     from crf.launcher.errors import LaunchError
 
     with pytest.raises(LaunchError, match="memory://"):
-        crf_pkg.launch({"job": "testjob", "entrypoint": ["python", str(script)]}, store="memory://x")
+        crf_pkg.launch(
+            {"job": "testjob", "entrypoint": ["python", str(script)]}, store="memory://x"
+        )
     with pytest.raises(LaunchError, match="unknown launch option"):
         crf_pkg.launch({"job": "testjob", "typo_option": 1}, store=str(base))
 
