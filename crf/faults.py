@@ -16,6 +16,8 @@ import os
 import signal
 from typing import Any
 
+from crf import layout
+
 POINTS = (
     "inner_step",  # after an inner optimizer step
     "uploading",  # its contribution encoded, before the one PUT that publishes it
@@ -44,7 +46,7 @@ def _parse(text: str) -> list[dict[str, str]]:
 def _fires(point: str, rank: int, round: int | None, store: Any, step: int | None) -> bool:
     """Whether a spec names this point now and has not fired yet in this run (it is marked
     fired in the store before this returns True)."""
-    text = os.environ.get("CRF_FAULT")
+    text = os.environ.get(layout.ENV_FAULT)
     if not text:
         return False
     for kv in _parse(text):
@@ -55,7 +57,7 @@ def _fires(point: str, rank: int, round: int | None, store: Any, step: int | Non
         if "step" in kv and step is not None and int(kv["step"]) != step:
             continue
         tag = hashlib.sha1(repr(sorted(kv.items())).encode()).hexdigest()[:12]
-        if store.put_if_absent(f"faults/{tag}", repr(kv).encode()):
+        if store.put_if_absent(layout.fault_key(tag), repr(kv).encode()):
             return True
     return False
 

@@ -263,7 +263,9 @@ class Rejection(Record):
         return f"{self.key}: {self.reason}"
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | str | None) -> Rejection:
+    def from_dict(cls, data: Rejection | Mapping[str, Any] | str | None) -> Rejection:
+        if isinstance(data, Rejection):  # already one (a list may mix records and strings)
+            return data
         if isinstance(data, str):  # a record written before rejections had a structure
             key, _, reason = data.partition(": ")
             return cls(key=key, reason=reason)

@@ -436,7 +436,7 @@ def test_a_finished_replica_drops_its_contribution(tmp_path, drop) -> None:
     assert left == [None] * 3 if drop is None else all(left)
     assert sorted(store.list("rounds/0/reduced")) == ["0", "1", "2"]
     assert store.exists("rounds/0/quorum.json")
-    assert not ObjectStoreAllReduce(RunStore("memory://x/y"), 2, 0).drop_contributions
+    assert not ObjectStoreAllReduce(RunStore("memory://x/y"), 2, 0).config.drop_contributions
 
 
 def test_a_late_owner_defers_to_the_average_published_without_it(tmp_path) -> None:
@@ -664,8 +664,9 @@ def test_owner_downloads_its_shard_while_the_quorum_is_open(store: RunStore) -> 
 def test_early_downloads_are_for_object_stores(tmp_path) -> None:
     """Owners download during the quorum on object stores; on a local folder the reads are
     cheap and would compete with the peers' writes, so there it is off unless asked for."""
-    assert not ObjectStoreAllReduce(RunStore(f"file://{tmp_path}"), 2, 0).fetch_early
-    assert ObjectStoreAllReduce(RunStore(f"file://{tmp_path}"), 2, 0, fetch_early=True).fetch_early
+    assert not ObjectStoreAllReduce(RunStore(f"file://{tmp_path}"), 2, 0).config.fetch_early
+    asked = ObjectStoreAllReduce(RunStore(f"file://{tmp_path}"), 2, 0, fetch_early=True)
+    assert asked.config.fetch_early
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torchft.local_sgd import DiLoCo
 
-from crf.exchange.allreduce import ObjectStoreAllReduce
 from crf.exchange.manager import ObjectStoreManager
 from crf.store import RunStore
 from tests.conftest import run_threads
@@ -87,17 +86,18 @@ def train_replica(
     model = init_model()
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=momentum, nesterov=nesterov)
-    ex = ObjectStoreAllReduce(
+    mgr = ObjectStoreManager(
         store,
         n,
         rank,
+        heal_timeout_s=20,
         run_id="t",
         min_replicas=min_replicas,
         round_timeout_s=round_timeout_s,
         shard_grace_s=1.0,
         catch_up=catch_up,
+        checkpoint_every=checkpoint_every,
     )
-    mgr = ObjectStoreManager(ex, heal_timeout_s=20, checkpoint_every=checkpoint_every)
     mgr.final_round = rounds - 1
     mgr.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     commits = []

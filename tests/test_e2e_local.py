@@ -14,8 +14,10 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def crf(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CRF_LOG_LEVEL="WARNING")
+def crf(
+    *args: str, cwd: Path, timeout: float = 400, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CRF_LOG_LEVEL="WARNING", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "crf.launcher.cli", *args],
         cwd=cwd,
@@ -109,3 +111,71 @@ def test_user_entrypoint_joins_the_exchange(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "runs" / "user-ep" / "result.json").read_text())
     assert result["weights_identical"] is True
     assert all(r["rounds_committed"] == 3 for r in result["replicas"])
+
+
+JOB_MODULE = """\
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.05
+
+
+def run(ctx, config):
+    torch.manual_seed(ctx.seed)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    g = torch.Generator().manual_seed(ctx.data_seed)
+    with ctx.diloco(model, opt):
+        while ctx.step < ctx.total_steps:
+            x = torch.randn(8, 4, generator=g)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ctx.log_step(loss=loss.item())
+    return {"ran": __name__, "lr": config.lr}
+"""
+
+
+def test_job_given_by_module_path(tmp_path: Path) -> None:
+    """`--job mypkg.myjob`: a job module that crf does not ship, importable where the driver
+    and the replicas run (here on PYTHONPATH, which the local backend passes through), is
+    validated by the driver, recorded in run.json by its path and run by every replica."""
+    src = tmp_path / "src" / "myjobs"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "tiny.py").write_text(JOB_MODULE)
+    path = os.pathsep.join(filter(None, [str(src.parent), os.environ.get("PYTHONPATH")]))
+    proc = crf(
+        "launch",
+        "--replicas",
+        "2",
+        "--job",
+        "myjobs.tiny",
+        "--set",
+        "lr=0.1",
+        "--sync-every",
+        "4",
+        "--rounds",
+        "2",
+        "--run-id",
+        "module-job",
+        "--store",
+        str(tmp_path / "runs"),
+        "--no-progress",
+        cwd=tmp_path,
+        env={"PYTHONPATH": path},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = tmp_path / "runs" / "module-job"
+    spec = json.loads((run / "run.json").read_text())
+    assert spec["job"] == "myjobs.tiny" and spec["job_config"] == {"lr": 0.1}
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "ok" and result["weights_identical"] is True
+    for r in result["replicas"]:
+        assert r["exit_code"] == 0 and r["rounds_committed"] == 2
+        assert r["job_metrics"] == {"ran": "myjobs.tiny", "lr": 0.1}

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from crf.exchange.allreduce import ObjectStoreAllReduce
 from crf.exchange.manager import HealError, ObjectStoreManager
 from crf.launcher.summary import rejected_objects
 from crf.replica.context import ReplicaContext
@@ -37,8 +36,9 @@ def exchange_round(store: RunStore, run_id: str, r: int, scale: float = 1.0) -> 
     it committed, what it rejected, its tensors before and after."""
 
     def replica(rank: int):
-        ex = ObjectStoreAllReduce(store, N, rank, run_id=run_id, round_timeout_s=20)
-        mgr = ObjectStoreManager(ex, background=False, heal_timeout_s=5)
+        mgr = ObjectStoreManager(
+            store, N, rank, background=False, heal_timeout_s=5, run_id=run_id, round_timeout_s=20
+        )
         mgr.set_step(r)
         ts = tensors(rank, scale * (r + 1))
         before = [t.clone() for t in ts]
@@ -110,8 +110,7 @@ def _global_payload(model: torch.nn.Module, r: int) -> bytes:
 
 
 def _manager(store: RunStore, run_id: str, model: torch.nn.Module) -> ObjectStoreManager:
-    ex = ObjectStoreAllReduce(store, N, 1, run_id=run_id)
-    mgr = ObjectStoreManager(ex, background=False, heal_timeout_s=8)
+    mgr = ObjectStoreManager(store, N, 1, background=False, heal_timeout_s=8, run_id=run_id)
     mgr.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     return mgr
 

@@ -196,8 +196,7 @@ def test_upload_starts_before_wait_and_blocked_excludes_transfer(tmp_path: Path)
     gated._put = gated_put  # type: ignore[method-assign]
 
     def manager(store: RunStore, rank: int) -> ObjectStoreManager:
-        ex = ObjectStoreAllReduce(store, 2, rank, run_id="t", shard_grace_s=5.0)
-        m = ObjectStoreManager(ex)
+        m = ObjectStoreManager(store, 2, rank, run_id="t", shard_grace_s=5.0)
         m.set_fragment_sizes([2])
         return m
 

@@ -112,3 +112,31 @@ def test_nothing_refers_outside_the_repository(pattern: str) -> None:
         if re.search(pattern, line)
     ]
     assert hits == []
+
+
+#: a reference to a section of a doc: docs/design.md, "Replica runtime" (a docstring may wrap
+#: it over two lines, with the comment or indentation in between)
+_SECTION_REF = re.compile(r"(docs/[\w/-]+\.md),\s*(?:#:?\s*)?\"([^\"]+)\"")
+
+
+def _headings(doc: Path) -> set[str]:
+    return {
+        line.lstrip("#").strip().replace("`", "")
+        for line in doc.read_text().splitlines()
+        if line.startswith("#")
+    }
+
+
+def test_every_doc_section_the_code_refers_to_exists() -> None:
+    files = [*SOURCES, *(ROOT / "bench").glob("*.py"), *(ROOT / "docs").rglob("*.md")]
+    missing = []
+    for path in files:
+        text = re.sub(r"\n\s*(?:#:?)?\s*", " ", path.read_text())
+        for doc, title in _SECTION_REF.findall(text):
+            target = ROOT / doc
+            title = " ".join(title.split()).replace("`", "")
+            if not target.exists():
+                missing.append(f"{_rel(path)}: {doc} does not exist")
+            elif not any(h == title or h.startswith(title) for h in _headings(target)):
+                missing.append(f"{_rel(path)}: {doc} has no section {title!r}")
+    assert missing == []

@@ -107,50 +107,62 @@ class ComposerConfig(GRPOConfig):
         return _OPD_DEFAULT_FORWARD_WEIGHT if v is None else float(v)
 
     def validate_composer(self) -> None:
-        """Raise ``ValueError`` naming the field for any invalid value or combination."""
+        """Raise ``ValueError`` naming the field for any invalid value or combination (checked
+        in this order: which loss, its weights and knobs, the hint template, then the distill
+        wrapper's own knobs)."""
+        self._validate_choices()
+        self._validate_loss_knobs()
+        self._validate_hint_template()
+        self._validate_wrapper_knobs()
+        self._validate_taid()
+        self._validate_opd()
 
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(f"ComposerConfig: {msg}")
-
+    def _validate_choices(self) -> None:
+        """The distill wrapper and the replay loss are among the known ones."""
         wrapper = self.distill_wrapper
-        need(isinstance(wrapper, str), f"distill_wrapper must be a string (got {wrapper!r})")
+        _need(isinstance(wrapper, str), f"distill_wrapper must be a string (got {wrapper!r})")
         low = wrapper.lower()
-        need(
+        _need(
             not ("taid" in low and ("opd" in low or "entropy" in low)),
             f"distill_wrapper={wrapper!r}: TAID and entropy-aware OPD are alternatives, "
             "not a stack; choose one of 'taid' or 'entropy_opd'",
         )
-        need(
+        _need(
             wrapper in DISTILL_WRAPPERS,
             f"unknown distill_wrapper {wrapper!r}; choose one of {', '.join(DISTILL_WRAPPERS)}",
         )
-        need(
+        _need(
             self.replay_loss in REPLAY_LOSSES,
             f"unknown replay_loss {self.replay_loss!r}; choose one of {', '.join(REPLAY_LOSSES)}",
         )
+
+    def _validate_loss_knobs(self) -> None:
+        """Loss weights, distillation and preference-loss knobs in their ranges."""
         for name in ("distill_alpha", "replay_beta"):
             v = getattr(self, name)
-            need(
+            _need(
                 isinstance(v, int | float) and v >= 0 and v == v,
                 f"{name} must be a number >= 0 (got {v!r}); it is a loss weight",
             )
-        need(
+        _need(
             0.0 <= self.distill_jsd_beta <= 1.0,
             f"distill_jsd_beta must be in [0, 1] (got {self.distill_jsd_beta})",
         )
-        need(
+        _need(
             self.distill_temperature > 0,
             f"distill_temperature must be > 0 (got {self.distill_temperature})",
         )
-        need(
+        _need(
             self.distill_clip is None or self.distill_clip > 0,
             f"distill_clip must be None or > 0 (got {self.distill_clip})",
         )
-        need(self.dpo_beta > 0, f"dpo_beta must be > 0 (got {self.dpo_beta})")
-        need(self.simpo_beta > 0, f"simpo_beta must be > 0 (got {self.simpo_beta})")
-        need(self.simpo_gamma >= 0, f"simpo_gamma must be >= 0 (got {self.simpo_gamma})")
-        need(
+        _need(self.dpo_beta > 0, f"dpo_beta must be > 0 (got {self.dpo_beta})")
+        _need(self.simpo_beta > 0, f"simpo_beta must be > 0 (got {self.simpo_beta})")
+        _need(self.simpo_gamma >= 0, f"simpo_gamma must be >= 0 (got {self.simpo_gamma})")
+
+    def _validate_hint_template(self) -> None:
+        """The hint template has ``{hint}`` and no field but ``{hint}`` and ``{prompt}``."""
+        _need(
             "{hint}" in self.distill_hint_template,
             f"distill_hint_template must contain '{{hint}}' (got {self.distill_hint_template!r})",
         )
@@ -162,60 +174,73 @@ class ComposerConfig(GRPOConfig):
                 f"use the fields {{hint}} and {{prompt}} (write '{{{{' for a literal brace): {e!r}"
             ) from None
 
-        # TAID knobs
+    def _validate_wrapper_knobs(self) -> None:
+        """TAID knobs only with the TAID wrapper, OPD knobs only with entropy-aware OPD."""
+        wrapper = self.distill_wrapper
         taid_knobs = self.taid_t is not None or self.taid_schedule is not None
         opd_knobs = self.opd_entropy_threshold is not None or self.opd_forward_weight is not None
         if wrapper == "taid":
-            need(
+            _need(
                 not opd_knobs,
                 "distill_wrapper='taid' but opd_entropy_threshold/opd_forward_weight are set: "
                 "TAID and entropy-aware OPD cannot be combined",
             )
         elif wrapper == "entropy_opd":
-            need(
+            _need(
                 not taid_knobs,
                 "distill_wrapper='entropy_opd' but taid_t/taid_schedule are set: "
                 "TAID and entropy-aware OPD cannot be combined",
             )
         else:
-            need(
+            _need(
                 not taid_knobs,
                 "taid_t/taid_schedule are set but distill_wrapper is 'none': "
                 "set distill_wrapper='taid' to use TAID",
             )
-            need(
+            _need(
                 not opd_knobs,
                 "opd_entropy_threshold/opd_forward_weight are set but distill_wrapper is "
                 "'none': set distill_wrapper='entropy_opd' to use them",
             )
-        need(
+
+    def _validate_taid(self) -> None:
+        """TAID's interpolation: a constant t or a schedule, with its range and momentum."""
+        _need(
             not (self.taid_t is not None and self.taid_schedule is not None),
             "set either taid_t (a constant t) or taid_schedule, not both",
         )
-        need(
+        _need(
             self.taid_t is None or 0.0 <= self.taid_t <= 1.0,
             f"taid_t must be in [0, 1] (got {self.taid_t})",
         )
-        need(
+        _need(
             self.taid_schedule is None or self.taid_schedule in TAID_SCHEDULES,
             f"unknown taid_schedule {self.taid_schedule!r}; choose one of "
             f"{', '.join(TAID_SCHEDULES)} (or leave it None and set taid_t)",
         )
-        need(
+        _need(
             0.0 <= self.taid_t_start <= self.taid_t_end <= 1.0,
             f"TAID needs 0 <= taid_t_start <= taid_t_end <= 1 (got {self.taid_t_start}, "
             f"{self.taid_t_end})",
         )
-        need(
+        _need(
             0.0 <= self.taid_momentum < 1.0,
             f"taid_momentum must be in [0, 1) (got {self.taid_momentum})",
         )
-        need(self.taid_step_size >= 0, f"taid_step_size must be >= 0 (got {self.taid_step_size})")
-        need(
+        _need(self.taid_step_size >= 0, f"taid_step_size must be >= 0 (got {self.taid_step_size})")
+
+    def _validate_opd(self) -> None:
+        """Entropy-aware OPD's threshold and forward weight are non-negative."""
+        _need(
             self.opd_entropy_threshold is None or self.opd_entropy_threshold >= 0,
             f"opd_entropy_threshold must be >= 0 nats (got {self.opd_entropy_threshold})",
         )
-        need(
+        _need(
             self.opd_forward_weight is None or self.opd_forward_weight >= 0,
             f"opd_forward_weight must be >= 0 (got {self.opd_forward_weight})",
         )
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"ComposerConfig: {msg}")

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,6 +72,17 @@ def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
     must use this one mask, or DPO compares log-probs over different token sets."""
     mask = batch["completion_mask"]
     return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
+
+
+@dataclass
+class _Channel:
+    """One loss channel (distillation or replay) on one micro-batch: its loss (None without
+    rows), its weight in the step (its rows' share of the window's rows), and its row count."""
+
+    rows: int = 0
+    loss: torch.Tensor | None = None
+    scale: float = 1.0
+    taid_t: float | None = None  # the TAID t the distillation loss used
 
 
 def _logit_scale(text_config: Any) -> float:
@@ -373,6 +385,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ loss side
     def _compute_loss(self, model, inputs):
+        """TRL's GRPO loss, composed with the distillation and replay channels when this
+        micro-batch carries rows for them (each channel scaled to its share of the step's
+        rows, see :func:`compose_loss`)."""
         args = self.args
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -387,96 +402,119 @@ class ComposerReplicationTrainer(GRPOTrainer):
         with capture_hidden(hf.base_model) as store:
             grpo = super()._compute_loss(model, inputs)
         hidden = store[0] if len(store) == 1 else torch.cat(store, 0)
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        n_comp = completion_ids.size(1)
-        mask = loss_mask(inputs)
+        n_comp = inputs["completion_ids"].size(1)
         student_logits = self._logits_from_hidden(hf, hidden[:, -n_comp - 1 : -1])
+        mask = loss_mask(inputs)
         spg = args.steps_per_generation if mode == "train" else 1
 
-        distill = replay = None
-        distill_scale = replay_scale = 1.0
-        n_distill = n_replay = 0
-        taid_t = None
+        distill = _Channel()
         if use_distill:
-            rows = inputs["distill_rows"]
-            n_here = n_distill = int(rows.sum())
-            if n_here > 0:
-                idx = rows.nonzero(as_tuple=True)[0]
-                with torch.no_grad():
-                    teacher_logits = self._completion_logits(
-                        model,
-                        hf,
-                        torch.cat([inputs["distill_prompt_ids"][idx], completion_ids[idx]], 1),
-                        torch.cat([inputs["distill_prompt_mask"][idx], completion_mask[idx]], 1),
-                        n_comp,
-                    )
-                if args.distill_wrapper == "taid":
-                    taid_t = self.taid_t  # None -> ValueError in taid_interpolate
-                per_token = distill_per_token(
-                    student_logits[idx],
-                    teacher_logits,
-                    jsd_beta=args.distill_jsd_beta,
-                    temperature=args.distill_temperature,
-                    clip=args.distill_clip,
-                    wrapper=args.distill_wrapper,
-                    taid_t=taid_t,
-                    opd_entropy_threshold=args.resolved_opd_entropy_threshold,
-                    opd_forward_weight=args.resolved_opd_forward_weight,
-                )
-                distill = masked_row_mean(per_token, mask[idx]).mean()
-                window = float(inputs["distill_num_rows"]) * accum / spg
-                distill_scale = n_here / max(window, 1.0)
-
+            distill = self._distill_channel(model, hf, inputs, (student_logits, mask), accum, spg)
+        replay = _Channel()
         if use_replay:
-            rows = inputs["replay_rows"]
-            n_here = n_replay = int(rows.sum())
-            if n_here > 0:
-                idx = rows.nonzero(as_tuple=True)[0]
-                chosen_ids = inputs["replay_chosen_ids"][idx]
-                chosen_mask = inputs["replay_chosen_mask"][idx]
-                chosen_logits = self._completion_logits(
-                    model,
-                    hf,
-                    torch.cat([inputs["prompt_ids"][idx], chosen_ids], 1),
-                    torch.cat([inputs["prompt_mask"][idx], chosen_mask], 1),
-                    chosen_ids.size(1),
-                )
-                average = args.replay_loss == "simpo"
-                pol_c = sequence_logps(chosen_logits, chosen_ids, chosen_mask, average=average)
-                pol_r = sequence_logps(
-                    student_logits[idx], completion_ids[idx], mask[idx], average=average
-                )
-                if args.replay_loss == "dpo":
-                    per_row = dpo_loss(
-                        pol_c,
-                        pol_r,
-                        inputs["replay_ref_chosen_logps"][idx],
-                        inputs["replay_ref_rejected_logps"][idx],
-                        beta=args.dpo_beta,
-                    )
-                else:
-                    per_row = simpo_loss(pol_c, pol_r, beta=args.simpo_beta, gamma=args.simpo_gamma)
-                replay = per_row.mean()
-                window = float(inputs["replay_num_rows"]) * accum / spg
-                replay_scale = n_here / max(window, 1.0)
-
+            replay = self._replay_channel(model, hf, inputs, (student_logits, mask), accum, spg)
         composed = compose_loss(
             grpo,
-            distill=distill,
-            replay=replay,
+            distill=distill.loss,
+            replay=replay.loss,
             alpha=args.distill_alpha,
             beta=args.replay_beta,
-            distill_scale=distill_scale,
-            replay_scale=replay_scale,
+            distill_scale=distill.scale,
+            replay_scale=replay.scale,
             grpo_scale=accum,
         )
+        self._log_loss(mode, composed, distill, replay)
+        return composed.total
+
+    def _distill_channel(self, model, hf, inputs, student, accum: int, spg: int) -> _Channel:
+        """The distillation loss on this micro-batch's distill rows: the same model, shown
+        the hinted prompt, is the teacher of the completion it generated without the hint.
+        ``student`` is the micro-batch's (completion logits, loss mask)."""
+        args = self.args
+        student_logits, mask = student
+        rows = inputs["distill_rows"]
+        out = _Channel(rows=int(rows.sum()))
+        if out.rows == 0:
+            return out
+        idx = rows.nonzero(as_tuple=True)[0]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        with torch.no_grad():
+            teacher_logits = self._completion_logits(
+                model,
+                hf,
+                torch.cat([inputs["distill_prompt_ids"][idx], completion_ids[idx]], 1),
+                torch.cat([inputs["distill_prompt_mask"][idx], completion_mask[idx]], 1),
+                completion_ids.size(1),
+            )
+        if args.distill_wrapper == "taid":
+            out.taid_t = self.taid_t  # None -> ValueError in taid_interpolate
+        per_token = distill_per_token(
+            student_logits[idx],
+            teacher_logits,
+            jsd_beta=args.distill_jsd_beta,
+            temperature=args.distill_temperature,
+            clip=args.distill_clip,
+            wrapper=args.distill_wrapper,
+            taid_t=out.taid_t,
+            opd_entropy_threshold=args.resolved_opd_entropy_threshold,
+            opd_forward_weight=args.resolved_opd_forward_weight,
+        )
+        out.loss = masked_row_mean(per_token, mask[idx]).mean()
+        window = float(inputs["distill_num_rows"]) * accum / spg
+        out.scale = out.rows / max(window, 1.0)
+        return out
+
+    def _replay_channel(self, model, hf, inputs, student, accum: int, spg: int) -> _Channel:
+        """The preference loss (DPO or SimPO) on this micro-batch's replay rows: a correct
+        teacher trace is "chosen", the policy's own rollout "rejected". ``student`` is the
+        micro-batch's (completion logits, loss mask)."""
+        args = self.args
+        student_logits, mask = student
+        rows = inputs["replay_rows"]
+        out = _Channel(rows=int(rows.sum()))
+        if out.rows == 0:
+            return out
+        idx = rows.nonzero(as_tuple=True)[0]
+        chosen_ids = inputs["replay_chosen_ids"][idx]
+        chosen_mask = inputs["replay_chosen_mask"][idx]
+        chosen_logits = self._completion_logits(
+            model,
+            hf,
+            torch.cat([inputs["prompt_ids"][idx], chosen_ids], 1),
+            torch.cat([inputs["prompt_mask"][idx], chosen_mask], 1),
+            chosen_ids.size(1),
+        )
+        average = args.replay_loss == "simpo"
+        pol_c = sequence_logps(chosen_logits, chosen_ids, chosen_mask, average=average)
+        pol_r = sequence_logps(
+            student_logits[idx],
+            inputs["completion_ids"][idx],
+            mask[idx],
+            average=average,
+        )
+        if args.replay_loss == "dpo":
+            per_row = dpo_loss(
+                pol_c,
+                pol_r,
+                inputs["replay_ref_chosen_logps"][idx],
+                inputs["replay_ref_rejected_logps"][idx],
+                beta=args.dpo_beta,
+            )
+        else:
+            per_row = simpo_loss(pol_c, pol_r, beta=args.simpo_beta, gamma=args.simpo_gamma)
+        out.loss = per_row.mean()
+        window = float(inputs["replay_num_rows"]) * accum / spg
+        out.scale = out.rows / max(window, 1.0)
+        return out
+
+    def _log_loss(self, mode: str, composed, distill: _Channel, replay: _Channel) -> None:
         if mode == "train":
             # A channel's value is a mean over this micro-batch's rows; the step's value is the
             # mean over all its rows (how the scales above weigh them), logged at the step end.
             self._metrics[mode]["grpo_loss"].append(composed.grpo_loss)
             for key, value, n in (
-                ("distill_loss", composed.distill_loss, n_distill),
-                ("replay_loss", composed.replay_loss, n_replay),
+                ("distill_loss", composed.distill_loss, distill.rows),
+                ("replay_loss", composed.replay_loss, replay.rows),
             ):
                 if value is not None:
                     acc = self._channel_window.setdefault(key, [0.0, 0.0])
@@ -485,9 +523,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         else:
             for key, value in composed.metrics().items():
                 self._metrics[mode][key].append(value)
-        if taid_t is not None and distill is not None:
-            self._metrics[mode]["taid_t"].append(taid_t)
-        return composed.total
+        if distill.taid_t is not None and distill.loss is not None:
+            self._metrics[mode]["taid_t"].append(distill.taid_t)
 
     def _flush_channel_window(self) -> None:
         """End of an optimizer step: log each channel's row-weighted mean over the step's

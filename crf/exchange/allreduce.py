@@ -35,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,7 @@ import torch
 
 from crf import jsonsafe
 from crf.exchange import wire as wirefmt
+from crf.exchange.config import ExchangeConfig, ExchangeHooks, _check_int
 from crf.exchange.contribution import (
     FACTS,
     Arrival,
@@ -252,14 +253,6 @@ class AllReduceResult:
         return dict(self.__dict__)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def layout_of(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
     """Per-tensor [shape, dtype]: replicas must agree on it exactly."""
     return [[list(t.shape), dtype_name(t.dtype)] for t in tensors]
@@ -308,94 +301,38 @@ class ObjectStoreAllReduce:
         store: RunStore | str,
         world_size: int,
         rank: int,
-        *,
-        run_id: str | None = None,
-        min_replicas: int | None = None,
-        round_timeout_s: float = 300.0,
-        shard_grace_s: float = 30.0,
-        num_shards: int | None = None,
-        keep_rounds: int = 3,
-        wire_dtype: str = "float32",
-        error_feedback: bool = False,
-        on_phase: Callable[[str], None] | None = None,
-        max_poll_s: float | None = None,
-        max_transfers: int = 8,
-        drop_contributions: bool | None = None,
-        catch_up: bool = True,
-        checkpoint_every: int = 1,
-        fetch_early: bool | None = None,
-        follow_liveness: bool = False,
+        config: ExchangeConfig | None = None,
+        hooks: ExchangeHooks | None = None,
+        **options: Any,
     ) -> None:
+        """``config`` (or, for tests and benchmarks, its fields as keywords in ``options``)
+        fixes how this exchange behaves; ``hooks`` are how it reports back. Neither changes
+        after construction."""
         _check_int("world_size", world_size, 1)
         _check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank must be < world_size ({world_size}), got rank={rank}")
-        min_replicas = world_size if min_replicas is None else min_replicas
-        _check_int("min_replicas", min_replicas, 1)
-        if min_replicas > world_size:
-            raise ValueError(f"min_replicas ({min_replicas}) must be <= world_size ({world_size})")
-        if num_shards is not None:
-            _check_int("num_shards", num_shards, 1)
-        _check_int("keep_rounds", keep_rounds, 1)
-        _check_int("checkpoint_every", checkpoint_every, 1)
-        if wire_dtype not in wirefmt.WIRE_FORMATS:
-            raise ValueError(
-                f"wire_dtype must be one of {wirefmt.WIRE_FORMATS}, got {wire_dtype!r}"
-            )
-        if round_timeout_s <= 0:
-            raise ValueError(f"round_timeout_s must be > 0, got {round_timeout_s}")
+        if config is not None and options:
+            raise TypeError("pass either config= or its fields as keywords, not both")
         self.store = RunStore(store) if isinstance(store, str) else store
         self.world_size = world_size
         self.rank = rank
-        self.run_id = run_id or self.store.uri.rstrip("/").rsplit("/", 1)[-1]
-        self.min_replicas = min_replicas
-        self.round_timeout_s = round_timeout_s
-        self.shard_grace_s = shard_grace_s
-        self.num_shards = num_shards or world_size
-        self.keep_rounds = keep_rounds
-        self.wire = wire_dtype
-        self.error_feedback = error_feedback and wire_dtype != "float32"
+        default_id = self.store.uri.rstrip("/").rsplit("/", 1)[-1]
+        self.config = (config or ExchangeConfig(**options)).resolve(
+            world_size, self.store.scheme, default_id
+        )
+        self.hooks = hooks or ExchangeHooks()
         # what quantization dropped last time, per fragment (Streaming DiLoCo syncs fragments
         # of different - or, for identical blocks, equal - sizes in turn)
         self._residual: dict[int | None, torch.Tensor] = {}
-        self.on_phase = on_phase
-        # polling a local folder is cheap; an object store is billed and rate-limited per call
-        self.max_poll_s = max_poll_s or (0.05 if self.store.scheme in ("file", "memory") else 0.5)
         self.next_round = 0
         #: contributions listed in a round (complete: each is one atomic PUT), by rank
         self._present: dict[int, dict[int, Arrival]] = {}
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-        self.max_transfers = max_transfers
-        # a replica's contribution shards are dead weight once it has every reduced shard:
-        # on a local folder deleting them then (not keep_rounds later) spares the disk their
-        # write-back; on object stores a delete is one more billed request, left to the GC
-        self.drop_contributions = (
-            self.store.scheme == "file" if drop_contributions is None else drop_contributions
-        )
-        #: owners download their shard's parts while the quorum is open (``_fetch_early``):
-        #: on an object store that takes requests off the round's critical path; on a local
-        #: folder the reads are cheap anyway and would only compete with the peers' writes
-        #: for the cores and the disk (measured: N = 8 / 64 MB 0.56 s -> 0.73-1.03 s)
-        self.fetch_early = (
-            self.store.scheme not in ("file", "memory") if fetch_early is None else fetch_early
-        )
-        #: a late replica with the participants' base takes the published average (P down)
-        #: rather than healing from a global checkpoint (about 3 P)
-        self.catch_up = catch_up
-        #: global/<r> is written every this many rounds (and on demand): with more than one,
-        #: a replica cannot rely on global/ to tell it is behind, so it looks at rounds/ too
-        self.checkpoint_every = checkpoint_every
-        #: called every second or so while this replica waits for the others to arrive (the
-        #: manager serves pending heal requests from it)
-        self.on_wait: Callable[[], None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._control_executor: ThreadPoolExecutor | None = None
         self._early: _Early | None = None
-        #: membership follows who is alive (see ``_all_live_arrived``): a round waits for the
-        #: previous round's members and for replicas whose heartbeat shows them at most a
-        #: round behind, not for one that died (needs heartbeats: ReplicaContext writes them)
-        self.follow_liveness = follow_liveness
-        self.alive_window_s = min(_ALIVE_MAX_S, _ALIVE_SHARE * round_timeout_s)
+        self.alive_window_s = min(_ALIVE_MAX_S, _ALIVE_SHARE * self.config.round_timeout_s)
         #: who arrived for a decided round (participants and stale), by round: the members
         #: the next round waits for (None: the decision is not in the store)
         self._members: dict[int, frozenset[int] | None] = {}
@@ -405,10 +342,15 @@ class ObjectStoreAllReduce:
         #: restart at each: :func:`crf.exchange.wire.int8_blocks`)
         self._segments: dict[str, list[list[int]]] = {}
 
+    @property
+    def wire(self) -> str:
+        """The wire format of this exchange's payloads."""
+        return self.config.wire_dtype
+
     # ------------------------------------------------------------------ helpers
     def _phase(self, phase: str) -> None:
-        if self.on_phase is not None:
-            self.on_phase(phase)
+        if self.hooks.on_phase is not None:
+            self.hooks.on_phase(phase)
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         """An fp32 work buffer of ``numel`` values, kept for the next round of that size."""
@@ -472,7 +414,7 @@ class ObjectStoreAllReduce:
     def _pool(self) -> ThreadPoolExecutor:
         """Threads for a round's independent transfers (shard parts, reduced shards)."""
         if self._executor is None:
-            workers = max(1, min(self.max_transfers, self.num_shards))
+            workers = max(1, min(self.config.max_transfers, self.config.num_shards))
             self._executor = ThreadPoolExecutor(workers, thread_name_prefix="crf-transfer")
         return self._executor
 
@@ -521,12 +463,12 @@ class ObjectStoreAllReduce:
         # is encoded straight from it), so no fp32 copy of the whole vector is kept
         source = _Segments(views)
         exact = self.wire == "float32" and all(v.dtype == torch.float32 for v in views)
-        if not exact and self.error_feedback:
+        if not exact and self.config.error_feedback:
             residual = torch.zeros(total)
             previous = self._residual.get(fragment)
             if previous is not None and previous.numel() != total:
                 previous = None
-        bounds = shard_bounds(total, self.num_shards)
+        bounds = shard_bounds(total, self.config.num_shards)
         segs = self._shard_segments(lhash, [v.numel() for v in views], bounds)
 
         # 1. publish my contribution: the manifest and every shard but the ones this replica
@@ -537,8 +479,8 @@ class ObjectStoreAllReduce:
             bounds,
             self.wire,
             self.world_size,
-            manifest_size(layout, self.run_id, self.num_shards, self.world_size),
-            shard_header_size(self.run_id),
+            manifest_size(layout, self.config.run_id, self.config.num_shards, self.world_size),
+            shard_header_size(self.config.run_id),
             segs,
         )
         mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
@@ -573,13 +515,13 @@ class ObjectStoreAllReduce:
                 )
         manifest = {
             "rank": self.rank,
-            "run_id": self.run_id,
+            "run_id": self.config.run_id,
             "round": r,
             "layout_hash": lhash,
             "layout": layout,
             "base_round": base_round,
             "numel": total,
-            "num_shards": self.num_shards,
+            "num_shards": self.config.num_shards,
             "wire_dtype": self.wire,
             "held_back": held_back,
             "fragment": fragment,
@@ -626,7 +568,7 @@ class ObjectStoreAllReduce:
             early = {}
         if self.rank not in participants:
             res.in_quorum = False
-            if participants and self.catch_up:
+            if participants and self.config.catch_up:
                 res.caught_up = self._catch_up(res, r, bounds, lhash, tensors, exact)
             res.seconds = time.monotonic() - t0
             self.history.append(res)
@@ -644,7 +586,7 @@ class ObjectStoreAllReduce:
         self._phase("reducing")
         reduced_here: dict[int, torch.Tensor] = {}
         job = _Round(r, participants, bounds, lhash, total, mine_wire, packing, names, early)
-        for s in range(self.num_shards):
+        for s in range(self.config.num_shards):
             if participants[s % len(participants)] == self.rank:
                 w = self._reduce_shard(res, job, s, first=True)
                 if w is not None:
@@ -662,7 +604,7 @@ class ObjectStoreAllReduce:
                 got[s] = reduced_here[s]
             else:
                 pending.append(s)
-        grace_deadline = time.monotonic() + self.shard_grace_s
+        grace_deadline = time.monotonic() + self.config.shard_grace_s
         delay = 0.005
         # a peer may declare the round failed while we wait: asked once a second, not on
         # every poll (a round's shards usually arrive within a poll or two)
@@ -679,12 +621,12 @@ class ObjectStoreAllReduce:
                 for s in list(pending):
                     log.warning("round %d: shard %d owner is late; computing it", r, s)
                     self._reduce_shard(res, job, s)
-                grace_deadline = time.monotonic() + self.shard_grace_s
+                grace_deadline = time.monotonic() + self.config.shard_grace_s
             elif progressed:
                 delay = 0.005
             else:
                 time.sleep(delay)
-                delay = min(delay * 1.6, self.max_poll_s)
+                delay = min(delay * 1.6, self.config.max_poll_s)
 
         # every shard is here and verified: write the average into the tensors, each in its
         # own dtype
@@ -692,7 +634,7 @@ class ObjectStoreAllReduce:
             r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
         )
         self._write_average(got, bounds, tensors, exact)
-        if self.drop_contributions:  # in the background: nobody waits for it
+        if self.config.drop_contributions:  # in the background: nobody waits for it
             self._pool().submit(self._drop_contributions, r, mine.name)
         res.seconds = time.monotonic() - t0
         self.history.append(res)
@@ -720,7 +662,7 @@ class ObjectStoreAllReduce:
         self._phase("catching up")
         got: dict[int, torch.Tensor] = {}
         pending = list(range(len(bounds)))
-        deadline = time.monotonic() + self.round_timeout_s + 2 * self.shard_grace_s
+        deadline = time.monotonic() + self.config.round_timeout_s + 2 * self.config.shard_grace_s
         delay = 0.005
         try:
             while pending:
@@ -735,7 +677,7 @@ class ObjectStoreAllReduce:
                     delay = 0.005
                 else:
                     time.sleep(delay)
-                    delay = min(delay * 1.6, self.max_poll_s)
+                    delay = min(delay * 1.6, self.config.max_poll_s)
             self._check_averages_finite(r, got, bounds, self._segments[lhash])
         except (AllReduceError, StoreError, CorruptObjectError) as e:
             log.warning("round %d: cannot take its average (%s); healing instead", r, e)
@@ -852,7 +794,7 @@ class ObjectStoreAllReduce:
 
     def _meta(self, r: int, s: int, lhash: str, total: int) -> dict[str, Any]:
         return {
-            "run_id": self.run_id,
+            "run_id": self.config.run_id,
             "round": r,
             "rank": self.rank,
             "shard": s,
@@ -899,7 +841,7 @@ class ObjectStoreAllReduce:
                     decided = json.loads(data)
                 except ValueError:
                     decided = None
-            if isinstance(decided, dict) and decided.get("run_id") in (None, self.run_id):
+            if isinstance(decided, dict) and decided.get("run_id") in (None, self.config.run_id):
                 self._remember_members(r - 1, decided)
             else:
                 self._members[r - 1] = None
@@ -955,7 +897,7 @@ class ObjectStoreAllReduce:
         if it has not appeared within ``_DECIDER_GRACE_S``, and at the round deadline with at
         least ``min_replicas`` eligible."""
         key = f"rounds/{r}/quorum.json"
-        deadline = time.monotonic() + self.round_timeout_s
+        deadline = time.monotonic() + self.config.round_timeout_s
         decided: dict[str, Any] | None = None
         next_hook = [time.monotonic() + 1.0]
         # whether this replica lags the others (global/ or, with sparse checkpoints, a later
@@ -1034,7 +976,7 @@ class ObjectStoreAllReduce:
             arrived = self._list_present(r)  # no request once every contribution is known
             eligible, stale = self._eligible(arrived)
             everyone = len(arrived) == self.world_size
-            complete = everyone or (self.follow_liveness and _all_live_arrived(arrived))
+            complete = everyone or (self.config.follow_liveness and _all_live_arrived(arrived))
             alone = list(arrived) == [self.rank]
             if reading is None and (
                 (alone and not alone_asked) or (complete and eligible[:1] != [self.rank])
@@ -1043,7 +985,7 @@ class ObjectStoreAllReduce:
                 alone_asked = alone_asked or alone
             if reading is not None:
                 asked = now
-            if self._early is not None and self.fetch_early and self.rank in eligible:
+            if self._early is not None and self.config.fetch_early and self.rank in eligible:
                 self._fetch_early(
                     {
                         p: a
@@ -1057,11 +999,12 @@ class ObjectStoreAllReduce:
                 return True
             if self.rank in stale:
                 raise _Stale(max(arrived[e].base_round or -1 for e in eligible))
-            if self.on_wait is not None and time.monotonic() >= next_hook[0]:
+            if self.hooks.on_wait is not None and time.monotonic() >= next_hook[0]:
                 next_hook[0] = time.monotonic() + 1.0
-                self.on_wait()
+                self.hooks.on_wait()
             late = time.monotonic() >= deadline
-            deciding = bool((complete or late) and eligible and len(eligible) >= self.min_replicas)
+            enough = len(eligible) >= self.config.min_replicas
+            deciding = bool((complete or late) and eligible and enough)
             if deciding and not late and eligible[0] != self.rank:
                 everyone_at = everyone_at or time.monotonic()
                 # the lowest eligible rank decides; read its decision
@@ -1082,7 +1025,7 @@ class ObjectStoreAllReduce:
                 "facts": {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
                 "decided_by": self.rank,
                 "decided_at": time.time(),
-                "run_id": self.run_id,
+                "run_id": self.config.run_id,
                 "reason": "all arrived"
                 if everyone
                 else ("all live arrived" if complete else "deadline"),
@@ -1097,12 +1040,12 @@ class ObjectStoreAllReduce:
 
         # keep polling a little past the deadline so a decision by a peer is seen
         if not wait_until(
-            _try, self.round_timeout_s + 1.0, poll_s=0.005, max_poll_s=self.max_poll_s
+            _try, self.config.round_timeout_s + 1.0, poll_s=0.005, max_poll_s=self.config.max_poll_s
         ):
             raise QuorumTimeout(
                 f"round {r}: only {len(self._list_present(r))} of {self.world_size} replicas "
-                f"arrived within {self.round_timeout_s:.0f}s (need "
-                f"min_replicas={self.min_replicas})"
+                f"arrived within {self.config.round_timeout_s:.0f}s (need "
+                f"min_replicas={self.config.min_replicas})"
             )
         assert decided is not None
         if self.rank in decided.get("stale", []) and decided.get("base_round") is not None:
@@ -1125,8 +1068,8 @@ class ObjectStoreAllReduce:
         if not isinstance(decided, dict):
             decided, problems = {}, ["not a json object"]
         if not problems:
-            if decided.get("run_id") != self.run_id:
-                problems.append(f"run {decided.get('run_id')!r}, not {self.run_id!r}")
+            if decided.get("run_id") != self.config.run_id:
+                problems.append(f"run {decided.get('run_id')!r}, not {self.config.run_id!r}")
             if decided.get("round") != r:
                 problems.append(f"round {decided.get('round')!r}, not {r}")
             parts = decided.get("participants")
@@ -1158,7 +1101,7 @@ class ObjectStoreAllReduce:
             # lags the others by more than keep_rounds (a straggler). A quorum decided now
             # would fork the weights; catch up instead.
             return newest
-        if self.checkpoint_every > 1:
+        if self.config.checkpoint_every > 1:
             # global/ is written only every few rounds: a later decided round shows just as
             # well that this replica lags the others
             return self._later_decided_round(r)
@@ -1176,7 +1119,7 @@ class ObjectStoreAllReduce:
             if p == self.rank:
                 continue
             job.names[p] = arrival.name
-            for s in range(self.rank, self.num_shards, self.world_size):
+            for s in range(self.rank, self.config.num_shards, self.world_size):
                 if (p, s) not in early.fetches:
                     early.fetches[(p, s)] = self._pool().submit(
                         self._fetch_contrib,
@@ -1230,7 +1173,7 @@ class ObjectStoreAllReduce:
                     f"round {r}: replica {p} sends other tensors or settings than this "
                     f"replica, and its manifest is unreadable ({e})"
                 ) from None
-            if other.get("run_id") != self.run_id:
+            if other.get("run_id") != self.config.run_id:
                 raise LayoutMismatchError(
                     f"round {r}: replica {p}'s contribution is from run {other.get('run_id')!r}"
                 )
@@ -1275,7 +1218,7 @@ class ObjectStoreAllReduce:
                 lambda: self.store.object_exists(key) or self.store.object_exists(rkey),
                 wait_s,
                 poll_s=0.005,
-                max_poll_s=self.max_poll_s,
+                max_poll_s=self.config.max_poll_s,
             )
         try:
             if held:
@@ -1285,7 +1228,7 @@ class ObjectStoreAllReduce:
                 data = self._get_range(res, key, a, b)
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{name}", copy=False)
             expect = {
-                "run_id": self.run_id,
+                "run_id": self.config.run_id,
                 "round": r,
                 "rank": p,
                 "shard": s,
@@ -1337,7 +1280,7 @@ class ObjectStoreAllReduce:
                 job,
                 p,
                 s,
-                self.shard_grace_s if s % self.world_size == p else 0.0,  # uploaded late?
+                self.config.shard_grace_s if s % self.world_size == p else 0.0,  # uploaded late?
             )
             for p in job.participants
             if p != self.rank and not (s % self.world_size == p and owner == p)
@@ -1404,7 +1347,7 @@ class ObjectStoreAllReduce:
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
             expect = {
-                "run_id": self.run_id,
+                "run_id": self.config.run_id,
                 "round": r,
                 "shard": s,
                 "layout_hash": lhash,
@@ -1478,6 +1421,15 @@ class ObjectStoreAllReduce:
                 self._fail_round(r, why)
                 raise RoundFailed(f"round {r} failed: {why}")
 
+    def round_failed(self, r: int) -> bool:
+        """Whether some replica declared round ``r`` failed (it cannot complete)."""
+        return self.store.object_exists(f"rounds/{r}/failed.json")
+
+    def was_committed(self, r: int) -> bool:
+        """Whether round ``r`` was decided and not failed, as far as the store says now: the
+        others then took its outer step, and a replica that missed it is behind."""
+        return self.store.object_exists(f"rounds/{r}/quorum.json") and not self.round_failed(r)
+
     def _fail_round(self, r: int, reason: str) -> None:
         body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
         self.store.put_if_absent(f"rounds/{r}/failed.json", jsonsafe.dumps(body).encode())
@@ -1503,7 +1455,7 @@ class ObjectStoreAllReduce:
         """Delete rounds older than ``keep_rounds`` before ``current_round``; returns them."""
         removed = []
         for name in self.store.list("rounds"):
-            if name.isdigit() and int(name) <= current_round - self.keep_rounds:
+            if name.isdigit() and int(name) <= current_round - self.config.keep_rounds:
                 self.store.delete(f"rounds/{name}")
                 removed.append(int(name))
         return sorted(removed)

@@ -45,7 +45,15 @@ from crf.exchange.allreduce import (
     ObjectStoreAllReduce,
     RoundFailed,
 )
-from crf.store import CorruptObjectError, ObjectNotFound, StoreError, decode_blob, encode_blob
+from crf.exchange.config import ExchangeConfig, ExchangeHooks
+from crf.store import (
+    CorruptObjectError,
+    ObjectNotFound,
+    RunStore,
+    StoreError,
+    decode_blob,
+    encode_blob,
+)
 from crf.store.run_store import wait_until
 
 log = logging.getLogger(__name__)
@@ -130,25 +138,36 @@ class ObjectStoreManager:
 
     def __init__(
         self,
-        exchange: ObjectStoreAllReduce,
+        store: RunStore | str,
+        world_size: int,
+        rank: int,
+        config: ExchangeConfig | None = None,
         *,
         heal_timeout_s: float | None = None,
         on_phase: Callable[[str], None] | None = None,
         background: bool = True,
         async_checkpoints: bool = False,
-        checkpoint_every: int = 1,
+        **options: Any,
     ) -> None:
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
-            raise TypeError(f"checkpoint_every must be an int, got {checkpoint_every!r}")
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        """Builds its own exchange from ``config`` (or its fields as keywords in ``options``)
+        with this manager's hooks: it serves heal requests while waiting and reports the
+        transfer's phase, so nothing is set on the exchange after it is built."""
+        if config is not None and options:
+            raise TypeError("pass either config= or its fields as keywords, not both")
+        config = config or ExchangeConfig(**options)
+        checkpoint_every = config.checkpoint_every
+        hooks = ExchangeHooks(
+            on_phase=self._transfer_phase,
+            on_wait=self._serve_heal_requests if checkpoint_every > 1 else None,
+        )
+        exchange = ObjectStoreAllReduce(store, world_size, rank, config, hooks)
         self.exchange = exchange
         self.store = exchange.store
         self.rank = exchange.rank
         self.heal_timeout_s = (
             heal_timeout_s
             if heal_timeout_s is not None
-            else exchange.round_timeout_s + 2 * exchange.shard_grace_s
+            else exchange.config.round_timeout_s + 2 * exchange.config.shard_grace_s
         )
         self.on_phase = on_phase
         self._step = 0
@@ -184,9 +203,6 @@ class ObjectStoreManager:
         self._cached: tuple[int, bytes] | None = None
         self._cache_lock = threading.Lock()
         self.rounds_caught_up: list[int] = []  # left out, took the published average
-        exchange.checkpoint_every = checkpoint_every
-        if checkpoint_every > 1:
-            exchange.on_wait = self._serve_heal_requests
         # background exchange (one at a time: DiLoCo waits for a sync before the next starts)
         self.background = background
         self._sizes: list[int] | None = None  # tensors per fragment (set_fragment_sizes)
@@ -213,8 +229,6 @@ class ObjectStoreManager:
         #: called with the whole loaded state after load_global (e.g. to put every fragment's
         #: global copy back into the model)
         self.on_loaded: Callable[[dict[str, Any]], None] | None = None
-        if exchange.on_phase is None:
-            exchange.on_phase = self._transfer_phase
         #: called about once a second while the training thread waits for an exchange or a
         #: global state to heal from: the replica's heartbeat goes on, so the others (which
         #: follow liveness) see a replica that is slow, not dead
@@ -556,7 +570,7 @@ class ObjectStoreManager:
             log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
 
     def _write_global(self, r: int, payload: bytes) -> None:
-        meta = {"round": r, "run_id": self.exchange.run_id, "layout": self.state_layout}
+        meta = {"round": r, "run_id": self.exchange.config.run_id, "layout": self.state_layout}
         blob = encode_blob(payload, meta)
         self._bad_globals.discard(r)  # replaced by this one
         self.store.put(GLOBAL_STATE.format(r=r), blob)
@@ -575,7 +589,7 @@ class ObjectStoreManager:
     def _gc_globals(self, r: int) -> None:
         """Keep the globals of the last ``keep_rounds`` checkpoint periods (a corrupt newest
         one falls back to an older one on resume)."""
-        horizon = r - self.exchange.keep_rounds * self.checkpoint_every
+        horizon = r - self.exchange.config.keep_rounds * self.checkpoint_every
         names = [n for n in self.store.list("global") if n.isdigit()]
         newest = max((int(n) for n in names), default=None)
         for name in names:
@@ -602,7 +616,7 @@ class ObjectStoreManager:
         self.ckpt_bytes_down += len(data)
         try:
             payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
-            expect = {"run_id": self.exchange.run_id, "round": r}
+            expect = {"run_id": self.exchange.config.run_id, "round": r}
             if self.state_layout is not None:
                 expect["layout"] = self.state_layout
             bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
@@ -634,7 +648,7 @@ class ObjectStoreManager:
             return False
 
         def failed() -> bool:
-            return self.store.object_exists(f"rounds/{r}/failed.json")
+            return self.exchange.round_failed(r)
 
         def newest() -> int:
             latest = self.latest_global()
@@ -643,7 +657,7 @@ class ObjectStoreManager:
         res = self.last_result
         if res is not None and res.stale_behind is not None:
             target = res.stale_behind
-        elif self.store.object_exists(f"rounds/{r}/quorum.json") and not failed():
+        elif self.exchange.was_committed(r):
             target = r
         else:
             # nobody committed round r (so far). If a quorum forms later without us, our

@@ -1,7 +1,8 @@
-"""What runs inside a replica: the env contract, the job registry and built-in jobs, and the
-heartbeat/metrics/result writer (:mod:`crf.replica.context`). The exchange it drives lives in
-:mod:`crf.exchange`, the composer trainer in :mod:`crf.composer`. Imported lazily
-(torch-heavy)."""
+"""What runs inside a replica: the env contract, the jobs (built-in, or any job module by its
+path: :mod:`crf.replica.jobs`), and the heartbeat/metrics/result writer
+(:mod:`crf.replica.context`, its per-round bookkeeping in :mod:`crf.replica.rounds`). The
+exchange it drives lives in :mod:`crf.exchange`, the composer trainer in :mod:`crf.composer`.
+Imported lazily (torch-heavy)."""
 
 from __future__ import annotations
 

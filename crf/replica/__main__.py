@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from crf import layout
+
 #: the job failed with an error that a restart of this replica would hit again
 EXIT_UNRECOVERABLE = 3
 
@@ -21,7 +23,7 @@ def _set_threads(world_size: int, backend: str) -> None:
     """Replicas sharing one machine (local backend) split its cores instead of oversubscribing."""
     import torch
 
-    threads = os.environ.get("CRF_TORCH_THREADS")
+    threads = os.environ.get(layout.ENV_TORCH_THREADS)
     if threads:
         torch.set_num_threads(int(threads))
     elif backend == "local":
@@ -33,9 +35,9 @@ def main() -> int:
 
     # before any transfer thread exists: shard-sized buffers then come back to one arena
     limit_malloc_arenas()
-    rank = os.environ.get("CRF_RANK", "?")
+    rank = os.environ.get(layout.ENV_RANK, "?")
     logging.basicConfig(
-        level=os.environ.get("CRF_LOG_LEVEL", "INFO"),
+        level=os.environ.get(layout.ENV_LOG_LEVEL, "INFO"),
         format=f"%(asctime)s [replica {rank}] %(levelname)s %(name)s: %(message)s",
     )
     from crf.exchange.manager import restart_cannot_help
@@ -55,6 +57,7 @@ def main() -> int:
             job = get_job(ctx.spec.job)
             metrics = job.run(ctx, job_config(ctx.spec.job, ctx.spec.job_config))
             ctx.finish(metrics)
+    # a job may raise anything: it is recorded (ctx.fail) and becomes the exit code
     except Exception as e:
         if restart_cannot_help(e):  # one line: the traceback adds nothing to what it says
             log.error("replica failed, and a restart cannot fix it: %s: %s", type(e).__name__, e)

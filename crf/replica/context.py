@@ -1,10 +1,11 @@
 """ReplicaContext: what a training script inside a replica uses to join the run.
 
-It reads the replica contract (``CRF_RUN_URI``, ``CRF_RANK``, ``CRF_WORLD_SIZE``) and the run
-spec from ``run.json``, wraps the job's model and inner optimizer in torchft's DiLoCo over the
-object store (``diloco()``), and writes what the driver watches: the heartbeat
-(``replicas/<rank>/state.json``), per-round metrics (``metrics/<rank>/<r>.json``) and the final
-result (``results/<rank>.json``). Both ``python -m crf.replica`` and a user's own entrypoint
+It reads the replica contract (``CRF_RUN_URI``, ``CRF_RANK``, ``CRF_WORLD_SIZE``; the names
+are in :mod:`crf.layout`) and the run spec from ``run.json``, wraps the job's model and inner
+optimizer in torchft's DiLoCo over the object store (``diloco()``), and writes what the driver
+watches, as :mod:`crf.layout` records: the heartbeat (:class:`~crf.layout.Heartbeat`),
+per-round metrics (:class:`~crf.layout.RoundMetrics`) and the final result
+(:class:`~crf.layout.ResultRecord`). Both ``python -m crf.replica`` and a user's own entrypoint
 use it the same way::
 
     with ReplicaContext.from_env() as ctx:
@@ -25,19 +26,20 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from crf import layout
 from crf.exchange import wire as wirefmt
 from crf.exchange.allreduce import (
-    HEARTBEAT_KEY,
     NonFiniteError,
-    ObjectStoreAllReduce,
     describe_nonfinite,
     tensors_layout_hash,
 )
+from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import (
     ObjectStoreManager,
     restart_cannot_help,
@@ -46,21 +48,44 @@ from crf.exchange.manager import (
 from crf.exchange.wire import compression as wire_compression
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
+from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore, decode_blob, encode_blob
 from crf.store.codec import raw_view
 
 log = logging.getLogger(__name__)
 
-ENV_RUN_URI = "CRF_RUN_URI"
-ENV_RANK = "CRF_RANK"
-ENV_WORLD_SIZE = "CRF_WORLD_SIZE"
-ENV_RUN_ID = "CRF_RUN_ID"
 HEARTBEAT_EVERY_S = 1.0
+#: how long heartbeats pause after one failed to write
+HEARTBEAT_BACKOFF_S = 30.0
+#: the manager's fine-grained phases, as the heartbeat shows them
+_SHOWN_PHASE = {
+    "uploading": "syncing",
+    "quorum": "syncing",
+    "reducing": "syncing",
+    "gathering": "syncing",
+}
 
 
 class ContractError(RuntimeError):
     """The replica's environment does not follow the contract (missing/invalid CRF_* vars)."""
+
+
+@dataclass
+class HeartbeatPace:
+    """When the heartbeat was last written, and until when it is paused after a failed write
+    (a heartbeat must never slow every step). ``pid_started_at`` goes with the pid in every
+    heartbeat: it tells this process from a later one given the same pid."""
+
+    last: float = 0.0
+    paused_until: float = 0.0
+    pid_started_at: str | float | None = field(default_factory=process_started_at)
+
+    def due(self, now: float, force: bool) -> bool:
+        if now < self.paused_until or (not force and now - self.last < HEARTBEAT_EVERY_S):
+            return False
+        self.last = now
+        return True
 
 
 class ModelFragment(torch.nn.Module):
@@ -120,10 +145,10 @@ class ReplicaContext:
     ) -> None:
         if world_size != spec.replicas:
             raise ContractError(
-                f"{ENV_WORLD_SIZE}={world_size} but run.json says replicas={spec.replicas}"
+                f"{layout.ENV_WORLD_SIZE}={world_size} but run.json says replicas={spec.replicas}"
             )
         if not 0 <= rank < world_size:
-            raise ContractError(f"{ENV_RANK}={rank} must be in [0, {world_size})")
+            raise ContractError(f"{layout.ENV_RANK}={rank} must be in [0, {world_size})")
         self.store = store
         self.spec = spec
         self.rank = rank
@@ -145,47 +170,35 @@ class ReplicaContext:
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
         self.last_loss: float | None = None
-        self._round_sums: dict[str, float] = {}
-        self._round_counts: dict[str, int] = {}
-        self._round_loss: list[float] = []
-        self._round_losses: dict[int, float] = {}
-        self._synced_rounds: list[dict[str, Any]] = []
-        self._sync_entries: list[dict[str, Any]] = []  # per sync, until its round is over
-        self._outer_commits: dict[int, list[bool]] = {}
         self.fragments: list[torch.nn.Module] = []
-        self._blocked_mark = 0.0
-        self._transfer_mark = 0.0
-        self._n_rejected = 0  # how many of manager.rejected are already in per-round metrics
-        self._last_beat = 0.0
-        # with the pid in the heartbeat: tells this process from a later one given its pid
-        self._started_at = process_started_at()
-        self._beat_paused_until = 0.0
-        self._t_start = time.time()
-        self._compute_s = 0.0
-        self._sync_s = 0.0
-        self._t_mark = time.monotonic()
+        self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
+        self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
+        self._clock = TimeAccount()
+        self._pace = HeartbeatPace()
         self._finished = False
         self._beat(force=True)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ReplicaContext:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicaContext:
         env = os.environ if environ is None else environ
-        missing = [v for v in (ENV_RUN_URI, ENV_RANK, ENV_WORLD_SIZE) if not env.get(v)]
+        required = (layout.ENV_RUN_URI, layout.ENV_RANK, layout.ENV_WORLD_SIZE)
+        missing = [v for v in required if not env.get(v)]
         if missing:
             raise ContractError(
                 f"missing environment variable(s) {', '.join(missing)}: a replica is started "
                 "by `crf launch` (or an executor), which sets them"
             )
+        rank_text, world_text = env[layout.ENV_RANK], env[layout.ENV_WORLD_SIZE]
         try:
-            rank, world = int(env[ENV_RANK]), int(env[ENV_WORLD_SIZE])
+            rank, world = int(rank_text), int(world_text)
         except ValueError:
             raise ContractError(
-                f"{ENV_RANK} and {ENV_WORLD_SIZE} must be integers "
-                f"(got {env[ENV_RANK]!r}, {env[ENV_WORLD_SIZE]!r})"
+                f"{layout.ENV_RANK} and {layout.ENV_WORLD_SIZE} must be integers "
+                f"(got {rank_text!r}, {world_text!r})"
             ) from None
-        store = RunStore(env[ENV_RUN_URI])
-        spec = RunSpec.from_json(store.get("run.json"))
+        store = RunStore(env[layout.ENV_RUN_URI])
+        spec = RunSpec.from_json(store.get(layout.RUN_SPEC))
         return cls(store, spec, rank, world)
 
     # ------------------------------------------------------------------ DiLoCo
@@ -200,51 +213,82 @@ class ReplicaContext:
         exchange starting ``fragment_sync_delay`` steps before the replica waits for it; on
         leaving, every fragment is set back to its global copy, so all replicas end with the
         same weights."""
-        from torchft.local_sgd import DiLoCo
+        manager = self._new_manager(model)
+        fragments = split_model(model, self.spec.fragments)
+        self.fragments = fragments
+        self._register_model_state(manager, model, fragments)
+        self.manager, self.model = manager, model
+        self._set_phase("training")
+        self._clock.restart()
+        algo = self._new_diloco(manager, fragments, inner_optimizer)
+        ok = False
+        with algo:
+            self._inner = inner_optimizer
+            self._resume(manager, inner_optimizer)
+            # registered after DiLoCo's hooks, so it runs after a sync's outer step
+            hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+            try:
+                yield algo
+                ok = True
+            finally:
+                hook.remove()
+                self._close_manager(manager, ok)
 
-        spec = self.spec
-        exchange = ObjectStoreAllReduce(
-            self.store,
-            self.world_size,
-            self.rank,
-            run_id=spec.run_id,
-            min_replicas=spec.min_replicas,
-            round_timeout_s=spec.round_timeout_s,
+    def _new_manager(self, model: torch.nn.Module) -> ObjectStoreManager:
+        """The manager for this run's exchange, with this context's hooks."""
+        config = ExchangeConfig.from_spec(
+            self.spec,
             shard_grace_s=self.shard_grace_s,
-            num_shards=spec.num_shards,
-            keep_rounds=spec.keep_rounds,
-            wire_dtype=spec.wire_dtype,
-            error_feedback=spec.error_feedback,
             # this context's heartbeats tell the others who is alive: a dead replica costs
             # one round deadline, not one per round
             follow_liveness=True,
         )
         manager = ObjectStoreManager(
-            exchange,
+            self.store,
+            self.world_size,
+            self.rank,
+            config,
             on_phase=self._set_phase,
             async_checkpoints=True,
-            checkpoint_every=spec.checkpoint_every,
         )
-        manager.final_round = spec.exchange_rounds - 1
+        manager.final_round = self.spec.exchange_rounds - 1
         # global and inner states carry the model's layout; one of another model is refused
         self.layout = manager.state_layout = tensors_layout_hash(list(model.parameters()))
         manager.on_blocked = self._beat  # heartbeats go on while it waits (once a second)
-        fragments = split_model(model, spec.fragments)
-        self.fragments = fragments
+        return manager
+
+    def _register_model_state(
+        self,
+        manager: ObjectStoreManager,
+        model: torch.nn.Module,
+        fragments: list[torch.nn.Module],
+    ) -> None:
+        """What of the model goes into (and comes back from) a global state."""
         if len(fragments) == 1:
             manager.register_state_dict_fn(
                 "model", lambda sd: model.load_state_dict(sd), lambda: model.state_dict()
             )
-        else:
-            # the parameters are in the fragments' global copies; "model" keeps the rest
-            # (buffers), and a loaded state puts every fragment's global copy in the model
-            params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            manager.register_state_dict_fn(
-                "model",
-                lambda sd: model.load_state_dict(sd, strict=False),
-                lambda: {k: v for k, v in model.state_dict().items() if k not in params},
-            )
-            manager.on_loaded = self._load_fragments
+            return
+        # the parameters are in the fragments' global copies; "model" keeps the rest
+        # (buffers), and a loaded state puts every fragment's global copy in the model
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        manager.register_state_dict_fn(
+            "model",
+            lambda sd: model.load_state_dict(sd, strict=False),
+            lambda: {k: v for k, v in model.state_dict().items() if k not in params},
+        )
+        manager.on_loaded = self._load_fragments
+
+    def _new_diloco(
+        self,
+        manager: ObjectStoreManager,
+        fragments: list[torch.nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+    ) -> Any:
+        """torchft's DiLoCo over ``fragments``, one outer SGD per fragment."""
+        from torchft.local_sgd import DiLoCo
+
+        spec = self.spec
         momentum = spec.outer_momentum
         outers = [
             torch.optim.SGD(
@@ -255,10 +299,6 @@ class ReplicaContext:
             )
             for f in fragments
         ]
-        self.manager, self.model = manager, model
-        self._blocked_mark = self._transfer_mark = 0.0
-        self._set_phase("training")
-        self._t_mark = time.monotonic()
         algo = DiLoCo(
             manager,
             fragments,
@@ -273,26 +313,22 @@ class ReplicaContext:
         # DiLoCo allreduces each parameter of the fragment it syncs: knowing how many, the
         # manager starts the exchange the moment the last one is queued
         manager.set_fragment_sizes([len(list(f.named_parameters())) for f in fragments])
-        ok = False
-        with algo:
-            self._inner = inner_optimizer
-            self._resume(manager, inner_optimizer)
-            # registered after DiLoCo's hooks, so it runs after a sync's outer step
-            hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
-            try:
-                yield algo
-                ok = True
-            finally:
-                hook.remove()
-                if ok:
-                    if len(fragments) > 1:
-                        self._load_fragments(manager.state_dict())
-                    manager.close()
-                else:
-                    try:
-                        manager.close()
-                    except Exception as e:  # the job's own error is the one to report
-                        log.warning("pending checkpoint writes failed: %s", e)
+        return algo
+
+    def _close_manager(self, manager: ObjectStoreManager, ok: bool) -> None:
+        """Leave the exchange: after a clean run every fragment goes back to its global copy
+        and pending checkpoint writes must land; after a failed one they may fail quietly."""
+        if ok:
+            if len(self.fragments) > 1:
+                self._load_fragments(manager.state_dict())
+            manager.close()
+            return
+        try:
+            manager.close()
+        # anything a pending background write raised: the job's own error, already on its
+        # way up, is the one to report
+        except Exception as e:
+            log.warning("pending checkpoint writes failed: %s", e)
 
     def _load_fragments(self, state: dict[str, Any]) -> None:
         """Put every fragment's global copy (``original_parameters`` in DiLoCo's state) into
@@ -407,7 +443,6 @@ class ReplicaContext:
         if self.step % period != 0 or self.manager is None:
             return
         m = self.manager
-        res = m.last_result
         e = self.step // period - 1  # the exchange round that just synced
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * period)
@@ -419,36 +454,31 @@ class ReplicaContext:
         m.after_outer_step()
         if m.fatal_error is not None:
             raise m.fatal_error
-        # time: blocked in the manager (starting the exchange, waiting for it, healing,
-        # snapshotting checkpoints) vs the rest; the background transfer counts apart
-        now = time.monotonic()
-        sync_s, self._blocked_mark = m.blocked_s - self._blocked_mark, m.blocked_s
-        transfer_s, self._transfer_mark = m.transfer_s - self._transfer_mark, m.transfer_s
-        self._sync_s += sync_s
-        self._compute_s += max(0.0, now - self._t_mark - sync_s)
-        self._t_mark = now
-        # objects this round left out or refused (m.rejected accumulates over the run)
-        rejected, self._n_rejected = list(m.rejected[self._n_rejected :]), len(m.rejected)
-        F = self.spec.fragments
-        self._sync_entries.append(
-            {
-                "round": e // F,
-                "exchange_round": res.round if res else None,
-                "fragment": e % F,
-                "committed": m.last_committed,
-                "participants": res.participants if res else [],
-                "sync_s": sync_s,
-                "transfer_s": transfer_s,
-                "bytes_up": res.bytes_up if res else 0,
-                "bytes_down": res.bytes_down if res else 0,
-                "error": m.last_error,
-                "rejected": rejected,
-                "healed_from": m.last_healed_from,
-            }
-        )
-        self._outer_commits.setdefault(e // F, []).append(m.last_committed)
-        self._fold_syncs(final=False)
+        self._syncs.add(self._sync_entry(m, e))
+        self._syncs.fold(self.step, final=False)
         self._set_phase("training")
+
+    def _sync_entry(self, m: ObjectStoreManager, e: int) -> dict[str, Any]:
+        """What exchange round ``e`` (just synced) did, for its outer round's metrics."""
+        res = m.last_result
+        # time: blocked in the manager vs the rest; the background transfer counts apart
+        sync_s, transfer_s = self._clock.charge(m.blocked_s, m.transfer_s)
+        F = self.spec.fragments
+        return {
+            "round": e // F,
+            "exchange_round": res.round if res else None,
+            "fragment": e % F,
+            "committed": m.last_committed,
+            "participants": res.participants if res else [],
+            "sync_s": sync_s,
+            "transfer_s": transfer_s,
+            "bytes_up": res.bytes_up if res else 0,
+            "bytes_down": res.bytes_down if res else 0,
+            "error": m.last_error,
+            # objects this round left out or refused (m.rejected accumulates over the run)
+            "rejected": self._syncs.new_rejections(m.rejected),
+            "healed_from": m.last_healed_from,
+        }
 
     def _check_weights_finite(self, r: int) -> None:
         """After a sync's outer step (once per sync, one pass over the weights): weights that
@@ -466,177 +496,136 @@ class ReplicaContext:
                     "the job's learning rate"
                 )
 
-    def _fold_syncs(self, *, final: bool) -> None:
-        """Turn the syncs of each finished outer round (``sync_every`` steps: one sync per
-        fragment) into that round's metrics record."""
-        F, done, keep = self.spec.fragments, {}, []
-        for entry in self._sync_entries:
-            r = entry["round"]
-            if final or self.step >= (r + 1) * self.spec.sync_every:
-                done.setdefault(r, []).append(entry)
-            else:
-                keep.append(entry)
-        self._sync_entries = keep
-        for r, entries in sorted(done.items()):
-            if F == 1:
-                (info,) = entries
-                self._synced_rounds.append(info)
-                continue
-            parts = set(entries[0]["participants"])
-            for x in entries[1:]:
-                parts &= set(x["participants"])
-            errors = [x["error"] for x in entries if x["error"]]
-            healed = [x["healed_from"] for x in entries if x["healed_from"] is not None]
-            self._synced_rounds.append(
-                {
-                    "round": r,
-                    "exchange_round": entries[-1]["exchange_round"],
-                    "committed": all(x["committed"] for x in entries),
-                    "participants": sorted(parts),
-                    "sync_s": sum(x["sync_s"] for x in entries),
-                    "transfer_s": sum(x["transfer_s"] for x in entries),
-                    "bytes_up": sum(x["bytes_up"] for x in entries),
-                    "bytes_down": sum(x["bytes_down"] for x in entries),
-                    "error": "; ".join(errors) or None,
-                    "rejected": [j for x in entries for j in x["rejected"]],
-                    "healed_from": healed[-1] if healed else None,
-                    "fragments": entries,
-                }
-            )
-
     # ------------------------------------------------------------------ metrics
     def log_step(self, loss: float | None = None, **metrics: float) -> None:
         """Record one inner step's loss and metrics (call after each optimizer step)."""
         if loss is not None:
             loss = float(loss)
             self.last_loss = loss
-            self._round_loss.append(loss)
-        for k, v in metrics.items():
-            if v is None:
-                continue
-            self._round_sums[k] = self._round_sums.get(k, 0.0) + float(v)
-            self._round_counts[k] = self._round_counts.get(k, 0) + 1
-        if self._synced_rounds:
+        self._steps.add(loss, metrics)
+        if self._syncs.finished:
             self._flush_round_metrics()
         self._beat()
 
     def _flush_round_metrics(self) -> None:
-        for info in self._synced_rounds:
+        """Write the record of every outer round whose syncs are all in."""
+        for info in self._syncs.take_finished():
             r = info["round"]
-            loss = sum(self._round_loss) / len(self._round_loss) if self._round_loss else None
-            if loss is not None:
-                self._round_losses[r] = loss
-            body = {
-                "round": r,
-                "rank": self.rank,
-                "loss": loss,
-                "metrics": {
-                    k: self._round_sums[k] / self._round_counts[k] for k in self._round_sums
-                },
-                "compute_s": self._compute_s,
-                "step": self.step,
-                "updated_at": time.time(),
-                **info,
-            }
-            self.store.put_json(f"metrics/{self.rank}/{r}.json", body)
-            self._round_loss, self._round_sums, self._round_counts = [], {}, {}
-        self._synced_rounds = []
+            loss, metrics = self._steps.close_round(r)
+            record = layout.RoundMetrics.from_dict(
+                {
+                    "round": r,
+                    "rank": self.rank,
+                    "loss": loss,
+                    "metrics": metrics,
+                    "compute_s": self._clock.compute_s,
+                    "step": self.step,
+                    "updated_at": time.time(),
+                    **info,
+                }
+            )
+            self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
 
     def _set_phase(self, phase: str) -> None:
-        phase = {
-            "uploading": "syncing",
-            "quorum": "syncing",
-            "reducing": "syncing",
-            "gathering": "syncing",
-        }.get(phase, phase)
+        phase = _SHOWN_PHASE.get(phase, phase)
         if phase != self.phase:
             self.phase = phase
             self._beat(force=True)
 
     def _beat(self, *, force: bool = False) -> None:
         now = time.time()
-        if now < self._beat_paused_until or (
-            not force and now - self._last_beat < HEARTBEAT_EVERY_S
-        ):
+        if not self._pace.due(now, force):
             return
-        self._last_beat = now
         m = self.manager
-        state = {
-            "rank": self.rank,
-            "phase": self.phase,
-            "step": self.step,
-            "round": (m.current_step() // self.spec.fragments if m else 0),
-            "exchange_round": (m.current_step() if m else 0),
-            "transfer": m.transfer_phase if m else None,
-            "loss": self.last_loss,
-            "updated_at": now,
-            "pid": os.getpid(),
-            "pid_started_at": self._started_at,
-            "host": socket.gethostname(),
-            "rounds_committed": m.rounds_committed if m else 0,
-        }
+        beat = layout.Heartbeat(
+            rank=self.rank,
+            phase=self.phase,
+            step=self.step,
+            round=m.current_step() // self.spec.fragments if m else 0,
+            exchange_round=m.current_step() if m else 0,
+            transfer=m.transfer_phase if m else None,
+            loss=self.last_loss,
+            updated_at=now,
+            pid=os.getpid(),
+            pid_started_at=self._pace.pid_started_at,
+            host=socket.gethostname(),
+            rounds_committed=m.rounds_committed if m else 0,
+        )
         try:
-            self.store.put_json(HEARTBEAT_KEY.format(rank=self.rank), state)
-        except Exception as e:  # a heartbeat must never kill training, nor slow every step
+            self.store.put_json(layout.heartbeat_key(self.rank), beat.to_dict())
+        # a heartbeat must never kill training, whatever the store or its SDK raises (and
+        # must not slow every step either: it pauses after a failure)
+        except Exception as e:
             log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
-            self._beat_paused_until = time.time() + 30.0
+            self._pace.paused_until = time.time() + HEARTBEAT_BACKOFF_S
 
     # ------------------------------------------------------------------ results
-    def result(self, status: str, error: str | None, job_metrics: dict[str, Any]) -> dict[str, Any]:
+    def _rounds_result(self) -> tuple[int, list[int]]:
+        """(committed, missed) outer rounds."""
+        m = self.manager
+        if m is None:
+            return 0, []
+        if self.spec.fragments == 1:
+            return m.rounds_committed, list(m.rounds_missed)
+        return self._syncs.outer_rounds()  # committed when every one of its syncs was
+
+    def result_record(
+        self, status: str, error: str | None, job_metrics: dict[str, Any]
+    ) -> layout.ResultRecord:
+        """This replica's result so far, as ``results/<rank>.json`` holds it."""
         m = self.manager
         F = self.spec.fragments
-        last_round = max(self._round_losses) if self._round_losses else None
-        if F == 1 or m is None:
-            committed = m.rounds_committed if m else 0
-            missed = list(m.rounds_missed) if m else []
-        else:  # an outer round counts as committed when every one of its syncs was
-            committed = sum(all(v) for v in self._outer_commits.values())
-            missed = sorted(r for r, v in self._outer_commits.items() if not all(v))
-        return {
-            "rank": self.rank,
-            "status": status,
-            "error": error,
-            "rounds_committed": committed,
-            "rounds_missed": missed,
-            "fragments": F,
-            "fragment_sync_delay": self.spec.fragment_sync_delay,
-            "syncs_committed": m.rounds_committed if m else 0,
-            "syncs_missed": list(m.rounds_missed) if m else [],
-            # late for the quorum, took the published average (no checkpoint load)
-            "syncs_caught_up": list(m.rounds_caught_up) if m else [],
-            "final_loss": self._round_losses.get(last_round)
-            if last_round is not None
-            else self.last_loss,
-            "weights_sha256": weights_sha256(self.model) if self.model is not None else None,
-            "bytes_up": m.bytes_up if m else 0,
-            "bytes_down": m.bytes_down if m else 0,
-            "ckpt_bytes_up": m.ckpt_bytes_up if m else 0,
-            "ckpt_bytes_down": m.ckpt_bytes_down if m else 0,
-            "bytes_per_round": (
-                round((m.bytes_up + m.bytes_down) * F / max(1, len(m.exchange.history))) if m else 0
-            ),
-            "wire": self.spec.wire_dtype,
-            "compression": wire_compression(self.spec.wire_dtype),
-            "sync_s": round(self._sync_s, 4),
-            "compute_s": round(self._compute_s, 4),
-            # the exchanges' own time, in the background: sync_s is only what training waited
-            "transfer_s": round(m.transfer_s, 4) if m else 0.0,
-            "ckpt_s": round(m.ckpt_s, 4) if m else 0.0,
-            "steps": self.step,
-            "wall_s": round(time.time() - self._t_start, 3),
-            "rejected": list(m.rejected) if m else [],
-            "resumed_from": self.resumed_from,
-            "job_metrics": job_metrics,
-        }
+        committed, missed = self._rounds_result()
+        record = layout.ResultRecord(
+            rank=self.rank,
+            status=status,
+            error=error,
+            rounds_committed=committed,
+            rounds_missed=missed,
+            fragments=F,
+            fragment_sync_delay=self.spec.fragment_sync_delay,
+            final_loss=self._steps.final_loss(self.last_loss),
+            weights_sha256=weights_sha256(self.model) if self.model is not None else None,
+            wire=self.spec.wire_dtype,
+            compression=wire_compression(self.spec.wire_dtype),
+            sync_s=round(self._clock.sync_s, 4),
+            compute_s=round(self._clock.compute_s, 4),
+            steps=self.step,
+            wall_s=round(self._clock.wall_s(), 3),
+            resumed_from=self.resumed_from,
+            job_metrics=job_metrics,
+        )
+        if m is not None:
+            self._add_exchange_facts(record, m)
+        return record
+
+    def _add_exchange_facts(self, record: layout.ResultRecord, m: ObjectStoreManager) -> None:
+        record.syncs_committed = m.rounds_committed
+        record.syncs_missed = list(m.rounds_missed)
+        # late for the quorum, took the published average (no checkpoint load)
+        record.syncs_caught_up = list(m.rounds_caught_up)
+        record.bytes_up, record.bytes_down = m.bytes_up, m.bytes_down
+        record.ckpt_bytes_up, record.ckpt_bytes_down = m.ckpt_bytes_up, m.ckpt_bytes_down
+        syncs = max(1, len(m.exchange.history))
+        record.bytes_per_round = round((m.bytes_up + m.bytes_down) * record.fragments / syncs)
+        # the exchanges' own time, in the background: sync_s is only what training waited
+        record.transfer_s = round(m.transfer_s, 4)
+        record.ckpt_s = round(m.ckpt_s, 4)
+        record.rejected = [layout.Rejection.from_dict(x) for x in m.rejected]
+
+    def result(self, status: str, error: str | None, job_metrics: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`result_record` as the JSON object written."""
+        return self.result_record(status, error, job_metrics).to_dict()
 
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
         """Write this replica's result (``results/<rank>.json``) and the final heartbeat."""
         if self.manager is not None:
             self.manager.close()  # pending checkpoint writes land before the result
-        self._fold_syncs(final=True)
-        if self._synced_rounds or self._round_loss:
+        self._syncs.fold(self.step, final=True)
+        if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()
-        self.store.put_json(f"results/{self.rank}.json", self.result("ok", None, job_metrics or {}))
+        record = self.result_record("ok", None, job_metrics or {})
+        self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self._finished = True
         self.phase = "done"
         self._beat(force=True)
@@ -645,13 +634,15 @@ class ReplicaContext:
         text = f"{type(error).__name__}: {error}"
         self.phase = "failed"
         try:
-            body = self.result("failed", text, {})
-            body["traceback"] = "".join(traceback.format_exception(error))[-4000:]
-            if restart_cannot_help(error):  # the driver leaves it down, whatever the exit code
-                body["restartable"] = False
-            self.store.put_json(f"results/{self.rank}.json", body)
+            record = self.result_record("failed", text, {})
+            record.traceback = "".join(traceback.format_exception(error))[-4000:]
+            # the driver leaves it down, whatever the exit code
+            record.restartable = not restart_cannot_help(error)
+            self.store.put_json(layout.result_key(self.rank), record.to_dict())
             self._beat(force=True)
-        except Exception as e:  # the store itself may be the problem
+        # the store itself may be the problem, or the state the job left behind: whatever
+        # this raises must not hide the job's own error, which is on its way up
+        except Exception as e:
             log.error("could not record failure: %s", e)
 
     def __enter__(self) -> ReplicaContext:

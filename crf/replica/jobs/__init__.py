@@ -1,9 +1,15 @@
-"""Job registry: what a replica trains, keyed by name.
+"""Jobs: what a replica trains.
 
 A job is a module exposing ``Config`` (a dataclass of the job's knobs, validated by the driver
 before launch) and ``run(ctx: ReplicaContext, config: Config) -> dict`` (trains, calling
 ``ctx.diloco(model, inner_optimizer)`` once and ``ctx.log_step(...)`` after each inner optimizer
-step; returns final job metrics). Modules are imported lazily so ``import crf`` stays light.
+step; returns final job metrics). A job is named either by a built-in name (:data:`JOBS`) or by
+its module path (``mypkg.myjob``). ``run.json`` records the name as given, and every replica
+(a fresh process, which knows only what it can import) imports the job from that name: a
+module-path job must therefore be importable where the replicas run (installed, or on their
+``PYTHONPATH``), as it must be where the driver validates its options before launch.
+Modules are imported lazily so ``import crf`` stays light. How to write one:
+docs/extending.md, "Add a job".
 """
 
 from __future__ import annotations
@@ -15,21 +21,47 @@ from typing import Any
 
 from crf.spec import coerce_text
 
+#: the built-in jobs, by name; any other job is given by its module path
 JOBS: dict[str, str] = {
     "lm": "crf.replica.jobs.lm",
     "composer": "crf.replica.jobs.composer",
 }
 
 
-def register_job(name: str, module: str) -> None:
-    """Register a job module (``module`` must expose ``Config`` and ``run``)."""
-    JOBS[name] = module
+def job_module(name: str) -> str:
+    """The module that holds job ``name``: a built-in's, or ``name`` itself when it is a
+    module path (it has a dot)."""
+    if name in JOBS:
+        return JOBS[name]
+    if "." in name and all(part.isidentifier() for part in name.split(".")):
+        return name
+    raise ValueError(
+        f"unknown job {name!r}; available jobs: {', '.join(sorted(JOBS))}, "
+        "or a job module's path (mypkg.myjob)"
+    )
 
 
 def get_job(name: str) -> ModuleType:
-    if name not in JOBS:
-        raise ValueError(f"unknown job {name!r}; available jobs: {', '.join(sorted(JOBS))}")
-    return importlib.import_module(JOBS[name])
+    """Import job ``name`` (a built-in name or a module path); ValueError if there is no
+    such module or it is not a job (no ``Config`` or ``run``). ImportError from inside the
+    module (a dependency it lacks) goes up as it is."""
+    module = job_module(name)
+    try:
+        job = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if name in JOBS or (e.name != module and not module.startswith(f"{e.name}.")):
+            raise  # a built-in or the job's own dependency is missing: an install problem
+        raise ValueError(
+            f"job {name!r}: no module {module!r} can be imported here; a job given by module "
+            "path must be installed, or on PYTHONPATH, where the driver and the replicas run"
+        ) from None
+    missing = [attr for attr in ("Config", "run") if not hasattr(job, attr)]
+    if missing:
+        raise ValueError(
+            f"job {name!r}: module {module!r} is not a job (it has no {' and no '.join(missing)}"
+            "; a job module exposes a Config dataclass and run(ctx, config))"
+        )
+    return job
 
 
 def job_config(name: str, values: dict[str, Any] | None) -> Any:

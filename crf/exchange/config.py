@@ -1,0 +1,128 @@
+"""The exchange's settings, fixed when it is built: an immutable config and the hooks through
+which it reports back.
+
+Everything an :class:`~crf.exchange.allreduce.ObjectStoreAllReduce` needs to know is decided
+before its first round and never patched afterwards: the manager builds its exchange with its
+own hooks (``on_wait`` serves heal requests while a replica waits, ``on_phase`` shows what the
+background transfer is doing) rather than setting attributes on one built elsewhere. A run's
+values come from its spec (:meth:`ExchangeConfig.from_spec`); tests and benchmarks pass them
+as keywords.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from crf.spec import RunSpec
+
+#: the wire formats the exchange can encode (see :mod:`crf.exchange.wire`)
+WIRE_FORMATS = ("float32", "bfloat16", "float16", "int8")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """How one replica's exchange behaves; the same on every replica of a run except where a
+    field says otherwise. ``None`` means "choose from the world size or the store" (see
+    :meth:`resolve`)."""
+
+    #: the run these objects belong to (checked on everything read); default: the folder name
+    run_id: str | None = None
+    #: a round may close at its deadline with at least this many (default: all of them)
+    min_replicas: int | None = None
+    #: how long a replica waits for the others in one round
+    round_timeout_s: float = 300.0
+    #: how long past the quorum a replica waits for a shard's owner before reducing it itself
+    shard_grace_s: float = 30.0
+    #: shards the pseudo-gradient is cut into (default: one per replica)
+    num_shards: int | None = None
+    #: rounds kept in the store; older ones are garbage-collected
+    keep_rounds: int = 3
+    #: float32 | bfloat16 | float16 | int8 (block-wise scales)
+    wire_dtype: str = "float32"
+    #: with a lossy wire, resend what quantization dropped last time
+    error_feedback: bool = False
+    #: the longest pause between two looks at the store (default: 0.05 s on a local folder,
+    #: 0.5 s on an object store, where every call is billed and rate-limited)
+    max_poll_s: float | None = None
+    #: transfers in flight at once
+    max_transfers: int = 8
+    #: delete this replica's contribution once it has every reduced shard (default: on a
+    #: local folder, which spares the disk the write-back; elsewhere the GC does it)
+    drop_contributions: bool | None = None
+    #: a replica late for the quorum, with the participants' base round, takes the published
+    #: average (P down) rather than healing from a global state (about 3 P)
+    catch_up: bool = True
+    #: global/<r> is written every this many rounds (and on demand): with more than one, a
+    #: replica cannot rely on global/ to tell it is behind, so it looks at rounds/ too
+    checkpoint_every: int = 1
+    #: owners download their shard's parts while the quorum is open (default: on object
+    #: stores, where that takes requests off the critical path; a local folder's reads are
+    #: cheap and would only compete with the peers' writes)
+    fetch_early: bool | None = None
+    #: a round waits for the previous round's members and for replicas whose heartbeat shows
+    #: them alive, not for one that died (needs heartbeats: ReplicaContext writes them)
+    follow_liveness: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_replicas is not None:
+            _check_int("min_replicas", self.min_replicas, 1)
+        if self.num_shards is not None:
+            _check_int("num_shards", self.num_shards, 1)
+        _check_int("keep_rounds", self.keep_rounds, 1)
+        _check_int("checkpoint_every", self.checkpoint_every, 1)
+        _check_int("max_transfers", self.max_transfers, 1)
+        if self.wire_dtype not in WIRE_FORMATS:
+            raise ValueError(f"wire_dtype must be one of {WIRE_FORMATS}, got {self.wire_dtype!r}")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, **overrides: Any) -> ExchangeConfig:
+        """The exchange settings of a run: the spec's fields of the same name, plus
+        ``overrides`` (what the replica decides for itself, e.g. ``follow_liveness``)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
+        return cls(**{**values, **overrides})
+
+    def resolve(self, world_size: int, scheme: str, default_run_id: str) -> ExchangeConfig:
+        """This config with every ``None`` chosen for ``world_size`` replicas on a store of
+        ``scheme``; raises ValueError where the two do not fit."""
+        min_replicas = world_size if self.min_replicas is None else self.min_replicas
+        if min_replicas > world_size:
+            raise ValueError(f"min_replicas ({min_replicas}) must be <= world_size ({world_size})")
+        local = scheme in ("file", "memory")
+        return dataclasses.replace(
+            self,
+            run_id=self.run_id or default_run_id,
+            min_replicas=min_replicas,
+            num_shards=self.num_shards or world_size,
+            max_poll_s=self.max_poll_s or (0.05 if local else 0.5),
+            drop_contributions=(
+                scheme == "file" if self.drop_contributions is None else self.drop_contributions
+            ),
+            fetch_early=not local if self.fetch_early is None else self.fetch_early,
+            error_feedback=self.error_feedback and self.wire_dtype != "float32",
+        )
+
+
+@dataclass(frozen=True)
+class ExchangeHooks:
+    """Callbacks the exchange calls; given when it is built."""
+
+    #: the exchange's phase ("uploading", "quorum", "reducing", "gathering"), as it changes
+    on_phase: Callable[[str], None] | None = None
+    #: called about once a second while this replica waits for the others to arrive (the
+    #: manager serves pending heal requests from it)
+    on_wait: Callable[[], None] | None = None

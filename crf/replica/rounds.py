@@ -1,0 +1,156 @@
+"""One replica's per-round bookkeeping, apart from :class:`~crf.replica.context.ReplicaContext`
+so that each concern is one small object: the inner steps' loss and metrics until their round's
+record is written (:class:`StepMetrics`), where the time went (:class:`TimeAccount`), and the
+syncs of each outer round, which with Streaming DiLoCo are one per fragment and are merged into
+one record once the round is over (:class:`SyncBook`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from crf.layout import Rejection
+
+
+@dataclass
+class StepMetrics:
+    """The inner steps' loss and metrics since the last round record, averaged into the record
+    of the round whose sync ended them."""
+
+    losses: list[float] = field(default_factory=list)
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    round_losses: dict[int, float] = field(default_factory=dict)  # mean loss per recorded round
+
+    def add(self, loss: float | None, metrics: Mapping[str, float | None]) -> None:
+        if loss is not None:
+            self.losses.append(loss)
+        for k, v in metrics.items():
+            if v is None:
+                continue
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            self.counts[k] = self.counts.get(k, 0) + 1
+
+    def close_round(self, r: int) -> tuple[float | None, dict[str, float]]:
+        """Round r's mean loss and metrics; the next round starts from nothing."""
+        loss = sum(self.losses) / len(self.losses) if self.losses else None
+        if loss is not None:
+            self.round_losses[r] = loss
+        metrics = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        self.losses, self.sums, self.counts = [], {}, {}
+        return loss, metrics
+
+    def final_loss(self, fallback: float | None) -> float | None:
+        """The newest recorded round's mean loss (``fallback`` before any round was)."""
+        return self.round_losses[max(self.round_losses)] if self.round_losses else fallback
+
+
+@dataclass
+class TimeAccount:
+    """Where a replica's time went: blocked in the manager (starting an exchange, waiting for
+    it, healing, snapshotting checkpoints) is ``sync_s``, the rest ``compute_s``. The manager
+    keeps running totals; the marks are where they stood at the previous sync."""
+
+    started_at: float = field(default_factory=time.time)
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    mark: float = field(default_factory=time.monotonic)
+    blocked_mark: float = 0.0
+    transfer_mark: float = 0.0
+
+    def restart(self) -> None:
+        """A new manager (totals from zero); compute time counts from now."""
+        self.blocked_mark = self.transfer_mark = 0.0
+        self.mark = time.monotonic()
+
+    def charge(self, blocked_s: float, transfer_s: float) -> tuple[float, float]:
+        """Account one sync from the manager's totals; returns its (sync_s, transfer_s)."""
+        now = time.monotonic()
+        sync_s, self.blocked_mark = blocked_s - self.blocked_mark, blocked_s
+        transfer, self.transfer_mark = transfer_s - self.transfer_mark, transfer_s
+        self.sync_s += sync_s
+        self.compute_s += max(0.0, now - self.mark - sync_s)
+        self.mark = now
+        return sync_s, transfer
+
+    def wall_s(self) -> float:
+        return time.time() - self.started_at
+
+
+def merge_syncs(r: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One outer round's facts from its syncs (one per fragment): committed if every sync
+    was, participants those of every sync, times and bytes summed."""
+    parts = set(entries[0]["participants"])
+    for x in entries[1:]:
+        parts &= set(x["participants"])
+    errors = [x["error"] for x in entries if x["error"]]
+    healed = [x["healed_from"] for x in entries if x["healed_from"] is not None]
+    return {
+        "round": r,
+        "exchange_round": entries[-1]["exchange_round"],
+        "committed": all(x["committed"] for x in entries),
+        "participants": sorted(parts),
+        "sync_s": sum(x["sync_s"] for x in entries),
+        "transfer_s": sum(x["transfer_s"] for x in entries),
+        "bytes_up": sum(x["bytes_up"] for x in entries),
+        "bytes_down": sum(x["bytes_down"] for x in entries),
+        "error": "; ".join(errors) or None,
+        "rejected": [j for x in entries for j in x["rejected"]],
+        "healed_from": healed[-1] if healed else None,
+        "fragments": entries,
+    }
+
+
+@dataclass
+class SyncBook:
+    """Each sync's facts until its outer round (``sync_every`` steps) is over, then the
+    round's facts, waiting to be written with the steps' metrics."""
+
+    fragments: int
+    sync_every: int
+    entries: list[dict[str, Any]] = field(default_factory=list)  # per sync, round not over
+    finished: list[dict[str, Any]] = field(default_factory=list)  # per round, not recorded
+    outer_commits: dict[int, list[bool]] = field(default_factory=dict)
+    n_rejected: int = 0  # how many of the manager's rejected entries are in an entry already
+
+    def new_rejections(self, rejected: list[Any]) -> list[Rejection]:
+        """The entries of the manager's ``rejected`` (which grows over the run) not seen yet."""
+        fresh, self.n_rejected = rejected[self.n_rejected :], len(rejected)
+        return [Rejection.from_dict(x) for x in fresh]
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.entries.append(entry)
+        self.outer_commits.setdefault(entry["round"], []).append(entry["committed"])
+
+    def fold(self, step: int, *, final: bool) -> None:
+        """Move the syncs of every outer round that is over (all of them if ``final``) into
+        ``finished``, one record per round."""
+        done: dict[int, list[dict[str, Any]]] = {}
+        keep = []
+        for entry in self.entries:
+            r = entry["round"]
+            if final or step >= (r + 1) * self.sync_every:
+                done.setdefault(r, []).append(entry)
+            else:
+                keep.append(entry)
+        self.entries = keep
+        for r, entries in sorted(done.items()):
+            if self.fragments == 1:
+                (info,) = entries
+                self.finished.append(info)
+            else:
+                self.finished.append(merge_syncs(r, entries))
+
+    def take_finished(self) -> list[dict[str, Any]]:
+        out, self.finished = self.finished, []
+        return out
+
+    def outer_rounds(self) -> tuple[int, list[int]]:
+        """(committed, missed) outer rounds: one counts as committed when every one of its
+        syncs was."""
+        committed = sum(all(v) for v in self.outer_commits.values())
+        missed = sorted(r for r, v in self.outer_commits.items() if not all(v))
+        return committed, missed
