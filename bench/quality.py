@@ -7,8 +7,8 @@ small fraction of its bytes. This script measures both halves of that claim on t
 (a tiny Llama on generated text, everything built in code) with the same model init, data
 shards, per-replica batch, inner optimizer (AdamW, same lr) and total inner steps:
 
-* ``diloco``  — N real replica processes started by ``crf.launcher.driver.launch(job="lm",
-                backend="local")`` over a file:// store: crf's ObjectStoreAllReduce /
+* ``diloco``  — N real replica processes started by ``crf.launcher.driver.launch({"job": "lm",
+                "backend": "local"})`` over a file:// store: crf's ObjectStoreAllReduce /
                 ObjectStoreManager / torchft DiLoCo path, exactly as a real run. Bytes are what
                 the replicas report (``bytes_up + bytes_down`` of the exchange, per replica).
 * ``ddp``     — N processes of ``torch.nn.parallel.DistributedDataParallel`` over gloo. Bytes
@@ -288,23 +288,25 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
     run_id = f"quality-h{sync_every}-{wire}-{time.time_ns()}"
     t0 = time.monotonic()
     summary = launch(
-        job="lm",
-        backend="local",
-        replicas=setting.replicas,
-        sync_every=sync_every,
-        rounds=setting.steps // sync_every,
+        {
+            "job": "lm",
+            "backend": "local",
+            "replicas": setting.replicas,
+            "sync_every": sync_every,
+            "rounds": setting.steps // sync_every,
+            "run_id": run_id,
+            "job_config": dict(setting.lm),
+            "seed": setting.seed,
+            "outer_lr": setting.outer_lr,
+            "outer_momentum": setting.outer_momentum,
+            "wire_dtype": wire,
+            "checkpoint_every": setting.checkpoint_every or setting.steps // sync_every,
+        },
         store=store,
-        run_id=run_id,
-        job_options=dict(setting.lm),
         progress=False,
         report=False,
         plot=False,
         env={"CRF_LOG_LEVEL": "WARNING"},
-        seed=setting.seed,
-        outer_lr=setting.outer_lr,
-        outer_momentum=setting.outer_momentum,
-        wire_dtype=wire,
-        checkpoint_every=setting.checkpoint_every or setting.steps // sync_every,
     )
     wall = time.monotonic() - t0
     if summary["status"] != "ok" or not summary["weights_identical"]:

@@ -8,12 +8,16 @@ URI, the rank and the world size (docs/design.md, "Replica runtime").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
 import threading
 import time
+import types
+import typing
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +25,13 @@ from crf import jsonsafe
 from crf.exchange.codecs import codec_names
 
 SPEC_VERSION = 1
-WIRE_DTYPES = codec_names()  # the built-in codecs; validate() asks the registry itself
+WIRE_DTYPES = codec_names()  # the built-in ones; validation asks the registry again
 # matched with fullmatch: ``$`` would also match before a trailing newline ("abc\n")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
-# Ranges of the run options, declared once (RunSpec.validate, used by the CLI and the SDK
-# alike). Each bound is what something downstream accepts, so a value past it would only fail
-# after launch, in every replica:
+# Bounds of the run options (declared on RunSpec's fields; RunSpec.validate checks them for
+# the CLI and the SDK alike). Each bound is what something downstream accepts, so a value past
+# it would only fail after launch, in every replica:
 #: at most this many replicas on any backend: each one reads a slice of every other's
 #: contribution, so a round costs N**2 store requests (a million at 1024)
 MAX_REPLICAS = 1024
@@ -104,39 +108,273 @@ def new_run_id(prefix: str = "run") -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
+# ---------------------------------------------------------------------- run options
+#: help panels of ``crf launch --help``, in the order they are shown
+RUN, DILOCO, WIRE, BACKEND = "Run", "DiLoCo", "Streaming and wire format", "Backend"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run option, declared once on its RunSpec field with :func:`option`: its help, its
+    command-line flag, its default, its range and whether it defines the run. The CLI builds
+    ``crf launch``'s flags from these, the driver takes them as launch options, and
+    ``RunSpec.validate`` checks their ranges (docs/extending.md, "Add a run option")."""
+
+    help: str
+    #: the long flag; None: ``--`` and the field's name with dashes
+    flag: str | None = None
+    #: its other names on the command line (``-H``)
+    short: tuple[str, ...] = ()
+    #: False: no flag made from this declaration: set from Python (``crf.launch``) only, or
+    #: through a flag the CLI declares itself (``--set KEY=VALUE`` fills job_config)
+    cli: bool = True
+    #: fixed in run.json, so refused with ``crf launch --resume``
+    run_defining: bool = True
+    #: the range of a number: ``low`` <= value <= ``high`` (strict with ``open_low`` /
+    #: ``open_high``); a str ``high`` names another option (min_replicas <= replicas)
+    low: float | None = None
+    high: float | str | None = None
+    open_low: bool = False
+    open_high: bool = False
+    #: the values a string may take (a callable: asked at validation time, e.g. the wire
+    #: codecs registered so far)
+    choices: tuple[str, ...] | Callable[[], Sequence[str]] = ()
+    #: a wait in seconds: finite, > 0 and at most MAX_WAIT_S (see check_seconds)
+    seconds: bool = False
+    #: the rule in words where the generated one ("an integer >= 1 ...") would read worse
+    must: str | None = None
+    #: said after the rule: what the bound protects
+    why: str = ""
+    #: the ``crf launch --help`` panel it is shown in
+    group: str = RUN
+    #: its type on the command line where that differs from the field's (entrypoint: a string)
+    cli_type: Any = None
+    # filled in by run_options() from the field
+    name: str = ""
+    type: Any = None
+    default: Any = None
+    #: no default: the driver fills it in (run_id)
+    required: bool = False
+
+    @property
+    def label(self) -> str:
+        """How error messages name it: the flag a user typed, else the field's name."""
+        return self.flag if self.cli and self.flag else self.name
+
+    @property
+    def base(self) -> type:
+        """The field's type without ``| None`` (int, float, bool, str, dict or list)."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        if typing.get_origin(self.type) in (types.UnionType, typing.Union):
+            return _base(args[0])
+        return _base(self.type)
+
+    def check(self, spec: RunSpec) -> None:
+        """SpecError if ``spec``'s value of this option is of the wrong type or out of range."""
+        value = getattr(spec, self.name)
+        if value is None and self.default is None and not self.required:
+            return
+        if self.seconds:
+            check_seconds(self.label, value)
+        elif self.choices:
+            choices = self.choices() if callable(self.choices) else self.choices
+            if value not in choices:
+                raise SpecError(
+                    f"{self.label} {value!r} is unknown; choose one of {', '.join(choices)}"
+                )
+        elif self.base in (int, float):
+            if not self._in_range(value, spec):
+                rule = self.must or self._rule(spec)
+                why = f": {self.why}" if self.why else ""
+                raise SpecError(f"{self.label} must be {rule} (got {value!r}){why}")
+        elif not isinstance(value, self.base) or (
+            self.base is list and not all(isinstance(a, str) for a in value)
+        ):
+            kind = _KINDS[self.base]
+            raise SpecError(f"{self.name} must be {kind} (got {value!r})")
+
+    def _high(self, spec: RunSpec) -> Any:
+        return getattr(spec, self.high) if isinstance(self.high, str) else self.high
+
+    def _in_range(self, value: Any, spec: RunSpec) -> bool:
+        if self.base is int and not _is_int(value):
+            return False
+        if not is_number(value) or not math.isfinite(value):
+            return False
+        low, high = self.low, self._high(spec)
+        if low is not None and (value <= low if self.open_low else value < low):
+            return False
+        return high is None or (value < high if self.open_high else value <= high)
+
+    def _rule(self, spec: RunSpec) -> str:
+        low, high = self.low, self.high
+        if isinstance(high, str):
+            rule = f"between {low} and {run_options()[high].label}={getattr(spec, high)}"
+        elif self.base is int:
+            rule = f"an integer >= {low}" + (f" and at most {high}" if high is not None else "")
+        elif high is not None:
+            left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+            rule = f"in {left}{low}, {high}{right}"
+        else:
+            rule = f"{'>' if self.open_low else '>='} {low} and finite"
+        return f"None or {rule}" if self.default is None else rule
+
+
+_KINDS = {str: "a string", dict: "a mapping", bool: "true or false", list: "a list of strings"}
+
+
+def _base(annotation: Any) -> type:
+    return typing.get_origin(annotation) or annotation
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,  # noqa: A002 - the word every CLI library uses
+    short: str | tuple[str, ...] = (),
+    default_factory: Any = dataclasses.MISSING,
+    **declared: Any,
+) -> Any:
+    """A RunSpec field that is a run option (see :class:`Option` for ``declared``)."""
+    meta = Option(help=help, short=(short,) if isinstance(short, str) else short, **declared)
+    return field(default=default, default_factory=default_factory, metadata={"option": meta})
+
+
+@functools.cache
+def run_options() -> dict[str, Option]:
+    """Every run option of RunSpec by field name, in declaration order."""
+    hints = typing.get_type_hints(RunSpec)
+    out = {}
+    for f in dataclasses.fields(RunSpec):
+        meta = f.metadata.get("option")
+        if meta is None:
+            continue
+        default, required = f.default, False
+        if default is dataclasses.MISSING:
+            has_factory = f.default_factory is not dataclasses.MISSING
+            default, required = (f.default_factory(), False) if has_factory else (None, True)
+        flag = meta.flag or "--" + f.name.replace("_", "-")
+        out[f.name] = dataclasses.replace(
+            meta, name=f.name, type=hints[f.name], default=default, required=required, flag=flag
+        )
+    return out
+
+
 @dataclass
 class RunSpec:
-    """One training run: N replicas, H inner steps per round, R rounds."""
+    """One training run: N replicas, H inner steps per round, R rounds.
 
-    run_id: str
+    Every field a user sets is declared with :func:`option` (help, flag, default, range,
+    whether it defines the run); the rest (``run_uri``, ``backend_options``, ``created_at``,
+    ``version``) the driver fills in.
+    """
+
+    run_id: str = option(help="Run id (default: run-<date>-<time>-<random>).")
     run_uri: str
-    job: str = "composer"
-    job_config: dict[str, Any] = field(default_factory=dict)
-    entrypoint: list[str] | None = None  # a user's own command instead of `python -m crf.replica`
-    replicas: int = 2
-    sync_every: int = 20  # H: inner optimizer steps between outer steps
-    rounds: int = 5
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    seed: int = 0
-    min_replicas: int = 1  # quorum may close at the deadline with at least this many
-    round_timeout_s: float = 300.0  # how long a replica waits for the others in one round
-    num_shards: int | None = None  # default: one shard per replica
-    keep_rounds: int = 3  # rounds kept in the store; older ones are garbage-collected
-    # global/<r> (weights + outer momentum, about 3 P) and the inner states are written every
-    # this many exchange rounds, at the last round, and when a replica asks for one to heal
-    checkpoint_every: int = 1
-    wire_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 (block-wise scales)
-    error_feedback: bool = False  # with a lossy wire: resend what quantization dropped
-    save_inner_state: bool = True  # each replica saves its inner optimizer per round (resume)
+    job: str = option("composer", help="What each replica trains (a registered job).")
+    job_config: dict[str, Any] = option(  # on the command line: --set KEY=VALUE, repeatable
+        default_factory=dict, flag="--set", cli=False, help="Job option KEY=VALUE (repeatable)."
+    )
+    entrypoint: list[str] | None = option(  # a user's own command, not `python -m crf.replica`
+        None,
+        cli_type=str,
+        help="Your own replica command, e.g. 'python my_train.py' "
+        "(default: python -m crf.replica).",
+    )
+    replicas: int = option(2, short="-n", low=1, high=MAX_REPLICAS, help="Number of replicas (N).")
+    sync_every: int = option(  # H: inner optimizer steps between outer steps
+        20, short="-H", low=1, high=MAX_TOTAL_STEPS, help="Inner steps between syncs (H)."
+    )
+    rounds: int = option(5, short="-r", low=1, high=MAX_TOTAL_STEPS, help="Number of outer rounds.")
+    outer_lr: float = option(
+        0.7, low=0, open_low=True, group=DILOCO, help="Outer (Nesterov) learning rate."
+    )
+    outer_momentum: float = option(
+        0.9, low=0, high=1, open_high=True, group=DILOCO, help="Outer momentum, in [0, 1)."
+    )
+    nesterov: bool = option(True, cli=False, group=DILOCO, help="Nesterov outer momentum.")
+    seed: int = option(
+        0,
+        low=0,
+        high=MAX_SEED,
+        must=f"an integer between 0 and {MAX_SEED}",
+        why="numpy, which seeds each replica's data order, takes no other",
+        group=DILOCO,
+        help="Seed for the shared initial weights.",
+    )
+    min_replicas: int = option(
+        1,
+        low=1,
+        high="replicas",
+        group=DILOCO,
+        help="A round may close at its deadline with at least this many.",
+    )
+    round_timeout_s: float = option(
+        300.0,
+        flag="--round-timeout",
+        seconds=True,
+        group=DILOCO,
+        help="Seconds a replica waits for the others in one round.",
+    )
+    num_shards: int | None = option(
+        None, cli=False, low=1, group=WIRE, help="Shards per round (default: one per replica)."
+    )
+    keep_rounds: int = option(
+        3,
+        cli=False,
+        low=1,
+        group=DILOCO,
+        help="Rounds kept in the store; older ones are garbage-collected.",
+    )
+    checkpoint_every: int = option(
+        1,
+        low=1,
+        why="global states are written every that many rounds",
+        group=DILOCO,
+        help="Write the global checkpoint (weights + outer momentum, ~3x the model) every "
+        "this many rounds, at the last round and when a replica needs one to heal; a "
+        "whole-run resume restarts from the newest.",
+    )
+    wire_dtype: str = option(
+        "float32",
+        choices=codec_names,
+        group=WIRE,
+        help="Pseudo-gradient wire format: float32, bfloat16, float16 or int8 "
+        "(block-wise scales, ~4x fewer bytes).",
+    )
+    error_feedback: bool = option(
+        False,
+        group=WIRE,
+        help="With a lossy wire format, resend what quantization dropped.",
+    )
+    save_inner_state: bool = option(  # each replica saves its inner optimizer (resume)
+        True, cli=False, group=DILOCO, help="Each replica saves its inner optimizer per round."
+    )
     # Streaming DiLoCo (arXiv 2501.18512): the model is split into `fragments` contiguous groups
     # of parameters, synced one at a time every sync_every / fragments inner steps, each sync
     # its own exchange round; a fragment's exchange starts `fragment_sync_delay` inner steps
     # before the replica waits for it, so the transfer overlaps with training.
-    fragments: int = 1
-    fragment_sync_delay: int = 0
-    backend: str = "local"
+    fragments: int = option(
+        1,
+        low=1,
+        high="sync_every",
+        group=WIRE,
+        help="Streaming DiLoCo: sync the model in this many fragments, one every "
+        "H/fragments steps (1 = vanilla DiLoCo).",
+    )
+    fragment_sync_delay: int = option(
+        0,
+        low=0,
+        group=WIRE,
+        help="Streaming DiLoCo: inner steps a fragment's upload overlaps with training "
+        "before the replica waits for it.",
+    )
+    backend: str = option(
+        "local",
+        run_defining=False,
+        group=BACKEND,
+        help="Where replicas run: local, modal, hf (Hugging Face Jobs), sagemaker.",
+    )
     backend_options: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     version: int = SPEC_VERSION
@@ -164,96 +402,30 @@ class RunSpec:
         return k == 1 or (r + 1) % k == 0 or r >= self.exchange_rounds - 1
 
     def validate(self) -> RunSpec:
+        """SpecError naming the first option out of range (as its flag), else self. Each
+        option's own type and range are declared on its field; what relates two options is
+        checked here."""
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise SpecError(msg)
 
         check_run_id(self.run_id)
-        for name in ("run_uri", "job", "backend", "wire_dtype"):
-            need(
-                isinstance(getattr(self, name), str),
-                f"{name} must be a string (got {getattr(self, name)!r})",
-            )
-        for name in ("job_config", "backend_options"):
-            need(
-                isinstance(getattr(self, name), dict),
-                f"{name} must be a mapping (got {getattr(self, name)!r})",
-            )
+        need(isinstance(self.run_uri, str), f"run_uri must be a string (got {self.run_uri!r})")
         need(
-            self.entrypoint is None
-            or (
-                isinstance(self.entrypoint, list)
-                and all(isinstance(a, str) for a in self.entrypoint)
-            ),
-            f"entrypoint must be a list of strings (got {self.entrypoint!r})",
+            isinstance(self.backend_options, dict),
+            f"backend_options must be a mapping (got {self.backend_options!r})",
         )
         need(
             is_number(self.created_at) and math.isfinite(self.created_at),
             f"created_at must be a time in seconds (got {self.created_at!r})",
         )
-        need(
-            _is_int(self.replicas) and 1 <= self.replicas <= MAX_REPLICAS,
-            f"--replicas must be an integer >= 1 and at most {MAX_REPLICAS} "
-            f"(got {self.replicas!r})",
-        )
-        need(
-            _is_int(self.sync_every) and 1 <= self.sync_every <= MAX_TOTAL_STEPS,
-            f"--sync-every must be an integer >= 1 and at most {MAX_TOTAL_STEPS} "
-            f"(got {self.sync_every!r})",
-        )
-        need(
-            _is_int(self.rounds) and 1 <= self.rounds <= MAX_TOTAL_STEPS,
-            f"--rounds must be an integer >= 1 and at most {MAX_TOTAL_STEPS} (got {self.rounds!r})",
-        )
+        for declared in run_options().values():
+            declared.check(self)
         need(
             self.rounds * self.sync_every <= MAX_TOTAL_STEPS,
             f"--rounds x --sync-every is {self.rounds * self.sync_every} inner steps, more "
             f"than the {MAX_TOTAL_STEPS} a run may have; lower --rounds or --sync-every",
-        )
-        need(
-            is_number(self.outer_lr) and math.isfinite(self.outer_lr) and self.outer_lr > 0,
-            f"--outer-lr must be > 0 and finite (got {self.outer_lr!r})",
-        )
-        need(
-            is_number(self.outer_momentum) and 0 <= self.outer_momentum < 1,
-            f"--outer-momentum must be in [0, 1) (got {self.outer_momentum!r})",
-        )
-        need(
-            _is_int(self.seed) and 0 <= self.seed <= MAX_SEED,
-            f"--seed must be an integer between 0 and {MAX_SEED} (got {self.seed!r}): "
-            "numpy, which seeds each replica's data order, takes no other",
-        )
-        need(
-            _is_int(self.min_replicas) and 1 <= self.min_replicas <= self.replicas,
-            f"--min-replicas must be between 1 and --replicas={self.replicas} "
-            f"(got {self.min_replicas!r})",
-        )
-        check_seconds("--round-timeout", self.round_timeout_s)
-        need(
-            self.num_shards is None or (isinstance(self.num_shards, int) and self.num_shards >= 1),
-            f"num_shards must be None or an integer >= 1 (got {self.num_shards!r})",
-        )
-        need(
-            isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,
-            f"keep_rounds must be an integer >= 1 (got {self.keep_rounds!r})",
-        )
-        need(
-            isinstance(self.checkpoint_every, int)
-            and not isinstance(self.checkpoint_every, bool)
-            and self.checkpoint_every >= 1,
-            f"--checkpoint-every must be an integer >= 1 (got {self.checkpoint_every!r}): "
-            "global states are written every that many rounds",
-        )
-        need(
-            self.wire_dtype in codec_names(),
-            f"wire dtype {self.wire_dtype!r} is unknown; choose one of {', '.join(codec_names())}",
-        )
-        need(
-            isinstance(self.fragments, int)
-            and not isinstance(self.fragments, bool)
-            and 1 <= self.fragments <= self.sync_every,
-            f"--fragments must be an integer between 1 and --sync-every={self.sync_every} "
-            f"(got {self.fragments!r})",
         )
         need(
             self.sync_every % self.fragments == 0,
@@ -261,9 +433,7 @@ class RunSpec:
             f"({self.fragments}): each fragment syncs every sync_every / fragments inner steps",
         )
         need(
-            isinstance(self.fragment_sync_delay, int)
-            and not isinstance(self.fragment_sync_delay, bool)
-            and 0 <= self.fragment_sync_delay < self.sync_period,
+            self.fragment_sync_delay < self.sync_period,
             f"--fragment-sync-delay must be an integer in [0, sync_every / fragments = "
             f"{self.sync_period}) (got {self.fragment_sync_delay!r}): a fragment's exchange "
             "must finish before the next fragment's starts",
@@ -291,3 +461,7 @@ class RunSpec:
     @classmethod
     def from_json(cls, text: str | bytes) -> RunSpec:
         return cls.from_dict(json.loads(text))
+
+
+#: run options that define a run: fixed in its run.json, so ``crf launch --resume`` refuses them
+RUN_DEFINING = tuple(name for name, o in run_options().items() if o.run_defining)

@@ -30,32 +30,35 @@ def launch_lm(
     round_timeout_s: float,
     env: dict[str, str] | None = None,
     shim: bool = False,
-    **kwargs: Any,
+    max_restarts: int = 2,
+    **options: Any,
 ) -> dict[str, Any]:
     """One run of the lm job through ``crf.launcher.driver.launch``; returns the summary.
 
     ``shim``: start replicas through tests/replica_shim.py (store faults, stragglers, bad
     objects); without it they are the plain ``python -m crf.replica``.
     """
-    kwargs.setdefault("max_restarts", 2)
     return driver.launch(
-        job="lm",
-        replicas=replicas,
-        sync_every=sync_every,
-        rounds=rounds,
+        {
+            "job": "lm",
+            "replicas": replicas,
+            "sync_every": sync_every,
+            "rounds": rounds,
+            "run_id": run_id,
+            "job_config": TINY,
+            "entrypoint": [sys.executable, SHIM] if shim else None,
+            "round_timeout_s": round_timeout_s,
+            **options,
+        },
         store=str(base),
-        run_id=run_id,
-        job_options=TINY,
-        entrypoint=[sys.executable, SHIM] if shim else None,
         env={"CRF_LOG_LEVEL": "WARNING", **(env or {})},
         executor=LocalProcessExecutor(grace_period_s=2.0),
+        restart=driver.RestartPolicy(max_restarts=max_restarts),
         progress=False,
         report=False,
         plot=False,
         poll_s=0.1,
-        round_timeout_s=round_timeout_s,
         timeout_s=240,
-        **kwargs,
     )
 
 

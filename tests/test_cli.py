@@ -265,18 +265,22 @@ def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
     from crf.launcher.errors import LaunchError
 
     with pytest.raises(LaunchError, match="memory://"):
-        crf_pkg.launch(job="testjob", store="memory://x", entrypoint=["python", str(script)])
+        crf_pkg.launch(
+            {"job": "testjob", "entrypoint": ["python", str(script)]}, store="memory://x"
+        )
     with pytest.raises(LaunchError, match="unknown launch option"):
-        crf_pkg.launch(job="testjob", store=str(base), typo_option=1)
+        crf_pkg.launch({"job": "testjob", "typo_option": 1}, store=str(base))
 
     summary = crf_pkg.launch(
-        job="testjob",
-        replicas=1,
-        rounds=2,
-        sync_every=1,
+        {
+            "job": "testjob",
+            "replicas": 1,
+            "rounds": 2,
+            "sync_every": 1,
+            "run_id": "api",
+            "entrypoint": ["python", str(script)],
+        },
         store=str(base),
-        run_id="api",
-        entrypoint=["python", str(script)],
         executor=crf_pkg.LocalProcessExecutor(log_dir=tmp_path / "api-logs"),
         progress=False,
         report=False,

@@ -58,23 +58,25 @@ def _launch(tmp_path: Path, how: str) -> dict[str, Any]:
         script.write_text(OWN_SCRIPT)
         options, entrypoint, env = {}, [sys.executable, str(script)], {}
     return driver.launch(
-        job="lm",
-        replicas=2,
-        sync_every=3,
-        rounds=3,
+        {
+            "job": "lm",
+            "replicas": 2,
+            "sync_every": 3,
+            "rounds": 3,
+            "run_id": f"mismatch-{how}",
+            "job_config": options,
+            "entrypoint": entrypoint,
+            "round_timeout_s": DEADLINE_S,
+        },
         store=str(tmp_path / "runs"),
-        run_id=f"mismatch-{how}",
-        job_options=options,
-        entrypoint=entrypoint,
         env={"CRF_LOG_LEVEL": "WARNING", **env},
         executor=LocalProcessExecutor(grace_period_s=2.0),
+        restart=driver.RestartPolicy(max_restarts=1),
         progress=False,
         report=False,
         plot=False,
         poll_s=0.1,
-        round_timeout_s=DEADLINE_S,
         timeout_s=240,
-        max_restarts=1,
     )
 
 

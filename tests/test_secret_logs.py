@@ -91,15 +91,16 @@ except pytest.skip.Exception:  # an extra is missing: the backend's case skips a
 def test_a_secret_a_replica_prints_is_hidden_from_crf_logs_in_a_fresh_process(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    from crf.launcher.driver import launch
+    from crf.launcher.driver import RestartPolicy, launch
 
     executor, store = BACKENDS[backend](request)
     script = tmp_path / "prints_secret.py"
     script.write_text(PRINTS_SECRET)
     summary = launch(
-        job="lm", replicas=1, rounds=1, store=store, run_id=f"leak-{backend}",
-        entrypoint=f"python {script}", env={"MY_API_KEY": SECRET}, executor=executor,
-        progress=False, report=False, plot=False, max_restarts=0, timeout_s=300,
+        {"job": "lm", "replicas": 1, "rounds": 1, "run_id": f"leak-{backend}",
+         "entrypoint": f"python {script}"},
+        store=store, env={"MY_API_KEY": SECRET}, executor=executor, restart=RestartPolicy(0),
+        progress=False, report=False, plot=False, timeout_s=300,
     )  # fmt: skip
     assert summary["status"] == "ok", summary
     logs = subprocess.run(

@@ -14,7 +14,7 @@ torch, job configs) are imported inside the commands so ``crf --help`` stays ins
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import time
 from typing import Annotated, Any, NoReturn
 
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from crf.launcher.driver import DEFAULT_MAX_RESTARTS  # light: no store, no torch
-from crf.spec import RunSpec
+from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
 
 app = typer.Typer(
     name="crf",
@@ -34,15 +34,6 @@ app = typer.Typer(
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-# One source of truth for defaults: the run spec.
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
-REPLICAS, SYNC_EVERY, ROUNDS = _DEFAULTS["replicas"], _DEFAULTS["sync_every"], _DEFAULTS["rounds"]
-OUTER_LR, OUTER_MOMENTUM = _DEFAULTS["outer_lr"], _DEFAULTS["outer_momentum"]
-MIN_REPLICAS, ROUND_TIMEOUT, SEED = (
-    _DEFAULTS["min_replicas"],
-    _DEFAULTS["round_timeout_s"],
-    _DEFAULTS["seed"],
-)
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
@@ -71,26 +62,152 @@ def version() -> None:
     Console().print(f"crf {__version__}")
 
 
-#: launch options that define a run: fixed in its run.json, so refused with --resume
-RUN_DEFINING = (
-    "fragments",
-    "fragment_sync_delay",
-    "wire_dtype",
-    "error_feedback",
-    "checkpoint_every",
-    "replicas",
-    "job",
-    "sync_every",
-    "rounds",
-    "run_id",
-    "outer_lr",
-    "outer_momentum",
-    "min_replicas",
-    "round_timeout",
-    "seed",
-    "set_",
-    "entrypoint",
-)
+# ---------------------------------------------------------------------- crf launch
+# The run options (replicas, -H, rounds, ...) are not declared here: each is declared once on
+# its RunSpec field (crf/spec.py), and crf launch gets one flag per declaration, with its help
+# and default (_run_option_parameter). What follows are the flags that are not run options,
+# each declared once.
+LAUNCH = "Launch"
+Hardware = Annotated[
+    str | None,
+    typer.Option(
+        "--hardware",
+        "--gpu",
+        "--flavor",
+        "--instance-type",
+        help="Per-replica hardware in the backend's own terms: a Modal GPU (A10G, H100:2), "
+        "an HF Jobs flavor (a10g-small), a SageMaker instance type (ml.g5.xlarge).",
+        rich_help_panel=BACKEND,
+    ),
+]
+Image = Annotated[
+    str | None,
+    typer.Option(help="Container image for cloud backends (default: see docs).",
+                 rich_help_panel=BACKEND),
+]  # fmt: skip
+Region = Annotated[
+    str | None,
+    typer.Option(help="Region for cloud backends that have one.", rich_help_panel=BACKEND),
+]
+BackendOpts = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--opt",
+        "-o",
+        help="Other backend option KEY=VALUE (repeatable), e.g. -o namespace=my-org, "
+        "-o role_arn=arn:aws:iam::123:role/crf, -o spot=true.",
+        metavar="KEY=VALUE",
+        rich_help_panel=BACKEND,
+    ),
+]
+JobSets = Annotated[  # fills the run option job_config
+    list[str] | None,
+    typer.Option(
+        "--set", help=run_options()["job_config"].help, metavar="KEY=VALUE", rich_help_panel=RUN
+    ),
+]
+LaunchStore = Annotated[
+    str | None,
+    typer.Option(
+        help="Base folder/URI for runs (file:///..., or a path). The run lives in "
+        "<store>/<run-id>. Default: ./crf-runs",
+        rich_help_panel=LAUNCH,
+    ),
+]
+DryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Check everything and print the plan (what starts where, hardware, "
+        "hourly cost) without launching or writing anything.",
+        rich_help_panel=LAUNCH,
+    ),
+]
+Detach = Annotated[
+    bool,
+    typer.Option(
+        "--detach",
+        help="Start the replicas, print the run id and return; follow with crf status / "
+        "crf logs, stop with crf cancel.",
+        rich_help_panel=LAUNCH,
+    ),
+]
+NoProgress = Annotated[
+    bool,
+    typer.Option("--no-progress", help="No live table (summary still printed).",
+                 rich_help_panel=LAUNCH),
+]  # fmt: skip
+Timeout = Annotated[
+    float | None,
+    typer.Option(help="Cancel the replicas if the run takes longer (seconds).",
+                 rich_help_panel=LAUNCH),
+]  # fmt: skip
+MaxRestarts = Annotated[
+    int,
+    typer.Option(help="Restart a replica that dies at most this many times (per replica).",
+                 rich_help_panel=LAUNCH),
+]  # fmt: skip
+MaxRunRestarts = Annotated[
+    int | None,
+    typer.Option(help="At most this many restarts in the whole run (default: no cap).",
+                 rich_help_panel=LAUNCH),
+]  # fmt: skip
+Resume = Annotated[
+    str | None,
+    typer.Option(
+        "--resume",
+        metavar="RUN_ID",
+        help="Continue a stopped run (in --store) from its last committed round, "
+        "with the options in its run.json.",
+        rich_help_panel=LAUNCH,
+    ),
+]
+
+
+def _launch_flags(
+    hardware: Hardware = None,
+    image: Image = None,
+    region: Region = None,
+    opt: BackendOpts = None,
+    job_config: JobSets = None,
+    store: LaunchStore = None,
+    dry_run: DryRun = False,
+    detach: Detach = False,
+    no_progress: NoProgress = False,
+    timeout: Timeout = None,
+    max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: MaxRunRestarts = None,
+    resume: Resume = None,
+) -> None:
+    """The flags of ``crf launch`` that are not run-option declarations (a signature only)."""
+
+
+def _run_option_parameter(declared: Option) -> inspect.Parameter:
+    """``crf launch``'s parameter for a run option, from its declaration on RunSpec."""
+    kind: Any = declared.cli_type or declared.type
+    default = declared.default
+    if default is None:  # unset: the driver decides (a new run id, python -m crf.replica)
+        kind = kind | None
+    names = (declared.flag, *declared.short)
+    if declared.base is bool:  # keeps --no-<flag>
+        names = (f"{declared.flag}/--no-{declared.flag.removeprefix('--')}",)
+    info = typer.Option(*names, help=declared.help, rich_help_panel=declared.group)
+    return inspect.Parameter(
+        declared.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+        annotation=Annotated[kind, info],
+    )  # fmt: skip
+
+
+def _launch_signature() -> inspect.Signature:
+    """ctx, one parameter per run option with a flag, then the other launch flags."""
+    ctx = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                            annotation=typer.Context)  # fmt: skip
+    options = [_run_option_parameter(o) for o in run_options().values() if o.cli]
+    flags = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(_launch_flags, eval_str=True).parameters.values()
+    ]
+    return inspect.Signature([ctx, *options, *flags])
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -99,240 +216,72 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
 
 
-def _flag(ctx: typer.Context, name: str) -> str:
-    for param in ctx.command.params:
-        if param.name == name and param.opts:
-            return max(param.opts, key=len)
-    return "--" + name.replace("_", "-")
+def _flag(param: Any) -> str:
+    return max(param.opts, key=len)
 
 
-@app.command()
-def launch(
-    ctx: typer.Context,
-    backend: Annotated[
-        str,
-        typer.Option(help="Where replicas run: local, modal, hf (Hugging Face Jobs), sagemaker."),
-    ] = "local",
-    hardware: Annotated[
-        str | None,
-        typer.Option(
-            "--hardware",
-            "--gpu",
-            "--flavor",
-            "--instance-type",
-            help="Per-replica hardware in the backend's own terms: a Modal GPU (A10G, H100:2), "
-            "an HF Jobs flavor (a10g-small), a SageMaker instance type (ml.g5.xlarge).",
-        ),
-    ] = None,
-    image: Annotated[
-        str | None, typer.Option(help="Container image for cloud backends (default: see docs).")
-    ] = None,
-    region: Annotated[
-        str | None, typer.Option(help="Region for cloud backends that have one.")
-    ] = None,
-    opt: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--opt",
-            "-o",
-            help="Other backend option KEY=VALUE (repeatable), e.g. -o namespace=my-org, "
-            "-o role_arn=arn:aws:iam::123:role/crf, -o spot=true.",
-            metavar="KEY=VALUE",
-        ),
-    ] = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option(
-            "--dry-run",
-            help="Check everything and print the plan (what starts where, hardware, "
-            "hourly cost) without launching or writing anything.",
-        ),
-    ] = False,
-    detach: Annotated[
-        bool,
-        typer.Option(
-            "--detach",
-            help="Start the replicas, print the run id and return; follow with crf status / "
-            "crf logs, stop with crf cancel.",
-        ),
-    ] = False,
-    replicas: Annotated[
-        int, typer.Option("--replicas", "-n", help="Number of replicas (N).")
-    ] = REPLICAS,
-    job: Annotated[
-        str, typer.Option(help="What each replica trains (a registered job).")
-    ] = "composer",
-    sync_every: Annotated[
-        int, typer.Option("--sync-every", "-H", help="Inner steps between syncs (H).")
-    ] = SYNC_EVERY,
-    rounds: Annotated[int, typer.Option("--rounds", "-r", help="Number of outer rounds.")] = ROUNDS,
-    store: Annotated[
-        str | None,
-        typer.Option(
-            help="Base folder/URI for runs (file:///..., or a path). The run lives in "
-            "<store>/<run-id>. Default: ./crf-runs"
-        ),
-    ] = None,
-    run_id: Annotated[
-        str | None, typer.Option(help="Run id (default: run-<date>-<time>-<random>).")
-    ] = None,
-    outer_lr: Annotated[float, typer.Option(help="Outer (Nesterov) learning rate.")] = OUTER_LR,
-    outer_momentum: Annotated[
-        float, typer.Option(help="Outer momentum, in [0, 1).")
-    ] = OUTER_MOMENTUM,
-    min_replicas: Annotated[
-        int, typer.Option(help="A round may close at its deadline with at least this many.")
-    ] = MIN_REPLICAS,
-    round_timeout: Annotated[
-        float, typer.Option(help="Seconds a replica waits for the others in one round.")
-    ] = ROUND_TIMEOUT,
-    seed: Annotated[int, typer.Option(help="Seed for the shared initial weights.")] = SEED,
-    fragments: Annotated[
-        int,
-        typer.Option(
-            help="Streaming DiLoCo: sync the model in this many fragments, one every "
-            "H/fragments steps (1 = vanilla DiLoCo)."
-        ),
-    ] = _DEFAULTS["fragments"],
-    fragment_sync_delay: Annotated[
-        int,
-        typer.Option(
-            help="Streaming DiLoCo: inner steps a fragment's upload overlaps with training "
-            "before the replica waits for it."
-        ),
-    ] = _DEFAULTS["fragment_sync_delay"],
-    wire_dtype: Annotated[
-        str,
-        typer.Option(
-            help="Pseudo-gradient wire format: float32, bfloat16, float16 or int8 "
-            "(block-wise scales, ~4x fewer bytes)."
-        ),
-    ] = "float32",
-    error_feedback: Annotated[
-        bool,
-        typer.Option(help="With a lossy wire format, resend what quantization dropped."),
-    ] = False,
-    checkpoint_every: Annotated[
-        int,
-        typer.Option(
-            help="Write the global checkpoint (weights + outer momentum, ~3x the model) every "
-            "this many rounds, at the last round and when a replica needs one to heal; a "
-            "whole-run resume restarts from the newest."
-        ),
-    ] = 1,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Job option KEY=VALUE (repeatable).", metavar="KEY=VALUE"),
-    ] = None,
-    entrypoint: Annotated[
-        str | None,
-        typer.Option(
-            help="Your own replica command, e.g. 'python my_train.py' "
-            "(default: python -m crf.replica)."
-        ),
-    ] = None,
-    no_progress: Annotated[
-        bool, typer.Option("--no-progress", help="No live table (summary still printed).")
-    ] = False,
-    timeout: Annotated[
-        float | None,
-        typer.Option(help="Cancel the replicas if the run takes longer (seconds)."),
-    ] = None,
-    max_restarts: Annotated[
-        int,
-        typer.Option(help="Restart a replica that dies at most this many times (per replica)."),
-    ] = DEFAULT_MAX_RESTARTS,
-    max_run_restarts: Annotated[
-        int | None,
-        typer.Option(help="At most this many restarts in the whole run (default: no cap)."),
-    ] = None,
-    resume: Annotated[
-        str | None,
-        typer.Option(
-            "--resume",
-            metavar="RUN_ID",
-            help="Continue a stopped run (in --store) from its last committed round, "
-            "with the options in its run.json.",
-        ),
-    ] = None,
-) -> None:
+def launch(ctx: typer.Context, **params: Any) -> None:
     """Launch N replicas, show their progress, and print a summary when they finish."""
-    from crf.launcher.driver import prepare, prepare_resume, run
+    from crf.launcher.driver import RestartPolicy, prepare, prepare_resume, run
     from crf.launcher.errors import LaunchError
     from crf.spec import SpecError, check_seconds
     from crf.store.errors import StoreError
 
-    job_options = parse_sets(set_)
+    flags = {name: params.pop(name) for name in inspect.signature(_launch_flags).parameters}
+    options = params  # what is left: the run options, by RunSpec field name
+    options["job_config"] = parse_sets(flags["job_config"])
+    timeout, resume = flags["timeout"], flags["resume"]
     if timeout is not None:
         try:
             check_seconds("--timeout", timeout)
         except SpecError as e:
             _fail(str(e))
+    backend_flags = [flags[name] for name in ("hardware", "image", "region", "opt")]
     backend_options = (
         None
-        if resume is not None and not (hardware or image or region or opt)
-        else _backend_options(backend, hardware, image, region, opt, timeout)
+        if resume is not None and not any(backend_flags)
+        else _backend_options(options["backend"], *backend_flags, timeout)
     )
-    if resume is not None:
-        fixed = [_flag(ctx, name) for name in RUN_DEFINING if _given(ctx, name)]
-        if fixed:
-            _fail(
-                f"{', '.join(fixed)} cannot be combined with --resume: a resumed run keeps the "
-                "options in its run.json"
-            )
-        try:
+    policy = RestartPolicy(flags["max_restarts"], flags["max_run_restarts"])
+    try:
+        if resume is not None:
+            _refuse_run_defining(ctx)
             plan = prepare_resume(
                 resume,
-                store=store,
-                backend=backend if _given(ctx, "backend") else None,
-                max_restarts=max_restarts,
-                max_run_restarts=max_run_restarts,
+                store=flags["store"],
+                backend=options["backend"] if _given(ctx, "backend") else None,
+                max_restarts=policy.max_restarts,
+                max_run_restarts=policy.max_run_restarts,
                 backend_options=backend_options,
             )
-            if dry_run:
-                _print_plan(plan)
-                raise typer.Exit(EXIT_OK)
-            summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
-        except LaunchError as e:
-            _fail(str(e))
-        except StoreError as e:
-            _fail(f"the run's store failed: {e}", EXIT_FAILED)
-        raise typer.Exit(_exit_code(summary))
-    try:
-        plan = prepare(
-            job=job,
-            replicas=replicas,
-            sync_every=sync_every,
-            rounds=rounds,
-            store=store,
-            run_id=run_id,
-            backend=backend,
-            job_options=job_options,
-            entrypoint=entrypoint,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            min_replicas=min_replicas,
-            round_timeout_s=round_timeout,
-            seed=seed,
-            wire_dtype=wire_dtype,
-            fragments=fragments,
-            fragment_sync_delay=fragment_sync_delay,
-            error_feedback=error_feedback,
-            checkpoint_every=checkpoint_every,
-            max_restarts=max_restarts,
-            max_run_restarts=max_run_restarts,
-            backend_options=backend_options,
-            dry_run=dry_run,
-        )
-        if dry_run:
+        else:
+            plan = prepare(options, store=flags["store"], backend_options=backend_options,
+                           restart=policy, dry_run=flags["dry_run"])  # fmt: skip
+        if flags["dry_run"]:
             _print_plan(plan)
             raise typer.Exit(EXIT_OK)
-        summary = run(plan, progress=not no_progress, timeout_s=timeout, detach=detach)
+        summary = run(plan, progress=not flags["no_progress"], timeout_s=timeout,
+                      detach=flags["detach"])  # fmt: skip
     except LaunchError as e:
         _fail(str(e))
     except StoreError as e:  # after launch: the replicas fail on it too (exit 1, not 2)
         _fail(f"the run's store failed: {e}", EXIT_FAILED)
     raise typer.Exit(_exit_code(summary))
+
+
+launch.__signature__ = _launch_signature()  # type: ignore[attr-defined]
+app.command()(launch)
+
+
+def _refuse_run_defining(ctx: typer.Context) -> None:
+    """Options that define a run are fixed in its run.json: refused with --resume, rather
+    than silently ignored."""
+    fixed = [_flag(p) for p in ctx.command.params if p.name in RUN_DEFINING and _given(ctx, p.name)]
+    if fixed:
+        _fail(
+            f"{', '.join(fixed)} cannot be combined with --resume: a resumed run keeps the "
+            "options in its run.json"
+        )
 
 
 def _backend_options(

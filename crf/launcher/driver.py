@@ -42,18 +42,17 @@ from crf.executors.base import (
 )
 from crf.executors.process import is_replica_process
 from crf.launcher.errors import LaunchError
-from crf.spec import RunSpec, SpecError, check_run_id, check_seconds, new_run_id
+from crf.layout import RUN_SPEC
+from crf.spec import RunSpec, SpecError, check_run_id, check_seconds, new_run_id, run_options
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from crf.store import RunStore
 
-AVAILABLE_BACKENDS = ("local", "modal", "hf", "sagemaker")
 DEFAULT_STORE = "./crf-runs"
-#: RunSpec fields that launch() takes under their own names; the rest pass through **spec_fields
-_MANAGED = {"run_id", "run_uri", "job", "job_config", "entrypoint", "replicas", "sync_every",
-            "rounds", "backend", "created_at", "version"}  # fmt: skip
+#: RunSpec fields the driver fills in itself; every other field is a run option (crf.spec)
+_MANAGED = frozenset(f.name for f in dataclasses.fields(RunSpec)) - set(run_options())
 LOG_TAIL_LINES = 15
 DEFAULT_MAX_RESTARTS = 3
 #: exit codes that a restart cannot fix (crf.replica): why, for the summary
@@ -166,53 +165,54 @@ def _check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
         )
 
 
-def prepare(
-    *,
-    job: str = "composer",
-    replicas: int = 2,
-    sync_every: int = 20,
-    rounds: int = 5,
-    store: str | None = None,
-    run_id: str | None = None,
-    backend: str = "local",
-    job_options: Mapping[str, Any] | None = None,
-    entrypoint: str | Sequence[str] | None = None,
-    executor: ServerlessExecutor | None = None,
-    max_restarts: int = DEFAULT_MAX_RESTARTS,
-    max_run_restarts: int | None = None,
-    backend_options: Mapping[str, Any] | None = None,
-    dry_run: bool = False,
-    **spec_fields: Any,
-) -> Plan:
-    """Validate every input; LaunchError says what to fix. Writes nothing but a probe (and
-    not even that with ``dry_run``)."""
-    from crf.store import RunStore, StoreError, join_uri, normalize_uri
-
-    unknown = sorted(set(spec_fields) - ({f.name for f in dataclasses.fields(RunSpec)} - _MANAGED))
+def launch_options(options: Mapping[str, Any] | RunSpec | None) -> dict[str, Any]:
+    """The run options of a launch as a dict by RunSpec field name: a mapping's (LaunchError
+    for a name that is no run option), or a RunSpec's own (its run_uri is not one: the store
+    decides where a run lives)."""
+    if isinstance(options, RunSpec):
+        return {name: getattr(options, name) for name in run_options()}
+    values = dict(options or {})
+    unknown = sorted(set(values) - set(run_options()))
     if unknown:
         raise LaunchError(f"unknown launch option(s): {', '.join(unknown)}")
-    policy = RestartPolicy(max_restarts, max_run_restarts).validate()
-    if executor is None:
-        executor = make_executor(backend, backend_options)
+    return values
+
+
+def prepare(
+    options: Mapping[str, Any] | RunSpec | None = None,
+    *,
+    store: str | None = None,
+    executor: ServerlessExecutor | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+    restart: RestartPolicy | None = None,
+    dry_run: bool = False,
+) -> Plan:
+    """Validate every input; LaunchError says what to fix. Writes nothing but a probe (and
+    not even that with ``dry_run``).
+
+    ``options``: the run options (RunSpec fields declared with ``option``: job, replicas,
+    sync_every, rounds, job_config, entrypoint, ...); one left out takes its RunSpec default,
+    ``run_id`` a new one. ``executor`` replaces the one ``backend`` and ``backend_options``
+    name.
+    """
+    from crf.store import join_uri, normalize_uri
+
+    values = launch_options(options)
+    policy = (restart or RestartPolicy()).validate()
+    job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
+    run_id = values.pop("run_id", None)
     run_id = run_id if run_id is not None else new_run_id()
+    if executor is None:
+        executor = make_executor(values.get("backend", RunSpec.backend), backend_options)
+    values["backend"] = getattr(executor, "name", values.get("backend", RunSpec.backend))
     try:
         run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
-    except Exception as e:
+    except (TypeError, ValueError, OSError) as e:  # not a string; no working directory
         raise LaunchError(f"--store {store!r} is not a usable URI or path: {e}") from None
-
-    spec = RunSpec(
-        run_id=run_id,
-        run_uri=run_uri,
-        job=job,
-        replicas=replicas,
-        sync_every=sync_every,
-        rounds=rounds,
-        backend=getattr(executor, "name", backend),
-        **spec_fields,
-    )
-    if isinstance(replicas, int) and replicas >= 1:  # the machine's limit says more than N's
-        _check_replica_limit(executor, replicas)
     try:
+        spec = RunSpec(run_id=run_id, run_uri=run_uri, **values)
+        if _is_count(spec.replicas):  # the machine's limit says more than N's range
+            _check_replica_limit(executor, spec.replicas)
         spec.validate()
     except SpecError as e:
         raise LaunchError(str(e)) from None
@@ -222,31 +222,46 @@ def prepare(
         executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
-
-    spec.job_config = _validate_job(job, job_options)
-
-    command: list[str] | None = None
-    if entrypoint is not None:
-        try:
-            command = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
-        except ValueError as e:
-            raise LaunchError(f"--entrypoint {entrypoint!r} cannot be parsed: {e}") from None
-        spec.entrypoint = command
+    spec.job_config = _validate_job(spec.job, job_options)
+    command = _command(entrypoint)
+    spec.entrypoint = command
     try:
         executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
-
     # The store last: the writability probe is the only check with a side effect.
+    run_store = _run_folder(run_uri, run_id, dry_run)
+    return Plan(spec, run_store, executor, command, restart=policy)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _command(entrypoint: str | Sequence[str] | None) -> list[str] | None:
+    """The replica command of ``--entrypoint`` (a shell-quoted string or a list)."""
+    if entrypoint is None:
+        return None
+    try:
+        return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    except ValueError as e:
+        raise LaunchError(f"--entrypoint {entrypoint!r} cannot be parsed: {e}") from None
+
+
+def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
+    """The new run's folder, checked: it holds no run, and (unless ``dry_run``, which writes
+    nothing) it is writable and empty."""
+    from crf.store import RunStore, StoreError
+
     try:
         probe = RunStore(run_uri, retries=0)
-        if probe.exists("run.json"):
+        if probe.exists(RUN_SPEC):
             raise LaunchError(
                 f"run folder {display_path(probe)} already holds a run (run.json exists); "
                 f"choose another --run-id, or continue it with --resume {run_id}"
             )
         if dry_run:
-            return Plan(spec, probe, executor, command, restart=policy)
+            return probe
         probe.check_writable()
         leftovers = [n for n in probe.list() if not n.startswith(".crf-probe-")]
         if leftovers:
@@ -254,7 +269,7 @@ def prepare(
                 f"run folder {display_path(probe)} is not empty ({', '.join(leftovers[:5])}); "
                 "choose another --run-id or another --store"
             )
-        run_store = RunStore(run_uri)
+        return RunStore(run_uri)
     except LaunchError:
         raise
     except StoreError as e:
@@ -263,7 +278,6 @@ def prepare(
         raise LaunchError(
             f"cannot use store {run_uri}: {type(e).__name__}: {e} (check --store)"
         ) from None
-    return Plan(spec, run_store, executor, command, restart=policy)
 
 
 # ---------------------------------------------------------------------- resume
@@ -1010,62 +1024,41 @@ def finish_run(
 
 
 def launch(
+    options: Mapping[str, Any] | RunSpec | None = None,
     *,
-    job: str = "composer",
-    replicas: int = 2,
-    sync_every: int = 20,
-    rounds: int = 5,
     store: str | None = None,
-    run_id: str | None = None,
-    backend: str = "local",
-    job_options: Mapping[str, Any] | None = None,
-    entrypoint: str | Sequence[str] | None = None,
-    env: Mapping[str, str] | None = None,
     executor: ServerlessExecutor | None = None,
-    progress: bool = True,
-    report: bool = True,
-    console: Console | None = None,
-    timeout_s: float | None = None,
-    poll_s: float = 0.5,
-    plot: bool = True,
-    max_restarts: int = DEFAULT_MAX_RESTARTS,
-    max_run_restarts: int | None = None,
-    **spec_fields: Any,
+    backend_options: Mapping[str, Any] | None = None,
+    restart: RestartPolicy | None = None,
+    **watch: Any,
 ) -> dict[str, Any]:
     """Run N replicas to the end and return the summary that was written to result.json.
 
-    ``spec_fields`` are the other RunSpec fields (outer_lr, outer_momentum, min_replicas,
-    round_timeout_s, seed, ...). ``env`` adds variables to every replica (credentials go
-    here, never in ``entrypoint``). A replica that fails is started again, at most
-    ``max_restarts`` times per replica and ``max_run_restarts`` times in all. Raises
-    LaunchError for bad input, before launching; a run that starts and fails returns a
-    summary with ``status == "failed"``.
+    ``options`` are the run options, by RunSpec field name (``{"job": "lm", "replicas": 4,
+    "sync_every": 20, "job_config": {...}}``; see :func:`prepare`), or a RunSpec. ``watch``
+    goes to :func:`run`: ``env`` adds variables to every replica (credentials go there,
+    never in ``entrypoint``), ``progress``, ``report``, ``plot``, ``timeout_s``, ``poll_s``,
+    ``console``, ``detach``. A replica that fails is started again as ``restart`` allows
+    (default: RestartPolicy()). Raises LaunchError for bad input, before launching; a run
+    that starts and fails returns a summary with ``status == "failed"``.
     """
+    _no_run_options_in(watch)
     plan = prepare(
-        job=job,
-        replicas=replicas,
-        sync_every=sync_every,
-        rounds=rounds,
-        store=store,
-        run_id=run_id,
-        backend=backend,
-        job_options=job_options,
-        entrypoint=entrypoint,
-        executor=executor,
-        max_restarts=max_restarts,
-        max_run_restarts=max_run_restarts,
-        **spec_fields,
+        options, store=store, executor=executor, backend_options=backend_options, restart=restart
     )
-    return run(
-        plan,
-        env=env,
-        progress=progress,
-        report=report,
-        console=console,
-        timeout_s=timeout_s,
-        poll_s=poll_s,
-        plot=plot,
-    )
+    return run(plan, **watch)
+
+
+def _no_run_options_in(watch: Mapping[str, Any]) -> None:
+    """LaunchError for a run option passed as a keyword (``launch(replicas=4)``): it belongs
+    in the options mapping."""
+    misplaced = sorted(set(watch) & set(run_options()))
+    if misplaced:
+        example = ", ".join(f"{name!r}: ..." for name in misplaced)
+        raise LaunchError(
+            f"run options go in the first argument, launch({{{example}}}), not as keywords "
+            f"({', '.join(misplaced)})"
+        )
 
 
 def resume(
@@ -1073,38 +1066,26 @@ def resume(
     *,
     store: str | None = None,
     backend: str | None = None,
-    env: Mapping[str, str] | None = None,
     executor: ServerlessExecutor | None = None,
-    progress: bool = True,
-    report: bool = True,
-    console: Console | None = None,
-    timeout_s: float | None = None,
-    poll_s: float = 0.5,
-    plot: bool = True,
-    max_restarts: int = DEFAULT_MAX_RESTARTS,
-    max_run_restarts: int | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+    restart: RestartPolicy | None = None,
+    **watch: Any,
 ) -> dict[str, Any]:
     """Continue run ``run_id`` whose driver and replicas stopped: start all N replicas again;
     each resumes from the newest committed ``global/<r>`` with its own inner-optimizer state
     and data position, so no committed round is lost and none is trained twice. (If a
     replica's inner state of that round never landed, the newest round saved whole is used
-    instead and the newer global states are set aside: see :func:`resume_point`.) Returns the
-    summary written to result.json (``launch`` says which driver launch this was)."""
+    instead and the newer global states are set aside: see :func:`resume_point`.) ``watch``
+    goes to :func:`run`, as for :func:`launch`. Returns the summary written to result.json
+    (``launch`` says which driver launch this was)."""
+    policy = restart or RestartPolicy()
     plan = prepare_resume(
         run_id,
         store=store,
         backend=backend,
         executor=executor,
-        max_restarts=max_restarts,
-        max_run_restarts=max_run_restarts,
+        max_restarts=policy.max_restarts,
+        max_run_restarts=policy.max_run_restarts,
+        backend_options=backend_options,
     )
-    return run(
-        plan,
-        env=env,
-        progress=progress,
-        report=report,
-        console=console,
-        timeout_s=timeout_s,
-        poll_s=poll_s,
-        plot=plot,
-    )
+    return run(plan, **watch)
