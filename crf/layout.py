@@ -36,6 +36,7 @@ Layout of one run folder::
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -255,6 +256,10 @@ class Record:
         return cls(**_known(cls, data or {}))
 
 
+#: the legacy "key: reason" reasons for a part that was absent rather than bad
+_LEGACY_LEFT_OUT = re.compile(r": (missing|owner \d+ did not reduce it)$")
+
+
 @dataclass
 class Rejection(Record):
     """An object a replica did not use: ``key`` names it (a store key, or a shard inside a
@@ -274,7 +279,7 @@ class Rejection(Record):
             return data
         if isinstance(data, str):  # a record written before rejections had a structure
             key, _, reason = data.partition(": ")
-            return cls(key=key, reason=reason)
+            return cls(key=key, reason=reason, left_out=_LEGACY_LEFT_OUT.search(data) is not None)
         return cls(**_known(cls, data or {}))
 
 

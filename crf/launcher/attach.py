@@ -23,6 +23,7 @@ from typing import Any
 from crf.executors.base import ExecutorError, ReplicaHandle, ReplicaStatus, ServerlessExecutor
 from crf.launcher.errors import LaunchError
 from crf.spec import RunSpec
+from crf.store.errors import StoreError
 
 
 @dataclass
@@ -54,7 +55,7 @@ class AttachedRun:
         """This launch's ``result.json``, if it was written (by its driver or a gather)."""
         try:
             data = self.store.get_json("result.json")
-        except Exception:
+        except (StoreError, OSError, ValueError):  # absent, unreadable or not JSON
             return None
         if not isinstance(data, dict) or int(data.get("launch", 0) or 0) != self.launch_no:
             return None
@@ -104,7 +105,7 @@ def attach(run_id: str, store: str | None = None) -> AttachedRun:
     launch_no = max(launches) if launches else 0
     try:
         record = st.get_json(f"launches/{launch_no}.json")
-    except Exception:
+    except (StoreError, OSError, ValueError):  # absent, unreadable or not JSON
         record = {}
     if not isinstance(record, dict):
         record = {}

@@ -29,6 +29,7 @@ from rich.text import Text
 from crf import jsonsafe
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import fmt_loss
+from crf.store.errors import StoreError
 
 #: fields copied from results/<rank>.json into the summary rows
 RESULT_FIELDS = (
@@ -515,7 +516,7 @@ def read_metrics(store: Any, world_size: int) -> dict[int, list[dict[str, Any]]]
                 continue
             try:
                 data = store.get_json(f"metrics/{rank}/{name}")
-            except Exception:  # a half-GC'd or foreign file must not break the summary
+            except (StoreError, OSError, ValueError):  # half-GC'd or foreign: skip it
                 continue
             if isinstance(data, dict):
                 data.setdefault("round", int(stem))
