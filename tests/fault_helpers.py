@@ -31,6 +31,7 @@ def launch_lm(
     env: dict[str, str] | None = None,
     shim: bool = False,
     max_restarts: int = 2,
+    max_run_restarts: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """One run of the lm job through ``crf.launcher.driver.launch``; returns the summary.
@@ -53,7 +54,9 @@ def launch_lm(
         store=str(base),
         env={"CRF_LOG_LEVEL": "WARNING", **(env or {})},
         executor=LocalProcessExecutor(grace_period_s=2.0),
-        restart=driver.RestartPolicy(max_restarts=max_restarts),
+        restart=driver.RestartPolicy(
+            max_restarts=max_restarts, max_run_restarts=max_run_restarts
+        ),
         progress=False,
         report=False,
         plot=False,

@@ -23,6 +23,7 @@ from crf.exchange.contribution import read_manifest
 from crf.executors.base import ExecutorError, ReplicaState
 from crf.executors.local import LocalProcessExecutor
 from crf.launcher.errors import LaunchError
+from crf.layout import Rejection
 from crf.store import RunStore, decode_tensor
 from tests.fault_helpers import (
     baseline_wait,
@@ -462,7 +463,8 @@ def test_bad_objects_are_rejected_reported_and_never_averaged(tmp_path: Path) ->
         # detected and reported: in the owner's per-round metrics and in its result
         m = metrics(run, shard)[r]
         assert m["committed"] is True
-        assert any(key in x and said in x for x in m["rejected"]), (kind, m["rejected"])
+        said_there = [str(Rejection.from_dict(x)) for x in m["rejected"]]
+        assert any(key in x and said in x for x in said_there), (kind, m["rejected"])
         assert any(key in x for x in owner["rejected"]), (kind, owner["rejected"])
         # never averaged: the published shard (the one every replica applies) left it out
         _, header = decode_tensor((run / "rounds" / str(r) / "reduced" / str(shard)).read_bytes())

@@ -29,6 +29,7 @@ from rich.text import Text
 from crf import jsonsafe
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import fmt_loss
+from crf.layout import Rejection
 from crf.store.errors import StoreError
 
 #: fields copied from results/<rank>.json into the summary rows
@@ -57,9 +58,6 @@ _OBJECT_KEY = re.compile(
     r"|failed\.json)"
     r"|global/\d+/state\.pt|replicas/\d+/inner/\d+\.pt)"
 )
-#: a contribution that was not there to average (its replica died or was late), as opposed
-#: to one that was there but bad
-_LEFT_OUT = re.compile(r": (missing|owner \d+ did not reduce it)$")
 
 
 #: the last line of a Python traceback: "pkg.mod.SomeError: what happened"
@@ -73,11 +71,6 @@ def last_exception(lines: Sequence[str]) -> str | None:
         if _EXCEPTION_LINE.match(line.strip()):
             return line.strip()
     return None
-
-
-def is_left_out(message: Any) -> bool:
-    """A replica's ``rejected`` entry for a part that was absent, not for a bad object."""
-    return bool(_LEFT_OUT.search(str(message)))
 
 
 def rejected_objects(messages: Sequence[Any]) -> list[str]:
@@ -137,17 +130,18 @@ def replica_row(
     syncs = [m.get("sync_s") for m in metrics or ()]
     syncs = [float(v) for v in syncs if isinstance(v, int | float) and not isinstance(v, bool)]
     row["max_sync_s"] = round(max(syncs), 3) if syncs else None
-    reported = list(data.get("rejected") or [])
+    reported = [Rejection.from_dict(x) for x in data.get("rejected") or ()]
     for attempt in attempts:  # what earlier attempts of this rank reported before dying
-        reported.extend(attempt.get("rejected") or [])
+        reported.extend(Rejection.from_dict(x) for x in attempt.get("rejected") or ())
     for m in metrics or ():  # and what attempts that left no result logged per round
         for x in m.get("rejected") or ():
-            if x not in reported:
+            if (x := Rejection.from_dict(x)) not in reported:
                 reported.append(x)
     # bad objects (corrupt, foreign, wrong round or shape: never averaged) apart from parts
-    # that were simply not there (a dead or late replica's: left out of the average)
-    row["rejected"] = [x for x in reported if not is_left_out(x)]
-    row["left_out"] = [x for x in reported if is_left_out(x)]
+    # that were simply not there (a dead or late replica's: left out of the average), as the
+    # records say
+    row["rejected"] = [str(x) for x in reported if not x.left_out]
+    row["left_out"] = [str(x) for x in reported if x.left_out]
     row["objects_rejected"] = len(rejected_objects(row["rejected"]))
     row["restarts"] = restarts
     row["attempts"] = [dict(a) for a in attempts]
