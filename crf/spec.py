@@ -271,7 +271,11 @@ class RunSpec:
 
     run_id: str = option(help="Run id (default: run-<date>-<time>-<random>).")
     run_uri: str
-    job: str = option("composer", help="What each replica trains (a registered job).")
+    job: str = option(
+        "composer",
+        help="What each replica trains: a built-in job (lm, composer) or a job module's path "
+        "(mypkg.myjob).",
+    )
     job_config: dict[str, Any] = option(  # on the command line: --set KEY=VALUE, repeatable
         default_factory=dict, flag="--set", cli=False, help="Job option KEY=VALUE (repeatable)."
     )
