@@ -411,3 +411,18 @@ class LaunchRecord(Record):
     status: str | None = None
     restarts: int = 0
     error: str | None = None
+
+    def opening(self) -> dict[str, Any]:
+        """The record as its launch writes it when it starts: without the fields written when
+        it ends (so a record that has them says its driver saw the end), and without
+        ``superseded_globals`` unless a resume set rounds aside."""
+        data = self.to_dict()
+        for name in ("ended_at", "status", "restarts", "error"):
+            data.pop(name)
+        if not self.superseded_globals:
+            data.pop("superseded_globals")
+        return data
+
+
+#: the run's picture, beside result.json
+LOSS_PLOT = "loss.png"

@@ -54,9 +54,7 @@ def launch_lm(
         store=str(base),
         env={"CRF_LOG_LEVEL": "WARNING", **(env or {})},
         executor=LocalProcessExecutor(grace_period_s=2.0),
-        restart=driver.RestartPolicy(
-            max_restarts=max_restarts, max_run_restarts=max_run_restarts
-        ),
+        restart=driver.RestartPolicy(max_restarts=max_restarts, max_run_restarts=max_run_restarts),
         progress=False,
         report=False,
         plot=False,

@@ -16,6 +16,7 @@ import pytest
 import typer
 
 from crf.launcher import driver
+from crf.launcher import plan as launch_plan
 from crf.launcher.cli import app
 from crf.launcher.errors import LaunchError
 from crf.spec import RUN_DEFINING, Option, RunSpec, SpecError, run_options
@@ -87,8 +88,8 @@ def test_run_defining_options_come_from_the_declarations() -> None:
     assert "backend" not in RUN_DEFINING
     # every RunSpec field is either a run option or filled in by the driver
     fields = {f.name for f in dataclasses.fields(RunSpec)}
-    assert driver._MANAGED == fields - set(run_options())
-    assert driver._MANAGED == {"run_uri", "backend_options", "created_at", "version"}
+    assert launch_plan._MANAGED == fields - set(run_options())
+    assert launch_plan._MANAGED == {"run_uri", "backend_options", "created_at", "version"}
 
 
 @pytest.mark.parametrize(

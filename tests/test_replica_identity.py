@@ -24,7 +24,7 @@ import pytest
 from crf.executors.base import ReplicaHandle
 from crf.executors.local import LocalProcessExecutor
 from crf.executors.process import PidOwner, pid_owner, process_started_at
-from crf.launcher.driver import _live_replicas
+from crf.launcher.resume import live_replicas
 from crf.store import RunStore
 from tests import test_cli_attach
 from tests.test_cli_attach import _launch, _wait_ended, crf
@@ -108,9 +108,9 @@ def test_cancel_all_and_resume_check_tell_a_reused_pid_from_the_replica(
     beat = {"rank": 0, "phase": "training", "updated_at": 0.0, "pid": twin.pid,
             "host": socket.gethostname(), "pid_started_at": other_start}  # fmt: skip
     store.put_json("replicas/0/state.json", beat)
-    assert _live_replicas(store, 1, run_id) == []
+    assert live_replicas(store, 1, run_id) == []
     store.put_json("replicas/0/state.json", {**beat, "pid_started_at": started})
-    assert _live_replicas(store, 1, run_id) == [f"replica 0 (pid {twin.pid} on this host)"]
+    assert live_replicas(store, 1, run_id) == [f"replica 0 (pid {twin.pid} on this host)"]
 
     # cancel_all from an executor that did not start it (as `crf cancel` does)
     handle = ReplicaHandle(

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from crf import layout
 from crf.executors.base import ExecutorError, ReplicaHandle, ReplicaStatus, ServerlessExecutor
 from crf.launcher.errors import LaunchError
 from crf.spec import RunSpec
@@ -38,7 +39,7 @@ class AttachedRun:
     handles: list[ReplicaHandle]
 
     def statuses(self) -> list[tuple[ReplicaHandle, ReplicaStatus, dict[str, Any] | None]]:
-        from crf.launcher.driver import _read_heartbeat
+        from crf.launcher.supervise import read_heartbeat
 
         out = []
         for h in self.handles:
@@ -48,13 +49,13 @@ class AttachedRun:
                 from crf.executors.base import ReplicaState
 
                 st = ReplicaStatus(ReplicaState.FAILED, None, f"status unavailable: {e}")
-            out.append((h, st, _read_heartbeat(self.store, h.rank)))
+            out.append((h, st, read_heartbeat(self.store, h.rank)))
         return out
 
     def result(self) -> dict[str, Any] | None:
         """This launch's ``result.json``, if it was written (by its driver or a gather)."""
         try:
-            data = self.store.get_json("result.json")
+            data = self.store.get_json(layout.RESULT)
         except (StoreError, OSError, ValueError):  # absent, unreadable or not JSON
             return None
         if not isinstance(data, dict) or int(data.get("launch", 0) or 0) != self.launch_no:
@@ -70,7 +71,7 @@ class AttachedRun:
 
 
 def run_store(run_id: str, store: str | None) -> Any:
-    from crf.launcher.driver import DEFAULT_STORE
+    from crf.launcher.plan import DEFAULT_STORE
     from crf.spec import SpecError, check_run_id
     from crf.store import RunStore, join_uri, normalize_uri
 
@@ -81,39 +82,38 @@ def run_store(run_id: str, store: str | None) -> Any:
     try:
         uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
         st = RunStore(uri, retries=1)
-        if not st.exists("run.json"):
+        if not st.exists(layout.RUN_SPEC):
             raise LaunchError(
                 f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
                 "list runs with `crf runs --store ...`"
             )
     except LaunchError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any client error: one line that names the store
         raise LaunchError(f"cannot open run {run_id!r} in {store or DEFAULT_STORE}: {e}") from None
     return st
 
 
 def attach(run_id: str, store: str | None = None) -> AttachedRun:
     """Open run ``run_id`` in ``store`` and rebuild its executor; LaunchError if impossible."""
-    from crf.launcher.driver import make_executor, read_run_spec, saved_backend_options
+    from crf.launcher.plan import make_executor, read_run_spec, saved_backend_options
 
     st = run_store(run_id, store)
     spec = read_run_spec(st)
     executor = make_executor(spec.backend, saved_backend_options(st))
-    names = st.list("launches")
-    launches = [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+    launches = layout.launch_numbers(st)
     launch_no = max(launches) if launches else 0
     try:
-        record = st.get_json(f"launches/{launch_no}.json")
+        record = st.get_json(layout.launch_key(launch_no))
     except (StoreError, OSError, ValueError):  # absent, unreadable or not JSON
         record = {}
     if not isinstance(record, dict):
         record = {}
     handles: list[ReplicaHandle] = []
     try:
-        saved = st.get_json(f"launches/{launch_no}/handles.json")
+        saved = st.get_json(layout.handles_key(launch_no))
         handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
-    except Exception:
+    except (StoreError, OSError, ValueError, TypeError, AttributeError):  # none or damaged
         handles = []
     if not handles:
         try:
@@ -191,44 +191,54 @@ def list_runs(store: str | None) -> list[dict[str, Any]]:
     ``running`` if a heartbeat is fresh, else ``stopped`` (a driver died, or a detached run
     that nobody gathered yet - ``crf status`` tells which).
     """
-    from crf.launcher.driver import DEFAULT_STORE, LIVE_HEARTBEAT_S
+    from crf.launcher.plan import DEFAULT_STORE
     from crf.store import RunStore, normalize_uri
 
     base = RunStore(normalize_uri(store or DEFAULT_STORE), retries=1)
     rows = []
     for name in sorted(base.list()):
-        try:
-            spec = RunSpec.from_json(base.get(f"{name}/run.json").decode())
-        except Exception:
-            continue  # not a run folder
-        status = "stopped"
-        try:
-            result = base.get_json(f"{name}/result.json")
-            launches = [int(n[:-5]) for n in base.list(f"{name}/launches") if n.endswith(".json")]
-            if int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
-                status = str(result.get("status"))
-        except Exception:
-            result = None
-        if result is None or status == "stopped":
-            now = time.time()
-            for r in range(spec.replicas):
-                try:
-                    beat = base.get_json(f"{name}/replicas/{r}/state.json")
-                except Exception:
-                    continue
-                if now - float(beat.get("updated_at") or 0) < LIVE_HEARTBEAT_S:
-                    status = "running"
-                    break
-        rows.append(
-            {
-                "run_id": spec.run_id,
-                "backend": spec.backend,
-                "job": spec.job,
-                "replicas": spec.replicas,
-                "rounds": spec.rounds,
-                "created_at": spec.created_at,
-                "status": status,
-            }
-        )
+        row = _run_row(base.child(name))
+        if row is not None:
+            rows.append(row)
     rows.sort(key=lambda r: r.get("created_at") or 0, reverse=True)
     return rows
+
+
+def _run_row(st: Any) -> dict[str, Any] | None:
+    """The ``crf runs`` row of one folder, or None if it holds no run."""
+    try:
+        spec = RunSpec.from_json(st.get(layout.RUN_SPEC).decode())
+    except (StoreError, OSError, ValueError, TypeError):  # not a run folder, or a damaged one
+        return None
+    status = "stopped"
+    try:
+        result = st.get_json(layout.RESULT)
+        launches = layout.launch_numbers(st)
+        if int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
+            status = str(result.get("status"))
+    except (StoreError, OSError, ValueError, TypeError, AttributeError):  # none yet, or torn
+        result = None
+    if (result is None or status == "stopped") and _fresh_heartbeat(st, spec.replicas):
+        status = "running"
+    return {
+        "run_id": spec.run_id,
+        "backend": spec.backend,
+        "job": spec.job,
+        "replicas": spec.replicas,
+        "rounds": spec.rounds,
+        "created_at": spec.created_at,
+        "status": status,
+    }
+
+
+def _fresh_heartbeat(st: Any, replicas: int) -> bool:
+    """Whether any replica wrote its heartbeat recently enough to be running still."""
+    from crf.launcher.resume import LIVE_HEARTBEAT_S
+    from crf.launcher.supervise import read_heartbeat
+
+    now = time.time()
+    for r in range(replicas):
+        beat = read_heartbeat(st, r)
+        if beat is not None and now - float(beat.get("updated_at") or 0) < LIVE_HEARTBEAT_S:
+            return True
+    return False

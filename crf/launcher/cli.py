@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from crf.launcher.driver import DEFAULT_MAX_RESTARTS  # light: no store, no torch
+from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
 from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
 
 app = typer.Typer(

@@ -1,0 +1,309 @@
+"""The plan of a run: every input checked before anything is written or launched.
+
+Everything a user can get wrong is checked in ``prepare`` before a single replica starts
+(backend, job and its options, numbers, entrypoint, store, an existing run folder), because a
+mistake found after launch costs N processes - or N paid containers - and leaves a half-made
+run folder behind. A ``Plan`` is the checked result; ``crf.launcher.driver.run`` carries it
+out, and ``crf.launcher.resume.prepare_resume`` makes one for a run that stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shlex
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from crf import layout
+from crf.executors.base import ExecutorError, ServerlessExecutor
+from crf.launcher.errors import LaunchError
+from crf.spec import RunSpec, SpecError, new_run_id, run_options
+
+if TYPE_CHECKING:
+    from crf.store import RunStore
+
+DEFAULT_STORE = "./crf-runs"
+#: RunSpec fields the driver fills in itself; every other field is a run option (crf.spec)
+_MANAGED = frozenset(f.name for f in dataclasses.fields(RunSpec)) - set(run_options())
+DEFAULT_MAX_RESTARTS = 3
+
+
+def make_executor(backend: str, options: Mapping[str, Any] | None = None) -> ServerlessExecutor:
+    """The executor for a backend name and its options; LaunchError says what to fix."""
+    from crf.executors.registry import make_executor as build
+
+    try:
+        return build(backend, options)
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
+
+
+def display_path(store: RunStore, key: str = "") -> str:
+    """A local path for file:// stores (what a user can open), the URI otherwise."""
+    if store.scheme == "file":
+        return store.path(key)
+    return f"{store.uri}/{key}" if key else store.uri
+
+
+@dataclass
+class RestartPolicy:
+    """How often the driver starts a failed replica again.
+
+    ``max_restarts`` per replica (rank) and ``max_run_restarts`` for the whole run (None: no
+    cap beyond N x max_restarts). A restarted replica resumes from the newest global state and
+    its own saved inner-optimizer state, so a restart costs only that replica's work since the
+    last committed round. A replica that exits 2 (its environment breaks the contract) or was
+    cancelled is never restarted: running it again cannot help.
+    """
+
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    max_run_restarts: int | None = None
+
+    def validate(self) -> RestartPolicy:
+        for name in ("max_restarts", "max_run_restarts"):
+            value = getattr(self, name)
+            if value is None and name == "max_run_restarts":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                flag = "--" + name.replace("_", "-")
+                raise LaunchError(f"{flag} must be an integer >= 0 (got {value!r})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ResumeInfo:
+    """What ``prepare_resume`` found: which launch this is and where the run stands."""
+
+    launch: int  # this driver launch's number (0 was the first launch)
+    #: the global round the replicas continue from (None: nothing committed yet): the newest
+    #: one every replica's inner state was saved for, else the newest (see resume_point)
+    from_round: int | None
+    previous_status: str | None  # status in the previous result.json, if any
+    #: newer global rounds set aside (under launches/<k>/superseded/) because a replica's
+    #: inner state of that round never landed; the resumed replicas compute them again
+    superseded: list[int] = field(default_factory=list)
+    #: replicas that resume with a fresh inner optimizer (no saved state of from_round)
+    fresh_inner: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A validated run, ready to start: nothing has been written or launched yet."""
+
+    spec: RunSpec
+    store: RunStore
+    executor: ServerlessExecutor
+    command: list[str] | None  # None: the backend's default, python -m crf.replica
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    resume: ResumeInfo | None = None  # set when continuing an existing run
+
+
+def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Check the job exists and its options are valid; return the options as typed values."""
+    from crf.replica.jobs import job_config
+
+    try:
+        cfg = job_config(job, dict(options or {}))
+    except ImportError as e:
+        raise LaunchError(f"job {job!r} cannot be loaded ({e}); is crf fully installed?") from None
+    except (TypeError, ValueError) as e:
+        raise LaunchError(str(e)) from None
+    # Keep only what the user set (coerced to the option's type): the replica applies the
+    # job's defaults itself, and run.json stays readable.
+    return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
+
+
+def check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
+    """LaunchError if the backend cannot run that many replicas (see replica_limit)."""
+    limit_of = getattr(executor, "replica_limit", None)
+    found = limit_of() if callable(limit_of) else None
+    if found is not None and replicas > found[0]:
+        limit, why = found
+        name = getattr(executor, "name", "this")
+        raise LaunchError(
+            f"--replicas {replicas} is more than the {name} backend can run: at most {limit} "
+            f"({why}); lower --replicas or use a cloud backend"
+        )
+
+
+def launch_options(options: Mapping[str, Any] | RunSpec | None) -> dict[str, Any]:
+    """The run options of a launch as a dict by RunSpec field name: a mapping's (LaunchError
+    for a name that is no run option), or a RunSpec's own (its run_uri is not one: the store
+    decides where a run lives)."""
+    if isinstance(options, RunSpec):
+        return {name: getattr(options, name) for name in run_options()}
+    values = dict(options or {})
+    unknown = sorted(set(values) - set(run_options()))
+    if unknown:
+        raise LaunchError(f"unknown launch option(s): {', '.join(unknown)}")
+    return values
+
+
+def prepare(
+    options: Mapping[str, Any] | RunSpec | None = None,
+    *,
+    store: str | None = None,
+    executor: ServerlessExecutor | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+    restart: RestartPolicy | None = None,
+    dry_run: bool = False,
+) -> Plan:
+    """Validate every input; LaunchError says what to fix. Writes nothing but a probe (and
+    not even that with ``dry_run``).
+
+    ``options``: the run options (RunSpec fields declared with ``option``: job, replicas,
+    sync_every, rounds, job_config, entrypoint, ...); one left out takes its RunSpec default,
+    ``run_id`` a new one. ``executor`` replaces the one ``backend`` and ``backend_options``
+    name.
+    """
+    from crf.store import join_uri, normalize_uri
+
+    values = launch_options(options)
+    policy = (restart or RestartPolicy()).validate()
+    job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
+    run_id = values.pop("run_id", None)
+    run_id = run_id if run_id is not None else new_run_id()
+    if executor is None:
+        executor = make_executor(values.get("backend", RunSpec.backend), backend_options)
+    values["backend"] = getattr(executor, "name", values.get("backend", RunSpec.backend))
+    try:
+        run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
+    except (TypeError, ValueError, OSError) as e:  # not a string; no working directory
+        raise LaunchError(f"--store {store!r} is not a usable URI or path: {e}") from None
+    try:
+        spec = RunSpec(run_id=run_id, run_uri=run_uri, **values)
+        if _is_count(spec.replicas):  # the machine's limit says more than N's range
+            check_replica_limit(executor, spec.replicas)
+        spec.validate()
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
+    except TypeError as e:  # e.g. outer_lr="fast" from Python: comparisons fail
+        raise LaunchError(f"a run option has the wrong type: {e}") from None
+    try:
+        executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
+    spec.job_config = validate_job(spec.job, job_options)
+    command = _command(entrypoint)
+    spec.entrypoint = command
+    try:
+        executor.check_command(command)
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
+    # The store last: the writability probe is the only check with a side effect.
+    run_store = _run_folder(run_uri, run_id, dry_run)
+    return Plan(spec, run_store, executor, command, restart=policy)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _command(entrypoint: str | Sequence[str] | None) -> list[str] | None:
+    """The replica command of ``--entrypoint`` (a shell-quoted string or a list)."""
+    if entrypoint is None:
+        return None
+    try:
+        return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    except ValueError as e:
+        raise LaunchError(f"--entrypoint {entrypoint!r} cannot be parsed: {e}") from None
+
+
+@contextlib.contextmanager
+def store_errors(where: str) -> Iterator[None]:
+    """Any store error inside as one LaunchError line that says to check --store (never a
+    traceback): StoreErrors already say what to fix; another client error gets its type."""
+    from crf.store import StoreError
+
+    try:
+        yield
+    except LaunchError:
+        raise
+    except StoreError as e:
+        raise LaunchError(f"{e} (check --store)") from None
+    except Exception as e:  # noqa: BLE001 - any other client error: one line, not a traceback
+        raise LaunchError(
+            f"cannot use store {where}: {type(e).__name__}: {e} (check --store)"
+        ) from None
+
+
+def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
+    """The new run's folder, checked: it holds no run, and (unless ``dry_run``, which writes
+    nothing) it is writable and empty."""
+    from crf.store import RunStore
+
+    with store_errors(run_uri):
+        probe = RunStore(run_uri, retries=0)
+        if probe.exists(layout.RUN_SPEC):
+            raise LaunchError(
+                f"run folder {display_path(probe)} already holds a run (run.json exists); "
+                f"choose another --run-id, or continue it with --resume {run_id}"
+            )
+        if dry_run:
+            return probe
+        probe.check_writable()
+        leftovers = [n for n in probe.list() if not n.startswith(".crf-probe-")]
+        if leftovers:
+            raise LaunchError(
+                f"run folder {display_path(probe)} is not empty ({', '.join(leftovers[:5])}); "
+                "choose another --run-id or another --store"
+            )
+        return RunStore(run_uri)
+
+
+def read_run_spec(store: RunStore) -> RunSpec:
+    """The run's ``run.json`` as a valid RunSpec. A damaged one (not UTF-8, not JSON, not an
+    object, a field of the wrong type or out of range) is a LaunchError that names the file
+    and what is wrong with it, for ``--resume``, ``crf status``, ``crf logs`` and
+    ``crf cancel`` alike."""
+    where = display_path(store, layout.RUN_SPEC)
+    raw = store.get(layout.RUN_SPEC)
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LaunchError(
+            f"{where} is damaged: not UTF-8 text (bad byte at offset {e.start}); restore it "
+            "from a copy, or remove the run folder"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LaunchError(
+            f"{where} is damaged: not valid JSON ({e.msg} at line {e.lineno}, column "
+            f"{e.colno}); restore it from a copy, or remove the run folder"
+        ) from None
+    if not isinstance(data, dict):
+        raise LaunchError(
+            f"{where} is damaged: it holds a JSON {type(data).__name__}, not the run's "
+            "options (an object); restore it from a copy, or remove the run folder"
+        )
+    try:
+        return RunSpec.from_dict(data).validate()
+    except (SpecError, TypeError) as e:  # TypeError: a missing field, or one of a wrong type
+        raise LaunchError(f"{where} is damaged: {e}") from None
+
+
+def saved_backend_options(store: RunStore) -> dict[str, Any]:
+    """The executor options a run was launched with (``backend.json``; empty if absent)."""
+    from crf.store import StoreError
+
+    try:
+        data = store.get_json(layout.BACKEND)
+    except (StoreError, OSError, ValueError):  # absent (an old run) or damaged: no options
+        return {}
+    options = data.get("options") if isinstance(data, dict) else None
+    return {k: v for k, v in (options or {}).items() if v is not None}
+
+
+def backend_config(plan: Plan) -> dict[str, Any]:
+    """The executor's non-secret options, for rebuilding it in another process."""
+    try:
+        return dict(plan.executor.config())
+    except Exception:  # noqa: BLE001 - any executor's code: a record must not stop a launch
+        return {}

@@ -1,0 +1,258 @@
+"""Resume: continue a run whose driver and replicas all stopped.
+
+``prepare_resume`` checks that the run can go on (its ``run.json`` is read, never rewritten;
+no replica of it is still running; same backend) and where it goes on from
+(``resume_point``); ``claim_resume`` then claims the new launch in the store and puts aside
+what the stopped launch left after that point, keeping it under ``launches/<k>/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from crf import layout
+from crf.executors.base import ExecutorError, ServerlessExecutor
+from crf.executors.process import is_replica_process
+from crf.launcher.errors import LaunchError
+from crf.launcher.plan import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_STORE,
+    Plan,
+    RestartPolicy,
+    ResumeInfo,
+    check_replica_limit,
+    display_path,
+    make_executor,
+    read_run_spec,
+    saved_backend_options,
+    store_errors,
+    validate_job,
+)
+from crf.launcher.supervise import read_heartbeat
+from crf.spec import RunSpec, SpecError, check_run_id
+
+if TYPE_CHECKING:
+    from crf.store import RunStore
+
+#: a replica on another host whose heartbeat is younger than this may still be running
+LIVE_HEARTBEAT_S = 60.0
+
+
+def live_replicas(
+    store: RunStore, replicas: int, run_id: str, now: float | None = None
+) -> list[str]:
+    """Replicas of a run that may still be running, each as a short description.
+
+    Two sets of replicas for one rank would both publish contributions under that rank, so a
+    resume must not start while the old ones live. On this host the heartbeat's pid says it
+    for sure (while held by the replica: same start time, run id and rank - pids get reused);
+    for another host a recent heartbeat is all we have.
+    """
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    live = []
+    for rank in range(replicas):
+        hb = read_heartbeat(store, rank)
+        if not hb or hb.get("phase") in ("done", "failed"):
+            continue
+        pid, updated = hb.get("pid"), hb.get("updated_at")
+        age = now - updated if isinstance(updated, int | float) else None
+        if hb.get("host") == host and isinstance(pid, int):
+            started = hb.get("pid_started_at")
+            started = started if isinstance(started, str | int | float) else None
+            if is_replica_process(pid, run_id=run_id, rank=rank, started_at=started):
+                live.append(f"replica {rank} (pid {pid} on this host)")
+        elif age is not None and age < LIVE_HEARTBEAT_S:
+            live.append(f"replica {rank} (on {hb.get('host')}, heartbeat {age:.0f}s ago)")
+    return live
+
+
+@dataclass
+class _Found:
+    """What the run folder says about a stopped run (read by ``_read_run``)."""
+
+    uri: str  # the run folder
+    spec: RunSpec
+    previous: str | None  # the status in the previous result.json, if any
+    live: list[str]  # replicas that may still be running
+    launches: list[int]
+    rounds: list[int]  # global rounds whose state landed
+    inner: dict[int, set[int]]  # rank -> rounds it saved its inner state for
+    backend_options: dict[str, Any]  # those it was launched with (backend.json)
+
+
+def _read_run(store: str | None, run_id: str) -> _Found:
+    """Read what a resume needs; LaunchError for a folder without a run or a store error."""
+    from crf.store import RunStore, join_uri, normalize_uri
+
+    where = store or DEFAULT_STORE
+    with store_errors(f"{where}/{run_id}"):
+        run_store = RunStore(join_uri(normalize_uri(where), run_id), retries=0)
+        if not run_store.exists(layout.RUN_SPEC):
+            raise LaunchError(
+                f"nothing to resume at {display_path(run_store)}: it holds no run.json (check "
+                "--store and the run id)"
+            )
+        spec = read_run_spec(run_store)
+        previous = None
+        if run_store.exists(layout.RESULT):
+            with contextlib.suppress(ValueError, AttributeError):  # damaged: treated as none
+                previous = run_store.get_json(layout.RESULT).get("status")
+        return _Found(
+            uri=run_store.uri,
+            spec=spec,
+            previous=previous,
+            live=live_replicas(run_store, spec.replicas, spec.run_id),
+            launches=layout.launch_numbers(run_store),
+            rounds=layout.global_rounds(run_store, complete=True),
+            inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
+            backend_options=saved_backend_options(run_store),
+        )
+
+
+def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
+    """LaunchError if the run must not be resumed: it finished, it still runs, or the
+    backend named is not the one it was launched on."""
+    if found.previous == "ok":
+        raise LaunchError(
+            f"run {run_id} already finished (result.json says ok); there is nothing to resume"
+        )
+    if found.live:
+        raise LaunchError(
+            f"run {run_id} still has running replicas: {', '.join(found.live)}; stop them (or "
+            "let them finish) before resuming, or two replicas would share one rank"
+        )
+    if backend is not None and backend != found.spec.backend:
+        raise LaunchError(
+            f"run {run_id} was launched on backend {found.spec.backend!r}; resume it there "
+            f"(got --backend {backend})"
+        )
+
+
+def prepare_resume(
+    run_id: str,
+    *,
+    store: str | None = None,
+    backend: str | None = None,
+    executor: ServerlessExecutor | None = None,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    max_run_restarts: int | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Validate that run ``run_id`` in ``store`` can be continued; LaunchError otherwise.
+
+    The run keeps everything in its ``run.json`` (job, N, H, rounds, deadlines...), which is
+    read and never rewritten. Refused: a run folder without ``run.json``, a run that already
+    finished ok, a run whose replicas may still be running, and another backend than the one
+    the run was launched on.
+    """
+    from crf.store import RunStore
+
+    policy = RestartPolicy(max_restarts, max_run_restarts).validate()
+    try:
+        check_run_id(run_id, "--resume run id")  # one folder in --store, never a path out
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
+    found = _read_run(store, run_id)
+    _refuse(run_id, found, backend)
+    spec = found.spec
+    if executor is None:
+        executor = make_executor(spec.backend, {**found.backend_options, **(backend_options or {})})
+    check_replica_limit(executor, spec.replicas)
+    try:
+        executor.check_ready(found.uri)
+        executor.check_command(spec.entrypoint)
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
+    validate_job(spec.job, spec.job_config)
+    run_store = RunStore(found.uri)
+    # replicas find the run where it is now, even if the folder was moved since launch
+    spec.run_uri = run_store.uri
+    start, superseded, fresh = resume_point(spec, found.rounds, found.inner)
+    info = ResumeInfo(
+        launch=(max(found.launches) + 1) if found.launches else 1,
+        from_round=start,
+        previous_status=found.previous,
+        superseded=superseded,
+        fresh_inner=fresh,
+    )
+    return Plan(spec, run_store, executor, spec.entrypoint, policy, info)
+
+
+def resume_point(
+    spec: RunSpec, rounds: list[int], inner: Mapping[int, set[int]]
+) -> tuple[int | None, list[int], list[int]]:
+    """Where a resume starts: (global round, newer global rounds to set aside, replicas
+    without a saved inner state of that round). ``inner``: rank -> rounds it saved.
+
+    A checkpoint is the global state of round r plus every replica's own inner-optimizer
+    state of r, written by each replica in the background after the round committed. A run
+    killed at any moment can hold ``global/<r>`` while a replica's ``inner/<r>`` never landed;
+    resuming there would restart that replica's inner optimizer and the run would no longer
+    be the run nobody killed. So the resume starts from the newest global round whose inner
+    states all exist, and the newer ones (recomputed, bit for bit, by the resumed replicas)
+    are set aside. If no kept round is complete (a replica was gone for a while, or the job
+    has no inner optimizer), it starts from the newest and those replicas start afresh.
+    """
+    if not rounds:
+        return None, [], []
+
+    def missing(r: int) -> list[int]:
+        return [k for k in range(spec.replicas) if r not in inner.get(k, set())]
+
+    complete = [r for r in rounds if spec.saves_inner_state(r) and not missing(r)]
+    start = max(complete) if complete else max(rounds)
+    fresh = missing(start) if spec.saves_inner_state(start) else []
+    return start, sorted(r for r in rounds if r > start), fresh
+
+
+def claim_resume(plan: Plan, record: layout.LaunchRecord) -> int:
+    """Claim resumed launch k (``launches/<k>.json``, create-if-absent: two drivers resuming
+    at once cannot both win) and return k. The previous ``result.json`` and
+    ``results/<rank>.json`` are kept under ``launches/<k>/previous/`` before the replicas
+    write new ones, and what the stopped launch left after the resume point is put aside."""
+    assert plan.resume is not None
+    spec, store, k = plan.spec, plan.store, plan.resume.launch
+    record.launch, record.resumed_from_round = k, plan.resume.from_round
+    record.superseded_globals = list(plan.resume.superseded)
+    if not store.put_json_if_absent(layout.launch_key(k), record.opening()):
+        raise LaunchError(
+            f"another driver is resuming run {spec.run_id} right now ({layout.launch_key(k)} "
+            "exists); let it run, or wait for it to stop"
+        )
+    keep = [layout.RESULT] + [layout.result_key(r) for r in range(spec.replicas)]
+    for src in keep:
+        with contextlib.suppress(Exception):  # missing is normal; nothing here may block
+            store.put(layout.previous_key(k, src), store.get(src))
+            if src != layout.RESULT:
+                store.delete(src)
+    _set_aside(plan, k)
+    return k
+
+
+def _set_aside(plan: Plan, k: int) -> None:
+    """No replica of the run is alive (checked before): exchange rounds after the newest
+    global state belong to the stopped launch, and the replicas will run them again from
+    that state; so would heal requests. Left in place, a resumed round could read its old
+    quorum and averages (with checkpoint_every > 1 there are up to that many such rounds).
+    Superseded global states are kept, not lost: the replicas write them again."""
+    from crf.store import ObjectNotFound
+
+    assert plan.resume is not None
+    store, top = plan.store, plan.resume.from_round
+    for g in plan.resume.superseded:
+        with contextlib.suppress(ObjectNotFound):
+            store.put(
+                layout.superseded_key(k, layout.global_key(g)), store.get(layout.global_key(g))
+            )
+            store.delete(layout.global_dir(g))
+    with contextlib.suppress(Exception):  # noqa: BLE001 - a leftover is cleaned next time
+        for r in layout.round_numbers(store):
+            if top is None or r > top:
+                store.delete(layout.round_dir(r))
+        store.delete(layout.HEAL)

@@ -1,0 +1,262 @@
+"""Supervision: watch a launched run's replicas until they end, restarting failed ones.
+
+The new process of a restarted replica resumes from the store by itself, so a restart is just
+"run the same command again"; what the failed attempt left behind is kept under
+``launches/<k>/attempts/`` first, so neither a restart nor the summary loses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+
+from crf import layout
+from crf.executors.base import (
+    ExecutorError,
+    ReplicaHandle,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from crf.launcher.plan import Plan
+    from crf.store import RunStore
+
+LOG_TAIL_LINES = 15
+#: exit codes that a restart cannot fix (crf.replica): why, for the summary
+NO_RESTART_EXIT_CODES = {
+    2: "means its environment is broken",
+    3: "means it failed with an error a restart cannot fix",
+}
+
+
+def read_heartbeat(store: RunStore, rank: int) -> dict[str, Any] | None:
+    try:
+        data = store.get_json(layout.heartbeat_key(rank))
+    except Exception:  # noqa: BLE001 - absent, torn or any client error: the watch goes on
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def _newline_after(console: Console, enabled: bool) -> Iterator[None]:
+    """Off a terminal, Live prints its last frame without a final newline; add it."""
+    try:
+        yield
+    finally:
+        if enabled and not console.is_terminal:
+            console.line()
+
+
+class Supervisor:
+    """Keeps a run's replicas going: relaunches failed ones within the restart policy and
+    records every attempt that ended, so the summary can say what happened.
+
+    ``handles`` always holds the current attempt of each rank (rank order). Before a rank is
+    relaunched, what its failed attempt left (``results/<rank>.json``, its last heartbeat, its
+    exit status) is moved to ``launches/<k>/attempts/<rank>-<attempt>.json``: the new process
+    must not be judged by its predecessor's result, and the record must not be lost either.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        handles: Sequence[ReplicaHandle],
+        *,
+        launch_no: int,
+        console: Console | None = None,
+    ) -> None:
+        self.plan = plan
+        self.handles = list(handles)
+        self.launch_no = launch_no
+        self.console = console
+        self.restarts = {h.rank: 0 for h in handles}
+        self.attempts: dict[int, list[dict[str, Any]]] = {h.rank: [] for h in handles}
+        self.not_restarted: dict[int, str] = {}
+        self.stopped = False  # set once the driver cancels the run: no more restarts
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts.values())
+
+    def _why_not(self, rank: int, status: ReplicaStatus) -> str | None:
+        policy = self.plan.restart
+        if self.stopped:
+            return "the run is being stopped"
+        if status.exit_code in NO_RESTART_EXIT_CODES:
+            return f"exit code {status.exit_code} {NO_RESTART_EXIT_CODES[status.exit_code]}"
+        if self._reported_unrestartable(rank):
+            return "it reported an error a restart cannot fix"
+        if self.restarts[rank] >= policy.max_restarts:
+            return f"it already restarted {self.restarts[rank]} time(s) (--max-restarts)"
+        if policy.max_run_restarts is not None and self.total_restarts >= policy.max_run_restarts:
+            return f"the run already restarted {self.total_restarts} time(s) (--max-run-restarts)"
+        return None
+
+    def _reported_unrestartable(self, rank: int) -> bool:
+        """The failed attempt's result says a restart would hit the same error (a user's own
+        entrypoint exits 1 for any error; ``crf.replica`` also exits 3)."""
+        try:
+            result = self.plan.store.get_json(layout.result_key(rank))
+        except Exception:  # noqa: BLE001 - none (it died) or unreadable: the exit code decides
+            return False
+        return isinstance(result, dict) and result.get("restartable") is False
+
+    def check(self, index: int, heartbeat: dict[str, Any] | None) -> ReplicaStatus:
+        """The status of the replica at ``index``, relaunching it first if it failed and may
+        restart (the returned status is then the new attempt's)."""
+        executor = self.plan.executor
+        handle = self.handles[index]
+        status = executor.status(handle)
+        if executor.native_restarts:  # the platform restarts it; we only count
+            self.restarts[handle.rank] = max(self.restarts[handle.rank], status.restarts)
+            return status
+        if status.state is not ReplicaState.FAILED or handle.rank in self.not_restarted:
+            return status
+        reason = self._why_not(handle.rank, status)
+        if reason is not None:
+            self.not_restarted[handle.rank] = reason
+            self._say(
+                f"[red]replica {handle.rank} {escape(_what(status))}; not restarting it: "
+                f"{escape(reason)}[/]"
+            )
+            return status
+        if heartbeat and (heartbeat.get("updated_at") or 0) < handle.started_at - 1:
+            heartbeat = None  # written by an earlier attempt: says nothing about this one
+        self._record(handle, status, heartbeat)
+        try:
+            new = executor.relaunch(handle)
+        except ExecutorError as e:
+            self.not_restarted[handle.rank] = f"relaunch failed: {e}"
+            self._say(f"[red]replica {handle.rank}: could not restart it: {escape(str(e))}[/]")
+            return status
+        self.restarts[handle.rank] += 1
+        self.handles[index] = new
+        save_handles(self.plan.store, self.launch_no, self.handles)
+        where = f" in round {heartbeat.get('round')}" if heartbeat else ""
+        self._say(
+            f"[yellow]replica {handle.rank} {escape(_what(status))}{where}: restarted it "
+            f"({self.restarts[handle.rank]}/{self.plan.restart.max_restarts}); it resumes "
+            "from the newest global state[/]"
+        )
+        return executor.status(new)
+
+    def _record(
+        self, handle: ReplicaHandle, status: ReplicaStatus, heartbeat: dict[str, Any] | None
+    ) -> None:
+        store = self.plan.store
+        attempt = int(handle.extra.get("attempt", 0))
+        record: dict[str, Any] = {
+            "rank": handle.rank,
+            "launch": self.launch_no,
+            "attempt": attempt,
+            "backend_id": handle.backend_id,
+            "state": str(status.state),
+            "exit_code": status.exit_code,
+            "message": status.message,
+            "started_at": handle.started_at,
+            "ended_at": time.time(),
+            "phase": (heartbeat or {}).get("phase"),
+            "round": (heartbeat or {}).get("round"),
+            "step": (heartbeat or {}).get("step"),
+            "result": None,
+        }
+        try:
+            key = layout.result_key(handle.rank)
+            if store.exists(key):
+                record["result"] = store.get_json(key)
+            store.put_json(layout.attempt_key(self.launch_no, handle.rank, attempt), record)
+            if record["result"] is not None:
+                store.delete(key)
+        except Exception as e:  # bookkeeping must never stop a restart
+            record["record_error"] = f"{type(e).__name__}: {e}"
+        slim = {k: v for k, v in record.items() if k != "result"}
+        if isinstance(record["result"], dict):  # it failed cleanly and said why
+            slim["error"] = record["result"].get("error")
+            slim["rejected"] = record["result"].get("rejected") or []
+        self.attempts[handle.rank].append(slim)
+
+    def _say(self, message: str) -> None:
+        """Tell the user at once (above the live table): a restart is news, not a summary."""
+        if self.console is not None:
+            self.console.print(message, highlight=False)
+
+
+def save_handles(store: RunStore, launch_no: int, handles: Sequence[ReplicaHandle]) -> None:
+    """Keep the current handles in the store (plain data, no secrets) so ``crf status``,
+    ``crf logs`` and ``crf cancel`` can reattach from any process."""
+    with contextlib.suppress(Exception):  # bookkeeping must never stop a run
+        store.put_json(layout.handles_key(launch_no), {"handles": [h.to_dict() for h in handles]})
+
+
+def _what(status: ReplicaStatus) -> str:
+    """'was killed by SIGKILL' / 'exited with code 1' for a failed replica."""
+    if status.message.startswith("killed"):
+        return f"was {status.message}"
+    return status.message or f"failed (exit code {status.exit_code})"
+
+
+def watch(
+    sup: Supervisor,
+    *,
+    console: Console,
+    progress: bool,
+    timeout_s: float | None,
+    poll_s: float,
+    started: float,
+) -> bool:
+    """Poll process status and heartbeats until every replica ended (relaunching failed ones
+    through ``sup``); True if the run timed out and was cancelled."""
+    from rich.live import Live
+
+    from crf.launcher.progress import ReplicaView, render_progress
+
+    plan = sup.plan
+    spec, store, executor = plan.spec, plan.store, plan.executor
+    beats: dict[int, dict[str, Any] | None] = {h.rank: None for h in sup.handles}
+
+    def refresh() -> tuple[bool, Any]:
+        views = []
+        for i, h in enumerate(sup.handles):
+            beats[h.rank] = read_heartbeat(store, h.rank) or beats[h.rank]
+            st = sup.check(i, beats[h.rank])
+            views.append(ReplicaView(h.rank, st, beats[h.rank], sup.restarts[h.rank]))
+        table = render_progress(
+            views,
+            run_id=spec.run_id,
+            rounds=spec.rounds,
+            sync_every=spec.sync_every,
+            elapsed_s=time.time() - started,
+        )
+        return all(v.status.terminal for v in views), table
+
+    live = Live(console=console, refresh_per_second=4, transient=False) if progress else None
+    with _newline_after(console, live is not None), live or contextlib.nullcontext():
+        while True:
+            done, table = refresh()
+            if live is not None:
+                live.update(table, refresh=True)
+            if done:
+                return False
+            if timeout_s is not None and time.time() - started > timeout_s:
+                sup.stopped = True
+                executor.cancel_all(sup.handles)
+                if live is not None:
+                    live.update(refresh()[1], refresh=True)
+                return True
+            time.sleep(poll_s)
+
+
+def log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:
+    try:
+        return list(deque(executor.logs(handle), maxlen=LOG_TAIL_LINES))
+    except Exception:  # logs are a courtesy; never let them hide the real result
+        return []
