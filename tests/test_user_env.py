@@ -112,3 +112,25 @@ def test_resume_reads_the_secret_values_again(
     monkeypatch.delenv("MY_TOKEN")
     with pytest.raises(LaunchError, match="--secret MY_TOKEN: not set in this environment"):
         prepare_resume("r", store=str(store))
+
+
+def test_the_secret_flag_is_repeatable_and_fails_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``crf launch --secret A --secret B=@file``, made from the declaration (cli.py builds
+    list options as repeatable flags); the dry run shows no value."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    monkeypatch.setenv("MY_TOKEN", VALUE)
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    (tmp_path / "key").write_text("from-a-file-0123")
+    base = ["launch", "--job", "lm", "--store", str(tmp_path / "runs"), "--dry-run"]
+    runner = CliRunner()
+    ok = runner.invoke(app, [*base, "--secret", "MY_TOKEN", "--secret", f"K=@{tmp_path / 'key'}"])
+    assert ok.exit_code == 0, ok.output
+    assert VALUE not in ok.output and "from-a-file" not in ok.output
+    bad = runner.invoke(app, [*base, "--secret", "MY_TOKEN", "--secret", "NOT_SET_ANYWHERE"])
+    assert bad.exit_code == 2
+    assert "--secret NOT_SET_ANYWHERE: not set in this environment" in bad.output
