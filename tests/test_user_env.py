@@ -134,3 +134,24 @@ def test_the_secret_flag_is_repeatable_and_fails_before_launch(
     bad = runner.invoke(app, [*base, "--secret", "MY_TOKEN", "--secret", "NOT_SET_ANYWHERE"])
     assert bad.exit_code == 2
     assert "--secret NOT_SET_ANYWHERE: not set in this environment" in bad.output
+
+
+def test_local_replicas_get_env_plain_and_secrets_hidden_also_after_a_relaunch(
+    tmp_path: Path,
+) -> None:
+    """The local backend: ``plain_env`` is ordinary environment (printed as is), ``env`` is
+    secret (the replica's log shows ``***``), and a relaunch of the rank gets both again."""
+    import sys
+
+    from crf.executors.local import LocalProcessExecutor
+
+    ex = LocalProcessExecutor()
+    code = "import os; print('saw', os.environ['PROJECT'], os.environ['MY_TOKEN'], flush=True)"
+    (h,) = ex.launch_replicas(1, [sys.executable, "-c", code], env={"MY_TOKEN": VALUE},
+                              plain_env={"PROJECT": "grpo-plain"},
+                              run_uri=str(tmp_path / "runs" / "r"))  # fmt: skip
+    assert ex.wait([h], timeout=60)
+    again = ex.relaunch(h)
+    assert ex.wait([again], timeout=60)
+    lines = [line for line in ex.logs(again) if line.startswith("saw")]
+    assert lines == ["saw grpo-plain ***", "saw grpo-plain ***"], lines
