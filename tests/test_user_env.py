@@ -43,9 +43,11 @@ def test_secret_values_are_read_at_launch_from_the_environment_and_files(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"secrets": ["NOT_SET_ANYWHERE"]},
-         "--secret NOT_SET_ANYWHERE: not set in this environment; export it or use "
-         "NOT_SET_ANYWHERE=@file"),
+        (
+            {"secrets": ["NOT_SET_ANYWHERE"]},
+            "--secret NOT_SET_ANYWHERE: not set in this environment; export it or use "
+            "NOT_SET_ANYWHERE=@file",
+        ),
         ({"secrets": ["K=@/nonexistent/key"]}, r"--secret K=@/nonexistent/key: cannot read"),
         ({"secrets": ["K=plain-value"]}, "give the name only"),
         ({"secrets": ["CRF_RANK"]}, "CRF_\\* variables are crf's own"),
