@@ -253,7 +253,13 @@ def _poisoned(payload: Any, wire: str, n: int) -> Any:
 
 
 class RoundFailed(AllReduceError):
-    """Another participant declared this round failed (e.g. a corrupt contribution)."""
+    """A participant declared this round failed (e.g. a corrupt reduced shard): nobody can
+    finish it consistently. ``rejection`` names the bad object (``failed.json`` when the
+    failure is about no one object), as every replica reports it."""
+
+    def __init__(self, message: str, rejection: layout.Rejection) -> None:
+        super().__init__(message)
+        self.rejection = rejection
 
 
 @dataclass
@@ -1076,8 +1082,7 @@ class ObjectStoreAllReduce:
         if problems:
             msg = f"{key}: not this run's decision of round {r} ({'; '.join(problems)})"
             log.warning("rejected %s", msg)
-            self._fail_round(r, f"bad quorum: {msg}")
-            raise RoundFailed(f"round {r} failed: {msg}")
+            raise self._fail_round(r, f"bad quorum: {msg}", key, msg)
         return decided
 
     def _lag_behind(self, r: int) -> int | None:
@@ -1272,7 +1277,10 @@ class ObjectStoreAllReduce:
                 acc = self._add_part(job, s, acc, w)
                 used.append(p)
         if acc is None:
-            raise RoundFailed(f"round {job.round}: no usable contribution for shard {s}")
+            why = f"no usable contribution for shard {s}"
+            raise RoundFailed(
+                f"round {job.round}: {why}", layout.Rejection(layout.failed_key(job.round), why)
+            )
         return self._publish_reduced(res, job, s, acc, used)
 
     def _fetch_parts(self, res: AllReduceResult, job: _Round, s: int) -> dict[int, Future]:
@@ -1353,8 +1361,7 @@ class ObjectStoreAllReduce:
         acc.div_(len(used))
         if not wirefmt.finite(acc):  # finite parts whose sum overflowed fp32
             why = f"the sum of shard {s} overflowed float32 ({describe_nonfinite(acc)})"
-            self._fail_round(r, why)
-            raise RoundFailed(f"round {r} failed: {why}")
+            raise self._fail_round(r, why)
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
         wire = wirefmt.encode(acc, self.wire, self._segments[job.lhash][s])
@@ -1394,8 +1401,7 @@ class ObjectStoreAllReduce:
                 raise CorruptObjectError(f"{key}: reduced shard has the wrong size")
         except CorruptObjectError as e:
             # the one copy everyone needs is bad: nobody can finish this round consistently
-            self._fail_round(r, f"bad reduced shard: {e}")
-            raise RoundFailed(f"round {r} failed: {e}") from e
+            raise self._fail_round(r, f"bad reduced shard: {e}", key, str(e)) from e
         return t  # decoded once the whole round is here (allreduce, step 4)
 
     def _check_own_finite(
@@ -1445,9 +1451,8 @@ class ObjectStoreAllReduce:
         round fails for everyone, like a corrupt one."""
         for s, w in got.items():
             if not wirefmt.all_finite(w, self.wire, bounds[s][1] - bounds[s][0], segs[s]):
-                why = f"bad reduced shard: {layout.reduced_key(r, s)}: {_NONFINITE}"
-                self._fail_round(r, why)
-                raise RoundFailed(f"round {r} failed: {why}")
+                key = layout.reduced_key(r, s)
+                raise self._fail_round(r, f"bad reduced shard: {key}: {_NONFINITE}", key)
 
     def round_failed(self, r: int) -> bool:
         """Whether some replica declared round ``r`` failed (it cannot complete)."""
@@ -1458,17 +1463,27 @@ class ObjectStoreAllReduce:
         others then took its outer step, and a replica that missed it is behind."""
         return self.store.object_exists(layout.quorum_key(r)) and not self.round_failed(r)
 
-    def _fail_round(self, r: int, reason: str) -> None:
-        body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
+    def _fail_round(
+        self, r: int, reason: str, key: str | None = None, said: str | None = None
+    ) -> RoundFailed:
+        """Declare round r failed for everyone (``failed.json``, create-if-absent: the first
+        declaration stands) and return the error to raise. ``key``: the bad object (apart
+        from the reason, so nobody reads it out of the text); ``said``: the error's message
+        after "round r failed: " when it differs from ``reason``."""
+        key = key or layout.failed_key(r)
+        body = {"round": r, "reason": reason, "key": key, "by": self.rank, "at": time.time()}
         self.store.put_if_absent(layout.failed_key(r), jsonsafe.dumps(body).encode())
+        return RoundFailed(f"round {r} failed: {said or reason}", layout.Rejection(key, reason))
 
     def _raise_if_failed(self, r: int) -> None:
         try:
             body = self.store.get_json(layout.failed_key(r))
         except ObjectNotFound:
             return
+        reason = str(body.get("reason"))
         raise RoundFailed(
-            f"round {r} failed (declared by replica {body.get('by')}): {body.get('reason')}"
+            f"round {r} failed (declared by replica {body.get('by')}): {reason}",
+            layout.Rejection(str(body.get("key") or layout.failed_key(r)), reason),
         )
 
     def close(self) -> None:

@@ -467,7 +467,7 @@ class ObjectStoreManager:
             sync.commit = False
             partial = self.exchange.history[-1] if self.exchange.history else None
             if isinstance(e, RoundFailed):
-                self.stats.rejected.append(layout.round_failure(self._step, str(e)))
+                self.stats.rejected.append(e.rejection)
             if partial is not None and partial.round == self._step:
                 self._account(partial)
         finally:
