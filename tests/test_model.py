@@ -1,0 +1,146 @@
+"""Model options (--model, --precision, --device, --lora-rank ...): the device and dtype
+decisions, loading a model by Hub id through the loopback Hub with the real clients, and
+bit-identical initial weights on every replica (crf/replica/model.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from crf.replica.context import split_model, weights_sha256
+from crf.replica.model import (
+    Placement,
+    choose_device,
+    choose_dtype,
+    load_pretrained,
+    trainable_count,
+)
+from crf.spec import RunSpec, SpecError
+from tests.hub_models import GENERATION_PROMPT, TINY_REPO
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = Placement("cpu", "fp32")
+
+
+@pytest.mark.parametrize(
+    ("requested", "cuda", "want"),
+    [("auto", True, "cuda"), ("auto", False, "cpu"), ("cuda", True, "cuda"),
+     ("cpu", True, "cpu"), ("cpu", False, "cpu")],
+)  # fmt: skip
+def test_choose_device(requested: str, cuda: bool, want: str) -> None:
+    assert choose_device(requested, cuda) == want
+
+
+def test_cuda_without_a_gpu_is_refused() -> None:
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        choose_device("cuda", False)
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "bf16", "want"),
+    [("auto", "cuda", True, "bf16"), ("auto", "cuda", False, "fp32"),
+     ("auto", "cpu", True, "fp32"), ("auto", "cpu", False, "fp32"),
+     ("bf16", "cuda", True, "bf16"), ("bf16", "cpu", False, "bf16"),
+     ("fp16", "cuda", False, "fp16"), ("fp32", "cuda", True, "fp32")],
+)  # fmt: skip
+def test_choose_dtype(requested: str, device: str, bf16: bool, want: str) -> None:
+    assert choose_dtype(requested, device, bf16) == want
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "bf16", "message"),
+    [("fp16", "cpu", False, "needs a CUDA GPU"), ("bf16", "cuda", False, "use fp16")],
+)
+def test_dtypes_the_hardware_cannot_do_are_refused(
+    requested: str, device: str, bf16: bool, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        choose_dtype(requested, device, bf16)
+
+
+def test_trainer_args_follow_the_placement() -> None:
+    assert CPU.trainer_args() == {"use_cpu": True, "bf16": False, "fp16": False}
+    assert Placement("cuda", "bf16").trainer_args() == {
+        "use_cpu": False, "bf16": True, "fp16": False}  # fmt: skip
+    assert Placement("cuda", "fp16").trainer_args()["fp16"] is True
+    # this machine: the spec's auto resolves to what torch sees
+    auto = Placement.for_spec(RunSpec(run_id="r", run_uri="memory://x"))
+    assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_model_options_are_validated_before_launch() -> None:
+    spec = RunSpec(run_id="r", run_uri="memory://x", model="org/name", lora_rank=4)
+    assert spec.validate().lora_alpha == 16
+    for field, value, message in [
+        ("precision", "fp8", "--precision 'fp8' is unknown; choose one of auto, bf16"),
+        ("device", "tpu", "--device 'tpu' is unknown"),
+        ("lora_rank", -1, "--lora-rank must be an integer >= 0"),
+        ("model", " ", "--model must name a Hub id or a folder"),
+    ]:
+        bad = RunSpec(run_id="r", run_uri="memory://x", **{field: value})
+        with pytest.raises(SpecError, match=message):
+            bad.validate()
+    with pytest.raises(SpecError, match="fp16 needs a CUDA GPU"):
+        RunSpec(run_id="r", run_uri="memory://x", precision="fp16", device="cpu").validate()
+
+
+def test_lora_without_peft_names_the_extra() -> None:
+    # a fresh interpreter where peft cannot be imported
+    code = (
+        "import sys; sys.modules['peft'] = None\n"
+        "import importlib.util as u; u.find_spec = lambda n, *a: None if n == 'peft' else "
+        "__import__('importlib').machinery.PathFinder.find_spec(n)\n"
+        "from crf.spec import RunSpec, SpecError\n"
+        "try:\n RunSpec(run_id='r', run_uri='memory://x', lora_rank=4).validate()\n"
+        "except SpecError as e:\n print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=True)  # fmt: skip
+    assert "install composer-replication[lora]" in out.stdout
+
+
+def _spec(**kw: Any) -> RunSpec:
+    return RunSpec(run_id="r", run_uri="memory://x", model=TINY_REPO, **kw)
+
+
+def test_load_by_hub_id_through_the_real_client(hf_hub: Any, hf_hub_env: dict) -> None:
+    model, tokenizer = load_pretrained(_spec(), CPU, seed=0)
+    asked = [path for _, path, status in hf_hub.requests if status == 200]
+    for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert any(p.startswith(f"/{TINY_REPO}/resolve/") and p.endswith(name) for p in asked)
+    assert (Path(hf_hub_env["HF_HOME"]) / "hub" / "models--crf-test--tiny-qwen2").is_dir()
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.training
+    assert next(model.parameters()).dtype == torch.float32
+    assert tokenizer.pad_token is not None and tokenizer.padding_side == "left"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "abc="}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "abc=" + GENERATION_PROMPT
+
+
+def test_two_replicas_load_bit_identical_weights(hf_hub: Any, hf_hub_env: dict) -> None:
+    a, _ = load_pretrained(_spec(), CPU, seed=3)
+    b, _ = load_pretrained(_spec(), CPU, seed=3)
+    assert weights_sha256(a) == weights_sha256(b)
+
+
+def test_lora_adapters_are_seeded_and_only_they_train(hf_hub: Any, hf_hub_env: dict) -> None:
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a, _ = load_pretrained(_spec(lora_rank=4, lora_alpha=8), CPU, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's stream untouched
+    b, _ = load_pretrained(_spec(lora_rank=4, lora_alpha=8), CPU, seed=7)
+    c, _ = load_pretrained(_spec(lora_rank=4, lora_alpha=8), CPU, seed=8)
+    assert weights_sha256(a) == weights_sha256(b) != weights_sha256(c)
+    trainable = [n for n, p in a.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # only the adapters are exchanged: one fragment that holds exactly them
+    (fragment,) = split_model(a, 1)
+    assert fragment is not a
+    assert sum(p.numel() for p in fragment.parameters()) == trainable_count(a)
+    assert trainable_count(a) < sum(p.numel() for p in a.parameters()) / 4
