@@ -405,7 +405,8 @@ class RunSpec:
     gradient_checkpointing: bool = option(
         False,
         group=WORKLOAD,
-        help="Recompute activations in the backward pass: less GPU memory, about a third more compute.",
+        help="Recompute activations in the backward pass: less GPU memory, about a third "
+        "more compute.",
     )
     lora_rank: int = option(
         0,

@@ -97,9 +97,7 @@ class Placement:
         """An autocast context for a hand-written training loop (a no-op in fp32)."""
         import torch
 
-        return torch.autocast(
-            self.device, dtype=self.torch_dtype, enabled=self.dtype != "fp32"
-        )
+        return torch.autocast(self.device, dtype=self.torch_dtype, enabled=self.dtype != "fp32")
 
 
 def require_peft() -> None:

@@ -240,8 +240,12 @@ class _HubHandler(BaseHTTPRequestHandler):
         if path not in repo.files:
             return self._error("EntryNotFound", f"{path} not in {repo_id}", repo.sha)
         data = repo.files[path].read_bytes()
-        headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{repo.etags[path]}"',
-                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}  # fmt: skip
+        headers = {
+            "X-Repo-Commit": repo.sha,
+            "ETag": f'"{repo.etags[path]}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         status, body = 200, data
         rng = self.headers.get("Range")
         if rng and rng.startswith("bytes="):
