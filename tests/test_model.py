@@ -144,3 +144,52 @@ def test_lora_adapters_are_seeded_and_only_they_train(hf_hub: Any, hf_hub_env: d
     assert fragment is not a
     assert sum(p.numel() for p in fragment.parameters()) == trainable_count(a)
     assert trainable_count(a) < sum(p.numel() for p in a.parameters()) / 4
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_composer_job_trains_a_hub_model_on_two_replicas(
+    tmp_path: Path, hf_hub: Any, hf_hub_env: dict, lora_rank: int
+) -> None:
+    """2 real replica processes load ``--model crf-test/tiny-qwen2`` from the loopback Hub
+    (HF_ENDPOINT through the launch env), train 1 round of 2 steps and end bit-identical;
+    with LoRA a round moves the adapters only."""
+    from crf.executors.local import LocalProcessExecutor
+    from crf.launcher import driver
+
+    summary = driver.launch(
+        {
+            "job": "composer",
+            "model": TINY_REPO,
+            "lora_rank": lora_rank,
+            "replicas": 2,
+            "sync_every": 2,
+            "rounds": 1,
+            "run_id": f"hub-{lora_rank}",
+            "job_config": {"prompts_per_step": 2, "num_generations": 2, "num_examples": 16,
+                           "eval_examples": 4},  # fmt: skip
+            "round_timeout_s": 120.0,
+        },
+        store=str(tmp_path / "runs"),
+        env={"CRF_LOG_LEVEL": "WARNING", **hf_hub_env},
+        executor=LocalProcessExecutor(grace_period_s=2.0),
+        restart=driver.RestartPolicy(max_restarts=0),
+        progress=False,
+        report=False,
+        plot=False,
+        poll_s=0.1,
+        timeout_s=300,
+    )
+    rows = summary["replicas"]
+    assert summary["status"] == "ok", [r.get("error") for r in rows]
+    assert summary["weights_identical"] is True
+    assert all(r["steps"] == 2 for r in rows), rows
+    # the replicas downloaded the model from the emulator (an empty cache in HF_HOME)
+    assert any(p.endswith("model.safetensors") and s == 200 for _, p, s in hf_hub.requests)
+    model, _ = load_pretrained(_spec(lora_rank=lora_rank), CPU, seed=0)
+    exchanged = 4 * trainable_count(model)  # fp32 bytes of what DiLoCo averages (P)
+    for row in rows:
+        # N = 2: P up and P (N-1)/N * 2 down, plus object headers
+        assert 1.5 * exchanged <= row["bytes_per_round"] <= 2 * exchanged + 64_000, row
+    if lora_rank:
+        assert exchanged < sum(4 * p.numel() for p in model.parameters()) / 4
