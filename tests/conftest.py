@@ -62,6 +62,15 @@ def hf_hub_env(hf_hub: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> d
     monkeypatch.setattr(constants, "HF_HOME", env["HF_HOME"])
     monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
     monkeypatch.setattr(hf_api.api, "endpoint", hf_hub.endpoint)
+    try:  # datasets keeps its own copy of the endpoint, read at import
+        from datasets import config as datasets_config
+    except ImportError:
+        return env
+    monkeypatch.setattr(datasets_config, "HF_ENDPOINT", hf_hub.endpoint)
+    monkeypatch.setattr(
+        datasets_config, "HUB_DATASETS_URL",
+        hf_hub.endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}",
+    )  # fmt: skip
     return env
 
 
