@@ -227,3 +227,19 @@ def test_the_hub_emulator_serves_dataset_repos(
         hf_hub_download("crf-test/tiny-data", "nope.json", repo_type="dataset")
     with pytest.raises(RepositoryNotFoundError):
         api.model_info("crf-test/absent")
+
+
+def test_lm_job_trains_a_hub_model_on_its_own_tokens(hf_hub: Any, hf_hub_env: dict) -> None:
+    """The lm job with --model: from_pretrained, the corpus through the model's tokenizer,
+    one loss on the chosen device."""
+    from types import SimpleNamespace
+
+    from crf.replica.jobs import lm
+
+    ctx = SimpleNamespace(spec=_spec(), rank=1, world_size=2, seed=0)
+    cfg = lm.Config(seq_len=16, batch_size=2, corpus_sentences=200, eval_batches=1)
+    model, data = lm.build(ctx, cfg, CPU)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    batch = data.batch(0, 5)
+    assert batch.shape == (2, 17) and int(batch.max()) < model.config.vocab_size
+    assert lm.evaluate(model, data, CPU) > 0
