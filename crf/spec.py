@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -558,6 +559,14 @@ class RunSpec:
             )
         if self.model is not None and not self.model.strip():
             raise SpecError("--model must name a Hub id or a folder (got an empty string)")
+        folder = self.model and os.path.expanduser(self.model)
+        if folder and self.model.startswith(("/", ".", "~")) and not os.path.isdir(folder):
+            # a path, not a Hub id (org/name): local replicas would each fail to load it
+            if self.backend == "local":
+                raise SpecError(
+                    f"--model {self.model!r}: no such folder (give a Hub id org/name or a "
+                    "folder saved with save_pretrained)"
+                )
 
     def to_json(self) -> str:
         return jsonsafe.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

@@ -86,6 +86,8 @@ def test_model_options_are_validated_before_launch() -> None:
         bad = RunSpec(run_id="r", run_uri="memory://x", **{field: value})
         with pytest.raises(SpecError, match=message):
             bad.validate()
+    with pytest.raises(SpecError, match="no such folder"):
+        RunSpec(run_id="r", run_uri="memory://x", model="./no/such/model").validate()
     with pytest.raises(SpecError, match="fp16 needs a CUDA GPU"):
         RunSpec(run_id="r", run_uri="memory://x", precision="fp16", device="cpu").validate()
 
