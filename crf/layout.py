@@ -283,6 +283,22 @@ class Rejection(Record):
         return cls(**_known(cls, data or {}))
 
 
+#: the key of the bad object a round failure names (failed.json's reason carries it as text)
+_FAILED_OBJECT = re.compile(
+    rf"{ROUNDS}/\d+/(?:contrib/\d+#\d+|held/\d+/\d+|contrib/\d+|reduced/\d+|quorum\.json)"
+)
+
+
+def round_failure(r: int, message: str) -> Rejection:
+    """The rejection a replica reports when round ``r`` failed: keyed by the bad object the
+    failure names (a round fails for everyone over one corrupt or foreign object, and every
+    replica then reports that same object), else by ``rounds/<r>/failed.json``. The failure
+    reaches a replica only as failed.json's text, so this is the one place that reads a key
+    out of a message."""
+    named = _FAILED_OBJECT.search(message)
+    return Rejection(key=named.group() if named else failed_key(r), reason=message)
+
+
 def rejected_keys(rejections: Iterable[Rejection]) -> list[str]:
     """The distinct keys of bad (not merely absent) objects, sorted by round then name: one
     bad object can be reported by several replicas, and counting keys counts objects."""

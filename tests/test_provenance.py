@@ -79,7 +79,7 @@ def test_a_reduced_shard_from_elsewhere_is_rejected_not_averaged(
         assert committed is False
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
         assert rejected_objects(rejected) == [key], rejected
-        assert any("not this run's round 1 shard 1" in m for m in rejected), rejected
+        assert any("not this run's round 1 shard 1" in str(m) for m in rejected), rejected
     assert store.exists("rounds/1/failed.json")
 
 

@@ -100,6 +100,18 @@ class CheckpointWriter:
                 self._pool = None
 
 
+def _rejection(key: str, error: CorruptObjectError, where: str | None = None) -> layout.Rejection:
+    """The record of a refused object: its bare run-folder ``key`` and why. The error's text
+    starts with where the object was read (the key, or the store URI and key), which the
+    record already names."""
+    reason = str(error)
+    for prefix in (where, key):
+        if prefix and reason.startswith(f"{prefix}: "):
+            reason = reason[len(prefix) + 2 :]
+            break
+    return layout.Rejection(key=key, reason=reason)
+
+
 class Checkpoints:
     """One replica's side of the run's checkpoints (see the module docstring). It reads the
     run id, ``keep_rounds`` and ``checkpoint_every`` from the exchange's config and asks the
@@ -113,7 +125,7 @@ class Checkpoints:
         *,
         heal_timeout_s: float | None = None,
         keepalive: Callable[[], None] = lambda: None,
-        on_reject: Callable[[str], None] = lambda reason: None,
+        on_reject: Callable[[layout.Rejection], None] = lambda rejection: None,
     ) -> None:
         config = exchange.config
         self.exchange = exchange
@@ -264,8 +276,9 @@ class Checkpoints:
         key = layout.global_key(r)
         data = self.store.get(key)
         self.bytes_down += len(data)
+        where = f"{self.store.uri}/{key}"
         try:
-            payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
+            payload, meta = decode_blob(data, where=where)
             expect = {"run_id": self.exchange.config.run_id, "round": r}
             if self.layout is not None:
                 expect["layout"] = self.layout
@@ -278,7 +291,7 @@ class Checkpoints:
         except CorruptObjectError as e:
             log.warning("rejected %s", e)
             self._bad.add(r)
-            self._reject(str(e))
+            self._reject(_rejection(key, e, where))
             raise
         return ckpt["state"]
 
@@ -422,7 +435,7 @@ class Checkpoints:
                 )
             return torch.load(io.BytesIO(payload), weights_only=True)
         except CorruptObjectError as e:
-            self._reject(str(e))
+            self._reject(_rejection(key, e))
             raise
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from crf import layout
 from crf.exchange.allreduce import (
     AllReduceError,
     AllReduceResult,
@@ -158,8 +159,8 @@ class ManagerStats:
     rounds_caught_up: list[int] = field(default_factory=list)  # left out, took the average
     bytes_up: int = 0  # exchange traffic only (pseudo-gradients, quorum, reduced shards)
     bytes_down: int = 0
-    #: objects left out or refused (exchange parts, global and inner states), as text
-    rejected: list[str] = field(default_factory=list)
+    #: objects left out or refused (exchange parts, global and inner states, failed rounds)
+    rejected: list[layout.Rejection] = field(default_factory=list)
     blocked_s: float = 0.0  # the training thread blocked in the manager
     transfer_s: float = 0.0  # background exchanges, start to finish
     last_transfer_s: float = 0.0
@@ -240,7 +241,7 @@ class ObjectStoreManager:
             CheckpointWriter(async_checkpoints, self._write_failed),
             heal_timeout_s=heal_timeout_s,
             keepalive=self._keepalive,
-            on_reject=lambda reason: self.stats.rejected.append(reason),
+            on_reject=lambda rejection: self.stats.rejected.append(rejection),
         )
         self.on_phase = on_phase
         self.background = background
@@ -466,7 +467,7 @@ class ObjectStoreManager:
             sync.commit = False
             partial = self.exchange.history[-1] if self.exchange.history else None
             if isinstance(e, RoundFailed):
-                self.stats.rejected.append(str(e))
+                self.stats.rejected.append(layout.round_failure(self._step, str(e)))
             if partial is not None and partial.round == self._step:
                 self._account(partial)
         finally:
