@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -45,6 +47,9 @@ MAX_SEED = 2**32 - 1
 #: the longest wait Python's threading and time.sleep accept (about 292 years); a longer
 #: deadline raises OverflowError in the replica
 MAX_WAIT_S = float(threading.TIMEOUT_MAX)
+#: training precisions and devices (crf/replica/model.py resolves ``auto``)
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+DEVICES = ("auto", "cuda", "cpu")
 
 
 class SpecError(ValueError):
@@ -149,6 +154,7 @@ def new_run_id(prefix: str = "run") -> str:
 # ---------------------------------------------------------------------- run options
 #: help panels of ``crf launch --help``, in the order they are shown
 RUN, DILOCO, WIRE, BACKEND = "Run", "DiLoCo", "Streaming and wire format", "Backend"
+WORKLOAD = "Model, data and reward"
 
 
 @dataclass(frozen=True)
@@ -411,6 +417,47 @@ class RunSpec:
         help="Streaming DiLoCo: inner steps a fragment's upload overlaps with training "
         "before the replica waits for it.",
     )
+    model: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="The model to train: a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct) or a "
+        "folder saved with save_pretrained (default: the job's embedded tiny model).",
+    )
+    trust_remote_code: bool = option(
+        False,
+        group=WORKLOAD,
+        help="Run the model repo's own Python code (only for a model you trust).",
+    )
+    precision: str = option(
+        "auto",
+        choices=PRECISIONS,
+        group=WORKLOAD,
+        help="Training precision: auto (bf16 on a CUDA GPU that supports it, else fp32), "
+        "bf16, fp16 or fp32.",
+    )
+    device: str = option(
+        "auto",
+        choices=DEVICES,
+        group=WORKLOAD,
+        help="Where each replica trains: auto (cuda when a GPU is present), cuda or cpu.",
+    )
+    gradient_checkpointing: bool = option(
+        False,
+        group=WORKLOAD,
+        help="Recompute activations in the backward pass: less GPU memory, about a third "
+        "more compute.",
+    )
+    lora_rank: int = option(
+        0,
+        low=0,
+        high=4096,
+        group=WORKLOAD,
+        help="Train LoRA adapters of this rank (peft) instead of every weight; only the "
+        "adapters are exchanged (0 = off).",
+    )
+    lora_alpha: int = option(
+        16, low=1, high=65536, group=WORKLOAD, help="LoRA scaling numerator (alpha / rank)."
+    )
     backend: str = option(
         "local",
         run_defining=False,
@@ -496,7 +543,30 @@ class RunSpec:
             f"{self.sync_period}) (got {self.fragment_sync_delay!r}): a fragment's exchange "
             "must finish before the next fragment's starts",
         )
+        self._validate_workload()
         return self
+
+    def _validate_workload(self) -> None:
+        """What relates the model options, and the optional packages they need."""
+        if self.precision == "fp16" and self.device == "cpu":
+            raise SpecError(
+                "--precision fp16 needs a CUDA GPU (--device cuda or auto); on a CPU use "
+                "bf16 or fp32"
+            )
+        if self.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+            raise SpecError(
+                f"--lora-rank {self.lora_rank} needs peft: install composer-replication[lora]"
+            )
+        if self.model is not None and not self.model.strip():
+            raise SpecError("--model must name a Hub id or a folder (got an empty string)")
+        folder = self.model and os.path.expanduser(self.model)
+        if folder and self.model.startswith(("/", ".", "~")) and not os.path.isdir(folder):
+            # a path, not a Hub id (org/name): local replicas would each fail to load it
+            if self.backend == "local":
+                raise SpecError(
+                    f"--model {self.model!r}: no such folder (give a Hub id org/name or a "
+                    "folder saved with save_pretrained)"
+                )
 
     def to_json(self) -> str:
         return jsonsafe.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

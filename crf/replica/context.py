@@ -101,11 +101,18 @@ class ModelFragment(torch.nn.Module):
 
 
 def split_model(model: torch.nn.Module, fragments: int) -> list[torch.nn.Module]:
-    """The model's parameters (in ``named_parameters`` order, tied ones once) in ``fragments``
-    contiguous groups of about equal size. One fragment is the model itself."""
-    if fragments == 1:
-        return [model]
+    """The model's exchanged parameters (those that train: ``requires_grad``; in
+    ``named_parameters`` order, tied ones once) in ``fragments`` contiguous groups of about
+    equal size. One fragment of a model that trains every parameter is the model itself; with
+    frozen ones (LoRA: only the adapters train) the fragments hold only the trainable ones, so
+    DiLoCo exchanges, and P counts, nothing else."""
     named = list(model.named_parameters())
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if fragments == 1 and len(trainable) == len(named):
+        return [model]
+    if not trainable:
+        raise ValueError("the model has no parameter that requires grad: nothing to train")
+    named = trainable
     if len(named) < fragments:
         raise ValueError(
             f"fragments={fragments} but the model has only {len(named)} parameter tensors"
@@ -264,13 +271,14 @@ class ReplicaContext:
         fragments: list[torch.nn.Module],
     ) -> None:
         """What of the model goes into (and comes back from) a global state."""
-        if len(fragments) == 1:
+        if fragments[0] is model:
             manager.register_state_dict_fn(
                 "model", lambda sd: model.load_state_dict(sd), lambda: model.state_dict()
             )
             return
         # the parameters are in the fragments' global copies; "model" keeps the rest
-        # (buffers), and a loaded state puts every fragment's global copy in the model
+        # (buffers; frozen parameters never change: every replica loads them the same), and
+        # a loaded state puts every fragment's global copy in the model
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         manager.register_state_dict_fn(
             "model",
@@ -319,7 +327,7 @@ class ReplicaContext:
         """Leave the exchange: after a clean run every fragment goes back to its global copy
         and pending checkpoint writes must land; after a failed one they may fail quietly."""
         if ok:
-            if len(self.fragments) > 1:
+            if self._split:
                 self._load_fragments(manager.state_dict())
             manager.close()
             return
@@ -338,6 +346,13 @@ class ReplicaContext:
                 glob = state[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
                 for name, p in frag.named_parameters():
                     p.data.copy_(glob[name])
+
+    @property
+    def _split(self) -> bool:
+        """Whether the exchanged parameters are fragments apart from the model (Streaming
+        DiLoCo, or frozen parameters left out): then a replica's own weights and the global
+        copies are kept apart."""
+        return bool(self.fragments) and self.fragments[0] is not self.model
 
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
@@ -358,11 +373,12 @@ class ReplicaContext:
         try:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = manager.checkpoints.load_inner(latest)
-            if self.spec.fragments > 1:  # also this replica's own (local) weights
+            if self._split:  # also this replica's own (local) weights
                 inner.load_state_dict(saved["inner_optimizer"])
+                params = dict(self.model.named_parameters())
                 with torch.no_grad():
-                    for name, p in self.model.named_parameters():
-                        p.copy_(saved["local_params"][name])
+                    for name, value in saved["local_params"].items():
+                        params[name].copy_(value)
             else:
                 inner.load_state_dict(saved)
             self.resumed_inner = True
@@ -379,8 +395,8 @@ class ReplicaContext:
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
         state: Any = self._inner.state_dict()
-        if self.spec.fragments > 1 and self.model is not None:
-            local = {n: p.detach() for n, p in self.model.named_parameters()}
+        if self._split and self.model is not None:
+            local = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
             state = {"inner_optimizer": state, "local_params": local}
         self.manager.checkpoints.save_inner(r, state, self.step)
 
