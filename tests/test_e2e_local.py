@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from crf import layout
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -66,7 +68,7 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
     # the store holds what DESIGN.md says
     assert json.loads((run / "run.json").read_text())["replicas"] == 3
     assert sorted(os.listdir(run / "metrics" / "0")) == ["0.json", "1.json", "2.json", "3.json"]
-    assert (run / "global" / "3" / "state.pt").exists()
+    assert (run / layout.global_key(3)).exists()
     # the summary table is printed
     assert "e2e-lm" in proc.stdout and "rounds" in proc.stdout.lower()
 

@@ -56,7 +56,7 @@ RESULT_FIELDS = (
 _OBJECT_KEY = re.compile(
     r"(rounds/\d+/(?:contrib/\d+#\d+|held/\d+/\d+|contrib/\d+|reduced/\d+|quorum\.json"
     r"|failed\.json)"
-    r"|global/\d+/state\.pt|replicas/\d+/inner/\d+\.pt)"
+    r"|global/\d+/state\.safetensors|replicas/\d+/inner/\d+\.pt)"
 )
 
 
