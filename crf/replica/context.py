@@ -583,8 +583,11 @@ class ReplicaContext:
         if self._to_save is None:
             return
         self._set_phase("saving")
-        if export.is_lowest_survivor(self.store, self.rank, self.spec.round_timeout_s):
-            export.save_model(self.store, *self._to_save)
+        # a lower replica is waited for while the exchange would count it alive
+        m = self.manager
+        alive_s = m.exchange.alive_window_s if m is not None else self.spec.round_timeout_s
+        if export.is_lowest_survivor(self.store, self.rank, alive_s):
+            export.save_model(self.store, *self._to_save, on_file=self._beat)
 
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
         """Write the trained model (the lowest replica that finished, when the job asked:

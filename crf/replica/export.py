@@ -5,9 +5,10 @@ global state; the summary checks their ``weights_sha256``), so one of them write
 the lowest-ranked replica that finished ok. A replica cannot know for sure that a lower one
 will finish, so it asks the run folder: before writing its own result it looks at each lower
 rank's result and waits for it while that replica is still heard from (its heartbeat is
-younger than the run's round deadline). A lower replica that finished ok writes the model
-itself; one that failed, or fell silent, leaves it to the next. Two replicas may both write
-(a lower one failed, was restarted and finished after all): they write the same bytes.
+younger than the exchange's alive window, as for a quorum). A lower replica that finished ok
+writes the model itself; one that failed, or fell silent, leaves it to the next. Two
+replicas may both write (a lower one failed, was restarted and finished after all; one was
+silent for long while it uploaded): they write the same bytes.
 
 The model is saved with the libraries' own ``save_pretrained`` (``model.safetensors``,
 ``config.json``, ``generation_config.json``; the tokenizer's files; for a peft model, the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,9 @@ def is_lowest_survivor(
     store: RunStore, rank: int, silent_after_s: float, poll_s: float = 0.2
 ) -> bool:
     """Whether no lower rank finished ok (it would write the model). Waits for each lower
-    rank's result while that replica's heartbeat is younger than ``silent_after_s``."""
+    rank's result while that replica's heartbeat is younger than ``silent_after_s``; a
+    replica silent for longer (one writing a large model file counts too) leaves it to the
+    next, so at worst two write the same files."""
     for k in range(rank):
         while True:
             status = _result_status(store, k)
@@ -64,9 +68,15 @@ def _silent(store: RunStore, rank: int, silent_after_s: float) -> bool:
         return True
 
 
-def save_model(store: RunStore, model: Any, tokenizer: Any | None = None) -> list[str]:
+def save_model(
+    store: RunStore,
+    model: Any,
+    tokenizer: Any | None = None,
+    on_file: Callable[[], None] = lambda: None,
+) -> list[str]:
     """Write ``model`` (and ``tokenizer``) to ``model/`` in Hugging Face format; returns the
-    keys written, the completing marker last."""
+    keys written, the completing marker last. ``on_file`` is called after each upload (the
+    replica's heartbeat: the replicas above it wait while it is heard from)."""
     with tempfile.TemporaryDirectory(prefix="crf-model-") as tmp:
         model.save_pretrained(tmp)  # safetensors is the libraries' default
         if tokenizer is not None:
@@ -78,6 +88,7 @@ def save_model(store: RunStore, model: Any, tokenizer: Any | None = None) -> lis
             key = layout.model_key(path.relative_to(tmp).as_posix())
             store.put(key, path.read_bytes())
             keys.append(key)
+            on_file()
     log.info("wrote the trained model: %s", ", ".join(keys))
     return keys
 
