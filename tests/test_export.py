@@ -22,6 +22,7 @@ from crf.replica.context import weights_sha256
 from crf.replica.export import is_lowest_survivor, model_complete, save_model
 from crf.spec import RunSpec
 from crf.store import RunStore
+from tests.emulators.hf_hub import HubEmulator
 
 RUN = "exp"
 
@@ -102,38 +103,31 @@ def test_cli_errors_are_one_line(tmp_path) -> None:
     assert (tmp_path / "o" / "model.safetensors").is_file()
 
 
-class FakeHfApi:
-    """Records what HfApi would be asked (no Hub here): create_repo, then upload_folder of
-    a folder holding the model."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict]] = []
-        self.uploaded: dict[str, bytes] = {}
-
-    def create_repo(self, repo_id, **kw):
-        self.calls.append(("create_repo", {"repo_id": repo_id, **kw}))
-
-    def upload_folder(self, *, folder_path, repo_id, **kw):
-        self.calls.append(("upload_folder", {"repo_id": repo_id, **kw}))
-        root = Path(folder_path)
-        self.uploaded = {p.name: p.read_bytes() for p in root.rglob("*") if p.is_file()}
-        return type("CommitInfo", (), {"commit_url": f"https://hub/{repo_id}/commit/1"})()
-
-
-def test_export_to_the_hub_creates_the_repo_and_uploads_the_folder(tmp_path) -> None:
+def test_export_to_the_hub_creates_the_repo_and_uploads_the_folder(tmp_path, monkeypatch) -> None:
+    """`crf export RUN hf://ORG/NAME` through the real huggingface_hub client against a
+    loopback Hub: the repo is created (private), the model lands in one commit; a second
+    export to the same repo is a new commit; a wrong token is one line."""
     store, base = _run(tmp_path)
     model, tok = _tiny()
     save_model(store, model, tok)
-    api = FakeHfApi()
-    done = export(RUN, "hf://my-org/my-model", store=base, api=api)
-    assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"]
-    assert api.calls[0][1] == {
-        "repo_id": "my-org/my-model", "repo_type": "model", "private": True, "exist_ok": True
-    }  # fmt: skip
-    assert api.uploaded["model.safetensors"] == store.get(layout.model_key("model.safetensors"))
-    assert "config.json" in api.uploaded and done.dest.endswith("/commit/1")
+    runner = CliRunner()
+    with HubEmulator() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        for _ in range(2):
+            res = runner.invoke(app, ["export", RUN, "hf://my-org/my-model", "--store", base])
+            assert res.exit_code == 0, res.output
+        assert f"{hub.endpoint}/my-org/my-model/commit/" in res.output
+        files = hub.repos["my-org/my-model"]
+        assert hub.private["my-org/my-model"] and len(hub.commits) == 2
+        assert files["model.safetensors"] == store.get(layout.model_key("model.safetensors"))
+        assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(files)
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        res = runner.invoke(app, ["export", RUN, "hf://my-org/my-model", "--store", base])
+        assert res.exit_code == 2 and "cannot push to hf://my-org/my-model" in res.output
+        assert len(res.output.strip().splitlines()) == 1, res.output
     with pytest.raises(ExportError, match="hf://ORG/NAME"):
-        export(RUN, "hf://just-a-name", store=base, api=api)
+        export(RUN, "hf://just-a-name", store=base)
 
 
 def test_the_lowest_replica_that_finished_writes_the_model(tmp_path) -> None:

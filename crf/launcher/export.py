@@ -3,7 +3,8 @@
 A run that finished writes ``model/`` in Hugging Face format (:mod:`crf.replica.export`).
 This copies it to a local folder, or pushes it to a Hub model repo (``hf://org/name``)
 through ``huggingface_hub.HfApi``: ``create_repo(exist_ok=True)`` (private when it creates
-one) then ``upload_folder`` - one commit, token from ``HF_TOKEN``. Every refusal is one line
+one) then ``upload_folder`` - one commit, token from ``HF_TOKEN`` (and the Hub from
+``HF_ENDPOINT`` when set). Every refusal is one line
 saying what to do: no such run, no ``model/`` yet (the run is still running, failed, was
 cancelled, stopped, or its job saves no model), a destination that is not empty.
 """
@@ -115,7 +116,10 @@ def push_to_hub(folder: Path, repo_id: str, run_id: str, api: Any = None) -> str
     if api is None:
         from huggingface_hub import HfApi
 
-        api = HfApi(token=os.environ.get("HF_TOKEN"))
+        # HF_ENDPOINT read now (the library reads it once, at import)
+        api = HfApi(
+            endpoint=os.environ.get("HF_ENDPOINT") or None, token=os.environ.get("HF_TOKEN")
+        )
     try:
         api.create_repo(repo_id, repo_type="model", private=True, exist_ok=True)
         info = api.upload_folder(
