@@ -157,3 +157,21 @@ def test_the_lowest_replica_that_finished_writes_the_model(tmp_path) -> None:
         later.join()
     assert time.monotonic() - t0 >= 0.4
     assert is_lowest_survivor(store, 0, silent_after_s=30) is True
+
+
+def test_a_peft_model_exports_its_adapter(tmp_path) -> None:
+    """With LoRA the model/ is the adapter (peft's own save_pretrained), complete once its
+    adapter_config.json landed, and loads back onto the base model with the same weights."""
+    peft = pytest.importorskip("peft")
+    store, base = _run(tmp_path)
+    model, tok = _tiny()
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    keys = save_model(store, lora, tok)
+    assert keys[-1] == layout.model_key("adapter_config.json") and model_complete(store)
+    assert layout.model_key("adapter_model.safetensors") in keys
+    dest = tmp_path / "adapter"
+    export(RUN, str(dest), store=base)
+    again = peft.PeftModel.from_pretrained(_tiny()[0], dest)
+    assert weights_sha256(again) == weights_sha256(lora)
