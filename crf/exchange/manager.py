@@ -561,8 +561,9 @@ class ObjectStoreManager:
         """The exchange's ``on_wait`` hook: write a global state a healing replica asked for."""
         self.checkpoints.serve_heal_requests()
 
-    def _write_global(self, r: int, payload: bytes) -> None:
-        """Write ``global/<r>`` now (tests forge a writer with it)."""
+    def _write_global(self, r: int, payload: Any) -> None:
+        """Write ``global/<r>`` now (``payload``: a state as
+        :func:`crf.exchange.global_state.flatten` takes it apart; tests forge a writer)."""
         self.checkpoints.write_global(r, payload)
 
     def latest_global(self) -> int | None:

@@ -503,6 +503,40 @@ def cancel(
         console.print(f"summary written: {escape(str(summary.get('result_path')))}")
 
 
+@app.command()
+def export(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            metavar="DEST",
+            help="A folder (created if needed), or hf://ORG/NAME: a Hub model repo "
+            "(created private if needed; token from HF_TOKEN).",
+        ),
+    ],
+    store: StoreOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Write into a folder that is not empty (same-named files replaced)."
+        ),
+    ] = False,
+) -> None:
+    """Copy the trained model (the run's model/, Hugging Face format, written when the run
+    finished) to a folder, or push it to a Hub repo."""
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.export import export as export_model
+    from crf.store.errors import StoreError
+
+    try:
+        done = export_model(run_id, dest, store=store, force=force)
+    except (LaunchError, StoreError, OSError) as e:
+        _fail(str(e))
+    Console().print(
+        f"exported {len(done.files)} file(s) of run {escape(run_id)} to {escape(done.dest)}"
+    )
+
+
 def _exit_code(summary: dict) -> int:
     if summary["status"] in ("ok", "detached"):
         return EXIT_OK

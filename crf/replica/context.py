@@ -183,6 +183,8 @@ class ReplicaContext:
         self._clock = TimeAccount()
         self._pace = HeartbeatPace()
         self._finished = False
+        #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
+        self._to_save: tuple[Any, Any] | None = None
         self._beat(force=True)
 
     # ------------------------------------------------------------------ construction
@@ -588,13 +590,35 @@ class ReplicaContext:
         """:meth:`result_record` as the JSON object written."""
         return self.result_record(status, error, job_metrics).to_dict()
 
+    def save_model_at_end(self, model: Any, tokenizer: Any | None = None) -> None:
+        """Have :meth:`finish` write ``model`` (a ``transformers`` model, or a peft one: its
+        adapter) and ``tokenizer`` to the run's ``model/`` in Hugging Face format, if this is
+        the lowest-ranked replica that finished (:mod:`crf.replica.export`)."""
+        self._to_save = (model, tokenizer)
+
+    def _save_model(self) -> None:
+        from crf.replica import export
+
+        if self._to_save is None:
+            return
+        self._set_phase("saving")
+        # a lower replica is waited for while the exchange would count it alive
+        m = self.manager
+        alive_s = m.exchange.alive_window_s if m is not None else self.spec.round_timeout_s
+        if export.is_lowest_survivor(self.store, self.rank, alive_s):
+            export.save_model(self.store, *self._to_save, on_file=self._beat)
+
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
-        """Write this replica's result (``results/<rank>.json``) and the final heartbeat."""
+        """Write the trained model (the lowest replica that finished, when the job asked:
+        :meth:`save_model_at_end`), this replica's result (``results/<rank>.json``) and the
+        final heartbeat. The model lands before the result: once the run is over, it is
+        there."""
         if self.manager is not None:
             self.manager.close()  # pending checkpoint writes land before the result
         self._syncs.fold(self.step, final=True)
         if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()
+        self._save_model()
         record = self.result_record("ok", None, job_metrics or {})
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self._finished = True

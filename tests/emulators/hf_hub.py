@@ -1,4 +1,5 @@
-"""A loopback Hugging Face Hub for tests: model and dataset repos served from local folders.
+"""A loopback Hugging Face Hub for tests: model and dataset repos served from local folders,
+and the write routes ``crf export RUN hf://ORG/NAME`` uses.
 
 The Hub has no offline emulator, so this is a small read-only REST server (stdlib
 ``ThreadingHTTPServer``) that answers the routes ``huggingface_hub`` 2.4 calls to download,
@@ -19,6 +20,16 @@ Routes (``{type}`` is ``models`` or ``datasets``; a model repo's files have no t
   headers the client requires: ``X-Repo-Commit``, ``ETag`` (the content's SHA-256, as the Hub
   gives for LFS files), ``Content-Length``; ``GET`` honours ``Range``.
 
+Writes (``HfApi.create_repo`` + ``upload_folder``), each needing ``Authorization: Bearer
+<token>`` (401 otherwise):
+
+* ``POST /api/repos/create`` ``{"name", "organization", "visibility", "type"}``: 200 with the
+  repo's url, 409 when it exists (the client's ``exist_ok`` takes that as fine);
+* ``POST /api/models/{org}/{name}/preupload/{rev}``: every file is a ``regular`` upload (no
+  LFS/Xet transfer);
+* ``POST /api/models/{org}/{name}/commit/{rev}``: the ndjson commit (a header, then one
+  base64 ``file`` per addition), applied to the repo's files (a new commit sha).
+
 Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
 ``EntryNotFound``), which the client maps to its typed exceptions. A revision is ``main`` or
 the repo's commit sha. A repo's commit is a hash of its files, fixed when it is added
@@ -28,6 +39,7 @@ path, status) so a test can check what the client asked.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import shutil
@@ -88,9 +100,12 @@ class Repo:
 class HubEmulator:
     """The server (see module docstring). ``add_repo`` copies a folder into ``root``."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, token: str = "hf_test_token") -> None:
         self.root = Path(root)
+        self.token = token  # what writes must carry
         self.repos: dict[tuple[str, str], Repo] = {}
+        self.private: dict[str, bool] = {}
+        self.commits: list[tuple[str, str]] = []  # (repo id, summary) of each write
         self.requests: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
@@ -114,6 +129,46 @@ class HubEmulator:
         with self._lock:
             self.repos[(kind, repo_id)] = repo
         return repo
+
+    def files(self, repo_id: str, kind: str = "model") -> dict[str, bytes]:
+        """A repo's files as they are now: path -> bytes."""
+        repo = self.repos[(kind, repo_id)]
+        return {path: local.read_bytes() for path, local in repo.files.items()}
+
+    # ------------------------------------------------------------------ writes
+    def create(self, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        repo_id = f"{req.get('organization')}/{req['name']}"
+        if req.get("type", "model") != "model":
+            return 400, {"error": "only model repos are created here"}
+        with self._lock:
+            if ("model", repo_id) in self.repos:
+                return 409, {"error": "You already created this model repo", "url": repo_id}
+        dest = self.root / "models" / repo_id
+        dest.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self.repos[("model", repo_id)] = Repo.from_folder(repo_id, "model", dest)
+            self.private[repo_id] = req.get("visibility") == "private"
+        return 200, {"url": f"{self.endpoint}/{repo_id}", "name": repo_id}
+
+    def commit(self, repo_id: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        """Apply an ndjson commit: its files land in the repo's folder, a new sha."""
+        dest, summary = self.root / "models" / repo_id, ""
+        for line in body.splitlines():
+            item = json.loads(line)
+            if item["key"] == "header":
+                summary = item["value"]["summary"]
+            elif item["key"] == "file":
+                target = dest / item["value"]["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(base64.b64decode(item["value"]["content"]))
+            else:
+                return 400, {"error": f"unsupported commit item {item['key']}"}
+        with self._lock:
+            repo = Repo.from_folder(repo_id, "model", dest)
+            self.repos[("model", repo_id)] = repo
+            self.commits.append((repo_id, summary))
+        return 200, {"commitUrl": f"{self.endpoint}/{repo_id}/commit/{repo.sha}",
+                     "commitOid": repo.sha, "pullRequestUrl": None}  # fmt: skip
 
     def start(self) -> HubEmulator:
         self._thread.start()
@@ -194,7 +249,12 @@ class _HubHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         parts, _ = self._parts()
         length = int(self.headers.get("Content-Length") or 0)
-        form = parse_qs(self.rfile.read(length).decode())
+        raw = self.rfile.read(length)
+        if parts[:3] == ["api", "repos", "create"] or (
+            len(parts) == 6 and parts[1] == "models" and parts[4] in ("preupload", "commit")
+        ):
+            return self._write(parts, raw)
+        form = parse_qs(raw.decode())
         if parts[:1] == ["api"] and len(parts) == 6 and parts[4] == "paths-info":
             kind, repo_id = parts[1][:-1], "/".join(parts[2:4])
             repo, why = self.hub.find(kind, repo_id, parts[5])
@@ -203,6 +263,23 @@ class _HubHandler(BaseHTTPRequestHandler):
             entries = [repo.entry(p.strip("/")) for p in form.get("paths", [])]
             return self._json(200, [e for e in entries if e is not None])
         self._json(404, {"error": f"no route POST {self.path}"})
+
+    def _write(self, parts: list[str], raw: bytes) -> None:
+        """The write routes (module docstring): a token, then create / preupload / commit."""
+        if self.headers.get("Authorization") != f"Bearer {self.hub.token}":
+            return self._json(401, {"error": "Invalid credentials in Authorization header"})
+        if parts[1] == "repos":
+            return self._json(*self.hub.create(json.loads(raw)))
+        repo_id = "/".join(parts[2:4])
+        repo, why = self.hub.find("model", repo_id, "main")
+        if repo is None:
+            return self._error(why, f"Repository Not Found for {repo_id}")
+        if parts[4] == "preupload":
+            files = json.loads(raw)["files"]
+            modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                     for f in files]  # fmt: skip
+            return self._json(200, {"files": modes})
+        self._json(*self.hub.commit(repo_id, raw))
 
     def _api(self, kind: str, rest: list[str], query: dict[str, list[str]]) -> None:
         repo_id, tail = "/".join(rest[:2]), rest[2:]

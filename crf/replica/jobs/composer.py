@@ -341,4 +341,6 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     metrics["exact_match_before"] = exact_before
     metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
     metrics["shard_size"] = len(setup.shard)
+    if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
+        ctx.save_model_at_end(model, tokenizer)
     return metrics

@@ -98,6 +98,19 @@ class Config:
             raise ValueError(f"lm option lr must be > 0 (got {self.lr})")
 
 
+def char_tokenizer(itos: list[str]) -> Any:
+    """The job's character vocabulary as a ``transformers`` fast tokenizer (token ``i`` is
+    ``itos[i]``, as in training), saved beside the exported model so it can be used; a
+    character outside the vocabulary reads as a space."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(itos)}, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=" ")
+
+
 def build_model(cfg: Config, vocab_size: int, seed: int) -> Any:
     """A tiny Llama; the same seed gives bit-identical weights on every replica."""
     import torch
@@ -127,6 +140,7 @@ class CorpusShard:
 
         self.cfg = cfg
         self.itos = vocabulary()
+        self.tokenizer = tokenizer  # the model's own (``--model``), else None: characters
         stoi = {c: i for i, c in enumerate(self.itos)}
 
         def encode(text: str) -> list[int]:  # characters, or the model's own tokenizer
@@ -220,6 +234,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             if ctx.step != step:  # the optimizer stepped (fp16 may skip one)
                 ctx.log_step(loss=float(loss))
     eval1 = evaluate(model, data, placement)
+    ctx.save_model_at_end(model, data.tokenizer or char_tokenizer(data.itos))
     return {
         "eval_loss_initial": eval0,
         "eval_loss_final": eval1,
