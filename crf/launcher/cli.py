@@ -18,6 +18,7 @@ import copy
 import inspect
 import time
 import typing
+from collections.abc import Iterable
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -245,12 +246,15 @@ def _item_type(declared: Option) -> Any:
     return str
 
 
-def _repeatable_values(ctx: typer.Context, options: dict[str, Any]) -> None:
+def _repeatable_values(
+    ctx: typer.Context, options: dict[str, Any], declarations: Iterable[Option] | None = None
+) -> None:
     """The values of the list and mapping options as RunSpec takes them: a mapping's
     ``KEY=VALUE`` items parsed; one not given takes its declared default."""
-    for name, declared in run_options().items():
+    for declared in run_options().values() if declarations is None else declarations:
         if not declared.cli or declared.cli_type is not None or declared.base not in (list, dict):
             continue
+        name = declared.name
         if not _given(ctx, name):
             options[name] = copy.deepcopy(declared.default)
         elif declared.base is dict:
@@ -394,7 +398,7 @@ def _refuse_run_defining(ctx: typer.Context, cfg: Any, path: str | None) -> None
             f"{', '.join(fixed)} cannot be combined with --resume: a resumed run keeps the "
             "options in its run.json"
         )
-    in_file = [n for n in cfg.options if n in RUN_DEFINING] + (["[job]"] if cfg.job_config else [])
+    in_file = [n for n in RUN_DEFINING if n in cfg.options] + (["[job]"] if cfg.job_config else [])
     if in_file:
         _fail(
             f"config file {path} sets {', '.join(in_file)}, which cannot be combined with "

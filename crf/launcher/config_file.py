@@ -66,7 +66,7 @@ class LaunchConfig(NamedTuple):
 
     #: run options by RunSpec field name (as ``crf.launch({...})`` takes them), no job_config
     options: dict[str, Any]
-    #: the ``[backend]`` table; the hardware under ``"hardware"`` whatever name the file used
+    #: the ``[backend]`` table (its hardware under any of HARDWARE_KEYS: see resolve_backend)
     backend_options: dict[str, Any]
     #: the ``[job]`` table (RunSpec.job_config)
     job_config: dict[str, Any]
@@ -120,7 +120,7 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
         if "timeout" in launch:
             raise ConfigError(f"config file {where} sets timeout twice (top level and [backend])")
         launch["timeout"] = backend.pop("timeout")
-    return LaunchConfig(options, _hardware_as_one_key(backend, where), job, launch)
+    return LaunchConfig(options, _one_hardware_key(backend, where), job, launch)
 
 
 def _named_table(
@@ -161,16 +161,13 @@ def _table(value: Any, name: str, where: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in value.items()}
 
 
-def _hardware_as_one_key(backend: dict[str, Any], where: str) -> dict[str, Any]:
+def _one_hardware_key(backend: dict[str, Any], where: str) -> dict[str, Any]:
     given = [k for k in HARDWARE_KEYS if k in backend]
     if len(given) > 1:
         raise ConfigError(
             f"[backend] in config file {where} names the hardware twice ({', '.join(given)})"
         )
-    out = {k: v for k, v in backend.items() if k not in HARDWARE_KEYS}
-    if given:
-        out["hardware"] = backend[given[0]]
-    return out
+    return backend
 
 
 def _unknown(key: str, where: str, known: list[str], table: str = "") -> ConfigError:
@@ -183,10 +180,10 @@ def _unknown(key: str, where: str, known: list[str], table: str = "") -> ConfigE
 def resolve_backend(
     backend: str, table: Mapping[str, Any], where: str = "<config>"
 ) -> dict[str, Any]:
-    """A ``[backend]`` table as the executor's constructor options: ``hardware`` becomes the
-    backend's own name for it (modal ``gpu``, hf ``flavor``, sagemaker ``instance_type``);
-    ConfigError for a key the backend does not take (naming the key, the file and its
-    options)."""
+    """A ``[backend]`` table as the executor's constructor options: ``hardware`` (or any of
+    HARDWARE_KEYS, as on the command line) becomes the backend's own name for it (modal
+    ``gpu``, hf ``flavor``, sagemaker ``instance_type``); ConfigError for a key the backend
+    does not take (naming the key, the file and the backend's options)."""
     from crf.executors.base import ExecutorError
     from crf.executors.registry import executor_class, option_names
 
@@ -198,7 +195,7 @@ def resolve_backend(
     hardware = getattr(cls, "hardware_option", None)
     out: dict[str, Any] = {}
     for key, value in table.items():
-        name = hardware if key == "hardware" else key
+        name = hardware if key in HARDWARE_KEYS else key
         if name is None or name not in known:
             error = _unknown(key, where, [*known, *(["hardware"] if hardware else [])], "backend")
             raise ConfigError(f"{error} (the {backend} backend's options: {', '.join(known)})")
