@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import sys
 import types
 from pathlib import Path
@@ -297,3 +298,19 @@ def typing_args(annotation: Any) -> tuple[Any, ...]:
 
     kind = typing.get_args(annotation)[0]  # Annotated[kind, info]
     return typing.get_args(kind) or (kind,)
+
+
+def test_readme_example_file_loads_and_round_trips(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (example,) = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    path = _write(tmp_path, example)
+    cfg = load_config(path)
+    assert cfg.options == {"replicas": 4, "sync_every": 20, "rounds": 5, "backend": "modal",
+                           "job": "lm"}  # fmt: skip
+    assert cfg.backend_options == {"hardware": "A10G"}
+    assert cfg.job_config == {"hidden_size": 128, "lr": 1e-3}
+    printed = crf("launch", "-c", path, "-n", "8", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    again = parse_config(printed.output)
+    assert again.options["replicas"] == 8 and again.backend_options == {"gpu": "A10G"}
+    assert again.launch_flags["timeout"] == 3600 and again.job_config == cfg.job_config
