@@ -166,7 +166,11 @@ def test_missing_file_and_unknown_backend_key(tmp_path: Path) -> None:
         ("outer_lr = -1.0\n", "--outer-lr must be > 0 and finite (got -1.0)"),
         ("replica = 2\n", "unknown key 'replica' in config file {f}; did you mean 'replicas'?"),
         ("[job]\nname = 'testjob'\nlr = 'fast'\n", "job option lr='fast' is not a valid float"),
-        ("[job]\nname = 'testjob'\nbogus = 1\n", "job 'testjob' has no option(s) bogus"),
+        (
+            "[job]\nname = 'testjob'\nstpes = 1\n",
+            "unknown key 'stpes' in [job] in config file "
+            "{f}; did you mean 'steps'? (job 'testjob''s options: lr, name_of_task, steps)",
+        ),
         ("[backend]\nname = 'local'\ngpu = 'A10G'\n", "unknown key 'gpu' in [backend]"),
         ("[backend]\npoll = 1\n", "did you mean 'poll_s'?"),
     ],

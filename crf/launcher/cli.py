@@ -345,7 +345,7 @@ _FILE_FLAGS = ("store", "max_restarts", "max_run_restarts", "timeout")
 def _apply_config(ctx: typer.Context, options: dict[str, Any], flags: dict[str, Any]) -> Any:
     """Fill in from ``-c FILE`` every option and launch flag not given on the command line
     (flags override the file key by key; [job] and [backend] are merged in by the caller)."""
-    from crf.launcher.config_file import ConfigError, LaunchConfig, load_config
+    from crf.launcher.config_file import ConfigError, LaunchConfig, check_job_keys, load_config
 
     if flags["config"] is None:
         return LaunchConfig({}, {}, {}, {})
@@ -359,6 +359,10 @@ def _apply_config(ctx: typer.Context, options: dict[str, Any], flags: dict[str, 
     for name, value in cfg.launch_flags.items():
         if not _given(ctx, name):
             flags[name] = value
+    try:
+        check_job_keys(options["job"], cfg.job_config, flags["config"])
+    except ConfigError as e:
+        _fail(str(e))
     return cfg
 
 

@@ -203,6 +203,24 @@ def resolve_backend(
     return out
 
 
+def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") -> None:
+    """ConfigError naming the key, the file and the nearest option for a ``[job]`` key that
+    job ``job``'s Config lacks. A job that cannot be loaded is left to the launch's own check
+    (which names it); the values are checked there too, as for ``--set``."""
+    import dataclasses
+
+    from crf.replica.jobs import get_job
+
+    try:
+        fields = [f.name for f in dataclasses.fields(get_job(job).Config)]
+    except (ImportError, ValueError, TypeError):
+        return
+    for key in table:
+        if key not in fields:
+            error = _unknown(key, where, fields, "job")
+            raise ConfigError(f"{error} (job {job!r}'s options: {', '.join(sorted(fields))})")
+
+
 def is_secret(name: str) -> bool:
     """Whether a backend option's value is a credential (never printed nor recorded)."""
     return any(word in name.lower() for word in _SECRET_WORDS)
