@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 import sys
 import types
@@ -24,12 +25,16 @@ from crf.launcher.cli import _repeatable_values, _run_option_parameter, app
 from crf.launcher.config_file import (
     ConfigError,
     dump_config,
+    launch_config,
     load_config,
     parse_config,
+    prepare_config,
     resolve_backend,
 )
+from crf.launcher.errors import LaunchError
 from crf.replica import jobs
 from crf.spec import Option, RunSpec, run_options
+from tests.test_cli import REPLICA_SCRIPT
 
 
 @dataclasses.dataclass
@@ -112,6 +117,34 @@ def test_load_reads_run_options_tables_and_launch_flags(example: Path, tmp_path:
     assert (plan.spec.replicas, plan.spec.sync_every, plan.spec.round_timeout_s) == (3, 4, 60.0)
     assert plan.spec.job_config == {"lr": 0.01, "steps": 7}
     assert not (tmp_path / "runs").exists()
+
+
+def test_sdk_prepares_a_config_file_with_overrides(example: Path, tmp_path: Path) -> None:
+    plan = prepare_config(
+        example, {"replicas": 2, "run_id": "sdk2", "job_config": {"lr": 0.2}}, dry_run=True
+    )
+    spec = plan.spec
+    assert (spec.replicas, spec.sync_every, spec.job) == (2, 4, "testjob")
+    assert spec.job_config == {"lr": 0.2, "steps": 7}
+    assert plan.restart.max_restarts == 1 and plan.executor.name == "local"
+    assert spec.run_uri.endswith("/runs/sdk2") and not (tmp_path / "runs").exists()
+    with pytest.raises(LaunchError, match="--replicas must be an integer >= 1"):
+        prepare_config(example, {"replicas": 0}, dry_run=True)
+
+
+def test_sdk_launches_a_config_file(tmp_path: Path) -> None:
+    """One real local run of 2 replicas from a file (the user-script replica of test_cli)."""
+    script = _write(tmp_path, REPLICA_SCRIPT, "my_train.py")
+    store = tmp_path / "runs"
+    path = _write(
+        tmp_path,
+        f'replicas = 2\nsync_every = 2\nrounds = 2\nentrypoint = ["{sys.executable}", '
+        f'"{script}"]\nstore = "{store}"\ntimeout = 120\n[job]\nname = "testjob"\nsteps = 3\n',
+    )
+    summary = launch_config(path, {"run_id": "sdk-run"}, progress=False, report=False)
+    assert summary["status"] == "ok", summary
+    spec = json.loads((store / "sdk-run" / "run.json").read_text())
+    assert (spec["replicas"], spec["rounds"], spec["job_config"]) == (2, 2, {"steps": 3})
 
 
 def test_backend_and_job_may_be_plain_keys_and_hardware_has_its_aliases() -> None:

@@ -21,8 +21,8 @@ The file's layout follows the declarations, so a new run option is a key with no
 
 Flags on the command line override the file, key by key. ``dump_config`` writes a resolved
 config back as TOML that ``load_config`` reads (``crf launch --print-config``), leaving out
-secrets. The SDK uses ``load_config`` the same way:
-``launch(cfg.options | {"job_config": cfg.job}, backend_options=resolve_backend(...))``.
+secrets. The SDK reads the same files: ``launch_config(path, overrides)`` /
+``prepare_config`` (or ``load_config`` for the parts, by the names ``crf.launch`` takes).
 """
 
 from __future__ import annotations
@@ -219,6 +219,49 @@ def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") 
         if key not in fields:
             error = _unknown(key, where, fields, "job")
             raise ConfigError(f"{error} (job {job!r}'s options: {', '.join(sorted(fields))})")
+
+
+def prepare_config(
+    path: str | Path, overrides: Mapping[str, Any] | None = None, *, dry_run: bool = False
+) -> Any:
+    """The checked :class:`~crf.launcher.plan.Plan` of config file ``path`` (what ``crf launch
+    -c FILE --dry-run`` shows); ``overrides`` are run options by RunSpec field name that win
+    over the file, as flags do (``job_config`` key by key). Run it with
+    ``crf.launcher.driver.run(plan, timeout_s=load_config(path).launch_flags.get("timeout"))``
+    or call :func:`launch_config`."""
+    from crf.launcher.plan import DEFAULT_MAX_RESTARTS, RestartPolicy, prepare
+
+    where = str(path)
+    cfg = load_config(path)
+    given = dict(overrides or {})
+    job_config = cfg.job_config | dict(given.pop("job_config", None) or {})
+    options = cfg.options | given
+    check_job_keys(options.get("job", "composer"), cfg.job_config, where)
+    flags = cfg.launch_flags
+    backend = options.get("backend", "local")
+    policy = RestartPolicy(
+        flags.get("max_restarts", DEFAULT_MAX_RESTARTS), flags.get("max_run_restarts")
+    )
+    return prepare(
+        options | {"job_config": job_config},
+        store=flags.get("store"),
+        backend_options=resolve_backend(backend, cfg.backend_options, where),
+        restart=policy,
+        dry_run=dry_run,
+    )
+
+
+def launch_config(
+    path: str | Path, overrides: Mapping[str, Any] | None = None, **watch: Any
+) -> dict[str, Any]:
+    """``crf launch -c FILE`` from Python: run config file ``path`` (with ``overrides``, see
+    :func:`prepare_config`) to the end and return its summary; ``watch`` goes to
+    ``crf.launcher.driver.run`` (the file's ``timeout`` is its ``timeout_s`` unless given)."""
+    from crf.launcher.driver import run
+
+    plan = prepare_config(path, overrides)
+    watch.setdefault("timeout_s", load_config(path).launch_flags.get("timeout"))
+    return run(plan, **watch)
 
 
 def is_secret(name: str) -> bool:
