@@ -386,6 +386,10 @@ class ResultRecord(Record):
     job_metrics: dict[str, Any] = field(default_factory=dict)
     traceback: str | None = None
     restartable: bool = True
+    #: what the replica ran with: torch / torchft / trl / transformers versions (crf.versions)
+    versions: dict[str, str | None] = field(default_factory=dict)
+    #: torch.cuda.is_available() in the replica (None: torch could not be imported)
+    cuda_available: bool | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ResultRecord:

@@ -100,6 +100,44 @@ def coerce_text(text: Any, like: Any, what: str) -> Any:
     return text
 
 
+#: an environment variable's name, as every platform (and POSIX) accepts it
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: the prefix of the variables crf sets itself (the replica contract, CRF_SECRET_NAMES, ...)
+RESERVED_ENV_PREFIX = "CRF_"
+
+
+def secret_name(entry: str) -> str:
+    """The variable a ``--secret`` entry sets: ``KEY`` or the KEY of ``KEY=@path``."""
+    return entry.split("=", 1)[0]
+
+
+def check_env_names(env: object, secrets: object) -> None:
+    """SpecError for an ``--env`` or ``--secret`` entry a replica cannot be given: a name
+    that is no variable name, one of crf's own ``CRF_*`` variables, a value that is not a
+    string, a secret given as ``KEY=value`` (a value on a command line is no secret), or a
+    name given twice."""
+    if not isinstance(env, dict) or not isinstance(secrets, list):
+        return  # the declared type check has said so already
+    seen: set[str] = set()
+    for flag, name, value in [("--env", k, v) for k, v in env.items()] + [
+        ("--secret", secret_name(str(e)), e) for e in secrets
+    ]:
+        if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):
+            raise SpecError(f"{flag} {name!r}: not a variable name (letters, digits, '_')")
+        if name.startswith(RESERVED_ENV_PREFIX):
+            raise SpecError(f"{flag} {name}: CRF_* variables are crf's own; use another name")
+        if not isinstance(value, str):
+            raise SpecError(f"{flag} {name}: the value must be a string (got {value!r})")
+        if flag == "--secret" and "=" in value and not value.split("=", 1)[1].startswith("@"):
+            raise SpecError(
+                f"--secret {name}: give the name only (its value is read from this "
+                f"environment) or {name}=@path to read it from a file, never the value"
+            )
+        if name in seen:
+            raise SpecError(f"{flag} {name}: {name} is given twice (in --env or --secret)")
+        seen.add(name)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -379,6 +417,21 @@ class RunSpec:
         group=BACKEND,
         help="Where replicas run: local, modal, hf (Hugging Face Jobs), sagemaker.",
     )
+    env: dict[str, str] = option(  # plain: written in run.json, shown by describe calls
+        default_factory=dict,
+        flag="--env",
+        group=BACKEND,
+        cli=False,  # a repeatable --env KEY=VALUE flag once the CLI builds dict options
+        help="Plain (non-secret) environment variable KEY=VALUE for every replica "
+        "(repeatable); written in run.json.",
+    )
+    secrets: list[str] = option(  # names only: the values are read at each launch
+        default_factory=list,
+        flag="--secret",
+        group=BACKEND,
+        help="Secret variable for every replica (repeatable): KEY takes its value from this "
+        "environment, KEY=@path from a file; only the name is written anywhere.",
+    )
     backend_options: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     version: int = SPEC_VERSION
@@ -426,6 +479,7 @@ class RunSpec:
         )
         for declared in run_options().values():
             declared.check(self)
+        check_env_names(self.env, self.secrets)
         need(
             self.rounds * self.sync_every <= MAX_TOTAL_STEPS,
             f"--rounds x --sync-every is {self.rounds * self.sync_every} inner steps, more "

@@ -63,6 +63,14 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
         # clearly below the loss at step 0 (ln(vocab) ~ 3.3 for this corpus)
         assert jm["eval_loss_final"] < 0.8 * jm["eval_loss_initial"], jm
         assert r["bytes_up"] > 0 and r["bytes_down"] > 0
+    # each replica recorded what it ran with: here, the driver's own environment
+    from crf.versions import installed_versions
+
+    for rank in range(3):
+        res = json.loads((run / "results" / f"{rank}.json").read_text())
+        assert res["versions"] == installed_versions() and res["versions"]["torchft"]
+        assert isinstance(res["cuda_available"], bool)
+    assert "ran trl" not in proc.stdout and "(driver:" not in proc.stdout  # no warning
     # the store holds what DESIGN.md says
     assert json.loads((run / "run.json").read_text())["replicas"] == 3
     assert sorted(os.listdir(run / "metrics" / "0")) == ["0.json", "1.json", "2.json", "3.json"]

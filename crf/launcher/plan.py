@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor
 from crf.launcher.errors import LaunchError
+from crf.launcher.user_env import resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class Plan:
     command: list[str] | None  # None: the backend's default, python -m crf.replica
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     resume: ResumeInfo | None = None  # set when continuing an existing run
+    #: the ``--secret`` values read at this launch (crf.launcher.user_env); never written,
+    #: never shown (repr=False)
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -196,9 +200,10 @@ def prepare(
         executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
+    secret_env = resolve_secrets(spec)  # each one set (or its file readable) before launch
     # The store last: the writability probe is the only check with a side effect.
     run_store = _run_folder(run_uri, run_id, dry_run)
-    return Plan(spec, run_store, executor, command, restart=policy)
+    return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env)
 
 
 def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:

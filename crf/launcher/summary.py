@@ -49,6 +49,8 @@ RESULT_FIELDS = (
     "steps",
     "wall_s",
     "job_metrics",
+    "versions",
+    "cuda_available",
 )
 
 
@@ -461,6 +463,7 @@ def render_summary(
             highlight=False,
         )
 
+    print_version_warnings(summary, console)
     status = summary["status"]
     style = {"ok": "bold green", "failed": "bold red"}.get(status, "bold yellow")
     parts = [f"[{style}]{status}[/]", f"wall {fmt_seconds(summary.get('wall_s'))}"]
@@ -496,6 +499,26 @@ def render_summary(
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
     if plot_path:
         console.print(f"loss plot: {plot_path}", soft_wrap=True, highlight=False)
+
+
+def version_warnings(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per replica whose torchft / trl / transformers (its result's ``versions``)
+    differ from this process's (the driver's): the run may not behave as it does here."""
+    from crf.versions import mismatches
+
+    out = []
+    for row in rows:
+        diff = mismatches(row.get("versions"))
+        if diff:
+            said = ", ".join(f"{name} {got} (driver: {want})" for name, (got, want) in diff.items())
+            out.append(f"replica {row.get('rank')} ran {said}")
+    return out
+
+
+def print_version_warnings(summary: Mapping[str, Any], console: Console) -> None:
+    """The warnings of :func:`version_warnings`, in yellow."""
+    for line in version_warnings(summary.get("replicas") or []):
+        console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True, highlight=False)
 
 
 # ---------------------------------------------------------------------- metrics + plot

@@ -51,6 +51,7 @@ from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import raw_view
+from crf.versions import cuda_available, installed_versions
 
 log = logging.getLogger(__name__)
 
@@ -546,6 +547,8 @@ class ReplicaContext:
             wall_s=round(self._clock.wall_s(), 3),
             resumed_from=self.resumed_from,
             job_metrics=job_metrics,
+            versions=installed_versions(),
+            cuda_available=cuda_available(),
         )
         if m is not None:
             self._add_exchange_facts(record, m)
