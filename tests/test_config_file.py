@@ -324,6 +324,27 @@ def test_list_and_dict_options_are_repeatable_flags() -> None:
     assert "KEY=VALUE" in help_text and "--reward" in help_text
 
 
+def test_env_and_secret_are_repeatable_flags_and_file_keys(tmp_path: Path) -> None:
+    """The declared dict option env and list option secrets, on the command line and in a
+    file (an [env] table is the option env)."""
+    path = _write(tmp_path, '[env]\nPROJECT = "grpo"\nSTAGE = "1"\n')
+    result = crf(
+        "launch", "-c", path, "--env", "STAGE=2", "--env", "EXPR=a=b", "--secret", "MY_TOKEN",
+        "--secret", "KEY_FILE=@/nowhere", "--print-config",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    printed = parse_config(result.output).options
+    assert printed["env"] == {"PROJECT": "grpo", "STAGE": "2", "EXPR": "a=b"}  # key by key
+    assert printed["secrets"] == ["MY_TOKEN", "KEY_FILE=@/nowhere"]
+    assert parse_config(crf("launch", "-c", path, "--print-config").output).options["env"] == {
+        "PROJECT": "grpo", "STAGE": "1",
+    }  # fmt: skip
+    bad = crf("launch", "--env", "NOVALUE", "--print-config")
+    assert bad.exit_code == 2 and "--env expects KEY=VALUE (got 'NOVALUE')" in bad.output
+    bad = crf("launch", "--env", "CRF_X=1", "--print-config")
+    assert bad.exit_code == 2 and "CRF_* variables are crf's own" in bad.output
+
+
 def test_entrypoint_keeps_its_string_flag() -> None:
     param = _run_option_parameter(run_options()["entrypoint"])
     assert param.default is None

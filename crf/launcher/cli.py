@@ -343,8 +343,9 @@ _FILE_FLAGS = ("store", "max_restarts", "max_run_restarts", "timeout")
 
 
 def _apply_config(ctx: typer.Context, options: dict[str, Any], flags: dict[str, Any]) -> Any:
-    """Fill in from ``-c FILE`` every option and launch flag not given on the command line
-    (flags override the file key by key; [job] and [backend] are merged in by the caller)."""
+    """Fill in from ``-c FILE`` every option and launch flag not given on the command line;
+    a mapping option (``--env``) given in both is merged key by key, the flag's keys winning
+    ([job] and [backend] are merged the same way by the caller)."""
     from crf.launcher.config_file import ConfigError, LaunchConfig, check_job_keys, load_config
 
     if flags["config"] is None:
@@ -356,6 +357,8 @@ def _apply_config(ctx: typer.Context, options: dict[str, Any], flags: dict[str, 
     for name, value in cfg.options.items():
         if not _given(ctx, name):
             options[name] = value
+        elif isinstance(value, dict) and isinstance(options[name], dict):
+            options[name] = value | options[name]  # KEY=VALUE flags: key by key, as [job]
     for name, value in cfg.launch_flags.items():
         if not _given(ctx, name):
             flags[name] = value
