@@ -169,6 +169,8 @@ def test_backend_and_job_may_be_plain_keys_and_hardware_has_its_aliases() -> Non
         ("[backend]\ngpu = 'a'\nflavor = 'b'\n", "names the hardware twice (gpu, flavor)"),
         ("job = 3\n[job]\n", "is not valid TOML"),
         ("max_restarts = 'many'\n", "max_restarts in config file {f} must be int"),
+        ("[backend]\ntimeout = 'long'\n", "timeout in config file {f} must be int or float"),
+        ("backend = 3\n", "backend in config file {f} must be a string or a [backend] table"),
         ("replicas = \n", "is not valid TOML: Invalid value (at line 1, column 12)"),
         ("[job]\nlr = 0.1\n[job]\n", "(at line 3, column 5)"),
     ],

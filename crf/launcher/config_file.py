@@ -112,14 +112,14 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
         if name in target:
             raise ConfigError(f"config file {where} sets {name} twice ({key!r} and another)")
         target[name] = value
-    for name, value in launch.items():
-        if not isinstance(value, LAUNCH_KEYS[name]) or isinstance(value, bool):
-            kinds = " or ".join(t.__name__ for t in LAUNCH_KEYS[name])
-            raise ConfigError(f"{name} in config file {where} must be {kinds} (got {value!r})")
     if "timeout" in backend:  # as on the command line: --timeout is the launch's and the backend's
         if "timeout" in launch:
             raise ConfigError(f"config file {where} sets timeout twice (top level and [backend])")
         launch["timeout"] = backend.pop("timeout")
+    for name, value in launch.items():
+        if not isinstance(value, LAUNCH_KEYS[name]) or isinstance(value, bool):
+            kinds = " or ".join(t.__name__ for t in LAUNCH_KEYS[name])
+            raise ConfigError(f"{name} in config file {where} must be {kinds} (got {value!r})")
     return LaunchConfig(options, _one_hardware_key(backend, where), job, launch)
 
 
@@ -133,6 +133,10 @@ def _named_table(
     if isinstance(value, str):
         options[name] = value
         return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{name} in config file {where} must be a string or a [{name}] table (got {value!r})"
+        )
     table = _table(value, name, where)
     if TABLE_NAME in table:
         options[name] = table.pop(TABLE_NAME)
