@@ -167,8 +167,8 @@ ConfigFile = Annotated[
         "--config",
         "-c",
         metavar="FILE",
-        help="A TOML file with the run, [backend] and [job] options (README: Config file); "
-        "flags given here override it.",
+        help="A TOML file with the run options and a backend and a job table (README: "
+        "Config file); flags given here override it.",
         rich_help_panel=LAUNCH,
     ),
 ]
@@ -221,7 +221,8 @@ def _run_option_parameter(declared: Option) -> inspect.Parameter:
     default = declared.default
     metavar = None
     if declared.cli_type is None and declared.base is list:
-        kind = list[_item_type(declared)] | None
+        item = _item_type(declared)
+        kind, metavar = list[item] | None, "TEXT" if item is str else item.__name__.upper()
         default = None if default is None else list(default)
     elif declared.cli_type is None and declared.base is dict:
         kind, default, metavar = list[str] | None, None, "KEY=VALUE"
