@@ -468,7 +468,6 @@ class RunSpec:
         default_factory=dict,
         flag="--env",
         group=BACKEND,
-        cli=False,  # a repeatable --env KEY=VALUE flag once the CLI builds dict options
         help="Plain (non-secret) environment variable KEY=VALUE for every replica "
         "(repeatable); written in run.json.",
     )

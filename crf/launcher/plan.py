@@ -206,6 +206,26 @@ def prepare(
     return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env)
 
 
+def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run options checked as :func:`prepare` checks them, with no backend and no store
+    (``crf launch --print-config`` shows a config only once it would launch); returns the
+    job's options as typed values. LaunchError says what to fix."""
+    values = launch_options(options)
+    job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
+    run_id = values.pop("run_id", None)
+    try:
+        RunSpec(
+            run_id=run_id if run_id is not None else new_run_id(), run_uri="memory://check",
+            **values,
+        ).validate()  # fmt: skip
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
+    except TypeError as e:
+        raise LaunchError(f"a run option has the wrong type: {e}") from None
+    _command(entrypoint)
+    return validate_job(values.get("job", RunSpec.job), job_options)
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
