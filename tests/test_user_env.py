@@ -133,6 +133,7 @@ def test_the_secret_flag_is_repeatable_and_fails_before_launch(
     ok = runner.invoke(app, [*base, "--secret", "MY_TOKEN", "--secret", f"K=@{tmp_path / 'key'}"])
     assert ok.exit_code == 0, ok.output
     assert VALUE not in ok.output and "from-a-file" not in ok.output
+    assert "MY_TOKEN, K" in " ".join(ok.output.split())  # the plan names them, no value
     bad = runner.invoke(app, [*base, "--secret", "MY_TOKEN", "--secret", "NOT_SET_ANYWHERE"])
     assert bad.exit_code == 2
     assert "--secret NOT_SET_ANYWHERE: not set in this environment" in bad.output

@@ -452,6 +452,14 @@ def _backend_options(
     return out
 
 
+def _secret_names(plan: Any, store_secrets: list[str]) -> list[str]:
+    """The names of every secret the replicas get: the store's credentials and the user's
+    ``--secret`` entries (names only: a value is never shown)."""
+    from crf.spec import secret_name
+
+    return [*store_secrets, *(secret_name(s) for s in plan.spec.secrets)]
+
+
 def _print_plan(plan: Any) -> None:
     """``--dry-run``: the backend's plan as a table, with the hourly cost where known."""
     from rich.table import Table
@@ -488,7 +496,7 @@ def _print_plan(plan: Any) -> None:
             ),
         ),
         ("timeout", "-" if bp.timeout_s is None else f"{bp.timeout_s:.0f} s"),
-        ("secrets", ", ".join(bp.secrets) or "-"),
+        ("secrets", ", ".join(_secret_names(plan, bp.secrets)) or "-"),
         ("cost", price),
     ]
     for key, value in rows:
