@@ -190,6 +190,7 @@ def prepare(
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     spec.job_config = validate_job(spec.job, job_options)
+    check_workload(spec)
     command = _command(entrypoint)
     spec.entrypoint = command
     try:
@@ -199,6 +200,38 @@ def prepare(
     # The store last: the writability probe is the only check with a side effect.
     run_store = _run_folder(run_uri, run_id, dry_run)
     return Plan(spec, run_store, executor, command, restart=policy)
+
+
+def check_workload(spec: RunSpec) -> None:
+    """LaunchError for a --reward that does not parse or import, or a --dataset file that
+    cannot be read, lacks a column or has fewer rows than replicas (crf/replica/data.py). A
+    local dataset path becomes absolute, so replicas in another directory find it."""
+    import os
+
+    from crf.replica.data import DataError, check_dataset, is_local_file
+    from crf.replica.rewards import RewardError, check_rewards
+
+    try:
+        specs = check_rewards(spec.reward)
+        if spec.dataset is None:
+            return
+        if is_local_file(spec.dataset):
+            if spec.backend != "local":
+                raise DataError(
+                    f"--dataset {spec.dataset} is a local file the {spec.backend} replicas "
+                    "cannot read: copy it to the store (or any URL) and pass that URL"
+                )
+            spec.dataset = os.path.abspath(spec.dataset)
+        check_dataset(
+            spec.dataset,
+            config=spec.dataset_config,
+            split=spec.dataset_split,
+            columns=spec.columns,
+            replicas=spec.replicas,
+            needs_answer=any(s.needs_answer for s in specs) or not specs,
+        )
+    except (DataError, RewardError) as e:
+        raise LaunchError(str(e)) from None
 
 
 def _is_count(value: object) -> bool:

@@ -182,9 +182,13 @@ def summarize(history: list[dict[str, float]], sync_every: int) -> dict[str, Any
 
 def greedy_exact_match(
     model: Any, tokenizer: Any, examples: list[dict[str, Any]], max_new: int
-) -> float:
-    """Fraction of prompts whose greedy completion is exactly the answer."""
+) -> float | None:
+    """Fraction of prompts whose greedy completion is exactly the answer (None: no prompts,
+    as with a user's --dataset)."""
     import torch
+
+    if not examples:
+        return None
 
     was_training = model.training
     model.eval()
@@ -223,6 +227,12 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     )
     model.train()
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
+    if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no held-out set
+        from crf.replica.data import spec_shard
+
+        shard = spec_shard(ctx.spec, ctx.rank, ctx.world_size)
+        random.Random(int(ctx.data_seed)).shuffle(shard)
+        return ReplicaSetup(tokenizer, model, shard, [])
     pool = make_examples(cfg.num_examples, int(ctx.seed), **shape)
     shard = pool[ctx.rank :: ctx.world_size]
     if not shard:
@@ -249,7 +259,9 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         save_tiny,
     )
     from crf.composer.task import HINT_TEMPLATE, reverse_reward
+    from crf.replica.rewards import job_rewards
 
+    rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer
     max_new = cfg.max_len + 2
@@ -285,11 +297,12 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             save_strategy="no",
             logging_steps=1,
             disable_tqdm=True,
+            reward_weights=rewards["reward_weights"],
             **cfg.composer_kwargs(),
         )
         trainer = ComposerReplicationTrainer(
             model=model,
-            reward_funcs=reverse_reward,
+            reward_funcs=rewards["reward_funcs"],
             args=args,
             train_dataset=Dataset.from_list(setup.shard),
             processing_class=tokenizer,
