@@ -33,9 +33,7 @@ def builder_of(dataset: str) -> str | None:
         if path.endswith(suffix):
             return builder
     if "://" in dataset:
-        raise DataError(
-            f"--dataset {dataset}: a URL must name a {', '.join(BUILDERS)} file"
-        )
+        raise DataError(f"--dataset {dataset}: a URL must name a {', '.join(BUILDERS)} file")
     return None
 
 

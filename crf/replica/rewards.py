@@ -140,7 +140,9 @@ def import_reward(name: str) -> Callable[..., Any]:
     try:
         fn = getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as e:
-        raise RewardError(f"--reward {name}: cannot import it from the working directory ({e})")
+        raise RewardError(
+            f"--reward {name}: cannot import it from the working directory ({e})"
+        ) from None
     if not callable(fn):
         raise RewardError(f"--reward {name}: {func} is not a function")
     return fn
