@@ -55,3 +55,23 @@ def test_composer_on_a_jsonl_file_with_two_rewards(tmp_path: Path, monkeypatch) 
     for rank in range(2):
         m = json.loads((run / "metrics" / str(rank) / "0.json").read_text())["metrics"]
         assert 0.0 <= m["reward"] <= 1.5  # weighted sum of a 0/1 and a 0/0.5 reward
+
+
+def test_a_raising_reward_fails_the_replica_with_its_traceback(tmp_path: Path, monkeypatch) -> None:
+    from crf.launcher.plan import RestartPolicy
+
+    (tmp_path / "rev.jsonl").write_text(json.dumps({"prompt": "ab=", "answer": "ba"}) + "\n")
+    (tmp_path / "badmod.py").write_text(
+        "def boom(completions, **kwargs):\n    raise KeyError('no_such_field')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    summary = launch(
+        {"replicas": 1, "sync_every": 1, "rounds": 1, "run_id": "bad", "dataset": "rev.jsonl",
+         "reward": ["badmod:boom"], "job_config": {"prompts_per_step": 1, "num_generations": 2}},
+        store=str(tmp_path / "runs"), restart=RestartPolicy(max_restarts=0), progress=False,
+        report=False,
+    )  # fmt: skip
+    assert summary["status"] == "failed", summary
+    log = (tmp_path / "runs" / "bad" / "logs" / "replica-0.log").read_text()
+    assert "RewardFailed: reward badmod:boom raised KeyError: 'no_such_field'" in log
+    assert "in boom" in log and "raise KeyError('no_such_field')" in log  # the user's frame

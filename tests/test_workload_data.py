@@ -112,3 +112,8 @@ def test_prepare_makes_a_local_path_absolute(tmp_path: Path, monkeypatch) -> Non
     plan = prepare({"dataset": "d.jsonl", "columns": MAP}, store=str(tmp_path / "r"),
                    dry_run=True)  # fmt: skip
     assert plan.spec.dataset == str(tmp_path / "d.jsonl")
+
+
+def test_prepare_refuses_data_options_for_the_lm_job(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="for the composer job, not lm"):
+        _prepare(tmp_path, job="lm", reward=["exact_match"])

@@ -211,6 +211,8 @@ def check_workload(spec: RunSpec) -> None:
     from crf.replica.data import DataError, check_dataset, is_local_file
     from crf.replica.rewards import RewardError, check_rewards
 
+    if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns):
+        raise LaunchError("--dataset, --column and --reward are for the composer job, not lm")
     try:
         specs = check_rewards(spec.reward)
         if spec.dataset is None:
