@@ -29,7 +29,7 @@ _LAZY = {
     "compose_loss": "crf.composer",
     "DiLoCoCallback": "crf.composer",
     "launch": "crf.launcher.driver",
-    "RestartPolicy": "crf.launcher.driver",
+    "RestartPolicy": "crf.launcher.plan",
 }
 
 __all__ = sorted(_LAZY)

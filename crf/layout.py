@@ -27,7 +27,8 @@ Layout of one run folder::
     rounds/<r>/reduced/<s>                    the average of shard s over the quorum
     rounds/<r>/held/<rank>/<s>                a shard kept when its owner left the quorum
     rounds/<r>/failed.json                    round r cannot complete (why)
-    global/<r>/state.pt                       global weights + outer optimizer after round r
+    global/<r>/state.safetensors              global weights + outer optimizer after round r
+    model/                                    the trained model, Hugging Face format (at the end)
     heal/<rank>.json                          a replica's request for a global state
     faults/<tag>                              a fault-injection spec that has fired (tests)
     code/crf-<sha>.tar.gz                     the crf source cloud containers fetch and run
@@ -77,6 +78,8 @@ RESULTS = "results"
 METRICS = "metrics"
 REPLICAS = "replicas"
 FAULTS = "faults"
+#: the trained model in Hugging Face format, written at the end of a run (crf export)
+MODEL_DIR = "model"
 
 
 def heartbeat_key(rank: int) -> str:
@@ -167,7 +170,12 @@ def global_dir(r: int) -> str:
 
 
 def global_key(r: int) -> str:
-    return f"{GLOBAL}/{r}/state.pt"
+    return f"{GLOBAL}/{r}/state.safetensors"
+
+
+def model_key(name: str) -> str:
+    """A file of the exported model (``config.json``, ``model.safetensors``, ...)."""
+    return f"{MODEL_DIR}/{name}"
 
 
 def heal_key(rank: int) -> str:
@@ -210,7 +218,7 @@ def round_numbers(store: Lister) -> list[int]:
 
 def global_rounds(store: Lister, *, complete: bool = False) -> list[int]:
     """Rounds with a global state folder, ascending. ``complete=True`` keeps only those whose
-    ``state.pt`` has landed (one request per round): a kill mid-write can leave the folder
+    ``state.safetensors`` has landed (one request per round): a kill mid-write can leave the folder
     with only the writer's temp file."""
     rounds = numbered(store.list(GLOBAL))
     if complete:
@@ -386,6 +394,10 @@ class ResultRecord(Record):
     job_metrics: dict[str, Any] = field(default_factory=dict)
     traceback: str | None = None
     restartable: bool = True
+    #: what the replica ran with: torch / torchft / trl / transformers versions (crf.versions)
+    versions: dict[str, str | None] = field(default_factory=dict)
+    #: torch.cuda.is_available() in the replica (None: torch could not be imported)
+    cuda_available: bool | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ResultRecord:

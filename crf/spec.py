@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -45,6 +47,9 @@ MAX_SEED = 2**32 - 1
 #: the longest wait Python's threading and time.sleep accept (about 292 years); a longer
 #: deadline raises OverflowError in the replica
 MAX_WAIT_S = float(threading.TIMEOUT_MAX)
+#: training precisions and devices (crf/replica/model.py resolves ``auto``)
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+DEVICES = ("auto", "cuda", "cpu")
 
 
 class SpecError(ValueError):
@@ -98,6 +103,44 @@ def coerce_text(text: Any, like: Any, what: str) -> Any:
         kind = "true/false" if isinstance(like, bool) else f"a valid {type(like).__name__}"
         raise ValueError(f"{what}={text!r} is not {kind}") from None
     return text
+
+
+#: an environment variable's name, as every platform (and POSIX) accepts it
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: the prefix of the variables crf sets itself (the replica contract, CRF_SECRET_NAMES, ...)
+RESERVED_ENV_PREFIX = "CRF_"
+
+
+def secret_name(entry: str) -> str:
+    """The variable a ``--secret`` entry sets: ``KEY`` or the KEY of ``KEY=@path``."""
+    return entry.split("=", 1)[0]
+
+
+def check_env_names(env: object, secrets: object) -> None:
+    """SpecError for an ``--env`` or ``--secret`` entry a replica cannot be given: a name
+    that is no variable name, one of crf's own ``CRF_*`` variables, a value that is not a
+    string, a secret given as ``KEY=value`` (a value on a command line is no secret), or a
+    name given twice."""
+    if not isinstance(env, dict) or not isinstance(secrets, list):
+        return  # the declared type check has said so already
+    seen: set[str] = set()
+    for flag, name, value in [("--env", k, v) for k, v in env.items()] + [
+        ("--secret", secret_name(str(e)), e) for e in secrets
+    ]:
+        if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):
+            raise SpecError(f"{flag} {name!r}: not a variable name (letters, digits, '_')")
+        if name.startswith(RESERVED_ENV_PREFIX):
+            raise SpecError(f"{flag} {name}: CRF_* variables are crf's own; use another name")
+        if not isinstance(value, str):
+            raise SpecError(f"{flag} {name}: the value must be a string (got {value!r})")
+        if flag == "--secret" and "=" in value and not value.split("=", 1)[1].startswith("@"):
+            raise SpecError(
+                f"--secret {name}: give the name only (its value is read from this "
+                f"environment) or {name}=@path to read it from a file, never the value"
+            )
+        if name in seen:
+            raise SpecError(f"{flag} {name}: {name} is given twice (in --env or --secret)")
+        seen.add(name)
 
 
 def _is_int(value: object) -> bool:
@@ -374,6 +417,47 @@ class RunSpec:
         help="Streaming DiLoCo: inner steps a fragment's upload overlaps with training "
         "before the replica waits for it.",
     )
+    model: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="The model to train: a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct) or a "
+        "folder saved with save_pretrained (default: the job's embedded tiny model).",
+    )
+    trust_remote_code: bool = option(
+        False,
+        group=WORKLOAD,
+        help="Run the model repo's own Python code (only for a model you trust).",
+    )
+    precision: str = option(
+        "auto",
+        choices=PRECISIONS,
+        group=WORKLOAD,
+        help="Training precision: auto (bf16 on a CUDA GPU that supports it, else fp32), "
+        "bf16, fp16 or fp32.",
+    )
+    device: str = option(
+        "auto",
+        choices=DEVICES,
+        group=WORKLOAD,
+        help="Where each replica trains: auto (cuda when a GPU is present), cuda or cpu.",
+    )
+    gradient_checkpointing: bool = option(
+        False,
+        group=WORKLOAD,
+        help="Recompute activations in the backward pass: less GPU memory, about a third "
+        "more compute.",
+    )
+    lora_rank: int = option(
+        0,
+        low=0,
+        high=4096,
+        group=WORKLOAD,
+        help="Train LoRA adapters of this rank (peft) instead of every weight; only the "
+        "adapters are exchanged (0 = off).",
+    )
+    lora_alpha: int = option(
+        16, low=1, high=65536, group=WORKLOAD, help="LoRA scaling numerator (alpha / rank)."
+    )
     dataset: str | None = option(
         None,
         group=WORKLOAD,
@@ -402,6 +486,20 @@ class RunSpec:
         run_defining=False,
         group=BACKEND,
         help="Where replicas run: local, modal, hf (Hugging Face Jobs), sagemaker.",
+    )
+    env: dict[str, str] = option(  # plain: written in run.json, shown by describe calls
+        default_factory=dict,
+        flag="--env",
+        group=BACKEND,
+        help="Plain (non-secret) environment variable KEY=VALUE for every replica "
+        "(repeatable); written in run.json.",
+    )
+    secrets: list[str] = option(  # names only: the values are read at each launch
+        default_factory=list,
+        flag="--secret",
+        group=BACKEND,
+        help="Secret variable for every replica (repeatable): KEY takes its value from this "
+        "environment, KEY=@path from a file; only the name is written anywhere.",
     )
     backend_options: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
@@ -450,6 +548,7 @@ class RunSpec:
         )
         for declared in run_options().values():
             declared.check(self)
+        check_env_names(self.env, self.secrets)
         need(
             self.rounds * self.sync_every <= MAX_TOTAL_STEPS,
             f"--rounds x --sync-every is {self.rounds * self.sync_every} inner steps, more "
@@ -466,7 +565,30 @@ class RunSpec:
             f"{self.sync_period}) (got {self.fragment_sync_delay!r}): a fragment's exchange "
             "must finish before the next fragment's starts",
         )
+        self._validate_workload()
         return self
+
+    def _validate_workload(self) -> None:
+        """What relates the model options, and the optional packages they need."""
+        if self.precision == "fp16" and self.device == "cpu":
+            raise SpecError(
+                "--precision fp16 needs a CUDA GPU (--device cuda or auto); on a CPU use "
+                "bf16 or fp32"
+            )
+        if self.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+            raise SpecError(
+                f"--lora-rank {self.lora_rank} needs peft: install composer-replication[lora]"
+            )
+        if self.model is not None and not self.model.strip():
+            raise SpecError("--model must name a Hub id or a folder (got an empty string)")
+        folder = self.model and os.path.expanduser(self.model)
+        if folder and self.model.startswith(("/", ".", "~")) and not os.path.isdir(folder):
+            # a path, not a Hub id (org/name): local replicas would each fail to load it
+            if self.backend == "local":
+                raise SpecError(
+                    f"--model {self.model!r}: no such folder (give a Hub id org/name or a "
+                    "folder saved with save_pretrained)"
+                )
 
     def to_json(self) -> str:
         return jsonsafe.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

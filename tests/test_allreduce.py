@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from crf import layout
 from crf.exchange import quorum as quorum_mod
 from crf.exchange.allreduce import (
     LayoutMismatchError,
@@ -613,7 +614,7 @@ def test_lag_is_asked_where_it_can_matter(store: RunStore, monkeypatch) -> None:
     assert asked == [0]
 
     # the straggler: round 7's folder is gone and global/9 exists
-    store.put("global/9/state.pt", b"x")
+    store.put(layout.global_key(9), b"x")
     asked.clear()
     t0 = time.monotonic()
     res = replica(2, r=7, base=6)

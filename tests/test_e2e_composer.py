@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
+
+from crf import layout
+from crf.replica.context import weights_sha256
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -46,6 +50,9 @@ def test_composer_replicas_learn(tmp_path: Path) -> None:
     run = tmp_path / "comp"
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "ok" and result["weights_identical"] is True
+    # the trained model came out in Hugging Face format, with the replicas' final weights
+    model = AutoModelForCausalLM.from_pretrained(run / layout.MODEL_DIR)
+    assert weights_sha256(model) == result["weights_sha256"]
 
     def mean_reward(r: int) -> float:
         vals = [

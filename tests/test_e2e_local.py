@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from crf import layout
+from crf.replica.context import weights_sha256
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -63,10 +68,28 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
         # clearly below the loss at step 0 (ln(vocab) ~ 3.3 for this corpus)
         assert jm["eval_loss_final"] < 0.8 * jm["eval_loss_initial"], jm
         assert r["bytes_up"] > 0 and r["bytes_down"] > 0
+    # each replica recorded what it ran with: here, the driver's own environment
+    from crf.versions import installed_versions
+
+    for rank in range(3):
+        res = json.loads((run / "results" / f"{rank}.json").read_text())
+        assert res["versions"] == installed_versions() and res["versions"]["torchft"]
+        assert isinstance(res["cuda_available"], bool)
+    assert "ran trl" not in proc.stdout and "(driver:" not in proc.stdout  # no warning
     # the store holds what DESIGN.md says
     assert json.loads((run / "run.json").read_text())["replicas"] == 3
     assert sorted(os.listdir(run / "metrics" / "0")) == ["0.json", "1.json", "2.json", "3.json"]
-    assert (run / "global" / "3" / "state.pt").exists()
+    assert (run / layout.global_key(3)).exists()
+    # the global checkpoint is a plain safetensors file
+    assert any(name.startswith("model/") for name in load_file(run / layout.global_key(3)))
+    # the trained model came out (the lowest replica that finished wrote run/model/):
+    # `crf export` copies it and transformers loads it, with the replicas' final weights
+    out = tmp_path / "exported"
+    exported = crf("export", "e2e-lm", str(out), "--store", str(tmp_path / "runs"), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert weights_sha256(loaded) == result["weights_sha256"] == rows[0]["weights_sha256"]
+    assert AutoTokenizer.from_pretrained(out).decode([0, 1]) == " ."
     # the summary table is printed
     assert "e2e-lm" in proc.stdout and "rounds" in proc.stdout.lower()
 

@@ -208,10 +208,16 @@ def test_secrets_travel_as_job_secrets_and_never_show(emu: HFJobsEmulator, run_u
     first_request = len(emu.requests)
     ex.check_ready(run_uri)
     dump = "import os\nfor k, v in sorted(os.environ.items()): print(f'{k}={v}')"
-    (h,) = ex.launch_replicas(1, py(dump), env={"MY_API_KEY": SECRET}, run_uri=run_uri)
+    (h,) = ex.launch_replicas(
+        1, py(dump), env={"MY_API_KEY": SECRET}, run_uri=run_uri, plain_env={"PROJECT": "grpo"}
+    )
     assert ended(ex, h).state is ReplicaState.SUCCEEDED
     job = emu.jobs[h.backend_id]
     spec = job.spec
+    # --env is plain environment; secrets (store credentials, --secret) never are
+    assert spec["environment"]["PROJECT"] == "grpo" and "PROJECT" not in spec["secrets"]
+    assert spec["environment"]["CRF_SECRET_NAMES"].split(",").count("MY_API_KEY") == 1
+    assert "PROJECT" not in spec["environment"]["CRF_SECRET_NAMES"].split(",")
     # what was sent: contract in env, credentials and the caller's env as secrets
     assert spec["environment"]["CRF_RANK"] == "0" and spec["environment"]["CRF_WORLD_SIZE"] == "1"
     assert spec["environment"]["CRF_RUN_URI"] == run_uri
@@ -237,7 +243,7 @@ def test_secrets_travel_as_job_secrets_and_never_show(emu: HFJobsEmulator, run_u
     raw = "\n".join(line for _, line in job.logs)
     assert "MY_API_KEY=***" in raw and SECRET not in raw and "=testing" not in raw
     lines = list(ex.logs(h))
-    assert "MY_API_KEY=***" in lines and "CRF_RANK=0" in lines
+    assert "MY_API_KEY=***" in lines and "CRF_RANK=0" in lines and "PROJECT=grpo" in lines
     assert not any(SECRET in line or "=testing" in line for line in lines)
     # so a fresh executor (reattach), which cannot know the caller's env, shows none either
     fresh = make_executor("hf", ex.config())

@@ -231,8 +231,9 @@ def test_launch_runs_the_bootstrap_with_secrets_apart(
     fetched from the store by the real bootstrap, logs read and redacted."""
     executor.check_ready(run_uri)
     (h,) = executor.launch_replicas(
-        1, py(PRINT_ENV), env={"MY_API_TOKEN": "tok-0123456789"}, run_uri=run_uri
-    )
+        1, py(PRINT_ENV), env={"MY_API_TOKEN": "tok-0123456789"}, run_uri=run_uri,
+        plain_env={"PROJECT": "grpo"},
+    )  # fmt: skip
     st = wait_terminal(executor, h)
     assert st.state is ReplicaState.SUCCEEDED and st.exit_code == 0
     sb = sandbox(modal_env, h)
@@ -253,6 +254,7 @@ def test_launch_runs_the_bootstrap_with_secrets_apart(
     (plain,) = [s for s in sb.secret_sources if "CRF_RANK" in s.get("env", {})]
     assert not {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "MY_API_TOKEN"} & set(plain["env"])
     assert plain["env"]["CRF_RUN_URI"] == run_uri and plain["env"]["CRF_WORLD_SIZE"] == "1"
+    assert plain["env"]["PROJECT"] == "grpo" and "PROJECT" not in secret_src["env"]
     assert "testing" not in " ".join(d.entrypoint_args)
     # the replica saw both, and its printed environment comes back redacted
     lines = list(executor.logs(h))

@@ -355,7 +355,7 @@ def test_live_job_status_logs_follow_cancel_and_no_secret_leaks(aws: Aws, script
     uri = aws.uri("live")
     handles = ex.launch_replicas(
         2, ["python", str(script), "sleep"], env={"MY_TOKEN": CALLER_TOKEN}, run_uri=uri,
-        max_restarts=2,
+        max_restarts=2, plain_env={"PROJECT": "grpo"},
     )  # fmt: skip
     assert [h.rank for h in handles] == [0, 1]
     assert all(h.backend == "sagemaker" and h.extra["region"] == "us-east-1" for h in handles)
@@ -367,6 +367,7 @@ def test_live_job_status_logs_follow_cancel_and_no_secret_leaks(aws: Aws, script
         desc = aws.sagemaker().describe_training_job(TrainingJobName=h.backend_id)
         env = desc["Environment"]
         assert env[ENV_SECRET_ARN] == arn and env["CRF_RANK"] == str(h.rank)
+        assert env["PROJECT"] == "grpo"  # --env: plain, shown like the contract
         blob = json.dumps(desc, default=str)
         for value in (DRIVER_KEY, DRIVER_SECRET, CALLER_TOKEN, aws.s3.endpoint):
             assert value not in blob

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from crf import layout
 from crf.launcher import driver
 from crf.launcher.cli import app
 from crf.launcher.errors import LaunchError
@@ -132,7 +133,9 @@ def test_kill_everything_mid_run_then_resume(
     store = RunStore(f"file://{run}")
     # a global round is there once its state landed (a kill mid-write can leave its folder)
     globals_ = sorted(
-        int(n) for n in store.list("global") if n.isdigit() and store.exists(f"global/{n}/state.pt")
+        int(n)
+        for n in store.list("global")
+        if n.isdigit() and store.exists(layout.global_key(int(n)))
     )
     newest = globals_[-1]
     assert newest == 2 or (checkpoint_every == 1 and newest == 1), globals_
@@ -150,7 +153,7 @@ def test_kill_everything_mid_run_then_resume(
         decode_blob(store.get(f"replicas/{k}/inner/{latest}.pt"))[1]["round"] for k in range(N)
     ]
     assert inner == [latest] * N, (latest, inner)
-    aside_bytes = {g: store.get(f"global/{g}/state.pt") for g in set_aside}
+    aside_bytes = {g: store.get(layout.global_key(g)) for g in set_aside}
     spec_before = (run / "run.json").read_bytes()
     done_before = {
         p: p.stat().st_mtime_ns
@@ -171,7 +174,7 @@ def test_kill_everything_mid_run_then_resume(
     assert f"resuming (launch 1): replicas continue from round {latest + 1}" in proc.stdout
     for g, data in aside_bytes.items():  # set aside, byte for byte, and written again
         assert "set aside" in proc.stdout and f"global/{g}" in proc.stdout, proc.stdout
-        assert (run / f"launches/1/superseded/global/{g}/state.pt").read_bytes() == data
+        assert (run / layout.superseded_key(1, layout.global_key(g))).read_bytes() == data
     assert "start it afresh" not in proc.stdout
 
     result = json.loads((run / "result.json").read_text())
@@ -181,7 +184,7 @@ def test_kill_everything_mid_run_then_resume(
     # as many rounds as the uninterrupted run; none lost, none trained twice
     assert result["rounds_completed"] == reference["rounds_completed"] == ROUNDS
     assert result["rounds_lost"] == []
-    assert (run / "global" / str(ROUNDS - 1) / "state.pt").exists()
+    assert (run / layout.global_key(ROUNDS - 1)).exists()
     for row in result["replicas"]:
         assert row["resumed_from"] == latest and row["steps"] == ROUNDS * H, row
         assert row["rounds_missed"] == [], row
@@ -308,7 +311,7 @@ def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Pat
     base = tmp_path / "runs"
     store = _fake_run(base)  # 2 replicas
     for g in (1, 2):
-        store.put(f"global/{g}/state.pt", f"state {g}".encode())
+        store.put(layout.global_key(g), f"state {g}".encode())
         for k in range(2):
             if (g, k) != (2, 1):
                 store.put(f"replicas/{k}/inner/{g}.pt", f"inner {k} {g}".encode())
@@ -317,11 +320,11 @@ def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Pat
     assert plan.resume is not None
     assert (plan.resume.from_round, plan.resume.superseded) == (1, [2])
     assert plan.resume.fresh_inner == []
-    assert store.exists("global/2/state.pt")  # nothing moves before the launch is claimed
+    assert store.exists(layout.global_key(2))  # nothing moves before the launch is claimed
     assert driver._start_launch(plan, time.time()) == 1
     assert sorted(store.list("global")) == ["1"]
-    assert store.get("launches/1/superseded/global/2/state.pt") == b"state 2"
-    assert store.get("global/1/state.pt") == b"state 1"
+    assert store.get(layout.superseded_key(1, layout.global_key(2))) == b"state 2"
+    assert store.get(layout.global_key(1)) == b"state 1"
     assert store.get("replicas/0/inner/2.pt") == b"inner 0 2"
     assert not store.exists("rounds/2")
     # the next resume finds global/1 complete again: nothing more to set aside
@@ -336,8 +339,9 @@ def test_a_global_folder_whose_state_never_landed_is_not_a_round(tmp_path: Path)
     landed: the resume starts from global/1 (whole), not from a round with no state."""
     base = tmp_path / "runs"
     store = _fake_run(base)  # 2 replicas
-    store.put("global/1/state.pt", b"state 1")
-    store.put("global/2/.state.pt.tmp-crf", b"half a st")  # the write a kill cut short
+    store.put(layout.global_key(1), b"state 1")
+    # the write a kill cut short
+    store.put(f"{layout.global_dir(2)}/.state.safetensors.tmp-crf", b"half a st")
     for g in (1, 2):
         for k in range(2):
             store.put(f"replicas/{k}/inner/{g}.pt", f"inner {k} {g}".encode())

@@ -10,6 +10,8 @@ replica that prints the secret on stdout and stderr, then ``crf logs`` runs as i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -23,11 +25,20 @@ import pytest
 from tests.test_cli import REPLICA_SCRIPT
 
 SECRET = "sk-caller-passed-this-0123456789"
+FILE_SECRET = "wandb-key-read-from-a-file-98765"
+PLAIN = "plain-project-name-visible"
 
+# prints both secrets (to be redacted) and records what it saw as hashes (never the values)
 PRINTS_SECRET = (
-    "import os, sys\n"
+    "import hashlib, os, sys\n"
+    "from crf.store import RunStore\n"
     "print('key on stdout: ' + os.environ['MY_API_KEY'], flush=True)\n"
     "print('key on stderr: ' + os.environ['MY_API_KEY'], file=sys.stderr, flush=True)\n"
+    "print('file key: ' + os.environ['FILE_KEY'], flush=True)\n"
+    "seen = {k: hashlib.sha256(os.environ.get(k, '').encode()).hexdigest()\n"
+    "        for k in ('MY_API_KEY', 'FILE_KEY')}\n"
+    "seen['PROJECT'] = os.environ.get('PROJECT')\n"
+    "RunStore(os.environ['CRF_RUN_URI']).put_json('seen.json', seen)\n"
 ) + REPLICA_SCRIPT
 
 
@@ -86,23 +97,81 @@ except pytest.skip.Exception:  # an extra is missing: the backend's case skips a
     pass
 
 
+def _run_files(run_uri: str) -> dict[str, bytes]:
+    """Every file of a run folder, on any store (run.json, backend.json, handles, launch
+    records, results, local log files, the code tarball...)."""
+    from crf.store import RunStore
+
+    store = RunStore(run_uri)
+    return {path: store.fs.cat_file(path) for path in store.fs.find(store.path(""))}
+
+
+def _described(backend: str, request: pytest.FixtureRequest, handles: list[Any]) -> str:
+    """What the platform shows anyone who may describe the replicas (a cloud backend's
+    describe call), or what the local backend was given in plain view (nothing)."""
+    if backend == "hf":
+        from huggingface_hub import HfApi
+
+        from tests.test_executor_hf_jobs import TOKEN, USER
+
+        emu = request.getfixturevalue("hf_emu")
+        api = HfApi(endpoint=emu.endpoint, token=TOKEN)
+        jobs = [api.inspect_job(job_id=h.backend_id, namespace=USER) for h in handles]
+        sent = [{k: v for k, v in emu.jobs[h.backend_id].spec.items() if k != "secrets"}
+                for h in handles]  # fmt: skip
+        return json.dumps([[j.environment, j.secrets, j.command] for j in jobs] + sent)
+    if backend == "sagemaker":
+        aws = request.getfixturevalue("aws")
+        descs = [aws.sagemaker().describe_training_job(TrainingJobName=h.backend_id)
+                 for h in handles]  # fmt: skip
+        return json.dumps(descs, default=str)
+    if backend == "modal":
+        fake = request.getfixturevalue("modal_env")
+        return " ".join(str(fake.sandboxes[h.backend_id].definition) for h in handles)
+    return ""
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_a_secret_a_replica_prints_is_hidden_from_crf_logs_in_a_fresh_process(
-    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``--secret MY_API_KEY --secret FILE_KEY=@file --env PROJECT=...`` through the SDK: the
+    replica sees all three, and no file of the run folder, no log and no describe call holds
+    a secret's value."""
+    from crf import layout
+    from crf.executors.base import ReplicaHandle
     from crf.launcher.driver import RestartPolicy, launch
+    from crf.store import RunStore, join_uri, normalize_uri
 
     executor, store = BACKENDS[backend](request)
     script = tmp_path / "prints_secret.py"
     script.write_text(PRINTS_SECRET)
+    monkeypatch.setenv("MY_API_KEY", SECRET)
+    (tmp_path / "key").write_text(FILE_SECRET + "\n")
+    run_id = f"leak-{backend}"
     summary = launch(
-        {"job": "lm", "replicas": 1, "rounds": 1, "run_id": f"leak-{backend}",
-         "entrypoint": f"python {script}"},
-        store=store, env={"MY_API_KEY": SECRET}, executor=executor, restart=RestartPolicy(0),
+        {"job": "lm", "replicas": 1, "rounds": 1, "run_id": run_id,
+         "entrypoint": f"python {script}", "env": {"PROJECT": PLAIN},
+         "secrets": ["MY_API_KEY", f"FILE_KEY=@{tmp_path / 'key'}"]},
+        store=store, executor=executor, restart=RestartPolicy(0),
         progress=False, report=False, plot=False, timeout_s=300,
     )  # fmt: skip
     assert summary["status"] == "ok", summary
+    run = RunStore(join_uri(normalize_uri(store), run_id))
+    seen = run.get_json("seen.json")  # the replica saw each value
+    assert seen["MY_API_KEY"] == hashlib.sha256(SECRET.encode()).hexdigest()
+    assert seen["FILE_KEY"] == hashlib.sha256(FILE_SECRET.encode()).hexdigest()
+    assert seen["PROJECT"] == PLAIN
+    files = _run_files(run.uri)
+    assert any(p.endswith(layout.RUN_SPEC) for p in files)
+    for path, data in files.items():
+        assert SECRET.encode() not in data and FILE_SECRET.encode() not in data, path
+    handles = [ReplicaHandle(**h) for h in run.get_json(layout.handles_key(0))["handles"]]
+    shown = _described(backend, request, handles)
+    assert SECRET not in shown and FILE_SECRET not in shown
+    if backend in ("hf", "sagemaker"):
+        assert PLAIN in shown  # --env is plain environment, shown like the contract
     logs = subprocess.run(
         [sys.executable, "-m", "crf.launcher.cli", "logs", f"leak-{backend}", "--store", store],
         capture_output=True, text=True, timeout=300,
@@ -111,7 +180,8 @@ def test_a_secret_a_replica_prints_is_hidden_from_crf_logs_in_a_fresh_process(
     out = logs.stdout + logs.stderr
     assert logs.returncode == 0, out
     assert "key on stdout: ***" in out and "key on stderr: ***" in out, out  # it was printed
-    assert SECRET not in out
+    assert "file key: ***" in out
+    assert SECRET not in out and FILE_SECRET not in out
 
 
 def test_the_redacting_wrapper_hides_secrets_keeps_streams_exit_codes_and_signals() -> None:

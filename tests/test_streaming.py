@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from crf import layout
 from crf.exchange.allreduce import ObjectStoreAllReduce
 from crf.exchange.manager import ObjectStoreManager
 from crf.replica.context import ReplicaContext, split_model
@@ -145,7 +146,7 @@ def test_streaming_replica_outside_quorum_heals_and_ends_identical(
             return train(store, spec, rank)
         # late for exchange round 1 only: its upload waits until rank 0 committed alone
         own = RunStore(store.uri)
-        plug_late_upload(own, round_=1, until=lambda: own.exists("global/1/state.pt"))
+        plug_late_upload(own, round_=1, until=lambda: own.exists(layout.global_key(1)))
         return train(own, spec, rank)
 
     out = run_threads(N, slow_train, timeout=120)

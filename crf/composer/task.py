@@ -51,6 +51,13 @@ def score(completion: str, answer: str) -> float:
     return (hits / len(answer)) * length_factor
 
 
-def reverse_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
-    """TRL reward function: one score per completion (see ``score``)."""
-    return [score(c, a) for c, a in zip(completions, answer, strict=True)]
+def completion_text(completion: Any) -> str:
+    """A completion's text: TRL hands a conversational completion over as its messages."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion)
+    return completion
+
+
+def reverse_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """TRL reward function: one score per completion, plain or conversational (``score``)."""
+    return [score(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]

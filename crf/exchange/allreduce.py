@@ -132,6 +132,46 @@ class _Round:
 
 
 @dataclass
+class _Contribution:
+    """This replica's side of one round, as step 1 cuts and uploads it: its tensors (the
+    average goes back into them), where their shards lie, and what it published. The steps
+    after the quorum read it."""
+
+    round: int
+    tensors: list[torch.Tensor]
+    source: _Segments  # the tensors read as one vector
+    exact: bool  # the float32 wire over fp32 tensors: a shard is the tensors' own slices
+    layout: list[list[Any]]  # per tensor [shape, dtype]
+    lhash: str
+    packing: Packing  # the shards' bounds and pieces, and their frames in a contribution
+    #: this replica's wire payload by shard: a wire tensor, or fp32 slices (exact wire)
+    wire: dict[int, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    facts: str = ""  # the digest of the manifest's facts, in the object's name
+    name: str = ""  # the contribution object's name in rounds/<r>/contrib/
+
+    def job(
+        self,
+        participants: list[int],
+        names: dict[int, str] | None = None,
+        early: dict[tuple[int, int], Future] | None = None,
+    ) -> _Round:
+        """What the reduce step needs, for a quorum of ``participants`` whose contribution
+        objects are ``names`` (by rank), with the parts downloaded ``early``."""
+        return _Round(
+            self.round,
+            participants,
+            self.packing.bounds,
+            self.lhash,
+            self.source.numel,
+            self.wire,
+            self.packing,
+            {} if names is None else names,
+            {} if early is None else early,
+        )
+
+
+@dataclass
 class _Part:
     """A participant's wire tensor for one shard, or why it cannot be averaged (reported
     when the reduce step uses it: an early download that ends up unused reports nothing)."""
@@ -189,6 +229,12 @@ def _gather_fp32(pieces: list[torch.Tensor]) -> torch.Tensor:
 _NONFINITE = "holds NaN/Inf values: never averaged"
 
 
+def _reason(e: CorruptObjectError, key: str) -> str:
+    """Why an object failed its check, without the ``"<key>: "`` its message starts with (a
+    rejection carries the key apart)."""
+    return str(e).removeprefix(f"{key}: ")
+
+
 def _poisoned(payload: Any, wire: str, n: int) -> Any:
     """A copy of a shard with its first value NaN (fault injection: ``nan_contribution``);
     for int8, its first block's scale."""
@@ -207,7 +253,13 @@ def _poisoned(payload: Any, wire: str, n: int) -> Any:
 
 
 class RoundFailed(AllReduceError):
-    """Another participant declared this round failed (e.g. a corrupt contribution)."""
+    """A participant declared this round failed (e.g. a corrupt reduced shard): nobody can
+    finish it consistently. ``rejection`` names the bad object (``failed.json`` when the
+    failure is about no one object), as every replica reports it."""
+
+    def __init__(self, message: str, rejection: layout.Rejection) -> None:
+        super().__init__(message)
+        self.rejection = rejection
 
 
 @dataclass
@@ -430,65 +482,107 @@ class ObjectStoreAllReduce:
             if not t.is_floating_point():
                 raise TypeError(f"tensor {i} has dtype {t.dtype}: only floating tensors average")
         res = AllReduceResult(round=r, participants=[self.rank], in_quorum=True)
-        if self.world_size == 1:
-            res.seconds = time.monotonic() - t0
-            self.history.append(res)
-            return res
+        if self.world_size > 1:
+            self._run_round(res, tensors, base_round, fragment)
+        res.seconds = time.monotonic() - t0
+        self.history.append(res)
+        return res
 
-        layout = layout_of(tensors)
-        lhash = _layout_hash(layout)
-        total = sum(t.numel() for t in tensors)
+    def _run_round(
+        self,
+        res: AllReduceResult,
+        tensors: list[torch.Tensor],
+        base_round: int | None,
+        fragment: int | None,
+    ) -> None:
+        """The four steps of round ``res.round`` (the module docstring), recorded in ``res``."""
+        r = res.round
+        mine = self._cut_into_shards(r, tensors)
+        self._upload_contribution(res, mine, base_round, fragment)
+        decided, early = self._join_quorum(
+            res, mine.job(list(range(self.world_size))), mine.manifest
+        )
+        if self.rank not in res.participants:
+            res.in_quorum = False
+            if res.participants and self.config.catch_up:
+                res.caught_up = self._catch_up(
+                    res, r, mine.packing.bounds, mine.lhash, tensors, mine.exact
+                )
+            return
+        job = mine.job(
+            res.participants,
+            {int(p): c["name"] for p, c in decided["contributions"].items()},
+            early,
+        )
+        self._check_layouts(res, r, res.participants, mine.manifest, mine.facts, decided)
+        self._publish_held_back(res, job)
+        maybe_fault("after_quorum", self.rank, r, self.store)
+        reduced_here = self._reduce_my_shards(res, job)
+        maybe_fault("after_reduce", self.rank, r, self.store)
+        got = self._gather(res, job, reduced_here)
+        self._finish_round(mine, got, reduced_here)
+
+    def _cut_into_shards(self, r: int, tensors: list[torch.Tensor]) -> _Contribution:
+        """Step 1's plan: where the shards of these tensors start and end, and where each
+        shard's frame sits in a contribution object of this round."""
+        shapes = layout_of(tensors)
+        lhash = _layout_hash(shapes)
         views = [t.detach().reshape(-1) for t in tensors]  # a view unless non-contiguous
-        residual = None
-        previous = None
         # the exact wire reads the tensors themselves: a shard is the list of their slices it
         # covers, checksummed and written without being copied into one vector. A compressed
         # wire encodes shard by shard from those slices too (a shard inside one fp32 tensor
         # is encoded straight from it), so no fp32 copy of the whole vector is kept
         source = _Segments(views)
         exact = self.wire == "float32" and all(v.dtype == torch.float32 for v in views)
-        if not exact and self.config.error_feedback:
-            residual = torch.zeros(total)
-            previous = self._residual.get(fragment)
-            if previous is not None and previous.numel() != total:
-                previous = None
-        bounds = shard_bounds(total, self.config.num_shards)
+        bounds = shard_bounds(source.numel, self.config.num_shards)
         segs = self._shard_segments(lhash, [v.numel() for v in views], bounds)
-
-        # 1. publish my contribution: the manifest and every shard but the ones this replica
-        #    owns in a full quorum (those stay in memory: the owner never downloads its own
-        #    part, so a replica uploads ~P, not P + P/N), packed into one object, one PUT
-        self._phase("uploading")
         packing = Packing(
             bounds,
             self.wire,
             self.world_size,
-            manifest_size(layout, self.config.run_id, self.config.num_shards, self.world_size),
+            manifest_size(shapes, self.config.run_id, self.config.num_shards, self.world_size),
             shard_header_size(self.config.run_id),
             segs,
         )
-        mine_wire, encoding = self._encode_shards(
-            r, tensors, source, packing, lhash, total, exact, previous, residual
-        )
-        held_back = packing.kept(self.rank)
-        manifest = {
+        return _Contribution(r, tensors, source, exact, shapes, lhash, packing)
+
+    def _upload_contribution(
+        self,
+        res: AllReduceResult,
+        mine: _Contribution,
+        base_round: int | None,
+        fragment: int | None,
+    ) -> None:
+        """Step 1: publish my contribution: the manifest and every shard but the ones this
+        replica owns in a full quorum (those stay in memory: the owner never downloads its
+        own part, so a replica uploads ~P, not P + P/N), packed into one object, one PUT."""
+        r, total = mine.round, mine.source.numel
+        residual = previous = None
+        if not mine.exact and self.config.error_feedback:
+            residual = torch.zeros(total)
+            previous = self._residual.get(fragment)
+            if previous is not None and previous.numel() != total:
+                previous = None
+        self._phase("uploading")
+        encoding = self._encode_shards(mine, previous, residual)
+        mine.manifest = {
             "rank": self.rank,
             "run_id": self.config.run_id,
             "round": r,
-            "layout_hash": lhash,
-            "layout": layout,
+            "layout_hash": mine.lhash,
+            "layout": mine.layout,
             "base_round": base_round,
             "numel": total,
             "num_shards": self.config.num_shards,
             "wire_dtype": self.wire,
-            "held_back": held_back,
+            "held_back": mine.packing.kept(self.rank),
             "fragment": fragment,
         }
-        parts: list[Any] = [encode_manifest(manifest, packing.manifest_bytes)]
+        parts: list[Any] = [encode_manifest(mine.manifest, mine.packing.manifest_bytes)]
         for f in encoding:
             parts.extend(f.result())
-        facts = facts_digest(manifest)
-        mine = Arrival(self.rank, base_round, facts, contrib_name(self.rank, base_round, facts))
+        mine.facts = facts_digest(mine.manifest)
+        mine.name = contrib_name(self.rank, base_round, mine.facts)
         maybe_fault("uploading", self.rank, r, self.store)
         self._put(res, contrib_key(r, mine.name), parts)
         del parts
@@ -497,58 +591,50 @@ class ObjectStoreAllReduce:
             self._residual[fragment] = residual
         for old in [k for k in self._present if k < r]:
             del self._present[old]
-        self._present.setdefault(r, {})[self.rank] = mine
-
-        # 2. quorum
-        decided, early = self._join_quorum(
-            res,
-            _Round(
-                r, list(range(self.world_size)), bounds, lhash, total, mine_wire, packing, names={}
-            ),
-            manifest,
+        self._present.setdefault(r, {})[self.rank] = Arrival(
+            self.rank, base_round, mine.facts, mine.name
         )
-        participants = res.participants
-        if self.rank not in participants:
-            res.in_quorum = False
-            if participants and self.config.catch_up:
-                res.caught_up = self._catch_up(res, r, bounds, lhash, tensors, exact)
-            res.seconds = time.monotonic() - t0
-            self.history.append(res)
-            return res
-        names = {int(p): c["name"] for p, c in decided["contributions"].items()}
-        self._check_layouts(res, r, participants, manifest, facts, decided)
-        # a degraded quorum moves ownership: publish held-back shards someone else now owns
-        for s in held_back:
-            if participants[s % len(participants)] != self.rank:
-                meta = self._meta(r, s, lhash, total)
-                self._put(res, held_key(r, self.rank, s), encode_tensor_parts(mine_wire[s], meta))
-        maybe_fault("after_quorum", self.rank, r, self.store)
 
-        # 3. reduce-scatter: my shards first, then (after a grace period) orphans
+    def _publish_held_back(self, res: AllReduceResult, job: _Round) -> None:
+        """After the quorum: a degraded quorum moves ownership, so the shards this replica
+        held back (it owns them in a full quorum) go up for the participant that owns them
+        now, each as its own object in ``held/``."""
+        r, participants = job.round, job.participants
+        for s in job.packing.kept(self.rank):
+            if participants[s % len(participants)] != self.rank:
+                meta = self._meta(r, s, job.lhash, job.total)
+                self._put(res, held_key(r, self.rank, s), encode_tensor_parts(job.mine[s], meta))
+
+    def _reduce_my_shards(self, res: AllReduceResult, job: _Round) -> dict[int, torch.Tensor]:
+        """Step 3, reduce-scatter: average and publish the shards this replica owns; returns
+        the wire tensors it published, by shard (orphans wait for the gather's grace period)."""
         self._phase("reducing")
         reduced_here: dict[int, torch.Tensor] = {}
-        job = _Round(r, participants, bounds, lhash, total, mine_wire, packing, names, early)
         for s in range(self.config.num_shards):
-            if participants[s % len(participants)] == self.rank:
+            if job.participants[s % len(job.participants)] == self.rank:
                 w = self._reduce_shard(res, job, s, first=True)
                 if w is not None:
                     reduced_here[s] = w
-        maybe_fault("after_reduce", self.rank, r, self.store)
+        return reduced_here
 
-        # 4. all-gather
-        got = self._gather(res, job, reduced_here)
-
-        # every shard is here and verified: write the average into the tensors, each in its
-        # own dtype
+    def _finish_round(
+        self,
+        mine: _Contribution,
+        got: dict[int, torch.Tensor],
+        reduced_here: dict[int, torch.Tensor],
+    ) -> None:
+        """After step 4: every shard is here and verified: write the average into the
+        tensors, each in its own dtype, and let this replica's contribution go."""
+        r, bounds = mine.round, mine.packing.bounds
         self._check_averages_finite(
-            r, {s: w for s, w in got.items() if s not in reduced_here}, bounds, segs
+            r,
+            {s: w for s, w in got.items() if s not in reduced_here},
+            bounds,
+            mine.packing.segments,
         )
-        self._write_average(got, bounds, tensors, exact)
+        self._write_average(got, bounds, mine.tensors, mine.exact)
         if self.config.drop_contributions:  # in the background: nobody waits for it
             self._pool().submit(self._drop_contributions, r, mine.name)
-        res.seconds = time.monotonic() - t0
-        self.history.append(res)
-        return res
 
     # ------------------------------------------------------------------ result
     def _join_quorum(
@@ -622,25 +708,19 @@ class ObjectStoreAllReduce:
 
     def _encode_shards(
         self,
-        r: int,
-        tensors: list[torch.Tensor],
-        source: _Segments,
-        packing: Packing,
-        lhash: str,
-        total: int,
-        exact: bool,
+        mine: _Contribution,
         previous: torch.Tensor | None,
         residual: torch.Tensor | None,
-    ) -> tuple[dict[int, Any], list[Future]]:
-        """Step 1's encoding: each shard's wire payload (checked finite; error feedback
-        applied and its residual kept), and the checksummed parts of those that are uploaded,
-        computed in parallel."""
+    ) -> list[Future]:
+        """Step 1's encoding: each shard's wire payload into ``mine.wire`` (checked finite;
+        error feedback applied and its residual kept), and the checksummed parts of those
+        that are uploaded, computed in parallel."""
+        r, tensors, source, packing = mine.round, mine.tensors, mine.source, mine.packing
         bounds, segs = packing.bounds, packing.segments
-        mine_wire: dict[int, Any] = {}  # a wire tensor, or fp32 slices (exact wire)
         held_back = packing.kept(self.rank)
         encoding = []
         for s, (a, b) in enumerate(bounds):
-            if exact:
+            if mine.exact:
                 payload: Any = source.pieces(a, b)
                 self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
             else:
@@ -656,17 +736,17 @@ class ObjectStoreAllReduce:
                 del x
             if maybe_poison("nan_contribution", self.rank, r, self.store):
                 payload = _poisoned(payload, self.wire, b - a)
-            mine_wire[s] = payload
+            mine.wire[s] = payload
             if s not in held_back:  # checksums of the shards are computed in parallel
                 encoding.append(
                     self._pool().submit(
                         encode_tensor_parts,
                         payload,
-                        self._meta(r, s, lhash, total),
+                        self._meta(r, s, mine.lhash, source.numel),
                         header_bytes=packing.header_bytes,
                     )
                 )
-        return mine_wire, encoding
+        return encoding
 
     def _catch_up(
         self,
@@ -724,12 +804,11 @@ class ObjectStoreAllReduce:
     ) -> bool:
         """One pass over round r's pending reduced shards, downloaded in parallel: each one
         there is verified into ``got`` and leaves ``pending``. True if any arrived."""
-        base = layout.round_dir(r)
         fetches = [
             (
                 s,
                 self._pool().submit(
-                    self._get_if_there, res, f"{base}/reduced/{s}", _size_hint(bounds[s])
+                    self._get_if_there, res, layout.reduced_key(r, s), _size_hint(bounds[s])
                 ),
             )
             for s in pending
@@ -740,7 +819,7 @@ class ObjectStoreAllReduce:
             if data is None:
                 continue
             a, b = bounds[s]
-            got[s] = self._decode_reduced(r, s, f"{base}/reduced/{s}", data, lhash, b - a)
+            got[s] = self._decode_reduced(r, s, layout.reduced_key(r, s), data, lhash, b - a)
             pending.remove(s)
             progressed = True
         return progressed
@@ -1003,8 +1082,7 @@ class ObjectStoreAllReduce:
         if problems:
             msg = f"{key}: not this run's decision of round {r} ({'; '.join(problems)})"
             log.warning("rejected %s", msg)
-            self._fail_round(r, f"bad quorum: {msg}")
-            raise RoundFailed(f"round {r} failed: {msg}")
+            raise self._fail_round(r, f"bad quorum: {msg}", key, msg)
         return decided
 
     def _lag_behind(self, r: int) -> int | None:
@@ -1047,7 +1125,7 @@ class ObjectStoreAllReduce:
     def _later_decided_round(self, r: int) -> int | None:
         """If a round after r has a quorum (the others moved past r), the round before it:
         the global round this replica must at least heal to. None otherwise."""
-        later = sorted((int(n) for n in self.store.list("rounds") if n.isdigit()), reverse=True)
+        later = sorted(layout.round_numbers(self.store), reverse=True)
         for k in later:
             if k <= r:
                 break
@@ -1125,7 +1203,7 @@ class ObjectStoreAllReduce:
         r = job.round
         held = s in job.packing.kept(p)
         key = held_key(r, p, s) if held else contrib_key(r, job.names[p])
-        name = key if held else shard_name(r, p, s)
+        name = key if held else shard_name(r, p, s)  # what a rejection names
         if wait_s > 0 and held:
             rkey = layout.reduced_key(r, s)  # once published, the part is not needed
             wait_until(
@@ -1140,24 +1218,7 @@ class ObjectStoreAllReduce:
             else:
                 a, b = job.packing.ranges(p)[s]
                 data = self._get_range(res, key, a, b)
-            t, hdr = decode_tensor(data, where=f"{self.store.uri}/{name}", copy=False)
-            expect = {
-                "run_id": self.config.run_id,
-                "round": r,
-                "rank": p,
-                "shard": s,
-                "layout_hash": job.lhash,
-                "numel_total": job.total,
-                "wire": self.wire,
-            }
-            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
-            lo, hi = job.bounds[s]
-            segs = self._segments[job.lhash][s]
-            if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo, segs):
-                raise CorruptObjectError(f"{name}: header does not match this round ({bad})")
-            if not wirefmt.all_finite(t, self.wire, hi - lo, segs):  # checked here, in parallel
-                return _Part(None, layout.Rejection(name, _NONFINITE))
-            return _Part(t)
+            t, hdr = decode_tensor(data, where=name, copy=False)
         except ObjectNotFound:
             if self.store.object_exists(layout.reduced_key(r, s)):
                 # dropped by its uploader after the round completed: this shard's average
@@ -1165,7 +1226,32 @@ class ObjectStoreAllReduce:
                 raise _AlreadyReduced(s) from None
             return _Part(None, layout.Rejection(name, "missing", left_out=True))
         except CorruptObjectError as e:
-            return _Part(None, layout.Rejection.from_dict(str(e)))  # "key: why"
+            return _Part(None, layout.Rejection(name, _reason(e, name)))
+        return self._check_part(job, p, s, name, t, hdr)
+
+    def _check_part(
+        self, job: _Round, p: int, s: int, name: str, t: Any, hdr: dict[str, Any]
+    ) -> _Part:
+        """Participant p's decoded part of shard s (``name``), if its header says it is this
+        run's, round's, rank's and shard's, its size fits and its values are finite (checked
+        here, in the transfer threads, in parallel)."""
+        expect = {
+            "run_id": self.config.run_id,
+            "round": job.round,
+            "rank": p,
+            "shard": s,
+            "layout_hash": job.lhash,
+            "numel_total": job.total,
+            "wire": self.wire,
+        }
+        bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+        lo, hi = job.bounds[s]
+        segs = self._segments[job.lhash][s]
+        if bad or not wirefmt.wire_numel_ok(t, self.wire, hi - lo, segs):
+            return _Part(None, layout.Rejection(name, f"header does not match this round ({bad})"))
+        if not wirefmt.all_finite(t, self.wire, hi - lo, segs):
+            return _Part(None, layout.Rejection(name, _NONFINITE))
+        return _Part(t)
 
     def _reduce_shard(
         self, res: AllReduceResult, job: _Round, s: int, *, first: bool = False
@@ -1177,78 +1263,109 @@ class ObjectStoreAllReduce:
         average for everyone alike and never forks the weights. Returns the wire tensor if
         this call published it. ``first``: the owner's own first attempt (nobody else computes
         a shard before its grace period, so it skips asking whether it exists)."""
-        r = job.round
-        key = layout.reduced_key(r, s)
-        if not first and self.store.object_exists(key):
+        if not first and self.store.object_exists(layout.reduced_key(job.round, s)):
             return None
-        owner = job.participants[s % len(job.participants)]
-        a, b = job.bounds[s]
-        segs = self._segments[job.lhash][s]  # int8 blocks restart at every tensor
+        fetches = self._fetch_parts(res, job, s)
         acc: torch.Tensor | None = None
         used = []
-        fetches = {  # the others' parts download in parallel, and add up in rank order
-            p: job.early.pop((p, s), None)
-            or self._pool().submit(
+        for p in job.participants:  # fixed rank order
+            try:
+                w = self._usable_part(res, job, s, p, fetches)
+            except _AlreadyReduced:
+                return None
+            if w is not None:
+                acc = self._add_part(job, s, acc, w)
+                used.append(p)
+        if acc is None:
+            why = f"no usable contribution for shard {s}"
+            raise RoundFailed(
+                f"round {job.round}: {why}", layout.Rejection(layout.failed_key(job.round), why)
+            )
+        return self._publish_reduced(res, job, s, acc, used)
+
+    def _fetch_parts(self, res: AllReduceResult, job: _Round, s: int) -> dict[int, Future]:
+        """Start downloading the others' parts of shard s (those fetched early are taken as
+        they are), by rank: they download in parallel and add up in rank order. A part that
+        never left its replica (its shard's owner in a full quorum, still the owner) has
+        none."""
+        owner = job.participants[s % len(job.participants)]
+        home = s % self.world_size  # who keeps shard s at home in a full quorum
+        fetches: dict[int, Future] = {}
+        for p in job.participants:
+            if p == self.rank or (p == home and owner == p):
+                continue
+            fetches[p] = job.early.pop((p, s), None) or self._pool().submit(
                 self._fetch_contrib,
                 res,
                 job,
                 p,
                 s,
-                self.config.shard_grace_s if s % self.world_size == p else 0.0,  # uploaded late?
+                self.config.shard_grace_s if p == home else 0.0,  # uploaded late?
             )
-            for p in job.participants
-            if p != self.rank and not (s % self.world_size == p and owner == p)
-        }
-        for p in job.participants:  # fixed rank order
-            if p == self.rank:
-                w: Any = job.mine[s]
-                # e.g. poisoned after its check
-                if not wirefmt.all_finite(w, self.wire, b - a, segs):
-                    log.warning("round %d: left out of shard %d: its own part is not finite", r, s)
-                    res.rejected.append(layout.Rejection(shard_name(r, p, s), _NONFINITE))
-                    w = None
-            elif p not in fetches:
-                w = None  # p's own shard never leaves p: p is dead or late (we are the fallback)
-                res.rejected.append(
-                    layout.Rejection(
-                        shard_name(r, p, s), f"owner {p} did not reduce it", left_out=True
-                    )
-                )
-            else:
-                try:
-                    part = fetches[p].result()
-                except _AlreadyReduced:
-                    return None
-                if part.problem is not None:
-                    log.warning("round %d: left out of shard %d: %s", r, s, part.problem)
-                    res.rejected.append(part.problem)
-                w = part.tensor
-            if w is None:
-                continue
-            first_part = acc is None
-            if acc is None:  # a kept buffer per shard: this round may own several
-                acc = self._buffer(f"acc{s}", b - a)
-            if isinstance(w, list):  # the exact wire's fp32 slices
-                pos = 0
-                for piece in w:
-                    dst = acc[pos : pos + piece.numel()]
-                    dst.copy_(piece) if first_part else dst.add_(piece)
-                    pos += piece.numel()
-            elif first_part:  # compressed: decoded straight into the accumulator
-                wirefmt.decode(w, self.wire, b - a, out=acc, segments=segs)
-            else:
-                wirefmt.decode_add(w, self.wire, b - a, acc, segments=segs)
-            used.append(p)
+        return fetches
+
+    def _usable_part(
+        self, res: AllReduceResult, job: _Round, s: int, p: int, fetches: dict[int, Future]
+    ) -> Any | None:
+        """Participant p's wire part of shard s if it can be averaged; else None, and why in
+        ``res.rejected``. Raises :class:`_AlreadyReduced` if the shard's average is out."""
+        r = job.round
+        if p == self.rank:
+            a, b = job.bounds[s]
+            w: Any = job.mine[s]
+            # e.g. poisoned after its check
+            if wirefmt.all_finite(w, self.wire, b - a, self._segments[job.lhash][s]):
+                return w
+            log.warning("round %d: left out of shard %d: its own part is not finite", r, s)
+            res.rejected.append(layout.Rejection(shard_name(r, p, s), _NONFINITE))
+            return None
+        if p not in fetches:
+            # p's own shard never leaves p: p is dead or late (we are the fallback)
+            res.rejected.append(
+                layout.Rejection(shard_name(r, p, s), f"owner {p} did not reduce it", left_out=True)
+            )
+            return None
+        part = fetches[p].result()
+        if part.problem is not None:
+            log.warning("round %d: left out of shard %d: %s", r, s, part.problem)
+            res.rejected.append(part.problem)
+        return part.tensor
+
+    def _add_part(self, job: _Round, s: int, acc: torch.Tensor | None, w: Any) -> torch.Tensor:
+        """``acc`` plus one participant's wire part of shard s, in fp32; the first part
+        is copied (decoded) into a kept buffer per shard: this round may own several."""
+        a, b = job.bounds[s]
+        segs = self._segments[job.lhash][s]  # int8 blocks restart at every tensor
+        first_part = acc is None
         if acc is None:
-            raise RoundFailed(f"round {r}: no usable contribution for shard {s}")
+            acc = self._buffer(f"acc{s}", b - a)
+        if isinstance(w, list):  # the exact wire's fp32 slices
+            pos = 0
+            for piece in w:
+                dst = acc[pos : pos + piece.numel()]
+                dst.copy_(piece) if first_part else dst.add_(piece)
+                pos += piece.numel()
+        elif first_part:  # compressed: decoded straight into the accumulator
+            wirefmt.decode(w, self.wire, b - a, out=acc, segments=segs)
+        else:
+            wirefmt.decode_add(w, self.wire, b - a, acc, segments=segs)
+        return acc
+
+    def _publish_reduced(
+        self, res: AllReduceResult, job: _Round, s: int, acc: torch.Tensor, used: list[int]
+    ) -> torch.Tensor | None:
+        """Divide shard s's sum of ``used`` parts into their average and publish it
+        (create-if-absent); the wire tensor if this call published it. A sum that overflowed
+        fails the round for everyone."""
+        r = job.round
         acc.div_(len(used))
         if not wirefmt.finite(acc):  # finite parts whose sum overflowed fp32
             why = f"the sum of shard {s} overflowed float32 ({describe_nonfinite(acc)})"
-            self._fail_round(r, why)
-            raise RoundFailed(f"round {r} failed: {why}")
+            raise self._fail_round(r, why)
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
-        wire = wirefmt.encode(acc, self.wire, segs)
+        wire = wirefmt.encode(acc, self.wire, self._segments[job.lhash][s])
+        key = layout.reduced_key(r, s)
         if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
             res.shards_computed.append(s)
             return wire
@@ -1284,8 +1401,7 @@ class ObjectStoreAllReduce:
                 raise CorruptObjectError(f"{key}: reduced shard has the wrong size")
         except CorruptObjectError as e:
             # the one copy everyone needs is bad: nobody can finish this round consistently
-            self._fail_round(r, f"bad reduced shard: {e}")
-            raise RoundFailed(f"round {r} failed: {e}") from e
+            raise self._fail_round(r, f"bad reduced shard: {e}", key, str(e)) from e
         return t  # decoded once the whole round is here (allreduce, step 4)
 
     def _check_own_finite(
@@ -1335,9 +1451,8 @@ class ObjectStoreAllReduce:
         round fails for everyone, like a corrupt one."""
         for s, w in got.items():
             if not wirefmt.all_finite(w, self.wire, bounds[s][1] - bounds[s][0], segs[s]):
-                why = f"bad reduced shard: rounds/{r}/reduced/{s}: {_NONFINITE}"
-                self._fail_round(r, why)
-                raise RoundFailed(f"round {r} failed: {why}")
+                key = layout.reduced_key(r, s)
+                raise self._fail_round(r, f"bad reduced shard: {key}: {_NONFINITE}", key)
 
     def round_failed(self, r: int) -> bool:
         """Whether some replica declared round ``r`` failed (it cannot complete)."""
@@ -1348,17 +1463,27 @@ class ObjectStoreAllReduce:
         others then took its outer step, and a replica that missed it is behind."""
         return self.store.object_exists(layout.quorum_key(r)) and not self.round_failed(r)
 
-    def _fail_round(self, r: int, reason: str) -> None:
-        body = {"round": r, "reason": reason, "by": self.rank, "at": time.time()}
+    def _fail_round(
+        self, r: int, reason: str, key: str | None = None, said: str | None = None
+    ) -> RoundFailed:
+        """Declare round r failed for everyone (``failed.json``, create-if-absent: the first
+        declaration stands) and return the error to raise. ``key``: the bad object (apart
+        from the reason, so nobody reads it out of the text); ``said``: the error's message
+        after "round r failed: " when it differs from ``reason``."""
+        key = key or layout.failed_key(r)
+        body = {"round": r, "reason": reason, "key": key, "by": self.rank, "at": time.time()}
         self.store.put_if_absent(layout.failed_key(r), jsonsafe.dumps(body).encode())
+        return RoundFailed(f"round {r} failed: {said or reason}", layout.Rejection(key, reason))
 
     def _raise_if_failed(self, r: int) -> None:
         try:
             body = self.store.get_json(layout.failed_key(r))
         except ObjectNotFound:
             return
+        reason = str(body.get("reason"))
         raise RoundFailed(
-            f"round {r} failed (declared by replica {body.get('by')}): {body.get('reason')}"
+            f"round {r} failed (declared by replica {body.get('by')}): {reason}",
+            layout.Rejection(str(body.get("key") or layout.failed_key(r)), reason),
         )
 
     def close(self) -> None:

@@ -5,14 +5,17 @@ The manager (:class:`~crf.exchange.manager.ObjectStoreManager`) decides *when* (
 committed, a replica missed one, a replica restarts); this module knows *what* lies in the run
 folder and how it is checked:
 
-* ``global/<r>/state.pt``: the weights and outer-optimizer state after round ``r``, written by
-  the round's lowest participant every ``checkpoint_every`` rounds, at the last round and on
-  request. Its header names the run, the round and the model's layout; one that is corrupt or
-  from elsewhere is refused, reported, and never considered again.
+* ``global/<r>/state.safetensors``: the weights and outer-optimizer state after round ``r``,
+  written by the round's lowest participant every ``checkpoint_every`` rounds, at the last
+  round and on request; a safetensors file users can open (format: :mod:`crf.exchange.
+  global_state`). Its metadata names the run, the round and the model's layout under a
+  digest; one that is corrupt or from elsewhere is refused, reported, and never considered
+  again.
 * ``heal/<rank>.json``: a replica that missed a committed round and finds no global state new
   enough asks for one; whoever holds the newest state unwritten writes it.
 * ``replicas/<rank>/inner/<r>.pt``: a replica's inner-optimizer state (with fragments, also its
-  local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``.
+  local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``: a
+  ``torch.save`` pickle in crf's checked blob container (only crf reads it).
 
 Writes run off the training thread when asked (:class:`CheckpointWriter`); the keys all come
 from :mod:`crf.layout`. Why it works this way: docs/design.md, "DiLoCo manager"; the keys:
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from crf import layout
+from crf.exchange import global_state
 from crf.store import CorruptObjectError, ObjectNotFound, StoreError, decode_blob, encode_blob
 from crf.store.run_store import wait_until
 
@@ -100,6 +104,18 @@ class CheckpointWriter:
                 self._pool = None
 
 
+def _rejection(key: str, error: CorruptObjectError, where: str | None = None) -> layout.Rejection:
+    """The record of a refused object: its bare run-folder ``key`` and why. The error's text
+    starts with where the object was read (the key, or the store URI and key), which the
+    record already names."""
+    reason = str(error)
+    for prefix in (where, key):
+        if prefix and reason.startswith(f"{prefix}: "):
+            reason = reason[len(prefix) + 2 :]
+            break
+    return layout.Rejection(key=key, reason=reason)
+
+
 class Checkpoints:
     """One replica's side of the run's checkpoints (see the module docstring). It reads the
     run id, ``keep_rounds`` and ``checkpoint_every`` from the exchange's config and asks the
@@ -113,7 +129,7 @@ class Checkpoints:
         *,
         heal_timeout_s: float | None = None,
         keepalive: Callable[[], None] = lambda: None,
-        on_reject: Callable[[str], None] = lambda reason: None,
+        on_reject: Callable[[layout.Rejection], None] = lambda rejection: None,
     ) -> None:
         config = exchange.config
         self.exchange = exchange
@@ -140,7 +156,7 @@ class Checkpoints:
         self._bad: set[int] = set()
         self._owed: int | None = None  # a round whose global state this replica writes
         # the newest global state not written (checkpoint_every > 1): served on request
-        self._cached: tuple[int, bytes] | None = None
+        self._cached: tuple[int, global_state.FlatState] | None = None
         self._cache_lock = threading.Lock()
 
     @property
@@ -167,9 +183,7 @@ class Checkpoints:
         with a background writer), else kept in memory so a heal request can still be served
         from it; either way the store's old rounds are collected."""
         due = self.due(r)
-        buf = io.BytesIO()
-        torch.save({"round": r, "state": state}, buf)
-        payload = buf.getvalue()
+        payload = global_state.flatten(state)
         with self._cache_lock:
             self._cached = None if due else (r, payload)
         if due:
@@ -190,11 +204,12 @@ class Checkpoints:
             log.warning("could not look for heal requests after round %d: %s", r, e)
             return False
 
-    def write_global(self, r: int, payload: bytes) -> None:
-        """Write ``global/<r>`` (``payload`` as :meth:`snapshot` serializes it), remove the
-        heal requests it serves and collect old rounds."""
+    def write_global(self, r: int, payload: global_state.FlatState) -> None:
+        """Write ``global/<r>`` (``payload`` as :meth:`snapshot` takes it apart: one
+        safetensors object, its metadata naming the run, the round and the model's layout
+        under a digest), remove the heal requests it serves and collect old rounds."""
         meta = {"round": r, "run_id": self.exchange.config.run_id, "layout": self.layout}
-        blob = encode_blob(payload, meta)
+        blob = global_state.encode(payload, meta)
         self._bad.discard(r)  # replaced by this one
         self.store.put(layout.global_key(r), blob)
         self.bytes_up += len(blob)
@@ -264,23 +279,23 @@ class Checkpoints:
         key = layout.global_key(r)
         data = self.store.get(key)
         self.bytes_down += len(data)
+        where = f"{self.store.uri}/{key}"
         try:
-            payload, meta = decode_blob(data, where=f"{self.store.uri}/{key}")
+            state, meta = global_state.decode(data, where=where)
             expect = {"run_id": self.exchange.config.run_id, "round": r}
             if self.layout is not None:
                 expect["layout"] = self.layout
             bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
             if bad:
                 raise CorruptObjectError(f"{key}: not this run's global state of round {r} ({bad})")
-            ckpt = torch.load(io.BytesIO(payload), weights_only=True)
-            if not isinstance(ckpt, dict) or ckpt.get("round") != r:
-                raise CorruptObjectError(f"{key}: its state is not of round {r}")
+            if not isinstance(state, dict):
+                raise CorruptObjectError(f"{key}: its state is not a dict")
         except CorruptObjectError as e:
             log.warning("rejected %s", e)
             self._bad.add(r)
-            self._reject(str(e))
+            self._reject(_rejection(key, e, where))
             raise
-        return ckpt["state"]
+        return state
 
     def resume(self, load: Callable[[int], None]) -> int | None:
         """``load`` the newest usable global round (a corrupt or vanished one falls back to
@@ -422,7 +437,7 @@ class Checkpoints:
                 )
             return torch.load(io.BytesIO(payload), weights_only=True)
         except CorruptObjectError as e:
-            self._reject(str(e))
+            self._reject(_rejection(key, e))
             raise
 
     def close(self) -> None:

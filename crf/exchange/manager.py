@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from crf import layout
 from crf.exchange.allreduce import (
     AllReduceError,
     AllReduceResult,
@@ -158,8 +159,8 @@ class ManagerStats:
     rounds_caught_up: list[int] = field(default_factory=list)  # left out, took the average
     bytes_up: int = 0  # exchange traffic only (pseudo-gradients, quorum, reduced shards)
     bytes_down: int = 0
-    #: objects left out or refused (exchange parts, global and inner states), as text
-    rejected: list[str] = field(default_factory=list)
+    #: objects left out or refused (exchange parts, global and inner states, failed rounds)
+    rejected: list[layout.Rejection] = field(default_factory=list)
     blocked_s: float = 0.0  # the training thread blocked in the manager
     transfer_s: float = 0.0  # background exchanges, start to finish
     last_transfer_s: float = 0.0
@@ -240,7 +241,7 @@ class ObjectStoreManager:
             CheckpointWriter(async_checkpoints, self._write_failed),
             heal_timeout_s=heal_timeout_s,
             keepalive=self._keepalive,
-            on_reject=lambda reason: self.stats.rejected.append(reason),
+            on_reject=lambda rejection: self.stats.rejected.append(rejection),
         )
         self.on_phase = on_phase
         self.background = background
@@ -466,7 +467,7 @@ class ObjectStoreManager:
             sync.commit = False
             partial = self.exchange.history[-1] if self.exchange.history else None
             if isinstance(e, RoundFailed):
-                self.stats.rejected.append(str(e))
+                self.stats.rejected.append(e.rejection)
             if partial is not None and partial.round == self._step:
                 self._account(partial)
         finally:
@@ -560,8 +561,9 @@ class ObjectStoreManager:
         """The exchange's ``on_wait`` hook: write a global state a healing replica asked for."""
         self.checkpoints.serve_heal_requests()
 
-    def _write_global(self, r: int, payload: bytes) -> None:
-        """Write ``global/<r>`` now (tests forge a writer with it)."""
+    def _write_global(self, r: int, payload: Any) -> None:
+        """Write ``global/<r>`` now (``payload``: a state as
+        :func:`crf.exchange.global_state.flatten` takes it apart; tests forge a writer)."""
         self.checkpoints.write_global(r, payload)
 
     def latest_global(self) -> int | None:

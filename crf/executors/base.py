@@ -196,10 +196,12 @@ class LaunchRecord:
     env: dict[str, str]
     run_uri: str
     run_id: str
+    plain_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, n_replicas: int, entrypoint: Entrypoint, entrypoint_args: Sequence[str],
-           env: Mapping[str, str] | None, run_uri: str, run_id: str) -> LaunchRecord:  # fmt: skip
+           env: Mapping[str, str] | None, run_uri: str, run_id: str,
+           plain_env: Mapping[str, str] | None = None) -> LaunchRecord:  # fmt: skip
         """The record of a ``launch_replicas`` call, its arguments copied as plain strings."""
         return cls(
             n_replicas=n_replicas,
@@ -208,6 +210,7 @@ class LaunchRecord:
             env={str(k): str(v) for k, v in (env or {}).items()},
             run_uri=run_uri,
             run_id=run_id,
+            plain_env={str(k): str(v) for k, v in (plain_env or {}).items()},
         )
 
 
@@ -296,9 +299,14 @@ class ServerlessExecutor(ABC):
         run_id: str | None = None,
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
+        plain_env: Mapping[str, str] | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (or only ``ranks``, e.g. to restart one) of a run of
         ``n_replicas``; return one handle per started rank, in rank order.
+
+        ``env`` is secret (credentials, ``--secret``): it goes through the platform's secret
+        mechanism and its names into ``CRF_SECRET_NAMES``. ``plain_env`` (``--env``) is plain
+        configuration, set as ordinary environment that a describe call may show.
 
         Implementations call ``remember_launch`` so ``relaunch`` can start a rank again.
         ``max_restarts`` is for backends with ``native_restarts``; others ignore it (the
@@ -375,6 +383,7 @@ class ServerlessExecutor(ABC):
             run_uri=record.run_uri,
             run_id=record.run_id,
             ranks=[handle.rank],
+            plain_env=record.plain_env,
         )
         new.extra["attempt"] = int(handle.extra.get("attempt", 0)) + 1
         return new

@@ -7,7 +7,13 @@ from the run folder and ``exec``s the replica command under ``crf.executors.reda
 
 The requirements are not repeated here: ``requirements_for`` reads them from the installed
 package's own metadata (pyproject's ``dependencies`` plus the extra of the run folder's store),
-so the list a container installs is the list ``pip install composer-replication[s3]`` would.
+so the list a container installs is the list ``pip install composer-replication[s3]`` would -
+each pinned to the version the driver has installed (``trl==1.16.0``, ``s3fs==2025.3.0``...),
+so replicas run the code the driver was tested with, not whatever is newest that day. torch is
+the exception: an image's torch is a build for its CUDA and is kept as it is (its requirement
+stays the declared range, the bootstrap does not touch a torch that imports, and pip is held
+to that torch by a constraint so no dependency pulls another build over it). Each replica
+records the versions it ran with (crf.versions); the summary warns when they differ.
 
 SageMaker cannot take a long command line, so it runs ``LOADER`` which joins the program from
 environment variables; its ``SECRET_STEP`` runs first and turns a Secrets Manager secret into
@@ -30,22 +36,37 @@ ENV_REQUIREMENTS = "CRF_REQUIREMENTS"
 STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "hf": "hf"}
 #: import name of a requirement whose module is not its project name with '-' -> '_'
 IMPORT_NAMES = {"torchft-nightly": "torchft"}
+#: requirements an image's own build of is kept (not pinned, not reinstalled if it imports)
+KEEP_IMAGE = frozenset({"torch"})
 
 _EXTRA = re.compile(r"""^\s*extra\s*==\s*["']([^"']+)["']\s*$""")
 
 # Runs inside the container with only the standard library guaranteed. Kept short: it is on
 # the job's command line (it holds no secret: credentials are read from the environment).
 BOOTSTRAP = r"""
-import importlib.util as u, io, os, re, subprocess, sys, tarfile, tempfile
+import importlib.metadata as md, importlib.util as u, io, os, re, subprocess, sys, tarfile
+import tempfile
 need = os.environ.get("CRF_REQUIREMENTS", "").split()
-names = %r
-def mod(r):
+names, keep = %r, %r
+def ver(n):
+    try:
+        return md.version(n).split("+")[0]
+    except md.PackageNotFoundError:
+        return None
+def have(r):
     n = re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]
-    return names.get(n, n.replace("-", "_"))
-missing = [r for r in need if u.find_spec(mod(r)) is None]
+    if u.find_spec(names.get(n, n.replace("-", "_"))) is None:
+        return False
+    return n in keep or "==" not in r or ver(n) == r.split("==")[1]
+missing = [r for r in need if not have(r)]
 if missing:
     print("crf bootstrap: installing " + " ".join(missing), flush=True)
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *missing])
+    pin = []
+    if u.find_spec("torch") is not None and ver("torch"):  # no dependency replaces it
+        fd, c = tempfile.mkstemp(suffix=".txt")
+        os.write(fd, ("torch==" + ver("torch") + "\n").encode()); os.close(fd)
+        pin = ["-c", c]
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *pin, *missing])
 data = os.environ.pop("CRF_GCS_CREDENTIALS_JSON", "")
 if data and not os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
     fd, p = tempfile.mkstemp(suffix=".json"); os.write(fd, data.encode()); os.close(fd)
@@ -63,7 +84,7 @@ if argv and argv[0] in ("python", "python3"):
     argv[0] = sys.executable
 print("crf bootstrap: code " + os.environ["CRF_CODE_KEY"], flush=True)
 os.execvpe(sys.executable, [sys.executable, "-m", "crf.executors.redacted", *argv], os.environ)
-""" % (IMPORT_NAMES,)  # noqa: UP031 (the program's own braces would need escaping in format)
+""" % (IMPORT_NAMES, sorted(KEEP_IMAGE))  # noqa: UP031 (the program's own braces would need escaping in format)
 
 # Runs in a SageMaker container before BOOTSTRAP (same namespace): the secret's values become
 # environment variables. The job's role needs secretsmanager:GetSecretValue on it.
@@ -118,11 +139,30 @@ def extra_requirements(extra: str) -> list[str]:
     return [req for req, name in _declared() if name == extra]
 
 
+_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?")
+
+
+def pinned(requirement: str) -> str:
+    """``requirement`` pinned to the version installed here (``trl>=1`` -> ``trl==1.16.0``,
+    extras kept, a local label such as ``+cpu`` dropped: ``==1.2.3`` matches any build of
+    it); as declared for KEEP_IMAGE and for a distribution not installed here."""
+    found = _NAME.match(requirement)
+    if found is None or found.group(1) in KEEP_IMAGE:
+        return requirement
+    try:
+        version = metadata.version(found.group(1))
+    except metadata.PackageNotFoundError:
+        return requirement
+    return f"{found.group(1)}{found.group(2) or ''}=={version.split('+')[0]}"
+
+
 def requirements_for(run_uri: str) -> list[str]:
     """What a container needs for ``run_uri``: crf's dependencies plus the extra of the run
-    folder's store (s3fs for ``s3://``, gcsfs for ``gs://``, ...)."""
+    folder's store (s3fs for ``s3://``, gcsfs for ``gs://``, ...), each pinned to the
+    driver's installed version (torch excepted: the image's is kept)."""
     extra = STORE_EXTRAS.get(scheme_of(run_uri))
-    return [*base_requirements(), *(extra_requirements(extra) if extra else [])]
+    declared = [*base_requirements(), *(extra_requirements(extra) if extra else [])]
+    return [pinned(r) for r in declared]
 
 
 __all__ = [
@@ -134,5 +174,6 @@ __all__ = [
     "STORE_EXTRAS",
     "base_requirements",
     "extra_requirements",
+    "pinned",
     "requirements_for",
 ]

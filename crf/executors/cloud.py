@@ -213,6 +213,7 @@ class CloudExecutor(ServerlessExecutor):
         run_id: str | None = None,
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
+        plain_env: Mapping[str, str] | None = None,
     ) -> list[ReplicaHandle]:
         check_launch_args(n_replicas, run_uri, in_process=False)
         self.check_run_uri(run_uri)
@@ -234,6 +235,7 @@ class CloudExecutor(ServerlessExecutor):
                         world_size=n_replicas,
                         argv=argv,
                         env={
+                            **{str(k): str(v) for k, v in (plain_env or {}).items()},
                             **self.container_env(run_uri, run_id, rank, n_replicas, code_key),
                             # names only: the container hides these variables' values itself
                             ENV_SECRET_NAMES: ",".join(sorted(secrets)),
@@ -264,7 +266,9 @@ class CloudExecutor(ServerlessExecutor):
                 f"{redact(f'{type(e).__name__}: {e}', secrets.values())}"
             ) from None
         self.remember_launch(
-            LaunchRecord.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id)
+            LaunchRecord.of(
+                n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
+            )
         )
         return handles
 

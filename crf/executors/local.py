@@ -221,6 +221,7 @@ class LocalProcessExecutor(ServerlessExecutor):
         run_id: str | None = None,
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
+        plain_env: Mapping[str, str] | None = None,
     ) -> list[ReplicaHandle]:
         """Start the replicas as subprocesses. Local processes have no platform retries:
         ``max_restarts`` is ignored and the driver relaunches failed ranks itself."""
@@ -228,7 +229,7 @@ class LocalProcessExecutor(ServerlessExecutor):
         cmd = self.check_command(entrypoint, entrypoint_args)
         log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
         log_dir.mkdir(parents=True, exist_ok=True)
-        base_env = self._base_env()
+        base_env = {**self._base_env(), **{str(k): str(v) for k, v in (plain_env or {}).items()}}
         handles: list[ReplicaHandle] = []
         try:
             for rank in to_start:
@@ -238,7 +239,9 @@ class LocalProcessExecutor(ServerlessExecutor):
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
             raise ExecutorError(f"could not start replica {rank}: {e}") from e
         self.remember_launch(
-            LaunchRecord.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id)
+            LaunchRecord.of(
+                n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
+            )
         )
         return handles
 

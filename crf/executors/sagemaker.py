@@ -496,6 +496,7 @@ class SageMakerExecutor(CloudExecutor):
         run_id: str | None = None,
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
+        plain_env: Mapping[str, str] | None = None,
     ) -> list[ReplicaHandle]:
         """As CloudExecutor's, plus: a secret created by a launch that fails is deleted."""
         with self._lock:
@@ -510,6 +511,7 @@ class SageMakerExecutor(CloudExecutor):
                 run_id=run_id,
                 ranks=ranks,
                 max_restarts=max_restarts,
+                plain_env=plain_env,
             )
         except BaseException:
             with self._lock:

@@ -117,6 +117,15 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
     return out
 
 
+def store_credential_names(run_uri: str) -> frozenset[str]:
+    """The variables crf itself passes to replicas for ``run_uri``'s store (a user's own
+    ``--env`` / ``--secret`` may not name them)."""
+    names = set(_PASS_THROUGH.get(scheme_of(run_uri), ()))
+    if scheme_of(run_uri) in ("gs", "gcs"):
+        names |= {GCS_JSON_VAR, "GOOGLE_APPLICATION_CREDENTIALS"}
+    return frozenset(names)
+
+
 def materialize(environ: dict[str, str] | None = None) -> None:
     """Inside a replica: turn ``CRF_GCS_CREDENTIALS_JSON`` back into a private credentials file
     and point ``GOOGLE_APPLICATION_CREDENTIALS`` at it (no-op when it is absent)."""

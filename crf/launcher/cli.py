@@ -14,8 +14,11 @@ torch, job configs) are imported inside the commands so ``crf --help`` stays ins
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
+import typing
+from collections.abc import Iterable
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -43,15 +46,21 @@ def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     raise typer.Exit(code)
 
 
-def parse_sets(items: list[str] | None) -> dict[str, str]:
-    """``--set lr=3e-4 --set steps=10`` -> {"lr": "3e-4", "steps": "10"} (job_config coerces)."""
+def parse_pairs(items: list[str] | None, flag: str) -> dict[str, str]:
+    """``--set lr=3e-4 --set steps=10`` -> {"lr": "3e-4", "steps": "10"}: a repeatable
+    ``KEY=VALUE`` flag as a mapping (what reads it coerces the values)."""
     out: dict[str, str] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            _fail(f"--set expects KEY=VALUE (got {item!r})")
+            _fail(f"{flag} expects KEY=VALUE (got {item!r})")
         out[key.strip()] = value
     return out
+
+
+def parse_sets(items: list[str] | None) -> dict[str, str]:
+    """``--set KEY=VALUE`` (job_config coerces the values to the job's types)."""
+    return parse_pairs(items, "--set")
 
 
 @app.command()
@@ -152,6 +161,26 @@ MaxRunRestarts = Annotated[
     typer.Option(help="At most this many restarts in the whole run (default: no cap).",
                  rich_help_panel=LAUNCH),
 ]  # fmt: skip
+ConfigFile = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="A TOML file with the run options and a backend and a job table (README: "
+        "Config file); flags given here override it.",
+        rich_help_panel=LAUNCH,
+    ),
+]
+PrintConfig = Annotated[
+    bool,
+    typer.Option(
+        "--print-config",
+        help="Print the resolved options (file + flags + defaults) as a TOML file that -c "
+        "reads back, and launch nothing.",
+        rich_help_panel=LAUNCH,
+    ),
+]
 Resume = Annotated[
     str | None,
     typer.Option(
@@ -178,24 +207,61 @@ def _launch_flags(
     max_restarts: MaxRestarts = DEFAULT_MAX_RESTARTS,
     max_run_restarts: MaxRunRestarts = None,
     resume: Resume = None,
+    config: ConfigFile = None,
+    print_config: PrintConfig = False,
 ) -> None:
     """The flags of ``crf launch`` that are not run-option declarations (a signature only)."""
 
 
 def _run_option_parameter(declared: Option) -> inspect.Parameter:
-    """``crf launch``'s parameter for a run option, from its declaration on RunSpec."""
+    """``crf launch``'s parameter for a run option, from its declaration on RunSpec: a list
+    option is a repeatable flag (``--reward a --reward b``), a mapping a repeatable
+    ``KEY=VALUE`` flag (``--env A=1 --env B=2``, parsed in launch by _repeatable_values)."""
     kind: Any = declared.cli_type or declared.type
     default = declared.default
-    if default is None:  # unset: the driver decides (a new run id, python -m crf.replica)
+    metavar = None
+    if declared.cli_type is None and declared.base is list:
+        item = _item_type(declared)
+        kind, metavar = list[item] | None, "TEXT" if item is str else item.__name__.upper()
+        default = None if default is None else list(default)
+    elif declared.cli_type is None and declared.base is dict:
+        kind, default, metavar = list[str] | None, None, "KEY=VALUE"
+    elif default is None:  # unset: the driver decides (a new run id, python -m crf.replica)
         kind = kind | None
     names = (declared.flag, *declared.short)
     if declared.base is bool:  # keeps --no-<flag>
         names = (f"{declared.flag}/--no-{declared.flag.removeprefix('--')}",)
-    info = typer.Option(*names, help=declared.help, rich_help_panel=declared.group)
+    info = typer.Option(*names, help=declared.help, rich_help_panel=declared.group,
+                        metavar=metavar)  # fmt: skip
     return inspect.Parameter(
         declared.name, inspect.Parameter.KEYWORD_ONLY, default=default,
         annotation=Annotated[kind, info],
     )  # fmt: skip
+
+
+def _item_type(declared: Option) -> Any:
+    """The item type of a list option (``list[str] | None`` -> str)."""
+    for arm in (declared.type, *typing.get_args(declared.type)):
+        if typing.get_origin(arm) is list and typing.get_args(arm):
+            return typing.get_args(arm)[0]
+    return str
+
+
+def _repeatable_values(
+    ctx: typer.Context, options: dict[str, Any], declarations: Iterable[Option] | None = None
+) -> None:
+    """The values of the list and mapping options as RunSpec takes them: a mapping's
+    ``KEY=VALUE`` items parsed; one not given takes its declared default."""
+    for declared in run_options().values() if declarations is None else declarations:
+        if not declared.cli or declared.cli_type is not None or declared.base not in (list, dict):
+            continue
+        name = declared.name
+        if not _given(ctx, name):
+            options[name] = copy.deepcopy(declared.default)
+        elif declared.base is dict:
+            options[name] = parse_pairs(options[name], declared.flag or name)
+        else:
+            options[name] = list(options[name])
 
 
 def _launch_signature() -> inspect.Signature:
@@ -229,27 +295,31 @@ def launch(ctx: typer.Context, **params: Any) -> None:
 
     flags = {name: params.pop(name) for name in inspect.signature(_launch_flags).parameters}
     options = params  # what is left: the run options, by RunSpec field name
-    options["job_config"] = parse_sets(flags["job_config"])
+    _repeatable_values(ctx, options)
+    cfg = _apply_config(ctx, options, flags)
+    options["job_config"] = cfg.job_config | parse_sets(flags["job_config"])
     timeout, resume = flags["timeout"], flags["resume"]
     if timeout is not None:
         try:
             check_seconds("--timeout", timeout)
         except SpecError as e:
             _fail(str(e))
-    backend_flags = [flags[name] for name in ("hardware", "image", "region", "opt")]
+    if flags["print_config"]:
+        _print_config(options, flags, _backend_options(options["backend"], flags, cfg, None))
     backend_options = (
         None
-        if resume is not None and not any(backend_flags)
-        else _backend_options(options["backend"], *backend_flags, timeout)
+        if resume is not None and not (_backend_flags(flags) or cfg.backend_options)
+        else _backend_options(options["backend"], flags, cfg, timeout)
     )
     policy = RestartPolicy(flags["max_restarts"], flags["max_run_restarts"])
     try:
         if resume is not None:
-            _refuse_run_defining(ctx)
+            _refuse_run_defining(ctx, cfg, flags["config"])
+            chosen = _given(ctx, "backend") or "backend" in cfg.options
             plan = prepare_resume(
                 resume,
                 store=flags["store"],
-                backend=options["backend"] if _given(ctx, "backend") else None,
+                backend=options["backend"] if chosen else None,
                 max_restarts=policy.max_restarts,
                 max_run_restarts=policy.max_run_restarts,
                 backend_options=backend_options,
@@ -269,49 +339,108 @@ def launch(ctx: typer.Context, **params: Any) -> None:
     raise typer.Exit(_exit_code(summary))
 
 
+#: the launch flags a config file may set (crf.launcher.config_file.LAUNCH_KEYS)
+_FILE_FLAGS = ("store", "max_restarts", "max_run_restarts", "timeout")
+
+
+def _apply_config(ctx: typer.Context, options: dict[str, Any], flags: dict[str, Any]) -> Any:
+    """Fill in from ``-c FILE`` every option and launch flag not given on the command line;
+    a mapping option (``--env``) given in both is merged key by key, the flag's keys winning
+    ([job] and [backend] are merged the same way by the caller)."""
+    from crf.launcher.config_file import ConfigError, LaunchConfig, check_job_keys, load_config
+
+    if flags["config"] is None:
+        return LaunchConfig({}, {}, {}, {})
+    try:
+        cfg = load_config(flags["config"])
+    except ConfigError as e:
+        _fail(str(e))
+    for name, value in cfg.options.items():
+        if not _given(ctx, name):
+            options[name] = value
+        elif isinstance(value, dict) and isinstance(options[name], dict):
+            options[name] = value | options[name]  # KEY=VALUE flags: key by key, as [job]
+    for name, value in cfg.launch_flags.items():
+        if not _given(ctx, name):
+            flags[name] = value
+    try:
+        check_job_keys(options["job"], cfg.job_config, flags["config"])
+    except ConfigError as e:
+        _fail(str(e))
+    return cfg
+
+
+def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict) -> NoReturn:
+    """``--print-config``: the resolved options, checked as for a launch, as TOML; nothing is
+    launched or written."""
+    from crf.launcher.config_file import dump_config
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.plan import DEFAULT_STORE, RestartPolicy, check_options
+
+    if flags["resume"] is not None:
+        _fail("--print-config cannot be combined with --resume (the run's options are in its "
+              "run.json)")  # fmt: skip
+    try:
+        RestartPolicy(flags["max_restarts"], flags["max_run_restarts"]).validate()
+        job_config = check_options(options)
+    except LaunchError as e:
+        _fail(str(e))
+    resolved = {n: options.get(n, o.default) for n, o in run_options().items()}
+    resolved.pop("job_config")
+    launch_flags = {name: flags[name] for name in _FILE_FLAGS}
+    launch_flags["store"] = launch_flags["store"] or DEFAULT_STORE
+    typer.echo(dump_config(resolved, backend, job_config, launch_flags), nl=False)
+    raise typer.Exit(EXIT_OK)
+
+
 launch.__signature__ = _launch_signature()  # type: ignore[attr-defined]
 app.command()(launch)
 
 
-def _refuse_run_defining(ctx: typer.Context) -> None:
+def _refuse_run_defining(ctx: typer.Context, cfg: Any, path: str | None) -> None:
     """Options that define a run are fixed in its run.json: refused with --resume, rather
-    than silently ignored."""
+    than silently ignored (given as flags or in the config file)."""
     fixed = [_flag(p) for p in ctx.command.params if p.name in RUN_DEFINING and _given(ctx, p.name)]
     if fixed:
         _fail(
             f"{', '.join(fixed)} cannot be combined with --resume: a resumed run keeps the "
             "options in its run.json"
         )
+    in_file = [n for n in RUN_DEFINING if n in cfg.options] + (["[job]"] if cfg.job_config else [])
+    if in_file:
+        _fail(
+            f"config file {path} sets {', '.join(in_file)}, which cannot be combined with "
+            "--resume: a resumed run keeps the options in its run.json"
+        )
+
+
+def _backend_flags(flags: dict[str, Any]) -> list[Any]:
+    return [flags[name] for name in ("hardware", "image", "region", "opt") if flags[name]]
 
 
 def _backend_options(
-    backend: str,
-    hardware: str | None,
-    image: str | None,
-    region: str | None,
-    opt: list[str] | None,
-    timeout: float | None,
-) -> dict[str, str | float]:
-    """The executor's constructor options from the generic flags and ``-o KEY=VALUE``."""
+    backend: str, flags: dict[str, Any], cfg: Any, timeout: float | None
+) -> dict[str, Any]:
+    """The executor's constructor options: the config file's [backend] table, then ``-o
+    KEY=VALUE``, then the generic flags (--hardware, --image, --region), each overriding the
+    one before key by key; with ``timeout``, the platform's own limit past it."""
     from crf.executors.base import ExecutorError
     from crf.executors.registry import executor_class, option_names
+    from crf.launcher.config_file import ConfigError, resolve_backend
 
     try:
         cls = executor_class(backend)
-    except ExecutorError as e:
+        out = resolve_backend(backend, cfg.backend_options, flags["config"] or "")
+    except (ExecutorError, ConfigError) as e:
         _fail(str(e))
     known = option_names(cls)
-    out: dict[str, str | float] = {}
-    for item in opt or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            _fail(f"--opt expects KEY=VALUE (got {item!r})")
-        out[key.strip().replace("-", "_")] = value
+    out |= parse_pairs(flags["opt"], "--opt")
+    out = {key.replace("-", "_"): value for key, value in out.items()}
     hw_name = getattr(cls, "hardware_option", None)
     for flag, name, value in (
-        ("--hardware", hw_name, hardware),
-        ("--image", "image", image),
-        ("--region", "region", region),
+        ("--hardware", hw_name, flags["hardware"]),
+        ("--image", "image", flags["image"]),
+        ("--region", "region", flags["region"]),
     ):
         if value is None:
             continue
@@ -501,6 +630,40 @@ def cancel(
     if run_.result() is None:
         summary = gather(run_, report=False, console=console, cancelled=bool(live))
         console.print(f"summary written: {escape(str(summary.get('result_path')))}")
+
+
+@app.command()
+def export(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    dest: Annotated[
+        str,
+        typer.Argument(
+            metavar="DEST",
+            help="A folder (created if needed), or hf://ORG/NAME: a Hub model repo "
+            "(created private if needed; token from HF_TOKEN).",
+        ),
+    ],
+    store: StoreOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Write into a folder that is not empty (same-named files replaced)."
+        ),
+    ] = False,
+) -> None:
+    """Copy the trained model (the run's model/, Hugging Face format, written when the run
+    finished) to a folder, or push it to a Hub repo."""
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.export import export as export_model
+    from crf.store.errors import StoreError
+
+    try:
+        done = export_model(run_id, dest, store=store, force=force)
+    except (LaunchError, StoreError, OSError) as e:
+        _fail(str(e))
+    Console().print(
+        f"exported {len(done.files)} file(s) of run {escape(run_id)} to {escape(done.dest)}"
+    )
 
 
 def _exit_code(summary: dict) -> int:

@@ -135,10 +135,11 @@ def _start_replicas(
                 spec.replicas,
                 plan.command,
                 (),
-                env,
+                {**plan.secret_env, **(env or {})},  # secrets: through the secret mechanism
                 run_uri=spec.run_uri,
                 run_id=spec.run_id,
                 max_restarts=plan.restart.max_restarts,
+                plain_env=spec.env,  # plain: the container's visible environment
             )
         )
     except ExecutorError as e:
@@ -378,7 +379,9 @@ def launch(
 def _no_run_options_in(watch: Mapping[str, Any]) -> None:
     """LaunchError for a run option passed as a keyword (``launch(replicas=4)``): it belongs
     in the options mapping."""
-    misplaced = sorted(set(watch) & set(run_options()))
+    # ``env=`` is run()'s own keyword (variables given to the replicas as secrets); the
+    # ``env`` run option (plain variables, written in run.json) goes in the options mapping
+    misplaced = sorted(set(watch) & set(run_options()) - {"env"})
     if misplaced:
         example = ", ".join(f"{name!r}: ..." for name in misplaced)
         raise LaunchError(

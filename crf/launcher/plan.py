@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor
 from crf.launcher.errors import LaunchError
+from crf.launcher.user_env import resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class Plan:
     command: list[str] | None  # None: the backend's default, python -m crf.replica
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     resume: ResumeInfo | None = None  # set when continuing an existing run
+    #: the ``--secret`` values read at this launch (crf.launcher.user_env); never written,
+    #: never shown (repr=False)
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -197,9 +201,30 @@ def prepare(
         executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
+    secret_env = resolve_secrets(spec)  # each one set (or its file readable) before launch
     # The store last: the writability probe is the only check with a side effect.
     run_store = _run_folder(run_uri, run_id, dry_run)
-    return Plan(spec, run_store, executor, command, restart=policy)
+    return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env)
+
+
+def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run options checked as :func:`prepare` checks them, with no backend and no store
+    (``crf launch --print-config`` shows a config only once it would launch); returns the
+    job's options as typed values. LaunchError says what to fix."""
+    values = launch_options(options)
+    job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
+    run_id = values.pop("run_id", None)
+    try:
+        RunSpec(
+            run_id=run_id if run_id is not None else new_run_id(), run_uri="memory://check",
+            **values,
+        ).validate()  # fmt: skip
+    except SpecError as e:
+        raise LaunchError(str(e)) from None
+    except TypeError as e:
+        raise LaunchError(f"a run option has the wrong type: {e}") from None
+    _command(entrypoint)
+    return validate_job(values.get("job", RunSpec.job), job_options)
 
 
 def check_workload(spec: RunSpec) -> None:

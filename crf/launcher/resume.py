@@ -34,6 +34,7 @@ from crf.launcher.plan import (
     validate_job,
 )
 from crf.launcher.supervise import read_heartbeat
+from crf.launcher.user_env import resolve_secrets
 from crf.spec import RunSpec, SpecError, check_run_id
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ def prepare_resume(
     run_store = RunStore(found.uri)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
+    secret_env = resolve_secrets(spec)  # read again: never kept anywhere since the launch
     start, superseded, fresh = resume_point(spec, found.rounds, found.inner)
     info = ResumeInfo(
         launch=(max(found.launches) + 1) if found.launches else 1,
@@ -181,7 +183,7 @@ def prepare_resume(
         superseded=superseded,
         fresh_inner=fresh,
     )
-    return Plan(spec, run_store, executor, spec.entrypoint, policy, info)
+    return Plan(spec, run_store, executor, spec.entrypoint, policy, info, secret_env)
 
 
 def resume_point(

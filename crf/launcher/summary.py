@@ -18,7 +18,7 @@ import io
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from crf import jsonsafe
+from crf import jsonsafe, layout
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import fmt_loss
 from crf.layout import Rejection
@@ -49,14 +49,8 @@ RESULT_FIELDS = (
     "steps",
     "wall_s",
     "job_metrics",
-)
-
-
-#: a store key named in a rejection message (contribution, reduced shard, checkpoint, ...)
-_OBJECT_KEY = re.compile(
-    r"(rounds/\d+/(?:contrib/\d+#\d+|held/\d+/\d+|contrib/\d+|reduced/\d+|quorum\.json"
-    r"|failed\.json)"
-    r"|global/\d+/state\.pt|replicas/\d+/inner/\d+\.pt)"
+    "versions",
+    "cuda_available",
 )
 
 
@@ -73,24 +67,30 @@ def last_exception(lines: Sequence[str]) -> str | None:
     return None
 
 
-def rejected_objects(messages: Sequence[Any]) -> list[str]:
-    """The distinct store keys named in a replica's ``rejected`` messages, sorted by round.
+def rejected_objects(reported: Iterable[Any]) -> list[str]:
+    """The distinct keys of the bad (not merely absent) objects among ``reported``
+    rejections (records, their dicts, or the "key: reason" text of older runs), sorted by
+    round: one bad object is reported by the replica that found it and again in the round
+    failure every other replica sees, and counting keys counts objects."""
+    return layout.rejected_keys(Rejection.from_dict(x) for x in reported)
 
-    One bad object can produce several messages (the replica that found it, then the round
-    failure every other replica sees); counting keys counts objects, not messages. A message
-    that names no key still counts, as itself.
-    """
-    keys: list[str] = []
-    for msg in messages:
-        found = _OBJECT_KEY.findall(str(msg)) or [str(msg)]
-        if found[0] not in keys:  # the first key named is the object the message is about
-            keys.append(found[0])
 
-    def order(key: str) -> tuple[int, str]:
-        m = re.search(r"\d+", key)
-        return (int(m.group()) if m else -1, key)
-
-    return sorted(keys, key=order)
+def reported_rejections(
+    result: Mapping[str, Any],
+    attempts: Sequence[Mapping[str, Any]] = (),
+    metrics: Sequence[Mapping[str, Any]] | None = None,
+) -> list[Rejection]:
+    """What one replica reported refusing or leaving out, over all its attempts: its result,
+    what earlier attempts reported before dying, and what attempts that left no result logged
+    per round."""
+    reported = [Rejection.from_dict(x) for x in result.get("rejected") or ()]
+    for attempt in attempts:
+        reported.extend(Rejection.from_dict(x) for x in attempt.get("rejected") or ())
+    for m in metrics or ():
+        for x in m.get("rejected") or ():
+            if (x := Rejection.from_dict(x)) not in reported:
+                reported.append(x)
+    return reported
 
 
 def rounds_missed(metrics: Sequence[Mapping[str, Any]], rounds: int) -> list[int]:
@@ -130,19 +130,13 @@ def replica_row(
     syncs = [m.get("sync_s") for m in metrics or ()]
     syncs = [float(v) for v in syncs if isinstance(v, int | float) and not isinstance(v, bool)]
     row["max_sync_s"] = round(max(syncs), 3) if syncs else None
-    reported = [Rejection.from_dict(x) for x in data.get("rejected") or ()]
-    for attempt in attempts:  # what earlier attempts of this rank reported before dying
-        reported.extend(Rejection.from_dict(x) for x in attempt.get("rejected") or ())
-    for m in metrics or ():  # and what attempts that left no result logged per round
-        for x in m.get("rejected") or ():
-            if (x := Rejection.from_dict(x)) not in reported:
-                reported.append(x)
+    reported = reported_rejections(data, attempts, metrics)
     # bad objects (corrupt, foreign, wrong round or shape: never averaged) apart from parts
     # that were simply not there (a dead or late replica's: left out of the average), as the
     # records say
     row["rejected"] = [str(x) for x in reported if not x.left_out]
     row["left_out"] = [str(x) for x in reported if x.left_out]
-    row["objects_rejected"] = len(rejected_objects(row["rejected"]))
+    row["objects_rejected"] = len(layout.rejected_keys(reported))
     row["restarts"] = restarts
     row["attempts"] = [dict(a) for a in attempts]
     row["resumed_from"] = data.get("resumed_from")
@@ -236,40 +230,28 @@ def build_summary(
     """
     ended_at = time.time() if ended_at is None else ended_at
     metrics = metrics or {}
+    attempts = attempts or {}
     rows = [
         replica_row(
             r,
             (log_tails or {}).get(r.rank, ()),
             rounds=spec.rounds,
             metrics=metrics.get(r.rank),
-            attempts=(attempts or {}).get(r.rank, ()),
+            attempts=attempts.get(r.rank, ()),
             restarts=(restarts or {}).get(r.rank, 0),
             not_restarted=(not_restarted or {}).get(r.rank),
         )
         for r in results
     ]
+    reported = [
+        x
+        for r in results
+        for x in reported_rejections(r.result or {}, attempts.get(r.rank, ()), metrics.get(r.rank))
+    ]
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
-    if cancelled:
-        status = "cancelled"
-    elif error is not None or not rows or not all(row["ok"] for row in rows):
-        status = "failed"
-    else:
-        status = "ok"
-    diverged = nonfinite_loss(rows, metrics)
-    if diverged is not None and status != "cancelled":
-        status = "failed"
-        error = f"{error}; {diverged}" if error else diverged
-    committed = {m.get("round") for ms in metrics.values() for m in ms if m.get("committed")} & set(
-        range(spec.rounds)
-    )
-    all_rejected = rejected_objects([msg for row in rows for msg in row["rejected"]])
-    syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
-    # what stopped the run for good, when a replica failed with an error no restart can fix
-    fatal = next(
-        (f"replica {r['rank']}: {r['error']}" for r in rows if r.get("restartable") is False),
-        None,
-    )
+    status, error = run_status(rows, metrics, cancelled=cancelled, error=error)
+    problems = run_problems(rows, reported, metrics, spec.rounds)
     return {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
@@ -277,7 +259,7 @@ def build_summary(
         "job": spec.job,
         "status": status,
         "error": error,
-        "fatal_error": fatal,
+        "fatal_error": problems.pop("fatal_error"),
         "world_size": spec.replicas,
         "rounds": spec.rounds,
         "sync_every": spec.sync_every,
@@ -290,22 +272,65 @@ def build_summary(
         "resumed_from_round": resumed_from_round,
         "restart_policy": dict(restart_policy or {}),
         "restarts": sum(row["restarts"] for row in rows),
-        # rounds at least one replica committed, and rounds nobody did (e.g. a bad object
-        # failed the round for everyone); None when no replica logged per-round metrics
-        "rounds_completed": len(committed) if metrics else None,
-        "rounds_lost": sorted(set(range(spec.rounds)) - committed) if metrics else None,
-        "objects_rejected": len(all_rejected),
-        "rejected_objects": all_rejected,
-        "contributions_left_out": len(
-            rejected_objects([msg for row in rows for msg in row["left_out"]])
-        ),
-        "max_sync_s": max(syncs) if syncs else None,
+        **problems,
         "learning": learning_curve(metrics),
         "started_at": started_at,
         "ended_at": ended_at,
         "wall_s": round(ended_at - started_at, 3),
         "replicas": rows,
         "loss_plot": None,
+    }
+
+
+def run_status(
+    rows: Sequence[Mapping[str, Any]],
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]],
+    *,
+    cancelled: bool,
+    error: str | None,
+) -> tuple[str, str | None]:
+    """The run's verdict and error (see :func:`build_summary`): a loss that went NaN/Inf
+    fails a run whatever its exit codes, and is added to the error."""
+    if cancelled:
+        status = "cancelled"
+    elif error is not None or not rows or not all(row["ok"] for row in rows):
+        status = "failed"
+    else:
+        status = "ok"
+    diverged = nonfinite_loss(rows, metrics)
+    if diverged is not None and status != "cancelled":
+        status = "failed"
+        error = f"{error}; {diverged}" if error else diverged
+    return status, error
+
+
+def run_problems(
+    rows: Sequence[Mapping[str, Any]],
+    reported: Sequence[Rejection],
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]],
+    rounds: int,
+) -> dict[str, Any]:
+    """The run-wide totals of what went wrong: rounds nobody committed, bad objects (counted
+    by key, from the replicas' rejection records), parts left out, the worst sync, and what
+    stopped the run for good (an error no restart can fix)."""
+    committed = {m.get("round") for ms in metrics.values() for m in ms if m.get("committed")}
+    committed &= set(range(rounds))
+    all_rejected = layout.rejected_keys(reported)
+    syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
+    fatal = next(
+        (f"replica {r['rank']}: {r['error']}" for r in rows if r.get("restartable") is False),
+        None,
+    )
+    return {
+        "fatal_error": fatal,
+        # rounds at least one replica committed, and rounds nobody did (e.g. a bad object
+        # failed the round for everyone); None when no replica logged per-round metrics
+        "rounds_completed": len(committed) if metrics else None,
+        "rounds_lost": sorted(set(range(rounds)) - committed) if metrics else None,
+        "objects_rejected": len(all_rejected),
+        "rejected_objects": all_rejected,
+        "contributions_left_out": len({x.key for x in reported if x.left_out}),
+        "max_sync_s": max(syncs) if syncs else None,
     }
 
 
@@ -377,6 +402,20 @@ def render_summary(
 ) -> None:
     """Print the per-replica table, what went wrong on the way (restarts, rejected objects),
     the verdict, and where result.json / loss.png are."""
+    console.print(replica_table(summary))
+    print_restarts(summary["replicas"], console)
+    print_failures(summary, console)
+    print_version_warnings(summary, console)
+    console.print("run " + " - ".join(verdict_parts(summary)))
+    if result_path:
+        console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
+    if plot_path:
+        console.print(f"loss plot: {plot_path}", soft_wrap=True, highlight=False)
+
+
+def replica_table(summary: Mapping[str, Any]) -> Table:
+    """One row per replica: exit, rounds, (when anything went wrong) missed rounds, restarts
+    and rejected objects, then loss, traffic and time."""
     rounds = summary.get("rounds")
     rows = summary["replicas"]
     # the fault columns only when something happened: in a clean run they are all zeros
@@ -415,9 +454,13 @@ def render_summary(
             _wire_text(row),
         ]
         table.add_row(*cells)
-    console.print(table)
+    return table
 
-    for row in summary["replicas"]:
+
+def print_restarts(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
+    """Per replica: how each restarted attempt ended, the rounds it was late for, and the
+    rounds it missed."""
+    for row in rows:
         attempts = row.get("attempts") or []
         if attempts:
             console.print(
@@ -439,6 +482,10 @@ def render_summary(
                 f"    rounds missed: {', '.join(map(str, row['rounds_missed']))}",
                 highlight=False,
             )
+
+
+def print_failures(summary: Mapping[str, Any], console: Console) -> None:
+    """Each failed replica's error, log tail and log path, then the rejected objects."""
     for row in summary["replicas"]:
         if row["ok"] or row["state"] == ReplicaState.CANCELLED:
             continue  # a cancelled replica is in the table; its log tail says nothing new
@@ -461,6 +508,10 @@ def render_summary(
             highlight=False,
         )
 
+
+def verdict_parts(summary: Mapping[str, Any]) -> list[str]:
+    """The pieces of the closing "run ..." line: status, wall time, loss, reward, restarts,
+    lost rounds, whether the weights agree, and the errors."""
     status = summary["status"]
     style = {"ok": "bold green", "failed": "bold red"}.get(status, "bold yellow")
     parts = [f"[{style}]{status}[/]", f"wall {fmt_seconds(summary.get('wall_s'))}"]
@@ -491,11 +542,27 @@ def render_summary(
         parts.append(f"[red]{escape(summary['error'])}[/]")
     if summary.get("fatal_error"):
         parts.append(f"[red]a restart cannot fix it: {escape(summary['fatal_error'])}[/]")
-    console.print("run " + " - ".join(parts))
-    if result_path:
-        console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
-    if plot_path:
-        console.print(f"loss plot: {plot_path}", soft_wrap=True, highlight=False)
+    return parts
+
+
+def version_warnings(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per replica whose torchft / trl / transformers (its result's ``versions``)
+    differ from this process's (the driver's): the run may not behave as it does here."""
+    from crf.versions import mismatches
+
+    out = []
+    for row in rows:
+        diff = mismatches(row.get("versions"))
+        if diff:
+            said = ", ".join(f"{name} {got} (driver: {want})" for name, (got, want) in diff.items())
+            out.append(f"replica {row.get('rank')} ran {said}")
+    return out
+
+
+def print_version_warnings(summary: Mapping[str, Any], console: Console) -> None:
+    """The warnings of :func:`version_warnings`, in yellow."""
+    for line in version_warnings(summary.get("replicas") or []):
+        console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True, highlight=False)
 
 
 # ---------------------------------------------------------------------- metrics + plot
@@ -504,16 +571,13 @@ def read_metrics(store: Any, world_size: int) -> dict[int, list[dict[str, Any]]]
     out: dict[int, list[dict[str, Any]]] = {}
     for rank in range(world_size):
         rows = []
-        for name in store.list(f"metrics/{rank}"):
-            stem = name.removesuffix(".json")
-            if not name.endswith(".json") or not stem.isdigit():
-                continue
+        for r in layout.metrics_rounds(store, rank):
             try:
-                data = store.get_json(f"metrics/{rank}/{name}")
+                data = store.get_json(layout.metrics_key(rank, r))
             except (StoreError, OSError, ValueError):  # half-GC'd or foreign: skip it
                 continue
             if isinstance(data, dict):
-                data.setdefault("round", int(stem))
+                data.setdefault("round", r)
                 rows.append(data)
         rows.sort(key=lambda d: d.get("round", 0))
         out[rank] = rows

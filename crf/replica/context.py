@@ -51,6 +51,7 @@ from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import raw_view
+from crf.versions import cuda_available, installed_versions
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,18 @@ class ModelFragment(torch.nn.Module):
 
 
 def split_model(model: torch.nn.Module, fragments: int) -> list[torch.nn.Module]:
-    """The model's parameters (in ``named_parameters`` order, tied ones once) in ``fragments``
-    contiguous groups of about equal size. One fragment is the model itself."""
-    if fragments == 1:
-        return [model]
+    """The model's exchanged parameters (those that train: ``requires_grad``; in
+    ``named_parameters`` order, tied ones once) in ``fragments`` contiguous groups of about
+    equal size. One fragment of a model that trains every parameter is the model itself; with
+    frozen ones (LoRA: only the adapters train) the fragments hold only the trainable ones, so
+    DiLoCo exchanges, and P counts, nothing else."""
     named = list(model.named_parameters())
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if fragments == 1 and len(trainable) == len(named):
+        return [model]
+    if not trainable:
+        raise ValueError("the model has no parameter that requires grad: nothing to train")
+    named = trainable
     if len(named) < fragments:
         raise ValueError(
             f"fragments={fragments} but the model has only {len(named)} parameter tensors"
@@ -175,6 +183,8 @@ class ReplicaContext:
         self._clock = TimeAccount()
         self._pace = HeartbeatPace()
         self._finished = False
+        #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
+        self._to_save: tuple[Any, Any] | None = None
         self._beat(force=True)
 
     # ------------------------------------------------------------------ construction
@@ -263,13 +273,14 @@ class ReplicaContext:
         fragments: list[torch.nn.Module],
     ) -> None:
         """What of the model goes into (and comes back from) a global state."""
-        if len(fragments) == 1:
+        if fragments[0] is model:
             manager.register_state_dict_fn(
                 "model", lambda sd: model.load_state_dict(sd), lambda: model.state_dict()
             )
             return
         # the parameters are in the fragments' global copies; "model" keeps the rest
-        # (buffers), and a loaded state puts every fragment's global copy in the model
+        # (buffers; frozen parameters never change: every replica loads them the same), and
+        # a loaded state puts every fragment's global copy in the model
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         manager.register_state_dict_fn(
             "model",
@@ -318,7 +329,7 @@ class ReplicaContext:
         """Leave the exchange: after a clean run every fragment goes back to its global copy
         and pending checkpoint writes must land; after a failed one they may fail quietly."""
         if ok:
-            if len(self.fragments) > 1:
+            if self._split:
                 self._load_fragments(manager.state_dict())
             manager.close()
             return
@@ -337,6 +348,13 @@ class ReplicaContext:
                 glob = state[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
                 for name, p in frag.named_parameters():
                     p.data.copy_(glob[name])
+
+    @property
+    def _split(self) -> bool:
+        """Whether the exchanged parameters are fragments apart from the model (Streaming
+        DiLoCo, or frozen parameters left out): then a replica's own weights and the global
+        copies are kept apart."""
+        return bool(self.fragments) and self.fragments[0] is not self.model
 
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
@@ -357,11 +375,12 @@ class ReplicaContext:
         try:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = manager.checkpoints.load_inner(latest)
-            if self.spec.fragments > 1:  # also this replica's own (local) weights
+            if self._split:  # also this replica's own (local) weights
                 inner.load_state_dict(saved["inner_optimizer"])
+                params = dict(self.model.named_parameters())
                 with torch.no_grad():
-                    for name, p in self.model.named_parameters():
-                        p.copy_(saved["local_params"][name])
+                    for name, value in saved["local_params"].items():
+                        params[name].copy_(value)
             else:
                 inner.load_state_dict(saved)
             self.resumed_inner = True
@@ -378,8 +397,8 @@ class ReplicaContext:
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
         state: Any = self._inner.state_dict()
-        if self.spec.fragments > 1 and self.model is not None:
-            local = {n: p.detach() for n, p in self.model.named_parameters()}
+        if self._split and self.model is not None:
+            local = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
             state = {"inner_optimizer": state, "local_params": local}
         self.manager.checkpoints.save_inner(r, state, self.step)
 
@@ -546,6 +565,8 @@ class ReplicaContext:
             wall_s=round(self._clock.wall_s(), 3),
             resumed_from=self.resumed_from,
             job_metrics=job_metrics,
+            versions=installed_versions(),
+            cuda_available=cuda_available(),
         )
         if m is not None:
             self._add_exchange_facts(record, m)
@@ -569,13 +590,35 @@ class ReplicaContext:
         """:meth:`result_record` as the JSON object written."""
         return self.result_record(status, error, job_metrics).to_dict()
 
+    def save_model_at_end(self, model: Any, tokenizer: Any | None = None) -> None:
+        """Have :meth:`finish` write ``model`` (a ``transformers`` model, or a peft one: its
+        adapter) and ``tokenizer`` to the run's ``model/`` in Hugging Face format, if this is
+        the lowest-ranked replica that finished (:mod:`crf.replica.export`)."""
+        self._to_save = (model, tokenizer)
+
+    def _save_model(self) -> None:
+        from crf.replica import export
+
+        if self._to_save is None:
+            return
+        self._set_phase("saving")
+        # a lower replica is waited for while the exchange would count it alive
+        m = self.manager
+        alive_s = m.exchange.alive_window_s if m is not None else self.spec.round_timeout_s
+        if export.is_lowest_survivor(self.store, self.rank, alive_s):
+            export.save_model(self.store, *self._to_save, on_file=self._beat)
+
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
-        """Write this replica's result (``results/<rank>.json``) and the final heartbeat."""
+        """Write the trained model (the lowest replica that finished, when the job asked:
+        :meth:`save_model_at_end`), this replica's result (``results/<rank>.json``) and the
+        final heartbeat. The model lands before the result: once the run is over, it is
+        there."""
         if self.manager is not None:
             self.manager.close()  # pending checkpoint writes land before the result
         self._syncs.fold(self.step, final=True)
         if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()
+        self._save_model()
         record = self.result_record("ok", None, job_metrics or {})
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self._finished = True

@@ -14,6 +14,12 @@ traces (channel 3) are generated with the prompts.
   ``ctx.diloco(model, optimizer)`` at ``on_train_begin`` and calls ``ctx.log_step(loss=...,
   reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)`` once per optimizer step.
 - It trains exactly ``ctx.total_steps`` optimizer steps (``max_steps``).
+- With ``--model`` (a Hub id or a folder) the model and its tokenizer come from
+  ``from_pretrained`` instead (crf/replica/model.py); the task stays the string reversal,
+  its prompts given as a one-message conversation when the tokenizer has a chat template
+  (TRL then applies the template). The tiny-model knobs (hidden_size...) are then unused.
+- Device and precision (``--device``, ``--precision``) set the trainer's ``use_cpu`` /
+  ``bf16`` / ``fp16``, for the tiny model too.
 """
 
 from __future__ import annotations
@@ -192,7 +198,11 @@ def greedy_exact_match(
 
     was_training = model.training
     model.eval()
-    enc = tokenizer([e["prompt"] for e in examples], return_tensors="pt", padding=True)
+    prompts = [as_text(tokenizer, e["prompt"]) for e in examples]
+    # a chat template writes the special tokens itself
+    plain = isinstance(examples[0]["prompt"], str)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=plain)
+    enc = enc.to(next(model.parameters()).device)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new, do_sample=False)
     model.train(was_training)
@@ -200,21 +210,28 @@ def greedy_exact_match(
     return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
 
 
+def as_text(tokenizer: Any, prompt: Any) -> str:
+    """A prompt as the model sees it: a conversation through the chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
 @dataclass
 class ReplicaSetup:
     """What one replica trains: tokenizer, model (seeded by ``ctx.seed``), its data shard
-    (ordered by ``ctx.data_seed``) and the shared held-out prompts."""
+    (ordered by ``ctx.data_seed``), the shared held-out prompts and where it trains."""
 
     tokenizer: Any
     model: Any
     shard: list[dict[str, Any]]
     held_out: list[dict[str, Any]]
+    placement: Any = None
 
 
-def build(ctx: Any, cfg: Config) -> ReplicaSetup:
-    """Identical initial weights on every replica; a disjoint data shard per rank."""
+def _tiny(ctx: Any, cfg: Config) -> tuple[Any, Any]:
     from crf.composer import char_tokenizer, tiny_qwen2
-    from crf.composer.task import make_examples, task_alphabet
+    from crf.composer.task import task_alphabet
 
     tokenizer = char_tokenizer(task_alphabet(cfg.letters))
     model = tiny_qwen2(
@@ -225,24 +242,42 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
         num_heads=cfg.num_heads,
         max_position_embeddings=4 * (cfg.max_len + 2) + 8,
     )
+    return model, tokenizer
+
+
+def build(ctx: Any, cfg: Config) -> ReplicaSetup:
+    """Identical initial weights on every replica; a disjoint data shard per rank."""
+    from crf.composer.task import make_examples
+    from crf.replica.model import Placement, load_pretrained
+
+    placement = Placement.for_spec(ctx.spec)
+    if getattr(ctx.spec, "model", None):
+        model, tokenizer = load_pretrained(ctx.spec, placement, seed=int(ctx.seed))
+    else:
+        model, tokenizer = _tiny(ctx, cfg)
     model.train()
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
+    chat = bool(getattr(tokenizer, "chat_template", None))
     if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no held-out set
         from crf.replica.data import spec_shard
 
-        shard = spec_shard(ctx.spec, ctx.rank, ctx.world_size)
+        shard, held_out = spec_shard(ctx.spec, ctx.rank, ctx.world_size), []
         random.Random(int(ctx.data_seed)).shuffle(shard)
-        return ReplicaSetup(tokenizer, model, shard, [])
-    pool = make_examples(cfg.num_examples, int(ctx.seed), **shape)
-    shard = pool[ctx.rank :: ctx.world_size]
-    if not shard:
-        raise ValueError(
-            f"num_examples={cfg.num_examples} leaves replica {ctx.rank} of {ctx.world_size} "
-            "without data: raise num_examples"
-        )
-    random.Random(int(ctx.data_seed)).shuffle(shard)
-    held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
-    return ReplicaSetup(tokenizer, model, shard, held_out)
+    else:
+        pool = make_examples(cfg.num_examples, int(ctx.seed), **shape)
+        shard = pool[ctx.rank :: ctx.world_size]
+        if not shard:
+            raise ValueError(
+                f"num_examples={cfg.num_examples} leaves replica {ctx.rank} of "
+                f"{ctx.world_size} without data: raise num_examples"
+            )
+        random.Random(int(ctx.data_seed)).shuffle(shard)
+        held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
+    if chat:  # a conversation prompt (a user's dataset may hold one already) stays as it is
+        for row in (*shard, *held_out):
+            if isinstance(row["prompt"], str):
+                row["prompt"] = [{"role": "user", "content": row["prompt"]}]
+    return ReplicaSetup(tokenizer, model, shard, held_out, placement)
 
 
 def run(ctx: Any, cfg: Config) -> dict[str, Any]:
@@ -278,7 +313,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         return {"resumed_at_step": start, "steps_trained": 0}
     callback = DiLoCoCallback(ctx)
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
-        if cfg.grpo_beta > 0:  # TRL reloads the GRPO reference from config._name_or_path
+        embedded = not getattr(ctx.spec, "model", None)
+        if cfg.grpo_beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
             save_tiny(model, tokenizer, f"{tmp}/init-model")
         args = ComposerConfig(
             output_dir=f"{tmp}/out",
@@ -291,8 +327,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             max_completion_length=max_new,
             temperature=cfg.temperature,
             distill_hint_template=HINT_TEMPLATE,
-            use_cpu=True,
-            bf16=False,
+            gradient_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
+            **setup.placement.trainer_args(),
             report_to=[],
             save_strategy="no",
             logging_steps=1,
@@ -319,4 +355,6 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     metrics["exact_match_before"] = exact_before
     metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
     metrics["shard_size"] = len(setup.shard)
+    if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
+        ctx.save_model_at_end(model, tokenizer)
     return metrics

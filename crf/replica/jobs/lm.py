@@ -1,4 +1,5 @@
-"""The ``lm`` job: a tiny causal language model trained on generated text.
+"""The ``lm`` job: a tiny causal language model trained on generated text (or ``--model``,
+loaded by crf/replica/model.py, on the same text through its own tokenizer).
 
 Everything is built in code (no downloads): a character vocabulary, a small Llama from a
 ``transformers`` config, and a corpus produced by a seeded toy grammar, so the loss has
@@ -97,6 +98,19 @@ class Config:
             raise ValueError(f"lm option lr must be > 0 (got {self.lr})")
 
 
+def char_tokenizer(itos: list[str]) -> Any:
+    """The job's character vocabulary as a ``transformers`` fast tokenizer (token ``i`` is
+    ``itos[i]``, as in training), saved beside the exported model so it can be used; a
+    character outside the vocabulary reads as a space."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(itos)}, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=" ")
+
+
 def build_model(cfg: Config, vocab_size: int, seed: int) -> Any:
     """A tiny Llama; the same seed gives bit-identical weights on every replica."""
     import torch
@@ -119,14 +133,23 @@ def build_model(cfg: Config, vocab_size: int, seed: int) -> Any:
 class CorpusShard:
     """Token ids of this rank's contiguous shard, plus a held-out eval set shared by all."""
 
-    def __init__(self, cfg: Config, rank: int, world_size: int, seed: int) -> None:
+    def __init__(
+        self, cfg: Config, rank: int, world_size: int, seed: int, tokenizer: Any = None
+    ) -> None:
         import torch
 
         self.cfg = cfg
         self.itos = vocabulary()
+        self.tokenizer = tokenizer  # the model's own (``--model``), else None: characters
         stoi = {c: i for i, c in enumerate(self.itos)}
+
+        def encode(text: str) -> list[int]:  # characters, or the model's own tokenizer
+            if tokenizer is None:
+                return [stoi[c] for c in text]
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
         text = generate_corpus(cfg.corpus_sentences, seed)
-        ids = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+        ids = torch.tensor(encode(text), dtype=torch.long)
         per = len(ids) // world_size
         self.ids = ids[rank * per : (rank + 1) * per]
         if len(self.ids) <= cfg.seq_len + 1:
@@ -134,7 +157,7 @@ class CorpusShard:
                 f"corpus shard too small for seq_len={cfg.seq_len}: raise corpus_sentences"
             )
         eval_text = generate_corpus(max(200, cfg.eval_batches * cfg.batch_size), seed + 7919)
-        self.eval_ids = torch.tensor([stoi[c] for c in eval_text], dtype=torch.long)
+        self.eval_ids = torch.tensor(encode(eval_text), dtype=torch.long)
 
     def batch(self, step: int, data_seed: int) -> Any:
         """Batch for inner step ``step``: a pure function of (data_seed, step)."""
@@ -154,37 +177,68 @@ class CorpusShard:
         return [torch.stack(rows[i : i + n]) for i in range(0, len(rows), n)]
 
 
-def evaluate(model: Any, data: CorpusShard) -> float:
+def evaluate(model: Any, data: CorpusShard, placement: Any = None) -> float:
+    import contextlib
+
     import torch
 
+    device = next(model.parameters()).device
     model.eval()
-    with torch.no_grad():
-        losses = [float(model(input_ids=b, labels=b).loss) for b in data.eval_batches()]
+    with torch.no_grad(), placement.autocast() if placement else contextlib.nullcontext():
+        losses = [
+            float(model(input_ids=b.to(device), labels=b.to(device)).loss)
+            for b in data.eval_batches()
+        ]
     model.train()
     return sum(losses) / len(losses)
 
 
+def build(ctx: Any, cfg: Config, placement: Any) -> tuple[Any, CorpusShard]:
+    """(model, data): the tiny Llama over characters, or ``--model`` (from_pretrained, its
+    own tokenizer encoding the corpus), on the chosen device."""
+    if getattr(ctx.spec, "model", None):
+        from crf.replica.model import load_pretrained
+
+        model, tokenizer = load_pretrained(ctx.spec, placement, seed=int(ctx.seed))
+        return model, CorpusShard(cfg, ctx.rank, ctx.world_size, ctx.seed, tokenizer)
+    data = CorpusShard(cfg, ctx.rank, ctx.world_size, ctx.seed)
+    model = build_model(cfg, len(data.itos), ctx.seed).to(placement.device)
+    model.train()
+    return model, data
+
+
 def run(ctx: Any, cfg: Config) -> dict[str, Any]:
-    """Train ``ctx.total_steps`` inner steps under DiLoCo; report eval loss before/after."""
+    """Train ``ctx.total_steps`` inner steps under DiLoCo; report eval loss before/after.
+    bf16/fp16 train under autocast (fp16 with a gradient scaler: a step it skips for
+    overflow is retried on the same batch, so the step count stays exact)."""
     import torch
 
-    data = CorpusShard(cfg, ctx.rank, ctx.world_size, ctx.seed)
-    model = build_model(cfg, len(data.itos), ctx.seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    eval0 = evaluate(model, data)
+    from crf.replica.model import Placement
+
+    placement = Placement.for_spec(ctx.spec)
+    model, data = build(ctx, cfg, placement)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scaler = torch.amp.GradScaler(placement.device, enabled=placement.dtype == "fp16")
+    eval0 = evaluate(model, data, placement)
     with ctx.diloco(model, opt):
         while ctx.step < ctx.total_steps:  # ctx.step jumps ahead if this replica heals
-            batch = data.batch(ctx.step, ctx.data_seed)
-            loss = model(input_ids=batch, labels=batch).loss
+            step = ctx.step
+            batch = data.batch(step, ctx.data_seed).to(placement.device)
+            with placement.autocast():
+                loss = model(input_ids=batch, labels=batch).loss
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            ctx.log_step(loss=float(loss))
-    eval1 = evaluate(model, data)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if ctx.step != step:  # the optimizer stepped (fp16 may skip one)
+                ctx.log_step(loss=float(loss))
+    eval1 = evaluate(model, data, placement)
+    ctx.save_model_at_end(model, data.tokenizer or char_tokenizer(data.itos))
     return {
         "eval_loss_initial": eval0,
         "eval_loss_final": eval1,
         "eval_ppl_final": math.exp(min(eval1, 50.0)),
         "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in trainable),
     }

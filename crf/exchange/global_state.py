@@ -1,0 +1,155 @@
+"""The file format of a global checkpoint (``global/<r>/state.safetensors``): a safetensors
+file users can open with ``safetensors.torch.load_file``, not a custom pickle container.
+
+A global state is a nested dict (``{"model": model.state_dict(), "outer/0": optimizer state,
+...}``). Its tensors are stored under their path in the tree, joined with ``/``
+(``model/lm_head.weight``, ``outer/0/state/3/momentum_buffer``); everything else - ints,
+floats, strings, None, lists, and the dict keys that are not strings (an optimizer state's
+parameter numbers) - goes into the safetensors ``__metadata__`` as one JSON ``tree`` that
+names each tensor where it sits, so the nested state comes back exactly as it was saved.
+
+Safetensors itself carries no checksum, and a global state must still be refused when it is
+corrupt, from another run or copied from another round (docs/faults.md). So the metadata
+also holds the run id, the round, the model's layout hash and ``digest``: a SHA-256 over the
+other metadata entries and every tensor (name, dtype, shape, bytes, name-sorted). A reader
+recomputes it (:func:`decode`); a flipped bit anywhere in the file fails it, or fails the
+safetensors parse, and both are a :class:`~crf.store.CorruptObjectError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from crf import jsonsafe
+from crf.store import CorruptObjectError
+from crf.store.codec import raw_view
+
+#: the metadata entry holding the checksum; every other entry is covered by it
+DIGEST = "digest"
+#: the metadata entry holding the state's tree (its non-tensor values)
+TREE = "tree"
+#: a format tag, so a reader knows it is a crf global state
+FORMAT = "crf.global_state/1"
+
+
+@dataclass
+class FlatState:
+    """A global state taken apart for writing: its tensors (copies on the CPU: the model
+    goes on training while the write runs) and its tree as JSON."""
+
+    tensors: dict[str, torch.Tensor]
+    tree: str
+
+
+def flatten(state: dict[str, Any]) -> FlatState:
+    """Take ``state`` apart now (tensors copied to the CPU, no memory shared between them:
+    tied weights are saved twice, as safetensors requires)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _skeleton(state, (), tensors)
+    return FlatState(tensors, json.dumps(tree, sort_keys=False, allow_nan=False))
+
+
+def _skeleton(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as JSON with each tensor replaced by ``{"t": name}``. A dict is a list of
+    [key, value] pairs (JSON keeps an int key apart from a str one), a list ``{"l": [...]}``,
+    a tuple ``{"u": [...]}``, a plain value ``{"v": value}`` (a non-finite float
+    ``{"f": "nan"}``)."""
+    if isinstance(obj, torch.Tensor):
+        name = "/".join(path)
+        if name in tensors:
+            raise ValueError(f"global state: two tensors would be stored as {name!r}")
+        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"t": name}
+    if isinstance(obj, dict):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, str | int) or isinstance(k, bool):
+                raise TypeError(f"global state: key {k!r} at {'/'.join(path)} is not str/int")
+            items.append([k, _skeleton(v, (*path, str(k)), tensors)])
+        return {"d": items}
+    if isinstance(obj, list | tuple):
+        kind = "l" if isinstance(obj, list) else "u"
+        return {kind: [_skeleton(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"f": repr(obj)}
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return {"v": obj}
+    raise TypeError(
+        f"global state: {type(obj).__name__} at {'/'.join(path)!r} cannot be saved "
+        "(tensors, dicts, lists and plain values can)"
+    )
+
+
+def _rebuild(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if "t" in node:
+        return tensors[node["t"]]
+    if "d" in node:
+        return {k: _rebuild(v, tensors) for k, v in node["d"]}
+    if "l" in node:
+        return [_rebuild(v, tensors) for v in node["l"]]
+    if "u" in node:
+        return tuple(_rebuild(v, tensors) for v in node["u"])
+    if "f" in node:
+        return float(node["f"])
+    return node["v"]
+
+
+def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the metadata (but ``digest``) and the tensors, name-sorted."""
+    h = hashlib.sha256()
+    covered = {k: v for k, v in meta.items() if k != DIGEST}
+    h.update(jsonsafe.dumps(covered, sort_keys=True).encode())
+    for name, t in sorted(tensors.items()):
+        h.update(f"\0{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
+        h.update(raw_view(t))
+    return h.hexdigest()
+
+
+def encode(flat: FlatState, header: dict[str, Any]) -> bytes:
+    """The safetensors file of ``flat``; ``header`` (run id, round, layout) goes into its
+    metadata as JSON values, beside the tree and the digest."""
+    from safetensors.torch import save
+
+    meta = {k: jsonsafe.dumps(v) for k, v in header.items()}
+    meta["format"] = FORMAT
+    meta[TREE] = flat.tree
+    meta[DIGEST] = digest(meta, flat.tensors)
+    return save(flat.tensors, metadata=meta)
+
+
+def decode(data: bytes, *, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state, header) of a file :func:`encode` wrote; CorruptObjectError when it does not
+    parse or its digest does not match (a flipped bit, a cut-off file, not a global state)."""
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+        meta = metadata(data)
+    except Exception as e:  # safetensors raises its own error types (SafetensorError, ...)
+        raise CorruptObjectError(f"{where}: not a readable safetensors file ({e})") from None
+    if meta.get("format") != FORMAT or DIGEST not in meta or TREE not in meta:
+        raise CorruptObjectError(f"{where}: not a crf global state (no {FORMAT} metadata)")
+    if digest(meta, tensors) != meta[DIGEST]:
+        raise CorruptObjectError(f"{where}: checksum mismatch (object is corrupted)")
+    try:
+        state = _rebuild(json.loads(meta[TREE]), tensors)
+        header = {k: json.loads(v) for k, v in meta.items() if k not in (DIGEST, TREE, "format")}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptObjectError(f"{where}: unreadable metadata ({e})") from None
+    return state, header
+
+
+def metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file in memory. The library reads it only from a
+    file (``safe_open``), so the header is read as the format defines it: an 8-byte
+    little-endian length, then that many bytes of JSON."""
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 + n:
+        raise ValueError("header longer than the file")
+    return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})

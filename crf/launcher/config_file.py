@@ -1,0 +1,322 @@
+"""``crf launch -c FILE``: every option of a launch in one TOML file.
+
+TOML, not YAML: Python reads it with the standard library (``tomllib``, no new dependency),
+its values are typed (``replicas = 4`` is an int, ``"4"`` a string, so a wrong type is the
+same RunSpec error as for the flag), it allows comments, and it is the format Python projects
+already write (pyproject.toml). YAML would need PyYAML and guesses types (``no`` is false).
+
+The file's layout follows the declarations, so a new run option is a key with no extra work:
+
+- top level: every run option by its RunSpec field name (``sync_every``; the flag's spelling
+  ``sync-every`` / ``round-timeout`` works too), and the launch flags that are not run options
+  but belong to a run's recipe (``store``, ``max_restarts``, ``max_run_restarts``,
+  ``timeout``);
+- ``[backend]``: ``name`` (the run option ``backend``: TOML cannot have both a top-level
+  ``backend = "modal"`` and a ``[backend]`` table, so with a table the name goes inside; a
+  file with no table may say ``backend = "modal"``) and the backend's options: ``hardware``
+  (or ``gpu`` / ``flavor`` / ``instance_type``), ``image``, ``region`` and any constructor
+  option of the executor (what ``-o KEY=VALUE`` takes);
+- ``[job]``: ``name`` (the run option ``job``, as for ``[backend]``) and the job's options
+  (what ``--set KEY=VALUE`` fills).
+
+Flags on the command line override the file, key by key. ``dump_config`` writes a resolved
+config back as TOML that ``load_config`` reads (``crf launch --print-config``), leaving out
+secrets. The SDK reads the same files: ``launch_config(path, overrides)`` /
+``prepare_config`` (or ``load_config`` for the parts, by the names ``crf.launch`` takes).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from crf.launcher.errors import LaunchError
+from crf.spec import run_options
+
+#: launch flags that are not run options but may be set in the file (their types as TOML)
+LAUNCH_KEYS: dict[str, tuple[type, ...]] = {
+    "store": (str,),
+    "max_restarts": (int,),
+    "max_run_restarts": (int,),
+    "timeout": (int, float),
+}
+#: names a ``[backend]`` table may give the per-replica hardware (as ``--hardware`` / ``--gpu``
+#: / ``--flavor`` / ``--instance-type`` on the command line): each backend maps it to its own
+HARDWARE_KEYS = ("hardware", "gpu", "flavor", "instance_type")
+#: the key of ``[backend]`` / ``[job]`` that names the backend / the job (the run options)
+TABLE_NAME = "name"
+#: run options set through a table of their own, not as a top-level key
+_TABLE_OPTIONS = {"job_config": "job", "backend_options": "backend"}
+_SECRET_WORDS = ("token", "secret", "key", "password")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class ConfigError(LaunchError):
+    """The config file cannot be used; the message names the file and what to fix."""
+
+
+class LaunchConfig(NamedTuple):
+    """A config file's contents, by the names the SDK takes."""
+
+    #: run options by RunSpec field name (as ``crf.launch({...})`` takes them), no job_config
+    options: dict[str, Any]
+    #: the ``[backend]`` table (its hardware under any of HARDWARE_KEYS: see resolve_backend)
+    backend_options: dict[str, Any]
+    #: the ``[job]`` table (RunSpec.job_config)
+    job_config: dict[str, Any]
+    #: store, max_restarts, max_run_restarts, timeout
+    launch_flags: dict[str, Any]
+
+
+def load_config(path: str | Path) -> LaunchConfig:
+    """Read a config file; ConfigError (one line naming the file) if it is missing, not valid
+    TOML, or holds a key that is no option. Values are not range-checked here: RunSpec and the
+    job's Config check them at launch, with the same message as for a flag."""
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {where} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {where} cannot be read: {e}") from None
+    return parse_config(text, where)
+
+
+def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
+    """The config in ``text`` (``where`` names it in errors)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
+        raise ConfigError(f"config file {where} is not valid TOML: {e}") from None
+    spellings = _top_level_spellings()
+    options: dict[str, Any] = {}
+    launch: dict[str, Any] = {}
+    backend = _named_table(data, "backend", options, where)
+    job = _named_table(data, "job", options, where)
+    for key, value in data.items():
+        if key in _TABLE_OPTIONS:
+            raise ConfigError(
+                f"{key!r} in config file {where}: put these options in a "
+                f"[{_TABLE_OPTIONS[key]}] table"
+            )
+        name = spellings.get(key)
+        if name is None:
+            raise _unknown(key, where, list(spellings))
+        target = launch if name in LAUNCH_KEYS else options
+        if name in target:
+            raise ConfigError(f"config file {where} sets {name} twice ({key!r} and another)")
+        target[name] = value
+    if "timeout" in backend:  # as on the command line: --timeout is the launch's and the backend's
+        if "timeout" in launch:
+            raise ConfigError(f"config file {where} sets timeout twice (top level and [backend])")
+        launch["timeout"] = backend.pop("timeout")
+    for name, value in launch.items():
+        if not isinstance(value, LAUNCH_KEYS[name]) or isinstance(value, bool):
+            kinds = " or ".join(t.__name__ for t in LAUNCH_KEYS[name])
+            raise ConfigError(f"{name} in config file {where} must be {kinds} (got {value!r})")
+    return LaunchConfig(options, _one_hardware_key(backend, where), job, launch)
+
+
+def _named_table(
+    data: dict[str, Any], name: str, options: dict[str, Any], where: str
+) -> dict[str, Any]:
+    """``backend = "modal"`` (the run option alone) or a ``[backend]`` table whose ``name`` is
+    the run option; the same for ``job`` and ``[job]`` (TOML cannot have both a key and a
+    table of one name)."""
+    value = data.pop(name, {})
+    if isinstance(value, str):
+        options[name] = value
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{name} in config file {where} must be a string or a [{name}] table (got {value!r})"
+        )
+    table = _table(value, name, where)
+    if TABLE_NAME in table:
+        options[name] = table.pop(TABLE_NAME)
+    return table
+
+
+def _top_level_spellings() -> dict[str, str]:
+    """Each accepted top-level key -> the name it sets: a run option's field name, its flag
+    without ``--`` (``round-timeout``) and the field name with dashes; the launch keys."""
+    out: dict[str, str] = {}
+    for name, declared in run_options().items():
+        if name in _TABLE_OPTIONS:
+            continue
+        for spelling in (name, name.replace("_", "-"), (declared.flag or "").removeprefix("--")):
+            if spelling:
+                out.setdefault(spelling, name)
+    for name in LAUNCH_KEYS:
+        out.setdefault(name, name)
+        out.setdefault(name.replace("_", "-"), name)
+    return out
+
+
+def _table(value: Any, name: str, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] in config file {where} must be a table (got {value!r})")
+    return {str(k).replace("-", "_"): v for k, v in value.items()}
+
+
+def _one_hardware_key(backend: dict[str, Any], where: str) -> dict[str, Any]:
+    given = [k for k in HARDWARE_KEYS if k in backend]
+    if len(given) > 1:
+        raise ConfigError(
+            f"[backend] in config file {where} names the hardware twice ({', '.join(given)})"
+        )
+    return backend
+
+
+def _unknown(key: str, where: str, known: list[str], table: str = "") -> ConfigError:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    inside = f" in [{table}]" if table else ""
+    return ConfigError(f"unknown key {key!r}{inside} in config file {where}{hint}")
+
+
+def resolve_backend(
+    backend: str, table: Mapping[str, Any], where: str = "<config>"
+) -> dict[str, Any]:
+    """A ``[backend]`` table as the executor's constructor options: ``hardware`` (or any of
+    HARDWARE_KEYS, as on the command line) becomes the backend's own name for it (modal
+    ``gpu``, hf ``flavor``, sagemaker ``instance_type``); ConfigError for a key the backend
+    does not take (naming the key, the file and the backend's options)."""
+    from crf.executors.base import ExecutorError
+    from crf.executors.registry import executor_class, option_names
+
+    try:
+        cls = executor_class(backend)
+    except ExecutorError as e:
+        raise ConfigError(str(e)) from None
+    known = option_names(cls)
+    hardware = getattr(cls, "hardware_option", None)
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = hardware if key in HARDWARE_KEYS else key
+        if name is None or name not in known:
+            error = _unknown(key, where, [*known, *(["hardware"] if hardware else [])], "backend")
+            raise ConfigError(f"{error} (the {backend} backend's options: {', '.join(known)})")
+        out[name] = value
+    return out
+
+
+def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") -> None:
+    """ConfigError naming the key, the file and the nearest option for a ``[job]`` key that
+    job ``job``'s Config lacks. A job that cannot be loaded is left to the launch's own check
+    (which names it); the values are checked there too, as for ``--set``."""
+    import dataclasses
+
+    from crf.replica.jobs import get_job
+
+    try:
+        fields = [f.name for f in dataclasses.fields(get_job(job).Config)]
+    except (ImportError, ValueError, TypeError):
+        return
+    for key in table:
+        if key not in fields:
+            error = _unknown(key, where, fields, "job")
+            raise ConfigError(f"{error} (job {job!r}'s options: {', '.join(sorted(fields))})")
+
+
+def prepare_config(
+    path: str | Path, overrides: Mapping[str, Any] | None = None, *, dry_run: bool = False
+) -> Any:
+    """The checked :class:`~crf.launcher.plan.Plan` of config file ``path`` (what ``crf launch
+    -c FILE --dry-run`` shows); ``overrides`` are run options by RunSpec field name that win
+    over the file, as flags do (``job_config`` key by key). Run it with
+    ``crf.launcher.driver.run(plan, timeout_s=load_config(path).launch_flags.get("timeout"))``
+    or call :func:`launch_config`."""
+    from crf.launcher.plan import DEFAULT_MAX_RESTARTS, RestartPolicy, prepare
+
+    where = str(path)
+    cfg = load_config(path)
+    given = dict(overrides or {})
+    job_config = cfg.job_config | dict(given.pop("job_config", None) or {})
+    options = cfg.options | given
+    check_job_keys(options.get("job", "composer"), cfg.job_config, where)
+    flags = cfg.launch_flags
+    backend = options.get("backend", "local")
+    policy = RestartPolicy(
+        flags.get("max_restarts", DEFAULT_MAX_RESTARTS), flags.get("max_run_restarts")
+    )
+    return prepare(
+        options | {"job_config": job_config},
+        store=flags.get("store"),
+        backend_options=resolve_backend(backend, cfg.backend_options, where),
+        restart=policy,
+        dry_run=dry_run,
+    )
+
+
+def launch_config(
+    path: str | Path, overrides: Mapping[str, Any] | None = None, **watch: Any
+) -> dict[str, Any]:
+    """``crf launch -c FILE`` from Python: run config file ``path`` (with ``overrides``, see
+    :func:`prepare_config`) to the end and return its summary; ``watch`` goes to
+    ``crf.launcher.driver.run`` (the file's ``timeout`` is its ``timeout_s`` unless given)."""
+    from crf.launcher.driver import run
+
+    plan = prepare_config(path, overrides)
+    watch.setdefault("timeout_s", load_config(path).launch_flags.get("timeout"))
+    return run(plan, **watch)
+
+
+def is_secret(name: str) -> bool:
+    """Whether a backend option's value is a credential (never printed nor recorded)."""
+    return any(word in name.lower() for word in _SECRET_WORDS)
+
+
+def dump_config(
+    options: Mapping[str, Any],
+    backend_options: Mapping[str, Any],
+    job_config: Mapping[str, Any],
+    launch_flags: Mapping[str, Any],
+) -> str:
+    """A resolved config as TOML that :func:`load_config` reads back to the same values.
+    None values are left out (TOML has no null: left out, they take the same default);
+    secrets are left out with a comment saying so."""
+    lines = ["# crf launch -c FILE (written by crf launch --print-config)"]
+    declared = run_options()
+    top = {k: v for k, v in options.items() if k not in ("backend", "job")}
+    for name, value in [*top.items(), *launch_flags.items()]:
+        if getattr(declared.get(name), "secret", False):
+            lines.append(f"# {name}: a secret, not printed")
+        elif value is not None:
+            lines.append(f"{_key(name)} = {_value(value)}")
+    for table, given in (("backend", backend_options), ("job", job_config)):
+        values = ({TABLE_NAME: options[table]} if table in options else {}) | dict(given)
+        lines += ["", f"[{table}]"]
+        for name, value in values.items():
+            if table == "backend" and is_secret(name):
+                lines.append(f"# {name}: a secret, not printed")
+            elif value is not None:
+                lines.append(f"{_key(name)} = {_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _key(name: str) -> str:
+    return name if _BARE_KEY.fullmatch(name) else json.dumps(name)
+
+
+def _value(value: Any) -> str:
+    """One TOML value: JSON's string escapes are TOML's basic-string escapes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_key(str(k))} = {_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(str(value), ensure_ascii=False)

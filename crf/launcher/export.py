@@ -1,0 +1,134 @@
+"""``crf export RUN DEST``: the trained model out of a run folder.
+
+A run that finished writes ``model/`` in Hugging Face format (:mod:`crf.replica.export`).
+This copies it to a local folder, or pushes it to a Hub model repo (``hf://org/name``)
+through ``huggingface_hub.HfApi``: ``create_repo(exist_ok=True)`` (private when it creates
+one) then ``upload_folder`` - one commit, token from ``HF_TOKEN`` (and the Hub from
+``HF_ENDPOINT`` when set). Every refusal is one line
+saying what to do: no such run, no ``model/`` yet (the run is still running, failed, was
+cancelled, stopped, or its job saves no model), a destination that is not empty.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crf import layout
+from crf.launcher.errors import LaunchError
+
+HF_PREFIX = "hf://"
+
+
+class ExportError(LaunchError):
+    """The model cannot be exported (one line: what to do)."""
+
+
+@dataclass
+class Exported:
+    """What :func:`export` did: where the model went and which files."""
+
+    dest: str
+    files: list[str]
+
+
+def export(
+    run_id: str, dest: str, *, store: str | None = None, force: bool = False, api: Any = None
+) -> Exported:
+    """Copy run ``run_id``'s ``model/`` to ``dest`` (a folder, or ``hf://org/name``; ``api``:
+    the HfApi to push with, for tests)."""
+    from crf.launcher.attach import run_store
+
+    st = run_store(run_id, store)  # LaunchError: no such run
+    files = model_files(st, run_id)
+    if dest.startswith(HF_PREFIX):
+        repo_id = hub_repo(dest)
+        with tempfile.TemporaryDirectory(prefix="crf-export-") as tmp:
+            _copy(st, files, Path(tmp))
+            url = push_to_hub(Path(tmp), repo_id, run_id, api)
+        return Exported(url, files)
+    target = Path(dest).expanduser()
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{dest} exists and is not a folder: give a folder to export into")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise ExportError(f"{dest} is not empty: give an empty or new folder, or --force")
+    _copy(st, files, target)
+    return Exported(str(target), files)
+
+
+def model_files(st: Any, run_id: str) -> list[str]:
+    """The files under the run's ``model/`` (relative names); ExportError, saying why, when
+    there is no whole model there."""
+    from crf.replica.export import model_complete
+
+    if not model_complete(st):
+        raise ExportError(_no_model_why(st, run_id))
+    root = st.path(layout.MODEL_DIR).rstrip("/")
+    names = []
+    for path in st.fs.find(root):
+        rel = str(path)[len(root) :].lstrip("/")
+        if rel and not any(part.startswith(".") for part in rel.split("/")):  # temp files
+            names.append(rel)
+    return sorted(names)
+
+
+def _no_model_why(st: Any, run_id: str) -> str:
+    from crf.launcher.attach import _run_row
+
+    row = _run_row(st) or {}
+    status = row.get("status")
+    why = {
+        "running": "is still running: its model/ is written when it finishes",
+        "failed": "failed, so it wrote no model/ (see `crf status`; resume it with "
+        "`crf launch --resume`)",
+        "cancelled": "was cancelled before it finished, so it wrote no model/",
+        "stopped": "stopped before it finished (its driver died?), so it wrote no model/ "
+        "(`crf status` tells more; `crf launch --resume` continues it)",
+        "ok": "finished but wrote no model/: its job does not save one "
+        "(a job calls ctx.save_model_at_end(model, tokenizer))",
+    }.get(str(status), f"has no model/ (status {status})")
+    return f"run {run_id} {why}"
+
+
+def _copy(st: Any, files: list[str], target: Path) -> None:
+    for rel in files:
+        out = target / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.crf-tmp")
+        tmp.write_bytes(st.get(layout.model_key(rel)))
+        os.replace(tmp, out)
+
+
+def hub_repo(dest: str) -> str:
+    """``hf://org/name`` -> ``org/name``; ExportError for anything else."""
+    repo_id = dest[len(HF_PREFIX) :].strip("/")
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ExportError(f"{dest}: a Hub destination is hf://ORG/NAME (a model repo)")
+    return repo_id
+
+
+def push_to_hub(folder: Path, repo_id: str, run_id: str, api: Any = None) -> str:
+    """Create the model repo if needed (private) and upload ``folder`` as one commit."""
+    if api is None:
+        from huggingface_hub import HfApi
+
+        # HF_ENDPOINT read now (the library reads it once, at import)
+        api = HfApi(
+            endpoint=os.environ.get("HF_ENDPOINT") or None, token=os.environ.get("HF_TOKEN")
+        )
+    try:
+        api.create_repo(repo_id, repo_type="model", private=True, exist_ok=True)
+        info = api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message=f"crf export of run {run_id}",
+        )
+    except Exception as e:  # noqa: BLE001 - the client's errors, in one line
+        hint = "" if os.environ.get("HF_TOKEN") else " (HF_TOKEN is not set)"
+        raise ExportError(f"cannot push to hf://{repo_id}: {type(e).__name__}: {e}{hint}") from None
+    return str(getattr(info, "commit_url", None) or f"{HF_PREFIX}{repo_id}")

@@ -1,0 +1,76 @@
+"""A run's own variables: ``--env`` (plain) and ``--secret`` (values read at each launch).
+
+``--env KEY=VALUE`` is plain configuration (a project name, a log level): it is written in
+``run.json`` and given to every replica as ordinary environment. ``--secret KEY`` is a
+credential (``HF_TOKEN``, ``WANDB_API_KEY``): only its name (and ``@path``) is written in
+``run.json``; ``resolve_secrets`` reads the value from the driver's environment or the file at
+each launch - a resume reads it again, so a rotated token is picked up - and the driver hands
+the values to the backend as the ``env`` of ``launch_replicas``, which every backend already
+treats as secret: a Modal Secret, HF Jobs ``secrets=``, a SageMaker Secrets Manager secret,
+the process environment for local replicas, each name in ``CRF_SECRET_NAMES`` so the
+replica's output is redacted before it reaches a log (crf.executors.secrets).
+
+The names crf manages are refused: ``CRF_*`` (crf.spec.check_env_names) and the store
+credentials of the run's store scheme, which crf passes itself (``HF_TOKEN`` for an ``hf://``
+store, the AWS keys for ``s3://``...).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from crf.executors.secrets import store_credential_names
+from crf.launcher.errors import LaunchError
+from crf.spec import RunSpec, secret_name
+
+
+def check_reserved(spec: RunSpec) -> None:
+    """LaunchError for an ``--env`` or ``--secret`` that names one of the run store's own
+    credential variables: crf passes those to every replica itself."""
+    reserved = store_credential_names(spec.run_uri)
+    entries = [("--env", k) for k in spec.env]
+    entries += [("--secret", secret_name(e)) for e in spec.secrets]
+    for flag, name in entries:
+        if name in reserved:
+            scheme = spec.run_uri.split("://", 1)[0]
+            raise LaunchError(
+                f"{flag} {name}: {name} is a credential of the run's {scheme}:// store, which "
+                "crf passes to every replica itself; leave it out"
+            )
+
+
+def resolve_secrets(spec: RunSpec, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The value of each ``--secret`` (name -> value), read now; LaunchError naming the
+    first that is not set, is empty or cannot be read. Never written anywhere."""
+    env = os.environ if environ is None else environ
+    check_reserved(spec)
+    out: dict[str, str] = {}
+    for entry in spec.secrets:
+        name, _, source = entry.partition("=")
+        if source.startswith("@"):
+            out[name] = _read_file(name, source[1:])
+        else:
+            value = env.get(name)
+            if not value:
+                state = "empty" if value == "" else "not set"
+                raise LaunchError(
+                    f"--secret {name}: {state} in this environment; export it or use {name}=@file"
+                )
+            out[name] = value
+    return out
+
+
+def _read_file(name: str, path: str) -> str:
+    """A secret file's text without its final newline (``echo TOKEN > file`` adds one)."""
+    where = os.path.expanduser(path)
+    try:
+        with open(where, encoding="utf-8") as f:
+            value = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise LaunchError(f"--secret {name}=@{path}: cannot read {path} ({reason})") from None
+    value = value.removesuffix("\n").removesuffix("\r")
+    if not value:
+        raise LaunchError(f"--secret {name}=@{path}: {path} is empty")
+    return value

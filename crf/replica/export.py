@@ -1,0 +1,98 @@
+"""The trained model comes out of the run: ``model/`` in Hugging Face format.
+
+At the end of a run every replica that finished holds the same weights (the last committed
+global state; the summary checks their ``weights_sha256``), so one of them writes the model:
+the lowest-ranked replica that finished ok. A replica cannot know for sure that a lower one
+will finish, so it asks the run folder: before writing its own result it looks at each lower
+rank's result and waits for it while that replica is still heard from (its heartbeat is
+younger than the exchange's alive window, as for a quorum). A lower replica that finished ok
+writes the model itself; one that failed, or fell silent, leaves it to the next. Two
+replicas may both write (a lower one failed, was restarted and finished after all; one was
+silent for long while it uploaded): they write the same bytes.
+
+The model is saved with the libraries' own ``save_pretrained`` (``model.safetensors``,
+``config.json``, ``generation_config.json``; the tokenizer's files; for a peft model, the
+adapter) into a temp folder and uploaded file by file through the run store, the config last
+(:data:`COMPLETE_MARKERS`): ``crf export`` takes ``model/`` as whole once one is there.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from crf import layout
+from crf.store import ObjectNotFound, RunStore
+
+log = logging.getLogger(__name__)
+
+#: uploaded last: model/ is complete once one of these is in it (a full model's config, or
+#: a peft adapter's)
+COMPLETE_MARKERS = ("config.json", "adapter_config.json")
+
+
+def is_lowest_survivor(
+    store: RunStore, rank: int, silent_after_s: float, poll_s: float = 0.2
+) -> bool:
+    """Whether no lower rank finished ok (it would write the model). Waits for each lower
+    rank's result while that replica's heartbeat is younger than ``silent_after_s``; a
+    replica silent for longer (one writing a large model file counts too) leaves it to the
+    next, so at worst two write the same files."""
+    for k in range(rank):
+        while True:
+            status = _result_status(store, k)
+            if status == "ok":
+                return False
+            if status is not None or _silent(store, k, silent_after_s):
+                break  # failed or gone: the next one down decides
+            time.sleep(poll_s)
+    return True
+
+
+def _result_status(store: RunStore, rank: int) -> str | None:
+    try:
+        return str(store.get_json(layout.result_key(rank)).get("status"))
+    except (ObjectNotFound, ValueError, AttributeError):
+        return None
+
+
+def _silent(store: RunStore, rank: int, silent_after_s: float) -> bool:
+    try:
+        beat = store.get_json(layout.heartbeat_key(rank))
+        return time.time() - float(beat.get("updated_at", 0.0)) > silent_after_s
+    except (ObjectNotFound, ValueError, TypeError, AttributeError):
+        return True
+
+
+def save_model(
+    store: RunStore,
+    model: Any,
+    tokenizer: Any | None = None,
+    on_file: Callable[[], None] = lambda: None,
+) -> list[str]:
+    """Write ``model`` (and ``tokenizer``) to ``model/`` in Hugging Face format; returns the
+    keys written, the completing marker last. ``on_file`` is called after each upload (the
+    replica's heartbeat: the replicas above it wait while it is heard from)."""
+    with tempfile.TemporaryDirectory(prefix="crf-model-") as tmp:
+        model.save_pretrained(tmp)  # safetensors is the libraries' default
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        files = sorted(p for p in Path(tmp).rglob("*") if p.is_file())
+        files.sort(key=lambda p: p.name in COMPLETE_MARKERS)  # stable: markers last
+        keys = []
+        for path in files:
+            key = layout.model_key(path.relative_to(tmp).as_posix())
+            store.put(key, path.read_bytes())
+            keys.append(key)
+            on_file()
+    log.info("wrote the trained model: %s", ", ".join(keys))
+    return keys
+
+
+def model_complete(store: RunStore) -> bool:
+    """Whether ``model/`` holds a whole model (its marker landed)."""
+    return any(store.exists(layout.model_key(name)) for name in COMPLETE_MARKERS)

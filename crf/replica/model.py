@@ -1,0 +1,168 @@
+"""The model a replica trains when the run names one (``--model``): where it runs, in what
+precision, loaded how, and which of its parameters DiLoCo exchanges.
+
+Used by both built-in jobs (composer and lm), so a Hub id or a folder is loaded the same way
+everywhere:
+
+- :func:`choose_device` / :func:`choose_dtype` turn ``--device`` / ``--precision`` (``auto``
+  included) into a decision; pure functions of what the hardware offers, so they are tested
+  without a GPU. :class:`Placement` carries the decision to the trainers
+  (:meth:`Placement.trainer_args`: ``use_cpu``, ``bf16``, ``fp16``).
+- :func:`load_pretrained`: tokenizer and causal LM through ``from_pretrained`` (remote code
+  only with ``--trust-remote-code``), a pad token where the tokenizer has none (its EOS), the
+  chat template kept as the tokenizer carries it. ``from_pretrained`` is deterministic, so
+  every replica starts from the same weights.
+- Full fine-tuning keeps fp32 master weights and trains bf16/fp16 under autocast (mixed
+  precision): DiLoCo's pseudo-gradients are differences of weights, which bf16 weights would
+  round away. With LoRA (:func:`add_lora`) the frozen base is loaded in the compute dtype
+  (it never changes) and peft keeps the adapters in fp32; the adapters' random initial values
+  are drawn from the run's seed, so every replica starts bit-identical. Only parameters with
+  ``requires_grad`` are exchanged (crf/replica/context.py), so P is the adapters' size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+#: a run's precision names -> torch dtype names
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def choose_device(requested: str, cuda_available: bool) -> str:
+    """``cuda`` or ``cpu`` for ``--device`` (``auto``: cuda when there is one). ValueError for
+    ``cuda`` on a machine without a GPU: training on the CPU instead would be silently slow."""
+    if requested == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if requested == "cuda" and not cuda_available:
+        raise ValueError(
+            "--device cuda but this replica has no CUDA GPU (torch.cuda.is_available() is "
+            "False): ask the backend for a GPU (--gpu) or use --device auto"
+        )
+    if requested not in ("cuda", "cpu"):
+        raise ValueError(f"--device {requested!r} is unknown; choose auto, cuda or cpu")
+    return requested
+
+
+def choose_dtype(requested: str, device: str, bf16_supported: bool) -> str:
+    """``bf16``, ``fp16`` or ``fp32`` for ``--precision`` on ``device`` (``auto``: bf16 on a
+    CUDA GPU that supports it, else fp32). ValueError for what the hardware cannot do."""
+    if requested == "auto":
+        return "bf16" if device == "cuda" and bf16_supported else "fp32"
+    if requested not in DTYPES:
+        raise ValueError(f"--precision {requested!r} is unknown; choose auto, bf16, fp16 or fp32")
+    if requested == "fp16" and device != "cuda":
+        raise ValueError("--precision fp16 needs a CUDA GPU; on a CPU use bf16 or fp32")
+    if requested == "bf16" and device == "cuda" and not bf16_supported:
+        raise ValueError(
+            "--precision bf16 but this GPU does not support bfloat16 (pre-Ampere): use fp16"
+        )
+    return requested
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a replica trains and in what precision (``dtype``: bf16, fp16 or fp32)."""
+
+    device: str
+    dtype: str
+
+    @classmethod
+    def for_spec(cls, spec: Any) -> Placement:
+        """The decision for this machine from the run's ``device`` and ``precision``."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        device = choose_device(getattr(spec, "device", "auto"), cuda)
+        bf16 = bool(cuda and device == "cuda" and torch.cuda.is_bf16_supported())
+        return cls(device, choose_dtype(getattr(spec, "precision", "auto"), device, bf16))
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+    def trainer_args(self) -> dict[str, Any]:
+        """The ``TrainingArguments`` fields that follow from the placement (mixed precision
+        under autocast; the weights stay as loaded)."""
+        return {
+            "use_cpu": self.device == "cpu",
+            "bf16": self.dtype == "bf16",
+            "fp16": self.dtype == "fp16",
+        }
+
+    def autocast(self) -> Any:
+        """An autocast context for a hand-written training loop (a no-op in fp32)."""
+        import torch
+
+        return torch.autocast(self.device, dtype=self.torch_dtype, enabled=self.dtype != "fp32")
+
+
+def require_peft() -> None:
+    """ImportError with the install line when peft (the ``lora`` extra) is missing."""
+    if importlib.util.find_spec("peft") is None:
+        raise ImportError("--lora-rank needs peft: install composer-replication[lora]")
+
+
+def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer, padding on the left (generation), with a pad token: its EOS
+    when it has none. The chat template stays as the repo ships it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any, Any]:
+    """(model, tokenizer) for ``spec.model``: from_pretrained on ``placement.device``, with
+    gradient checkpointing and LoRA as the spec asks (see module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    remote = bool(getattr(spec, "trust_remote_code", False))
+    lora_rank = int(getattr(spec, "lora_rank", 0) or 0)
+    tokenizer = load_tokenizer(spec.model, trust_remote_code=remote)
+    # full fine-tuning: fp32 master weights; LoRA: the frozen base in the compute dtype
+    dtype = placement.torch_dtype if lora_rank else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype, trust_remote_code=remote)
+    model.to(placement.device)
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is not None and getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = tokenizer.pad_token_id
+    if getattr(spec, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if lora_rank:
+            model.enable_input_require_grads()  # checkpointed blocks need a grad path in
+    if lora_rank:
+        model = add_lora(model, lora_rank, int(getattr(spec, "lora_alpha", 16)), seed=seed)
+    model.train()
+    return model, tokenizer
+
+
+def add_lora(model: Any, rank: int, alpha: int, *, seed: int) -> Any:
+    """``model`` with LoRA adapters on every linear layer (peft); only they require grad.
+    Their random initial values come from ``seed`` alone, on every device, and the caller's
+    random streams are left as they were."""
+    require_peft()
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def trainable_count(model: Any) -> int:
+    """Elements of the parameters that train (and are exchanged): the adapters with LoRA."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,177 @@
+"""The trained model comes out of a run (issue 15, item 8): the lowest replica that finished
+writes ``model/`` in Hugging Face format; ``crf export RUN DEST`` copies it to a folder or
+pushes it to a Hub repo, and refuses in one line when there is nothing (yet) to export or
+the folder is not empty. (The end-to-end run that writes and exports a model is
+tests/test_e2e_local.py's lm run.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from crf import layout
+from crf.composer.tiny import char_tokenizer, tiny_qwen2
+from crf.launcher.cli import app
+from crf.launcher.export import ExportError, export
+from crf.replica.context import weights_sha256
+from crf.replica.export import is_lowest_survivor, model_complete, save_model
+from crf.spec import RunSpec
+from crf.store import RunStore
+from tests.emulators.hf_hub import HubEmulator
+
+RUN = "exp"
+
+
+def _run(tmp_path: Path) -> tuple[RunStore, str]:
+    """An empty run folder (run.json only) in the store tmp_path/runs."""
+    base = tmp_path / "runs"
+    store = RunStore((base / RUN).as_uri())
+    spec = RunSpec(run_id=RUN, run_uri=store.uri, replicas=2, sync_every=2, rounds=1).validate()
+    store.put(layout.RUN_SPEC, spec.to_json().encode())
+    return store, str(base)
+
+
+def _tiny() -> tuple[torch.nn.Module, object]:
+    tok = char_tokenizer("abc")
+    return tiny_qwen2(tok, seed=3, hidden_size=16, num_layers=1, num_heads=2), tok
+
+
+def test_saved_model_exports_to_a_folder_and_loads_with_the_same_weights(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store, base = _run(tmp_path)
+    model, tok = _tiny()
+    keys = save_model(store, model, tok)
+    assert keys[-1] == layout.model_key("config.json")  # the marker lands last
+    assert layout.model_key("model.safetensors") in keys and model_complete(store)
+    dest = tmp_path / "out"
+    done = export(RUN, str(dest), store=base)
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= set(done.files)
+    assert "tokenizer.json" in done.files
+    loaded = AutoModelForCausalLM.from_pretrained(dest)
+    assert weights_sha256(loaded) == weights_sha256(model)
+    assert AutoTokenizer.from_pretrained(dest)("cab")["input_ids"] == tok("cab")["input_ids"]
+
+    # a folder that is not empty is refused, unless --force
+    with pytest.raises(ExportError, match="not empty.*--force"):
+        export(RUN, str(dest), store=base)
+    export(RUN, str(dest), store=base, force=True)
+
+
+def _set_status(store: RunStore, status: str) -> None:
+    if status == "running":
+        store.put_json(layout.heartbeat_key(0), {"rank": 0, "updated_at": time.time()})
+    elif status != "stopped":
+        store.put_json(layout.RESULT, {"status": status, "launch": 0})
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        ("running", "is still running"),
+        ("failed", "failed, so it wrote no model/"),
+        ("stopped", "stopped before it finished"),
+        ("ok", "its job does not save one"),
+    ],
+)
+def test_no_model_yet_says_why(tmp_path, status: str, says: str) -> None:
+    store, base = _run(tmp_path)
+    _set_status(store, status)
+    with pytest.raises(ExportError, match=says):
+        export(RUN, str(tmp_path / "out"), store=base)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_errors_are_one_line(tmp_path) -> None:
+    store, base = _run(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", "nope", str(tmp_path / "o"), "--store", base])
+    assert res.exit_code == 2 and "no run 'nope'" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    _set_status(store, "failed")
+    res = runner.invoke(app, ["export", RUN, str(tmp_path / "o"), "--store", base])
+    assert res.exit_code == 2 and f"run {RUN} failed" in res.output, res.output
+    model, tok = _tiny()
+    save_model(store, model, tok)
+    res = runner.invoke(app, ["export", RUN, str(tmp_path / "o"), "--store", base])
+    assert res.exit_code == 0 and "exported" in res.output, res.output
+    assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+def test_export_to_the_hub_creates_the_repo_and_uploads_the_folder(tmp_path, monkeypatch) -> None:
+    """`crf export RUN hf://ORG/NAME` through the real huggingface_hub client against a
+    loopback Hub: the repo is created (private), the model lands in one commit; a second
+    export to the same repo is a new commit; a wrong token is one line."""
+    store, base = _run(tmp_path)
+    model, tok = _tiny()
+    save_model(store, model, tok)
+    runner = CliRunner()
+    with HubEmulator(tmp_path / "hub") as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        for _ in range(2):
+            res = runner.invoke(app, ["export", RUN, "hf://my-org/my-model", "--store", base])
+            assert res.exit_code == 0, res.output
+        assert f"{hub.endpoint}/my-org/my-model/commit/" in res.output
+        files = hub.files("my-org/my-model")
+        assert hub.private["my-org/my-model"] and len(hub.commits) == 2
+        assert files["model.safetensors"] == store.get(layout.model_key("model.safetensors"))
+        assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(files)
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        res = runner.invoke(app, ["export", RUN, "hf://my-org/my-model", "--store", base])
+        assert res.exit_code == 2 and "cannot push to hf://my-org/my-model" in res.output
+        assert len(res.output.strip().splitlines()) == 1, res.output
+    with pytest.raises(ExportError, match="hf://ORG/NAME"):
+        export(RUN, "hf://just-a-name", store=base)
+
+
+def test_the_lowest_replica_that_finished_writes_the_model(tmp_path) -> None:
+    """Rank 2 defers to a lower rank that finished ok, waits for one still heard from, and
+    writes when the lower ones failed or fell silent."""
+    store, _ = _run(tmp_path)
+
+    def beat(rank: int, age_s: float) -> None:
+        store.put_json(
+            layout.heartbeat_key(rank), {"rank": rank, "updated_at": time.time() - age_s}
+        )
+
+    store.put_json(layout.result_key(0), {"status": "failed"})
+    beat(1, 100)  # silent for longer than the deadline: gone
+    assert is_lowest_survivor(store, 2, silent_after_s=30) is True
+    store.put_json(layout.result_key(1), {"status": "ok"})
+    assert is_lowest_survivor(store, 2, silent_after_s=30) is False
+
+    store.delete(layout.result_key(1))
+    beat(1, 0)  # alive: rank 2 waits for its result
+    later = threading.Timer(0.5, lambda: store.put_json(layout.result_key(1), {"status": "ok"}))
+    later.start()
+    t0 = time.monotonic()
+    try:
+        assert is_lowest_survivor(store, 2, silent_after_s=30, poll_s=0.05) is False
+    finally:
+        later.join()
+    assert time.monotonic() - t0 >= 0.4
+    assert is_lowest_survivor(store, 0, silent_after_s=30) is True
+
+
+def test_a_peft_model_exports_its_adapter(tmp_path) -> None:
+    """With LoRA the model/ is the adapter (peft's own save_pretrained), complete once its
+    adapter_config.json landed, and loads back onto the base model with the same weights."""
+    peft = pytest.importorskip("peft")
+    store, base = _run(tmp_path)
+    model, tok = _tiny()
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    keys = save_model(store, lora, tok)
+    assert keys[-1] == layout.model_key("adapter_config.json") and model_complete(store)
+    assert layout.model_key("adapter_model.safetensors") in keys
+    dest = tmp_path / "adapter"
+    export(RUN, str(dest), store=base)
+    again = peft.PeftModel.from_pretrained(_tiny()[0], dest)
+    assert weights_sha256(again) == weights_sha256(lora)
