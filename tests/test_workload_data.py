@@ -117,3 +117,30 @@ def test_prepare_makes_a_local_path_absolute(tmp_path: Path, monkeypatch) -> Non
 def test_prepare_refuses_data_options_for_the_lm_job(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="for the composer job, not lm"):
         _prepare(tmp_path, job="lm", reward=["exact_match"])
+
+
+def test_a_hub_dataset_by_id_through_the_real_client(
+    tmp_path: Path, hf_hub, hf_hub_env: dict
+) -> None:
+    folder = tmp_path / "repo"
+    (folder / "data").mkdir(parents=True)
+    _write(str(folder / "data" / "train.jsonl"), "jsonl")
+    hf_hub.add_repo("crf-test/reverse", folder, kind="dataset")
+    rows = _shard("crf-test/reverse", 1, world=2)
+    assert [r["prompt"] for r in rows] == ["abc=", "dab="]
+    assert rows[0]["answer"] == "cba"
+
+
+def test_cli_flags_column_and_reward_reach_the_checks(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    path = _write(str(tmp_path / "d.jsonl"), "jsonl")
+    args = ["launch", "--dry-run", "--store", str(tmp_path / "r"), "--dataset", path,
+            "--column", "prompt=q", "--reward", "exact_match=2",
+            "--reward", "format:^a"]  # fmt: skip
+    bad = CliRunner().invoke(app, args)
+    assert bad.exit_code != 0 and "no column 'answer'" in bad.output, bad.output
+    ok = CliRunner().invoke(app, [*args, "--column", "answer=sol"])
+    assert ok.exit_code == 0, ok.output
