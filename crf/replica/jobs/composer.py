@@ -51,6 +51,7 @@ class Config:
     prompts_per_step: int = 8
     num_generations: int = 4
     temperature: float = 1.0
+    max_completion_length: int = 0  # tokens per rollout; 0 = the embedded task's max_len + 2
     grpo_beta: float = 0.0  # KL-to-reference weight of the GRPO term (TRL's `beta`)
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
@@ -98,6 +99,10 @@ class Config:
         need(
             self.hidden_size % self.num_heads == 0,
             f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
+        )
+        need(
+            self.max_completion_length >= 0,
+            f"max_completion_length must be >= 0 (got {self.max_completion_length})",
         )
         need(self.learning_rate > 0, f"learning_rate must be > 0 (got {self.learning_rate})")
         need(self.temperature > 0, f"temperature must be > 0 (got {self.temperature})")
@@ -299,7 +304,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer
-    max_new = cfg.max_len + 2
+    max_new = cfg.max_completion_length or cfg.max_len + 2
     exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
 
     # a restarted replica resumes at the round after the newest global state: train only the
