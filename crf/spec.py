@@ -458,6 +458,29 @@ class RunSpec:
     lora_alpha: int = option(
         16, low=1, high=65536, group=WORKLOAD, help="LoRA scaling numerator (alpha / rank)."
     )
+    dataset: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="Training data: a Hub dataset id, or a .jsonl/.json/.parquet/.csv file by path or "
+        "URL (s3://, gs://, hf://, memory://, file://...); default: the job's embedded task.",
+    )
+    dataset_config: str | None = option(
+        None, group=WORKLOAD, help="The Hub dataset's config (subset) name."
+    )
+    dataset_split: str = option("train", group=WORKLOAD, help="The dataset split to train on.")
+    columns: dict[str, str] = option(
+        default_factory=dict,
+        flag="--column",
+        group=WORKLOAD,
+        help="FIELD=COLUMN, repeatable: the job's field (prompt, answer, hint, trace) is read "
+        "from the file's COLUMN, e.g. --column prompt=question (default: same names).",
+    )
+    reward: list[str] = option(
+        default_factory=list,
+        group=WORKLOAD,
+        help="Reward NAME or NAME=WEIGHT, repeatable: exact_match, math_answer, "
+        "format:<regex> or module:function (default: the embedded task's).",
+    )
     backend: str = option(
         "local",
         run_defining=False,

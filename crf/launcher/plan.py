@@ -194,6 +194,7 @@ def prepare(
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     spec.job_config = validate_job(spec.job, job_options)
+    check_workload(spec)
     command = _command(entrypoint)
     spec.entrypoint = command
     try:
@@ -224,6 +225,40 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         raise LaunchError(f"a run option has the wrong type: {e}") from None
     _command(entrypoint)
     return validate_job(values.get("job", RunSpec.job), job_options)
+
+
+def check_workload(spec: RunSpec) -> None:
+    """LaunchError for a --reward that does not parse or import, or a --dataset file that
+    cannot be read, lacks a column or has fewer rows than replicas (crf/replica/data.py). A
+    local dataset path becomes absolute, so replicas in another directory find it."""
+    import os
+
+    from crf.replica.data import DataError, check_dataset, is_local_file
+    from crf.replica.rewards import RewardError, check_rewards
+
+    if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns):
+        raise LaunchError("--dataset, --column and --reward are for the composer job, not lm")
+    try:
+        specs = check_rewards(spec.reward)
+        if spec.dataset is None:
+            return
+        if is_local_file(spec.dataset):
+            if spec.backend != "local":
+                raise DataError(
+                    f"--dataset {spec.dataset} is a local file the {spec.backend} replicas "
+                    "cannot read: copy it to the store (or any URL) and pass that URL"
+                )
+            spec.dataset = os.path.abspath(spec.dataset)
+        check_dataset(
+            spec.dataset,
+            config=spec.dataset_config,
+            split=spec.dataset_split,
+            columns=spec.columns,
+            replicas=spec.replicas,
+            needs_answer=any(s.needs_answer for s in specs) or not specs,
+        )
+    except (DataError, RewardError) as e:
+        raise LaunchError(str(e)) from None
 
 
 def _is_count(value: object) -> bool:

@@ -51,6 +51,7 @@ class Config:
     prompts_per_step: int = 8
     num_generations: int = 4
     temperature: float = 1.0
+    max_completion_length: int = 0  # tokens per rollout; 0 = the embedded task's max_len + 2
     grpo_beta: float = 0.0  # KL-to-reference weight of the GRPO term (TRL's `beta`)
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
@@ -98,6 +99,10 @@ class Config:
         need(
             self.hidden_size % self.num_heads == 0,
             f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
+        )
+        need(
+            self.max_completion_length >= 0,
+            f"max_completion_length must be >= 0 (got {self.max_completion_length})",
         )
         need(self.learning_rate > 0, f"learning_rate must be > 0 (got {self.learning_rate})")
         need(self.temperature > 0, f"temperature must be > 0 (got {self.temperature})")
@@ -188,9 +193,13 @@ def summarize(history: list[dict[str, float]], sync_every: int) -> dict[str, Any
 
 def greedy_exact_match(
     model: Any, tokenizer: Any, examples: list[dict[str, Any]], max_new: int
-) -> float:
-    """Fraction of prompts whose greedy completion is exactly the answer."""
+) -> float | None:
+    """Fraction of prompts whose greedy completion is exactly the answer (None: no prompts,
+    as with a user's --dataset)."""
     import torch
+
+    if not examples:
+        return None
 
     was_training = model.training
     model.eval()
@@ -254,18 +263,25 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     model.train()
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
     chat = bool(getattr(tokenizer, "chat_template", None))
-    pool = make_examples(cfg.num_examples, int(ctx.seed), **shape)
-    shard = pool[ctx.rank :: ctx.world_size]
-    if not shard:
-        raise ValueError(
-            f"num_examples={cfg.num_examples} leaves replica {ctx.rank} of {ctx.world_size} "
-            "without data: raise num_examples"
-        )
-    random.Random(int(ctx.data_seed)).shuffle(shard)
-    held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
-    if chat:
+    if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no held-out set
+        from crf.replica.data import spec_shard
+
+        shard, held_out = spec_shard(ctx.spec, ctx.rank, ctx.world_size), []
+        random.Random(int(ctx.data_seed)).shuffle(shard)
+    else:
+        pool = make_examples(cfg.num_examples, int(ctx.seed), **shape)
+        shard = pool[ctx.rank :: ctx.world_size]
+        if not shard:
+            raise ValueError(
+                f"num_examples={cfg.num_examples} leaves replica {ctx.rank} of "
+                f"{ctx.world_size} without data: raise num_examples"
+            )
+        random.Random(int(ctx.data_seed)).shuffle(shard)
+        held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
+    if chat:  # a conversation prompt (a user's dataset may hold one already) stays as it is
         for row in (*shard, *held_out):
-            row["prompt"] = [{"role": "user", "content": row["prompt"]}]
+            if isinstance(row["prompt"], str):
+                row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     return ReplicaSetup(tokenizer, model, shard, held_out, placement)
 
 
@@ -283,10 +299,12 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         save_tiny,
     )
     from crf.composer.task import HINT_TEMPLATE, reverse_reward
+    from crf.replica.rewards import job_rewards
 
+    rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer
-    max_new = cfg.max_len + 2
+    max_new = cfg.max_completion_length or cfg.max_len + 2
     exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
 
     # a restarted replica resumes at the round after the newest global state: train only the
@@ -320,11 +338,12 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             save_strategy="no",
             logging_steps=1,
             disable_tqdm=True,
+            reward_weights=rewards["reward_weights"],
             **cfg.composer_kwargs(),
         )
         trainer = ComposerReplicationTrainer(
             model=model,
-            reward_funcs=reverse_reward,
+            reward_funcs=rewards["reward_funcs"],
             args=args,
             train_dataset=Dataset.from_list(setup.shard),
             processing_class=tokenizer,

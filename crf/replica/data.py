@@ -1,0 +1,156 @@
+"""The composer job's dataset: ``--dataset`` (a Hub id, or a .jsonl/.json/.parquet/.csv file
+by path or fsspec URL), ``--column FIELD=COLUMN`` and each replica's shard.
+
+Rows are loaded with the ``datasets`` library (``load_dataset("json"|"parquet"|"csv",
+data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub);
+the file's columns are renamed to the job's fields ``prompt`` / ``answer`` / ``hint`` /
+``trace``. ``prompt`` is required (and ``answer`` when a built-in reward reads it); ``hint`` and
+``trace`` are optional: a row without them (column absent, or an empty/null value) takes no part
+in channel 2 / 3 (the trainer skips it). Replica ``rank`` takes rows ``rank::world_size``
+(``Dataset.shard(contiguous=False)``), shuffled by its data seed, as the embedded task does.
+
+``check_dataset`` reads only the first ``replicas`` rows of a file from the driver (streaming),
+so a missing column, an empty shard or an unreadable file fail before any replica starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+FIELDS = ("prompt", "answer", "hint", "trace")
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """The dataset cannot be used; the message names the file or column and the fix."""
+
+
+def builder_of(dataset: str) -> str | None:
+    """The ``datasets`` builder for a file or URL (by its suffix), None for a Hub id."""
+    path = dataset.split("?", 1)[0].lower()
+    for suffix, builder in BUILDERS.items():
+        if path.endswith(suffix):
+            return builder
+    if "://" in dataset:
+        raise DataError(f"--dataset {dataset}: a URL must name a {', '.join(BUILDERS)} file")
+    return None
+
+
+def is_local_file(dataset: str) -> bool:
+    return builder_of(dataset) is not None and "://" not in dataset
+
+
+def check_columns(columns: Mapping[str, str]) -> None:
+    """DataError for a --column whose key is no job field."""
+    for key, value in columns.items():
+        if key not in FIELDS:
+            raise DataError(
+                f"--column {key}={value}: {key!r} is no field of the job; "
+                f"use one of {', '.join(FIELDS)} (KEY is the job's field, VALUE the column)"
+            )
+
+
+def _load(dataset: str, config: str | None, split: str, streaming: bool = False) -> Any:
+    from datasets import load_dataset
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # a replica's log is for the run, not download bars
+    builder = builder_of(dataset)
+    if builder is None:
+        return load_dataset(dataset, config, split=split, streaming=streaming)
+    return load_dataset(builder, data_files={split: dataset}, split=split, streaming=streaming)
+
+
+def required_fields(needs_answer: bool) -> tuple[str, ...]:
+    return ("prompt", "answer") if needs_answer else ("prompt",)
+
+
+def _renames(columns: Mapping[str, str], names: list[str], dataset: str, need: tuple[str, ...]):
+    """file column -> field, for the fields whose column is there; DataError if a required
+    one is missing."""
+    out = {}
+    for field in FIELDS:
+        column = columns.get(field, field)
+        if column in names:
+            out[column] = field
+        elif field in need:
+            how = f"column {column!r} (for {field})" if column != field else f"column {field!r}"
+            raise DataError(
+                f"--dataset {dataset} has no {how}; its columns are {', '.join(names)} "
+                f"(map one with --column {field}=COLUMN)"
+            )
+    return out
+
+
+def load_shard(
+    dataset: str,
+    *,
+    config: str | None,
+    split: str,
+    columns: Mapping[str, str],
+    rank: int,
+    world_size: int,
+    needs_answer: bool,
+) -> list[dict[str, Any]]:
+    """Replica ``rank``'s rows (rows ``rank::world_size``) as dicts of the job's fields."""
+    ds = _load(dataset, config, split)
+    renames = _renames(columns, list(ds.column_names), dataset, required_fields(needs_answer))
+    ds = ds.select_columns(list(renames)).rename_columns(
+        {c: f for c, f in renames.items() if c != f}
+    )
+    if len(ds) < world_size:
+        raise DataError(_too_few(dataset, len(ds), world_size))
+    rows = ds.shard(num_shards=world_size, index=rank, contiguous=False).to_list()
+    return [{k: v for k, v in row.items() if v is not None and v != ""} for row in rows]
+
+
+def _too_few(dataset: str, rows: int, replicas: int) -> str:
+    return (
+        f"--dataset {dataset} has {rows} row(s) for {replicas} replicas: every replica needs "
+        "at least one; add rows or lower --replicas"
+    )
+
+
+def check_dataset(
+    dataset: str,
+    *,
+    config: str | None,
+    split: str,
+    columns: Mapping[str, str],
+    replicas: int,
+    needs_answer: bool,
+) -> None:
+    """Before launch, for a file or URL: readable, has the columns, enough rows for every
+    replica. Reads at most ``replicas`` rows (streaming). A Hub id is checked by the replicas."""
+    check_columns(columns)
+    if builder_of(dataset) is None:
+        return
+    try:
+        ds = _load(dataset, config, split, streaming=True)
+        first = list(ds.take(replicas))
+        names = list(ds.column_names or (first[0].keys() if first else []))
+    except DataError:
+        raise
+    except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"--dataset {dataset} cannot be read: {reason}") from None
+    if len(first) < replicas:
+        raise DataError(_too_few(dataset, len(first), replicas))
+    _renames(columns, names, dataset, required_fields(needs_answer))
+
+
+def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Replica ``rank``'s rows of ``spec.dataset`` (see load_shard), from the run options."""
+    from crf.replica.rewards import parse_rewards
+
+    specs = parse_rewards(list(spec.reward))
+    return load_shard(
+        spec.dataset,
+        config=spec.dataset_config,
+        split=spec.dataset_split,
+        columns=dict(spec.columns),
+        rank=rank,
+        world_size=world_size,
+        needs_answer=any(s.needs_answer for s in specs) or not specs,
+    )

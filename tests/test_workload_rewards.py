@@ -1,0 +1,106 @@
+"""--reward: the built-ins on examples, weights reaching TRL's config, a module:function from
+the working directory, a raising reward named in the failure, and the errors before launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from crf.launcher.driver import LaunchError, prepare
+from crf.replica.rewards import (
+    RewardError,
+    RewardFailed,
+    build_rewards,
+    exact_match,
+    format_reward,
+    job_rewards,
+    math_answer,
+    parse_reward,
+)
+
+
+def test_exact_match_strips_and_reads_conversations() -> None:
+    got = exact_match([" cba\n", "cb", [{"role": "assistant", "content": "cba "}]], ["cba"] * 3)
+    assert got == [1.0, 0.0, 1.0]
+
+
+def test_math_answer_compares_values_not_strings() -> None:
+    pytest.importorskip("math_verify")
+    completions = ["The answer is $\\frac{1}{2}$", "so 0.5", "\\boxed{3}", "I think 7"]
+    assert math_answer(completions, ["0.5", "$\\frac12$", "3", "8"]) == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_format_reward_searches_the_pattern() -> None:
+    fn = format_reward(r"^<think>.*</think>")
+    assert fn(["<think>a\nb</think> 4", "4 <think></think>"]) == [1.0, 0.0]
+
+
+def test_parse_reward_names_and_weights() -> None:
+    assert parse_reward("exact_match").weight == 1.0
+    assert parse_reward("math_answer=0.25").weight == 0.25
+    assert parse_reward("format:a=b").name == "format:a=b"  # no number after '='
+    assert parse_reward("format:^x$=2").weight == 2.0
+    for bad, msg in [
+        ("exactmatch", "unknown; choose one of exact_match"),
+        ("exact_match=heavy", "must be a number"),
+        ("exact_match=inf", "must be a number"),
+        ("format:(", "bad regex"),
+        ("mod:", "write module:function"),
+    ]:
+        with pytest.raises(RewardError, match=msg):
+            parse_reward(bad)
+
+
+def _module(tmp_path: Path, monkeypatch, body: str, name: str) -> None:
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop(name, None)
+
+
+def test_module_function_reward_and_weights_reach_trl(tmp_path: Path, monkeypatch) -> None:
+    from crf.composer import ComposerConfig
+
+    _module(tmp_path, monkeypatch, "def short(completions, **kw):\n"
+            "    return [1.0 / (1 + len(c)) for c in completions]\n", "crf_test_rw")  # fmt: skip
+    funcs, weights = build_rewards(["exact_match=2", "crf_test_rw:short=0.5"])
+    assert weights == [2.0, 0.5]
+    assert funcs[1](["abc"]) == [0.25] and funcs[1].__name__ == "crf_test_rw.short"
+    kw = job_rewards(["exact_match=2", "crf_test_rw:short=0.5"], default=exact_match)
+    args = ComposerConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[],
+                          reward_weights=kw["reward_weights"])  # fmt: skip
+    assert args.reward_weights == [2.0, 0.5]
+    assert job_rewards([], default=exact_match) == {
+        "reward_funcs": exact_match, "reward_weights": None,
+    }  # fmt: skip
+
+
+def test_a_raising_reward_is_named_with_its_cause(tmp_path: Path, monkeypatch) -> None:
+    _module(tmp_path, monkeypatch, "def boom(completions, **kw):\n"
+            "    raise KeyError('no_such_field')\n", "crf_test_boom")  # fmt: skip
+    (fn,), _ = build_rewards(["crf_test_boom:boom"])
+    with pytest.raises(RewardFailed, match="reward crf_test_boom:boom raised KeyError") as e:
+        fn(["x"])
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_prepare_refuses_bad_rewards_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for reward, msg in [
+        (["nope"], "--reward 'nope' is unknown"),
+        (["exact_match=x"], "must be a number"),
+        (["crf_no_such_mod:f"], "cannot import it from the working directory"),
+    ]:
+        with pytest.raises(LaunchError, match=msg) as e:
+            prepare({"reward": reward}, store=str(tmp_path / "r"), dry_run=True)
+        assert "\n" not in str(e.value)
+    with pytest.raises(LaunchError, match="reward must be a list of strings"):
+        prepare({"reward": "exact_match"}, store=str(tmp_path / "r"), dry_run=True)
+
+
+def test_math_answer_without_math_verify_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(RewardError, match=r"install composer-replication\[math\]"):
+        build_rewards(["math_answer"])
