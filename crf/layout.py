@@ -29,6 +29,7 @@ Layout of one run folder::
     rounds/<r>/failed.json                    round r cannot complete (why)
     global/<r>/state.safetensors              global weights + outer optimizer after round r
     model/                                    the trained model, Hugging Face format (at the end)
+    tensorboard/r<rank>/<file>                a replica's TensorBoard event files (--report-to)
     heal/<rank>.json                          a replica's request for a global state
     faults/<tag>                              a fault-injection spec that has fired (tests)
     code/crf-<sha>.tar.gz                     the crf source cloud containers fetch and run
@@ -80,6 +81,8 @@ REPLICAS = "replicas"
 FAULTS = "faults"
 #: the trained model in Hugging Face format, written at the end of a run (crf export)
 MODEL_DIR = "model"
+#: the replicas' TensorBoard event files (--report-to tensorboard): tensorboard --logdir it
+TENSORBOARD_DIR = "tensorboard"
 
 
 def heartbeat_key(rank: int) -> str:
@@ -176,6 +179,12 @@ def global_key(r: int) -> str:
 def model_key(name: str) -> str:
     """A file of the exported model (``config.json``, ``model.safetensors``, ...)."""
     return f"{MODEL_DIR}/{name}"
+
+
+def tensorboard_key(rank: int, name: str) -> str:
+    """A file of replica ``rank``'s TensorBoard log (``name`` relative to its log dir), one
+    TensorBoard run per replica, named like its tracker run (``r<rank>``)."""
+    return f"{TENSORBOARD_DIR}/r{rank}/{name}"
 
 
 def heal_key(rank: int) -> str:

@@ -50,6 +50,9 @@ MAX_WAIT_S = float(threading.TIMEOUT_MAX)
 #: training precisions and devices (crf/replica/model.py resolves ``auto``)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
+#: where each replica reports its metrics (--report-to; crf/replica/tracking.py); each one but
+#: none is a package of the optional ``tracking`` extra, imported by that name
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")
 
 
 class SpecError(ValueError):
@@ -481,6 +484,14 @@ class RunSpec:
         help="Reward NAME or NAME=WEIGHT, repeatable: exact_match, math_answer, "
         "format:<regex> or module:function (default: the embedded task's).",
     )
+    report_to: str = option(
+        "none",
+        choices=TRACKERS,
+        group=WORKLOAD,
+        help="Experiment tracker every replica reports to: tensorboard (event files in the "
+        "run folder's tensorboard/), wandb or trackio (one run per replica, grouped by run "
+        "id), or none.",
+    )
     backend: str = option(
         "local",
         run_defining=False,
@@ -579,6 +590,7 @@ class RunSpec:
             raise SpecError(
                 f"--lora-rank {self.lora_rank} needs peft: install composer-replication[lora]"
             )
+        self._validate_tracking()
         if self.model is not None and not self.model.strip():
             raise SpecError("--model must name a Hub id or a folder (got an empty string)")
         folder = self.model and os.path.expanduser(self.model)
@@ -589,6 +601,32 @@ class RunSpec:
                     f"--model {self.model!r}: no such folder (give a Hub id org/name or a "
                     "folder saved with save_pretrained)"
                 )
+
+    def _validate_tracking(self) -> None:
+        """--report-to needs its package here (the replicas import the one the driver has)
+        and, on a cloud backend, somewhere to send the metrics that outlives the container."""
+        tracker = self.report_to
+        if tracker not in TRACKERS or tracker == "none":
+            return
+        if importlib.util.find_spec(tracker) is None:
+            raise SpecError(
+                f"--report-to {tracker} needs the {tracker} package: install "
+                "composer-replication[tracking]"
+            )
+        if self.backend == "local" or not isinstance(self.env, dict):
+            return
+        names = {secret_name(str(e)) for e in self.secrets} | set(self.env)
+        if tracker == "wandb" and not names & {"WANDB_API_KEY", "WANDB_MODE"}:
+            raise SpecError(
+                f"--report-to wandb on {self.backend}: give the replicas your key with "
+                "--secret WANDB_API_KEY (or --env WANDB_MODE=offline)"
+            )
+        if tracker == "trackio" and not names & {"TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"}:
+            raise SpecError(
+                f"--report-to trackio on {self.backend}: a replica's local trackio database "
+                "goes with its container; set --env TRACKIO_SPACE_ID=org/space (with --secret "
+                "HF_TOKEN) or --env TRACKIO_SERVER_URL=..."
+            )
 
     def to_json(self) -> str:
         return jsonsafe.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

@@ -48,6 +48,7 @@ from crf.exchange.manager import (
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
+from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import raw_view
@@ -185,6 +186,8 @@ class ReplicaContext:
         self._finished = False
         #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
         self._to_save: tuple[Any, Any] | None = None
+        #: --report-to: where the steps and rounds are also logged (started on first use)
+        self.tracker = new_tracker(spec.report_to, spec.run_id, rank, store)
         self._beat(force=True)
 
     # ------------------------------------------------------------------ construction
@@ -474,6 +477,7 @@ class ReplicaContext:
             loss = float(loss)
             self.last_loss = loss
         self._steps.add(loss, metrics)
+        self.tracker.log_step(self.step, {"loss": loss, **metrics})
         if self._syncs.finished:
             self._flush_round_metrics()
         self._beat()
@@ -496,6 +500,7 @@ class ReplicaContext:
                 }
             )
             self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
+            self.tracker.log_round(record.to_dict())
 
     def _set_phase(self, phase: str) -> None:
         phase = _SHOWN_PHASE.get(phase, phase)
@@ -618,6 +623,7 @@ class ReplicaContext:
         self._syncs.fold(self.step, final=True)
         if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()
+        self.tracker.close()
         self._save_model()
         record = self.result_record("ok", None, job_metrics or {})
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
@@ -628,6 +634,7 @@ class ReplicaContext:
     def fail(self, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}"
         self.phase = "failed"
+        self.tracker.close()  # what was logged up to the failure stays (it never raises)
         try:
             record = self.result_record("failed", text, {})
             record.traceback = "".join(traceback.format_exception(error))[-4000:]

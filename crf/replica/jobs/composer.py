@@ -334,7 +334,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             distill_hint_template=HINT_TEMPLATE,
             gradient_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
             **setup.placement.trainer_args(),
-            report_to=[],
+            # --report-to: TRL's own callbacks log every step (crf/replica/tracking.py)
+            **(ctx.tracker.trainer_args() if hasattr(ctx, "tracker") else {"report_to": []}),
             save_strategy="no",
             logging_steps=1,
             disable_tqdm=True,

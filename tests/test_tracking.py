@@ -1,0 +1,217 @@
+"""--report-to: every replica's steps and rounds reach TensorBoard, W&B or Trackio, offline.
+
+The trackers are the real packages (the ``tracking`` extra), written to a temp folder and
+read back with their own readers: TensorBoard's EventAccumulator, W&B's offline run folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crf import layout
+from crf.launcher import driver
+from crf.launcher.errors import LaunchError
+from crf.replica.tracking import TensorBoardTracker, new_tracker, replica_run_name
+from crf.spec import RunSpec
+from crf.store import RunStore
+
+
+def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of the TensorBoard event files in ``folder``: tag -> (step, value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+# --------------------------------------------------------------------------- the option
+def test_report_to_is_checked_before_launch(tmp_path: Path, monkeypatch) -> None:
+    plan = driver.prepare(
+        {"job": "lm", "report_to": "tensorboard"}, store=str(tmp_path), dry_run=True
+    )
+    assert plan.spec.report_to == "tensorboard"
+    assert driver.prepare({"job": "lm"}, store=str(tmp_path), dry_run=True).spec.report_to == (
+        "none"
+    )
+    with pytest.raises(LaunchError, match="--report-to .mlflow. is unknown; choose one of none"):
+        driver.prepare({"job": "lm", "report_to": "mlflow"}, store=str(tmp_path), dry_run=True)
+    # a cloud replica needs somewhere to send its metrics that outlives the container
+    spec = dict(run_id="x", run_uri="memory://x", backend="modal")
+    with pytest.raises(ValueError, match="--secret WANDB_API_KEY"):
+        RunSpec(**spec, report_to="wandb").validate()
+    RunSpec(**spec, report_to="wandb", secrets=["WANDB_API_KEY"]).validate()
+    RunSpec(**spec, report_to="wandb", env={"WANDB_MODE": "offline"}).validate()
+    with pytest.raises(ValueError, match="TRACKIO_SPACE_ID"):
+        RunSpec(**spec, report_to="trackio").validate()
+    RunSpec(**spec, report_to="tensorboard").validate()  # its files go to the run folder
+    # a missing package: one line naming the extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a)
+    )
+    with pytest.raises(LaunchError, match=r"install composer-replication\[tracking\]"):
+        driver.prepare({"job": "lm", "report_to": "wandb"}, store=str(tmp_path), dry_run=True)
+
+
+# --------------------------------------------------------------------------- tensorboard
+def test_tensorboard_tracker_writes_steps_and_rounds_to_the_run_folder(tmp_path: Path) -> None:
+    store = RunStore(f"file://{tmp_path}/run")
+    tracker = new_tracker("tensorboard", "tb-run", 1, store)
+    assert isinstance(tracker, TensorBoardTracker)
+    for step, loss in enumerate([2.0, 1.5], start=1):
+        tracker.log_step(step, {"loss": loss, "reward": 0.25, "skipped": None})
+    record = layout.RoundMetrics(
+        round=0,
+        rank=1,
+        loss=1.75,
+        metrics={"reward": 0.25},
+        step=2,
+        committed=True,
+        sync_s=0.5,
+        bytes_up=10,
+        bytes_down=20,
+    )
+    tracker.log_round(record.to_dict())
+    tracker.close()
+    tracker.log_step(3, {"loss": 1.0})  # after close: nothing, no error
+    folder = tmp_path / "run" / layout.TENSORBOARD_DIR / "r1"
+    assert any(p.name.startswith("events.out.tfevents") for p in folder.iterdir())
+    got = _scalars(folder)
+    assert got["train/loss"] == [(1, 2.0), (2, 1.5)]
+    assert got["train/reward"] == [(1, 0.25), (2, 0.25)]
+    assert "train/skipped" not in got
+    assert got["round/loss"] == [(0, 1.75)] and got["round/reward"] == [(0, 0.25)]
+    assert got["round/bytes_down"] == [(0, 20.0)] and got["round/committed"] == [(0, 1.0)]
+
+
+def test_a_failing_tracker_never_stops_training(tmp_path: Path, caplog) -> None:
+    class Broken(TensorBoardTracker):
+        def _log(self, *args: object) -> None:
+            raise OSError("disk full")
+
+    tracker = Broken("r", 0, RunStore(f"file://{tmp_path}/run"))
+    tracker.log_step(1, {"loss": 1.0})
+    tracker.log_step(2, {"loss": 1.0})
+    assert not tracker.on
+    assert [r.message for r in caplog.records].count(
+        "--report-to tensorboard failed, tracking is off for this replica: disk full"
+    ) == 1
+    tracker.close()
+
+
+def test_composer_job_reports_trl_steps_to_tensorboard(tmp_path: Path) -> None:
+    """The composer job (TRL's own TensorBoard callback, per step) and the replica's rounds
+    land in tensorboard/r0 of the run folder: one round of two steps, in process."""
+    from crf.replica.context import ReplicaContext
+    from crf.replica.jobs.composer import Config, run
+
+    uri = f"file://{tmp_path}/run"
+    spec = RunSpec(
+        run_id="tb-composer",
+        run_uri=uri,
+        replicas=1,
+        sync_every=2,
+        rounds=1,
+        round_timeout_s=30.0,
+        report_to="tensorboard",
+    ).validate()
+    store = RunStore(uri)
+    store.put(layout.RUN_SPEC, spec.to_json().encode())
+    env = layout.replica_env(uri, 0, 1, spec.run_id)
+    saved = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    try:
+        with ReplicaContext.from_env(env) as ctx:
+            ctx.finish(run(ctx, Config(num_examples=16, eval_examples=2, prompts_per_step=2)))
+    finally:  # the tracker points transformers' callback at its folder for this process
+        os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
+        if saved is not None:
+            os.environ["TENSORBOARD_LOGGING_DIR"] = saved
+    assert store.get_json(layout.result_key(0))["status"] == "ok"
+    got = _scalars(tmp_path / "run" / layout.TENSORBOARD_DIR / "r0")
+    # TRL's per-step loss and reward (transformers' callback, step = the trainer's step)
+    assert [s for s, _ in got["train/loss"]] == [1, 2]
+    assert "train/reward" in got
+    round_loss = store.get_json(layout.metrics_key(0, 0))["loss"]
+    assert got["round/loss"] == [(0, pytest.approx(round_loss))]
+    assert [s for s, _ in got["round/sync_s"]] == [0]
+
+
+# --------------------------------------------------------------------------- wandb
+WANDB_SCRIPT = """
+import sys
+from crf import layout
+from crf.replica.tracking import new_tracker
+tracker = new_tracker("wandb", "wb-run", 2)
+tracker.log_step(1, {"loss": 2.0})
+tracker.log_step(2, {"loss": 1.0})
+tracker.log_round(layout.RoundMetrics(round=0, rank=2, loss=1.5, step=2).to_dict())
+tracker.close()
+sys.exit(0 if tracker._started else 1)
+"""
+
+
+def _wandb_records(data: bytes) -> list[bytes]:
+    """The protobuf records of a ``run-<id>.wandb`` file. W&B writes them in LevelDB's log
+    format (a 7-byte ``:W&B`` header, 32 KiB blocks of chunks: crc32, length, type
+    FULL/FIRST/MIDDLE/LAST); wandb 0.31 no longer ships a Python reader for it."""
+    assert data[:4] == b":W&B"
+    out, parts, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:  # zero padding at the end of the file
+            break
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            out.append(parts)
+    return out
+
+
+def test_wandb_offline_run_has_the_group_and_name(tmp_path: Path) -> None:
+    """W&B in offline mode (no network): the replica's run folder is written, and its
+    records carry group = run id and name = <run id>-r<rank>."""
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path),
+        WANDB_SILENT="true",
+        WANDB_PROJECT="crf-test",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", WANDB_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    (log_file,) = runs[0].glob("run-*.wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    run_records, history = [], []
+    for data in _wandb_records(log_file.read_bytes()):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "run":
+            run_records.append(rec.run)
+        elif rec.WhichOneof("record_type") == "history":
+            history.append(
+                {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in rec.history.item
+                }
+            )
+    assert run_records[0].run_group == "wb-run"
+    assert run_records[0].display_name == replica_run_name("wb-run", 2) == "wb-run-r2"
+    assert run_records[0].project == "crf-test"
+    assert [h["train/loss"] for h in history if "train/loss" in h] == [2.0, 1.0]
+    assert [h["round/loss"] for h in history if "round/loss" in h] == [1.5]
