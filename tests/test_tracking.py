@@ -107,34 +107,51 @@ def test_a_failing_tracker_never_stops_training(tmp_path: Path, caplog) -> None:
     tracker.close()
 
 
-def test_composer_job_reports_trl_steps_to_tensorboard(tmp_path: Path) -> None:
-    """The composer job (TRL's own TensorBoard callback, per step) and the replica's rounds
-    land in tensorboard/r0 of the run folder: one round of two steps, in process."""
+def _run_job_in_process(tmp_path: Path, job: str, run_id: str, config: object) -> RunStore:
+    """One replica of ``job`` (one round of two steps, --report-to tensorboard) under a real
+    ReplicaContext in this process; the run folder's store."""
     from crf.replica.context import ReplicaContext
-    from crf.replica.jobs.composer import Config, run
+    from crf.replica.jobs import get_job
 
     uri = f"file://{tmp_path}/run"
     spec = RunSpec(
-        run_id="tb-composer",
-        run_uri=uri,
-        replicas=1,
-        sync_every=2,
-        rounds=1,
-        round_timeout_s=30.0,
-        report_to="tensorboard",
-    ).validate()
+        run_id=run_id, run_uri=uri, job=job, replicas=1, sync_every=2, rounds=1,
+        round_timeout_s=30.0, report_to="tensorboard",
+    ).validate()  # fmt: skip
     store = RunStore(uri)
     store.put(layout.RUN_SPEC, spec.to_json().encode())
-    env = layout.replica_env(uri, 0, 1, spec.run_id)
     saved = os.environ.get("TENSORBOARD_LOGGING_DIR")
     try:
-        with ReplicaContext.from_env(env) as ctx:
-            ctx.finish(run(ctx, Config(num_examples=16, eval_examples=2, prompts_per_step=2)))
+        with ReplicaContext.from_env(layout.replica_env(uri, 0, 1, run_id)) as ctx:
+            ctx.finish(get_job(job).run(ctx, config))
     finally:  # the tracker points transformers' callback at its folder for this process
         os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
         if saved is not None:
             os.environ["TENSORBOARD_LOGGING_DIR"] = saved
     assert store.get_json(layout.result_key(0))["status"] == "ok"
+    return store
+
+
+def test_lm_job_reports_its_steps_through_the_replica_context(tmp_path: Path) -> None:
+    """The lm job's own loop: ctx.log_step puts each step's loss on the tracker."""
+    from crf.replica.jobs.lm import Config
+
+    store = _run_job_in_process(tmp_path, "lm", "tb-lm", Config(corpus_sentences=400))
+    got = _scalars(tmp_path / "run" / layout.TENSORBOARD_DIR / "r0")
+    assert [s for s, _ in got["train/loss"]] == [1, 2]
+    round_loss = store.get_json(layout.metrics_key(0, 0))["loss"]
+    assert got["round/loss"] == [(0, pytest.approx(round_loss))]
+    mean = sum(v for _, v in got["train/loss"]) / 2
+    assert round_loss == pytest.approx(mean, rel=1e-5)
+
+
+def test_composer_job_reports_trl_steps_to_tensorboard(tmp_path: Path) -> None:
+    """The composer job (TRL's own TensorBoard callback, per step) and the replica's rounds
+    land in tensorboard/r0 of the run folder: one round of two steps, in process."""
+    from crf.replica.jobs.composer import Config
+
+    config = Config(num_examples=16, eval_examples=2, prompts_per_step=2)
+    store = _run_job_in_process(tmp_path, "composer", "tb-composer", config)
     got = _scalars(tmp_path / "run" / layout.TENSORBOARD_DIR / "r0")
     # TRL's per-step loss and reward (transformers' callback, step = the trainer's step)
     assert [s for s, _ in got["train/loss"]] == [1, 2]
@@ -215,3 +232,41 @@ def test_wandb_offline_run_has_the_group_and_name(tmp_path: Path) -> None:
     assert run_records[0].project == "crf-test"
     assert [h["train/loss"] for h in history if "train/loss" in h] == [2.0, 1.0]
     assert [h["round/loss"] for h in history if "round/loss" in h] == [1.5]
+
+
+# --------------------------------------------------------------------------- trackio
+TRACKIO_SCRIPT = """
+import json, sys
+from crf import layout
+from crf.replica.tracking import new_tracker
+tracker = new_tracker("trackio", "tk-run", 1)
+tracker.log_step(1, {"loss": 2.0})
+tracker.log_step(2, {"loss": 1.0})
+tracker.log_round(layout.RoundMetrics(round=0, rank=1, loss=1.5, step=2).to_dict())
+tracker.close()
+from trackio.sqlite_storage import SQLiteStorage
+print(json.dumps({"runs": SQLiteStorage.get_runs("crf"),
+                  "logs": SQLiteStorage.get_logs("crf", "tk-run-r1"),
+                  "config": SQLiteStorage.get_run_config("crf", "tk-run-r1")}))
+"""
+
+
+def test_trackio_local_run_has_the_group_and_name(tmp_path: Path) -> None:
+    """Trackio's local database (TRACKIO_DIR; no Space, no network), read back with its own
+    storage API: run <run id>-r<rank> in group = run id, the steps and the round."""
+    env = dict(os.environ, TRACKIO_DIR=str(tmp_path), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACKIO_SCRIPT], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["runs"] == ["tk-run-r1"]
+    assert got["config"]["_Group"] == "tk-run"
+    assert [(x["step"], x["train/loss"]) for x in got["logs"] if "train/loss" in x] == [
+        (1, 2.0),
+        (2, 1.0),
+    ]
+    assert [(x["round/round"], x["round/loss"]) for x in got["logs"] if "round/loss" in x] == [
+        (0, 1.5)
+    ]
