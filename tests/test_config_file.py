@@ -362,7 +362,10 @@ def typing_args(annotation: Any) -> tuple[Any, ...]:
 
 def test_readme_example_file_loads_and_round_trips(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    (example,) = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    # the "Config file" example (README's other TOML blocks: tests/test_readme_config.py)
+    (example,) = [
+        b for b in re.findall(r"```toml\n(.*?)```", readme, re.S) if b.startswith("# run.toml")
+    ]
     path = _write(tmp_path, example)
     cfg = load_config(path)
     assert cfg.options == {"replicas": 4, "sync_every": 20, "rounds": 5, "backend": "modal",

@@ -20,6 +20,8 @@ traces (channel 3) are generated with the prompts.
   (TRL then applies the template). The tiny-model knobs (hidden_size...) are then unused.
 - Device and precision (``--device``, ``--precision``) set the trainer's ``use_cpu`` /
   ``bf16`` / ``fp16``, for the tiny model too.
+- ``--report-to`` is handed to TRL (``report_to``, ``run_name`` = ``<run id>-r<rank>``):
+  transformers' own callbacks log every step (crf/replica/tracking.py).
 """
 
 from __future__ import annotations
