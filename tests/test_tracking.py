@@ -270,3 +270,33 @@ def test_trackio_local_run_has_the_group_and_name(tmp_path: Path) -> None:
     assert [(x["round/round"], x["round/loss"]) for x in got["logs"] if "round/loss" in x] == [
         (0, 1.5)
     ]
+
+
+# --------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
+@pytest.mark.slow  # about 20 s: two replica processes
+def test_crf_launch_report_to_tensorboard_one_log_per_replica(tmp_path: Path) -> None:
+    """`crf launch --report-to tensorboard`: two real replica processes (lm, one round of two
+    steps) each leave their own event files in the run folder, with every step's loss and
+    the round's record; a bad tracker name stops at the door."""
+    env = dict(os.environ, CRF_LOG_LEVEL="WARNING", CRF_TORCH_THREADS="1")
+    args = ["--backend", "local", "-n", "2", "--job", "lm", "-H", "2", "-r", "1",
+            "--set", "corpus_sentences=400", "--store", str(tmp_path), "--no-progress"]  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", "launch", *args, "--report-to", "mlflow"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--report-to 'mlflow' is unknown" in bad.stdout + bad.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", "launch", *args, "--run-id", "tb-e2e",
+         "--report-to", "tensorboard"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = tmp_path / "tb-e2e"
+    for rank in (0, 1):
+        got = _scalars(run / layout.TENSORBOARD_DIR / f"r{rank}")
+        assert [s for s, _ in got["train/loss"]] == [1, 2]
+        record = json.loads((run / layout.metrics_key(rank, 0)).read_text())
+        assert got["round/loss"] == [(0, pytest.approx(record["loss"]))]
+        assert got["round/bytes_up"] == [(0, float(record["bytes_up"]))]
