@@ -165,13 +165,19 @@ def test_composer_job_reports_trl_steps_to_tensorboard(tmp_path: Path) -> None:
 WANDB_SCRIPT = """
 import sys
 from crf import layout
-from crf.replica.tracking import new_tracker
-tracker = new_tracker("wandb", "wb-run", 2)
-tracker.log_step(1, {"loss": 2.0})
-tracker.log_step(2, {"loss": 1.0})
-tracker.log_round(layout.RoundMetrics(round=0, rank=2, loss=1.5, step=2).to_dict())
-tracker.close()
-sys.exit(0 if tracker._started else 1)
+from crf.replica.context import ReplicaContext
+from crf.replica.jobs.composer import Config, run
+from crf.spec import RunSpec
+from crf.store import RunStore
+
+uri = sys.argv[1]
+spec = RunSpec(run_id="wb-run", run_uri=uri, replicas=1, sync_every=2, rounds=1,
+               round_timeout_s=30.0, report_to="wandb").validate()
+store = RunStore(uri)
+store.put(layout.RUN_SPEC, spec.to_json().encode())
+with ReplicaContext.from_env(layout.replica_env(uri, 0, 1, spec.run_id)) as ctx:
+    ctx.finish(run(ctx, Config(num_examples=16, eval_examples=2, prompts_per_step=2)))
+sys.exit(0 if store.get_json(layout.result_key(0))["status"] == "ok" else 1)
 """
 
 
@@ -195,25 +201,24 @@ def _wandb_records(data: bytes) -> list[bytes]:
     return out
 
 
-def test_wandb_offline_run_has_the_group_and_name(tmp_path: Path) -> None:
-    """W&B in offline mode (no network): the replica's run folder is written, and its
-    records carry group = run id and name = <run id>-r<rank>."""
-    env = dict(
-        os.environ,
-        WANDB_MODE="offline",
-        WANDB_DIR=str(tmp_path),
-        WANDB_SILENT="true",
-        WANDB_PROJECT="crf-test",
-    )
+def test_wandb_offline_run_has_the_group_name_steps_and_rounds(tmp_path: Path) -> None:
+    """The composer job with --report-to wandb in offline mode (no network), in its own
+    process: W&B's run folder is written; its records carry group = run id, name =
+    <run id>-r<rank>, TRL's per-step loss (transformers' callback reused crf's run) and the
+    round's record."""
+    from wandb.proto import wandb_internal_pb2
+
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true",
+               WANDB_PROJECT="crf-test")  # fmt: skip
+    uri = f"file://{tmp_path}/run"
     proc = subprocess.run(
-        [sys.executable, "-c", WANDB_SCRIPT], env=env, capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", WANDB_SCRIPT, uri], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (log_file,) = runs[0].glob("run-*.wandb")
-    from wandb.proto import wandb_internal_pb2
-
     run_records, history = [], []
     for data in _wandb_records(log_file.read_bytes()):
         rec = wandb_internal_pb2.Record()
@@ -223,15 +228,18 @@ def test_wandb_offline_run_has_the_group_and_name(tmp_path: Path) -> None:
         elif rec.WhichOneof("record_type") == "history":
             history.append(
                 {
-                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    "/".join(i.nested_key) or i.key: json.loads(i.value_json)
                     for i in rec.history.item
                 }
             )
     assert run_records[0].run_group == "wb-run"
-    assert run_records[0].display_name == replica_run_name("wb-run", 2) == "wb-run-r2"
+    assert run_records[0].display_name == replica_run_name("wb-run", 0) == "wb-run-r0"
     assert run_records[0].project == "crf-test"
-    assert [h["train/loss"] for h in history if "train/loss" in h] == [2.0, 1.0]
-    assert [h["round/loss"] for h in history if "round/loss" in h] == [1.5]
+    steps = [h["train/global_step"] for h in history if "train/loss" in h]
+    assert steps == [1, 2]  # TRL's own loss, once per optimizer step
+    record = RunStore(uri).get_json(layout.metrics_key(0, 0))
+    rounds = [(h["round/round"], h["round/loss"]) for h in history if "round/loss" in h]
+    assert rounds == [(0, pytest.approx(record["loss"]))]
 
 
 # --------------------------------------------------------------------------- trackio
