@@ -286,6 +286,9 @@ class ServerlessExecutor(ABC):
     #: True when the platform restarts a failed replica by itself (see the module docstring);
     #: the driver then passes ``max_restarts`` to ``launch_replicas`` instead of relaunching.
     native_restarts: ClassVar[bool] = False
+    #: True when the replicas' environment installs a run's ``--pip`` packages (the cloud
+    #: bootstrap); otherwise the driver checks they are installed where it runs
+    installs_packages: ClassVar[bool] = False
 
     @abstractmethod
     def launch_replicas(
