@@ -115,6 +115,13 @@ def test_prepare_packs_keys_and_keeps_the_local_store_out(tmp_path: Path) -> Non
     assert plan.spec.workdir_key == layout.workdir_key(plan.workdir.sha256[:16])
     with pytest.raises(LaunchError, match="no such folder"):
         driver.prepare({**opts, "workdir": str(tmp_path / "nope")}, store=str(tmp_path / "r"))
+    # a relative program is looked for in the workdir, where each replica runs
+    (root / "run.sh").write_text("#!/bin/sh\nexec true\n")
+    (root / "run.sh").chmod(0o755)
+    opts = {**opts, "entrypoint": "./run.sh", "run_id": "w2"}
+    assert driver.prepare(opts, store=str(root / "runs"), dry_run=True).workdir is not None
+    with pytest.raises(LaunchError, match="does not exist or is not executable"):
+        driver.prepare({**opts, "workdir": None}, store=str(root / "runs"), dry_run=True)
     bad = RunSpec.from_json(plan.spec.to_json())
     bad.workdir_key = "../../etc/passwd"
     with pytest.raises(ValueError, match="workdir_key"):

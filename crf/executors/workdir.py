@@ -53,6 +53,7 @@ class PackedWorkdir:
     files: int
     size: int  # bytes before compression
     how: str  # "git ls-files" or ".gitignore (pathspec)"
+    names: tuple[str, ...] = ()  # the files, relative POSIX paths
 
 
 def _git_files(root: Path) -> list[str] | None:
@@ -162,8 +163,10 @@ def pack_workdir(
             with open(file, "rb") as f:  # a symlink to a file ships the file's content
                 tar.addfile(info, f)
     data = buf.getvalue()
-    return PackedWorkdir(data, hashlib.sha256(data).hexdigest(), len(names), sum(sizes.values()),
-                         how)  # fmt: skip
+    return PackedWorkdir(
+        data, hashlib.sha256(data).hexdigest(), len(names), sum(sizes.values()), how,
+        tuple(names),
+    )  # fmt: skip
 
 
 def unpack_workdir(data: bytes, dest: str | os.PathLike[str]) -> Path:

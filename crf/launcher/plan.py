@@ -208,7 +208,8 @@ def prepare(
     command = _command(entrypoint)
     spec.entrypoint = command
     try:
-        executor.check_command(command)
+        if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
+            executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     secret_env = resolve_secrets(spec)  # each one set (or its file readable) before launch
@@ -330,6 +331,14 @@ def importable(packed: PackedWorkdir | None) -> Iterator[None]:
             for name, module in list(sys.modules.items()):  # none stays cached from it
                 if (getattr(module, "__file__", None) or "").startswith(where):
                     del sys.modules[name]
+
+
+def _shipped_program(command: list[str] | None, packed: PackedWorkdir | None) -> bool:
+    """Whether the command's program is a relative path to a file the workdir ships (it is
+    then found in each replica's unpacked copy, not where the driver runs)."""
+    if not command or packed is None or os.path.isabs(command[0]) or "/" not in command[0]:
+        return False
+    return os.path.normpath(command[0]) in packed.names
 
 
 def _is_count(value: object) -> bool:
