@@ -44,7 +44,7 @@ from crf.executors.base import (
     BackendPlan,
     Entrypoint,
     ExecutorError,
-    LaunchRecord,
+    LaunchArgs,
     ReplicaHandle,
     ServerlessExecutor,
     build_command,
@@ -280,7 +280,7 @@ class CloudExecutor(ServerlessExecutor):
                 f"{redact(f'{type(e).__name__}: {e}', secrets.values())}"
             ) from None
         self.remember_launch(
-            LaunchRecord.of(
+            LaunchArgs.of(
                 n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
             )
         )

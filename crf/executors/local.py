@@ -32,7 +32,7 @@ from crf.executors.base import (
     BackendPlan,
     Entrypoint,
     ExecutorError,
-    LaunchRecord,
+    LaunchArgs,
     ReplicaHandle,
     ReplicaState,
     ReplicaStatus,
@@ -245,7 +245,7 @@ class LocalProcessExecutor(ServerlessExecutor):
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
             raise ExecutorError(f"could not start replica {rank}: {e}") from e
         self.remember_launch(
-            LaunchRecord.of(
+            LaunchArgs.of(
                 n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
             )
         )
