@@ -215,3 +215,25 @@ def test_local_replica_runs_in_an_unpacked_copy(tmp_path: Path) -> None:
     key = json.loads((run / layout.RUN_SPEC).read_text())["workdir_key"]
     assert (run / key).is_file()
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == before
+
+
+def test_cli_flags_reach_the_plan(tmp_path: Path) -> None:
+    """`--workdir`, repeatable `--pip` and `--requirements` on the command line: the dry-run
+    plan shows what ships and what the replicas would install."""
+    import os
+    import sys
+
+    root = make_workdir(tmp_path / "code")
+    reqs = tmp_path / "reqs.txt"
+    reqs.write_text("packaging\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", "launch", "--dry-run", "-n", "1",
+         "--workdir", str(root), "--pip", "numpy", "--pip", "numpy>=1", "--requirements",
+         str(reqs), "--entrypoint", "python train.py", "--store", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "6 file(s)" in out and ".gitignore (pathspec)" in out
+    assert "numpy numpy>=1 packaging" in out
