@@ -233,9 +233,12 @@ class CloudExecutor(ServerlessExecutor):
         secrets = self.secrets_for(run_uri, env)
         try:
             code_key = self.upload_source(run_uri)
-            needs = run_needs(run_uri)  # the run's workdir and packages (run.json)
         except Exception as e:  # noqa: BLE001 - whatever the store's client raises, said as one error
             raise ExecutorError(f"could not upload the crf source to {run_uri}: {e}") from e
+        try:
+            needs = run_needs(run_uri)  # the run's workdir and packages (its run.json)
+        except Exception as e:  # noqa: BLE001 - the store's client or a damaged run.json
+            raise ExecutorError(f"could not read the run's run.json at {run_uri}: {e}") from e
         argv = self.container_argv(command)
         handles: list[ReplicaHandle] = []
         try:
