@@ -137,6 +137,20 @@ def test_a_reward_module_is_imported_from_the_workdir(tmp_path: Path) -> None:
         driver.prepare(opts, store=str(tmp_path / "runs"), dry_run=True)
     plan = driver.prepare({**opts, "workdir": str(root)}, store=str(tmp_path / "r"), dry_run=True)
     assert plan.spec.reward == ["my_wd_rewards:score"]
+    # a module-path job too, its options checked against its Config
+    (root / "wd_jobs").mkdir()
+    (root / "wd_jobs" / "__init__.py").write_text("")
+    (root / "wd_jobs" / "tiny.py").write_text(
+        "import dataclasses\n\n@dataclasses.dataclass\nclass Config:\n    lr: float = 0.1\n\n"
+        "def run(ctx, config):\n    return {}\n"
+    )
+    job = {"replicas": 1, "rounds": 1, "job": "wd_jobs.tiny", "job_config": {"lr": "0.5"}}
+    with pytest.raises(LaunchError, match="no module"):
+        driver.prepare({**job, "run_id": "j1"}, store=str(tmp_path / "r"), dry_run=True)
+    plan = driver.prepare(
+        {**job, "run_id": "j2", "workdir": str(root)}, store=str(tmp_path / "r"), dry_run=True
+    )
+    assert plan.spec.job_config == {"lr": 0.5}
 
 
 def test_pip_and_requirements(tmp_path: Path) -> None:

@@ -202,7 +202,7 @@ def prepare(
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     packed = check_code(spec, executor)
-    with importable(packed):  # a module-path job or reward is imported from the workdir
+    with importable(packed if _imports_user_code(spec) else None):  # from the workdir
         spec.job_config = validate_job(spec.job, job_options)
         check_workload(spec)
     command = _command(entrypoint)
@@ -331,6 +331,15 @@ def importable(packed: PackedWorkdir | None) -> Iterator[None]:
             for name, module in list(sys.modules.items()):  # none stays cached from it
                 if (getattr(module, "__file__", None) or "").startswith(where):
                     del sys.modules[name]
+
+
+def _imports_user_code(spec: RunSpec) -> bool:
+    """Whether the checks before launch import the user's code: a module-path job or a
+    ``module:function`` reward."""
+    from crf.replica.jobs import JOBS
+
+    custom = [r for r in spec.reward if ":" in r and not r.startswith("format:")]
+    return spec.job not in JOBS or bool(custom)
 
 
 def _shipped_program(command: list[str] | None, packed: PackedWorkdir | None) -> bool:
