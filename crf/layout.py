@@ -33,6 +33,7 @@ Layout of one run folder::
     heal/<rank>.json                          a replica's request for a global state
     faults/<tag>                              a fault-injection spec that has fired (tests)
     code/crf-<sha>.tar.gz                     the crf source cloud containers fetch and run
+    code/workdir-<sha>.tar.gz                 the user's --workdir, unpacked for every replica
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ ENV_TORCH_THREADS = "CRF_TORCH_THREADS"
 ENV_FAULT = "CRF_FAULT"
 #: names of the env vars whose values are secrets (comma-separated), for the log redactor
 ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
+#: the run-folder key of the packed --workdir a cloud container unpacks and runs in
+ENV_WORKDIR_KEY = "CRF_WORKDIR_KEY"
 
 
 def replica_env(run_uri: str, rank: int, world_size: int, run_id: str) -> dict[str, str]:
@@ -194,6 +197,11 @@ def heal_key(rank: int) -> str:
 def code_key(digest: str) -> str:
     """Where a cloud launch puts the crf source its containers fetch (one per content)."""
     return f"code/crf-{digest}.tar.gz"
+
+
+def workdir_key(digest: str) -> str:
+    """Where the driver puts the packed ``--workdir`` (one per content; run.json names it)."""
+    return f"code/workdir-{digest}.tar.gz"
 
 
 def fault_key(tag: str) -> str:

@@ -30,6 +30,8 @@ SPEC_VERSION = 1
 WIRE_DTYPES = codec_names()  # the built-in ones; validation asks the registry again
 # matched with fullmatch: ``$`` would also match before a trailing newline ("abc\n")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: what crf.layout.workdir_key builds (checked here: run.json is read back by every process)
+_WORKDIR_KEY_RE = re.compile(r"code/workdir-[0-9a-f]{16,64}\.tar\.gz")
 
 # Bounds of the run options (declared on RunSpec's fields; RunSpec.validate checks them for
 # the CLI and the SDK alike). Each bound is what something downstream accepts, so a value past
@@ -512,9 +514,28 @@ class RunSpec:
         help="Secret variable for every replica (repeatable): KEY takes its value from this "
         "environment, KEY=@path from a file; only the name is written anywhere.",
     )
+    workdir: str | None = option(
+        None,
+        group=BACKEND,
+        help="Your code folder: packed at launch (honouring .gitignore, at most 100 MB) into "
+        "the run folder; every replica runs in its own unpacked copy, on its PYTHONPATH.",
+    )
+    pip: list[str] = option(
+        default_factory=list,
+        group=BACKEND,
+        help="Extra package for the cloud replicas to pip install (repeatable), e.g. "
+        "--pip scipy>=1.13; local replicas must find it installed here.",
+    )
+    requirements: str | None = option(
+        None,
+        group=BACKEND,
+        help="A requirements file read at launch; its lines join --pip.",
+    )
     backend_options: dict[str, Any] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     version: int = SPEC_VERSION
+    #: where the driver put the packed --workdir (crf.layout.workdir_key); None without one
+    workdir_key: str | None = None
 
     @property
     def total_steps(self) -> int:
@@ -552,6 +573,14 @@ class RunSpec:
         need(
             isinstance(self.backend_options, dict),
             f"backend_options must be a mapping (got {self.backend_options!r})",
+        )
+        need(
+            self.workdir_key is None
+            or (
+                isinstance(self.workdir_key, str)
+                and _WORKDIR_KEY_RE.fullmatch(self.workdir_key) is not None
+            ),
+            f"workdir_key must be a packed workdir's key (got {self.workdir_key!r})",
         )
         need(
             is_number(self.created_at) and math.isfinite(self.created_at),

@@ -1,5 +1,6 @@
 """End to end: two local replica processes train the composer job on a user's jsonl file
-(custom column names) with a built-in and a module:function reward, weighted."""
+(custom column names) with a built-in and a module:function reward, weighted, the reward's
+module shipped with ``--workdir``."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def test_composer_on_a_jsonl_file_with_two_rewards(tmp_path: Path, monkeypatch) 
             for w in words
         )  # fmt: skip
     )
-    (tmp_path / "mymod.py").write_text(REWARD)
-    monkeypatch.chdir(tmp_path)  # the replicas' working directory: mymod imports from it
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "mymod.py").write_text(REWARD)  # not on the driver's path
+    monkeypatch.chdir(tmp_path)  # the dataset's relative path is the driver's
     summary = launch(
         {
             "job": "composer",
@@ -42,6 +44,7 @@ def test_composer_on_a_jsonl_file_with_two_rewards(tmp_path: Path, monkeypatch) 
             "columns": {"prompt": "question", "answer": "solution", "hint": "tip"},
             "reward": ["exact_match=1", "mymod:myreward=0.5"],
             "job_config": {"prompts_per_step": 2, "num_generations": 2},
+            "workdir": "code",  # each replica runs in its copy; mymod imports from it
         },
         store=str(tmp_path / "runs"),
         progress=False,
@@ -52,6 +55,7 @@ def test_composer_on_a_jsonl_file_with_two_rewards(tmp_path: Path, monkeypatch) 
     spec = json.loads((run / "run.json").read_text())
     assert spec["dataset"] == str(tmp_path / "rev.jsonl")
     assert spec["reward"] == ["exact_match=1", "mymod:myreward=0.5"]
+    assert spec["workdir"] == str(tmp_path / "code") and spec["workdir_key"]
     for rank in range(2):
         m = json.loads((run / "metrics" / str(rank) / "0.json").read_text())["metrics"]
         assert 0.0 <= m["reward"] <= 1.5  # weighted sum of a 0/1 and a 0/0.5 reward

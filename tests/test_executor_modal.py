@@ -545,3 +545,44 @@ def test_real_modal_sandbox_runs_logs_and_cancels() -> None:
         assert wait_terminal(ex, h, timeout=120).state is ReplicaState.CANCELLED
     finally:
         ex.close()
+
+
+def test_workdir_entrypoint_runs_in_a_modal_sandbox(
+    s3_env: MotoS3, modal_env: FakeModal, tmp_path: Path
+) -> None:
+    """`--workdir DIR --entrypoint "python train.py" --pip PKG` on a cloud backend, no image
+    built: the driver puts the packed folder in the S3 run folder, the real bootstrap in the
+    sandbox unpacks it, runs train.py there (its helper module importable) and was told to
+    install the --pip package."""
+    from crf.launcher import driver
+    from tests.test_workdir import make_workdir
+
+    bucket = s3_env.new_bucket()
+    root = make_workdir(tmp_path / "code")
+    ex = ModalExecutor(timeout_s=120)
+    try:
+        summary = driver.launch(
+            {
+                "backend": "modal", "replicas": 1, "rounds": 1, "run_id": "wd-modal",
+                "workdir": str(root), "entrypoint": "python train.py", "pip": ["packaging"],
+            },
+            store=f"s3://{bucket}/runs", executor=ex, progress=False, report=False, plot=False,
+        )  # fmt: skip
+        assert summary["status"] == "ok", summary
+        seen = read_json(s3_env, bucket, "runs/wd-modal/results/0.json")
+        assert seen["helper"] == 42 and seen["cwd"] != str(root)
+        assert "crf-workdir-" in seen["cwd"]
+        assert "train.py" in seen["files"] and "data" not in seen["files"]
+        assert not (root / "written-by-replica.txt").exists()
+        ((sid, sb),) = [
+            (i, s) for i, s in modal_env.sandboxes.items() if s.tags["crf-run"] == "wd-modal"
+        ]
+        (plain,) = [s["env"] for s in sb.secret_sources if "CRF_RANK" in s.get("env", {})]
+        assert plain["CRF_WORKDIR_KEY"].startswith("code/workdir-")
+        assert plain["CRF_REQUIREMENTS"].split()[-1] == "packaging"
+        handle = ReplicaHandle("modal", "wd-modal", 0, sid, plain["CRF_RUN_URI"], 1)
+        lines = list(ex.logs(handle))
+        assert any(line.startswith("crf bootstrap: workdir code/workdir-") for line in lines)
+        assert not modal_env.unimplemented
+    finally:
+        ex.close()

@@ -90,7 +90,9 @@ def test_run_defining_options_come_from_the_declarations() -> None:
     # every RunSpec field is either a run option or filled in by the driver
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     assert launch_plan._MANAGED == fields - set(run_options())
-    assert launch_plan._MANAGED == {"run_uri", "backend_options", "created_at", "version"}
+    assert launch_plan._MANAGED == {
+        "run_uri", "backend_options", "created_at", "version", "workdir_key"
+    }
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,26 @@ def test_report_to_is_checked_before_launch(tmp_path: Path, monkeypatch) -> None
         driver.prepare({"job": "lm", "report_to": "wandb"}, store=str(tmp_path), dry_run=True)
 
 
+def test_cloud_replicas_install_the_chosen_tracker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cloud container installs the --report-to tracker's extra (only that one), pinned to
+    the driver's version, with the rest of crf's requirements."""
+    from crf.executors import bootstrap
+    from crf.executors.workdir import RunNeeds
+
+    declared = bootstrap._declared()  # an editable install's metadata may predate the extras
+    per_tracker = (("tensorboard>=2.21", "tensorboard"), ("wandb>=0.31", "wandb"),
+                   ("trackio>=0.43", "trackio"))  # fmt: skip
+    monkeypatch.setattr(bootstrap, "_declared", lambda: (*declared, *per_tracker))
+    uri = "s3://bucket/runs/x"
+    spec = RunSpec(run_id="x", run_uri=uri, report_to="wandb", secrets=["WANDB_API_KEY"])
+    needs = RunNeeds.of(spec)
+    assert needs.extras == ("wandb",)
+    reqs = bootstrap.requirements_for(uri, needs.extras)
+    assert any(r.startswith("wandb==") for r in reqs)  # the driver's version
+    assert not any(r.startswith(("trackio", "tensorboard")) for r in reqs)
+    assert RunNeeds.of(RunSpec(run_id="y", run_uri=uri)).extras == ()
+
+
 # --------------------------------------------------------------------------- tensorboard
 def test_tensorboard_tracker_writes_steps_and_rounds_to_the_run_folder(tmp_path: Path) -> None:
     store = RunStore(f"file://{tmp_path}/run")

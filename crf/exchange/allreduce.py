@@ -969,9 +969,12 @@ class ObjectStoreAllReduce:
         except (StoreError, OSError) as e:
             log.debug("round %d: cannot read replica %d's heartbeat (%s): waiting for it", r, k, e)
             return True
-        if not isinstance(beat, dict) or beat.get("phase") in ("done", "failed"):
+        if not isinstance(beat, dict) or "exchange_round" not in beat:
             return False
-        at, updated = beat.get("exchange_round"), beat.get("updated_at")
+        record = layout.Heartbeat.from_dict(beat)
+        if record.phase in ("done", "failed"):
+            return False
+        at, updated = record.exchange_round, record.updated_at
         if isinstance(at, bool) or not isinstance(at, int):
             return False
         if isinstance(updated, bool) or not isinstance(updated, int | float):

@@ -184,7 +184,7 @@ def check_launch_args(n_replicas: int, run_uri: str, *, in_process: bool) -> Non
 
 
 @dataclass
-class LaunchRecord:
+class LaunchArgs:
     """How a run's replicas were started, kept in memory so one rank can be started again.
 
     Never serialized: ``env`` may hold credentials.
@@ -201,7 +201,7 @@ class LaunchRecord:
     @classmethod
     def of(cls, n_replicas: int, entrypoint: Entrypoint, entrypoint_args: Sequence[str],
            env: Mapping[str, str] | None, run_uri: str, run_id: str,
-           plain_env: Mapping[str, str] | None = None) -> LaunchRecord:  # fmt: skip
+           plain_env: Mapping[str, str] | None = None) -> LaunchArgs:  # fmt: skip
         """The record of a ``launch_replicas`` call, its arguments copied as plain strings."""
         return cls(
             n_replicas=n_replicas,
@@ -286,6 +286,9 @@ class ServerlessExecutor(ABC):
     #: True when the platform restarts a failed replica by itself (see the module docstring);
     #: the driver then passes ``max_restarts`` to ``launch_replicas`` instead of relaunching.
     native_restarts: ClassVar[bool] = False
+    #: True when the replicas' environment installs a run's ``--pip`` packages (the cloud
+    #: bootstrap); otherwise the driver checks they are installed where it runs
+    installs_packages: ClassVar[bool] = False
 
     @abstractmethod
     def launch_replicas(
@@ -354,10 +357,10 @@ class ServerlessExecutor(ABC):
         raise ExecutorError(f"the {self.name} backend cannot look up replicas by run id")
 
     # ------------------------------------------------------------------ restarts
-    def remember_launch(self, record: LaunchRecord) -> None:
+    def remember_launch(self, record: LaunchArgs) -> None:
         """Keep how a run was started (in memory only) for ``relaunch``."""
         if not hasattr(self, "_launch_records"):
-            self._launch_records: dict[str, LaunchRecord] = {}
+            self._launch_records: dict[str, LaunchArgs] = {}
         self._launch_records[record.run_id] = record
 
     def relaunch(self, handle: ReplicaHandle) -> ReplicaHandle:

@@ -3,7 +3,8 @@
 A container starts from a stock Python/PyTorch image, so before ``python -m crf.replica`` can
 run it needs crf's requirements and crf's code. ``BOOTSTRAP`` (run as ``python -c BOOTSTRAP
 <command>``) installs the requirements the image lacks, fetches the driver's exact crf source
-from the run folder and ``exec``s the replica command under ``crf.executors.redacted``.
+from the run folder and ``exec``s the replica command under ``crf.executors.redacted`` - in
+the run's unpacked ``--workdir`` when it has one (``CRF_WORKDIR_KEY``; crf.executors.workdir).
 
 The requirements are not repeated here: ``requirements_for`` reads them from the installed
 package's own metadata (pyproject's ``dependencies`` plus the extra of the run folder's store),
@@ -23,6 +24,7 @@ environment variables.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import cache
 from importlib import metadata
 
@@ -83,6 +85,15 @@ argv = sys.argv[1:]
 if argv and argv[0] in ("python", "python3"):
     argv[0] = sys.executable
 print("crf bootstrap: code " + os.environ["CRF_CODE_KEY"], flush=True)
+key = os.environ.get("CRF_WORKDIR_KEY")
+if key:  # the user's --workdir: the replica runs in it, and imports from it
+    with fsspec.open(os.environ["CRF_RUN_URI"].rstrip("/") + "/" + key, "rb") as f:
+        blob = f.read()
+    work = tempfile.mkdtemp(prefix="crf-workdir-")
+    tarfile.open(fileobj=io.BytesIO(blob)).extractall(work, filter="data")
+    os.chdir(work)
+    os.environ["PYTHONPATH"] += os.pathsep + work
+    print("crf bootstrap: workdir " + key, flush=True)
 os.execvpe(sys.executable, [sys.executable, "-m", "crf.executors.redacted", *argv], os.environ)
 """ % (IMPORT_NAMES, sorted(KEEP_IMAGE))  # noqa: UP031 (the program's own braces would need escaping in format)
 
@@ -156,13 +167,18 @@ def pinned(requirement: str) -> str:
     return f"{found.group(1)}{found.group(2) or ''}=={version.split('+')[0]}"
 
 
-def requirements_for(run_uri: str) -> list[str]:
+def requirements_for(
+    run_uri: str, extras: Sequence[str] = (), pip: Sequence[str] = ()
+) -> list[str]:
     """What a container needs for ``run_uri``: crf's dependencies plus the extra of the run
-    folder's store (s3fs for ``s3://``, gcsfs for ``gs://``, ...), each pinned to the
-    driver's installed version (torch excepted: the image's is kept)."""
-    extra = STORE_EXTRAS.get(scheme_of(run_uri))
-    declared = [*base_requirements(), *(extra_requirements(extra) if extra else [])]
-    return [pinned(r) for r in declared]
+    folder's store (s3fs for ``s3://``, gcsfs for ``gs://``, ...) and the ``extras`` the
+    run's options use (``lora``: peft, ``math``: math-verify; crf.executors.workdir.RunNeeds),
+    each pinned to the driver's installed version (torch excepted: the image's is kept);
+    then the user's ``pip`` entries as given."""
+    names = [STORE_EXTRAS.get(scheme_of(run_uri)), *extras]
+    declared = [*base_requirements(), *(r for e in names if e for r in extra_requirements(e))]
+    out = list(dict.fromkeys(pinned(r) for r in declared))
+    return out + [r for r in pip if r not in out]
 
 
 __all__ = [

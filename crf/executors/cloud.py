@@ -8,8 +8,12 @@ says how to submit one container, ask its state, read its logs and stop it:
   (``python -c BOOTSTRAP <argv>``) that installs what the image lacks, fetches that exact code
   through fsspec, and runs ``python -m crf.replica`` with it first on ``PYTHONPATH``. Replicas
   therefore always run the driver's version of crf, on any stock Python/PyTorch image, and the
-  image needs no rebuild when crf changes. (Modal too: its image only pre-installs the
-  requirements, so the bootstrap finds them and goes straight to fetching the code.) The
+  image needs no rebuild when crf changes. A run's ``--workdir`` is shipped the same way
+  (``code/workdir-<sha>.tar.gz``, named in run.json): the bootstrap unpacks it and runs the
+  command in it, so ``--entrypoint "python train.py"`` needs no image of its own; its
+  ``--pip`` packages join the requirements the bootstrap installs. (Modal too: its image only
+  pre-installs the requirements, so the bootstrap finds them and goes straight to fetching
+  the code.) The
   command runs under ``python -m crf.executors.redacted``, which hides the container's secrets
   from its output before the platform stores it.
 * **Secrets.** Store credentials (``crf.executors.secrets.store_secrets``) and everything the
@@ -40,7 +44,7 @@ from crf.executors.base import (
     BackendPlan,
     Entrypoint,
     ExecutorError,
-    LaunchRecord,
+    LaunchArgs,
     ReplicaHandle,
     ServerlessExecutor,
     build_command,
@@ -61,7 +65,8 @@ from crf.executors.secrets import (
     scheme_of,
     store_secrets,
 )
-from crf.layout import ENV_SECRET_NAMES
+from crf.executors.workdir import RunNeeds, run_needs
+from crf.layout import ENV_SECRET_NAMES, ENV_WORKDIR_KEY
 
 #: the command a container runs when the user gives no entrypoint (``python`` of the image)
 CONTAINER_ENTRYPOINT = ("python", "-m", "crf.replica")
@@ -110,6 +115,8 @@ class CloudExecutor(ServerlessExecutor):
 
     #: set by subclasses: what ``--dry-run`` says replicas run in ("Modal sandbox", ...)
     kind: ClassVar[str] = "container"
+    #: the bootstrap pip-installs a run's --pip packages and the extras its options use
+    installs_packages: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -182,12 +189,16 @@ class CloudExecutor(ServerlessExecutor):
             store.put_if_absent(key, data)
         return key
 
-    def container_env(self, run_uri: str, run_id: str, rank: int, world: int, code_key: str
-                      ) -> dict[str, str]:  # fmt: skip
-        """The plain (visible) environment: the replica contract and public settings only."""
+    def container_env(self, run_uri: str, run_id: str, rank: int, world: int, code_key: str,
+                      needs: RunNeeds | None = None) -> dict[str, str]:  # fmt: skip
+        """The plain (visible) environment: the replica contract and public settings only
+        (with the run's workdir key and its extra requirements, from its run.json)."""
+        needs = needs or RunNeeds()
         env = replica_env(run_uri, run_id, rank, world)
         env[ENV_CODE_KEY] = code_key
-        env[ENV_REQUIREMENTS] = " ".join(requirements_for(run_uri))
+        env[ENV_REQUIREMENTS] = " ".join(requirements_for(run_uri, needs.extras, needs.pip))
+        if needs.workdir_key:
+            env[ENV_WORKDIR_KEY] = needs.workdir_key
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -224,6 +235,10 @@ class CloudExecutor(ServerlessExecutor):
             code_key = self.upload_source(run_uri)
         except Exception as e:  # noqa: BLE001 - whatever the store's client raises, said as one error
             raise ExecutorError(f"could not upload the crf source to {run_uri}: {e}") from e
+        try:
+            needs = run_needs(run_uri)  # the run's workdir and packages (its run.json)
+        except Exception as e:  # noqa: BLE001 - the store's client or a damaged run.json
+            raise ExecutorError(f"could not read the run's run.json at {run_uri}: {e}") from e
         argv = self.container_argv(command)
         handles: list[ReplicaHandle] = []
         try:
@@ -236,7 +251,9 @@ class CloudExecutor(ServerlessExecutor):
                         argv=argv,
                         env={
                             **{str(k): str(v) for k, v in (plain_env or {}).items()},
-                            **self.container_env(run_uri, run_id, rank, n_replicas, code_key),
+                            **self.container_env(
+                                run_uri, run_id, rank, n_replicas, code_key, needs
+                            ),
                             # names only: the container hides these variables' values itself
                             ENV_SECRET_NAMES: ",".join(sorted(secrets)),
                         },
@@ -266,7 +283,7 @@ class CloudExecutor(ServerlessExecutor):
                 f"{redact(f'{type(e).__name__}: {e}', secrets.values())}"
             ) from None
         self.remember_launch(
-            LaunchRecord.of(
+            LaunchArgs.of(
                 n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
             )
         )

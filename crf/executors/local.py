@@ -32,7 +32,7 @@ from crf.executors.base import (
     BackendPlan,
     Entrypoint,
     ExecutorError,
-    LaunchRecord,
+    LaunchArgs,
     ReplicaHandle,
     ReplicaState,
     ReplicaStatus,
@@ -132,7 +132,8 @@ class LocalProcessExecutor(ServerlessExecutor):
             store is a local folder (so a run's logs sit with its results), else a new
             temporary folder.
         grace_period_s: how long ``cancel`` waits after SIGTERM before SIGKILL.
-        cwd: working directory of the replicas (default: the driver's).
+        cwd: working directory of the replicas (default: the driver's); a run with a
+            ``--workdir`` runs each replica in its own unpacked copy of it instead.
         inherit_env: start from the driver's environment (PATH, virtualenv, credentials
             already exported). With False, replicas get only PATH/HOME/LANG plus ``env``.
     """
@@ -230,23 +231,56 @@ class LocalProcessExecutor(ServerlessExecutor):
         log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
         log_dir.mkdir(parents=True, exist_ok=True)
         base_env = {**self._base_env(), **{str(k): str(v) for k, v in (plain_env or {}).items()}}
+        workdir = self._fetch_workdir(run_uri)
         handles: list[ReplicaHandle] = []
         try:
             for rank in to_start:
                 child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
-                handles.append(self._start(cmd, child_env, env, log_dir / f"replica-{rank}.log"))
+                cwd = self.cwd
+                if workdir is not None:
+                    cwd = self._unpack_for(workdir, run_uri, run_id, rank, child_env)
+                log = log_dir / f"replica-{rank}.log"
+                handles.append(self._start(cmd, child_env, env, log, cwd))
         except OSError as e:
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
             raise ExecutorError(f"could not start replica {rank}: {e}") from e
         self.remember_launch(
-            LaunchRecord.of(
+            LaunchArgs.of(
                 n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
             )
         )
         return handles
 
+    @staticmethod
+    def _fetch_workdir(run_uri: str) -> bytes | None:
+        """The run's packed ``--workdir`` (named in its run.json), or None without one."""
+        from crf.executors.workdir import fetch_workdir, run_needs
+
+        try:
+            key = run_needs(run_uri).workdir_key
+            return fetch_workdir(run_uri, key) if key else None
+        except Exception as e:  # noqa: BLE001 - the store's client error, said as one line
+            raise ExecutorError(f"could not read the run's workdir from {run_uri}: {e}") from e
+
+    def _unpack_for(self, workdir: bytes, run_uri: str, run_id: str, rank: int,
+                    child_env: dict[str, str]) -> str:  # fmt: skip
+        """A fresh unpacked copy of the workdir for one replica (as a cloud container gets),
+        first on its PYTHONPATH after crf: ``<run folder>/workdir/<rank>`` on a local store
+        (removed with the run, beside its logs), else a temporary folder."""
+        from crf.executors.workdir import unpack_workdir
+
+        if run_uri.startswith("file://"):
+            dest = Path(run_uri.removeprefix("file://")) / "workdir" / str(rank)
+        else:
+            dest = Path(tempfile.mkdtemp(prefix=f"crf-{run_id}-workdir-{rank}-"))
+        where = str(unpack_workdir(workdir, dest))
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (child_env.get("PYTHONPATH"), where) if p
+        )
+        return where
+
     def _start(self, cmd: list[str], child_env: dict[str, str], env: Mapping[str, str] | None,
-               log_path: Path) -> ReplicaHandle:  # fmt: skip
+               log_path: Path, cwd: str | None = None) -> ReplicaHandle:  # fmt: skip
         """Start one replica's process, its output appended to ``log_path``."""
         argv = cmd
         secret_names = sorted(k for k in env or {} if not k.startswith("CRF_"))
@@ -269,7 +303,7 @@ class LocalProcessExecutor(ServerlessExecutor):
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=child_env,
-                cwd=self.cwd,
+                cwd=cwd,
                 start_new_session=True,
                 close_fds=True,
             )

@@ -51,8 +51,8 @@ from crf.executors.base import (
     ReplicaState,
     ReplicaStatus,
 )
-from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, Submission, requirements_for
-from crf.layout import ENV_RUN_URI
+from crf.executors.bootstrap import ENV_REQUIREMENTS
+from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, Submission
 
 #: the longest a Modal Sandbox may live (``timeout=``), in seconds
 MAX_TIMEOUT_S = 24 * 3600
@@ -277,9 +277,11 @@ class ModalExecutor(CloudExecutor):
             raise self._translate(e, "verify the token") from None
 
     # ------------------------------------------------------------------ launch
-    def _image(self, run_uri: str) -> Any:
+    def _image(self, requirements: str) -> Any:
+        """The image with ``requirements`` (the container's CRF_REQUIREMENTS: crf's, the
+        run's extras and --pip) pre-installed, cached per list."""
         modal = _modal()
-        reqs = tuple(requirements_for(run_uri))
+        reqs = tuple(requirements.split())
         if reqs not in self._images:
             if self.image:
                 base = modal.Image.from_registry(self.image)
@@ -299,7 +301,7 @@ class ModalExecutor(CloudExecutor):
             sb = modal.Sandbox.create(
                 *sub.argv,
                 app=app,
-                image=self._image(sub.env[ENV_RUN_URI]),
+                image=self._image(sub.env[ENV_REQUIREMENTS]),
                 env=sub.env,
                 secrets=[modal.Secret.from_dict(sub.secrets)] if sub.secrets else [],
                 gpu=self.gpu,

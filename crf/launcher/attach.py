@@ -38,7 +38,7 @@ class AttachedRun:
     launch_record: dict[str, Any]
     handles: list[ReplicaHandle]
 
-    def statuses(self) -> list[tuple[ReplicaHandle, ReplicaStatus, dict[str, Any] | None]]:
+    def statuses(self) -> list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]:
         from crf.launcher.supervise import read_heartbeat
 
         out = []
@@ -239,6 +239,6 @@ def _fresh_heartbeat(st: Any, replicas: int) -> bool:
     now = time.time()
     for r in range(replicas):
         beat = read_heartbeat(st, r)
-        if beat is not None and now - float(beat.get("updated_at") or 0) < LIVE_HEARTBEAT_S:
+        if beat is not None and now - float(beat.updated_at or 0) < LIVE_HEARTBEAT_S:
             return True
     return False

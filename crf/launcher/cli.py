@@ -499,6 +499,12 @@ def _print_plan(plan: Any) -> None:
         ("secrets", ", ".join(_secret_names(plan, bp.secrets)) or "-"),
         ("cost", price),
     ]
+    if plan.workdir is not None:
+        w = plan.workdir
+        rows.insert(-1, ("workdir", f"{spec.workdir}: {w.files} file(s), "
+                                    f"{w.size / 2**20:.1f} MB (by {w.how})"))  # fmt: skip
+    if spec.pip:
+        rows.insert(-1, ("pip", " ".join(spec.pip)))
     for key, value in rows:
         table.add_row(key, escape(str(value)))
     console = Console()

@@ -71,7 +71,8 @@ def _start_launch(plan: Plan, started: float) -> int:
     """Claim this driver launch in the store; return its number.
 
     A first launch creates ``run.json`` (create-if-absent: two drivers racing for one run id
-    cannot both win), ``launches/0.json`` and ``backend.json``. A resume leaves ``run.json``
+    cannot both win), the packed ``--workdir`` it names, ``launches/0.json`` and
+    ``backend.json``. A resume leaves ``run.json``
     alone and claims its own launch (``crf.launcher.resume.claim_resume``).
     """
     spec, store = plan.spec, plan.store
@@ -90,6 +91,8 @@ def _start_launch(plan: Plan, started: float) -> int:
             f"run folder {display_path(store)} already holds a run (run.json exists); "
             f"choose another --run-id, or continue it with --resume {spec.run_id}"
         )
+    if plan.workdir is not None and spec.workdir_key:  # one per content: put once
+        store.put_if_absent(spec.workdir_key, plan.workdir.data)
     store.put_json_if_absent(layout.launch_key(0), record.opening())
     store.put_json(layout.BACKEND, {"backend": spec.backend, "options": backend_config(plan)})
     return 0

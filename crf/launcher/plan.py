@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
+import os
 import shlex
+import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
@@ -24,6 +29,7 @@ from crf.launcher.user_env import resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
+    from crf.executors.workdir import PackedWorkdir
     from crf.store import RunStore
 
 DEFAULT_STORE = "./crf-runs"
@@ -106,6 +112,8 @@ class Plan:
     #: the ``--secret`` values read at this launch (crf.launcher.user_env); never written,
     #: never shown (repr=False)
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    #: the packed ``--workdir``, put in the run folder at launch (None: no workdir)
+    workdir: PackedWorkdir | None = field(default=None, repr=False)
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -193,18 +201,23 @@ def prepare(
         executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
-    spec.job_config = validate_job(spec.job, job_options)
-    check_workload(spec)
+    packed = check_code(spec, executor)
+    with importable(packed if _imports_user_code(spec) else None):  # from the workdir
+        spec.job_config = validate_job(spec.job, job_options)
+        check_workload(spec)
     command = _command(entrypoint)
     spec.entrypoint = command
     try:
-        executor.check_command(command)
+        if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
+            executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     secret_env = resolve_secrets(spec)  # each one set (or its file readable) before launch
     # The store last: the writability probe is the only check with a side effect.
     run_store = _run_folder(run_uri, run_id, dry_run)
-    return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env)
+    return Plan(
+        spec, run_store, executor, command, restart=policy, secret_env=secret_env, workdir=packed
+    )
 
 
 def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -231,8 +244,6 @@ def check_workload(spec: RunSpec) -> None:
     """LaunchError for a --reward that does not parse or import, or a --dataset file that
     cannot be read, lacks a column or has fewer rows than replicas (crf/replica/data.py). A
     local dataset path becomes absolute, so replicas in another directory find it."""
-    import os
-
     from crf.replica.data import DataError, check_dataset, is_local_file
     from crf.replica.rewards import RewardError, check_rewards
 
@@ -259,6 +270,84 @@ def check_workload(spec: RunSpec) -> None:
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None
+
+
+def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | None:
+    """Check ``--pip``/``--requirements`` (their entries join spec.pip, normalised) and pack
+    ``--workdir`` (its absolute path and its run-folder key go to the spec); LaunchError
+    says what to fix. A backend that installs nothing (local: the replicas run in this
+    Python) must find every package installed here instead."""
+    from crf.executors.workdir import (
+        WorkdirError,
+        check_requirement,
+        missing_here,
+        pack_workdir,
+        read_requirements,
+    )
+
+    try:
+        entries = list(spec.pip)
+        if spec.requirements is not None:
+            entries += read_requirements(spec.requirements)
+            spec.requirements = os.path.abspath(os.path.expanduser(spec.requirements))
+        spec.pip = list(dict.fromkeys(check_requirement(e) for e in entries))
+        installs = getattr(executor, "installs_packages", False)
+        missing = [] if installs else missing_here(spec.pip)
+        if missing:
+            raise WorkdirError(
+                f"--pip/--requirements: {', '.join(missing)} not installed in this Python, "
+                f"where the {spec.backend} replicas run (that backend installs nothing): "
+                "pip install them here, or use a cloud backend"
+            )
+        if spec.workdir is None:
+            return None
+        store = spec.run_uri.removeprefix("file://") if spec.run_uri.startswith("file://") else ""
+        # a local store inside the workdir (the default ./crf-runs with --workdir .) stays out
+        packed = pack_workdir(spec.workdir, exclude=[Path(store).parent] if store else [])
+    except WorkdirError as e:
+        raise LaunchError(str(e)) from None
+    spec.workdir = str(Path(spec.workdir).expanduser().resolve())
+    spec.workdir_key = layout.workdir_key(packed.sha256[:16])
+    return packed
+
+
+@contextlib.contextmanager
+def importable(packed: PackedWorkdir | None) -> Iterator[None]:
+    """The packed workdir, unpacked in a temporary folder first on sys.path, so the checks
+    before launch import a job or a reward from exactly what the replicas will get."""
+    if packed is None:
+        yield
+        return
+    from crf.executors.workdir import unpack_workdir
+
+    with tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
+        where = str(unpack_workdir(packed.data, Path(tmp) / "workdir"))
+        sys.path.insert(0, where)
+        importlib.invalidate_caches()
+        try:
+            yield
+        finally:
+            sys.path.remove(where)
+            for name, module in list(sys.modules.items()):  # none stays cached from it
+                if (getattr(module, "__file__", None) or "").startswith(where):
+                    del sys.modules[name]
+
+
+def _imports_user_code(spec: RunSpec) -> bool:
+    """Whether the checks before launch import the user's code: a module-path job or a
+    ``module:function`` reward."""
+    from crf.replica.jobs import JOBS
+
+    custom = [r for r in spec.reward if ":" in r and not r.startswith("format:")]
+    return spec.job not in JOBS or bool(custom)
+
+
+def _shipped_program(command: list[str] | None, packed: PackedWorkdir | None) -> bool:
+    """Whether the command's program is a relative path to a file the workdir ships (it is
+    then found in each replica's unpacked copy, not where the driver runs)."""
+    if not command or packed is None or os.path.isabs(command[0]) or "/" not in command[0]:
+        return False
+    return os.path.normpath(command[0]) in packed.names
 
 
 def _is_count(value: object) -> bool:

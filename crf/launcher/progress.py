@@ -21,6 +21,7 @@ from rich.text import Text
 
 from crf import jsonsafe
 from crf.executors.base import ReplicaState, ReplicaStatus
+from crf.layout import Heartbeat
 
 STALE_AFTER_S = 60.0
 
@@ -47,7 +48,7 @@ class ReplicaView:
 
     rank: int
     status: ReplicaStatus
-    heartbeat: dict[str, Any] | None
+    heartbeat: Heartbeat | None
     restarts: int = 0
 
 
@@ -96,14 +97,14 @@ def render_progress(
     if show_restarts:
         table.add_column("restarts", justify="right")
     for v in views:
-        hb = v.heartbeat or {}
-        phase = str(hb.get("phase", "-"))
-        rnd = hb.get("round")
-        step = hb.get("step")
+        hb = v.heartbeat
+        phase = hb.phase if hb else "-"
+        rnd = hb.round if hb else None
+        step = hb.step if hb else None
         age = ""
         age_style = "dim"
-        updated = hb.get("updated_at")
-        if isinstance(updated, int | float):
+        updated = hb.updated_at if hb else None
+        if isinstance(updated, int | float) and updated > 0:
             secs = max(0.0, now - updated)
             age = f"{secs:.0f}s ago"
             if secs > STALE_AFTER_S and not v.status.terminal:
@@ -114,7 +115,7 @@ def render_progress(
             Text(phase, style=_PHASE_STYLE.get(phase, "")),
             f"{rnd}/{rounds}" if rnd is not None else "-",
             f"{step}" if step is not None else "-",
-            fmt_loss(hb.get("loss")),
+            fmt_loss(hb.loss if hb else None),
             Text(age or "-", style=age_style),
         ]
         if show_restarts:

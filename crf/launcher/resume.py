@@ -59,17 +59,17 @@ def live_replicas(
     live = []
     for rank in range(replicas):
         hb = read_heartbeat(store, rank)
-        if not hb or hb.get("phase") in ("done", "failed"):
+        if not hb or hb.phase in ("done", "failed"):
             continue
-        pid, updated = hb.get("pid"), hb.get("updated_at")
-        age = now - updated if isinstance(updated, int | float) else None
-        if hb.get("host") == host and isinstance(pid, int):
-            started = hb.get("pid_started_at")
+        pid, updated = hb.pid, hb.updated_at
+        age = now - updated if isinstance(updated, int | float) and updated > 0 else None
+        if hb.host == host and isinstance(pid, int):
+            started = hb.pid_started_at
             started = started if isinstance(started, str | int | float) else None
             if is_replica_process(pid, run_id=run_id, rank=rank, started_at=started):
                 live.append(f"replica {rank} (pid {pid} on this host)")
         elif age is not None and age < LIVE_HEARTBEAT_S:
-            live.append(f"replica {rank} (on {hb.get('host')}, heartbeat {age:.0f}s ago)")
+            live.append(f"replica {rank} (on {hb.host}, heartbeat {age:.0f}s ago)")
     return live
 
 

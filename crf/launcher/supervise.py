@@ -38,12 +38,13 @@ NO_RESTART_EXIT_CODES = {
 }
 
 
-def read_heartbeat(store: RunStore, rank: int) -> dict[str, Any] | None:
+def read_heartbeat(store: RunStore, rank: int) -> layout.Heartbeat | None:
+    """Replica ``rank``'s heartbeat record, or None when there is none (yet) to read."""
     try:
         data = store.get_json(layout.heartbeat_key(rank))
     except Exception:  # noqa: BLE001 - absent, torn or any client error: the watch goes on
         return None
-    return data if isinstance(data, dict) else None
+    return layout.Heartbeat.from_dict(data) if isinstance(data, dict) else None
 
 
 @contextlib.contextmanager
@@ -110,7 +111,7 @@ class Supervisor:
             return False
         return isinstance(result, dict) and result.get("restartable") is False
 
-    def check(self, index: int, heartbeat: dict[str, Any] | None) -> ReplicaStatus:
+    def check(self, index: int, heartbeat: layout.Heartbeat | None) -> ReplicaStatus:
         """The status of the replica at ``index``, relaunching it first if it failed and may
         restart (the returned status is then the new attempt's)."""
         executor = self.plan.executor
@@ -129,7 +130,7 @@ class Supervisor:
                 f"{escape(reason)}[/]"
             )
             return status
-        if heartbeat and (heartbeat.get("updated_at") or 0) < handle.started_at - 1:
+        if heartbeat and heartbeat.updated_at < handle.started_at - 1:
             heartbeat = None  # written by an earlier attempt: says nothing about this one
         self._record(handle, status, heartbeat)
         try:
@@ -141,7 +142,7 @@ class Supervisor:
         self.restarts[handle.rank] += 1
         self.handles[index] = new
         save_handles(self.plan.store, self.launch_no, self.handles)
-        where = f" in round {heartbeat.get('round')}" if heartbeat else ""
+        where = f" in round {heartbeat.round}" if heartbeat else ""
         self._say(
             f"[yellow]replica {handle.rank} {escape(_what(status))}{where}: restarted it "
             f"({self.restarts[handle.rank]}/{self.plan.restart.max_restarts}); it resumes "
@@ -150,7 +151,7 @@ class Supervisor:
         return executor.status(new)
 
     def _record(
-        self, handle: ReplicaHandle, status: ReplicaStatus, heartbeat: dict[str, Any] | None
+        self, handle: ReplicaHandle, status: ReplicaStatus, heartbeat: layout.Heartbeat | None
     ) -> None:
         store = self.plan.store
         attempt = int(handle.extra.get("attempt", 0))
@@ -164,9 +165,9 @@ class Supervisor:
             "message": status.message,
             "started_at": handle.started_at,
             "ended_at": time.time(),
-            "phase": (heartbeat or {}).get("phase"),
-            "round": (heartbeat or {}).get("round"),
-            "step": (heartbeat or {}).get("step"),
+            "phase": heartbeat.phase if heartbeat else None,
+            "round": heartbeat.round if heartbeat else None,
+            "step": heartbeat.step if heartbeat else None,
             "result": None,
         }
         try:
@@ -221,7 +222,7 @@ def watch(
 
     plan = sup.plan
     spec, store, executor = plan.spec, plan.store, plan.executor
-    beats: dict[int, dict[str, Any] | None] = {h.rank: None for h in sup.handles}
+    beats: dict[int, layout.Heartbeat | None] = {h.rank: None for h in sup.handles}
 
     def refresh() -> tuple[bool, Any]:
         views = []

@@ -62,8 +62,8 @@ def _result_status(store: RunStore, rank: int) -> str | None:
 
 def _silent(store: RunStore, rank: int, silent_after_s: float) -> bool:
     try:
-        beat = store.get_json(layout.heartbeat_key(rank))
-        return time.time() - float(beat.get("updated_at", 0.0)) > silent_after_s
+        beat = layout.Heartbeat.from_dict(store.get_json(layout.heartbeat_key(rank)))
+        return time.time() - float(beat.updated_at) > silent_after_s
     except (ObjectNotFound, ValueError, TypeError, AttributeError):
         return True
 
