@@ -19,7 +19,7 @@ from crf import layout
 from crf.launcher import driver
 from crf.launcher.errors import LaunchError
 from crf.replica.tracking import TensorBoardTracker, new_tracker, replica_run_name
-from crf.spec import RunSpec
+from crf.spec import RUN_DEFINING, RunSpec
 from crf.store import RunStore
 
 
@@ -52,6 +52,8 @@ def test_report_to_is_checked_before_launch(tmp_path: Path, monkeypatch) -> None
     with pytest.raises(ValueError, match="TRACKIO_SPACE_ID"):
         RunSpec(**spec, report_to="trackio").validate()
     RunSpec(**spec, report_to="tensorboard").validate()  # its files go to the run folder
+    # a resumed run keeps its run.json: --report-to with --resume is refused, not ignored
+    assert "report_to" in RUN_DEFINING
     # a missing package: one line naming the extra
     real = importlib.util.find_spec
     monkeypatch.setattr(
