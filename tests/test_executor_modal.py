@@ -548,15 +548,20 @@ def test_real_modal_sandbox_runs_logs_and_cancels() -> None:
 
 
 def test_workdir_entrypoint_runs_in_a_modal_sandbox(
-    s3_env: MotoS3, modal_env: FakeModal, tmp_path: Path
+    s3_env: MotoS3, modal_env: FakeModal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--workdir DIR --entrypoint "python train.py" --pip PKG` on a cloud backend, no image
-    built: the driver puts the packed folder in the S3 run folder, the real bootstrap in the
-    sandbox unpacks it, runs train.py there (its helper module importable) and was told to
-    install the --pip package."""
+    """`--workdir DIR --entrypoint "python train.py" --pip PKG --secret KEY` on a cloud
+    backend, no image built: the driver puts the packed folder in the S3 run folder, the real
+    bootstrap in the sandbox unpacks it, runs train.py there (its helper module importable,
+    the secret in its environment) and was told to install the --pip package; the secret's
+    value is in no object of the run folder and in no plain environment of the sandbox."""
+    import hashlib
+
     from crf.launcher import driver
     from tests.test_workdir import make_workdir
 
+    value = "s3cr3t-" + "workdir-run-0123456789"
+    monkeypatch.setenv("MY_SECRET", value)
     bucket = s3_env.new_bucket()
     root = make_workdir(tmp_path / "code")
     ex = ModalExecutor(timeout_s=120)
@@ -565,6 +570,7 @@ def test_workdir_entrypoint_runs_in_a_modal_sandbox(
             {
                 "backend": "modal", "replicas": 1, "rounds": 1, "run_id": "wd-modal",
                 "workdir": str(root), "entrypoint": "python train.py", "pip": ["packaging"],
+                "secrets": ["MY_SECRET"],
             },
             store=f"s3://{bucket}/runs", executor=ex, progress=False, report=False, plot=False,
         )  # fmt: skip
@@ -574,12 +580,18 @@ def test_workdir_entrypoint_runs_in_a_modal_sandbox(
         assert "crf-workdir-" in seen["cwd"]
         assert "train.py" in seen["files"] and "data" not in seen["files"]
         assert not (root / "written-by-replica.txt").exists()
+        assert seen["secret_sha256"] == hashlib.sha256(value.encode()).hexdigest()
+        client = s3_env.client()
+        for obj in client.list_objects_v2(Bucket=bucket, Prefix="runs/wd-modal/")["Contents"]:
+            body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            assert value.encode() not in body, obj["Key"]
         ((sid, sb),) = [
             (i, s) for i, s in modal_env.sandboxes.items() if s.tags["crf-run"] == "wd-modal"
         ]
         (plain,) = [s["env"] for s in sb.secret_sources if "CRF_RANK" in s.get("env", {})]
         assert plain["CRF_WORKDIR_KEY"].startswith("code/workdir-")
         assert plain["CRF_REQUIREMENTS"].split()[-1] == "packaging"
+        assert value not in json.dumps(plain) and "MY_SECRET" in plain["CRF_SECRET_NAMES"]
         handle = ReplicaHandle("modal", "wd-modal", 0, sid, plain["CRF_RUN_URI"], 1)
         lines = list(ex.logs(handle))
         assert any(line.startswith("crf bootstrap: workdir code/workdir-") for line in lines)

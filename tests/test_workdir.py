@@ -31,7 +31,7 @@ from crf.spec import RunSpec
 #: the user's script: imports a helper module from the workdir, writes into its cwd, and
 #: leaves what it saw as its result (results/<rank>.json) through fsspec
 TRAIN_PY = """\
-import json, os, sys
+import hashlib, json, os, sys
 import fsspec
 import helper
 from crf import layout
@@ -39,6 +39,7 @@ open("written-by-replica.txt", "w").write("x")
 seen = {
     "status": "ok", "cwd": os.getcwd(), "helper": helper.VALUE, "argv": sys.argv[1:],
     "files": sorted(os.listdir(".")),
+    "secret_sha256": hashlib.sha256(os.environ.get("MY_SECRET", "").encode()).hexdigest(),
 }
 uri = os.environ["CRF_RUN_URI"].rstrip("/") + "/" + layout.result_key(int(os.environ["CRF_RANK"]))
 with fsspec.open(uri, "w") as f:
