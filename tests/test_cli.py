@@ -14,14 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from crf.launcher.cli import app
-from crf.replica import jobs
+from tests.fake_job import register_fake_job
 
 REPLICA_SCRIPT = r"""
 import os, sys, time
@@ -75,12 +74,7 @@ class _FakeConfig:
 @pytest.fixture(autouse=True)
 def testjob(monkeypatch: pytest.MonkeyPatch) -> str:
     """A registered job whose config the driver validates (the script ignores it)."""
-    mod = types.ModuleType("crf_test_fake_job")
-    mod.Config = _FakeConfig  # type: ignore[attr-defined]
-    mod.run = lambda ctx, cfg: {}  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setitem(jobs.JOBS, "testjob", mod.__name__)
-    return "testjob"
+    return register_fake_job(monkeypatch, _FakeConfig)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import inspect
 import json
 import re
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,8 @@ from crf.launcher.config_file import (
     resolve_backend,
 )
 from crf.launcher.errors import LaunchError
-from crf.replica import jobs
 from crf.spec import Option, RunSpec, run_options
+from tests.fake_job import register_fake_job
 from tests.test_cli import REPLICA_SCRIPT
 
 
@@ -51,12 +50,7 @@ class _FakeConfig:
 @pytest.fixture(autouse=True)
 def testjob(monkeypatch: pytest.MonkeyPatch) -> str:
     """A registered job with a Config (no torch needed to check its options)."""
-    mod = types.ModuleType("crf_test_config_job")
-    mod.Config = _FakeConfig  # type: ignore[attr-defined]
-    mod.run = lambda ctx, cfg: {}  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setitem(jobs.JOBS, "testjob", mod.__name__)
-    return "testjob"
+    return register_fake_job(monkeypatch, _FakeConfig)
 
 
 EXAMPLE = """\

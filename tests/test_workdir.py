@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -78,7 +77,6 @@ def test_packing_honours_gitignore_without_git(tmp_path: Path) -> None:
     assert pack_workdir(root).sha256 == packed.sha256  # reproducible: one key per content
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_packing_a_git_checkout_takes_what_git_would(tmp_path: Path) -> None:
     root = make_workdir(tmp_path / "repo")
     subprocess.run(["git", "init", "-q", str(root)], check=True)
