@@ -128,7 +128,16 @@ DryRun = Annotated[
     typer.Option(
         "--dry-run",
         help="Check everything and print the plan (what starts where, hardware, "
-        "hourly cost) without launching or writing anything.",
+        "hourly cost) and what is missing (credentials, store access), without launching "
+        "or writing anything; exits 0 even when something is missing.",
+        rich_help_panel=LAUNCH,
+    ),
+]
+Strict = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="With --dry-run: exit 2 when anything is missing (for CI).",
         rich_help_panel=LAUNCH,
     ),
 ]
@@ -201,6 +210,7 @@ def _launch_flags(
     job_config: JobSets = None,
     store: LaunchStore = None,
     dry_run: DryRun = False,
+    strict: Strict = False,
     detach: Detach = False,
     no_progress: NoProgress = False,
     timeout: Timeout = None,
@@ -299,6 +309,8 @@ def launch(ctx: typer.Context, **params: Any) -> None:
     cfg = _apply_config(ctx, options, flags)
     options["job_config"] = cfg.job_config | parse_sets(flags["job_config"])
     timeout, resume = flags["timeout"], flags["resume"]
+    if flags["strict"] and not flags["dry_run"]:
+        _fail("--strict only applies to --dry-run (a launch already stops at what is missing)")
     if timeout is not None:
         try:
             check_seconds("--timeout", timeout)
@@ -329,7 +341,7 @@ def launch(ctx: typer.Context, **params: Any) -> None:
                            restart=policy, dry_run=flags["dry_run"])  # fmt: skip
         if flags["dry_run"]:
             _print_plan(plan)
-            raise typer.Exit(EXIT_OK)
+            raise typer.Exit(EXIT_USAGE if flags["strict"] and plan.missing else EXIT_OK)
         summary = run(plan, progress=not flags["no_progress"], timeout_s=timeout,
                       detach=flags["detach"])  # fmt: skip
     except LaunchError as e:
@@ -511,7 +523,20 @@ def _print_plan(plan: Any) -> None:
     console.print(table)
     for note in bp.notes:
         console.print(f"- {escape(note)}", highlight=False)
+    _print_missing(console, plan.missing)
     console.print("nothing was launched or written (--dry-run)")
+
+
+def _print_missing(console: Console, missing: list[str]) -> None:
+    """A dry run's list of what an account or setup must provide before the run can
+    launch, each line naming where it comes from (a variable, a file, a login command)."""
+    if not missing:
+        console.print("[green]ready:[/] the backend and the store accept this machine's "
+                      "credentials")  # fmt: skip
+        return
+    console.print(f"[bold yellow]missing[/] before this run can launch ({len(missing)}):")
+    for line in missing:
+        console.print(f"- {escape(line)}", highlight=False)
 
 
 StoreOpt = Annotated[
