@@ -159,7 +159,7 @@ class CloudExecutor(ServerlessExecutor):
         return [
             lambda: self.check_run_uri(run_uri),
             lambda: self.check_store_credentials(run_uri),
-            *self.backend_checks(run_uri),
+            *self.backend_checks(),
         ]
 
     def check_store_credentials(self, run_uri: str) -> None:
@@ -171,9 +171,14 @@ class CloudExecutor(ServerlessExecutor):
             raise MissingAccess(str(e)) from None
 
     @abstractmethod
-    def backend_checks(self, run_uri: str) -> list[ReadyCheck]:
+    def backend_checks(self) -> list[ReadyCheck]:
         """The backend's own checks: hardware/flavor names known (ExecutorError), its
         credentials present and accepted (MissingAccess naming where they come from)."""
+
+    def check_backend(self) -> None:
+        """The backend's own checks (``backend_checks``), stopping at the first failure."""
+        for check in self.backend_checks():
+            check()
 
     # ------------------------------------------------------------------ launch
     def secrets_for(self, run_uri: str, env: Mapping[str, str] | None) -> dict[str, str]:

@@ -220,10 +220,10 @@ class HFJobsExecutor(CloudExecutor):
             )
         self._flavor_checked = True
 
-    def backend_checks(self, run_uri: str) -> list[ReadyCheck]:
-        return [self.check_backend]
+    def backend_checks(self) -> list[ReadyCheck]:
+        return [self._check_account]
 
-    def check_backend(self) -> None:
+    def _check_account(self) -> None:
         """Token present and accepted, namespace allowed, flavor known - nothing launched."""
         if self.flavor not in known_flavors() and not self._token and not get_token():
             # say both things at once: the name is wrong and the token is missing

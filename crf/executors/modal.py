@@ -261,7 +261,7 @@ class ModalExecutor(CloudExecutor):
         return ExecutorError(f"Modal failed to {what}: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ checks
-    def backend_checks(self, run_uri: str) -> list[ReadyCheck]:
+    def backend_checks(self) -> list[ReadyCheck]:
         """The GPU name known; a token present, and accepted by Modal (``ClientHello``)."""
         return [lambda: parse_gpu(self.gpu), self.check_token]
 

@@ -352,16 +352,14 @@ class SageMakerExecutor(CloudExecutor):
             f"(boto3 {boto3.__version__} knows {len(known)} types; upgrade it for newer ones)"
         )
 
-    def backend_checks(self, run_uri: str) -> list[ReadyCheck]:
-        """Instance type known; a role, a region and an S3 output location given; AWS
-        accepts the credentials and lets them use SageMaker - each said apart."""
-        return [
-            self._check_instance_type,
-            self._check_role,
-            self._region,
-            self._check_aws,
-            lambda: self._output_path(run_uri),
-        ]
+    def backend_checks(self) -> list[ReadyCheck]:
+        """Instance type known; a role and a region given; AWS accepts the credentials and
+        lets them use SageMaker - each said apart."""
+        return [self._check_instance_type, self._check_role, self._region, self._check_aws]
+
+    def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
+        """The shared checks, then an S3 location for the jobs' output."""
+        return [*super().ready_checks(run_uri), lambda: self._output_path(run_uri)]
 
     def _check_role(self) -> None:
         if not self.role_arn:

@@ -308,6 +308,7 @@ def launch(ctx: typer.Context, **params: Any) -> None:
     _repeatable_values(ctx, options)
     cfg = _apply_config(ctx, options, flags)
     options["job_config"] = cfg.job_config | parse_sets(flags["job_config"])
+    _check_entrypoint_sets(ctx, options, cfg)
     timeout, resume = flags["timeout"], flags["resume"]
     if flags["strict"] and not flags["dry_run"]:
         _fail("--strict only applies to --dry-run (a launch already stops at what is missing)")
@@ -349,6 +350,19 @@ def launch(ctx: typer.Context, **params: Any) -> None:
     except StoreError as e:  # after launch: the replicas fail on it too (exit 1, not 2)
         _fail(f"the run's store failed: {e}", EXIT_FAILED)
     raise typer.Exit(_exit_code(summary))
+
+
+def _check_entrypoint_sets(ctx: typer.Context, options: dict[str, Any], cfg: Any) -> None:
+    """``--set`` with an ``--entrypoint`` and no ``--job``: one line saying how to pass
+    arguments to the command instead (crf.launcher.plan.check_entrypoint_options)."""
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.plan import check_entrypoint_options
+
+    named = _given(ctx, "job") or "job" in cfg.options
+    try:
+        check_entrypoint_options(options["entrypoint"], options["job_config"], job_named=named)
+    except LaunchError as e:
+        _fail(str(e))
 
 
 #: the launch flags a config file may set (crf.launcher.config_file.LAUNCH_KEYS)
@@ -497,7 +511,7 @@ def _print_plan(plan: Any) -> None:
         ("region", bp.region or "-"),
         ("command", " ".join(bp.command) if len(" ".join(bp.command)) < 200 else bp.command[0]),
         ("store", bp.store),
-        ("job", f"{spec.job} {spec.job_config or ''}".strip()),
+        ("job", f"{spec.job_label} {spec.job_config or ''}".strip()),
         (
             "schedule",
             f"{spec.rounds} round(s) x {spec.sync_every} inner steps"

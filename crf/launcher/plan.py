@@ -208,6 +208,7 @@ def prepare(
         raise LaunchError(f"a run option has the wrong type: {e}") from None
     missing = check_access(executor, run_uri, dry_run=dry_run)  # the backend's credentials
     packed = check_code(spec, executor)
+    check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     with importable(packed if _imports_user_code(spec) else None):  # from the workdir
         spec.job_config = validate_job(spec.job, job_options)
         check_workload(spec)
@@ -300,7 +301,28 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     except TypeError as e:
         raise LaunchError(f"a run option has the wrong type: {e}") from None
     _command(entrypoint)
+    check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     return validate_job(values.get("job", RunSpec.job), job_options)
+
+
+def check_entrypoint_options(
+    entrypoint: str | Sequence[str] | None,
+    job_options: Mapping[str, Any] | None,
+    *,
+    job_named: bool,
+) -> None:
+    """LaunchError for ``--set`` with a custom ``--entrypoint`` and no job named: job
+    options configure a crf job, and the command replaces the default one, so they would be
+    checked against a job that never runs. (With ``--job`` named, they are that job's, in
+    run.json, where an entrypoint that follows the replica contract may read them.)"""
+    if entrypoint is None or not job_options or job_named:
+        return
+    keys = ", ".join(f"{k}=..." for k in job_options)
+    raise LaunchError(
+        f"--set {keys}: --set configures crf's built-in jobs, not an --entrypoint; pass "
+        "arguments to your entrypoint in the command itself, e.g. --entrypoint "
+        "'python train.py --lr 3e-4' (or read them from --env)"
+    )
 
 
 def check_workload(spec: RunSpec) -> None:
