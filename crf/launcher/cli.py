@@ -545,8 +545,8 @@ def _print_missing(console: Console, missing: list[str]) -> None:
     """A dry run's list of what an account or setup must provide before the run can
     launch, each line naming where it comes from (a variable, a file, a login command)."""
     if not missing:
-        console.print("[green]ready:[/] the backend and the store accept this machine's "
-                      "credentials")  # fmt: skip
+        console.print("[green]nothing missing:[/] the backend and the store accept this "
+                      "machine's credentials")  # fmt: skip
         return
     console.print(f"[bold yellow]missing[/] before this run can launch ({len(missing)}):")
     for line in missing:

@@ -317,9 +317,9 @@ def check_entrypoint_options(
     run.json, where an entrypoint that follows the replica contract may read them.)"""
     if entrypoint is None or not job_options or job_named:
         return
-    keys = ", ".join(f"{k}=..." for k in job_options)
+    given = " ".join(f"--set {k}={v}" for k, v in job_options.items())
     raise LaunchError(
-        f"--set {keys}: --set configures crf's built-in jobs, not an --entrypoint; pass "
+        f"{given}: --set configures crf's built-in jobs, not an --entrypoint; pass "
         "arguments to your entrypoint in the command itself, e.g. --entrypoint "
         "'python train.py --lr 3e-4' (or read them from --env)"
     )
