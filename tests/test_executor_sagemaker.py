@@ -325,6 +325,25 @@ def test_dry_run_plan(s3_env: MotoS3) -> None:
 def test_check_backend_accepts_good_credentials(aws: Aws) -> None:
     executor().check_ready(aws.uri("ok"))
     assert ("sts", "GetCallerIdentity") in aws.emu.calls
+    assert executor().missing(aws.uri("ok")) == []  # what --dry-run lists: nothing
+
+
+def test_missing_lists_every_problem(aws: Aws, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``missing`` (``--dry-run``) says each missing piece apart, where ``check_ready`` (a
+    launch) stops at the first; a misspelt instance type is bad input, raised either way."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    found = executor(role_arn=None).missing("gs://bucket/runs/x")
+    assert [line.split(":")[0] for line in found] == [
+        "no Google credentials for gs",  # the store
+        "SageMaker jobs need an IAM execution role",
+        "no AWS credentials for SageMaker",
+        "SageMaker requires an S3 location for job output (crf writes nothing there, but the "
+        "API insists)",
+    ]
+    with pytest.raises(ExecutorError, match="did you mean ml.g5.xlarge"):
+        executor("ml.g5.xlargee", role_arn=None).missing("gs://bucket/runs/x")
+    assert not aws.emu.jobs
 
 
 def test_check_backend_rejects_bad_credentials(aws: Aws, monkeypatch: pytest.MonkeyPatch) -> None:
