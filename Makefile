@@ -1,21 +1,31 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make demo   -> the embedded default run: 4 local replicas, no credentials, no downloads
 #   make test   -> lint + the whole test suite (what .ci/run calls)
-# torch is installed first and pinned (2.13.0, the CPU build on this kind of machine): a bare
-# `torch` requirement would let pip pull a multi-GB CUDA build.
+# torch is installed first and pinned (2.13.0), from PyTorch's CPU wheel index when it answers:
+# on Linux a bare `torch` from PyPI is the multi-GB CUDA build. Where that index cannot be
+# reached (an offline mirror, a proxy) torch comes from pip's configured index, and the install
+# says so. TORCH=... picks another torch (e.g. a CUDA build on a GPU machine), TORCH_INDEX=...
+# another index (empty: pip's own).
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP   = $(VENV)/.crf-installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean torch-index-args
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	@index="$$($(MAKE) -s --no-print-directory torch-index-args)"; \
+	case "$$index" in \
+	  --index-url*) echo "installing $(TORCH): the CPU build, from $(TORCH_INDEX)";; \
+	  *) echo "installing $(TORCH) from pip's configured index ($(TORCH_INDEX) did not answer;" \
+	          "on Linux x86_64 PyPI's torch is the CUDA build: set TORCH_INDEX or TORCH)";; \
+	esac; \
+	$(BIN)/python -m pip install -q $$index "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -37,6 +47,14 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/exchange.py
+
+# The pip arguments that choose torch's index: PyTorch's CPU index on Linux when it answers
+# within 10 s, else none (pip's configured index). macOS and Windows wheels on PyPI
+# are CPU builds already.
+torch-index-args:
+	@if [ -n "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && $(PYTHON) -c \
+	    "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10).close()" \
+	    2>/dev/null; then echo "--index-url $(TORCH_INDEX)"; fi
 
 clean:
 	rm -rf $(VENV) crf-runs .pytest_cache

@@ -76,7 +76,7 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
         assert res["versions"] == installed_versions() and res["versions"]["torchft"]
         assert isinstance(res["cuda_available"], bool)
     assert "ran trl" not in proc.stdout and "(driver:" not in proc.stdout  # no warning
-    # the store holds what DESIGN.md says
+    # the store holds what docs/design.md says
     assert json.loads((run / "run.json").read_text())["replicas"] == 3
     assert sorted(os.listdir(run / "metrics" / "0")) == ["0.json", "1.json", "2.json", "3.json"]
     assert (run / layout.global_key(3)).exists()

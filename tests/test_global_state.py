@@ -55,7 +55,22 @@ def test_nested_state_round_trips_and_is_a_safetensors_file() -> None:
     _same(state, back)
     assert header == {"run_id": "t", "round": 4}
     meta = global_state.metadata(data)
-    assert meta["run_id"] == '"t"' and meta["round"] == "4" and len(meta["digest"]) == 64
+    assert meta["run_id"] == '"t"' and meta["round"] == "4" and len(meta["digest"]) == 32
+
+
+def test_a_global_state_written_with_sha256_is_still_read() -> None:
+    """Global states from before XXH3-128 became crf's one checksum still resume."""
+    from safetensors.torch import save
+
+    flat = global_state.flatten({"w": torch.arange(4.0)})
+    meta = {"run_id": '"t"', "round": "1", "format": global_state.FORMAT, "tree": flat.tree}
+    meta["digest"] = global_state.digest(meta, flat.tensors, sha256=True)
+    assert len(meta["digest"]) == 64
+    state, header = global_state.decode(save(flat.tensors, metadata=meta), where="x")
+    assert torch.equal(state["w"], torch.arange(4.0)) and header == {"run_id": "t", "round": 1}
+    meta["round"] = "2"  # covered by the digest
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        global_state.decode(save(flat.tensors, metadata=meta), where="x")
 
 
 def test_a_run_writes_a_global_state_load_file_opens(tmp_path) -> None:

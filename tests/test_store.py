@@ -130,6 +130,21 @@ def test_tensor_codec_rejects_truncated_flipped_foreign() -> None:
         decode_blob(blob[:-1] + b"Q")
 
 
+def test_blobs_written_with_sha256_are_still_read() -> None:
+    """Inner states from before XXH3-128 became crf's one integrity checksum still resume."""
+    import hashlib
+
+    from crf.store import codec
+
+    hbytes, payload = b'{"a":1}', b"payload"
+    digest = hashlib.sha256(hbytes + payload).digest()
+    old = codec._FIXED.pack(codec.BLOB_MAGIC_SHA256, len(hbytes), len(payload), digest)
+    assert decode_blob(old + hbytes + payload) == (payload, {"a": 1})
+    assert encode_blob(payload, {"a": 1})[:8] == codec.BLOB_MAGIC
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        decode_blob(old + hbytes + b"paylOad")
+
+
 def test_memory_store_is_shared_in_process_only() -> None:
     a = RunStore("memory://shared-test/x")
     a.put("k", b"v")

@@ -10,8 +10,9 @@ names each tensor where it sits, so the nested state comes back exactly as it wa
 
 Safetensors itself carries no checksum, and a global state must still be refused when it is
 corrupt, from another run or copied from another round (docs/faults.md). So the metadata
-also holds the run id, the round, the model's layout hash and ``digest``: a SHA-256 over the
-other metadata entries and every tensor (name, dtype, shape, bytes, name-sorted). A reader
+also holds the run id, the round, the model's layout hash and ``digest``: an XXH3-128 (crf's one
+integrity checksum, as in every exchange object; files written with a SHA-256 are still read)
+over the other metadata entries and every tensor (name, dtype, shape, bytes, name-sorted). A reader
 recomputes it (:func:`decode`); a flipped bit anywhere in the file fails it, or fails the
 safetensors parse, and both are a :class:`~crf.store.CorruptObjectError`.
 """
@@ -28,7 +29,7 @@ import torch
 
 from crf import jsonsafe
 from crf.store import CorruptObjectError
-from crf.store.codec import raw_view
+from crf.store.codec import checksum, raw_view
 
 #: the metadata entry holding the checksum; every other entry is covered by it
 DIGEST = "digest"
@@ -100,9 +101,10 @@ def _rebuild(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return node["v"]
 
 
-def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the metadata (but ``digest``) and the tensors, name-sorted."""
-    h = hashlib.sha256()
+def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor], *, sha256: bool = False) -> str:
+    """XXH3-128 (or, for files written before it, SHA-256) over the metadata (but
+    ``digest``) and the tensors, name-sorted."""
+    h = hashlib.sha256() if sha256 else checksum()
     covered = {k: v for k, v in meta.items() if k != DIGEST}
     h.update(jsonsafe.dumps(covered, sort_keys=True).encode())
     for name, t in sorted(tensors.items()):
@@ -135,7 +137,8 @@ def decode(data: bytes, *, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CorruptObjectError(f"{where}: not a readable safetensors file ({e})") from None
     if meta.get("format") != FORMAT or DIGEST not in meta or TREE not in meta:
         raise CorruptObjectError(f"{where}: not a crf global state (no {FORMAT} metadata)")
-    if digest(meta, tensors) != meta[DIGEST]:
+    old = len(meta[DIGEST]) == 64  # a SHA-256 hex digest: written before XXH3-128
+    if digest(meta, tensors, sha256=old) != meta[DIGEST]:
         raise CorruptObjectError(f"{where}: checksum mismatch (object is corrupted)")
     try:
         state = _rebuild(json.loads(meta[TREE]), tensors)

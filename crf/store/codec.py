@@ -173,13 +173,19 @@ def decode_tensor(
     return t, header
 
 
-BLOB_MAGIC = b"CRFBLOB1"
+BLOB_MAGIC = b"CRFBLOB2"  # XXH3-128, like tensor objects
+BLOB_MAGIC_SHA256 = b"CRFBLOB1"  # still read
+
+
+def checksum() -> Any:
+    """The hash object of crf's one integrity checksum, XXH3-128 (module docstring: why)."""
+    return _xxh3()
 
 
 def encode_blob(payload: bytes, meta: dict[str, Any] | None = None) -> bytes:
-    """Wrap opaque bytes (e.g. a torch.save'd checkpoint) with a header and a SHA-256."""
+    """Wrap opaque bytes (e.g. a torch.save'd checkpoint) with a header and an XXH3-128."""
     hbytes = jsonsafe.dumps(dict(meta or {}), sort_keys=True).encode()
-    digest = hashlib.sha256(hbytes + payload).digest()
+    digest = _digest(MAGIC, hbytes, payload)
     return _FIXED.pack(BLOB_MAGIC, len(hbytes), len(payload), digest) + hbytes + payload
 
 
@@ -188,11 +194,11 @@ def decode_blob(data: bytes, *, where: str = "object") -> tuple[bytes, dict[str,
     if len(data) < _FIXED.size:
         raise CorruptObjectError(f"{where}: truncated ({len(data)} bytes)")
     magic, hlen, plen, digest = _FIXED.unpack_from(data)
-    if magic != BLOB_MAGIC:
+    if magic not in (BLOB_MAGIC, BLOB_MAGIC_SHA256):
         raise CorruptObjectError(f"{where}: not a crf blob (bad magic {magic!r})")
     if len(data) != _FIXED.size + hlen + plen:
         raise CorruptObjectError(f"{where}: truncated or padded")
     body = memoryview(data)[_FIXED.size :]
-    if hashlib.sha256(body).digest() != digest:
+    if _digest(MAGIC_SHA256 if magic == BLOB_MAGIC_SHA256 else MAGIC, body) != digest:
         raise CorruptObjectError(f"{where}: checksum mismatch (object is corrupted)")
     return bytes(body[hlen:]), json.loads(bytes(body[:hlen]))
