@@ -160,3 +160,21 @@ def test_set_with_an_entrypoint_says_how_to_pass_arguments(no_account: Path) -> 
                     "--set", "lr=3e-4", "--dry-run")  # fmt: skip
     assert code == 0, out
     assert "│ job │ python train.py {'lr': 0.0003} │" in out
+
+
+def test_a_missing_client_library_is_listed_with_its_extra(
+    no_account: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Modal executor is built without its client, so a dry run can still price the run
+    and list the pip extra that installs the client."""
+    from crf.executors import adaptors
+
+    def not_installed(submodule: str = "") -> None:
+        raise adaptors.MissingSDK("modal is not installed", name="modal")
+
+    monkeypatch.setattr(adaptors.modal, "load", not_installed)
+    code, out = crf("launch", "--backend", "modal", "--job", "lm", "--dry-run", "--strict")
+    assert code == 2, out
+    assert "│ cost │ $" in out
+    assert "the modal backend needs the modal client: pip install 'composer-replication[modal]'" \
+        in missing_list(out)
