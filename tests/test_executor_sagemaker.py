@@ -602,17 +602,22 @@ def test_cli_dry_run_detach_status_logs_cancel(aws: Aws, script: Path) -> None:
 
 
 def test_cli_early_failures(aws: Aws, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = ["launch", "--replicas", "2", "--job", "lm", "--run-id", "x", "--dry-run"]
+    """Missing access is listed after the plan (exit 2 with --strict); bad input is one
+    error line."""
+    base = ["launch", "--replicas", "2", "--job", "lm", "--run-id", "x", "--dry-run", "--strict"]
     s3 = ["--store", f"s3://{aws.bucket}/runs"]
+    listed = "missing before this run can launch"
     code, out = crf(*base, *sm_flags(), "--store", str(tmp_path / "runs"))
-    assert code == 2 and "use an object store" in out, out
+    assert code == 2 and listed in out and "use an object store" in out, out
     code, out = crf(*base, *sm_flags(), *s3, "--instance-type", "ml.g5.xlargee")
-    assert code == 2 and "did you mean ml.g5.xlarge" in out, out
+    assert code == 2 and "did you mean ml.g5.xlarge" in out and listed not in out, out
     code, out = crf(*base, "--backend", "sagemaker", "--region", "us-east-1", *s3)
-    assert code == 2 and "IAM execution role" in out, out
+    assert code == 2 and listed in out and "IAM execution role" in out, out
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY00000000")
     code, out = crf(*base, *sm_flags(), *s3)
-    assert code == 2 and "AWS rejected your credentials" in out, out
+    assert code == 2 and listed in out and "AWS rejected your credentials" in out, out
+    code, out = crf(*base[:-1], *sm_flags(), *s3)  # without --strict: the same list, exit 0
+    assert code == 0 and "AWS rejected your credentials" in out, out
     assert not aws.emu.jobs and "Traceback" not in out
 
 
