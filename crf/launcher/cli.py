@@ -63,12 +63,29 @@ def parse_sets(items: list[str] | None) -> dict[str, str]:
     return parse_pairs(items, "--set")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from crf import __version__
+
+        typer.echo(f"crf {__version__}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _app(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_print_version, is_eager=True,
+                     help="Print the crf version and exit."),
+    ] = None,
+) -> None:  # fmt: skip
+    """Train one model as N replicas that meet only through an object store (DiLoCo)."""
+
+
 @app.command()
 def version() -> None:
-    """Print the crf version."""
-    from crf import __version__
-
-    Console().print(f"crf {__version__}")
+    """Print the crf version (the same as crf --version)."""
+    _print_version(True)
 
 
 # ---------------------------------------------------------------------- crf launch
