@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def crf(
     *args: str, cwd: Path, timeout: float = 400, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CRF_LOG_LEVEL="WARNING", **(env or {}))
+    env = {**os.environ, "CRF_LOG_LEVEL": "WARNING", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "crf.launcher.cli", *args],
         cwd=cwd,
@@ -52,6 +52,7 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
         str(tmp_path / "runs"),
         "--no-progress",
         cwd=tmp_path,
+        env={"CRF_LOG_LEVEL": "INFO"},  # the replica logs' round lines are checked below
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run = tmp_path / "runs" / "e2e-lm"
@@ -96,6 +97,13 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
     record = json.loads((run / "metrics" / "1" / "2.json").read_text())
     assert 0 < record["metrics"]["eval_loss"] < jm["eval_loss_initial"]
     assert result["figure"] == str(run / "figure.png") and (run / "figure.png").stat().st_size
+    # a replica's log: one line per round (what it learned, what the exchange cost), none of
+    # torchft's per-sync lines at INFO, no known deprecation noise
+    log = (run / "logs" / "replica-1.log").read_text()
+    for r in range(4):
+        assert f"round {r}: loss " in log
+    assert "eval_loss" in log and "committed (3 replicas)" in log
+    assert "Syncing" not in log and "Warning" not in log, log
 
 
 def test_user_entrypoint_joins_the_exchange(tmp_path: Path) -> None:

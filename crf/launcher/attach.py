@@ -15,8 +15,9 @@ gathers the results into ``result.json`` exactly as a watching driver would have
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,13 +153,33 @@ def gather(
     )
 
 
-def follow_logs(run: AttachedRun, rank: int | None, follow: bool) -> Iterator[tuple[int, str]]:
+def _replica_lines(
+    run: AttachedRun, h: ReplicaHandle, follow: bool, tail: int | None
+) -> Iterator[str]:
+    """One replica's log lines: the last ``tail`` of them (all when None), then, with
+    ``follow``, the new ones as they come. A backend's follow starts from the beginning, so
+    the lines it has now are counted first and that many less ``tail`` are skipped."""
+    if tail is None:
+        yield from run.executor.logs(h, follow=follow)
+        return
+    if not follow:
+        yield from collections.deque(run.executor.logs(h, follow=False), maxlen=max(0, tail))
+        return
+    skip = max(0, sum(1 for _ in run.executor.logs(h, follow=False)) - tail)
+    for i, line in enumerate(run.executor.logs(h, follow=True)):
+        if i >= skip:
+            yield line
+
+
+def follow_logs(
+    run: AttachedRun, rank: int | None, follow: bool, tail: int | None = None
+) -> Iterator[tuple[int, str]]:
     """(rank, line) for one replica, or for all of them one after the other (without follow)
-    or interleaved as they arrive (with follow)."""
+    or interleaved as they arrive (with follow); ``tail``: only each replica's last lines."""
     handles = [run.handle(rank)] if rank is not None else run.handles
     if not follow or len(handles) == 1:
         for h in handles:
-            for line in run.executor.logs(h, follow=follow):
+            for line in _replica_lines(run, h, follow, tail):
                 yield h.rank, line
         return
     import queue
@@ -168,7 +189,7 @@ def follow_logs(run: AttachedRun, rank: int | None, follow: bool) -> Iterator[tu
 
     def pump(h: ReplicaHandle) -> None:
         try:
-            for line in run.executor.logs(h, follow=True):
+            for line in _replica_lines(run, h, True, tail):
                 q.put((h.rank, line))
         finally:
             q.put(None)
@@ -184,8 +205,11 @@ def follow_logs(run: AttachedRun, rank: int | None, follow: bool) -> Iterator[tu
             yield item
 
 
-def list_runs(store: str | None) -> list[dict[str, Any]]:
-    """One row per run folder under ``store``: id, backend, job, size, when, status.
+def list_runs(
+    store: str | None, status: Iterable[str] | None = None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """One row per run folder under ``store``, newest first: id, backend, job, size, when,
+    status; only the runs whose status is in ``status`` (all when None), at most ``limit``.
 
     The status is the newest launch's ``result.json`` status when it exists; otherwise
     ``running`` if a heartbeat is fresh, else ``stopped`` (a driver died, or a detached run
@@ -201,7 +225,77 @@ def list_runs(store: str | None) -> list[dict[str, Any]]:
         if row is not None:
             rows.append(row)
     rows.sort(key=lambda r: r.get("created_at") or 0, reverse=True)
-    return rows
+    wanted = set(status or ())
+    if wanted:
+        rows = [r for r in rows if r["status"] in wanted]
+    return rows if limit is None else rows[: max(0, limit)]
+
+
+#: the statuses a run can have in ``crf runs`` (result.json's, or what the heartbeats say)
+RUN_STATUSES = ("ok", "failed", "cancelled", "running", "stopped")
+
+
+def status_record(run: AttachedRun) -> dict[str, Any]:
+    """What ``crf status --json`` prints: the run, each replica as its backend and heartbeat
+    see it, and its result (result.json of this launch) once written."""
+    now = time.time()
+    replicas = [_replica_record(h, st, beat, now) for h, st, beat in run.statuses()]
+    result = run.result()
+    status = result["status"] if result else (
+        "running" if any(r["state"] in ("pending", "running") for r in replicas) else "stopped"
+    )
+    return {
+        "run_id": run.spec.run_id,
+        "backend": run.spec.backend,
+        "job": run.spec.job_label,
+        "status": status,
+        "launch": run.launch_no,
+        "rounds": run.spec.rounds,
+        "replicas": replicas,
+        "result": result,
+    }
+
+
+def _replica_record(
+    h: ReplicaHandle, st: ReplicaStatus, beat: layout.Heartbeat | None, now: float
+) -> dict[str, Any]:
+    age = round(now - beat.updated_at, 1) if beat and beat.updated_at else None
+    metrics = dict(getattr(beat, "metrics", None) or {}) if beat else {}
+    return {
+        "rank": h.rank,
+        "state": str(st.state),
+        "exit_code": st.exit_code,
+        "restarts": int(getattr(st, "restarts", 0) or 0),
+        "phase": beat.phase if beat else None,
+        "round": beat.round if beat else None,
+        "step": beat.step if beat else None,
+        "loss": beat.loss if beat else None,
+        "reward": metrics.get("reward"),
+        "heartbeat_age_s": age,
+    }
+
+
+def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
+    """Delete every object of run ``run_id`` (``crf rm``); (objects, bytes) deleted.
+    LaunchError, with nothing deleted, while any of its replicas may still be running: as its
+    backend says, or - when the backend cannot be asked - as its heartbeats say."""
+    from crf.launcher.resume import live_replicas
+
+    st = run_store(run_id, store)
+    try:
+        run = attach(run_id, store)
+        live = [f"replica {h.rank} {s.state}" for h, s, _ in run.statuses() if not s.terminal]
+    except (LaunchError, ExecutorError):  # no handles, or the backend is out of reach
+        spec = RunSpec.from_json(st.get(layout.RUN_SPEC).decode())
+        live = live_replicas(st, spec.replicas, spec.run_id)
+    if live:
+        raise LaunchError(
+            f"run {run_id} is still running ({', '.join(live)}); stop it first with "
+            f"`crf cancel {run_id}`, then remove it"
+        )
+    count, size = st.usage()
+    st.delete("")
+    return count, size
 
 
 def _run_row(st: Any) -> dict[str, Any] | None:
@@ -232,13 +326,16 @@ def _run_row(st: Any) -> dict[str, Any] | None:
 
 
 def _fresh_heartbeat(st: Any, replicas: int) -> bool:
-    """Whether any replica wrote its heartbeat recently enough to be running still."""
+    """Whether any replica wrote its heartbeat recently enough to be running still (a
+    replica whose last heartbeat says done or failed has ended, however fresh it is)."""
     from crf.launcher.resume import LIVE_HEARTBEAT_S
     from crf.launcher.supervise import read_heartbeat
 
     now = time.time()
     for r in range(replicas):
         beat = read_heartbeat(st, r)
-        if beat is not None and now - float(beat.updated_at or 0) < LIVE_HEARTBEAT_S:
+        if beat is None or beat.phase in ("done", "failed"):
+            continue
+        if now - float(beat.updated_at or 0) < LIVE_HEARTBEAT_S:
             return True
     return False

@@ -576,90 +576,166 @@ StoreOpt = Annotated[
 ]
 
 
+JsonOut = Annotated[
+    bool, typer.Option("--json", help="Print JSON on stdout (and nothing else) for scripts.")
+]
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run id.")]
+
+
+def _print_json(data: Any) -> None:
+    from crf import jsonsafe
+
+    typer.echo(jsonsafe.dumps(data, indent=1))
+
+
 @app.command()
-def runs(store: StoreOpt = None) -> None:
-    """List the runs in a store: id, backend, job, size, when, status."""
+def runs(
+    store: StoreOpt = None,
+    status: Annotated[
+        list[str] | None,
+        typer.Option("--status", help="Only runs with this status (repeatable): ok, failed, "
+                     "cancelled, running, stopped."),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="At most this many runs, newest first.")
+    ] = None,
+    json_out: JsonOut = False,
+) -> None:  # fmt: skip
+    """List the runs in a store, newest first: id, backend, job, replicas, rounds, when,
+    status."""
     import datetime
 
     from rich.table import Table
 
-    from crf.launcher.attach import list_runs
+    from crf.launcher.attach import RUN_STATUSES, list_runs
 
+    unknown = sorted(set(status or ()) - set(RUN_STATUSES))
+    if unknown:
+        _fail(f"unknown --status {', '.join(unknown)} (one of: {', '.join(RUN_STATUSES)})")
     try:
-        rows = list_runs(store)
+        rows = list_runs(store, status=status, limit=limit)
     except Exception as e:
         _fail(f"cannot list runs in {store or './crf-runs'}: {e} (check --store)")
+    if json_out:
+        _print_json(rows)
+        return
     console = Console()
     if not rows:
         console.print(f"no runs in {escape(store or './crf-runs')}")
         return
     table = Table(title=f"runs in {store or './crf-runs'}")
     for col in ("run", "backend", "job", "replicas", "rounds", "created", "status"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     colors = {"ok": "green", "failed": "red", "running": "cyan", "cancelled": "yellow"}
     for r in rows:
         created = datetime.datetime.fromtimestamp(r["created_at"] or 0).strftime("%Y-%m-%d %H:%M")
         color = colors.get(r["status"], "white")
         table.add_row(
-            r["run_id"], r["backend"], r["job"], str(r["replicas"]), str(r["rounds"]), created,
-            f"[{color}]{escape(r['status'])}[/]",
+            r["run_id"], r["backend"], escape(r["job"]), str(r["replicas"]), str(r["rounds"]),
+            created, f"[{color}]{escape(r['status'])}[/]",
         )  # fmt: skip
     console.print(table)
 
 
+def _progress_of(run_: Any) -> Any:
+    """The live table of an attached run, as crf launch shows it."""
+    from crf.launcher.progress import ReplicaView, render_progress
+
+    spec = run_.spec
+    started = float(run_.launch_record.get("started_at") or spec.created_at)
+    views = [ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in run_.statuses()]
+    return render_progress(views, run_id=spec.run_id, rounds=spec.rounds,
+                           sync_every=spec.sync_every, elapsed_s=time.time() - started)  # fmt: skip
+
+
+def _watch(run_: Any, console: Console, interval: float) -> None:
+    """Redraw the table every ``interval`` s until every replica has ended: in place on a
+    terminal, else (a pipe, a CI log) a new table only when a replica's state changed."""
+    from rich.live import Live
+
+    def ended() -> bool:
+        return all(st.terminal for _, st, _ in run_.statuses())
+
+    if console.is_terminal:
+        with Live(_progress_of(run_), console=console, auto_refresh=False) as live:
+            while not ended():
+                time.sleep(interval)
+                live.update(_progress_of(run_), refresh=True)
+        return
+    last = None
+    while True:
+        rows = run_.statuses()
+        now = [(h.rank, str(st.state), b and b.phase, b and b.round) for h, st, b in rows]
+        if now != last:
+            console.print(_progress_of(run_))
+            last = now
+        if all(st.terminal for _, st, _ in rows):
+            return
+        time.sleep(interval)
+
+
 @app.command()
 def status(
-    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    run_id: RunArg,
     store: StoreOpt = None,
+    json_out: JsonOut = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Keep the table live until the run ends.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.2, help="Seconds between two redraws with --watch.")
+    ] = 2.0,
 ) -> None:
     """Show a run's replicas as its backend and heartbeats see them; a detached run whose
     replicas have all ended gets its summary (result.json) here."""
-    from crf.launcher.attach import attach, gather
+    from crf.launcher.attach import attach, gather, status_record
     from crf.launcher.errors import LaunchError
-    from crf.launcher.progress import ReplicaView, render_progress
     from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
     except (LaunchError, StoreError) as e:
         _fail(str(e))
-    console = Console()
+    console = Console(stderr=json_out)  # --json: stdout carries the JSON alone
+    try:
+        if watch and not json_out:
+            _watch(run_, console, interval)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     rows = run_.statuses()
-    spec = run_.spec
-    started = float(run_.launch_record.get("started_at") or spec.created_at)
-    views = [ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in rows]
-    console.print(
-        render_progress(
-            views,
-            run_id=spec.run_id,
-            rounds=spec.rounds,
-            sync_every=spec.sync_every,
-            elapsed_s=time.time() - started,
-        )
-    )
+    if not json_out and not watch:
+        console.print(_progress_of(run_))
     result = run_.result()
     if result is None and all(st.terminal for _, st, _ in rows):
-        result = gather(run_, report=True, console=console)
-    elif result is not None:
+        result = gather(run_, report=not json_out, console=console)
+    elif result is not None and not json_out:
         from crf.launcher.summary import render_summary
 
         render_summary(result, console, result_path=result.get("result_path"),
                        plot_path=result.get("figure"))  # fmt: skip
+    if json_out:
+        _print_json(status_record(run_))
     if result is None:
-        console.print(f"[cyan]running[/] (launch {run_.launch_no} on {spec.backend})")
+        if not json_out:
+            console.print(f"[cyan]running[/] (launch {run_.launch_no} on {run_.spec.backend})")
         raise typer.Exit(EXIT_OK)
     raise typer.Exit(_exit_code(result))
 
 
 @app.command()
 def logs(
-    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    run_id: RunArg,
     store: StoreOpt = None,
     rank: Annotated[int | None, typer.Option(help="Only this replica (default: all).")] = None,
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing until the replicas end.")
     ] = False,
-) -> None:
+    tail: Annotated[
+        int | None,
+        typer.Option("--tail", "-n", min=0, help="Only the last N lines of each replica "
+                     "(then new ones, with --follow)."),
+    ] = None,
+) -> None:  # fmt: skip
     """Print a run's replica logs (prefixed with the rank when showing several)."""
     from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, follow_logs
@@ -669,7 +745,7 @@ def logs(
     try:
         run_ = attach(run_id, store)
         prefix = rank is None and len(run_.handles) > 1
-        for r, line in follow_logs(run_, rank, follow):
+        for r, line in follow_logs(run_, rank, follow, tail):
             typer.echo(f"[{r}] {line}" if prefix else line)
     except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
@@ -678,8 +754,31 @@ def logs(
 
 
 @app.command()
+def rm(
+    run_id: RunArg,
+    store: StoreOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete a run's objects from the store (refused while any replica may still run)."""
+    from crf.launcher.attach import remove_run, run_store
+    from crf.launcher.errors import LaunchError
+    from crf.store.errors import StoreError
+
+    try:
+        where = run_store(run_id, store).root
+        if not yes and not typer.confirm(f"delete run {run_id} ({where}) and all its objects?"):
+            raise typer.Exit(EXIT_USAGE)
+        count, size = remove_run(run_id, store)
+    except (LaunchError, StoreError) as e:
+        _fail(str(e))
+    from crf.launcher.summary import fmt_bytes
+
+    Console().print(f"deleted run {escape(run_id)}: {count} object(s), {fmt_bytes(size)}")
+
+
+@app.command()
 def cancel(
-    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    run_id: RunArg,
     store: StoreOpt = None,
 ) -> None:
     """Stop every replica of a run (from any machine that can reach its store and backend),

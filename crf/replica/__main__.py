@@ -35,11 +35,9 @@ def main() -> int:
 
     # before any transfer thread exists: shard-sized buffers then come back to one arena
     limit_malloc_arenas()
-    rank = os.environ.get(layout.ENV_RANK, "?")
-    logging.basicConfig(
-        level=os.environ.get(layout.ENV_LOG_LEVEL, "INFO"),
-        format=f"%(asctime)s [replica {rank}] %(levelname)s %(name)s: %(message)s",
-    )
+    from crf.replica import logs
+
+    logs.configure(os.environ.get(layout.ENV_RANK, "?"))
     from crf.exchange.manager import restart_cannot_help
     from crf.replica.context import ContractError, ReplicaContext
     from crf.replica.jobs import get_job, job_config

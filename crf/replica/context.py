@@ -477,6 +477,8 @@ class ReplicaContext:
             loss = float(loss)
             self.last_loss = loss
         self._steps.add(loss, metrics)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %s", self.step, _numbers({"loss": loss, **metrics}))
         self.tracker.log_step(self.step, {"loss": loss, **metrics})
         if self._syncs.finished:
             self._flush_round_metrics()
@@ -501,6 +503,7 @@ class ReplicaContext:
             )
             self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
             self.tracker.log_round(record.to_dict())
+            log.info("%s", round_line(record))
 
     def _set_phase(self, phase: str) -> None:
         phase = _SHOWN_PHASE.get(phase, phase)
@@ -656,3 +659,23 @@ class ReplicaContext:
         elif not self._finished:
             self.finish({})
         return False
+
+
+def _numbers(values: Mapping[str, Any]) -> str:
+    """``loss 0.8123, reward 0.41``: the numeric values, 4 significant digits."""
+    return ", ".join(
+        f"{k} {v:.4g}" for k, v in values.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    )  # fmt: skip
+
+
+def round_line(record: layout.RoundMetrics) -> str:
+    """The replica log's line for one finished round: what it learned and what the exchange
+    cost (the per-step numbers are at DEBUG)."""
+    learned = _numbers({"loss": record.loss, **record.metrics}) or "no loss recorded"
+    kept = "committed" if record.committed else "not committed"
+    return (
+        f"round {record.round}: {learned} | sync {record.sync_s:.2f}s, "
+        f"up {record.bytes_up / 2**20:.1f} MB, down {record.bytes_down / 2**20:.1f} MB, "
+        f"{kept} ({len(record.participants)} replicas)"
+    )

@@ -402,6 +402,21 @@ class RunStore:
 
         return self._retry(f"exists {key}", _head)
 
+    def usage(self, prefix: str = "") -> tuple[int, int]:
+        """(objects, bytes) under ``prefix`` (the whole store when empty): what a delete of
+        it removes."""
+        path = self.path(prefix)
+
+        def _du() -> tuple[int, int]:
+            try:
+                found = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                return 0, 0
+            files = [i for i in found.values() if i.get("type") != "directory"]
+            return len(files), sum(int(i.get("size") or 0) for i in files)
+
+        return self._retry(f"size of {prefix or 'the run'}", _du)
+
     def list(self, prefix: str = "") -> list[str]:
         """Names of the immediate children of ``prefix`` (files and folders), sorted."""
         path = self.path(prefix)

@@ -344,7 +344,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             max_completion_length=max_new,
             temperature=cfg.temperature,
             distill_hint_template=HINT_TEMPLATE,
-            gradient_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
+            # transformers 5 names it activation_checkpointing (the old name warns)
+            activation_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
             **setup.placement.trainer_args(),
             # --report-to: TRL's own callbacks log every step (crf/replica/tracking.py)
             **(ctx.tracker.trainer_args() if hasattr(ctx, "tracker") else {"report_to": []}),
