@@ -139,6 +139,24 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def _round_fields(record: layout.RoundMetrics | None) -> dict[str, Any]:
+    """The heartbeat's view of the last closed round: its mean loss and metrics (the job's
+    headline metric, e.g. the composer's reward) and its sync time."""
+    if record is None:
+        return {}
+    return {
+        "last_round": record.round,
+        "round_loss": record.loss,
+        "round_metrics": dict(record.metrics),
+        "round_sync_s": record.sync_s,
+        "round_rejected": len(
+            layout.rejected_keys(
+                x for x in map(layout.Rejection.from_dict, record.rejected) if not x.left_out
+            )
+        ),
+    }
+
+
 class ReplicaContext:
     """One replica's view of the run (see module docstring)."""
 
@@ -178,6 +196,8 @@ class ReplicaContext:
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
         self.last_loss: float | None = None
+        #: the last closed round's record (for the heartbeat's headline metric)
+        self._last_round: layout.RoundMetrics | None = None
         self.fragments: list[torch.nn.Module] = []
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
@@ -501,6 +521,8 @@ class ReplicaContext:
             )
             self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
             self.tracker.log_round(record.to_dict())
+            self._last_round = record
+            self._beat(force=True)  # a closed round is news for the live table
 
     def _set_phase(self, phase: str) -> None:
         phase = _SHOWN_PHASE.get(phase, phase)
@@ -526,6 +548,7 @@ class ReplicaContext:
             pid_started_at=self._pace.pid_started_at,
             host=socket.gethostname(),
             rounds_committed=m.rounds_committed if m else 0,
+            **_round_fields(self._last_round),
         )
         try:
             self.store.put_json(layout.heartbeat_key(self.rank), beat.to_dict())
