@@ -5,9 +5,16 @@ off a terminal the watch prints one plain line per replica per round and per eve
 from __future__ import annotations
 
 import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import typer.main
 from rich.console import Console
 
 from crf.executors.base import ReplicaState, ReplicaStatus
@@ -16,6 +23,7 @@ from crf.launcher.summary import render_summary
 from crf.layout import Heartbeat
 
 NOW = 1_800_000_000.0
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _beat(rank: int, job: str, **kw: Any) -> Heartbeat:
@@ -204,3 +212,96 @@ def test_heartbeat_round_fields_round_trip() -> None:
     again = Heartbeat.from_dict(beat.to_dict())
     assert again == beat
     assert Heartbeat.from_dict({"rank": 2}).round_metrics == {}  # an old heartbeat
+
+
+# ---------------------------------------------------------------------- --help at 80 columns
+_HELP_ALL = r"""
+import json, typer.main
+from typer.testing import CliRunner
+from crf.launcher.cli import app
+group = typer.main.get_command(app)
+out = {"": CliRunner().invoke(app, ["--help"]).output}
+for name, cmd in group.commands.items():
+    opts = [o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+    out[name] = {"help": CliRunner().invoke(app, [name, "--help"]).output, "opts": opts}
+print(json.dumps(out))
+"""
+
+
+def _cli_env(columns: int = 80) -> dict[str, str]:
+    return {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(ROOT)}
+
+
+def _assert_help_whole(text: str, opts: list[str]) -> None:
+    _assert_fits(text.splitlines())
+    words = set(re.findall(r"-{1,2}[A-Za-z][\w-]*", text))
+    missing = [o for o in opts if o not in words]
+    assert not missing, f"option names not shown whole: {missing}\n{text}"
+
+
+def test_launch_help_at_80_columns_cuts_nothing() -> None:
+    """`crf launch --help` in an 80-column terminal: no line over 80, no "…", and every
+    option name (aliases and negations included) whole."""
+    from crf.launcher.cli import app
+
+    launch = typer.main.get_command(app).commands["launch"]  # type: ignore[attr-defined]
+    opts = [o for p in launch.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+    assert "--fragment-sync-delay" in opts and "--gpu" in opts
+    proc = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", "launch", "--help"],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    _assert_help_whole(proc.stdout, opts)
+
+
+def test_every_help_at_80_columns_cuts_nothing() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP_ALL],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    helps = json.loads(proc.stdout)
+    _assert_fits(helps.pop("").splitlines())
+    assert helps, "no commands"
+    for name, h in helps.items():
+        assert "Usage:" in h["help"], name
+        _assert_help_whole(h["help"], h["opts"])
+
+
+# ---------------------------------------------------------------------- a real run, piped
+@pytest.mark.slow
+def test_piped_launch_prints_a_line_per_replica_round(tmp_path: Path) -> None:
+    """`crf launch` with its output piped (not a terminal) shows progress as it happens: a
+    plain line for each replica's rounds and one when each replica ends - not one frame of
+    a live table at the end."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "crf.launcher.cli", "launch", "--backend", "local",
+            "--replicas", "2", "--job", "lm", "--sync-every", "2", "--rounds", "2",
+            "--run-id", "piped", "--store", str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**_cli_env(), "CRF_LOG_LEVEL": "WARNING"},
+        cwd=tmp_path,
+        timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    for rank in (0, 1):
+        # at least its last round (the heartbeat keeps the last finished round), never a
+        # count that depends on how often the driver polled
+        assert any(
+            re.match(rf"replica {rank} round \d \(\d/2\) step \d+ loss \d", x) for x in lines
+        )
+        assert f"replica {rank} ended: succeeded" in lines
+    assert "rank" in proc.stdout and "summary" in proc.stdout
+    title = next(i for i, x in enumerate(lines) if x.rstrip().endswith(": summary"))
+    _assert_fits(lines[title : title + 6])

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import shutil
 import time
 import typing
 from collections.abc import Iterable
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -28,8 +29,22 @@ from rich.markup import escape
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
 from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
 
+
+def _help_markup_mode() -> Literal["rich"] | None:
+    """Typer's rich help on a wide terminal; click's plain formatter below 100 columns.
+
+    Rich's options table gives each option six columns (long and short names, their
+    negations, type, help) and cuts what does not fit with an ellipsis: at 80 columns that
+    squeezes help to ~20 characters and cuts option names. Click's formatter wraps the help
+    under each name instead, so nothing is cut; ``COLUMNS`` decides, as for any terminal."""
+    return "rich" if shutil.get_terminal_size().columns >= 100 else None
+
+
 app = typer.Typer(
     name="crf",
+    rich_markup_mode=_help_markup_mode(),
+    # click's formatter is narrowed to 80 columns by default; let it use the terminal
+    context_settings={"max_content_width": shutil.get_terminal_size().columns},
     help="Train one model as N replicas that meet only through an object store (DiLoCo).",
     no_args_is_help=True,
     add_completion=False,
