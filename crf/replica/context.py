@@ -47,7 +47,7 @@ from crf.exchange.manager import (
 )
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
-from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
+from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
 from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
@@ -139,24 +139,6 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _round_fields(record: layout.RoundMetrics | None) -> dict[str, Any]:
-    """The heartbeat's view of the last closed round: its mean loss and metrics (the job's
-    headline metric, e.g. the composer's reward) and its sync time."""
-    if record is None:
-        return {}
-    return {
-        "last_round": record.round,
-        "round_loss": record.loss,
-        "round_metrics": dict(record.metrics),
-        "round_sync_s": record.sync_s,
-        "round_rejected": len(
-            layout.rejected_keys(
-                x for x in map(layout.Rejection.from_dict, record.rejected) if not x.left_out
-            )
-        ),
-    }
-
-
 class ReplicaContext:
     """One replica's view of the run (see module docstring)."""
 
@@ -196,8 +178,6 @@ class ReplicaContext:
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
         self.last_loss: float | None = None
-        #: the last closed round's record (for the heartbeat's headline metric)
-        self._last_round: layout.RoundMetrics | None = None
         self.fragments: list[torch.nn.Module] = []
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
@@ -521,7 +501,7 @@ class ReplicaContext:
             )
             self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
             self.tracker.log_round(record.to_dict())
-            self._last_round = record
+            self._steps.last_closed = heartbeat_fields(record)
             self._beat(force=True)  # a closed round is news for the live table
 
     def _set_phase(self, phase: str) -> None:
@@ -548,7 +528,7 @@ class ReplicaContext:
             pid_started_at=self._pace.pid_started_at,
             host=socket.gethostname(),
             rounds_committed=m.rounds_committed if m else 0,
-            **_round_fields(self._last_round),
+            **self._steps.last_closed,
         )
         try:
             self.store.put_json(layout.heartbeat_key(self.rank), beat.to_dict())
