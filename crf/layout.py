@@ -337,6 +337,14 @@ class Heartbeat(Record):
     pid_started_at: float | None = None
     host: str | None = None
     rounds_committed: int = 0
+    # the last outer round this replica closed (None before its first): its mean loss and
+    # mean step metrics (the job's reward...) and its sync time, so a live table shows the
+    # same "loss" (the last round's mean) as the summary; absent from older heartbeats
+    last_round: int | None = None
+    round_loss: float | None = None
+    round_metrics: dict[str, float] = field(default_factory=dict)
+    round_sync_s: float | None = None
+    round_rejected: int = 0  # bad objects that round refused (not parts merely left out)
 
 
 @dataclass

@@ -44,7 +44,7 @@ def test_runs_status_logs_json_filters_and_tail(tmp_path: Path, script: Path) ->
     assert code == 0 and out.splitlines() == all_lines[-1:]
 
     code, out = crf("status", "first", "--store", str(base), "--watch", "--interval", "0.2")
-    assert code == 0 and "succeeded" in out and "run ok" in out
+    assert code == 0 and "replica 1 ended: succeeded" in out and "run ok" in out
 
 
 def test_rm_asks_refuses_a_running_run_and_deletes(tmp_path: Path, script: Path) -> None:  # noqa: F811

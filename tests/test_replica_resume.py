@@ -86,6 +86,10 @@ def test_heartbeat_metrics_and_result_written() -> None:
         m = json.loads(store.get(f"metrics/{ctx.rank}/2.json"))
         assert m["committed"] and m["participants"] == [0, 1] and m["loss"] is not None
         assert m["bytes_up"] > 0 and m["sync_s"] >= 0
+        # the heartbeat carries the last round's mean loss (what the tables call "loss")
+        last = json.loads(store.get(f"metrics/{ctx.rank}/{ROUNDS - 1}.json"))
+        assert state["last_round"] == ROUNDS - 1 and state["round_loss"] == last["loss"]
+        assert state["round_sync_s"] == last["sync_s"]
         res = json.loads(store.get(f"results/{ctx.rank}.json"))
         assert res["rounds_committed"] == ROUNDS and res["steps"] == ROUNDS * H
     hashes = {json.loads(store.get(f"results/{r}.json"))["weights_sha256"] for r in range(N)}

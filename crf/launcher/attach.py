@@ -260,7 +260,7 @@ def _replica_record(
     h: ReplicaHandle, st: ReplicaStatus, beat: layout.Heartbeat | None, now: float
 ) -> dict[str, Any]:
     age = round(now - beat.updated_at, 1) if beat and beat.updated_at else None
-    metrics = dict(getattr(beat, "metrics", None) or {}) if beat else {}
+    metrics = dict(beat.round_metrics or {}) if beat else {}
     return {
         "rank": h.rank,
         "state": str(st.state),
@@ -269,7 +269,7 @@ def _replica_record(
         "phase": beat.phase if beat else None,
         "round": beat.round if beat else None,
         "step": beat.step if beat else None,
-        "loss": beat.loss if beat else None,
+        "loss": beat.round_loss if beat else None,  # the last finished round's mean
         "reward": metrics.get("reward"),
         "heartbeat_age_s": age,
     }

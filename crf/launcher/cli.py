@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import shutil
 import time
 import typing
 from collections.abc import Iterable
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -28,8 +29,22 @@ from rich.markup import escape
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
 from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, RunSpec, run_options
 
+
+def _help_markup_mode() -> Literal["rich"] | None:
+    """Typer's rich help on a wide terminal; click's plain formatter below 100 columns.
+
+    Rich's options table gives each option six columns (long and short names, their
+    negations, type, help) and cuts what does not fit with an ellipsis: at 80 columns that
+    squeezes help to ~20 characters and cuts option names. Click's formatter wraps the help
+    under each name instead, so nothing is cut; ``COLUMNS`` decides, as for any terminal."""
+    return "rich" if shutil.get_terminal_size().columns >= 100 else None
+
+
 app = typer.Typer(
     name="crf",
+    rich_markup_mode=_help_markup_mode(),
+    # click's formatter is narrowed to 80 columns by default; let it use the terminal
+    context_settings={"max_content_width": shutil.get_terminal_size().columns},
     help="Train one model as N replicas that meet only through an object store (DiLoCo).",
     no_args_is_help=True,
     add_completion=False,
@@ -637,38 +652,38 @@ def runs(
     console.print(table)
 
 
-def _progress_of(run_: Any) -> Any:
+def _progress_of(run_: Any, width: int = 80) -> Any:
     """The live table of an attached run, as crf launch shows it."""
     from crf.launcher.progress import ReplicaView, render_progress
 
     spec = run_.spec
     started = float(run_.launch_record.get("started_at") or spec.created_at)
     views = [ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in run_.statuses()]
-    return render_progress(views, run_id=spec.run_id, rounds=spec.rounds,
+    return render_progress(views, run_id=spec.run_id, rounds=spec.rounds, width=width,
                            sync_every=spec.sync_every, elapsed_s=time.time() - started)  # fmt: skip
 
 
 def _watch(run_: Any, console: Console, interval: float) -> None:
     """Redraw the table every ``interval`` s until every replica has ended: in place on a
-    terminal, else (a pipe, a CI log) a new table only when a replica's state changed."""
+    terminal, else (a pipe, a CI log) one plain line per replica per round and per event,
+    as crf launch prints them."""
     from rich.live import Live
+
+    from crf.launcher.progress import PlainReporter, ReplicaView
 
     def ended() -> bool:
         return all(st.terminal for _, st, _ in run_.statuses())
 
     if console.is_terminal:
-        with Live(_progress_of(run_), console=console, auto_refresh=False) as live:
+        with Live(_progress_of(run_, console.width), console=console, auto_refresh=False) as live:
             while not ended():
                 time.sleep(interval)
-                live.update(_progress_of(run_), refresh=True)
+                live.update(_progress_of(run_, console.width), refresh=True)
         return
-    last = None
+    reporter = PlainReporter(console, run_.spec.rounds)
     while True:
         rows = run_.statuses()
-        now = [(h.rank, str(st.state), b and b.phase, b and b.round) for h, st, b in rows]
-        if now != last:
-            console.print(_progress_of(run_))
-            last = now
+        reporter.update([ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in rows])
         if all(st.terminal for _, st, _ in rows):
             return
         time.sleep(interval)
@@ -704,7 +719,7 @@ def status(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     rows = run_.statuses()
     if not json_out and not watch:
-        console.print(_progress_of(run_))
+        console.print(_progress_of(run_, console.width))
     result = run_.result()
     if result is None and all(st.terminal for _, st, _ in rows):
         result = gather(run_, report=not json_out, console=console)

@@ -6,6 +6,12 @@ only the replica knows its training phase, round, step and loss, which it publis
 shown with its heartbeat age in yellow, which is how a hang looks from outside. Once the
 driver has restarted a replica, a ``restarts`` column appears (kept out of a clean run's table,
 where it would only be zeros).
+
+The table fits the console it is drawn on: every column has a priority, and the least
+important ones (heartbeat age, sync time, exact match, phase...) are left out until the table
+fits, so no value is ever cut (cells wrap rather than end in "..."). "loss" and the headline
+metric (the composer's reward) are the means over the replica's last finished round, as in the
+summary table.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from rich import box
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -52,6 +60,82 @@ class ReplicaView:
     restarts: int = 0
 
 
+@dataclass
+class Column:
+    """One column of a table that fits its width: header, cells, and how much it matters
+    (higher ``keep`` stays longer when the table must shrink)."""
+
+    header: str
+    cells: list[RenderableType] = field(default_factory=list)
+    keep: int = 0
+    justify: str = "right"
+
+
+def fit_table(
+    columns: Sequence[Column], width: int, *, title: str | None = None, caption: str | None = None
+) -> Table:
+    """A table of ``columns`` no wider than ``width``: the least important columns are left
+    out until rich measures it to fit. Cells fold (wrap) rather than end in an ellipsis, so a
+    value is never cut even when the narrowest table left must wrap."""
+    shown = list(columns)
+    # measured on a console wide enough not to clamp the measurement to ``width``
+    probe = Console(width=10_000, file=_Null(), color_system=None)
+    while True:
+        table = _build(shown, title=title, caption=caption)
+        droppable = [c for c in shown if c.keep < 80]  # rank, process, round, loss, reward stay
+        if probe.measure(table).maximum <= width or not droppable:
+            return table
+        shown.remove(min(droppable, key=lambda c: c.keep))
+
+
+class _Null:
+    """A file that forgets: the probe console only measures."""
+
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def _build(columns: Sequence[Column], *, title: str | None, caption: str | None) -> Table:
+    table = Table(
+        title=title,
+        caption=caption,
+        title_justify="left",
+        caption_justify="left",
+        expand=False,
+        box=box.SIMPLE_HEAD,  # no vertical rules and one space of padding: room for values
+        padding=(0, 1, 0, 0),
+        show_edge=False,
+    )
+    for c in columns:
+        table.add_column(c.header, justify=c.justify, overflow="fold")  # type: ignore[arg-type]
+    rows = max((len(c.cells) for c in columns), default=0)
+    for i in range(rows):
+        table.add_row(*(c.cells[i] if i < len(c.cells) else "" for c in columns))
+    return table
+
+
+def fmt_metric(value: Any) -> str:
+    """A metric in [0, 1] or so (reward, exact match): three decimals, "-" when absent."""
+    value = jsonsafe.number(value)
+    if value is None:
+        return "-"
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    return f"{value:.3f}"
+
+
+def fmt_secs(value: Any) -> str:
+    """Short seconds for a table cell: "0.4s", "95s", "12m"."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "-"
+    if value < 10:
+        return f"{value:.1f}s"
+    return f"{value:.0f}s" if value < 600 else f"{value / 60:.0f}m"
+
+
 def fmt_loss(value: Any) -> str:
     value = jsonsafe.number(value)  # as written to JSON, NaN is the string "NaN"
     if value is None:
@@ -76,49 +160,105 @@ def render_progress(
     sync_every: int,
     elapsed_s: float,
     now: float | None = None,
+    width: int = 80,
 ) -> Table:
-    """Build the table for one refresh of the live display."""
+    """Build the table for one refresh of the live display, fitted to ``width`` columns."""
     now = time.time() if now is None else now
     done = sum(v.status.terminal for v in views)
-    table = Table(
-        title=f"crf run {run_id} - {done}/{len(views)} replicas finished - {elapsed_s:.0f}s "
-        f"(H={sync_every})",
-        title_justify="left",
-        expand=False,
+    beats = [v.heartbeat for v in views]
+    cols = [
+        Column("rank", [str(v.rank) for v in views], keep=100),
+        Column("process", [process_text(v.status) for v in views], keep=90, justify="left"),
+        Column("phase", [_phase_text(hb) for hb in beats], keep=40, justify="left"),
+        Column("round", [_round_text(hb, rounds) for hb in beats], keep=95),
+        Column("step", [str(hb.step) if hb else "-" for hb in beats], keep=60),
+        Column("loss", [fmt_loss(hb.round_loss if hb else None) for hb in beats], keep=80),
+    ]
+    for name, header, keep in _HEADLINE:
+        if any(hb and name in hb.round_metrics for hb in beats):
+            values = [fmt_metric(hb.round_metrics.get(name) if hb else None) for hb in beats]
+            cols.append(Column(header, values, keep=keep))
+    cols.append(Column("sync", [fmt_secs(hb.round_sync_s if hb else None) for hb in beats], 30))
+    cols.append(Column("beat", [_age_text(v, now) for v in views], keep=45))
+    if any(v.restarts for v in views):
+        restarts = [Text(str(v.restarts) if v.restarts else "-", style="yellow") for v in views]
+        cols.append(Column("restarts", restarts, keep=70))
+    return fit_table(
+        cols,
+        width,
+        title=f"crf run {run_id}: {done}/{len(views)} done, {elapsed_s:.0f}s, H={sync_every}",
+        caption=("loss, reward" if any(c.header == "reward" for c in cols) else "loss")
+        + ": means over the replica's last finished round",
     )
-    table.add_column("rank", justify="right")
-    table.add_column("process")
-    table.add_column("phase")
-    table.add_column("round", justify="right")
-    table.add_column("step", justify="right")
-    table.add_column("loss", justify="right")
-    table.add_column("heartbeat", justify="right")
-    show_restarts = any(v.restarts for v in views)
-    if show_restarts:
-        table.add_column("restarts", justify="right")
-    for v in views:
-        hb = v.heartbeat
-        phase = hb.phase if hb else "-"
-        rnd = hb.round if hb else None
-        step = hb.step if hb else None
-        age = ""
-        age_style = "dim"
-        updated = hb.updated_at if hb else None
-        if isinstance(updated, int | float) and updated > 0:
-            secs = max(0.0, now - updated)
-            age = f"{secs:.0f}s ago"
-            if secs > STALE_AFTER_S and not v.status.terminal:
-                age_style = "yellow"
-        cells: list[Any] = [
-            str(v.rank),
-            process_text(v.status),
-            Text(phase, style=_PHASE_STYLE.get(phase, "")),
-            f"{rnd}/{rounds}" if rnd is not None else "-",
-            f"{step}" if step is not None else "-",
-            fmt_loss(hb.loss if hb else None),
-            Text(age or "-", style=age_style),
-        ]
-        if show_restarts:
-            cells.append(Text(str(v.restarts) if v.restarts else "-", style="yellow"))
-        table.add_row(*cells)
-    return table
+
+
+#: the job metrics a table shows when the replicas log them: (name, header, priority)
+_HEADLINE = (("reward", "reward", 85), ("exact_match", "exact", 35))
+
+
+def _phase_text(hb: Heartbeat | None) -> Text:
+    phase = hb.phase if hb else "-"
+    return Text(phase, style=_PHASE_STYLE.get(phase, ""))
+
+
+def _round_text(hb: Heartbeat | None, rounds: int) -> str:
+    return f"{hb.round}/{rounds}" if hb is not None else "-"
+
+
+def _age_text(v: ReplicaView, now: float) -> Text:
+    """Seconds since the replica's last heartbeat; yellow when it is stale and the process
+    still runs (how a hang looks from outside)."""
+    updated = v.heartbeat.updated_at if v.heartbeat else None
+    if not isinstance(updated, int | float) or updated <= 0:
+        return Text("-", style="dim")
+    secs = max(0.0, now - updated)
+    stale = secs > STALE_AFTER_S and not v.status.terminal
+    return Text(fmt_secs(secs), style="yellow" if stale else "dim")
+
+
+class PlainReporter:
+    """The live display when the output is not a terminal (a file, a CI log): instead of a
+    redrawn table, one line per replica per finished round and one per event (a replica
+    ended, a round refused objects), printed as they happen so a log shows progress. New
+    rounds are found by comparing each replica's heartbeat with the previous poll's."""
+
+    def __init__(self, console: Console, rounds: int) -> None:
+        self.console = console
+        self.rounds = rounds
+        self.last_round: dict[int, int | None] = {}
+        self.ended: set[int] = set()
+
+    def update(self, views: Sequence[ReplicaView]) -> None:
+        for v in views:
+            hb = v.heartbeat
+            if hb is not None and hb.last_round is not None:
+                if self.last_round.get(v.rank) != hb.last_round:
+                    self.last_round[v.rank] = hb.last_round
+                    self._say(round_line(v.rank, hb, self.rounds))
+                    if hb.round_rejected:
+                        self._say(
+                            f"replica {v.rank} round {hb.last_round}: rejected "
+                            f"{hb.round_rejected} object(s) (never averaged)"
+                        )
+            if v.status.terminal and v.rank not in self.ended:
+                self.ended.add(v.rank)
+                self._say(f"replica {v.rank} ended: {process_text(v.status).plain}")
+            elif not v.status.terminal:
+                self.ended.discard(v.rank)  # restarted: it will end again
+
+    def _say(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def round_line(rank: int, hb: Heartbeat, rounds: int) -> str:
+    """``replica 0 round 2 (3/3) step 12 loss 0.6931 reward 0.412 sync 0.3s``: one replica's
+    finished round (numbered from 0, as in the run folder; then how many of the run's)."""
+    r = hb.last_round if hb.last_round is not None else 0
+    parts = [f"replica {rank} round {r} ({r + 1}/{rounds})", f"step {hb.step}"]
+    parts.append(f"loss {fmt_loss(hb.round_loss)}")
+    for name, header, _ in _HEADLINE:
+        if name in hb.round_metrics:
+            parts.append(f"{header} {fmt_metric(hb.round_metrics[name])}")
+    if hb.round_sync_s is not None:
+        parts.append(f"sync {fmt_secs(hb.round_sync_s)}")
+    return " ".join(parts)

@@ -27,7 +27,7 @@ from rich.text import Text
 
 from crf import jsonsafe, layout
 from crf.executors.base import ReplicaResult, ReplicaState
-from crf.launcher.progress import fmt_loss
+from crf.launcher.progress import Column, fit_table, fmt_loss, fmt_metric, fmt_secs
 from crf.layout import Rejection
 
 #: fields copied from results/<rank>.json into the summary rows
@@ -400,7 +400,7 @@ def render_summary(
 ) -> None:
     """Print the per-replica table, what went wrong on the way (restarts, rejected objects),
     the verdict, and where result.json / figure.png are."""
-    console.print(replica_table(summary))
+    console.print(replica_table(summary, console.width))
     print_restarts(summary["replicas"], console)
     print_failures(summary, console)
     print_version_warnings(summary, console)
@@ -411,48 +411,59 @@ def render_summary(
         console.print(f"figure: {plot_path}", soft_wrap=True, highlight=False)
 
 
-def replica_table(summary: Mapping[str, Any]) -> Table:
+def replica_table(summary: Mapping[str, Any], width: int = 80) -> Table:
     """One row per replica: exit, rounds, (when anything went wrong) missed rounds, restarts
-    and rejected objects, then loss, traffic and time."""
+    and rejected objects, then loss, the job's headline metric, traffic and time - fitted to
+    ``width`` columns (the least important columns are left out; no value is cut)."""
     rounds = summary.get("rounds")
     rows = summary["replicas"]
+    jm = [row.get("job_metrics") or {} for row in rows]
+    cols = [
+        Column("rank", [str(row["rank"]) for row in rows], keep=100),
+        Column("exit", [_exit_text(row) for row in rows], keep=95, justify="left"),
+        Column("rounds", [_rounds_text(row, rounds) for row in rows], keep=90),
+    ]
     # the fault columns only when something happened: in a clean run they are all zeros
-    faults = any(
+    if any(
         row.get("restarts") or row.get("objects_rejected") or row.get("rounds_missed")
         for row in rows
-    )
-    table = Table(title=f"crf run {summary['run_id']} - summary", title_justify="left")
-    table.add_column("rank", justify="right")
-    table.add_column("exit", no_wrap=True)
-    table.add_column("rounds", justify="right", no_wrap=True)
-    if faults:
-        table.add_column("missed", justify="right")
-        table.add_column("restarts", justify="right")
-        table.add_column("rejected", justify="right")
-    table.add_column("final loss", justify="right")
-    table.add_column("sent", justify="right")
-    table.add_column("received", justify="right")
-    table.add_column("compute", justify="right")
-    table.add_column("sync time", justify="right")
-    table.add_column("wire", justify="right")
-    for row in rows:
-        cells = [str(row["rank"]), _exit_text(row), _rounds_text(row, rounds)]
-        if faults:
-            cells += [
-                _count(row.get("rounds_missed")),
-                _count(row.get("restarts")),
-                _count(row.get("objects_rejected")),
-            ]
-        cells += [
-            fmt_loss(row.get("final_loss")),
-            fmt_bytes(row.get("bytes_up")),
-            fmt_bytes(row.get("bytes_down")),
-            fmt_seconds(row.get("compute_s")),
-            fmt_seconds(row.get("sync_s")),
-            _wire_text(row),
+    ):
+        cols += [
+            Column("missed", [_count(row.get("rounds_missed")) for row in rows], keep=75),
+            Column("restarts", [_count(row.get("restarts")) for row in rows], keep=76),
+            Column("rejected", [_count(row.get("objects_rejected")) for row in rows], keep=74),
         ]
-        table.add_row(*cells)
-    return table
+    cols.append(Column("loss", [fmt_loss(row.get("final_loss")) for row in rows], keep=85))
+    for key, header, keep in _SUMMARY_HEADLINE:
+        if any(m.get(key) is not None for m in jm):
+            cols.append(Column(header, [fmt_metric(m.get(key)) for m in jm], keep=keep))
+    cols += [
+        Column("sent", [fmt_size(row.get("bytes_up")) for row in rows], keep=50),
+        Column("recv", [fmt_size(row.get("bytes_down")) for row in rows], keep=45),
+        Column("compute", [fmt_secs(row.get("compute_s")) for row in rows], keep=60),
+        Column("sync", [fmt_secs(row.get("sync_s")) for row in rows], keep=55),
+        Column("wire", [_wire_text(row) for row in rows], keep=30),
+    ]
+    caption = "loss, reward: means over the last round; exact: held-out exact match at the end"
+    if not any(m.get(k) is not None for m in jm for k, _, _ in _SUMMARY_HEADLINE):
+        caption = "loss: mean over each replica's last round"
+    return fit_table(cols, width, title=f"crf run {summary['run_id']}: summary", caption=caption)
+
+
+#: the job's headline metrics in the summary (from each replica's ``job_metrics``)
+_SUMMARY_HEADLINE = (("reward_last_round", "reward", 80), ("exact_match_after", "exact", 65))
+
+
+def fmt_size(n: Any) -> str:
+    """Short bytes for a table cell: "512B", "3.4M", "1.2G"."""
+    if not isinstance(n, int | float) or isinstance(n, bool):
+        return "-"
+    size = float(n)
+    for unit in ("B", "K", "M", "G"):
+        if abs(size) < 1000:
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1000
+    return f"{size:.1f}T"
 
 
 def print_restarts(rows: Sequence[Mapping[str, Any]], console: Console) -> None:

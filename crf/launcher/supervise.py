@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
@@ -45,16 +45,6 @@ def read_heartbeat(store: RunStore, rank: int) -> layout.Heartbeat | None:
     except Exception:  # noqa: BLE001 - absent, torn or any client error: the watch goes on
         return None
     return layout.Heartbeat.from_dict(data) if isinstance(data, dict) else None
-
-
-@contextlib.contextmanager
-def _newline_after(console: Console, enabled: bool) -> Iterator[None]:
-    """Off a terminal, Live prints its last frame without a final newline; add it."""
-    try:
-        yield
-    finally:
-        if enabled and not console.is_terminal:
-            console.line()
 
 
 class Supervisor:
@@ -215,43 +205,53 @@ def watch(
     started: float,
 ) -> bool:
     """Poll process status and heartbeats until every replica ended (relaunching failed ones
-    through ``sup``); True if the run timed out and was cancelled."""
+    through ``sup``); True if the run timed out and was cancelled.
+
+    On a terminal the progress is a live table fitted to the console's width; elsewhere (a
+    file, a CI log) it is one plain line per replica per finished round and per event, as
+    they happen (:class:`~crf.launcher.progress.PlainReporter`)."""
     from rich.live import Live
 
-    from crf.launcher.progress import ReplicaView, render_progress
+    from crf.launcher.progress import PlainReporter, ReplicaView, render_progress
 
     plan = sup.plan
     spec, store, executor = plan.spec, plan.store, plan.executor
     beats: dict[int, layout.Heartbeat | None] = {h.rank: None for h in sup.handles}
+    live = None
+    plain = None
+    if progress and console.is_terminal:
+        live = Live(console=console, refresh_per_second=4, transient=False)
+    elif progress:
+        plain = PlainReporter(console, spec.rounds)
 
-    def refresh() -> tuple[bool, Any]:
+    def refresh() -> bool:
         views = []
         for i, h in enumerate(sup.handles):
             beats[h.rank] = read_heartbeat(store, h.rank) or beats[h.rank]
             st = sup.check(i, beats[h.rank])
             views.append(ReplicaView(h.rank, st, beats[h.rank], sup.restarts[h.rank]))
-        table = render_progress(
-            views,
-            run_id=spec.run_id,
-            rounds=spec.rounds,
-            sync_every=spec.sync_every,
-            elapsed_s=time.time() - started,
-        )
-        return all(v.status.terminal for v in views), table
+        if plain is not None:
+            plain.update(views)
+        if live is not None:
+            table = render_progress(
+                views,
+                run_id=spec.run_id,
+                rounds=spec.rounds,
+                sync_every=spec.sync_every,
+                elapsed_s=time.time() - started,
+                width=console.width,
+            )
+            live.update(table, refresh=True)
+        return all(v.status.terminal for v in views)
 
-    live = Live(console=console, refresh_per_second=4, transient=False) if progress else None
-    with _newline_after(console, live is not None), live or contextlib.nullcontext():
+    with live or contextlib.nullcontext():
         while True:
-            done, table = refresh()
-            if live is not None:
-                live.update(table, refresh=True)
-            if done:
+            if refresh():
                 return False
             if timeout_s is not None and time.time() - started > timeout_s:
                 sup.stopped = True
                 executor.cancel_all(sup.handles)
-                if live is not None:
-                    live.update(refresh()[1], refresh=True)
+                refresh()
                 return True
             time.sleep(poll_s)
 

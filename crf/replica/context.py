@@ -47,7 +47,7 @@ from crf.exchange.manager import (
 )
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
-from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount
+from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
 from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
@@ -504,6 +504,8 @@ class ReplicaContext:
             self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
             self.tracker.log_round(record.to_dict())
             log.info("%s", round_line(record))
+            self._steps.last_closed = heartbeat_fields(record)
+            self._beat(force=True)  # a closed round is news for the live table
 
     def _set_phase(self, phase: str) -> None:
         phase = _SHOWN_PHASE.get(phase, phase)
@@ -529,6 +531,7 @@ class ReplicaContext:
             pid_started_at=self._pace.pid_started_at,
             host=socket.gethostname(),
             rounds_committed=m.rounds_committed if m else 0,
+            **self._steps.last_closed,
         )
         try:
             self.store.put_json(layout.heartbeat_key(self.rank), beat.to_dict())

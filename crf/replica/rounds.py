@@ -12,7 +12,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from crf import layout
 from crf.layout import Rejection
+
+
+def heartbeat_fields(record: layout.RoundMetrics) -> dict[str, Any]:
+    """The heartbeat's view of a closed round: its mean loss and metrics (the job's headline
+    metric, e.g. the composer's reward), its sync time and how many bad objects it refused,
+    so the live table shows the same "loss" as the summary (the last round's mean)."""
+    refused = (x for x in map(Rejection.from_dict, record.rejected) if not x.left_out)
+    return {
+        "last_round": record.round,
+        "round_loss": record.loss,
+        "round_metrics": dict(record.metrics),
+        "round_sync_s": record.sync_s,
+        "round_rejected": len(layout.rejected_keys(refused)),
+    }
 
 
 @dataclass
@@ -24,6 +39,8 @@ class StepMetrics:
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     round_losses: dict[int, float] = field(default_factory=dict)  # mean loss per recorded round
+    #: the heartbeat's view of the last round record written (:func:`heartbeat_fields`)
+    last_closed: dict[str, Any] = field(default_factory=dict)
 
     def add(self, loss: float | None, metrics: Mapping[str, float | None]) -> None:
         if loss is not None:
