@@ -163,6 +163,25 @@ def replica_env(
     return out
 
 
+def resolve_procs_per_replica(
+    requested: int | None, executor: ServerlessExecutor, entrypoint: Sequence[str] | None
+) -> int:
+    """``--procs-per-replica``: as given, else the GPUs of each replica's hardware (1 on
+    CPU). Local ranks are started by the built-in replica (``python -m crf.replica``), so
+    an own ``--entrypoint`` gets 1 by default and ExecutorError when it asks for more."""
+    if entrypoint is not None:
+        if requested is not None and requested > 1:
+            raise ExecutorError(
+                f"--procs-per-replica {requested} starts the built-in replica (python -m "
+                "crf.replica) under torch.distributed's launcher; your own --entrypoint can "
+                "start torchrun itself: leave --procs-per-replica out"
+            )
+        return 1
+    if requested is not None:
+        return requested
+    return max(1, executor.gpus_per_replica())
+
+
 def run_id_from_uri(run_uri: str) -> str:
     """The run id is the last part of the run URI (the replica contract, crf.spec)."""
     return run_uri.rstrip("/").rsplit("/", 1)[-1]
@@ -395,6 +414,11 @@ class ServerlessExecutor(ABC):
     def check_run_uri(self, run_uri: str) -> None:
         """Refuse a store this backend's replicas cannot reach (memory:// for processes)."""
         check_launch_args(1, run_uri, in_process=self.in_process)
+
+    def gpus_per_replica(self) -> int:
+        """The GPUs each replica's hardware has (0: CPU only, or hardware crf cannot count):
+        the default of ``--procs-per-replica``."""
+        return 0
 
     def check_command(
         self, entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()

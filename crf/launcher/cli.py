@@ -479,6 +479,7 @@ def _print_plan(plan: Any) -> None:
     rows = [
         ("backend", bp.backend),
         ("replicas", str(bp.replicas)),
+        ("procs per replica", f"{spec.procs_per_replica} local rank(s) (DDP), 1 exchanges"),
         ("where", bp.where),
         ("image", bp.image),
         ("hardware", bp.hardware),
