@@ -164,22 +164,33 @@ def replica_env(
 
 
 def resolve_procs_per_replica(
-    requested: int | None, executor: ServerlessExecutor, entrypoint: Sequence[str] | None
+    requested: int | None,
+    executor: ServerlessExecutor,
+    entrypoint: Sequence[str] | None,
+    job: str,
 ) -> int:
     """``--procs-per-replica``: as given, else the GPUs of each replica's hardware (1 on
-    CPU). Local ranks are started by the built-in replica (``python -m crf.replica``), so
-    an own ``--entrypoint`` gets 1 by default and ExecutorError when it asks for more."""
+    CPU). Local ranks are started by the built-in replica (``python -m crf.replica``) for a
+    job that trains data-parallel (``LOCAL_RANKS = True``, as ``lm``): an own
+    ``--entrypoint`` or another job gets 1 by default, and ExecutorError when it asks for
+    more."""
+    from crf.replica.jobs import get_job
+    from crf.replica.local_ranks import supports_local_ranks
+
     if entrypoint is not None:
-        if requested is not None and requested > 1:
-            raise ExecutorError(
-                f"--procs-per-replica {requested} starts the built-in replica (python -m "
-                "crf.replica) under torch.distributed's launcher; your own --entrypoint can "
-                "start torchrun itself: leave --procs-per-replica out"
-            )
+        why = "your own --entrypoint can start torchrun itself"
+    elif not supports_local_ranks(get_job(job)):
+        why = f"job {job!r} trains on one process per replica (lm trains data-parallel)"
+    else:
+        why = ""
+    if why and requested is not None and requested > 1:
+        raise ExecutorError(
+            f"--procs-per-replica {requested} starts the built-in replica's job on that many "
+            f"local ranks, but {why}: leave --procs-per-replica out"
+        )
+    if why:
         return 1
-    if requested is not None:
-        return requested
-    return max(1, executor.gpus_per_replica())
+    return requested if requested is not None else max(1, executor.gpus_per_replica())
 
 
 def run_id_from_uri(run_uri: str) -> str:

@@ -209,7 +209,7 @@ def prepare(
     spec.entrypoint = command
     try:
         k = spec.procs_per_replica  # None: the GPUs of the hardware
-        spec.procs_per_replica = resolve_procs_per_replica(k, executor, command)
+        spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:
