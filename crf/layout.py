@@ -417,6 +417,8 @@ class ResultRecord(Record):
     versions: dict[str, str | None] = field(default_factory=dict)
     #: torch.cuda.is_available() in the replica (None: torch could not be imported)
     cuda_available: bool | None = None
+    #: the processes that trained this replica (--procs-per-replica; older results: 1)
+    local_ranks: int = 1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ResultRecord:

@@ -91,6 +91,9 @@ def test_two_replicas_of_two_local_ranks_match_two_of_one(tmp_path: Path) -> Non
     dead = four["replicas"][0]
     assert dead["restarts"] == 1 and any(a["exit_code"] == 1 for a in dead["attempts"]), dead
     assert four["replicas"][1]["restarts"] == 0
+    run4 = tmp_path / "runs" / "ranks"
+    for r in range(2):  # each result says how many processes trained the replica
+        assert json.loads((run4 / "results" / f"{r}.json").read_text())["local_ranks"] == 2
     two = launch_lm(tmp_path / "runs", "one", round_timeout_s=60.0, **common)
     assert two["status"] == "ok", two
 

@@ -616,6 +616,7 @@ class ReplicaContext:
             job_metrics=job_metrics,
             versions=installed_versions(),
             cuda_available=cuda_available(),
+            local_ranks=self.local.size if self.local else 1,
         )
         if m is not None:
             self._add_exchange_facts(record, m)
