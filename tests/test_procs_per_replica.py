@@ -6,6 +6,9 @@ survive a local rank's death (the replica fails and the driver restarts it)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,41 @@ def test_two_replicas_of_two_local_ranks_match_two_of_one(tmp_path: Path) -> Non
     for r in range(2):
         up4, up2 = four["replicas"][r]["bytes_up"], two["replicas"][r]["bytes_up"]
         assert abs(up4 - up2) <= 0.01 * up2, (up4, up2)
+
+
+_AGENT = """
+import os, subprocess, sys, time
+env = dict(os.environ, CRF_LOCAL_WORKER=str(os.getpid()))
+code = "from crf.replica.local_ranks import die_with_agent; die_with_agent(); import time; " \\
+       "print('armed', flush=True); time.sleep(60)"
+child = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "armed"
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal")
+def test_a_local_rank_does_not_outlive_its_agent() -> None:
+    """The launcher starts workers in sessions of their own (a killpg of the replica misses
+    them): a SIGKILLed agent still takes its local ranks with it."""
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(agent.stdout.readline())
+    finally:
+        agent.kill()
+        agent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

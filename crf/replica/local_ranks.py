@@ -43,9 +43,28 @@ def procs_per_replica(spec: Any) -> int:
 
 
 def is_worker(environ: Any = None) -> bool:
-    """Whether this process is one of a replica's local ranks (started by :func:`run_agent`)."""
+    """Whether this process is one of a replica's local ranks (started by :func:`run_agent`,
+    which sets ``CRF_LOCAL_WORKER`` to its own pid)."""
     env = os.environ if environ is None else environ
-    return env.get(layout.ENV_LOCAL_WORKER) == "1"
+    return bool(env.get(layout.ENV_LOCAL_WORKER))
+
+
+def die_with_agent() -> None:
+    """End this local rank when the replica's agent process ends, however it ends. The
+    launcher starts each worker in a session of its own, so a ``killpg`` of the replica (the
+    local backend's cancel) and a SIGKILL after it reach the agent only: without this, its
+    local rank 0 would go on writing to the store of a cancelled run. (Linux: prctl's
+    parent-death signal; elsewhere the launcher's own shutdown on SIGTERM is all there is.)"""
+    import ctypes
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if str(os.getppid()) != os.environ.get(layout.ENV_LOCAL_WORKER):
+        os._exit(1)  # the agent was gone before the signal was armed
 
 
 def supports_local_ranks(job: Any) -> bool:
@@ -71,7 +90,7 @@ def run_agent(k: int, replica_rank: int) -> int:
         max_restarts=0,  # a dead local rank fails the replica; the driver restarts it
         monitor_interval=0.2,
     )
-    os.environ[layout.ENV_LOCAL_WORKER] = "1"  # the workers inherit this environment
+    os.environ[layout.ENV_LOCAL_WORKER] = str(os.getpid())  # the workers inherit it
     try:
         elastic_launch(config, sys.executable)("-m", "crf.replica")
     except ChildFailedError as e:
@@ -94,6 +113,7 @@ class LocalGroup:
         import torch
         import torch.distributed as dist
 
+        die_with_agent()
         rank, size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
         cuda = torch.cuda.is_available()
         if cuda:
