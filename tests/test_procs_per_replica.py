@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 from crf.executors.base import ExecutorError, resolve_procs_per_replica
 from crf.executors.hf_jobs import HFJobsExecutor, flavor_gpus
 from crf.executors.local import LocalProcessExecutor
 from crf.executors.modal import ModalExecutor
 from crf.executors.sagemaker import instance_gpus
+from crf.launcher.cli import app
 from crf.replica.local_ranks import LocalGroup
 from tests.fault_helpers import launch_lm
 
@@ -57,6 +59,15 @@ def test_default_is_the_gpus_of_the_hardware() -> None:
         resolve_procs_per_replica(2, LocalProcessExecutor(), None, "composer")
     with pytest.raises(ExecutorError, match="own --entrypoint"):
         resolve_procs_per_replica(2, LocalProcessExecutor(), ["python", "x"], "lm")
+
+
+def test_the_dry_run_plan_shows_k(tmp_path: Path) -> None:
+    base = ["launch", "--job", "lm", "--store", str(tmp_path), "--run-id", "p", "--dry-run"]
+    out = CliRunner().invoke(app, [*base, "--procs-per-replica", "2"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "procs per replica" in out.output and "2 local rank(s)" in out.output
+    out = CliRunner().invoke(app, [*base, "--procs-per-replica", "0"])
+    assert out.exit_code != 0 and "--procs-per-replica must be an integer between 1" in out.output
 
 
 def test_each_local_rank_gets_its_own_slice_of_the_replica_batch() -> None:

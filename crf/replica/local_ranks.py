@@ -252,8 +252,19 @@ class LocalFollower:
 def send_start(local: LocalGroup, step: int, model: Any, inner: Any, resumed: bool) -> None:
     """Local rank 0, on entering DiLoCo: its step, its inner-optimizer state if it resumed
     one, and its weights (loaded from a global state, or the seed's) to the other ranks."""
-    local.share((step, inner.state_dict() if resumed else None))
+    state = _on_cpu(inner.state_dict()) if resumed else None
+    local.share((step, state))
     local.share_weights(model)
+
+
+def _on_cpu(state: Any) -> Any:
+    """An optimizer state with its tensors in CPU memory: objects travel pickled over the
+    group's CPU backend, and a CUDA tensor would unpickle onto rank 0's GPU on every rank
+    (``load_state_dict`` moves each to its parameter's device)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, state)
 
 
 def receive_start(local: LocalGroup, model: Any, inner: Any) -> int:
