@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shlex
 import threading
 import time
 import types
@@ -554,6 +555,15 @@ class RunSpec:
     @property
     def total_steps(self) -> int:
         return self.rounds * self.sync_every
+
+    @property
+    def job_label(self) -> str:
+        """What the run trains, as its records and tables name it: the job, or for a custom
+        ``--entrypoint`` its command (the job is not what runs then; run.json keeps both)."""
+        command = self.entrypoint
+        if not command:
+            return self.job
+        return command if isinstance(command, str) else shlex.join(map(str, command))
 
     @property
     def sync_period(self) -> int:

@@ -248,12 +248,17 @@ def test_unreachable_s3_endpoint_is_one_line(tmp_path: Path) -> None:
         "AWS_MAX_ATTEMPTS": "1",
     }
     for args in (
-        ["launch", "--dry-run", "--job", "lm", "--store", "s3://crf-bucket/x"],
+        ["launch", "--job", "lm", "--store", "s3://crf-bucket/x"],
         ["status", "r1", "--store", "s3://crf-bucket/x"],
     ):
         code, out, _ = _cli(*args, env=env, cwd=tmp_path)
         assert code == 2, out
         assert "cannot reach the S3 endpoint" in _one_error_line(out)
+    # a dry run lists it after the plan; --strict makes that exit 2
+    code, out, _ = _cli("launch", "--dry-run", "--strict", "--job", "lm", "--store",
+                        "s3://crf-bucket/x", env=env, cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "missing before this run can launch" in out, out
+    assert "cannot reach the S3 endpoint" in out and "Traceback" not in out
 
 
 class _RefusingTokenServer(BaseHTTPRequestHandler):
@@ -305,7 +310,7 @@ def test_gcs_wrong_credentials_is_one_line_at_once(tmp_path: Path) -> None:
     }
     try:
         for args in (
-            ["launch", "--dry-run", "--job", "lm", "--store", "gs://crf-bucket/x"],
+            ["launch", "--job", "lm", "--store", "gs://crf-bucket/x"],
             ["status", "r1", "--store", "gs://crf-bucket/x"],
         ):
             code, out, took = _cli(*args, env=env, cwd=tmp_path)

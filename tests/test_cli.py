@@ -230,6 +230,15 @@ def test_launch_ok_writes_result_and_plot(base: Path, script: Path) -> None:
     assert "weights identical" in out
     assert "running job testjob" in (run / "logs" / "replica-1.log").read_text()
 
+    # a custom entrypoint is labelled with its command: header, result.json, crf runs
+    from crf.launcher.attach import list_runs
+
+    command = f"python {script}"
+    assert summary["job"] == command
+    header = "".join(out.split())  # rich may wrap (or fold) the header at 80 columns
+    assert f"2replica(s)ofcommand{command!r}onlocal".replace(" ", "") in header
+    assert [r["job"] for r in list_runs(str(base))] == [command]
+
 
 def test_failed_replica_gives_nonzero_exit(
     base: Path, script: Path, monkeypatch: pytest.MonkeyPatch

@@ -62,10 +62,17 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, script: Path
     assert not (base / "dry").exists()
 
 
-def test_dry_run_cloud_backend_refuses_a_local_store(tmp_path: Path, script: Path) -> None:
-    code, out = _launch(tmp_path / "runs", script, "x", "--backend", "hf", "--dry-run")
+def test_dry_run_cloud_backend_lists_a_local_store(tmp_path: Path, script: Path) -> None:
+    """A store the containers cannot reach is missing, not bad input: listed after the plan
+    (exit 0), exit 2 with --strict; a launch refuses it."""
+    code, out = _launch(tmp_path / "runs", script, "x", "--backend", "hf", "--dry-run",
+                        "--strict")  # fmt: skip
     assert code == 2
+    assert "missing before this run can launch" in out and "cost" in out
     assert "use an object store" in out and "Traceback" not in out
+    code, out = _launch(tmp_path / "runs", script, "x", "--backend", "hf")
+    assert code == 2 and "use an object store" in out and "cost" not in out
+    assert not (tmp_path / "runs" / "x").exists()
 
 
 def test_backend_options_are_checked(tmp_path: Path, script: Path) -> None:

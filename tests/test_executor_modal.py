@@ -165,6 +165,24 @@ def test_describe_is_the_dry_run_plan(s3_env: MotoS3) -> None:
         ModalExecutor(gpu="K80").describe(1, None, "s3://bucket/runs/r1")
 
 
+def test_dry_run_of_a_complete_setup_lists_nothing(s3_env: MotoS3, modal_env: FakeModal) -> None:
+    """Token accepted by the (fake) Modal, store answering with its credentials: --dry-run
+    --strict has nothing to list and exits 0."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    store = f"s3://{s3_env.new_bucket()}/runs"
+    sandboxes, hellos = len(modal_env.sandboxes), modal_env.calls.count("ClientHello")
+    args = ["launch", "--backend", "modal", "-n", "2", "--job", "lm", "--store", store]
+    result = CliRunner().invoke(app, [*args, "--dry-run", "--strict"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "nothing missing" in result.output and "missing before" not in result.output
+    assert ModalExecutor().missing(f"{store}/x") == []
+    assert modal_env.calls.count("ClientHello") > hellos  # the token was really checked
+    assert len(modal_env.sandboxes) == sandboxes  # and nothing started
+
+
 # --------------------------------------------------------------------------- early failures
 def test_no_credentials_fail_before_anything(
     s3_env: MotoS3, fake: FakeModal, monkeypatch: pytest.MonkeyPatch

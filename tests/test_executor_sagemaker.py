@@ -325,6 +325,25 @@ def test_dry_run_plan(s3_env: MotoS3) -> None:
 def test_check_backend_accepts_good_credentials(aws: Aws) -> None:
     executor().check_ready(aws.uri("ok"))
     assert ("sts", "GetCallerIdentity") in aws.emu.calls
+    assert executor().missing(aws.uri("ok")) == []  # what --dry-run lists: nothing
+
+
+def test_missing_lists_every_problem(aws: Aws, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``missing`` (``--dry-run``) says each missing piece apart, where ``check_ready`` (a
+    launch) stops at the first; a misspelt instance type is bad input, raised either way."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    found = executor(role_arn=None).missing("gs://bucket/runs/x")
+    assert [line.split(":")[0] for line in found] == [
+        "no Google credentials for gs",  # the store
+        "SageMaker jobs need an IAM execution role",
+        "no AWS credentials for SageMaker",
+        "SageMaker requires an S3 location for job output (crf writes nothing there, but the "
+        "API insists)",
+    ]
+    with pytest.raises(ExecutorError, match="did you mean ml.g5.xlarge"):
+        executor("ml.g5.xlargee", role_arn=None).missing("gs://bucket/runs/x")
+    assert not aws.emu.jobs
 
 
 def test_check_backend_rejects_bad_credentials(aws: Aws, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -586,17 +605,22 @@ def test_cli_dry_run_detach_status_logs_cancel(aws: Aws, script: Path) -> None:
 
 
 def test_cli_early_failures(aws: Aws, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = ["launch", "--replicas", "2", "--job", "lm", "--run-id", "x", "--dry-run"]
+    """Missing access is listed after the plan (exit 2 with --strict); bad input is one
+    error line."""
+    base = ["launch", "--replicas", "2", "--job", "lm", "--run-id", "x", "--dry-run", "--strict"]
     s3 = ["--store", f"s3://{aws.bucket}/runs"]
+    listed = "missing before this run can launch"
     code, out = crf(*base, *sm_flags(), "--store", str(tmp_path / "runs"))
-    assert code == 2 and "use an object store" in out, out
+    assert code == 2 and listed in out and "use an object store" in out, out
     code, out = crf(*base, *sm_flags(), *s3, "--instance-type", "ml.g5.xlargee")
-    assert code == 2 and "did you mean ml.g5.xlarge" in out, out
+    assert code == 2 and "did you mean ml.g5.xlarge" in out and listed not in out, out
     code, out = crf(*base, "--backend", "sagemaker", "--region", "us-east-1", *s3)
-    assert code == 2 and "IAM execution role" in out, out
+    assert code == 2 and listed in out and "IAM execution role" in out, out
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY00000000")
     code, out = crf(*base, *sm_flags(), *s3)
-    assert code == 2 and "AWS rejected your credentials" in out, out
+    assert code == 2 and listed in out and "AWS rejected your credentials" in out, out
+    code, out = crf(*base[:-1], *sm_flags(), *s3)  # without --strict: the same list, exit 0
+    assert code == 0 and "AWS rejected your credentials" in out, out
     assert not aws.emu.jobs and "Traceback" not in out
 
 

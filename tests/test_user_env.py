@@ -18,9 +18,9 @@ from crf.spec import RunSpec
 VALUE = "hf_user_token_0123456789abcdef"
 
 
-def _prepare(tmp_path: Path, **options: object) -> driver.Plan:
+def _prepare(tmp_path: Path, dry_run: bool = True, **options: object) -> driver.Plan:
     opts = {"job": "lm", "replicas": 1, "rounds": 1, "run_id": "u", **options}
-    return driver.prepare(opts, store=str(tmp_path / "runs"), dry_run=True)
+    return driver.prepare(opts, store=str(tmp_path / "runs"), dry_run=dry_run)
 
 
 def test_secret_values_are_read_at_launch_from_the_environment_and_files(
@@ -64,8 +64,23 @@ def test_bad_env_and_secrets_fail_before_launch(
     monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
     monkeypatch.setenv("A", "set-in-the-environment")
     with pytest.raises(LaunchError, match=message):
-        _prepare(tmp_path, **options)
+        _prepare(tmp_path, dry_run=False, **options)
     assert not (tmp_path / "runs" / "u").exists()
+
+
+def test_a_dry_run_lists_secrets_it_cannot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unset --secret is a missing credential: a dry run lists it (after the plan) where a
+    launch stops on it; a malformed one is bad input either way."""
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    plan = _prepare(tmp_path, secrets=["NOT_SET_ANYWHERE"])
+    assert plan.missing == [
+        "--secret NOT_SET_ANYWHERE: not set in this environment; export it or use "
+        "NOT_SET_ANYWHERE=@file"
+    ]
+    with pytest.raises(LaunchError, match="CRF_\\* variables are crf's own"):
+        _prepare(tmp_path, secrets=["CRF_RANK"])
 
 
 def test_an_empty_variable_or_file_is_refused(
@@ -73,10 +88,10 @@ def test_an_empty_variable_or_file_is_refused(
 ) -> None:
     monkeypatch.setenv("EMPTY", "")
     with pytest.raises(LaunchError, match="--secret EMPTY: empty in this environment"):
-        _prepare(tmp_path, secrets=["EMPTY"])
+        _prepare(tmp_path, dry_run=False, secrets=["EMPTY"])
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(LaunchError, match="is empty"):
-        _prepare(tmp_path, secrets=[f"E=@{tmp_path / 'empty'}"])
+        _prepare(tmp_path, dry_run=False, secrets=[f"E=@{tmp_path / 'empty'}"])
 
 
 @pytest.mark.parametrize(
@@ -134,9 +149,15 @@ def test_the_secret_flag_is_repeatable_and_fails_before_launch(
     assert ok.exit_code == 0, ok.output
     assert VALUE not in ok.output and "from-a-file" not in ok.output
     assert "MY_TOKEN, K" in " ".join(ok.output.split())  # the plan names them, no value
-    bad = runner.invoke(app, [*base, "--secret", "MY_TOKEN", "--secret", "NOT_SET_ANYWHERE"])
-    assert bad.exit_code == 2
-    assert "--secret NOT_SET_ANYWHERE: not set in this environment" in bad.output
+    bad = [*base, "--secret", "MY_TOKEN", "--secret", "NOT_SET_ANYWHERE"]
+    listed = runner.invoke(app, bad)  # a dry run lists it after the plan
+    assert listed.exit_code == 0, listed.output
+    assert "--secret NOT_SET_ANYWHERE: not set in this environment" in listed.output
+    assert runner.invoke(app, [*bad, "--strict"]).exit_code == 2
+    launch = runner.invoke(app, [a for a in bad if a != "--dry-run"])  # a launch stops on it
+    assert launch.exit_code == 2
+    assert "--secret NOT_SET_ANYWHERE: not set in this environment" in launch.output
+    assert not (tmp_path / "runs").exists()
 
 
 def test_local_replicas_get_env_plain_and_secrets_hidden_also_after_a_relaunch(

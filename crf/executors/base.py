@@ -25,7 +25,7 @@ import shlex
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -37,6 +37,21 @@ Entrypoint = str | Sequence[str] | None
 
 class ExecutorError(RuntimeError):
     """Replicas cannot be started or controlled; the message says what to change."""
+
+
+class MissingAccess(ExecutorError):
+    """What an account or a setup step provides is missing or refused: credentials (and
+    where they would come from), a store the replicas can reach, a role, a client library.
+
+    Apart from other ExecutorErrors (bad input: a misspelt GPU name) because ``--dry-run``
+    lists every one of these after the plan and its price, for someone who has no account
+    yet, while bad input stops a dry run as it stops a launch.
+    """
+
+
+#: one check before launch: returns nothing useful, raises ExecutorError (MissingAccess for
+#: what an account or setup provides)
+ReadyCheck = Callable[[], object]
 
 
 class ReplicaState(StrEnum):
@@ -359,11 +374,28 @@ class ServerlessExecutor(ABC):
         """Stop one replica (and everything it started); a finished replica is left alone."""
 
     # ------------------------------------------------------------------ planning, reattach
+    def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
+        """Everything that can be checked before launching (credentials, hardware names,
+        whether replicas on this backend can reach ``run_uri``), as independent checks in
+        the order a launch runs them. The default (local processes): only the run URI."""
+        return [lambda: self.check_run_uri(run_uri)]
+
     def check_ready(self, run_uri: str) -> None:
-        """Everything that can be checked before launching: credentials, hardware names,
-        whether replicas on this backend can reach ``run_uri``. ExecutorError says what to
-        fix. The default (local processes) has nothing more to check."""
-        self.check_run_uri(run_uri)
+        """Run the ready checks; the first failure is an ExecutorError that says what to fix
+        (a launch stops there, before anything starts)."""
+        for check in self.ready_checks(run_uri):
+            check()
+
+    def missing(self, run_uri: str) -> list[str]:
+        """Every MissingAccess the ready checks raise, one line each, so ``--dry-run`` can
+        list all that is missing at once; bad input (any other ExecutorError) still raises."""
+        found: list[str] = []
+        for check in self.ready_checks(run_uri):
+            try:
+                check()
+            except MissingAccess as e:
+                found.append(str(e))
+        return found
 
     def replica_limit(self) -> tuple[int, str] | None:
         """The most replicas this backend can run at once, and why (None: no limit known

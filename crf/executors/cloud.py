@@ -45,6 +45,8 @@ from crf.executors.base import (
     Entrypoint,
     ExecutorError,
     LaunchArgs,
+    MissingAccess,
+    ReadyCheck,
     ReplicaHandle,
     ServerlessExecutor,
     build_command,
@@ -138,7 +140,7 @@ class CloudExecutor(ServerlessExecutor):
         check_launch_args(1, run_uri, in_process=False)
         scheme = scheme_of(run_uri)
         if scheme not in STORE_EXTRAS:
-            raise ExecutorError(
+            raise MissingAccess(
                 f"replicas on {self.name} run in the cloud and cannot reach the run folder "
                 f"{run_uri!r} on this machine; use an object store: --store s3://bucket/prefix, "
                 "gs://bucket/prefix or hf://buckets/<user>/<bucket>"
@@ -151,19 +153,32 @@ class CloudExecutor(ServerlessExecutor):
             return [*CONTAINER_ENTRYPOINT, *map(str, entrypoint_args)]
         return build_command(entrypoint, entrypoint_args)
 
-    def check_ready(self, run_uri: str) -> None:
-        """Store reachable from containers, store credentials present, backend credentials
-        and options valid (``check_backend``) - all before anything is launched."""
-        self.check_run_uri(run_uri)
+    def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
+        """Store reachable from containers, store credentials present, then the backend's
+        own checks (``backend_checks``) - all before anything is launched."""
+        return [
+            lambda: self.check_run_uri(run_uri),
+            lambda: self.check_store_credentials(run_uri),
+            *self.backend_checks(),
+        ]
+
+    def check_store_credentials(self, run_uri: str) -> None:
+        """MissingAccess naming the variable (or login) that would give the store's
+        credentials, when this machine has none to pass to the containers."""
         try:
             store_secrets(run_uri)
         except MissingCredentials as e:
-            raise ExecutorError(str(e)) from None
-        self.check_backend()
+            raise MissingAccess(str(e)) from None
 
     @abstractmethod
+    def backend_checks(self) -> list[ReadyCheck]:
+        """The backend's own checks: hardware/flavor names known (ExecutorError), its
+        credentials present and accepted (MissingAccess naming where they come from)."""
+
     def check_backend(self) -> None:
-        """Backend credentials present and accepted, hardware/flavor names known."""
+        """The backend's own checks (``backend_checks``), stopping at the first failure."""
+        for check in self.backend_checks():
+            check()
 
     # ------------------------------------------------------------------ launch
     def secrets_for(self, run_uri: str, env: Mapping[str, str] | None) -> dict[str, str]:

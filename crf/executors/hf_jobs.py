@@ -50,6 +50,8 @@ from crf.executors import adaptors, catalog
 from crf.executors.base import (
     BackendPlan,
     ExecutorError,
+    MissingAccess,
+    ReadyCheck,
     ReplicaHandle,
     ReplicaState,
     ReplicaStatus,
@@ -80,7 +82,8 @@ HF_ERRORS = adaptors.huggingface_hub.errors()
 _EXIT_CODE = re.compile(r"exit code\D{0,3}(-?\d+)", re.IGNORECASE)
 _TOKEN_HELP = (
     "set HF_TOKEN to a Hugging Face token allowed to run Jobs (create one at "
-    "https://huggingface.co/settings/tokens), or run `hf auth login`"
+    "https://huggingface.co/settings/tokens), or run `hf auth login` (saves it in "
+    "~/.cache/huggingface/token)"
 )
 
 
@@ -163,7 +166,7 @@ class HFJobsExecutor(CloudExecutor):
     def _resolve_token(self) -> str:
         token = self._token or get_token()
         if not token:
-            raise ExecutorError(f"no Hugging Face token for the Jobs API: {_TOKEN_HELP}")
+            raise MissingAccess(f"no Hugging Face token for the Jobs API: {_TOKEN_HELP}")
         self._secret_values.add(token)
         return token
 
@@ -177,18 +180,18 @@ class HFJobsExecutor(CloudExecutor):
         code = _status_code(e)
         detail = redact(f"{type(e).__name__}: {e}".replace("\n", " "), self._secret_values)
         if code == 401:
-            return ExecutorError(
+            return MissingAccess(
                 f"the Hugging Face token was rejected by {self.endpoint} while {doing} "
                 f"(401): {_TOKEN_HELP}"
             )
         if code == 403:
-            return ExecutorError(
+            return MissingAccess(
                 f"the Hugging Face token may not {doing} in namespace {self.namespace!r} "
                 f"(403): use a token with access to it, or choose another -o namespace=... "
                 f"({detail})"
             )
         if code is None:
-            return ExecutorError(
+            return MissingAccess(
                 f"cannot reach the Hugging Face Jobs API at {self.endpoint} while {doing}: "
                 f"{detail} (check the network, or -o endpoint=...)"
             )
@@ -230,11 +233,14 @@ class HFJobsExecutor(CloudExecutor):
             )
         self._flavor_checked = True
 
-    def check_backend(self) -> None:
+    def backend_checks(self) -> list[ReadyCheck]:
+        return [self._check_account]
+
+    def _check_account(self) -> None:
         """Token present and accepted, namespace allowed, flavor known - nothing launched."""
         if self.flavor not in known_flavors() and not self._token and not get_token():
             # say both things at once: the name is wrong and the token is missing
-            raise ExecutorError(
+            raise MissingAccess(
                 f"unknown HF Jobs flavor {self.flavor!r} (known: {', '.join(known_flavors())}); "
                 f"and no Hugging Face token: {_TOKEN_HELP}"
             )

@@ -47,6 +47,8 @@ from crf.executors import adaptors, catalog
 from crf.executors.base import (
     BackendPlan,
     ExecutorError,
+    MissingAccess,
+    ReadyCheck,
     ReplicaHandle,
     ReplicaState,
     ReplicaStatus,
@@ -81,7 +83,7 @@ def _modal() -> Any:
     try:
         return adaptors.modal.load()
     except adaptors.MissingSDK:
-        raise ExecutorError(
+        raise MissingAccess(
             "the modal backend needs the modal client: pip install 'composer-replication[modal]'"
         ) from None
 
@@ -215,7 +217,7 @@ class ModalExecutor(CloudExecutor):
                 else:
                     config = adaptors.modal.load("config").config
                     if not config.get("oauth_refresh_token"):
-                        raise ExecutorError(
+                        raise MissingAccess(
                             "no Modal credentials: run `modal token new` or set "
                             "MODAL_TOKEN_ID/MODAL_TOKEN_SECRET"
                         )
@@ -248,25 +250,29 @@ class ModalExecutor(CloudExecutor):
         exc = adaptors.modal.load("exception")
 
         if isinstance(e, exc.AuthError):
-            return ExecutorError(
+            return MissingAccess(
                 f"Modal rejected the credentials while trying to {what} ({e}): run `modal token "
                 "new` or set MODAL_TOKEN_ID/MODAL_TOKEN_SECRET to a valid token"
             )
         if isinstance(e, exc.ConnectionError):
-            return ExecutorError(f"cannot reach Modal to {what}: {e}")
+            return MissingAccess(f"cannot reach Modal to {what}: {e}")
         if isinstance(e, exc.NotFoundError):
             return ExecutorError(f"Modal cannot {what}: {e}")
         return ExecutorError(f"Modal failed to {what}: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ checks
-    def check_backend(self) -> None:
-        """GPU name known, credentials present, and accepted by Modal (``ClientHello``)."""
-        parse_gpu(self.gpu)
+    def backend_checks(self) -> list[ReadyCheck]:
+        """The GPU name known; a token present, and accepted by Modal (``ClientHello``)."""
+        return [lambda: parse_gpu(self.gpu), self.check_token]
+
+    def check_token(self) -> None:
+        """MissingAccess when no token is found (``MODAL_TOKEN_ID``/``MODAL_TOKEN_SECRET``,
+        ``~/.modal.toml`` from ``modal token new``) or Modal refuses it."""
         if modal_credentials() is None:
             config = adaptors.modal.load("config").config
             if not config.get("oauth_refresh_token"):
-                raise ExecutorError(
-                    "no Modal credentials: run `modal token new` or set "
+                raise MissingAccess(
+                    "no Modal credentials: run `modal token new` (writes ~/.modal.toml) or set "
                     "MODAL_TOKEN_ID/MODAL_TOKEN_SECRET"
                 )
         try:

@@ -62,6 +62,8 @@ from crf.executors.base import (
     BackendPlan,
     Entrypoint,
     ExecutorError,
+    MissingAccess,
+    ReadyCheck,
     ReplicaHandle,
     ReplicaResult,
     ReplicaState,
@@ -191,6 +193,12 @@ def exit_code_from(reason: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_NO_CREDENTIALS = (
+    "no AWS credentials for SageMaker: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+    "AWS_PROFILE (`aws configure` writes ~/.aws/credentials; `aws sso login`)"
+)
+
+
 def _code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
 
@@ -291,7 +299,7 @@ class SageMakerExecutor(CloudExecutor):
     # ------------------------------------------------------------------ AWS plumbing
     def _region(self) -> str:
         if not self.region:
-            raise ExecutorError(
+            raise MissingAccess(
                 "no AWS region for SageMaker: pass --region (e.g. --region us-east-1) or set "
                 "AWS_DEFAULT_REGION"
             )
@@ -353,52 +361,63 @@ class SageMakerExecutor(CloudExecutor):
             f"(boto3 {boto3.__version__} knows {len(known)} types; upgrade it for newer ones)"
         )
 
-    def check_backend(self) -> None:
-        """Instance type, role and region valid; AWS accepts the credentials and lets them
-        use SageMaker - all before anything is launched."""
-        self._check_instance_type()
+    def backend_checks(self) -> list[ReadyCheck]:
+        """Instance type known; a role and a region given; AWS accepts the credentials and
+        lets them use SageMaker - each said apart."""
+        return [self._check_instance_type, self._check_role, self._region, self._check_aws]
+
+    def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
+        """The shared checks, then an S3 location for the jobs' output."""
+        return [*super().ready_checks(run_uri), lambda: self._output_path(run_uri)]
+
+    def _check_role(self) -> None:
         if not self.role_arn:
-            raise ExecutorError(
+            raise MissingAccess(
                 "SageMaker jobs need an IAM execution role: -o role_arn=arn:aws:iam::<account>:"
                 f"role/<name> (or set {ROLE_ARN_ENV}); see docs/backends/sagemaker.md"
             )
+
+    def _check_aws(self) -> None:
+        """The credentials found and accepted (STS), and allowed to use SageMaker in the
+        region (without a region, ``_region`` says so and only their presence is checked)."""
+        try:
+            found = boto3.session.Session().get_credentials() is not None
+        except BotoCoreError:  # e.g. AWS_PROFILE names a missing profile: STS says which
+            found = True
+        if not found:
+            raise MissingAccess(_NO_CREDENTIALS)
+        if not self.region:
+            return
         region = self._region()
         try:
             ident = self._client("sts", region).get_caller_identity()
         except NoCredentialsError:
-            raise ExecutorError(
-                "no AWS credentials for SageMaker: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (`aws configure` / `aws sso login`)"
-            ) from None
+            raise MissingAccess(_NO_CREDENTIALS) from None
         except ClientError as e:
-            raise ExecutorError(
+            raise MissingAccess(
                 f"AWS rejected your credentials ({_msg(e)}); check AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or refresh them (`aws sso login`)"
             ) from None
         except BotoCoreError as e:
-            raise ExecutorError(f"cannot reach AWS STS in {region}: {e}") from None
+            raise MissingAccess(f"cannot reach AWS STS in {region}: {e}") from None
         try:
             self._client("sagemaker", region).list_training_jobs(MaxResults=1)
         except ClientError as e:
-            raise ExecutorError(
+            raise MissingAccess(
                 f"{ident.get('Arn', 'your AWS identity')} cannot use SageMaker in {region} "
                 f"({_msg(e)}); it needs sagemaker:CreateTrainingJob/DescribeTrainingJob/"
                 f"StopTrainingJob/ListTrainingJobs/ListTags/AddTags and iam:PassRole on "
                 f"{self.role_arn}"
             ) from None
         except BotoCoreError as e:
-            raise ExecutorError(f"cannot reach SageMaker in {region}: {e}") from None
-
-    def check_ready(self, run_uri: str) -> None:
-        super().check_ready(run_uri)
-        self._output_path(run_uri)
+            raise MissingAccess(f"cannot reach SageMaker in {region}: {e}") from None
 
     def _output_path(self, run_uri: str) -> str:
         if self.output_path:
             return self.output_path
         if scheme_of(run_uri) == "s3":
             return f"{run_uri.rstrip('/')}/sagemaker"
-        raise ExecutorError(
+        raise MissingAccess(
             "SageMaker requires an S3 location for job output (crf writes nothing there, "
             f"but the API insists): add -o output_path=s3://<bucket>/<prefix> (the store "
             f"{run_uri} is not on S3)"

@@ -223,7 +223,7 @@ def _run_row(st: Any) -> dict[str, Any] | None:
     return {
         "run_id": spec.run_id,
         "backend": spec.backend,
-        "job": spec.job,
+        "job": spec.job_label,
         "replicas": spec.replicas,
         "rounds": spec.rounds,
         "created_at": spec.created_at,

@@ -63,12 +63,29 @@ def parse_sets(items: list[str] | None) -> dict[str, str]:
     return parse_pairs(items, "--set")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from crf import __version__
+
+        typer.echo(f"crf {__version__}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _app(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_print_version, is_eager=True,
+                     help="Print the crf version and exit."),
+    ] = None,
+) -> None:  # fmt: skip
+    """Train one model as N replicas that meet only through an object store (DiLoCo)."""
+
+
 @app.command()
 def version() -> None:
-    """Print the crf version."""
-    from crf import __version__
-
-    Console().print(f"crf {__version__}")
+    """Print the crf version (the same as crf --version)."""
+    _print_version(True)
 
 
 # ---------------------------------------------------------------------- crf launch
@@ -128,7 +145,16 @@ DryRun = Annotated[
     typer.Option(
         "--dry-run",
         help="Check everything and print the plan (what starts where, hardware, "
-        "hourly cost) without launching or writing anything.",
+        "hourly cost) and what is missing (credentials, store access), without launching "
+        "or writing anything; exits 0 even when something is missing.",
+        rich_help_panel=LAUNCH,
+    ),
+]
+Strict = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="With --dry-run: exit 2 when anything is missing (for CI).",
         rich_help_panel=LAUNCH,
     ),
 ]
@@ -201,6 +227,7 @@ def _launch_flags(
     job_config: JobSets = None,
     store: LaunchStore = None,
     dry_run: DryRun = False,
+    strict: Strict = False,
     detach: Detach = False,
     no_progress: NoProgress = False,
     timeout: Timeout = None,
@@ -298,7 +325,10 @@ def launch(ctx: typer.Context, **params: Any) -> None:
     _repeatable_values(ctx, options)
     cfg = _apply_config(ctx, options, flags)
     options["job_config"] = cfg.job_config | parse_sets(flags["job_config"])
+    _check_entrypoint_sets(ctx, options, cfg)
     timeout, resume = flags["timeout"], flags["resume"]
+    if flags["strict"] and not flags["dry_run"]:
+        _fail("--strict only applies to --dry-run (a launch already stops at what is missing)")
     if timeout is not None:
         try:
             check_seconds("--timeout", timeout)
@@ -329,7 +359,7 @@ def launch(ctx: typer.Context, **params: Any) -> None:
                            restart=policy, dry_run=flags["dry_run"])  # fmt: skip
         if flags["dry_run"]:
             _print_plan(plan)
-            raise typer.Exit(EXIT_OK)
+            raise typer.Exit(EXIT_USAGE if flags["strict"] and plan.missing else EXIT_OK)
         summary = run(plan, progress=not flags["no_progress"], timeout_s=timeout,
                       detach=flags["detach"])  # fmt: skip
     except LaunchError as e:
@@ -337,6 +367,19 @@ def launch(ctx: typer.Context, **params: Any) -> None:
     except StoreError as e:  # after launch: the replicas fail on it too (exit 1, not 2)
         _fail(f"the run's store failed: {e}", EXIT_FAILED)
     raise typer.Exit(_exit_code(summary))
+
+
+def _check_entrypoint_sets(ctx: typer.Context, options: dict[str, Any], cfg: Any) -> None:
+    """``--set`` with an ``--entrypoint`` and no ``--job``: one line saying how to pass
+    arguments to the command instead (crf.launcher.plan.check_entrypoint_options)."""
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.plan import check_entrypoint_options
+
+    named = _given(ctx, "job") or "job" in cfg.options
+    try:
+        check_entrypoint_options(options["entrypoint"], options["job_config"], job_named=named)
+    except LaunchError as e:
+        _fail(str(e))
 
 
 #: the launch flags a config file may set (crf.launcher.config_file.LAUNCH_KEYS)
@@ -486,7 +529,7 @@ def _print_plan(plan: Any) -> None:
         ("region", bp.region or "-"),
         ("command", " ".join(bp.command) if len(" ".join(bp.command)) < 200 else bp.command[0]),
         ("store", bp.store),
-        ("job", f"{spec.job} {spec.job_config or ''}".strip()),
+        ("job", f"{spec.job_label} {spec.job_config or ''}".strip()),
         (
             "schedule",
             f"{spec.rounds} round(s) x {spec.sync_every} inner steps"
@@ -512,7 +555,20 @@ def _print_plan(plan: Any) -> None:
     console.print(table)
     for note in bp.notes:
         console.print(f"- {escape(note)}", highlight=False)
+    _print_missing(console, plan.missing)
     console.print("nothing was launched or written (--dry-run)")
+
+
+def _print_missing(console: Console, missing: list[str]) -> None:
+    """A dry run's list of what an account or setup must provide before the run can
+    launch, each line naming where it comes from (a variable, a file, a login command)."""
+    if not missing:
+        console.print("[green]nothing missing:[/] the backend and the store accept this "
+                      "machine's credentials")  # fmt: skip
+        return
+    console.print(f"[bold yellow]missing[/] before this run can launch ({len(missing)}):")
+    for line in missing:
+        console.print(f"- {escape(line)}", highlight=False)
 
 
 StoreOpt = Annotated[

@@ -98,12 +98,20 @@ def _start_launch(plan: Plan, started: float) -> int:
     return 0
 
 
+def _what(spec: RunSpec) -> str:
+    """The header's name for what runs: ``job 'composer'``, or a custom entrypoint's
+    command (markup-escaped: a command may hold brackets)."""
+    from rich.markup import escape
+
+    return f"command {escape(spec.job_label)!r}" if spec.entrypoint else f"job {spec.job!r}"
+
+
 def _announce(plan: Plan, launch_no: int, console: Console) -> None:
     """The run's header: what starts where, and for a resume from which round."""
     spec = plan.spec
     console.print(
-        f"[bold]crf[/] run [bold]{spec.run_id}[/]: {spec.replicas} replica(s) of job "
-        f"{spec.job!r} on {spec.backend}, {spec.rounds} round(s) x {spec.sync_every} steps"
+        f"[bold]crf[/] run [bold]{spec.run_id}[/]: {spec.replicas} replica(s) of "
+        f"{_what(spec)} on {spec.backend}, {spec.rounds} round(s) x {spec.sync_every} steps"
     )
     if plan.resume is not None:
         r = plan.resume.from_round

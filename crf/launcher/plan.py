@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor, resolve_procs_per_replica
 from crf.launcher.errors import LaunchError
-from crf.launcher.user_env import resolve_secrets
+from crf.launcher.user_env import check_reserved, resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
@@ -101,10 +101,15 @@ class ResumeInfo:
 
 @dataclass
 class Plan:
-    """A validated run, ready to start: nothing has been written or launched yet."""
+    """A validated run, ready to start: nothing has been written or launched yet.
+
+    A dry run's plan may not be ready: ``missing`` then lists what an account or a setup
+    step must provide first, and such a plan is only shown, never run.
+    """
 
     spec: RunSpec
-    store: RunStore
+    #: None only in a dry run whose store could not be opened (``missing`` says why)
+    store: RunStore | None
     executor: ServerlessExecutor
     command: list[str] | None  # None: the backend's default, python -m crf.replica
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -114,6 +119,9 @@ class Plan:
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     #: the packed ``--workdir``, put in the run folder at launch (None: no workdir)
     workdir: PackedWorkdir | None = field(default=None, repr=False)
+    #: what a dry run found missing, one line each naming what provides it: credentials
+    #: (the variable, file or login command), store access, a client library (empty: ready)
+    missing: list[str] = field(default_factory=list)
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -172,7 +180,8 @@ def prepare(
     ``options``: the run options (RunSpec fields declared with ``option``: job, replicas,
     sync_every, rounds, job_config, entrypoint, ...); one left out takes its RunSpec default,
     ``run_id`` a new one. ``executor`` replaces the one ``backend`` and ``backend_options``
-    name.
+    name. With ``dry_run``, what an account or a setup step provides (credentials, store
+    access, a client library) does not stop the checks: it is listed in ``Plan.missing``.
     """
     from crf.store import join_uri, normalize_uri
 
@@ -197,11 +206,9 @@ def prepare(
         raise LaunchError(str(e)) from None
     except TypeError as e:  # e.g. outer_lr="fast" from Python: comparisons fail
         raise LaunchError(f"a run option has the wrong type: {e}") from None
-    try:
-        executor.check_ready(run_uri)  # credentials, hardware names, store reachable from it
-    except ExecutorError as e:
-        raise LaunchError(str(e)) from None
+    missing = check_access(executor, run_uri, dry_run=dry_run)  # the backend's credentials
     packed = check_code(spec, executor)
+    check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     with importable(packed if _imports_user_code(spec) else None):  # from the workdir
         spec.job_config = validate_job(spec.job, job_options)
         check_workload(spec)
@@ -214,12 +221,69 @@ def prepare(
             executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
-    secret_env = resolve_secrets(spec)  # each one set (or its file readable) before launch
+    secret_env = _read_secrets(spec, missing if dry_run else None)
     # The store last: the writability probe is the only check with a side effect.
-    run_store = _run_folder(run_uri, run_id, dry_run)
-    return Plan(
-        spec, run_store, executor, command, restart=policy, secret_env=secret_env, workdir=packed
-    )
+    if dry_run:
+        run_store = _dry_run_folder(run_uri, run_id, missing)
+    else:
+        run_store = _run_folder(run_uri, run_id, dry_run)
+    return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env,
+                workdir=packed, missing=missing)  # fmt: skip
+
+
+def check_access(executor: ServerlessExecutor, run_uri: str, *, dry_run: bool) -> list[str]:
+    """The backend's checks before launch (``check_ready``: credentials, hardware names,
+    the store reachable from its replicas and their credentials for it). A launch stops at
+    the first problem (LaunchError); a dry run returns every missing access, a line each,
+    to list after the plan (bad input, a misspelt GPU name, is a LaunchError either way)."""
+    try:
+        if not dry_run:
+            executor.check_ready(run_uri)
+            return []
+        return executor.missing(run_uri)
+    except ExecutorError as e:
+        raise LaunchError(str(e)) from None
+
+
+def store_access(run_uri: str) -> list[str]:
+    """What keeps this machine from the run's store (empty: it answers): no credentials
+    for it (the line says which variable or login gives them), its client library missing,
+    or the store refusing a read. Reads only."""
+    from crf.executors.secrets import MissingCredentials, store_secrets
+    from crf.store import RunStore
+
+    try:
+        store_secrets(run_uri)
+    except MissingCredentials as e:
+        return [str(e)]
+    try:
+        with store_errors(run_uri):
+            RunStore(run_uri, retries=0).exists(layout.RUN_SPEC)
+    except LaunchError as e:
+        return [str(e)]
+    return []
+
+
+def _dry_run_folder(run_uri: str, run_id: str, missing: list[str]) -> RunStore | None:
+    """A dry run's run folder, checked as :func:`_run_folder` checks it, when the store
+    answers; otherwise None, and why joins ``missing`` (once: a cloud backend's check may
+    have said it already)."""
+    problems = store_access(run_uri)
+    missing.extend(p for p in problems if p not in missing)
+    return None if problems else _run_folder(run_uri, run_id, dry_run=True)
+
+
+def _read_secrets(spec: RunSpec, missing: list[str] | None) -> dict[str, str]:
+    """The ``--secret`` values, each set (or its file readable) before launch; with a
+    ``missing`` list (a dry run) one that is not is added there instead of raised."""
+    if missing is None:
+        return resolve_secrets(spec)
+    check_reserved(spec)  # a reserved name is bad input, not something missing
+    try:
+        return resolve_secrets(spec)
+    except LaunchError as e:
+        missing.append(str(e))
+        return {}
 
 
 def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -239,7 +303,28 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     except TypeError as e:
         raise LaunchError(f"a run option has the wrong type: {e}") from None
     _command(entrypoint)
+    check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     return validate_job(values.get("job", RunSpec.job), job_options)
+
+
+def check_entrypoint_options(
+    entrypoint: str | Sequence[str] | None,
+    job_options: Mapping[str, Any] | None,
+    *,
+    job_named: bool,
+) -> None:
+    """LaunchError for ``--set`` with a custom ``--entrypoint`` and no job named: job
+    options configure a crf job, and the command replaces the default one, so they would be
+    checked against a job that never runs. (With ``--job`` named, they are that job's, in
+    run.json, where an entrypoint that follows the replica contract may read them.)"""
+    if entrypoint is None or not job_options or job_named:
+        return
+    given = " ".join(f"--set {k}={v}" for k, v in job_options.items())
+    raise LaunchError(
+        f"{given}: --set configures crf's built-in jobs, not an --entrypoint; pass "
+        "arguments to your entrypoint in the command itself, e.g. --entrypoint "
+        "'python train.py --lr 3e-4' (or read them from --env)"
+    )
 
 
 def check_workload(spec: RunSpec) -> None:

@@ -256,7 +256,7 @@ def build_summary(
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
         "backend": spec.backend,
-        "job": spec.job,
+        "job": spec.job_label,
         "status": status,
         "error": error,
         "fatal_error": problems.pop("fatal_error"),

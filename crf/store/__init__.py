@@ -1,6 +1,14 @@
-"""The run store: fsspec URIs -> atomic put, create-if-absent, get, list, wait."""
+"""The run store: fsspec URIs -> atomic put, create-if-absent, get, list, wait.
 
-from crf.store.codec import decode_blob, decode_tensor, encode_blob, encode_tensor
+The tensor codec is imported on first use (module ``__getattr__``): it needs torch, and the
+read-only commands (``crf runs``, ``crf status``, ``crf logs``) reach the store without it.
+"""
+
+from __future__ import annotations
+
+import importlib as _importlib
+from typing import Any as _Any
+
 from crf.store.errors import (
     CorruptObjectError,
     ObjectNotFound,
@@ -36,3 +44,11 @@ __all__ = [
     "supported_schemes",
     "wait_until",
 ]
+
+_CODEC = ("decode_blob", "decode_tensor", "encode_blob", "encode_tensor")
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _CODEC:
+        return getattr(_importlib.import_module("crf.store.codec"), name)
+    raise AttributeError(f"module 'crf.store' has no attribute {name!r}")
