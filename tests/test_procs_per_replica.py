@@ -65,7 +65,7 @@ def test_the_dry_run_plan_shows_k(tmp_path: Path) -> None:
     base = ["launch", "--job", "lm", "--store", str(tmp_path), "--run-id", "p", "--dry-run"]
     out = CliRunner().invoke(app, [*base, "--procs-per-replica", "2"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "procs per replica" in out.output and "2 local rank(s)" in out.output
+    assert "procs per replica" in out.output and "2 local ranks" in out.output
     out = CliRunner().invoke(app, [*base, "--procs-per-replica", "0"])
     assert out.exit_code != 0 and "--procs-per-replica must be an integer between 1" in out.output
 

@@ -42,6 +42,13 @@ def procs_per_replica(spec: Any) -> int:
     return int(getattr(spec, "procs_per_replica", None) or 1)
 
 
+def label(k: int | None) -> str:
+    """``--procs-per-replica`` as the dry-run plan shows it."""
+    if not k or k == 1:
+        return "1"
+    return f"{k} local ranks (DDP inside each replica; one of them exchanges)"
+
+
 def is_worker(environ: Any = None) -> bool:
     """Whether this process is one of a replica's local ranks (started by :func:`run_agent`,
     which sets ``CRF_LOCAL_WORKER`` to its own pid)."""
