@@ -349,7 +349,7 @@ class RoundMetrics(Record):
     rank: int
     loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # the replica's compute time so far (since its process started)
     step: int = 0
     updated_at: float = 0.0
     committed: bool = False
@@ -457,5 +457,5 @@ class LaunchRecord(Record):
         return data
 
 
-#: the run's picture, beside result.json
-LOSS_PLOT = "loss.png"
+#: the run's figure (crf/launcher/figure.py), beside result.json
+FIGURE = "figure.png"

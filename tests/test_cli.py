@@ -218,14 +218,14 @@ def test_launch_ok_writes_result_and_plot(base: Path, script: Path) -> None:
     assert all(r["exit_code"] == 0 and r["rounds_committed"] == 3 for r in summary["replicas"])
     assert summary["final_loss"] == pytest.approx((2 / 3 + 2 / 3 + 0.1) / 2)
     assert summary["bytes_up"] == 6000 and summary["bytes_down"] == 12000
-    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert summary["loss_plot"] == str(run / "loss.png")
+    assert (run / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["figure"] == str(run / "figure.png")
 
     # the live table (non-interactive console: final frame) and the summary
     out = result.output
     assert "phase" in out and "heartbeat" in out
     assert "summary" in out and "ok (0)" in out and "3/3" in out
-    assert f"loss plot: {run / 'loss.png'}" in out
+    assert f"figure: {run / 'figure.png'}" in out
     assert f"result: {run / 'result.json'}" in out
     assert "weights identical" in out
     assert "running job testjob" in (run / "logs" / "replica-1.log").read_text()
@@ -238,6 +238,15 @@ def test_launch_ok_writes_result_and_plot(base: Path, script: Path) -> None:
     header = "".join(out.split())  # rich may wrap (or fold) the header at 80 columns
     assert f"2replica(s)ofcommand{command!r}onlocal".replace(" ", "") in header
     assert [r["job"] for r in list_runs(str(base))] == [command]
+
+    # crf plot redraws the figure from the store alone (generic panels: a custom entrypoint)
+    (run / "figure.png").unlink()
+    plotted = crf("plot", "t1", "--store", str(base))
+    assert plotted.exit_code == 0 and f"figure: {run / 'figure.png'}" in plotted.output
+    assert (run / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = base / "elsewhere.png"
+    assert crf("plot", "t1", "--store", str(base), "--out", str(other)).exit_code == 0
+    assert other.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_failed_replica_gives_nonzero_exit(

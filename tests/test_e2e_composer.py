@@ -66,3 +66,10 @@ def test_composer_replicas_learn(tmp_path: Path) -> None:
     # every channel's loss is in the per-round metrics
     m = json.loads((run / "metrics" / "0" / "4.json").read_text())["metrics"]
     assert {"reward", "grpo_loss", "distill_loss", "replay_loss"} <= set(m)
+    # and the held-out exact match of each round's global model: the same on every replica
+    exact = [
+        json.loads((run / "metrics" / str(k) / "4.json").read_text())["metrics"]["exact_match"]
+        for k in range(2)
+    ]
+    assert exact[0] == exact[1] and 0.0 <= exact[0] <= 1.0
+    assert result["figure"] == str(run / "figure.png") and (run / "figure.png").stat().st_size

@@ -92,6 +92,10 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
     assert AutoTokenizer.from_pretrained(out).decode([0, 1]) == " ."
     # the summary table is printed
     assert "e2e-lm" in proc.stdout and "rounds" in proc.stdout.lower()
+    # each round's record carries its global model's eval loss; the figure shows it
+    record = json.loads((run / "metrics" / "1" / "2.json").read_text())
+    assert 0 < record["metrics"]["eval_loss"] < jm["eval_loss_initial"]
+    assert result["figure"] == str(run / "figure.png") and (run / "figure.png").stat().st_size
 
 
 def test_user_entrypoint_joins_the_exchange(tmp_path: Path) -> None:

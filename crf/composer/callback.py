@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback
@@ -26,9 +27,18 @@ DEFAULT_STEP_METRICS = ("reward", "grpo_loss", "distill_loss", "replay_loss")
 class DiLoCoCallback(TrainerCallback):
     """See module docstring. ``history`` holds one dict per optimizer step."""
 
-    def __init__(self, ctx: Any | None, metrics: tuple[str, ...] = DEFAULT_STEP_METRICS) -> None:
+    def __init__(
+        self,
+        ctx: Any | None,
+        metrics: tuple[str, ...] = DEFAULT_STEP_METRICS,
+        round_eval: Callable[[], dict[str, float | None]] | None = None,
+    ) -> None:
+        """``round_eval``, if given, is called after the last inner step of each outer round
+        (the weights are then the round's global model) and its metrics are logged with that
+        step, so each round's record carries them (e.g. held-out exact match)."""
         self.ctx = ctx
         self.metrics = tuple(metrics)
+        self.round_eval = round_eval
         self.history: list[dict[str, float]] = []
         self._stack: contextlib.ExitStack | None = None
         self._last_logged_step = -1
@@ -76,4 +86,13 @@ class DiLoCoCallback(TrainerCallback):
         self.history.append(record)
         if self.ctx is not None:
             extra = {k: v for k, v in record.items() if k not in ("step", "loss")}
+            if self.round_eval is not None and _at_round_end(self.ctx):
+                extra.update({k: v for k, v in self.round_eval().items() if v is not None})
             self.ctx.log_step(loss=record["loss"], **extra)
+
+
+def _at_round_end(ctx: Any) -> bool:
+    """The inner step just taken closed an outer round (its sync is in the weights)."""
+    every = int(getattr(getattr(ctx, "spec", None), "sync_every", 0) or 0)
+    step = int(getattr(ctx, "step", 0) or 0)
+    return every > 0 and step > 0 and step % every == 0

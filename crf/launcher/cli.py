@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
-from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
+from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, RunSpec, run_options
 
 app = typer.Typer(
     name="crf",
@@ -647,7 +647,7 @@ def status(
         from crf.launcher.summary import render_summary
 
         render_summary(result, console, result_path=result.get("result_path"),
-                       plot_path=result.get("loss_plot"))  # fmt: skip
+                       plot_path=result.get("figure"))  # fmt: skip
     if result is None:
         console.print(f"[cyan]running[/] (launch {run_.launch_no} on {spec.backend})")
         raise typer.Exit(EXIT_OK)
@@ -737,6 +737,45 @@ def export(
     Console().print(
         f"exported {len(done.files)} file(s) of run {escape(run_id)} to {escape(done.dest)}"
     )
+
+
+@app.command()
+def plot(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id.")],
+    store: StoreOpt = None,
+    out: Annotated[
+        str | None,
+        typer.Option("--out", "-o", metavar="FILE",
+                     help="Write the PNG here instead of the run folder's figure.png."),
+    ] = None,
+) -> None:  # fmt: skip
+    """Redraw a run's figure (figure.png) from its store: a finished run or one still
+    running, on any backend (only the store is read)."""
+    from pathlib import Path
+
+    from crf import layout
+    from crf.launcher.attach import run_store
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.figure import draw_figure, figure_job, figure_title, read_metrics
+    from crf.launcher.plan import display_path
+    from crf.store.errors import StoreError
+
+    try:
+        st = run_store(run_id, store)
+        spec = RunSpec.from_json(st.get(layout.RUN_SPEC))
+        png = draw_figure(read_metrics(st, spec.replicas), job=figure_job(spec),
+                          title=figure_title(spec))  # fmt: skip
+        if png is None:
+            _fail(f"run {run_id} has no round recorded yet: nothing to draw (try again later)", 1)
+        if out:
+            Path(out).write_bytes(png)
+            where = out
+        else:
+            st.put(layout.FIGURE, png)
+            where = display_path(st, layout.FIGURE)
+    except (LaunchError, StoreError, OSError) as e:
+        _fail(str(e))
+    Console().print(f"figure: {escape(where)}", soft_wrap=True, highlight=False)
 
 
 def _exit_code(summary: dict) -> int:

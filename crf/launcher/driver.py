@@ -275,23 +275,18 @@ def _one_line(e: BaseException) -> str:
 def _save_plot(
     spec: RunSpec, store: RunStore, metrics: Mapping[int, Any], console: Console
 ) -> str | None:
-    """Draw the loss plot beside result.json; where it went, or None. A plot must never turn
-    a good run into a crash: a failure is one yellow line."""
-    from crf.launcher.summary import plot_losses
+    """Draw the run's figure beside result.json; where it went, or None. A figure must never
+    turn a good run into a crash: a failure is one yellow line."""
+    from crf.launcher.figure import save_figure
+    from crf.store import StoreError
 
     try:
-        png = plot_losses(metrics, title=f"crf run {spec.run_id}")
-    except Exception as e:  # noqa: BLE001 - matplotlib can fail in many ways; said below
-        console.print(f"[yellow]could not draw the loss plot: {type(e).__name__}: {e}[/]")
-        return None
-    if png is None:
-        return None
-    try:
-        store.put(layout.LOSS_PLOT, png)
-    except Exception as e:  # noqa: BLE001 - the store went away (bucket deleted...): said here
-        console.print(f"[yellow]could not save the loss plot: {_one_line(e)}[/]")
-        return None
-    return display_path(store, layout.LOSS_PLOT)
+        return save_figure(spec, store, metrics)
+    except StoreError as e:  # the store went away (bucket deleted...): said here
+        console.print(f"[yellow]could not save the figure: {_one_line(e)}[/]")
+    except Exception as e:  # noqa: BLE001 - matplotlib can fail in many ways; said here
+        console.print(f"[yellow]could not draw the figure: {type(e).__name__}: {e}[/]")
+    return None
 
 
 def _save_result(store: RunStore, summary: dict[str, Any], launch_no: int) -> None:
@@ -324,13 +319,14 @@ def finish_run(
     plot: bool = True,
     **facts: Any,
 ) -> dict[str, Any]:
-    """Gather ended replicas into the summary: ``result.json``, the loss plot, the launch
+    """Gather ended replicas into the summary: ``result.json``, the figure, the launch
     record, and the rendered table. Used by the watching driver and by ``crf status`` for a
     detached run whose replicas have all ended. ``facts`` go to the summary: ``cancelled``,
     ``error``, ``attempts``, ``restarts``, ``not_restarted`` and ``extra`` (more fields)."""
     from rich.console import Console
 
-    from crf.launcher.summary import build_summary, read_metrics, render_summary
+    from crf.launcher.figure import read_metrics
+    from crf.launcher.summary import build_summary, render_summary
 
     console = console or Console()
     extra = dict(facts.pop("extra", None) or {})
@@ -354,7 +350,7 @@ def finish_run(
         **extra,
     )
     plot_path = _save_plot(spec, store, metrics, console) if plot else None
-    summary["loss_plot"] = plot_path
+    summary["figure"] = plot_path
     _save_result(store, summary, launch_no)
     if report:
         render_summary(summary, console, result_path=summary["result_path"], plot_path=plot_path)

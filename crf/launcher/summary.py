@@ -1,4 +1,4 @@
-"""The end of a run: the driver's summary (``result.json``), its table, and the loss plot.
+"""The end of a run: the driver's summary (``result.json``), its table, and where the figure is.
 
 The summary joins what the backend saw (exit codes) with what each replica reported
 (``results/<rank>.json``), so one file answers "did it work, did the replicas agree, what did
@@ -14,7 +14,6 @@ replica spent waiting in one round.
 
 from __future__ import annotations
 
-import io
 import math
 import re
 import time
@@ -30,7 +29,6 @@ from crf import jsonsafe, layout
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import fmt_loss
 from crf.layout import Rejection
-from crf.store.errors import StoreError
 
 #: fields copied from results/<rank>.json into the summary rows
 RESULT_FIELDS = (
@@ -278,7 +276,7 @@ def build_summary(
         "ended_at": ended_at,
         "wall_s": round(ended_at - started_at, 3),
         "replicas": rows,
-        "loss_plot": None,
+        "figure": None,
     }
 
 
@@ -401,7 +399,7 @@ def render_summary(
     plot_path: str | None = None,
 ) -> None:
     """Print the per-replica table, what went wrong on the way (restarts, rejected objects),
-    the verdict, and where result.json / loss.png are."""
+    the verdict, and where result.json / figure.png are."""
     console.print(replica_table(summary))
     print_restarts(summary["replicas"], console)
     print_failures(summary, console)
@@ -410,7 +408,7 @@ def render_summary(
     if result_path:
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
     if plot_path:
-        console.print(f"loss plot: {plot_path}", soft_wrap=True, highlight=False)
+        console.print(f"figure: {plot_path}", soft_wrap=True, highlight=False)
 
 
 def replica_table(summary: Mapping[str, Any]) -> Table:
@@ -563,67 +561,3 @@ def print_version_warnings(summary: Mapping[str, Any], console: Console) -> None
     """The warnings of :func:`version_warnings`, in yellow."""
     for line in version_warnings(summary.get("replicas") or []):
         console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True, highlight=False)
-
-
-# ---------------------------------------------------------------------- metrics + plot
-def read_metrics(store: Any, world_size: int) -> dict[int, list[dict[str, Any]]]:
-    """``metrics/<rank>/<r>.json`` for every rank, sorted by round; unreadable files skipped."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for rank in range(world_size):
-        rows = []
-        for r in layout.metrics_rounds(store, rank):
-            try:
-                data = store.get_json(layout.metrics_key(rank, r))
-            except (StoreError, OSError, ValueError):  # half-GC'd or foreign: skip it
-                continue
-            if isinstance(data, dict):
-                data.setdefault("round", r)
-                rows.append(data)
-        rows.sort(key=lambda d: d.get("round", 0))
-        out[rank] = rows
-    return out
-
-
-def plot_losses(metrics: dict[int, list[dict[str, Any]]], *, title: str = "") -> bytes | None:
-    """PNG of per-replica mean loss per round; None when no replica logged a loss.
-
-    Filled markers are committed rounds, hollow ones rounds the replica computed but that did
-    not make the quorum. Uses the Agg canvas directly (no pyplot) so it works headless and
-    does not touch a global matplotlib backend someone else chose.
-    """
-    series = {
-        rank: [(m["round"], m["loss"]) for m in rows if isinstance(m.get("loss"), int | float)]
-        for rank, rows in metrics.items()
-    }
-    if not any(series.values()):
-        return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for rank, points in sorted(series.items()):
-        if not points:
-            continue
-        xs, ys = zip(*points, strict=True)
-        (line,) = ax.plot(xs, ys, marker="o", label=f"replica {rank}")
-        missed = [
-            (m["round"], m["loss"])
-            for m in metrics[rank]
-            if m.get("committed") is False and isinstance(m.get("loss"), int | float)
-        ]
-        if missed:
-            mx, my = zip(*missed, strict=True)
-            ax.plot(mx, my, "o", markerfacecolor="white", color=line.get_color())
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel("mean loss over the round")
-    ax.set_title(title or "loss per replica")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()

@@ -10,7 +10,7 @@ in the run folder). Two kinds of points go there:
   given a group, and for the lm job and custom entrypoints, ``ReplicaContext.log_step`` logs
   the step's loss and metrics (``train/<name>``) itself.
 - **per round**: the record each replica writes to ``metrics/<rank>/<r>.json`` (the one
-  ``crf.launcher.summary.read_metrics`` reads: loss, reward, sync and compute time, bytes
+  ``crf.launcher.figure.read_metrics`` reads: loss, reward, sync and compute time, bytes
   moved, committed), logged once per round as ``round/<name>`` at step = round, by the
   replica that wrote it. Not by the driver: a driver may be detached (``--detach``) or on a
   laptop that sleeps, while the replicas always run; the group puts the replicas side by side.

@@ -217,6 +217,16 @@ def greedy_exact_match(
     return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
 
 
+def exact_match_each_round(setup: ReplicaSetup, max_new: int) -> Any:
+    """The figure's held-out exact match per round (DiLoCoCallback's ``round_eval``), or
+    None when there is no held-out set (a user's --dataset)."""
+    if not setup.held_out:
+        return None
+    return lambda: {
+        "exact_match": greedy_exact_match(setup.model, setup.tokenizer, setup.held_out, max_new)
+    }
+
+
 def as_text(tokenizer: Any, prompt: Any) -> str:
     """A prompt as the model sees it: a conversation through the chat template."""
     if isinstance(prompt, str):
@@ -318,7 +328,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
     if steps <= 0:
         return {"resumed_at_step": start, "steps_trained": 0}
-    callback = DiLoCoCallback(ctx)
+    callback = DiLoCoCallback(ctx, round_eval=exact_match_each_round(setup, max_new))
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
         embedded = not getattr(ctx.spec, "model", None)
         if cfg.grpo_beta > 0 and embedded:  # TRL reloads the reference from _name_or_path

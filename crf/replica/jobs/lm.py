@@ -238,7 +238,10 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             scaler.step(opt)
             scaler.update()
             if ctx.step != step:  # the optimizer stepped (fp16 may skip one)
-                ctx.log_step(loss=float(loss))
+                # an outer round just ended: its global model's eval loss, for the figure
+                at_end = ctx.step % ctx.spec.sync_every == 0
+                extra = {"eval_loss": evaluate(model, data, placement)} if at_end else {}
+                ctx.log_step(loss=float(loss), **extra)
     eval1 = evaluate(model, data, placement)
     ctx.save_model_at_end(model, data.tokenizer or char_tokenizer(data.itos))
     return {
