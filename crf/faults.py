@@ -2,7 +2,8 @@
 its numbers with a NaN.
 
 Set ``CRF_FAULT`` in a replica's environment to one or more ``;``-separated specs
-``rank=R,point=P,round=N`` (round optional: any round) where P is one of :data:`POINTS` (the
+``rank=R,point=P,round=N`` (round optional: any round; ``local_rank=L`` names one of a
+replica's local ranks, 0 when left out) where P is one of :data:`POINTS` (the
 replica dies there) or :data:`POISON_POINTS` (a NaN is put there; the replica goes on).
 Each fault fires once per run: before it fires the replica creates ``faults/<spec>`` in the
 store with create-if-absent, so a restarted replica that passes the same point again lives on.
@@ -43,7 +44,9 @@ def _parse(text: str) -> list[dict[str, str]]:
     return specs
 
 
-def _fires(point: str, rank: int, round: int | None, store: Any, step: int | None) -> bool:
+def _fires(
+    point: str, rank: int, round: int | None, store: Any, step: int | None, local_rank: int = 0
+) -> bool:
     """Whether a spec names this point now and has not fired yet in this run (it is marked
     fired in the store before this returns True)."""
     text = os.environ.get(layout.ENV_FAULT)
@@ -51,6 +54,8 @@ def _fires(point: str, rank: int, round: int | None, store: Any, step: int | Non
         return False
     for kv in _parse(text):
         if kv["point"] != point or int(kv["rank"]) != rank:
+            continue
+        if int(kv.get("local_rank", 0)) != local_rank:
             continue
         if "round" in kv and round is not None and int(kv["round"]) != round:
             continue
@@ -63,9 +68,14 @@ def _fires(point: str, rank: int, round: int | None, store: Any, step: int | Non
 
 
 def maybe_fault(
-    point: str, rank: int, round: int | None, store: Any, step: int | None = None
+    point: str,
+    rank: int,
+    round: int | None,
+    store: Any,
+    step: int | None = None,
+    local_rank: int = 0,
 ) -> None:
-    if _fires(point, rank, round, store, step):
+    if _fires(point, rank, round, store, step, local_rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -54,6 +54,8 @@ ENV_RUN_ID = "CRF_RUN_ID"
 ENV_LOG_LEVEL = "CRF_LOG_LEVEL"
 ENV_TORCH_THREADS = "CRF_TORCH_THREADS"
 ENV_FAULT = "CRF_FAULT"
+#: set by a replica of K > 1 local ranks in its workers' environment (crf/replica/local_ranks.py)
+ENV_LOCAL_WORKER = "CRF_LOCAL_WORKER"
 #: names of the env vars whose values are secrets (comma-separated), for the log redactor
 ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
 #: the run-folder key of the packed --workdir a cloud container unpacks and runs in
@@ -423,6 +425,8 @@ class ResultRecord(Record):
     versions: dict[str, str | None] = field(default_factory=dict)
     #: torch.cuda.is_available() in the replica (None: torch could not be imported)
     cuda_available: bool | None = None
+    #: the processes that trained this replica (--procs-per-replica; older results: 1)
+    local_ranks: int = 1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ResultRecord:

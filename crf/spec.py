@@ -50,6 +50,9 @@ MAX_SEED = 2**32 - 1
 #: the longest wait Python's threading and time.sleep accept (about 292 years); a longer
 #: deadline raises OverflowError in the replica
 MAX_WAIT_S = float(threading.TIMEOUT_MAX)
+#: at most this many local ranks per replica: a machine has at most 8 or 16 GPUs; more
+#: CPU ranks than cores only slow it down
+MAX_PROCS_PER_REPLICA = 64
 #: training precisions and devices (crf/replica/model.py resolves ``auto``)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -336,6 +339,17 @@ class RunSpec:
         "(default: python -m crf.replica).",
     )
     replicas: int = option(2, short="-n", low=1, high=MAX_REPLICAS, help="Number of replicas (N).")
+    procs_per_replica: int | None = option(
+        None,
+        low=1,
+        high=MAX_PROCS_PER_REPLICA,
+        must=f"an integer between 1 and {MAX_PROCS_PER_REPLICA}",
+        why="leave it out for the GPUs of each replica's hardware",
+        help="Processes (local ranks) per replica, training data-parallel inside it (DDP "
+        "under torch.distributed's launcher); only one of them exchanges through the store. "
+        "Default: the GPUs of each replica's hardware (--gpu H100:2, --flavor l4x4, "
+        "ml.g5.12xlarge), 1 on CPU.",
+    )
     sync_every: int = option(  # H: inner optimizer steps between outer steps
         20, short="-H", low=1, high=MAX_TOTAL_STEPS, help="Inner steps between syncs (H)."
     )

@@ -408,7 +408,7 @@ def test_cli_two_replica_diloco_run_on_hf_jobs(
     bucket = s3_env.new_bucket()
     proc = _cli(
         "launch", "--backend", "hf", "--flavor", "cpu-upgrade", "-o", f"endpoint={emu.endpoint}",
-        "--replicas", "2", "--job", "lm", "-H", "4", "--rounds", "2",
+        "--replicas", "2", "--procs-per-replica", "2", "--job", "lm", "-H", "4", "--rounds", "2",
         "--set", "hidden_size=16", "--set", "num_layers=1", "--set", "corpus_sentences=400",
         "--set", "batch_size=4", "--set", "seq_len=32", "--set", "eval_batches=1",
         "--store", f"s3://{bucket}/runs", "--run-id", "hf-e2e", "--no-progress",
@@ -427,6 +427,8 @@ def test_cli_two_replica_diloco_run_on_hf_jobs(
     hashes = {r["weights_sha256"] for r in rows}
     assert len(hashes) == 1 and None not in hashes and result["weights_identical"] is True
     assert all(r["rounds_committed"] == 2 for r in rows)
+    # each job ran its replica as 2 local ranks (gloo), one of which used the store
+    assert [get(f"results/{rank}.json")["local_ranks"] for rank in range(2)] == [2, 2]
     backend = get("backend.json")
     assert backend["backend"] == "hf"
     assert backend["options"]["flavor"] == "cpu-upgrade"

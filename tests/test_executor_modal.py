@@ -418,7 +418,7 @@ def test_crf_launch_on_modal_two_replicas_over_s3(
     env = {**os.environ, "CRF_LOG_LEVEL": "WARNING", "COLUMNS": "200"}
     cmd = [
         sys.executable, "-m", "crf.launcher.cli", "launch", "--backend", "modal",
-        "--replicas", "2", "--job", "lm", "-H", "4", "--rounds", "2",
+        "--replicas", "2", "--procs-per-replica", "2", "--job", "lm", "-H", "4", "--rounds", "2",
         "--set", "corpus_sentences=400", "--set", "hidden_size=32", "--set", "seq_len=32",
         "--set", "batch_size=8", "--set", "eval_batches=1",
         "--store", f"s3://{bucket}/runs", "--run-id", "modal-e2e", "--timeout", "900",
@@ -436,6 +436,9 @@ def test_crf_launch_on_modal_two_replicas_over_s3(
     hashes = {r["weights_sha256"] for r in rows}
     assert len(hashes) == 1 and None not in hashes
     assert all(r["rounds_committed"] == 2 for r in rows)
+    # each sandbox ran its replica as 2 local ranks (gloo), one of which used the store
+    for rank in range(2):
+        assert read_json(s3_env, bucket, f"runs/modal-e2e/results/{rank}.json")["local_ranks"] == 2
     started = [modal_env.sandboxes[s] for s in set(modal_env.sandboxes) - before]
     assert len(started) == 2
     assert {sb.tags["crf-rank"] for sb in started} == {"0", "1"}

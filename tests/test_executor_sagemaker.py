@@ -538,6 +538,7 @@ def test_cli_two_replica_diloco_run_over_s3(aws: Aws) -> None:
     store = f"s3://{aws.bucket}/runs"
     code, out = crf(
         "launch", *sm_flags(), "--replicas", "2", "--store", store, "--job", "lm",
+        "--procs-per-replica", "2",
         "-H", "3", "--rounds", "2", "--run-id", "sm-e2e", "--no-progress",
         "--set", "corpus_sentences=2000",
     )  # fmt: skip
@@ -552,6 +553,8 @@ def test_cli_two_replica_diloco_run_over_s3(aws: Aws) -> None:
     assert all(r["rounds_committed"] == 2 for r in rows)
     jm = rows[0]["job_metrics"]
     assert jm["eval_loss_final"] < jm["eval_loss_initial"], jm
+    # each training job ran its replica as 2 local ranks (gloo), one of which used the store
+    assert [run.get_json(f"results/{r}.json")["local_ranks"] for r in range(2)] == [2, 2]
     jobs = list(aws.emu.jobs.values())
     assert len(jobs) == 2 and all(j.status == "Completed" for j in jobs)
     for job in jobs:

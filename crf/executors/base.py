@@ -178,6 +178,36 @@ def replica_env(
     return out
 
 
+def resolve_procs_per_replica(
+    requested: int | None,
+    executor: ServerlessExecutor,
+    entrypoint: Sequence[str] | None,
+    job: str,
+) -> int:
+    """``--procs-per-replica``: as given, else the GPUs of each replica's hardware (1 on
+    CPU). Local ranks are started by the built-in replica (``python -m crf.replica``) for a
+    job that trains data-parallel (``LOCAL_RANKS = True``, as ``lm``): an own
+    ``--entrypoint`` or another job gets 1 by default, and ExecutorError when it asks for
+    more."""
+    from crf.replica.jobs import get_job
+    from crf.replica.local_ranks import supports_local_ranks
+
+    if entrypoint is not None:
+        why = "your own --entrypoint can start torchrun itself"
+    elif not supports_local_ranks(get_job(job)):
+        why = f"job {job!r} trains on one process per replica (lm trains data-parallel)"
+    else:
+        why = ""
+    if why and requested is not None and requested > 1:
+        raise ExecutorError(
+            f"--procs-per-replica {requested} starts the built-in replica's job on that many "
+            f"local ranks, but {why}: leave --procs-per-replica out"
+        )
+    if why:
+        return 1
+    return requested if requested is not None else max(1, executor.gpus_per_replica())
+
+
 def run_id_from_uri(run_uri: str) -> str:
     """The run id is the last part of the run URI (the replica contract, crf.spec)."""
     return run_uri.rstrip("/").rsplit("/", 1)[-1]
@@ -427,6 +457,11 @@ class ServerlessExecutor(ABC):
     def check_run_uri(self, run_uri: str) -> None:
         """Refuse a store this backend's replicas cannot reach (memory:// for processes)."""
         check_launch_args(1, run_uri, in_process=self.in_process)
+
+    def gpus_per_replica(self) -> int:
+        """The GPUs each replica's hardware has (0: CPU only, or hardware crf cannot count):
+        the default of ``--procs-per-replica``."""
+        return 0
 
     def check_command(
         self, entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()

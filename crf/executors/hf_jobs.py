@@ -87,6 +87,19 @@ _TOKEN_HELP = (
 )
 
 
+def flavor_gpus(flavor: str) -> int:
+    """GPUs of an HF Jobs flavor: the catalog's "4x Nvidia L4 ...", else the name's ``xN``
+    tail (``l4x4``, ``a10g-largex2``; a flavor newer than the catalog); 0 for ``cpu-*``."""
+    what = FLAVORS.get(flavor, ("", 0.0))[0]
+    counted = re.match(r"(\d+)x ", what)
+    if counted:
+        return int(counted.group(1))
+    if flavor.startswith("cpu"):
+        return 0
+    tail = re.search(r"x(\d+)$", flavor)
+    return int(tail.group(1)) if tail else 1
+
+
 def known_flavors() -> list[str]:
     """The flavors the installed client knows (its JobHardware enum) plus the price table."""
     return sorted({h.value for h in JobHardware} | set(FLAVORS))
@@ -411,6 +424,9 @@ class HFJobsExecutor(CloudExecutor):
         return handles
 
     # ------------------------------------------------------------------ plan, config
+    def gpus_per_replica(self) -> int:
+        return flavor_gpus(self.flavor)
+
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         what, price = FLAVORS.get(self.flavor, (None, None))
         ns = self.namespace or "your user (looked up at launch)"

@@ -495,6 +495,11 @@ class ModalExecutor(CloudExecutor):
         return [found[r] for r in sorted(found)]
 
     # ------------------------------------------------------------------ plan / config
+    def gpus_per_replica(self) -> int:
+        """The N of ``--gpu NAME:N`` (1 without ``:N``; 0 without a GPU)."""
+        parsed = parse_gpu(self.gpu)
+        return parsed[1] if parsed else 0
+
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         parsed = parse_gpu(self.gpu)
         gpu = f"{parsed[1]}x {parsed[0]}" if parsed else "no GPU"

@@ -106,6 +106,8 @@ _EXIT_RE = re.compile(r"exit(?:ed with)?[ _-]?(?:code|status)[\s:=]+(-?\d+)", re
 # catalog/sagemaker.json. Other regions cost more or less; managed spot bills the spot price.
 _CATALOG = catalog.load("sagemaker")
 HOURLY_USD: dict[str, float] = dict(_CATALOG["usd_per_hour"])
+#: NVIDIA GPUs per GPU instance type (--procs-per-replica's default)
+GPUS_PER_INSTANCE: dict[str, int] = dict(_CATALOG["gpus_per_instance"])
 
 # The AWS PyTorch training Deep Learning Container (boto3 has no image lookup; the sagemaker
 # SDK's image_uris table is where these come from). torch 2.8 / Python 3.12 satisfies crf's
@@ -168,6 +170,13 @@ def has_gpu(instance_type: str) -> bool:
     """ml.p* and ml.g* families carry NVIDIA GPUs; the rest (m, c, r, t, trn...) do not."""
     family = instance_type.split(".")[1] if instance_type.count(".") == 2 else ""
     return family[:1] in ("p", "g")
+
+
+def instance_gpus(instance_type: str) -> int:
+    """GPUs of an instance type: the catalog's count, 1 for a GPU type it does not list."""
+    if not has_gpu(instance_type):
+        return 0
+    return GPUS_PER_INSTANCE.get(instance_type, 1)
 
 
 def default_image(region: str, instance_type: str) -> str:
@@ -839,6 +848,9 @@ class SageMakerExecutor(CloudExecutor):
         if scheme_of(run_uri) == "s3":
             bundle = {k: v for k, v in bundle.items() if k not in ROLE_REPLACES}
         return sorted(bundle)
+
+    def gpus_per_replica(self) -> int:
+        return instance_gpus(self.instance_type)
 
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         region = self.region or "<default region>"

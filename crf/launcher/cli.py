@@ -522,6 +522,8 @@ def _print_plan(plan: Any) -> None:
     """``--dry-run``: the backend's plan as a table, with the hourly cost where known."""
     from rich.table import Table
 
+    from crf.replica import local_ranks
+
     spec = plan.spec
     bp = plan.executor.describe(spec.replicas, plan.command, spec.run_uri)
     table = Table(title=f"crf launch --dry-run: run {spec.run_id}", show_header=False)
@@ -537,6 +539,7 @@ def _print_plan(plan: Any) -> None:
     rows = [
         ("backend", bp.backend),
         ("replicas", str(bp.replicas)),
+        ("procs per replica", local_ranks.label(spec.procs_per_replica)),
         ("where", bp.where),
         ("image", bp.image),
         ("hardware", bp.hardware),

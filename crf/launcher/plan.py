@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
-from crf.executors.base import ExecutorError, ServerlessExecutor
+from crf.executors.base import ExecutorError, ServerlessExecutor, resolve_procs_per_replica
 from crf.launcher.errors import LaunchError
 from crf.launcher.user_env import check_reserved, resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
@@ -215,6 +215,8 @@ def prepare(
     command = _command(entrypoint)
     spec.entrypoint = command
     try:
+        k = spec.procs_per_replica  # None: the GPUs of the hardware
+        spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 from crf import layout
 
@@ -32,22 +33,80 @@ def _set_threads(world_size: int, backend: str) -> None:
 
 def main() -> int:
     from crf.exchange.memory import limit_malloc_arenas
+    from crf.replica import local_ranks
 
     # before any transfer thread exists: shard-sized buffers then come back to one arena
     limit_malloc_arenas()
     from crf.replica import logs
 
-    logs.configure(os.environ.get(layout.ENV_RANK, "?"))
-    from crf.exchange.manager import restart_cannot_help
+    rank = os.environ.get(layout.ENV_RANK, "?")
+    worker = local_ranks.is_worker()
+    logs.configure(f"{rank}.{os.environ.get('LOCAL_RANK', '?')}" if worker else rank)
+    if worker:
+        return _local_rank()
     from crf.replica.context import ContractError, ReplicaContext
-    from crf.replica.jobs import get_job, job_config
 
     try:
-        ctx = ReplicaContext.from_env()
+        store, spec, rank_n, world = ReplicaContext.read_contract()
+        k = local_ranks.procs_per_replica(spec)
+        if k > 1:  # this process is the replica's launcher; its local ranks train
+            return _launch_local_ranks(spec, k, rank_n)
+        ctx = ReplicaContext(store, spec, rank_n, world)
     except ContractError as e:
         print(f"crf.replica: {e}", file=sys.stderr)
         return 2
     _set_threads(ctx.world_size, ctx.spec.backend)
+    return _train(ctx)
+
+
+def _launch_local_ranks(spec: Any, k: int, rank: int) -> int:
+    """Replica ``rank`` as ``k`` local ranks (crf/replica/local_ranks.py)."""
+    from crf.replica import local_ranks
+    from crf.replica.jobs import get_job
+
+    if not local_ranks.supports_local_ranks(get_job(spec.job)):
+        print(
+            f"crf.replica: job {spec.job!r} trains on one process per replica; "
+            f"--procs-per-replica {k} needs a job that trains data-parallel (lm)",
+            file=sys.stderr,
+        )
+        return EXIT_UNRECOVERABLE
+    return local_ranks.run_agent(k, rank)
+
+
+def _local_rank() -> int:
+    """One local rank of a replica: rank 0 is the replica (store, DiLoCo, results), the
+    others follow it over the local process group."""
+    from crf.replica.context import ContractError, ReplicaContext
+    from crf.replica.local_ranks import LocalFollower, LocalGroup
+    from crf.spec import RunSpec
+
+    local = LocalGroup.init()
+    try:
+        ctx: Any
+        if local.leader:
+            try:
+                ctx = ReplicaContext.from_env()
+            except ContractError as e:
+                print(f"crf.replica: {e}", file=sys.stderr)
+                return 2
+            ctx.local = local
+            local.share(ctx.spec.to_json())
+        else:
+            spec = RunSpec.from_json(local.share())
+            rank, world = int(os.environ[layout.ENV_RANK]), int(os.environ[layout.ENV_WORLD_SIZE])
+            ctx = LocalFollower(spec, rank, world, local)
+        _set_threads(ctx.world_size * local.size, ctx.spec.backend)
+        return _train(ctx)
+    finally:
+        local.close()
+
+
+def _train(ctx: Any) -> int:
+    """Run the job in ``ctx``; the exit code."""
+    from crf.exchange.manager import restart_cannot_help
+    from crf.replica.jobs import get_job, job_config
+
     log = logging.getLogger("crf.replica")
     log.info("run %s rank %d/%d job %s", ctx.spec.run_id, ctx.rank, ctx.world_size, ctx.spec.job)
     try:

@@ -47,6 +47,7 @@ from crf.exchange.manager import (
 )
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
+from crf.replica.local_ranks import LocalGroup, send_start
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
 from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
@@ -66,6 +67,12 @@ _SHOWN_PHASE = {
     "reducing": "syncing",
     "gathering": "syncing",
 }
+
+
+def data_seed_of(seed: int, rank: int) -> int:
+    """Replica ``rank``'s data seed: kept in [0, 2**32) (numpy's seed range, which
+    transformers' set_seed needs) for every valid seed."""
+    return (seed * 1_000_003 + rank + 1) % 2**32
 
 
 class ContractError(RuntimeError):
@@ -161,11 +168,9 @@ class ReplicaContext:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.seed = spec.seed
-        # kept in [0, 2**32) (numpy's seed range, which transformers' set_seed needs) for
-        # every valid seed; the same value as before for the seeds that fitted already
-        self.data_seed = (spec.seed * 1_000_003 + rank + 1) % 2**32
-        self.total_steps = spec.total_steps
+        self.data_seed = data_seed_of(spec.seed, rank)
+        #: the replica's other local ranks (--procs-per-replica > 1), when this is local rank 0
+        self.local: LocalGroup | None = None
         self.shard_grace_s = (
             shard_grace_s if shard_grace_s is not None else min(30.0, spec.round_timeout_s)
         )
@@ -190,9 +195,42 @@ class ReplicaContext:
         self.tracker = new_tracker(spec.report_to, spec.run_id, rank, store)
         self._beat(force=True)
 
+    @property
+    def seed(self) -> int:
+        return self.spec.seed
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec.total_steps
+
+    # ------------------------------------------------------------------ local ranks
+    def data_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` as the job should run forward and backward: under DDP over the
+        replica's local ranks when it has more than one, else ``model`` itself. DiLoCo,
+        the optimizer and the saved model take the plain ``model``."""
+        return self.local.wrap(model) if self.local else model
+
+    def local_part(self, batch: Any) -> Any:
+        """This local rank's rows of the replica's batch (all of them with one rank)."""
+        return self.local.part(batch) if self.local else batch
+
+    def _share_sync(self) -> None:
+        """After a sync: the step (it jumps after a heal) and the new weights to the others."""
+        if self.local and self.model is not None:
+            self.local.share(self.step)
+            self.local.share_weights(self.model)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicaContext:
+        store, spec, rank, world = cls.read_contract(environ)
+        return cls(store, spec, rank, world)
+
+    @staticmethod
+    def read_contract(
+        environ: Mapping[str, str] | None = None,
+    ) -> tuple[RunStore, RunSpec, int, int]:
+        """(store, spec, rank, world size) of the env contract; ContractError if broken."""
         env = os.environ if environ is None else environ
         required = (layout.ENV_RUN_URI, layout.ENV_RANK, layout.ENV_WORLD_SIZE)
         missing = [v for v in required if not env.get(v)]
@@ -211,7 +249,7 @@ class ReplicaContext:
             ) from None
         store = RunStore(env[layout.ENV_RUN_URI])
         spec = RunSpec.from_json(store.get(layout.RUN_SPEC))
-        return cls(store, spec, rank, world)
+        return store, spec, rank, world
 
     # ------------------------------------------------------------------ DiLoCo
     @contextlib.contextmanager
@@ -237,6 +275,8 @@ class ReplicaContext:
         with algo:
             self._inner = inner_optimizer
             self._resume(manager, inner_optimizer)
+            if self.local:
+                send_start(self.local, self.step, model, inner_optimizer, self.resumed_inner)
             # registered after DiLoCo's hooks, so it runs after a sync's outer step
             hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
             try:
@@ -245,6 +285,8 @@ class ReplicaContext:
             finally:
                 hook.remove()
                 self._close_manager(manager, ok)
+        if self.local:  # the final weights (the global copies with fragments) to the others
+            self.local.share_weights(model)
 
     def _new_manager(self, model: torch.nn.Module) -> ObjectStoreManager:
         """The manager for this run's exchange, with this context's hooks."""
@@ -431,6 +473,7 @@ class ReplicaContext:
         self._syncs.add(self._sync_entry(m, e))
         self._syncs.fold(self.step, final=False)
         self._set_phase("training")
+        self._share_sync()
 
     def _sync_entry(self, m: ObjectStoreManager, e: int) -> dict[str, Any]:
         """What exchange round ``e`` (just synced) did, for its outer round's metrics."""
@@ -474,7 +517,8 @@ class ReplicaContext:
     def log_step(self, loss: float | None = None, **metrics: float) -> None:
         """Record one inner step's loss and metrics (call after each optimizer step)."""
         if loss is not None:
-            loss = float(loss)
+            # the whole batch's loss: the mean of the local ranks' (equal) slices
+            loss = self.local.mean(loss) if self.local else float(loss)
             self.last_loss = loss
         self._steps.add(loss, metrics)
         if log.isEnabledFor(logging.DEBUG):
@@ -578,6 +622,7 @@ class ReplicaContext:
             job_metrics=job_metrics,
             versions=installed_versions(),
             cuda_available=cuda_available(),
+            local_ranks=self.local.size if self.local else 1,
         )
         if m is not None:
             self._add_exchange_facts(record, m)

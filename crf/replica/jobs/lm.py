@@ -15,6 +15,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+#: trains data-parallel across a replica's local ranks (--procs-per-replica): the forward and
+#: backward run under ``ctx.data_parallel`` (DDP), each local rank on ``ctx.local_part`` of
+#: the replica's batch
+LOCAL_RANKS = True
+
 _SUBJECTS = [
     "the cat",
     "a dog",
@@ -221,12 +226,13 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler(placement.device, enabled=placement.dtype == "fp16")
     eval0 = evaluate(model, data, placement)
+    parallel = ctx.data_parallel(model)  # DDP over the local ranks (model itself with one)
     with ctx.diloco(model, opt):
         while ctx.step < ctx.total_steps:  # ctx.step jumps ahead if this replica heals
             step = ctx.step
-            batch = data.batch(step, ctx.data_seed).to(placement.device)
+            batch = ctx.local_part(data.batch(step, ctx.data_seed)).to(placement.device)
             with placement.autocast():
-                loss = model(input_ids=batch, labels=batch).loss
+                loss = parallel(input_ids=batch, labels=batch).loss
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(opt)
