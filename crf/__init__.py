@@ -6,8 +6,8 @@ any cloud SDK until they are used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+import importlib as _importlib
+from typing import Any as _Any
 
 __version__ = "0.1.0"
 
@@ -28,14 +28,29 @@ _LAZY = {
     "ComposerConfig": "crf.composer",
     "compose_loss": "crf.composer",
     "DiLoCoCallback": "crf.composer",
-    "launch": "crf.launcher.driver",
     "RestartPolicy": "crf.launcher.plan",
+    # the SDK: what the CLI does, as functions that return typed objects
+    "launch": "crf.sdk",
+    "attach": "crf.sdk",
+    "runs": "crf.sdk",
+    "resume": "crf.sdk",
+    "Run": "crf.sdk",
+    "RunResult": "crf.results",
+    "RunStatus": "crf.results",
+    "RunInfo": "crf.results",
+    "ReplicaSummary": "crf.results",
+    "ReplicaProgress": "crf.results",
 }
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(_importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'crf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The API (what ``help(crf)`` and completion should offer), not this module's helpers."""
+    return sorted([*_LAZY, "__version__"])

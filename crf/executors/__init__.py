@@ -6,6 +6,9 @@ replica's ``results/<rank>.json`` back from the store. Backends are imported laz
 ``import crf.executors`` never needs a cloud SDK.
 """
 
+import importlib as _importlib
+from typing import Any as _Any
+
 from crf.executors.base import (
     ExecutorError,
     ReplicaHandle,
@@ -18,7 +21,16 @@ from crf.executors.base import (
 )
 from crf.layout import ENV_RANK, ENV_RUN_ID, ENV_RUN_URI, ENV_WORLD_SIZE
 
+#: the backends, imported on first use (each needs its own SDK only then)
+_BACKENDS = {
+    "LocalProcessExecutor": "crf.executors.local",
+    "ModalExecutor": "crf.executors.modal",
+    "HFJobsExecutor": "crf.executors.hf_jobs",
+    "SageMakerExecutor": "crf.executors.sagemaker",
+}
+
 __all__ = [
+    *_BACKENDS,
     "ENV_RANK",
     "ENV_RUN_ID",
     "ENV_RUN_URI",
@@ -32,3 +44,13 @@ __all__ = [
     "default_entrypoint",
     "replica_env",
 ]
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _BACKENDS:
+        return getattr(_importlib.import_module(_BACKENDS[name]), name)
+    raise AttributeError(f"module 'crf.executors' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

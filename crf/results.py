@@ -1,0 +1,166 @@
+"""Typed results of the SDK: what ``Run.wait()``, ``Run.status()`` and ``crf.runs()`` return.
+
+Each is a dataclass over the JSON the CLI prints and the run folder holds (``result.json``,
+``crf status --json``, ``crf runs --json``), so a script reads attributes with types instead
+of dictionary keys, and ``to_dict()`` gives back exactly the JSON it came from: keys this
+version does not declare are kept in ``extra`` (a newer driver's result still round-trips).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = ["ReplicaProgress", "ReplicaSummary", "RunInfo", "RunResult", "RunStatus"]
+
+
+@dataclass
+class _Typed:
+    """from_dict / to_dict over declared fields, the other keys kept in ``extra``."""
+
+    #: fields holding nested records: name -> (class, is a list)
+    _NESTED: ClassVar[dict[str, tuple[type, bool]]] = {}
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, kw_only=True)
+    #: declared fields the source did not have: to_dict leaves them out again
+    absent: frozenset[str] = field(
+        default_factory=frozenset, repr=False, compare=False, kw_only=True
+    )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "absent"}
+        known: dict[str, Any] = {}
+        for key in names & set(data):
+            value = data[key]
+            nested = cls._NESTED.get(key)
+            if nested and value is not None:
+                kind, many = nested
+                value = [kind.from_dict(v) for v in value] if many else kind.from_dict(value)
+            known[key] = value
+        extra = {k: v for k, v in data.items() if k not in names}
+        return cls(**known, extra=extra, absent=frozenset(names - set(data)))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("extra", "absent"):
+                continue
+            value = getattr(self, f.name)
+            if f.name in self.absent and value == _default(f):
+                continue
+            if isinstance(value, list):
+                value = [v.to_dict() if isinstance(v, _Typed) else v for v in value]
+            elif isinstance(value, _Typed):
+                value = value.to_dict()
+            out[f.name] = value
+        return {**out, **self.extra}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+@dataclass
+class ReplicaSummary(_Typed):
+    """One replica's row of ``result.json``."""
+
+    rank: int
+    ok: bool = False
+    status: str | None = None
+    exit_code: int | None = None
+    error: str | None = None
+    rounds_committed: int | None = None
+    final_loss: float | None = None
+    weights_sha256: str | None = None
+    bytes_up: int | None = None
+    bytes_down: int | None = None
+    sync_s: float | None = None
+    compute_s: float | None = None
+    restarts: int = 0
+    job_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult(_Typed):
+    """A finished run: ``result.json``, written by the driver (or a gather) at the end."""
+
+    _NESTED: ClassVar[dict[str, tuple[type, bool]]] = {"replicas": (ReplicaSummary, True)}
+
+    run_id: str
+    status: str
+    error: str | None = None
+    backend: str | None = None
+    job: str | None = None
+    world_size: int | None = None
+    rounds: int | None = None
+    weights_identical: bool | None = None
+    weights_sha256: str | None = None
+    final_loss: float | None = None
+    bytes_up: int | None = None
+    bytes_down: int | None = None
+    wall_s: float | None = None
+    restarts: int = 0
+    learning: dict[str, Any] = field(default_factory=dict)
+    figure: str | None = None
+    result_path: str | None = None
+    replicas: list[ReplicaSummary] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class RunInfo(_Typed):
+    """One run of a store, as ``crf runs`` lists it."""
+
+    run_id: str
+    backend: str | None = None
+    job: str | None = None
+    replicas: int | None = None
+    rounds: int | None = None
+    created_at: float | None = None
+    status: str | None = None
+
+
+@dataclass
+class ReplicaProgress(_Typed):
+    """One replica now, as its backend and its heartbeat see it (``crf status``)."""
+
+    rank: int
+    state: str | None = None
+    exit_code: int | None = None
+    restarts: int = 0
+    phase: str | None = None
+    round: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    reward: float | None = None
+    heartbeat_age_s: float | None = None
+
+
+@dataclass
+class RunStatus(_Typed):
+    """A run now (``crf status --json``): its replicas, and its result once written."""
+
+    _NESTED: ClassVar[dict[str, tuple[type, bool]]] = {
+        "replicas": (ReplicaProgress, True),
+        "result": (RunResult, False),
+    }
+
+    run_id: str
+    status: str
+    backend: str | None = None
+    job: str | None = None
+    launch: int = 0
+    rounds: int | None = None
+    replicas: list[ReplicaProgress] = field(default_factory=list)
+    result: RunResult | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
