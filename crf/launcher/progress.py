@@ -117,14 +117,18 @@ def _build(columns: Sequence[Column], *, title: str | None, caption: str | None)
     return table
 
 
-def fmt_metric(value: Any) -> str:
-    """A metric in [0, 1] or so (reward, exact match): three decimals, "-" when absent."""
-    value = jsonsafe.number(value)
+def _fmt_number(value: Any, decimals: int) -> str:
+    value = jsonsafe.number(value)  # as written to JSON, NaN is the string "NaN"
     if value is None:
         return "-"
     if math.isnan(value) or math.isinf(value):
         return str(value)
-    return f"{value:.3f}"
+    return f"{value:.{decimals}f}"
+
+
+def fmt_metric(value: Any) -> str:
+    """A metric in [0, 1] or so (reward, exact match): three decimals, "-" when absent."""
+    return _fmt_number(value, 3)
 
 
 def fmt_secs(value: Any) -> str:
@@ -137,12 +141,8 @@ def fmt_secs(value: Any) -> str:
 
 
 def fmt_loss(value: Any) -> str:
-    value = jsonsafe.number(value)  # as written to JSON, NaN is the string "NaN"
-    if value is None:
-        return "-"
-    if math.isnan(value) or math.isinf(value):
-        return str(value)
-    return f"{value:.4f}"
+    """A loss: four decimals, "-" when absent, NaN/inf as they are."""
+    return _fmt_number(value, 4)
 
 
 def process_text(status: ReplicaStatus) -> Text:
