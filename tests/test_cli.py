@@ -283,7 +283,7 @@ def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="unknown launch option"):
         crf_pkg.launch({"job": "testjob", "typo_option": 1}, store=str(base))
 
-    summary = crf_pkg.launch(
+    run = crf_pkg.launch(
         {
             "job": "testjob",
             "replicas": 1,
@@ -299,7 +299,8 @@ def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
         poll_s=0.1,
     )
     assert isinstance(crf_pkg.LocalProcessExecutor(), LocalProcessExecutor)
-    assert summary["status"] == "ok" and summary["world_size"] == 1
+    result = run.result  # the SDK returns the run; its result once it has ended
+    assert run.id == "api" and result.status == "ok" and result.world_size == 1
     assert json.loads((base / "api" / "result.json").read_text())["status"] == "ok"
     assert (tmp_path / "api-logs" / "replica-0.log").exists()
 

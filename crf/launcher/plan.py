@@ -209,14 +209,14 @@ def prepare(
     missing = check_access(executor, run_uri, dry_run=dry_run)  # the backend's credentials
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
-    with importable(packed if _imports_user_code(spec) else None):  # from the workdir
-        spec.job_config = validate_job(spec.job, job_options)
-        check_workload(spec)
     command = _command(entrypoint)
     spec.entrypoint = command
     try:
-        k = spec.procs_per_replica  # None: the GPUs of the hardware
-        spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
+        with importable(packed if _imports_user_code(spec) else None):  # from the workdir
+            spec.job_config = validate_job(spec.job, job_options)
+            check_workload(spec)
+            k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
+            spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:
