@@ -15,9 +15,13 @@ the ``write`` callback deals with it (the replica logs it and pauses its heartbe
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class HeartbeatSender:
@@ -49,6 +53,9 @@ class HeartbeatSender:
                 self._busy = True
             try:
                 self._write(beat)
+            # whatever the store raises, the next heartbeat is still written
+            except Exception as e:
+                log.warning("heartbeat failed: %s", e)
             finally:
                 with self._cond:
                     self._busy = False
@@ -61,11 +68,13 @@ class HeartbeatSender:
                 lambda: self._pending is None and not self._busy, timeout=timeout_s
             )
 
-    def close(self, timeout_s: float | None = 30.0) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, then stop the thread (a store that hangs is not waited for
-        past ``timeout_s``: the thread is a daemon)."""
+        past ``timeout_s`` in all: the thread is a daemon, and the next heartbeat is written
+        by the caller)."""
+        deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
