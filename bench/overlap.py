@@ -184,7 +184,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=200)
+    console = Console(width=240)
     table = Table(
         title=(
             f"Streaming DiLoCo overlap: P={args.mb} MB, H={args.sync_every}, "
