@@ -16,13 +16,22 @@ fragment_sync_delay=d) and the table shows, per sync and averaged over replicas:
 * ``window s``        - the compute a fragment's exchange can hide behind: ``delay`` inner
   steps. Blocked time is about ``max(0, transfer - window)`` plus a fixed cost per sync
   (starting the exchange, the outer step), so pick ``d`` with ``d x step >= transfer``;
-* ``wall s`` - the slowest replica's wall time, and ``ideal`` = steps x step time.
+* ``ckpt fg s/sync`` - the training thread's part of the global checkpoints (part of
+  ``blocked``): waiting for the previous write (back-pressure) and copying the state;
+  ``ckpt bg s/sync`` - the background writer's encode + upload, per sync;
+* ``train wall s`` - the slowest replica's training time (compute + blocked), ``ideal`` =
+  steps x step time, and ``floor`` = the same loop's time without crf (sleep + SGD step,
+  timed in each replica before it starts: the CPU's own cost under the machine's load).
+
+Checkpoints are on (the lowest participant writes ``global/<r>`` every ``checkpoint_every``
+rounds, the last round's always); a config ``f:d:k`` sets ``checkpoint_every`` to k.
 
 Usage::
 
     python bench/overlap.py                           # N in {2,4}, P=16 MB, 50 ms + 40 MB/s
     python bench/overlap.py --replicas 2 --mb 64 --latency-ms 50 --mbps 100
     python bench/overlap.py --configs 1:0,2:1,2:12,4:6  # fragments:delay pairs (d < H/F)
+    python bench/overlap.py --replicas 2 --configs 2:12:1,2:12:100  # checkpoint every 1 / 100
 """
 
 from __future__ import annotations
@@ -50,16 +59,17 @@ def _worker(uri: str, rank: int, n: int, args: dict[str, Any], out: Any) -> None
     from crf.store import RunStore
     from crf.store.throttle import throttle
 
-    store = throttle(RunStore(uri), args["latency_s"], args["mbps"])
-    spec = RunSpec.from_json(store.get("run.json"))
-    ctx = ReplicaContext(store, spec, rank, n, shard_grace_s=30.0)
     numel = args["mb"] * MB // 4 // args["tensors"]
     torch.manual_seed(0)
     model = torch.nn.ParameterList(
         [torch.nn.Parameter(torch.randn(numel) * 0.01) for _ in range(args["tensors"])]
     )
     grads = [torch.full((numel,), 1e-3 * (rank + 1)) for _ in range(args["tensors"])]
+    bare_step = _bare_step_s(model, grads, args["step_s"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = throttle(RunStore(uri), args["latency_s"], args["mbps"])
+    spec = RunSpec.from_json(store.get("run.json"))
+    ctx = ReplicaContext(store, spec, rank, n, shard_grace_s=30.0)
     with ctx.diloco(model, opt):
         while ctx.step < ctx.total_steps:
             time.sleep(args["step_s"])  # the "forward/backward"
@@ -77,6 +87,8 @@ def _worker(uri: str, rank: int, n: int, args: dict[str, Any], out: Any) -> None
             "transfer": res["transfer_s"] / syncs,
             "blocked": res["sync_s"] / syncs,
             "ckpt": res["ckpt_s"] / syncs,
+            "ckpt_fg": ctx.manager.stats.ckpt_foreground_s / syncs,
+            "floor": bare_step * ctx.total_steps,
             "wall": res["wall_s"],
             "train_wall": res["compute_s"] + res["sync_s"],
             "sha": res["weights_sha256"],
@@ -85,7 +97,25 @@ def _worker(uri: str, rank: int, n: int, args: dict[str, Any], out: Any) -> None
     )
 
 
-def run_config(n: int, fragments: int, delay: int, args: argparse.Namespace) -> dict[str, Any]:
+def _bare_step_s(model: Any, grads: list[Any], step_s: float, steps: int = 8) -> float:
+    """One inner step's time without crf (the sleep and the SGD step over a copy of the
+    weights), averaged over ``steps``: the floor a run's wall time is compared with."""
+    import torch
+
+    params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    t0 = time.monotonic()
+    for _ in range(steps):
+        time.sleep(step_s)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+    return (time.monotonic() - t0) / steps
+
+
+def run_config(
+    n: int, fragments: int, delay: int, every: int, args: argparse.Namespace
+) -> dict[str, Any]:
     from crf.spec import RunSpec
     from crf.store import RunStore
 
@@ -99,6 +129,7 @@ def run_config(n: int, fragments: int, delay: int, args: argparse.Namespace) -> 
         fragments=fragments,
         fragment_sync_delay=delay,
         round_timeout_s=600,
+        checkpoint_every=every,
         save_inner_state=args.save_inner,
     ).validate()
     RunStore(uri).put_if_absent("run.json", spec.to_json().encode())
@@ -124,6 +155,8 @@ def run_config(n: int, fragments: int, delay: int, args: argparse.Namespace) -> 
         "blocked": statistics.mean(r["blocked"] for r in rows),
         "blocked_max": max(r["blocked"] for r in rows),
         "ckpt": statistics.mean(r["ckpt"] for r in rows),
+        "ckpt_fg": statistics.mean(r["ckpt_fg"] for r in rows),
+        "floor": max(r["floor"] for r in rows),
         "train_wall": max(r["train_wall"] for r in rows),
         "identical": len({r["sha"] for r in rows}) == 1,
         "committed": min(r["committed"] for r in rows) == rows[0]["syncs"],
@@ -136,7 +169,9 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=16, help="model size P in MB (fp32)")
     ap.add_argument("--tensors", type=int, default=16, help="parameter tensors in the model")
     ap.add_argument(
-        "--configs", default="1:0,2:1,2:12,4:6", help="fragments:delay pairs (delay < H/F)"
+        "--configs",
+        default="1:0,2:1,2:12,4:6,2:12:100",
+        help="fragments:delay[:checkpoint_every] (delay < H/F; checkpoint_every 1 by default)",
     )
     ap.add_argument("--sync-every", type=int, default=32, help="H, inner steps per outer round")
     ap.add_argument("--rounds", type=int, default=2)
@@ -149,7 +184,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
+    console = Console(width=240)
     table = Table(
         title=(
             f"Streaming DiLoCo overlap: P={args.mb} MB, H={args.sync_every}, "
@@ -167,18 +202,23 @@ def main() -> None:
         "blocked max",
         "blocked/transfer",
         "window s",
-        "ckpt s/sync",
+        "ckpt every",
+        "ckpt fg s/sync",
+        "ckpt bg s/sync",
         "train wall s",
         "ideal s",
+        "wall/ideal",
+        "floor s",
+        "wall/floor",
         "identical",
     ):
         table.add_column(col, justify="right")
     ideal = args.rounds * args.sync_every * args.step_ms / 1000
     for n in (int(x) for x in args.replicas.split(",")):
         for pair in args.configs.split(","):
-            f, d = (int(x) for x in pair.split(":"))
-            console.log(f"N={n} fragments={f} delay={d}")
-            m = run_config(n, f, d, args)
+            f, d, k, *_ = (*(int(x) for x in pair.split(":")), 1)
+            console.log(f"N={n} fragments={f} delay={d} checkpoint_every={k}")
+            m = run_config(n, f, d, k, args)
             table.add_row(
                 str(n),
                 str(f),
@@ -189,9 +229,14 @@ def main() -> None:
                 f"{m['blocked_max']:.3f}",
                 f"{m['blocked'] / m['transfer']:.2f}" if m["transfer"] else "-",
                 f"{d * args.step_ms / 1000:.2f}",
+                str(k),
+                f"{m['ckpt_fg']:.3f}",
                 f"{m['ckpt']:.3f}",
                 f"{m['train_wall']:.2f}",
                 f"{ideal:.2f}",
+                f"{m['train_wall'] / ideal:.3f}",
+                f"{m['floor']:.2f}",
+                f"{m['train_wall'] / m['floor']:.3f}",
                 "yes" if m["identical"] and m["committed"] else "NO",
             )
         table.add_section()

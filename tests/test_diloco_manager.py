@@ -82,6 +82,7 @@ def train_replica(
     rounds: int = ROUNDS,
     checkpoint_every: int = 1,
     catch_up: bool = True,
+    **manager_options: Any,
 ) -> tuple[torch.nn.Module, ObjectStoreManager, list[bool]]:
     model = init_model()
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
@@ -97,6 +98,7 @@ def train_replica(
         shard_grace_s=1.0,
         catch_up=catch_up,
         checkpoint_every=checkpoint_every,
+        **manager_options,
     )
     mgr.final_round = rounds - 1
     mgr.register_state_dict_fn("model", model.load_state_dict, model.state_dict)

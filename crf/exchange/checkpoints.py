@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,10 +52,11 @@ class HealError(RuntimeError):
 
 
 class CheckpointWriter:
-    """Checkpoint writes, now or (``background``) in one writer thread, in order: the state
-    is serialized by the caller at once (the weights change with the next inner step) and only
-    the upload waits. A failed background write is handed to ``on_failure`` at the next
-    :meth:`check` (the manager raises it at the next sync) and raised by :meth:`drain`."""
+    """Checkpoint writes, now or (``background``) in one writer thread, in order: the caller
+    copies the state at once (the weights change with the next inner step); the encode and
+    the upload run in the writer. A failed background write is handed to ``on_failure`` at the
+    next :meth:`check` or :meth:`wait_for` (the manager raises it at the next sync) and raised
+    by :meth:`drain`."""
 
     def __init__(self, background: bool, on_failure: Callable[[BaseException], None]) -> None:
         self.background = background
@@ -63,14 +65,17 @@ class CheckpointWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
 
-    def submit(self, write: Callable[[], None]) -> None:
+    def submit(self, write: Callable[[], None]) -> Future | None:
+        """Run ``write`` now, or queue it (returns its future) with a background writer."""
         if not self.background:
             write()
-            return
+            return None
         self.check()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-ckpt")
-        self._pending.append(self._pool.submit(self._timed, write))
+        future = self._pool.submit(self._timed, write)
+        self._pending.append(future)
+        return future
 
     def _timed(self, write: Callable[[], None]) -> None:
         t0 = time.monotonic()
@@ -87,6 +92,13 @@ class CheckpointWriter:
             e = f.exception()
             if e is not None:
                 self._on_failure(e)
+
+    def wait_for(self, write: Future | None) -> None:
+        """Back-pressure: wait for ``write`` (a :meth:`submit`'s future: the writes before
+        it are done too, they run in order), then hand failures to ``on_failure``."""
+        if write is not None:
+            futures_wait([write])
+        self.check()
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for pending writes; raise the first that failed."""
@@ -157,6 +169,8 @@ class Checkpoints:
         self._owed: int | None = None  # a round whose global state this replica writes
         # the newest global state not written (checkpoint_every > 1): served on request
         self._cached: tuple[int, global_state.FlatState] | None = None
+        #: the last global snapshot's write: the next snapshot waits for it (one held at most)
+        self._writing: Future | None = None
         self._cache_lock = threading.Lock()
 
     @property
@@ -187,9 +201,15 @@ class Checkpoints:
         with self._cache_lock:
             self._cached = None if due else (r, payload)
         if due:
-            self.writer.submit(lambda: self.write_global(r, payload))
+            self._writing = self.writer.submit(lambda: self.write_global(r, payload))
         else:
             self.writer.submit(lambda: self.collect_garbage(r))
+
+    def wait_previous(self) -> None:
+        """Back-pressure before a new snapshot: wait for the previous global write (and the
+        writes queued before it); a failed one goes to the writer's ``on_failure``."""
+        self._writing, previous = None, self._writing
+        self.writer.wait_for(previous)
 
     def due(self, r: int) -> bool:
         """Whether round r's global state is written (by its lowest participant)."""

@@ -165,6 +165,9 @@ class ManagerStats:
     transfer_s: float = 0.0  # background exchanges, start to finish
     last_transfer_s: float = 0.0
     last_sync_s: float = 0.0  # the last sync's blocked time
+    #: the training thread's part of the global checkpoints (part of ``blocked_s``): waiting
+    #: for the previous write (back-pressure) and copying the state; encode and upload are not
+    ckpt_foreground_s: float = 0.0
 
 
 @dataclass
@@ -545,13 +548,21 @@ class ObjectStoreManager:
         """The round's lowest participant writes ``global/<r>`` when one is due (every
         ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to heal)
         and collects garbage. The state is serialized now (the weights change with the next
-        inner step); the upload runs in the background with async_checkpoints. A state not
-        written is kept in memory so a heal request can still be served from it."""
+        inner step: one copy, the only part on the training thread); the encode and upload run
+        in the background with async_checkpoints, one at a time: a write still running at
+        the next snapshot is waited for (blocked time). A state not written is kept in memory
+        so a heal request can still be served from it."""
         r = self.checkpoints.take_owed()
         if r is None:
             return
+        t0 = time.monotonic()
         with self.blocking():
-            self.checkpoints.snapshot(r, self.state_dict())
+            # back-pressure: the previous write first (at most one snapshot held; its
+            # failure is this replica's fatal error, raised by the caller)
+            self.checkpoints.wait_previous()
+            if self.fatal_error is None:
+                self.checkpoints.snapshot(r, self.state_dict())
+        self.stats.ckpt_foreground_s += time.monotonic() - t0
 
     def global_due(self, r: int) -> bool:
         """Whether round r's global state is written (by its lowest participant)."""

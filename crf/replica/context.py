@@ -47,6 +47,7 @@ from crf.exchange.manager import (
 )
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
+from crf.replica.beacon import HeartbeatSender
 from crf.replica.local_ranks import LocalGroup, send_start
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
 from crf.replica.tracking import new_tracker
@@ -188,6 +189,8 @@ class ReplicaContext:
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
         self._clock = TimeAccount()
         self._pace = HeartbeatPace()
+        #: writes heartbeats off the training thread while it trains (``diloco``)
+        self._sender: HeartbeatSender | None = None
         self._finished = False
         #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
         self._to_save: tuple[Any, Any] | None = None
@@ -268,6 +271,7 @@ class ReplicaContext:
         self.fragments = fragments
         self._register_model_state(manager, model, fragments)
         self.manager, self.model = manager, model
+        self._sender = HeartbeatSender(self._write_beat)
         self._set_phase("training")
         self._clock.restart()
         algo = self._new_diloco(manager, fragments, inner_optimizer)
@@ -285,6 +289,8 @@ class ReplicaContext:
             finally:
                 hook.remove()
                 self._close_manager(manager, ok)
+                self._sender, sender = None, self._sender
+                sender.close()
         if self.local:  # the final weights (the global copies with fragments) to the others
             self.local.share_weights(model)
 
@@ -545,7 +551,13 @@ class ReplicaContext:
                     **info,
                 }
             )
-            self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
+            key, data = layout.metrics_key(self.rank, r), record.to_dict()
+            if self._sender is not None and self.manager is not None:
+                # training: written by the checkpoint writer, in order, off this thread (a
+                # failed write fails the replica at its next sync, as a failed put did here)
+                self.manager.persist(lambda key=key, data=data: self.store.put_json(key, data))
+            else:
+                self.store.put_json(key, data)
             self.tracker.log_round(record.to_dict())
             log.info("%s", round_line(record))
             self._steps.last_closed = heartbeat_fields(record)
@@ -577,8 +589,14 @@ class ReplicaContext:
             rounds_committed=m.rounds_committed if m else 0,
             **self._steps.last_closed,
         )
+        if self._sender is not None:  # training: the store's round trip is not its to wait
+            self._sender.send(beat.to_dict())
+        else:
+            self._write_beat(beat.to_dict())
+
+    def _write_beat(self, beat: dict[str, Any]) -> None:
         try:
-            self.store.put_json(layout.heartbeat_key(self.rank), beat.to_dict())
+            self.store.put_json(layout.heartbeat_key(self.rank), beat)
         # a heartbeat must never kill training, whatever the store or its SDK raises (and
         # must not slow every step either: it pauses after a failure)
         except Exception as e:
