@@ -281,11 +281,12 @@ def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
     backend says, or - when the backend cannot be asked - as its heartbeats say."""
     from crf.launcher.resume import live_replicas
 
-    st = run_store(run_id, store)
     try:
         run = attach(run_id, store)
+        st = run.store
         live = [f"replica {h.rank} {s.state}" for h, s, _ in run.statuses() if not s.terminal]
     except (LaunchError, ExecutorError):  # no handles, or the backend is out of reach
+        st = run_store(run_id, store)  # (no such run: its LaunchError)
         spec = RunSpec.from_json(st.get(layout.RUN_SPEC).decode())
         live = live_replicas(st, spec.replicas, spec.run_id)
     if live:
