@@ -551,13 +551,10 @@ class ReplicaContext:
                     **info,
                 }
             )
-            key, data = layout.metrics_key(self.rank, r), record.to_dict()
-            if self._sender is not None and self.manager is not None:
-                # training: written by the checkpoint writer, in order, off this thread (a
-                # failed write fails the replica at its next sync, as a failed put did here)
-                self.manager.persist(lambda key=key, data=data: self.store.put_json(key, data))
-            else:
-                self.store.put_json(key, data)
+            # written now, on this thread: a round whose global state and inner state landed
+            # must have its record too, or a kill then loses it for good (a resume does not
+            # train that round again); one put per round
+            self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
             self.tracker.log_round(record.to_dict())
             log.info("%s", round_line(record))
             self._steps.last_closed = heartbeat_fields(record)
