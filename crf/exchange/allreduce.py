@@ -361,6 +361,7 @@ class ObjectStoreAllReduce:
         self._wire = self.config.wire
         wirefmt.get_codec(self._wire)  # a bad variant (topk4@x) fails here, not mid-round
         self._decay = self.config.error_decay
+        self._sparse = self.config.sparse
         # what quantization dropped last time, per fragment (Streaming DiLoCo syncs fragments
         # of different - or, for identical blocks, equal - sizes in turn)
         self._residual: dict[int | None, torch.Tensor] = {}
@@ -1290,7 +1291,7 @@ class ObjectStoreAllReduce:
             return None
         fetches = self._fetch_parts(res, job, s)
         acc: torch.Tensor | None = None
-        used = []
+        used, parts = [], []
         for p in job.participants:  # fixed rank order
             try:
                 w = self._usable_part(res, job, s, p, fetches)
@@ -1299,12 +1300,14 @@ class ObjectStoreAllReduce:
             if w is not None:
                 acc = self._add_part(job, s, acc, w)
                 used.append(p)
+                if self._sparse:  # small: a sparse average may go as its parts
+                    parts.append(w)
         if acc is None:
             why = f"no usable contribution for shard {s}"
             raise RoundFailed(
                 f"round {job.round}: {why}", layout.Rejection(layout.failed_key(job.round), why)
             )
-        return self._publish_reduced(res, job, s, acc, used)
+        return self._publish_reduced(res, job, s, acc, used, parts)
 
     def _fetch_parts(self, res: AllReduceResult, job: _Round, s: int) -> dict[int, Future]:
         """Start downloading the others' parts of shard s (those fetched early are taken as
@@ -1375,10 +1378,17 @@ class ObjectStoreAllReduce:
         return acc
 
     def _publish_reduced(
-        self, res: AllReduceResult, job: _Round, s: int, acc: torch.Tensor, used: list[int]
+        self,
+        res: AllReduceResult,
+        job: _Round,
+        s: int,
+        acc: torch.Tensor,
+        used: list[int],
+        parts: list[Any],
     ) -> torch.Tensor | None:
         """Divide shard s's sum of ``used`` parts into their average and publish it
-        (create-if-absent); the wire tensor if this call published it. A sum that overflowed
+        (create-if-absent; a sparse wire may publish the ``parts`` themselves when smaller);
+        the wire tensor if this call published it. A sum that overflowed
         fails the round for everyone."""
         r = job.round
         acc.div_(len(used))
@@ -1388,7 +1398,7 @@ class ObjectStoreAllReduce:
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
         # the codec's form of an average: a sparse wire's is exact, not top-k again
-        wire = wirefmt.encode_reduced(acc, self.wire, self._segments[job.lhash][s])
+        wire = wirefmt.encode_reduced(acc, self.wire, self._segments[job.lhash][s], parts)
         key = layout.reduced_key(r, s)
         if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
             res.shards_computed.append(s)

@@ -156,10 +156,16 @@ class ExchangeConfig:
         return wire_name(self.wire_dtype, self.sparse_density)
 
     @property
+    def sparseloco(self) -> bool:
+        """Whether this is SparseLoCo: a sparse wire whose decaying error buffer stands in
+        for the outer momentum (the outer step is then plain SGD on the average)."""
+        return self.sparse and self.sparse_outer == "sparseloco"
+
+    @property
     def error_decay(self) -> float:
         """What last round's residual is multiplied by before it is added to this round's
         pseudo-gradient: SparseLoCo's beta on a sparse wire in that form, else 1."""
-        if self.sparse and self.sparse_outer == "sparseloco":
+        if self.sparseloco:
             return SPARSELOCO_BETA
         return 1.0
 

@@ -103,9 +103,15 @@ class Codec(ABC):
     # publishes the exact fp32 sum instead (the average of top-k parts is not top-k).
 
     def encode_reduced(
-        self, x: torch.Tensor, segments: Sequence[int] | None = None
+        self,
+        x: torch.Tensor,
+        segments: Sequence[int] | None = None,
+        parts: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """fp32 1-D average of a shard -> the tensor published for it."""
+        """fp32 1-D average of a shard -> the tensor published for it. ``parts`` (given
+        to a sparse codec only) are the wire parts ``x`` was summed from, in rank order: a
+        codec may publish them instead when that is smaller and decoding them gives the
+        bits of ``x`` (top-k does)."""
         return self.encode(x, segments)
 
     def decode_reduced(

@@ -90,11 +90,15 @@ def is_sparse(wire: str) -> bool:
 
 
 def encode_reduced(
-    x: torch.Tensor, wire: str, segments: Sequence[int] | None = None
+    x: torch.Tensor,
+    wire: str,
+    segments: Sequence[int] | None = None,
+    parts: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A shard's fp32 average -> the tensor its owner publishes (the codec's
-    :meth:`~crf.exchange.codecs.base.Codec.encode_reduced`)."""
-    return get_codec(wire).encode_reduced(x, segments)
+    :meth:`~crf.exchange.codecs.base.Codec.encode_reduced`; ``parts``: the wire parts it
+    was summed from, in rank order, for a sparse codec)."""
+    return get_codec(wire).encode_reduced(x, segments, parts)
 
 
 def decode_reduced(

@@ -11,7 +11,8 @@ bits, and nothing is lost in the average. Of three forms the smallest is publish
 * bitmap: one bit per value saying whether it is nonzero, then the nonzero fp32 values
   (``n / 8 + 4 k`` bytes: smaller than positions from ``k > n / 32``).
 
-On the wire, as uint8 bytes: an int32 header ``[form, k]``, then the form's body. A value that
+On the wire, as uint8 bytes: an int32 header ``[form, k]``, then the form's body. A sparse
+codec may add a form of its own (top-k: ``PARTS``, the summed parts as they came). A value that
 sums to zero (positive or negative) is left out and decodes as +0.0.
 """
 
@@ -23,15 +24,18 @@ import torch
 from crf.exchange.codecs.base import finite
 
 DENSE, POSITIONS, BITMAP = 0, 1, 2
-_HEADER = 8
+#: a fourth form, the codec's own: the parts the average was summed from
+#: (:meth:`crf.exchange.codecs.topk.TopKCodec.encode_reduced`)
+PARTS = 3
+HEADER = 8
 
 
 def form_sizes(n: int, k: int) -> dict[int, int]:
     """Bytes of each form (header included) for ``k`` nonzeros among ``n`` values."""
     return {
-        DENSE: _HEADER + 4 * n,
-        POSITIONS: _HEADER + 8 * k,
-        BITMAP: _HEADER + (n + 7) // 8 + 4 * k,
+        DENSE: HEADER + 4 * n,
+        POSITIONS: HEADER + 8 * k,
+        BITMAP: HEADER + (n + 7) // 8 + 4 * k,
     }
 
 
@@ -55,8 +59,9 @@ def encode_exact(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([header, bitmap, values])
 
 
-def _header(w: torch.Tensor) -> tuple[int, int]:
-    form, k = w[:_HEADER].clone().view(torch.int32).tolist()
+def header(w: torch.Tensor) -> tuple[int, int]:
+    """(form, count) of an average on the wire."""
+    form, k = w[:HEADER].clone().view(torch.int32).tolist()
     return form, k
 
 
@@ -66,21 +71,21 @@ def _fp32(w: torch.Tensor) -> torch.Tensor:
 
 
 def _mask(w: torch.Tensor, n: int) -> torch.Tensor:
-    bits = np.unpackbits(w[_HEADER : _HEADER + (n + 7) // 8].numpy(), bitorder="little")
+    bits = np.unpackbits(w[HEADER : HEADER + (n + 7) // 8].numpy(), bitorder="little")
     return torch.from_numpy(bits[:n].astype(bool))
 
 
 def _positions(w: torch.Tensor, k: int) -> torch.Tensor:
-    return w[_HEADER : _HEADER + 4 * k].clone().view(torch.int32).to(torch.int64)
+    return w[HEADER : HEADER + 4 * k].clone().view(torch.int32).to(torch.int64)
 
 
 def exact_ok(w: torch.Tensor, n: int) -> bool:
     """Whether a downloaded object is a well-formed exact shard of ``n`` values: its size
     fits its header, its positions are ascending and inside the shard, its bitmap counts
     its values."""
-    if w.dtype != torch.uint8 or w.dim() != 1 or w.numel() < _HEADER:
+    if w.dtype != torch.uint8 or w.dim() != 1 or w.numel() < HEADER:
         return False
-    form, k = _header(w)
+    form, k = header(w)
     if form not in (DENSE, POSITIONS, BITMAP) or not 0 <= k <= n:
         return False
     if w.numel() != form_sizes(n, k)[form]:
@@ -94,7 +99,7 @@ def exact_ok(w: torch.Tensor, n: int) -> bool:
 
 
 def _values(w: torch.Tensor, n: int) -> torch.Tensor:
-    form, k = _header(w)
+    form, k = header(w)
     start = form_sizes(n, k)[form] - 4 * (n if form == DENSE else k)
     return _fp32(w[start:])
 
@@ -106,7 +111,7 @@ def exact_finite(w: torch.Tensor, n: int) -> bool:
 
 def decode_exact(w: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``n`` fp32 values of an exact shard, written into ``out`` when given."""
-    form, k = _header(w)
+    form, k = header(w)
     values = _values(w, n)
     if form == DENSE:
         return values if out is None else out.copy_(values)

@@ -19,8 +19,10 @@ by the quorum's facts like replicas on two wires, and :meth:`TopKCodec.variant` 
 codec for that name.
 
 The *average* of sparse parts is not re-sparsified: an owner sums the decoded parts in fp32
-and publishes the exact result (:meth:`TopKCodec.encode_reduced`), dense fp32 or the nonzero
-positions with their fp32 values, whichever form is smaller (:mod:`crf.exchange.codecs.sparse`).
+and publishes the exact result (:meth:`TopKCodec.encode_reduced`) in the smallest of four
+forms: dense fp32, the nonzero positions with their fp32 values, a bitmap with them
+(:mod:`crf.exchange.codecs.sparse`), or the parts themselves, which every replica sums the
+way the owner did.
 """
 
 from __future__ import annotations
@@ -253,9 +255,30 @@ class TopKCodec(Codec):
 
     # ------------------------------------------------------------------ the average
     def encode_reduced(
-        self, x: torch.Tensor, segments: Sequence[int] | None = None
+        self,
+        x: torch.Tensor,
+        segments: Sequence[int] | None = None,
+        parts: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return sparse.encode_exact(x)
+        """The average exact: its smallest exact form (:mod:`crf.exchange.codecs.sparse`),
+        or the ``parts`` it was summed from as they came (``PARTS``), when that is smaller:
+        N top-k parts are about N x density x (12 + bits) bits a value, the exact sum's
+        nonzeros 32 bits each plus their positions. Decoding the parts repeats the owner's
+        sum (decode the first, add the others in rank order in fp32, divide), element-wise
+        IEEE arithmetic: every replica gets the owner's bits."""
+        exact = sparse.encode_exact(x)
+        if parts:
+            size = sparse.HEADER + len(parts) * self.nbytes(x.numel(), segments)
+            if size < exact.numel():
+                head = torch.tensor([sparse.PARTS, len(parts)], dtype=torch.int32)
+                return torch.cat([head.view(torch.uint8), *(p.reshape(-1) for p in parts)])
+        return exact
+
+    def _parts(self, w: torch.Tensor, n: int, segments: Sequence[int] | None) -> list[torch.Tensor]:
+        """The wire parts of a ``PARTS`` average."""
+        _, count = sparse.header(w)
+        m = self.nbytes(n, segments)
+        return [w[sparse.HEADER + i * m : sparse.HEADER + (i + 1) * m] for i in range(count)]
 
     def decode_reduced(
         self,
@@ -264,16 +287,29 @@ class TopKCodec(Codec):
         out: torch.Tensor | None = None,
         segments: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        return sparse.decode_exact(w, n, out)
+        if sparse.header(w)[0] != sparse.PARTS:
+            return sparse.decode_exact(w, n, out)
+        parts = self._parts(w, n, segments)
+        out = self.decode(parts[0], n, out=out, segments=segments)
+        for part in parts[1:]:  # the owner's order and arithmetic (ObjectStoreAllReduce)
+            self.decode_add(part, n, out, segments)
+        return out.div_(len(parts))
 
     def reduced_numel_ok(
         self, w: torch.Tensor, n: int, segments: Sequence[int] | None = None
     ) -> bool:
+        if w.dtype != torch.uint8 or w.numel() < sparse.HEADER:
+            return False
+        form, count = sparse.header(w)
+        if form == sparse.PARTS:
+            return count >= 1 and w.numel() == sparse.HEADER + count * self.nbytes(n, segments)
         return sparse.exact_ok(w, n)
 
     def reduced_all_finite(
         self, w: torch.Tensor, n: int, segments: Sequence[int] | None = None
     ) -> bool:
+        if sparse.header(w)[0] == sparse.PARTS:  # the sum of finite parts may overflow
+            return finite(self.decode_reduced(w, n, segments=segments))
         return sparse.exact_finite(w, n)
 
 
