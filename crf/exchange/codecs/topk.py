@@ -144,12 +144,18 @@ class TopKCodec(Codec):
         ``topk`` breaks ties in, so the choice is too."""
         starts, lens, ks = plan.starts[c0:c1], plan.lens[c0:c1], plan.ks[c0:c1]
         rows = c1 - c0
-        cols = torch.arange(TOPK_CHUNK)
-        valid = cols[None, :] < lens[:, None]
-        mag = x[torch.where(valid, starts[:, None] + cols[None, :], 0)].abs_()
-        # NaN is kept as the largest (its chunk's scale goes NaN and the shard is refused);
-        # padding is never kept
-        mag = torch.where(valid, mag.nan_to_num_(nan=math.inf), -1.0)
+        a0 = int(starts[0])
+        if int(starts[-1]) - a0 == (rows - 1) * TOPK_CHUNK and bool((lens == TOPK_CHUNK).all()):
+            # whole chunks side by side (the usual case): a view, no gather, no padding
+            mag = x[a0 : a0 + rows * TOPK_CHUNK].view(rows, TOPK_CHUNK).abs()
+            mag.nan_to_num_(nan=math.inf)
+        else:
+            cols = torch.arange(TOPK_CHUNK)
+            valid = cols[None, :] < lens[:, None]
+            mag = x[torch.where(valid, starts[:, None] + cols[None, :], 0)].abs_()
+            # NaN is kept as the largest (its chunk's scale goes NaN and the shard is
+            # refused); padding is never kept
+            mag = torch.where(valid, mag.nan_to_num_(nan=math.inf), -1.0)
         kmax = int(ks.max())
         kth = torch.topk(mag, kmax, dim=1).values.gather(1, (ks - 1)[:, None])
         above = mag > kth
