@@ -276,3 +276,20 @@ def test_error_feedback_is_always_on_for_a_sparse_wire() -> None:
     assert ExchangeConfig(wire_dtype="int8", sparse_outer="sparseloco").error_decay == 1.0
     with pytest.raises(ValueError, match="sparse_outer"):
         ExchangeConfig(wire_dtype="topk2", sparse_outer="adam")
+
+
+@pytest.mark.parametrize("outer,momentum", [("sparseloco", 0.0), ("diloco", 0.9)])
+def test_sparseloco_takes_the_plain_averaged_outer_step(outer: str, momentum: float) -> None:
+    """SparseLoCo's decaying error buffer stands in for the outer momentum: its outer SGD
+    has none; DiLoCo with sparsity keeps the run's Nesterov momentum."""
+    from tests.test_replica_resume import N, new_store, train
+
+    store, spec = new_store(wire_dtype="topk4", sparse_density=0.1, sparse_outer=outer)
+    ctx = run_threads(N, lambda r: train(store, spec, r))[0][0]
+    outer_state = ctx.manager.state_dict()["StreamingDiLoCoFragment_0"]["outer_optimizer"]
+    group = outer_state["param_groups"][0]
+    assert group["momentum"] == momentum and group["nesterov"] == (momentum > 0)
+    assert group["lr"] == spec.outer_lr
+    assert ctx.manager.exchange.config.error_decay == (
+        SPARSELOCO_BETA if outer == "sparseloco" else 1.0
+    )
