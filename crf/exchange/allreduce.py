@@ -217,12 +217,13 @@ class _Segments:
 
 
 def _gather_fp32(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """One fp32 vector of ``pieces``: the piece itself when it is a single fp32 slice."""
+    """One fp32 vector of ``pieces`` in host memory, where the codecs and the error-feedback
+    residual work: the piece itself when it is a single fp32 slice on the CPU."""
     if len(pieces) == 1:
-        return pieces[0].float()  # no copy for fp32
+        return pieces[0].float().cpu()  # no copy for fp32 on the CPU
     if not pieces:
         return torch.zeros(0)
-    return torch.cat([p.float() for p in pieces])
+    return torch.cat([p.float() for p in pieces]).cpu()
 
 
 #: how a rejection message says why a part was left out for its values
@@ -853,7 +854,8 @@ class ObjectStoreAllReduce:
         exact: bool,
     ) -> None:
         """Every shard is here and verified: write the average into the tensors."""
-        if not exact and all(t.is_contiguous() for t in tensors):
+        # a codec decodes on the CPU: straight into the tensors when they are there
+        if not exact and all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
             self._decode_in_place(got, bounds, tensors)
         else:
             self._copy_in_place(got, bounds, tensors)
