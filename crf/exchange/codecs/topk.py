@@ -57,7 +57,6 @@ class _Plan:
     lens: torch.Tensor  # int64, values in each chunk
     ks: torch.Tensor  # int64, values kept in each chunk
     kept: int  # values kept in the shard
-    chunk_of: torch.Tensor  # int64, per kept value its chunk
 
     @property
     def chunks(self) -> int:
@@ -85,14 +84,13 @@ def kept_per_chunk(m: int, density: float) -> int:
     return min(m, max(1, math.ceil(density * m))) if m else 0
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=256)  # a few numbers per 4096 values: shards x fragments fit
 def _plan(n: int, segments: tuple[int, ...] | None, density: float) -> _Plan:
     bounds = _chunk_bounds(n, segments)
     starts = torch.tensor([a for a, _ in bounds], dtype=torch.int64)
     lens = torch.tensor([m for _, m in bounds], dtype=torch.int64)
     ks = torch.tensor([kept_per_chunk(m, density) for _, m in bounds], dtype=torch.int64)
-    chunk_of = torch.repeat_interleave(torch.arange(len(bounds)), ks)
-    return _Plan(starts, lens, ks, int(ks.sum()), chunk_of)
+    return _Plan(starts, lens, ks, int(ks.sum()))
 
 
 class TopKCodec(Codec):
@@ -224,7 +222,7 @@ class TopKCodec(Codec):
         i1 = i0 + packed_nbytes(plan.kept, INDEX_BITS)
         offsets = unpack_bits(w[i0:i1], plan.kept, INDEX_BITS)
         codes = unpack_bits(w[i1:], plan.kept, self.bits)
-        chunk = plan.chunk_of
+        chunk = torch.repeat_interleave(torch.arange(c), plan.ks)  # per kept value its chunk
         if plan.kept and bool((offsets >= plan.lens[chunk]).any()):
             raise ValueError(f"{self.name} shard has a position outside its chunk")
         mag = (codes & (self.levels - 1)).to(torch.float32).mul_(step[chunk]).add_(lo[chunk])
