@@ -61,7 +61,8 @@ class ExchangeConfig:
     num_shards: int | None = None
     #: rounds kept in the store; older ones are garbage-collected
     keep_rounds: int = 3
-    #: a registered wire codec: float32 | bfloat16 | float16 | int8 (block-wise scales)
+    #: a registered wire codec: float32 | bfloat16 | float16 | int8 (block-wise scales) |
+    #: topk2 | topk4 | topk8 (sparse: sparse_density of each chunk, error feedback always on)
     wire_dtype: str = "float32"
     #: with a lossy wire, resend what quantization dropped last time (always on with a
     #: sparse wire)
