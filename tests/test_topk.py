@@ -276,6 +276,8 @@ def test_error_feedback_is_always_on_for_a_sparse_wire() -> None:
     assert ExchangeConfig(wire_dtype="int8", sparse_outer="sparseloco").error_decay == 1.0
     with pytest.raises(ValueError, match="sparse_outer"):
         ExchangeConfig(wire_dtype="topk2", sparse_outer="adam")
+    with pytest.raises(ValueError, match="sparse_density must be in"):
+        ExchangeConfig(wire_dtype="topk2", sparse_density=0)
 
 
 @pytest.mark.parametrize("outer,momentum", [("sparseloco", 0.0), ("diloco", 0.9)])
