@@ -18,8 +18,10 @@ replicas burned:
                     decision being visible to it (the exchange's ``quorum`` phase), median over
                     replicas; ``after last s`` - the same measured from the LAST replica's
                     upload, which is the protocol's own latency once everyone is there;
-* ``cpu s``       - CPU seconds of all replica processes in the round; ``cpu/cores`` is the
-                    least time the round can take on this machine however the store answers.
+* ``cpu s``       - CPU seconds of all replica processes in the round; ``moto cpu s`` the S3
+                    server's, per round (averaged over all rounds, the first included);
+                    ``cpu/cores`` is their sum over the cores: the least time the round can
+                    take on this machine, however fast the protocol.
 
 Replicas are forked from this process after it imported torch (64 fresh torch imports would
 take minutes and GBs on a small machine); moto runs in a process of its own. Each N has a time
@@ -31,6 +33,7 @@ Usage::
 
     python bench/scale.py                          # N = 2..64, file store, P = 256k values
     python bench/scale.py --stores file,s3         # and S3 through a local moto server
+    python bench/scale.py --group 0,4,8            # and the two-level prototype (TwoLevel)
     python bench/scale.py --quick                  # N = 2,4, file store, 2 rounds: a smoke run
     python bench/scale.py --out docs/scale.md      # also a markdown table (+ .json beside it)
 """
@@ -409,6 +412,13 @@ class MotoS3:
         boto3.client("s3").create_bucket(Bucket=bucket)
         return f"s3://{bucket}/run"
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far."""
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
     def close(self) -> None:
         self.stop.set()
         self.proc.join(30)
@@ -420,7 +430,7 @@ class MotoS3:
 COLUMNS = (
     "store", "N", "G", "round s", "req/replica", "hits", "polls", "LIST", "GET", "PUT", "HEAD",
     "DEL", "req/round (all)", "bytes/P", "all up s", "decide s", "after last s", "cpu s",
-    "cpu/cores s", "same",
+    "moto cpu s", "cpu/cores s", "same",
 )  # fmt: skip
 
 
@@ -457,7 +467,8 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 f"{m['decide_s']:.3f}",
                 f"{m['after_last_s']:.3f}",
                 f"{m['cpu_s']:.2f}",
-                f"{m['cpu_floor_s']:.2f}",
+                f"{res['server_cpu_s']:.2f}" if res.get("server_cpu_s") else "-",
+                f"{m['cpu_floor_s'] + res.get('server_cpu_s', 0.0) / (os.cpu_count() or 1):.2f}",
                 "yes" if res["identical"] else "NO",
             ]
         )
@@ -494,10 +505,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     uri = f"file://{tempfile.mkdtemp(prefix='crf-scale-')}/run"
                 how = f"two-level, groups of {group}" if group else "one level"
                 console.log(f"{store} N={n} {how}, P={numel} values, {args.rounds} rounds")
-                t0 = time.monotonic()
+                t0, server0 = time.monotonic(), moto.cpu_s() if moto else 0.0
                 got = measure(uri, n, numel, args.rounds, args.limit_s, group)
                 res: dict[str, Any] = {"store": store, "n": n, "group": group}
                 res["wall_s"] = time.monotonic() - t0
+                # moto's CPU per round, the first round (client set-up) included
+                res["server_cpu_s"] = (moto.cpu_s() - server0) / args.rounds if moto else 0.0
                 if "error" in got:
                     res["error"] = got["error"]
                     console.log(f"  {got['error']}: larger N not run")
