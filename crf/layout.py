@@ -165,8 +165,12 @@ def quorum_key(r: int) -> str:
     return f"{ROUNDS}/{r}/quorum.json"
 
 
+def reduced_dir(r: int) -> str:
+    return f"{ROUNDS}/{r}/reduced"
+
+
 def reduced_key(r: int, s: int) -> str:
-    return f"{ROUNDS}/{r}/reduced/{s}"
+    return f"{reduced_dir(r)}/{s}"
 
 
 def failed_key(r: int) -> str:

@@ -74,6 +74,11 @@ from crf.store.codec import dtype_name, encode_tensor_parts
 log = logging.getLogger(__name__)
 
 
+#: above this many reduced shards still missing, a poll lists the round's ``reduced/`` once
+#: and downloads only what is there, rather than asking for each missing shard (a request
+#: per shard per poll: with N = 64 most of a replica's requests were such misses;
+#: docs/performance.md, "Scaling to 64 replicas")
+_LIST_ABOVE = 4
 #: how often a replica waiting for reduced shards asks whether a peer declared the round failed
 _FAILED_CHECK_S = 1.0
 #: a heartbeat counts as a sign of life for this long, as a share of the round deadline (and
@@ -825,7 +830,12 @@ class ObjectStoreAllReduce:
         got: dict[int, torch.Tensor],
     ) -> bool:
         """One pass over round r's pending reduced shards, downloaded in parallel: each one
-        there is verified into ``got`` and leaves ``pending``. True if any arrived."""
+        there is verified into ``got`` and leaves ``pending``. True if any arrived. With many
+        missing, one listing says which are there (:data:`_LIST_ABOVE`)."""
+        wanted = pending
+        if len(pending) > _LIST_ABOVE:
+            there = set(self.store.list(layout.reduced_dir(r)))
+            wanted = [s for s in pending if str(s) in there]
         fetches = [
             (
                 s,
@@ -833,7 +843,7 @@ class ObjectStoreAllReduce:
                     self._get_if_there, res, layout.reduced_key(r, s), _size_hint(bounds[s])
                 ),
             )
-            for s in pending
+            for s in wanted
         ]
         progressed = False
         for s, f in fetches:
