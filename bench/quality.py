@@ -59,6 +59,9 @@ TARGETS: dict[tuple[int, str], tuple[float, float]] = {
     (50, "float32"): (3.0, 50.0),
     (50, "int8"): (4.0, 200.0),
 }
+#: targets of issue 18, met by any DiLoCo row: (min bytes ratio vs DDP, max eval loss above
+#: DDP in %) - the Pareto table says which rows reach them
+FRONT_TARGETS: tuple[tuple[float, float], ...] = ((1000.0, 1.0), (3000.0, 3.0))
 #: DiLoCo's outer Nesterov SGD for this benchmark. crf's run default (0.7, 0.9, the DiLoCo
 #: paper's, tuned for hundreds of rounds) is reported beside it: with 8 rounds, momentum 0.9
 #: overshoots. Chosen on seed 1 (H=50 fp32, 400 steps: 0.7/0.9 +4.8% vs DDP, 0.7/0.5 -0.9%,
@@ -106,6 +109,86 @@ class Row:
     sync_every: int | None = None
     wire: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: the run options a sparse row sets (declared on RunSpec by the sparse wire): the fraction of
+#: each chunk's values kept, and the outer form - "sparseloco" (error feedback stands in for
+#: the outer momentum, plain averaged step) or "diloco" (Nesterov outer on the sparse mean)
+DENSITY_OPTION, OUTER_FORM_OPTION = "density", "outer_form"
+OUTER_FORMS = ("sparseloco", "diloco")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One DiLoCo row, declared by what sets it apart from the others: H, the wire and, for a
+    sparse wire, its density and outer form; an outer lr/momentum of its own where it differs
+    from the setting's. A row whose wire is not registered (``codec_names()``) is skipped."""
+
+    sync_every: int
+    wire: str = "float32"
+    density: float | None = None  # sparse wires: fraction of each chunk's values sent
+    outer_form: str | None = None  # sparse wires: one of OUTER_FORMS
+    outer_lr: float | None = None  # None: the setting's
+    outer_momentum: float | None = None
+    tag: str = ""  # shown in the method's name, e.g. "crf default"
+
+    def label(self) -> str:
+        parts = [f"DiLoCo H={self.sync_every} {self.wire}"]
+        if self.density is not None:
+            parts.append(f"{100 * self.density:g}%")
+        if self.outer_form:
+            parts.append(self.outer_form)
+        text = " ".join(parts)
+        if self.outer_lr is not None:
+            text += f", outer {self.outer_lr}/{self.outer_momentum}"
+        return text + (f" ({self.tag})" if self.tag else "")
+
+    def outer(self, setting: Setting) -> tuple[float, float]:
+        lr = setting.outer_lr if self.outer_lr is None else self.outer_lr
+        m = setting.outer_momentum if self.outer_momentum is None else self.outer_momentum
+        return lr, m
+
+    def options(self) -> dict[str, Any]:
+        """The run options this row adds to the setting's."""
+        out: dict[str, Any] = {"wire_dtype": self.wire}
+        if self.density is not None:
+            out[DENSITY_OPTION] = self.density
+        if self.outer_form is not None:
+            out[OUTER_FORM_OPTION] = self.outer_form
+        return out
+
+    def registered(self) -> bool:
+        from crf.exchange.codecs import codec_names
+
+        return self.wire in codec_names()
+
+
+def sparse_arms(sync_every: int, text: str) -> list[Arm]:
+    """The sparse rows of ``--sparse``: comma-separated ``WIRE@PERCENT[/FORM]`` (both forms
+    when FORM is left out), e.g. ``topk2@1,topk4@2/sparseloco``; "none" for none."""
+    if text == "none":
+        return []
+    arms = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        wire, _, rest = item.partition("@")
+        pct, _, form = rest.partition("/")
+        try:
+            density = float(pct) / 100
+        except ValueError:
+            raise SystemExit(
+                f"--sparse {item!r}: write WIRE@PERCENT[/FORM], e.g. topk2@1"
+            ) from None
+        if not 0 < density <= 1 or form not in ("", *OUTER_FORMS):
+            raise SystemExit(
+                f"--sparse {item!r}: PERCENT must be in (0, 100] and FORM one of {OUTER_FORMS}"
+            )
+        for f in (form,) if form else OUTER_FORMS:
+            arms.append(Arm(sync_every, wire, density=density, outer_form=f))
+    return arms
+
+
+#: the sparse rows the full benchmark runs (when their wire is registered)
+SPARSE_DEFAULT = "topk2@1,topk2@2,topk4@2,topk4@5"
 
 
 # ---------------------------------------------------------------------- measuring TCP bytes
@@ -280,11 +363,13 @@ def run_single(setting: Setting, mode: str) -> Row:
 
 
 # ---------------------------------------------------------------------- DiLoCo through crf
-def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: str = "") -> Row:
+def run_diloco(setting: Setting, arm: Arm, store: str) -> Row:
     """One crf run of ``setting.replicas`` real replica processes over a file:// store."""
     from crf.launcher.driver import launch
     from crf.store import RunStore
 
+    sync_every, wire = arm.sync_every, arm.wire
+    outer_lr, outer_momentum = arm.outer(setting)
     run_id = f"quality-h{sync_every}-{wire}-{time.time_ns()}"
     t0 = time.monotonic()
     summary = launch(
@@ -297,10 +382,10 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
             "run_id": run_id,
             "job_config": dict(setting.lm),
             "seed": setting.seed,
-            "outer_lr": setting.outer_lr,
-            "outer_momentum": setting.outer_momentum,
-            "wire_dtype": wire,
+            "outer_lr": outer_lr,
+            "outer_momentum": outer_momentum,
             "checkpoint_every": setting.checkpoint_every or setting.steps // sync_every,
+            **arm.options(),
         },
         store=store,
         progress=False,
@@ -326,7 +411,7 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
     ckpt = [(x.get("ckpt_bytes_up") or 0) + (x.get("ckpt_bytes_down") or 0) for x in results]
     with_ckpt = max(p + c for p, c in zip(per, ckpt, strict=True))
     return Row(
-        method=f"DiLoCo H={sync_every} {wire}{label}",
+        method=arm.label(),
         kind="diloco",
         eval_loss=jm["eval_loss_final"],
         eval_loss_initial=jm["eval_loss_initial"],
@@ -349,8 +434,11 @@ def run_diloco(setting: Setting, sync_every: int, wire: str, store: str, label: 
             "checkpoint_every": setting.checkpoint_every or setting.steps // sync_every,
             "sync_s_max": max(r["sync_s"] or 0 for r in rows),
             "params": jm["params"],
-            "outer_lr": setting.outer_lr,
-            "outer_momentum": setting.outer_momentum,
+            "outer_lr": outer_lr,
+            "outer_momentum": outer_momentum,
+            "density": arm.density,
+            "outer_form": arm.outer_form,
+            "reference": arm.outer_lr is not None,  # an outer of its own: no issue-6 target
         },
     )
 
@@ -388,6 +476,106 @@ def verdicts(rows: list[Row]) -> list[dict[str, Any]]:
                     )
                 ),
             }
+        )
+    return out
+
+
+def loss_pct(row: Row, ddp: Row) -> float:
+    return 100.0 * (row.eval_loss - ddp.eval_loss) / ddp.eval_loss
+
+
+def bytes_ratio(row: Row, ddp: Row) -> float:
+    return ddp.bytes_total / max(1, row.bytes_total)
+
+
+def pareto_front(rows: list[Row]) -> set[int]:
+    """Indices of the DiLoCo rows and DDP that no other of them beats on both axes: fewer or
+    as many bytes and a lower or equal eval loss, one of the two strictly."""
+    pts = [(i, r.bytes_total, r.eval_loss) for i, r in enumerate(rows) if r.kind != "single"]
+    return {
+        i
+        for i, b, e in pts
+        if not any(b2 <= b and e2 <= e and (b2 < b or e2 < e) for _, b2, e2 in pts)
+    }
+
+
+def front_checks(rows: list[Row]) -> list[dict[str, Any]]:
+    """FRONT_TARGETS, each met or not by the DiLoCo rows: the row with the most bytes saved
+    among those within the loss bound and at or past the ratio; failing that, the closest
+    miss (the lowest loss at or past the ratio)."""
+    ddp = next(r for r in rows if r.kind == "ddp")
+    diloco = [r for r in rows if r.kind == "diloco"]
+    out = []
+    for min_ratio, max_pct in FRONT_TARGETS:
+        far = [r for r in diloco if bytes_ratio(r, ddp) >= min_ratio]
+        ok = [r for r in far if loss_pct(r, ddp) <= max_pct]
+        best = max(ok, key=lambda r: bytes_ratio(r, ddp)) if ok else None
+        near = best or (min(far, key=lambda r: r.eval_loss) if far else None)
+        out.append(
+            {
+                "min_ratio": min_ratio,
+                "max_pct": max_pct,
+                "pass": best is not None,
+                "method": near.method if near else None,
+                "bytes_ratio": bytes_ratio(near, ddp) if near else None,
+                "loss_vs_ddp_pct": loss_pct(near, ddp) if near else None,
+            }
+        )
+    return out
+
+
+def front_line(v: dict[str, Any], md: bool = False) -> str:
+    x = "×" if md else "x"
+    head = f">= {v['min_ratio']:.0f}{x} fewer bytes within +{v['max_pct']:g}% of DDP"
+    if v["method"] is None:
+        return f"{head}: no row reaches {v['min_ratio']:.0f}{x}"
+    got = f"{v['method']}: {v['bytes_ratio']:.0f}{x}, {v['loss_vs_ddp_pct']:+.2f}%"
+    return f"{head}: {got}" if v["pass"] else f"{head}: closest {got}"
+
+
+PARETO_HEADERS = [
+    "wire",
+    "H",
+    "density",
+    "outer",
+    "bytes / replica",
+    "DDP / this",
+    "eval loss",
+    "vs DDP",
+    "front",
+]
+
+
+def pareto_rows(rows: list[Row]) -> list[list[str]]:
+    """DDP and every DiLoCo row, most bytes first; "*" marks the Pareto front."""
+    ddp = next(r for r in rows if r.kind == "ddp")
+    front = pareto_front(rows)
+    order = sorted(
+        (i for i, r in enumerate(rows) if r.kind != "single"),
+        key=lambda i: (-rows[i].bytes_total, rows[i].eval_loss),
+    )
+    out = []
+    for i in order:
+        r = rows[i]
+        dens = r.extra.get("density")
+        if r.kind == "ddp":
+            wire, h, outer = "fp32 all-reduce", "1", "-"
+        else:
+            wire, h = r.wire or "", str(r.sync_every)
+            lr, m = r.extra["outer_lr"], r.extra["outer_momentum"]
+            outer = (r.extra.get("outer_form") or "diloco") + f" {lr}/{m}"
+        out.append(
+            [
+                wire,
+                h,
+                "-" if dens is None else f"{100 * dens:g}%",
+                outer,
+                fmt_bytes(r.bytes_total),
+                f"{bytes_ratio(r, ddp):.1f}x",
+                f"{r.eval_loss:.4f}",
+                f"{loss_pct(r, ddp):+.2f}%",
+                "*" if i in front else "",
+            ]
         )
     return out
 
@@ -484,7 +672,17 @@ def print_report(setting: Setting, rows: list[Row], console: Any) -> list[dict[s
             f"(target <= +{v['max_pct']}%), {v['bytes_ratio']:.1f}x fewer bytes "
             f"(target >= {v['min_ratio']:.0f}x){'  -- ' + v['why'] if v['why'] else ''}"
         )
-    return checks
+    pareto = Table(title="Pareto: exchange bytes vs eval loss (* = on the front)")
+    for h in PARETO_HEADERS:
+        pareto.add_column(h, justify="left" if h in ("wire", "outer") else "right")
+    for cells in pareto_rows(rows):
+        pareto.add_row(*cells)
+    console.print(pareto)
+    front = front_checks(rows)
+    for v in front:
+        mark = "[green]PASS[/green]" if v["pass"] else "[red]FAIL[/red]"
+        console.print(f"{mark} {front_line(v)}", highlight=False)
+    return checks + front
 
 
 def markdown(setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) -> str:
@@ -503,17 +701,33 @@ def markdown(setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) ->
     lines += notes(rows)
     lines.append("")
     for v in checks:
+        if "why" not in v:  # a front target: listed under the Pareto table
+            continue
         lines.append(
             f"- **{'PASS' if v['pass'] else 'FAIL'}** {v['method']}: eval loss "
             f"{v['loss_vs_ddp_pct']:+.2f}% vs DDP (target ≤ +{v['max_pct']}%), "
             f"{v['bytes_ratio']:.1f}× fewer bytes (target ≥ {v['min_ratio']:.0f}×)"
             + (f" — {v['why']}" if v["why"] else "")
         )
+    lines += [
+        "",
+        "Pareto: exchange bytes vs eval loss, most bytes first (* = on the front: no other "
+        "row has fewer or as many bytes and a lower or equal loss).",
+        "",
+        "| " + " | ".join(PARETO_HEADERS) + " |",
+        "|" + "|".join("---" if i in (0, 3) else "---:" for i in range(len(PARETO_HEADERS))) + "|",
+    ]
+    lines += ["| " + " | ".join(cells) + " |" for cells in pareto_rows(rows)]
+    lines.append("")
+    lines += [
+        f"- **{'PASS' if v['pass'] else 'FAIL'}** {front_line(v, md=True)}"
+        for v in front_checks(rows)
+    ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="100 inner steps: a few minutes")
     p.add_argument("--replicas", type=int, default=4)
@@ -529,6 +743,19 @@ def main(argv: list[str] | None = None) -> int:
         help="LR,MOMENTUM of an extra DiLoCo H=max fp32 row for reference (default: crf's "
         "run defaults in the full setting, none with --quick; 'none' to skip)",
     )
+    p.add_argument(
+        "--outer-grid",
+        default="",
+        help="more fp32 rows with an outer of their own: comma-separated H:LR/MOMENTUM",
+    )
+    p.add_argument(
+        "--sparse",
+        default=None,
+        help=f"sparse rows, comma-separated WIRE@PERCENT[/FORM] (FORM: {', '.join(OUTER_FORMS)}"
+        f"; both when left out); default {SPARSE_DEFAULT} in the full setting, none with "
+        "--quick; rows whose wire is not registered are skipped",
+    )
+    p.add_argument("--sparse-h", type=int, default=None, help="H of the sparse rows (max H)")
     p.add_argument("--set", action="append", default=[], help="lm job option key=value")
     p.add_argument(
         "--checkpoint-every",
@@ -539,8 +766,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=None, help="store folder for DiLoCo runs (default: tmp)")
     p.add_argument("--out", default=None, help="write a markdown table here (+ .json beside it)")
     p.add_argument("--skip", default="", help="methods to skip: single,diloco")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def setting_of(a: argparse.Namespace) -> Setting:
     lm: dict[str, Any] = {}
     for kv in a.set:
         k, _, v = kv.partition("=")
@@ -548,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     from crf.replica.jobs import job_config
 
     lm = {k: getattr(job_config("lm", lm), k) for k in lm}  # typed + validated
-    setting = Setting(
+    return Setting(
         replicas=a.replicas,
         steps=a.steps or (100 if a.quick else 400),
         syncs=tuple(int(h) for h in a.syncs.split(",") if h),
@@ -559,64 +788,85 @@ def main(argv: list[str] | None = None) -> int:
         lm=lm,
         checkpoint_every=a.checkpoint_every,
     ).check()
-    skip = set(a.skip.split(","))
-    ref_text = a.reference_outer or ("none" if a.quick else "")
+
+
+def arms_of(a: argparse.Namespace, setting: Setting) -> list[Arm]:
+    """Every DiLoCo row the arguments ask for, in the order they run."""
     from crf.spec import RunSpec
 
-    spec_default = RunSpec(run_id="x", run_uri="file:///x")
-    crf_default = (spec_default.outer_lr, spec_default.outer_momentum)
-    reference: tuple[float, float] | None = None
-    if ref_text == "":
-        reference = crf_default
-    elif ref_text != "none":
+    spec = RunSpec(run_id="x", run_uri="file:///x")
+    crf_default = (spec.outer_lr, spec.outer_momentum)
+    arms = [Arm(h, w) for h in setting.syncs for w in setting.wires]
+    ref_text = a.reference_outer or ("none" if a.quick else "")
+    if ref_text != "none":
         lr_text, _, mom_text = ref_text.partition(",")
-        reference = (float(lr_text), float(mom_text))
+        ref = (float(lr_text), float(mom_text)) if ref_text else crf_default
+        tag = "crf default" if ref == crf_default else "reference"
+        arms.append(Arm(max(setting.syncs), outer_lr=ref[0], outer_momentum=ref[1], tag=tag))
+    for cell in filter(None, a.outer_grid.split(",")):
+        h, _, outer = cell.partition(":")
+        lr, _, m = outer.partition("/")
+        arm = Arm(int(h), outer_lr=float(lr), outer_momentum=float(m))
+        arms.append(
+            dataclasses.replace(arm, tag="crf default" if arm.outer(setting) == crf_default else "")
+        )
+    sparse_h = a.sparse_h or max(setting.syncs)
+    arms += sparse_arms(sparse_h, a.sparse or ("none" if a.quick else SPARSE_DEFAULT))
+    Setting(steps=setting.steps, syncs=tuple(x.sync_every for x in arms)).check()
+    return arms
 
+
+def run_all(
+    setting: Setting, arms: list[Arm], skip: set[str], store: str, console: Any
+) -> list[Row]:
+    rows: list[Row] = []
+    console.print(f"[bold]DDP[/bold] gloo, N={setting.replicas}, {setting.steps} steps ...")
+    rows.append(run_ddp(setting))
+    for arm in arms if "diloco" not in skip else []:
+        if not arm.registered():
+            console.print(f"[yellow]skipped[/yellow] {arm.label()}: wire {arm.wire} not registered")
+            continue
+        console.print(f"[bold]{arm.label()}[/bold] through crf ...")
+        rows.append(run_diloco(setting, arm, store))
+    for mode in ("shard0", "all") if "single" not in skip else ():
+        console.print(f"[bold]one replica[/bold] ({mode}) ...")
+        rows.append(run_single(setting, mode))
+    return rows
+
+
+def write_out(path: str, setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(setting, rows, checks))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "setting": dataclasses.asdict(setting),
+                "rows": [dataclasses.asdict(r) for r in rows],
+                "checks": checks,
+            },
+            indent=1,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    setting = setting_of(a)
+    arms = arms_of(a, setting)
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:  # e.g. nohup into a file: keep the table readable
         console = Console(width=140)
-    rows: list[Row] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crf-quality-runs-") as tmp:
-        store = a.store or tmp
-        console.print(f"[bold]DDP[/bold] gloo, N={setting.replicas}, {setting.steps} steps ...")
-        rows.append(run_ddp(setting))
-        if "diloco" not in skip:
-            for h in setting.syncs:
-                for w in setting.wires:
-                    console.print(f"[bold]DiLoCo[/bold] H={h} wire={w} through crf ...")
-                    rows.append(run_diloco(setting, h, w, store))
-            if reference is not None:
-                h, (olr, om) = max(setting.syncs), reference
-                console.print(f"[bold]DiLoCo[/bold] H={h} float32, outer {olr}/{om} ...")
-                ref = dataclasses.replace(setting, outer_lr=olr, outer_momentum=om)
-                tag = "crf default" if reference == crf_default else "reference"
-                row = run_diloco(ref, h, "float32", store, f", outer {olr}/{om} ({tag})")
-                row.extra["reference"] = True
-                rows.append(row)
-        if "single" not in skip:
-            for mode in ("shard0", "all"):
-                console.print(f"[bold]one replica[/bold] ({mode}) ...")
-                rows.append(run_single(setting, mode))
+        rows = run_all(setting, arms, set(a.skip.split(",")), a.store or tmp, console)
     console.print(f"total {time.monotonic() - t0:.0f} s")
     checks = print_report(setting, rows, console)
     if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(markdown(setting, rows, checks))
-        out.with_suffix(".json").write_text(
-            json.dumps(
-                {
-                    "setting": dataclasses.asdict(setting),
-                    "rows": [dataclasses.asdict(r) for r in rows],
-                    "checks": checks,
-                },
-                indent=1,
-            )
-        )
-        console.print(f"wrote {out} and {out.with_suffix('.json')}")
+        write_out(a.out, setting, rows, checks)
+        console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.json')}")
     if a.quick:
         console.print(
             "--quick is a smoke run: H=50 gets only "

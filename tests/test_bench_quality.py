@@ -62,3 +62,82 @@ def test_ddp_bytes_are_counted_by_the_comm_hook() -> None:
     ):
         assert sent >= 0.99 * ring and received >= 0.99 * ring
     assert row.eval_loss < row.eval_loss_initial
+
+
+def _row(kind: str, loss: float, nbytes: int, **extra: object) -> quality.Row:
+    name = f"{kind} {nbytes}"
+    diloco = kind == "diloco"
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.5} if diloco else {}
+    return quality.Row(
+        method=name,
+        kind=kind,
+        eval_loss=loss,
+        eval_loss_initial=3.0,
+        bytes_total=nbytes,
+        bytes_up=nbytes // 2,
+        bytes_down=nbytes - nbytes // 2,
+        wall_s=1.0,
+        steps=400,
+        sync_every=50 if diloco else None,
+        wire="float32" if diloco else None,
+        extra={**outer, **extra},
+    )
+
+
+def test_pareto_front_and_the_byte_targets() -> None:
+    rows = [
+        _row(
+            "ddp",
+            1.000,
+            3_000_000,
+            payload_bytes_per_step=5000,
+            gloo_tcp_bytes=3_010_000,
+            params=1250,
+        ),
+        _row("diloco", 0.990, 50_000),  # front: best loss
+        _row("diloco", 1.005, 2_900, density=0.02, outer_form="sparseloco"),  # front, 1034x
+        _row("diloco", 1.020, 2_950),  # dominated by the row above
+        _row("diloco", 1.029, 1_000),  # front: 3000x at +2.9%
+        _row("diloco", 1.100, 900),  # front: fewest bytes, bad loss
+        _row("single", 0.900, 0),  # no exchange: not on the front
+    ]
+    assert quality.pareto_front(rows) == {1, 2, 4, 5}
+    one, three = quality.front_checks(rows)
+    assert (one["pass"], one["method"], round(one["bytes_ratio"])) == (True, "diloco 2900", 1034)
+    assert (three["pass"], three["method"]) == (True, "diloco 1000")
+    rows[4] = _row("diloco", 1.031, 1_000)  # now +3.1%: the 3000x target fails, closest shown
+    three = quality.front_checks(rows)[1]
+    assert (three["pass"], three["method"]) == (False, "diloco 1000")
+    assert "closest" in quality.front_line(three)
+    cells = quality.pareto_rows(rows)
+    assert [c[4] for c in cells] == [
+        "3.00 MB",
+        "50.00 KB",
+        "2.95 KB",
+        "2.90 KB",
+        "1.00 KB",
+        "900 B",
+    ]
+    assert [c[-1] for c in cells] == ["", "*", "", "*", "*", "*"]
+    assert cells[3][2:4] == ["2%", "sparseloco 0.7/0.5"]
+    md = quality.markdown(quality.Setting(), rows, quality.front_checks(rows))
+    assert "**FAIL** >= 3000× fewer bytes within +3% of DDP: closest" in md
+
+
+def test_sparse_rows_are_declared_settings() -> None:
+    arms = quality.sparse_arms(100, "topk2@1,topk4@2.5/diloco")
+    assert [(a.wire, a.density, a.outer_form, a.sync_every) for a in arms] == [
+        ("topk2", 0.01, "sparseloco", 100),
+        ("topk2", 0.01, "diloco", 100),
+        ("topk4", 0.025, "diloco", 100),
+    ]
+    assert arms[0].options() == {
+        "wire_dtype": "topk2",
+        quality.DENSITY_OPTION: 0.01,
+        quality.OUTER_FORM_OPTION: "sparseloco",
+    }
+    assert quality.sparse_arms(50, "none") == []
+    assert quality.Arm(50, "no-such-wire").registered() is False
+    assert quality.Arm(50, "int8").registered() is True
+    with pytest.raises(SystemExit, match="PERCENT"):
+        quality.sparse_arms(50, "topk2@0")
