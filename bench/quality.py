@@ -21,19 +21,30 @@ shards, per-replica batch, inner optimizer (AdamW, same lr) and total inner step
                 inflated by gloo's own overhead (printed beside it).
 * ``single``  — one replica alone for the same steps: on shard 0, and on the whole corpus.
 
-DiLoCo's outer optimizer is Nesterov SGD with lr 0.7 and momentum 0.5 (``OUTER_LR`` below:
-chosen on another seed than the one reported); one more row runs crf's run default (0.7/0.9,
-the DiLoCo paper's, meant for hundreds of rounds) so the cost of not tuning it is visible.
+DiLoCo's outer optimizer is Nesterov SGD at crf's run default, lr 0.7 and momentum 0.5
+(``OUTER_LR`` below; RunSpec's defaults, chosen from this benchmark: docs/performance.md); one
+more row runs the DiLoCo paper's 0.7/0.9 (meant for hundreds of rounds) so the cost of that
+choice stays visible, and ``--outer-grid`` adds rows at other outer settings.
+
+Sparse rows (``--sparse``): the top-k wires (``topk2``/``topk4``/``topk8``: a share of each
+chunk's values at 2/4/8 bits, with error feedback) at a few densities, in both outer forms
+(``sparseloco``: the error feedback stands in for the outer momentum, plain averaged step;
+``diloco``: Nesterov outer on the sparse mean). Each row is declared as a setting (an
+:class:`Arm`) and runs only when its wire is registered (``codec_names()``).
 
 Every method is scored by the lm job's own ``evaluate`` on the same held-out eval set, on the
 final weights (for DiLoCo: the global weights after the last outer step, identical on every
 replica). Printed: eval loss, loss relative to DDP, bytes per replica, bytes relative to DDP,
-wall time, and PASS/FAIL for the targets (H=50: within 3% of DDP with >= 50x fewer bytes;
-int8: within 4% with >= 200x fewer bytes). Usage::
+wall time, and PASS/FAIL for the targets of issue 6 (H=50: within 3% of DDP with >= 50x fewer
+bytes; int8: within 4% with >= 200x fewer bytes); then a Pareto table of every DiLoCo row by
+bytes (which rows no other beats on both bytes and loss) and the targets of issue 18, met by
+any row: >= 1000x fewer bytes than DDP within +1% of its eval loss, >= 3000x within +3%.
+Usage::
 
     python bench/quality.py                 # full: N=4, 400 inner steps (4-8 min on 2 cores)
     python bench/quality.py --quick         # 100 steps, about 3 minutes (a smoke run)
     python bench/quality.py --out docs/q.md # also write a markdown table (+ .json beside it)
+    python bench/quality.py --syncs 50 --wires float32 --sparse topk2@1/sparseloco --skip single
 """
 
 from __future__ import annotations
@@ -54,6 +65,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from crf.spec import RunSpec  # noqa: E402  (no torch: the defaults of a run's options)
+
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+
 #: targets of issue 6: (H, wire) -> (max eval loss above DDP in %, min bytes ratio vs DDP)
 TARGETS: dict[tuple[int, str], tuple[float, float]] = {
     (50, "float32"): (3.0, 50.0),
@@ -62,11 +77,11 @@ TARGETS: dict[tuple[int, str], tuple[float, float]] = {
 #: targets of issue 18, met by any DiLoCo row: (min bytes ratio vs DDP, max eval loss above
 #: DDP in %) - the Pareto table says which rows reach them
 FRONT_TARGETS: tuple[tuple[float, float], ...] = ((1000.0, 1.0), (3000.0, 3.0))
-#: DiLoCo's outer Nesterov SGD for this benchmark. crf's run default (0.7, 0.9, the DiLoCo
-#: paper's, tuned for hundreds of rounds) is reported beside it: with 8 rounds, momentum 0.9
-#: overshoots. Chosen on seed 1 (H=50 fp32, 400 steps: 0.7/0.9 +4.8% vs DDP, 0.7/0.5 -0.9%,
-#: 1.0/0.0 +0.3%); the reported numbers are seed 0's, so the choice did not see them.
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5
+#: DiLoCo's outer Nesterov SGD for this benchmark: crf's run default (RunSpec.outer_lr /
+#: outer_momentum, 0.7/0.5, chosen from this benchmark: docs/performance.md). The DiLoCo
+#: paper's 0.7/0.9 (tuned for hundreds of rounds) is reported beside it (PAPER_OUTER).
+OUTER_LR, OUTER_MOMENTUM = (_SPEC_DEFAULTS["outer_lr"], _SPEC_DEFAULTS["outer_momentum"])
+PAPER_OUTER = (0.7, 0.9)
 RING_FORMULA = "DDP bytes = 2·(N−1)/N·P sent + 2·(N−1)/N·P received per step (ring, bound)"
 
 
@@ -114,7 +129,7 @@ class Row:
 #: the run options a sparse row sets (declared on RunSpec by the sparse wire): the fraction of
 #: each chunk's values kept, and the outer form - "sparseloco" (error feedback stands in for
 #: the outer momentum, plain averaged step) or "diloco" (Nesterov outer on the sparse mean)
-DENSITY_OPTION, OUTER_FORM_OPTION = "density", "outer_form"
+DENSITY_OPTION, OUTER_FORM_OPTION = "sparse_density", "sparse_outer"
 OUTER_FORMS = ("sparseloco", "diloco")
 
 
@@ -649,13 +664,21 @@ def notes(rows: list[Row]) -> list[str]:
     return out
 
 
+def crf_tag(setting: Setting) -> str:
+    return (
+        " (crf's default)"
+        if (setting.outer_lr, setting.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
+        else ""
+    )
+
+
 def print_report(setting: Setting, rows: list[Row], console: Any) -> list[dict[str, Any]]:
     from rich.table import Table
 
     table = Table(
         title=f"lm job, N={setting.replicas}, {setting.steps} inner steps per replica, "
         f"lm options {setting.lm or 'default'}, DiLoCo outer Nesterov SGD "
-        f"lr {setting.outer_lr} momentum {setting.outer_momentum} unless named"
+        f"lr {setting.outer_lr} momentum {setting.outer_momentum}{crf_tag(setting)} unless named"
     )
     for h in HEADERS:
         table.add_column(h, justify="left" if h == "method" else "right")
@@ -689,7 +712,7 @@ def markdown(setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) ->
     lines = [
         f"N={setting.replicas} replicas, {setting.steps} inner steps per replica, seed "
         f"{setting.seed}, lm options {setting.lm or 'default'}; DiLoCo outer Nesterov SGD lr "
-        f"{setting.outer_lr} momentum {setting.outer_momentum} unless named.",
+        f"{setting.outer_lr} momentum {setting.outer_momentum}{crf_tag(setting)} unless named.",
         "",
         "| " + " | ".join(h.replace("->", "→") for h in HEADERS) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADERS))) + "|",
@@ -740,8 +763,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--reference-outer",
         default=None,
-        help="LR,MOMENTUM of an extra DiLoCo H=max fp32 row for reference (default: crf's "
-        "run defaults in the full setting, none with --quick; 'none' to skip)",
+        help="LR,MOMENTUM of an extra DiLoCo H=max fp32 row for reference (default: the "
+        "DiLoCo paper's 0.7,0.9 in the full setting, none with --quick; 'none' to skip)",
     )
     p.add_argument(
         "--outer-grid",
@@ -792,24 +815,23 @@ def setting_of(a: argparse.Namespace) -> Setting:
 
 def arms_of(a: argparse.Namespace, setting: Setting) -> list[Arm]:
     """Every DiLoCo row the arguments ask for, in the order they run."""
-    from crf.spec import RunSpec
+    crf_default = (OUTER_LR, OUTER_MOMENTUM)
 
-    spec = RunSpec(run_id="x", run_uri="file:///x")
-    crf_default = (spec.outer_lr, spec.outer_momentum)
+    def tagged(arm: Arm) -> Arm:
+        outer = arm.outer(setting)
+        tag = "crf default" if outer == crf_default else ""
+        return dataclasses.replace(arm, tag="DiLoCo paper" if outer == PAPER_OUTER else tag)
+
     arms = [Arm(h, w) for h in setting.syncs for w in setting.wires]
     ref_text = a.reference_outer or ("none" if a.quick else "")
     if ref_text != "none":
         lr_text, _, mom_text = ref_text.partition(",")
-        ref = (float(lr_text), float(mom_text)) if ref_text else crf_default
-        tag = "crf default" if ref == crf_default else "reference"
-        arms.append(Arm(max(setting.syncs), outer_lr=ref[0], outer_momentum=ref[1], tag=tag))
+        lr, m = (float(lr_text), float(mom_text)) if ref_text else PAPER_OUTER
+        arms.append(tagged(Arm(max(setting.syncs), outer_lr=lr, outer_momentum=m)))
     for cell in filter(None, a.outer_grid.split(",")):
         h, _, outer = cell.partition(":")
-        lr, _, m = outer.partition("/")
-        arm = Arm(int(h), outer_lr=float(lr), outer_momentum=float(m))
-        arms.append(
-            dataclasses.replace(arm, tag="crf default" if arm.outer(setting) == crf_default else "")
-        )
+        lr_text, _, mom_text = outer.partition("/")
+        arms.append(tagged(Arm(int(h), outer_lr=float(lr_text), outer_momentum=float(mom_text))))
     sparse_h = a.sparse_h or max(setting.syncs)
     arms += sparse_arms(sparse_h, a.sparse or ("none" if a.quick else SPARSE_DEFAULT))
     Setting(steps=setting.steps, syncs=tuple(x.sync_every for x in arms)).check()
