@@ -778,7 +778,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"; both when left out); default {SPARSE_DEFAULT} in the full setting, none with "
         "--quick; rows whose wire is not registered are skipped",
     )
-    p.add_argument("--sparse-h", type=int, default=None, help="H of the sparse rows (max H)")
+    p.add_argument(
+        "--sparse-h", default=None, help="H of the sparse rows, comma separated (default: max H)"
+    )
     p.add_argument("--set", action="append", default=[], help="lm job option key=value")
     p.add_argument(
         "--checkpoint-every",
@@ -832,8 +834,8 @@ def arms_of(a: argparse.Namespace, setting: Setting) -> list[Arm]:
         h, _, outer = cell.partition(":")
         lr_text, _, mom_text = outer.partition("/")
         arms.append(tagged(Arm(int(h), outer_lr=float(lr_text), outer_momentum=float(mom_text))))
-    sparse_h = a.sparse_h or max(setting.syncs)
-    arms += sparse_arms(sparse_h, a.sparse or ("none" if a.quick else SPARSE_DEFAULT))
+    for h in (int(x) for x in a.sparse_h.split(",")) if a.sparse_h else (max(setting.syncs),):
+        arms += sparse_arms(h, a.sparse or ("none" if a.quick else SPARSE_DEFAULT))
     Setting(steps=setting.steps, syncs=tuple(x.sync_every for x in arms)).check()
     return arms
 
