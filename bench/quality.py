@@ -179,12 +179,15 @@ class Arm:
 
 
 def sparse_arms(sync_every: int, text: str) -> list[Arm]:
-    """The sparse rows of ``--sparse``: comma-separated ``WIRE@PERCENT[/FORM]`` (both forms
-    when FORM is left out), e.g. ``topk2@1,topk4@2/sparseloco``; "none" for none."""
+    """The sparse rows of ``--sparse``: comma-separated ``WIRE@PERCENT[/FORM][:H]`` (both
+    forms when FORM is left out; H: ``sync_every`` unless given), e.g.
+    ``topk2@1,topk4@2/sparseloco:100``; "none" for none."""
     if text == "none":
         return []
     arms = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
+    for cell in filter(None, (t.strip() for t in text.split(","))):
+        item, _, h_text = cell.partition(":")
+        h = int(h_text) if h_text.isdigit() else sync_every
         wire, _, rest = item.partition("@")
         pct, _, form = rest.partition("/")
         try:
@@ -198,7 +201,7 @@ def sparse_arms(sync_every: int, text: str) -> list[Arm]:
                 f"--sparse {item!r}: PERCENT must be in (0, 100] and FORM one of {OUTER_FORMS}"
             )
         for f in (form,) if form else OUTER_FORMS:
-            arms.append(Arm(sync_every, wire, density=density, outer_form=f))
+            arms.append(Arm(h, wire, density=density, outer_form=f))
     return arms
 
 

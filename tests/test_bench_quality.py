@@ -125,11 +125,11 @@ def test_pareto_front_and_the_byte_targets() -> None:
 
 
 def test_sparse_rows_are_declared_settings() -> None:
-    arms = quality.sparse_arms(100, "topk2@1,topk4@2.5/diloco")
+    arms = quality.sparse_arms(100, "topk2@1,topk4@2.5/diloco:20")
     assert [(a.wire, a.density, a.outer_form, a.sync_every) for a in arms] == [
         ("topk2", 0.01, "sparseloco", 100),
         ("topk2", 0.01, "diloco", 100),
-        ("topk4", 0.025, "diloco", 100),
+        ("topk4", 0.025, "diloco", 20),
     ]
     assert arms[0].options() == {
         "wire_dtype": "topk2",
