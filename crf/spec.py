@@ -26,6 +26,7 @@ from typing import Any
 
 from crf import jsonsafe
 from crf.exchange.codecs import codec_names
+from crf.exchange.config import DEFAULT_SPARSE_DENSITY, DEFAULT_SPARSE_OUTER, SPARSE_OUTERS
 
 SPEC_VERSION = 1
 WIRE_DTYPES = codec_names()  # the built-in ones; validation asks the registry again
@@ -415,13 +416,30 @@ class RunSpec:
         "float32",
         choices=codec_names,
         group=WIRE,
-        help="Pseudo-gradient wire format: float32, bfloat16, float16 or int8 "
-        "(block-wise scales, ~4x fewer bytes).",
+        help="Pseudo-gradient wire format: float32, bfloat16, float16, int8 "
+        "(block-wise scales, ~4x fewer bytes) or the sparse topk2, topk4, topk8 (top-k "
+        "values per chunk at 2/4/8 bits, with error feedback; ~100x at 2% density).",
     )
     error_feedback: bool = option(
         False,
         group=WIRE,
         help="With a lossy wire format, resend what quantization dropped.",
+    )
+    sparse_density: float = option(
+        DEFAULT_SPARSE_DENSITY,
+        low=0.005,
+        high=0.1,
+        group=WIRE,
+        why="a sparse wire keeps 0.5% to 10% of each chunk's values",
+        help="A sparse wire (topk2/topk4/topk8) keeps this share of each chunk's values.",
+    )
+    sparse_outer: str = option(
+        DEFAULT_SPARSE_OUTER,
+        choices=SPARSE_OUTERS,
+        group=WIRE,
+        help="A sparse wire's error feedback and outer step: sparseloco (decaying error "
+        "buffer, plain averaged outer step, no outer momentum) or diloco (full residual, "
+        "Nesterov outer step).",
     )
     save_inner_state: bool = option(  # each replica saves its inner optimizer (resume)
         True, cli=False, group=DILOCO, help="Each replica saves its inner optimizer per round."

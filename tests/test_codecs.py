@@ -49,6 +49,8 @@ def _max_error(name: str, x: torch.Tensor, segments: Sequence[int] | None) -> to
         return x.abs() * 2.0**-8
     if name == "float16":
         return x.abs() * 2.0**-11 + 2.0**-25  # subnormals below 2**-14: absolute steps
+    if codecs.get_codec(name).sparse:  # a dropped value's error is at most its chunk's
+        return _chunk_absmax(x, segments) * (1 + 1e-4)  # top values (tests/test_topk.py)
     if name != "int8":
         pytest.fail(f"codec {name!r}: state its error in tests/test_codecs.py::_max_error")
     pieces, _ = codecs.int8_blocks(x.numel(), segments)
@@ -58,6 +60,19 @@ def _max_error(name: str, x: torch.Tensor, segments: Sequence[int] | None) -> to
             e = min(s + codecs.INT8_BLOCK, b)
             bound[s:e] = x[s:e].abs().max() / 127 / 2
     return bound * (1 + 1e-4)  # and the fp32 rounding of codes times scale
+
+
+def _chunk_absmax(x: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
+    """Per value, the largest magnitude of its top-k chunk."""
+    from crf.exchange.codecs.topk import TOPK_CHUNK
+
+    bound, pos = torch.empty_like(x), 0
+    for m in segments or [x.numel()]:
+        for s in range(pos, pos + m, TOPK_CHUNK):
+            e = min(s + TOPK_CHUNK, pos + m)
+            bound[s:e] = x[s:e].abs().max()
+        pos += m
+    return bound
 
 
 BUILTIN = ("float32", "bfloat16", "float16", "int8")

@@ -105,6 +105,14 @@ def test_run_defining_options_come_from_the_declarations() -> None:
         ("num_shards", 0, "num_shards must be None or an integer >= 1 (got 0)"),
         ("wire_dtype", "fp8", "--wire-dtype 'fp8' is unknown; choose one of float32"),
         ("error_feedback", "yes", "error_feedback must be true or false (got 'yes')"),
+        ("wire_dtype", "topk3", "--wire-dtype 'topk3' is unknown; choose one of float32"),
+        (
+            "sparse_density",
+            0.5,
+            "--sparse-density must be in [0.005, 0.1] (got 0.5): a sparse wire keeps 0.5% to "
+            "10% of each chunk's values",
+        ),
+        ("sparse_outer", "adam", "--sparse-outer 'adam' is unknown; choose one of sparseloco"),
         ("job_config", [1], "job_config must be a mapping (got [1])"),
     ],
 )

@@ -217,12 +217,13 @@ class _Segments:
 
 
 def _gather_fp32(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """One fp32 vector of ``pieces``: the piece itself when it is a single fp32 slice."""
+    """One fp32 vector of ``pieces`` in host memory, where the codecs and the error-feedback
+    residual work: the piece itself when it is a single fp32 slice on the CPU."""
     if len(pieces) == 1:
-        return pieces[0].float()  # no copy for fp32
+        return pieces[0].float().cpu()  # no copy for fp32 on the CPU
     if not pieces:
         return torch.zeros(0)
-    return torch.cat([p.float() for p in pieces])
+    return torch.cat([p.float() for p in pieces]).cpu()
 
 
 #: how a rejection message says why a part was left out for its values
@@ -237,7 +238,7 @@ def _reason(e: CorruptObjectError, key: str) -> str:
 
 def _poisoned(payload: Any, wire: str, n: int) -> Any:
     """A copy of a shard with its first value NaN (fault injection: ``nan_contribution``);
-    for int8, its first block's scale."""
+    for int8 and the top-k wires, its first block's scale."""
     if n == 0:
         return payload
     if isinstance(payload, list):
@@ -245,7 +246,7 @@ def _poisoned(payload: Any, wire: str, n: int) -> Any:
         next(p for p in out if p.numel()).view(-1)[0] = float("nan")
         return out
     out = payload.clone()
-    if wire == "int8":
+    if wire == "int8" or wire.startswith("topk"):  # both start with an fp32 scale
         out[:4].view(torch.float32)[0] = float("nan")
     else:
         out[0] = float("nan")
@@ -358,6 +359,10 @@ class ObjectStoreAllReduce:
             world_size, self.store.scheme, default_id
         )
         self.hooks = hooks or ExchangeHooks()
+        self._wire = self.config.wire
+        wirefmt.get_codec(self._wire)  # a bad variant (topk4@x) fails here, not mid-round
+        self._decay = self.config.error_decay
+        self._sparse = self.config.sparse
         # what quantization dropped last time, per fragment (Streaming DiLoCo syncs fragments
         # of different - or, for identical blocks, equal - sizes in turn)
         self._residual: dict[int | None, torch.Tensor] = {}
@@ -380,8 +385,22 @@ class ObjectStoreAllReduce:
 
     @property
     def wire(self) -> str:
-        """The wire format of this exchange's payloads."""
-        return self.config.wire_dtype
+        """The wire format of this exchange's payloads, by its name in the store (a sparse
+        wire's carries its density: ``topk4@0.02``)."""
+        return self._wire
+
+    def error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """What the wire dropped and is still to be resent, per fragment (key: the fragment,
+        ``"-"`` without fragments): saved with the replica's inner state, so a restart or a
+        resumed run goes on resending it (:meth:`load_error_feedback_state`)."""
+        return {"-" if f is None else str(f): t for f, t in self._residual.items()}
+
+    def load_error_feedback_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back what :meth:`error_feedback_state` returned (replacing this exchange's)."""
+        self._residual = {
+            None if k == "-" else int(k): t.detach().to(torch.float32).reshape(-1).clone()
+            for k, t in state.items()
+        }
 
     # ------------------------------------------------------------------ helpers
     def _phase(self, phase: str) -> None:
@@ -725,8 +744,11 @@ class ObjectStoreAllReduce:
                 self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
             else:
                 x = _gather_fp32(source.pieces(a, b))
-                if previous is not None:
-                    x = x + previous[a:b]  # error feedback: resend what was dropped last time
+                if previous is not None:  # error feedback: resend what was dropped before
+                    if self._decay == 1.0:
+                        x = x + previous[a:b]
+                    else:  # SparseLoCo: e <- beta * e + delta
+                        x = previous[a:b].mul(self._decay).add_(x)
                 payload = wirefmt.encode(x, self.wire, segs[s])
                 # the fp32 values (int8 would encode a NaN block as finite garbage) and what
                 # went on the wire (float16 overflows past 65504)
@@ -832,7 +854,8 @@ class ObjectStoreAllReduce:
         exact: bool,
     ) -> None:
         """Every shard is here and verified: write the average into the tensors."""
-        if not exact and all(t.is_contiguous() for t in tensors):
+        # a codec decodes on the CPU: straight into the tensors when they are there
+        if not exact and all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
             self._decode_in_place(got, bounds, tensors)
         else:
             self._copy_in_place(got, bounds, tensors)
@@ -850,9 +873,9 @@ class ObjectStoreAllReduce:
         for s, (a, b) in enumerate(bounds):
             targets = dest.pieces(a, b)
             if len(targets) == 1 and targets[0].dtype == torch.float32:
-                wirefmt.decode(got[s], self.wire, b - a, out=targets[0], segments=segs[s])
+                wirefmt.decode_reduced(got[s], self.wire, b - a, out=targets[0], segments=segs[s])
                 continue
-            values, pos = wirefmt.decode(got[s], self.wire, b - a, segments=segs[s]), 0
+            values, pos = wirefmt.decode_reduced(got[s], self.wire, b - a, segments=segs[s]), 0
             for piece in targets:
                 piece.copy_(values[pos : pos + piece.numel()])
                 pos += piece.numel()
@@ -868,7 +891,7 @@ class ObjectStoreAllReduce:
         segs = wirefmt.shard_segments([t.numel() for t in tensors], bounds)
         averaged = _Segments(
             [
-                wirefmt.decode(got[s], self.wire, b - a, segments=segs[s])
+                wirefmt.decode_reduced(got[s], self.wire, b - a, segments=segs[s])
                 for s, (a, b) in enumerate(bounds)
             ]
         )
@@ -1270,7 +1293,7 @@ class ObjectStoreAllReduce:
             return None
         fetches = self._fetch_parts(res, job, s)
         acc: torch.Tensor | None = None
-        used = []
+        used, parts = [], []
         for p in job.participants:  # fixed rank order
             try:
                 w = self._usable_part(res, job, s, p, fetches)
@@ -1279,12 +1302,14 @@ class ObjectStoreAllReduce:
             if w is not None:
                 acc = self._add_part(job, s, acc, w)
                 used.append(p)
+                if self._sparse:  # small: a sparse average may go as its parts
+                    parts.append(w)
         if acc is None:
             why = f"no usable contribution for shard {s}"
             raise RoundFailed(
                 f"round {job.round}: {why}", layout.Rejection(layout.failed_key(job.round), why)
             )
-        return self._publish_reduced(res, job, s, acc, used)
+        return self._publish_reduced(res, job, s, acc, used, parts)
 
     def _fetch_parts(self, res: AllReduceResult, job: _Round, s: int) -> dict[int, Future]:
         """Start downloading the others' parts of shard s (those fetched early are taken as
@@ -1355,10 +1380,17 @@ class ObjectStoreAllReduce:
         return acc
 
     def _publish_reduced(
-        self, res: AllReduceResult, job: _Round, s: int, acc: torch.Tensor, used: list[int]
+        self,
+        res: AllReduceResult,
+        job: _Round,
+        s: int,
+        acc: torch.Tensor,
+        used: list[int],
+        parts: list[Any],
     ) -> torch.Tensor | None:
         """Divide shard s's sum of ``used`` parts into their average and publish it
-        (create-if-absent); the wire tensor if this call published it. A sum that overflowed
+        (create-if-absent; a sparse wire may publish the ``parts`` themselves when smaller);
+        the wire tensor if this call published it. A sum that overflowed
         fails the round for everyone."""
         r = job.round
         acc.div_(len(used))
@@ -1367,7 +1399,8 @@ class ObjectStoreAllReduce:
             raise self._fail_round(r, why)
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
-        wire = wirefmt.encode(acc, self.wire, self._segments[job.lhash][s])
+        # the codec's form of an average: a sparse wire's is exact, not top-k again
+        wire = wirefmt.encode_reduced(acc, self.wire, self._segments[job.lhash][s], parts)
         key = layout.reduced_key(r, s)
         if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
             res.shards_computed.append(s)
@@ -1400,7 +1433,7 @@ class ObjectStoreAllReduce:
                     f"{key}: reduced shard is not this run's round {r} shard {s} ({bad})"
                 )
             segs = self._segments[lhash][s]
-            if not wirefmt.wire_numel_ok(t, self.wire, n, segs):
+            if not wirefmt.reduced_numel_ok(t, self.wire, n, segs):
                 raise CorruptObjectError(f"{key}: reduced shard has the wrong size")
         except CorruptObjectError as e:
             # the one copy everyone needs is bad: nobody can finish this round consistently
@@ -1453,7 +1486,7 @@ class ObjectStoreAllReduce:
         leaves non-finite parts out, so a non-finite reduced shard is a bad object - the
         round fails for everyone, like a corrupt one."""
         for s, w in got.items():
-            if not wirefmt.all_finite(w, self.wire, bounds[s][1] - bounds[s][0], segs[s]):
+            if not wirefmt.reduced_all_finite(w, self.wire, bounds[s][1] - bounds[s][0], segs[s]):
                 key = layout.reduced_key(r, s)
                 raise self._fail_round(r, f"bad reduced shard: {key}: {_NONFINITE}", key)
 

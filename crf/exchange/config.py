@@ -21,6 +21,19 @@ from crf.exchange.codecs import codec_names
 if TYPE_CHECKING:
     from crf.spec import RunSpec
 
+#: the two ways a sparse wire's error feedback and outer step fit together (``sparse_outer``):
+#: "sparseloco" (arXiv 2508.15706: the error buffer decays by ``SPARSELOCO_BETA`` and stands
+#: in for the outer momentum; the outer step is plain SGD on the average) or "diloco" (the
+#: whole residual is kept, beta = 1, and the outer step is DiLoCo's Nesterov SGD)
+SPARSE_OUTERS = ("sparseloco", "diloco")
+#: the default of ``sparse_outer``: the one constant to change when bench/quality.py's sparse
+#: rows say the other form wins (docs/design.md, "Sparse wires")
+DEFAULT_SPARSE_OUTER = "sparseloco"
+#: SparseLoCo's error-feedback decay (the paper's beta)
+SPARSELOCO_BETA = 0.95
+#: the default share of values a sparse wire keeps per chunk
+DEFAULT_SPARSE_DENSITY = 0.02
+
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -48,10 +61,17 @@ class ExchangeConfig:
     num_shards: int | None = None
     #: rounds kept in the store; older ones are garbage-collected
     keep_rounds: int = 3
-    #: a registered wire codec: float32 | bfloat16 | float16 | int8 (block-wise scales)
+    #: a registered wire codec: float32 | bfloat16 | float16 | int8 (block-wise scales) |
+    #: topk2 | topk4 | topk8 (sparse: sparse_density of each chunk, error feedback always on)
     wire_dtype: str = "float32"
-    #: with a lossy wire, resend what quantization dropped last time
+    #: with a lossy wire, resend what quantization dropped last time (always on with a
+    #: sparse wire)
     error_feedback: bool = False
+    #: a sparse wire (topk2/4/8) keeps this share of the values of every chunk
+    sparse_density: float = DEFAULT_SPARSE_DENSITY
+    #: a sparse wire's error feedback: "sparseloco" decays the residual by SPARSELOCO_BETA
+    #: (the outer step then has no momentum), "diloco" keeps all of it
+    sparse_outer: str = DEFAULT_SPARSE_OUTER
     #: the longest pause between two looks at the store (default: 0.05 s on a local folder,
     #: 0.5 s on an object store, where every call is billed and rate-limited)
     max_poll_s: float | None = None
@@ -84,6 +104,12 @@ class ExchangeConfig:
         _check_int("max_transfers", self.max_transfers, 1)
         if self.wire_dtype not in codec_names():  # looked up now: a codec registered late counts
             raise ValueError(f"wire_dtype must be one of {codec_names()}, got {self.wire_dtype!r}")
+        if not (isinstance(self.sparse_density, float | int) and 0 < self.sparse_density <= 1):
+            raise ValueError(f"sparse_density must be in (0, 1], got {self.sparse_density!r}")
+        if self.sparse_outer not in SPARSE_OUTERS:
+            raise ValueError(
+                f"sparse_outer must be one of {SPARSE_OUTERS}, got {self.sparse_outer!r}"
+            )
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
 
@@ -112,8 +138,37 @@ class ExchangeConfig:
                 scheme == "file" if self.drop_contributions is None else self.drop_contributions
             ),
             fetch_early=not local if self.fetch_early is None else self.fetch_early,
-            error_feedback=self.error_feedback and self.wire_dtype != "float32",
+            error_feedback=(self.error_feedback and self.wire_dtype != "float32") or self.sparse,
         )
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the wire keeps only some values (top-k): error feedback is then on."""
+        from crf.exchange.codecs import is_sparse  # imports the codec (torch)
+
+        return is_sparse(self.wire_dtype)
+
+    @property
+    def wire(self) -> str:
+        """The wire's name in the store: a sparse wire's carries its density
+        (``topk4@0.02``, :func:`crf.exchange.codecs.wire_name`)."""
+        from crf.exchange.codecs import wire_name
+
+        return wire_name(self.wire_dtype, self.sparse_density)
+
+    @property
+    def sparseloco(self) -> bool:
+        """Whether this is SparseLoCo: a sparse wire whose decaying error buffer stands in
+        for the outer momentum (the outer step is then plain SGD on the average)."""
+        return self.sparse and self.sparse_outer == "sparseloco"
+
+    @property
+    def error_decay(self) -> float:
+        """What last round's residual is multiplied by before it is added to this round's
+        pseudo-gradient: SparseLoCo's beta on a sparse wire in that form, else 1."""
+        if self.sparseloco:
+            return SPARSELOCO_BETA
+        return 1.0
 
 
 @dataclass(frozen=True)

@@ -346,11 +346,13 @@ class ReplicaContext:
         fragments: list[torch.nn.Module],
         inner_optimizer: torch.optim.Optimizer,
     ) -> Any:
-        """torchft's DiLoCo over ``fragments``, one outer SGD per fragment."""
+        """torchft's DiLoCo over ``fragments``, one outer SGD per fragment: Nesterov
+        momentum, or none where a sparse wire's SparseLoCo error feedback stands in for it
+        (the plain averaged step, ``--sparse-outer sparseloco``)."""
         from torchft.local_sgd import DiLoCo
 
         spec = self.spec
-        momentum = spec.outer_momentum
+        momentum = 0.0 if manager.exchange.config.sparseloco else spec.outer_momentum
         outers = [
             torch.optim.SGD(
                 f.parameters(),
@@ -427,13 +429,13 @@ class ReplicaContext:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = manager.checkpoints.load_inner(latest)
             if self._split:  # also this replica's own (local) weights
-                inner.load_state_dict(saved["inner_optimizer"])
                 params = dict(self.model.named_parameters())
                 with torch.no_grad():
                     for name, value in saved["local_params"].items():
                         params[name].copy_(value)
-            else:
-                inner.load_state_dict(saved)
+            inner.load_state_dict(saved.get("inner_optimizer", saved))
+            if "error_feedback" in saved:  # what the wire dropped, still to be resent
+                manager.exchange.load_error_feedback_state(saved["error_feedback"])
             self.resumed_inner = True
         except (CorruptObjectError, ObjectNotFound, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
@@ -443,14 +445,21 @@ class ReplicaContext:
     def _save_inner(self, r: int) -> None:
         """Save this replica's inner-optimizer state after a committed round (for restarts).
         With fragments, also its weights: only the fragment just synced is global, the others
-        hold this replica's local progress, which global/<r> does not have. Serialized now,
-        written in the background (``Checkpoints.save_inner``)."""
+        hold this replica's local progress, which global/<r> does not have. With error
+        feedback (a sparse wire, ``--error-feedback``), also what the wire dropped, per
+        fragment: a restart or a resumed run resends it. Serialized now, written in the
+        background (``Checkpoints.save_inner``)."""
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
         state: Any = self._inner.state_dict()
+        residual = self.manager.exchange.error_feedback_state()
+        if (self._split and self.model is not None) or residual:
+            state = {"inner_optimizer": state}
         if self._split and self.model is not None:
             local = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-            state = {"inner_optimizer": state, "local_params": local}
+            state["local_params"] = local
+        if residual:
+            state["error_feedback"] = residual
         self.manager.checkpoints.save_inner(r, state, self.step)
 
     def _after_inner_step(self, *_: Any) -> None:
@@ -628,7 +637,9 @@ class ReplicaContext:
             final_loss=self._steps.final_loss(self.last_loss),
             weights_sha256=weights_sha256(self.model) if self.model is not None else None,
             wire=self.spec.wire_dtype,
-            compression=wire_compression(self.spec.wire_dtype),
+            compression=wire_compression(
+                wirefmt.wire_name(self.spec.wire_dtype, self.spec.sparse_density)
+            ),
             sync_s=round(self._clock.sync_s, 4),
             compute_s=round(self._clock.compute_s, 4),
             steps=self.step,

@@ -1,8 +1,11 @@
 """Wire codecs: what one fp32 pseudo-gradient shard becomes in the store, by name.
 
 Built in: ``float32`` (exact), ``bfloat16`` and ``float16`` (2 bytes per value,
-:mod:`crf.exchange.codecs.floats`), and ``int8`` (block-wise absmax scales, ~4x fewer bytes,
-:mod:`crf.exchange.codecs.int8`). Each is a :class:`~crf.exchange.codecs.base.Codec`
+:mod:`crf.exchange.codecs.floats`), ``int8`` (block-wise absmax scales, ~4x fewer bytes,
+:mod:`crf.exchange.codecs.int8`), and the sparse ``topk2``/``topk4``/``topk8`` (per chunk the
+largest values at 2, 4 or 8 bits, ~100x fewer bytes at 2% density,
+:mod:`crf.exchange.codecs.topk`; their average is published exact,
+:mod:`crf.exchange.codecs.sparse`). Each is a :class:`~crf.exchange.codecs.base.Codec`
 (encode, decode, decode-and-add, size); a new one is a module with its class plus its
 registration (:mod:`crf.exchange.codecs.registry`; docs/extending.md, "Add a wire codec").
 
@@ -36,7 +39,13 @@ if TYPE_CHECKING:
         compression,
         decode,
         decode_add,
+        decode_reduced,
         encode,
+        encode_reduced,
+        is_sparse,
+        reduced_all_finite,
+        reduced_numel_ok,
+        wire_name,
         wire_nbytes,
         wire_numel_ok,
     )
@@ -54,6 +63,12 @@ _LAZY = {
             "decode",
             "decode_add",
             "encode",
+            "encode_reduced",
+            "decode_reduced",
+            "reduced_numel_ok",
+            "reduced_all_finite",
+            "is_sparse",
+            "wire_name",
             "wire_nbytes",
             "wire_numel_ok",
         )
@@ -72,13 +87,19 @@ __all__ = [
     "compression",
     "decode",
     "decode_add",
+    "decode_reduced",
     "encode",
+    "encode_reduced",
     "finite",
     "get_codec",
     "int8_blocks",
+    "is_sparse",
+    "reduced_all_finite",
+    "reduced_numel_ok",
     "register_codec",
     "shard_segments",
     "unregister_codec",
+    "wire_name",
     "wire_nbytes",
     "wire_numel_ok",
 ]

@@ -45,6 +45,9 @@ class Codec(ABC):
     name: str
     #: decoding gives back exactly the fp32 values encoded (error feedback is then moot)
     exact: bool = False
+    #: keeps only some values (top-k): error feedback is always on, and its average is
+    #: published exactly (:meth:`encode_reduced`), not in this codec's own form
+    sparse: bool = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, segments: Sequence[int] | None = None) -> torch.Tensor:
@@ -89,3 +92,46 @@ class Codec(ABC):
     def compression(self) -> float:
         """Bytes of fp32 per byte on the wire, for a large shard of one piece."""
         return FP32_BYTES * _RATIO_NUMEL / self.nbytes(_RATIO_NUMEL)
+
+    def variant(self, param: str) -> Codec:
+        """This codec with a parameter, for the wire called ``name@param`` (top-k: its
+        density). A codec without parameters refuses one."""
+        raise ValueError(f"wire format {self.name!r} takes no parameter, got {param!r}")
+
+    # The average of a shard (what its owner publishes and every replica downloads) goes on
+    # the wire through these four. By default it is encoded like a part; a sparse codec
+    # publishes the exact fp32 sum instead (the average of top-k parts is not top-k).
+
+    def encode_reduced(
+        self,
+        x: torch.Tensor,
+        segments: Sequence[int] | None = None,
+        parts: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """fp32 1-D average of a shard -> the tensor published for it. ``parts`` (given
+        to a sparse codec only) are the wire parts ``x`` was summed from, in rank order: a
+        codec may publish them instead when that is smaller and decoding them gives the
+        bits of ``x`` (top-k does)."""
+        return self.encode(x, segments)
+
+    def decode_reduced(
+        self,
+        w: torch.Tensor,
+        n: int,
+        out: torch.Tensor | None = None,
+        segments: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Inverse of :meth:`encode_reduced`, as :meth:`decode`."""
+        return self.decode(w, n, out=out, segments=segments)
+
+    def reduced_numel_ok(
+        self, w: torch.Tensor, n: int, segments: Sequence[int] | None = None
+    ) -> bool:
+        """Whether a downloaded average is well formed for a shard of ``n`` values."""
+        return self.numel_ok(w, n, segments)
+
+    def reduced_all_finite(
+        self, w: torch.Tensor, n: int, segments: Sequence[int] | None = None
+    ) -> bool:
+        """Whether a downloaded average decodes to finite values only."""
+        return self.all_finite(w, n, segments)

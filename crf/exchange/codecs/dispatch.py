@@ -76,3 +76,53 @@ def wire_numel_ok(
 def compression(wire: str) -> float:
     """Bytes of fp32 per byte on the wire (int8 pays 4 bytes of scale per block)."""
     return get_codec(wire).compression()
+
+
+def wire_name(wire_dtype: str, density: float) -> str:
+    """The name a run's wire goes by in the store: a sparse codec's carries its density
+    (``topk4@0.02``), so replicas that disagree on it are told apart like two wires."""
+    return f"{wire_dtype}@{density!r}" if get_codec(wire_dtype).sparse else wire_dtype
+
+
+def is_sparse(wire: str) -> bool:
+    """Whether the wire keeps only some values (error feedback always on)."""
+    return get_codec(wire).sparse
+
+
+def encode_reduced(
+    x: torch.Tensor,
+    wire: str,
+    segments: Sequence[int] | None = None,
+    parts: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A shard's fp32 average -> the tensor its owner publishes (the codec's
+    :meth:`~crf.exchange.codecs.base.Codec.encode_reduced`; ``parts``: the wire parts it
+    was summed from, in rank order, for a sparse codec)."""
+    return get_codec(wire).encode_reduced(x, segments, parts)
+
+
+def decode_reduced(
+    w: torch.Tensor,
+    wire: str,
+    n: int,
+    out: torch.Tensor | None = None,
+    segments: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`encode_reduced` for a shard of ``n`` values, as :func:`decode`."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != n):
+        raise ValueError(f"out must be {n} fp32 values, got {out.numel()} {out.dtype}")
+    return get_codec(wire).decode_reduced(w, n, out=out, segments=segments)
+
+
+def reduced_numel_ok(
+    w: torch.Tensor, wire: str, n: int, segments: Sequence[int] | None = None
+) -> bool:
+    """Whether a downloaded average is well formed for a shard of ``n`` values."""
+    return get_codec(wire).reduced_numel_ok(w, n, segments)
+
+
+def reduced_all_finite(
+    w: torch.Tensor, wire: str, n: int, segments: Sequence[int] | None = None
+) -> bool:
+    """Whether a downloaded average decodes to finite values only."""
+    return get_codec(wire).reduced_all_finite(w, n, segments)
