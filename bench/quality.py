@@ -585,7 +585,9 @@ def pareto_rows(rows: list[Row]) -> list[list[str]]:
         else:
             wire, h = r.wire or "", str(r.sync_every)
             lr, m = r.extra["outer_lr"], r.extra["outer_momentum"]
-            outer = (r.extra.get("outer_form") or "diloco") + f" {lr}/{m}"
+            form = r.extra.get("outer_form") or "diloco"
+            # SparseLoCo's outer step is plain SGD: its error feedback is the momentum
+            outer = f"{form} {lr}/0 (EF)" if form == "sparseloco" else f"{form} {lr}/{m}"
         out.append(
             [
                 wire,
@@ -798,6 +800,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", default=None, help="store folder for DiLoCo runs (default: tmp)")
     p.add_argument("--out", default=None, help="write a markdown table here (+ .json beside it)")
     p.add_argument("--skip", default="", help="methods to skip: single,diloco")
+    p.add_argument(
+        "--from-json",
+        default="",
+        help="run nothing: report the rows of earlier --out JSON files (comma separated, same "
+        "replicas, steps, seed and lm options) as one table",
+    )
     return p.parse_args(argv)
 
 
@@ -881,18 +889,45 @@ def write_out(path: str, setting: Setting, rows: list[Row], checks: list[dict[st
     )
 
 
+def load_rows(paths: list[str]) -> tuple[Setting, list[Row]]:
+    """The rows of earlier runs' JSON files, as one run: the first file's DDP and setting,
+    every method once (the first file that has it)."""
+    setting: Setting | None = None
+    rows: list[Row] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        s = data["setting"]
+        here = Setting(**{**s, "syncs": tuple(s["syncs"]), "wires": tuple(s["wires"])})
+        same = ("replicas", "steps", "seed", "lm")
+        if setting and any(getattr(here, k) != getattr(setting, k) for k in same):
+            raise SystemExit(f"{path}: not the setting of {paths[0]} ({', '.join(same)})")
+        setting = setting or here
+        seen = {r.method for r in rows} | ({"ddp"} if rows else set())
+        rows += [
+            Row(**r)
+            for r in data["rows"]
+            if (r["kind"] if r["kind"] == "ddp" else r["method"]) not in seen
+        ]
+    if setting is None:
+        raise SystemExit("--from-json: no file given")
+    return setting, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    setting = setting_of(a)
-    arms = arms_of(a, setting)
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:  # e.g. nohup into a file: keep the table readable
         console = Console(width=140)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="crf-quality-runs-") as tmp:
-        rows = run_all(setting, arms, set(a.skip.split(",")), a.store or tmp, console)
+    if a.from_json:
+        setting, rows = load_rows(a.from_json.split(","))
+    else:
+        setting = setting_of(a)
+        arms = arms_of(a, setting)
+        with tempfile.TemporaryDirectory(prefix="crf-quality-runs-") as tmp:
+            rows = run_all(setting, arms, set(a.skip.split(",")), a.store or tmp, console)
     console.print(f"total {time.monotonic() - t0:.0f} s")
     checks = print_report(setting, rows, console)
     if a.out:

@@ -84,7 +84,7 @@ def _row(kind: str, loss: float, nbytes: int, **extra: object) -> quality.Row:
     )
 
 
-def test_pareto_front_and_the_byte_targets() -> None:
+def test_pareto_front_and_the_byte_targets(tmp_path: Path) -> None:
     rows = [
         _row(
             "ddp",
@@ -119,9 +119,18 @@ def test_pareto_front_and_the_byte_targets() -> None:
         "900 B",
     ]
     assert [c[-1] for c in cells] == ["", "*", "", "*", "*", "*"]
-    assert cells[3][2:4] == ["2%", "sparseloco 0.7/0.5"]
+    assert cells[3][2:4] == ["2%", "sparseloco 0.7/0 (EF)"]
     md = quality.markdown(quality.Setting(), rows, quality.front_checks(rows))
     assert "**FAIL** >= 3000× fewer bytes within +3% of DDP: closest" in md
+    # earlier runs' JSON files report as one table: one DDP, every method once
+    quality.write_out(str(tmp_path / "a.md"), quality.Setting(), rows[:3], [])
+    quality.write_out(str(tmp_path / "b.md"), quality.Setting(), rows[:1] + rows[2:], [])
+    setting, merged = quality.load_rows([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert setting == quality.Setting()
+    assert [r.method for r in merged] == [r.method for r in rows]
+    quality.write_out(str(tmp_path / "c.md"), quality.Setting(steps=100), rows[:1], [])
+    with pytest.raises(SystemExit, match="not the setting"):
+        quality.load_rows([str(tmp_path / "a.json"), str(tmp_path / "c.json")])
 
 
 def test_sparse_rows_are_declared_settings() -> None:
