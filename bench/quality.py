@@ -59,6 +59,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -799,7 +800,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--store", default=None, help="store folder for DiLoCo runs (default: tmp)")
     p.add_argument("--out", default=None, help="write a markdown table here (+ .json beside it)")
-    p.add_argument("--skip", default="", help="methods to skip: single,diloco")
+    p.add_argument("--skip", default="", help="methods to skip: ddp,single,diloco")
     p.add_argument(
         "--from-json",
         default="",
@@ -856,27 +857,43 @@ def arms_of(a: argparse.Namespace, setting: Setting) -> list[Arm]:
 
 
 def run_all(
-    setting: Setting, arms: list[Arm], skip: set[str], store: str, console: Any
+    setting: Setting,
+    arms: list[Arm],
+    skip: set[str],
+    store: str,
+    console: Any,
+    save: Callable[[list[Row]], None] = lambda rows: None,
 ) -> list[Row]:
+    """Every method not in ``skip``; ``save`` gets the rows so far after each one (a long
+    run killed half-way keeps what it measured)."""
     rows: list[Row] = []
-    console.print(f"[bold]DDP[/bold] gloo, N={setting.replicas}, {setting.steps} steps ...")
-    rows.append(run_ddp(setting))
+    if "ddp" not in skip:
+        console.print(f"[bold]DDP[/bold] gloo, N={setting.replicas}, {setting.steps} steps ...")
+        rows.append(run_ddp(setting))
+        save(rows)
     for arm in arms if "diloco" not in skip else []:
         if not arm.registered():
             console.print(f"[yellow]skipped[/yellow] {arm.label()}: wire {arm.wire} not registered")
             continue
         console.print(f"[bold]{arm.label()}[/bold] through crf ...")
         rows.append(run_diloco(setting, arm, store))
+        save(rows)
     for mode in ("shard0", "all") if "single" not in skip else ():
         console.print(f"[bold]one replica[/bold] ({mode}) ...")
         rows.append(run_single(setting, mode))
+        save(rows)
     return rows
 
 
 def write_out(path: str, setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(markdown(setting, rows, checks))
+    write_json(path, setting, rows, checks)
+
+
+def write_json(path: str, setting: Setting, rows: list[Row], checks: list[dict[str, Any]]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(setting, rows, checks))
     out.with_suffix(".json").write_text(
         json.dumps(
             {
@@ -902,14 +919,14 @@ def load_rows(paths: list[str]) -> tuple[Setting, list[Row]]:
         if setting and any(getattr(here, k) != getattr(setting, k) for k in same):
             raise SystemExit(f"{path}: not the setting of {paths[0]} ({', '.join(same)})")
         setting = setting or here
-        seen = {r.method for r in rows} | ({"ddp"} if rows else set())
+        seen = {r.method for r in rows} | {r.kind for r in rows if r.kind == "ddp"}
         rows += [
             Row(**r)
             for r in data["rows"]
             if (r["kind"] if r["kind"] == "ddp" else r["method"]) not in seen
         ]
-    if setting is None:
-        raise SystemExit("--from-json: no file given")
+    if setting is None or not any(r.kind == "ddp" for r in rows):
+        raise SystemExit("--from-json: no file with a DDP row given")
     return setting, rows
 
 
@@ -926,9 +943,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         setting = setting_of(a)
         arms = arms_of(a, setting)
+        skip = set(a.skip.split(","))
+
+        def save(rows: list[Row]) -> None:
+            if a.out:
+                write_json(a.out, setting, rows, [])
+
         with tempfile.TemporaryDirectory(prefix="crf-quality-runs-") as tmp:
-            rows = run_all(setting, arms, set(a.skip.split(",")), a.store or tmp, console)
+            rows = run_all(setting, arms, skip, a.store or tmp, console, save)
     console.print(f"total {time.monotonic() - t0:.0f} s")
+    if not any(r.kind == "ddp" for r in rows):
+        console.print("no DDP row (--skip ddp): report it with --from-json and a run that has one")
+        return 0
     checks = print_report(setting, rows, console)
     if a.out:
         write_out(a.out, setting, rows, checks)
