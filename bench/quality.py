@@ -206,11 +206,12 @@ def sparse_arms(sync_every: int, text: str) -> list[Arm]:
     return arms
 
 
-#: the sparse rows the full benchmark runs (when their wire is registered): both forms at one
-#: point, then SparseLoCo along the bytes axis (sparse rows need rounds: H of 10 to 50)
+#: the sparse rows the full benchmark runs (when their wire is registered): both forms at two
+#: points, then along the bytes axis (sparse rows need rounds: H of 10 to 50); the table in
+#: docs/performance.md
 SPARSE_DEFAULT = (
-    "topk2@2:10,topk4@2/sparseloco:10,topk2@1/sparseloco:20,topk2@0.5/sparseloco:25,"
-    "topk2@2/sparseloco:50"
+    "topk2@2:10,topk2@1:10,topk2@0.5/sparseloco:10,topk4@2/diloco:10,topk2@1/diloco:20,"
+    "topk2@2/diloco:50"
 )
 
 
