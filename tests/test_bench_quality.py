@@ -150,3 +150,38 @@ def test_sparse_rows_are_declared_settings() -> None:
     assert quality.Arm(50, "int8").registered() is True
     with pytest.raises(SystemExit, match="PERCENT"):
         quality.sparse_arms(50, "topk2@0")
+
+
+def test_the_rows_a_command_line_asks_for() -> None:
+    a = quality.parse_args(["--syncs", "10,50", "--outer-grid", "50:0.7/0.5,50:1.0/0.0"])
+    arms = quality.arms_of(a, quality.setting_of(a))
+    labels = [arm.label() for arm in arms]
+    # dense rows at crf's default outer, the paper's 0.7/0.9, the grid, the default sparse rows
+    assert labels[:4] == [
+        "DiLoCo H=10 float32",
+        "DiLoCo H=10 int8",
+        "DiLoCo H=50 float32",
+        "DiLoCo H=50 int8",
+    ]
+    assert labels[4:7] == [
+        "DiLoCo H=50 float32, outer 0.7/0.9 (DiLoCo paper)",
+        "DiLoCo H=50 float32, outer 0.7/0.5 (crf default)",
+        "DiLoCo H=50 float32, outer 1.0/0.0",
+    ]
+    assert len(arms) == 7 + len(quality.sparse_arms(50, quality.SPARSE_DEFAULT))
+    # the benchmark's outer is crf's run default
+    from crf.spec import RunSpec
+
+    spec = RunSpec(run_id="x", run_uri="file:///x")
+    assert (quality.OUTER_LR, quality.OUTER_MOMENTUM) == (spec.outer_lr, spec.outer_momentum)
+    quick = quality.parse_args(["--quick"])
+    quick_arms = quality.arms_of(quick, quality.setting_of(quick))
+    assert [arm.wire for arm in quick_arms] == [
+        "float32",
+        "int8",
+        "float32",
+        "int8",
+    ]
+    with pytest.raises(SystemExit, match="multiple of every H"):
+        bad = quality.parse_args(["--sparse", "topk2@1:30"])
+        quality.arms_of(bad, quality.setting_of(bad))
