@@ -387,6 +387,15 @@ def run_single(setting: Setting, mode: str) -> Row:
 
 
 # ---------------------------------------------------------------------- DiLoCo through crf
+def named(label: str, lr: float, momentum: float, form: str | None) -> str:
+    """A row's name, with its outer step where that is not crf's default (and not named)."""
+    if ", outer " in label or (lr, momentum) == (OUTER_LR, OUTER_MOMENTUM):
+        return label
+    if form == "sparseloco":  # no outer momentum: only the lr counts
+        return label if lr == OUTER_LR else f"{label}, outer lr {lr}"
+    return f"{label}, outer {lr}/{momentum}"
+
+
 def run_diloco(setting: Setting, arm: Arm, store: str) -> Row:
     """One crf run of ``setting.replicas`` real replica processes over a file:// store."""
     from crf.launcher.driver import launch
@@ -435,7 +444,7 @@ def run_diloco(setting: Setting, arm: Arm, store: str) -> Row:
     ckpt = [(x.get("ckpt_bytes_up") or 0) + (x.get("ckpt_bytes_down") or 0) for x in results]
     with_ckpt = max(p + c for p, c in zip(per, ckpt, strict=True))
     return Row(
-        method=arm.label(),
+        method=named(arm.label(), outer_lr, outer_momentum, arm.outer_form),
         kind="diloco",
         eval_loss=jm["eval_loss_final"],
         eval_loss_initial=jm["eval_loss_initial"],
@@ -921,11 +930,13 @@ def load_rows(paths: list[str]) -> tuple[Setting, list[Row]]:
             raise SystemExit(f"{path}: not the setting of {paths[0]} ({', '.join(same)})")
         setting = setting or here
         seen = {r.method for r in rows} | {r.kind for r in rows if r.kind == "ddp"}
-        rows += [
-            Row(**r)
-            for r in data["rows"]
-            if (r["kind"] if r["kind"] == "ddp" else r["method"]) not in seen
-        ]
+        for r in data["rows"]:
+            row = Row(**r)
+            if row.kind == "diloco":  # runs with --outer-lr: say so, as run_diloco now does
+                x = row.extra
+                row.method = named(row.method, x["outer_lr"], x["outer_momentum"], x["outer_form"])
+            if (row.kind if row.kind == "ddp" else row.method) not in seen:
+                rows.append(row)
     if setting is None or not any(r.kind == "ddp" for r in rows):
         raise SystemExit("--from-json: no file with a DDP row given")
     return setting, rows

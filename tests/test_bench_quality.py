@@ -185,3 +185,15 @@ def test_the_rows_a_command_line_asks_for() -> None:
     with pytest.raises(SystemExit, match="multiple of every H"):
         bad = quality.parse_args(["--sparse", "topk2@1:30"])
         quality.arms_of(bad, quality.setting_of(bad))
+
+
+def test_a_row_names_its_outer_step_where_it_is_not_crfs_default() -> None:
+    lr, m = quality.OUTER_LR, quality.OUTER_MOMENTUM
+    assert quality.named("DiLoCo H=10 float32", lr, m, None) == "DiLoCo H=10 float32"
+    assert (
+        quality.named("DiLoCo H=10 float32", 1.0, 0.0, None) == "DiLoCo H=10 float32, outer 1.0/0.0"
+    )
+    # SparseLoCo's outer step has no momentum: only its lr names it
+    assert quality.named("S", lr, 0.9, "sparseloco") == "S"
+    assert quality.named("S", 1.4, m, "sparseloco") == "S, outer lr 1.4"
+    assert quality.named("S, outer 0.7/0.9 (DiLoCo paper)", 0.7, 0.9, None).count("outer") == 1
