@@ -932,9 +932,11 @@ def load_rows(paths: list[str]) -> tuple[Setting, list[Row]]:
         seen = {r.method for r in rows} | {r.kind for r in rows if r.kind == "ddp"}
         for r in data["rows"]:
             row = Row(**r)
-            if row.kind == "diloco":  # runs with --outer-lr: say so, as run_diloco now does
-                x = row.extra
-                row.method = named(row.method, x["outer_lr"], x["outer_momentum"], x["outer_form"])
+            x = row.extra
+            if row.kind == "diloco" and "outer_lr" in x:  # runs with --outer-lr: say so
+                row.method = named(
+                    row.method, x["outer_lr"], x["outer_momentum"], x.get("outer_form")
+                )
             if (row.kind if row.kind == "ddp" else row.method) not in seen:
                 rows.append(row)
     if setting is None or not any(r.kind == "ddp" for r in rows):
