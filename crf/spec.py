@@ -54,6 +54,8 @@ MAX_WAIT_S = float(threading.TIMEOUT_MAX)
 #: at most this many local ranks per replica: a machine has at most 8 or 16 GPUs; more
 #: CPU ranks than cores only slow it down
 MAX_PROCS_PER_REPLICA = 64
+#: --local-parallel: how the local ranks of a replica train (crf/replica/local_ranks.py)
+LOCAL_PARALLEL = ("ddp", "fsdp")
 #: training precisions and devices (crf/replica/model.py resolves ``auto``)
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -350,6 +352,13 @@ class RunSpec:
         "under torch.distributed's launcher); only one of them exchanges through the store. "
         "Default: the GPUs of each replica's hardware (--gpu H100:2, --flavor l4x4, "
         "ml.g5.12xlarge), 1 on CPU.",
+    )
+    local_parallel: str = option(
+        "ddp",
+        choices=LOCAL_PARALLEL,
+        help="How a replica's local ranks split the training: ddp (each holds the whole "
+        "model; gradients averaged every step) or fsdp (FSDP2: parameters, gradients and "
+        "inner-optimizer state sharded over them, for a model that does not fit one GPU).",
     )
     sync_every: int = option(  # H: inner optimizer steps between outer steps
         20, short="-H", low=1, high=MAX_TOTAL_STEPS, help="Inner steps between syncs (H)."

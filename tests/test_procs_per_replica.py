@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,14 +23,16 @@ from crf.executors.local import LocalProcessExecutor
 from crf.executors.modal import ModalExecutor
 from crf.executors.sagemaker import instance_gpus
 from crf.launcher.cli import app
+from crf.replica.local_fsdp import PREPARE, SYNC, action_at
 from crf.replica.local_ranks import LocalGroup
 from tests.fault_helpers import launch_lm
 
-#: the largest |w(2 x 2) - w(2 x 1)| allowed over every final weight. DDP averages the two
-#: half-batch gradients (a sum in another order than one full-batch backward), so each inner
-#: step's gradient differs by a few fp32 ulps (~1e-7 of it); AdamW divides by sqrt(v) and
-#: can turn such a difference into one of up to 2 x lr where a gradient is near zero, but over
-#: the run's 6 steps that stays far below 1e-5 (measured: 5e-8 on weights of size ~1)
+#: the largest |w(2 x 2) - w(2 x 1)| allowed over every final weight. DDP (and FSDP's
+#: reduce-scatter) averages the two half-batch gradients (a sum in another order than one
+#: full-batch backward), so each inner step's gradient differs by a few fp32 ulps (~1e-7 of
+#: it); AdamW divides by sqrt(v) and can turn such a difference into one of up to 2 x lr
+#: where a gradient is near zero, but over the run's 6 steps that stays far below 1e-5
+#: (measured: 5e-8 on weights of size ~1, DDP and FSDP alike)
 WEIGHT_ATOL = 1e-5
 
 
@@ -66,6 +69,12 @@ def test_the_dry_run_plan_shows_k(tmp_path: Path) -> None:
     out = CliRunner().invoke(app, [*base, "--procs-per-replica", "2"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "procs per replica" in out.output and "2 local ranks" in out.output
+    fsdp = [*base, "--procs-per-replica", "2", "--local-parallel", "fsdp"]
+    out = CliRunner().invoke(app, fsdp, env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "2 local ranks (FSDP2 inside each replica" in out.output
+    out = CliRunner().invoke(app, [*base, "--local-parallel", "zero3"])
+    assert out.exit_code != 0 and "--local-parallel" in out.output and "fsdp" in out.output
     out = CliRunner().invoke(app, [*base, "--procs-per-replica", "0"])
     assert out.exit_code != 0 and "--procs-per-replica must be an integer between 1" in out.output
 
@@ -78,6 +87,18 @@ def test_each_local_rank_gets_its_own_slice_of_the_replica_batch() -> None:
         LocalGroup(0, 3).part(batch)
 
 
+def test_fsdp_gathers_the_weights_where_diloco_reads_them() -> None:
+    """The steps at which every local rank gathers the full weights onto rank 0 (the mirror
+    DiLoCo wraps): a sync every H / fragments steps, and with a fragment sync delay d also d
+    steps before it, where the fragment's exchange starts; no other step pays for it."""
+    plain = SimpleNamespace(sync_period=3, fragment_sync_delay=0)
+    assert [action_at(s, plain) for s in range(1, 7)] == [None, None, SYNC, None, None, SYNC]
+    streaming = SimpleNamespace(sync_period=4, fragment_sync_delay=1)
+    assert [action_at(s, streaming) for s in range(1, 9)] == [
+        None, None, PREPARE, SYNC, None, None, PREPARE, SYNC,
+    ]  # fmt: skip
+
+
 def _final(run: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Each replica's weights_sha256, and the final model the run saved (model/)."""
     hashes = [json.loads((run / "results" / f"{r}.json").read_text())["weights_sha256"]
@@ -85,46 +106,56 @@ def _final(run: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
     return hashes, load_file(run / "model" / "model.safetensors")
 
 
-@pytest.mark.slow
-def test_two_replicas_of_two_local_ranks_match_two_of_one(tmp_path: Path) -> None:
-    """2 x 2 (gloo) vs 2 x 1 on the same global batch (batch_size 8: 4 rows per local rank).
-    Replica 0's local rank 1 is killed at inner step 5 (round 1): the replica fails (its
-    other local rank is ended by the launcher), the driver restarts it, its local rank 0
-    resumes from global/0 and its own inner state and hands both to local rank 1, and the
-    run ends as one without the kill would (the other replica waits for it: min_replicas)."""
-    common = {"replicas": 2, "sync_every": 3, "rounds": 2, "min_replicas": 2}
-    four = launch_lm(
-        tmp_path / "runs",
-        "ranks",
+def _two_by_two_with_a_kill(base: Path, run_id: str, mode: str, common: dict) -> dict:
+    """A 2 x 2 run whose replica 0 loses its local rank 1 at inner step 5 (round 1)."""
+    summary = launch_lm(
+        base,
+        run_id,
         procs_per_replica=2,
+        local_parallel=mode,
         round_timeout_s=180.0,  # the others wait for the restarted replica in round 0
         env={"CRF_FAULT": "rank=0,point=inner_step,step=5,local_rank=1"},
         **common,
     )
-    assert four["status"] == "ok", four
-    assert four["weights_identical"] is True
-    dead = four["replicas"][0]
+    assert summary["status"] == "ok", summary
+    assert summary["weights_identical"] is True
+    dead = summary["replicas"][0]
     assert dead["restarts"] == 1 and any(a["exit_code"] == 1 for a in dead["attempts"]), dead
-    assert four["replicas"][1]["restarts"] == 0
+    assert summary["replicas"][1]["restarts"] == 0
     assert dead["resumed_from"] == 0, dead  # global/0, written before the kill
-    run4 = tmp_path / "runs" / "ranks"
     for r in range(2):  # each result says how many processes trained the replica
-        assert json.loads((run4 / "results" / f"{r}.json").read_text())["local_ranks"] == 2
-    two = launch_lm(tmp_path / "runs", "one", round_timeout_s=60.0, **common)
+        assert json.loads((base / run_id / "results" / f"{r}.json").read_text())["local_ranks"] == 2
+    return summary
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_local_ranks_match_two_of_one(tmp_path: Path) -> None:
+    """2 x 2 (gloo) vs 2 x 1 on the same global batch (batch_size 8: 4 rows per local rank),
+    with DDP and with FSDP2 inside each replica. Replica 0's local rank 1 is killed at inner
+    step 5 (round 1): the replica fails (its other local rank is ended by the launcher), the
+    driver restarts it, its local rank 0 resumes from global/0 and its own inner state
+    (FSDP: the full state it gathered) and hands both to local rank 1, and the run ends as
+    one without the kill would (the other replica waits for it: min_replicas)."""
+    common = {"replicas": 2, "sync_every": 3, "rounds": 2, "min_replicas": 2}
+    runs = tmp_path / "runs"
+    four = {mode: _two_by_two_with_a_kill(runs, mode, mode, common) for mode in ("ddp", "fsdp")}
+    two = launch_lm(runs, "one", round_timeout_s=60.0, **common)
     assert two["status"] == "ok", two
 
-    hashes4, w4 = _final(tmp_path / "runs" / "ranks")
-    hashes2, w2 = _final(tmp_path / "runs" / "one")
-    assert len(set(hashes4)) == 1 and len(set(hashes2)) == 1  # bit-identical across replicas
-    assert w4.keys() == w2.keys()
-    worst = max(float((w4[k] - w2[k]).abs().max()) for k in w4)
-    assert worst <= WEIGHT_ATOL, worst
+    hashes2, w2 = _final(runs / "one")
+    assert len(set(hashes2)) == 1
+    for run_id in ("ddp", "fsdp"):
+        hashes4, w4 = _final(runs / run_id)
+        assert len(set(hashes4)) == 1, run_id  # bit-identical across replicas
+        assert w4.keys() == w2.keys()
+        worst = max(float((w4[k] - w2[k]).abs().max()) for k in w4)
+        assert worst <= WEIGHT_ATOL, (run_id, worst)
     # one rank per replica exchanged: the store bytes of one process (the small JSON records
     # beside the tensors differ by a few bytes: timings, ids); the restarted replica 0's
     # result is its last attempt's, which synced one round of the two
-    for r, share in ((0, 0.5), (1, 1.0)):
-        up4, up2 = four["replicas"][r]["bytes_up"], share * two["replicas"][r]["bytes_up"]
-        assert abs(up4 - up2) <= 0.01 * up2, (r, up4, up2)
+    for mode, r, share in [(m, r, share) for m in four for r, share in ((0, 0.5), (1, 1.0))]:
+        up4, up2 = four[mode]["replicas"][r]["bytes_up"], share * two["replicas"][r]["bytes_up"]
+        assert abs(up4 - up2) <= 0.01 * up2, (mode, r, up4, up2)
 
 
 _AGENT = """

@@ -539,7 +539,7 @@ def _print_plan(plan: Any) -> None:
     rows = [
         ("backend", bp.backend),
         ("replicas", str(bp.replicas)),
-        ("procs per replica", local_ranks.label(spec.procs_per_replica)),
+        ("procs per replica", local_ranks.label(spec.procs_per_replica, spec.local_parallel)),
         ("where", bp.where),
         ("image", bp.image),
         ("hardware", bp.hardware),

@@ -92,8 +92,10 @@ def _local_rank() -> int:
                 return 2
             ctx.local = local
             local.share(ctx.spec.to_json())
+            local.mode = getattr(ctx.spec, "local_parallel", None) or "ddp"
         else:
             spec = RunSpec.from_json(local.share())
+            local.mode = getattr(spec, "local_parallel", None) or "ddp"
             rank, world = int(os.environ[layout.ENV_RANK]), int(os.environ[layout.ENV_WORLD_SIZE])
             ctx = LocalFollower(spec, rank, world, local)
         _set_threads(ctx.world_size * local.size, ctx.spec.backend)

@@ -48,7 +48,7 @@ from crf.exchange.manager import (
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
 from crf.replica.beacon import HeartbeatSender
-from crf.replica.local_ranks import LocalGroup, send_start
+from crf.replica.local_ranks import LocalGroup, MirrorRefresh, send_start
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
 from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
@@ -209,8 +209,10 @@ class ReplicaContext:
     # ------------------------------------------------------------------ local ranks
     def data_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` as the job should run forward and backward: under DDP over the
-        replica's local ranks when it has more than one, else ``model`` itself. DiLoCo,
-        the optimizer and the saved model take the plain ``model``."""
+        replica's local ranks when it has more than one, else ``model`` itself; with
+        ``--local-parallel fsdp``, ``model`` sharded in place by FSDP2 (build the optimizer
+        after this call, over ``model.parameters()``). DiLoCo and ``save_model_at_end`` take
+        the plain ``model``."""
         return self.local.wrap(model) if self.local else model
 
     def local_part(self, batch: Any) -> Any:
@@ -266,6 +268,10 @@ class ReplicaContext:
         exchange starting ``fragment_sync_delay`` steps before the replica waits for it; on
         leaving, every fragment is set back to its global copy, so all replicas end with the
         same weights."""
+        local = self.local
+        if local is not None and local.fsdp:  # DiLoCo runs on the full copy: local_fsdp.py
+            model = local.mirror
+            local.refresh = MirrorRefresh(local, self.spec, inner_optimizer, self._at, model)
         manager = self._new_manager(model)
         fragments = split_model(model, self.spec.fragments)
         self.fragments = fragments
@@ -276,11 +282,15 @@ class ReplicaContext:
         self._clock.restart()
         algo = self._new_diloco(manager, fragments, inner_optimizer)
         ok = False
+        gathering = None  # FSDP: registered before DiLoCo's own hook (on entering it)
+        if local is not None and local.refresh is not None:
+            gathering = inner_optimizer.register_step_post_hook(local.refresh)
         with algo:
             self._inner = inner_optimizer
             self._resume(manager, inner_optimizer)
-            if self.local:
-                send_start(self.local, self.step, model, inner_optimizer, self.resumed_inner)
+            if local:
+                state = local.refresh.inner_state if local.refresh else None
+                send_start(local, self.step, model, inner_optimizer, self.resumed_inner, state)
             # registered after DiLoCo's hooks, so it runs after a sync's outer step
             hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
             try:
@@ -288,11 +298,17 @@ class ReplicaContext:
                 ok = True
             finally:
                 hook.remove()
+                if gathering is not None:
+                    gathering.remove()
                 self._close_manager(manager, ok)
                 self._sender, sender = None, self._sender
                 sender.close()
-        if self.local:  # the final weights (the global copies with fragments) to the others
-            self.local.share_weights(model)
+        if local:  # the final weights (the global copies with fragments) to the others
+            local.share_weights(model)
+
+    def _at(self) -> int:
+        """The inner steps taken (what the FSDP gathering hook counts from)."""
+        return self.step
 
     def _new_manager(self, model: torch.nn.Module) -> ObjectStoreManager:
         """The manager for this run's exchange, with this context's hooks."""
@@ -428,12 +444,18 @@ class ReplicaContext:
         try:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = manager.checkpoints.load_inner(latest)
+            # wrapped with fragments or a residual: {"inner_optimizer", "local_params",
+            # "error_feedback"}; else the optimizer's own state
+            inner_state = saved["inner_optimizer"] if "inner_optimizer" in saved else saved
             if self._split:  # also this replica's own (local) weights
                 params = dict(self.model.named_parameters())
                 with torch.no_grad():
                     for name, value in saved["local_params"].items():
                         params[name].copy_(value)
-            inner.load_state_dict(saved.get("inner_optimizer", saved))
+            if self.local and self.local.refresh:  # FSDP: the full state, sent to the shards
+                self.local.refresh.inner_state = inner_state
+            else:
+                inner.load_state_dict(inner_state)
             if "error_feedback" in saved:  # what the wire dropped, still to be resent
                 manager.exchange.load_error_feedback_state(saved["error_feedback"])
             self.resumed_inner = True
@@ -451,7 +473,8 @@ class ReplicaContext:
         background (``Checkpoints.save_inner``)."""
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
-        state: Any = self._inner.state_dict()
+        refresh = self.local.refresh if self.local else None
+        state: Any = refresh.inner_state if refresh else self._inner.state_dict()
         residual = self.manager.exchange.error_feedback_state()
         if (self._split and self.model is not None) or residual:
             state = {"inner_optimizer": state}
@@ -676,6 +699,8 @@ class ReplicaContext:
         """Have :meth:`finish` write ``model`` (a ``transformers`` model, or a peft one: its
         adapter) and ``tokenizer`` to the run's ``model/`` in Hugging Face format, if this is
         the lowest-ranked replica that finished (:mod:`crf.replica.export`)."""
+        if self.local and self.local.mirror is not None:  # FSDP: the full copy, not a shard
+            model = self.local.mirror
         self._to_save = (model, tokenizer)
 
     def _save_model(self) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from crf import layout
+from crf.replica import local_fsdp
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,12 @@ def procs_per_replica(spec: Any) -> int:
     return int(getattr(spec, "procs_per_replica", None) or 1)
 
 
-def label(k: int | None) -> str:
-    """``--procs-per-replica`` as the dry-run plan shows it."""
+def label(k: int | None, mode: str = "ddp") -> str:
+    """``--procs-per-replica`` (and ``--local-parallel``) as the dry-run plan shows it."""
     if not k or k == 1:
         return "1"
-    return f"{k} local ranks (DDP inside each replica; one of them exchanges)"
+    how = "FSDP2" if mode == "fsdp" else "DDP"
+    return f"{k} local ranks ({how} inside each replica; one of them exchanges)"
 
 
 def is_worker(environ: Any = None) -> bool:
@@ -109,10 +111,23 @@ def run_agent(k: int, replica_rank: int) -> int:
 
 @dataclass
 class LocalGroup:
-    """This worker's place in its replica's process group, and the collectives crf uses."""
+    """This worker's place in its replica's process group, and the collectives crf uses.
+    ``mode`` is ``--local-parallel``: with "fsdp" the job's model is sharded (``sharded``,
+    set by :meth:`wrap`) and weights move by full state dicts (crf/replica/local_fsdp.py)."""
 
     rank: int
     size: int
+    mode: str = "ddp"
+    #: the job's model as FSDP2 sharded it (mode "fsdp", once :meth:`wrap` ran)
+    sharded: Any = None
+    #: local rank 0 with FSDP: the full copy in host memory that DiLoCo wraps
+    mirror: Any = None
+    #: local rank 0 with FSDP: its gathering hook, which keeps the full inner state
+    refresh: MirrorRefresh | None = None
+
+    @property
+    def fsdp(self) -> bool:
+        return self.mode == "fsdp"
 
     @classmethod
     def init(cls) -> LocalGroup:
@@ -141,10 +156,15 @@ class LocalGroup:
         return box[0]
 
     def share_weights(self, model: Any) -> None:
-        """Local rank 0's parameters and buffers into every local rank's model, in place."""
+        """Local rank 0's parameters and buffers into every local rank's model, in place.
+        With FSDP, ``model`` is rank 0's full mirror (ignored elsewhere) and goes into every
+        rank's shards."""
         import torch
         import torch.distributed as dist
 
+        if self.fsdp:
+            local_fsdp.scatter_weights(self.sharded, model if self.leader else None)
+            return
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
@@ -170,10 +190,16 @@ class LocalGroup:
         return batch[self.rank * per : (self.rank + 1) * per]
 
     def wrap(self, model: Any) -> Any:
-        """``model`` under DDP over the local group (gradients averaged every backward)."""
+        """``model`` under DDP over the local group (gradients averaged every backward), or
+        with FSDP sharded over it in place (the job then builds its optimizer after this)."""
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
+        if self.fsdp:
+            if self.leader:
+                self.mirror = local_fsdp.mirror_of(model)
+            self.sharded = local_fsdp.shard(model)
+            return self.sharded
         on_cuda = next(model.parameters()).is_cuda
         ids = [torch.cuda.current_device()] if on_cuda else None
         return DistributedDataParallel(model, device_ids=ids)
@@ -216,13 +242,21 @@ class LocalFollower:
     @contextlib.contextmanager
     def diloco(self, model: Any, inner_optimizer: Any) -> Iterator[None]:
         self.model = model
+        hooks = []
+        if self.local.fsdp:  # takes part in gathering rank 0's mirror (before the step hook)
+            refresh = MirrorRefresh(self.local, self.spec, inner_optimizer, self._step, None)
+            hooks.append(inner_optimizer.register_step_post_hook(refresh))
         self.step = receive_start(self.local, model, inner_optimizer)
-        hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        hooks.append(inner_optimizer.register_step_post_hook(self._after_inner_step))
         try:
             yield None
         finally:
-            hook.remove()
-        self.local.share_weights(model)  # the final weights (global copies with fragments)
+            for hook in hooks:
+                hook.remove()
+        self.local.share_weights(model)
+
+    def _step(self) -> int:
+        return self.step  # the final weights (global copies with fragments)
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
@@ -256,11 +290,45 @@ class LocalFollower:
         return False
 
 
-def send_start(local: LocalGroup, step: int, model: Any, inner: Any, resumed: bool) -> None:
+class MirrorRefresh:
+    """An inner optimizer's post-step hook for FSDP (every local rank registers one, before
+    DiLoCo's hook and crf's own): where DiLoCo is about to read the weights
+    (:func:`crf.replica.local_fsdp.action_at`), gather them into rank 0's mirror; at a sync
+    also the full inner-optimizer state, which rank 0 saves with the round."""
+
+    def __init__(self, local: LocalGroup, spec: Any, optimizer: Any, step_of: Any, mirror: Any):
+        self.local, self.spec, self.optimizer = local, spec, optimizer
+        self.step_of, self.mirror = step_of, mirror
+        #: the full inner-optimizer state at the last sync (rank 0; {} on the others)
+        self.inner_state: dict[str, Any] = {}
+
+    def __call__(self, *_: Any) -> None:
+        kind = local_fsdp.action_at(self.step_of() + 1, self.spec)
+        if kind is None:
+            return
+        local_fsdp.gather_weights(self.local.sharded, self.mirror)
+        if kind == local_fsdp.SYNC:
+            self.inner_state = local_fsdp.gather_optimizer(self.local.sharded, self.optimizer)
+
+
+def send_start(
+    local: LocalGroup,
+    step: int,
+    model: Any,
+    inner: Any,
+    resumed: bool,
+    inner_state: dict[str, Any] | None = None,
+) -> None:
     """Local rank 0, on entering DiLoCo: its step, its inner-optimizer state if it resumed
-    one, and its weights (loaded from a global state, or the seed's) to the other ranks."""
-    state = _on_cpu(inner.state_dict()) if resumed else None
-    local.share((step, state))
+    one, and its weights (loaded from a global state, or the seed's) to the other ranks.
+    With FSDP the resumed state is the full one it saved (``inner_state``) and ``model`` is
+    its mirror: both go into every rank's shards."""
+    if local.fsdp:
+        local.share((step, resumed))
+        if resumed:
+            local_fsdp.scatter_optimizer(local.sharded, inner, inner_state)
+    else:
+        local.share((step, _on_cpu(inner.state_dict()) if resumed else None))
     local.share_weights(model)
 
 
@@ -277,7 +345,10 @@ def _on_cpu(state: Any) -> Any:
 def receive_start(local: LocalGroup, model: Any, inner: Any) -> int:
     """The other side of :func:`send_start`: the step to start from."""
     step, state = local.share()
-    if state is not None:
+    if local.fsdp:
+        if state:  # rank 0 resumed a saved inner state: its shards come with the broadcast
+            local_fsdp.scatter_optimizer(local.sharded, inner, None)
+    elif state is not None:
         inner.load_state_dict(state)
     local.share_weights(model)
     return int(step)

@@ -222,11 +222,12 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
 
     placement = Placement.for_spec(ctx.spec)
     model, data = build(ctx, cfg, placement)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    eval0 = evaluate(model, data, placement)
+    # DDP over the local ranks, or FSDP2 sharding the model in place (model itself with one)
+    parallel = ctx.data_parallel(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's shards, if so
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = torch.amp.GradScaler(placement.device, enabled=placement.dtype == "fp16")
-    eval0 = evaluate(model, data, placement)
-    parallel = ctx.data_parallel(model)  # DDP over the local ranks (model itself with one)
     with ctx.diloco(model, opt):
         while ctx.step < ctx.total_steps:  # ctx.step jumps ahead if this replica heals
             step = ctx.step
