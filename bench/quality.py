@@ -41,7 +41,7 @@ bytes (which rows no other beats on both bytes and loss) and the targets of issu
 any row: >= 1000x fewer bytes than DDP within +1% of its eval loss, >= 3000x within +3%.
 Usage::
 
-    python bench/quality.py                 # full: N=4, 400 inner steps (4-8 min on 2 cores)
+    python bench/quality.py                 # full: N=4, 400 inner steps, sparse rows (30-45 min)
     python bench/quality.py --quick         # 100 steps, about 3 minutes (a smoke run)
     python bench/quality.py --out docs/q.md # also write a markdown table (+ .json beside it)
     python bench/quality.py --syncs 50 --wires float32 --sparse topk2@1/sparseloco --skip single
