@@ -396,6 +396,16 @@ def named(label: str, lr: float, momentum: float, form: str | None) -> str:
     return f"{label}, outer {lr}/{momentum}"
 
 
+def _step_lr(lr: float, momentum: float, form: str | None) -> float:
+    """The outer SGD's lr in a run with these options (crf.replica.context.outer_lr)."""
+    from types import SimpleNamespace
+
+    from crf.replica.context import outer_lr
+
+    spec = SimpleNamespace(outer_lr=lr, outer_momentum=momentum)
+    return outer_lr(spec, form == "sparseloco")  # type: ignore[arg-type]
+
+
 def run_diloco(setting: Setting, arm: Arm, store: str) -> Row:
     """One crf run of ``setting.replicas`` real replica processes over a file:// store."""
     from crf.launcher.driver import launch
@@ -471,6 +481,8 @@ def run_diloco(setting: Setting, arm: Arm, store: str) -> Row:
             "outer_momentum": outer_momentum,
             "density": arm.density,
             "outer_form": arm.outer_form,
+            # the lr the outer SGD really took (SparseLoCo: outer_lr / (1 - momentum))
+            "step_lr": round(_step_lr(outer_lr, outer_momentum, arm.outer_form), 6),
             "reference": arm.outer_lr is not None,  # an outer of its own: no issue-6 target
         },
     )
@@ -597,8 +609,10 @@ def pareto_rows(rows: list[Row]) -> list[list[str]]:
             wire, h = r.wire or "", str(r.sync_every)
             lr, m = r.extra["outer_lr"], r.extra["outer_momentum"]
             form = r.extra.get("outer_form") or "diloco"
-            # SparseLoCo's outer step is plain SGD: its error feedback is the momentum
-            outer = f"{form} {lr}/0 (EF)" if form == "sparseloco" else f"{form} {lr}/{m}"
+            # SparseLoCo's outer step is plain SGD: its error feedback is the momentum. Its
+            # lr is the step it took (older rows, before crf scaled it, recorded only lr)
+            step = r.extra.get("step_lr", lr)
+            outer = f"{form} {step:g}/0 (EF)" if form == "sparseloco" else f"{form} {lr}/{m}"
         out.append(
             [
                 wire,

@@ -448,8 +448,8 @@ class RunSpec:
         choices=SPARSE_OUTERS,
         group=WIRE,
         help="A sparse wire's error feedback and outer step: sparseloco (decaying error "
-        "buffer, plain averaged outer step, no outer momentum) or diloco (full residual, "
-        "Nesterov outer step).",
+        "buffer, plain averaged outer step at outer_lr / (1 - outer_momentum), no outer "
+        "momentum) or diloco (full residual, Nesterov outer step).",
     )
     save_inner_state: bool = option(  # each replica saves its inner optimizer (resume)
         True, cli=False, group=DILOCO, help="Each replica saves its inner optimizer per round."
