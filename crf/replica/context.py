@@ -282,7 +282,7 @@ class ReplicaContext:
         local = self.local
         if local is not None and local.fsdp:  # DiLoCo runs on the full copy: local_fsdp.py
             model = local.mirror
-            local.refresh = MirrorRefresh(local, self.spec, inner_optimizer, self._at, model)
+            local.refresh = MirrorRefresh(local, self.spec, inner_optimizer, self._at)
         manager = self._new_manager(model)
         fragments = split_model(model, self.spec.fragments)
         self.fragments = fragments

@@ -244,7 +244,7 @@ class LocalFollower:
         self.model = model
         hooks = []
         if self.local.fsdp:  # takes part in gathering rank 0's mirror (before the step hook)
-            refresh = MirrorRefresh(self.local, self.spec, inner_optimizer, self._step, None)
+            refresh = MirrorRefresh(self.local, self.spec, inner_optimizer, self._step)
             hooks.append(inner_optimizer.register_step_post_hook(refresh))
         self.step = receive_start(self.local, model, inner_optimizer)
         hooks.append(inner_optimizer.register_step_post_hook(self._after_inner_step))
@@ -296,9 +296,8 @@ class MirrorRefresh:
     (:func:`crf.replica.local_fsdp.action_at`), gather them into rank 0's mirror; at a sync
     also the full inner-optimizer state, which rank 0 saves with the round."""
 
-    def __init__(self, local: LocalGroup, spec: Any, optimizer: Any, step_of: Any, mirror: Any):
-        self.local, self.spec, self.optimizer = local, spec, optimizer
-        self.step_of, self.mirror = step_of, mirror
+    def __init__(self, local: LocalGroup, spec: Any, optimizer: Any, step_of: Any):
+        self.local, self.spec, self.optimizer, self.step_of = local, spec, optimizer, step_of
         #: the full inner-optimizer state at the last sync (rank 0; {} on the others)
         self.inner_state: dict[str, Any] = {}
 
@@ -306,7 +305,7 @@ class MirrorRefresh:
         kind = local_fsdp.action_at(self.step_of() + 1, self.spec)
         if kind is None:
             return
-        local_fsdp.gather_weights(self.local.sharded, self.mirror)
+        local_fsdp.gather_weights(self.local.sharded, self.local.mirror)  # None off rank 0
         if kind == local_fsdp.SYNC:
             self.inner_state = local_fsdp.gather_optimizer(self.local.sharded, self.optimizer)
 
