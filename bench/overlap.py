@@ -3,8 +3,11 @@
 N replica processes train a synthetic model of P MB under ``ReplicaContext.diloco`` (the real
 torchft DiLoCo, the real manager and exchange) through a file:// store made slow with
 :func:`crf.store.throttle.throttle` (latency per request, bandwidth per replica and direction).
-An inner step is a fixed "compute" time (a sleep: it stands for a GPU's forward/backward and
-leaves the CPU to the exchange) plus a real SGD step over the P MB of weights.
+An inner step takes a fixed time in all (``--step-ms``), as on a GPU where forward, backward
+and the optimizer step are device work: a real SGD step over the P MB of weights, then a sleep
+for the rest of the step (it leaves the CPU to the exchange). ``--step-mode sleep+sgd`` is the
+earlier loop: a full sleep and then the SGD step, so a step takes longer than ``--step-ms`` by
+the CPU's SGD time.
 
 Each configuration runs vanilla DiLoCo (fragments=1) or Streaming DiLoCo (fragments=F,
 fragment_sync_delay=d) and the table shows, per sync and averaged over replicas:
@@ -65,18 +68,20 @@ def _worker(uri: str, rank: int, n: int, args: dict[str, Any], out: Any) -> None
         [torch.nn.Parameter(torch.randn(numel) * 0.01) for _ in range(args["tensors"])]
     )
     grads = [torch.full((numel,), 1e-3 * (rank + 1)) for _ in range(args["tensors"])]
-    bare_step = _bare_step_s(model, grads, args["step_s"])
+    bare_step, sgd_s = _bare_step_s(model, grads, args["step_s"], args["padded"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     store = throttle(RunStore(uri), args["latency_s"], args["mbps"])
     spec = RunSpec.from_json(store.get("run.json"))
     ctx = ReplicaContext(store, spec, rank, n, shard_grace_s=30.0)
+    in_step = in_log = 0.0
     with ctx.diloco(model, opt):
         while ctx.step < ctx.total_steps:
-            time.sleep(args["step_s"])  # the "forward/backward"
-            for p, g in zip(model.parameters(), grads, strict=True):
-                p.grad = g
-            opt.step()
+            t0 = time.monotonic()
+            _inner_step(model.parameters(), grads, opt, args["step_s"], sgd_s)
+            t1 = time.monotonic()
             ctx.log_step(loss=0.0)
+            in_step += t1 - t0
+            in_log += time.monotonic() - t1
     ctx.finish({})
     res = ctx.result("ok", None, {})
     syncs = max(1, len(ctx.manager.exchange.history))
@@ -91,26 +96,47 @@ def _worker(uri: str, rank: int, n: int, args: dict[str, Any], out: Any) -> None
             "floor": bare_step * ctx.total_steps,
             "wall": res["wall_s"],
             "train_wall": res["compute_s"] + res["sync_s"],
+            "step_ms": 1000 * in_step / ctx.total_steps,
+            "log_ms": 1000 * in_log / ctx.total_steps,
             "sha": res["weights_sha256"],
             "committed": res["syncs_committed"],
         }
     )
 
 
-def _bare_step_s(model: Any, grads: list[Any], step_s: float, steps: int = 8) -> float:
-    """One inner step's time without crf (the sleep and the SGD step over a copy of the
-    weights), averaged over ``steps``: the floor a run's wall time is compared with."""
+def _inner_step(
+    params: Any, grads: list[Any], opt: Any, step_s: float, sgd_s: float | None
+) -> None:
+    """One "GPU" step. Padded (``sgd_s`` given: the SGD step's own time, measured without
+    crf): a sleep for the rest of ``step_s``, then the SGD step, whose optimizer hooks
+    (torchft's DiLoCo syncs from one) are not absorbed by the sleep. Else a sleep of
+    ``step_s`` and then the SGD step."""
+    time.sleep(step_s if sgd_s is None else max(0.0, step_s - sgd_s))
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    opt.step()
+
+
+def _bare_step_s(
+    model: Any, grads: list[Any], step_s: float, padded: bool, steps: int = 8
+) -> tuple[float, float | None]:
+    """One inner step's time without crf (the same step over a copy of the weights),
+    averaged over ``steps``: the floor a run's wall time is compared with; and, padded, the
+    SGD step's own time that the step's sleep leaves room for."""
     import torch
 
     params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
+    sgd_s: float | None = None
+    if padded:
+        t0 = time.monotonic()
+        for _ in range(steps):
+            _inner_step(params, grads, opt, 0.0, 0.0)
+        sgd_s = (time.monotonic() - t0) / steps
     t0 = time.monotonic()
     for _ in range(steps):
-        time.sleep(step_s)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-    return (time.monotonic() - t0) / steps
+        _inner_step(params, grads, opt, step_s, sgd_s)
+    return (time.monotonic() - t0) / steps, sgd_s
 
 
 def run_config(
@@ -139,6 +165,7 @@ def run_config(
         "mb": args.mb,
         "tensors": args.tensors,
         "step_s": args.step_ms / 1000,
+        "padded": args.step_mode == "padded",
     }
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -158,6 +185,8 @@ def run_config(
         "ckpt_fg": statistics.mean(r["ckpt_fg"] for r in rows),
         "floor": max(r["floor"] for r in rows),
         "train_wall": max(r["train_wall"] for r in rows),
+        "step_ms": max(r["step_ms"] for r in rows),
+        "log_ms": max(r["log_ms"] for r in rows),
         "identical": len({r["sha"] for r in rows}) == 1,
         "committed": min(r["committed"] for r in rows) == rows[0]["syncs"],
     }
@@ -175,7 +204,13 @@ def main() -> None:
     )
     ap.add_argument("--sync-every", type=int, default=32, help="H, inner steps per outer round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--step-ms", type=float, default=150.0, help="compute time of a step")
+    ap.add_argument("--step-ms", type=float, default=150.0, help="time of an inner step")
+    ap.add_argument(
+        "--step-mode",
+        choices=("padded", "sleep+sgd"),
+        default="padded",
+        help="padded: the SGD step runs inside --step-ms (a GPU step); sleep+sgd: after it",
+    )
     ap.add_argument("--latency-ms", type=float, default=50.0, help="per store request")
     ap.add_argument("--mbps", type=float, default=40.0, help="MB/s per replica and direction")
     ap.add_argument("--save-inner", action="store_true", help="save inner state each sync")
@@ -188,8 +223,8 @@ def main() -> None:
     table = Table(
         title=(
             f"Streaming DiLoCo overlap: P={args.mb} MB, H={args.sync_every}, "
-            f"{args.rounds} rounds, step {args.step_ms:.0f} ms, store +{args.latency_ms:.0f} ms/"
-            f"request, {args.mbps:.0f} MB/s per replica"
+            f"{args.rounds} rounds, step {args.step_ms:.0f} ms ({args.step_mode}), "
+            f"store +{args.latency_ms:.0f} ms/request, {args.mbps:.0f} MB/s per replica"
         )
     )
     for col in (
@@ -205,6 +240,8 @@ def main() -> None:
         "ckpt every",
         "ckpt fg s/sync",
         "ckpt bg s/sync",
+        "step ms",
+        "log_step ms",
         "train wall s",
         "ideal s",
         "wall/ideal",
@@ -232,6 +269,8 @@ def main() -> None:
                 str(k),
                 f"{m['ckpt_fg']:.3f}",
                 f"{m['ckpt']:.3f}",
+                f"{m['step_ms']:.1f}",
+                f"{m['log_ms']:.1f}",
                 f"{m['train_wall']:.2f}",
                 f"{ideal:.2f}",
                 f"{m['train_wall'] / ideal:.3f}",

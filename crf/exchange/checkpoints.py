@@ -414,7 +414,13 @@ class Checkpoints:
     # ------------------------------------------------------------------ inner state
     def save_inner(self, r: int, state: Any, step: int) -> None:
         """Save this replica's inner ``state`` after round ``r`` (for restarts): serialized
-        now, written by the writer. One object per round: a resume needs the state of exactly
+        now, written by the writer (:meth:`inner_write`)."""
+        self.writer.submit(self.inner_write(r, state, step))
+
+    def inner_write(self, r: int, state: Any, step: int) -> Callable[[], None]:
+        """Serialize this replica's inner ``state`` after round ``r`` now, and return the
+        write for the caller to submit to the writer when it is due (the replica queues its
+        round record first). One object per round: a resume needs the state of exactly
         the newest global round, and global/<r> may be written after this replica already
         saved r + 1; those older than ``keep_rounds`` checkpoint periods are deleted."""
         buf = io.BytesIO()
@@ -435,7 +441,7 @@ class Checkpoints:
                 if old <= horizon:
                     self.store.delete(layout.inner_key(self.rank, old))
 
-        self.writer.submit(write)
+        return write
 
     def load_inner(self, r: int) -> Any:
         """The inner state this replica saved after round ``r``. ObjectNotFound when there is

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +198,8 @@ class ReplicaContext:
         self.fragments: list[torch.nn.Module] = []
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
+        # inner states serialized at a sync, queued after the round's record (log_step)
+        self._unsaved: list[Callable[[], None]] = []
         self._clock = TimeAccount()
         self._pace = HeartbeatPace()
         #: writes heartbeats off the training thread while it trains (``diloco``)
@@ -495,7 +497,17 @@ class ReplicaContext:
             state["local_params"] = local
         if residual:
             state["error_feedback"] = residual
-        self.manager.checkpoints.save_inner(r, state, self.step)
+        self._unsaved.append(self.manager.checkpoints.inner_write(r, state, self.step))
+
+    def _queue_unsaved(self) -> None:
+        """Queue the inner states serialized at the last sync for the writer: after the
+        round's record, so a kill can never land a round's inner state without it (a resume
+        starts from the newest round whose inner states all landed, and does not train that
+        round again)."""
+        unsaved, self._unsaved = self._unsaved, []
+        for write in unsaved:
+            assert self.manager is not None
+            self.manager.checkpoints.writer.submit(write)
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
@@ -514,7 +526,8 @@ class ReplicaContext:
         self.step = max(self.step, m.current_step() * period)
         if m.fatal_error is None:  # before its state is saved anywhere
             self._check_weights_finite(e // self.spec.fragments)
-        if m.last_committed:  # queued before global/<r>: the writer's own inner state lands first
+        if m.last_committed:
+            self._queue_unsaved()  # a job that did not call log_step since the last sync
             with m.blocking():
                 self._save_inner(m.current_step() - 1)
         m.after_outer_step()
@@ -576,6 +589,7 @@ class ReplicaContext:
         self.tracker.log_step(self.step, {"loss": loss, **metrics})
         if self._syncs.finished:
             self._flush_round_metrics()
+        self._queue_unsaved()
         self._beat()
 
     def _flush_round_metrics(self) -> None:
@@ -595,10 +609,18 @@ class ReplicaContext:
                     **info,
                 }
             )
-            # written now, on this thread: a round whose global state and inner state landed
-            # must have its record too, or a kill then loses it for good (a resume does not
-            # train that round again); one put per round
-            self.store.put_json(layout.metrics_key(self.rank, r), record.to_dict())
+            # one put per round, by the checkpoint writer (off the training thread, where a
+            # store round trip queued behind the exchange's uploads cost a step), queued
+            # before this sync's inner state (_queue_unsaved): a round whose inner states
+            # landed has its record too, or a kill would lose it for good (a resume does not
+            # train that round again)
+            key, data = layout.metrics_key(self.rank, r), record.to_dict()
+            if self.manager is not None:
+                self.manager.checkpoints.writer.submit(
+                    lambda key=key, data=data: self.store.put_json(key, data)
+                )
+            else:
+                self.store.put_json(key, data)
             self.tracker.log_round(record.to_dict())
             log.info("%s", round_line(record))
             self._steps.last_closed = heartbeat_fields(record)
@@ -732,11 +754,12 @@ class ReplicaContext:
         :meth:`save_model_at_end`), this replica's result (``results/<rank>.json``) and the
         final heartbeat. The model lands before the result: once the run is over, it is
         there."""
-        if self.manager is not None:
-            self.manager.close()  # pending checkpoint writes land before the result
         self._syncs.fold(self.step, final=True)
         if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()
+        if self.manager is not None:
+            self._queue_unsaved()
+            self.manager.close()  # pending checkpoint writes land before the result
         self.tracker.close()
         self._save_model()
         record = self.result_record("ok", None, job_metrics or {})
