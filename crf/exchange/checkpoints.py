@@ -172,6 +172,8 @@ class Checkpoints:
         #: the last global snapshot's write: the next snapshot waits for it (one held at most)
         self._writing: Future | None = None
         self._cache_lock = threading.Lock()
+        # inner states serialized at a sync, held until the round's record is queued
+        self._held: list[Callable[[], None]] = []
 
     @property
     def rank(self) -> int:
@@ -416,6 +418,19 @@ class Checkpoints:
         """Save this replica's inner ``state`` after round ``r`` (for restarts): serialized
         now, written by the writer (:meth:`inner_write`)."""
         self.writer.submit(self.inner_write(r, state, step))
+
+    def hold_inner(self, r: int, state: Any, step: int) -> None:
+        """Serialize this replica's inner ``state`` after round ``r`` now (the weights change
+        with the next step), and hold its write until :meth:`release_inner`: the replica
+        queues the round's record first, so a kill can never land a round's inner state
+        without the record (a resume does not train that round again)."""
+        self._held.append(self.inner_write(r, state, step))
+
+    def release_inner(self) -> None:
+        """Queue the held inner-state writes for the writer, in the order they were held."""
+        held, self._held = self._held, []
+        for write in held:
+            self.writer.submit(write)
 
     def inner_write(self, r: int, state: Any, step: int) -> Callable[[], None]:
         """Serialize this replica's inner ``state`` after round ``r`` now, and return the

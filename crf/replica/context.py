@@ -25,7 +25,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,8 +198,6 @@ class ReplicaContext:
         self.fragments: list[torch.nn.Module] = []
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
-        # inner states serialized at a sync, queued after the round's record (log_step)
-        self._unsaved: list[Callable[[], None]] = []
         self._clock = TimeAccount()
         self._pace = HeartbeatPace()
         #: writes heartbeats off the training thread while it trains (``diloco``)
@@ -484,7 +482,7 @@ class ReplicaContext:
         hold this replica's local progress, which global/<r> does not have. With error
         feedback (a sparse wire, ``--error-feedback``), also what the wire dropped, per
         fragment: a restart or a resumed run resends it. Serialized now, written in the
-        background (``Checkpoints.save_inner``)."""
+        background once the round's record is queued (``Checkpoints.hold_inner``)."""
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
         refresh = self.local.refresh if self.local else None
@@ -497,17 +495,15 @@ class ReplicaContext:
             state["local_params"] = local
         if residual:
             state["error_feedback"] = residual
-        self._unsaved.append(self.manager.checkpoints.inner_write(r, state, self.step))
+        self.manager.checkpoints.hold_inner(r, state, self.step)
 
     def _queue_unsaved(self) -> None:
         """Queue the inner states serialized at the last sync for the writer: after the
         round's record, so a kill can never land a round's inner state without it (a resume
         starts from the newest round whose inner states all landed, and does not train that
         round again)."""
-        unsaved, self._unsaved = self._unsaved, []
-        for write in unsaved:
-            assert self.manager is not None
-            self.manager.checkpoints.writer.submit(write)
+        if self.manager is not None:
+            self.manager.checkpoints.release_inner()
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
