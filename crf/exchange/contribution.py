@@ -77,13 +77,18 @@ class Arrival:
 
 
 def facts_digest(manifest: dict[str, Any]) -> str:
-    """12 hex digits of what a contribution must share with every other one of its round."""
+    """12 hex digits of what a contribution must share with every other one of its round.
+    An optional fact counts only when the manifest has it, so a run that does not use it
+    keeps the digests (and contribution names) it had before the fact existed."""
     facts = {k: manifest.get(k) for k in FACTS}
+    facts |= {k: manifest[k] for k in OPTIONAL_FACTS if k in manifest}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
 
 
 #: the manifest fields every participant of a round must share
 FACTS = ("run_id", "layout_hash", "wire_dtype", "fragment", "num_shards")
+#: facts written only when set: ``reduce_group_size`` (two-level reduction, G > 0)
+OPTIONAL_FACTS = ("reduce_group_size",)
 
 
 def contrib_name(rank: int, base_round: int | None, facts: str) -> str:
@@ -192,8 +197,13 @@ class Packing:
         manifest_bytes: int,
         header_bytes: int,
         segments: Sequence[Sequence[int]] | None = None,
+        hold_back: bool = True,
     ) -> None:
         self.bounds = list(bounds)
+        #: whether a replica keeps the shards it owns in a full quorum out of its object (the
+        #: one-level exchange); the two-level one uploads every slice: any group's sum of
+        #: any slice can then be recomputed from the store alone
+        self.hold_back = hold_back
         #: per shard, the lengths of the tensors' pieces (int8 blocks restart at each)
         self.segments = list(segments) if segments is not None else [None] * len(self.bounds)
         self.wire = wire
@@ -213,7 +223,11 @@ class Packing:
 
     def kept(self, rank: int) -> list[int]:
         """Shards replica ``rank`` keeps out of its object (it owns them in a full quorum)."""
-        return [s for s in range(len(self.bounds)) if s % self.world_size == rank]
+        return [s for s in range(len(self.bounds)) if self.keeps(rank, s)]
+
+    def keeps(self, rank: int, s: int) -> bool:
+        """Whether replica ``rank`` keeps shard ``s`` out of its object."""
+        return self.hold_back and s % self.world_size == rank
 
     def ranges(self, rank: int) -> dict[int, tuple[int, int]]:
         """[start, end) of each shard frame in replica ``rank``'s object."""
@@ -221,7 +235,7 @@ class Packing:
         if out is None:
             out, pos = {}, self.manifest_bytes
             for s, size in enumerate(self.frame_sizes):
-                if s % self.world_size != rank:
+                if not self.keeps(rank, s):
                     out[s] = (pos, pos + size)
                     pos += size
             self._ranges[rank] = out
