@@ -584,7 +584,14 @@ class ObjectStoreAllReduce:
             bounds,
             self.wire,
             self.world_size,
-            manifest_size(shapes, self.config.run_id, self.config.num_shards, self.world_size),
+            manifest_size(
+                shapes,
+                self.config.run_id,
+                self.config.num_shards,
+                self.world_size,
+                # room for the reduce_group_size fact (one level: the size it always had)
+                extra=32 if self._two_level else 0,
+            ),
             shard_header_size(self.config.run_id),
             segs,
             hold_back=not self.config.reduce_group_size,
@@ -826,12 +833,14 @@ class ObjectStoreAllReduce:
             for g in range(len(plan.groups))
             if (g, i) not in own
         }
+        # every wait ends before a missing sum is computed: its downloads then find the
+        # transfer threads free
+        found = {g: own.get((g, i)) or reads[g].result() for g in range(len(plan.groups))}
+        if None in found.values() and self.store.object_exists(layout.reduced_key(r, i)):
+            return None  # published meanwhile by a fallback
         sums: list[_Sum] = []
-        for g in range(len(plan.groups)):  # fixed group order
-            total = own.get((g, i)) or reads[g].result()
+        for g, total in found.items():  # fixed group order
             if total is None:
-                if self.store.object_exists(layout.reduced_key(r, i)):
-                    return None  # published meanwhile by a fallback
                 log.warning("round %d: group %d's sum of slice %d is late; computing it", r, g, i)
                 total = self._reduce_partial(res, job, plan, g, i)
                 if total is None:  # the average is out: its inputs may be gone

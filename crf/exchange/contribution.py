@@ -113,14 +113,17 @@ def find_contribution(store: RunStore, r: int, rank: int) -> str | None:
     return None
 
 
-def manifest_size(layout: Sequence[Any], run_id: str, num_shards: int, world_size: int) -> int:
+def manifest_size(
+    layout: Sequence[Any], run_id: str, num_shards: int, world_size: int, extra: int = 0
+) -> int:
     """M: room for the manifest json, in steps of 64 bytes. A function of what replicas
     must agree on (the layout, run id, shard count and world size), so it is the same for
     all of them; what differs between replicas (rank, base round, the shards it keeps) and
-    the keys and other scalars (about 260 bytes at most) fit in the margin."""
+    the keys and other scalars (about 260 bytes at most) fit in the margin; ``extra``: room
+    for optional facts."""
     kept = (num_shards // world_size + 1) * (len(str(num_shards)) + 2)
     need = _MHEAD.size + len(json.dumps(list(layout))) + len(json.dumps(run_id)) + kept
-    return _round_up(need + 320, 64)
+    return _round_up(need + 320 + extra, 64)
 
 
 def shard_header_size(run_id: str) -> int:
