@@ -18,6 +18,13 @@ One round (docs/design.md, "Exchange"):
    ``shard_grace_s`` any participant computes it — the inputs are all in the store;
 4. every participant downloads all reduced shards and copies the average back in place.
 
+With ``reduce_group_size`` G > 0 step 3 has two levels (docs/performance.md, "Two-level
+reduction for large N"): the participants form groups of G consecutive ranks and the vector
+G slices (the shards, none held back); member i of group g publishes the group's fp32 sum of
+slice i (``rounds/<r>/partial/<g>/<i>``), slice i's leader (:mod:`crf.exchange.groups`) adds
+the groups' sums in group order into ``rounds/<r>/reduced/<i>``; a missing sum or slice is
+computed by any participant after ``shard_grace_s``, as in one level.
+
 Per replica and round this moves about P up and 2·P down (P = payload), whatever N is.
 A contribution whose integrity check fails, or that holds a NaN or infinite value, is never
 averaged: it is left out of that shard's average, which every replica then copies alike, and
