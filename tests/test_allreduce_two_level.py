@@ -171,6 +171,35 @@ def test_a_dead_member_does_not_hang_the_round(store: RunStore, dead: int) -> No
         assert torch.equal(out[rank][0], want)
 
 
+def test_groups_are_cut_from_the_quorum_and_a_late_replica_catches_up(tmp_path: Any) -> None:
+    """Replica 1 misses the quorum, which closes at its deadline with 0, 2, 3, 4: the groups
+    are (0, 2) and (3, 4), cut from the participants, not the ranks; the late replica takes
+    the published average (catch-up reads the reduced slices as in one level). File store
+    only: the straggler's sleep is most of this test's time."""
+    import time
+
+    store = RunStore(f"file://{tmp_path}/run")
+
+    def replica(rank: int) -> Any:
+        if rank == 1:
+            time.sleep(1.5)  # straggler
+        ar = ObjectStoreAllReduce(
+            store, 5, rank, run_id="t", min_replicas=4, round_timeout_s=0.5, reduce_group_size=2
+        )
+        ts = make_tensors(rank, 0)
+        return ar.allreduce(ts, round=0), flat(ts)
+
+    out = run_threads(5, replica)
+    want = two_level_reference([0, 2, 3, 4], 2, 0)
+    for rank in range(5):
+        res, got = out[rank]
+        assert res.participants == [0, 2, 3, 4] and res.in_quorum is (rank != 1)
+        assert torch.equal(got, want)
+    assert out[1][0].caught_up
+    _, hdr = decode_tensor(store.get(layout.partial_key(0, 0, 1)))
+    assert hdr["participants"] == [0, 2]
+
+
 def test_group_size_at_least_n_is_one_level_over_g_shards(store: RunStore) -> None:
     """G >= N: one group, whose sum of a slice is the whole sum: no partials, the slice's
     owner publishes the average as one level does (here over G = 4 shards)."""
