@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from crf import layout
-from crf.exchange.allreduce import LayoutMismatchError, ObjectStoreAllReduce, shard_bounds
+from crf.exchange.allreduce import (
+    LayoutMismatchError,
+    ObjectStoreAllReduce,
+    RoundFailed,
+    shard_bounds,
+)
 from crf.exchange.contribution import FACTS, facts_digest
 from crf.exchange.groups import GroupPlan
 from crf.spec import RunSpec, SpecError
@@ -198,6 +203,16 @@ def test_groups_are_cut_from_the_quorum_and_a_late_replica_catches_up(tmp_path: 
     assert out[1][0].caught_up
     _, hdr = decode_tensor(store.get(layout.partial_key(0, 0, 1)))
     assert hdr["participants"] == [0, 2]
+
+
+def test_a_bad_group_sum_fails_the_round_for_everyone(store: RunStore) -> None:
+    """A group sum that is not this round's (here: garbage already at its create-if-absent
+    key) can be neither used nor replaced: every replica raises RoundFailed, none averages."""
+    store.put(layout.partial_key(0, 1, 1), b"not a tensor object")
+    out = run_rounds(store, 5, 2, rounds=1)
+    for rank in range(5):
+        assert isinstance(out[rank], RoundFailed), out[rank]
+    assert store.exists(layout.failed_key(0))
 
 
 def test_group_size_at_least_n_is_one_level_over_g_shards(store: RunStore) -> None:
