@@ -33,7 +33,7 @@ Usage::
 
     python bench/scale.py                          # N = 2..64, file store, P = 256k values
     python bench/scale.py --stores file,s3         # and S3 through a local moto server
-    python bench/scale.py --group 0,4,8            # and the two-level prototype (TwoLevel)
+    python bench/scale.py --reduce-group-size 0,4,8  # and the two-level reduction, G = 4, 8
     python bench/scale.py --quick                  # N = 2,4, file store, 2 rounds: a smoke run
     python bench/scale.py --out docs/scale.md      # also a markdown table (+ .json beside it)
 """
@@ -134,7 +134,8 @@ def _worker(
     uri: str, n: int, rank: int, numel: int, rounds: int, group: int, barrier: Any, out: Any
 ) -> None:
     """One replica: ``rounds`` all-reduce rounds, each started by a barrier; puts its
-    records (or an error) on ``out``. ``group`` > 0: the two-level prototype (TwoLevel)."""
+    records (or an error) on ``out``. ``group`` > 0: the two-level reduction with groups of
+    that many replicas (``reduce_group_size``)."""
     try:
         out.put((rank, _replica_rounds(uri, n, rank, numel, rounds, group, barrier)))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
@@ -158,11 +159,7 @@ def _replica_rounds(
     phases: dict[str, float] = {}
     hooks = ExchangeHooks(on_phase=lambda p: phases.setdefault(p, time.time()))
     counter = RequestCounter()
-    ar: OneLevel | TwoLevel
-    if group:
-        ar = TwoLevel(store, n, rank, group, counter, hooks)
-    else:
-        ar = OneLevel(counter.wrap(store), n, rank, hooks)
+    ar = Exchange(counter.wrap(store), n, rank, group, hooks)
     data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     records: list[RoundRecord] = []
     before = counter.snapshot()
@@ -196,13 +193,16 @@ def _replica_rounds(
     return records
 
 
-class OneLevel:
-    """crf's exchange as it is: one ObjectStoreAllReduce over all N replicas."""
+class Exchange:
+    """crf's exchange: one ObjectStoreAllReduce over all N replicas, one level (``group``
+    0) or two levels with groups of ``group`` (``reduce_group_size``)."""
 
-    def __init__(self, store: Any, n: int, rank: int, hooks: Any) -> None:
+    def __init__(self, store: Any, n: int, rank: int, group: int, hooks: Any) -> None:
         from crf.exchange.allreduce import ObjectStoreAllReduce
 
-        self.ar = ObjectStoreAllReduce(store, n, rank, hooks=hooks, **_EXCHANGE)
+        self.ar = ObjectStoreAllReduce(
+            store, n, rank, hooks=hooks, reduce_group_size=group, **_EXCHANGE
+        )
 
     def allreduce(self, t: Any, r: int) -> tuple[int, int]:
         res = self.ar.allreduce([t], round=r)
@@ -214,69 +214,6 @@ class OneLevel:
 
 #: long enough that a replica slowed down by 64 others on 2 cores is never taken over
 _EXCHANGE = {"run_id": "scale", "round_timeout_s": 900.0, "shard_grace_s": 600.0}
-
-
-class TwoLevel:
-    """A PROTOTYPE of the two-level reduction (docs/performance.md, "Scaling to 64
-    replicas"), composed of unchanged ObjectStoreAllReduce instances to measure what it would
-    cost in requests, bytes and time: N = M groups of G replicas (rank = g * G + i).
-
-    1. each group averages the whole vector among its G members (an exchange in ``l1/<g>``);
-    2. member i of every group - M replicas, a "column" - averages slice i (P / G) of the
-       group averages (an exchange in ``l2/<i>``): with equal groups the mean of the group
-       means is the mean over all N;
-    3. member i publishes its slice of the result (``l3/<g>/<r>/<i>``) and reads its group's
-       G - 1 others.
-
-    Every replica does the same work (no leader), and every replica ends with the same bits
-    (each slice comes from one column exchange, published once). Not fault tolerant as a
-    whole: each exchange decides its own quorum, so a replica that dies stalls its group and
-    column; the real design decides one quorum for all (docs/performance.md)."""
-
-    def __init__(self, store: Any, n: int, rank: int, group: int, counter: Any, hooks: Any):
-        from crf.exchange.allreduce import ObjectStoreAllReduce, shard_bounds
-
-        self.g, self.i, self.size = divmod(rank, group) + (group,)
-        l1, l2 = store.child(f"l1/{self.g}"), store.child(f"l2/{self.i}")
-        self.l3 = counter.wrap(store.child(f"l3/{self.g}"))
-        counter.wrap(l1), counter.wrap(l2)
-        self.first = ObjectStoreAllReduce(l1, group, self.i, hooks=hooks, **_EXCHANGE)
-        self.second = ObjectStoreAllReduce(l2, n // group, self.g, **_EXCHANGE)
-        self.shard_bounds = shard_bounds
-        self.poll_s = self.first.config.max_poll_s
-
-    def allreduce(self, t: Any, r: int) -> tuple[int, int]:
-        import torch
-
-        from crf.store import ObjectNotFound
-
-        a = self.first.allreduce([t], round=r)
-        bounds = self.shard_bounds(t.numel(), self.size)
-        lo, hi = bounds[self.i]
-        b = self.second.allreduce([t[lo:hi]], round=r)
-        mine = t[lo:hi].numpy().tobytes()
-        self.l3.put(f"{r}/{self.i}", mine, durable=False)
-        up, down = a.bytes_up + b.bytes_up + len(mine), a.bytes_down + b.bytes_down
-        pending, delay = [j for j in range(self.size) if j != self.i], 0.005
-        while pending:
-            for j in list(pending):
-                try:
-                    data = self.l3.get(f"{r}/{j}", size_hint=len(mine) + 64)
-                except ObjectNotFound:
-                    continue
-                lo, hi = bounds[j]
-                t[lo:hi].copy_(torch.frombuffer(bytearray(data), dtype=torch.float32))
-                down += len(data)
-                pending.remove(j)
-                delay = 0.005
-            if pending:
-                time.sleep(delay)
-                delay = min(delay * 1.6, self.poll_s)
-        return up, down
-
-    def close(self) -> None:
-        self.first.close()
-        self.second.close()
 
 
 def _kill(procs: list[Any]) -> None:
@@ -435,7 +372,7 @@ COLUMNS = (
 
 
 def _group(res: dict[str, Any]) -> str:
-    """The G column: ``-`` for crf's one-level exchange, G for the two-level prototype."""
+    """The G column: ``-`` for the one-level exchange, G for the two-level one."""
     return str(res["group"]) if res.get("group") else "-"
 
 
@@ -483,9 +420,9 @@ def markdown(title: str, results: list[dict[str, Any]]) -> str:
 
 
 def _configs(replicas: list[int], groups: list[int]) -> list[tuple[int, int]]:
-    """(N, G) pairs to run, in order: G = 0 is crf's exchange; a two-level G needs
-    2 <= G < N and N a multiple of G."""
-    return [(n, g) for n in replicas for g in groups if g == 0 or (2 <= g < n and n % g == 0)]
+    """(N, G) pairs to run, in order: G = 0 is the one-level exchange; a two-level G needs
+    2 <= G < N (G >= N would be one level over G shards; N need not be a multiple of G)."""
+    return [(n, g) for n in replicas for g in groups if g == 0 or 2 <= g < n]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -532,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per N (default 4)")
     ap.add_argument("--limit-s", type=float, default=600.0, help="time limit per N")
     ap.add_argument(
-        "--group",
+        "--reduce-group-size",
+        dest="group",
         default="0",
-        help="comma list of G: 0 = crf's exchange (one level), G = the two-level prototype "
-        "with groups of G replicas (run where G < N divides N)",
+        help="comma list of G: 0 = one level, G = the two-level reduction with groups of G "
+        "replicas (--reduce-group-size; run where 2 <= G < N)",
     )
     ap.add_argument("--quick", action="store_true", help="N = 2,4, P = 64k, 2 rounds")
     ap.add_argument("--out", default=None, help="write a markdown table here (+ .json beside it)")

@@ -25,6 +25,7 @@ Layout of one run folder::
     rounds/<r>/contrib/<rank>.<base>.<facts>  a contribution (manifest + shards, one object)
     rounds/<r>/quorum.json                    who takes part in round r (first writer wins)
     rounds/<r>/reduced/<s>                    the average of shard s over the quorum
+    rounds/<r>/partial/<g>/<i>                two levels: group g's sum of slice i
     rounds/<r>/held/<rank>/<s>                a shard kept when its owner left the quorum
     rounds/<r>/failed.json                    round r cannot complete (why)
     global/<r>/state.safetensors              global weights + outer optimizer after round r
@@ -171,6 +172,11 @@ def reduced_dir(r: int) -> str:
 
 def reduced_key(r: int, s: int) -> str:
     return f"{reduced_dir(r)}/{s}"
+
+
+def partial_key(r: int, g: int, i: int) -> str:
+    """Two-level reduction: group g's sum (not divided) of slice i, with its count."""
+    return f"{ROUNDS}/{r}/partial/{g}/{i}"
 
 
 def failed_key(r: int) -> str:

@@ -406,6 +406,16 @@ class RunSpec:
     num_shards: int | None = option(
         None, cli=False, low=1, group=WIRE, help="Shards per round (default: one per replica)."
     )
+    reduce_group_size: int = option(
+        0,
+        low=0,
+        high=MAX_REPLICAS,
+        group=WIRE,
+        help="Two-level reduction for many replicas: groups of G consecutive replicas sum "
+        "their slices, one leader per slice adds the groups' sums; about 2G + N/G requests "
+        "per replica and round instead of 2N. G near sqrt(N) pays from N = 32 (0 = one "
+        "level, G >= N: one level with G shards).",
+    )
     keep_rounds: int = option(
         3,
         cli=False,
@@ -665,6 +675,11 @@ class RunSpec:
             f"{self.sync_period}) (got {self.fragment_sync_delay!r}): a fragment's exchange "
             "must finish before the next fragment's starts",
         )
+        if self.reduce_group_size:
+            from crf.exchange.codecs import is_sparse
+            from crf.exchange.config import two_level_sparse_error
+
+            need(not is_sparse(self.wire_dtype), two_level_sparse_error(self.wire_dtype))
         self._validate_workload()
         return self
 

@@ -73,3 +73,15 @@ def test_main_writes_markdown_and_json(tmp_path: Path) -> None:
     text = out.read_text()
     assert "| file | 2 |" in text
     assert out.with_suffix(".json").exists()
+
+
+def test_two_level_rows_run_the_built_exchange(tmp_path: Path) -> None:
+    """``--reduce-group-size 2`` at N = 4: two groups of two; every replica still ends with the
+    same bits, and a replica uploads its whole contribution plus its group's sum of a slice."""
+    numel = 8192
+    got = scale.measure(f"file://{tmp_path}/run", 4, numel, 2, limit_s=60.0, group=2)
+    assert "error" not in got, got
+    res = scale.summarize(got["records"], numel, cores=2)
+    assert res["identical"]
+    for rnd in res["rounds"]:
+        assert rnd["up_p"] >= 1.0 + 0.5 - 0.05  # P, then P / G of its group's sum

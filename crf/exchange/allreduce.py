@@ -18,6 +18,13 @@ One round (docs/design.md, "Exchange"):
    ``shard_grace_s`` any participant computes it — the inputs are all in the store;
 4. every participant downloads all reduced shards and copies the average back in place.
 
+With ``reduce_group_size`` G > 0 step 3 has two levels (docs/performance.md, "Two-level
+reduction for large N"): the participants form groups of G consecutive ranks and the vector
+G slices (the shards, none held back); member i of group g publishes the group's fp32 sum of
+slice i (``rounds/<r>/partial/<g>/<i>``), slice i's leader (:mod:`crf.exchange.groups`) adds
+the groups' sums in group order into ``rounds/<r>/reduced/<i>``; a missing sum or slice is
+computed by any participant after ``shard_grace_s``, as in one level.
+
 Per replica and round this moves about P up and 2·P down (P = payload), whatever N is.
 A contribution whose integrity check fails, or that holds a NaN or infinite value, is never
 averaged: it is left out of that shard's average, which every replica then copies alike, and
@@ -57,6 +64,7 @@ from crf.exchange.contribution import (
     read_manifest,
     shard_header_size,
 )
+from crf.exchange.groups import GroupPlan
 from crf.exchange.quorum import QuorumDecision, QuorumPort
 from crf.exchange.quorum import Stale as _Stale
 from crf.faults import maybe_fault, maybe_poison
@@ -134,6 +142,8 @@ class _Round:
     names: dict[int, str]
     #: contributions fetched while the quorum was being decided, by (rank, shard)
     early: dict[tuple[int, int], Future] = field(default_factory=dict)
+    #: the groups and leaders of a two-level round (None: one level)
+    plan: GroupPlan | None = None
 
 
 @dataclass
@@ -174,6 +184,15 @@ class _Contribution:
             {} if names is None else names,
             {} if early is None else early,
         )
+
+
+@dataclass
+class _Sum:
+    """A group's sum of one slice (two levels): fp32 values, not divided, and the ranks
+    whose parts it holds."""
+
+    values: torch.Tensor
+    used: list[int]
 
 
 @dataclass
@@ -368,6 +387,7 @@ class ObjectStoreAllReduce:
         wirefmt.get_codec(self._wire)  # a bad variant (topk4@x) fails here, not mid-round
         self._decay = self.config.error_decay
         self._sparse = self.config.sparse
+        self._two_level = self.config.reduce_group_size > 0
         # what quantization dropped last time, per fragment (Streaming DiLoCo syncs fragments
         # of different - or, for identical blocks, equal - sizes in turn)
         self._residual: dict[int | None, torch.Tensor] = {}
@@ -474,7 +494,9 @@ class ObjectStoreAllReduce:
     def _pool(self) -> ThreadPoolExecutor:
         """Threads for a round's independent transfers (shard parts, reduced shards)."""
         if self._executor is None:
-            workers = max(1, min(self.config.max_transfers, self.config.num_shards))
+            # two levels: a member reads G - 1 parts, a leader M partials, whatever G is
+            shards = self.world_size if self.config.reduce_group_size else self.config.num_shards
+            workers = max(1, min(self.config.max_transfers, shards))
             self._executor = ThreadPoolExecutor(workers, thread_name_prefix="crf-transfer")
         return self._executor
 
@@ -541,7 +563,12 @@ class ObjectStoreAllReduce:
         self._check_layouts(res, r, res.participants, mine.manifest, mine.facts, decided)
         self._publish_held_back(res, job)
         maybe_fault("after_quorum", self.rank, r, self.store)
-        reduced_here = self._reduce_my_shards(res, job)
+        if self.config.reduce_group_size:
+            job.plan = GroupPlan(tuple(res.participants), self.config.reduce_group_size, r)
+        if job.plan is not None and job.plan.two_levels:
+            reduced_here = self._reduce_two_levels(res, job, job.plan)
+        else:  # one level, or two levels whose participants fit one group (G >= N)
+            reduced_here = self._reduce_my_shards(res, job)
         maybe_fault("after_reduce", self.rank, r, self.store)
         got = self._gather(res, job, reduced_here)
         self._finish_round(mine, got, reduced_here)
@@ -564,9 +591,17 @@ class ObjectStoreAllReduce:
             bounds,
             self.wire,
             self.world_size,
-            manifest_size(shapes, self.config.run_id, self.config.num_shards, self.world_size),
+            manifest_size(
+                shapes,
+                self.config.run_id,
+                self.config.num_shards,
+                self.world_size,
+                # room for the reduce_group_size fact (one level: the size it always had)
+                extra=32 if self._two_level else 0,
+            ),
             shard_header_size(self.config.run_id),
             segs,
+            hold_back=not self.config.reduce_group_size,
         )
         return _Contribution(r, tensors, source, exact, shapes, lhash, packing)
 
@@ -602,6 +637,8 @@ class ObjectStoreAllReduce:
             "held_back": mine.packing.kept(self.rank),
             "fragment": fragment,
         }
+        if self.config.reduce_group_size:  # an optional fact: absent, one level's names
+            mine.manifest["reduce_group_size"] = self.config.reduce_group_size
         parts: list[Any] = [encode_manifest(mine.manifest, mine.packing.manifest_bytes)]
         for f in encoding:
             parts.extend(f.result())
@@ -640,6 +677,198 @@ class ObjectStoreAllReduce:
                 if w is not None:
                     reduced_here[s] = w
         return reduced_here
+
+    # ------------------------------------------------------------------ two levels
+    def _reduce_two_levels(
+        self, res: AllReduceResult, job: _Round, plan: GroupPlan
+    ) -> dict[int, torch.Tensor]:
+        """Step 3 with two levels: sum the slices this replica owns over its group and
+        publish each as ``partial/<g>/<i>``; then, for each slice it leads, add the groups'
+        sums in group order and publish their average as ``reduced/<i>`` (the one-level
+        format, so the gather, catch-up and checks are the same). Returns the reduced wire
+        tensors it published, by slice."""
+        self._phase("reducing")
+        g = plan.group_of(self.rank)
+        own: dict[tuple[int, int], _Sum] = {}
+        for i in range(plan.size):
+            if plan.partial_owner(g, i) == self.rank:
+                total = self._reduce_partial(res, job, plan, g, i, first=True)
+                if total is not None:
+                    own[(g, i)] = total
+        reduced_here: dict[int, torch.Tensor] = {}
+        for i in range(plan.size):
+            if plan.leader(i) == self.rank:
+                w = self._reduce_slice(res, job, plan, i, own=own, first=True)
+                if w is not None:
+                    reduced_here[i] = w
+        return reduced_here
+
+    def _reduce_partial(
+        self,
+        res: AllReduceResult,
+        job: _Round,
+        plan: GroupPlan,
+        g: int,
+        i: int,
+        *,
+        first: bool = False,
+    ) -> _Sum | None:
+        """Group g's sum of slice i: its members' parts in rank order, fp32, not divided,
+        published create-if-absent as ``partial/<g>/<i>`` with the ranks it holds (a part
+        missing, corrupt or not finite is left out and reported, as in one level). The
+        published sum is the one every leader adds, so when another replica published it
+        first, that one is returned. None when the slice's average is out already (its
+        inputs may be gone). ``first``: the owner's own attempt (kept buffer, no lookup)."""
+        r = job.round
+        key = layout.partial_key(r, g, i)
+        if not first:
+            there = self._wait_partial(res, job, plan, g, i, 0.0)
+            if there is not None:
+                return there
+        members = plan.groups[g]
+        fetches = {
+            p: self._pool().submit(self._fetch_contrib, res, job, p, i, 0.0)
+            for p in members
+            if p != self.rank
+        }
+        acc: torch.Tensor | None = None
+        used: list[int] = []
+        for p in members:  # fixed rank order
+            try:
+                w = self._usable_part(res, job, i, p, fetches)
+            except _AlreadyReduced:
+                for f in fetches.values():
+                    f.cancel()
+                return None
+            if w is not None:
+                acc = self._add_part(job, i, acc, w, buffer="partial" if first else None)
+                used.append(p)
+        if acc is None:  # nothing usable in this group: an empty sum, which adds nothing
+            a, b = job.bounds[i]
+            acc = torch.zeros(b - a, dtype=torch.float32)
+        if not wirefmt.finite(acc):  # finite parts whose sum overflowed fp32
+            why = f"the sum of slice {i} over group {g} overflowed float32"
+            raise self._fail_round(r, f"{why} ({describe_nonfinite(acc)})")
+        meta = self._meta(r, i, job.lhash, job.total) | {"group": g, "participants": used}
+        if self._put(res, key, encode_tensor_parts(acc, meta), exclusive=True):
+            return _Sum(acc, used)
+        return self._wait_partial(res, job, plan, g, i, 0.0)
+
+    def _wait_partial(
+        self,
+        res: AllReduceResult,
+        job: _Round,
+        plan: GroupPlan,
+        g: int,
+        i: int,
+        wait_s: float,
+    ) -> _Sum | None:
+        """Group g's published sum of slice i, asked for until it is there or ``wait_s``
+        has passed (then None)."""
+        key = layout.partial_key(job.round, g, i)
+        deadline = time.monotonic() + wait_s
+        delay = 0.005
+        while True:
+            data = self._get_if_there(res, key, _size_hint(job.bounds[i]))
+            if data is not None:
+                return self._decode_partial(job, plan, g, i, key, data)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 1.6, self.config.max_poll_s)
+
+    def _decode_partial(
+        self, job: _Round, plan: GroupPlan, g: int, i: int, key: str, data: bytes
+    ) -> _Sum:
+        """A downloaded group sum, checked like a reduced shard: this run's, round's,
+        group's and slice's, the right size, finite, over members of the group. A bad one
+        fails the round for everyone (its key is create-if-absent: nothing can replace it)."""
+        r = job.round
+        try:
+            t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
+            expect = {
+                "run_id": self.config.run_id,
+                "round": r,
+                "shard": i,
+                "group": g,
+                "layout_hash": job.lhash,
+                "numel_total": job.total,
+                "wire": self.wire,
+            }
+            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+            used = hdr.get("participants")
+            if not (isinstance(used, list) and used == sorted(set(used))) or not set(used) <= set(
+                plan.groups[g]
+            ):
+                bad["participants"] = used
+            if bad:
+                raise CorruptObjectError(
+                    f"{key}: not this run's sum of round {r} group {g} slice {i} ({bad})"
+                )
+            a, b = job.bounds[i]
+            if t.dtype != torch.float32 or t.numel() != b - a:
+                raise CorruptObjectError(f"{key}: group sum has the wrong size or dtype")
+            if not wirefmt.finite(t):
+                raise CorruptObjectError(f"{key}: {_NONFINITE}")
+        except CorruptObjectError as e:
+            raise self._fail_round(r, f"bad group sum: {e}", key, str(e)) from e
+        return _Sum(t, list(used))
+
+    def _reduce_slice(
+        self,
+        res: AllReduceResult,
+        job: _Round,
+        plan: GroupPlan,
+        i: int,
+        *,
+        own: dict[tuple[int, int], _Sum] | None = None,
+        first: bool = False,
+    ) -> torch.Tensor | None:
+        """Slice i's average: the groups' sums in group order (fp32), divided by the number
+        of parts they hold, published create-if-absent as ``reduced/<i>``. The leader
+        (``first``) waits up to ``shard_grace_s`` for each sum; one still missing then (its
+        owner is late or dead) it computes from the contributions, as a fallback (after the
+        gather's grace period) does for every missing one. ``own``: sums this replica
+        published. Returns the wire tensor if this call published it."""
+        r = job.round
+        if not first and self.store.object_exists(layout.reduced_key(r, i)):
+            return None
+        own = own or {}
+        wait_s = self.config.shard_grace_s if first else 0.0
+        reads = {
+            g: self._pool().submit(self._wait_partial, res, job, plan, g, i, wait_s)
+            for g in range(len(plan.groups))
+            if (g, i) not in own
+        }
+        # every wait ends before a missing sum is computed: its downloads then find the
+        # transfer threads free
+        found = {g: own.get((g, i)) or reads[g].result() for g in range(len(plan.groups))}
+        if None in found.values() and self.store.object_exists(layout.reduced_key(r, i)):
+            return None  # published meanwhile by a fallback
+        sums: list[_Sum] = []
+        for g, total in found.items():  # fixed group order
+            if total is None:
+                log.warning("round %d: group %d's sum of slice %d is late; computing it", r, g, i)
+                total = self._reduce_partial(res, job, plan, g, i)
+                if total is None:  # the average is out: its inputs may be gone
+                    return None
+            sums.append(total)
+        acc: torch.Tensor | None = None
+        used: list[int] = []
+        for total in sums:
+            if not total.used:
+                continue
+            if acc is None:
+                a, b = job.bounds[i]
+                acc = self._buffer(f"acc{i}", b - a) if first else torch.empty(b - a)
+                acc.copy_(total.values)
+            else:
+                acc.add_(total.values)
+            used.extend(total.used)
+        if acc is None:
+            why = f"no usable contribution for shard {i}"
+            raise RoundFailed(f"round {r}: {why}", layout.Rejection(layout.failed_key(r), why))
+        return self._publish_reduced(res, job, i, acc, used, [])
 
     def _finish_round(
         self,
@@ -721,7 +950,10 @@ class ObjectStoreAllReduce:
                 # owners are late or dead: compute their shards ourselves
                 for s in list(pending):
                     log.warning("round %d: shard %d owner is late; computing it", r, s)
-                    self._reduce_shard(res, job, s)
+                    if job.plan is not None and job.plan.two_levels:
+                        self._reduce_slice(res, job, job.plan, s)
+                    else:
+                        self._reduce_shard(res, job, s)
                 grace_deadline = time.monotonic() + self.config.shard_grace_s
             elif progressed:
                 delay = 0.005
@@ -1039,7 +1271,8 @@ class ObjectStoreAllReduce:
             return self._read_decision(r, key, self._get(res, key, 0))
 
         def fetch_early(peers: dict[int, Arrival]) -> None:
-            if self._early is not None and self.config.fetch_early:
+            # two levels: a member's parts depend on the groups, known once decided
+            if self._early is not None and self.config.fetch_early and not self._two_level:
                 self._fetch_early(peers)
 
         port = QuorumPort(
@@ -1218,6 +1451,12 @@ class ObjectStoreAllReduce:
                 )
             if other.get("layout_hash") != mine["layout_hash"]:
                 raise LayoutMismatchError(_describe_mismatch(r, self.rank, mine, p, other))
+            theirs, ours = other.get("reduce_group_size") or 0, mine.get("reduce_group_size") or 0
+            if theirs != ours:
+                raise LayoutMismatchError(
+                    f"round {r}: replica {p} runs with --reduce-group-size {theirs}, this "
+                    f"replica with {ours}: all replicas must use the same reduce_group_size"
+                )
             if other.get("num_shards") != mine["num_shards"]:
                 raise LayoutMismatchError(
                     f"round {r}: replica {p} cuts the vector into {other.get('num_shards')} "
@@ -1327,10 +1566,10 @@ class ObjectStoreAllReduce:
         never left its replica (its shard's owner in a full quorum, still the owner) has
         none."""
         owner = job.participants[s % len(job.participants)]
-        home = s % self.world_size  # who keeps shard s at home in a full quorum
         fetches: dict[int, Future] = {}
         for p in job.participants:
-            if p == self.rank or (p == home and owner == p):
+            home = job.packing.keeps(p, s)  # p keeps shard s at home in a full quorum
+            if p == self.rank or (home and owner == p):
                 continue
             fetches[p] = job.early.pop((p, s), None) or self._pool().submit(
                 self._fetch_contrib,
@@ -1338,7 +1577,7 @@ class ObjectStoreAllReduce:
                 job,
                 p,
                 s,
-                self.config.shard_grace_s if p == home else 0.0,  # uploaded late?
+                self.config.shard_grace_s if home else 0.0,  # uploaded late?
             )
         return fetches
 
@@ -1369,14 +1608,19 @@ class ObjectStoreAllReduce:
             res.rejected.append(part.problem)
         return part.tensor
 
-    def _add_part(self, job: _Round, s: int, acc: torch.Tensor | None, w: Any) -> torch.Tensor:
+    def _add_part(
+        self, job: _Round, s: int, acc: torch.Tensor | None, w: Any, buffer: str | None = ""
+    ) -> torch.Tensor:
         """``acc`` plus one participant's wire part of shard s, in fp32; the first part
-        is copied (decoded) into a kept buffer per shard: this round may own several."""
+        is copied (decoded) into a kept buffer per shard, as this round may own several
+        (``buffer``: its name before the shard's number, by default ``acc``; None: a new
+        tensor, for a fallback's one-off sums)."""
         a, b = job.bounds[s]
         segs = self._segments[job.lhash][s]  # int8 blocks restart at every tensor
         first_part = acc is None
         if acc is None:
-            acc = self._buffer(f"acc{s}", b - a)
+            acc = self._buffer(f"{buffer or 'acc'}{s}", b - a) if buffer is not None else None
+            acc = torch.empty(b - a, dtype=torch.float32) if acc is None else acc
         if isinstance(w, list):  # the exact wire's fp32 slices
             pos = 0
             for piece in w:

@@ -35,6 +35,15 @@ SPARSELOCO_BETA = 0.95
 DEFAULT_SPARSE_DENSITY = 0.02
 
 
+def two_level_sparse_error(wire: str) -> str:
+    """Why a sparse wire and two levels do not go together, and what to change."""
+    return (
+        f"--reduce-group-size does not work with the sparse wire {wire}: a group's sum of "
+        "top-k parts is dense and would cost more than the sparse wire saves; use "
+        "--reduce-group-size 0 or a dense --wire-dtype (float32, bfloat16, float16, int8)"
+    )
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
@@ -57,8 +66,13 @@ class ExchangeConfig:
     round_timeout_s: float = 300.0
     #: how long past the quorum a replica waits for a shard's owner before reducing it itself
     shard_grace_s: float = 30.0
-    #: shards the pseudo-gradient is cut into (default: one per replica)
+    #: shards the pseudo-gradient is cut into (default: one per replica; G with two levels)
     num_shards: int | None = None
+    #: two-level reduction (docs/performance.md, "Two-level reduction"): the participants
+    #: are cut into groups of this many consecutive ranks and the vector into this many
+    #: slices; each group sums its slices, one leader per slice adds the groups' sums.
+    #: 0: one level (every replica owns a shard of all N contributions)
+    reduce_group_size: int = 0
     #: rounds kept in the store; older ones are garbage-collected
     keep_rounds: int = 3
     #: a registered wire codec: float32 | bfloat16 | float16 | int8 (block-wise scales) |
@@ -99,6 +113,7 @@ class ExchangeConfig:
             _check_int("min_replicas", self.min_replicas, 1)
         if self.num_shards is not None:
             _check_int("num_shards", self.num_shards, 1)
+        _check_int("reduce_group_size", self.reduce_group_size, 0)
         _check_int("keep_rounds", self.keep_rounds, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 1)
         _check_int("max_transfers", self.max_transfers, 1)
@@ -112,6 +127,14 @@ class ExchangeConfig:
             )
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
+        if self.reduce_group_size:
+            if self.num_shards is not None and self.num_shards != self.reduce_group_size:
+                raise ValueError(
+                    f"num_shards ({self.num_shards}) is the group size with reduce_group_size "
+                    f"({self.reduce_group_size}): leave num_shards out"
+                )
+            if self.sparse:
+                raise ValueError(two_level_sparse_error(self.wire_dtype))
 
     @classmethod
     def from_spec(cls, spec: RunSpec, **overrides: Any) -> ExchangeConfig:
@@ -132,7 +155,7 @@ class ExchangeConfig:
             self,
             run_id=self.run_id or default_run_id,
             min_replicas=min_replicas,
-            num_shards=self.num_shards or world_size,
+            num_shards=self.reduce_group_size or self.num_shards or world_size,
             max_poll_s=self.max_poll_s or (0.05 if local else 0.5),
             drop_contributions=(
                 scheme == "file" if self.drop_contributions is None else self.drop_contributions

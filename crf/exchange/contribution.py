@@ -77,13 +77,18 @@ class Arrival:
 
 
 def facts_digest(manifest: dict[str, Any]) -> str:
-    """12 hex digits of what a contribution must share with every other one of its round."""
+    """12 hex digits of what a contribution must share with every other one of its round.
+    An optional fact counts only when the manifest has it, so a run that does not use it
+    keeps the digests (and contribution names) it had before the fact existed."""
     facts = {k: manifest.get(k) for k in FACTS}
+    facts |= {k: manifest[k] for k in OPTIONAL_FACTS if k in manifest}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
 
 
 #: the manifest fields every participant of a round must share
 FACTS = ("run_id", "layout_hash", "wire_dtype", "fragment", "num_shards")
+#: facts written only when set: ``reduce_group_size`` (two-level reduction, G > 0)
+OPTIONAL_FACTS = ("reduce_group_size",)
 
 
 def contrib_name(rank: int, base_round: int | None, facts: str) -> str:
@@ -108,14 +113,17 @@ def find_contribution(store: RunStore, r: int, rank: int) -> str | None:
     return None
 
 
-def manifest_size(layout: Sequence[Any], run_id: str, num_shards: int, world_size: int) -> int:
+def manifest_size(
+    layout: Sequence[Any], run_id: str, num_shards: int, world_size: int, extra: int = 0
+) -> int:
     """M: room for the manifest json, in steps of 64 bytes. A function of what replicas
     must agree on (the layout, run id, shard count and world size), so it is the same for
     all of them; what differs between replicas (rank, base round, the shards it keeps) and
-    the keys and other scalars (about 260 bytes at most) fit in the margin."""
+    the keys and other scalars (about 260 bytes at most) fit in the margin; ``extra``: room
+    for optional facts."""
     kept = (num_shards // world_size + 1) * (len(str(num_shards)) + 2)
     need = _MHEAD.size + len(json.dumps(list(layout))) + len(json.dumps(run_id)) + kept
-    return _round_up(need + 320, 64)
+    return _round_up(need + 320 + extra, 64)
 
 
 def shard_header_size(run_id: str) -> int:
@@ -192,8 +200,13 @@ class Packing:
         manifest_bytes: int,
         header_bytes: int,
         segments: Sequence[Sequence[int]] | None = None,
+        hold_back: bool = True,
     ) -> None:
         self.bounds = list(bounds)
+        #: whether a replica keeps the shards it owns in a full quorum out of its object (the
+        #: one-level exchange); the two-level one uploads every slice: any group's sum of
+        #: any slice can then be recomputed from the store alone
+        self.hold_back = hold_back
         #: per shard, the lengths of the tensors' pieces (int8 blocks restart at each)
         self.segments = list(segments) if segments is not None else [None] * len(self.bounds)
         self.wire = wire
@@ -213,7 +226,11 @@ class Packing:
 
     def kept(self, rank: int) -> list[int]:
         """Shards replica ``rank`` keeps out of its object (it owns them in a full quorum)."""
-        return [s for s in range(len(self.bounds)) if s % self.world_size == rank]
+        return [s for s in range(len(self.bounds)) if self.keeps(rank, s)]
+
+    def keeps(self, rank: int, s: int) -> bool:
+        """Whether replica ``rank`` keeps shard ``s`` out of its object."""
+        return self.hold_back and s % self.world_size == rank
 
     def ranges(self, rank: int) -> dict[int, tuple[int, int]]:
         """[start, end) of each shard frame in replica ``rank``'s object."""
@@ -221,7 +238,7 @@ class Packing:
         if out is None:
             out, pos = {}, self.manifest_bytes
             for s, size in enumerate(self.frame_sizes):
-                if s % self.world_size != rank:
+                if not self.keeps(rank, s):
                     out[s] = (pos, pos + size)
                     pos += size
             self._ranges[rank] = out
