@@ -157,6 +157,50 @@ def test_sigkill_at_every_point_never_blocks_the_others(tmp_path: Path) -> None:
     assert worst <= bound
 
 
+def test_two_level_rounds_survive_a_dead_member_and_a_dead_leader(tmp_path: Path) -> None:
+    """``--reduce-group-size 2`` with 4 real replica processes (groups {0, 1} and {2, 3}):
+    rank 1 dies after round 1's quorum, before publishing its group's sum of slice 1 (slice
+    1's leader computes that sum from the contributions after the grace period), and rank 3,
+    round 3's leader of slice 1 (member 1 of group 3 mod 2), dies while publishing that slice
+    (a gatherer computes it from the group sums). Both are restarted, resume and rejoin; the
+    run commits every round and every replica ends with the same bits."""
+    n, h, rounds, deadline = 4, 3, 6, 2.5
+    kills = {(1, "after_quorum"): 1, (3, "owning_shard"): 3}
+    summary = launch_lm(
+        tmp_path / "runs",
+        "groups",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_FAULT": ";".join(f"rank={k},point={p},round={r}" for (k, p), r in kills.items())},
+        max_restarts=2,
+        max_run_restarts=10,
+        reduce_group_size=2,
+    )
+    run = tmp_path / "runs" / "groups"
+    print("\n" + describe(summary))
+    assert summary["status"] == "ok", describe(summary)
+    assert summary["weights_identical"] is True
+    assert summary["rounds_completed"] == rounds and summary["rounds_lost"] == []
+    assert summary["objects_rejected"] == 0
+    assert (run / "rounds" / str(rounds - 1) / "partial").is_dir()  # two levels ran
+    for row in summary["replicas"]:
+        assert not unexplained_attempts(row), row
+    grace = min(30.0, deadline)
+    for (rank, point), r in kills.items():
+        if not kill_fired(run, rank, point):  # late on a loaded machine: not in that round
+            assert not took_part(run, rank, r), (rank, point, metrics(run, rank).get(r))
+            continue
+        row = summary["replicas"][rank]
+        assert any(a["round"] == r and a["exit_code"] == -9 for a in row["attempts"]), row
+        # the others closed that round within the deadline and two grace periods (a late
+        # group sum, then a missing slice), plus slack for a loaded 2-core machine
+        wait = worst_wait(run, [k for k in range(n) if k != rank], {r})
+        print(f"[figure] two levels, kill {point} (rank {rank}, round {r}): others {wait:.2f}s")
+        assert wait <= deadline + 2 * grace + 1.5, (point, wait)
+
+
 def test_restart_policy_caps_and_reports(tmp_path: Path) -> None:
     """--max-restarts 0: a killed replica stays dead, the others finish without it, and the
     summary says why it was not restarted (the run is then failed, not silently ok)."""
