@@ -25,7 +25,7 @@ Layout of one run folder::
     rounds/<r>/contrib/<rank>.<base>.<facts>  a contribution (manifest + shards, one object)
     rounds/<r>/quorum.json                    who takes part in round r (first writer wins)
     rounds/<r>/reduced/<s>                    the average of shard s over the quorum
-    rounds/<r>/partial/<g>/<i>                two levels: group g's sum of slice i
+    rounds/<r>/partial/<i>/<g>                two levels: group g's sum of slice i
     rounds/<r>/held/<rank>/<s>                a shard kept when its owner left the quorum
     rounds/<r>/failed.json                    round r cannot complete (why)
     global/<r>/state.safetensors              global weights + outer optimizer after round r
@@ -174,9 +174,15 @@ def reduced_key(r: int, s: int) -> str:
     return f"{reduced_dir(r)}/{s}"
 
 
+def partial_dir(r: int, i: int) -> str:
+    """Two-level reduction: every group's sum of slice i (one listing tells its leader which
+    are there)."""
+    return f"{ROUNDS}/{r}/partial/{i}"
+
+
 def partial_key(r: int, g: int, i: int) -> str:
     """Two-level reduction: group g's sum (not divided) of slice i, with its count."""
-    return f"{ROUNDS}/{r}/partial/{g}/{i}"
+    return f"{partial_dir(r, i)}/{g}"
 
 
 def failed_key(r: int) -> str:

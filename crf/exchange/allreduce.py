@@ -21,7 +21,7 @@ One round (docs/design.md, "Exchange"):
 With ``reduce_group_size`` G > 0 step 3 has two levels (docs/performance.md, "Two-level
 reduction for large N"): the participants form groups of G consecutive ranks and the vector
 G slices (the shards, none held back); member i of group g publishes the group's fp32 sum of
-slice i (``rounds/<r>/partial/<g>/<i>``), slice i's leader (:mod:`crf.exchange.groups`) adds
+slice i (``rounds/<r>/partial/<i>/<g>``), slice i's leader (:mod:`crf.exchange.groups`) adds
 the groups' sums in group order into ``rounds/<r>/reduced/<i>``; a missing sum or slice is
 computed by any participant after ``shard_grace_s``, as in one level.
 
@@ -683,7 +683,7 @@ class ObjectStoreAllReduce:
         self, res: AllReduceResult, job: _Round, plan: GroupPlan
     ) -> dict[int, torch.Tensor]:
         """Step 3 with two levels: sum the slices this replica owns over its group and
-        publish each as ``partial/<g>/<i>``; then, for each slice it leads, add the groups'
+        publish each as ``partial/<i>/<g>``; then, for each slice it leads, add the groups'
         sums in group order and publish their average as ``reduced/<i>`` (the one-level
         format, so the gather, catch-up and checks are the same). Returns the reduced wire
         tensors it published, by slice."""
@@ -714,7 +714,7 @@ class ObjectStoreAllReduce:
         first: bool = False,
     ) -> _Sum | None:
         """Group g's sum of slice i: its members' parts in rank order, fp32, not divided,
-        published create-if-absent as ``partial/<g>/<i>`` with the ranks it holds (a part
+        published create-if-absent as ``partial/<i>/<g>`` with the ranks it holds (a part
         missing, corrupt or not finite is left out and reported, as in one level). The
         published sum is the one every leader adds, so when another replica published it
         first, that one is returned. None when the slice's average is out already (its
@@ -722,7 +722,7 @@ class ObjectStoreAllReduce:
         r = job.round
         key = layout.partial_key(r, g, i)
         if not first:
-            there = self._wait_partial(res, job, plan, g, i, 0.0)
+            there = self._published_partial(res, job, plan, g, i)
             if there is not None:
                 return there
         members = plan.groups[g]
@@ -752,30 +752,58 @@ class ObjectStoreAllReduce:
         meta = self._meta(r, i, job.lhash, job.total) | {"group": g, "participants": used}
         if self._put(res, key, encode_tensor_parts(acc, meta), exclusive=True):
             return _Sum(acc, used)
-        return self._wait_partial(res, job, plan, g, i, 0.0)
+        return self._published_partial(res, job, plan, g, i)
 
-    def _wait_partial(
+    def _published_partial(
+        self, res: AllReduceResult, job: _Round, plan: GroupPlan, g: int, i: int
+    ) -> _Sum | None:
+        """Group g's sum of slice i if it is published (one lookup), else None."""
+        return self._wait_partials(res, job, plan, i, [g], 0.0)[g]
+
+    def _wait_partials(
         self,
         res: AllReduceResult,
         job: _Round,
         plan: GroupPlan,
-        g: int,
         i: int,
+        groups: list[int],
         wait_s: float,
-    ) -> _Sum | None:
-        """Group g's published sum of slice i, asked for until it is there or ``wait_s``
-        has passed (then None)."""
-        key = layout.partial_key(job.round, g, i)
+    ) -> dict[int, _Sum | None]:
+        """The published sums of slice i of ``groups``, asked for (in parallel) until all
+        are there or ``wait_s`` has passed; None for those still missing. With many
+        missing, one listing of ``partial/<i>/`` per pass says which to download
+        (:data:`_LIST_ABOVE`), as the gather does for reduced shards."""
+        r = job.round
+        found: dict[int, _Sum | None] = dict.fromkeys(groups)
+        missing = list(groups)
         deadline = time.monotonic() + wait_s
         delay = 0.005
-        while True:
-            data = self._get_if_there(res, key, _size_hint(job.bounds[i]))
-            if data is not None:
-                return self._decode_partial(job, plan, g, i, key, data)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 1.6, self.config.max_poll_s)
+        while missing:
+            wanted = missing
+            if len(missing) > _LIST_ABOVE:
+                there = set(self.store.list(layout.partial_dir(r, i)))
+                wanted = [g for g in missing if str(g) in there]
+            hint = _size_hint(job.bounds[i])
+            fetches = [
+                (g, self._pool().submit(self._get_if_there, res, layout.partial_key(r, g, i), hint))
+                for g in wanted
+            ]
+            progressed = False
+            for g, f in fetches:
+                data = f.result()
+                if data is not None:
+                    key = layout.partial_key(r, g, i)
+                    found[g] = self._decode_partial(job, plan, g, i, key, data)
+                    missing.remove(g)
+                    progressed = True
+            if not missing or time.monotonic() >= deadline:
+                break
+            if progressed:
+                delay = 0.005
+            else:
+                time.sleep(delay)
+                delay = min(delay * 1.6, self.config.max_poll_s)
+        return found
 
     def _decode_partial(
         self, job: _Round, plan: GroupPlan, g: int, i: int, key: str, data: bytes
@@ -835,14 +863,13 @@ class ObjectStoreAllReduce:
             return None
         own = own or {}
         wait_s = self.config.shard_grace_s if first else 0.0
-        reads = {
-            g: self._pool().submit(self._wait_partial, res, job, plan, g, i, wait_s)
-            for g in range(len(plan.groups))
-            if (g, i) not in own
-        }
-        # every wait ends before a missing sum is computed: its downloads then find the
+        # the wait ends before a missing sum is computed: its downloads then find the
         # transfer threads free
-        found = {g: own.get((g, i)) or reads[g].result() for g in range(len(plan.groups))}
+        groups = range(len(plan.groups))
+        mine = {g: own[(g, i)] for g in groups if (g, i) in own}
+        rest = [g for g in groups if g not in mine]
+        waited = self._wait_partials(res, job, plan, i, rest, wait_s)
+        found = {g: mine[g] if g in mine else waited[g] for g in groups}  # group order
         if None in found.values() and self.store.object_exists(layout.reduced_key(r, i)):
             return None  # published meanwhile by a fallback
         sums: list[_Sum] = []

@@ -3,7 +3,7 @@
 The round's participants (sorted, from its one ``quorum.json``) are cut into M = ceil(N / G)
 groups of G consecutive ranks; only the last may be smaller. The vector is cut into G slices
 (:func:`crf.exchange.allreduce.shard_bounds`). Member i of group g sums slice i over its
-group (``rounds/<r>/partial/<g>/<i>``); slice i's leader adds the M partial sums in group
+group (``rounds/<r>/partial/<i>/<g>``); slice i's leader adds the M partial sums in group
 order and publishes the average (``rounds/<r>/reduced/<i>``). Everything here is a function
 of the participants, G and the round, so every replica computes the same plan without
 talking to the others (docs/performance.md, "Two-level reduction for large N").
