@@ -186,6 +186,23 @@ class _Contribution:
         )
 
 
+class _Backoff:
+    """The pause between two polls of the store: 5 ms, growing 1.6x to ``cap`` while nothing
+    arrives, back to 5 ms once something did (the rest of a round usually follows)."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.delay = 0.005
+
+    def after(self, progressed: bool) -> None:
+        """Called after a pass: sleep unless it brought something."""
+        if progressed:
+            self.delay = 0.005
+        else:
+            time.sleep(self.delay)
+            self.delay = min(self.delay * 1.6, self.cap)
+
+
 @dataclass
 class _Sum:
     """A group's sum of one slice (two levels): fp32 values, not divided, and the ranks
@@ -772,37 +789,22 @@ class ObjectStoreAllReduce:
         """The published sums of slice i of ``groups``, asked for (in parallel) until all
         are there or ``wait_s`` has passed; None for those still missing. With many
         missing, one listing of ``partial/<i>/`` per pass says which to download
-        (:data:`_LIST_ABOVE`), as the gather does for reduced shards."""
+        (:meth:`_fetch_there`), as the gather does for reduced shards."""
         r = job.round
         found: dict[int, _Sum | None] = dict.fromkeys(groups)
         missing = list(groups)
         deadline = time.monotonic() + wait_s
-        delay = 0.005
+        backoff = _Backoff(self.config.max_poll_s)
+        hint = _size_hint(job.bounds[i])
         while missing:
-            wanted = missing
-            if len(missing) > _LIST_ABOVE:
-                there = set(self.store.list(layout.partial_dir(r, i)))
-                wanted = [g for g in missing if str(g) in there]
-            hint = _size_hint(job.bounds[i])
-            fetches = [
-                (g, self._pool().submit(self._get_if_there, res, layout.partial_key(r, g, i), hint))
-                for g in wanted
-            ]
-            progressed = False
-            for g, f in fetches:
-                data = f.result()
-                if data is not None:
-                    key = layout.partial_key(r, g, i)
-                    found[g] = self._decode_partial(job, plan, g, i, key, data)
-                    missing.remove(g)
-                    progressed = True
+            keys = {g: (layout.partial_key(r, g, i), hint) for g in missing}
+            arrived = self._fetch_there(res, layout.partial_dir(r, i), keys)
+            for g, data in arrived.items():
+                found[g] = self._decode_partial(job, plan, g, i, keys[g][0], data)
+                missing.remove(g)
             if not missing or time.monotonic() >= deadline:
                 break
-            if progressed:
-                delay = 0.005
-            else:
-                time.sleep(delay)
-                delay = min(delay * 1.6, self.config.max_poll_s)
+            backoff.after(bool(arrived))
         return found
 
     def _decode_partial(
@@ -962,7 +964,7 @@ class ObjectStoreAllReduce:
             else:
                 pending.append(s)
         grace_deadline = time.monotonic() + self.config.shard_grace_s
-        delay = 0.005
+        backoff = _Backoff(self.config.max_poll_s)
         # a peer may declare the round failed while we wait: asked once a second, not on
         # every poll (a round's shards usually arrive within a poll or two)
         next_failed_check = time.monotonic() + _FAILED_CHECK_S
@@ -982,11 +984,8 @@ class ObjectStoreAllReduce:
                     else:
                         self._reduce_shard(res, job, s)
                 grace_deadline = time.monotonic() + self.config.shard_grace_s
-            elif progressed:
-                delay = 0.005
             else:
-                time.sleep(delay)
-                delay = min(delay * 1.6, self.config.max_poll_s)
+                backoff.after(progressed)
         return got
 
     def _encode_shards(
@@ -1056,7 +1055,7 @@ class ObjectStoreAllReduce:
         got: dict[int, torch.Tensor] = {}
         pending = list(range(len(bounds)))
         deadline = time.monotonic() + self.config.round_timeout_s + 2 * self.config.shard_grace_s
-        delay = 0.005
+        backoff = _Backoff(self.config.max_poll_s)
         try:
             while pending:
                 self._raise_if_failed(r)
@@ -1066,11 +1065,7 @@ class ObjectStoreAllReduce:
                 if time.monotonic() >= deadline:
                     log.warning("round %d: its average did not appear; healing instead", r)
                     return False
-                if progressed:
-                    delay = 0.005
-                else:
-                    time.sleep(delay)
-                    delay = min(delay * 1.6, self.config.max_poll_s)
+                backoff.after(progressed)
             self._check_averages_finite(r, got, bounds, self._segments[lhash])
         except (AllReduceError, StoreError, CorruptObjectError) as e:
             log.warning("round %d: cannot take its average (%s); healing instead", r, e)
@@ -1088,32 +1083,29 @@ class ObjectStoreAllReduce:
         pending: list[int],
         got: dict[int, torch.Tensor],
     ) -> bool:
-        """One pass over round r's pending reduced shards, downloaded in parallel: each one
-        there is verified into ``got`` and leaves ``pending``. True if any arrived. With many
-        missing, one listing says which are there (:data:`_LIST_ABOVE`)."""
-        wanted = pending
-        if len(pending) > _LIST_ABOVE:
-            there = set(self.store.list(layout.reduced_dir(r)))
-            wanted = [s for s in pending if str(s) in there]
-        fetches = [
-            (
-                s,
-                self._pool().submit(
-                    self._get_if_there, res, layout.reduced_key(r, s), _size_hint(bounds[s])
-                ),
-            )
-            for s in wanted
-        ]
-        progressed = False
-        for s, f in fetches:
-            data = f.result()
-            if data is None:
-                continue
+        """One pass over round r's pending reduced shards (:meth:`_fetch_there`): each one
+        there is verified into ``got`` and leaves ``pending``. True if any arrived."""
+        keys = {s: (layout.reduced_key(r, s), _size_hint(bounds[s])) for s in pending}
+        arrived = self._fetch_there(res, layout.reduced_dir(r), keys)
+        for s, data in arrived.items():
             a, b = bounds[s]
-            got[s] = self._decode_reduced(r, s, layout.reduced_key(r, s), data, lhash, b - a)
+            got[s] = self._decode_reduced(r, s, keys[s][0], data, lhash, b - a)
             pending.remove(s)
-            progressed = True
-        return progressed
+        return bool(arrived)
+
+    def _fetch_there(
+        self, res: AllReduceResult, folder: str, keys: dict[int, tuple[str, int]]
+    ) -> dict[int, bytes]:
+        """One pass over numbered objects not seen yet (``keys``: number -> key and size
+        hint, all in ``folder``): those that are there, downloaded in parallel, in the
+        order of ``keys``. With many missing, one listing of ``folder`` says which are there
+        (:data:`_LIST_ABOVE`) instead of a GET each."""
+        wanted = list(keys)
+        if len(wanted) > _LIST_ABOVE:
+            there = set(self.store.list(folder))
+            wanted = [k for k in wanted if str(k) in there]
+        fetches = [(k, self._pool().submit(self._get_if_there, res, *keys[k])) for k in wanted]
+        return {k: data for k, f in fetches if (data := f.result()) is not None}
 
     def _write_average(
         self,
@@ -1636,18 +1628,21 @@ class ObjectStoreAllReduce:
         return part.tensor
 
     def _add_part(
-        self, job: _Round, s: int, acc: torch.Tensor | None, w: Any, buffer: str | None = ""
+        self, job: _Round, s: int, acc: torch.Tensor | None, w: Any, buffer: str | None = "acc"
     ) -> torch.Tensor:
         """``acc`` plus one participant's wire part of shard s, in fp32; the first part
         is copied (decoded) into a kept buffer per shard, as this round may own several
-        (``buffer``: its name before the shard's number, by default ``acc``; None: a new
-        tensor, for a fallback's one-off sums)."""
+        (``buffer``: its name before the shard's number; None: a new tensor, for a
+        fallback's one-off sums)."""
         a, b = job.bounds[s]
         segs = self._segments[job.lhash][s]  # int8 blocks restart at every tensor
         first_part = acc is None
         if acc is None:
-            acc = self._buffer(f"{buffer or 'acc'}{s}", b - a) if buffer is not None else None
-            acc = torch.empty(b - a, dtype=torch.float32) if acc is None else acc
+            acc = (
+                self._buffer(f"{buffer}{s}", b - a)
+                if buffer is not None
+                else torch.empty(b - a, dtype=torch.float32)
+            )
         if isinstance(w, list):  # the exact wire's fp32 slices
             pos = 0
             for piece in w:
