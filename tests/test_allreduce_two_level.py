@@ -257,3 +257,21 @@ def test_one_level_keeps_its_contribution_names() -> None:
     before = json.dumps({k: manifest.get(k) for k in FACTS}, sort_keys=True)
     assert facts_digest(manifest) == hashlib.sha256(before.encode()).hexdigest()[:12]
     assert facts_digest(manifest | {"reduce_group_size": 2}) != facts_digest(manifest)
+
+
+def test_the_dry_run_plan_shows_the_reduction(tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    base = ["launch", "--job", "lm", "--store", str(tmp_path), "--run-id", "p", "--dry-run"]
+    shown = {
+        ("-n", "10", "--reduce-group-size", "4"): "two levels: 3 groups (4, 4, 2), 4 slices",
+        ("-n", "64", "--reduce-group-size", "8"): "two levels: 8 groups of 8, 8 slices",
+        ("-n", "4", "--reduce-group-size", "8"): "one level over 8 shards",
+        ("-n", "4", "--wire-dtype", "int8"): "int8 wire, one level",
+    }
+    for args, text in shown.items():
+        out = CliRunner().invoke(app, [*base, *args], env={"COLUMNS": "250"})
+        assert out.exit_code == 0, out.output
+        assert text in out.output, out.output

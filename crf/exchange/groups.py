@@ -55,3 +55,16 @@ class GroupPlan:
             g = (g + 1) % len(groups)
         members = groups[g]
         return members[i % len(members)]
+
+
+def describe(replicas: int, size: int) -> str:
+    """How a full quorum of ``replicas`` is reduced with ``reduce_group_size`` = ``size``,
+    in words (the dry-run plan)."""
+    if not size:
+        return "one level (each replica averages 1/N of the vector over all N)"
+    if size >= replicas:
+        return f"one level over {size} shards (--reduce-group-size >= replicas: one group)"
+    groups = GroupPlan(tuple(range(replicas)), size, 0).groups
+    sizes = [len(g) for g in groups]
+    shape = f"of {size}" if len(set(sizes)) == 1 else f"({', '.join(map(str, sizes))})"
+    return f"two levels: {len(groups)} groups {shape}, {size} slices, one leader per slice"

@@ -522,6 +522,7 @@ def _print_plan(plan: Any) -> None:
     """``--dry-run``: the backend's plan as a table, with the hourly cost where known."""
     from rich.table import Table
 
+    from crf.exchange import groups
     from crf.replica import local_ranks
 
     spec = plan.spec
@@ -555,6 +556,10 @@ def _print_plan(plan: Any) -> None:
                 if spec.checkpoint_every > 1
                 else ""
             ),
+        ),
+        (
+            "exchange",
+            f"{spec.wire_dtype} wire, {groups.describe(bp.replicas, spec.reduce_group_size)}",
         ),
         ("timeout", "-" if bp.timeout_s is None else f"{bp.timeout_s:.0f} s"),
         ("secrets", ", ".join(_secret_names(plan, bp.secrets)) or "-"),
