@@ -816,16 +816,7 @@ class ObjectStoreAllReduce:
         r = job.round
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
-            expect = {
-                "run_id": self.config.run_id,
-                "round": r,
-                "shard": i,
-                "group": g,
-                "layout_hash": job.lhash,
-                "numel_total": job.total,
-                "wire": self.wire,
-            }
-            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+            bad = self._unlike(hdr, r, i, job.lhash, group=g, numel_total=job.total)
             used = hdr.get("participants")
             if not (isinstance(used, list) and used == sorted(set(used))) or not set(used) <= set(
                 plan.groups[g]
@@ -1683,6 +1674,21 @@ class ObjectStoreAllReduce:
             return wire
         return None
 
+    def _unlike(
+        self, hdr: dict[str, Any], r: int, s: int, lhash: str, **more: Any
+    ) -> dict[str, Any]:
+        """The fields of a downloaded tensor object's header that are not those of this
+        run's round r, shard (slice) s, layout and wire, nor ``more``: what it holds instead."""
+        expect = {
+            "run_id": self.config.run_id,
+            "round": r,
+            "shard": s,
+            "layout_hash": lhash,
+            "wire": self.wire,
+            **more,
+        }
+        return {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+
     def _decode_reduced(
         self, r: int, s: int, key: str, data: bytes, lhash: str, n: int
     ) -> torch.Tensor:
@@ -1693,14 +1699,7 @@ class ObjectStoreAllReduce:
         for everyone (the key is create-if-absent: no good copy can replace it)."""
         try:
             t, hdr = decode_tensor(data, where=f"{self.store.uri}/{key}", copy=False)
-            expect = {
-                "run_id": self.config.run_id,
-                "round": r,
-                "shard": s,
-                "layout_hash": lhash,
-                "wire": self.wire,
-            }
-            bad = {k: hdr.get(k) for k, v in expect.items() if hdr.get(k) != v}
+            bad = self._unlike(hdr, r, s, lhash)
             rank = hdr.get("rank")
             if not (isinstance(rank, int) and 0 <= rank < self.world_size):
                 bad["rank"] = rank
