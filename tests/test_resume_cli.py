@@ -336,7 +336,10 @@ def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Pat
 def test_a_global_folder_whose_state_never_landed_is_not_a_round(tmp_path: Path) -> None:
     """A kill during a global state's write can leave ``global/<r>/`` holding only the
     writer's temp file. Every replica saved its inner state of round 2, but global/2 never
-    landed: the resume starts from global/1 (whole), not from a round with no state."""
+    landed: the resume starts from global/1 (whole), not from a round with no state. Claiming
+    the launch deletes that folder: left in place, it told every resumed replica that the
+    others were past round 2 already, and they all waited to heal from a global/2 nobody
+    wrote (a HealError for each, seen on a loaded machine)."""
     base = tmp_path / "runs"
     store = _fake_run(base)  # 2 replicas
     store.put(layout.global_key(1), b"state 1")
@@ -348,3 +351,7 @@ def test_a_global_folder_whose_state_never_landed_is_not_a_round(tmp_path: Path)
     plan = driver.prepare_resume("old", store=str(base))
     assert plan.resume is not None
     assert (plan.resume.from_round, plan.resume.superseded) == (1, [])
+    assert driver._start_launch(plan, time.time()) == 1
+    assert sorted(store.list("global")) == ["1"]  # the cut write is gone
+    assert store.get(layout.global_key(1)) == b"state 1"
+    assert store.get("replicas/1/inner/2.pt") == b"inner 1 2"  # inner states stay

@@ -242,7 +242,11 @@ def _set_aside(plan: Plan, k: int) -> None:
     global state belong to the stopped launch, and the replicas will run them again from
     that state; so would heal requests. Left in place, a resumed round could read its old
     quorum and averages (with checkpoint_every > 1 there are up to that many such rounds).
-    Superseded global states are kept, not lost: the replicas write them again."""
+    Superseded global states are kept, not lost: the replicas write them again. A global
+    folder past the resume point whose state never landed (a writer killed mid-write leaves
+    its temp file) is deleted: nothing in it can be read, and left in place it would tell
+    every resumed replica that the others are already past that round (they would all wait
+    to heal from a state nobody writes)."""
     from crf.store import ObjectNotFound
 
     assert plan.resume is not None
@@ -257,4 +261,7 @@ def _set_aside(plan: Plan, k: int) -> None:
         for r in layout.round_numbers(store):
             if top is None or r > top:
                 store.delete(layout.round_dir(r))
+        for g in layout.global_rounds(store):
+            if (top is None or g > top) and not store.exists(layout.global_key(g)):
+                store.delete(layout.global_dir(g))
         store.delete(layout.HEAL)
