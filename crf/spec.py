@@ -534,6 +534,26 @@ class RunSpec:
         None, group=WORKLOAD, help="The Hub dataset's config (subset) name."
     )
     dataset_split: str = option("train", group=WORKLOAD, help="The dataset split to train on.")
+    eval_split: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="Held-out split of the same dataset, scored each round on the global model "
+        "(e.g. test); default: none (the embedded task has its own held-out prompts).",
+    )
+    eval_dataset: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="Held-out data from another dataset or file (same forms as --dataset, same "
+        "--column mapping; its --eval-split, default train), scored each round.",
+    )
+    eval_examples: int = option(
+        64,
+        low=1,
+        high=1_000_000,
+        group=WORKLOAD,
+        help="Held-out rows scored each round: a fixed subsample, the same for every "
+        "replica; the replicas share the work.",
+    )
     columns: dict[str, str] = option(
         default_factory=dict,
         flag="--column",
