@@ -154,3 +154,27 @@ def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
         world_size=world_size,
         needs_answer=any(s.needs_answer for s in specs) or not specs,
     )
+
+
+def eval_source(spec: Any) -> tuple[str, str | None, str] | None:
+    """Where a run's held-out rows come from, as (dataset, config, split), or None:
+    ``--eval-dataset`` (its split: ``--eval-split``, default ``train``), else ``--eval-split``
+    of ``--dataset``. The same ``--column`` mapping applies to both."""
+    other = getattr(spec, "eval_dataset", None)
+    split = getattr(spec, "eval_split", None)
+    if other:
+        return other, None, split or "train"
+    if split and getattr(spec, "dataset", None):
+        return spec.dataset, spec.dataset_config, split
+    return None
+
+
+def fixed_subsample(rows: list[Any], n: int, seed: int) -> list[Any]:
+    """``n`` of ``rows`` (all when there are fewer), chosen by ``seed`` and kept in their
+    order: every replica that draws with the run's seed holds the same held-out set."""
+    import random
+
+    if n >= len(rows):
+        return list(rows)
+    keep = sorted(random.Random(seed).sample(range(len(rows)), n))
+    return [rows[i] for i in keep]
