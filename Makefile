@@ -14,7 +14,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP   = $(VENV)/.crf-installed
 
-.PHONY: install demo test lint bench clean torch-index-args
+.PHONY: install demo test lint bench gpu-wheels clean torch-index-args
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,24 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/exchange.py
+
+# bench/gpu.py on an offline GPU machine (Python 3.12, with torch, transformers, accelerate,
+# peft and safetensors): .whl/ holds, as cp312 x86-64 wheels at this venv's versions, what such a
+# machine lacks (about 20 MB). bench/gpu.py's help gives the command that installs it there.
+GPU_WHEELS = trl torchft-nightly transformers datasets dill multiprocess protobuf \
+  opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
+  opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common \
+  opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common \
+  googleapis-common-protos
+GPU_PLATFORMS = $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp $(GPU_PLATFORMS) -d .whl $$($(BIN)/python -c \
+	  "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
+	@du -sh .whl
 
 # The pip arguments that choose torch's index: PyTorch's CPU index on Linux when it answers
 # within 10 s, else none (pip's configured index). macOS and Windows wheels on PyPI
