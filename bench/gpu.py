@@ -304,6 +304,8 @@ def bench_crf(folder: str, prompts: int, completion: int, sync_every: int, round
                 "job_config": {
                     "prompts_per_step": prompts,
                     "max_completion_length": completion,
+                    "num_generations": 8,  # TRL's GRPO defaults
+                    "learning_rate": 1e-6,
                 },
             },
             store=store,
@@ -322,6 +324,9 @@ def bench_crf(folder: str, prompts: int, completion: int, sync_every: int, round
         "replicas": reps,
         "sync_every": sync_every,
         "rounds": rounds,
+        "rollouts_per_step": prompts * 8,
+        "completion": completion,
+        "step_s": statistics.median(r["compute_s"] for r in reps) / (sync_every * rounds),
         "weights_identical": result.weights_identical,
         "bytes_up_per_replica": (result.bytes_up or 0) / 2,
         "wall_s": wall,
@@ -398,11 +403,14 @@ def table(res: dict[str, Any]) -> str:
         syncs = [r["sync_s"] for r in run["replicas"]]
         lines += [
             f"| crf's share of wall time (sync + checkpoint) at H = {run['sync_every']}, "
-            f"2 replicas on one GPU, {run['rounds']} rounds | "
+            f"2 replicas sharing the GPU, {run['rounds']} rounds, {run['rollouts_per_step']} "
+            f"rollouts of ≤ {run['completion']} tokens per step | "
             + ", ".join(f"{s:.1%}" for s in shares)
             + " |",
             f"| time training waited for crf per replica (all rounds), s | "
             f"{', '.join(f'{s:.1f}' for s in syncs)} |",
+            f"| a replica's optimizer step in that run (the GPU shared by 2), s | "
+            f"{run['step_s']:.2f} |",
             f"| replicas end bit-identical | {run['weights_identical']} |",
         ]
     for phase, err in res.get("errors", {}).items():
@@ -429,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (x 8 generations)")
     p.add_argument("--completion", type=int, default=128, help="max completion tokens")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps of the grpo phase")
+    p.add_argument("--run-prompts", type=int, default=2, help="prompts per step, crf phase")
+    p.add_argument("--run-completion", type=int, default=64, help="max completion, crf phase")
     p.add_argument("--sync-every", type=int, default=50, help="H of the crf phase")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the crf phase")
     p.add_argument("--phases", default="generate,grpo,crf", help="which phases, in order")
@@ -462,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                 vllm_row(),
             ],  # fmt: skip
             "grpo": lambda: bench_grpo(folder, device, a.prompts, a.completion, a.steps),
-            "crf": lambda: bench_crf(folder, a.prompts, a.completion, a.sync_every, a.rounds),
+            "crf": lambda: bench_crf(
+                folder, a.run_prompts, a.run_completion, a.sync_every, a.rounds
+            ),
         }
         for name in a.phases.split(","):
             t0 = time.perf_counter()
