@@ -51,6 +51,21 @@ def label(k: int | None, mode: str = "ddp") -> str:
     return f"{k} local ranks ({how} inside each replica; one of them exchanges)"
 
 
+def idle_gpus(gpus: int, k: int | None, job_trains_on_ranks: bool) -> str | None:
+    """The dry-run plan's warning when each replica's hardware has more GPUs than its K
+    local ranks use (None when it does not): the run pays for GPUs that sit idle."""
+    k = k or 1
+    if gpus <= k:
+        return None
+    fix = (
+        f"leave --procs-per-replica out (it defaults to the {gpus} GPUs) or choose smaller "
+        "hardware"
+        if job_trains_on_ranks
+        else "this job trains on one process per replica: choose hardware with one GPU"
+    )
+    return f"each replica has {gpus} GPUs but trains on {k} process(es), {gpus - k} idle: {fix}"
+
+
 def is_worker(environ: Any = None) -> bool:
     """Whether this process is one of a replica's local ranks (started by :func:`run_agent`,
     which sets ``CRF_LOCAL_WORKER`` to its own pid)."""
@@ -100,7 +115,7 @@ def batch_error(job_name: str, job: Any, config: Any, k: int) -> str | None:
         return None
     return (
         f"job {job_name!r} takes {rows} rows per inner step, which {k} local ranks cannot share "
-        f"evenly: make it a multiple of --procs-per-replica {k} (or change K)"
+        f"evenly: make it a multiple of --procs-per-replica {k}, or pick another K"
     )
 
 
