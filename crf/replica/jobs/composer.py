@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+from crf.replica import local_ranks
 
 #: trains across a replica's local ranks (--procs-per-replica): TRL's trainer runs on each,
 #: with its share of the replica's rollouts (crf.replica.local_ranks.trainer_args)
@@ -320,7 +321,6 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         save_tiny,
     )
     from crf.composer.task import HINT_TEMPLATE, reverse_reward
-    from crf.replica import local_ranks
     from crf.replica.rewards import job_rewards
 
     rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
