@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from crf.executors.sagemaker import instance_gpus
 from crf.launcher.cli import app
 from crf.replica.local_fsdp import PREPARE, SYNC, action_at
 from crf.replica.local_ranks import LocalGroup
+from tests.fake_job import register_fake_job
 from tests.fault_helpers import launch_lm
 
 #: the largest |w(2 x 2) - w(2 x 1)| allowed over every final weight. DDP (and FSDP's
@@ -36,7 +38,12 @@ from tests.fault_helpers import launch_lm
 WEIGHT_ATOL = 1e-5
 
 
-def test_default_is_the_gpus_of_the_hardware() -> None:
+@dataclass
+class _Knobs:
+    size: int = 1
+
+
+def test_default_is_the_gpus_of_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [flavor_gpus(f) for f in ("cpu-basic", "a10g-small", "l4x4", "a10g-largex2")] == [
         0,
         1,
@@ -55,11 +62,13 @@ def test_default_is_the_gpus_of_the_hardware() -> None:
     assert resolve_procs_per_replica(None, HFJobsExecutor(flavor="l4x4"), None, "lm") == 4
     assert resolve_procs_per_replica(None, LocalProcessExecutor(), None, "lm") == 1  # CPU
     assert resolve_procs_per_replica(3, LocalProcessExecutor(), None, "lm") == 3
+    assert resolve_procs_per_replica(None, ModalExecutor(gpu="H100:2"), None, "composer") == 2
     # a job that trains on one process, or an own command, keeps one process per replica
-    assert resolve_procs_per_replica(None, ModalExecutor(gpu="H100:2"), None, "composer") == 1
+    one = register_fake_job(monkeypatch, _Knobs, "oneproc")
+    assert resolve_procs_per_replica(None, ModalExecutor(gpu="H100:2"), None, one) == 1
     assert resolve_procs_per_replica(None, ModalExecutor(gpu="H100:2"), ["python", "x"], "lm") == 1
-    with pytest.raises(ExecutorError, match="composer.*leave --procs-per-replica out"):
-        resolve_procs_per_replica(2, LocalProcessExecutor(), None, "composer")
+    with pytest.raises(ExecutorError, match="oneproc.*leave --procs-per-replica out"):
+        resolve_procs_per_replica(2, LocalProcessExecutor(), None, one)
     with pytest.raises(ExecutorError, match="own --entrypoint"):
         resolve_procs_per_replica(2, LocalProcessExecutor(), ["python", "x"], "lm")
 

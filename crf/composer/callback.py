@@ -3,6 +3,10 @@
 - ``on_train_begin`` enters ``ctx.diloco(model, inner_optimizer)`` (kept open in an
   ``ExitStack`` until ``on_train_end``): the trainer's own optimizer becomes DiLoCo's inner
   optimizer, and every ``sync_every`` optimizer steps the replicas average pseudo-gradients.
+  Across a replica's local ranks (``--procs-per-replica``) every rank's trainer has one: local
+  rank 0's context exchanges, the others' (``LocalFollower``) take its weights after each
+  outer step. The trainer's arguments then come from ``crf.replica.local_ranks.trainer_args``
+  (each rank's share of the batch; DDP without per-forward collectives).
 - ``on_step_end`` asks the trainer to log every optimizer step, and ``on_log`` then calls
   ``ctx.log_step(loss=..., reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)``
   exactly once per inner optimizer step (metrics a step did not produce are left out).
@@ -55,6 +59,9 @@ class DiLoCoCallback(TrainerCallback):
             )
         # accelerate wraps the optimizer; DiLoCo hooks the torch optimizer whose step() runs
         inner = getattr(optimizer, "optimizer", optimizer)
+        # across local ranks the trainer may hand over its DDP wrapper: DiLoCo (and the
+        # weights local rank 0 shares) are the module's own parameters
+        model = _unwrapped(model)
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self.ctx.diloco(model, inner))
 
@@ -89,6 +96,13 @@ class DiLoCoCallback(TrainerCallback):
             if self.round_eval is not None and _at_round_end(self.ctx):
                 extra.update({k: v for k, v in self.round_eval().items() if v is not None})
             self.ctx.log_step(loss=record["loss"], **extra)
+
+
+def _unwrapped(model: Any) -> Any:
+    """``model`` without DistributedDataParallel's wrapper (the same parameters)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _at_round_end(ctx: Any) -> bool:

@@ -282,6 +282,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         # nothing to distil: it takes no part, rather than counting as a row of value 0.
         has_tokens = (loss_mask(output).sum(1) > 0).tolist()
         rows = [p is not None and h for p, h in zip(teacher_prompts, has_tokens, strict=True)]
+        num_rows = self._rows_per_process(sum(rows))  # every process, rows or none
         if not any(rows):
             return
         filled = [
@@ -298,7 +299,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             [torch.ones_like(i) for i in ids], padding_value=0, padding_side="left"
         ).to(device)
         output["distill_rows"] = torch.tensor(rows, dtype=torch.bool, device=device)
-        output["distill_num_rows"] = torch.tensor(float(sum(rows)), device=device)
+        output["distill_num_rows"] = torch.tensor(num_rows, device=device)
 
     def _trace_eos_id(self) -> int:
         eos = getattr(self._hf_model().generation_config, "eos_token_id", None)
@@ -322,20 +323,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 r and not bool(rw >= args.replay_reward_threshold)
                 for r, rw in zip(rows, rewards.tolist(), strict=True)
             ]
-        if not any(rows):
-            return
-        eos = self._trace_eos_id()
-        encoded = self._tokenizer(
-            text=[t if r else "" for t, r in zip(traces, rows, strict=True)],
-            add_special_tokens=False,
-        )["input_ids"]
-        chosen = [list(ids) + [eos] for ids in encoded]
-        # A rollout token-identical to its trace makes a degenerate pair (zero gradient for
-        # DPO and SimPO alike): leave it out instead of diluting the channel's mean.
-        comp_ids, comp_mask = output["completion_ids"], output["completion_mask"]
-        for i, r in enumerate(rows):
-            if r and comp_ids[i][comp_mask[i].bool()].tolist() == chosen[i]:
-                rows[i] = False
+        chosen = self._replay_chosen(traces, rows, output) if any(rows) else []
+        num_rows = self._rows_per_process(sum(rows))  # every process, rows or none
         if not any(rows):
             return
         device = self.accelerator.device
@@ -347,11 +336,39 @@ class ComposerReplicationTrainer(GRPOTrainer):
         output["replay_chosen_ids"] = chosen_ids.to(device)
         output["replay_chosen_mask"] = chosen_mask.to(device)
         output["replay_rows"] = torch.tensor(rows, dtype=torch.bool, device=device)
-        output["replay_num_rows"] = torch.tensor(float(sum(rows)), device=device)
+        output["replay_num_rows"] = torch.tensor(num_rows, device=device)
         if args.replay_loss == "dpo":
             ref_c, ref_r = self._reference_logps(output)
             output["replay_ref_chosen_logps"] = ref_c
             output["replay_ref_rejected_logps"] = ref_r
+
+    def _replay_chosen(
+        self, traces: list[Any], rows: list[bool], output: dict[str, Any]
+    ) -> list[list[int]]:
+        """The token ids of each row's trace (+ EOS); a rollout token-identical to its trace
+        makes a degenerate pair (zero gradient for DPO and SimPO alike): its row is set
+        False in ``rows`` rather than dilute the channel's mean."""
+        eos = self._trace_eos_id()
+        encoded = self._tokenizer(
+            text=[t if r else "" for t, r in zip(traces, rows, strict=True)],
+            add_special_tokens=False,
+        )["input_ids"]
+        chosen = [list(ids) + [eos] for ids in encoded]
+        comp_ids, comp_mask = output["completion_ids"], output["completion_mask"]
+        for i, r in enumerate(rows):
+            if r and comp_ids[i][comp_mask[i].bool()].tolist() == chosen[i]:
+                rows[i] = False
+        return chosen
+
+    def _rows_per_process(self, rows: int) -> float:
+        """A channel's rows in the generation batch, per process: each process's loss is
+        its rows' sum over this share, so DDP's mean of the processes' gradients is the
+        channel's mean over all the batch's rows, as on one process (where it is ``rows``)."""
+        n = self.accelerator.num_processes
+        if n == 1:
+            return float(rows)
+        count = torch.tensor([float(rows)], device=self.accelerator.device)
+        return float(self.accelerator.gather(count).sum()) / n
 
     @torch.no_grad()
     def _reference_logps(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

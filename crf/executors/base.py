@@ -186,7 +186,7 @@ def resolve_procs_per_replica(
 ) -> int:
     """``--procs-per-replica``: as given, else the GPUs of each replica's hardware (1 on
     CPU). Local ranks are started by the built-in replica (``python -m crf.replica``) for a
-    job that trains data-parallel (``LOCAL_RANKS = True``, as ``lm``): an own
+    job that trains data-parallel (``LOCAL_RANKS = True``, as ``lm`` and ``composer``): an own
     ``--entrypoint`` or another job gets 1 by default, and ExecutorError when it asks for
     more."""
     from crf.replica.jobs import get_job
@@ -195,7 +195,7 @@ def resolve_procs_per_replica(
     if entrypoint is not None:
         why = "your own --entrypoint can start torchrun itself"
     elif not supports_local_ranks(get_job(job)):
-        why = f"job {job!r} trains on one process per replica (lm trains data-parallel)"
+        why = f"job {job!r} trains on one process per replica (lm and composer train data-parallel)"
     else:
         why = ""
     if why and requested is not None and requested > 1:

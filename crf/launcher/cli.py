@@ -518,6 +518,22 @@ def _secret_names(plan: Any, store_secrets: list[str]) -> list[str]:
     return [*store_secrets, *(secret_name(s) for s in plan.spec.secrets)]
 
 
+def _idle_gpus(plan: Any) -> str | None:
+    """The plan's warning when each replica has GPUs its local ranks leave idle."""
+    from crf.replica import local_ranks
+    from crf.replica.jobs import get_job
+
+    spec = plan.spec
+    gpus = plan.executor.gpus_per_replica()
+    if gpus <= (spec.procs_per_replica or 1):
+        return None
+    try:
+        can = plan.command is None and local_ranks.supports_local_ranks(get_job(spec.job))
+    except (ImportError, ValueError):
+        can = False
+    return local_ranks.idle_gpus(gpus, spec.procs_per_replica, can)
+
+
 def _print_plan(plan: Any) -> None:
     """``--dry-run``: the backend's plan as a table, with the hourly cost where known."""
     from rich.table import Table
@@ -565,6 +581,9 @@ def _print_plan(plan: Any) -> None:
         ("secrets", ", ".join(_secret_names(plan, bp.secrets)) or "-"),
         ("cost", price),
     ]
+    idle = _idle_gpus(plan)
+    if idle:
+        rows.insert(3, ("warning", idle))
     if plan.workdir is not None:
         w = plan.workdir
         rows.insert(-1, ("workdir", f"{spec.workdir}: {w.files} file(s), "

@@ -139,6 +139,19 @@ def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
 
 
+def check_local_batch(job: str, options: Mapping[str, Any] | None, k: int | None) -> None:
+    """LaunchError if the job's batch cannot be split evenly over the replica's K local
+    ranks (a job that names its batch: ``replica_batch(config)``), before any replica runs."""
+    from crf.replica.jobs import get_job, job_config
+    from crf.replica.local_ranks import batch_error
+
+    if not k or k <= 1:
+        return
+    why = batch_error(job, get_job(job), job_config(job, dict(options or {})), k)
+    if why:
+        raise LaunchError(why)
+
+
 def check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
     """LaunchError if the backend cannot run that many replicas (see replica_limit)."""
     limit_of = getattr(executor, "replica_limit", None)
@@ -217,6 +230,7 @@ def prepare(
             check_workload(spec)
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
+            check_local_batch(spec.job, spec.job_config, spec.procs_per_replica)
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:

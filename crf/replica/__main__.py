@@ -67,7 +67,7 @@ def _launch_local_ranks(spec: Any, k: int, rank: int) -> int:
     if not local_ranks.supports_local_ranks(get_job(spec.job)):
         print(
             f"crf.replica: job {spec.job!r} trains on one process per replica; "
-            f"--procs-per-replica {k} needs a job that trains data-parallel (lm)",
+            f"--procs-per-replica {k} needs a job that trains data-parallel (lm, composer)",
             file=sys.stderr,
         )
         return EXIT_UNRECOVERABLE

@@ -51,6 +51,21 @@ def label(k: int | None, mode: str = "ddp") -> str:
     return f"{k} local ranks ({how} inside each replica; one of them exchanges)"
 
 
+def idle_gpus(gpus: int, k: int | None, job_trains_on_ranks: bool) -> str | None:
+    """The dry-run plan's warning when each replica's hardware has more GPUs than its K
+    local ranks use (None when it does not): the run pays for GPUs that sit idle."""
+    k = k or 1
+    if gpus <= k:
+        return None
+    fix = (
+        f"leave --procs-per-replica out (it defaults to the {gpus} GPUs) or choose smaller "
+        "hardware"
+        if job_trains_on_ranks
+        else "this job trains on one process per replica: choose hardware with one GPU"
+    )
+    return f"each replica has {gpus} GPUs but trains on {k} process(es), {gpus - k} idle: {fix}"
+
+
 def is_worker(environ: Any = None) -> bool:
     """Whether this process is one of a replica's local ranks (started by :func:`run_agent`,
     which sets ``CRF_LOCAL_WORKER`` to its own pid)."""
@@ -80,6 +95,49 @@ def supports_local_ranks(job: Any) -> bool:
     """Whether a job module trains data-parallel across local ranks (it says so with
     ``LOCAL_RANKS = True``; it then uses ``ctx.data_parallel`` and ``ctx.local_part``)."""
     return bool(getattr(job, "LOCAL_RANKS", False))
+
+
+def size_of(ctx: Any) -> int:
+    """K of the replica a job runs in (its context's local group; 1 without one)."""
+    local = getattr(ctx, "local", None)
+    return local.size if local is not None else 1
+
+
+def batch_error(job_name: str, job: Any, config: Any, k: int) -> str | None:
+    """Why the job's replica batch cannot be split over ``k`` local ranks (None if it can):
+    a job that knows its batch says so with ``replica_batch(config) -> int`` (the rows of
+    one inner step, all local ranks together), so a bad split stops before launch."""
+    rows_of = getattr(job, "replica_batch", None)
+    if k <= 1 or rows_of is None:
+        return None
+    rows = int(rows_of(config))
+    if rows % k == 0:
+        return None
+    return (
+        f"job {job_name!r} takes {rows} rows per inner step, which {k} local ranks cannot share "
+        f"evenly: make it a multiple of --procs-per-replica {k}, or pick another K"
+    )
+
+
+def trainer_args(ctx: Any, replica_batch: int) -> dict[str, Any]:
+    """``TrainingArguments`` fields that make a transformers / TRL Trainer train one replica
+    across its K local ranks: each rank's ``per_device_train_batch_size`` is the replica's
+    batch / K (accelerate finds the local process group and wraps the model in DDP, and
+    GRPOTrainer's sampler and reward gather span the K processes, so the replica's batch is
+    the one it is with K = 1). DDP neither broadcasts buffers nor looks for unused
+    parameters: either would make every forward a collective, and a job may run a different
+    number of forwards on each rank (the composer's channels run on the rows a rank holds);
+    the buffers are local rank 0's anyway (the weights it shares). With K = 1: the batch."""
+    k = size_of(ctx)
+    if replica_batch % k:
+        raise ValueError(
+            f"a batch of {replica_batch} rows cannot be split over {k} local ranks: make the "
+            "job's batch a multiple of --procs-per-replica"
+        )
+    out: dict[str, Any] = {"per_device_train_batch_size": replica_batch // k}
+    if k > 1:
+        out.update(ddp_broadcast_buffers=False, ddp_find_unused_parameters=False)
+    return out
 
 
 def run_agent(k: int, replica_rank: int) -> int:
@@ -218,7 +276,6 @@ class LocalFollower:
 
     store = None
     manager = None
-    tracker = None
 
     def __init__(self, spec: Any, rank: int, world_size: int, local: LocalGroup) -> None:
         from crf.replica.context import data_seed_of  # it imports this module
@@ -232,6 +289,7 @@ class LocalFollower:
         self.total_steps = spec.total_steps
         self.step = 0
         self.model: Any = None
+        self.tracker = _NoTracker()  # local rank 0 reports for the replica
 
     def data_parallel(self, model: Any) -> Any:
         return self.local.wrap(model)
@@ -275,7 +333,8 @@ class LocalFollower:
             self.local.mean(loss)
 
     def resume_step(self) -> int:
-        return self.step
+        """Local rank 0's (a collective: every local rank asks, or none)."""
+        return int(self.local.share())
 
     def save_model_at_end(self, model: Any, tokenizer: Any | None = None) -> None:
         """Local rank 0 saves the model."""
@@ -288,6 +347,22 @@ class LocalFollower:
 
     def __exit__(self, *_: Any) -> bool:
         return False
+
+
+class _NoTracker:
+    """A follower's tracker: local rank 0 alone reports to ``--report-to``."""
+
+    def trainer_args(self) -> dict[str, Any]:
+        return {"report_to": []}
+
+    def log_step(self, *_: Any) -> None:
+        pass
+
+    def log_round(self, *_: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class MirrorRefresh:

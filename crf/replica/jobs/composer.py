@@ -32,6 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
+from crf.replica import local_ranks
+
+#: trains across a replica's local ranks (--procs-per-replica): TRL's trainer runs on each,
+#: with its share of the replica's rollouts (crf.replica.local_ranks.trainer_args)
+LOCAL_RANKS = True
+
+
+def replica_batch(cfg: Config) -> int:
+    """The rollouts of one inner step, all local ranks together (checked before launch)."""
+    return cfg.prompts_per_step * cfg.num_generations
 
 
 @dataclass
@@ -339,7 +349,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
             seed=int(ctx.data_seed),
             learning_rate=cfg.learning_rate,
             lr_scheduler_type="constant",
-            per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+            **local_ranks.trainer_args(ctx, replica_batch(cfg)),  # this rank's rollouts
             num_generations=cfg.num_generations,
             max_completion_length=max_new,
             temperature=cfg.temperature,

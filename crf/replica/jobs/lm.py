@@ -103,6 +103,11 @@ class Config:
             raise ValueError(f"lm option lr must be > 0 (got {self.lr})")
 
 
+def replica_batch(cfg: Config) -> int:
+    """The rows of one inner step, all local ranks together (checked before launch)."""
+    return cfg.batch_size
+
+
 def char_tokenizer(itos: list[str]) -> Any:
     """The job's character vocabulary as a ``transformers`` fast tokenizer (token ``i`` is
     ``itos[i]``, as in training), saved beside the exported model so it can be used; a
