@@ -204,8 +204,9 @@ def check_values(fields: Mapping[str, Any], batch: int) -> None:
                        per_device_train_batch_size=batch, **fields)  # fmt: skip
         except (TypeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise SettingError(f"TRL's GRPOConfig refuses the job's trl settings: {first}") \
-                from None
+            raise SettingError(
+                f"TRL's GRPOConfig refuses the job's trl settings: {first}"
+            ) from None
 
 
 def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bool) -> None:

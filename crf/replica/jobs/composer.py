@@ -469,6 +469,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         )
         for noisy in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(noisy)
+        callback.weights_replaced.append(trainer.weights_replaced)  # vLLM: push after syncs
         try:
             trainer.train()
         finally:
