@@ -333,7 +333,11 @@ class RunSpec:
         "(mypkg.myjob).",
     )
     job_config: dict[str, Any] = option(  # on the command line: --set KEY=VALUE, repeatable
-        default_factory=dict, flag="--set", cli=False, help="Job option KEY=VALUE (repeatable)."
+        default_factory=dict,
+        flag="--set",
+        cli=False,
+        help="Job option KEY=VALUE (repeatable); for the composer job, trl.FIELD=VALUE sets "
+        "any field of TRL's GRPOConfig.",
     )
     entrypoint: list[str] | None = option(  # a user's own command, not `python -m crf.replica`
         None,

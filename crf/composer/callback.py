@@ -11,6 +11,12 @@
   ``ctx.log_step(loss=..., reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)``
   exactly once per inner optimizer step (metrics a step did not produce are left out).
 
+- ``weights_replaced``: callables run whenever the model's weights changed outside the
+  trainer's optimizer: after each sync's outer step (and a heal into a later round), and on
+  entering DiLoCo (a restarted replica loads the global state). The composer job registers
+  the trainer's ``weights_replaced`` there, so TRL's vLLM copy of the weights is marked stale
+  and the next rollout pushes the new global weights first.
+
 ``ctx`` may be ``None`` (standalone/debug runs): the callback then only records the history.
 """
 
@@ -46,6 +52,8 @@ class DiLoCoCallback(TrainerCallback):
         self.history: list[dict[str, float]] = []
         self._stack: contextlib.ExitStack | None = None
         self._last_logged_step = -1
+        self.weights_replaced: list[Callable[[], None]] = []
+        self._ctx_step = 0
 
     # ------------------------------------------------------------------ DiLoCo
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -64,6 +72,8 @@ class DiLoCoCallback(TrainerCallback):
         model = _unwrapped(model)
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self.ctx.diloco(model, inner))
+        self._ctx_step = int(getattr(self.ctx, "step", 0) or 0)
+        self._replaced()  # a restarted replica holds the global weights now
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -74,9 +84,18 @@ class DiLoCoCallback(TrainerCallback):
         if stack is not None:
             stack.close()
 
+    def _replaced(self) -> None:
+        for listener in self.weights_replaced:
+            listener()
+
     # ------------------------------------------------------------------ metrics
     def on_step_end(self, args, state, control, **kwargs):
         control.should_log = True  # one log (hence one ctx.log_step) per optimizer step
+        if self.ctx is not None:
+            step = int(getattr(self.ctx, "step", 0) or 0)
+            if _synced(self.ctx, step) or step != self._ctx_step + 1:  # outer step, or a heal
+                self._replaced()
+            self._ctx_step = step
         if self.ctx is not None and getattr(self.ctx, "step", 0) >= self.ctx.total_steps:
             control.should_training_stop = True  # healed into a later round: nothing left
         return control
@@ -103,6 +122,14 @@ def _unwrapped(model: Any) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _synced(ctx: Any, step: int) -> bool:
+    """Inner step ``step`` ended with a sync (one fragment's, with Streaming DiLoCo): its
+    outer step changed the weights."""
+    spec = getattr(ctx, "spec", None)
+    period = int(getattr(spec, "sync_period", 0) or getattr(spec, "sync_every", 0) or 0)
+    return period > 0 and step > 0 and step % period == 0
 
 
 def _at_round_end(ctx: Any) -> bool:

@@ -246,6 +246,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._last_local_rewards = (local * weights).nansum(dim=1)
         return rewards_per_func
 
+    def weights_replaced(self) -> None:
+        """The weights changed outside this trainer's optimizer (a DiLoCo outer step, a
+        heal): with ``use_vllm``, TRL's vLLM copy is stale, so the next generation pushes the
+        weights first (TRL pushes when ``_last_loaded_step`` differs from the global step)."""
+        if getattr(self, "use_vllm", False):
+            self._last_loaded_step = -1
+
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         rewards, self._last_local_rewards = self._last_local_rewards, None

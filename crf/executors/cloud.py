@@ -298,9 +298,7 @@ class CloudExecutor(ServerlessExecutor):
                 f"{redact(f'{type(e).__name__}: {e}', secrets.values())}"
             ) from None
         self.remember_launch(
-            LaunchArgs.of(
-                n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
-            )
+            LaunchArgs.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env)
         )
         return handles
 

@@ -245,9 +245,7 @@ class LocalProcessExecutor(ServerlessExecutor):
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
             raise ExecutorError(f"could not start replica {rank}: {e}") from e
         self.remember_launch(
-            LaunchArgs.of(
-                n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env
-            )
+            LaunchArgs.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env)
         )
         return handles
 

@@ -241,8 +241,12 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
     now = time.time()
     replicas = [_replica_record(h, st, beat, now) for h, st, beat in run.statuses()]
     result = run.result()
-    status = result["status"] if result else (
-        "running" if any(r["state"] in ("pending", "running") for r in replicas) else "stopped"
+    status = (
+        result["status"]
+        if result
+        else (
+            "running" if any(r["state"] in ("pending", "running") for r in replicas) else "stopped"
+        )
     )
     return {
         "run_id": run.spec.run_id,

@@ -431,23 +431,25 @@ def _apply_config(ctx: typer.Context, options: dict[str, Any], flags: dict[str, 
 def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict) -> NoReturn:
     """``--print-config``: the resolved options, checked as for a launch, as TOML; nothing is
     launched or written."""
-    from crf.launcher.config_file import dump_config
+    from crf.launcher.config_file import dump_config, settings_comment
     from crf.launcher.errors import LaunchError
-    from crf.launcher.plan import DEFAULT_STORE, RestartPolicy, check_options
+    from crf.launcher.plan import DEFAULT_STORE, RestartPolicy, checked_spec, job_settings
 
     if flags["resume"] is not None:
         _fail("--print-config cannot be combined with --resume (the run's options are in its "
               "run.json)")  # fmt: skip
     try:
         RestartPolicy(flags["max_restarts"], flags["max_run_restarts"]).validate()
-        job_config = check_options(options)
+        spec = checked_spec(options)
+        knobs, trl = job_settings(spec)
     except LaunchError as e:
         _fail(str(e))
     resolved = {n: options.get(n, o.default) for n, o in run_options().items()}
     resolved.pop("job_config")
     launch_flags = {name: flags[name] for name in _FILE_FLAGS}
     launch_flags["store"] = launch_flags["store"] or DEFAULT_STORE
-    typer.echo(dump_config(resolved, backend, job_config, launch_flags), nl=False)
+    text = dump_config(resolved, backend, spec.job_config, launch_flags)
+    typer.echo(text + settings_comment(knobs, trl), nl=False)
     raise typer.Exit(EXIT_OK)
 
 
@@ -581,9 +583,10 @@ def _print_plan(plan: Any) -> None:
         ("secrets", ", ".join(_secret_names(plan, bp.secrets)) or "-"),
         ("cost", price),
     ]
+    rows[_row(rows, "job") + 1 : _row(rows, "job") + 1] = _settings_rows(plan)
     idle = _idle_gpus(plan)
     if idle:
-        rows.insert(3, ("warning", idle))
+        rows.insert(_row(rows, "procs per replica") + 1, ("warning", idle))
     if plan.workdir is not None:
         w = plan.workdir
         rows.insert(-1, ("workdir", f"{spec.workdir}: {w.files} file(s), "
@@ -596,8 +599,29 @@ def _print_plan(plan: Any) -> None:
     console.print(table)
     for note in bp.notes:
         console.print(f"- {escape(note)}", highlight=False)
+    for note in plan.notes:
+        console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
     _print_missing(console, plan.missing)
     console.print("nothing was launched or written (--dry-run)")
+
+
+def _row(rows: list[tuple[str, str]], key: str) -> int:
+    return next(i for i, (k, _) in enumerate(rows) if k == key)
+
+
+def _settings_rows(plan: Any) -> list[tuple[str, str]]:
+    """The dry run's "job settings" (the job's knobs, defaults included) and "TRL settings"
+    (the GRPOConfig fields not at TRL's default) rows; none for a custom --entrypoint."""
+    from crf.launcher.plan import job_settings
+
+    if plan.spec.entrypoint:
+        return []
+    knobs, trl = job_settings(plan.spec)
+    out = [("job settings", ", ".join(f"{k}={v!r}" for k, v in knobs.items()))]
+    if trl:
+        out.append(("TRL settings", ", ".join(f"{k}={v!r}" for k, v in trl.items())
+                    + " (every other GRPOConfig field: TRL's default)"))  # fmt: skip
+    return out
 
 
 def _print_missing(console: Console, missing: list[str]) -> None:

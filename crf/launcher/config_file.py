@@ -293,11 +293,28 @@ def dump_config(
     for table, given in (("backend", backend_options), ("job", job_config)):
         values = ({TABLE_NAME: options[table]} if table in options else {}) | dict(given)
         lines += ["", f"[{table}]"]
+        subtables = []
         for name, value in values.items():
             if table == "backend" and is_secret(name):
                 lines.append(f"# {name}: a secret, not printed")
+            elif table == "job" and name == "trl" and isinstance(value, Mapping):
+                subtables.append((name, value))  # [job.trl], after the table's own keys
             elif value is not None:
                 lines.append(f"{_key(name)} = {_value(value)}")
+        for name, sub in subtables:
+            lines += ["", f"[{table}.{_key(name)}]"]
+            lines += [f"{_key(k)} = {_value(v)}" for k, v in sub.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def settings_comment(knobs: Mapping[str, Any], trl: Mapping[str, Any]) -> str:
+    """The job's effective settings as TOML comments under a printed config (read back, they
+    change nothing): its knobs, defaults included, and the TRL fields not at TRL's default."""
+    lines = ["", "# effective job settings (defaults included):"]
+    lines += [f"#   {_key(k)} = {_value(v)}" for k, v in knobs.items() if v is not None]
+    if trl:
+        lines.append("# TRL GRPOConfig fields that differ from TRL's defaults:")
+        lines += [f"#   {_key(k)} = {_value(v)}" for k, v in trl.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 

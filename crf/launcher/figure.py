@@ -54,15 +54,18 @@ JOB_PANELS: dict[str, tuple[Panel, ...]] = {
     "composer": (
         Panel("mean reward per round", "reward", ("metrics.reward",)),
         Panel("held-out exact match per round", "exact match", ("metrics.exact_match",)),
-        Panel("loss channels (mean over replicas)", "loss",
-              ("loss", "metrics.grpo_loss", "metrics.distill_loss", "metrics.replay_loss"),
-              per_replica=False, labels=("total", "GRPO", "distillation", "replay")),
+        Panel(
+            "loss channels (mean over replicas)",
+            "loss",
+            ("loss", "metrics.grpo_loss", "metrics.distill_loss", "metrics.replay_loss"),
+            per_replica=False,
+            labels=("total", "GRPO", "distillation", "replay"),
+        ),
         _TIME,
     ),  # fmt: skip
     "lm": (
         Panel("train loss per round", "mean train loss over the round", ("loss",)),
-        Panel("eval loss per round", "held-out loss of the round's model",
-              ("metrics.eval_loss",)),
+        Panel("eval loss per round", "held-out loss of the round's model", ("metrics.eval_loss",)),
         _TIME,
     ),  # fmt: skip
 }

@@ -122,14 +122,18 @@ class Plan:
     #: what a dry run found missing, one line each naming what provides it: credentials
     #: (the variable, file or login command), store access, a client library (empty: ready)
     missing: list[str] = field(default_factory=list)
+    #: a dry run's warnings about the job's settings, one line each (e.g. completions
+    #: shorter than the dataset's answers)
+    notes: list[str] = field(default_factory=list)
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Check the job exists and its options are valid; return the options as typed values."""
-    from crf.replica.jobs import job_config
+    from crf.replica.jobs import job_config, nest_dotted
 
     try:
-        cfg = job_config(job, dict(options or {}))
+        options = nest_dotted(dict(options or {}))
+        cfg = job_config(job, options)
     except ImportError as e:
         raise LaunchError(f"job {job!r} cannot be loaded ({e}); is crf fully installed?") from None
     except (TypeError, ValueError) as e:
@@ -139,7 +143,9 @@ def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
 
 
-def check_local_batch(job: str, options: Mapping[str, Any] | None, k: int | None) -> None:
+def check_local_batch(
+    job: str, options: Mapping[str, Any] | None, k: int | None, spec: RunSpec | None = None
+) -> None:
     """LaunchError if the job's batch cannot be split evenly over the replica's K local
     ranks (a job that names its batch: ``replica_batch(config)``), before any replica runs."""
     from crf.replica.jobs import get_job, job_config
@@ -147,9 +153,42 @@ def check_local_batch(job: str, options: Mapping[str, Any] | None, k: int | None
 
     if not k or k <= 1:
         return
-    why = batch_error(job, get_job(job), job_config(job, dict(options or {})), k)
+    why = batch_error(job, get_job(job), job_config(job, dict(options or {})), k, spec)
     if why:
         raise LaunchError(why)
+
+
+#: the rows of a --dataset file a dry run reads to compare with the job's settings
+SAMPLE_ROWS = 64
+
+
+def job_notes(spec: RunSpec, rows: list[dict[str, Any]]) -> list[str]:
+    """A dry run's warnings about the job's settings against the sampled dataset rows (the
+    job module's ``notes(config, spec, rows)``, if it has one)."""
+    from crf.replica.jobs import get_job, job_config
+
+    notes = getattr(get_job(spec.job), "notes", None)
+    if notes is None or spec.entrypoint:
+        return []
+    return list(notes(job_config(spec.job, spec.job_config), spec, rows))
+
+
+def check_job_run(spec: RunSpec, executor: ServerlessExecutor | None) -> None:
+    """The job's own checks that need the run options (``check_run(config, spec, gpus,
+    local)`` in its module, if it has one: the composer job's TRL settings and vLLM);
+    LaunchError says what to fix. Without an executor (``--print-config``) the hardware is
+    unknown."""
+    from crf.replica.jobs import get_job, job_config
+
+    check = getattr(get_job(spec.job), "check_run", None)
+    if check is None:
+        return
+    local = getattr(executor, "name", spec.backend) == "local"
+    gpus = None if executor is None or local else executor.gpus_per_replica()
+    try:
+        check(job_config(spec.job, spec.job_config), spec, gpus, local)
+    except (TypeError, ValueError) as e:
+        raise LaunchError(str(e)) from None
 
 
 def check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
@@ -227,14 +266,16 @@ def prepare(
     try:
         with importable(packed if _imports_user_code(spec) else None):  # from the workdir
             spec.job_config = validate_job(spec.job, job_options)
-            check_workload(spec)
+            check_job_run(spec, executor)
+            rows = check_workload(spec)
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
-            check_local_batch(spec.job, spec.job_config, spec.procs_per_replica)
+            check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
+    notes = job_notes(spec, rows) if dry_run else []
     secret_env = _read_secrets(spec, missing if dry_run else None)
     # The store last: the writability probe is the only check with a side effect.
     if dry_run:
@@ -242,7 +283,7 @@ def prepare(
     else:
         run_store = _run_folder(run_uri, run_id, dry_run)
     return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env,
-                workdir=packed, missing=missing)  # fmt: skip
+                workdir=packed, missing=missing, notes=notes)  # fmt: skip
 
 
 def check_access(executor: ServerlessExecutor, run_uri: str, *, dry_run: bool) -> list[str]:
@@ -304,21 +345,41 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run options checked as :func:`prepare` checks them, with no backend and no store
     (``crf launch --print-config`` shows a config only once it would launch); returns the
     job's options as typed values. LaunchError says what to fix."""
+    return checked_spec(options).job_config
+
+
+def checked_spec(options: Mapping[str, Any] | None) -> RunSpec:
+    """The RunSpec of :func:`check_options` (its job_config typed); no store, no backend."""
     values = launch_options(options)
     job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
     run_id = values.pop("run_id", None)
     try:
-        RunSpec(
+        spec = RunSpec(
             run_id=run_id if run_id is not None else new_run_id(), run_uri="memory://check",
             **values,
-        ).validate()  # fmt: skip
+        )  # fmt: skip
+        spec.validate()
     except SpecError as e:
         raise LaunchError(str(e)) from None
     except TypeError as e:
         raise LaunchError(f"a run option has the wrong type: {e}") from None
     _command(entrypoint)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
-    return validate_job(values.get("job", RunSpec.job), job_options)
+    spec.job_config = validate_job(spec.job, job_options)
+    check_job_run(spec, None)
+    return spec
+
+
+def job_settings(spec: RunSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's effective settings for a checked ``spec``: its own knobs (defaults
+    included) and the TRL fields that differ from TRL's defaults (composer; {} for others)."""
+    from crf.replica.jobs import get_job, job_config
+
+    cfg = job_config(spec.job, spec.job_config)
+    settings = getattr(get_job(spec.job), "settings", None)
+    if settings is not None:
+        return settings(cfg, spec)
+    return (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {}), {}
 
 
 def check_entrypoint_options(
@@ -341,10 +402,11 @@ def check_entrypoint_options(
     )
 
 
-def check_workload(spec: RunSpec) -> None:
+def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
     """LaunchError for a --reward that does not parse or import, or a --dataset file that
     cannot be read, lacks a column or has fewer rows than replicas (crf/replica/data.py). A
-    local dataset path becomes absolute, so replicas in another directory find it."""
+    local dataset path becomes absolute, so replicas in another directory find it. Returns
+    the first rows of a --dataset file (at most SAMPLE_ROWS) for the dry run's notes."""
     from crf.replica.data import DataError, check_dataset, is_local_file
     from crf.replica.rewards import RewardError, check_rewards
 
@@ -353,7 +415,7 @@ def check_workload(spec: RunSpec) -> None:
     try:
         specs = check_rewards(spec.reward)
         if spec.dataset is None:
-            return
+            return []
         if is_local_file(spec.dataset):
             if spec.backend != "local":
                 raise DataError(
@@ -361,13 +423,14 @@ def check_workload(spec: RunSpec) -> None:
                     "cannot read: copy it to the store (or any URL) and pass that URL"
                 )
             spec.dataset = os.path.abspath(spec.dataset)
-        check_dataset(
+        return check_dataset(
             spec.dataset,
             config=spec.dataset_config,
             split=spec.dataset_split,
             columns=spec.columns,
             replicas=spec.replicas,
             needs_answer=any(s.needs_answer for s in specs) or not specs,
+            sample=SAMPLE_ROWS,
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None

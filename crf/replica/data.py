@@ -120,15 +120,18 @@ def check_dataset(
     columns: Mapping[str, str],
     replicas: int,
     needs_answer: bool,
-) -> None:
+    sample: int = 0,
+) -> list[dict[str, Any]]:
     """Before launch, for a file or URL: readable, has the columns, enough rows for every
-    replica. Reads at most ``replicas`` rows (streaming). A Hub id is checked by the replicas."""
+    replica. Reads at most ``max(replicas, sample)`` rows (streaming) and returns them as
+    dicts of the job's fields (what the dry run inspects). A Hub id is checked by the
+    replicas (nothing is returned for it)."""
     check_columns(columns)
     if builder_of(dataset) is None:
-        return
+        return []
     try:
         ds = _load(dataset, config, split, streaming=True)
-        first = list(ds.take(replicas))
+        first = list(ds.take(max(replicas, sample)))
         names = list(ds.column_names or (first[0].keys() if first else []))
     except DataError:
         raise
@@ -137,7 +140,8 @@ def check_dataset(
         raise DataError(f"--dataset {dataset} cannot be read: {reason}") from None
     if len(first) < replicas:
         raise DataError(_too_few(dataset, len(first), replicas))
-    _renames(columns, names, dataset, required_fields(needs_answer))
+    renames = _renames(columns, names, dataset, required_fields(needs_answer))
+    return [{f: row.get(c) for c, f in renames.items()} for row in first]
 
 
 def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:

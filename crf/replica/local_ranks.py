@@ -103,14 +103,15 @@ def size_of(ctx: Any) -> int:
     return local.size if local is not None else 1
 
 
-def batch_error(job_name: str, job: Any, config: Any, k: int) -> str | None:
+def batch_error(job_name: str, job: Any, config: Any, k: int, spec: Any = None) -> str | None:
     """Why the job's replica batch cannot be split over ``k`` local ranks (None if it can):
-    a job that knows its batch says so with ``replica_batch(config) -> int`` (the rows of
-    one inner step, all local ranks together), so a bad split stops before launch."""
+    a job that knows its batch says so with ``replica_batch(config, spec) -> int`` (the rows
+    of one inner step, all local ranks together, for run options ``spec``), so a bad split
+    stops before launch."""
     rows_of = getattr(job, "replica_batch", None)
     if k <= 1 or rows_of is None:
         return None
-    rows = int(rows_of(config))
+    rows = int(rows_of(config, spec))
     if rows % k == 0:
         return None
     return (

@@ -64,10 +64,31 @@ def get_job(name: str) -> ModuleType:
     return job
 
 
+def nest_dotted(values: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"trl.top_p": "0.9"}`` (``--set trl.top_p=0.9``) as ``{"trl": {"top_p": "0.9"}}``,
+    merged into a ``trl`` table given as such (a config file's ``[job.trl]``, the SDK's
+    ``job_config={"trl": {...}}``); a dotted key wins over the table's, as a flag over the
+    file."""
+    out: dict[str, Any] = {}
+    dotted: list[tuple[str, str, Any]] = []
+    for key, value in (values or {}).items():
+        table, dot, rest = key.partition(".")
+        if dot and table and rest:
+            dotted.append((table, rest, value))
+        else:
+            out[key] = value
+    for table, rest, value in dotted:
+        given = out.get(table)
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"job option {table} is not a table: {table}.{rest} cannot be set")
+        out[table] = {**(given or {}), rest: value}
+    return out
+
+
 def job_config(name: str, values: dict[str, Any] | None) -> Any:
     """Build and validate the job's Config from plain values; errors name the bad key."""
     cls = get_job(name).Config
-    values = dict(values or {})
+    values = nest_dotted(values)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:

@@ -26,45 +26,62 @@ traces (channel 3) are generated with the prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 from crf.replica import local_ranks
+from crf.spec import coerce_text
 
 #: trains across a replica's local ranks (--procs-per-replica): TRL's trainer runs on each,
 #: with its share of the replica's rollouts (crf.replica.local_ranks.trainer_args)
 LOCAL_RANKS = True
 
 
-def replica_batch(cfg: Config) -> int:
-    """The rollouts of one inner step, all local ranks together (checked before launch)."""
-    return cfg.prompts_per_step * cfg.num_generations
+def replica_batch(cfg: Config, spec: Any = None) -> int:
+    """The rollouts of one inner step, all local ranks together (checked before launch):
+    prompts_per_step x the generations the trainer settings resolve to for ``spec``."""
+    generations = cfg.trainer_fields(spec).get("num_generations")
+    return cfg.prompts_per_step * (generations or _grpo_default("num_generations"))
+
+
+#: the trainer knobs' types (their defaults are None: see Config)
+_KNOB_TYPES: dict[str, Any] = {
+    "learning_rate": 0.0,
+    "num_generations": 0,
+    "max_completion_length": 0,
+    "temperature": 0.0,
+    "grpo_beta": 0.0,
+}
 
 
 @dataclass
 class Config:
-    """Knobs of the composer job (``crf launch --job composer --set key=value``)."""
+    """Knobs of the composer job (``crf launch --job composer --set key=value``): the embedded
+    task's, the trainer's (None: the toy's value, or TRL's default with ``--model``; see
+    crf/replica/trl_settings.py), crf's composer-loss knobs, and ``trl``: any other field of
+    TRL's ``GRPOConfig`` (``--set trl.top_p=0.9``, a ``[job.trl]`` table)."""
 
-    # task: reverse strings of min_len..max_len characters over `letters`
+    # task (the embedded string reversal; unused with --dataset): reverse strings of
+    # min_len..max_len characters over `letters`, and the tiny Qwen2 (unused with --model)
     letters: str = "abcd"
     min_len: int = 2
     max_len: int = 3
     num_examples: int = 2048  # the pool all replicas share out
     eval_examples: int = 64  # held-out prompts for greedy exact-match before/after
-    # tiny Qwen2
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    # GRPO
-    learning_rate: float = 5e-3
-    prompts_per_step: int = 8
-    num_generations: int = 4
-    temperature: float = 1.0
-    max_completion_length: int = 0  # tokens per rollout; 0 = the embedded task's max_len + 2
-    grpo_beta: float = 0.0  # KL-to-reference weight of the GRPO term (TRL's `beta`)
+    # trainer (GRPOConfig fields; None: the toy's value, or GRPOConfig's default with --model)
+    learning_rate: float | None = None
+    num_generations: int | None = None
+    max_completion_length: int | None = None  # tokens per rollout (toy: max_len + 2)
+    temperature: float | None = None
+    grpo_beta: float | None = None  # KL-to-reference weight of the GRPO term (TRL's `beta`)
+    prompts_per_step: int = 8  # x num_generations completions per optimizer step
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
     distill_jsd_beta: float = 0.5
@@ -79,6 +96,19 @@ class Config:
     dpo_beta: float = 0.1
     simpo_beta: float = 2.0
     simpo_gamma: float = 0.5
+    # any other GRPOConfig field, by its name (checked against GRPOConfig before launch)
+    trl: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Trainer knobs given as text (``--set``) take their type; 0 completion tokens is
+        the old spelling of "the default"."""
+        for name, like in _KNOB_TYPES.items():
+            setattr(self, name, coerce_text(getattr(self, name), like, f"job option {name}"))
+        if self.max_completion_length == 0:
+            self.max_completion_length = None
+        if not isinstance(self.trl, dict):
+            raise ValueError(f"composer option trl must be a table of GRPOConfig fields "
+                             f"(got {self.trl!r})")  # fmt: skip
 
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -105,20 +135,11 @@ class Config:
         ):
             need(getattr(self, name) >= 1, f"{name} must be >= 1 (got {getattr(self, name)})")
         need(
-            self.num_generations >= 2,
-            f"num_generations must be >= 2 for GRPO's group baseline (got {self.num_generations})",
-        )
-        need(
             self.hidden_size % self.num_heads == 0,
             f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
         )
-        need(
-            self.max_completion_length >= 0,
-            f"max_completion_length must be >= 0 (got {self.max_completion_length})",
-        )
-        need(self.learning_rate > 0, f"learning_rate must be > 0 (got {self.learning_rate})")
-        need(self.temperature > 0, f"temperature must be > 0 (got {self.temperature})")
-        for name in ("grpo_beta", "distill_alpha", "replay_beta", "distill_clip"):
+        self._validate_trainer(need)
+        for name in ("distill_alpha", "replay_beta", "distill_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (got {getattr(self, name)})")
         need(
             self.distill_wrapper in DISTILL_WRAPPERS,
@@ -154,11 +175,40 @@ class Config:
                 "taid_t/taid_schedule are only valid with distill_wrapper=taid",
             )
 
+    def _validate_trainer(self, need: Any) -> None:
+        """The trainer knobs that are set, in range; ``trl.<field>`` names against TRL's
+        GRPOConfig and their text as its types (TRL is imported only when there are any)."""
+        for name, low in (("num_generations", 2), ("max_completion_length", 1)):
+            value = getattr(self, name)
+            need(value is None or value >= low, f"{name} must be >= {low} (got {value})")
+        for name in ("learning_rate", "temperature"):
+            value = getattr(self, name)
+            need(value is None or value > 0, f"{name} must be > 0 (got {value})")
+        need(self.grpo_beta is None or self.grpo_beta >= 0,
+             f"grpo_beta must be >= 0 (got {self.grpo_beta})")  # fmt: skip
+        if self.trl:
+            from crf.replica import trl_settings
+
+            trl_settings.check_names(self.trl, dataclasses.asdict(self))
+            self.trl = trl_settings.coerce(self.trl)
+
     # ------------------------------------------------------------------ derived
+    def trainer_fields(self, spec: Any) -> dict[str, Any]:
+        """The GRPOConfig fields this job sets from its trainer knobs and ``trl`` for run
+        options ``spec`` (the toy's values, or TRL's defaults with --model)."""
+        from crf.replica import trl_settings
+
+        return trl_settings.resolve(
+            dataclasses.asdict(self),
+            self.trl,
+            model=bool(getattr(spec, "model", None)),
+            lora=int(getattr(spec, "lora_rank", 0) or 0) > 0,
+            toy_completion=self.max_len + 2,
+        )
+
     def composer_kwargs(self) -> dict[str, Any]:
-        """The ComposerConfig fields this job sets from its knobs."""
+        """The ComposerConfig fields this job sets from its composer-loss knobs."""
         kw: dict[str, Any] = dict(
-            beta=self.grpo_beta,
             distill_alpha=self.distill_alpha,
             distill_jsd_beta=self.distill_jsd_beta,
             distill_temperature=self.distill_temperature,
@@ -307,6 +357,88 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     return ReplicaSetup(tokenizer, model, shard, held_out, placement)
 
 
+def completion_tokens(cfg: Config, spec: Any) -> int:
+    """The tokens a rollout may take: the job's max_completion_length (trl.* included), else
+    the toy's max_len + 2, else GRPOConfig's default."""
+    value = cfg.trainer_fields(spec).get("max_completion_length")
+    if value is None:
+        from crf.replica.trl_settings import grpo_defaults
+
+        value = grpo_defaults()["max_completion_length"]
+    return int(value)
+
+
+def trainer_config(
+    ctx: Any, cfg: Config, *, output_dir: str, steps: int, reward_weights: Any = None
+) -> Any:
+    """The ComposerConfig the job trains with (nothing is loaded or trained): the trainer
+    settings of ``cfg`` for ``ctx.spec``, then what crf sets itself (trl_settings.OWNED)."""
+    from crf.composer import ComposerConfig
+    from crf.composer.task import HINT_TEMPLATE
+    from crf.replica.model import Placement
+
+    spec = ctx.spec
+    fields = cfg.trainer_fields(spec)
+    generations = fields.get("num_generations") or _grpo_default("num_generations")
+    return ComposerConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        seed=int(ctx.data_seed),
+        **local_ranks.trainer_args(ctx, cfg.prompts_per_step * generations),  # this rank's
+        distill_hint_template=HINT_TEMPLATE,
+        # transformers 5 names it activation_checkpointing (the old name warns)
+        activation_checkpointing=bool(getattr(spec, "gradient_checkpointing", False)),
+        **Placement.for_spec(spec).trainer_args(),
+        # --report-to: TRL's own callbacks log every step (crf/replica/tracking.py)
+        **(ctx.tracker.trainer_args() if hasattr(ctx, "tracker") else {"report_to": []}),
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        reward_weights=reward_weights,
+        **fields,
+        **cfg.composer_kwargs(),
+    )
+
+
+def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``--print-config`` and ``--dry-run`` show: the job's own knobs (the trainer's as
+    they resolve for ``spec``) and every GRPOConfig field whose value is not TRL's default
+    (the batch crf derives included; per-run fields such as output_dir left out)."""
+    from crf.replica.trl_settings import KNOBS, differs
+
+    fields = cfg.trainer_fields(spec)
+    generations = fields.get("num_generations") or _grpo_default("num_generations")
+    knobs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "trl"}
+    for knob, name in KNOBS.items():
+        knobs[knob] = fields.get(name, _grpo_default(name))
+    batch = {"per_device_train_batch_size": cfg.prompts_per_step * generations}
+    return knobs, differs(fields | batch)
+
+
+def check_run(cfg: Config, spec: Any, gpus: int | None, local: bool) -> None:
+    """Before launch: the ``trl`` settings against TRL's GRPOConfig, and vLLM where it can
+    run (crf/replica/trl_settings.py)."""
+    from crf.replica.trl_settings import check_run as check
+
+    check(cfg, spec, gpus, local)
+
+
+def notes(cfg: Config, spec: Any, rows: list[dict[str, Any]]) -> list[str]:
+    """A dry run's warnings: completions shorter than the longest answer or trace in the
+    sampled rows of --dataset (crf/replica/trl_settings.py, completion_notes)."""
+    from crf.replica.trl_settings import completion_notes
+
+    model = getattr(spec, "model", None)
+    remote = bool(getattr(spec, "trust_remote_code", False))
+    return completion_notes(completion_tokens(cfg, spec), rows, model, remote)
+
+
+def _grpo_default(name: str) -> Any:
+    from crf.replica.trl_settings import grpo_defaults
+
+    return grpo_defaults()[name]
+
+
 def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     """Train ``ctx.total_steps`` inner steps of the composer trainer under DiLoCo."""
     import tempfile
@@ -314,19 +446,14 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
 
-    from crf.composer import (
-        ComposerConfig,
-        ComposerReplicationTrainer,
-        DiLoCoCallback,
-        save_tiny,
-    )
-    from crf.composer.task import HINT_TEMPLATE, reverse_reward
+    from crf.composer import ComposerReplicationTrainer, DiLoCoCallback, save_tiny
+    from crf.composer.task import reverse_reward
     from crf.replica.rewards import job_rewards
 
     rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer
-    max_new = cfg.max_completion_length or cfg.max_len + 2
+    max_new = completion_tokens(cfg, ctx.spec)
     exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
 
     # a restarted replica resumes at the round after the newest global state: train only the
@@ -340,31 +467,11 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         return {"resumed_at_step": start, "steps_trained": 0}
     callback = DiLoCoCallback(ctx, round_eval=exact_match_each_round(setup, max_new))
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
+        args = trainer_config(ctx, cfg, output_dir=f"{tmp}/out", steps=steps,
+                              reward_weights=rewards["reward_weights"])  # fmt: skip
         embedded = not getattr(ctx.spec, "model", None)
-        if cfg.grpo_beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
+        if args.beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
             save_tiny(model, tokenizer, f"{tmp}/init-model")
-        args = ComposerConfig(
-            output_dir=f"{tmp}/out",
-            max_steps=steps,
-            seed=int(ctx.data_seed),
-            learning_rate=cfg.learning_rate,
-            lr_scheduler_type="constant",
-            **local_ranks.trainer_args(ctx, replica_batch(cfg)),  # this rank's rollouts
-            num_generations=cfg.num_generations,
-            max_completion_length=max_new,
-            temperature=cfg.temperature,
-            distill_hint_template=HINT_TEMPLATE,
-            # transformers 5 names it activation_checkpointing (the old name warns)
-            activation_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
-            **setup.placement.trainer_args(),
-            # --report-to: TRL's own callbacks log every step (crf/replica/tracking.py)
-            **(ctx.tracker.trainer_args() if hasattr(ctx, "tracker") else {"report_to": []}),
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            reward_weights=rewards["reward_weights"],
-            **cfg.composer_kwargs(),
-        )
         trainer = ComposerReplicationTrainer(
             model=model,
             reward_funcs=rewards["reward_funcs"],
@@ -375,6 +482,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         )
         for noisy in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(noisy)
+        callback.weights_replaced.append(trainer.weights_replaced)  # vLLM: push after syncs
         try:
             trainer.train()
         finally:

@@ -103,7 +103,7 @@ class Config:
             raise ValueError(f"lm option lr must be > 0 (got {self.lr})")
 
 
-def replica_batch(cfg: Config) -> int:
+def replica_batch(cfg: Config, spec: Any = None) -> int:
     """The rows of one inner step, all local ranks together (checked before launch)."""
     return cfg.batch_size
 

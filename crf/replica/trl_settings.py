@@ -1,0 +1,305 @@
+"""The composer job's trainer settings: which ``GRPOConfig`` the job builds, and the checks
+on ``trl.<field>`` settings before launch.
+
+Three layers, the later winning:
+
+1. Defaults. Without ``--model`` the embedded toy's values (:data:`TOY`: a large learning
+   rate, 4 short completions), tuned so the demo's reward rises in seconds. With ``--model``
+   TRL's own ``GRPOConfig`` defaults (read from the class, never copied here), except the
+   learning rate under LoRA: TRL's example scripts (``trl/scripts/sft.py``, ``dpo.py`` and
+   ``distillation.py`` in TRL 1.16) train LoRA adapters at 10x the learning rate of full
+   fine-tuning (SFT 2e-5 -> 2e-4, DPO 5e-7 -> 5e-6), so crf applies that factor
+   (:data:`LORA_LR_FACTOR`) to GRPOConfig's default.
+2. The job's trainer knobs (``--set learning_rate=...``: :data:`KNOBS`), short names for the
+   GRPOConfig fields every run tunes.
+3. ``trl.<field>`` (``--set trl.top_p=0.9``, ``[job.trl]``, ``job_config={"trl": {...}}``):
+   any other GRPOConfig field, checked against the class (name, type, GRPOConfig's own
+   validation) before launch. Fields crf sets itself (:data:`OWNED`) are refused with the
+   crf option that sets them.
+
+The learning-rate schedule stays ``constant`` with ``--model`` too (``trl.lr_scheduler_type``
+changes it): a restarted replica trains only its remaining steps, so a decaying schedule
+would start again from its peak at every resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+#: the job's trainer knobs -> the GRPOConfig field each one sets
+KNOBS: dict[str, str] = {
+    "learning_rate": "learning_rate",
+    "num_generations": "num_generations",
+    "max_completion_length": "max_completion_length",
+    "temperature": "temperature",
+    "grpo_beta": "beta",
+}
+#: the embedded toy's trainer values (no --model); max_completion_length: the task's max_len + 2
+TOY: dict[str, Any] = {
+    "learning_rate": 5e-3,
+    "num_generations": 4,
+    "temperature": 1.0,
+    "beta": 0.0,
+}
+#: LoRA learning rate = GRPOConfig's default x this (TRL's scripts: LoRA at 10x full FT)
+LORA_LR_FACTOR = 10.0
+#: what crf sets on every run whatever the model (overridable with trl.<field>)
+CRF_DEFAULTS: dict[str, Any] = {"lr_scheduler_type": "constant"}
+#: GRPOConfig fields crf sets itself -> the crf option to use instead
+OWNED: dict[str, str] = {
+    "output_dir": "crf chooses it; the trained model is the run's model/ (crf export)",
+    "max_steps": "-H/--sync-every x --rounds",
+    "num_train_epochs": "-H/--sync-every x --rounds",
+    "seed": "--seed",
+    "data_seed": "--seed",
+    "save_strategy": "--checkpoint-every (crf checkpoints the global model)",
+    "save_steps": "--checkpoint-every (crf checkpoints the global model)",
+    "save_total_limit": "--checkpoint-every (crf checkpoints the global model)",
+    "resume_from_checkpoint": "crf launch --resume",
+    "report_to": "--report-to",
+    "run_name": "--report-to (crf names each replica's run)",
+    "logging_steps": "nothing: crf logs every optimizer step",
+    "logging_strategy": "nothing: crf logs every optimizer step",
+    "disable_tqdm": "nothing: replicas write logs, not progress bars",
+    "use_cpu": "--device",
+    "bf16": "--precision",
+    "fp16": "--precision",
+    "per_device_train_batch_size": "--set prompts_per_step (x num_generations)",
+    "gradient_checkpointing": "--gradient-checkpointing",
+    "activation_checkpointing": "--gradient-checkpointing",
+    "reward_weights": "--reward NAME=WEIGHT",
+    "push_to_hub": "crf export",
+    "hub_model_id": "crf export",
+}
+#: the documented way to install vLLM for crf
+VLLM_EXTRA = "pip install 'composer-replication[vllm]'"
+
+
+class SettingError(ValueError):
+    """A trl.<field> setting cannot be used; the message is one line naming the fix."""
+
+
+def grpo_defaults() -> dict[str, Any]:
+    """Every GRPOConfig field with its default (None for those with a factory)."""
+    from trl import GRPOConfig
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
+    """SettingError for a trl.<name> that is no GRPOConfig field (with the nearest one), a
+    field crf sets itself, or a field set twice (as a job knob and as trl.<field>)."""
+    fields = grpo_defaults()
+    for name in trl:
+        if name in OWNED:
+            raise SettingError(f"trl.{name} is set by crf: use {OWNED[name]}")
+        if name not in fields:
+            if name in job_knobs:
+                raise SettingError(
+                    f"trl.{name} is no GRPOConfig field but a composer job option: "
+                    f"--set {name}=VALUE"
+                )
+            near = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"; did you mean trl.{near[0]}?" if near else ""
+            raise SettingError(f"trl.{name} is no field of TRL's GRPOConfig{hint}")
+    for knob, field in KNOBS.items():
+        if field in trl and job_knobs.get(knob) is not None:
+            raise SettingError(
+                f"{field} is set twice: as --set {knob} and as --set trl.{field}; keep one"
+            )
+
+
+def coerce(trl: Mapping[str, Any]) -> dict[str, Any]:
+    """trl.<field> values given as text (``--set``) as the field's type (its annotation or
+    default); SettingError naming the field for text that is not one."""
+    from trl import GRPOConfig
+
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    defaults = grpo_defaults()
+    return {k: _coerce(k, v, str(fields[k].type), defaults.get(k)) for k, v in trl.items()}
+
+
+def _coerce(name: str, value: Any, kind: str, default: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("none", "null") and ("None" in kind or default is None):
+        return None
+    tried: list[str] = []
+    for word, parse in (("bool", _bool), ("int", int), ("float", float), ("dict", json.loads),
+                        ("list", json.loads)):  # fmt: skip
+        like = {"bool": bool, "int": int, "float": float, "dict": dict, "list": list}[word]
+        if word in kind or (type(default) is like and default is not None):
+            tried.append(word)
+            try:
+                return parse(text)
+            except ValueError:
+                continue
+    if tried and "str" not in kind:
+        raise SettingError(f"trl.{name}={value!r} is not a valid {' or '.join(tried)}")
+    return value
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def resolve(
+    knobs: Mapping[str, Any],
+    trl: Mapping[str, Any],
+    *,
+    model: bool,
+    lora: bool,
+    toy_completion: int,
+) -> dict[str, Any]:
+    """The GRPOConfig fields the job sets from its settings (see module docstring): the
+    defaults for the toy or for ``--model``, then the job's knobs, then ``trl.<field>``.
+    Fields left out take GRPOConfig's default."""
+    out: dict[str, Any] = dict(CRF_DEFAULTS)
+    if not model:
+        out |= TOY | {"max_completion_length": toy_completion}
+    elif lora:
+        out["learning_rate"] = grpo_defaults()["learning_rate"] * LORA_LR_FACTOR
+    for knob, field in KNOBS.items():
+        if knobs.get(knob) is not None:
+            out[field] = knobs[knob]
+    return out | dict(trl)
+
+
+def differs(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields whose value is not GRPOConfig's default, sorted by name."""
+    defaults = grpo_defaults()
+    return {k: fields[k] for k in sorted(fields) if k not in defaults or defaults[k] != fields[k]}
+
+
+def check_values(fields: Mapping[str, Any], batch: int) -> None:
+    """SettingError (one line) when GRPOConfig refuses ``fields`` (with crf's batch of
+    ``batch`` completions per step); built on the CPU, nothing is loaded."""
+    import tempfile
+    import warnings
+
+    from trl import GRPOConfig
+
+    with tempfile.TemporaryDirectory(prefix="crf-trl-check-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            GRPOConfig(output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
+                       per_device_train_batch_size=batch, **fields)  # fmt: skip
+        except (TypeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise SettingError(
+                f"TRL's GRPOConfig refuses the job's trl settings: {first}"
+            ) from None
+
+
+def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bool) -> None:
+    """SettingError before launch for ``use_vllm`` where it cannot run: a mode other than
+    colocate, a replica without CUDA (``--device cpu``, a local machine without a GPU, a
+    backend whose hardware has none: ``gpus`` = 0), or (``local``: the replicas run in this
+    Python) vLLM not installed. ``gpus`` None: the hardware is not known here."""
+    if not fields.get("use_vllm"):
+        return
+    mode = fields.get("vllm_mode", "colocate")
+    if mode != "colocate":
+        raise SettingError(
+            f"trl.vllm_mode={mode!r}: crf runs vLLM in colocate mode only (each replica "
+            "generates on its own GPU); leave trl.vllm_mode unset"
+        )
+    if getattr(spec, "device", "auto") == "cpu":
+        raise SettingError("trl.use_vllm needs a CUDA GPU, but --device is cpu")
+    if local:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingError(
+                "trl.use_vllm needs a CUDA GPU, and this machine (where the local replicas "
+                "run) has none (torch.cuda.is_available() is False)"
+            )
+        if importlib.util.find_spec("vllm") is None:
+            raise SettingError(f"trl.use_vllm needs vLLM, which is not installed: {VLLM_EXTRA}")
+    elif gpus == 0:
+        raise SettingError(
+            "trl.use_vllm needs a CUDA GPU, and the backend's hardware has none crf knows "
+            "of: choose GPU hardware (--hardware)"
+        )
+
+
+def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
+    """The composer job's checks that need the run options: its ``trl`` settings as TRL's
+    GRPOConfig takes them (for this model, LoRA and batch), and ``use_vllm`` where it can
+    run (:func:`check_vllm`). Nothing to check (TRL not imported) without ``trl``."""
+    if not cfg.trl:
+        return
+    fields = cfg.trainer_fields(spec)
+    generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
+    check_values(fields, cfg.prompts_per_step * generations)
+    check_vllm(fields, spec, gpus, local)
+
+
+def completion_notes(
+    limit: int, rows: list[dict[str, Any]], model: str | None, trust_remote_code: bool = False
+) -> list[str]:
+    """One line per dataset field (answer, trace) whose longest text in ``rows`` needs more
+    than ``limit`` completion tokens: counted with the model's tokenizer when it loads from
+    this machine (a folder, or the Hugging Face cache; nothing is downloaded), else
+    estimated from its characters (see :func:`_counter`)."""
+    fields = [f for f in ("answer", "trace") if any(r.get(f) for r in rows)]
+    if not fields:
+        return []
+    count, how = _counter(model, trust_remote_code)
+    out = []
+    for name in fields:
+        longest = max(count(str(r[name])) for r in rows if r.get(name))
+        if longest > limit:
+            out.append(
+                f"max_completion_length {limit} is shorter than the longest {name} in the "
+                f"{len(rows)} sampled row(s): {longest} tokens ({how}); completions will be "
+                "cut: raise it with --set max_completion_length=N"
+            )
+    return out
+
+
+#: characters per token of an English BPE tokenizer, for an estimate without one
+CHARS_PER_TOKEN = 4
+
+
+def _counter(model: str | None, trust_remote_code: bool) -> tuple[Any, str]:
+    """(tokens of a text, how they were counted) for ``model`` (None: the embedded model's
+    character tokenizer, one token per character)."""
+    if not model:
+        return len, "characters: the embedded model reads one character per token"
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        tok = AutoTokenizer.from_pretrained(
+            model, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception:  # not in a folder nor in the cache: no download before launch
+        return (
+            lambda text: math.ceil(len(text) / CHARS_PER_TOKEN),
+            f"estimated as characters / {CHARS_PER_TOKEN}: {model}'s tokenizer is not on "
+            "this machine",
+        )
+    return (
+        lambda text: len(tok(text, add_special_tokens=False)["input_ids"]),
+        f"counted with {model}'s tokenizer",
+    )

@@ -1,0 +1,338 @@
+"""The composer job's trainer settings (crf/replica/trl_settings.py): the toy's values without
+``--model``, TRL's GRPOConfig defaults with it, ``trl.<field>`` settings from ``--set``,
+``[job.trl]`` and the SDK, checked before launch, shown by ``--print-config`` and
+``--dry-run``; and vLLM (``trl.use_vllm``): refused where it cannot run, and fed the new
+global weights after every outer step (a stand-in engine: vLLM is never installed here)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from crf.launcher.cli import app
+from crf.launcher.config_file import load_config, parse_config
+from crf.replica import trl_settings
+from crf.replica.jobs import job_config, nest_dotted
+from crf.spec import RunSpec
+
+
+def crf(*args: str | Path):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def _spec(**options: Any) -> RunSpec:
+    return RunSpec(run_id="trl-test", run_uri="memory://trl-test", **options)
+
+
+def _trainer_config(spec: RunSpec, tmp_path: Path, **values: Any) -> Any:
+    """The ComposerConfig the job would train with, built without loading or training."""
+    from crf.replica.jobs.composer import trainer_config
+
+    ctx = SimpleNamespace(spec=spec, data_seed=1)
+    return trainer_config(ctx, job_config("composer", values), output_dir=str(tmp_path / "o"),
+                          steps=4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2 in Hugging Face format (character tokenizer), written locally."""
+    from crf.composer import char_tokenizer, save_tiny, tiny_qwen2
+    from crf.composer.task import task_alphabet
+
+    tok = char_tokenizer(task_alphabet("abcd"))
+    where = tmp_path_factory.mktemp("tiny") / "model"
+    return str(save_tiny(tiny_qwen2(tok, seed=0), tok, where))
+
+
+# --------------------------------------------------------------------------- defaults
+def test_the_toy_keeps_its_own_trainer_values(tmp_path: Path) -> None:
+    args = _trainer_config(_spec(device="cpu"), tmp_path)
+    assert (args.learning_rate, args.num_generations, args.max_completion_length) == (5e-3, 4, 5)
+    assert (args.temperature, args.beta, args.lr_scheduler_type) == (1.0, 0.0, "constant")
+    assert args.per_device_train_batch_size == 8 * 4 and args.max_steps == 4
+
+
+def test_with_a_model_the_trainer_takes_grpo_config_defaults(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    from trl import GRPOConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    args = _trainer_config(_spec(model=tiny_model, device="cpu"), tmp_path)
+    for name in ("learning_rate", "num_generations", "max_completion_length", "temperature",
+                 "loss_type", "beta", "top_p", "epsilon", "scale_rewards"):  # fmt: skip
+        assert getattr(args, name) == default[name], name
+    assert args.per_device_train_batch_size == 8 * default["num_generations"]
+    lora = _trainer_config(_spec(model=tiny_model, device="cpu", lora_rank=4), tmp_path)
+    assert lora.learning_rate == default["learning_rate"] * trl_settings.LORA_LR_FACTOR
+    # a knob and trl.<field> win over either default
+    mine = _trainer_config(
+        _spec(model=tiny_model, device="cpu", lora_rank=4),
+        tmp_path,
+        learning_rate="2e-5",
+        **{"trl.top_p": "0.9", "trl.loss_type": "grpo"},
+    )
+    assert (mine.learning_rate, mine.top_p, mine.loss_type) == (2e-5, 0.9, "grpo")
+
+
+# --------------------------------------------------------------------------- trl.<field>
+def test_trl_fields_from_every_spelling_are_one_table() -> None:
+    assert nest_dotted({"trl.top_p": "0.9", "trl": {"top_k": 5, "top_p": 1.0}, "lr": 1}) == {
+        "trl": {"top_k": 5, "top_p": "0.9"}, "lr": 1}  # fmt: skip
+    cfg = job_config("composer", {"trl.top_k": "5", "trl.use_vllm": "true",
+                                  "trl.generation_kwargs": '{"min_tokens": 2}',
+                                  "trl.epsilon_high": "none"})  # fmt: skip
+    assert cfg.trl == {"top_k": 5, "use_vllm": True, "generation_kwargs": {"min_tokens": 2},
+                       "epsilon_high": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"trl.top_pp": "0.9"},
+            "trl.top_pp is no field of TRL's GRPOConfig; did you mean trl.top_p?",
+        ),  # fmt: skip
+        ({"trl.seed": "3"}, "trl.seed is set by crf: use --seed"),
+        ({"trl.bf16": "true"}, "trl.bf16 is set by crf: use --precision"),
+        ({"trl.per_device_train_batch_size": "4"}, "use --set prompts_per_step"),
+        ({"trl.distill_alpha": "1"}, "a composer job option: --set distill_alpha=VALUE"),
+        ({"trl.beta": "0.1", "grpo_beta": "0.2"}, "beta is set twice"),
+        ({"trl.top_k": "many"}, "trl.top_k='many' is not a valid int"),
+    ],
+)
+def test_bad_trl_settings_are_one_line_errors(values: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=None) as err:
+        job_config("composer", values)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_values_grpo_config_refuses_are_refused_before_launch(tmp_path: Path) -> None:
+    result = crf("launch", "--set", "trl.generation_batch_size=7", "--store", tmp_path / "runs",
+                 "--dry-run")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "TRL's GRPOConfig refuses the job's trl settings: generation_batch_size (7) must be " \
+           "divisible" in result.output  # fmt: skip
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_unknown_trl_field_says_did_you_mean(tmp_path: Path) -> None:
+    for mode in ("--print-config", "--dry-run"):
+        result = crf("launch", "--set", "trl.temprature=0.7", "--store", tmp_path / "runs", mode)
+        assert result.exit_code == 2, result.output
+        assert "trl.temprature is no field of TRL's GRPOConfig; did you mean trl.temperature?" \
+            in result.output  # fmt: skip
+        assert len(result.output.strip().splitlines()) == 1
+
+
+def test_print_config_shows_the_effective_settings_and_round_trips(
+    tmp_path: Path, tiny_model: str
+) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'model = "{tiny_model}"\n[job]\nprompts_per_step = 2\n'
+                    '[job.trl]\ntop_p = 0.9\n')  # fmt: skip
+    result = crf("launch", "-c", path, "--set", "trl.loss_type=grpo", "--print-config")
+    assert result.exit_code == 0, result.output
+    printed = parse_config(result.output)
+    assert printed.job_config == {"prompts_per_step": 2, "trl": {"top_p": 0.9, "loss_type": "grpo"}}
+    assert "[job.trl]" in result.output
+    effective = result.output.split("# effective job settings")[1]
+    # the knobs as they resolve for --model (TRL's defaults), and only what differs from TRL
+    assert (
+        "#   learning_rate = 1e-06" in effective and "#   max_completion_length = 512" in effective
+    )
+    trl_part = effective.split("differ from TRL's defaults:")[1]
+    assert "#   top_p = 0.9" in trl_part and '#   loss_type = "grpo"' in trl_part
+    assert "#   per_device_train_batch_size = 16" in trl_part
+    assert "learning_rate" not in trl_part and "temperature" not in trl_part
+    again = tmp_path / "again.toml"
+    again.write_text(result.output)
+    assert load_config(again).job_config == printed.job_config
+
+
+def test_sdk_job_config_takes_a_trl_table(tmp_path: Path) -> None:
+    from crf.launcher.plan import prepare
+
+    plan = prepare({"job_config": {"trl": {"top_p": "0.5"}}, "replicas": 1},
+                   store=str(tmp_path / "runs"), dry_run=True)  # fmt: skip
+    assert plan.spec.job_config == {"trl": {"top_p": 0.5}}
+
+
+# --------------------------------------------------------------------------- dry run
+def _dataset(tmp_path: Path, answer: str) -> Path:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(f'{{"q": "ab=", "answer": "{answer}"}}\n{{"q": "ba=", "answer": "ab"}}\n')
+    return path
+
+
+def test_dry_run_shows_settings_and_warns_of_short_completions(
+    tmp_path: Path, tiny_model: str
+) -> None:
+    data = _dataset(tmp_path, "abcd" * 10)
+    base = ["launch", "--dataset", data, "--column", "prompt=q", "--reward", "exact_match",
+            "--store", tmp_path / "runs", "--dry-run"]  # fmt: skip
+    toy = crf(*base)
+    assert toy.exit_code == 0, toy.output
+    flat = " ".join(toy.output.split())
+    assert "job settings" in flat and "TRL settings" in flat
+    assert "max_completion_length 5 is shorter than the longest answer in the 2 sampled" in flat
+    assert "40 tokens (characters: the embedded model reads one character per token)" in flat
+    # a local model folder: its own tokenizer counts (one token per character here too)
+    mine = crf(*base, "--model", tiny_model, "--set", "max_completion_length=12")
+    assert mine.exit_code == 0, mine.output
+    flat = " ".join(mine.output.split())
+    assert "max_completion_length 12 is shorter than the longest answer" in flat
+    assert f"40 tokens (counted with {tiny_model}'s tokenizer)" in flat
+    fits = crf(*base, "--model", tiny_model)  # TRL's 512 tokens: no warning
+    assert fits.exit_code == 0 and "shorter than" not in fits.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_without_the_tokenizer_the_count_is_a_stated_estimate() -> None:
+    notes = trl_settings.completion_notes(4, [{"answer": "x" * 40}], "/no/such/model")
+    assert len(notes) == 1 and "10 tokens (estimated as characters / 4" in notes[0]
+
+
+# --------------------------------------------------------------------------- vLLM
+def test_vllm_is_refused_without_cuda_in_one_line(tmp_path: Path) -> None:
+    for extra in (["--device", "cpu"], []):  # this machine has no CUDA GPU either
+        result = crf("launch", "--set", "trl.use_vllm=true", *extra, "--store",
+                     tmp_path / "runs", "--dry-run")  # fmt: skip
+        assert result.exit_code == 2, result.output
+        assert "trl.use_vllm needs a CUDA GPU" in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    fields = {"use_vllm": True}
+    with pytest.raises(trl_settings.SettingError, match="backend's hardware has none"):
+        trl_settings.check_vllm(fields, _spec(), gpus=0, local=False)
+    trl_settings.check_vllm(fields, _spec(), gpus=1, local=False)  # a GPU flavor: fine
+    with pytest.raises(trl_settings.SettingError, match="colocate mode only"):
+        trl_settings.check_vllm(fields | {"vllm_mode": "server"}, _spec(), gpus=1, local=False)
+
+
+def test_vllm_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real(n, *a)
+    )
+    with pytest.raises(trl_settings.SettingError) as err:
+        trl_settings.check_vllm({"use_vllm": True}, _spec(), gpus=None, local=True)
+    assert "pip install 'composer-replication[vllm]'" in str(err.value)
+
+
+def _digest(model: Any) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class StandInVLLM:
+    """TRL's ``VLLMGeneration`` surface in colocate mode: its own copy of the weights, updated
+    only by ``sync_weights``; ``generate`` samples from that copy (with its logprobs)."""
+
+    events: list[tuple[str, str]] = []
+
+    def __init__(self, model: Any, processing_class: Any, max_completion_length: int,
+                 temperature: float, **_: Any) -> None:  # fmt: skip
+        self.model, self.tokenizer = model, processing_class
+        self.engine = copy.deepcopy(model).eval()
+        self.max_new, self.temperature = max_completion_length, temperature
+
+    def sync_weights(self) -> None:
+        self.engine.load_state_dict(self.model.state_dict())
+        self.events.append(("push", _digest(self.engine)))
+
+    def generate(self, prompts: list[list[int]], images: Any, num_generations: int,
+                 profiler: Any = None) -> tuple:  # fmt: skip
+        import torch
+
+        self.events.append(("rollout", _digest(self.engine)))
+        completions, logprobs = [], []
+        with torch.no_grad():
+            for ids in prompts:
+                out = self.engine.generate(
+                    torch.tensor([ids]), max_new_tokens=self.max_new, do_sample=True,
+                    temperature=self.temperature, output_scores=True,
+                    return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
+                )  # fmt: skip
+                new = out.sequences[0, len(ids) :].tolist()
+                lps = [
+                    torch.log_softmax(s[0].float(), -1)[t].item()
+                    for s, t in zip(out.scores, new, strict=True)
+                ]
+                completions.append(new)
+                logprobs.append([[lp] for lp in lps])
+        return prompts, completions, logprobs, None
+
+
+def test_vllm_gets_the_global_weights_after_every_outer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real replica (ReplicaContext, one replica, DiLoCo's outer step every 2 inner steps)
+    trains the composer job with trl.use_vllm and a stand-in engine: after each outer step
+    the weights are pushed, and the next rollout samples from exactly those weights."""
+    import trl.trainer.grpo_trainer as grpo
+
+    from crf.composer import ComposerReplicationTrainer
+    from crf.replica.context import ReplicaContext
+    from crf.replica.jobs.composer import Config, run
+    from crf.store import RunStore
+
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(StandInVLLM, "events", events)
+    monkeypatch.setattr(grpo, "VLLMGeneration", StandInVLLM)
+    after = ReplicaContext._after_inner_step
+
+    def recorded(self: Any, *a: Any) -> None:
+        after(self, *a)
+        if self.step % self.spec.sync_period == 0:
+            events.append(("outer", _digest(self.model)))
+
+    monkeypatch.setattr(ReplicaContext, "_after_inner_step", recorded)
+    stale = ComposerReplicationTrainer.weights_replaced
+
+    def marked(self: Any) -> None:
+        stale(self)
+        assert self._last_loaded_step == -1  # TRL pushes before its next generation
+        events.append(("stale", ""))
+
+    monkeypatch.setattr(ComposerReplicationTrainer, "weights_replaced", marked)
+    uri = f"file://{tmp_path}/run"
+    spec = RunSpec(run_id="vllm-order", run_uri=uri, replicas=1, sync_every=2, rounds=2,
+                   round_timeout_s=30.0, device="cpu").validate()  # fmt: skip
+    RunStore(uri).put("run.json", spec.to_json().encode())
+    env = {"CRF_RUN_URI": uri, "CRF_RANK": "0", "CRF_WORLD_SIZE": "1", "CRF_RUN_ID": spec.run_id}
+    cfg = Config(num_examples=32, eval_examples=2, prompts_per_step=2,
+                 trl={"use_vllm": True})  # fmt: skip
+    with ReplicaContext.from_env(env) as ctx:
+        ctx.finish(run(ctx, cfg))
+    outers = [i for i, (kind, _) in enumerate(events) if kind == "outer"]
+    assert len(outers) == 2, events
+    rollouts = [kind for kind, _ in events].count("rollout")
+    assert rollouts == 4, events  # one per inner step
+    first = next(i for i, (kind, _) in enumerate(events) if kind == "rollout")
+    assert events[first - 1][0] == "push"  # the weights reach the engine before any rollout
+    # outer step 1 -> vLLM's copy marked stale -> weights pushed -> next rollout, all with
+    # the new global weights
+    i = outers[0]
+    weights = events[i][1]
+    assert events[i + 1 : i + 4] == [("stale", ""), ("push", weights), ("rollout", weights)]
+    pushed_before = [d for kind, d in events[:i] if kind == "push"]
+    assert weights not in pushed_before  # the outer step did change the weights
+    assert events[outers[1] + 1] == ("stale", "")
