@@ -44,6 +44,8 @@ class Config:
     max_len: int = 3
     num_examples: int = 2048  # the pool all replicas share out
     eval_examples: int = 64  # held-out prompts for greedy exact-match before/after
+    # held-out pass@1: a row passes when its weighted total reward reaches this
+    pass_threshold: float = 1.0
     # tiny Qwen2
     hidden_size: int = 64
     num_layers: int = 2
@@ -108,6 +110,7 @@ class Config:
         )
         need(self.learning_rate > 0, f"learning_rate must be > 0 (got {self.learning_rate})")
         need(self.temperature > 0, f"temperature must be > 0 (got {self.temperature})")
+        need(math.isfinite(self.pass_threshold), "pass_threshold must be a finite number")
         for name in ("grpo_beta", "distill_alpha", "replay_beta", "distill_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (got {getattr(self, name)})")
         need(
@@ -217,14 +220,22 @@ def greedy_exact_match(
     return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
 
 
-def exact_match_each_round(setup: ReplicaSetup, max_new: int) -> Any:
-    """The figure's held-out exact match per round (DiLoCoCallback's ``round_eval``), or
-    None when there is no held-out set (a user's --dataset)."""
-    if not setup.held_out:
+def eval_each_round(setup: ReplicaSetup, max_new: int, held: Any) -> Any:
+    """DiLoCoCallback's ``round_eval``: the replica's share of the held-out evaluation
+    (crf/replica/evaluation.py) and, on the embedded task, the figure's exact match on its
+    held-out prompts; None when there is nothing to score."""
+    if not setup.held_out and not held.rows:
         return None
-    return lambda: {
-        "exact_match": greedy_exact_match(setup.model, setup.tokenizer, setup.held_out, max_new)
-    }
+
+    def round_eval() -> dict[str, float | None]:
+        out: dict[str, float | None] = held()
+        if setup.held_out:
+            out["exact_match"] = greedy_exact_match(
+                setup.model, setup.tokenizer, setup.held_out, max_new
+            )
+        return out
+
+    return round_eval
 
 
 def as_text(tokenizer: Any, prompt: Any) -> str:
@@ -237,13 +248,16 @@ def as_text(tokenizer: Any, prompt: Any) -> str:
 @dataclass
 class ReplicaSetup:
     """What one replica trains: tokenizer, model (seeded by ``ctx.seed``), its data shard
-    (ordered by ``ctx.data_seed``), the shared held-out prompts and where it trains."""
+    (ordered by ``ctx.data_seed``), the embedded task's held-out prompts (exact match), the
+    run's held-out rows (every replica the same list; it scores its share) and where it
+    trains."""
 
     tokenizer: Any
     model: Any
     shard: list[dict[str, Any]]
     held_out: list[dict[str, Any]]
     placement: Any = None
+    eval_rows: list[dict[str, Any]] | None = None
 
 
 def _tiny(ctx: Any, cfg: Config) -> tuple[Any, Any]:
@@ -275,7 +289,7 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     model.train()
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
     chat = bool(getattr(tokenizer, "chat_template", None))
-    if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no held-out set
+    if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no embedded held-out
         from crf.replica.data import spec_shard
 
         shard, held_out = spec_shard(ctx.spec, ctx.rank, ctx.world_size), []
@@ -290,11 +304,23 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
             )
         random.Random(int(ctx.data_seed)).shuffle(shard)
         held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
+    eval_rows = _eval_rows(ctx.spec) or held_out
     if chat:  # a conversation prompt (a user's dataset may hold one already) stays as it is
-        for row in (*shard, *held_out):
+        for row in (*shard, *held_out, *eval_rows):
             if isinstance(row["prompt"], str):
                 row["prompt"] = [{"role": "user", "content": row["prompt"]}]
-    return ReplicaSetup(tokenizer, model, shard, held_out, placement)
+    return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows)
+
+
+def _eval_rows(spec: Any) -> list[dict[str, Any]]:
+    """The run's held-out rows (--eval-split / --eval-dataset), [] without them."""
+    from crf.replica.data import eval_source, load_eval
+    from crf.replica.rewards import parse_rewards
+
+    if eval_source(spec) is None:
+        return []
+    specs = parse_rewards(list(getattr(spec, "reward", [])))
+    return load_eval(spec, needs_answer=any(s.needs_answer for s in specs) or not specs)
 
 
 def run(ctx: Any, cfg: Config) -> dict[str, Any]:
@@ -311,6 +337,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         save_tiny,
     )
     from crf.composer.task import HINT_TEMPLATE, reverse_reward
+    from crf.replica.evaluation import HeldOutEval
     from crf.replica.rewards import job_rewards
 
     rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
@@ -328,7 +355,10 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
     if steps <= 0:
         return {"resumed_at_step": start, "steps_trained": 0}
-    callback = DiLoCoCallback(ctx, round_eval=exact_match_each_round(setup, max_new))
+    held = HeldOutEval.for_replica(ctx, setup, rewards, max_new, cfg.pass_threshold)
+    if not start:  # the initial model, once: round 0's record carries it
+        held.score_before()
+    callback = DiLoCoCallback(ctx, round_eval=eval_each_round(setup, max_new, held))
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
         embedded = not getattr(ctx.spec, "model", None)
         if cfg.grpo_beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
@@ -374,6 +404,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     metrics["exact_match_before"] = exact_before
     metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
     metrics["shard_size"] = len(setup.shard)
+    metrics["eval_share"] = len(held.rows)  # held-out rows this replica scored each round
     if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
         ctx.save_model_at_end(model, tokenizer)
     return metrics
