@@ -152,3 +152,19 @@ def test_prepare_refuses_held_out_options_that_cannot_work(tmp_path: Path, monke
     assert plan.spec.dataset == str(tmp_path / "d")
     plan = _prepare(tmp_path, dataset="train.jsonl", columns=cols, eval_dataset="d/test.jsonl")
     assert plan.spec.eval_dataset == str(tmp_path / "d" / "test.jsonl")
+
+
+def test_the_closing_line_and_the_live_title_show_the_combined_figure() -> None:
+    from crf.launcher.progress import held_out_headline
+    from crf.launcher.summary import held_out_text
+    from crf.layout import Heartbeat
+
+    h = {"pass@1_before": 0.125, "pass@1_after": 0.4, "last_round": 3,
+         "after": {"examples": 48, "of": 64}}  # fmt: skip
+    assert held_out_text(h) == "held-out pass@1 0.125 (before) -> 0.400 (round 3, 48/64 rows)"
+    beats = [
+        Heartbeat(rank=k, last_round=r, round_metrics=Partial(n=2, passed=p, of=4).to_metrics())
+        for k, r, p in ((0, 2, 1), (1, 2, 2), (2, 1, 0))
+    ]
+    assert held_out_headline([*beats, None]) == ", held-out pass@1 0.750 (round 2, 4/4 rows)"
+    assert held_out_headline([None]) == ""

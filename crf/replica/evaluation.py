@@ -160,12 +160,27 @@ def score(
     ``reward_weights``, :func:`crf.replica.rewards.job_rewards`), as sums and counts."""
     if not rows:
         return Partial(of=of)
+    ids = generate(model, tokenizer, [row["prompt"] for row in rows], max_new)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return score_completions(rows, ids, texts, rewards, threshold=threshold, of=of)
+
+
+def score_completions(
+    rows: Sequence[Mapping[str, Any]],
+    ids: list[list[int]],
+    texts: list[str],
+    rewards: Mapping[str, Any],
+    *,
+    threshold: float,
+    of: int,
+) -> Partial:
+    """The completions (token ids and text) of ``rows`` scored as :func:`score` does."""
+    if not rows:
+        return Partial(of=of)
     funcs = rewards["reward_funcs"]
     funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
     weights = rewards.get("reward_weights") or [1.0] * len(funcs)
     prompts = [row["prompt"] for row in rows]
-    ids = generate(model, tokenizer, prompts, max_new)
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     chat = not isinstance(prompts[0], str)
     completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
     total = [0.0] * len(rows)
@@ -179,8 +194,7 @@ def score(
                 f"reward {reward_name(fn)} returned {len(values)} rewards for {len(rows)} "
                 "held-out completions: a reward function returns one per completion"
             )
-        ok = [v for v in values if math.isfinite(v)]
-        sums[reward_name(fn)] = sum(ok)
+        sums[reward_name(fn)] = sum(v for v in values if math.isfinite(v))
         # a reward with no opinion (None/NaN) adds nothing, as TRL's nansum does
         total = [t + w * v if math.isfinite(v) else t for t, v in zip(total, values, strict=True)]
     passed = sum(t >= threshold for t in total)
@@ -254,16 +268,20 @@ def replica_means(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 @dataclass
 class HeldOutEval:
-    """One replica's part of the held-out evaluation: its share of the rows, scored on the
-    model it trains (the round's global model when called right after a sync)."""
+    """One replica's part of the held-out evaluation, on the model it trains (the round's
+    global model when called right after a sync). ``exact``: the embedded task, which also
+    reports greedy exact match on all its held-out prompts (its figure's per-replica line):
+    then one generation over all rows serves both, and the share is scored from it."""
 
     model: Any
     tokenizer: Any
-    rows: list[dict[str, Any]]  # this replica's share
-    of: int  # the whole set's size
+    rows: list[dict[str, Any]]  # the whole held-out set (the same on every replica)
+    rank: int
+    world_size: int
     rewards: Mapping[str, Any]
     max_new: int
     threshold: float
+    exact: bool = False
     before: Partial | None = None  # the initial model's partial, until a round record has it
 
     @classmethod
@@ -271,32 +289,71 @@ class HeldOutEval:
         cls, ctx: Any, setup: Any, rewards: Mapping[str, Any], max_new: int, threshold: float
     ) -> HeldOutEval:
         rows = list(setup.eval_rows or ())
-        mine = share(rows, int(ctx.rank), int(ctx.world_size))
-        return cls(setup.model, setup.tokenizer, mine, len(rows), rewards, max_new, threshold)
-
-    def _score(self) -> Partial:
-        return score(
-            self.model,
-            self.tokenizer,
-            self.rows,
-            self.rewards,
-            max_new=self.max_new,
-            threshold=self.threshold,
-            of=self.of,
+        return cls(
+            setup.model,
+            setup.tokenizer,
+            rows,
+            int(ctx.rank),
+            int(ctx.world_size),
+            rewards,
+            max_new,
+            threshold,
+            exact=bool(setup.held_out) and rows == setup.held_out,
         )
 
-    def score_before(self) -> None:
-        """Score the initial model (before any step); its partial goes into the first
-        round record this replica writes (round 0), under ``eval_before/``."""
-        if self.rows:
-            self.before = self._score()
+    @property
+    def share(self) -> list[dict[str, Any]]:
+        """This replica's rows: ``rows[rank::world_size]``."""
+        return share(self.rows, self.rank, self.world_size)
+
+    def _evaluate(self) -> tuple[Partial, float | None]:
+        """This replica's partial, and (``exact``) the exact match over every row."""
+        if not self.exact:
+            partial = score(
+                self.model,
+                self.tokenizer,
+                self.share,
+                self.rewards,
+                max_new=self.max_new,
+                threshold=self.threshold,
+                of=len(self.rows),
+            )
+            return partial, None
+        prompts = [row["prompt"] for row in self.rows]
+        ids = generate(self.model, self.tokenizer, prompts, self.max_new)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        hits = sum(t == row["answer"] for t, row in zip(texts, self.rows, strict=True))
+        mine = slice(self.rank, None, self.world_size)
+        partial = score_completions(
+            self.share,
+            ids[mine],
+            texts[mine],
+            self.rewards,
+            threshold=self.threshold,
+            of=len(self.rows),
+        )
+        return partial, hits / len(self.rows)
+
+    def score_before(self, record: bool = True) -> float | None:
+        """Score the initial model; with ``record`` its partial goes into the first round
+        record this replica writes (round 0), under ``eval_before/``. Returns the exact
+        match (``exact``; else None)."""
+        if not self.rows:
+            return None
+        partial, exact = self._evaluate()
+        if record:
+            self.before = partial
+        return exact
 
     def __call__(self) -> dict[str, float | None]:
         """The round's record metrics: this replica's partial under ``eval/`` (and the
-        initial model's under ``eval_before/``, once)."""
+        initial model's under ``eval_before/``, once), and ``exact_match`` (``exact``)."""
         if not self.rows:
             return {}
-        out: dict[str, float | None] = dict(self._score().to_metrics(AFTER))
+        partial, exact = self._evaluate()
+        out: dict[str, float | None] = dict(partial.to_metrics(AFTER))
+        if exact is not None:
+            out["exact_match"] = exact
         if self.before is not None:
             out.update(self.before.to_metrics(BEFORE))
             self.before = None

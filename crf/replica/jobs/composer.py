@@ -220,24 +220,6 @@ def greedy_exact_match(
     return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
 
 
-def eval_each_round(setup: ReplicaSetup, max_new: int, held: Any) -> Any:
-    """DiLoCoCallback's ``round_eval``: the replica's share of the held-out evaluation
-    (crf/replica/evaluation.py) and, on the embedded task, the figure's exact match on its
-    held-out prompts; None when there is nothing to score."""
-    if not setup.held_out and not held.rows:
-        return None
-
-    def round_eval() -> dict[str, float | None]:
-        out: dict[str, float | None] = held()
-        if setup.held_out:
-            out["exact_match"] = greedy_exact_match(
-                setup.model, setup.tokenizer, setup.held_out, max_new
-            )
-        return out
-
-    return round_eval
-
-
 def as_text(tokenizer: Any, prompt: Any) -> str:
     """A prompt as the model sees it: a conversation through the chat template."""
     if isinstance(prompt, str):
@@ -344,7 +326,6 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer
     max_new = cfg.max_completion_length or cfg.max_len + 2
-    exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
 
     # a restarted replica resumes at the round after the newest global state: train only the
     # remaining steps, on the data it has not seen yet (the shard rotated past what it used)
@@ -355,10 +336,13 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
     if steps <= 0:
         return {"resumed_at_step": start, "steps_trained": 0}
+    # the held-out evaluation of each round's global model (crf/replica/evaluation.py); the
+    # initial model's is scored once, and round 0's record carries it
     held = HeldOutEval.for_replica(ctx, setup, rewards, max_new, cfg.pass_threshold)
-    if not start:  # the initial model, once: round 0's record carries it
-        held.score_before()
-    callback = DiLoCoCallback(ctx, round_eval=eval_each_round(setup, max_new, held))
+    exact_before = held.score_before(record=not start)
+    if exact_before is None:
+        exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
+    callback = DiLoCoCallback(ctx, round_eval=held if held.rows else None)
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
         embedded = not getattr(ctx.spec, "model", None)
         if cfg.grpo_beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
@@ -404,7 +388,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     metrics["exact_match_before"] = exact_before
     metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
     metrics["shard_size"] = len(setup.shard)
-    metrics["eval_share"] = len(held.rows)  # held-out rows this replica scored each round
+    metrics["eval_share"] = len(held.share)  # held-out rows this replica scored each round
     if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
         ctx.save_model_at_end(model, tokenizer)
     return metrics
