@@ -305,6 +305,21 @@ def _eval_rows(spec: Any) -> list[dict[str, Any]]:
     return load_eval(spec, needs_answer=any(s.needs_answer for s in specs) or not specs)
 
 
+def held_out_eval(
+    ctx: Any, setup: ReplicaSetup, rewards: dict[str, Any], max_new: int, cfg: Config, start: int
+) -> tuple[Any, float | None]:
+    """The replica's part of the held-out evaluation of each round's global model
+    (crf/replica/evaluation.py), having scored the initial model (round 0's record carries
+    it; not again on a replica that resumed past it), and the initial exact match."""
+    from crf.replica.evaluation import HeldOutEval
+
+    held = HeldOutEval.for_replica(ctx, setup, rewards, max_new, cfg.pass_threshold)
+    exact_before = held.score_before(record=not start)
+    if exact_before is None:
+        exact_before = greedy_exact_match(setup.model, setup.tokenizer, setup.held_out, max_new)
+    return held, exact_before
+
+
 def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     """Train ``ctx.total_steps`` inner steps of the composer trainer under DiLoCo."""
     import tempfile
@@ -319,7 +334,6 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         save_tiny,
     )
     from crf.composer.task import HINT_TEMPLATE, reverse_reward
-    from crf.replica.evaluation import HeldOutEval
     from crf.replica.rewards import job_rewards
 
     rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
@@ -336,12 +350,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
     if steps <= 0:
         return {"resumed_at_step": start, "steps_trained": 0}
-    # the held-out evaluation of each round's global model (crf/replica/evaluation.py); the
-    # initial model's is scored once, and round 0's record carries it
-    held = HeldOutEval.for_replica(ctx, setup, rewards, max_new, cfg.pass_threshold)
-    exact_before = held.score_before(record=not start)
-    if exact_before is None:
-        exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
+    held, exact_before = held_out_eval(ctx, setup, rewards, max_new, cfg, start)
     callback = DiLoCoCallback(ctx, round_eval=held if held.rows else None)
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
         embedded = not getattr(ctx.spec, "model", None)
