@@ -396,8 +396,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     metrics = summarize(callback.history, int(ctx.spec.sync_every))
     metrics["exact_match_before"] = exact_before
     metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
-    metrics["shard_size"] = len(setup.shard)
-    metrics["eval_share"] = len(held.share)  # held-out rows this replica scored each round
+    metrics.update(shard_size=len(setup.shard), eval_share=len(held.share))
     if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
         ctx.save_model_at_end(model, tokenizer)
     return metrics
