@@ -105,6 +105,8 @@ class RunResult(_Typed):
     wall_s: float | None = None
     restarts: int = 0
     learning: dict[str, Any] = field(default_factory=dict)
+    #: held-out evaluation per round, combined over the replicas (None: no held-out data)
+    held_out: dict[str, Any] | None = None
     figure: str | None = None
     result_path: str | None = None
     replicas: list[ReplicaSummary] = field(default_factory=list)

@@ -72,6 +72,12 @@ def test_composer_replicas_learn(tmp_path: Path) -> None:
         for k in range(2)
     ]
     assert exact[0] == exact[1] and 0.0 <= exact[0] <= 1.0
+    # the shared held-out evaluation of the same prompts: 32 rows each, added up by the driver;
+    # the embedded reward is 1.0 only for the exact reversal, so pass@1 is the exact match
+    h = result["held_out"]
+    assert h["after"]["examples"] == h["after"]["of"] == 64 and h["last_round"] == 4
+    assert h["pass@1_after"] == pytest.approx(exact[0])
+    assert h["before"]["examples"] == 64 and h["pass@1_before"] is not None
     assert result["figure"] == str(run / "figure.png") and (run / "figure.png").stat().st_size
     # the replica logs carry a line per round and none of the libraries' known noise
     log = (run / "logs" / "replica-0.log").read_text()

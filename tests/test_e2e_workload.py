@@ -79,3 +79,46 @@ def test_a_raising_reward_fails_the_replica_with_its_traceback(tmp_path: Path, m
     log = (tmp_path / "runs" / "bad" / "logs" / "replica-0.log").read_text()
     assert "RewardFailed: reward badmod:boom raised KeyError: 'no_such_field'" in log
     assert "in boom" in log and "raise KeyError('no_such_field')" in log  # the user's frame
+
+
+def test_held_out_split_scored_each_round_shared_by_the_replicas(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A local folder with train/test files (datasets reads them as two splits), --eval-split
+    test: each round's global model is scored on 5 held-out rows, replica 0 taking 3 and
+    replica 1 taking 2; the summary and the figure add the shares up."""
+    from crf.launcher.figure import HELD_OUT, panels_for, read_metrics
+    from crf.store import RunStore
+
+    rng = random.Random(1)
+    words = ["".join(rng.choice("abcd") for _ in range(rng.randint(2, 3))) for _ in range(20)]
+    (tmp_path / "rev").mkdir()
+    for split, part in (("train", words[:12]), ("test", words[12:])):
+        (tmp_path / "rev" / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"q": f"{w}=", "a": w[::-1]}) + "\n" for w in part)
+        )
+    monkeypatch.chdir(tmp_path)
+    summary = launch(
+        {"job": "composer", "replicas": 2, "sync_every": 1, "rounds": 2, "run_id": "ev",
+         "dataset": "rev", "eval_split": "test", "eval_examples": 5,
+         "columns": {"prompt": "q", "answer": "a"}, "reward": ["exact_match"],
+         "job_config": {"prompts_per_step": 2, "num_generations": 2}},
+        store=str(tmp_path / "runs"), progress=False, report=False,
+    )  # fmt: skip
+    assert summary["status"] == "ok", summary
+    run = tmp_path / "runs" / "ev"
+    for rank, mine in ((0, 3), (1, 2)):  # rows r::2 of the 5
+        assert summary["replicas"][rank]["job_metrics"]["eval_share"] == mine
+        for r in range(2):
+            m = json.loads((run / "metrics" / str(rank) / f"{r}.json").read_text())["metrics"]
+            assert m["eval/n"] == mine and m["eval/of"] == 5
+            assert 0 <= m["eval/pass"] <= m["eval/sum/exact_match"] + 1e-9 <= mine + 1e-9
+            assert ("eval_before/n" in m) == (r == 0)  # the initial model, once
+    h = summary["held_out"]
+    assert sorted(map(int, h["per_round"])) == [0, 1]
+    assert h["after"]["examples"] == h["after"]["of"] == h["before"]["examples"] == 5
+    assert 0.0 <= h["pass@1_after"] <= 1.0 and 0.0 <= h["pass@1_before"] <= 1.0
+    # exact_match is 0/1 and the threshold 1.0: pass@1 is its mean
+    assert h["after"]["reward/exact_match"] == h["pass@1_after"]
+    metrics = read_metrics(RunStore(f"file://{run}"), 2)
+    assert any(p.series == (HELD_OUT,) for p in panels_for("composer", metrics))

@@ -5,7 +5,9 @@ A figure is a few panels, each drawn from the replicas' per-round records
 declared per job in :data:`JOB_PANELS`, since what "learning" looks like differs:
 
 * **composer** (GRPO + hint distillation + trace replay): the mean reward and the held-out
-  exact match per round, one line per replica - these rise when it learns -, the loss channels
+  exact match per round, one line per replica - these rise when it learns -, the held-out
+  pass@1 and reward means of each round's global model (one line each: the replicas' shares
+  added up, crf/replica/evaluation.py; round -1 is the model before training), the loss channels
   (the total and each of GRPO, distillation and replay, averaged over replicas), and sync
   against compute time per round. The total loss alone misleads: GRPO's loss can rise while
   the reward climbs, which is why it is not the headline.
@@ -31,6 +33,8 @@ from crf import layout
 from crf.store.errors import StoreError
 
 Records = Mapping[int, Sequence[Mapping[str, Any]]]
+#: the series of the held-out panel (crf/replica/evaluation.py)
+HELD_OUT = "held_out"
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class Panel:
     labels: tuple[str, ...] = ()
 
 
+#: the held-out evaluation: every replica's share added up per round (not one line per replica)
+_HELD_OUT = Panel("held-out pass@1 and reward means (greedy; round -1: before training)",
+                  "held-out score", (HELD_OUT,), per_replica=False)  # fmt: skip
+
 _TIME = Panel("sync vs compute time per round", "seconds (mean over replicas)",
               ("compute_s", "sync_s"), per_replica=False,
               labels=("compute (inner steps)", "sync (blocked on the exchange)"))  # fmt: skip
@@ -54,6 +62,7 @@ JOB_PANELS: dict[str, tuple[Panel, ...]] = {
     "composer": (
         Panel("mean reward per round", "reward", ("metrics.reward",)),
         Panel("held-out exact match per round", "exact match", ("metrics.exact_match",)),
+        _HELD_OUT,
         Panel(
             "loss channels (mean over replicas)",
             "loss",
@@ -117,14 +126,35 @@ def panels_for(job: str, metrics: Records) -> list[Panel]:
         )
     return [
         p for p in declared
-        if any(_points(rows, field) for rows in metrics.values() for field in p.series)
+        if (_held_out_lines(metrics) if p.series == (HELD_OUT,) else
+            any(_points(rows, field) for rows in metrics.values() for field in p.series))
     ]  # fmt: skip
+
+
+def _held_out_lines(metrics: Records) -> dict[str, list[tuple[int, float]]]:
+    """label -> (round, value) of the combined held-out evaluation: pass@1 and each reward's
+    mean, the initial model at round -1."""
+    from crf.replica.evaluation import AFTER, BEFORE, per_round
+
+    lines: dict[str, list[tuple[int, float]]] = {}
+    before = per_round(metrics, BEFORE)
+    start = [(-1, before[min(before)])] if before else []
+    for r, p in [*start, *per_round(metrics, AFTER).items()]:
+        for key, value in p.means().items():
+            if key not in ("examples", "of") and value is not None:
+                label = key if key == "pass@1" else f"mean {key.removeprefix('reward/')}"
+                lines.setdefault(label, []).append((r, value))
+    return lines
 
 
 def _draw(ax: Any, panel: Panel, metrics: Records) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    if panel.per_replica:
+    if panel.series == (HELD_OUT,):
+        for label, points in _held_out_lines(metrics).items():
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", markersize=4, label=label)
+    elif panel.per_replica:
         for rank, rows in sorted(metrics.items()):
             label, points = f"replica {rank}", _points(rows, panel.series[0])
             if not points:

@@ -403,37 +403,54 @@ def check_entrypoint_options(
 
 
 def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
-    """LaunchError for a --reward that does not parse or import, or a --dataset file that
-    cannot be read, lacks a column or has fewer rows than replicas (crf/replica/data.py). A
-    local dataset path becomes absolute, so replicas in another directory find it. Returns
-    the first rows of a --dataset file (at most SAMPLE_ROWS) for the dry run's notes."""
-    from crf.replica.data import DataError, check_dataset, is_local_file
+    """LaunchError for a --reward that does not parse or import, a --dataset (or held-out
+    --eval-dataset / --eval-split) that cannot be read, lacks a column or has fewer rows than
+    replicas (crf/replica/data.py). A local dataset path becomes absolute, so replicas in
+    another directory find it. Returns the first rows of a --dataset file (at most
+    SAMPLE_ROWS) for the dry run's notes."""
+    from crf.replica.data import DataError, check_dataset, check_eval
     from crf.replica.rewards import RewardError, check_rewards
 
-    if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns):
-        raise LaunchError("--dataset, --column and --reward are for the composer job, not lm")
+    held_out = spec.eval_split or spec.eval_dataset
+    if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns or held_out):
+        raise LaunchError(
+            "--dataset, --eval-split, --eval-dataset, --column and --reward are for the "
+            "composer job, not lm"
+        )
     try:
         specs = check_rewards(spec.reward)
+        needs_answer = any(s.needs_answer for s in specs) or not specs
+        spec.dataset = _local_data(spec, spec.dataset, "--dataset")
+        spec.eval_dataset = _local_data(spec, spec.eval_dataset, "--eval-dataset")
+        check_eval(spec, needs_answer)
         if spec.dataset is None:
             return []
-        if is_local_file(spec.dataset):
-            if spec.backend != "local":
-                raise DataError(
-                    f"--dataset {spec.dataset} is a local file the {spec.backend} replicas "
-                    "cannot read: copy it to the store (or any URL) and pass that URL"
-                )
-            spec.dataset = os.path.abspath(spec.dataset)
         return check_dataset(
             spec.dataset,
             config=spec.dataset_config,
             split=spec.dataset_split,
             columns=spec.columns,
             replicas=spec.replicas,
-            needs_answer=any(s.needs_answer for s in specs) or not specs,
+            needs_answer=needs_answer,
             sample=SAMPLE_ROWS,
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None
+
+
+def _local_data(spec: RunSpec, dataset: str | None, flag: str) -> str | None:
+    """A local data file or folder as an absolute path (DataError off the local backend,
+    whose replicas cannot read this machine's disk); anything else as it is."""
+    from crf.replica.data import DataError, is_local_file, is_local_folder
+
+    if dataset is None or not (is_local_file(dataset) or is_local_folder(dataset)):
+        return dataset
+    if spec.backend != "local":
+        raise DataError(
+            f"{flag} {dataset} is a local file the {spec.backend} replicas "
+            "cannot read: copy it to the store (or any URL) and pass that URL"
+        )
+    return os.path.abspath(dataset)
 
 
 def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | None:

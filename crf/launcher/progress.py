@@ -183,10 +183,11 @@ def render_progress(
     if any(v.restarts for v in views):
         restarts = [Text(str(v.restarts) if v.restarts else "-", style="yellow") for v in views]
         cols.append(Column("restarts", restarts, keep=70))
+    title = f"crf run {run_id}: {done}/{len(views)} done, {elapsed_s:.0f}s, H={sync_every}"
     return fit_table(
         cols,
         width,
-        title=f"crf run {run_id}: {done}/{len(views)} done, {elapsed_s:.0f}s, H={sync_every}",
+        title=title + held_out_headline(beats),
         caption=("loss, reward" if any(c.header == "reward" for c in cols) else "loss")
         + ": means over the replica's last finished round",
     )
@@ -194,6 +195,21 @@ def render_progress(
 
 #: the job metrics a table shows when the replicas log them: (name, header, priority)
 _HEADLINE = (("reward", "reward", 85), ("exact_match", "exact", 35))
+
+
+def held_out_headline(beats: Sequence[Heartbeat | None]) -> str:
+    """``, held-out pass@1 0.406 (round 2, 48/64 rows)``: the newest round any replica closed,
+    its replicas' shares of the held-out evaluation added up so far ("" before any)."""
+    from crf.replica.evaluation import combine
+
+    done = [hb for hb in beats if hb is not None and hb.last_round is not None]
+    if not done:
+        return ""
+    r = max(hb.last_round for hb in done)
+    p = combine({"metrics": hb.round_metrics} for hb in done if hb.last_round == r)
+    if p is None or not p.n:
+        return ""
+    return f", held-out pass@1 {p.passed / p.n:.3f} (round {r}, {p.n}/{p.of} rows)"
 
 
 def _phase_text(hb: Heartbeat | None) -> Text:
@@ -259,6 +275,11 @@ def round_line(rank: int, hb: Heartbeat, rounds: int) -> str:
     for name, header, _ in _HEADLINE:
         if name in hb.round_metrics:
             parts.append(f"{header} {fmt_metric(hb.round_metrics[name])}")
+    from crf.replica.evaluation import Partial
+
+    mine = Partial.from_metrics(hb.round_metrics)
+    if mine is not None and mine.n:  # this replica's share of the held-out rows
+        parts.append(f"held-out {mine.passed}/{mine.n} passed")
     if hb.round_sync_s is not None:
         parts.append(f"sync {fmt_secs(hb.round_sync_s)}")
     return " ".join(parts)

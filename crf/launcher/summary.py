@@ -29,6 +29,7 @@ from crf import jsonsafe, layout
 from crf.executors.base import ReplicaResult, ReplicaState
 from crf.launcher.progress import Column, fit_table, fmt_loss, fmt_metric, fmt_secs
 from crf.layout import Rejection
+from crf.replica.evaluation import held_out
 
 #: fields copied from results/<rank>.json into the summary rows
 RESULT_FIELDS = (
@@ -272,6 +273,8 @@ def build_summary(
         "restarts": sum(row["restarts"] for row in rows),
         **problems,
         "learning": learning_curve(metrics),
+        # the replicas' shares of the held-out evaluation, added up per round
+        "held_out": held_out(metrics),
         "started_at": started_at,
         "ended_at": ended_at,
         "wall_s": round(ended_at - started_at, 3),
@@ -534,6 +537,8 @@ def verdict_parts(summary: Mapping[str, Any]) -> list[str]:
             f"mean reward {reward['first']:.3f} (round {reward['first_round']}) -> "
             f"{reward['last']:.3f} (round {reward['last_round']})"
         )
+    if summary.get("held_out"):
+        parts.append(held_out_text(summary["held_out"]))
     if summary.get("restarts"):
         parts.append(f"[yellow]{summary['restarts']} restart(s)[/]")
     if summary.get("rounds_lost"):
@@ -552,6 +557,18 @@ def verdict_parts(summary: Mapping[str, Any]) -> list[str]:
     if summary.get("fatal_error"):
         parts.append(f"[red]a restart cannot fix it: {escape(summary['fatal_error'])}[/]")
     return parts
+
+
+def held_out_text(h: Mapping[str, Any]) -> str:
+    """``held-out pass@1 0.125 (before) -> 0.400 (round 3, 64/64 rows)``: the summary's
+    held-out section in the closing line (rows: how many the replicas' shares added up to)."""
+    after = h.get("after") or {}
+    before = h.get("pass@1_before")
+    text = "held-out pass@1 " + (f"{before:.3f} (before) -> " if before is not None else "")
+    if h.get("pass@1_after") is None:
+        return text + "-"
+    rows = f"{after.get('examples')}/{after.get('of')}" if after.get("of") else after["examples"]
+    return text + f"{h['pass@1_after']:.3f} (round {h['last_round']}, {rows} rows)"
 
 
 def version_warnings(rows: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -11,6 +11,12 @@ in channel 2 / 3 (the trainer skips it). Replica ``rank`` takes rows ``rank::wor
 
 ``check_dataset`` reads only the first ``replicas`` rows of a file from the driver (streaming),
 so a missing column, an empty shard or an unreadable file fail before any replica starts.
+
+Held-out rows (``--eval-split`` / ``--eval-dataset``, :func:`eval_source`) go through the same
+loading and ``--column`` mapping; every replica draws the same ``--eval-examples`` of them with
+the run's seed (:func:`load_eval`) and scores its share (crf/replica/evaluation.py). A file has
+one split, so ``--eval-split`` needs a Hub id or a local folder (``datasets`` reads a folder of
+``train.jsonl`` / ``test.jsonl`` as those two splits); a held-out file is ``--eval-dataset``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ def is_local_file(dataset: str) -> bool:
     return builder_of(dataset) is not None and "://" not in dataset
 
 
+def is_local_folder(dataset: str) -> bool:
+    """A local folder of data files (``train.jsonl``, ``test.jsonl``...): ``datasets`` reads
+    it like a Hub dataset, one split per file name, so ``--eval-split`` can name one."""
+    import os
+
+    return "://" not in dataset and os.path.isdir(dataset)
+
+
 def check_columns(columns: Mapping[str, str]) -> None:
     """DataError for a --column whose key is no job field."""
     for key, value in columns.items():
@@ -66,7 +80,13 @@ def required_fields(needs_answer: bool) -> tuple[str, ...]:
     return ("prompt", "answer") if needs_answer else ("prompt",)
 
 
-def _renames(columns: Mapping[str, str], names: list[str], dataset: str, need: tuple[str, ...]):
+def _renames(
+    columns: Mapping[str, str],
+    names: list[str],
+    dataset: str,
+    need: tuple[str, ...],
+    flag: str = "--dataset",
+):
     """file column -> field, for the fields whose column is there; DataError if a required
     one is missing."""
     out = {}
@@ -77,7 +97,7 @@ def _renames(columns: Mapping[str, str], names: list[str], dataset: str, need: t
         elif field in need:
             how = f"column {column!r} (for {field})" if column != field else f"column {field!r}"
             raise DataError(
-                f"--dataset {dataset} has no {how}; its columns are {', '.join(names)} "
+                f"{flag} {dataset} has no {how}; its columns are {', '.join(names)} "
                 f"(map one with --column {field}=COLUMN)"
             )
     return out
@@ -120,14 +140,16 @@ def check_dataset(
     columns: Mapping[str, str],
     replicas: int,
     needs_answer: bool,
+    flag: str = "--dataset",
     sample: int = 0,
 ) -> list[dict[str, Any]]:
-    """Before launch, for a file or URL: readable, has the columns, enough rows for every
-    replica. Reads at most ``max(replicas, sample)`` rows (streaming) and returns them as
-    dicts of the job's fields (what the dry run inspects). A Hub id is checked by the
-    replicas (nothing is returned for it)."""
+    """Before launch, for a file, URL or local folder: readable, has the columns, enough rows
+    for every replica (``replicas``; 1 for held-out data, which a replica may have none of).
+    Reads at most ``max(replicas, sample)`` rows (streaming) and returns them as dicts of the
+    job's fields (what the dry run inspects). A Hub id is checked by the replicas (nothing is
+    returned for it)."""
     check_columns(columns)
-    if builder_of(dataset) is None:
+    if builder_of(dataset) is None and not is_local_folder(dataset):
         return []
     try:
         ds = _load(dataset, config, split, streaming=True)
@@ -137,10 +159,12 @@ def check_dataset(
         raise
     except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"--dataset {dataset} cannot be read: {reason}") from None
+        raise DataError(f"{flag} {dataset} cannot be read: {reason}") from None
+    if not first and flag != "--dataset":
+        raise DataError(f"{flag} {dataset} has no rows")
     if len(first) < replicas:
         raise DataError(_too_few(dataset, len(first), replicas))
-    renames = _renames(columns, names, dataset, required_fields(needs_answer))
+    renames = _renames(columns, names, dataset, required_fields(needs_answer), flag)
     return [{f: row.get(c) for c, f in renames.items()} for row in first]
 
 
@@ -171,6 +195,61 @@ def eval_source(spec: Any) -> tuple[str, str | None, str] | None:
     if split and getattr(spec, "dataset", None):
         return spec.dataset, spec.dataset_config, split
     return None
+
+
+def check_eval(spec: Any, needs_answer: bool) -> None:
+    """Before launch: the held-out options make sense together, and a file or folder they
+    name is readable with the columns the rewards read (DataError says what to fix)."""
+    split, other, dataset = spec.eval_split, spec.eval_dataset, spec.dataset
+    if split and not other:
+        if not dataset:
+            raise DataError(
+                f"--eval-split {split} names a split of --dataset, and there is none: give "
+                "--dataset, or the held-out data as --eval-dataset"
+            )
+        if is_local_file(dataset) or builder_of(dataset):
+            raise DataError(
+                f"--eval-split {split}: --dataset {dataset} is one file, one split; pass the "
+                "held-out file as --eval-dataset (or a folder with train/test files as --dataset)"
+            )
+        if split == spec.dataset_split:
+            raise DataError(
+                f"--eval-split {split} is the split the run trains on (--dataset-split); "
+                "name a held-out one (e.g. test)"
+            )
+    source = eval_source(spec)
+    if source is None:
+        return
+    name, config, eval_split = source
+    flag = "--eval-dataset" if other else "--dataset"
+    check_dataset(
+        name,
+        config=config,
+        split=eval_split,
+        columns=spec.columns,
+        replicas=1,
+        needs_answer=needs_answer,
+        flag=flag,
+    )
+
+
+def load_eval(spec: Any, needs_answer: bool) -> list[dict[str, Any]]:
+    """The run's held-out rows (:func:`eval_source`, the ``--column`` mapping), a fixed
+    subsample of ``--eval-examples`` drawn with the run's seed: the same list on every
+    replica. Empty when the run has no held-out data."""
+    source = eval_source(spec)
+    if source is None:
+        return []
+    dataset, config, split = source
+    ds = _load(dataset, config, split)
+    flag = "--eval-dataset" if spec.eval_dataset else "--dataset"
+    renames = _renames(
+        spec.columns, list(ds.column_names), dataset, required_fields(needs_answer), flag
+    )
+    keep = fixed_subsample(list(range(len(ds))), int(spec.eval_examples), int(spec.seed))
+    ds = ds.select(keep).select_columns(list(renames))
+    ds = ds.rename_columns({c: f for c, f in renames.items() if c != f})
+    return [{k: v for k, v in row.items() if v is not None and v != ""} for row in ds.to_list()]
 
 
 def fixed_subsample(rows: list[Any], n: int, seed: int) -> list[Any]:

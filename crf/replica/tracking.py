@@ -14,6 +14,10 @@ in the run folder). Two kinds of points go there:
   moved, committed), logged once per round as ``round/<name>`` at step = round, by the
   replica that wrote it. Not by the driver: a driver may be detached (``--detach``) or on a
   laptop that sleeps, while the replicas always run; the group puts the replicas side by side.
+  The held-out evaluation's record holds sums over the replica's share of the rows; the
+  tracker gets them as that share's means (``round/eval/pass@1``, ``round/eval/reward/<name>``,
+  ``round/eval/examples``; ``round/eval_before/...`` for the initial model). The run's
+  figure, all shares added up, is in ``result.json``'s ``held_out`` and the figure.
 
 The packages are imported lazily (the optional ``tracking`` extra; ``RunSpec`` refuses a
 missing one before launch). Tracking never stops training: a tracker that fails logs a
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from crf import layout
+from crf.replica.evaluation import replica_means
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +66,9 @@ def round_values(record: Mapping[str, Any]) -> dict[str, float]:
     loss, the job's metrics (reward...), time and bytes, committed."""
     keys = ("loss", "sync_s", "transfer_s", "compute_s", "bytes_up", "bytes_down", "committed")
     flat = {k: record.get(k) for k in keys}
-    flat.update(record.get("metrics") or {})
+    # held-out partial sums as this replica's means over its share (the run's combined
+    # figure is the driver's: result.json's held_out)
+    flat.update(replica_means(record.get("metrics") or {}))
     return _numbers(flat)
 
 
@@ -93,7 +100,7 @@ class Tracker:
     def log_step(self, step: int, values: Mapping[str, Any]) -> None:
         """One inner step's metrics, as ``train/<name>`` (unless the trainer logs them)."""
         if self.on and not self.trainer_logs_steps:
-            nums = {f"train/{k}": v for k, v in _numbers(values).items()}
+            nums = {f"train/{k}": v for k, v in _numbers(replica_means(values)).items()}
             self._guard(lambda: self._log(nums, step, "train/step", step))
 
     def log_round(self, record: Mapping[str, Any]) -> None:

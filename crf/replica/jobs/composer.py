@@ -72,6 +72,8 @@ class Config:
     max_len: int = 3
     num_examples: int = 2048  # the pool all replicas share out
     eval_examples: int = 64  # held-out prompts for greedy exact-match before/after
+    # held-out pass@1: a row passes when its weighted total reward reaches this
+    pass_threshold: float = 1.0
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -139,6 +141,7 @@ class Config:
             f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
         )
         self._validate_trainer(need)
+        need(math.isfinite(self.pass_threshold), "pass_threshold must be a finite number")
         for name in ("distill_alpha", "replay_beta", "distill_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (got {getattr(self, name)})")
         need(
@@ -277,16 +280,6 @@ def greedy_exact_match(
     return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
 
 
-def exact_match_each_round(setup: ReplicaSetup, max_new: int) -> Any:
-    """The figure's held-out exact match per round (DiLoCoCallback's ``round_eval``), or
-    None when there is no held-out set (a user's --dataset)."""
-    if not setup.held_out:
-        return None
-    return lambda: {
-        "exact_match": greedy_exact_match(setup.model, setup.tokenizer, setup.held_out, max_new)
-    }
-
-
 def as_text(tokenizer: Any, prompt: Any) -> str:
     """A prompt as the model sees it: a conversation through the chat template."""
     if isinstance(prompt, str):
@@ -297,13 +290,16 @@ def as_text(tokenizer: Any, prompt: Any) -> str:
 @dataclass
 class ReplicaSetup:
     """What one replica trains: tokenizer, model (seeded by ``ctx.seed``), its data shard
-    (ordered by ``ctx.data_seed``), the shared held-out prompts and where it trains."""
+    (ordered by ``ctx.data_seed``), the embedded task's held-out prompts (exact match), the
+    run's held-out rows (every replica the same list; it scores its share) and where it
+    trains."""
 
     tokenizer: Any
     model: Any
     shard: list[dict[str, Any]]
     held_out: list[dict[str, Any]]
     placement: Any = None
+    eval_rows: list[dict[str, Any]] | None = None
 
 
 def _tiny(ctx: Any, cfg: Config) -> tuple[Any, Any]:
@@ -335,7 +331,7 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     model.train()
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
     chat = bool(getattr(tokenizer, "chat_template", None))
-    if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no held-out set
+    if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no embedded held-out
         from crf.replica.data import spec_shard
 
         shard, held_out = spec_shard(ctx.spec, ctx.rank, ctx.world_size), []
@@ -350,11 +346,38 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
             )
         random.Random(int(ctx.data_seed)).shuffle(shard)
         held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
+    eval_rows = _eval_rows(ctx.spec) or held_out
     if chat:  # a conversation prompt (a user's dataset may hold one already) stays as it is
-        for row in (*shard, *held_out):
+        for row in (*shard, *held_out, *eval_rows):
             if isinstance(row["prompt"], str):
                 row["prompt"] = [{"role": "user", "content": row["prompt"]}]
-    return ReplicaSetup(tokenizer, model, shard, held_out, placement)
+    return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows)
+
+
+def _eval_rows(spec: Any) -> list[dict[str, Any]]:
+    """The run's held-out rows (--eval-split / --eval-dataset), [] without them."""
+    from crf.replica.data import eval_source, load_eval
+    from crf.replica.rewards import parse_rewards
+
+    if eval_source(spec) is None:
+        return []
+    specs = parse_rewards(list(getattr(spec, "reward", [])))
+    return load_eval(spec, needs_answer=any(s.needs_answer for s in specs) or not specs)
+
+
+def held_out_eval(
+    ctx: Any, setup: ReplicaSetup, rewards: dict[str, Any], max_new: int, cfg: Config, start: int
+) -> tuple[Any, float | None]:
+    """The replica's part of the held-out evaluation of each round's global model
+    (crf/replica/evaluation.py), having scored the initial model (round 0's record carries
+    it; not again on a replica that resumed past it), and the initial exact match."""
+    from crf.replica.evaluation import HeldOutEval
+
+    held = HeldOutEval.for_replica(ctx, setup, rewards, max_new, cfg.pass_threshold)
+    exact_before = held.score_before(record=not start)
+    if exact_before is None:
+        exact_before = greedy_exact_match(setup.model, setup.tokenizer, setup.held_out, max_new)
+    return held, exact_before
 
 
 def completion_tokens(cfg: Config, spec: Any) -> int:
@@ -454,7 +477,6 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     setup = build(ctx, cfg)
     model, tokenizer = setup.model, setup.tokenizer
     max_new = completion_tokens(cfg, ctx.spec)
-    exact_before = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
 
     # a restarted replica resumes at the round after the newest global state: train only the
     # remaining steps, on the data it has not seen yet (the shard rotated past what it used)
@@ -465,7 +487,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
     if steps <= 0:
         return {"resumed_at_step": start, "steps_trained": 0}
-    callback = DiLoCoCallback(ctx, round_eval=exact_match_each_round(setup, max_new))
+    held, exact_before = held_out_eval(ctx, setup, rewards, max_new, cfg, start)
+    callback = DiLoCoCallback(ctx, round_eval=held if held.rows else None)
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
         args = trainer_config(ctx, cfg, output_dir=f"{tmp}/out", steps=steps,
                               reward_weights=rewards["reward_weights"])  # fmt: skip
@@ -491,7 +514,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     metrics = summarize(callback.history, int(ctx.spec.sync_every))
     metrics["exact_match_before"] = exact_before
     metrics["exact_match_after"] = greedy_exact_match(model, tokenizer, setup.held_out, max_new)
-    metrics["shard_size"] = len(setup.shard)
+    metrics.update(shard_size=len(setup.shard), eval_share=len(held.share))
     if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
         ctx.save_model_at_end(model, tokenizer)
     return metrics
