@@ -126,17 +126,18 @@ class Plan:
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Check the job exists and its options are valid; return the options as typed values."""
-    from crf.replica.jobs import job_config
+    from crf.replica.jobs import fold_dotted, job_config
 
+    options = fold_dotted(dict(options or {}))
     try:
-        cfg = job_config(job, dict(options or {}))
+        cfg = job_config(job, options)
     except ImportError as e:
         raise LaunchError(f"job {job!r} cannot be loaded ({e}); is crf fully installed?") from None
     except (TypeError, ValueError) as e:
         raise LaunchError(str(e)) from None
     # Keep only what the user set (coerced to the option's type): the replica applies the
     # job's defaults itself, and run.json stays readable.
-    return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
+    return {k: getattr(cfg, k, v) for k, v in options.items()}
 
 
 def check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
@@ -332,10 +333,18 @@ def check_workload(spec: RunSpec) -> None:
     cannot be read, lacks a column or has fewer rows than replicas (crf/replica/data.py). A
     local dataset path becomes absolute, so replicas in another directory find it."""
     from crf.replica.data import DataError, check_dataset, is_local_file
+    from crf.replica.jobs import get_job
     from crf.replica.rewards import RewardError, check_rewards
 
     if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns):
         raise LaunchError("--dataset, --column and --reward are for the composer job, not lm")
+    job_check = getattr(get_job(spec.job), "check_launch", None)
+    if job_check is not None:  # the job checks its own data (sft: TRL's SFT formats)
+        try:
+            job_check(spec)
+        except DataError as e:
+            raise LaunchError(str(e)) from None
+        return
     try:
         specs = check_rewards(spec.reward)
         if spec.dataset is None:

@@ -3,11 +3,13 @@
 A job is a module exposing ``Config`` (a dataclass of the job's knobs, validated by the driver
 before launch) and ``run(ctx: ReplicaContext, config: Config) -> dict`` (trains, calling
 ``ctx.diloco(model, inner_optimizer)`` once and ``ctx.log_step(...)`` after each inner optimizer
-step; returns final job metrics). A job is named either by a built-in name (:data:`JOBS`) or by
-its module path (``mypkg.myjob``). ``run.json`` records the name as given, and every replica
-(a fresh process, which knows only what it can import) imports the job from that name: a
-module-path job must therefore be importable where the replicas run (installed, or on their
-``PYTHONPATH``), as it must be where the driver validates its options before launch.
+step; returns final job metrics), and may expose ``check_launch(spec)``: the driver calls it
+before launch to check the run's data for the job (a DataError says what to fix). A job is
+named either by a built-in name (:data:`JOBS`) or by its module path (``mypkg.myjob``).
+``run.json`` records the name as given, and every replica (a fresh process, which knows only
+what it can import) imports the job from that name: a module-path job must therefore be
+importable where the replicas run (installed, or on their ``PYTHONPATH``), as it must be
+where the driver validates its options before launch.
 Modules are imported lazily so ``import crf`` stays light. How to write one:
 docs/extending.md, "Add a job".
 """
@@ -25,6 +27,7 @@ from crf.spec import coerce_text
 JOBS: dict[str, str] = {
     "lm": "crf.replica.jobs.lm",
     "composer": "crf.replica.jobs.composer",
+    "sft": "crf.replica.jobs.sft",
 }
 
 
@@ -64,10 +67,28 @@ def get_job(name: str) -> ModuleType:
     return job
 
 
+def fold_dotted(values: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"trl.lr": x}`` (``--set trl.lr=x``) as ``{"trl": {"lr": x}}``, merged with a
+    ``trl`` table given as one (a config file's ``[job.trl]``): a job option that is a table
+    takes its entries either way."""
+    out: dict[str, Any] = {}
+    for key, value in (values or {}).items():
+        if "." in key:
+            table, sub = key.split(".", 1)
+            out.setdefault(table, {})
+            if isinstance(out[table], dict):
+                out[table] = {**out[table], sub: value}
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**value, **out[key]}
+        else:
+            out[key] = value
+    return out
+
+
 def job_config(name: str, values: dict[str, Any] | None) -> Any:
     """Build and validate the job's Config from plain values; errors name the bad key."""
     cls = get_job(name).Config
-    values = dict(values or {})
+    values = fold_dotted(values)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
