@@ -74,9 +74,7 @@ def check_row(row: Mapping[str, Any], form: str, dataset: str, index: int) -> No
     if form == "language modeling" and not isinstance(row.get("text"), str):
         raise DataError(f"{where}: 'text' must be a string (got {type(row.get('text')).__name__})")
     if form == "conversational" and not _is_messages(row.get("messages")):
-        raise DataError(
-            f"{where}: 'messages' must be a list of {{'role', 'content'}} messages"
-        )
+        raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}} messages")
     if form == "prompt-completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         plain = isinstance(prompt, str) and isinstance(completion, str)

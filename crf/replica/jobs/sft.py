@@ -384,8 +384,10 @@ def eval_sums(trainer: Any, model: Any, placement: Any) -> dict[str, float]:
             logits = model(**inputs).logits[:, :-1].float()
             total += float(
                 F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                    ignore_index=-100, reduction="sum",
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels.reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
                 )  # fmt: skip
             )
             tokens += int((labels != -100).sum())
