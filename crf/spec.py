@@ -329,8 +329,8 @@ class RunSpec:
     run_uri: str
     job: str = option(
         "composer",
-        help="What each replica trains: a built-in job (lm, composer) or a job module's path "
-        "(mypkg.myjob).",
+        help="What each replica trains: a built-in job (lm, composer, sft) or a job "
+        "module's path (mypkg.myjob).",
     )
     job_config: dict[str, Any] = option(  # on the command line: --set KEY=VALUE, repeatable
         default_factory=dict,
@@ -562,7 +562,8 @@ class RunSpec:
         default_factory=dict,
         flag="--column",
         group=WORKLOAD,
-        help="FIELD=COLUMN, repeatable: the job's field (prompt, answer, hint, trace) is read "
+        help="FIELD=COLUMN, repeatable: the job's field (composer: prompt, answer, hint, trace; "
+        "sft: text, prompt, completion, messages) is read "
         "from the file's COLUMN, e.g. --column prompt=question (default: same names).",
     )
     reward: list[str] = option(

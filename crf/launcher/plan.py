@@ -140,7 +140,7 @@ def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
         raise LaunchError(str(e)) from None
     # Keep only what the user set (coerced to the option's type): the replica applies the
     # job's defaults itself, and run.json stays readable.
-    return {k: getattr(cfg, k, v) for k, v in (options or {}).items()}
+    return {k: getattr(cfg, k, v) for k, v in options.items()}
 
 
 def check_local_batch(
@@ -405,18 +405,27 @@ def check_entrypoint_options(
 def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
     """LaunchError for a --reward that does not parse or import, a --dataset (or held-out
     --eval-dataset / --eval-split) that cannot be read, lacks a column or has fewer rows than
-    replicas (crf/replica/data.py). A local dataset path becomes absolute, so replicas in
-    another directory find it. Returns the first rows of a --dataset file (at most
-    SAMPLE_ROWS) for the dry run's notes."""
+    replicas (crf/replica/data.py); a job with its own data formats checks them itself
+    (``check_launch(spec)`` in its module: the sft job). A local dataset path becomes
+    absolute, so replicas in another directory find it. Returns the first rows of a
+    --dataset file (at most SAMPLE_ROWS) for the dry run's notes."""
     from crf.replica.data import DataError, check_dataset, check_eval
+    from crf.replica.jobs import get_job
     from crf.replica.rewards import RewardError, check_rewards
 
     held_out = spec.eval_split or spec.eval_dataset
     if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns or held_out):
         raise LaunchError(
             "--dataset, --eval-split, --eval-dataset, --column and --reward are for the "
-            "composer job, not lm"
+            "composer and sft jobs, not lm"
         )
+    job_check = getattr(get_job(spec.job), "check_launch", None)
+    if job_check is not None:  # the job checks its own data (sft: TRL's SFT formats)
+        try:
+            job_check(spec)
+        except DataError as e:
+            raise LaunchError(str(e)) from None
+        return []
     try:
         specs = check_rewards(spec.reward)
         needs_answer = any(s.needs_answer for s in specs) or not specs

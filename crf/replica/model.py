@@ -1,7 +1,7 @@
 """The model a replica trains when the run names one (``--model``): where it runs, in what
 precision, loaded how, and which of its parameters DiLoCo exchanges.
 
-Used by both built-in jobs (composer and lm), so a Hub id or a folder is loaded the same way
+Used by the built-in jobs (composer, sft and lm), so a Hub id or a folder is loaded the same way
 everywhere:
 
 - :func:`choose_device` / :func:`choose_dtype` turn ``--device`` / ``--precision`` (``auto``

@@ -3,11 +3,13 @@
 A job is a module exposing ``Config`` (a dataclass of the job's knobs, validated by the driver
 before launch) and ``run(ctx: ReplicaContext, config: Config) -> dict`` (trains, calling
 ``ctx.diloco(model, inner_optimizer)`` once and ``ctx.log_step(...)`` after each inner optimizer
-step; returns final job metrics). A job is named either by a built-in name (:data:`JOBS`) or by
-its module path (``mypkg.myjob``). ``run.json`` records the name as given, and every replica
-(a fresh process, which knows only what it can import) imports the job from that name: a
-module-path job must therefore be importable where the replicas run (installed, or on their
-``PYTHONPATH``), as it must be where the driver validates its options before launch.
+step; returns final job metrics), and may expose ``check_launch(spec)``: the driver calls it
+before launch to check the run's data for the job (a DataError says what to fix). A job is
+named either by a built-in name (:data:`JOBS`) or by its module path (``mypkg.myjob``).
+``run.json`` records the name as given, and every replica (a fresh process, which knows only
+what it can import) imports the job from that name: a module-path job must therefore be
+importable where the replicas run (installed, or on their ``PYTHONPATH``), as it must be
+where the driver validates its options before launch.
 Modules are imported lazily so ``import crf`` stays light. How to write one:
 docs/extending.md, "Add a job".
 """
@@ -25,6 +27,7 @@ from crf.spec import coerce_text
 JOBS: dict[str, str] = {
     "lm": "crf.replica.jobs.lm",
     "composer": "crf.replica.jobs.composer",
+    "sft": "crf.replica.jobs.sft",
 }
 
 

@@ -1,0 +1,132 @@
+"""The ``sft`` job's dataset: which of TRL's SFT formats a file holds, checked before launch,
+and each replica's rows.
+
+``SFTTrainer`` reads three dataset formats by their column names, and the job takes them as
+TRL users write them:
+
+- ``prompt`` + ``completion``: the loss is on the completion only (TRL's default
+  ``completion_only_loss``); both plain strings, or both lists of chat messages;
+- ``messages``: a conversation (a list of ``{"role", "content"}``), through the tokenizer's
+  chat template;
+- ``text``: language modeling / continued pretraining, the loss on every token.
+
+``--column FIELD=COLUMN`` maps a file's columns to these names (``--column text=body``). A
+file with several formats is read as the first of them in the order above (TRL's own order:
+its tokenizer checks for a prompt first); the other columns are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from crf.replica.data import DataError, _load, _too_few, builder_of
+
+#: the sft job's fields (``--column FIELD=COLUMN``)
+SFT_FIELDS = ("text", "prompt", "completion", "messages")
+#: TRL's formats, in the order a row is matched to them: (name, the fields it needs)
+FORMATS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("prompt-completion", ("prompt", "completion")),
+    ("conversational", ("messages",)),
+    ("language modeling", ("text",)),
+)
+
+
+def check_sft_columns(columns: Mapping[str, str]) -> None:
+    """DataError for a ``--column`` whose key is no field of the sft job."""
+    for key, value in columns.items():
+        if key not in SFT_FIELDS:
+            raise DataError(
+                f"--column {key}={value}: {key!r} is no field of the sft job; use one of "
+                f"{', '.join(SFT_FIELDS)} (KEY is the job's field, VALUE the column)"
+            )
+
+
+def sft_format(
+    names: list[str], columns: Mapping[str, str], dataset: str
+) -> tuple[str, dict[str, str]]:
+    """(format name, {file column: field}) for a file with columns ``names``; DataError (one
+    line, naming the columns there are and the mapping flag) when it holds no SFT format."""
+    for name, fields in FORMATS:
+        wanted = [columns.get(f, f) for f in fields]
+        if all(c in names for c in wanted):
+            return name, dict(zip(wanted, fields, strict=True))
+    mapped = "".join(f" (--column {k}={v})" for k, v in columns.items())
+    raise DataError(
+        f"--dataset {dataset}{mapped} has none of the sft formats: a 'text' column, 'prompt' "
+        f"and 'completion' columns, or 'messages'; its columns are {', '.join(names)} (map "
+        "one with --column text=COLUMN, or prompt=... and completion=...)"
+    )
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def check_row(row: Mapping[str, Any], form: str, dataset: str, index: int) -> None:
+    """DataError for a row whose values do not fit its format (checked on the first rows
+    before launch, so a wrong column fails here and not in a replica's tokenizer)."""
+    where = f"--dataset {dataset} row {index}"
+    if form == "language modeling" and not isinstance(row.get("text"), str):
+        raise DataError(f"{where}: 'text' must be a string (got {type(row.get('text')).__name__})")
+    if form == "conversational" and not _is_messages(row.get("messages")):
+        raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}} messages")
+    if form == "prompt-completion":
+        prompt, completion = row.get("prompt"), row.get("completion")
+        plain = isinstance(prompt, str) and isinstance(completion, str)
+        if not plain and not (_is_messages(prompt) and _is_messages(completion)):
+            raise DataError(
+                f"{where}: 'prompt' and 'completion' must both be strings, or both lists of "
+                "{'role', 'content'} messages"
+            )
+
+
+def check_sft_dataset(
+    dataset: str,
+    *,
+    config: str | None,
+    split: str,
+    columns: Mapping[str, str],
+    replicas: int,
+    what: str = "--dataset",
+) -> None:
+    """Before launch, for a file or URL: readable, in one of the SFT formats, values of the
+    right kind and (``replicas`` > 0) a row for every replica. Reads at most ``replicas``
+    rows (streaming; 4 for held-out data). A Hub id is checked by the replicas."""
+    check_sft_columns(columns)
+    if builder_of(dataset) is None:
+        return
+    try:
+        ds = _load(dataset, config, split, streaming=True)
+        first = list(ds.take(max(replicas, 4)))
+        names = list(ds.column_names or (first[0].keys() if first else []))
+    except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{what} {dataset} cannot be read: {reason}") from None
+    if len(first) < max(replicas, 1):
+        if replicas:
+            raise DataError(_too_few(dataset, len(first), replicas))
+        raise DataError(f"{what} {dataset} has no rows")
+    try:
+        form, renames = sft_format(names, columns, dataset)
+    except DataError as e:
+        raise DataError(str(e).replace("--dataset", what, 1)) from None
+    for i, row in enumerate(first):
+        renamed = {renames[c]: v for c, v in row.items() if c in renames}
+        check_row(renamed, form, dataset, i)
+
+
+def load_sft_rows(
+    dataset: str, *, config: str | None, split: str, columns: Mapping[str, str]
+) -> tuple[Any, str]:
+    """(``datasets.Dataset`` holding only the format's fields, format name) for all rows."""
+    ds = _load(dataset, config, split)
+    form, renames = sft_format(list(ds.column_names), columns, dataset)
+    ds = ds.select_columns(list(renames)).rename_columns(
+        {c: f for c, f in renames.items() if c != f}
+    )
+    return ds, form

@@ -1,0 +1,254 @@
+"""The ``sft`` job: TRL's SFTTrainer as a DiLoCo replica.
+
+- the three SFT formats (text, prompt/completion, messages) and ``--column``, each trained by
+  the real SFTTrainer; a file with none of them, or with a value of the wrong kind, is refused
+  before launch in one line;
+- ``trl.<field>`` (any SFTConfig field) checked before launch, with "did you mean";
+- end to end: ``--job sft`` on a tiny Qwen2 folder (2 replica processes, a held-out file),
+  ``crf export``, then ``--job composer --model`` that folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from crf.launcher.errors import LaunchError
+from crf.launcher.plan import prepare, validate_job
+from crf.replica.jobs import sft
+from crf.replica.jobs.sft import Config, combined_eval_loss, row_order
+
+WORDS = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"]
+FORMATS = {
+    "text": [{"body": f"{w}={w[::-1]}"} for w in WORDS],
+    "prompt-completion": [{"q": f"{w}=", "a": w[::-1]} for w in WORDS],
+    "messages": [
+        {"conv": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]}
+        for w in WORDS
+    ],
+}
+COLUMNS = {
+    "text": {"text": "body"},
+    "prompt-completion": {"prompt": "q", "completion": "a"},
+    "messages": {"messages": "conv"},
+}
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+class _Ctx(SimpleNamespace):
+    """A replica context for one in-process replica: DiLoCo is the identity, steps are
+    recorded (the real context is exercised by the end-to-end test below)."""
+
+    @contextlib.contextmanager
+    def diloco(self, model: Any, inner: Any) -> Any:
+        hook = inner.register_step_post_hook(lambda *_: setattr(self, "step", self.step + 1))
+        try:
+            yield
+        finally:
+            hook.remove()
+
+    def log_step(self, loss: float | None = None, **metrics: float) -> None:
+        self.logged.append({"loss": loss, **metrics})
+
+
+@pytest.mark.parametrize("form", list(FORMATS))
+def test_each_format_trains_with_the_column_mapping(tmp_path: Path, form: str) -> None:
+    """SFTTrainer on the tiny model over each format, the file's columns mapped: one logged
+    step per optimizer step, the held-out sums at each round end; with prompt/completion
+    only the completion's tokens (and the EOS TRL appends) count."""
+    data = _jsonl(tmp_path / "d.jsonl", FORMATS[form])
+    spec = SimpleNamespace(
+        dataset=data, dataset_config=None, dataset_split="train", eval_dataset=data,
+        eval_split=None, eval_examples=4, columns=COLUMNS[form], sync_every=2,
+        device="cpu", precision="fp32", report_to="none",
+    )  # fmt: skip
+    ctx = _Ctx(spec=spec, seed=0, data_seed=1, rank=0, world_size=1, total_steps=4, step=0,
+               logged=[])  # fmt: skip
+    cfg = Config(per_device_train_batch_size=4, hidden_size=16, num_heads=2, num_layers=1)
+    metrics = sft.run(ctx, cfg)
+    assert metrics["steps"] == 4 and len(ctx.logged) == 4
+    assert all(s["loss"] > 0 for s in ctx.logged)
+    ends = [s for s in ctx.logged if "eval_tokens" in s]
+    assert len(ends) == 2 and all(s["eval_loss"] > 0 for s in ends)
+    if form == "prompt-completion":
+        held = [r for i, r in enumerate(FORMATS[form]) if i in _subsample(len(WORDS), 4)]
+        assert ends[0]["eval_tokens"] == sum(len(r["a"]) + 1 for r in held)
+    assert metrics["rounds"][1]["eval_loss_sum"] == ends[1]["eval_loss_sum"]
+
+
+def _subsample(n: int, k: int) -> set[int]:
+    from crf.replica.data import fixed_subsample
+
+    return set(fixed_subsample(list(range(n)), k, 0))
+
+
+def _prepare(tmp_path: Path, **options: Any) -> None:
+    prepare({"job": "sft", "replicas": 2, **options}, store=str(tmp_path / "runs"),
+            dry_run=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("form", list(FORMATS))
+def test_prepare_accepts_each_format(tmp_path: Path, form: str) -> None:
+    data = _jsonl(tmp_path / "d.jsonl", FORMATS[form])
+    _prepare(tmp_path, dataset=data, columns=COLUMNS[form], eval_dataset=data)
+
+
+@pytest.mark.parametrize(
+    ("rows", "columns", "says"),
+    [
+        ([{"question": "a", "answer": "b"}], {},
+         "has none of the sft formats: a 'text' column, 'prompt' and 'completion' columns, "
+         "or 'messages'; its columns are question, answer"),
+        ([{"q": "a", "answer": "b"}], {"prompt": "q"}, r"\(--column prompt=q\) has none"),
+        ([{"text": 3}], {}, "row 0: 'text' must be a string"),
+        ([{"messages": ["hi"]}], {}, "'messages' must be a list of {'role', 'content'}"),
+        ([{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}], {},
+         "'prompt' and 'completion' must both be strings, or both lists"),
+        ([{"text": "a"}], {"answer": "text"}, "'answer' is no field of the sft job"),
+    ],
+)  # fmt: skip
+def test_a_dataset_without_an_sft_format_is_refused_in_one_line(
+    tmp_path: Path, rows: list[dict[str, Any]], columns: dict[str, str], says: str
+) -> None:
+    data = _jsonl(tmp_path / "d.jsonl", rows * 2)
+    with pytest.raises(LaunchError, match=says) as err:
+        _prepare(tmp_path, dataset=data, columns=columns)
+    assert "\n" not in str(err.value)
+
+
+def test_held_out_data_and_rewards_are_checked_too(tmp_path: Path) -> None:
+    good = _jsonl(tmp_path / "good.jsonl", [{"text": w} for w in WORDS])
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "a"}])
+    with pytest.raises(LaunchError, match="^--eval-dataset .*bad.jsonl has none of the sft"):
+        _prepare(tmp_path, dataset=good, eval_dataset=bad)
+    with pytest.raises(LaunchError, match="--reward is for the composer job"):
+        _prepare(tmp_path, dataset=good, reward=["exact_match"])
+
+
+def test_trl_fields_are_checked_against_sftconfig() -> None:
+    """``--set trl.NAME=VALUE`` and a ``trl`` table reach SFTConfig typed; a misspelt name
+    gets "did you mean", one crf sets or a knob of the job says where it is set."""
+    typed = validate_job("sft", {"trl.warmup_steps": "3", "trl": {"lr_scheduler_type": "cosine"}})
+    assert typed["trl"] == {"warmup_steps": 3, "lr_scheduler_type": "cosine"}
+    assert validate_job("sft", {"trl.eval_packing": "false"})["trl"] == {"eval_packing": False}
+    for sets, says in [
+        ({"trl.warmup_step": "3"}, "trl.warmup_step is no SFTConfig field; did you mean "
+                                   "trl.warmup_steps?"),
+        ({"trl.max_steps": "9"}, "trl.max_steps is set by crf: --sync-every x --rounds"),
+        ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..., a knob"),
+        ({"trl.warmup_steps": "many"}, "trl.warmup_steps='many' is not a valid int"),
+        ({"trl.lr_scheduler_type": "wobbly"}, "SFTConfig refuses"),
+    ]:  # fmt: skip
+        with pytest.raises(LaunchError, match=says) as err:
+            validate_job("sft", sets)
+        assert "\n" not in str(err.value)
+
+
+def test_defaults_follow_the_model() -> None:
+    """With --model the trainer settings are SFTConfig's own; LoRA learns 10x faster."""
+    from trl import SFTConfig
+
+    trl = SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none",
+                    activation_checkpointing=False)  # fmt: skip
+    given = Config().settings(model=True, lora=False)
+    assert given["learning_rate"] == trl.learning_rate
+    assert given["per_device_train_batch_size"] == trl.per_device_train_batch_size
+    assert given["max_length"] == trl.max_length and given["packing"] is trl.packing is False
+    assert Config().settings(model=True, lora=True)["learning_rate"] == 10 * trl.learning_rate
+    assert Config(learning_rate=1e-3).settings(model=True, lora=True)["learning_rate"] == 1e-3
+
+
+def test_row_order_continues_where_a_replica_stopped() -> None:
+    """Epoch after epoch a permutation from the seed: every row once per epoch, and the same
+    order when recomputed (a restarted replica takes it up from its step)."""
+    order = row_order(5, 12, seed=3)
+    assert sorted(order[:5]) == sorted(order[5:10]) == list(range(5))
+    assert order[5:10] != order[:5] and row_order(5, 12, seed=3) == order
+    assert row_order(5, 12, seed=4) != order
+
+
+def test_combined_eval_loss_weighs_the_replicas_by_tokens() -> None:
+    rounds = [{"metrics": {"eval_loss_sum": 6.0, "eval_tokens": 2.0}},
+              {"metrics": {"eval_loss_sum": 2.0, "eval_tokens": 6.0}}]  # fmt: skip
+    assert combined_eval_loss(rounds) == pytest.approx(1.0)
+    assert combined_eval_loss([{"eval_loss_sum": 0.0, "eval_tokens": 0.0}]) is None
+
+
+# ---------------------------------------------------------------------- end to end
+def _launch(tmp_path: Path, run_id: str, **options: Any) -> dict[str, Any]:
+    from crf.executors.local import LocalProcessExecutor
+    from crf.launcher import driver
+
+    return driver.launch(
+        {"replicas": 2, "sync_every": 2, "run_id": run_id, "round_timeout_s": 120.0,
+         **options},
+        store=str(tmp_path / "runs"),
+        env={"CRF_LOG_LEVEL": "WARNING"},
+        executor=LocalProcessExecutor(grace_period_s=2.0),
+        restart=driver.RestartPolicy(max_restarts=0),
+        progress=False, report=False, plot=False, poll_s=0.1, timeout_s=300,
+    )  # fmt: skip
+
+
+def _reversals(n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcd") for _ in range(rng.randint(2, 3))) for _ in range(n)]
+    return [{"prompt": f"{w}=", "completion": w[::-1]} for w in words]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sft_then_export_then_grpo_on_the_exported_model(tmp_path: Path) -> None:
+    """2 replica processes SFT a tiny Qwen2 folder on a jsonl file (held-out file scored each
+    round, split between them) and end bit-identical; the held-out loss per token, combined
+    from both replicas' shares, falls; ``crf export`` writes a folder from_pretrained loads;
+    the composer job then trains ``--model`` that folder."""
+    from transformers import AutoModelForCausalLM
+
+    from crf.launcher.export import export
+    from tests.hub_models import save_tiny_repo
+
+    save_tiny_repo(tmp_path / "base")
+    train = _jsonl(tmp_path / "train.jsonl", _reversals(64, 0))
+    held = _jsonl(tmp_path / "test.jsonl", _reversals(8, 1))
+    summary = _launch(
+        tmp_path, "sft", job="sft", model=str(tmp_path / "base"), dataset=train,
+        eval_dataset=held, eval_examples=8, rounds=2,
+        job_config={"learning_rate": 3e-3, "per_device_train_batch_size": 8},
+    )  # fmt: skip
+    rows = summary["replicas"]
+    assert summary["status"] == "ok", [r.get("error") for r in rows]
+    assert summary["weights_identical"] is True and all(r["steps"] == 4 for r in rows)
+    run = tmp_path / "runs" / "sft"
+    per_round = []
+    for r in range(2):
+        records = [json.loads((run / "metrics" / str(k) / f"{r}.json").read_text())
+                   for k in range(2)]  # fmt: skip
+        shares = [rec["metrics"]["eval_tokens"] for rec in records]
+        assert all(s > 0 for s in shares) and all("eval_loss" in x["metrics"] for x in records)
+        per_round.append(combined_eval_loss(records))
+    before = combined_eval_loss(
+        [{k.removesuffix("_before"): v for k, v in r["job_metrics"].items()} for r in rows]
+    )
+    assert per_round[1] < before, (before, per_round)
+
+    export("sft", str(tmp_path / "sft-model"), store=str(tmp_path / "runs"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sft-model")
+    assert loaded.config.model_type == "qwen2"
+    grpo = _launch(
+        tmp_path, "grpo", job="composer", model=str(tmp_path / "sft-model"), rounds=1,
+        job_config={"prompts_per_step": 2, "num_generations": 2, "num_examples": 16,
+                    "eval_examples": 4},
+    )  # fmt: skip
+    assert grpo["status"] == "ok", [r.get("error") for r in grpo["replicas"]]
+    assert grpo["weights_identical"] is True
