@@ -144,7 +144,7 @@ def test_prepare_refuses_held_out_options_that_cannot_work(tmp_path: Path, monke
     bad.write_text(json.dumps({"q": "ab="}) + "\n")
     with pytest.raises(LaunchError, match=r"^--eval-dataset .*bad.jsonl has no column 'a'"):
         _prepare(tmp_path, dataset=train, columns=cols, eval_dataset=str(bad))
-    with pytest.raises(LaunchError, match="for the composer job, not lm"):
+    with pytest.raises(LaunchError, match="for the composer and sft jobs, not lm"):
         _prepare(tmp_path, job="lm", eval_dataset=str(bad))
     monkeypatch.chdir(tmp_path)  # relative paths become absolute for the replicas
     _jsonl(tmp_path / "d" / "test.jsonl", WORDS[4:])

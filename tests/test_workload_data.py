@@ -115,7 +115,7 @@ def test_prepare_makes_a_local_path_absolute(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_prepare_refuses_data_options_for_the_lm_job(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError, match="for the composer job, not lm"):
+    with pytest.raises(LaunchError, match="for the composer and sft jobs, not lm"):
         _prepare(tmp_path, job="lm", reward=["exact_match"])
 
 
