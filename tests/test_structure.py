@@ -159,3 +159,39 @@ def test_every_doc_section_the_code_refers_to_exists() -> None:
             elif not any(h == title or h.startswith(title) for h in _headings(target)):
                 missing.append(f"{_rel(path)}: {doc} has no section {title!r}")
     assert missing == []
+
+
+#: the exchange's round, one module per step of the protocol (crf/exchange/allreduce.py's
+#: docstring): each small enough to read whole, and the class that runs them a thin coordinator
+EXCHANGE_STEPS = (
+    "allreduce",
+    "round",
+    "transfers",
+    "upload",
+    "membership",
+    "reduce",
+    "reduce_two_level",
+    "gather",
+    "checks",
+    "garbage",
+)
+MAX_EXCHANGE_MODULE_LINES = 500
+MAX_COORDINATOR_LINES = 300
+
+
+def test_exchange_steps_are_small_modules() -> None:
+    sizes = {
+        name: len((PACKAGE / "exchange" / f"{name}.py").read_text().splitlines())
+        for name in EXCHANGE_STEPS
+    }
+    assert {n: k for n, k in sizes.items() if k > MAX_EXCHANGE_MODULE_LINES} == {}
+
+
+def test_the_exchange_coordinator_is_thin() -> None:
+    path = PACKAGE / "exchange" / "allreduce.py"
+    tree = ast.parse(path.read_text())
+    (cls,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ObjectStoreAllReduce"
+    ]
+    n = cls.end_lineno - cls.lineno + 1
+    assert n <= MAX_COORDINATOR_LINES, f"ObjectStoreAllReduce is {n} lines"
