@@ -93,6 +93,7 @@ class Membership(ExchangeState):
             write_decision=write,
             members_before=lambda: self._members_before(res, r),
             shows_life=lambda k: self._shows_life(k, r),
+            gone_quiet=lambda k: self._gone_quiet(k, r),
             lag_behind=lambda: self._lag_behind(r),
             fetch_early=fetch_early,
             facts=lambda: {k: self._early.manifest.get(k) for k in FACTS} if self._early else None,
@@ -208,7 +209,7 @@ class Membership(ExchangeState):
 
     def _remember_members(self, r: int, decided: dict[str, Any]) -> None:
         """Keep who arrived for decided round r (participants and stale ones): the members
-        round r + 1 waits for without asking for heartbeats."""
+        round r + 1 waits for unless one has gone quiet (:meth:`_gone_quiet`)."""
         try:
             members = frozenset(int(p) for p in decided.get("participants", [])) | frozenset(
                 int(p) for p in decided.get("stale", [])
@@ -265,6 +266,23 @@ class Membership(ExchangeState):
         if isinstance(updated, bool) or not isinstance(updated, int | float):
             return False
         return at >= r - 1 and time.time() - updated <= self.alive_window_s
+
+    def _gone_quiet(self, k: int, r: int) -> bool:
+        """Whether replica k, a member of round r - 1 with no contribution to round r, has
+        gone quiet: its heartbeat is older than ``alive_window_s``. A live replica writes
+        one about every second, also while it waits for an exchange or a global state, so
+        only a dead (or cut off) one ages past the window. A heartbeat that is missing,
+        unreadable or without a time answers no: the member is waited for, as it was before
+        heartbeats were asked."""
+        try:
+            beat = json.loads(self.store.get(layout.heartbeat_key(k)))
+        except (ObjectNotFound, ValueError, CorruptObjectError, StoreError, OSError) as e:
+            log.debug("round %d: cannot read member %d's heartbeat (%s): waiting for it", r, k, e)
+            return False
+        updated = beat.get("updated_at") if isinstance(beat, dict) else None
+        if isinstance(updated, bool) or not isinstance(updated, int | float):
+            return False
+        return time.time() - updated > self.alive_window_s
 
     def _lag_behind(self, r: int) -> int | None:
         """The global round this replica must heal to if the others are past round r."""
