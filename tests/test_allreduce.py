@@ -728,9 +728,10 @@ def test_int8_blocks_follow_the_tensors_pieces() -> None:
 def test_membership_follows_liveness(store: RunStore) -> None:
     """With ``follow_liveness`` a round waits for the previous round's members and for
     replicas whose fresh heartbeat says they are at most one round behind. Rank 2 of 3 stops
-    after round 0 (its heartbeat, stuck in round 1, goes old): round 1 waits its deadline for
-    it, round 2 is decided as soon as ranks 0 and 1 are in. Then it comes back (a fresh
-    heartbeat one round behind) and round 3 waits for it: it takes part again."""
+    after round 0 (its heartbeat, stuck in round 1, goes old): neither round 1, of which it
+    was a member, nor round 2 waits for it; both are decided as soon as ranks 0 and 1 are
+    in. Then it comes back (a fresh heartbeat one round behind) and round 3 waits for it: it
+    takes part again."""
     deadline = 3.0
     took: dict[tuple[int, int], float] = {}
 
@@ -749,9 +750,10 @@ def test_membership_follows_liveness(store: RunStore) -> None:
             follow_liveness=True,
         )
         out = {}
+        if rank == 2:
+            beat(1, 60.0)  # it will have died in round 1 long ago (round 0 reads no heartbeat)
         for r in range(4):
             if rank == 2 and r == 1:
-                beat(1, 60.0)  # it died in round 1 long ago
                 while not store.exists("rounds/2/quorum.json"):
                     time.sleep(0.01)
                 beat(2, 0.0)  # back, one round behind; computing round 3 takes it a while
@@ -770,10 +772,53 @@ def test_membership_follows_liveness(store: RunStore) -> None:
     assert out[0] == out[1] == {0: [0, 1, 2], 1: [0, 1], 2: [0, 1], 3: [0, 1, 2]}, out
     assert out[2] == {0: [0, 1, 2], 3: [0, 1, 2]}, out
     quorum = {r: json.loads(store.get(f"rounds/{r}/quorum.json")) for r in range(4)}
-    assert quorum[1]["reason"] == "deadline" and took[(0, 1)] >= deadline
-    assert quorum[2]["reason"] == "all live arrived" and quorum[2]["not_waited_for"] == [2]
-    assert took[(0, 2)] < deadline / 2 and took[(1, 2)] < deadline / 2, took
+    for r in (1, 2):
+        assert quorum[r]["reason"] == "all live arrived" and quorum[r]["not_waited_for"] == [2]
+        assert took[(0, r)] < deadline / 2 and took[(1, r)] < deadline / 2, took
     assert quorum[3]["reason"] == "all arrived"
+
+
+def test_a_member_gone_quiet_is_not_waited_for_but_a_slow_one_is(store: RunStore) -> None:
+    """With ``follow_liveness`` a member of the previous round that has no contribution and
+    a heartbeat older than the freshness window is not waited for: rank 2 of 3 took part in
+    round 0, then died (its heartbeat stopped long ago), and round 1 is decided as soon as
+    ranks 0 and 1 are in. A member that is only slow keeps its heartbeat fresh: rank 1
+    computes round 2 for a while, and round 2 waits for it and averages its part."""
+    deadline = 4.0
+    took: dict[tuple[int, int], float] = {}
+
+    def beat(rank: int, at: int, age: float) -> None:
+        body = {"phase": "training", "exchange_round": at, "updated_at": time.time() - age}
+        store.put_json(f"replicas/{rank}/state.json", body)
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(
+            store, 3, rank, run_id="t", min_replicas=2, round_timeout_s=deadline,
+            follow_liveness=True,
+        )  # fmt: skip
+        out = {}
+        if rank == 2:
+            beat(2, 0, 60.0)  # what it will have left (round 0 reads no heartbeat)
+        for r in range(3):
+            if rank == 2 and r == 1:
+                break  # died after round 0's quorum, its heartbeat long stopped (below)
+            if rank == 1 and r == 2:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 1.5:  # slow, alive: its heartbeat goes on
+                    beat(1, 1, 0.0)
+                    time.sleep(0.1)
+            t0 = time.monotonic()
+            out[r] = ar.allreduce(make_tensors(rank), round=r).participants
+            took[(rank, r)] = time.monotonic() - t0
+        return out
+
+    out = run_threads(3, replica)
+    assert out[0] == out[1] == {0: [0, 1, 2], 1: [0, 1], 2: [0, 1]}, out
+    quorum = {r: json.loads(store.get(f"rounds/{r}/quorum.json")) for r in range(3)}
+    assert quorum[1]["reason"] == "all live arrived" and quorum[1]["not_waited_for"] == [2]
+    assert took[(0, 1)] < deadline / 2 and took[(1, 1)] < deadline / 2, took
+    assert took[(0, 2)] >= 1.0, took  # it waited for the slow member, who took part
+    assert quorum[2]["participants"] == [0, 1] and quorum[2]["not_waited_for"] == [2]
 
 
 def test_without_heartbeats_a_replica_left_out_is_waited_for_as_before(store: RunStore) -> None:

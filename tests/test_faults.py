@@ -269,6 +269,52 @@ def test_a_dead_replica_costs_one_deadline_per_run_not_one_per_round(tmp_path: P
         assert quorum[r]["not_waited_for"] == [3], quorum[r]
 
 
+def test_a_death_after_the_quorum_costs_one_wait(tmp_path: Path) -> None:
+    """Rank 0 of 3 is SIGKILLed after round 2's quorum and never restarted. The survivors
+    wait the shard grace in round 2 for the shard it owned, and nothing more in round 3:
+    though it was a member of round 2, it has no contribution to round 3 and its heartbeat
+    is older than the freshness window by then, so round 3 is decided as soon as the two
+    live replicas arrived ("all live arrived", rank 0 not waited for)."""
+    n, h, rounds, deadline = 3, 3, 5, 8.0
+    summary = launch_lm(
+        tmp_path / "runs",
+        "quiet",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_FAULT": "rank=0,point=after_quorum,round=2"},
+        max_restarts=0,
+        keep_rounds=100,  # keep every round's decision to read it
+    )
+    run = tmp_path / "runs" / "quiet"
+    print("\n" + describe(summary))
+    assert summary["replicas"][0]["exit_code"] == -9 and kill_fired(run, 0, "after_quorum")
+    survivors = [1, 2]
+    for k in survivors:
+        assert summary["replicas"][k]["ok"], describe(summary)
+        assert committed_rounds(run, k) == list(range(rounds)), metrics(run, k)
+    assert len({summary["replicas"][k]["weights_sha256"] for k in survivors}) == 1
+    grace = min(30.0, deadline)
+    in_kill_round = worst_wait(run, survivors, {2})
+    after = worst_wait(run, survivors, set(range(3, rounds)))
+    print(
+        f"[figure] a death after round 2's quorum (deadline {deadline:.0f}s, grace "
+        f"{grace:.0f}s): the survivors waited {in_kill_round:.2f}s in round 2, at most "
+        f"{after:.2f}s in a round after it"
+    )
+    assert in_kill_round >= grace - 0.5, in_kill_round  # its shard waited for its owner
+    assert after < 0.5 * deadline, after  # no second wait: a deadline before
+    quorum = {
+        r: json.loads((run / "rounds" / str(r) / "quorum.json").read_text()) for r in range(rounds)
+    }
+    assert 0 in quorum[2]["participants"], quorum[2]
+    for r in range(3, rounds):
+        assert quorum[r]["participants"] == survivors, quorum[r]
+        assert quorum[r]["reason"] == "all live arrived", quorum[r]
+        assert quorum[r]["not_waited_for"] == [0], quorum[r]
+
+
 def test_a_restarted_replica_is_waited_for_again_and_rejoins(tmp_path: Path) -> None:
     """Rank 2 of 3 is SIGKILLed in round 1 and restarted. While it is down the others go on
     without it (no deadline per round); once its restart resumed, its heartbeat makes the

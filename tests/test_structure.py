@@ -159,3 +159,117 @@ def test_every_doc_section_the_code_refers_to_exists() -> None:
             elif not any(h == title or h.startswith(title) for h in _headings(target)):
                 missing.append(f"{_rel(path)}: {doc} has no section {title!r}")
     assert missing == []
+
+
+#: the exchange's round, one module per step of the protocol (crf/exchange/allreduce.py's
+#: docstring): each small enough to read whole, and the class that runs them a thin coordinator
+EXCHANGE_STEPS = (
+    "allreduce",
+    "round",
+    "transfers",
+    "upload",
+    "membership",
+    "reduce",
+    "reduce_two_level",
+    "gather",
+    "checks",
+    "garbage",
+)
+MAX_EXCHANGE_MODULE_LINES = 500
+MAX_COORDINATOR_LINES = 300
+
+
+def test_exchange_steps_are_small_modules() -> None:
+    sizes = {
+        name: len((PACKAGE / "exchange" / f"{name}.py").read_text().splitlines())
+        for name in EXCHANGE_STEPS
+    }
+    assert {n: k for n, k in sizes.items() if k > MAX_EXCHANGE_MODULE_LINES} == {}
+
+
+def test_the_exchange_coordinator_is_thin() -> None:
+    path = PACKAGE / "exchange" / "allreduce.py"
+    tree = ast.parse(path.read_text())
+    (cls,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ObjectStoreAllReduce"
+    ]
+    n = cls.end_lineno - cls.lineno + 1
+    assert n <= MAX_COORDINATOR_LINES, f"ObjectStoreAllReduce is {n} lines"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which crf modules each crf module imports: module-level, function-level and
+    type-checking imports alike (a lazy import still ties the two layers together; it only
+    hides the tie until run time). ``from crf.x import y`` counts as importing ``crf.x.y``
+    when that is a module, else ``crf.x``; a package's own ``__init__`` run on the way to a
+    submodule does not count."""
+    modules = {_module_name(p): p for p in SOURCES}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]  # fmt: skip
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    """The layers are one-way: no crf module imports, directly or through others, a module
+    that imports it back."""
+    graph = import_graph()
+    assert "crf.exchange.config" in graph["crf.spec"]  # the graph sees imports
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

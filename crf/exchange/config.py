@@ -14,12 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from crf.exchange.codecs import codec_names
-
-if TYPE_CHECKING:
-    from crf.spec import RunSpec
 
 #: the two ways a sparse wire's error feedback and outer step fit together (``sparse_outer``):
 #: "sparseloco" (arXiv 2508.15706: the error buffer decays by ``SPARSELOCO_BETA`` and stands
@@ -137,9 +134,11 @@ class ExchangeConfig:
                 raise ValueError(two_level_sparse_error(self.wire_dtype))
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, **overrides: Any) -> ExchangeConfig:
+    def from_spec(cls, spec: Any, **overrides: Any) -> ExchangeConfig:
         """The exchange settings of a run: the spec's fields of the same name, plus
-        ``overrides`` (what the replica decides for itself, e.g. ``follow_liveness``)."""
+        ``overrides`` (what the replica decides for itself, e.g. ``follow_liveness``).
+        ``spec`` is a :class:`crf.spec.RunSpec`, read by field name only: the spec imports
+        this module's defaults, so this module does not import it back."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
         return cls(**{**values, **overrides})

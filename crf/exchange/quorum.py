@@ -8,6 +8,11 @@ digest - and the others read it (a race of N conditional writes costs N - 1 refu
 followed by two reads). Anyone decides if it has not appeared within ``DECIDER_GRACE_S``,
 and at the round deadline with at least ``min_replicas`` eligible.
 
+With ``follow_liveness`` a round waits only for replicas that may still come: the previous
+round's members, unless one has gone quiet (no contribution here and a heartbeat older than
+the freshness window: it died, at the latest, soon after that round's quorum), and any other
+replica whose heartbeat shows life.
+
 :class:`QuorumDecision` holds the state of that wait as fields; what it needs of the
 exchange (listing, reads, heartbeats, the lag check) comes in as a :class:`QuorumPort`.
 """
@@ -32,6 +37,10 @@ DECISION_POLL_S = 1.0
 #: about to decide a round not everyone arrived for, finds itself alone in its round, or still
 #: waits for arrivals this long after its own: in a round that fills at once nobody asks
 LAG_CHECK_AFTER_S = 0.5
+#: the previous round's members that have not arrived are asked once whether they have gone
+#: quiet (their heartbeats), after this replica waited this long: in a round whose members
+#: arrive together nobody reads a heartbeat
+QUIET_CHECK_AFTER_S = 0.5
 
 
 class Stale(Exception):
@@ -65,6 +74,9 @@ class QuorumPort:
     members_before: Callable[[], frozenset[int] | None]
     #: whether replica k shows a sign of life at round r - 1 or later
     shows_life: Callable[[int], bool]
+    #: whether replica k, a member of round r - 1, has gone quiet: its heartbeat is older
+    #: than the freshness window (or says it ended); False when unknown
+    gone_quiet: Callable[[int], bool]
     #: the global round this replica lags behind, or None
     lag_behind: Callable[[], int | None]
     #: start downloads of these peers' contributions while the decision is pending (a no-op
@@ -110,6 +122,9 @@ class QuorumDecision:
         # the absentees found alive then (waited for until they arrive or the deadline)
         self.looked_at: frozenset[int] | None = None
         self.alive: set[int] = set()
+        # the previous round's members found quiet, once their heartbeats were read
+        self.quiet: set[int] = set()
+        self.quiet_asked = False
 
     def ask_lag(self) -> None:
         self.lag_check = self.port.control().submit(self.port.lag_behind)
@@ -136,19 +151,39 @@ class QuorumDecision:
 
     def all_live_arrived(self, arrived: dict[int, Arrival]) -> bool:
         """Every replica this round waits for is here though some are not: the members
-        of round r - 1 arrived, and no absentee shows a sign of life (a fresh heartbeat at
-        round r - 1 or later). Heartbeats are read only then, once per set of arrivals,
-        so a round everyone arrives for costs no request more."""
+        of round r - 1 arrived or went quiet (:meth:`members_gone_quiet`), and no other
+        absentee shows a sign of life (a fresh heartbeat at round r - 1 or later). The
+        others' heartbeats are read only then, once per set of arrivals, so a round
+        everyone arrives for costs no request more."""
         members = self.port.members_before()
-        if members is None or not members <= set(arrived):
+        if members is None:
             return False
         here = frozenset(arrived)
+        missing = members - here
+        if missing and not self.members_gone_quiet(missing):
+            return False
         if here != self.looked_at:
             self.looked_at = here
-            absent = [k for k in range(self.port.world_size) if k not in here]
+            absent = [k for k in range(self.port.world_size) if k not in here | missing]
             verdicts = self.port.control().map(self.port.shows_life, absent)
             self.alive = {k for k, ok in zip(absent, verdicts, strict=True) if ok}
         return not self.alive
+
+    def members_gone_quiet(self, missing: frozenset[int]) -> bool:
+        """Whether every member of round r - 1 still missing here has gone quiet: no
+        contribution to this round and a heartbeat older than the freshness window. A
+        replica that died after round r - 1's quorum cost that round the shard grace; by
+        now its heartbeat is that old, so waiting the deadline for it again would buy
+        nothing. A slow member's heartbeat goes on while it trains or waits: it stays
+        fresh, and the round waits for it. Read once, after :data:`QUIET_CHECK_AFTER_S` of
+        waiting: a member that dies during this round, its heartbeat still fresh, is waited
+        for until the deadline, which is the one wait its death costs."""
+        if not self.quiet_asked and time.monotonic() - self.started >= QUIET_CHECK_AFTER_S:
+            self.quiet_asked = True
+            ranks = sorted(missing)
+            verdicts = self.port.control().map(self.port.gone_quiet, ranks)
+            self.quiet = {k for k, quiet in zip(ranks, verdicts, strict=True) if quiet}
+        return missing <= self.quiet
 
     def _start_read(
         self, now: float, alone: bool, complete: bool, eligible: list[int]

@@ -50,6 +50,7 @@ from crf.faults import maybe_fault, maybe_poison
 from crf.replica.beacon import HeartbeatSender
 from crf.replica.local_ranks import LocalGroup, MirrorRefresh, send_start
 from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
+from crf.replica.seeds import data_seed_of
 from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
@@ -68,12 +69,6 @@ _SHOWN_PHASE = {
     "reducing": "syncing",
     "gathering": "syncing",
 }
-
-
-def data_seed_of(seed: int, rank: int) -> int:
-    """Replica ``rank``'s data seed: kept in [0, 2**32) (numpy's seed range, which
-    transformers' set_seed needs) for every valid seed."""
-    return (seed * 1_000_003 + rank + 1) % 2**32
 
 
 class ContractError(RuntimeError):

@@ -279,7 +279,7 @@ class LocalFollower:
     manager = None
 
     def __init__(self, spec: Any, rank: int, world_size: int, local: LocalGroup) -> None:
-        from crf.replica.context import data_seed_of  # it imports this module
+        from crf.replica.seeds import data_seed_of
 
         self.spec = spec
         self.rank = rank
