@@ -33,8 +33,8 @@ from crf import layout
 from crf.store.errors import StoreError
 
 Records = Mapping[int, Sequence[Mapping[str, Any]]]
-#: the series of the held-out panel (crf/replica/evaluation.py)
-HELD_OUT = "held_out"
+#: the series of the held-out panels (crf/replica/evaluation.py): scores, and loss per token
+HELD_OUT, HELD_OUT_LOSS = "held_out", "held_out_loss"
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,10 @@ class Panel:
 _HELD_OUT = Panel("held-out pass@1 and reward means (greedy; round -1: before training)",
                   "held-out score", (HELD_OUT,), per_replica=False)  # fmt: skip
 
+#: the held-out loss per token (the sft job), every replica's share added up per round
+_HELD_OUT_LOSS = Panel("held-out loss per round (round -1: before training)",
+                       "loss per token", (HELD_OUT_LOSS,), per_replica=False)  # fmt: skip
+
 _TIME = Panel("sync vs compute time per round", "seconds (mean over replicas)",
               ("compute_s", "sync_s"), per_replica=False,
               labels=("compute (inner steps)", "sync (blocked on the exchange)"))  # fmt: skip
@@ -70,6 +74,14 @@ JOB_PANELS: dict[str, tuple[Panel, ...]] = {
             per_replica=False,
             labels=("total", "GRPO", "distillation", "replay"),
         ),
+        _TIME,
+    ),  # fmt: skip
+    "sft": (
+        Panel("train loss per round", "mean train loss over the round", ("loss",)),
+        _HELD_OUT_LOSS,
+        _HELD_OUT,
+        Panel("token accuracy per round", "mean token accuracy",
+              ("metrics.mean_token_accuracy",)),  # fmt: skip
         _TIME,
     ),  # fmt: skip
     "lm": (
@@ -126,7 +138,7 @@ def panels_for(job: str, metrics: Records) -> list[Panel]:
         )
     return [
         p for p in declared
-        if (_held_out_lines(metrics) if p.series == (HELD_OUT,) else
+        if (_special_lines(p, metrics) if p.series[0] in (HELD_OUT, HELD_OUT_LOSS) else
             any(_points(rows, field) for rows in metrics.values() for field in p.series))
     ]  # fmt: skip
 
@@ -147,11 +159,28 @@ def _held_out_lines(metrics: Records) -> dict[str, list[tuple[int, float]]]:
     return lines
 
 
+def _held_out_loss_lines(metrics: Records) -> dict[str, list[tuple[int, float]]]:
+    """The combined held-out loss per round, the initial model's at round -1."""
+    from crf.replica.evaluation import AFTER, BEFORE, loss_per_round
+
+    before = loss_per_round(metrics, BEFORE)
+    points = [(-1, before[min(before)])] if before else []
+    points += list(loss_per_round(metrics, AFTER).items())
+    return {"held-out loss": points} if points else {}
+
+
+def _special_lines(panel: Panel, metrics: Records) -> dict[str, list[tuple[int, float]]]:
+    """The lines of a panel drawn from the replicas' shares added up (held-out panels)."""
+    if panel.series == (HELD_OUT_LOSS,):
+        return _held_out_loss_lines(metrics)
+    return _held_out_lines(metrics)
+
+
 def _draw(ax: Any, panel: Panel, metrics: Records) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    if panel.series == (HELD_OUT,):
-        for label, points in _held_out_lines(metrics).items():
+    if panel.series[0] in (HELD_OUT, HELD_OUT_LOSS):
+        for label, points in _special_lines(panel, metrics).items():
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", markersize=4, label=label)
     elif panel.per_replica:

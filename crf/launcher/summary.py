@@ -564,7 +564,15 @@ def held_out_text(h: Mapping[str, Any]) -> str:
     held-out section in the closing line (rows: how many the replicas' shares added up to)."""
     after = h.get("after") or {}
     before = h.get("pass@1_before")
-    text = "held-out pass@1 " + (f"{before:.3f} (before) -> " if before is not None else "")
+    loss = ""
+    if h.get("loss_after") is not None:
+        was = h.get("loss_before")
+        loss = "held-out loss " + (f"{was:.3f} (before) -> " if was is not None else "")
+        loss += f"{h['loss_after']:.3f}"
+        if h.get("pass@1_after") is None:
+            return loss + f" (round {h['last_round']})"
+        loss += ", "
+    text = loss + "held-out pass@1 " + (f"{before:.3f} (before) -> " if before is not None else "")
     if h.get("pass@1_after") is None:
         return text + "-"
     rows = f"{after.get('examples')}/{after.get('of')}" if after.get("of") else after["examples"]

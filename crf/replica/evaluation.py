@@ -28,6 +28,9 @@ from typing import Any
 
 #: record keys of the round's global model, and of the model before training (round 0)
 AFTER, BEFORE = "eval", "eval_before"
+#: a held-out loss share (the sft job): summed token NLL and the tokens it is over, under
+#: ``<prefix>/loss_sum`` and ``<prefix>/tokens``; the run's loss per token is their ratio
+LOSS_SUM, TOKENS = "loss_sum", "tokens"
 #: prompts per ``generate`` call (bounds the memory of one batch on a real model)
 BATCH = 32
 
@@ -231,21 +234,50 @@ def per_round(
     return out
 
 
+def loss_metrics(loss_sum: float, tokens: float, prefix: str = AFTER) -> dict[str, float]:
+    """A replica's held-out loss share as round-record metrics."""
+    return {f"{prefix}/{LOSS_SUM}": float(loss_sum), f"{prefix}/{TOKENS}": float(tokens)}
+
+
+def loss_per_round(
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]], prefix: str = AFTER
+) -> dict[int, float]:
+    """Each round's held-out loss per token: the committed records' summed NLL over their
+    summed tokens (rounds without a scored token left out)."""
+    sums: dict[int, list[float]] = {}
+    for rows in metrics.values():
+        for m in rows:
+            got = (m.get("metrics") or {}).get(f"{prefix}/{TOKENS}")
+            if not isinstance(m.get("round"), int) or m.get("committed") is False:
+                continue
+            if not _number(got):
+                continue
+            total = sums.setdefault(m["round"], [0.0, 0.0])
+            total[0] += float(m["metrics"].get(f"{prefix}/{LOSS_SUM}") or 0.0)
+            total[1] += float(got)
+    return {r: a / b for r, (a, b) in sorted(sums.items()) if b}
+
+
 def held_out(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any] | None:
     """The summary's held-out section from the replicas' round records: per round the
-    combined pass@1 and reward means (and over how many rows), before training (the round-0
-    records' ``eval_before`` partials) and after the last round scored. None when no
-    replica scored anything."""
+    combined pass@1 and reward means (and over how many rows) and the held-out loss where
+    the job scores one, before training (the round-0 records' ``eval_before`` shares) and
+    after the last round scored. None when no replica scored anything."""
     rounds = per_round(metrics, AFTER)
     before = per_round(metrics, BEFORE)
-    if not rounds and not before:
+    losses, loss_before = loss_per_round(metrics, AFTER), loss_per_round(metrics, BEFORE)
+    if not rounds and not before and not losses:
         return None
     out: dict[str, Any] = {"per_round": {r: p.means() for r, p in rounds.items()}}
+    if losses or loss_before:
+        out["loss_per_round"] = losses
+        out["loss_before"] = loss_before[min(loss_before)] if loss_before else None
+        out["loss_after"] = losses[max(losses)] if losses else None
     first = before.get(min(before)) if before else None
     last = rounds[max(rounds)] if rounds else None
     out["before"] = first.means() if first else None
     out["after"] = last.means() if last else None
-    out["last_round"] = max(rounds) if rounds else None
+    out["last_round"] = max(rounds or losses) if rounds or losses else None
     out["pass@1_before"] = first.means()["pass@1"] if first else None
     out["pass@1_after"] = last.means()["pass@1"] if last else None
     return out
@@ -257,6 +289,9 @@ def replica_means(metrics: Mapping[str, Any]) -> dict[str, float]:
     combined figure is in the summary."""
     out = {k: v for k, v in metrics.items() if not k.startswith((f"{AFTER}/", f"{BEFORE}/"))}
     for prefix in (AFTER, BEFORE):
+        tokens = metrics.get(f"{prefix}/{TOKENS}")
+        if _number(tokens) and tokens:
+            out[f"{prefix}/loss"] = float(metrics.get(f"{prefix}/{LOSS_SUM}") or 0.0) / tokens
         p = Partial.from_metrics(metrics, prefix)
         if p is None or not p.n:
             continue

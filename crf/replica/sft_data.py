@@ -20,10 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from crf.replica.data import DataError, _load, _too_few, builder_of
+from crf.replica.data import DataError, _load, _too_few, builder_of, is_local_folder
 
-#: the sft job's fields (``--column FIELD=COLUMN``)
-SFT_FIELDS = ("text", "prompt", "completion", "messages")
+#: the sft job's fields (``--column FIELD=COLUMN``): the formats', and ``answer`` (held-out
+#: rows scored by --reward)
+SFT_FIELDS = ("text", "prompt", "completion", "messages", "answer")
 #: TRL's formats, in the order a row is matched to them: (name, the fields it needs)
 FORMATS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("prompt-completion", ("prompt", "completion")),
@@ -93,12 +94,15 @@ def check_sft_dataset(
     columns: Mapping[str, str],
     replicas: int,
     what: str = "--dataset",
+    needs: tuple[str, ...] = (),
 ) -> None:
-    """Before launch, for a file or URL: readable, in one of the SFT formats, values of the
-    right kind and (``replicas`` > 0) a row for every replica. Reads at most ``replicas``
-    rows (streaming; 4 for held-out data). A Hub id is checked by the replicas."""
+    """Before launch, for a file, URL or local folder: readable, in one of the SFT formats,
+    values of the right kind, the fields held-out scoring ``needs`` (``prompt``: not plain
+    text; ``answer``) and (``replicas`` > 0) a row for every replica. Reads at most
+    ``replicas`` rows (streaming; 4 for held-out data). A Hub id is checked by the
+    replicas."""
     check_sft_columns(columns)
-    if builder_of(dataset) is None:
+    if builder_of(dataset) is None and not is_local_folder(dataset):
         return
     try:
         ds = _load(dataset, config, split, streaming=True)
@@ -118,14 +122,35 @@ def check_sft_dataset(
     for i, row in enumerate(first):
         renamed = {renames[c]: v for c, v in row.items() if c in renames}
         check_row(renamed, form, dataset, i)
+    if "prompt" in needs and form == "language modeling":
+        raise DataError(
+            f"{what} {dataset} is plain text: --reward scores answers to prompts, so the "
+            "held-out rows need prompt/completion or messages columns"
+        )
+    answer = columns.get("answer", "answer")
+    if "answer" in needs and answer not in names:
+        raise DataError(
+            f"{what} {dataset} has no column {answer!r} for --reward to check answers "
+            f"against; its columns are {', '.join(names)} (map one with --column answer=COLUMN)"
+        )
 
 
 def load_sft_rows(
-    dataset: str, *, config: str | None, split: str, columns: Mapping[str, str]
+    dataset: str,
+    *,
+    config: str | None,
+    split: str,
+    columns: Mapping[str, str],
+    keep: tuple[str, ...] = (),
 ) -> tuple[Any, str]:
-    """(``datasets.Dataset`` holding only the format's fields, format name) for all rows."""
+    """(``datasets.Dataset`` holding only the format's fields, and those of ``keep`` the
+    file has, format name) for all rows."""
     ds = _load(dataset, config, split)
     form, renames = sft_format(list(ds.column_names), columns, dataset)
+    for field in keep:
+        column = columns.get(field, field)
+        if column in ds.column_names:
+            renames[column] = field
     ds = ds.select_columns(list(renames)).rename_columns(
         {c: f for c, f in renames.items() if c != f}
     )

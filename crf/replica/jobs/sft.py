@@ -18,9 +18,18 @@ continued pretraining).
 - Held-out loss: each round, on the round's global model, over the held-out rows
   (``--eval-split`` / ``--eval-dataset``, a fixed subsample of ``--eval-examples`` rows; the
   embedded task has its own). Replica ``r`` scores rows ``r::N`` only, so each pays 1/N of
-  it, and logs ``eval_loss_sum`` (summed token NLL) and ``eval_tokens`` with the round's
-  last step: summed over the replicas, their ratio is the held-out loss per token
-  (:func:`combined_eval_loss`). ``eval_loss`` is the replica's own share's mean.
+  it, and logs ``eval/loss_sum`` (summed token NLL) and ``eval/tokens`` with the round's
+  last step (the initial model's under ``eval_before/`` in round 0): summed over the
+  replicas, their ratio is the held-out loss per token (crf/replica/evaluation.py, which
+  the summary and the figure use). ``eval_loss`` is the replica's own share's mean.
+- Held-out pass@1: with ``--reward`` (or the embedded task, whose reward is its own), the
+  same rows are also answered greedily and scored by the rewards, as the composer job
+  scores its held-out rows (pass@1 and each reward's mean, shared the same way): an SFT
+  warm start shows the accuracy a GRPO run then starts from. ``--reward`` does not change
+  the training loss, which is the data's.
+- Local ranks: ``--procs-per-replica K`` runs SFTTrainer on each of K local ranks, each
+  with 1/K of every batch (crf/replica/local_ranks.py), so the replica's batch is the one
+  it is with K = 1.
 - Export: the trained model (the adapter with LoRA) is the run's ``model/``
   (``ctx.save_model_at_end``), which ``crf export`` copies out and ``--model`` loads.
 
@@ -41,7 +50,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from crf.replica import local_ranks
 from crf.spec import coerce_text
+
+#: trains across a replica's local ranks (--procs-per-replica): SFTTrainer runs on each with
+#: its share of every batch (crf.replica.local_ranks.trainer_args)
+LOCAL_RANKS = True
 
 #: SFTConfig's own learning rate, the default for a --model trained in full
 SFT_LEARNING_RATE = 2e-5
@@ -86,6 +100,11 @@ class Config:
     max_length: int = 0  # tokens per sequence; 0: 1024 (SFTConfig); 32 for the tiny model
     packing: bool = False
     eval_batch_size: int = 8  # held-out rows per forward pass
+    # held-out pass@1 (with --reward, or the embedded task): greedy answers of at most
+    # max_new_tokens (0: the embedded task's max_len + 2; 256 with --model; else 64), a row
+    # passing when its weighted total reward reaches pass_threshold
+    max_new_tokens: int = 0
+    pass_threshold: float = 1.0
     # embedded task (without --dataset): reverse strings of min_len..max_len `letters`
     letters: str = "abcd"
     min_len: int = 2
@@ -103,7 +122,9 @@ class Config:
             if not cond:
                 raise ValueError(f"sft option {msg}")
 
-        for name in ("learning_rate", "per_device_train_batch_size", "max_length"):
+        need(math.isfinite(self.pass_threshold), "pass_threshold must be a finite number")
+        for name in ("learning_rate", "per_device_train_batch_size", "max_length",
+                     "max_new_tokens"):  # fmt: skip
             value = getattr(self, name)
             need(value >= 0, f"{name} must be >= 0 (0: the model's default; got {value})")
         for name in ("gradient_accumulation_steps", "eval_batch_size", "num_examples"):
@@ -139,6 +160,22 @@ class Config:
             "max_length": self.max_length or (TRL_MAX_LENGTH if model else 32),
             "packing": self.packing,
         }
+
+
+    def new_tokens(self, spec: Any) -> int:
+        """The greedy answers' length for held-out pass@1 (see ``max_new_tokens``)."""
+        if self.max_new_tokens:
+            return self.max_new_tokens
+        if getattr(spec, "model", None):
+            return 256
+        return 64 if getattr(spec, "dataset", None) else self.max_len + 2
+
+
+def replica_batch(cfg: Config, spec: Any = None) -> int:
+    """The rows of one micro-step, all local ranks together (checked before launch)."""
+    lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
+    settings = cfg.settings(model=bool(getattr(spec, "model", None)), lora=lora)
+    return int(settings["per_device_train_batch_size"])
 
 
 def _parse(text: str) -> Any:
@@ -201,11 +238,16 @@ def check_launch(spec: Any) -> None:
     row for every replica (crf/replica/sft_data.py); a local file becomes an absolute path.
     DataError says what to fix."""
     from crf.replica.data import DataError, eval_source, is_local_file
+    from crf.replica.rewards import check_rewards
     from crf.replica.sft_data import check_sft_columns, check_sft_dataset
 
-    if spec.reward:
-        raise DataError("--reward is for the composer job; the sft job's loss is the data's")
     check_sft_columns(spec.columns)
+    scored = check_rewards(spec.reward) if spec.reward else []
+    if scored and spec.dataset and eval_source(spec) is None:
+        raise DataError(
+            "--reward with the sft job scores held-out answers (its training loss is the "
+            "data's): give --eval-split or --eval-dataset, or leave --reward out"
+        )
     for attr in ("dataset", "eval_dataset"):
         path = getattr(spec, attr, None)
         if path and is_local_file(path):
@@ -226,6 +268,8 @@ def check_launch(spec: Any) -> None:
         check_sft_dataset(
             held_out[0], config=held_out[1], split=held_out[2], columns=spec.columns,
             replicas=0, what=flag,
+            needs=("prompt", *(("answer",) if any(r.needs_answer for r in scored) else ()))
+            if scored else (),
         )  # fmt: skip
 
 
@@ -241,6 +285,8 @@ class ReplicaSetup:
     held_out: Any
     placement: Any
     settings: dict[str, Any]
+    #: the whole held-out set as prompts and answers for pass@1 (empty: not scored)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 #: the tiny model's chat template, for a conversational dataset without --model
@@ -283,8 +329,9 @@ def _is_chat(ds: Any) -> bool:
     return "prompt" in ds.column_names and len(ds) > 0 and isinstance(ds[0]["prompt"], list)
 
 
-def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any]:
-    """(all training rows, all held-out rows or None) as ``Dataset``s in one SFT format."""
+def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """(all training rows, all held-out rows or None) as ``Dataset``s in one SFT format, and
+    the held-out rows as prompts and answers (:func:`_scorable`)."""
     from datasets import Dataset
 
     from crf.replica.data import eval_source, fixed_subsample
@@ -304,17 +351,37 @@ def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any]:
             Dataset.from_list([{"prompt": r["prompt"], "completion": r["answer"]} for r in rows])
             for rows in pairs
         )
-        return train, held
+        return train, held, [{"prompt": r["prompt"], "answer": r["answer"]} for r in pairs[1]]
     columns = dict(spec.columns)
     train, _ = load_sft_rows(
         spec.dataset, config=spec.dataset_config, split=spec.dataset_split, columns=columns
     )
     source = eval_source(spec)
     if source is None:
-        return train, None
-    held, _ = load_sft_rows(source[0], config=source[1], split=source[2], columns=columns)
-    keep = fixed_subsample(list(range(len(held))), n_eval, int(ctx.seed))
-    return train, held.select(keep)
+        return train, None, []
+    held, _ = load_sft_rows(
+        source[0], config=source[1], split=source[2], columns=columns, keep=("answer",)
+    )
+    held = held.select(fixed_subsample(list(range(len(held))), n_eval, int(ctx.seed)))
+    scorable = _scorable(held) if getattr(spec, "reward", None) else []
+    if "answer" in held.column_names:
+        held = held.remove_columns("answer")
+    return train, held, scorable
+
+
+def _scorable(held: Any) -> list[dict[str, Any]]:
+    """Held-out rows as the rewards score them: the prompt (a conversation's turns before its
+    last answer) and the row's other fields (``answer``)."""
+    out = []
+    for row in held:
+        if "messages" in row:
+            prompt = row["messages"][:-1]
+        elif "prompt" in row:
+            prompt = row["prompt"]
+        else:
+            continue  # plain text has no prompt to answer
+        out.append({"prompt": prompt, **{k: v for k, v in row.items() if k == "answer"}})
+    return out
 
 
 def build(ctx: Any, cfg: Config) -> ReplicaSetup:
@@ -326,7 +393,7 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     given = bool(getattr(spec, "model", None))
     lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
     settings = cfg.settings(model=given, lora=lora)
-    train, held = _rows(ctx, cfg)
+    train, held, scorable = _rows(ctx, cfg)
     if given:
         model, tokenizer = load_pretrained(spec, placement, seed=int(ctx.seed))
     else:
@@ -343,7 +410,7 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     if held is not None:
         held = held.shard(num_shards=ctx.world_size, index=ctx.rank, contiguous=False)
         held = held if len(held) else None  # fewer held-out rows than replicas
-    return ReplicaSetup(tokenizer, model, train, held, placement, settings)
+    return ReplicaSetup(tokenizer, model, train, held, placement, settings, scorable)
 
 
 def row_order(rows: int, needed: int, seed: int) -> list[int]:
@@ -363,13 +430,15 @@ def row_order(rows: int, needed: int, seed: int) -> list[int]:
 # ---------------------------------------------------------------------- held-out loss
 def eval_sums(trainer: Any, model: Any, placement: Any) -> dict[str, float]:
     """This replica's held-out share on ``model`` as it is: the summed token NLL
-    (``eval_loss_sum``) over the tokens the training loss counts (``eval_tokens``: the
+    (``eval/loss_sum``) over the tokens the training loss counts (``eval/tokens``: the
     completion's with prompt/completion data), and their ratio (``eval_loss``)."""
     import torch
     import torch.nn.functional as F
 
+    from crf.replica.evaluation import loss_metrics
+
     if trainer.eval_dataset is None:
-        return {"eval_loss_sum": 0.0, "eval_tokens": 0.0}
+        return {}
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
@@ -392,22 +461,10 @@ def eval_sums(trainer: Any, model: Any, placement: Any) -> dict[str, float]:
             )
             tokens += int((labels != -100).sum())
     model.train(was_training)
-    out = {"eval_loss_sum": total, "eval_tokens": float(tokens)}
+    out = loss_metrics(total, tokens)
     if tokens:
         out["eval_loss"] = total / tokens
     return out
-
-
-def combined_eval_loss(records: list[dict[str, Any]]) -> float | None:
-    """One round's held-out loss per token from the replicas' round records (their
-    ``metrics``, or the metrics themselves): summed NLL over summed tokens. None when no
-    replica scored a token."""
-    total = tokens = 0.0
-    for record in records:
-        metrics = record.get("metrics", record)
-        total += float(metrics.get("eval_loss_sum") or 0.0)
-        tokens += float(metrics.get("eval_tokens") or 0.0)
-    return total / tokens if tokens else None
 
 
 # ---------------------------------------------------------------------- training
@@ -453,6 +510,30 @@ def _schedule_offset(steps: int) -> Any:
     return ScheduleOffset()
 
 
+def _as_before(shares: dict[str, float]) -> dict[str, float]:
+    """The initial model's loss share under ``eval_before/`` (round 0's record)."""
+    from crf.replica.evaluation import AFTER, BEFORE
+
+    lead = f"{AFTER}/"
+    return {f"{BEFORE}/{k[len(lead):]}": v for k, v in shares.items() if k.startswith(lead)}
+
+
+def _scorer(ctx: Any, cfg: Config, setup: ReplicaSetup) -> Any:
+    """The held-out pass@1 of this replica's share (crf/replica/evaluation.py), or None when
+    nothing is scored: the run's rewards (the embedded task's own without --dataset)."""
+    from crf.composer.task import reverse_reward
+    from crf.replica.evaluation import HeldOutEval
+    from crf.replica.rewards import job_rewards
+
+    if not setup.eval_rows:
+        return None
+    rewards = job_rewards(list(getattr(ctx.spec, "reward", []) or []), reverse_reward)
+    return HeldOutEval(
+        setup.model, setup.tokenizer, setup.eval_rows, int(ctx.rank), int(ctx.world_size),
+        rewards, cfg.new_tokens(ctx.spec), cfg.pass_threshold,
+    )  # fmt: skip
+
+
 def trainer_args(ctx: Any, setup: ReplicaSetup, cfg: Config, output_dir: str) -> Any:
     """The ``SFTConfig`` of this replica: crf's settings, then the ``trl`` table."""
     from trl import SFTConfig
@@ -464,7 +545,9 @@ def trainer_args(ctx: Any, setup: ReplicaSetup, cfg: Config, output_dir: str) ->
         train_sampling_strategy="sequential",  # the rows are ordered already (row_order)
         per_device_eval_batch_size=cfg.eval_batch_size,
         activation_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
-        **setup.settings,
+        **{k: v for k, v in setup.settings.items() if k != "per_device_train_batch_size"},
+        # this local rank's share of each batch (all of it with one rank)
+        **local_ranks.trainer_args(ctx, setup.settings["per_device_train_batch_size"]),
         **setup.placement.trainer_args(),
         **(ctx.tracker.trainer_args() if hasattr(ctx, "tracker") else {"report_to": []}),
         save_strategy="no",
@@ -501,12 +584,19 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         )
         for noisy in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(noisy)
+        score = _scorer(ctx, cfg, setup)
         before = eval_sums(trainer, setup.model, setup.placement)
+        if score is not None:
+            score.score_before(record=not start)
+        # the initial model's loss share goes into round 0's record (a resumed run has it)
+        pending = {} if start else _as_before(before)
         evals: list[dict[str, float]] = []
 
-        def round_eval() -> dict[str, float]:
+        def round_eval() -> dict[str, float | None]:
             evals.append(eval_sums(trainer, setup.model, setup.placement))
-            return evals[-1]
+            out: dict[str, float | None] = {**evals[-1], **pending}
+            pending.clear()
+            return {**out, **(score() if score is not None else {})}
 
         callback = DiLoCoCallback(ctx, metrics=("mean_token_accuracy",), round_eval=round_eval)
         trainer.add_callback(callback)
@@ -517,7 +607,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
         finally:
             callback.close()
     metrics = summarize(callback.history, evals, int(ctx.spec.sync_every))
-    metrics.update({f"{k}_before": v for k, v in before.items()})
+    if before.get("eval_loss") is not None:
+        metrics["eval_loss_before"] = before["eval_loss"]
     metrics["shard_size"] = len(setup.train)
     metrics["trainer_settings"] = setup.settings
     if hasattr(ctx, "save_model_at_end"):  # the run's model/, written by ctx.finish
