@@ -103,12 +103,17 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return {k: [row.get(k) for row in rows] for k in keys}
 
 
+def as_text(tokenizer: Any, prompt: Any) -> str:
+    """A prompt as the model sees it: a conversation through the chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
 def generate(model: Any, tokenizer: Any, prompts: list[Any], max_new: int) -> list[list[int]]:
     """Greedy completions' token ids (padding and what follows EOS cut) for ``prompts``,
     in batches of :data:`BATCH`, left-padded as decoder-only generation needs."""
     import torch
-
-    from crf.replica.jobs.composer import as_text
 
     if tokenizer.pad_token is None:  # as TRL's trainers do
         tokenizer.pad_token = tokenizer.eos_token

@@ -34,6 +34,7 @@ from typing import Any
 
 from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 from crf.replica import local_ranks
+from crf.replica.evaluation import as_text
 from crf.spec import coerce_text
 
 #: trains across a replica's local ranks (--procs-per-replica): TRL's trainer runs on each,
@@ -278,13 +279,6 @@ def greedy_exact_match(
     model.train(was_training)
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(t == e["answer"] for t, e in zip(texts, examples, strict=True)) / len(examples)
-
-
-def as_text(tokenizer: Any, prompt: Any) -> str:
-    """A prompt as the model sees it: a conversation through the chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 @dataclass
