@@ -184,7 +184,9 @@ def test_two_level_rounds_survive_a_dead_member_and_a_dead_leader(tmp_path: Path
     assert summary["weights_identical"] is True
     assert summary["rounds_completed"] == rounds and summary["rounds_lost"] == []
     assert summary["objects_rejected"] == 0
-    assert (run / "rounds" / str(rounds - 1) / "partial").is_dir()  # two levels ran
+    # two levels ran (in a round still in the store: on a loaded machine a round may be
+    # decided by fewer than G + 1 replicas, which one level reduces)
+    assert any((d / "partial").is_dir() for d in (run / "rounds").iterdir())
     for row in summary["replicas"]:
         assert not unexplained_attempts(row), row
     grace = min(30.0, deadline)
