@@ -156,9 +156,8 @@ def _make_plan(target: str, venv: Path) -> list[str]:
 @pytest.mark.skipif(not shutil.which("make"), reason="needs make")
 def test_make_demo_installs_the_runtime_only_and_make_test_the_dev_extra(tmp_path) -> None:
     demo = _make_plan("demo", tmp_path / "venv")
-    assert [line.split("pip install -q ")[-1] for line in demo if "pip install" in line] == [
-        "--upgrade pip", '$index "torch==2.13.0"', "-e ."
-    ]
+    installs = [line.split("pip install -q ")[-1] for line in demo if "pip install" in line]
+    assert installs == ["--upgrade pip", '$index "torch==2.13.0"', "-e ."]
     assert demo[-1].endswith("bin/crf launch --backend local --replicas 4")
     test = _make_plan("test", tmp_path / "venv")
     assert any(line.endswith('pip install -q -e ".[dev]"') for line in test)
@@ -298,4 +297,3 @@ def test_the_wheel_alone_runs_crf_in_a_fresh_venv(wheel_venv, tmp_path: Path) ->
     result = json.loads((tmp_path / "runs" / "w" / "result.json").read_text())
     assert [r["exit_code"] for r in result["replicas"]] == [0, 0]
     assert result["job"] == "lm" and result["final_loss"] > 0
-
