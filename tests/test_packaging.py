@@ -165,14 +165,13 @@ def test_make_demo_installs_the_runtime_only_and_make_test_the_dev_extra(tmp_pat
 
 # --- the wheel on its own -----------------------------------------------------------------
 #
-# A fresh virtualenv gets the wheel (pip, --no-deps) and, for its requirements, a view of this
-# environment's site-packages that holds only the distributions the wheel's own Requires-Dist
-# pulls in (no extras), transitively: each one's files are symlinked into a folder the venv
-# adds as a site dir. Nothing is downloaded, so it runs offline and in seconds, yet the venv
-# has exactly what `pip install composer-replication` resolves to here - no test tooling, no
-# cloud SDK, no tracker, no source checkout - and a requirement crf imports but does not
-# declare is missing there, as it would be for a user. The one thing it does not check is
-# that PyPI serves those versions.
+# A fresh virtualenv gets the wheel (pip, --no-deps) and, for its requirements, the files of
+# exactly the distributions installed here that the wheel's own Requires-Dist pulls in (no
+# extras), transitively, symlinked into the venv's site-packages. Nothing is downloaded, so it
+# runs offline and in seconds, yet the venv has what `pip install composer-replication`
+# resolves to here - no test tooling, no cloud SDK, no tracker, no source checkout - and a
+# package crf imports without declaring it is missing there, as it would be for a user. What
+# it does not check is that the package index serves those versions.
 
 
 def _site_dirs() -> list[Path]:
@@ -246,7 +245,6 @@ def wheel_venv(dist: Path, tmp_path_factory) -> tuple[Path, dict[str, str]]:
         requires = Parser().parsestr(whl.read(meta).decode()).get_all("Requires-Dist") or []
     closure, unmet = _runtime_closure(requires)
     assert unmet == [], "this environment does not satisfy the wheel's requirements"
-    _mirror(closure, tmp / "runtime")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run(
@@ -255,9 +253,7 @@ def wheel_venv(dist: Path, tmp_path_factory) -> tuple[Path, dict[str, str]]:
         check=True, timeout=120,
     )  # fmt: skip
     (site,) = (venv / "lib").glob("python3*/site-packages")
-    (site / "runtime-closure.pth").write_text(
-        f"import site; site.addsitedir({str(tmp / 'runtime')!r})\n"
-    )
+    _mirror(closure, site)  # where pip would have put them: under sys.prefix, as dill expects
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "PATH": f"{venv / 'bin'}:/usr/bin:/bin"}
     return venv, env
@@ -272,28 +268,44 @@ print(crf.__file__, ",".join(n for n in dev if u.find_spec(n) is None),
 """
 
 
+def _run_in(venv_env: tuple[Path, dict[str, str]], cwd: Path, *argv: str, timeout: float = 60):
+    """Run a command of the wheel's venv outside this checkout; its stdout (it must succeed)."""
+    venv, env = venv_env
+    out = subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return out.stdout
+
+
+def _launched(cwd: Path, run_id: str, job: str, replicas: int) -> dict:
+    result = json.loads((cwd / "runs" / run_id / "result.json").read_text())
+    assert result["job"] == job
+    assert [r["exit_code"] for r in result["replicas"]] == [0] * replicas
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_the_wheel_alone_runs_crf_in_a_fresh_venv(wheel_venv, tmp_path: Path) -> None:
     """`crf --version` and a one-round local `lm` run, from the installed wheel: its package
     data (the price catalogs) is in it, and no test, cloud or tracker package is needed."""
-    venv, env = wheel_venv
-
-    def run(*argv: str, timeout: float = 60) -> str:
-        out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=timeout)  # fmt: skip
-        assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-        return out.stdout
-
-    probe = run(str(venv / "bin" / "python"), "-c", _PROBE)
-    where, missing, catalogs = probe.split()
-    assert Path(where).is_relative_to(venv), where  # the wheel, not this checkout
+    where, missing, catalogs = _run_in(wheel_venv, tmp_path, "python", "-c", _PROBE).split()
+    assert Path(where).is_relative_to(wheel_venv[0]), where  # the wheel, not this checkout
     assert missing == "pytest,moto,gcp_storage_emulator,modal,s3fs,gcsfs,boto3,wandb,trackio"
     assert catalogs == "hf_jobs,modal,sagemaker"
-    assert run(str(venv / "bin" / "crf"), "--version").strip() == "crf 0.1.0"
-    run(str(venv / "bin" / "crf"), "launch", "--backend", "local", "--replicas", "2",
-        "--job", "lm", "--rounds", "1", "-H", "5", "--store", str(tmp_path / "runs"),
-        "--run-id", "w", "--no-progress", timeout=240)  # fmt: skip
-    result = json.loads((tmp_path / "runs" / "w" / "result.json").read_text())
-    assert [r["exit_code"] for r in result["replicas"]] == [0, 0]
-    assert result["job"] == "lm" and result["final_loss"] > 0
+    assert _run_in(wheel_venv, tmp_path, "crf", "--version").strip() == "crf 0.1.0"
+    _run_in(wheel_venv, tmp_path, "crf", "launch", "--backend", "local", "--replicas", "2",
+            "--job", "lm", "--rounds", "1", "-H", "5", "--store", "runs", "--run-id", "lm",
+            "--no-progress", timeout=240)  # fmt: skip
+    assert _launched(tmp_path, "lm", "lm", 2)["final_loss"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_demos_job_runs_from_the_wheel_without_the_dev_extra(wheel_venv, tmp_path) -> None:
+    """What `make demo` runs (the default composer job: TRL GRPO on the embedded task), one
+    short round, with only the wheel's run-time requirements."""
+    _run_in(wheel_venv, tmp_path, "crf", "launch", "--backend", "local", "--replicas", "1",
+            "--rounds", "1", "-H", "4", "--store", "runs", "--run-id", "demo", "--no-progress",
+            timeout=300)  # fmt: skip
+    assert "reward" in _launched(tmp_path, "demo", "composer", 1)["learning"]
