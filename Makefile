@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
-#   make demo   -> the embedded default run: 4 local replicas, no credentials, no downloads
-#   make test   -> lint + the whole test suite (what .ci/run calls)
+#   make demo   -> the embedded default run: 4 local replicas, no credentials, no downloads;
+#                  installs crf and its runtime requirements only (`pip install -e .`)
+#   make test   -> lint + the whole test suite (what .ci/run calls); installs the `dev` extra
+#                  too (pytest, ruff, the loopback S3/GCS servers, the cloud SDKs, trackers)
 # torch is installed first and pinned (2.13.0), from PyTorch's CPU wheel index when it answers:
 # on Linux a bare `torch` from PyPI is the multi-GB CUDA build. Where that index cannot be
 # reached (an offline mirror, a proxy) torch comes from pip's configured index, and the install
@@ -12,29 +14,49 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-STAMP   = $(VENV)/.crf-installed
+TORCH_STAMP   = $(VENV)/.crf-torch
+RUNTIME_STAMP = $(VENV)/.crf-runtime
+DEV_STAMP     = $(VENV)/.crf-dev
 
-.PHONY: install demo test lint bench gpu-wheels clean torch-index-args
+# The pip arguments that choose torch's index: PyTorch's CPU index on Linux when it answers
+# within 10 s, else none (pip's configured index). macOS and Windows wheels on PyPI
+# are CPU builds already.
+TORCH_INDEX_ARGS = if [ -n "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && $(PYTHON) -c \
+    "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10).close()" \
+    2>/dev/null; then echo "--index-url $(TORCH_INDEX)"; fi
 
-$(STAMP): pyproject.toml
+.PHONY: install install-dev demo test lint bench gpu-wheels clean torch-index-args
+
+$(TORCH_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@index="$$($(MAKE) -s --no-print-directory torch-index-args)"; \
+	@index="$$($(TORCH_INDEX_ARGS))"; \
 	case "$$index" in \
 	  --index-url*) echo "installing $(TORCH): the CPU build, from $(TORCH_INDEX)";; \
 	  *) echo "installing $(TORCH) from pip's configured index ($(TORCH_INDEX) did not answer;" \
 	          "on Linux x86_64 PyPI's torch is the CUDA build: set TORCH_INDEX or TORCH)";; \
 	esac; \
 	$(BIN)/python -m pip install -q $$index "$(TORCH)"
+	touch $(TORCH_STAMP)
+
+# crf and what it needs at run time: what `make demo` runs with
+$(RUNTIME_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(BIN)/python -m pip install -q -e .
+	touch $(RUNTIME_STAMP)
+
+# ... plus the `dev` extra: what lint, the tests and the benchmarks need (a superset)
+$(DEV_STAMP): pyproject.toml $(TORCH_STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	touch $(DEV_STAMP) $(RUNTIME_STAMP)
 
-install: $(STAMP)
+install: $(RUNTIME_STAMP)
 
-demo: $(STAMP)
+install-dev: $(DEV_STAMP)
+
+demo: $(RUNTIME_STAMP)
 	$(BIN)/crf launch --backend local --replicas 4
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check crf tests bench examples
 
 # Two workers: most of the suite's time is replica processes waiting on deadlines and on each
@@ -45,7 +67,7 @@ TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 600 -n $(TEST_WORKERS)
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python bench/exchange.py
 
 # bench/gpu.py on an offline GPU machine (Python 3.12, with torch, transformers, accelerate,
@@ -59,20 +81,15 @@ GPU_WHEELS = trl torchft-nightly transformers datasets dill multiprocess protobu
 GPU_PLATFORMS = $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64
 
-gpu-wheels: $(STAMP)
+gpu-wheels: $(RUNTIME_STAMP)
 	rm -rf .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp $(GPU_PLATFORMS) -d .whl $$($(BIN)/python -c \
 	  "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
 	@du -sh .whl
 
-# The pip arguments that choose torch's index: PyTorch's CPU index on Linux when it answers
-# within 10 s, else none (pip's configured index). macOS and Windows wheels on PyPI
-# are CPU builds already.
 torch-index-args:
-	@if [ -n "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && $(PYTHON) -c \
-	    "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10).close()" \
-	    2>/dev/null; then echo "--index-url $(TORCH_INDEX)"; fi
+	@$(TORCH_INDEX_ARGS)
 
 clean:
 	rm -rf $(VENV) crf-runs .pytest_cache
