@@ -30,9 +30,7 @@ def _crf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp_loop_through_the_hook_ends_bit_identical(tmp_path: Path) -> None:
-    entry = (
-        f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 {LOOP}"
-    )
+    entry = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 {LOOP}"
     proc = _crf(
         "launch", "--backend", "local", "--replicas", "2", "--sync-every", "3",
         "--rounds", "3", "--run-id", "hooked", "--store", str(tmp_path / "runs"),
