@@ -46,7 +46,8 @@ def test_grpo_term_matches_a_hand_reference() -> None:
     assert out.loss.shape == () and set(out.metrics) == {"grpo_loss", "masked_out_of_band"}
     out.loss.backward()
     ratio = [
-        math.exp(a - b) for a, b in zip(x.trainer_logprobs.tolist(), x.inference_logprobs.tolist())
+        math.exp(a - b)
+        for a, b in zip(x.trainer_logprobs.tolist(), x.inference_logprobs.tolist(), strict=True)
     ]
     w = 1.0 / 5
     expect = sum(-r * 0.5 * w for r in ratio[:5])
@@ -88,7 +89,10 @@ def test_distillation_channel_matches_a_hand_reference() -> None:
     base = composer_loss(_inputs(ref=True), distill_alpha=0.0)
     out = composer_loss(x, distill_alpha=0.3)
     w = 1.0 / 5
-    diffs = [a - b for a, b in zip(x.trainer_logprobs.tolist(), x.reference_logprobs.tolist())]
+    diffs = [
+        a - b
+        for a, b in zip(x.trainer_logprobs.tolist(), x.reference_logprobs.tolist(), strict=True)
+    ]
     distill = sum(d * w for d in diffs[:5])
     assert out.metrics["distill_loss"].item() == pytest.approx(distill, rel=1e-12)
     assert out.loss.item() == pytest.approx(base.loss.item() + 0.3 * distill, rel=1e-12)
