@@ -113,7 +113,8 @@ def test_fold_distillation_adds_the_channel_to_response_tokens_only() -> None:
     old = torch.tensor([[-1.0, -2.0, -3.0]])
     batch = _batch(
         advantages=torch.tensor([[0.5, 0.5, 0.5]]), old_log_probs=old,
-        response_mask=torch.tensor([[1, 1, 0]]), **{TEACHER_KEY: old + torch.tensor([[1.0, -1.0, 9.0]])},
+        response_mask=torch.tensor([[1, 1, 0]]),
+        **{TEACHER_KEY: old + torch.tensor([[1.0, -1.0, 9.0]])},
     )  # fmt: skip
     fold_distillation(batch, 0.5)
     assert batch.batch["advantages"].tolist() == [[1.0, 0.0, 0.5]]
