@@ -1,0 +1,222 @@
+"""DiLoCo for a training loop crf does not own: one call per optimizer step.
+
+A stack with its own trainer (verl, PRIME-RL, a Monarch learner, a torchrun script) cannot
+hand its loop to ``ctx.diloco``; it keeps its loop and makes one object::
+
+    hook = DiLoCoHook(model, optimizer)     # after the optimizer exists
+    while not hook.done:
+        loss = train_step()                  # forward, backward, optimizer.step()
+        hook.step(loss=loss)
+    hook.close({"my_metric": 1.0})
+
+The hook reads the replica contract from the environment, as every ``--entrypoint`` script
+does (``CRF_RUN_URI``, ``CRF_RANK``, ``CRF_WORLD_SIZE`` and the run's ``run.json``), and wraps
+the model and its inner optimizer in torchft's DiLoCo over crf's store-backed manager: every
+``--sync-every`` optimizer steps the replicas average pseudo-gradients through the store and
+take the outer step (Nesterov SGD, ``--outer-lr``, ``--outer-momentum``), inside that
+``optimizer.step()``.
+
+Sharded models (FSDP2, or any model whose parameters are DTensors): when the process is one
+of several ranks of a ``torch.distributed`` group inside the replica (torchrun, verl's FSDP
+workers), each rank exchanges its own shard through its own exchange under the run's
+``shards/<j>-of-<K>/`` prefix, with the same rank of every other replica: no rank gathers the
+whole model, and the store carries 1·P per replica as with one process. Every rank of every
+replica must therefore shard the same way (same K, same placement), which the exchange
+checks per round (a shard of another layout is refused). Local rank 0 also speaks for the
+replica to the driver: heartbeats, per-round metrics and the result.
+
+What the hook leaves to ``ctx.diloco`` (crf's own jobs): restarts and ``--resume`` from a
+global state, Streaming DiLoCo (``--fragments`` > 1), and a saved model (``crf export``).
+Why: each needs the whole model in one place, or a state the framework's own checkpointing
+already owns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from crf.exchange.allreduce import tensors_layout_hash
+from crf.exchange.config import ExchangeConfig
+from crf.exchange.manager import ObjectStoreManager, turn_off_bucketization
+from crf.replica.context import ContractError, ReplicaContext, outer_lr
+from crf.store.codec import raw_view
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DiLoCoHook", "local_tensor", "shard_prefix"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard, else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def shard_prefix(local_rank: int, local_size: int) -> str:
+    """Where local rank ``local_rank`` of ``local_size`` exchanges its shard, in the run
+    folder (the run folder itself with one rank)."""
+    return "" if local_size == 1 else f"shards/{local_rank}-of-{local_size}"
+
+
+def _local_group() -> tuple[int, int]:
+    """(rank, size) of this process in the replica's torch.distributed group: (0, 1) when
+    there is none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_sha256(model: torch.nn.Module) -> str:
+    """A digest of this rank's part of every parameter and buffer (names, shapes, bytes)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        part = local_tensor(t).detach().cpu().contiguous()
+        h.update(f"{name}:{part.dtype}:{tuple(part.shape)}".encode())
+        h.update(raw_view(part))
+    return h.hexdigest()
+
+
+def _save_local_parts(manager: ObjectStoreManager) -> None:
+    """Have ``manager`` save the local part of every DTensor in a global state (DiLoCo's
+    global copy and outer momentum are sharded like the model): each rank's global state,
+    under its own shard prefix, then holds its own shard only."""
+    from torch.utils._pytree import tree_map
+
+    register = manager.register_state_dict_fn
+
+    def register_local(key: str, load: Any, save: Any) -> None:
+        register(key, load, lambda: tree_map(_local_part, save()))
+
+    manager.register_state_dict_fn = register_local  # type: ignore[method-assign]
+
+
+def _local_part(x: Any) -> Any:
+    return local_tensor(x) if isinstance(x, torch.Tensor) else x
+
+
+class DiLoCoHook:
+    """One process's part in a crf run, for a loop that calls :meth:`step` after each of
+    its optimizer steps (see the module docstring). Every rank of the replica makes one,
+    with its own (sharded) model and its own inner optimizer, and calls :meth:`close` at the
+    end (it is a collective across the replica's ranks)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        from torchft.local_sgd import DiLoCo
+
+        store, spec, rank, world = ReplicaContext.read_contract(environ)
+        if spec.fragments != 1:
+            raise ContractError(
+                f"run {spec.run_id} has --fragments {spec.fragments}: DiLoCoHook syncs the "
+                "whole model each round; launch with --fragments 1"
+            )
+        self.spec, self.rank, self.world_size = spec, rank, world
+        self.local_rank, self.local_size = _local_group()
+        self.model, self.optimizer = model, optimizer
+        self.step_count = 0
+        #: local rank 0: the replica's heartbeats, per-round metrics and result
+        self.ctx = ReplicaContext(store, spec, rank, world) if self.local_rank == 0 else None
+        prefix = shard_prefix(self.local_rank, self.local_size)
+        config = ExchangeConfig.from_spec(
+            spec,
+            shard_grace_s=min(30.0, spec.round_timeout_s),
+            # heartbeats (local rank 0's) tell who is alive on the run's own exchange only
+            follow_liveness=self.local_size == 1,
+        )
+        self.manager = ObjectStoreManager(
+            store.child(prefix) if prefix else store, world, rank, config
+        )
+        self.manager.final_round = spec.exchange_rounds - 1
+        self.manager.state_layout = tensors_layout_hash(
+            [local_tensor(p.detach()) for p in model.parameters()]
+        )
+        _save_local_parts(self.manager)
+        sparseloco = self.manager.exchange.config.sparseloco
+        momentum = 0.0 if sparseloco else spec.outer_momentum
+        outer = torch.optim.SGD(
+            model.parameters(),
+            lr=outer_lr(spec, sparseloco),
+            momentum=momentum,
+            nesterov=spec.nesterov and momentum > 0,
+        )
+        self._algo = DiLoCo(
+            self.manager, [model], optimizer, outer, sync_every=spec.sync_every,
+            use_bucketization=False, pin_memory=False,
+        )  # fmt: skip
+        turn_off_bucketization(self._algo)
+        self.manager.set_fragment_sizes([len(list(model.parameters()))])
+        self._algo.__enter__()  # its pre/post hooks on the optimizer: the sync runs in step()
+        if self.ctx is not None:
+            self.ctx.manager = self.manager
+            self.ctx._set_phase("training")
+            self.ctx._clock.restart()
+
+    @property
+    def done(self) -> bool:
+        """Whether the run's inner steps (``--rounds`` × ``--sync-every``) are all taken."""
+        return self.step_count >= self.spec.total_steps
+
+    def step(self, loss: float | None = None, **metrics: float) -> None:
+        """After each ``optimizer.step()``: counts it and, after a sync (which ran inside
+        that ``optimizer.step()``), writes the round's global state when one is due; local
+        rank 0 also records the step's ``loss`` and ``metrics`` for the run's tables."""
+        self.step_count += 1
+        m = self.manager
+        synced = self.step_count % self.spec.sync_period == 0
+        if synced:
+            m.after_outer_step()
+            if m.fatal_error is not None:
+                raise m.fatal_error
+        ctx = self.ctx
+        if ctx is None:
+            return
+        ctx.step = self.step_count
+        if synced:
+            ctx._syncs.add(ctx._sync_entry(m, self.step_count // self.spec.sync_period - 1))
+            ctx._syncs.fold(self.step_count, final=False)
+        ctx.log_step(loss=None if loss is None else float(loss), **metrics)
+
+    def close(self, job_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Leave the run (every rank): the optimizer's hooks go, pending global-state writes
+        land, and local rank 0 writes the replica's result, with ``job_metrics`` and each
+        local rank's ``shard_sha256`` (equal across replicas when they ended in sync).
+        Returns the metrics written."""
+        self._algo.__exit__(None, None, None)
+        digest = shard_sha256(self.model)
+        digests = [digest]
+        if self.local_size > 1:
+            import torch.distributed as dist
+
+            digests = [None] * self.local_size
+            dist.all_gather_object(digests, digest)
+        out = {**(job_metrics or {}), "shard_sha256": digests, "local_ranks": self.local_size}
+        if self.ctx is None:
+            self.manager.close()
+        else:
+            self.ctx.finish(out)  # closes the manager first
+        return out
+
+    def __enter__(self) -> DiLoCoHook:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            return False
+        self._algo.__exit__(exc_type, exc, tb)
+        if self.ctx is not None:
+            self.ctx.fail(exc)
+        log.error("rank %d/%d of replica %d failed: %s", self.local_rank, self.local_size,
+                  self.rank, exc)  # fmt: skip
+        return False
