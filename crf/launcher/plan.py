@@ -621,7 +621,13 @@ def read_run_spec(store: RunStore) -> RunSpec:
             "options (an object); restore it from a copy, or remove the run folder"
         )
     try:
-        return RunSpec.from_dict(data).validate()
+        spec = RunSpec.from_dict(data)
+        for name, declared in run_options().items():  # each field alone: the message names it
+            try:
+                declared.check(spec)
+            except (SpecError, TypeError) as e:
+                raise LaunchError(f"{where} is damaged: field {name}: {e}") from None
+        return spec.validate()
     except (SpecError, TypeError) as e:  # TypeError: a missing field, or one of a wrong type
         raise LaunchError(f"{where} is damaged: {e}") from None
 
