@@ -218,7 +218,7 @@ def launch(
     dry_run: bool = False,
     secret_values: Mapping[str, str] | None = None,
     **keywords: Any,
-) -> Any:
+) -> Run | DryRun:
     """Launch a run and return it: at once with ``detach=True`` (follow it with its
     methods), else once it has ended (``run.result``); with ``dry_run=True`` check it and
     return its :class:`~crf.results.DryRun` instead, launching nothing.
@@ -252,7 +252,9 @@ def dry_run(options: Mapping[str, Any] | RunSpec | None = None, /, **keywords: A
     """Check a launch as :func:`launch` would (same arguments) and return its plan - what
     would start where, on what hardware, at what price, what is missing - launching and
     writing nothing (``crf launch --dry-run``)."""
-    return launch(options, dry_run=True, **keywords)
+    plan = launch(options, dry_run=True, **keywords)
+    assert isinstance(plan, DryRun)
+    return plan
 
 
 def dry_run_of(plan: Plan) -> DryRun:
