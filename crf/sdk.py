@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -252,9 +253,7 @@ def dry_run(options: Mapping[str, Any] | RunSpec | None = None, /, **keywords: A
     """Check a launch as :func:`launch` would (same arguments) and return its plan - what
     would start where, on what hardware, at what price, what is missing - launching and
     writing nothing (``crf launch --dry-run``)."""
-    plan = launch(options, dry_run=True, **keywords)
-    assert isinstance(plan, DryRun)
-    return plan
+    return typing.cast(DryRun, launch(options, dry_run=True, **keywords))
 
 
 def dry_run_of(plan: Plan) -> DryRun:

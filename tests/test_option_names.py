@@ -224,3 +224,12 @@ def test_backend_options_take_the_command_lines_names() -> None:
     }
     with pytest.raises(LaunchError, match="names gpu twice"):
         resolve_backend("modal", {"hardware": "A10G", "gpu": "T4"}, where="")
+
+
+def test_resume_takes_the_launch_settings_but_no_run_option(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="replicas cannot be combined with resume"):
+        crf.resume("walk", replicas=3, store=str(tmp_path))
+    with pytest.raises(LaunchError, match="nothing to resume"):
+        crf.resume("walk", store=str(tmp_path), max_restarts=1, timeout=60)
+    with pytest.raises(LaunchError, match="did you mean 'max_restarts'"):
+        crf.resume("walk", store=str(tmp_path), max_restart=1)
