@@ -31,6 +31,7 @@ _LAZY = {
     "RestartPolicy": "crf.launcher.plan",
     # the SDK: what the CLI does, as functions that return typed objects
     "launch": "crf.sdk",
+    "dry_run": "crf.sdk",
     "attach": "crf.sdk",
     "runs": "crf.sdk",
     "resume": "crf.sdk",
@@ -38,6 +39,7 @@ _LAZY = {
     "RunResult": "crf.results",
     "RunStatus": "crf.results",
     "RunInfo": "crf.results",
+    "DryRun": "crf.results",
     "ReplicaSummary": "crf.results",
     "ReplicaProgress": "crf.results",
 }

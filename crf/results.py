@@ -1,4 +1,5 @@
-"""Typed results of the SDK: what ``Run.wait()``, ``Run.status()`` and ``crf.runs()`` return.
+"""Typed results of the SDK: what ``Run.wait()``, ``Run.status()``, ``crf.runs()`` and
+``crf.dry_run()`` return.
 
 Each is a dataclass over the JSON the CLI prints and the run folder holds (``result.json``,
 ``crf status --json``, ``crf runs --json``), so a script reads attributes with types instead
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-__all__ = ["ReplicaProgress", "ReplicaSummary", "RunInfo", "RunResult", "RunStatus"]
+__all__ = ["DryRun", "ReplicaProgress", "ReplicaSummary", "RunInfo", "RunResult", "RunStatus"]
 
 
 @dataclass
@@ -126,7 +127,10 @@ class RunInfo(_Typed):
     replicas: int | None = None
     rounds: int | None = None
     created_at: float | None = None
+    #: ok, failed, cancelled, running, stopped, or damaged: its run.json cannot be read
     status: str | None = None
+    #: why a damaged run's run.json cannot be read (the file and the field); None otherwise
+    error: str | None = None
 
 
 @dataclass
@@ -166,3 +170,44 @@ class RunStatus(_Typed):
     @property
     def running(self) -> bool:
         return self.status == "running"
+
+
+@dataclass
+class DryRun(_Typed):
+    """A checked launch that was not started (``crf.dry_run()``, ``crf launch --dry-run``):
+    what would start where, on what hardware, at what price, and what is still missing.
+    Nothing was launched or written."""
+
+    run_id: str
+    backend: str
+    replicas: int
+    #: every run option by RunSpec field name, as run.json would hold it
+    options: dict[str, Any] = field(default_factory=dict)
+    where: str | None = None
+    image: str | None = None
+    hardware: str | None = None
+    region: str | None = None
+    command: list[str] = field(default_factory=list)
+    store: str | None = None
+    #: the backend's own limit on a replica's time, in seconds (None: none)
+    timeout_s: float | None = None
+    #: list price per replica and for all of them (0.0 on this machine; None: not published)
+    hourly_usd: float | None = None
+    total_hourly_usd: float | None = None
+    #: names of every secret the replicas get (never a value)
+    secrets: list[str] = field(default_factory=list)
+    #: the job's effective settings (defaults included) and the TRL fields not at TRL's
+    #: default (composer); empty for a custom entrypoint
+    job_settings: dict[str, Any] = field(default_factory=dict)
+    trl_settings: dict[str, Any] = field(default_factory=dict)
+    #: what the backend says about the plan, one line each
+    notes: list[str] = field(default_factory=list)
+    #: what may not be what you meant (GPUs left idle, completions shorter than the answers)
+    warnings: list[str] = field(default_factory=list)
+    #: what an account or a setup step must provide before the run can launch
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        """Whether nothing is missing: the same launch would start."""
+        return not self.missing

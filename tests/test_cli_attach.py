@@ -141,3 +141,42 @@ def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path
 def test_status_of_an_unknown_run_says_how_to_find_runs(tmp_path: Path) -> None:
     code, out = crf("status", "nope", "--store", str(tmp_path))
     assert code == 2 and "no run 'nope'" in out and "crf runs" in out
+
+
+def test_a_damaged_run_is_listed_as_damaged_and_named_by_status(tmp_path: Path) -> None:
+    """One run folder whose run.json has a field of the wrong type, another whose run.json is
+    not JSON: ``crf runs`` still lists the store (exit 0), each damaged run as ``damaged``
+    with why; ``crf status`` on one is one line naming the file and the field; ``crf rm``
+    removes it."""
+    import crf as sdk
+    from crf.spec import RunSpec
+
+    base = tmp_path / "runs"
+    good = RunSpec(run_id="good", run_uri=(base / "good").as_uri(), job="lm", rounds=2)
+    (base / "good").mkdir(parents=True)
+    (base / "good" / "run.json").write_text(good.to_json())
+    (base / "good" / "result.json").write_text(json.dumps({"run_id": "good", "status": "ok"}))
+    wrong = json.loads(good.to_json()) | {"run_id": "typed", "replicas": "4"}
+    (base / "typed").mkdir()
+    (base / "typed" / "run.json").write_text(json.dumps(wrong))
+    (base / "torn").mkdir()
+    (base / "torn" / "run.json").write_text('{"run_id": "torn", "repl')
+
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0, out
+    rows = {r["run_id"]: r for r in json.loads(out)}
+    assert rows["good"]["status"] == "ok" and rows["good"]["rounds"] == 2
+    assert rows["typed"]["status"] == rows["torn"]["status"] == "damaged"
+    assert "typed/run.json is damaged: field replicas" in rows["typed"]["error"]
+    assert "torn/run.json is damaged: not valid JSON" in rows["torn"]["error"]
+    code, out = crf("runs", "--store", str(base))
+    assert code == 0 and "good" in out and out.count("damaged") >= 4, out  # rows and reasons
+    code, out = crf("runs", "--store", str(base), "--status", "damaged", "--json")
+    assert code == 0 and sorted(r["run_id"] for r in json.loads(out)) == ["torn", "typed"]
+    assert {i.run_id: i.status for i in sdk.runs(str(base))}["typed"] == "damaged"
+
+    code, out = crf("status", "typed", "--store", str(base))
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert "run.json is damaged: field replicas: --replicas must be an integer" in out
+    code, out = crf("rm", "torn", "--store", str(base), "--yes")
+    assert code == 0 and not (base / "torn").exists(), out

@@ -232,7 +232,7 @@ def list_runs(
 
 
 #: the statuses a run can have in ``crf runs`` (result.json's, or what the heartbeats say)
-RUN_STATUSES = ("ok", "failed", "cancelled", "running", "stopped")
+RUN_STATUSES = ("ok", "failed", "cancelled", "running", "stopped", "damaged")
 
 
 def status_record(run: AttachedRun) -> dict[str, Any]:
@@ -291,8 +291,11 @@ def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
         live = [f"replica {h.rank} {s.state}" for h, s, _ in run.statuses() if not s.terminal]
     except (LaunchError, ExecutorError):  # no handles, or the backend is out of reach
         st = run_store(run_id, store)  # (no such run: its LaunchError)
-        spec = RunSpec.from_json(st.get(layout.RUN_SPEC).decode())
-        live = live_replicas(st, spec.replicas, spec.run_id)
+        try:
+            spec = RunSpec.from_json(st.get(layout.RUN_SPEC).decode())
+            live = live_replicas(st, spec.replicas, spec.run_id)
+        except (ValueError, TypeError):  # a damaged run.json: nothing says what runs
+            live = []
     if live:
         raise LaunchError(
             f"run {run_id} is still running ({', '.join(live)}); stop it first with "
@@ -304,11 +307,19 @@ def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
 
 
 def _run_row(st: Any) -> dict[str, Any] | None:
-    """The ``crf runs`` row of one folder, or None if it holds no run."""
+    """The ``crf runs`` row of one folder, or None if it holds no run. A run whose run.json
+    cannot be read is listed as ``damaged`` with why (the file and the field), so one bad
+    folder neither hides the others nor stops the listing."""
+    from crf.launcher.plan import read_run_spec
+
     try:
-        spec = RunSpec.from_json(st.get(layout.RUN_SPEC).decode())
-    except (StoreError, OSError, ValueError, TypeError):  # not a run folder, or a damaged one
-        return None
+        if not st.exists(layout.RUN_SPEC):
+            return None
+        spec = read_run_spec(st)
+    except (StoreError, OSError) as e:  # it went away, or cannot be read now
+        return _damaged_row(st, f"{type(e).__name__}: {e}")
+    except LaunchError as e:
+        return _damaged_row(st, str(e))
     status = "stopped"
     try:
         result = st.get_json(layout.RESULT)
@@ -328,6 +339,13 @@ def _run_row(st: Any) -> dict[str, Any] | None:
         "created_at": spec.created_at,
         "status": status,
     }
+
+
+def _damaged_row(st: Any, why: str) -> dict[str, Any]:
+    """The row of a run folder whose run.json cannot be read: its folder name and why."""
+    name = st.uri.rstrip("/").rsplit("/", 1)[-1]
+    empty = dict.fromkeys(("backend", "job", "replicas", "rounds", "created_at"))
+    return {"run_id": name, **empty, "status": "damaged", "error": why}
 
 
 def _fresh_heartbeat(st: Any, replicas: int) -> bool:

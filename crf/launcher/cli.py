@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
-from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, RunSpec, run_options
+from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
 
 
 def _help_markup_mode() -> Literal["rich"] | None:
@@ -660,7 +660,7 @@ def runs(
     status: Annotated[
         list[str] | None,
         typer.Option("--status", help="Only runs with this status (repeatable): ok, failed, "
-                     "cancelled, running, stopped."),
+                     "cancelled, running, stopped, damaged (its run.json cannot be read)."),
     ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", min=1, help="At most this many runs, newest first.")
@@ -692,15 +692,24 @@ def runs(
     table = Table(title=f"runs in {store or './crf-runs'}")
     for col in ("run", "backend", "job", "replicas", "rounds", "created", "status"):
         table.add_column(col, overflow="fold")
-    colors = {"ok": "green", "failed": "red", "running": "cyan", "cancelled": "yellow"}
+    colors = {"ok": "green", "failed": "red", "running": "cyan", "cancelled": "yellow",
+              "damaged": "red"}  # fmt: skip
     for r in rows:
-        created = datetime.datetime.fromtimestamp(r["created_at"] or 0).strftime("%Y-%m-%d %H:%M")
+        when = r["created_at"]
+        created = "-" if when is None else datetime.datetime.fromtimestamp(when).strftime(
+            "%Y-%m-%d %H:%M"
+        )  # fmt: skip
         color = colors.get(r["status"], "white")
+        cells = [r["backend"], r["job"], r["replicas"], r["rounds"]]
         table.add_row(
-            r["run_id"], r["backend"], escape(r["job"]), str(r["replicas"]), str(r["rounds"]),
+            escape(r["run_id"]), *("-" if c is None else escape(str(c)) for c in cells),
             created, f"[{color}]{escape(r['status'])}[/]",
         )  # fmt: skip
     console.print(table)
+    for r in rows:  # why each damaged run cannot be read (crf status RUN says the same)
+        if r["status"] == "damaged":
+            console.print(f"[red]damaged[/] {escape(r['run_id'])}: {escape(r['error'])}",
+                          soft_wrap=True, highlight=False)  # fmt: skip
 
 
 def _progress_of(run_: Any, width: int = 80) -> Any:
@@ -919,12 +928,12 @@ def plot(
     from crf.launcher.attach import run_store
     from crf.launcher.errors import LaunchError
     from crf.launcher.figure import draw_figure, figure_job, figure_title, read_metrics
-    from crf.launcher.plan import display_path
+    from crf.launcher.plan import display_path, read_run_spec
     from crf.store.errors import StoreError
 
     try:
         st = run_store(run_id, store)
-        spec = RunSpec.from_json(st.get(layout.RUN_SPEC))
+        spec = read_run_spec(st)
         png = draw_figure(read_metrics(st, spec.replicas), job=figure_job(spec),
                           title=figure_title(spec))  # fmt: skip
         if png is None:

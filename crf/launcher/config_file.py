@@ -7,10 +7,11 @@ already write (pyproject.toml). YAML would need PyYAML and guesses types (``no``
 
 The file's layout follows the declarations, so a new run option is a key with no extra work:
 
-- top level: every run option by its RunSpec field name (``sync_every``; the flag's spelling
-  ``sync-every`` / ``round-timeout`` works too), and the launch flags that are not run options
-  but belong to a run's recipe (``store``, ``max_restarts``, ``max_run_restarts``,
-  ``timeout``);
+- top level: every run option by its RunSpec field name or its flag's name, with dashes or
+  underscores alike (``round_timeout_s``, ``round-timeout``, ``round_timeout``; see
+  crf.launcher.names), one value for a list option standing for a list of one (``reward =
+  "exact_match"``), and the launch flags that are not run options but belong to a run's
+  recipe (``store``, ``max_restarts``, ``max_run_restarts``, ``timeout``);
 - ``[backend]``: ``name`` (the run option ``backend``: TOML cannot have both a top-level
   ``backend = "modal"`` and a ``[backend]`` table, so with a table the name goes inside; a
   file with no table may say ``backend = "modal"``) and the backend's options: ``hardware``
@@ -27,7 +28,6 @@ secrets. The SDK reads the same files: ``launch_config(path, overrides)`` /
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
@@ -37,6 +37,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from crf.launcher.errors import LaunchError
+from crf.launcher.names import (
+    HARDWARE_KEYS,
+    as_declared,
+    did_you_mean,
+    option_spellings,
+    setting_spellings,
+)
 from crf.spec import run_options
 
 #: launch flags that are not run options but may be set in the file (their types as TOML)
@@ -46,9 +53,6 @@ LAUNCH_KEYS: dict[str, tuple[type, ...]] = {
     "max_run_restarts": (int,),
     "timeout": (int, float),
 }
-#: names a ``[backend]`` table may give the per-replica hardware (as ``--hardware`` / ``--gpu``
-#: / ``--flavor`` / ``--instance-type`` on the command line): each backend maps it to its own
-HARDWARE_KEYS = ("hardware", "gpu", "flavor", "instance_type")
 #: the key of ``[backend]`` / ``[job]`` that names the backend / the job (the run options)
 TABLE_NAME = "name"
 #: run options set through a table of their own, not as a top-level key
@@ -94,24 +98,24 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
         raise ConfigError(f"config file {where} is not valid TOML: {e}") from None
-    spellings = _top_level_spellings()
+    spellings = option_spellings() | setting_spellings()
     options: dict[str, Any] = {}
     launch: dict[str, Any] = {}
     backend = _named_table(data, "backend", options, where)
     job = _named_table(data, "job", options, where)
     for key, value in data.items():
-        if key in _TABLE_OPTIONS:
+        name = spellings.get(key, key)
+        if name in _TABLE_OPTIONS:
             raise ConfigError(
                 f"{key!r} in config file {where}: put these options in a "
-                f"[{_TABLE_OPTIONS[key]}] table"
+                f"[{_TABLE_OPTIONS[name]}] table"
             )
-        name = spellings.get(key)
-        if name is None:
+        if key not in spellings:
             raise _unknown(key, where, list(spellings))
         target = launch if name in LAUNCH_KEYS else options
         if name in target:
             raise ConfigError(f"config file {where} sets {name} twice ({key!r} and another)")
-        target[name] = value
+        target[name] = value if target is launch else as_declared(name, value)
     if "timeout" in backend:  # as on the command line: --timeout is the launch's and the backend's
         if "timeout" in launch:
             raise ConfigError(f"config file {where} sets timeout twice (top level and [backend])")
@@ -143,22 +147,6 @@ def _named_table(
     return table
 
 
-def _top_level_spellings() -> dict[str, str]:
-    """Each accepted top-level key -> the name it sets: a run option's field name, its flag
-    without ``--`` (``round-timeout``) and the field name with dashes; the launch keys."""
-    out: dict[str, str] = {}
-    for name, declared in run_options().items():
-        if name in _TABLE_OPTIONS:
-            continue
-        for spelling in (name, name.replace("_", "-"), (declared.flag or "").removeprefix("--")):
-            if spelling:
-                out.setdefault(spelling, name)
-    for name in LAUNCH_KEYS:
-        out.setdefault(name, name)
-        out.setdefault(name.replace("_", "-"), name)
-    return out
-
-
 def _table(value: Any, name: str, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"[{name}] in config file {where} must be a table (got {value!r})")
@@ -175,19 +163,20 @@ def _one_hardware_key(backend: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _unknown(key: str, where: str, known: list[str], table: str = "") -> ConfigError:
-    near = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
     inside = f" in [{table}]" if table else ""
-    return ConfigError(f"unknown key {key!r}{inside} in config file {where}{hint}")
+    place = f" in config file {where}" if where else ""
+    return ConfigError(f"unknown key {key!r}{inside}{place}{did_you_mean(key, known)}")
 
 
 def resolve_backend(
     backend: str, table: Mapping[str, Any], where: str = "<config>"
 ) -> dict[str, Any]:
-    """A ``[backend]`` table as the executor's constructor options: ``hardware`` (or any of
+    """A ``[backend]`` table (or the SDK's ``backend_options``: ``where`` empty) as the
+    executor's constructor options, dashes or underscores alike: ``hardware`` (or any of
     HARDWARE_KEYS, as on the command line) becomes the backend's own name for it (modal
     ``gpu``, hf ``flavor``, sagemaker ``instance_type``); ConfigError for a key the backend
-    does not take (naming the key, the file and the backend's options)."""
+    does not take (naming the key, the file and the backend's options), or for the hardware
+    given twice."""
     from crf.executors.base import ExecutorError
     from crf.executors.registry import executor_class, option_names
 
@@ -198,12 +187,22 @@ def resolve_backend(
     known = option_names(cls)
     hardware = getattr(cls, "hardware_option", None)
     out: dict[str, Any] = {}
-    for key, value in table.items():
+    given_as: dict[str, Any] = {}
+    for given, value in table.items():
+        key = str(given).replace("-", "_")
         name = hardware if key in HARDWARE_KEYS else key
         if name is None or name not in known:
-            error = _unknown(key, where, [*known, *(["hardware"] if hardware else [])], "backend")
+            near = [*known, *(["hardware"] if hardware else [])]
+            error = (
+                str(_unknown(key, where, near, "backend"))
+                if where
+                else f"unknown {backend} backend option {key!r}{did_you_mean(key, near)}"
+            )
             raise ConfigError(f"{error} (the {backend} backend's options: {', '.join(known)})")
-        out[name] = value
+        if name in out:
+            place = f"[backend] in config file {where}" if where else "backend_options"
+            raise ConfigError(f"{place} names {name} twice ({given_as[name]!r} and {given!r})")
+        out[name], given_as[name] = value, given
     return out
 
 

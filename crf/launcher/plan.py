@@ -205,16 +205,14 @@ def check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
 
 
 def launch_options(options: Mapping[str, Any] | RunSpec | None) -> dict[str, Any]:
-    """The run options of a launch as a dict by RunSpec field name: a mapping's (LaunchError
-    for a name that is no run option), or a RunSpec's own (its run_uri is not one: the store
-    decides where a run lives)."""
+    """The run options of a launch as a dict by RunSpec field name: a mapping's, by any
+    spelling of each option (crf.launcher.names: LaunchError for a name that is none), or a
+    RunSpec's own (its run_uri is not one: the store decides where a run lives)."""
+    from crf.launcher.names import run_option_values
+
     if isinstance(options, RunSpec):
         return {name: getattr(options, name) for name in run_options()}
-    values = dict(options or {})
-    unknown = sorted(set(values) - set(run_options()))
-    if unknown:
-        raise LaunchError(f"unknown launch option(s): {', '.join(unknown)}")
-    return values
+    return run_option_values(options or {})
 
 
 def prepare(
@@ -623,7 +621,13 @@ def read_run_spec(store: RunStore) -> RunSpec:
             "options (an object); restore it from a copy, or remove the run folder"
         )
     try:
-        return RunSpec.from_dict(data).validate()
+        spec = RunSpec.from_dict(data)
+        for name, declared in run_options().items():  # each field alone: the message names it
+            try:
+                declared.check(spec)
+            except (SpecError, TypeError) as e:
+                raise LaunchError(f"{where} is damaged: field {name}: {e}") from None
+        return spec.validate()
     except (SpecError, TypeError) as e:  # TypeError: a missing field, or one of a wrong type
         raise LaunchError(f"{where} is damaged: {e}") from None
 
