@@ -57,7 +57,7 @@ def _key(handle: ReplicaHandle) -> str:
 
 
 def _memory_text() -> str:
-    """The text ", 62 GiB memory": this machine's physical memory (empty where the OS does not say)."""
+    """This machine's physical memory as ", 62 GiB memory" (empty where the OS says none)."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):

@@ -107,9 +107,11 @@ def cost_rows(spec: RunSpec, bp: BackendPlan) -> Rows:
 
 
 def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:g} h"
-    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
+    """``86400`` -> "24 h", ``4200`` -> "1 h 10 min", ``90`` -> "2 min", ``30`` -> "30 s"."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return " ".join(([f"{hours} h"] if hours else []) + ([f"{minutes} min"] if minutes else []))
 
 
 def workload_rows(spec: RunSpec) -> Rows:
