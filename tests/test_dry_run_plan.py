@@ -77,6 +77,8 @@ def test_the_sft_job_shows_its_settings_and_no_reward(no_account: Path) -> None:
     assert "max_length=32" in plan["job settings"] and "learning_rate=0.003" in plan["job settings"]
     assert "warmup_steps=3" in plan["TRL settings"] and "SFTConfig" in plan["TRL settings"]
     assert "held-out loss" in plan["evaluation"] and "reward" not in plan
+    printed = CliRunner().invoke(app, ["launch", "--job", "sft", "--print-config"])
+    assert printed.exit_code == 0 and "# TRL SFTConfig fields that differ" in printed.output
 
 
 def test_the_model_row_names_what_trains() -> None:
