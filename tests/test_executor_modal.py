@@ -125,8 +125,8 @@ def test_gpu_names_follow_modal() -> None:
 
 
 def test_price_table() -> None:
-    cpu_only = hourly_price(None, None, None)
-    assert 0 < cpu_only < 0.05  # 0.125 core + 128 MiB
+    cpu_only = hourly_price(None, None, None)  # crf's CPU-only reservation: 2 cores, 4 GiB
+    assert cpu_only == pytest.approx(2 * 0.00003942 * 3600 + 4 * 0.00000672 * 3600)
     h100x2 = hourly_price("H100:2", 8, 32768)
     assert h100x2 == pytest.approx(
         2 * GPU_USD_PER_S["H100"] * 3600 + 8 * 0.00003942 * 3600 + 32 * 0.00000672 * 3600
@@ -154,7 +154,7 @@ def test_describe_is_the_dry_run_plan(s3_env: MotoS3) -> None:
     ex = ModalExecutor(gpu="H100:2", cpu=8, memory_mb=32768, timeout_s=3600, region="us-east")
     plan = ex.describe(3, None, "s3://bucket/runs/r1")
     assert plan.backend == "modal" and plan.replicas == 3
-    assert "2x H100" in plan.hardware and "8 CPU" in plan.hardware
+    assert "2x H100" in plan.hardware and plan.resources == "8 CPU core(s), 32 GiB reserved"
     assert plan.hourly_usd == pytest.approx(hourly_price("H100:2", 8, 32768))
     assert plan.total_hourly_usd == pytest.approx(3 * plan.hourly_usd)
     assert plan.command == ["python", "-m", "crf.replica"]

@@ -289,7 +289,10 @@ class BackendPlan:
     """What ``crf launch --dry-run`` prints: what would start where, on what, at what price.
 
     ``hourly_usd`` is per replica, from the backend's published list price for the chosen
-    hardware (None where the backend publishes none, or for the local backend: free).
+    hardware (None where the backend publishes none, or for the local backend: free);
+    ``price_basis`` says which price it is where that is not obvious (a spot run priced at
+    the on-demand rate because no spot price is published). ``resources`` is each replica's
+    CPU and memory, as the platform reserves them.
     """
 
     backend: str
@@ -304,14 +307,26 @@ class BackendPlan:
     hourly_usd: float | None = None
     secrets: list[str] = field(default_factory=list)  # names only, never values
     notes: list[str] = field(default_factory=list)
+    resources: str = "-"  # CPU and memory per replica, e.g. "4 CPU cores, 16 GiB"
+    price_basis: str = ""  # e.g. "on-demand price; managed spot bills less"
 
     @property
     def total_hourly_usd(self) -> float | None:
         return None if self.hourly_usd is None else self.hourly_usd * self.replicas
 
+    @property
+    def worst_case_usd(self) -> float | None:
+        """What the run costs if every replica runs until the platform's timeout stops it
+        (None where the price or the timeout is unknown)."""
+        total = self.total_hourly_usd
+        if total is None or self.timeout_s is None:
+            return None
+        return total * self.timeout_s / 3600
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["total_hourly_usd"] = self.total_hourly_usd
+        out["worst_case_usd"] = self.worst_case_usd
         return out
 
 

@@ -35,6 +35,7 @@ in ``config()``; it is not given to the replicas either (an ``hf://`` store gets
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import threading
@@ -98,6 +99,27 @@ def flavor_gpus(flavor: str) -> int:
         return 0
     tail = re.search(r"x(\d+)$", flavor)
     return int(tail.group(1)) if tail else 1
+
+
+def flavor_parts(flavor: str) -> tuple[str, str]:
+    """A catalog flavor as (its GPUs, its CPU and memory): ``l4x4`` -> ("4x Nvidia L4 96 GB",
+    "48 vCPU, 186 GB RAM"); ("no GPU", ...) for ``cpu-*``; ("", "") for a flavor the
+    catalog does not list."""
+    what = FLAVORS.get(flavor, ("", 0.0))[0]
+    if not what:
+        return "", ""
+    first, _, rest = what.partition(", ")
+    return (first, rest) if re.match(r"\d+x ", first) else ("no GPU", what)
+
+
+def unknown_flavor(flavor: str, known: list[str]) -> str:
+    """The one-line refusal of a flavor name, with the closest known names first."""
+    close = difflib.get_close_matches(flavor, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return (
+        f"unknown HF Jobs flavor {flavor!r}; {hint}known flavors: {', '.join(known)} "
+        "(see https://huggingface.co/docs/hub/jobs-pricing)"
+    )
 
 
 def known_flavors() -> list[str]:
@@ -226,24 +248,22 @@ class HFJobsExecutor(CloudExecutor):
         except HF_ERRORS:
             served = set()
         if self.flavor not in served:
-            raise ExecutorError(
-                f"unknown HF Jobs flavor {self.flavor!r}; use one of: "
-                f"{', '.join(sorted(served | set(known_flavors())))} "
-                "(see https://huggingface.co/docs/hub/jobs-pricing)"
-            )
+            raise ExecutorError(unknown_flavor(self.flavor, sorted(served | set(known_flavors()))))
         self._flavor_checked = True
 
     def backend_checks(self) -> list[ReadyCheck]:
-        return [self._check_account]
+        return [self._check_flavor_name, self._check_account]
+
+    def _check_flavor_name(self) -> None:
+        """A flavor this machine cannot vouch for is bad input (ExecutorError, which stops a
+        dry run as a misspelt Modal GPU does): one the installed client and crf's catalog do
+        not know, when there is no token to ask the Hub whether it is newer than both."""
+        if self.flavor in known_flavors() or self._token or get_token():
+            return  # known here, or _check_account asks the Hub (list_jobs_hardware)
+        raise ExecutorError(unknown_flavor(self.flavor, known_flavors()))
 
     def _check_account(self) -> None:
         """Token present and accepted, namespace allowed, flavor known - nothing launched."""
-        if self.flavor not in known_flavors() and not self._token and not get_token():
-            # say both things at once: the name is wrong and the token is missing
-            raise MissingAccess(
-                f"unknown HF Jobs flavor {self.flavor!r} (known: {', '.join(known_flavors())}); "
-                f"and no Hugging Face token: {_TOKEN_HELP}"
-            )
         api = self._api()
         try:
             me = api.whoami(cache=True)
@@ -428,7 +448,8 @@ class HFJobsExecutor(CloudExecutor):
         return flavor_gpus(self.flavor)
 
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
-        what, price = FLAVORS.get(self.flavor, (None, None))
+        price = FLAVORS.get(self.flavor, (None, None))[1]
+        gpus, resources = flavor_parts(self.flavor)
         ns = self.namespace or "your user (looked up at launch)"
         notes = [
             "no native retries: the driver relaunches a failed replica as a new job "
@@ -443,7 +464,8 @@ class HFJobsExecutor(CloudExecutor):
             run_uri,
             where=f"{n_replicas} Hugging Face Job(s) in namespace {ns} at {self.endpoint}",
             image=str(self.image),
-            hardware=f"{self.flavor} ({what})" if what else self.flavor,
+            hardware=f"{self.flavor} ({gpus})" if gpus else self.flavor,
+            resources=f"{resources} (the flavor's)" if resources else "the flavor's",
             hourly_usd=price,
             notes=notes,
         )

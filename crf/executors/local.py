@@ -56,6 +56,15 @@ def _key(handle: ReplicaHandle) -> str:
     return f"{handle.run_id}/{handle.rank}/{handle.backend_id}"
 
 
+def _memory_text() -> str:
+    """This machine's physical memory as ", 62 GiB memory" (empty where the OS says none)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return ""
+    return f", {total / 2**30:.0f} GiB memory" if total > 0 else ""
+
+
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -336,6 +345,7 @@ class LocalProcessExecutor(ServerlessExecutor):
             command=self.check_command(command),
             store=run_uri,
             notes=[f"logs: {self.log_dir or '<run folder>/logs'}/replica-<rank>.log"],
+            resources=f"this machine's {cores} CPU core(s){_memory_text()}, shared",
         )
 
     def config(self) -> dict[str, object]:

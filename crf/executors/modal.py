@@ -72,9 +72,19 @@ GPU_USD_PER_S: dict[str, float] = dict(_CATALOG["gpu_usd_per_s"])
 _PRICE_ALIASES: dict[str, str] = dict(_CATALOG["price_aliases"])
 SANDBOX_CPU_USD_PER_CORE_S: float = _CATALOG["sandbox_cpu_usd_per_core_s"]
 SANDBOX_MEM_USD_PER_GIB_S: float = _CATALOG["sandbox_mem_usd_per_gib_s"]
-#: what Modal reserves when ``cpu``/``memory`` are not given
+#: what Modal itself reserves when a Sandbox asks for no ``cpu``/``memory``
 DEFAULT_CPU_CORES = 0.125
 DEFAULT_MEMORY_MB = 128
+#: crf's reservation when ``cpu``/``memory_mb`` are not given, per GPU of a GPU replica:
+#: Modal's 0.125 core and 128 MiB would leave a GPU's data loading, tokenization and
+#: rollout bookkeeping on one throttled thread, and Modal bills CPU and memory at max(request,
+#: use) anyway, so a reservation the replica uses costs nothing extra
+CPU_CORES_PER_GPU = 4.0
+MEMORY_MB_PER_GPU = 16 * 1024
+#: ... and of a CPU-only replica: a training process keeps its cores busy, and Modal sizes
+#: OMP_NUM_THREADS (torch's threads) from the reservation
+CPU_ONLY_CORES = 2.0
+CPU_ONLY_MEMORY_MB = 4 * 1024
 _END = object()
 
 
@@ -117,10 +127,23 @@ def parse_gpu(gpu: str | None) -> tuple[str, int] | None:
     return name, count
 
 
+def reservation(gpu: str | None, cpu: float | None, memory_mb: int | None) -> tuple[float, int]:
+    """The CPU cores and MiB one replica reserves: as given, else crf's default for its
+    hardware (:data:`CPU_CORES_PER_GPU` and :data:`MEMORY_MB_PER_GPU` per GPU; CPU-only
+    replicas :data:`CPU_ONLY_CORES` and :data:`CPU_ONLY_MEMORY_MB`)."""
+    parsed = parse_gpu(gpu)
+    gpus = parsed[1] if parsed else 0
+    default_cpu = CPU_CORES_PER_GPU * gpus if gpus else CPU_ONLY_CORES
+    default_mem = MEMORY_MB_PER_GPU * gpus if gpus else CPU_ONLY_MEMORY_MB
+    return (cpu or default_cpu), (memory_mb or default_mem)
+
+
 def hourly_price(gpu: str | None, cpu: float | None, memory_mb: int | None) -> float:
-    """List price of one replica per hour: GPUs plus the CPU and memory it reserves."""
-    per_s = (cpu or DEFAULT_CPU_CORES) * SANDBOX_CPU_USD_PER_CORE_S
-    per_s += (memory_mb or DEFAULT_MEMORY_MB) / 1024 * SANDBOX_MEM_USD_PER_GIB_S
+    """List price of one replica per hour: GPUs plus the CPU and memory it reserves (crf's
+    default reservation for what is not given, see :func:`reservation`)."""
+    cpu, memory_mb = reservation(gpu, cpu, memory_mb)
+    per_s = cpu * SANDBOX_CPU_USD_PER_CORE_S
+    per_s += memory_mb / 1024 * SANDBOX_MEM_USD_PER_GIB_S
     parsed = parse_gpu(gpu)
     if parsed is not None:
         name, count = parsed
@@ -158,8 +181,10 @@ class ModalExecutor(CloudExecutor):
             with ``pip_install`` either way (an image's own torch is kept when it is new
             enough).
         app_name: the Modal App the Sandboxes belong to (created if missing).
-        cpu: physical cores reserved per replica (Modal's default: 0.125, with bursting).
-        memory_mb: memory reserved per replica in MiB (Modal's default: 128).
+        cpu: physical cores reserved per replica (default: 4 per GPU, 2 without a GPU;
+            see :func:`reservation`). Modal bills max(reservation, use).
+        memory_mb: memory reserved per replica in MiB (default: 16 GiB per GPU, 4 GiB
+            without a GPU).
         region: pin the Sandboxes to a Modal region (costs Modal's regional multiplier).
         timeout_s: Sandbox lifetime; Modal stops it after that (at most 24 h).
         environment_name: Modal environment (default: the profile's).
@@ -300,7 +325,8 @@ class ModalExecutor(CloudExecutor):
         return self._images[reqs]
 
     def _submit(self, sub: Submission) -> tuple[str, dict[str, Any]]:
-        parse_gpu(self.gpu)  # a bad name fails here, before Modal is asked
+        # a bad name fails here, before Modal is asked
+        cpu, memory_mb = reservation(self.gpu, self.cpu, self.memory_mb)
         modal = _modal()
         try:
             app = self._app()
@@ -311,8 +337,8 @@ class ModalExecutor(CloudExecutor):
                 env=sub.env,
                 secrets=[modal.Secret.from_dict(sub.secrets)] if sub.secrets else [],
                 gpu=self.gpu,
-                cpu=self.cpu,
-                memory=self.memory_mb,
+                cpu=cpu,
+                memory=memory_mb,
                 region=self.region,
                 timeout=max(1, int(round(self.timeout_s))),
                 tags=sub.labels,
@@ -503,8 +529,11 @@ class ModalExecutor(CloudExecutor):
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         parsed = parse_gpu(self.gpu)
         gpu = f"{parsed[1]}x {parsed[0]}" if parsed else "no GPU"
-        cpu = f"{self.cpu:g}" if self.cpu else f"{DEFAULT_CPU_CORES:g} (Modal default)"
-        mem = f"{self.memory_mb}" if self.memory_mb else f"{DEFAULT_MEMORY_MB} (Modal default)"
+        cpu, memory_mb = reservation(self.gpu, self.cpu, self.memory_mb)
+        given = self.cpu is not None and self.memory_mb is not None
+        resources = f"{cpu:g} CPU core(s), {memory_mb / 1024:g} GiB reserved" + (
+            "" if given else " (crf's default for this hardware; -o cpu=N -o memory_mb=MIB)"
+        )
         env = f", environment {self.environment_name}" if self.environment_name else ""
         return self.plan(
             n_replicas,
@@ -512,7 +541,8 @@ class ModalExecutor(CloudExecutor):
             run_uri,
             where=f"{n_replicas} Modal Sandbox(es) in app {self.app_name!r}{env}",
             image=(self.image or "modal debian_slim") + " + pip_install(crf requirements)",
-            hardware=f"{gpu}, {cpu} CPU core(s), {mem} MiB",
+            hardware=gpu,
+            resources=resources,
             hourly_usd=hourly_price(self.gpu, self.cpu, self.memory_mb),
             notes=[
                 f"price: Modal list prices of {PRICES_DATE}; CPU and memory bill at max(request, "
@@ -541,6 +571,7 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "ModalExecutor",
     "hourly_price",
+    "reservation",
     "modal_credentials",
     "parse_gpu",
 ]

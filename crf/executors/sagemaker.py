@@ -105,9 +105,16 @@ _EXIT_RE = re.compile(r"exit(?:ed with)?[ _-]?(?:code|status)[\s:=]+(-?\d+)", re
 # SageMaker *training* on-demand list prices, USD per instance-hour, us-east-1: dated data in
 # catalog/sagemaker.json. Other regions cost more or less; managed spot bills the spot price.
 _CATALOG = catalog.load("sagemaker")
+PRICES_DATE: str = _CATALOG.as_of
 HOURLY_USD: dict[str, float] = dict(_CATALOG["usd_per_hour"])
 #: NVIDIA GPUs per GPU instance type (--procs-per-replica's default)
 GPUS_PER_INSTANCE: dict[str, int] = dict(_CATALOG["gpus_per_instance"])
+#: (vCPUs, GiB of memory) per instance type: each replica's resources in the plan
+VCPU_MEMORY_GIB: dict[str, tuple[int, int]] = {
+    k: (int(v[0]), int(v[1])) for k, v in _CATALOG["vcpu_memory_gib"].items()
+}
+#: managed-spot prices where one is recorded (a spot run of another type: on-demand, labelled)
+SPOT_HOURLY_USD: dict[str, float] = dict(_CATALOG["spot_usd_per_hour"])
 
 # The AWS PyTorch training Deep Learning Container (boto3 has no image lookup; the sagemaker
 # SDK's image_uris table is where these come from). torch 2.8 / Python 3.12 satisfies crf's
@@ -369,6 +376,22 @@ class SageMakerExecutor(CloudExecutor):
     def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
         """The shared checks, then an S3 location for the jobs' output."""
         return [*super().ready_checks(run_uri), lambda: self._output_path(run_uri)]
+
+    def missing(self, run_uri: str) -> list[str]:
+        """The shared list, with the AWS credentials said once: an s3:// store's and
+        SageMaker's are the same ones, from the same variables or profile."""
+        found = super().missing(run_uri)
+        if _NO_CREDENTIALS not in found or scheme_of(run_uri) != "s3":
+            return found
+        try:
+            store_secrets(run_uri)
+            return found
+        except MissingCredentials as e:
+            store_line = str(e)
+        if store_line not in found:
+            return found
+        both = _NO_CREDENTIALS.replace("for SageMaker", f"(for SageMaker and the store {run_uri})")
+        return [both if line == _NO_CREDENTIALS else line for line in found if line != store_line]
 
     def _check_role(self) -> None:
         if not self.role_arn:
@@ -870,13 +893,15 @@ class SageMakerExecutor(CloudExecutor):
         if self.spot:
             wait = self.max_wait_s if self.max_wait_s is not None else self.timeout_s + 3600
             notes.append(
-                f"managed spot: billed at the spot price (below the on-demand price shown); "
-                f"a job may wait for capacity, {wait:.0f} s in all"
+                f"managed spot: a job may wait for capacity, {wait:.0f} s in all (billed only "
+                "while it trains)"
             )
         if self.region and self.region != "us-east-1":
             notes.append("price: us-east-1 list price; other regions differ")
         if self.instance_type not in HOURLY_USD:
             notes.append("price: not in crf's table; see https://aws.amazon.com/sagemaker/pricing/")
+        hourly, basis = self._price()
+        cpu_mem = VCPU_MEMORY_GIB.get(self.instance_type)
         bp = self.plan(
             n_replicas,
             command,
@@ -884,11 +909,28 @@ class SageMakerExecutor(CloudExecutor):
             where=f"{n_replicas} {self.kind}(s) in {region}",
             image=self._image(),
             hardware=f"{self.instance_type}{' (spot)' if self.spot else ''}",
-            hourly_usd=HOURLY_USD.get(self.instance_type),
+            resources=(
+                f"{cpu_mem[0]} vCPU, {cpu_mem[1]} GiB (the instance type's)"
+                if cpu_mem
+                else "the instance type's"
+            ),
+            hourly_usd=hourly,
+            price_basis=basis,
             notes=notes,
         )
         bp.secrets = names
         return bp
+
+    def _price(self) -> tuple[float | None, str]:
+        """The hourly price of one replica and what it is: the spot price where the catalog
+        records one, else the on-demand price (labelled as such for a spot run)."""
+        on_demand = HOURLY_USD.get(self.instance_type)
+        if not self.spot:
+            return on_demand, ""
+        spot = SPOT_HOURLY_USD.get(self.instance_type)
+        if spot is not None:
+            return spot, f"managed spot price of {PRICES_DATE}"
+        return on_demand, "on-demand price; managed spot bills less, at a rate not published"
 
     def config(self) -> dict[str, Any]:
         return {

@@ -433,7 +433,13 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
     launched or written."""
     from crf.launcher.config_file import dump_config, settings_comment
     from crf.launcher.errors import LaunchError
-    from crf.launcher.plan import DEFAULT_STORE, RestartPolicy, checked_spec, job_settings
+    from crf.launcher.plan import (
+        DEFAULT_STORE,
+        RestartPolicy,
+        checked_spec,
+        job_settings,
+        trl_config_name,
+    )
 
     if flags["resume"] is not None:
         _fail("--print-config cannot be combined with --resume (the run's options are in its "
@@ -449,7 +455,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
     launch_flags = {name: flags[name] for name in _FILE_FLAGS}
     launch_flags["store"] = launch_flags["store"] or DEFAULT_STORE
     text = dump_config(resolved, backend, spec.job_config, launch_flags)
-    typer.echo(text + settings_comment(knobs, trl), nl=False)
+    typer.echo(text + settings_comment(knobs, trl, trl_config_name(spec)), nl=False)
     raise typer.Exit(EXIT_OK)
 
 
@@ -512,128 +518,11 @@ def _backend_options(
     return out
 
 
-def _secret_names(plan: Any, store_secrets: list[str]) -> list[str]:
-    """The names of every secret the replicas get: the store's credentials and the user's
-    ``--secret`` entries (names only: a value is never shown)."""
-    from crf.spec import secret_name
-
-    return [*store_secrets, *(secret_name(s) for s in plan.spec.secrets)]
-
-
-def _idle_gpus(plan: Any) -> str | None:
-    """The plan's warning when each replica has GPUs its local ranks leave idle."""
-    from crf.replica import local_ranks
-    from crf.replica.jobs import get_job
-
-    spec = plan.spec
-    gpus = plan.executor.gpus_per_replica()
-    if gpus <= (spec.procs_per_replica or 1):
-        return None
-    try:
-        can = plan.command is None and local_ranks.supports_local_ranks(get_job(spec.job))
-    except (ImportError, ValueError):
-        can = False
-    return local_ranks.idle_gpus(gpus, spec.procs_per_replica, can)
-
-
 def _print_plan(plan: Any) -> None:
-    """``--dry-run``: the backend's plan as a table, with the hourly cost where known."""
-    from rich.table import Table
+    """``--dry-run``: the plan, its price and what is missing (crf.launcher.plan_view)."""
+    from crf.launcher.plan_view import print_plan
 
-    from crf.exchange import groups
-    from crf.replica import local_ranks
-
-    spec = plan.spec
-    bp = plan.executor.describe(spec.replicas, plan.command, spec.run_uri)
-    table = Table(title=f"crf launch --dry-run: run {spec.run_id}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    price = (
-        "not published for this hardware"
-        if bp.hourly_usd is None
-        else f"${bp.hourly_usd:.2f}/h per replica, ${bp.total_hourly_usd:.2f}/h for {bp.replicas}"
-    )
-    if spec.backend == "local":
-        price = "free (this machine)"
-    rows = [
-        ("backend", bp.backend),
-        ("replicas", str(bp.replicas)),
-        ("procs per replica", local_ranks.label(spec.procs_per_replica, spec.local_parallel)),
-        ("where", bp.where),
-        ("image", bp.image),
-        ("hardware", bp.hardware),
-        ("region", bp.region or "-"),
-        ("command", " ".join(bp.command) if len(" ".join(bp.command)) < 200 else bp.command[0]),
-        ("store", bp.store),
-        ("job", f"{spec.job_label} {spec.job_config or ''}".strip()),
-        (
-            "schedule",
-            f"{spec.rounds} round(s) x {spec.sync_every} inner steps"
-            + (
-                f", global state every {spec.checkpoint_every} exchange rounds"
-                if spec.checkpoint_every > 1
-                else ""
-            ),
-        ),
-        (
-            "exchange",
-            f"{spec.wire_dtype} wire, {groups.describe(bp.replicas, spec.reduce_group_size)}",
-        ),
-        ("timeout", "-" if bp.timeout_s is None else f"{bp.timeout_s:.0f} s"),
-        ("secrets", ", ".join(_secret_names(plan, bp.secrets)) or "-"),
-        ("cost", price),
-    ]
-    rows[_row(rows, "job") + 1 : _row(rows, "job") + 1] = _settings_rows(plan)
-    idle = _idle_gpus(plan)
-    if idle:
-        rows.insert(_row(rows, "procs per replica") + 1, ("warning", idle))
-    if plan.workdir is not None:
-        w = plan.workdir
-        rows.insert(-1, ("workdir", f"{spec.workdir}: {w.files} file(s), "
-                                    f"{w.size / 2**20:.1f} MB (by {w.how})"))  # fmt: skip
-    if spec.pip:
-        rows.insert(-1, ("pip", " ".join(spec.pip)))
-    for key, value in rows:
-        table.add_row(key, escape(str(value)))
-    console = Console()
-    console.print(table)
-    for note in bp.notes:
-        console.print(f"- {escape(note)}", highlight=False)
-    for note in plan.notes:
-        console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
-    _print_missing(console, plan.missing)
-    console.print("nothing was launched or written (--dry-run)")
-
-
-def _row(rows: list[tuple[str, str]], key: str) -> int:
-    return next(i for i, (k, _) in enumerate(rows) if k == key)
-
-
-def _settings_rows(plan: Any) -> list[tuple[str, str]]:
-    """The dry run's "job settings" (the job's knobs, defaults included) and "TRL settings"
-    (the GRPOConfig fields not at TRL's default) rows; none for a custom --entrypoint."""
-    from crf.launcher.plan import job_settings
-
-    if plan.spec.entrypoint:
-        return []
-    knobs, trl = job_settings(plan.spec)
-    out = [("job settings", ", ".join(f"{k}={v!r}" for k, v in knobs.items()))]
-    if trl:
-        out.append(("TRL settings", ", ".join(f"{k}={v!r}" for k, v in trl.items())
-                    + " (every other GRPOConfig field: TRL's default)"))  # fmt: skip
-    return out
-
-
-def _print_missing(console: Console, missing: list[str]) -> None:
-    """A dry run's list of what an account or setup must provide before the run can
-    launch, each line naming where it comes from (a variable, a file, a login command)."""
-    if not missing:
-        console.print("[green]nothing missing:[/] the backend and the store accept this "
-                      "machine's credentials")  # fmt: skip
-        return
-    console.print(f"[bold yellow]missing[/] before this run can launch ({len(missing)}):")
-    for line in missing:
-        console.print(f"- {escape(line)}", highlight=False)
+    print_plan(plan)
 
 
 StoreOpt = Annotated[

@@ -306,13 +306,16 @@ def dump_config(
     return "\n".join(lines) + "\n"
 
 
-def settings_comment(knobs: Mapping[str, Any], trl: Mapping[str, Any]) -> str:
+def settings_comment(
+    knobs: Mapping[str, Any], trl: Mapping[str, Any], config_name: str = "GRPOConfig"
+) -> str:
     """The job's effective settings as TOML comments under a printed config (read back, they
-    change nothing): its knobs, defaults included, and the TRL fields not at TRL's default."""
+    change nothing): its knobs, defaults included, and the fields of the job's TRL config
+    (``config_name``) not at TRL's default."""
     lines = ["", "# effective job settings (defaults included):"]
     lines += [f"#   {_key(k)} = {_value(v)}" for k, v in knobs.items() if v is not None]
     if trl:
-        lines.append("# TRL GRPOConfig fields that differ from TRL's defaults:")
+        lines.append(f"# TRL {config_name} fields that differ from TRL's defaults:")
         lines += [f"#   {_key(k)} = {_value(v)}" for k, v in trl.items() if v is not None]
     return "\n".join(lines) + "\n"
 

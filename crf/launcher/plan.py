@@ -320,9 +320,10 @@ def store_access(run_uri: str) -> list[str]:
 def _dry_run_folder(run_uri: str, run_id: str, missing: list[str]) -> RunStore | None:
     """A dry run's run folder, checked as :func:`_run_folder` checks it, when the store
     answers; otherwise None, and why joins ``missing`` (once: a cloud backend's check may
-    have said it already)."""
+    have said it already, in its own words that name the store)."""
     problems = store_access(run_uri)
-    missing.extend(p for p in problems if p not in missing)
+    said = any(run_uri in line for line in missing)
+    missing.extend(p for p in problems if p not in missing and not said)
     return None if problems else _run_folder(run_uri, run_id, dry_run=True)
 
 
@@ -378,6 +379,14 @@ def job_settings(spec: RunSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     if settings is not None:
         return settings(cfg, spec)
     return (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {}), {}
+
+
+def trl_config_name(spec: RunSpec) -> str:
+    """The TRL config class a job's ``trl`` table fills (its module's ``TRL_CONFIG``:
+    GRPOConfig for composer, SFTConfig for sft)."""
+    from crf.replica.jobs import get_job
+
+    return str(getattr(get_job(spec.job), "TRL_CONFIG", "GRPOConfig"))
 
 
 def check_entrypoint_options(

@@ -417,6 +417,10 @@ def trainer_config(
     )
 
 
+#: the TRL config class of the ``trl`` table (what the dry-run plan names)
+TRL_CONFIG = "GRPOConfig"
+
+
 def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """What ``--print-config`` and ``--dry-run`` show: the job's own knobs (the trainer's as
     they resolve for ``spec``) and every GRPOConfig field whose value is not TRL's default

@@ -178,6 +178,26 @@ def replica_batch(cfg: Config, spec: Any = None) -> int:
     return int(settings["per_device_train_batch_size"])
 
 
+#: the TRL config class of the ``trl`` table (what the dry-run plan names)
+TRL_CONFIG = "SFTConfig"
+
+
+def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``--print-config`` and ``--dry-run`` show: the job's knobs with the trainer's
+    zeros resolved for the run's model (:meth:`Config.settings`), and every SFTConfig field
+    crf or the ``trl`` table sets to a value other than SFTConfig's default."""
+    from trl import SFTConfig
+
+    model = bool(getattr(spec, "model", None))
+    lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
+    resolved = cfg.settings(model=model, lora=lora)
+    knobs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "trl"} | resolved
+    fields = resolved | {"per_device_eval_batch_size": cfg.eval_batch_size} | cfg.trl
+    defaults = {f.name: f.default for f in dataclasses.fields(SFTConfig) if f.init}
+    trl = {k: fields[k] for k in sorted(fields) if defaults.get(k, object()) != fields[k]}
+    return knobs, trl
+
+
 def _parse(text: str) -> Any:
     """A ``--set trl.NAME=TEXT`` value for a field without a typed default: null, a bool,
     a number, a JSON table or list, else the text."""
