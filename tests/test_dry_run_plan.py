@@ -90,17 +90,21 @@ def test_the_model_row_names_what_trains() -> None:
     assert _model(spec) == "Qwen/Qwen2.5-0.5B-Instruct (LoRA rank 16, alpha 32, precision bf16)"
 
 
-@pytest.mark.parametrize(("job", "idle"), [("composer", False), ("sft", True)])
-def test_gpus_a_job_cannot_use_are_a_warning(no_account: Path, job: str, idle: bool) -> None:
-    """l4x4: composer trains on the 4 GPUs (K defaults to them); sft, one process per
-    replica, leaves 3 idle, and the plan says so."""
-    code, out = dry_run("--backend", "hf", "--flavor", "l4x4", "--job", job)
+@pytest.mark.parametrize(
+    ("args", "idle"),
+    [(["--job", "composer"], False), (["--job", "sft"], False),
+     (["--job", "composer", "--procs-per-replica", "1"], True)],
+)  # fmt: skip
+def test_gpus_a_job_cannot_use_are_a_warning(no_account: Path, args: list, idle: bool) -> None:
+    """l4x4: composer and sft train on the 4 GPUs (K defaults to them); one process per
+    replica leaves 3 idle, and the plan says so."""
+    code, out = dry_run("--backend", "hf", "--flavor", "l4x4", *args)
     assert code == 0, out
     plan = rows(out)
     if idle:
         assert plan["procs per replica"] == "1"
         assert "4 GPUs but trains on 1 process(es), 3 idle" in plan["warning"]
-        assert "choose hardware with one GPU" in plan["warning"]
+        assert "leave --procs-per-replica out" in plan["warning"]
     else:
         assert plan["procs per replica"].startswith("4 local ranks") and "warning" not in plan
     assert plan["cpu and memory"] == "48 vCPU, 186 GB RAM (the flavor's)"

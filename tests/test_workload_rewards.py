@@ -97,7 +97,7 @@ def test_prepare_refuses_bad_rewards_in_one_line(tmp_path: Path, monkeypatch) ->
             prepare({"reward": reward}, store=str(tmp_path / "r"), dry_run=True)
         assert "\n" not in str(e.value)
     with pytest.raises(LaunchError, match="reward must be a list of strings"):
-        prepare({"reward": "exact_match"}, store=str(tmp_path / "r"), dry_run=True)
+        prepare({"reward": 3}, store=str(tmp_path / "r"), dry_run=True)
 
 
 def test_math_answer_without_math_verify_says_what_to_install(monkeypatch) -> None:

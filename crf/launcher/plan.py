@@ -269,11 +269,11 @@ def prepare(
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
+            notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
-    notes = job_notes(spec, rows) if dry_run else []
     secret_env = _read_secrets(spec, missing if dry_run else None)
     # The store last: the writability probe is the only check with a side effect.
     if dry_run:

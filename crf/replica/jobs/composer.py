@@ -421,15 +421,25 @@ def trainer_config(
 TRL_CONFIG = "GRPOConfig"
 
 
+#: knobs of the embedded tiny model (unused with --model) and task (unused with --dataset)
+TINY_KNOBS = ("hidden_size", "num_layers", "num_heads")
+TASK_KNOBS = ("letters", "min_len", "max_len", "num_examples", "eval_examples")
+
+
 def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What ``--print-config`` and ``--dry-run`` show: the job's own knobs (the trainer's as
-    they resolve for ``spec``) and every GRPOConfig field whose value is not TRL's default
-    (the batch crf derives included; per-run fields such as output_dir left out)."""
+    """What ``--print-config`` and ``--dry-run`` show: the job's own knobs that the run uses
+    (the trainer's as they resolve for ``spec``; the tiny model's and the embedded task's
+    left out where --model / --dataset replace them) and every GRPOConfig field whose value
+    is not TRL's default (the batch crf derives included; per-run fields such as output_dir
+    left out)."""
     from crf.replica.trl_settings import KNOBS, differs
 
     fields = cfg.trainer_fields(spec)
     generations = fields.get("num_generations") or _grpo_default("num_generations")
-    knobs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "trl"}
+    unused = set(TINY_KNOBS) if getattr(spec, "model", None) else set()
+    if getattr(spec, "dataset", None):
+        unused |= set(TASK_KNOBS)
+    knobs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "trl" and k not in unused}
     for knob, name in KNOBS.items():
         knobs[knob] = fields.get(name, _grpo_default(name))
     batch = {"per_device_train_batch_size": cfg.prompts_per_step * generations}
