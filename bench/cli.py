@@ -1,4 +1,4 @@
-"""Benchmark: how fast the read-only commands answer (issue 16: <= 1 s, without torch).
+"""Benchmark: how fast the read-only commands answer (target: <= 1 s, without torch).
 
 Makes one small finished run (the contract-following replica script of tests/test_cli.py, no
 training stack), then times each read-only command as a fresh process, best of ``--repeat``,

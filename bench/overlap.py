@@ -6,7 +6,7 @@ torchft DiLoCo, the real manager and exchange) through a file:// store made slow
 An inner step takes a fixed time in all (``--step-ms``), as on a GPU where forward, backward
 and the optimizer step are device work: a sleep for the step less the SGD step's own time (it
 leaves the CPU to the exchange), then a real SGD step over the P MB of weights.
-``--step-mode sleep+sgd`` is the earlier loop: a full sleep and then the SGD step, so a step
+``--step-mode sleep+sgd`` is the other loop: a full sleep and then the SGD step, so a step
 takes longer than ``--step-ms`` by the CPU's SGD time.
 
 Each configuration runs vanilla DiLoCo (fragments=1) or Streaming DiLoCo (fragments=F,

@@ -35,9 +35,9 @@ chunk's values at 2/4/8 bits, with error feedback) at a few densities, in both o
 Every method is scored by the lm job's own ``evaluate`` on the same held-out eval set, on the
 final weights (for DiLoCo: the global weights after the last outer step, identical on every
 replica). Printed: eval loss, loss relative to DDP, bytes per replica, bytes relative to DDP,
-wall time, and PASS/FAIL for the targets of issue 6 (H=50: within 3% of DDP with >= 50x fewer
+wall time, and PASS/FAIL for the dense targets (H=50: within 3% of DDP with >= 50x fewer
 bytes; int8: within 4% with >= 200x fewer bytes); then a Pareto table of every DiLoCo row by
-bytes (which rows no other beats on both bytes and loss) and the targets of issue 18, met by
+bytes (which rows no other beats on both bytes and loss) and the low-byte targets, met by
 any row: >= 1000x fewer bytes than DDP within +1% of its eval loss, >= 3000x within +3%.
 Usage::
 
@@ -70,12 +70,12 @@ from crf.spec import RunSpec  # noqa: E402  (no torch: the defaults of a run's o
 
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 
-#: targets of issue 6: (H, wire) -> (max eval loss above DDP in %, min bytes ratio vs DDP)
+#: the dense targets: (H, wire) -> (max eval loss above DDP in %, min bytes ratio vs DDP)
 TARGETS: dict[tuple[int, str], tuple[float, float]] = {
     (50, "float32"): (3.0, 50.0),
     (50, "int8"): (4.0, 200.0),
 }
-#: targets of issue 18, met by any DiLoCo row: (min bytes ratio vs DDP, max eval loss above
+#: the low-byte targets, met by any DiLoCo row: (min bytes ratio vs DDP, max eval loss above
 #: DDP in %) - the Pareto table says which rows reach them
 FRONT_TARGETS: tuple[tuple[float, float], ...] = ((1000.0, 1.0), (3000.0, 3.0))
 #: DiLoCo's outer Nesterov SGD for this benchmark: crf's run default (RunSpec.outer_lr /
@@ -483,7 +483,7 @@ def run_diloco(setting: Setting, arm: Arm, store: str) -> Row:
             "outer_form": arm.outer_form,
             # the lr the outer SGD really took (SparseLoCo: outer_lr / (1 - momentum))
             "step_lr": round(_step_lr(outer_lr, outer_momentum, arm.outer_form), 6),
-            "reference": arm.outer_lr is not None,  # an outer of its own: no issue-6 target
+            "reference": arm.outer_lr is not None,  # an outer of its own: no dense target
         },
     )
 

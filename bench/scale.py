@@ -1,4 +1,4 @@
-"""Benchmark: how an exchange round scales with the number of replicas N (issue 18, item 4).
+"""Benchmark: how an exchange round scales with the number of replicas N.
 
 N replica processes (N = 2 ... 64 on one machine) average a small payload of P fp32 values with
 ObjectStoreAllReduce through a file:// store and through S3 served by moto on 127.0.0.1. Per
