@@ -21,7 +21,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHOWN = [
     (doc, name, body)
     for doc in DOCS
-    for name, body in re.findall(
+    for body, name in re.findall(
         r"```toml\n(# file: (\S+\.toml)[^\n]*\n.*?)```", doc.read_text(), re.S
     )
 ]
@@ -45,7 +45,7 @@ def test_a_config_shown_in_the_docs_is_the_shipped_file(doc: Path, name: str, bo
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.relative_to(ROOT).as_posix() for p in EXAMPLES])
 def test_example_config_file_loads_and_validates(path: Path) -> None:
     cfg = load_config(path)
-    backend = cfg.options["backend"]
+    backend = cfg.options.get("backend", "local")
     resolve_backend(backend, cfg.backend_options, str(path))
     job = cfg.options.get("job", "composer")
     check_job_keys(job, cfg.job_config, str(path))
