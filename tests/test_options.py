@@ -1,7 +1,8 @@
 """Run options are declared once, on RunSpec (crf.spec.option), and read from there.
 
 The CLI's flags, the driver's launch options, the ranges RunSpec.validate checks, the options
-``crf launch --resume`` refuses and README's option table all follow the declarations, so a
+``crf launch --resume`` refuses and the option tables of docs/cli.md (generated from them, see
+tests/test_cli_reference.py) all follow the declarations, so a
 new option is one declaration plus its use (docs/extending.md, "Add a run option").
 """
 
@@ -29,15 +30,16 @@ def _launch_params() -> dict[str, Any]:
     return {p.name: p for p in command.params}
 
 
-def _readme_rows() -> list[tuple[str, str]]:
-    """(flags, default) of each row of README's ``crf launch`` option table."""
-    section = (ROOT / "README.md").read_text().split("## The CLI", 1)[1].split("\n## ", 1)[0]
+def _reference_rows() -> list[tuple[str, str]]:
+    """(flags, default) of each row of the ``crf launch`` option tables in docs/cli.md."""
+    section = (ROOT / "docs" / "cli.md").read_text().split("## crf launch", 1)[1]
+    section = section.split("\n## ", 1)[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
     return [(cells[0], cells[1]) for cells in rows]
 
 
 def _shown(default: Any) -> str | None:
-    """How README's table writes a default (None: nothing to compare, e.g. a generated id)."""
+    """How the reference writes a default (None: nothing to compare, e.g. a generated id)."""
     if isinstance(default, bool):
         return "on" if default else "off"
     if isinstance(default, str):
@@ -66,19 +68,19 @@ def test_every_declared_option_is_a_launch_flag_with_its_default_and_help() -> N
         # (a mapping's flag is a list of KEY=VALUE items, its default filled in by launch)
 
 
-def test_every_command_line_option_is_in_readme_with_its_flag_and_default() -> None:
-    rows = _readme_rows()
+def test_every_command_line_option_is_in_the_reference_with_its_flag_and_default() -> None:
+    rows = _reference_rows()
     for declared in _command_line_options():
         names = [declared.flag, *declared.short]
         pattern = "|".join(rf"(?<![\w-]){re.escape(n)}(?![\w-])" for n in names)
         matching = [(flags, default) for flags, default in rows if re.search(pattern, flags)]
-        assert matching, f"{declared.flag} is not in README's option table"
+        assert matching, f"{declared.flag} is not in docs/cli.md's option tables"
         (flags, default), *_ = matching
         for name in names:
-            assert name in flags, f"README's row for {declared.flag} lacks {name}"
+            assert name in flags, f"docs/cli.md's row for {declared.flag} lacks {name}"
         shown = _shown(declared.default)
         if shown is not None:
-            assert shown in default, f"README's default for {declared.flag}: {default!r}"
+            assert shown in default, f"docs/cli.md's default for {declared.flag}: {default!r}"
 
 
 def test_run_defining_options_come_from_the_declarations() -> None:

@@ -1,4 +1,5 @@
-"""Every ```python block in README.md runs as written (in a fresh folder, as a user would).
+"""Every ```python block in README.md and the user guide pages it links (docs/sdk.md,
+docs/your-model.md, ...) runs as written (in a fresh folder, as a user would).
 
 A block whose first line is ``# file: NAME.py`` is saved as NAME.py and run the way its
 comment says (``crf launch ... --entrypoint "python NAME.py"``); a block whose first line is
@@ -26,7 +27,13 @@ from tests import cloud_servers
 moto_s3 = cloud_servers.moto_s3
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+PAGES = ["README.md", "docs/running.md", "docs/backends.md", "docs/your-model.md", "docs/sdk.md"]
+PAGE_BLOCKS = [
+    (page, code)
+    for page in PAGES
+    for code in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+]
+BLOCKS = [code for _, code in PAGE_BLOCKS]
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -84,7 +91,9 @@ def _emulated(backend: str, moto: cloud_servers.MotoS3, tmp: Path) -> Iterator[d
         raise AssertionError(f"no emulator for backend {backend!r}")
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i}" for i in range(len(BLOCKS))])
+@pytest.mark.parametrize(
+    "index", range(len(BLOCKS)), ids=[f"{p}:block{i}" for i, (p, _) in enumerate(PAGE_BLOCKS)]
+)
 def test_readme_block_runs(index: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     code = BLOCKS[index]
     first = code.splitlines()[0]
@@ -99,7 +108,7 @@ def test_readme_block_runs(index: int, tmp_path: Path, request: pytest.FixtureRe
                 capture_output=True, text=True, timeout=600,
             )  # fmt: skip
         assert proc.returncode == 0, (
-            f"README block {index} failed:\n{code}\n{proc.stdout}\n{proc.stderr}"
+            f"{PAGE_BLOCKS[index][0]} block {index} failed:\n{code}\n{proc.stdout}\n{proc.stderr}"
         )
         return
     if first.startswith("# file:"):
@@ -118,5 +127,5 @@ def test_readme_block_runs(index: int, tmp_path: Path, request: pytest.FixtureRe
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, (
-        f"README block {index} failed:\n{code}\n{proc.stdout}\n{proc.stderr}"
+        f"{PAGE_BLOCKS[index][0]} block {index} failed:\n{code}\n{proc.stdout}\n{proc.stderr}"
     )

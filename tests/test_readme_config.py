@@ -1,7 +1,8 @@
-"""README's config files load: every ```toml block whose first line is ``# file: NAME.toml``
-is written as NAME.toml and read with ``crf.launcher.config_file.load_config``, and its
+"""examples/ holds every config file the docs show, and each one loads: every ```toml block of
+README.md or docs/ whose first line is ``# file: examples/NAME.toml`` is that file, word for
+word, and every examples/*.toml is read with ``crf.launcher.config_file.load_config`` and its
 options, ``[backend]`` and ``[job]`` tables pass the checks a launch makes (without the
-backend's credentials: README's "Train your own model" shows the dry run itself)."""
+backend's credentials: tests/test_readme_commands.py runs their dry runs)."""
 
 from __future__ import annotations
 
@@ -15,33 +16,49 @@ from crf.replica.jobs import job_config
 from crf.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = re.findall(
-    r"```toml\n# file: (\S+\.toml)[^\n]*\n(.*?)```", (ROOT / "README.md").read_text(), re.S
-)
+EXAMPLES = sorted((ROOT / "examples").rglob("*.toml"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SHOWN = [
+    (doc, name, body)
+    for doc in DOCS
+    for body, name in re.findall(
+        r"```toml\n(# file: (\S+\.toml)[^\n]*\n.*?)```", doc.read_text(), re.S
+    )
+]
 
 
-def test_readme_has_the_train_your_own_model_file() -> None:
-    assert "grpo-qwen.toml" in [name for name, _ in FILES]
+def test_the_docs_show_the_shipped_examples() -> None:
+    names = {name for _, name, _ in SHOWN}
+    assert {"examples/grpo-qwen.toml", "examples/run.toml"} <= names
+    # a whole config file in README or a guide page is a shipped example (other pages show
+    # fragments of one, such as a [job.trl] table)
+    guides = [ROOT / "README.md", *(ROOT / "docs" / n for n in ("config-file.md", "your-model.md"))]
+    unshipped = [d for d in guides if re.search(r"```toml\n(?!# file: examples/)", d.read_text())]
+    assert unshipped == []
 
 
-@pytest.mark.parametrize(("name", "body"), FILES, ids=[name for name, _ in FILES])
-def test_readme_config_file_loads_and_validates(tmp_path: Path, name: str, body: str) -> None:
-    path = tmp_path / name
-    path.write_text(f"# file: {name}\n{body}")
+@pytest.mark.parametrize(("doc", "name", "body"), SHOWN, ids=[f"{d.name}:{n}" for d, n, _ in SHOWN])
+def test_a_config_shown_in_the_docs_is_the_shipped_file(doc: Path, name: str, body: str) -> None:
+    assert (ROOT / name).read_text() == body, f"{doc.name} shows {name} other than it is"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.relative_to(ROOT).as_posix() for p in EXAMPLES])
+def test_example_config_file_loads_and_validates(path: Path) -> None:
     cfg = load_config(path)
-    backend = cfg.options["backend"]
+    backend = cfg.options.get("backend", "local")
     resolve_backend(backend, cfg.backend_options, str(path))
     job = cfg.options.get("job", "composer")
     check_job_keys(job, cfg.job_config, str(path))
     job_config(job, cfg.job_config)  # the values, as --set checks them
-    spec = RunSpec(run_id="readme", run_uri="s3://my-bucket/crf-runs/readme", **cfg.options)
+    spec = RunSpec(run_id="example", run_uri="s3://my-bucket/crf-runs/example", **cfg.options)
     spec.job_config = cfg.job_config
     spec.validate()
-    if name == "grpo-qwen.toml":  # what the section says the file holds
-        assert (spec.model, spec.dataset, spec.reward) == (
+    if path.name == "grpo-qwen.toml":  # what README and docs/your-model.md say it holds
+        assert (spec.model, spec.dataset, spec.reward, spec.eval_split) == (
             "Qwen/Qwen2.5-0.5B-Instruct",
             "openai/gsm8k",
             ["math_answer"],
+            "test",
         )
         assert spec.columns == {"prompt": "question", "answer": "answer"}
         assert (backend, spec.replicas, cfg.backend_options["hardware"]) == ("modal", 4, "A10G")

@@ -208,8 +208,8 @@ ConfigFile = Annotated[
         "--config",
         "-c",
         metavar="FILE",
-        help="A TOML file with the run options and a backend and a job table (README: "
-        "Config file); flags given here override it.",
+        help="A TOML file with the run options and a backend and a job table "
+        "(docs/config-file.md); flags given here override it.",
         rich_help_panel=LAUNCH,
     ),
 ]
