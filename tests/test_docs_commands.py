@@ -35,7 +35,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").rglob("*.md"))
+#: the user guide pages tests/test_readme_commands.py runs block by block (in a fresh folder,
+#: each command for real): not checked again here
+RUN_AS_BLOCKS = {"running.md", "config-file.md", "backends.md", "your-model.md",
+                 "troubleshooting.md"}  # fmt: skip
+DOCS = sorted(p for p in (ROOT / "docs").rglob("*.md")
+              if p.parent.name != "docs" or p.name not in RUN_AS_BLOCKS)  # fmt: skip
 
 #: commands (a substring of the line) that are not checked, and why
 NOT_RUN: dict[str, str] = {
