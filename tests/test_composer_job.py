@@ -174,7 +174,6 @@ def test_composer_job_variant_taid_dpo_grpo_kl() -> None:
             "replay_loss": "dpo",
             "grpo_beta": 0.04,
             "num_examples": 64,
-            "eval_examples": 8,
         },
     )
     ctx = FakeContext(sync_every=2, rounds=2)
@@ -199,6 +198,7 @@ def _real_context(tmp_path: Path, entrypoint: list[str] | None = None, job: str 
         sync_every=2,
         rounds=2,
         round_timeout_s=30.0,
+        eval_examples=8,
     ).validate()
     store = RunStore(uri)
     store.put("run.json", spec.to_json().encode())
@@ -211,7 +211,7 @@ def test_composer_job_under_real_replica_context(tmp_path: Path) -> None:
 
     ReplicaContext, store, env = _real_context(tmp_path)
     with ReplicaContext.from_env(env) as ctx:
-        metrics = run(ctx, Config(num_examples=64, eval_examples=8))
+        metrics = run(ctx, Config(num_examples=64))
         ctx.finish(metrics)
     result = store.get_json("results/0.json")
     assert result["status"] == "ok" and result["steps"] == 4

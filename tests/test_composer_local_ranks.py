@@ -31,7 +31,7 @@ from crf.store import RunStore
 #: (e.g. each rank's channel losses averaged over its own rows) is off by ~1e-2.
 WEIGHT_ATOL = 1e-4
 #: a tiny composer run: 4 prompts x 4 generations per inner step (8 rollouts per local rank)
-TINY = {"num_examples": 64, "eval_examples": 4, "prompts_per_step": 4, "num_generations": 4}
+TINY = {"num_examples": 64, "prompts_per_step": 4, "num_generations": 4}
 SEEDED = "tests.seeded_composer_job"
 
 
@@ -77,6 +77,7 @@ def _launch(base: Path, run_id: str, k: int, rounds: int, env: dict[str, str]) -
             "rounds": rounds,
             "run_id": run_id,
             "job_config": TINY,
+            "eval_examples": 4,
             "procs_per_replica": k,
             "min_replicas": 2,
             "round_timeout_s": 180.0,  # the others wait for a restarted replica

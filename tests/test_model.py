@@ -175,8 +175,8 @@ def test_composer_job_trains_a_hub_model_on_two_replicas(
                 "prompts_per_step": 2,
                 "num_generations": 2,
                 "num_examples": 16,
-                "eval_examples": 4,
             },  # fmt: skip
+            "eval_examples": 4,
             "round_timeout_s": 120.0,
         },
         store=str(tmp_path / "runs"),

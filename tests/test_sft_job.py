@@ -261,8 +261,8 @@ def test_sft_then_export_then_grpo_on_the_exported_model(tmp_path: Path) -> None
     assert loaded.config.model_type == "qwen2"
     grpo = _launch(
         tmp_path, "grpo", job="composer", model=str(tmp_path / "sft-model"), rounds=1,
-        job_config={"prompts_per_step": 2, "num_generations": 2, "num_examples": 16,
-                    "eval_examples": 4},
+        eval_examples=4,
+        job_config={"prompts_per_step": 2, "num_generations": 2, "num_examples": 16},
     )  # fmt: skip
     assert grpo["status"] == "ok", [r.get("error") for r in grpo["replicas"]]
     assert grpo["weights_identical"] is True

@@ -172,7 +172,7 @@ def test_composer_job_reports_trl_steps_to_tensorboard(tmp_path: Path) -> None:
     land in tensorboard/r0 of the run folder: one round of two steps, in process."""
     from crf.replica.jobs.composer import Config
 
-    config = Config(num_examples=16, eval_examples=2, prompts_per_step=2)
+    config = Config(num_examples=16, prompts_per_step=2)
     store = _run_job_in_process(tmp_path, "composer", "tb-composer", config)
     got = _scalars(tmp_path / "run" / layout.TENSORBOARD_DIR / "r0")
     # TRL's per-step loss and reward (transformers' callback, step = the trainer's step)
@@ -198,7 +198,7 @@ spec = RunSpec(run_id="wb-run", run_uri=uri, replicas=1, sync_every=2, rounds=1,
 store = RunStore(uri)
 store.put(layout.RUN_SPEC, spec.to_json().encode())
 with ReplicaContext.from_env(layout.replica_env(uri, 0, 1, spec.run_id)) as ctx:
-    ctx.finish(run(ctx, Config(num_examples=16, eval_examples=2, prompts_per_step=2)))
+    ctx.finish(run(ctx, Config(num_examples=16, prompts_per_step=2)))
 sys.exit(0 if store.get_json(layout.result_key(0))["status"] == "ok" else 1)
 """
 

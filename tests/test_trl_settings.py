@@ -315,10 +315,10 @@ def test_vllm_gets_the_global_weights_after_every_outer_step(
     monkeypatch.setattr(ComposerReplicationTrainer, "weights_replaced", marked)
     uri = f"file://{tmp_path}/run"
     spec = RunSpec(run_id="vllm-order", run_uri=uri, replicas=1, sync_every=2, rounds=2,
-                   round_timeout_s=30.0, device="cpu").validate()  # fmt: skip
+                   round_timeout_s=30.0, device="cpu", eval_examples=2).validate()  # fmt: skip
     RunStore(uri).put("run.json", spec.to_json().encode())
     env = {"CRF_RUN_URI": uri, "CRF_RANK": "0", "CRF_WORLD_SIZE": "1", "CRF_RUN_ID": spec.run_id}
-    cfg = Config(num_examples=32, eval_examples=2, prompts_per_step=2,
+    cfg = Config(num_examples=32, prompts_per_step=2,
                  trl={"use_vllm": True})  # fmt: skip
     with ReplicaContext.from_env(env) as ctx:
         ctx.finish(run(ctx, cfg))

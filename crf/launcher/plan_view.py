@@ -172,16 +172,16 @@ def _dataset(spec: RunSpec, cfg: Any) -> str:
 def _evaluation(spec: RunSpec, cfg: Any) -> str:
     from crf.replica.data import eval_source
 
-    what = "held-out loss" if spec.job == "sft" else "greedy reward means and pass@1"
+    what = "greedy reward means and pass@1"
+    if spec.job == "sft":
+        what = "held-out loss" + (f", {what}" if spec.reward or not spec.dataset else "")
     source = eval_source(spec)
     if source is not None:
         dataset, _, split = source
         return f"{dataset}, split {split}: {spec.eval_examples} rows each round ({what})"
     if spec.dataset:
         return "none (--eval-split or --eval-dataset scores held-out rows each round)"
-    if spec.job == "composer":
-        return f"the embedded task's {cfg.eval_examples} held-out prompts each round ({what})"
-    return f"the embedded task's held-out rows each round ({what})"
+    return f"the embedded task's {spec.eval_examples} held-out prompts each round ({what})"
 
 
 def settings_rows(plan: Plan) -> Rows:

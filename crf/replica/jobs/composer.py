@@ -72,7 +72,6 @@ class Config:
     min_len: int = 2
     max_len: int = 3
     num_examples: int = 2048  # the pool all replicas share out
-    eval_examples: int = 64  # held-out prompts for greedy exact-match before/after
     # held-out pass@1: a row passes when its weighted total reward reaches this
     pass_threshold: float = 1.0
     hidden_size: int = 64
@@ -130,7 +129,6 @@ class Config:
         )
         for name in (
             "num_examples",
-            "eval_examples",
             "hidden_size",
             "num_layers",
             "num_heads",
@@ -339,7 +337,9 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
                 f"{ctx.world_size} without data: raise num_examples"
             )
         random.Random(int(ctx.data_seed)).shuffle(shard)
-        held_out = make_examples(cfg.eval_examples, int(ctx.seed) + 7919, **shape)
+        # its held-out prompts: --eval-examples of them, as for a user's held-out data
+        n_eval = int(getattr(ctx.spec, "eval_examples", 64) or 64)
+        held_out = make_examples(n_eval, int(ctx.seed) + 7919, **shape)
     eval_rows = _eval_rows(ctx.spec) or held_out
     if chat:  # a conversation prompt (a user's dataset may hold one already) stays as it is
         for row in (*shard, *held_out, *eval_rows):
@@ -423,7 +423,7 @@ TRL_CONFIG = "GRPOConfig"
 
 #: knobs of the embedded tiny model (unused with --model) and task (unused with --dataset)
 TINY_KNOBS = ("hidden_size", "num_layers", "num_heads")
-TASK_KNOBS = ("letters", "min_len", "max_len", "num_examples", "eval_examples")
+TASK_KNOBS = ("letters", "min_len", "max_len", "num_examples")
 
 
 def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
