@@ -64,3 +64,30 @@ def test_example_config_file_loads_and_validates(path: Path) -> None:
         assert (backend, spec.replicas, cfg.backend_options["hardware"]) == ("modal", 4, "A10G")
         assert spec.report_to == "wandb" and "WANDB_API_KEY" in spec.secrets
         assert cfg.launch_flags["store"].startswith("s3://")
+
+
+#: the crf config fragments other pages show (a [job.trl] table, a [job] with its trl table)
+FRAGMENTS = [
+    (doc, body)
+    for doc in DOCS
+    for body in re.findall(r"```toml\n(?!# file: )(.*?)```", doc.read_text(), re.S)
+    if body.lstrip().startswith("[job")
+]
+
+
+@pytest.mark.parametrize(("doc", "body"), FRAGMENTS, ids=[d.name for d, _ in FRAGMENTS])
+def test_a_config_fragment_in_the_docs_loads_and_validates(
+    doc: Path, body: str, tmp_path: Path
+) -> None:
+    """A fragment is a whole config file too (every other key at its default): it loads, and
+    its job settings are what the job checks before launch (TRL's config included)."""
+    path = tmp_path / "fragment.toml"
+    path.write_text(body)
+    cfg = load_config(path)
+    job = cfg.options.get("job", "composer")
+    check_job_keys(job, cfg.job_config, f"{doc.name}")
+    assert job_config(job, cfg.job_config).trl, f"{doc.name}: the fragment sets no trl field"
+
+
+def test_the_docs_show_config_fragments() -> None:
+    assert {d.name for d, _ in FRAGMENTS} >= {"composer.md", "sft.md"}
