@@ -515,8 +515,8 @@ def test_compressed_wire_over_many_tensors_matches_the_codec_shard_by_shard(
     """int8 shards that straddle tensors are encoded from the tensors' slices and decoded
     back into them (in place, or through a copy for a non-contiguous tensor): the same bits
     as the codec applied shard by shard to the concatenated values, with its blocks cut
-    along the tensors' pieces (issue 13: blocks never span two tensors, so this is no longer
-    the bits of one long vector)."""
+    along the tensors' pieces (blocks never span two tensors, so these are not the bits of one
+    long vector)."""
     from crf.exchange import codecs as wire
 
     n = 3
@@ -676,7 +676,7 @@ def test_early_downloads_are_for_object_stores(tmp_path) -> None:
 
 @pytest.mark.parametrize("num_shards", [1, 2])
 def test_int8_small_tensor_keeps_its_own_precision(store: RunStore, num_shards: int) -> None:
-    """Issue 13: a bias of magnitude 0.01 between two weights of magnitude ~5. Its int8
+    """A bias of magnitude 0.01 between two weights of magnitude ~5. Its int8
     blocks are its own (with 2 shards it is also split across the shard boundary), so after
     the exchange its error is bounded by its own scale (0.01 / 127 per quantization step),
     not by its neighbours' (on blocks shared with them the error was 0.015, as large as the

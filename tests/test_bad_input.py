@@ -1,4 +1,4 @@
-"""Bad input that used to get through or end in a traceback (issue 13, item 9).
+"""Bad input that used to get through or end in a traceback.
 
 Each case fails before launch with one red line that names what to fix, exit code 2, and
 leaves the store as it was; a store that breaks after launch ends in one line too. The CLI

@@ -1,4 +1,4 @@
-"""``TORCHFT_USE_BUCKETIZATION`` in a replica's environment (issue 13, item 5): torchft's DiLoCo
+"""``TORCHFT_USE_BUCKETIZATION`` in a replica's environment: torchft's DiLoCo
 reads it and would put a sync's tensors in buckets, one allreduce per bucket; crf turns that
 off with a log line (``crf.exchange.manager.turn_off_bucketization`` says why) and the run is
 the same as without it, bit for bit.

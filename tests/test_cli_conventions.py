@@ -1,4 +1,4 @@
-"""CLI conventions (issue 16, item 3), each from its own `crf` process on real runs of the
+"""CLI conventions, each from its own `crf` process on real runs of the
 contract-following replica script: `runs --json/--status/--limit`, `status --json/--watch`,
 `logs --tail`, `rm` (confirmation, -y, refused while a replica runs)."""
 

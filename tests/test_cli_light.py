@@ -1,4 +1,4 @@
-"""Read-only commands answer without importing torch (issue 16, item 3): `crf runs`,
+"""Read-only commands answer without importing torch: `crf runs`,
 `crf status`, `crf logs`, `crf --help` and `crf version` on a finished run import neither
 torch nor transformers/trl - the tensor codec and the jobs load on first use only. Asserted on
 what is imported, not on a timing."""

@@ -1,4 +1,4 @@
-"""The trained model comes out of a run (issue 15, item 8): the lowest replica that finished
+"""The trained model comes out of a run: the lowest replica that finished
 writes ``model/`` in Hugging Face format; ``crf export RUN DEST`` copies it to a folder or
 pushes it to a Hub repo, and refuses in one line when there is nothing (yet) to export or
 the folder is not empty. (The end-to-end run that writes and exports a model is

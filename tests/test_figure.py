@@ -1,4 +1,4 @@
-"""The run's figure shows what matters for its job (issue 16, item 1): reward and exact match
+"""The run's figure shows what matters for its job: reward and exact match
 per round for composer, train and eval loss for lm, generic panels for a custom entrypoint;
 `crf plot` on an unknown run is one line, exit 2. A finished run's `crf plot` is tested in
 tests/test_cli.py (a custom entrypoint) and tests/test_e2e_local.py (the lm job)."""

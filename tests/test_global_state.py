@@ -1,4 +1,4 @@
-"""A global checkpoint is a safetensors file users can open (issue 15, item 8): the nested
+"""A global checkpoint is a safetensors file users can open: the nested
 state (model weights, an optimizer's state with int keys, tuples, plain values) comes back
 exactly, ``safetensors.torch.load_file`` opens the file a file:// run wrote, and a flipped bit
 or a foreign file is a CorruptObjectError."""

@@ -1,4 +1,4 @@
-"""Replicas that build different models (issue 13, item 4): through the real driver, real
+"""Replicas that build different models: through the real driver, real
 replica processes, ReplicaContext and torchft's DiLoCo, the run stops at the first exchange
 with an error that names the mismatch - not a heal timeout minutes later - and the driver
 does not restart a replica that would only hit it again.

@@ -1,4 +1,4 @@
-"""Non-finite values (issue 13, item 3): a NaN/Inf contribution is left out and reported, never
+"""Non-finite values: a NaN/Inf contribution is left out and reported, never
 averaged; a replica whose own pseudo-gradient or weights go non-finite fails with
 NonFiniteError (exit 3, not restarted); a run whose loss is NaN is never ``ok``; every JSON
 file crf writes is valid JSON (a strict parser reads it).

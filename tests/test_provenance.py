@@ -1,4 +1,4 @@
-"""Every object a replica reads is checked for where it came from (issue 13, item 2): a
+"""Every object a replica reads is checked for where it came from: a
 reduced shard, a quorum decision, a global state and an inner state copied from an older
 round of the same run, from another run (same layout, valid checksum) or from another
 replica is rejected, reported (``rejected``, and so the metrics and the summary), and handled

@@ -1,4 +1,4 @@
-"""A saved pid that the OS gave to another process is not the replica (issue 13, item 7).
+"""A saved pid that the OS gave to another process is not the replica.
 
 An ended replica's pid may be reused by any later process. ``crf status`` must not call the
 run running because of it, ``crf cancel`` (and the executor's ``cancel_all``) must not signal

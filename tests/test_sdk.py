@@ -1,4 +1,4 @@
-"""The Python SDK does what the CLI does (issue 16, item 5): ``crf.launch(detach=True)``
+"""The Python SDK does what the CLI does: ``crf.launch(detach=True)``
 returns a ``Run`` at once; its status, logs, wait, result and figure work on a real detached
 local run (the contract-following replica script of test_cli.py as the entrypoint, so no
 training stack is needed); ``crf.attach`` and ``crf.runs`` find it; ``cancel`` ends another;

@@ -1,4 +1,4 @@
-"""A secret passed with ``env=`` never shows in ``crf logs``, from any process (issue 13, item 8).
+"""A secret passed with ``env=`` never shows in ``crf logs``, from any process.
 
 The launching driver knows the caller's ``env`` values and redacts them from what it prints;
 a later ``crf logs`` in a fresh process does not know them (and a SageMaker run's secret is

@@ -21,11 +21,11 @@ MAX_FUNCTION_LINES = 80
 MAX_INSTANCE_ATTRIBUTES = 25
 #: the CLI's commands are mostly option declarations (one Annotated alias per option)
 FUNCTION_EXEMPT = {"crf/launcher/cli.py"}
-#: known debt, still to split (issue 14); none is left. A
+#: known debt, still to split; none is left. A
 #: test fails when one of them is fixed and still listed, so this list only shrinks;
 #: nothing new may join it.
 LONG_FUNCTIONS_TO_SPLIT: set[tuple[str, str]] = set()
-#: known debt (issue 14): launcher files that still write run-folder keys by hand
+#: known debt: launcher files that still write run-folder keys by hand
 KEYS_NOT_YET_IN_LAYOUT: set[str] = set()
 
 

@@ -1,4 +1,4 @@
-"""Issue 16, item 2: the live progress table and the summary table fit 80 columns without
+"""The live progress table and the summary table fit 80 columns without
 cutting a value, and show the job's headline metric (the composer's reward, the lm's loss);
 off a terminal the watch prints one plain line per replica per round and per event."""
 

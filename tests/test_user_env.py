@@ -1,5 +1,5 @@
-"""``--env`` and ``--secret``: checked and read before launch, only names written (issue 15,
-item 6). The end-to-end side (the replica sees the value; no run file, log or describe call
+"""``--env`` and ``--secret``: checked and read before launch, only names written. The
+end-to-end side (the replica sees the value; no run file, log or describe call
 holds it, on every backend) is in tests/test_secret_logs.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Replicas run the driver's versions (issue 15, item 7): the bootstrap's requirement list pins
+"""Replicas run the driver's versions: the bootstrap's requirement list pins
 what the driver has installed, keeps the image's torch, and the summary warns when a replica
 ran other torchft / trl / transformers. (A local run's results carry the versions:
 tests/test_e2e_local.py.)"""

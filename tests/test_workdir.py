@@ -1,4 +1,4 @@
-"""``--workdir``, ``--pip`` and ``--requirements`` (issue 15, item 5): what is packed, what is
+"""``--workdir``, ``--pip`` and ``--requirements``: what is packed, what is
 refused, what the bootstrap installs, and a local run whose replica runs ``python train.py``
 in an unpacked copy of the user's folder. The same run on a cloud backend (the fake Modal
 servicer over the S3 emulator) is in tests/test_executor_modal.py."""
