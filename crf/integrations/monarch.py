@@ -5,7 +5,10 @@ A replica whose local ranks are a Monarch proc mesh: the replica's entrypoint sp
 :class:`Learner` actor on each, and drives them with ``learner.step.call(...).get()``. Each
 actor builds its model and optimizer from the caller's factory, and :class:`DiLoCoHook`
 syncs them with the other replicas through the store, every ``--sync-every`` steps. The
-actors inherit the replica contract (``CRF_*``) from the entrypoint's environment.
+actors inherit the replica contract (``CRF_*``) from the entrypoint's environment. With K > 1
+the entrypoint calls ``monarch.spmd.setup_torch_elastic_env(procs)`` first, and the factory
+joins the learners in one ``torch.distributed`` group (rank = mesh rank) and shards the
+model, so that each learner exchanges its own shard.
 
 ``monarch`` (``pip install torchmonarch``) is imported only by :func:`learner_class`, so this
 module imports without it.
