@@ -82,11 +82,14 @@ def test_kill_everything_mid_run_then_resume(
     replica is SIGKILLed in round ``killed_round``'s inner steps (CRF_FAULT). ``--resume``
     continues from the newest global state every replica saved its inner state for (global/2)
     and ends bit-identical to the same run left alone. With ``--checkpoint-every 3`` global/2
-    is the newest (round 3 was committed but not saved): the resumed replicas train round 3
-    again, from the saved state. ``inner-state-lost`` deletes one replica's inner state of the
-    newest round before resuming, as a kill before that background write landed would: the
-    resume sets that global state aside (kept, not deleted), starts one round earlier and
-    still ends bit-identical."""
+    is the newest (rounds 3 and 4 were committed but not saved): the resumed replicas train
+    them again, from the saved state; that kill comes in round 5, ten inner steps after round
+    2's sync, so the background writes of global/2 (the run's first global state) have landed
+    even on a loaded machine (in round 4 the kill could come before them).
+    ``inner-state-lost`` deletes one replica's inner state of the newest round before
+    resuming, as a kill before that background write landed would: the resume sets that
+    global state aside (kept, not deleted), starts one round earlier and still ends
+    bit-identical."""
     base = tmp_path / "bucket"
     faults = ";".join(f"rank={k},point=inner_step,step={killed_round * H + 2}" for k in range(N))
     out = {name: open(tmp_path / f"{name}.log", "w") for name in ("ref", "victim")}  # noqa: SIM115
@@ -115,7 +118,7 @@ def test_kill_everything_mid_run_then_resume(
         _wait(
             lambda: not any(_alive(p) for p in pids),
             120,
-            "every replica to be killed in round 3",
+            f"every replica to be killed in round {killed_round}",
         )
         assert ref.wait(300) == 0, (tmp_path / "ref.log").read_text()
     finally:
@@ -127,9 +130,9 @@ def test_kill_everything_mid_run_then_resume(
     assert len(list((run / "faults").iterdir())) == N  # each one died at its kill point
     assert not (run / "result.json").exists()  # the driver died before it could write one
 
-    # what the kill left: rounds 0-2 committed and saved, round 3 half-trained and lost. The
-    # saves run in the background: a kill 2 inner steps into round 3 can land before one of
-    # round 2's writes did (then the resume starts from global/1, which the test accepts)
+    # what the kill left: rounds 0-2 committed and saved, the killed round half-trained and
+    # lost. The saves run in the background: a kill 2 inner steps into round 3 can land before
+    # one of round 2's writes did (then the resume starts from global/1, which the test accepts)
     store = RunStore(f"file://{run}")
     # a global round is there once its state landed (a kill mid-write can leave its folder)
     globals_ = sorted(
