@@ -8,13 +8,14 @@ end bit-identical, shard by shard."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.hook_results import assert_sharded_replicas_agree
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLICA = ROOT / "tests" / "integrations_scripts" / "monarch_replica.py"
@@ -35,16 +36,5 @@ def test_monarch_learner_mesh_through_the_hook_ends_bit_identical(tmp_path: Path
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run = tmp_path / "runs" / "mesh"
-    result = json.loads((run / "result.json").read_text())
-    assert result["status"] == "ok"
-    reps = result["replicas"]
-    assert len(reps) == 2
-    for r in reps:
-        assert r["exit_code"] == 0 and r["rounds_committed"] == 3 and r["steps"] == 9
-        assert r["job_metrics"]["local_ranks"] == 2  # two learners, one gloo group
-    a, b = (r["job_metrics"]["shard_sha256"] for r in reps)
-    assert len(a) == 2 and a[0] != a[1]  # two different shards...
-    assert a == b  # ...each the same bits on both replicas
-    # each learner exchanged its own shard (none uploaded the whole model)
-    assert (run / "shards" / "0-of-2").is_dir() and (run / "shards" / "1-of-2").is_dir()
+    # two learners per replica, one gloo group, each exchanging its own shard
+    assert_sharded_replicas_agree(tmp_path / "runs" / "mesh", rounds=3, steps=9)
