@@ -284,12 +284,109 @@ def bench_grpo(folder: str, device: str, prompts: int, completion: int, steps: i
 
 
 # ---------------------------------------------------------------------- phase 3: crf
+class Timeline:
+    """Polls the replicas' heartbeats (``replicas/<rank>/state.json``, about one a second) and
+    prints each change of phase and every tenth step: a piped log of the run shows where its
+    time went, also when the run is cut at its timeout."""
+
+    def __init__(self, store: str, every_s: float = 2.0) -> None:
+        import threading
+
+        self.store, self.every_s, self.t0 = store, every_s, time.perf_counter()
+        self.events: list[dict[str, Any]] = []
+        self._last: dict[str, tuple] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Timeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.poll()
+
+    def poll(self) -> None:
+        import glob
+
+        for path in sorted(glob.glob(os.path.join(self.store, "*", "replicas", "*", "state.json"))):
+            try:
+                with open(path) as f:
+                    beat = json.load(f)
+            except (OSError, ValueError):  # being rewritten
+                continue
+            rank, phase, step = beat.get("rank"), beat.get("phase"), int(beat.get("step") or 0)
+            key = (phase, step // 10)
+            if self._last.get(path) == key:
+                continue
+            self._last[path] = key
+            t = time.perf_counter() - self.t0
+            self.events.append({"t_s": round(t, 1), "rank": rank, "phase": phase, "step": step})
+            print(f"  {t:6.1f} s  replica {rank}: {phase}, step {step}", flush=True)
+
+
+def _round_records(store: str) -> list[dict[str, Any]]:
+    """Every committed round record of the run in ``store`` (``metrics/<rank>/<round>.json``)."""
+    import glob
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(store, "*", "metrics", "*", "*.json"))):
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        out.append({k: rec.get(k) for k in ("rank", "round", "step", "compute_s", "sync_s",
+                                            "transfer_s", "bytes_up", "bytes_down")})  # fmt: skip
+    return out
+
+
+def _checkpoint_seconds(store: str) -> dict[int, float]:
+    """Each replica's seconds spent on global checkpoints (its ``results/<rank>.json``)."""
+    import glob
+
+    out = {}
+    for path in glob.glob(os.path.join(store, "*", "results", "*.json")):
+        with open(path) as f:
+            res = json.load(f)
+        out[int(res["rank"])] = res.get("ckpt_s")
+    return out
+
+
+def _keep_logs(store: str, out: str) -> None:
+    """Copy the run's small files (logs, round records, results) to ``out``/crf-run: what a
+    cut or failed run leaves to read once its temporary store is gone."""
+    import glob
+    import shutil
+
+    for pattern in ("logs/*.log", "metrics/*/*.json", "results/*.json", "result.json",
+                    "replicas/*/state.json"):  # fmt: skip
+        for path in glob.glob(os.path.join(store, "*", pattern)):
+            rel = os.path.relpath(path, store).split(os.sep, 1)[1]
+            dest = os.path.join(out, "crf-run", rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copy(path, dest)
+
+
 def bench_crf(
-    folder: str, prompts: int, completion: int, sync_every: int, rounds: int, timeout: float
+    folder: str,
+    prompts: int,
+    completion: int,
+    sync_every: int,
+    rounds: int,
+    timeout: float,
+    out: str,
+    checkpoint_every: int = 1,
 ) -> dict:
-    """2 local replicas under crf (exchange and checkpoints through a file store); the run's
-    progress is printed (a piped log shows where the time went), and it is cancelled after
-    ``timeout`` seconds."""
+    """2 local replicas under crf (exchange and checkpoints through a file store). The
+    replicas' phases and steps are printed as they change, and the run is cancelled after
+    ``timeout`` seconds; what the rounds that committed by then measured is kept either way
+    (the round records, and the logs under ``out``/crf-run)."""
     import crf
 
     with tempfile.TemporaryDirectory(prefix="crf-gpu-store-") as store:
@@ -297,43 +394,68 @@ def bench_crf(
         with open(data, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in problems(512))
         t0 = time.perf_counter()
-        run = crf.launch(
-            {
-                "job": "composer",
-                "replicas": 2,
-                "sync_every": sync_every,
-                "rounds": rounds,
-                "model": folder,
-                "dataset": data,
-                "reward": ["exact_match"],
-                "round_timeout_s": 900.0,
-                "job_config": {"prompts_per_step": prompts, "max_completion_length": completion},
-            },
-            store=store,
-            plot=False,
-            progress=True,
-            timeout_s=timeout,
-        )
+        error = None
+        try:
+            with Timeline(store) as timeline:
+                run = crf.launch(
+                    {
+                        "job": "composer",
+                        "replicas": 2,
+                        "sync_every": sync_every,
+                        "rounds": rounds,
+                        "model": folder,
+                        "dataset": data,
+                        "reward": ["exact_match"],
+                        "round_timeout_s": 900.0,
+                        "checkpoint_every": checkpoint_every,
+                        "job_config": {
+                            "prompts_per_step": prompts,
+                            "max_completion_length": completion,
+                        },  # fmt: skip
+                    },
+                    store=store,
+                    plot=False,
+                    progress=True,
+                    timeout_s=timeout,
+                )
+            result = run.result
+            if result is None or not result.ok:
+                error = f"the crf run did not end ok: {result and result.error}"
+        except Exception as e:  # a cut run still has its committed rounds to report
+            result, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         wall = time.perf_counter() - t0
-        result = run.result
-    if result is None or not result.ok:
-        raise RuntimeError(f"the crf run did not end ok: {result and result.error}")
+        records = _round_records(store)
+        ckpt = _checkpoint_seconds(store)
+        _keep_logs(store, out)
     reps = []
-    for r in result.replicas:
-        sync, compute = r.sync_s or 0.0, r.compute_s or 0.0
-        reps.append({"rank": r.rank, "sync_s": sync, "compute_s": compute,
+    for rank in (0, 1):
+        mine = [r for r in records if r["rank"] == rank]
+        sync = sum(r["sync_s"] or 0.0 for r in mine)
+        compute = sum(r["compute_s"] or 0.0 for r in mine)
+        reps.append({"rank": rank, "rounds": len(mine), "sync_s": sync, "compute_s": compute,
+                     "ckpt_s": ckpt.get(rank), "sync_per_round_s": [r["sync_s"] for r in mine],
                      "crf_share": sync / (sync + compute) if sync + compute else None})  # fmt: skip
-    return {
+    steps = sum(len([r for r in records if r["rank"] == k]) for k in (0, 1)) * sync_every
+    res = {
         "replicas": reps,
         "sync_every": sync_every,
         "rounds": rounds,
+        "rounds_committed": min(r["rounds"] for r in reps),
         "rollouts_per_step": prompts * 8,
         "completion": completion,
-        "step_s": statistics.median(r["compute_s"] for r in reps) / (sync_every * rounds),
-        "weights_identical": result.weights_identical,
-        "bytes_up_per_replica": (result.bytes_up or 0) / 2,
+        "step_s": sum(r["compute_s"] for r in reps) / steps if steps else None,
+        "weights_identical": result.weights_identical if result and result.ok else None,
+        "checkpoint_every": checkpoint_every,
+        "bytes_up_per_replica_round": statistics.median(r["bytes_up"] or 0 for r in records)
+        if records
+        else None,  # fmt: skip
         "wall_s": wall,
+        "timeline": timeline.events,
+        "error": error,
     }
+    if not records:
+        raise RuntimeError(error or "no round committed")
+    return res
 
 
 # ---------------------------------------------------------------------- report
@@ -404,18 +526,46 @@ def table(res: dict[str, Any]) -> str:
     if run:
         shares = [r["crf_share"] for r in run["replicas"] if r["crf_share"] is not None]
         syncs = [r["sync_s"] for r in run["replicas"]]
+        done = run.get("rounds_committed", run["rounds"])
+        rounds = f"{done} of {run['rounds']} rounds" if done < run["rounds"] else (
+            f"{run['rounds']} rounds")  # fmt: skip
+        k = run.get("checkpoint_every", 1)
+        ckpt = "a global checkpoint every round" if k == 1 else (
+            f"a global checkpoint every {k} rounds and at the last")  # fmt: skip
         lines += [
             f"| crf's share of wall time (sync + checkpoint) at H = {run['sync_every']}, "
-            f"2 replicas sharing the GPU, {run['rounds']} rounds, {run['rollouts_per_step']} "
+            f"2 replicas sharing the GPU, {rounds}, {ckpt}, {run['rollouts_per_step']} "
             f"rollouts of ≤ {run['completion']} tokens per step | "
             + ", ".join(f"{s:.1%}" for s in shares)
             + " |",
-            f"| time training waited for crf per replica (all rounds), s | "
-            f"{', '.join(f'{s:.1f}' for s in syncs)} |",
-            f"| a replica's optimizer step in that run (the GPU shared by 2), s | "
-            f"{run['step_s']:.2f} |",
-            f"| replicas end bit-identical | {run['weights_identical']} |",
+            "| time training waited for crf per replica and round, s | "
+            + ", ".join(f"{s / max(1, done):.1f}" for s in syncs)
+            + " |",
         ]
+        ckpts = [r["ckpt_s"] for r in run["replicas"] if r.get("ckpt_s") is not None]
+        if ckpts:
+            told = ", ".join(f"{s:.1f}" for s in ckpts)
+            what = "a replica's background checkpoint writes (global and inner state), s in all"
+            lines.append(f"| {what} | {told} |")
+        if run.get("step_s"):
+            lines.append(f"| a replica's optimizer step in that run (the GPU shared by 2), s | "
+                         f"{run['step_s']:.2f} |")  # fmt: skip
+        start = next((e["t_s"] for e in run.get("timeline", []) if e["phase"] == "training"), None)
+        if start is not None:
+            lines.append(f"| launch to the first replica training (start-up, model load), s | "
+                         f"{start:.0f} |")  # fmt: skip
+        if grpo and done:
+            per_round = statistics.mean(syncs) / done
+            train = run["sync_every"] * grpo["step_s"]
+            lines.append(
+                f"| the same wait against H = {run['sync_every']} steps of the GRPO phase's size "
+                f"({run['sync_every']} x {grpo['step_s']:.2f} s), derived | "
+                f"{per_round / (per_round + train):.1%} |"
+            )
+        if run.get("weights_identical") is not None:
+            lines.append(f"| replicas end bit-identical | {run['weights_identical']} |")
+        if run.get("error"):
+            lines.append(f"| crf run | {run['error']} |")
     for phase, err in res.get("errors", {}).items():
         lines.append(f"| {phase} | failed: {err} |")
     return "\n".join(lines) + "\n"
@@ -445,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=300, help="seconds the crf phase may take")
     p.add_argument("--sync-every", type=int, default=50, help="H of the crf phase")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the crf phase")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="the crf phase's "
+                   "--checkpoint-every (the last round is always checkpointed)")  # fmt: skip
     p.add_argument("--phases", default="generate,grpo,crf", help="which phases, in order")
     p.add_argument("--update-docs", action="store_true", help="write the table into "
                    "docs/performance.md")  # fmt: skip
@@ -477,7 +629,14 @@ def main(argv: list[str] | None = None) -> int:
             ],  # fmt: skip
             "grpo": lambda: bench_grpo(folder, device, a.prompts, a.completion, a.steps),
             "crf": lambda: bench_crf(
-                folder, a.run_prompts, a.run_completion, a.sync_every, a.rounds, a.run_timeout
+                folder,
+                a.run_prompts,
+                a.run_completion,
+                a.sync_every,
+                a.rounds,
+                a.run_timeout,
+                a.out,
+                a.checkpoint_every,
             ),
         }
         for name in a.phases.split(","):
