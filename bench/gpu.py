@@ -17,9 +17,12 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
    the completion length (``--completion``): seconds per optimizer step (after a warm-up),
    generated tokens/s inside the step, and peak GPU memory (``torch.cuda.max_memory_allocated``).
 3. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU, H = 50, 2 rounds, a file store
-   on local disk, a global checkpoint every round (494M fp32 parameters: 2 GB up per replica per
-   round, a 6 GB checkpoint): crf's share of wall time = sync (exchange + checkpoint, the time
-   training waited) / (sync + compute), per replica.
+   on local disk, a global checkpoint every round (``--checkpoint-every``; 494M fp32
+   parameters: 2 GB up per replica per round, a 6 GB checkpoint): crf's share of wall time =
+   sync (exchange + checkpoint, the time training waited) / (sync + compute), per replica,
+   and the same wait against 50 steps of the ``grpo`` phase's size. The replicas' phases and
+   steps are printed as they change; the run's logs and round records are kept under
+   ``--out``/crf-run, and a run cut at ``--run-timeout`` still reports its committed rounds.
 
 It writes ``gpu.json`` and ``gpu.md`` (the table) to ``--out``; ``--update-docs`` also puts the
 table in docs/performance.md, section "GPU: one H100".
@@ -32,8 +35,8 @@ that such a machine lacks). There, in a copy of this repository::
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
         PYTHONPATH=/tmp/site:$PWD python3 bench/gpu.py --out gpu-out --update-docs
 
-On one H100 its first phases took 17 s (the model), 52 s (generate) and 60 s (grpo); the crf
-phase is cut at ``--run-timeout`` (300 s), so the whole script ends within 8 minutes.
+On one H100 the phases took 16 s (the model), 47 s (generate), 50 s (grpo) and 147 s (crf):
+about 4.5 minutes in all; the crf phase is cut at ``--run-timeout`` (300 s) whatever happens.
 ``--tiny`` runs the same phases on a 2-layer model in about a minute on a CPU (what
 tests/test_bench_gpu.py does).
 """

@@ -206,7 +206,11 @@ class ObjectStoreAllReduce(
                 raise TypeError(f"tensor {i} has dtype {t.dtype}: only floating tensors average")
         res = AllReduceResult(round=r, participants=[self.rank], in_quorum=True)
         if self.world_size > 1:
-            self._run_round(res, tensors, base_round, fragment)
+            host = _on_host(tensors)
+            self._run_round(res, host, base_round, fragment)
+            for t, h in zip(tensors, host, strict=True):
+                if h is not t:
+                    t.copy_(h)
         res.seconds = time.monotonic() - t0
         self.history.append(res)
         return res
@@ -256,3 +260,10 @@ class ObjectStoreAllReduce(
             if executor is not None:
                 executor.shutdown(wait=True)
         self._executor = self._control_executor = None
+
+
+def _on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in host memory, where the exchange encodes, adds up and decodes: those on
+    an accelerator are copied once per round (and the average copied back), so a replica's
+    own part of a shard never meets the others' downloaded parts on another device."""
+    return [t if t.device.type == "cpu" else t.detach().to("cpu") for t in tensors]
