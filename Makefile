@@ -58,6 +58,7 @@ demo: $(RUNTIME_STAMP)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check crf tests bench examples
+	$(BIN)/ruff format --check crf tests bench examples
 
 # Two workers: most of the suite's time is replica processes waiting on deadlines and on each
 # other, so two workers on two cores halve the wall time; every test must pass on a loaded

@@ -11,9 +11,7 @@ import pytest
 from crf.replica import jobs
 
 
-def register_fake_job(
-    monkeypatch: pytest.MonkeyPatch, config: type, name: str = "testjob"
-) -> str:
+def register_fake_job(monkeypatch: pytest.MonkeyPatch, config: type, name: str = "testjob") -> str:
     """Register job ``name`` (its module ``crf_test_<name>``) whose options are ``config``."""
     mod = types.ModuleType(f"crf_test_{name}")
     mod.Config = config  # type: ignore[attr-defined]

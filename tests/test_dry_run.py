@@ -176,5 +176,7 @@ def test_a_missing_client_library_is_listed_with_its_extra(
     code, out = crf("launch", "--backend", "modal", "--job", "lm", "--dry-run", "--strict")
     assert code == 2, out
     assert "│ cost │ $" in out
-    assert "the modal backend needs the modal client: pip install 'composer-replication[modal]'" \
+    assert (
+        "the modal backend needs the modal client: pip install 'composer-replication[modal]'"
         in missing_list(out)
+    )

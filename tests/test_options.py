@@ -93,7 +93,11 @@ def test_run_defining_options_come_from_the_declarations() -> None:
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     assert launch_plan._MANAGED == fields - set(run_options())
     assert launch_plan._MANAGED == {
-        "run_uri", "backend_options", "created_at", "version", "workdir_key"
+        "run_uri",
+        "backend_options",
+        "created_at",
+        "version",
+        "workdir_key",
     }
 
 

@@ -80,8 +80,9 @@ JOB_PANELS: dict[str, tuple[Panel, ...]] = {
         Panel("train loss per round", "mean train loss over the round", ("loss",)),
         _HELD_OUT_LOSS,
         _HELD_OUT,
-        Panel("token accuracy per round", "mean token accuracy",
-              ("metrics.mean_token_accuracy",)),  # fmt: skip
+        Panel(
+            "token accuracy per round", "mean token accuracy", ("metrics.mean_token_accuracy",)
+        ),  # fmt: skip
         _TIME,
     ),  # fmt: skip
     "lm": (

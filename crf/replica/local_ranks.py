@@ -58,8 +58,7 @@ def idle_gpus(gpus: int, k: int | None, job_trains_on_ranks: bool) -> str | None
     if gpus <= k:
         return None
     fix = (
-        f"leave --procs-per-replica out (it defaults to the {gpus} GPUs) or choose smaller "
-        "hardware"
+        f"leave --procs-per-replica out (it defaults to the {gpus} GPUs) or choose smaller hardware"
         if job_trains_on_ranks
         else "this job trains on one process per replica: choose hardware with one GPU"
     )

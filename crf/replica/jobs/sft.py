@@ -161,7 +161,6 @@ class Config:
             "packing": self.packing,
         }
 
-
     def new_tokens(self, spec: Any) -> int:
         """The greedy answers' length for held-out pass@1 (see ``max_new_tokens``)."""
         if self.max_new_tokens:
@@ -535,7 +534,7 @@ def _as_before(shares: dict[str, float]) -> dict[str, float]:
     from crf.replica.evaluation import AFTER, BEFORE
 
     lead = f"{AFTER}/"
-    return {f"{BEFORE}/{k[len(lead):]}": v for k, v in shares.items() if k.startswith(lead)}
+    return {f"{BEFORE}/{k[len(lead) :]}": v for k, v in shares.items() if k.startswith(lead)}
 
 
 def _scorer(ctx: Any, cfg: Config, setup: ReplicaSetup) -> Any:
