@@ -56,6 +56,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from crf import layout  # noqa: E402
+
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 SECTION = "## GPU: one H100"
 BEGIN, END = "<!-- bench/gpu.py table: begin -->", "<!-- bench/gpu.py table: end -->"
@@ -315,65 +317,77 @@ class Timeline:
             self.poll()
 
     def poll(self) -> None:
-        import glob
-
-        for path in sorted(glob.glob(os.path.join(self.store, "*", "replicas", "*", "state.json"))):
-            try:
-                with open(path) as f:
-                    beat = json.load(f)
-            except (OSError, ValueError):  # being rewritten
+        run = _run_store(self.store)
+        for rank in (0, 1) if run else ():
+            beat = _read(run, layout.heartbeat_key(rank), layout.Heartbeat)
+            if beat is None:
                 continue
-            rank, phase, step = beat.get("rank"), beat.get("phase"), int(beat.get("step") or 0)
-            key = (phase, step // 10)
-            if self._last.get(path) == key:
+            key = (beat.phase, beat.step // 10)
+            if self._last.get(rank) == key:
                 continue
-            self._last[path] = key
+            self._last[rank] = key
             t = time.perf_counter() - self.t0
-            self.events.append({"t_s": round(t, 1), "rank": rank, "phase": phase, "step": step})
-            print(f"  {t:6.1f} s  replica {rank}: {phase}, step {step}", flush=True)
+            self.events.append({"t_s": round(t, 1), "rank": rank, "phase": beat.phase,
+                                "step": beat.step})  # fmt: skip
+            print(f"  {t:6.1f} s  replica {rank}: {beat.phase}, step {beat.step}", flush=True)
 
 
-def _round_records(store: str) -> list[dict[str, Any]]:
-    """Every committed round record of the run in ``store`` (``metrics/<rank>/<round>.json``)."""
-    import glob
+def _run_store(store: str) -> Any:
+    """The run folder in ``store`` (the bench starts one run there), once it exists."""
+    from crf.store import RunStore
 
+    for name in sorted(os.listdir(store)):
+        if os.path.exists(os.path.join(store, name, layout.RUN_SPEC)):
+            return RunStore(f"file://{os.path.join(store, name)}")
+    return None
+
+
+def _read(run: Any, key: str, record: type) -> Any:
+    """The record at ``key``, or None while it is absent or being rewritten."""
+    from crf.store import ObjectNotFound
+
+    try:
+        return record.from_dict(run.get_json(key))  # type: ignore[attr-defined]
+    except (ObjectNotFound, OSError, ValueError):
+        return None
+
+
+def _per_replica(store: str, ranks: range) -> list[dict[str, Any]]:
+    """Each replica's committed rounds, from its round records: the wait per round, and the
+    compute time per round (a record's ``compute_s`` counts from its process's start, so
+    it restarts from 0 after a restart), and its checkpoint writes from its result."""
+    run = _run_store(store)
     out = []
-    for path in sorted(glob.glob(os.path.join(store, "*", "metrics", "*", "*.json"))):
-        try:
-            with open(path) as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            continue
-        out.append({k: rec.get(k) for k in ("rank", "round", "step", "compute_s", "sync_s",
-                                            "transfer_s", "bytes_up", "bytes_down")})  # fmt: skip
-    return out
-
-
-def _checkpoint_seconds(store: str) -> dict[int, float]:
-    """Each replica's seconds spent on global checkpoints (its ``results/<rank>.json``)."""
-    import glob
-
-    out = {}
-    for path in glob.glob(os.path.join(store, "*", "results", "*.json")):
-        with open(path) as f:
-            res = json.load(f)
-        out[int(res["rank"])] = res.get("ckpt_s")
+    for rank in ranks:
+        recs = [_read(run, layout.metrics_key(rank, r), layout.RoundMetrics)
+                for r in (layout.metrics_rounds(run, rank) if run else [])]  # fmt: skip
+        recs = [m for m in recs if m is not None and m.committed]
+        compute, before = 0.0, 0.0
+        for m in recs:
+            compute += m.compute_s - before if m.compute_s >= before else m.compute_s
+            before = m.compute_s
+        result = _read(run, layout.result_key(rank), layout.ResultRecord) if run else None
+        out.append({"rank": rank, "rounds": len(recs), "compute_s": compute,
+                    "sync_per_round_s": [m.sync_s for m in recs],
+                    "bytes_up_per_round": [m.bytes_up for m in recs],
+                    "ckpt_s": result.ckpt_s if result else None})  # fmt: skip
     return out
 
 
 def _keep_logs(store: str, out: str) -> None:
-    """Copy the run's small files (logs, round records, results) to ``out``/crf-run: what a
-    cut or failed run leaves to read once its temporary store is gone."""
+    """Copy the run's small files (logs, round records, results) to ``out``/crf-run, one
+    folder deep (``metrics/0/1.json`` as ``metrics-0-1.json``): what a cut or failed run
+    leaves to read once its temporary store is gone."""
     import glob
     import shutil
 
+    dest = os.path.join(out, "crf-run")
+    os.makedirs(dest, exist_ok=True)
     for pattern in ("logs/*.log", "metrics/*/*.json", "results/*.json", "result.json",
                     "replicas/*/state.json"):  # fmt: skip
         for path in glob.glob(os.path.join(store, "*", pattern)):
             rel = os.path.relpath(path, store).split(os.sep, 1)[1]
-            dest = os.path.join(out, "crf-run", rel)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copy(path, dest)
+            shutil.copy(path, os.path.join(dest, rel.replace(os.sep, "-")))
 
 
 def bench_crf(
@@ -427,38 +441,30 @@ def bench_crf(
         except Exception as e:  # a cut run still has its committed rounds to report
             result, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         wall = time.perf_counter() - t0
-        records = _round_records(store)
-        ckpt = _checkpoint_seconds(store)
+        reps = _per_replica(store, range(2))
         _keep_logs(store, out)
-    reps = []
-    for rank in (0, 1):
-        mine = [r for r in records if r["rank"] == rank]
-        sync = sum(r["sync_s"] or 0.0 for r in mine)
-        compute = sum(r["compute_s"] or 0.0 for r in mine)
-        reps.append({"rank": rank, "rounds": len(mine), "sync_s": sync, "compute_s": compute,
-                     "ckpt_s": ckpt.get(rank), "sync_per_round_s": [r["sync_s"] for r in mine],
-                     "crf_share": sync / (sync + compute) if sync + compute else None})  # fmt: skip
-    steps = sum(len([r for r in records if r["rank"] == k]) for k in (0, 1)) * sync_every
-    res = {
+    for r in reps:
+        r["sync_s"] = sync = sum(r["sync_per_round_s"])
+        r["crf_share"] = sync / (sync + r["compute_s"]) if sync + r["compute_s"] else None
+    done = min(r["rounds"] for r in reps)
+    if not done:
+        raise RuntimeError(error or "no round committed")
+    ups = [b for r in reps for b in r["bytes_up_per_round"]]
+    return {
         "replicas": reps,
         "sync_every": sync_every,
         "rounds": rounds,
-        "rounds_committed": min(r["rounds"] for r in reps),
+        "rounds_committed": done,
         "rollouts_per_step": prompts * 8,
         "completion": completion,
-        "step_s": sum(r["compute_s"] for r in reps) / steps if steps else None,
+        "step_s": sum(r["compute_s"] for r in reps) / (sync_every * sum(r["rounds"] for r in reps)),
         "weights_identical": result.weights_identical if result and result.ok else None,
         "checkpoint_every": checkpoint_every,
-        "bytes_up_per_replica_round": statistics.median(r["bytes_up"] or 0 for r in records)
-        if records
-        else None,  # fmt: skip
+        "bytes_up_per_replica_round": statistics.median(ups),
         "wall_s": wall,
         "timeline": timeline.events,
         "error": error,
     }
-    if not records:
-        raise RuntimeError(error or "no round committed")
-    return res
 
 
 # ---------------------------------------------------------------------- report
