@@ -386,6 +386,10 @@ class RoundMetrics(Record):
     error: str | None = None
     rejected: list[Rejection] = field(default_factory=list)
     healed_from: int | None = None
+    #: the exchange's seconds per phase of this round (crf.exchange.phases.PHASES: d2h,
+    #: encode, upload, wait, download, decode, h2d), summed over its syncs; {} in records
+    #: written before the exchange timed its phases
+    phases_s: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # the exchange's other facts
 
     @classmethod

@@ -18,6 +18,10 @@ One round (docs/design.md, "Exchange"):
    ``shard_grace_s`` any participant computes it — the inputs are all in the store;
 4. every participant downloads all reduced shards and copies the average back in place.
 
+The round works in host memory: tensors on a device are copied into host buffers kept for
+their layout (pinned on CUDA), in chunks that step 1 encodes as they arrive, and the average
+is copied back once (:mod:`crf.exchange.staging`); tensors on the CPU are used in place.
+
 With ``reduce_group_size`` G > 0 step 3 has two levels (docs/performance.md, "Two-level
 reduction for large N"): the participants form groups of G consecutive ranks and the vector
 G slices (the shards, none held back); member i of group g publishes the group's fp32 sum of
@@ -61,6 +65,7 @@ from crf.exchange.garbage import GarbageCollection
 from crf.exchange.gather import Gather
 from crf.exchange.groups import GroupPlan
 from crf.exchange.membership import _ALIVE_MAX_S, _ALIVE_SHARE, Membership
+from crf.exchange.phases import PhaseClock
 from crf.exchange.reduce import OneLevelReduce
 from crf.exchange.reduce_two_level import TwoLevelReduce
 from crf.exchange.round import (
@@ -76,6 +81,7 @@ from crf.exchange.round import (
     shard_bounds,
     tensors_layout_hash,
 )
+from crf.exchange.staging import HostStaging, Staged
 from crf.exchange.transfers import Transfers
 from crf.exchange.upload import Upload
 from crf.faults import maybe_fault
@@ -158,6 +164,8 @@ class ObjectStoreAllReduce(
         #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks
         #: restart at each: :func:`crf.exchange.codecs.int8.int8_blocks`)
         self._segments: dict[str, list[list[int]]] = {}
+        self._staging = HostStaging()
+        self._clock: PhaseClock | None = None
 
     @property
     def wire(self) -> str:
@@ -206,11 +214,20 @@ class ObjectStoreAllReduce(
                 raise TypeError(f"tensor {i} has dtype {t.dtype}: only floating tensors average")
         res = AllReduceResult(round=r, participants=[self.rank], in_quorum=True)
         if self.world_size > 1:
-            host = _on_host(tensors)
-            self._run_round(res, host, base_round, fragment)
-            for t, h in zip(tensors, host, strict=True):
-                if h is not t:
-                    t.copy_(h)
+            self._clock = PhaseClock(res.phases)
+            staged: Staged | None = None
+            try:
+                with self._timed("d2h"):
+                    staged = self._staging.stage(tensors)
+                self._run_round(res, staged, base_round, fragment)
+                if res.in_quorum or res.caught_up:
+                    with self._timed("h2d"):
+                        staged.copy_back()
+            finally:
+                if staged is not None:
+                    staged.finish()  # the next round reuses the buffers
+                self._clock.close()
+                self._clock = None
         res.seconds = time.monotonic() - t0
         self.history.append(res)
         return res
@@ -218,23 +235,28 @@ class ObjectStoreAllReduce(
     def _run_round(
         self,
         res: AllReduceResult,
-        tensors: list[torch.Tensor],
+        staged: Staged,
         base_round: int | None,
         fragment: int | None,
     ) -> None:
-        """The four steps of round ``res.round`` (the module docstring), recorded in ``res``."""
-        r = res.round
-        mine = self._cut_into_shards(r, tensors)
-        self._upload_contribution(res, mine, base_round, fragment)
-        decided, early = self._join_quorum(
-            res, mine.job(list(range(self.world_size))), mine.manifest
-        )
+        """The four steps of round ``res.round`` (the module docstring), recorded in ``res``,
+        on the tensors' host copy (``staged.host``: the tensors themselves on the CPU)."""
+        r, tensors = res.round, staged.host
+        with self._timed("encode"):
+            mine = self._cut_into_shards(r, tensors)
+            mine.staged = staged if staged.on_device else None
+            self._upload_contribution(res, mine, base_round, fragment)
+        with self._timed("wait"):
+            decided, early = self._join_quorum(
+                res, mine.job(list(range(self.world_size))), mine.manifest
+            )
         if self.rank not in res.participants:
             res.in_quorum = False
             if res.participants and self.config.catch_up:
-                res.caught_up = self._catch_up(
-                    res, r, mine.packing.bounds, mine.lhash, tensors, mine.exact
-                )
+                with self._timed("download"):
+                    res.caught_up = self._catch_up(
+                        res, r, mine.packing.bounds, mine.lhash, tensors, mine.exact
+                    )
             return
         job = mine.job(
             res.participants,
@@ -242,17 +264,20 @@ class ObjectStoreAllReduce(
             early,
         )
         self._check_layouts(res, r, res.participants, mine.manifest, mine.facts, decided)
-        self._publish_held_back(res, job)
+        self._publish_held_back(res, job)  # an upload (timed there)
         maybe_fault("after_quorum", self.rank, r, self.store)
         if self.config.reduce_group_size:
             job.plan = GroupPlan(tuple(res.participants), self.config.reduce_group_size, r)
-        if job.plan is not None and job.plan.two_levels:
-            reduced_here = self._reduce_two_levels(res, job, job.plan)
-        else:  # one level, or two levels whose participants fit one group (G >= N)
-            reduced_here = self._reduce_my_shards(res, job)
+        with self._timed("decode"):  # adding parts up; their downloads are timed there
+            if job.plan is not None and job.plan.two_levels:
+                reduced_here = self._reduce_two_levels(res, job, job.plan)
+            else:  # one level, or two levels whose participants fit one group (G >= N)
+                reduced_here = self._reduce_my_shards(res, job)
         maybe_fault("after_reduce", self.rank, r, self.store)
-        got = self._gather(res, job, reduced_here)
-        self._finish_round(mine, got, reduced_here)
+        with self._timed("download"):
+            got = self._gather(res, job, reduced_here)
+        with self._timed("decode"):
+            self._finish_round(mine, got, reduced_here)
 
     def close(self) -> None:
         """Stop the transfer threads (a later round starts them again)."""
@@ -260,10 +285,3 @@ class ObjectStoreAllReduce(
             if executor is not None:
                 executor.shutdown(wait=True)
         self._executor = self._control_executor = None
-
-
-def _on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors in host memory, where the exchange encodes, adds up and decodes: those on
-    an accelerator are copied once per round (and the average copied back), so a replica's
-    own part of a shard never meets the others' downloaded parts on another device."""
-    return [t if t.device.type == "cpu" else t.detach().to("cpu") for t in tensors]

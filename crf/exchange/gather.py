@@ -62,17 +62,19 @@ class Gather(ExchangeState):
             progressed = self._fetch_reduced(res, r, bounds, lhash, pending, got)
             if not pending:
                 break
-            if time.monotonic() >= grace_deadline:
+            if time.monotonic() >= grace_deadline:  # reductions, timed as in step 3
                 # owners are late or dead: compute their shards ourselves
                 for s in list(pending):
                     log.warning("round %d: shard %d owner is late; computing it", r, s)
-                    if job.plan is not None and job.plan.two_levels:
-                        self._reduce_slice(res, job, job.plan, s)
-                    else:
-                        self._reduce_shard(res, job, s)
+                    with self._timed("decode"):
+                        if job.plan is not None and job.plan.two_levels:
+                            self._reduce_slice(res, job, job.plan, s)
+                        else:
+                            self._reduce_shard(res, job, s)
                 grace_deadline = time.monotonic() + self.config.shard_grace_s
             else:
-                backoff.after(progressed)
+                with self._timed("wait"):  # for a peer to publish
+                    backoff.after(progressed)
         return got
 
     def _fetch_reduced(
@@ -90,7 +92,8 @@ class Gather(ExchangeState):
         arrived = self._fetch_there(res, layout.reduced_dir(r), keys)
         for s, data in arrived.items():
             a, b = bounds[s]
-            got[s] = self._decode_reduced(r, s, keys[s][0], data, lhash, b - a)
+            with self._timed("decode"):  # its checks (the checksum)
+                got[s] = self._decode_reduced(r, s, keys[s][0], data, lhash, b - a)
             pending.remove(s)
         return bool(arrived)
 

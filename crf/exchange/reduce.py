@@ -171,7 +171,8 @@ class OneLevelReduce(ExchangeState):
                 layout.Rejection(shard_name(r, p, s), f"owner {p} did not reduce it", left_out=True)
             )
             return None
-        part = fetches[p].result()
+        with self._timed("download"):
+            part = fetches[p].result()
         if part.problem is not None:
             log.warning("round %d: left out of shard %d: %s", r, s, part.problem)
             res.rejected.append(part.problem)
@@ -226,9 +227,11 @@ class OneLevelReduce(ExchangeState):
         maybe_fault("owning_shard", self.rank, r, self.store)
         meta = self._meta(r, s, job.lhash, job.total) | {"participants": used}
         # the codec's form of an average: a sparse wire's is exact, not top-k again
-        wire = wirefmt.encode_reduced(acc, self.wire, self._segments[job.lhash][s], parts)
+        with self._timed("encode"):
+            wire = wirefmt.encode_reduced(acc, self.wire, self._segments[job.lhash][s], parts)
+            data = encode_tensor_parts(wire, meta)  # its checksum
         key = layout.reduced_key(r, s)
-        if self._put(res, key, encode_tensor_parts(wire, meta), exclusive=True):
+        if self._put(res, key, data, exclusive=True):
             res.shards_computed.append(s)
             return wire
         return None

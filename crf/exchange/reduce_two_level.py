@@ -137,13 +137,15 @@ class TwoLevelReduce(ExchangeState):
         hint = _size_hint(job.bounds[i])
         while missing:
             keys = {g: (layout.partial_key(r, g, i), hint) for g in missing}
-            arrived = self._fetch_there(res, layout.partial_dir(r, i), keys)
+            with self._timed("download"):
+                arrived = self._fetch_there(res, layout.partial_dir(r, i), keys)
             for g, data in arrived.items():
                 found[g] = self._decode_partial(job, plan, g, i, keys[g][0], data)
                 missing.remove(g)
             if not missing or time.monotonic() >= deadline:
                 break
-            backoff.after(bool(arrived))
+            with self._timed("wait"):
+                backoff.after(bool(arrived))
         return found
 
     def _decode_partial(

@@ -17,6 +17,7 @@ import torch
 from crf import layout
 from crf.exchange.contribution import Packing
 from crf.exchange.groups import GroupPlan
+from crf.exchange.staging import Staged
 from crf.store.codec import dtype_name
 
 
@@ -76,10 +77,14 @@ class AllReduceResult:
     #: round's published average instead of its own pseudo-gradient, so its outer step gives
     #: the same weights as everyone's without loading a global checkpoint
     caught_up: bool = False
+    #: seconds of this round per phase (:data:`crf.exchange.phases.PHASES`), as the round's
+    #: own thread spent them; the rest of ``seconds`` is bookkeeping and polls
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["rejected"] = [x.to_dict() for x in self.rejected]
+        out["phases"] = dict(self.phases)
         return out
 
 
@@ -125,6 +130,8 @@ class _Contribution:
     manifest: dict[str, Any] = field(default_factory=dict)
     facts: str = ""  # the digest of the manifest's facts, in the object's name
     name: str = ""  # the contribution object's name in rounds/<r>/contrib/
+    #: the tensors' copy to host memory, when they live on a device (None: on the CPU)
+    staged: Staged | None = None
 
     def job(
         self,

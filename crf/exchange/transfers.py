@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from crf.exchange import codecs as wirefmt
 from crf.exchange.config import ExchangeConfig, ExchangeHooks
 from crf.exchange.contribution import Arrival
+from crf.exchange.phases import PhaseClock
 from crf.exchange.round import AllReduceResult, _Early
 from crf.store import ObjectNotFound, RunStore
 
@@ -52,6 +54,8 @@ class ExchangeState:
     _count_lock: threading.Lock
     history: list[AllReduceResult]
     _segments: dict[str, list[list[int]]]
+    #: the running round's clock (None between rounds)
+    _clock: PhaseClock | None
 
 
 class Transfers(ExchangeState):
@@ -60,6 +64,10 @@ class Transfers(ExchangeState):
     def _phase(self, phase: str) -> None:
         if self.hooks.on_phase is not None:
             self.hooks.on_phase(phase)
+
+    def _timed(self, phase: str) -> AbstractContextManager[None]:
+        """Count the block's time as ``phase`` of the running round (its own thread only)."""
+        return nullcontext() if self._clock is None else self._clock.phase(phase)
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         """An fp32 work buffer of ``numel`` values, kept for the next round of that size."""
@@ -75,9 +83,10 @@ class Transfers(ExchangeState):
             res.bytes_up += n
         # a round's objects are transient and checksummed end to end: no fsync (file://).
         # A crash loses the round anyway; resumption reads global/ and inner/, kept durable.
-        if exclusive:
-            return self.store.put_if_absent(key, data, durable=False)
-        self.store.put(key, data, durable=False)
+        with self._timed("upload"):
+            if exclusive:
+                return self.store.put_if_absent(key, data, durable=False)
+            self.store.put(key, data, durable=False)
         return True
 
     def _get(self, res: AllReduceResult, key: str, size_hint: int | None = None) -> bytes:

@@ -100,6 +100,9 @@ class Upload(ExchangeState):
         held_back = packing.kept(self.rank)
         encoding = []
         for s, (a, b) in enumerate(bounds):
+            if mine.staged is not None:  # this shard's chunks of a device copy
+                with self._timed("d2h"):
+                    mine.staged.wait_until(b)
             if mine.exact:
                 payload: Any = source.pieces(a, b)
                 self._check_own_finite(r, s, tensors, source, a, b, payload, None, segs[s])
@@ -166,7 +169,7 @@ class Upload(ExchangeState):
         if self.config.reduce_group_size:  # an optional fact: absent, one level's names
             mine.manifest["reduce_group_size"] = self.config.reduce_group_size
         parts: list[Any] = [encode_manifest(mine.manifest, mine.packing.manifest_bytes)]
-        for f in encoding:
+        for f in encoding:  # checksums: still encoding
             parts.extend(f.result())
         mine.facts = facts_digest(mine.manifest)
         mine.name = contrib_name(self.rank, base_round, mine.facts)

@@ -553,6 +553,7 @@ class ReplicaContext:
             # objects this round left out or refused (m.rejected accumulates over the run)
             "rejected": self._syncs.new_rejections(m.rejected),
             "healed_from": m.last_healed_from,
+            "phases_s": dict(res.phases) if res else {},
         }
 
     def _check_weights_finite(self, r: int) -> None:

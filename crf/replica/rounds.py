@@ -117,8 +117,18 @@ def merge_syncs(r: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
         "error": "; ".join(errors) or None,
         "rejected": [j for x in entries for j in x["rejected"]],
         "healed_from": healed[-1] if healed else None,
+        "phases_s": _sum_phases(x.get("phases_s") or {} for x in entries),
         "fragments": entries,
     }
+
+
+def _sum_phases(per_sync: Any) -> dict[str, float]:
+    """The exchange's seconds per phase over an outer round's syncs."""
+    out: dict[str, float] = {}
+    for phases in per_sync:
+        for k, v in phases.items():
+            out[k] = round(out.get(k, 0.0) + v, 4)
+    return out
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""Where a round's tensors live while the exchange works on them: host memory.
+
+The wire, the fp32 sums and the checks all run on the CPU (docs/design.md, "Exchange"), so
+tensors on an accelerator are copied to the host once per round and the average is copied
+back once. Tensors already on the CPU are used as they are: no copy at all.
+
+Why buffers kept per layout, pinned on CUDA: a round copies P bytes each way. Copying to new,
+pageable memory every round pays for the allocation and its page faults each time, and a
+pageable copy is staged by the driver through a pinned bounce buffer of its own (a second
+copy, at a fraction of the bus speed). A page-locked buffer allocated once per layout (a
+Streaming DiLoCo fragment has its own) and reused every round is the one copy the bus
+allows, and it can run asynchronously.
+
+Why in chunks, on a stream of its own: the copy is cut into chunks of :data:`CHUNK_BYTES`,
+each followed by a CUDA event, so the upload step encodes and checksums shard 0 while the
+later chunks are still crossing the bus (:meth:`Staged.wait_until`). The copy stream first
+waits for the stream the caller computed the tensors on, so it never reads them half
+written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: a device-to-host copy is issued in pieces of about this many bytes, one event each
+CHUNK_BYTES = 64 << 20
+#: layouts whose buffers are kept (fragments of one model: a handful)
+_KEEP_LAYOUTS = 8
+
+
+@dataclass
+class Staged:
+    """One round's tensors in host memory: ``host[i]`` is ``tensors[i]`` itself on the CPU,
+    else its reused host buffer, filled asynchronously (:meth:`wait_until` says when)."""
+
+    tensors: list[torch.Tensor]
+    host: list[torch.Tensor]
+    #: (start of a chunk in the concatenated vector, its event), in copy order
+    events: list[tuple[int, Any]] = field(default_factory=list)
+    stream: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        return any(h is not t for h, t in zip(self.host, self.tensors, strict=True))
+
+    def wait_until(self, end: int) -> None:
+        """Block until values [0, end) of the tensors (read as one vector) are on the host."""
+        while self.events and self.events[0][0] < end:
+            self._wait_first()
+
+    def _wait_first(self) -> None:
+        self.events.pop(0)[1].synchronize()
+
+    def finish(self) -> None:
+        """Wait for every device-to-host copy still running."""
+        while self.events:
+            self._wait_first()
+
+    def copy_back(self) -> None:
+        """Write the host values (the round's average) back into the device tensors, and
+        wait for that copy: the caller reads the tensors as soon as the round returns."""
+        self.finish()
+        if not self.on_device:
+            return
+        for t, h in zip(self.tensors, self.host, strict=True):
+            if h is t:
+                continue
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    t.copy_(h, non_blocking=True)
+            else:
+                t.copy_(h)
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class HostStaging:
+    """Host buffers for the exchange's device tensors, allocated once per layout and reused
+    every round (page-locked when CUDA is available)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._streams: dict[torch.device, Any] = {}
+
+    def stage(self, tensors: list[torch.Tensor]) -> Staged:
+        """Start copying ``tensors`` to the host; CPU tensors are taken as they are."""
+        if all(t.device.type == "cpu" for t in tensors):
+            return Staged(tensors, list(tensors))
+        host = self._host_buffers(tensors)
+        staged = Staged(tensors, host)
+        pos = 0
+        for t, h in zip(tensors, host, strict=True):
+            n = t.numel()
+            if h is not t:
+                self._copy_to_host(staged, t, h, pos)
+            pos += n
+        return staged
+
+    def _host_buffers(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            if len(self._buffers) >= _KEEP_LAYOUTS:
+                self._buffers.clear()
+            pin = torch.cuda.is_available()
+            bufs = self._buffers[key] = [
+                t
+                if t.device.type == "cpu"
+                else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                for t in tensors
+            ]
+        # a CPU tensor of this call is used itself (never a kept one of an earlier call)
+        return [t if t.device.type == "cpu" else b for t, b in zip(tensors, bufs, strict=True)]
+
+    def _copy_to_host(self, staged: Staged, t: torch.Tensor, h: torch.Tensor, pos: int) -> None:
+        """Copy device tensor ``t`` into host buffer ``h`` (at ``pos`` in the vector)."""
+        src = t.detach()
+        if t.device.type != "cuda" or not h.is_pinned():
+            h.copy_(src)  # another accelerator: one synchronous copy
+            return
+        src_flat = src.reshape(-1) if src.is_contiguous() else src.contiguous().reshape(-1)
+        stream = self._streams.get(t.device)
+        if stream is None:
+            stream = self._streams[t.device] = torch.cuda.Stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        src_flat.record_stream(stream)  # a contiguous copy is not freed under the stream
+        staged.stream = stream
+        dst_flat = h.view(-1)
+        step = max(1, CHUNK_BYTES // max(1, t.element_size()))
+        with torch.cuda.stream(stream):
+            for a in range(0, t.numel(), step):
+                b = min(t.numel(), a + step)
+                dst_flat[a:b].copy_(src_flat[a:b], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                staged.events.append((pos + a, event))
