@@ -14,7 +14,8 @@ It prints a table with seconds per round (median), bytes up / down per replica i
 ratios against the floor and the naive design, and the peak extra memory of a replica in units
 of P: ``mem/P`` the worst round after the first, ``1st mem/P`` the first round, which also pays
 one-time costs of the store client (an S3 client loads its service model and opens its
-connection pool on first use). Usage::
+connection pool on first use). Under the table, crf's round is broken down by phase
+(``AllReduceResult.phases``: device copies, encode, upload, wait, download, decode). Usage::
 
     python bench/exchange.py                       # quick: N in {2,4}, P in {16,64} MB, file://
     python bench/exchange.py --full                # N in {2,4,8}, P in {16,64,256} MB
@@ -95,6 +96,7 @@ def _worker(
 
     data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     times, up, down, extras = [], 0, 0, []
+    phases: dict[str, list[float]] = {}  # crf: the round's seconds per phase, by phase
     store = RunStore(uri)
     # a replica talks to its store through the same client before its first exchange (it
     # reads run.json, writes heartbeats, lists global/ to resume): do the same here, so that
@@ -125,6 +127,8 @@ def _worker(
         if kind == "crf":
             res = ar.allreduce([t], round=r)
             up, down = up + res.bytes_up, down + res.bytes_down
+            for k, v in res.phases.items():
+                phases.setdefault(k, []).append(v)
             if rank == 0:
                 ar.collect_garbage(r)
         elif kind == "floor":
@@ -159,7 +163,10 @@ def _worker(
     # the first round also pays one-time costs (an S3 client loads its service model and
     # opens its connection pool on first use): reported apart from the rounds after it
     steady = max(extras[1:]) if len(extras) > 1 else extras[0]
-    out.put((rank, statistics.median(times), up / rounds, down / rounds, steady, extras[0]))
+    per_phase = {k: statistics.median(v) for k, v in phases.items()}
+    out.put(
+        (rank, statistics.median(times), up / rounds, down / rounds, steady, extras[0], per_phase)
+    )
 
 
 def _free_port() -> int:
@@ -189,6 +196,8 @@ def measure(kind: str, uri: str, n: int, mb: int, rounds: int, wire: str) -> dic
         "down": max(r[3] for r in rows) / payload,
         "mem": max(r[4] for r in rows) / payload,
         "mem1": max(r[5] for r in rows) / payload,
+        # crf: each phase's median seconds per round, the most any replica spent in it
+        **{f"phase:{k}": max(r[6].get(k, 0.0) for r in rows) for k in rows[0][6]},
     }
 
 
@@ -315,6 +324,7 @@ def main() -> None:
     ):
         table.add_column(col, justify="right")
     servers = []
+    breakdown: list[str] = []  # crf's seconds per phase, per cell
     for store_kind in args.stores.split(","):
         for n in ns:
             for mb in mbs:
@@ -339,6 +349,9 @@ def main() -> None:
                     for kind in kinds
                 }
                 for kind, m in res.items():
+                    shown = [f"{k[6:]} {v:.3f}" for k, v in m.items() if k.startswith("phase:")]
+                    if shown:
+                        breakdown.append(f"{store_kind} N={n} P={mb}MB {kind}: " + ", ".join(shown))
 
                     def ratio(base: str, kind: str = kind, runs: list = runs) -> str:
                         if base not in runs[0]:
@@ -363,6 +376,10 @@ def main() -> None:
                     )
                 table.add_section()
     console.print(table)
+    if breakdown:
+        console.print("seconds per round by phase (median; the slowest replica's):")
+        for line in breakdown:
+            console.print("  " + line)
     for s in servers:
         s.stop()
 

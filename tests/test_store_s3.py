@@ -345,3 +345,32 @@ def test_the_benchmarks_moto_serves_ranges_like_moto(bucket: str, monkeypatch) -
     bucket_name, key = store.fs.split_path(store.path("small"))[:2]
     multi = client("get_object", Bucket=bucket_name, Key=key, Range="bytes=0-1,5-6")
     assert fsspec.asyn.sync(store.fs.loop, multi["Body"].read) == small
+
+
+def test_large_reads_go_as_parallel_ranged_gets(bucket: str, monkeypatch) -> None:
+    """A read longer than RANGE_PIECE (a shard of a large model) goes as ranged GETs of
+    RANGE_PIECE bytes, the first one alone (its answer gives the object's size) and the rest
+    together, each pinned to the first one's version (If-Match): the bytes are the object's,
+    as one GET would give them, whole or a range, short at the end and empty past it."""
+    from crf.store import s3 as s3store
+
+    monkeypatch.setattr(s3store, "RANGE_PIECE", 1000)
+    store = RunStore(f"s3://{bucket}/run", storage_options=FRESH)
+    data = bytes(range(251)) * 40  # 10040 bytes: 11 pieces
+    store.put("k", data)
+    calls = spy_on_calls(store, monkeypatch, lambda m, kw: (m, kw.get("Range"), "IfMatch" in kw))
+    assert store.get("k", size_hint=len(data)) == data
+    assert [c[0] for c in calls] == ["get_object"] * 11
+    assert calls[0] == ("get_object", "bytes=0-999", False)
+    assert all(c[2] for c in calls[1:])  # the same version as the first answer
+    assert sorted(c[1] for c in calls[1:]) == sorted(
+        f"bytes={a}-{min(a + 1000, len(data)) - 1}" for a in range(1000, len(data), 1000)
+    )
+    calls.clear()
+    assert store.get_range("k", 123, 4567) == data[123:4567]
+    assert len(calls) == 5
+    assert store.get_range("k", 9000, 20000) == data[9000:]
+    assert store.get_range("k", 20000, 30000) == b""
+    assert store.get("k", size_hint=0) == data  # a small-object read: one plain GET
+    with pytest.raises(ObjectNotFound):
+        store.get("missing", size_hint=5000)

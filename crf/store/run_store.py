@@ -345,7 +345,10 @@ class RunStore:
         concurrent ranged GETs, answer a missing object with a HEAD and a LIST, and hold the
         body twice while reading it."""
         reader = _READERS.get(self.scheme) if size_hint is not None else None
-        return self._retry(f"get {key}", lambda: self._read(key, reader, None, None))
+        # a hint of a sizeable object: read it as the range from 0 (a reader may then split
+        # it into parallel ranged requests: S3's does); 0 (a JSON record): one plain read
+        start = 0 if reader is not None and size_hint else None
+        return self._retry(f"get {key}", lambda: self._read(key, reader, start, None))
 
     def _read(self, key: str, reader: Reader | None, start: int | None, end: int | None) -> bytes:
         """One read attempt of ``key`` (whole when start is None), a missing object or a

@@ -19,6 +19,7 @@ Nothing here logs or prints them.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import io
 import os
@@ -235,40 +236,94 @@ def _attempt(store: RunStore, path: str, data: Any, token: str | None) -> bool:
 
 #: a body is copied into its buffer this much at a time
 READ_CHUNK = 1 << 20
+#: a ranged read longer than this goes as ranged GETs of this size, in parallel
+RANGE_PIECE = 16 << 20
+#: ranged GETs of one read in flight at once
+RANGE_STREAMS = 8
 
 
 async def _read_into_buffer(
     store: RunStore, path: str, start: int | None, end: int | None
 ) -> bytearray:
-    """One GetObject (with a Range when start is given), its body copied as it arrives into
-    a buffer of the response's Content-Length. s3fs's ``cat_file`` reads the body with
+    """One object (``start`` None: one plain GetObject) or bytes [start, end) of it, each
+    body copied as it arrives into one buffer. s3fs's ``cat_file`` reads a body with
     aiohttp's ``read()``, which keeps every received chunk and then joins them: twice the
     object in memory for a moment. Here it is the object once (plus one chunk), which is
     what keeps a replica's exchange within 2·P of extra memory with several shards coming
-    down at once. A range that starts past the end of the object reads as empty (the
-    caller's checks then say the object is too short)."""
+    down at once.
+
+    A range (``end`` None: to the object's end) is read as GETs of :data:`RANGE_PIECE`
+    bytes, :data:`RANGE_STREAMS` at a time: one GET stream of a large object is far below
+    what an instance can pull from S3, and an exchange of few replicas reads few, large
+    parts. The first GET's answer gives the object's size (``Content-Range``); the other
+    pieces follow in parallel, each on the same version (``If-Match`` its ETag: an object
+    replaced meanwhile fails the read, which is then tried again whole). A range that
+    starts past the end of the object reads as empty (the caller's checks then say the
+    object is too short)."""
     fs = store.fs
     bucket, key = _split(store, path)
-    kw = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+
+    async def get(lo: int | None, hi: int | None, **kw: Any) -> Any:
+        if lo is not None:
+            kw["Range"] = f"bytes={lo}-{'' if hi is None else hi - 1}"
+        return await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+
+    first_end = None if start is None else start + RANGE_PIECE
+    if end is not None and first_end is not None:
+        first_end = min(end, first_end)
     try:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        resp = await get(start, first_end)
     except OSError as e:
         ce = _client_error(e)
         if ce is not None and ce.response.get("Error", {}).get("Code") == "InvalidRange":
             return bytearray()
         raise
+    first = int(resp["ContentLength"])
+    lo = start or 0
+    total = _object_size(resp, lo + first)
+    stop = total if end is None else min(end, total)
+    if start is None or stop <= lo + first:  # all of it in one answer
+        stop = lo + first
+    buf = bytearray(stop - lo)
+    view = memoryview(buf)
+    streams = asyncio.Semaphore(RANGE_STREAMS)
+    same = {"IfMatch": resp["ETag"]} if resp.get("ETag") else {}
+
+    async def piece(a: int, b: int) -> None:
+        async with streams:
+            await _body_into(await get(a, b, **same), view[a - lo : b - lo])
+
+    rest = [(a, min(a + RANGE_PIECE, stop)) for a in range(lo + first, stop, RANGE_PIECE)]
+    done = await asyncio.gather(
+        _body_into(resp, view[:first]), *(piece(a, b) for a, b in rest), return_exceptions=True
+    )
+    for outcome in done:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return buf
+
+
+def _object_size(resp: dict[str, Any], default: int) -> int:
+    """The whole object's size from a ranged answer's ``Content-Range`` (``bytes a-b/n``);
+    ``default`` for an answer without one (the server sent the whole object)."""
+    rng = resp.get("ContentRange") or ""
+    _, _, size = rng.rpartition("/")
+    return int(size) if size.isdigit() else default
+
+
+async def _body_into(resp: dict[str, Any], view: memoryview) -> None:
+    """Copy one GET's body into ``view`` (its Content-Length bytes) as it arrives."""
     body = resp["Body"]
     try:
         size = int(resp["ContentLength"])
-        buf = bytearray(size)
-        view = memoryview(buf)
+        if size != len(view):
+            raise IncompleteReadError(actual_bytes=size, expected_bytes=len(view))
         pos = 0
         while pos < size:
             got = await body.readinto(view[pos : pos + READ_CHUNK])
             if not got:
                 raise IncompleteReadError(actual_bytes=pos, expected_bytes=size)
             pos += got
-        return buf
     finally:
         body.close()
 
