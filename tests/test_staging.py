@@ -1,0 +1,133 @@
+"""A round's tensors in host memory (crf.exchange.staging) and the time a round spends in
+each phase (crf.exchange.phases): CPU tensors are used as they are, device tensors go to
+host buffers kept per layout and copied in chunks whose arrival the upload waits for in
+order; every round reports its seconds per phase, and a replica's round record carries them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crf import layout
+from crf.exchange import staging
+from crf.exchange.allreduce import ObjectStoreAllReduce
+from crf.exchange.phases import PHASES, PhaseClock
+from crf.exchange.staging import HostStaging, Staged
+from crf.replica.rounds import merge_syncs
+from crf.store import RunStore
+from tests.conftest import run_threads
+
+
+def test_cpu_tensors_are_used_in_place() -> None:
+    """On the CPU the exchange reads and writes the caller's tensors: no copy at all."""
+    ts = [torch.randn(10), torch.randn(3, 4)]
+    staged = HostStaging().stage(ts)
+    assert all(h is t for h, t in zip(staged.host, ts, strict=True))
+    assert not staged.on_device and staged.events == []
+    staged.wait_until(10**9)
+    staged.copy_back()  # nothing to copy
+    assert all(h is t for h, t in zip(staged.host, ts, strict=True))
+
+
+class _Event:
+    def __init__(self, log: list[int], start: int) -> None:
+        self.log, self.start = log, start
+
+    def synchronize(self) -> None:
+        self.log.append(self.start)
+
+
+def test_a_shard_waits_only_for_the_chunks_it_covers() -> None:
+    """Chunks arrive in copy order; encoding values [0, end) waits for every chunk that
+    starts before ``end`` and no other."""
+    waited: list[int] = []
+    staged = Staged([], [], events=[(s, _Event(waited, s)) for s in (0, 100, 200, 300)])
+    staged.wait_until(0)
+    assert waited == []
+    staged.wait_until(100)
+    assert waited == [0]
+    staged.wait_until(150)
+    assert waited == [0, 100]
+    staged.wait_until(150)  # already here
+    assert waited == [0, 100]
+    staged.finish()
+    assert waited == [0, 100, 200, 300]
+
+
+@pytest.mark.parametrize("wire", ["float32", "int8"])
+def test_every_round_reports_its_phases(tmp_path, wire: str) -> None:
+    store = RunStore(f"file://{tmp_path}/run")
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", wire_dtype=wire)
+        return [ar.allreduce([torch.randn(5000)], round=r) for r in range(2)]
+
+    for results in run_threads(2, replica, timeout=120):
+        assert not isinstance(results, BaseException), results
+        for res in results:
+            assert set(res.phases) <= set(PHASES), res.phases
+            assert {"encode", "upload", "wait", "download", "decode"} <= set(res.phases)
+            assert all(v >= 0 for v in res.phases.values())
+            assert sum(res.phases.values()) <= res.seconds + 1e-3
+            assert res.to_dict()["phases"] == res.phases
+
+
+def test_a_nested_phase_pauses_the_one_around_it() -> None:
+    totals: dict[str, float] = {}
+    clock = PhaseClock(totals)
+    with clock.phase("decode"):
+        with clock.phase("download"):
+            pass
+    clock.add("d2h", 0.5)
+    clock.close()
+    assert set(totals) == {"decode", "download", "d2h"} and totals["d2h"] == 0.5
+
+
+def test_round_records_carry_the_phases() -> None:
+    """Additive: a record written before phases were timed reads as {}; an outer round of
+    several syncs (fragments) sums them."""
+    assert layout.RoundMetrics.from_dict({"round": 1, "rank": 0}).phases_s == {}
+    rec = layout.RoundMetrics.from_dict({"round": 1, "rank": 0, "phases_s": {"upload": 1.5}})
+    assert rec.to_dict()["phases_s"] == {"upload": 1.5}
+    entry = {
+        "exchange_round": 0,
+        "committed": True,
+        "participants": [0, 1],
+        "sync_s": 0.0,
+        "transfer_s": 1.0,
+        "bytes_up": 1,
+        "bytes_down": 1,
+        "error": None,
+        "rejected": [],
+        "healed_from": None,
+    }
+    merged = merge_syncs(
+        0,
+        [
+            entry | {"phases_s": {"upload": 1.0, "wait": 0.25}},
+            entry | {"phases_s": {"upload": 2.0}},
+        ],
+    )
+    assert merged["phases_s"] == {"upload": 3.0, "wait": 0.25}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tensors_go_through_pinned_buffers_kept_per_layout(monkeypatch) -> None:
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 4096)  # several chunks per tensor
+    ts = [torch.randn(5000, device="cuda"), torch.randn(7, 9, device="cuda")]
+    host = HostStaging()
+    staged = host.stage(ts)
+    assert staged.on_device and len(staged.events) > 2
+    assert all(h.is_pinned() and h.device.type == "cpu" for h in staged.host)
+    staged.wait_until(5000)
+    assert torch.equal(staged.host[0], ts[0].cpu())
+    staged.finish()
+    assert torch.equal(staged.host[1], ts[1].cpu())
+    for h in staged.host:
+        h.mul_(2)
+    staged.copy_back()
+    assert torch.equal(ts[0].cpu(), staged.host[0])
+    again = host.stage(ts)  # the next round: the same buffers
+    assert [h.data_ptr() for h in again.host] == [h.data_ptr() for h in staged.host]
+    again.finish()
