@@ -82,7 +82,7 @@ class HostStaging:
     every round (page-locked when CUDA is available)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._buffers: dict[tuple[Any, ...], list[torch.Tensor | None]] = {}
         self._streams: dict[torch.device, Any] = {}
 
     def stage(self, tensors: list[torch.Tensor]) -> Staged:
@@ -107,13 +107,13 @@ class HostStaging:
                 self._buffers.clear()
             pin = torch.cuda.is_available()
             bufs = self._buffers[key] = [
-                t
+                None
                 if t.device.type == "cpu"
                 else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
                 for t in tensors
             ]
-        # a CPU tensor of this call is used itself (never a kept one of an earlier call)
-        return [t if t.device.type == "cpu" else b for t, b in zip(tensors, bufs, strict=True)]
+        # a CPU tensor is used itself
+        return [t if b is None else b for t, b in zip(tensors, bufs, strict=True)]
 
     def _copy_to_host(self, staged: Staged, t: torch.Tensor, h: torch.Tensor, pos: int) -> None:
         """Copy device tensor ``t`` into host buffer ``h`` (at ``pos`` in the vector)."""
