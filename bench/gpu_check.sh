@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The device check of an offline GPU machine, in at most 8 minutes: installs the wheel folder
 # .whl/ (make gpu-wheels) into a private folder, runs the device tests (pytest -m gpu), then
-# bench/gpu.py with what is left of the 8 minutes as its budget (--update-docs).
+# bench/gpu.py with what is left of the 8 minutes as its budget (--update-docs): generation,
+# its profile, the GRPO step, and the small-step crf run if time is left for it.
 #
 #   bash bench/gpu_check.sh OUT [bench/gpu.py arguments]
 #
 # OUT receives at most 6 files: gpu-tests.log, gpu-bench.log, gpu.json, gpu.md,
 # performance.md (docs/performance.md with the new table) and crf-runs.tgz (the crf runs'
 # logs and round records). With bench/gpu.py arguments the tests are skipped and the benchmark
-# runs with those arguments and no budget (e.g. --phases grpo,crf for the GRPO-sized run).
+# runs with those arguments and no budget, in at most 9.5 minutes: --phases crf,crf-small
+# measures crf's share at GRPO-sized and at small steps, H = 50.
 # Run from the repository's root; PYTHON (default python3) is the machine's Python with torch.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT [bench/gpu.py arguments]}
@@ -28,14 +30,15 @@ $py -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || e
 
 tests=0
 if [ $# -eq 0 ]; then
-  timeout 200 $py -m pytest -q -p no:cacheprovider -n 0 -m gpu -rs --timeout 150 \
+  timeout 240 $py -m pytest -q -p no:cacheprovider -n 0 -m gpu -rs --timeout 150 \
     tests/test_gpu_paths.py tests/test_gpu_generation.py tests/test_allreduce_device.py \
     2>&1 | tee "$out/gpu-tests.log"
   tests=${PIPESTATUS[0]}
   left=$((total - $(elapsed)))
-  set -- --budget-s $((left - 15))
+  set -- --budget-s $((left - 15)) --phases generate,profile,grpo,crf-small --new-tokens 64 \
+    --steps 3
 else
-  left=600
+  left=570  # a device command's limit is 10 minutes
 fi
 bench_out=$(mktemp -d)
 timeout "$left" $py bench/gpu.py --out "$bench_out" --update-docs "$@" 2>&1 \

@@ -63,7 +63,9 @@ def test_the_largest_h_that_fits_a_budget() -> None:
     assert gpu.fit_sync_every(over + 50 * 6.0, 6.0, rounds=1) == 50
     assert gpu.fit_sync_every(over + 10 * 6.0, 6.0, rounds=1) == 10
     assert gpu.fit_sync_every(1e6, 6.0, rounds=1) == 50  # never more than asked
-    assert gpu.fit_sync_every(0.0, 6.0, rounds=2) == 2  # at least one exchange's worth
+    assert gpu.fit_sync_every(over + 3 * 6.0, 6.0, rounds=1, most=3) == 3
+    with pytest.raises(gpu.NoTimeLeft, match="skipped: 100 s of the budget left"):
+        gpu.fit_sync_every(100.0, 6.0, rounds=2)  # too little left to measure a round
 
 
 @pytest.mark.slow
