@@ -529,15 +529,19 @@ ROUND_PHASES = (
 
 
 def round_phases(record: Any) -> dict[str, float | None]:
-    """Seconds of each of :data:`ROUND_PHASES` in one round record: a field of the record,
-    or of its ``phases`` table (None where the record has neither)."""
+    """Seconds of each of :data:`ROUND_PHASES` in one round record: from its ``phases_s``
+    table (the exchange's phases by short name: ``d2h``, ``encode``...), or a field of the
+    record by the long name (``snapshot_s``); None where the record has neither (a record
+    of a crf that does not time that phase)."""
     extra = getattr(record, "extra", None) or {}
-    table = extra.get("phases") or extra.get("phase_s") or {}
+    table = getattr(record, "phases_s", None) or extra.get("phases_s") or {}
     out: dict[str, float | None] = {}
     for _, key in ROUND_PHASES:
-        value = getattr(record, key, None)
+        value = table.get(key.removesuffix("_s"), table.get(key))
         if value is None:
-            value = extra.get(key, table.get(key, table.get(key.removesuffix("_s"))))
+            value = getattr(record, key, None)
+        if value is None:
+            value = extra.get(key)
         out[key] = float(value) if isinstance(value, int | float) else None
     return out
 

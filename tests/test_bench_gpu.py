@@ -49,12 +49,12 @@ def test_round_phases_read_the_records_fields_and_leave_the_rest_unrecorded() ->
     from crf import layout
 
     rec = layout.RoundMetrics.from_dict(
-        {"round": 0, "rank": 0, "d2h_s": 0.5, "phases": {"upload_s": 2.0, "wait": 1.5}}
+        {"round": 0, "rank": 0, "snapshot_s": 0.5, "phases_s": {"upload": 2.0, "wait": 1.5}}
     )
     got = gpu.round_phases(rec)
     assert list(got) == [key for _, key in gpu.ROUND_PHASES]
-    assert got["d2h_s"] == 0.5 and got["upload_s"] == 2.0 and got["wait_s"] == 1.5
-    assert got["snapshot_s"] is None and got["encode_s"] is None
+    assert got["snapshot_s"] == 0.5 and got["upload_s"] == 2.0 and got["wait_s"] == 1.5
+    assert got["d2h_s"] is None and got["encode_s"] is None
     assert set(gpu.round_phases(layout.RoundMetrics(round=0, rank=0)).values()) == {None}
 
 
