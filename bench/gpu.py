@@ -304,6 +304,7 @@ def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16)
         gpu_us = sum(_device_us(e) for e in avg)
         launches = sum(e.count for e in avg if "LaunchKernel" in e.key)  # cuda/cu..., Ex/ExC
         syncs = sum(_self_us(e) for e in avg if "Synchronize" in e.key or "Memcpy" in e.key)
+        ops = sum(e.count for e in avg if e.key.startswith("aten::"))
 
         def top(value: Any, avg: Any = avg) -> list[list]:
             ranked = sorted(avg, key=value, reverse=True)[:8]
@@ -317,6 +318,7 @@ def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16)
             "cpu_ops_ms_per_step": cpu_us / 1000 / steps,
             "gpu_kernels_ms_per_step": gpu_us / 1000 / steps,
             "kernel_launches_per_step": launches / steps,
+            "aten_calls_per_step": ops / steps,
             "sync_and_copy_ms_per_step": syncs / 1000 / steps,
             "top_cpu": top(_self_us),
             "top_gpu": top(_device_us),
@@ -324,8 +326,9 @@ def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16)
         out.append(row)
         print(f"  profile, batch {batch}: {row['step_ms']:.1f} ms per step; GPU kernels "
               f"{row['gpu_kernels_ms_per_step']:.1f} ms, CPU in ops "
-              f"{row['cpu_ops_ms_per_step']:.1f} ms, {row['kernel_launches_per_step']:.0f} "
-              "launches per step", flush=True)  # fmt: skip
+              f"{row['cpu_ops_ms_per_step']:.1f} ms ({row['sync_and_copy_ms_per_step']:.1f} "
+              f"synchronizing/copying), {row['aten_calls_per_step']:.0f} aten calls and "
+              f"{row['kernel_launches_per_step']:.0f} launches per step", flush=True)  # fmt: skip
         for side in ("top_cpu", "top_gpu"):
             for name, ms, count in row[side][:5]:
                 print(f"    {side[4:]}: {ms:7.3f} ms/step  x{count:<4} {name}", flush=True)
@@ -771,8 +774,9 @@ def table(res: dict[str, Any]) -> str:
     for p in res.get("profile", []):
         lines.append(
             f"| HF generate, batch {p['batch']}, one decoding step (torch.profiler): wall / GPU "
-            f"kernels / CPU in ops, ms; kernel launches | {p['step_ms']:.1f} / "
-            f"{p['gpu_kernels_ms_per_step']:.1f} / {p['cpu_ops_ms_per_step']:.1f}; "
+            f"kernels / CPU in ops / of which synchronizing and copying, ms; kernel launches | "
+            f"{p['step_ms']:.1f} / {p['gpu_kernels_ms_per_step']:.1f} / "
+            f"{p['cpu_ops_ms_per_step']:.1f} / {p['sync_and_copy_ms_per_step']:.1f}; "
             f"{p['kernel_launches_per_step']:.0f} |"
         )
         top = "; ".join(f"{n} {ms:.2f}" for n, ms, _ in p["top_cpu"][:3])

@@ -16,7 +16,7 @@ import torch
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 DEVICES = [
-    "cpu",
+    pytest.param("cpu", marks=pytest.mark.slow),
     pytest.param(
         "cuda",
         marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)],
