@@ -919,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of the grpo phase")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens each generate "
                    "call makes (default 128; --tiny: 8)")  # fmt: skip
-    p.add_argument("--engines", default="generate,static,continuous", help="generate phase's "
+    p.add_argument("--engines", default="generate,continuous,static", help="generate phase's "
                    "engines: " + ", ".join(f"{k} ({v})" for k, v in ENGINES.items()))  # fmt: skip
     p.add_argument("--grpo-generation", default="generate,continuous",
                    help="the grpo phase's generation paths: generate (TRL's default) and/or "
@@ -1018,6 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             print(f"phase {name} ...", flush=True)
             try:
+                if a.budget_s and t0 - t_start > a.budget_s:
+                    raise NoTimeLeft(f"skipped: the budget ({a.budget_s:.0f} s) was spent")
                 res[name] = phases[name]()
             except NoTimeLeft as e:
                 res.setdefault("skipped", {})[name] = str(e)

@@ -88,7 +88,7 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     res = json.loads((out / "gpu.json").read_text())
     assert res["errors"] == {}
     made = [(g["key"], g["batch"]) for g in res["generate"] if "tokens_per_s" in g]
-    assert made == [(e, b) for e in ("generate", "static", "continuous") for b in (2, 4)]
+    assert made == [(e, b) for e in ("generate", "continuous", "static") for b in (2, 4)]
     assert all(g["tokens_per_s"] > 0 for g in res["generate"] if "batch" in g)
     assert [p["batch"] for p in res["profile"]] == [2, 4]
     assert all(p["step_ms"] > 0 and p["top_cpu"] for p in res["profile"])
