@@ -229,8 +229,10 @@ def _generate_once(model: Any, tok: Any, engine: str, batch: int, new: int, devi
         cb = ContinuousBatchingConfig(max_memory_percent=0.3 if device == "cuda" else None,
                                       num_blocks=None if device == "cuda" else 64)  # fmt: skip
         with torch.no_grad():
+            # one manager (paged cache, captured CUDA graphs) for both calls at a batch: the
+            # engine's own speed; TRL builds one per generation (the grpo phase measures that)
             out = model.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb,
-                                       progress_bar=False)  # fmt: skip
+                                       progress_bar=False, persistent_manager=True)  # fmt: skip
         return sum(len(o.generated_tokens) for o in out.values())
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -246,9 +248,9 @@ def bench_generate(
     folder: str, device: str, new_tokens: int, batches: list[int], engines: list[str]
 ) -> list[dict]:
     """Generated tokens/s of each engine at each batch (bf16 weights on a GPU, greedy). Each
-    is timed on its second call at the same shapes: the first compiles (``static``: the
-    torch.compile of the decoding step, whose seconds are reported as ``warmup_s``) and
-    captures CUDA graphs (``continuous``)."""
+    is timed on its second call at the same shapes; the first (``warmup_s``) compiles the
+    decoding step (``static``) or sizes the paged cache and captures CUDA graphs
+    (``continuous``, whose manager the second call reuses)."""
     model, tok = _load_bf16(folder, device)
     rows = []
     for engine in engines:
@@ -262,6 +264,8 @@ def bench_generate(
                 made = _generate_once(model, tok, engine, batch, new_tokens, device)
                 _sync(device)
                 dt = time.perf_counter() - t0
+                if engine == "continuous":
+                    model.destroy_cached_continuous_batching_manager()
             except Exception as e:  # an engine that fails here is a row, not a lost phase
                 rows.append({"engine": ENGINES[engine], "batch": batch,
                              "note": f"failed: {type(e).__name__}: {str(e)[:160]}"})  # fmt: skip
@@ -764,7 +768,8 @@ def table(res: dict[str, Any]) -> str:
     for g in res.get("generate", []):
         what = f"{g['engine']}, batch {g.get('batch', '')}".rstrip(", ")
         if "tokens_per_s" in g:
-            warm = f"; first call {g['warmup_s']:.0f} s" if g.get("key") == "static" else ""
+            first = g.get("key") in ("static", "continuous")
+            warm = f"; first call {g['warmup_s']:.1f} s" if first else ""
             lines.append(
                 f"| {what}, {new} new tokens, bf16, greedy: generated tokens/s (ms per step"
                 f"{warm}) | {g['tokens_per_s']:,.0f} ({g['step_ms']:.1f}) |"
