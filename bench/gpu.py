@@ -43,7 +43,9 @@ committed rounds. ``--budget-s`` bounds the whole benchmark: the crf runs then t
 H that fits what the earlier phases left (each run's H is in the table).
 
 It writes ``gpu.json`` and ``gpu.md`` (the table, with the commit it measured) to ``--out``;
-``--update-docs`` also puts the table in docs/performance.md, section "GPU: one H100".
+``--update-docs`` also puts the table in docs/performance.md, section "GPU: one H100", and its
+result in docs/gpu-bench.json: a later run of some phases only (``--phases crf,crf-small``)
+keeps the other phases' rows from there, each with the commit that measured it.
 
 On an offline GPU machine with Python 3.12, torch, transformers, accelerate and safetensors,
 the rest comes from a folder of wheels that ``make gpu-wheels`` builds here (``.whl/``: trl,
@@ -760,10 +762,11 @@ def table(res: dict[str, Any]) -> str:
         f"Qwen2.5-0.5B's shape ({res.get('parameters', 0) / 1e6:.0f}M parameters"
         f"{', the --tiny shape' if res.get('tiny') else ''}), crf at commit "
         f"{res.get('commit') or 'unknown'}.",
-        "",
-        "| measure | value |",
-        "|---|---:|",
     ]
+    if res.get("merged"):
+        told = ", ".join(f"{k} at {c}" for k, c in res["merged"].items())
+        lines.append(f"Phases kept from an earlier run of it (and the commit measured): {told}.")
+    lines += ["", "| measure | value |", "|---|---:|"]
     new = res.get("new_tokens")
     for g in res.get("generate", []):
         what = f"{g['engine']}, batch {g.get('batch', '')}".rstrip(", ")
@@ -889,6 +892,36 @@ def update_docs(text: str, path: str) -> None:
     _, tail = rest.split(END, 1)
     with open(path, "w") as f:
         f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+#: the phases a result holds by name (what a partial run merges into the documented one)
+PHASE_KEYS = ("generate", "profile", "grpo", "crf", "crf-small")
+#: the result the docs' table was made from, beside the page (merged by later partial runs)
+DOCS_RESULT = "gpu-bench.json"
+
+
+def merge_documented(res: dict[str, Any], path: str) -> dict[str, Any]:
+    """``res`` completed with the phases it has no numbers for (not run, skipped or failed:
+    a failure keeps its row too) from the result at ``path`` (the one the docs' table
+    shows), each marked with the commit that measured it:
+    a device session that runs only the crf phases keeps the generation rows of an earlier
+    one. ``res`` alone where there is none."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return res
+    out = dict(res)
+    kept = {}
+    for key in PHASE_KEYS:
+        if key not in res and key in old:
+            out[key] = old[key]
+            kept[key] = (old.get("merged") or {}).get(key) or old.get("commit") or "unknown"
+    # a skipped phase shown from the earlier run needs no note; a failure keeps its row
+    out["skipped"] = {k: v for k, v in res.get("skipped", {}).items() if k not in kept}
+    if kept:
+        out["merged"] = kept
+    return out
 
 
 def commit() -> str | None:
@@ -1037,7 +1070,10 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(table(res), flush=True)
     if a.update_docs:
-        update_docs(table(res), os.path.join(DOCS, "performance.md"))
+        shown = merge_documented(res, os.path.join(DOCS, DOCS_RESULT))
+        update_docs(table(shown), os.path.join(DOCS, "performance.md"))
+        with open(os.path.join(DOCS, DOCS_RESULT), "w") as f:
+            json.dump(shown, f, indent=1)
     return 1 if res["errors"] else 0
 
 

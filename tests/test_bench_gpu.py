@@ -68,6 +68,21 @@ def test_the_largest_h_that_fits_a_budget() -> None:
         gpu.fit_sync_every(100.0, 6.0, rounds=2)  # too little left to measure a round
 
 
+def test_a_partial_run_keeps_the_documented_phases_it_did_not_run(tmp_path: Path) -> None:
+    before = {"commit": "abc1234", "generate": [{"engine": "HF generate", "note": "x"}],
+              "crf": {"old": True}, "merged": {"generate": "0000000"}}  # fmt: skip
+    path = tmp_path / gpu.DOCS_RESULT
+    path.write_text(json.dumps(before))
+    now = {"commit": "def5678", "crf": {"new": True}, "errors": {"generate": "failed: x"},
+           "skipped": {"crf-small": "skipped: 9 s left"}}  # fmt: skip
+    got = gpu.merge_documented(now, str(path))
+    assert got["crf"] == {"new": True} and got["generate"] == before["generate"]
+    assert got["merged"] == {"generate": "0000000"}  # the commit that measured it
+    assert got["errors"] == {"generate": "failed: x"}  # still shown
+    assert got["skipped"] == {"crf-small": "skipped: 9 s left"}  # nothing earlier to show
+    assert gpu.merge_documented(now, str(tmp_path / "none.json")) == now
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
