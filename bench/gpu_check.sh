@@ -6,9 +6,9 @@
 #
 #   bash bench/gpu_check.sh OUT [bench/gpu.py arguments]
 #
-# OUT receives at most 6 files: gpu-tests.log, gpu-bench.log, gpu.json, gpu.md,
-# performance.md (docs/performance.md with the new table) and crf-runs.tgz (the crf runs'
-# logs and round records). With bench/gpu.py arguments the tests are skipped and the benchmark
+# OUT receives at most 7 files: gpu-tests.log, gpu-bench.log, gpu.json, gpu.md,
+# performance.md and gpu-bench.json (docs/ with the new table and the result behind it: copy
+# both back into docs/) and crf-runs.tgz (the crf runs' logs and round records). With bench/gpu.py arguments the tests are skipped and the benchmark
 # runs with those arguments and no budget, in at most 9.5 minutes: --phases crf,crf-small
 # measures crf's share at GRPO-sized and at small steps, H = 50.
 # Run from the repository's root; PYTHON (default python3) is the machine's Python with torch.
@@ -45,7 +45,7 @@ timeout "$left" $py bench/gpu.py --out "$bench_out" --update-docs "$@" 2>&1 \
   | tee "$out/gpu-bench.log"
 bench=${PIPESTATUS[0]}
 cp "$bench_out"/gpu.json "$bench_out"/gpu.md "$out"/ 2>/dev/null
-cp docs/performance.md "$out"/performance.md
+cp docs/performance.md docs/gpu-bench.json "$out"/ 2>/dev/null
 (cd "$bench_out" && tar czf - crf-run-* 2>/dev/null) >"$out"/crf-runs.tgz
 echo "gpu-check: tests exit $tests, benchmark exit $bench, $(elapsed) s in all"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
