@@ -59,7 +59,8 @@ command is::
     bash bench/gpu_check.sh "$OUT"
 
 It leaves in ``$OUT`` the tests' and the benchmark's logs, gpu.json, gpu.md, the updated
-docs/performance.md and the crf runs' logs (crf-runs.tgz). crf's share at H = 50 takes about
+docs/performance.md and docs/gpu-bench.json (to copy back into docs/) and the crf runs' logs
+(crf-runs.tgz). crf's share at H = 50 takes about
 9 minutes by itself (the GRPO-sized run's one round is about 6); the same script runs it,
 without the tests, when given this benchmark's arguments::
 
