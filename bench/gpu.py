@@ -769,13 +769,14 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"Phases kept from an earlier run of it (and the commit measured): {told}.")
     lines += ["", "| measure | value |", "|---|---:|"]
     new = res.get("new_tokens")
+    dtype = "bf16" if env.get("gpu") else "fp32"
     for g in res.get("generate", []):
-        what = f"{g['engine']}, batch {g.get('batch', '')}".rstrip(", ")
+        what = g["engine"] + (f", batch {g['batch']}" if "batch" in g else "")
         if "tokens_per_s" in g:
             first = g.get("key") in ("static", "continuous")
             warm = f"; first call {g['warmup_s']:.1f} s" if first else ""
             lines.append(
-                f"| {what}, {new} new tokens, bf16, greedy: generated tokens/s (ms per step"
+                f"| {what}, {new} new tokens, {dtype}, greedy: generated tokens/s (ms per step"
                 f"{warm}) | {g['tokens_per_s']:,.0f} ({g['step_ms']:.1f}) |"
             )
         else:
