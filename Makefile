@@ -25,7 +25,7 @@ TORCH_INDEX_ARGS = if [ -n "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && $
     "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10).close()" \
     2>/dev/null; then echo "--index-url $(TORCH_INDEX)"; fi
 
-.PHONY: install install-dev demo test lint bench gpu-wheels clean torch-index-args
+.PHONY: install install-dev demo test lint bench gpu-wheels gpu-check clean torch-index-args
 
 $(TORCH_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,10 +71,11 @@ test: lint
 bench: $(DEV_STAMP)
 	$(BIN)/python bench/exchange.py
 
-# bench/gpu.py on an offline GPU machine (Python 3.12, with torch, transformers, accelerate,
-# peft and safetensors): .whl/ holds, as cp312 x86-64 wheels at this venv's versions, what such a
-# machine lacks (about 20 MB). bench/gpu.py's help gives the command that installs it there.
-GPU_WHEELS = trl torchft-nightly transformers datasets dill multiprocess protobuf \
+# bench/gpu.py and the device tests on an offline GPU machine (Python 3.12, with torch,
+# transformers, accelerate, safetensors, pytest, pytest-timeout): .whl/ holds, as cp312 x86-64
+# wheels at this venv's versions, what such a machine lacks or has at another version (about
+# 21 MB; a device call carries at most 64 MiB). bench/gpu_check.sh installs it there.
+GPU_WHEELS = trl torchft-nightly transformers peft datasets dill multiprocess protobuf \
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
   opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common \
   opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common \
@@ -88,6 +89,12 @@ gpu-wheels: $(RUNTIME_STAMP)
 	  --implementation cp $(GPU_PLATFORMS) -d .whl $$($(BIN)/python -c \
 	  "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
 	@du -sh .whl
+
+# On a GPU machine, from the repository's root, with .whl/ there: the device tests
+# (pytest -m gpu) then bench/gpu.py, in at most 8 minutes; results and logs in GPU_OUT.
+GPU_OUT ?= gpu-out
+gpu-check:
+	PYTHON=$(PYTHON) bash bench/gpu_check.sh $(GPU_OUT)
 
 torch-index-args:
 	@$(TORCH_INDEX_ARGS)

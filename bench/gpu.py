@@ -9,36 +9,64 @@ which depend on the shapes and not on the weights.
 
 It measures, in this order (each phase's numbers are written as soon as it ends):
 
-1. ``generate``: generated tokens/s of HF ``model.generate`` (bf16 weights, greedy, every
-   sequence forced to its full length) at batch 16 and 64, 256 new tokens each;
-   vLLM where it is installed (``crf[vllm]``), else marked not measured.
-2. ``grpo``: crf's composer trainer (TRL's GRPOTrainer and crf's loss channels) in this
+1. ``generate``: generated tokens/s at batch 16 and 64 (bf16 weights, greedy, every sequence
+   made to its full length) of each generation engine transformers has without an extra
+   install: plain ``model.generate``; ``generate`` with a static KV cache, whose decoding
+   step transformers compiles with torch.compile (CUDA graphs) on a GPU; and continuous
+   batching (``generate_batch``, a paged cache: what TRL's
+   ``use_transformers_continuous_batching`` calls). Each is timed on its second call; the
+   first (compilation, graph capture) is reported for the static cache. vLLM where it is
+   installed (``crf[vllm]``), else marked not measured.
+2. ``profile``: torch.profiler over 16 decoding steps of plain ``generate`` at each batch: the
+   wall time of a step against the GPU's kernel time and the CPU's time in ops, the kernel
+   launches per step and the costliest ops on each side. A step whose kernels fill a small
+   part of its wall time is paced by the CPU (Python, dispatch, launches), not by the GPU.
+3. ``grpo``: crf's composer trainer (TRL's GRPOTrainer and crf's loss channels) in this
    process, with TRL's GRPO defaults but for the batch (``--prompts`` x 8 generations) and
    the completion length (``--completion``): seconds per optimizer step (after a warm-up),
-   generated tokens/s inside the step, and peak GPU memory (``torch.cuda.max_memory_allocated``).
-3. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU, H = 50, 2 rounds, a file store
-   on local disk, a global checkpoint every round (``--checkpoint-every``; 494M fp32
-   parameters: 2 GB up per replica per round, a 6 GB checkpoint): crf's share of wall time =
-   sync (exchange + checkpoint, the time training waited) / (sync + compute), per replica,
-   and the same wait against 50 steps of the ``grpo`` phase's size. The replicas' phases and
-   steps are printed as they change; the run's logs and round records are kept under
-   ``--out``/crf-run, and a run cut at ``--run-timeout`` still reports its committed rounds.
+   generated tokens/s inside the step and peak GPU memory, with TRL's generate and with
+   continuous batching (``--set trl.use_transformers_continuous_batching=true`` in a run;
+   the master weights are checked to be fp32 after it).
+4. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU at GRPO-sized steps (the grpo
+   phase's batch and length), H = 50, ``--grpo-rounds`` round(s), a file store on local disk,
+   a global checkpoint every round. crf's share of wall time is measured from the run's own
+   round records: the time training waited (exchange and checkpoint) against its compute,
+   per replica; the goal is 5%. Each round's phases (device-to-host, encode, upload, wait for
+   a peer, download, decode, host-to-device, checkpoint snapshot) are read from the same
+   records where crf writes them.
+5. ``crf-small``: the same at small steps (``--run-prompts`` x 8 rollouts of
+   ``--run-completion`` tokens), the worst case for crf's share; the goal is 10%.
 
-It writes ``gpu.json`` and ``gpu.md`` (the table) to ``--out``; ``--update-docs`` also puts the
-table in docs/performance.md, section "GPU: one H100".
+The replicas' phases and steps are printed as they change; each run's logs and round records
+are kept under ``--out``/crf-run-<grpo|small>, and a run cut at its timeout still reports its
+committed rounds. ``--budget-s`` bounds the whole benchmark: the crf runs then take the largest
+H that fits what the earlier phases left (each run's H is in the table).
 
-On an offline GPU machine with Python 3.12, torch, transformers, accelerate, peft and
-safetensors, the rest comes from a folder of wheels that ``make gpu-wheels`` builds here
-(``.whl/``, about 20 MB: trl, torchft-nightly, transformers 5.23, datasets and what they need
-that such a machine lacks). There, in a copy of this repository::
+It writes ``gpu.json`` and ``gpu.md`` (the table, with the commit it measured) to ``--out``;
+``--update-docs`` also puts the table in docs/performance.md, section "GPU: one H100", and its
+result in docs/gpu-bench.json: a later run of some phases only (``--phases crf,crf-small``)
+keeps the other phases' rows from there, each with the commit that measured it.
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-        PYTHONPATH=/tmp/site:$PWD python3 bench/gpu.py --out gpu-out --update-docs
+On an offline GPU machine with Python 3.12, torch, transformers, accelerate and safetensors,
+the rest comes from a folder of wheels that ``make gpu-wheels`` builds here (``.whl/``: trl,
+torchft-nightly, transformers 5.23, peft, datasets and what they need that such a machine
+lacks). ``make gpu-check`` (bench/gpu_check.sh) installs them into a private folder, runs the
+device tests (``pytest -m gpu``) and then this benchmark with what is left of 8 minutes as
+its budget (generate, profile, grpo, and crf-small when time is left for it); on a machine
+that has the repository as its working directory and returns a folder ``$OUT``, the one
+command is::
 
-On one H100 the phases took 16 s (the model), 47 s (generate), 50 s (grpo) and 147 s (crf):
-about 4.5 minutes in all; the crf phase is cut at ``--run-timeout`` (300 s) whatever happens.
-``--tiny`` runs the same phases on a 2-layer model in about a minute on a CPU (what
-tests/test_bench_gpu.py does).
+    bash bench/gpu_check.sh "$OUT"
+
+It leaves in ``$OUT`` the tests' and the benchmark's logs, gpu.json, gpu.md, the updated
+docs/performance.md and docs/gpu-bench.json (to copy back into docs/) and the crf runs' logs
+(crf-runs.tgz). crf's share at H = 50 takes about
+9 minutes by itself (the GRPO-sized run's one round is about 6); the same script runs it,
+without the tests, when given this benchmark's arguments::
+
+    bash bench/gpu_check.sh "$OUT" --phases crf,crf-small
+
+``--tiny`` runs the phases on a 2-layer model on a CPU (what tests/test_bench_gpu.py does).
 """
 
 from __future__ import annotations
@@ -162,38 +190,171 @@ def problems(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 # ---------------------------------------------------------------------- phase 1: generate
-def bench_generate(folder: str, device: str, new_tokens: int, batches: list[int]) -> list[dict]:
+#: the generation engines measured, all in transformers (nothing extra to install)
+ENGINES = {
+    "generate": "HF generate",
+    "static": "HF generate, static KV cache + torch.compile",
+    "continuous": "continuous batching (generate_batch)",
+}
+
+
+def _prompts(tok: Any, batch: int) -> list[str]:
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        for p in problems(batch)
+    ]
+
+
+def _load_bf16(folder: str, device: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    rows = []
-    for batch in batches:
-        prompts = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": p["prompt"]}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            for p in problems(batch)
-        ]
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return model, tok
+
+
+def _generate_once(model: Any, tok: Any, engine: str, batch: int, new: int, device: str) -> int:
+    """Generate ``new`` tokens for ``batch`` prompts with ``engine``; the tokens made."""
+    import torch
+    from transformers import GenerationConfig
+
+    prompts = _prompts(tok, batch)
+    if engine == "continuous":
+        from transformers.generation import ContinuousBatchingConfig
+
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None,
+                               pad_token_id=tok.pad_token_id)  # fmt: skip
+        cb = ContinuousBatchingConfig(max_memory_percent=0.3 if device == "cuda" else None,
+                                      num_blocks=None if device == "cuda" else 64)  # fmt: skip
         with torch.no_grad():
-            model.generate(**enc, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-            _sync(device)
-            t0 = time.perf_counter()
-            out = model.generate(**enc, **kw)
-            _sync(device)
-            dt = time.perf_counter() - t0
-        made = (out.shape[1] - enc["input_ids"].shape[1]) * batch
-        rows.append({"engine": "HF generate", "batch": batch, "tokens": made, "seconds": dt,
-                     "tokens_per_s": made / dt})  # fmt: skip
+            # one manager (paged cache, captured CUDA graphs) for both calls at a batch: the
+            # engine's own speed; TRL builds one per generation (the grpo phase measures that)
+            out = model.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb,
+                                       progress_bar=False, persistent_manager=True)  # fmt: skip
+        return sum(len(o.generated_tokens) for o in out.values())
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    if engine == "static":
+        # transformers compiles the decoding step itself for a static cache on a GPU
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        out = model.generate(**enc, **kw)
+    return (out.shape[1] - enc["input_ids"].shape[1]) * batch
+
+
+def bench_generate(
+    folder: str, device: str, new_tokens: int, batches: list[int], engines: list[str]
+) -> list[dict]:
+    """Generated tokens/s of each engine at each batch (bf16 weights on a GPU, greedy). Each
+    is timed on its second call at the same shapes; the first (``warmup_s``) compiles the
+    decoding step (``static``) or sizes the paged cache and captures CUDA graphs
+    (``continuous``, whose manager the second call reuses)."""
+    model, tok = _load_bf16(folder, device)
+    rows = []
+    for engine in engines:
+        for batch in batches:
+            try:
+                t0 = time.perf_counter()
+                _generate_once(model, tok, engine, batch, new_tokens, device)  # warm-up
+                _sync(device)
+                warm = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                made = _generate_once(model, tok, engine, batch, new_tokens, device)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if engine == "continuous":
+                    model.destroy_cached_continuous_batching_manager()
+            except Exception as e:  # an engine that fails here is a row, not a lost phase
+                rows.append({"engine": ENGINES[engine], "batch": batch,
+                             "note": f"failed: {type(e).__name__}: {str(e)[:160]}"})  # fmt: skip
+                continue
+            name = ENGINES[engine]
+            if engine == "static" and device != "cuda":
+                name = "HF generate, static KV cache (transformers compiles on a GPU only)"
+            rows.append({"engine": name, "key": engine, "batch": batch,
+                         "tokens": made, "seconds": dt, "tokens_per_s": made / dt,
+                         "step_ms": 1000 * dt / new_tokens, "warmup_s": warm})  # fmt: skip
+            print(f"  {ENGINES[engine]}, batch {batch}: {made / dt:,.0f} tokens/s "
+                  f"({1000 * dt / new_tokens:.1f} ms per step; warm-up {warm:.1f} s)",
+                  flush=True)  # fmt: skip
     del model
     _free(device)
     return rows
+
+
+def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16) -> list[dict]:
+    """torch.profiler over ``steps`` decoding steps of plain ``generate`` at each batch: the
+    wall time per step against the time the CPU spent in ops and the time the GPU ran
+    kernels, the kernel launches per step, and the ops that cost most on each side. A step
+    whose GPU time is a small part of its wall time is paced by the CPU (Python, dispatch,
+    launches), not by the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, tok = _load_bf16(folder, device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    out = []
+    for batch in batches:
+        _generate_once(model, tok, "generate", batch, 4, device)  # warm-up
+        _sync(device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            _generate_once(model, tok, "generate", batch, steps, device)
+            _sync(device)
+            wall = time.perf_counter() - t0
+        avg = prof.key_averages()
+        cpu_us = sum(e.self_cpu_time_total for e in avg)
+        gpu_us = sum(_device_us(e) for e in avg)
+        launches = sum(e.count for e in avg if "LaunchKernel" in e.key)  # cuda/cu..., Ex/ExC
+        syncs = sum(_self_us(e) for e in avg if "Synchronize" in e.key or "Memcpy" in e.key)
+        ops = sum(e.count for e in avg if e.key.startswith("aten::"))
+
+        def top(value: Any, avg: Any = avg) -> list[list]:
+            ranked = sorted(avg, key=value, reverse=True)[:8]
+            return [[e.key[:60], round(value(e) / 1000 / steps, 3), e.count // steps]
+                    for e in ranked if value(e) > 0]  # fmt: skip
+
+        row = {
+            "batch": batch,
+            "steps": steps,
+            "step_ms": 1000 * wall / steps,
+            "cpu_ops_ms_per_step": cpu_us / 1000 / steps,
+            "gpu_kernels_ms_per_step": gpu_us / 1000 / steps,
+            "kernel_launches_per_step": launches / steps,
+            "aten_calls_per_step": ops / steps,
+            "sync_and_copy_ms_per_step": syncs / 1000 / steps,
+            "top_cpu": top(_self_us),
+            "top_gpu": top(_device_us),
+        }
+        out.append(row)
+        print(f"  profile, batch {batch}: {row['step_ms']:.1f} ms per step; GPU kernels "
+              f"{row['gpu_kernels_ms_per_step']:.1f} ms, CPU in ops "
+              f"{row['cpu_ops_ms_per_step']:.1f} ms ({row['sync_and_copy_ms_per_step']:.1f} "
+              f"synchronizing/copying), {row['aten_calls_per_step']:.0f} aten calls and "
+              f"{row['kernel_launches_per_step']:.0f} launches per step", flush=True)  # fmt: skip
+        for side in ("top_cpu", "top_gpu"):
+            for name, ms, count in row[side][:5]:
+                print(f"    {side[4:]}: {ms:7.3f} ms/step  x{count:<4} {name}", flush=True)
+    del model
+    _free(device)
+    return out
+
+
+def _self_us(e: Any) -> float:
+    return float(getattr(e, "self_cpu_time_total", 0.0) or 0.0)
+
+
+def _device_us(e: Any) -> float:
+    """An op's own time on the GPU (torch 2.4+ names it device; older, cuda)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        v = getattr(e, name, None)
+        if v:
+            return float(v)
+    return 0.0
 
 
 def vllm_row() -> dict[str, Any]:
@@ -205,9 +366,13 @@ def vllm_row() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- phase 2: grpo
-def bench_grpo(folder: str, device: str, prompts: int, completion: int, steps: int) -> dict:
+def bench_grpo(
+    folder: str, device: str, prompts: int, completion: int, steps: int, generation: str
+) -> dict:
     """Optimizer steps of crf's composer trainer with TRL's GRPO defaults (batch and
-    completion length aside), in this process, without an exchange."""
+    completion length aside), in this process, without an exchange. ``generation``:
+    ``generate`` (TRL's default) or ``continuous`` (``use_transformers_continuous_batching``,
+    through crf's guard that keeps the fp32 master weights: they are checked after)."""
     import torch
     from datasets import Dataset
     from transformers import (
@@ -252,6 +417,10 @@ def bench_grpo(folder: str, device: str, prompts: int, completion: int, steps: i
             report_to=[],
             logging_steps=1,
             disable_tqdm=True,
+            use_transformers_continuous_batching=generation == "continuous",
+            # TRL's own default share (0.5) of free GPU memory for the paged cache; on a
+            # CPU a fixed small cache
+            transformers_continuous_batching_config=None if cuda else {"num_blocks": 64},
         )
         clock = Clock()
         trainer = ComposerReplicationTrainer(
@@ -270,6 +439,7 @@ def bench_grpo(folder: str, device: str, prompts: int, completion: int, steps: i
         _sync(device)
         clock.marks.append(time.perf_counter())
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     per_step = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
     timed = per_step[1:] or per_step  # the first step compiles kernels and fills caches
     step_s = statistics.median(timed)
@@ -277,6 +447,8 @@ def bench_grpo(folder: str, device: str, prompts: int, completion: int, steps: i
     del trainer, model
     _free(device)
     return {
+        "generation": generation,
+        "master_dtypes": dtypes,
         "steps": len(per_step),
         "step_s": step_s,
         "rollouts_per_step": prompts * gens,
@@ -352,6 +524,38 @@ def _read(run: Any, key: str, record: type) -> Any:
         return None
 
 
+#: a round's phases as crf's round records name them (``metrics/<rank>/<r>.json``), in the
+#: order a round runs them; a record without a phase's field shows it as not recorded
+ROUND_PHASES = (
+    ("device-to-host", "d2h_s"),
+    ("encode", "encode_s"),
+    ("upload", "upload_s"),
+    ("wait for a peer", "wait_s"),
+    ("download", "download_s"),
+    ("decode", "decode_s"),
+    ("host-to-device", "h2d_s"),
+    ("checkpoint snapshot", "snapshot_s"),
+)
+
+
+def round_phases(record: Any) -> dict[str, float | None]:
+    """Seconds of each of :data:`ROUND_PHASES` in one round record: from its ``phases_s``
+    table (the exchange's phases by short name: ``d2h``, ``encode``...), or a field of the
+    record by the long name (``snapshot_s``); None where the record has neither (a record
+    of a crf that does not time that phase)."""
+    extra = getattr(record, "extra", None) or {}
+    table = getattr(record, "phases_s", None) or extra.get("phases_s") or {}
+    out: dict[str, float | None] = {}
+    for _, key in ROUND_PHASES:
+        value = table.get(key.removesuffix("_s"), table.get(key))
+        if value is None:
+            value = getattr(record, key, None)
+        if value is None:
+            value = extra.get(key)
+        out[key] = float(value) if isinstance(value, int | float) else None
+    return out
+
+
 def _per_replica(store: str, ranks: range) -> list[dict[str, Any]]:
     """Each replica's committed rounds, from its round records: the wait per round, and the
     compute time per round (a record's ``compute_s`` counts from its process's start, so
@@ -362,32 +566,70 @@ def _per_replica(store: str, ranks: range) -> list[dict[str, Any]]:
         recs = [_read(run, layout.metrics_key(rank, r), layout.RoundMetrics)
                 for r in (layout.metrics_rounds(run, rank) if run else [])]  # fmt: skip
         recs = [m for m in recs if m is not None and m.committed]
-        compute, before = 0.0, 0.0
+        compute, before, per_round = 0.0, 0.0, []
         for m in recs:
-            compute += m.compute_s - before if m.compute_s >= before else m.compute_s
+            per_round.append(m.compute_s - before if m.compute_s >= before else m.compute_s)
+            compute += per_round[-1]
             before = m.compute_s
         result = _read(run, layout.result_key(rank), layout.ResultRecord) if run else None
         out.append({"rank": rank, "rounds": len(recs), "compute_s": compute,
                     "sync_per_round_s": [m.sync_s for m in recs],
+                    "compute_per_round_s": per_round,
                     "bytes_up_per_round": [m.bytes_up for m in recs],
+                    "phases_per_round": [round_phases(m) for m in recs],
                     "ckpt_s": result.ckpt_s if result else None})  # fmt: skip
     return out
 
 
-def _keep_logs(store: str, out: str) -> None:
+def _keep_logs(store: str, out: str, name: str = "crf-run") -> None:
     """Copy the run's small files (logs, round records, results) to ``out``/crf-run, one
     folder deep (``metrics/0/1.json`` as ``metrics-0-1.json``): what a cut or failed run
     leaves to read once its temporary store is gone."""
     import glob
     import shutil
 
-    dest = os.path.join(out, "crf-run")
+    dest = os.path.join(out, name)
     os.makedirs(dest, exist_ok=True)
     for pattern in ("logs/*.log", "metrics/*/*.json", "results/*.json", "result.json",
                     "replicas/*/state.json"):  # fmt: skip
         for path in glob.glob(os.path.join(store, "*", pattern)):
             rel = os.path.relpath(path, store).split(os.sep, 1)[1]
             shutil.copy(path, os.path.join(dest, rel.replace(os.sep, "-")))
+
+
+#: crf's share of a replica's wall time (the time training waited for it, against its
+#: compute), as a goal: at GRPO-sized steps, and at small steps (the worst case)
+GOALS = {"grpo": 0.05, "small": 0.10}
+
+
+class NoTimeLeft(Exception):
+    """The budget left cannot hold a crf run that measures anything (a phase skipped)."""
+
+
+#: the fewest steps per round worth a crf run under a budget: with fewer, start-up and the
+#: round's fixed costs are all it would measure
+MIN_SYNC_EVERY = 10
+
+
+def fit_sync_every(budget_s: float, step_s: float, rounds: int, most: int = 50) -> int:
+    """The largest H <= ``most`` whose ``rounds`` rounds of steps of ``step_s`` (a step of a
+    replica, the GPU shared by 2) fit in ``budget_s`` with start-up, the rounds' waits and
+    the run's close counted (:data:`RUN_OVERHEAD_S`, :data:`ROUND_WAIT_S`). NoTimeLeft when
+    that is under :data:`MIN_SYNC_EVERY` (and under ``most``)."""
+    left = budget_s - RUN_OVERHEAD_S - rounds * ROUND_WAIT_S
+    h = min(most, int(left / (rounds * max(step_s, 1e-3))))
+    if h < min(most, MIN_SYNC_EVERY):
+        raise NoTimeLeft(
+            f"skipped: {budget_s:.0f} s of the budget left, a run of H = "
+            f"{min(most, MIN_SYNC_EVERY)} needs about "
+            f"{RUN_OVERHEAD_S + rounds * (ROUND_WAIT_S + MIN_SYNC_EVERY * step_s):.0f} s"
+        )
+    return h
+
+
+#: seconds a 2-replica run of the 494M model spends outside its rounds (start-up and model
+#: load, the last checkpoint, the model's export) and waiting per round: measured on one H100
+RUN_OVERHEAD_S, ROUND_WAIT_S = 60.0, 15.0
 
 
 def bench_crf(
@@ -399,6 +641,7 @@ def bench_crf(
     timeout: float,
     out: str,
     checkpoint_every: int = 1,
+    label: str = "grpo",
 ) -> dict:
     """2 local replicas under crf (exchange and checkpoints through a file store). The
     replicas' phases and steps are printed as they change, and the run is cancelled after
@@ -442,7 +685,7 @@ def bench_crf(
             result, error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         wall = time.perf_counter() - t0
         reps = _per_replica(store, range(2))
-        _keep_logs(store, out)
+        _keep_logs(store, out, f"crf-run-{label}")
     for r in reps:
         r["sync_s"] = sync = sum(r["sync_per_round_s"])
         r["crf_share"] = sync / (sync + r["compute_s"]) if sync + r["compute_s"] else None
@@ -450,8 +693,13 @@ def bench_crf(
     if not done:
         raise RuntimeError(error or "no round committed")
     ups = [b for r in reps for b in r["bytes_up_per_round"]]
+    sync_all = sum(r["sync_s"] for r in reps)
+    compute_all = sum(r["compute_s"] for r in reps)
     return {
+        "label": label,
         "replicas": reps,
+        "crf_share": sync_all / (sync_all + compute_all) if sync_all + compute_all else None,
+        "goal": GOALS[label],
         "sync_every": sync_every,
         "rounds": rounds,
         "rounds_committed": done,
@@ -501,6 +749,10 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
 def table(res: dict[str, Any]) -> str:
     """The markdown table of a result (what goes into docs/performance.md)."""
     env = res["environment"]
@@ -509,75 +761,127 @@ def table(res: dict[str, Any]) -> str:
         f"({env['cpus']} CPU cores; Python {env['python']}, torch {env['torch']}, "
         f"transformers {env['transformers']}, trl {env['trl']}), on a random model of "
         f"Qwen2.5-0.5B's shape ({res.get('parameters', 0) / 1e6:.0f}M parameters"
-        f"{', the --tiny shape' if res.get('tiny') else ''}).",
-        "",
-        "| measure | value |",
-        "|---|---:|",
+        f"{', the --tiny shape' if res.get('tiny') else ''}), crf at commit "
+        f"{res.get('commit') or 'unknown'}.",
     ]
+    if res.get("merged"):
+        told = ", ".join(f"{k} at {c}" for k, c in res["merged"].items())
+        lines.append(f"Phases kept from an earlier run of it (and the commit measured): {told}.")
+    lines += ["", "| measure | value |", "|---|---:|"]
+    new = res.get("new_tokens")
+    dtype = "bf16" if env.get("gpu") else "fp32"
     for g in res.get("generate", []):
+        what = g["engine"] + (f", batch {g['batch']}" if "batch" in g else "")
         if "tokens_per_s" in g:
+            first = g.get("key") in ("static", "continuous")
+            warm = f"; first call {g['warmup_s']:.1f} s" if first else ""
             lines.append(
-                f"| {g['engine']}, batch {g['batch']}, bf16, greedy: generated tokens/s | "
-                f"{g['tokens_per_s']:,.0f} |"
+                f"| {what}, {new} new tokens, {dtype}, greedy: generated tokens/s (ms per step"
+                f"{warm}) | {g['tokens_per_s']:,.0f} ({g['step_ms']:.1f}) |"
             )
         else:
-            lines.append(f"| {g['engine']}: generated tokens/s | {g['note']} |")
-    grpo = res.get("grpo")
-    if grpo:
-        what = f"{grpo['rollouts_per_step']} rollouts of ≤ {res['completion']} tokens"
+            lines.append(f"| {what}: generated tokens/s | {g['note']} |")
+    for p in res.get("profile", []):
+        lines.append(
+            f"| HF generate, batch {p['batch']}, one decoding step (torch.profiler): wall / GPU "
+            f"kernels / CPU in ops / of which synchronizing and copying, ms; kernel launches | "
+            f"{p['step_ms']:.1f} / {p['gpu_kernels_ms_per_step']:.1f} / "
+            f"{p['cpu_ops_ms_per_step']:.1f} / {p['sync_and_copy_ms_per_step']:.1f}; "
+            f"{p['kernel_launches_per_step']:.0f} |"
+        )
+        top = "; ".join(f"{n} {ms:.2f}" for n, ms, _ in p["top_cpu"][:3])
+        lines.append(f"| its costliest ops on the CPU, ms per step | {top} |")
+        if p["top_gpu"]:
+            top = "; ".join(f"{n} {ms:.2f}" for n, ms, _ in p["top_gpu"][:3])
+            lines.append(f"| its costliest kernels on the GPU, ms per step | {top} |")
+    grpo = res.get("grpo") or {}
+    for gen, g in grpo.items():
+        what = f"{g['rollouts_per_step']} rollouts of ≤ {res['completion']} tokens"
+        how = "TRL's generate" if gen == "generate" else "continuous batching"
         lines += [
-            f"| GRPO optimizer step ({what}), s | {grpo['step_s']:.2f} |",
-            f"| generated tokens/s inside the GRPO step | {grpo['tokens_per_s_in_step']:,.0f} |",
+            f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f} |",
+            f"| generated tokens/s inside the GRPO step ({how}) | "
+            f"{g['tokens_per_s_in_step']:,.0f} |",
+        ]
+        if gen != "generate":
+            lines.append(f"| master weights after it ({how}) | {', '.join(g['master_dtypes'])} |")
+    base = grpo.get("generate")
+    if base:
+        lines.append(
             "| peak GPU memory of one replica (fp32 weights, AdamW, bf16 autocast), GiB | "
-            + (f"{grpo['peak_memory_gib']:.1f} |" if grpo["peak_memory_gib"] else "— |"),
-        ]
-    run = res.get("crf")
-    if run:
-        shares = [r["crf_share"] for r in run["replicas"] if r["crf_share"] is not None]
-        syncs = [r["sync_s"] for r in run["replicas"]]
-        done = run.get("rounds_committed", run["rounds"])
-        rounds = f"{done} of {run['rounds']} rounds" if done < run["rounds"] else (
-            f"{run['rounds']} rounds")  # fmt: skip
-        k = run.get("checkpoint_every", 1)
-        ckpt = "a global checkpoint every round" if k == 1 else (
-            f"a global checkpoint every {k} rounds and at the last")  # fmt: skip
-        lines += [
-            f"| crf's share of wall time (sync + checkpoint) at H = {run['sync_every']}, "
-            f"2 replicas sharing the GPU, {rounds}, {ckpt}, {run['rollouts_per_step']} "
-            f"rollouts of ≤ {run['completion']} tokens per step | "
-            + ", ".join(f"{s:.1%}" for s in shares)
-            + " |",
-            "| time training waited for crf per replica and round, s | "
-            + ", ".join(f"{s / max(1, done):.1f}" for s in syncs)
-            + " |",
-        ]
-        ckpts = [r["ckpt_s"] for r in run["replicas"] if r.get("ckpt_s") is not None]
-        if ckpts:
-            told = ", ".join(f"{s:.1f}" for s in ckpts)
-            what = "a replica's background checkpoint writes (global and inner state), s in all"
-            lines.append(f"| {what} | {told} |")
-        if run.get("step_s"):
-            lines.append(f"| a replica's optimizer step in that run (the GPU shared by 2), s | "
-                         f"{run['step_s']:.2f} |")  # fmt: skip
-        start = next((e["t_s"] for e in run.get("timeline", []) if e["phase"] == "training"), None)
-        if start is not None:
-            lines.append(f"| launch to the first replica training (start-up, model load), s | "
-                         f"{start:.0f} |")  # fmt: skip
-        if grpo and done:
-            per_round = statistics.mean(syncs) / done
-            train = run["sync_every"] * grpo["step_s"]
-            lines.append(
-                f"| the same wait against H = {run['sync_every']} steps of the GRPO phase's size "
-                f"({run['sync_every']} x {grpo['step_s']:.2f} s), derived | "
-                f"{per_round / (per_round + train):.1%} |"
-            )
-        if run.get("weights_identical") is not None:
-            lines.append(f"| replicas end bit-identical | {run['weights_identical']} |")
-        if run.get("error"):
-            lines.append(f"| crf run | {run['error']} |")
+            + (f"{base['peak_memory_gib']:.1f} |" if base["peak_memory_gib"] else "— |")
+        )
+    for key in ("crf", "crf-small"):
+        run = res.get(key)
+        if run:
+            lines += _run_rows(run, base)
     for phase, err in res.get("errors", {}).items():
         lines.append(f"| {phase} | failed: {err} |")
+    for phase, why in res.get("skipped", {}).items():
+        lines.append(f"| {phase} | {why} |")
     return "\n".join(lines) + "\n"
+
+
+def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
+    """The table rows of one crf run: its measured share against its goal, the wait per
+    round, the round's phases, the step, start-up."""
+    shares = [r["crf_share"] for r in run["replicas"] if r["crf_share"] is not None]
+    syncs = [r["sync_s"] for r in run["replicas"]]
+    done = run.get("rounds_committed", run["rounds"])
+    rounds = f"{done} of {run['rounds']} rounds" if done < run["rounds"] else (
+        f"{run['rounds']} rounds")  # fmt: skip
+    k = run.get("checkpoint_every", 1)
+    ckpt = "a global checkpoint every round" if k == 1 else (
+        f"a global checkpoint every {k} rounds and at the last")  # fmt: skip
+    size = "GRPO-sized steps" if run.get("label", "grpo") == "grpo" else "small steps"
+    goal = run.get("goal")
+    met = ""
+    if goal is not None and run.get("crf_share") is not None:
+        met = f" (goal ≤ {goal:.0%}: {'met' if run['crf_share'] <= goal else 'not met'})"
+    lines = [
+        f"| crf's share of wall time, measured (sync + checkpoint against compute), {size}, "
+        f"H = {run['sync_every']}, 2 replicas sharing the GPU, {rounds}, {ckpt}, "
+        f"{run['rollouts_per_step']} rollouts of ≤ {run['completion']} tokens per step | "
+        + ", ".join(f"{s:.1%}" for s in shares)
+        + met
+        + " |",
+        f"| time training waited for crf per replica and round ({size}), s | "
+        + ", ".join(f"{s / max(1, done):.1f}" for s in syncs)
+        + " |",
+    ]
+    phases = [p for r in run["replicas"] for p in r.get("phases_per_round", [])]
+    told = []
+    for _, key in ROUND_PHASES:
+        values = [p[key] for p in phases if p.get(key) is not None]
+        told.append(f"{statistics.mean(values):.2f}" if values else "—")
+    names = " / ".join(label for label, _ in ROUND_PHASES)
+    lines.append(f"| a round's phases ({size}), s, mean of replicas and rounds: {names} | "
+                 + (" / ".join(told) if set(told) != {"—"} else "not in crf's round records")
+                 + " |")  # fmt: skip
+    ckpts = [r["ckpt_s"] for r in run["replicas"] if r.get("ckpt_s") is not None]
+    if ckpts:
+        told = ", ".join(f"{s:.1f}" for s in ckpts)
+        what = "a replica's background checkpoint writes (global and inner state), s in all"
+        lines.append(f"| {what} ({size}) | {told} |")
+    if run.get("step_s"):
+        lines.append(f"| a replica's optimizer step in that run ({size}, the GPU shared by 2), "
+                     f"s | {run['step_s']:.2f} |")  # fmt: skip
+    start = next((e["t_s"] for e in run.get("timeline", []) if e["phase"] == "training"), None)
+    if start is not None:
+        lines.append(f"| launch to the first replica training ({size}), s | {start:.0f} |")
+    if grpo and done and run.get("label", "grpo") != "grpo":
+        per_round = statistics.mean(syncs) / done
+        train = run["sync_every"] * grpo["step_s"]
+        lines.append(
+            f"| the same wait against H = {run['sync_every']} steps of the GRPO phase's size "
+            f"({run['sync_every']} x {grpo['step_s']:.2f} s), derived | "
+            f"{per_round / (per_round + train):.1%} |"
+        )
+    if run.get("weights_identical") is not None:
+        lines.append(f"| replicas end bit-identical ({size}) | {run['weights_identical']} |")
+    if run.get("error"):
+        lines.append(f"| crf run ({size}) | {run['error']} |")
+    return lines
 
 
 def update_docs(text: str, path: str) -> None:
@@ -592,32 +896,106 @@ def update_docs(text: str, path: str) -> None:
         f.write(f"{head}{BEGIN}\n{text}{END}{tail}")
 
 
+#: the phases a result holds by name (what a partial run merges into the documented one)
+PHASE_KEYS = ("generate", "profile", "grpo", "crf", "crf-small")
+#: the result the docs' table was made from, beside the page (merged by later partial runs)
+DOCS_RESULT = "gpu-bench.json"
+
+
+def merge_documented(res: dict[str, Any], path: str) -> dict[str, Any]:
+    """``res`` completed with the phases it has no numbers for (not run, skipped or failed:
+    a failure keeps its row too) from the result at ``path`` (the one the docs' table
+    shows), each marked with the commit that measured it:
+    a device session that runs only the crf phases keeps the generation rows of an earlier
+    one. ``res`` alone where there is none."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return res
+    out = dict(res)
+    kept = {}
+    for key in PHASE_KEYS:
+        if key not in res and key in old:
+            out[key] = old[key]
+            kept[key] = (old.get("merged") or {}).get(key) or old.get("commit") or "unknown"
+    # a skipped phase shown from the earlier run needs no note; a failure keeps its row
+    out["skipped"] = {k: v for k, v in res.get("skipped", {}).items() if k not in kept}
+    if kept:
+        out["merged"] = kept
+    return out
+
+
+def commit() -> str | None:
+    """The checkout's commit (with ``+changes`` when its files differ), or None outside git."""
+    import subprocess
+
+    root = os.path.dirname(DOCS)
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+changes" if dirty else "")) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="gpu-out", help="folder for gpu.json and gpu.md")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model: a quick CPU check")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step (x 8 generations)")
-    p.add_argument("--completion", type=int, default=128, help="max completion tokens")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps of the grpo phase")
-    p.add_argument("--run-prompts", type=int, default=1, help="prompts per step, crf phase")
-    p.add_argument("--run-completion", type=int, default=8, help="max completion, crf phase")
-    p.add_argument("--run-timeout", type=float, default=300, help="seconds the crf phase may take")
-    p.add_argument("--sync-every", type=int, default=50, help="H of the crf phase")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of the crf phase")
-    p.add_argument("--checkpoint-every", type=int, default=1, help="the crf phase's "
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step (x 8 generations), "
+                   "grpo phase and the GRPO-sized crf run")  # fmt: skip
+    p.add_argument("--completion", type=int, default=128, help="max completion tokens, likewise")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps of the grpo phase")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens each generate "
+                   "call makes (default 128; --tiny: 8)")  # fmt: skip
+    p.add_argument("--engines", default="generate,continuous,static", help="generate phase's "
+                   "engines: " + ", ".join(f"{k} ({v})" for k, v in ENGINES.items()))  # fmt: skip
+    p.add_argument("--grpo-generation", default="generate,continuous",
+                   help="the grpo phase's generation paths: generate (TRL's default) and/or "
+                   "continuous")  # fmt: skip
+    p.add_argument("--run-prompts", type=int, default=1, help="prompts per step, small-step run")
+    p.add_argument("--run-completion", type=int, default=8, help="max completion, small-step run")
+    p.add_argument("--run-timeout", type=float, default=600, help="seconds a crf run may take "
+                   "(without --budget-s)")  # fmt: skip
+    p.add_argument("--sync-every", type=int, default=50, help="H of the crf runs (the most "
+                   "H under --budget-s)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the small-step crf run")
+    p.add_argument("--grpo-rounds", type=int, default=1, help="rounds of the GRPO-sized crf "
+                   "run (one round of H = 50 GRPO-sized steps is about 6 minutes)")  # fmt: skip
+    p.add_argument("--batches", default="16,64", help="batches of the generate and profile "
+                   "phases")  # fmt: skip
+    p.add_argument("--checkpoint-every", type=int, default=1, help="the crf runs' "
                    "--checkpoint-every (the last round is always checkpointed)")  # fmt: skip
-    p.add_argument("--phases", default="generate,grpo,crf", help="which phases, in order")
+    p.add_argument("--budget-s", type=float, default=0, help="seconds the whole benchmark may "
+                   "take (0: no limit): the crf runs take the largest H that fits what the "
+                   "earlier phases left, each cut at its share")  # fmt: skip
+    p.add_argument("--phases", default="generate,profile,grpo,crf,crf-small",
+                   help="which phases, in order")  # fmt: skip
     p.add_argument("--update-docs", action="store_true", help="write the table into "
                    "docs/performance.md")  # fmt: skip
     a = p.parse_args(argv)
 
     import torch
 
+    t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = Shape.tiny() if a.tiny else Shape()
+    new_tokens = a.new_tokens or (8 if a.tiny else 128)
     os.makedirs(a.out, exist_ok=True)
-    res: dict[str, Any] = {"environment": environment(), "tiny": a.tiny,
-                           "completion": a.completion, "errors": {}}  # fmt: skip
+    res: dict[str, Any] = {"environment": environment(), "tiny": a.tiny, "commit": commit(),
+                           "completion": a.completion, "new_tokens": new_tokens,
+                           "errors": {}}  # fmt: skip
 
     def save() -> None:
         with open(os.path.join(a.out, "gpu.json"), "w") as f:
@@ -625,42 +1003,79 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "gpu.md"), "w") as f:
             f.write(table(res))
 
+    def plan_run(label: str, later: bool) -> tuple[int, float]:
+        """(H, timeout) of a crf run: --sync-every and --run-timeout, or under --budget-s the
+        largest H that fits this run's share of the time left (the GRPO-sized run 60% of it
+        when the small-step run still follows)."""
+        if not a.budget_s:
+            return a.sync_every, a.run_timeout
+        left = a.budget_s - (time.perf_counter() - t_start)
+        share = left * (0.6 if later else 1.0)
+        base = (res.get("grpo") or {}).get("generate")
+        if label == "grpo":
+            step = 2 * base["step_s"] if base else 10.0
+        else:
+            plain = [g for g in res.get("generate", []) if g.get("key") == "generate"]
+            decode = plain[0]["step_ms"] / 1000 if plain else 0.07
+            step = 2 * a.run_completion * decode + 0.2
+        rounds = a.grpo_rounds if label == "grpo" else a.rounds
+        return fit_sync_every(share, step, rounds, a.sync_every), max(30.0, share)
+
+    def crf_run(label: str) -> dict:
+        order = a.phases.split(",")
+        later = label == "grpo" and "crf-small" in order[order.index("crf") + 1 :]
+        h, timeout = plan_run(label, later)
+        prompts, completion = ((a.prompts, a.completion) if label == "grpo"
+                               else (a.run_prompts, a.run_completion))  # fmt: skip
+        rounds = a.grpo_rounds if label == "grpo" else a.rounds
+        print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
+        return bench_crf(folder, prompts, completion, h, rounds, timeout, a.out,
+                         a.checkpoint_every, label)  # fmt: skip
+
     print(json.dumps(res["environment"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="crf-gpu-model-") as folder:
         t0 = time.perf_counter()
         res["parameters"] = build_model(folder, shape)
         print(f"model: {res['parameters'] / 1e6:.0f}M parameters, built and saved in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+        engines = [e for e in a.engines.split(",") if e]
+        batches = [int(b) for b in a.batches.split(",") if b]
         phases = {
             "generate": lambda: [
-                *bench_generate(folder, device, 256 if not a.tiny else 16, [16, 64]),
+                *bench_generate(folder, device, new_tokens, batches, engines),
                 vllm_row(),
             ],  # fmt: skip
-            "grpo": lambda: bench_grpo(folder, device, a.prompts, a.completion, a.steps),
-            "crf": lambda: bench_crf(
-                folder,
-                a.run_prompts,
-                a.run_completion,
-                a.sync_every,
-                a.rounds,
-                a.run_timeout,
-                a.out,
-                a.checkpoint_every,
-            ),
+            "profile": lambda: bench_profile(folder, device, batches),
+            "grpo": lambda: {
+                gen: bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)
+                for gen in a.grpo_generation.split(",")
+                if gen
+            },  # fmt: skip
+            "crf": lambda: crf_run("grpo"),
+            "crf-small": lambda: crf_run("small"),
         }
         for name in a.phases.split(","):
             t0 = time.perf_counter()
             print(f"phase {name} ...", flush=True)
             try:
+                if a.budget_s and t0 - t_start > a.budget_s:
+                    raise NoTimeLeft(f"skipped: the budget ({a.budget_s:.0f} s) was spent")
                 res[name] = phases[name]()
+            except NoTimeLeft as e:
+                res.setdefault("skipped", {})[name] = str(e)
             except Exception as e:  # one failed phase must not lose the others' numbers
                 res["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(f"phase {name}: {time.perf_counter() - t0:.0f} s "
-                  f"{res['errors'].get(name, 'ok')}", flush=True)  # fmt: skip
+            how = res["errors"].get(name) or res.get("skipped", {}).get(name, "ok")
+            print(f"phase {name}: {time.perf_counter() - t0:.0f} s {how}", flush=True)
             save()
+    res["wall_s"] = time.perf_counter() - t_start
+    save()
     print(table(res), flush=True)
     if a.update_docs:
-        update_docs(table(res), os.path.join(DOCS, "performance.md"))
+        shown = merge_documented(res, os.path.join(DOCS, DOCS_RESULT))
+        update_docs(table(shown), os.path.join(DOCS, "performance.md"))
+        with open(os.path.join(DOCS, DOCS_RESULT), "w") as f:
+            json.dump(shown, f, indent=1)
     return 1 if res["errors"] else 0
 
 

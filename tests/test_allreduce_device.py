@@ -5,7 +5,7 @@ tensors, on their device.
 On a GPU machine a replica's pseudo-gradients are CUDA tensors. A replica that owns a shard
 adds its own part to the downloaded ones in rank order, so from rank 1 on, its own part
 comes after a downloaded one; rank 0's comes first. The cases run on every device this
-machine has (the CUDA ones are skipped without a GPU)."""
+machine has (the CUDA ones are marked ``gpu`` and skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,16 @@ from crf.exchange.allreduce import ObjectStoreAllReduce
 from crf.store import RunStore
 from tests.conftest import run_threads
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 SHAPES = [(300,), (17, 9), (1,), (64, 64)]
 
 

@@ -1,6 +1,8 @@
 """bench/gpu.py on a 2-layer model on the CPU: every phase runs through the code a GPU run takes
-(the offline model and tokenizer, HF generate, the composer trainer, a 2-replica crf launch),
-writes its table, and puts it between docs/performance.md's markers. The GPU's numbers are the
+(the offline model and tokenizer, the three generation engines, the profile of a decoding step,
+the composer trainer with TRL's generate and with continuous batching, a 2-replica crf launch
+read through its round records), writes its table, and puts it between docs/performance.md's
+markers. The GPU's numbers are the
 benchmark's business; here it must not rot before a GPU machine runs it."""
 
 from __future__ import annotations
@@ -43,6 +45,44 @@ def test_the_docs_have_the_markers() -> None:
     assert gpu.SECTION in text and gpu.BEGIN in text and gpu.END in text
 
 
+def test_round_phases_read_the_records_fields_and_leave_the_rest_unrecorded() -> None:
+    from crf import layout
+
+    rec = layout.RoundMetrics.from_dict(
+        {"round": 0, "rank": 0, "snapshot_s": 0.5, "phases_s": {"upload": 2.0, "wait": 1.5}}
+    )
+    got = gpu.round_phases(rec)
+    assert list(got) == [key for _, key in gpu.ROUND_PHASES]
+    assert got["snapshot_s"] == 0.5 and got["upload_s"] == 2.0 and got["wait_s"] == 1.5
+    assert got["d2h_s"] is None and got["encode_s"] is None
+    assert set(gpu.round_phases(layout.RoundMetrics(round=0, rank=0)).values()) == {None}
+
+
+def test_the_largest_h_that_fits_a_budget() -> None:
+    over = gpu.RUN_OVERHEAD_S + gpu.ROUND_WAIT_S
+    assert gpu.fit_sync_every(over + 50 * 6.0, 6.0, rounds=1) == 50
+    assert gpu.fit_sync_every(over + 10 * 6.0, 6.0, rounds=1) == 10
+    assert gpu.fit_sync_every(1e6, 6.0, rounds=1) == 50  # never more than asked
+    assert gpu.fit_sync_every(over + 3 * 6.0, 6.0, rounds=1, most=3) == 3
+    with pytest.raises(gpu.NoTimeLeft, match="skipped: 100 s of the budget left"):
+        gpu.fit_sync_every(100.0, 6.0, rounds=2)  # too little left to measure a round
+
+
+def test_a_partial_run_keeps_the_documented_phases_it_did_not_run(tmp_path: Path) -> None:
+    before = {"commit": "abc1234", "generate": [{"engine": "HF generate", "note": "x"}],
+              "crf": {"old": True}, "merged": {"generate": "0000000"}}  # fmt: skip
+    path = tmp_path / gpu.DOCS_RESULT
+    path.write_text(json.dumps(before))
+    now = {"commit": "def5678", "crf": {"new": True}, "errors": {"generate": "failed: x"},
+           "skipped": {"crf-small": "skipped: 9 s left"}}  # fmt: skip
+    got = gpu.merge_documented(now, str(path))
+    assert got["crf"] == {"new": True} and got["generate"] == before["generate"]
+    assert got["merged"] == {"generate": "0000000"}  # the commit that measured it
+    assert got["errors"] == {"generate": "failed: x"}  # still shown
+    assert got["skipped"] == {"crf-small": "skipped: 9 s left"}  # nothing earlier to show
+    assert gpu.merge_documented(now, str(tmp_path / "none.json")) == now
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
@@ -52,21 +92,32 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     (repo / "bench").mkdir()
     shutil.copy(ROOT / "bench" / "gpu.py", repo / "bench" / "gpu.py")
     out = tmp_path / "out"
+    # the crf phase (GRPO-sized) is bench_crf with other sizes: crf-small stands for both
     cmd = [sys.executable, str(repo / "bench" / "gpu.py"), "--tiny", "--out", str(out),
-           "--steps", "3", "--sync-every", "3", "--rounds", "2", "--completion", "8",
-           "--prompts", "2", "--update-docs"]  # fmt: skip
+           "--steps", "2", "--sync-every", "2", "--rounds", "2", "--completion", "4",
+           "--prompts", "1", "--new-tokens", "4", "--batches", "2,4",
+           "--phases", "generate,profile,grpo,crf-small", "--update-docs"]  # fmt: skip
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((out / "gpu.json").read_text())
     assert res["errors"] == {}
-    assert [g["batch"] for g in res["generate"] if "batch" in g] == [16, 64]
+    made = [(g["key"], g["batch"]) for g in res["generate"] if "tokens_per_s" in g]
+    assert made == [(e, b) for e in ("generate", "continuous", "static") for b in (2, 4)]
     assert all(g["tokens_per_s"] > 0 for g in res["generate"] if "batch" in g)
-    assert res["grpo"]["steps"] == 3 and res["grpo"]["step_s"] > 0
-    assert res["grpo"]["learning_rate"] == 1e-6  # TRL's GRPO default, not the toy's
-    run = res["crf"]
-    assert run["weights_identical"] is True
+    assert [p["batch"] for p in res["profile"]] == [2, 4]
+    assert all(p["step_ms"] > 0 and p["top_cpu"] for p in res["profile"])
+    grpo = res["grpo"]
+    assert sorted(grpo) == ["continuous", "generate"]
+    assert all(g["steps"] == 2 and g["step_s"] > 0 for g in grpo.values())
+    assert grpo["generate"]["learning_rate"] == 1e-6  # TRL's GRPO default, not the toy's
+    assert grpo["continuous"]["master_dtypes"] == ["float32"]
+    run = res["crf-small"]
+    assert run["weights_identical"] is True and run["sync_every"] == 2
     assert all(0 <= r["crf_share"] < 1 for r in run["replicas"])
+    assert 0 <= run["crf_share"] < 1 and run["goal"] == 0.10
+    assert all(len(r["phases_per_round"]) == 2 for r in run["replicas"])
     table = (out / "gpu.md").read_text()
-    assert "crf's share of wall time" in table
+    assert "crf's share of wall time, measured" in table and "goal ≤ 10%" in table
+    assert "one decoding step (torch.profiler)" in table
     assert table in (repo / "docs" / "performance.md").read_text()

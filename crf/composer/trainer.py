@@ -34,6 +34,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from crf.composer.config import ComposerConfig
+from crf.composer.generation import master_weights_kept
 from crf.composer.losses import (
     TAIDSchedule,
     compose_loss,
@@ -252,6 +253,19 @@ class ComposerReplicationTrainer(GRPOTrainer):
         weights first (TRL pushes when ``_last_loaded_step`` differs from the global step)."""
         if getattr(self, "use_vllm", False):
             self._last_loaded_step = -1
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal, num_generations, *a, **kw):
+        """TRL's generation; on its continuous-batching path, without the in-place cast of
+        the model to bf16/fp16 (crf/composer/generation.py)."""
+        guard = (
+            master_weights_kept(self.model, self.args)
+            if self.use_transformers_continuous_batching
+            else contextlib.nullcontext()
+        )
+        with guard:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal, num_generations, *a, **kw
+            )
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)

@@ -1,0 +1,106 @@
+"""Generation on transformers' continuous-batching path keeps the trainer's fp32 master weights.
+
+TRL 1.16's ``use_transformers_continuous_batching`` path casts the model it generates with to
+bf16 in place when ``bf16=True`` (and never back): the control case shows it does, on TRL's own
+GRPOTrainer. crf's ComposerReplicationTrainer generates on the same path with every parameter
+still fp32 afterwards (crf/composer/generation.py). Both run on the CPU and, marked ``gpu``, on
+CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.slow),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)],
+    ),
+]
+
+
+def _trainer(cls: Any, folder: Path, device: str, **extra: Any) -> Any:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from crf.composer import ComposerConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    args = ComposerConfig(
+        output_dir=str(folder / "out"),
+        use_cpu=device == "cpu",
+        bf16=True,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        use_transformers_continuous_batching=True,
+        # a small paged cache: by default it takes a share of the device's free memory
+        transformers_continuous_batching_config={"num_blocks": 8, "page_size": 16},
+        report_to=[],
+        save_strategy="no",
+        **extra,
+    )
+    rows = [{"prompt": "ab="}, {"prompt": "ba="}] * 4
+    return cls(
+        model=model,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+    )
+
+
+def _generate(trainer: Any) -> list[list[int]]:
+    prompts = trainer.processing_class(text=["ab=", "ba="])["input_ids"]
+    completions, _ = trainer._generate_single_turn(prompts, None, {}, 1)
+    return completions
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    from tests.hub_models import save_tiny_repo
+
+    save_tiny_repo(tmp_path / "model")
+    return tmp_path / "model"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trls_continuous_batching_casts_the_model_in_place(folder: Path, device: str) -> None:
+    from trl import GRPOTrainer
+
+    trainer = _trainer(GRPOTrainer, folder, device)
+    assert len(_generate(trainer)) == 2
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_crf_generates_on_that_path_with_fp32_master_weights(folder: Path, device: str) -> None:
+    from crf.composer import ComposerReplicationTrainer
+
+    trainer = _trainer(ComposerReplicationTrainer, folder, device)
+    completions = _generate(trainer)
+    assert len(completions) == 2 and all(len(c) >= 1 for c in completions)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert trainer.args.bf16 is True  # the flag is back: training still autocasts to bf16
+    assert {p.device.type for p in trainer.model.parameters()} == {device}
+
+
+def test_a_cast_the_guard_cannot_prevent_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from crf.composer.generation import MasterWeightsCast, master_weights_kept
+
+    model = torch.nn.Linear(2, 2)
+    args = SimpleNamespace(bf16=True, fp16=False)
+    with pytest.raises(MasterWeightsCast, match="weight from torch.float32 to torch.bfloat16"):
+        with master_weights_kept(model, args):
+            model.to(torch.bfloat16)
+    assert args.bf16 is True
