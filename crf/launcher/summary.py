@@ -250,6 +250,9 @@ def build_summary(
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
     status, error = run_status(rows, metrics, cancelled=cancelled, error=error)
+    idle = None if resumed_from_round else never_exchanged(rows, metrics, spec.rounds)
+    if idle is not None and status == "ok":
+        status, error = "failed", idle
     problems = run_problems(rows, reported, metrics, spec.rounds)
     return {
         "run_id": spec.run_id,
@@ -303,6 +306,29 @@ def run_status(
         status = "failed"
         error = f"{error}; {diverged}" if error else diverged
     return status, error
+
+
+def never_exchanged(
+    rows: Sequence[Mapping[str, Any]],
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]],
+    rounds: int,
+) -> str | None:
+    """Why a run whose replicas all exited cleanly is still not ok: it asked for ``rounds``
+    exchange rounds and no replica committed one (no per-round record says so, no result
+    counts one). The usual cause is an ``--entrypoint`` (verl, PRIME-RL, a torchrun script)
+    that trains but never calls ``DiLoCoHook.step``, so its replicas trained alone. None when
+    some round was exchanged, or when a replica failed anyway (its own error says more)."""
+    if not rows or not all(row["ok"] for row in rows):
+        return None
+    if any(m.get("committed") for ms in metrics.values() for m in ms):
+        return None
+    if any((row.get("rounds_committed") or 0) > 0 for row in rows):
+        return None
+    return (
+        f"no round was exchanged: {len(rows)} replica(s) exited cleanly but none committed any "
+        f"of the {rounds} round(s) asked for; the entrypoint likely never calls "
+        "DiLoCoHook.step after its optimizer step (docs/integrations.md)"
+    )
 
 
 def run_problems(
