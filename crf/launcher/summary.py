@@ -249,10 +249,8 @@ def build_summary(
     ]
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
-    status, error = run_status(rows, metrics, cancelled=cancelled, error=error)
-    idle = None if resumed_from_round else never_exchanged(rows, metrics, spec.rounds)
-    if idle is not None and status == "ok":
-        status, error = "failed", idle
+    rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
+    status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
     problems = run_problems(rows, reported, metrics, spec.rounds)
     return {
         "run_id": spec.run_id,
@@ -292,13 +290,18 @@ def run_status(
     *,
     cancelled: bool,
     error: str | None,
+    rounds: int | None = None,
 ) -> tuple[str, str | None]:
     """The run's verdict and error (see :func:`build_summary`): a loss that went NaN/Inf
-    fails a run whatever its exit codes, and is added to the error."""
+    fails a run whatever its exit codes, and is added to the error; so does a run that asked
+    for ``rounds`` and exchanged none (:func:`never_exchanged`)."""
+    idle = never_exchanged(rows, metrics, rounds) if rounds is not None else None
     if cancelled:
         status = "cancelled"
     elif error is not None or not rows or not all(row["ok"] for row in rows):
         status = "failed"
+    elif idle is not None:
+        status, error = "failed", idle
     else:
         status = "ok"
     diverged = nonfinite_loss(rows, metrics)
