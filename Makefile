@@ -85,13 +85,13 @@ constraints: $(DEV_STAMP)
 
 # verl's adapter against the real verl 0.9.1, in a second venv (verl needs transformers<5.11
 # and Ray): tests/test_integrations_verl_real.py, with the stand-in tests beside it. verl's
-# trainer module also imports cachetools and uvicorn, which verl does not declare.
+# trainer module also imports cachetools, fastapi and uvicorn, which verl does not declare.
 VERL_VENV ?= .venv-verl
 VERL_STAMP = $(VERL_VENV)/.crf-verl
 
 $(VERL_STAMP): pyproject.toml
 	$(MAKE) $(VERL_VENV)/.crf-torch VENV=$(VERL_VENV)
-	$(VERL_VENV)/bin/python -m pip install -q -e . "verl==0.9.1" cachetools uvicorn \
+	$(VERL_VENV)/bin/python -m pip install -q -e . "verl==0.9.1" cachetools fastapi uvicorn \
 	  "pytest>=8" "pytest-timeout>=2.3"
 	touch $(VERL_STAMP)
 
