@@ -25,7 +25,8 @@ TORCH_INDEX_ARGS = if [ -n "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && $
     "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10).close()" \
     2>/dev/null; then echo "--index-url $(TORCH_INDEX)"; fi
 
-.PHONY: install install-dev demo test lint bench gpu-wheels gpu-check clean torch-index-args
+.PHONY: install install-dev demo test test-newest test-verl constraints lint bench gpu-wheels \
+  gpu-check clean torch-index-args
 
 $(TORCH_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,6 +69,36 @@ TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 600 -n $(TEST_WORKERS)
 
+# The suite on the newest releases crf accepts (pyproject's ranges, no constraints), in a
+# venv of its own so that .venv keeps the set CI tests.
+NEWEST_VENV ?= .venv-newest
+
+test-newest:
+	$(MAKE) test VENV=$(NEWEST_VENV)
+
+# The exact set an environment was tested with (constraints/ci.txt): `pip freeze` of VENV,
+# crf itself and torch's local build tag left out, for `pip install -c constraints/ci.txt`.
+constraints: $(DEV_STAMP)
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v -i '^composer-replication' \
+	  | sed 's/+cpu$$//' > constraints/ci.txt
+	@wc -l < constraints/ci.txt
+
+# verl's adapter against the real verl 0.9.1, in a second venv (verl needs transformers<5.11
+# and Ray): tests/test_integrations_verl_real.py, with the stand-in tests beside it. verl's
+# trainer module also imports cachetools, fastapi and uvicorn, which verl does not declare.
+VERL_VENV ?= .venv-verl
+VERL_STAMP = $(VERL_VENV)/.crf-verl
+
+$(VERL_STAMP): pyproject.toml
+	$(MAKE) $(VERL_VENV)/.crf-torch VENV=$(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q -e . "verl==0.9.1" cachetools fastapi uvicorn \
+	  "pytest>=8" "pytest-timeout>=2.3"
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout 600 \
+	  tests/test_integrations_verl_real.py tests/test_integrations_verl.py
+
 bench: $(DEV_STAMP)
 	$(BIN)/python bench/exchange.py
 
@@ -100,4 +131,4 @@ torch-index-args:
 	@$(TORCH_INDEX_ARGS)
 
 clean:
-	rm -rf $(VENV) crf-runs .pytest_cache
+	rm -rf $(VENV) $(NEWEST_VENV) $(VERL_VENV) crf-runs .pytest_cache

@@ -49,3 +49,18 @@ def test_fsdp_loop_through_the_hook_ends_bit_identical(tmp_path: Path) -> None:
 
 def _metrics(run: Path) -> list[str]:
     return [p.read_text() for p in sorted((run / "metrics").rglob("*.json"))]
+
+
+def test_an_optimizer_that_is_no_torch_optimizer_is_refused_in_one_line() -> None:
+    """e.g. PRIME-RL's CPU-offload optimizers, which wrap one: DiLoCo needs its step hooks."""
+    import torch
+
+    from crf.integrations.hook import DiLoCoHook
+
+    class CPUOffloadOptimizer:  # a wrapper with a step(), not a torch.optim.Optimizer
+        def step(self) -> None: ...
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer, got CPUOffloadOptim") as e:
+        DiLoCoHook(model, CPUOffloadOptimizer(), environ={})
+    assert "\n" not in str(e.value)

@@ -1,12 +1,15 @@
-"""crf.integrations.verl against verl's interface.
+"""crf.integrations.verl against verl's interface, with a stand-in for verl.
 
-verl 0.9.1 pins transformers<5.11 (ours is newer) and pulls Ray, so it is not installed here;
-these tests put a stand-in ``verl`` package on the path of a fresh interpreter that has what
-the adapter touches, as verl 0.9.1 has it: ``verl/__init__.py`` loading every entry point of
-the ``verl.plugins`` group, ``register_policy_loss`` / ``get_policy_loss_fn`` in
-``verl.trainer.ppo.core_algos``, and ``compute_policy_loss_vanilla`` (here a token-mean
-PPO-clip, the hand reference). crf's entry point comes from a dist-info beside it, written
-from pyproject.toml."""
+This is the stand-in half, run where verl is not installed (the main test environment; verl
+0.9.1 needs transformers<5.11 and Ray): a stand-in ``verl`` package, on the path of a fresh
+interpreter, with what the adapter touches as verl 0.9.1 has it: ``verl/__init__.py`` loading
+every entry point of the ``verl.plugins`` group, ``register_policy_loss`` /
+``get_policy_loss_fn`` in ``verl/trainer/ppo/core_algos.py``, and
+``compute_policy_loss_vanilla`` reading the actor config as verl 0.9.1's does
+(``clip_ratio``, ``clip_ratio_low``/``clip_ratio_high``, ``clip_ratio_c``,
+``global_batch_info``; a token-mean PPO-clip here, the hand reference). crf's entry point
+comes from a dist-info beside it, written from pyproject.toml. The same checks against the
+real verl 0.9.1 are tests/test_integrations_verl_real.py (``make test-verl``)."""
 
 from __future__ import annotations
 
@@ -48,9 +51,13 @@ def get_policy_loss_fn(name):
 def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
                                 loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
     ratio = torch.exp(log_prob - old_log_prob)
-    low, high = config.clip_ratio, config.clip_ratio
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    clip_c = config.get("clip_ratio_c", 3.0)
     losses = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - low, 1 + high))
+    losses = torch.where(advantages < 0, torch.minimum(losses, -advantages * clip_c), losses)
     m = response_mask.to(losses.dtype)
+    config.global_batch_info  # verl hands it to agg_loss; token-mean over one rank here
     return (losses * m).sum() / m.sum(), {"actor/pg_clipfrac": 0.0}
 """
 
@@ -85,7 +92,10 @@ def test_loss_mode_composer_works_after_import_verl_alone(tmp_path: Path) -> Non
         import verl
         from verl.trainer.ppo.core_algos import get_policy_loss_fn, compute_policy_loss_vanilla
         fn = get_policy_loss_fn("composer")
-        cfg = types.SimpleNamespace(clip_ratio=0.2)
+        class Cfg(dict):
+            __getattr__ = dict.__getitem__
+        cfg = Cfg(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                  global_batch_info={"dp_size": 1})
         g = torch.Generator().manual_seed(0)
         old = -torch.rand(2, 5, generator=g, dtype=torch.float64)
         new = (old + 0.3 * torch.randn(2, 5, generator=g, dtype=torch.float64)).requires_grad_()
@@ -124,7 +134,7 @@ def test_fold_distillation_adds_the_channel_to_response_tokens_only() -> None:
 @pytest.mark.parametrize(
     ("teacher", "message"),
     [
-        (None, "the batch has no 'crf_teacher_log_prob'"),
+        (None, "the batch has no 'ref_log_prob'"),
         (torch.zeros(1, 2), "has shape \\(1, 2\\)"),
     ],
 )
@@ -137,6 +147,33 @@ def test_fold_distillation_refuses_a_missing_or_misshapen_teacher(teacher, messa
         t[TEACHER_KEY] = teacher
     with pytest.raises(ValueError, match=message):
         fold_distillation(_batch(**t), 0.1)
+
+
+def test_the_trainer_subclass_folds_before_the_actor_update() -> None:
+    """composer_trainer_class over a base with verl's ``_update_actor(batch)``: the batch
+    the update gets has the channel folded in (alpha from the config's ``crf`` table)."""
+    from crf.integrations.verl import DISTILL_KEY, composer_trainer_class
+
+    seen = []
+
+    class Base:
+        def __init__(self, config: dict) -> None:
+            self.config = config
+
+        def _update_actor(self, batch):
+            seen.append(batch.batch["advantages"].clone())
+            return "updated"
+
+    cls = composer_trainer_class(Base)
+    old = torch.tensor([[-1.0, -2.0]])
+    batch = _batch(advantages=torch.zeros(1, 2), old_log_probs=old,
+                   response_mask=torch.ones(1, 2), ref_log_prob=old + 2.0)  # fmt: skip
+    assert cls({"crf": {"distill_alpha": 0.25}})._update_actor(batch) == "updated"
+    assert seen[0].tolist() == [[0.5, 0.5]] and DISTILL_KEY in batch.batch
+    plain = _batch(advantages=torch.zeros(1, 2), old_log_probs=old,
+                   response_mask=torch.ones(1, 2))  # fmt: skip
+    cls({})._update_actor(plain)  # alpha 0: verl's update, untouched, no teacher needed
+    assert seen[1].tolist() == [[0.0, 0.0]]
 
 
 def test_importing_without_verl_registers_nothing() -> None:

@@ -28,7 +28,9 @@ from crf.launcher.errors import LaunchError
 from crf.spec import RunSpec
 
 #: the user's script: imports a helper module from the workdir, writes into its cwd, and
-#: leaves what it saw as its result (results/<rank>.json) through fsspec
+#: leaves what it saw as its result (results/<rank>.json) through fsspec; it counts the one
+#: round it was asked for as committed, as a replica that exchanged does (a run in which no
+#: replica committed a round is not ok)
 TRAIN_PY = """\
 import hashlib, json, os, sys
 import fsspec
@@ -36,7 +38,8 @@ import helper
 from crf import layout
 open("written-by-replica.txt", "w").write("x")
 seen = {
-    "status": "ok", "cwd": os.getcwd(), "helper": helper.VALUE, "argv": sys.argv[1:],
+    "status": "ok", "rounds_committed": 1,
+    "cwd": os.getcwd(), "helper": helper.VALUE, "argv": sys.argv[1:],
     "files": sorted(os.listdir(".")),
     "secret_sha256": hashlib.sha256(os.environ.get("MY_SECRET", "").encode()).hexdigest(),
 }

@@ -103,9 +103,12 @@ def _local_part(x: Any) -> Any:
 
 class DiLoCoHook:
     """One process's part in a crf run, for a loop that calls :meth:`step` after each of
-    its optimizer steps (see the module docstring). Every rank of the replica makes one,
-    with its own (sharded) model and its own inner optimizer, and calls :meth:`close` at the
-    end (it is a collective across the replica's ranks)."""
+    its optimizer steps (see the module docstring). ``optimizer`` must be a
+    ``torch.optim.Optimizer`` (AdamW, SGD, Muon...): torchft's DiLoCo registers hooks on its
+    ``step``; a wrapper that is not one (e.g. PRIME-RL's ``CPUOffloadOptimizer``) is refused.
+    Every rank of the replica makes one, with its own (sharded) model and its own inner
+    optimizer, and calls :meth:`close` at the end (it is a collective across the replica's
+    ranks)."""
 
     def __init__(
         self,
@@ -114,6 +117,12 @@ class DiLoCoHook:
         *,
         environ: Mapping[str, str] | None = None,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"DiLoCoHook needs a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+                "torchft's DiLoCo runs its sync in that optimizer's step hooks; pass the inner "
+                "optimizer itself (e.g. turn off a framework's CPU-offload wrapper)"
+            )
         from torchft.local_sgd import DiLoCo
 
         store, spec, rank, world = ReplicaContext.read_contract(environ)

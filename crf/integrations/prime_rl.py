@@ -1,28 +1,45 @@
 """The composer loss as a PRIME-RL custom loss (``[trainer.loss] type = "custom"``).
 
-PRIME-RL calls the loss once per sample, as ``fn(inputs, **kwargs) -> LossOutputs(loss,
-metrics)``, where ``inputs`` carries 1-D per-token tensors of that sample:
+The contract, as PRIME-RL's ``src/prime_rl/trainer/rl/loss.py`` defines it (main at commit
+559b4477, 2026-08-21, version 0.8.0): ``compute_loss`` splits each packed micro-batch into its
+samples and calls the loss once per sample, as ``fn(inputs, **kwargs) -> LossOutputs(loss,
+metrics)``. ``inputs`` is a ``LossInputs`` of 1-D per-token float32 tensors of that sample:
 ``trainer_logprobs`` (with gradient), ``inference_logprobs`` (the rollout engine's),
-``reference_logprobs`` (or None), ``advantages``, ``loss_mask`` and ``loss_weights``. This
-module reads them by attribute name only, so it needs no PRIME-RL import to be tested.
+``ref_logprobs`` (the reference or teacher model's, or None), ``advantages``, ``loss_mask``
+(bool) and ``loss_weights`` (the rl weight stream, or None, which means 1.0 on every token).
+This module reads them by attribute name only, so it needs no PRIME-RL import to be tested.
 
 What :func:`composer_loss` computes, per token t of the sample:
 
 - the GRPO term ``-r_t · A_t`` with the importance ratio ``r_t = exp(trainer - inference)``,
   on the tokens of ``loss_mask`` whose ratio lies in ``[ratio_low, ratio_high]`` (DPPO-style:
   a token outside the band is masked out, not clipped);
-- channel 2, where the sample carries the teacher's log-probs of its tokens
-  (``reference_logprobs``, or the attribute named by ``teacher_attr``): the on-policy reverse
-  KL(student || teacher) in its sampled-token form, ``d_t = trainer_t - teacher_t`` as the
-  value and ``d_t · ∇ trainer_t`` as the gradient (the score-function gradient of the reverse
-  KL), weighted by ``distill_alpha``. The full-vocabulary forms of docs/composer.md (GKD's
-  JSD for beta in (0, 1), TAID, the entropy gate of entropy-aware OPD) need both models'
-  logits over the vocabulary, which the per-sample contract does not carry;
+- channel 2, where the sample carries the teacher's log-probs of its tokens (``ref_logprobs``,
+  or the attribute named by ``teacher_attr``): the on-policy reverse KL(student || teacher) in
+  its sampled-token form, ``d_t = trainer_t - teacher_t`` as the value and
+  ``d_t · ∇ trainer_t`` as the gradient (the score-function gradient of the reverse KL),
+  weighted by ``distill_alpha``. The full-vocabulary forms of docs/composer.md (GKD's JSD for
+  beta in (0, 1), TAID, the entropy gate of entropy-aware OPD) need both models' logits over
+  the vocabulary, which the per-sample contract does not carry;
 - channel 3 (replay) needs a chosen and a rejected sequence in one call; the contract hands
   the loss one sample, so ``replay_beta`` > 0 is refused (:func:`check_kwargs`).
 
-Each token's terms are weighted by ``loss_weights`` and summed: PRIME-RL puts its
-normalization (per token, per sequence) in those weights.
+Which samples have a teacher. PRIME-RL packs several samples into one micro-batch and, as
+soon as one of them carries reference log-probs, fills the others' with ``0.0`` on every
+token (``_materialize_bin`` in ``src/prime_rl/trainer/batch.py``); padding tokens get ``0.0``
+too (``pad_micro_batch``), behind a false ``loss_mask``. So a sample's teacher counts as
+absent when the attribute is None or when it is exactly ``0.0`` on every token of the
+sample's ``loss_mask``: a real teacher gives every sampled token a probability of exactly 1
+on no real sample, while the fill always does. Such a sample gets the GRPO term only, and
+``distill_samples`` (1 or 0 per sample) counts the ones that were taught. A single token
+whose reference is exactly ``0.0`` in a sample that has a teacher stays a teacher's token.
+
+Normalization. Each token's terms are multiplied by ``loss_weights`` (when given) and summed
+over the sample, as PRIME-RL's own default loss does; the loss does not divide. PRIME-RL
+divides outside the custom loss: ``compute_loss`` divides the summed rl losses by
+``rl_scale``, the global count of rl tokens (``loss_mask & (rl_weights != 0)``, or
+``loss_mask`` when there is no weight stream) over every micro-batch and data rank of the
+step. ``loss_weights`` is a per-token weight, 1.0 unless the sample's producer sent others.
 """
 
 from __future__ import annotations
@@ -40,7 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "ratio_low": 0.125,
     "ratio_high": 8.0,
     "distill_alpha": 0.0,
-    "teacher_attr": "reference_logprobs",
+    "teacher_attr": "ref_logprobs",
     "replay_beta": 0.0,
 }
 
@@ -103,31 +120,60 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return check_kwargs(loss.get("kwargs", {}))
 
 
+def _teacher(inputs: Any, attr: str, mask: torch.Tensor) -> torch.Tensor | None:
+    """The sample's teacher log-probs, None where it has none: the attribute is None, or
+    it is PRIME-RL's pack fill (exactly 0.0 on every token of ``mask``; module docstring)."""
+    if not hasattr(inputs, attr):
+        fields = ", ".join(vars(inputs))
+        raise ValueError(
+            f"crf composer loss: teacher_attr = {attr!r} is no field of PRIME-RL's LossInputs "
+            f"({fields}); its teacher log-probs are ref_logprobs"
+        )
+    teacher = getattr(inputs, attr)
+    if teacher is None:
+        return None
+    with torch.no_grad():
+        if not bool((teacher[mask] != 0).any()):
+            return None
+    return teacher
+
+
 def composer_loss(inputs: Any, **kwargs: Any) -> Any:
     """One sample's loss (see the module docstring) and its metrics."""
     kw = check_kwargs(kwargs)
     trainer = inputs.trainer_logprobs
+    dtype = trainer.dtype
     mask = inputs.loss_mask.to(torch.bool)
-    weights = inputs.loss_weights.to(trainer.dtype)
-    log_ratio = trainer - inputs.inference_logprobs.to(trainer.dtype)
+    weights = getattr(inputs, "loss_weights", None)
+    weights = None if weights is None else weights.to(dtype)  # None: 1.0 on every token
+    log_ratio = trainer - inputs.inference_logprobs.to(dtype)
     ratio = torch.exp(log_ratio)
     with torch.no_grad():
         in_band = (ratio >= kw["ratio_low"]) & (ratio <= kw["ratio_high"])
-    keep = (mask & in_band).to(trainer.dtype)
-    grpo = (-(ratio * inputs.advantages.to(trainer.dtype)) * keep * weights).sum()
+    keep = (mask & in_band).to(dtype)
+    per_token = -(ratio * inputs.advantages.to(dtype)) * keep
+    if weights is not None:
+        per_token = per_token * weights
+    grpo = per_token.sum()
     loss = grpo
     n_mask = mask.sum().clamp(min=1)
     metrics = {
         "grpo_loss": grpo.detach(),
         "masked_out_of_band": ((mask & ~in_band).sum() / n_mask).detach().to(torch.float32),
     }
-    teacher = getattr(inputs, kw["teacher_attr"], None)
-    if float(kw["distill_alpha"]) > 0 and teacher is not None:
-        diff = (trainer - teacher.to(trainer.dtype)).detach()
-        # value d_t, gradient d_t * grad(trainer_t)
-        per_token = diff + (trainer - trainer.detach()) * diff
-        w = mask.to(trainer.dtype) * weights
-        distill = (per_token * w).sum()
-        loss = loss + float(kw["distill_alpha"]) * distill
+    alpha = float(kw["distill_alpha"])
+    if alpha > 0:
+        teacher = _teacher(inputs, kw["teacher_attr"], mask)
+        distill = trainer.new_zeros(())
+        if teacher is not None:
+            diff = (trainer - teacher.to(dtype)).detach()
+            # value d_t, gradient d_t * grad(trainer_t)
+            per_token = (diff + (trainer - trainer.detach()) * diff) * mask.to(dtype)
+            if weights is not None:
+                per_token = per_token * weights
+            distill = per_token.sum()
+            loss = loss + alpha * distill
         metrics["distill_loss"] = distill.detach()
+        taught = float(teacher is not None)
+        metrics["distill_samples"] = torch.tensor(taught, device=trainer.device)
     return LossOutputs(loss=loss, metrics=metrics)

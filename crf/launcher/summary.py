@@ -249,7 +249,8 @@ def build_summary(
     ]
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
-    status, error = run_status(rows, metrics, cancelled=cancelled, error=error)
+    rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
+    status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
     problems = run_problems(rows, reported, metrics, spec.rounds)
     return {
         "run_id": spec.run_id,
@@ -289,13 +290,18 @@ def run_status(
     *,
     cancelled: bool,
     error: str | None,
+    rounds: int | None = None,
 ) -> tuple[str, str | None]:
     """The run's verdict and error (see :func:`build_summary`): a loss that went NaN/Inf
-    fails a run whatever its exit codes, and is added to the error."""
+    fails a run whatever its exit codes, and is added to the error; so does a run that asked
+    for ``rounds`` and exchanged none (:func:`never_exchanged`)."""
+    idle = never_exchanged(rows, metrics, rounds) if rounds is not None else None
     if cancelled:
         status = "cancelled"
     elif error is not None or not rows or not all(row["ok"] for row in rows):
         status = "failed"
+    elif idle is not None:
+        status, error = "failed", idle
     else:
         status = "ok"
     diverged = nonfinite_loss(rows, metrics)
@@ -303,6 +309,29 @@ def run_status(
         status = "failed"
         error = f"{error}; {diverged}" if error else diverged
     return status, error
+
+
+def never_exchanged(
+    rows: Sequence[Mapping[str, Any]],
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]],
+    rounds: int,
+) -> str | None:
+    """Why a run whose replicas all exited cleanly is still not ok: it asked for ``rounds``
+    exchange rounds and no replica committed one (no per-round record says so, no result
+    counts one). The usual cause is an ``--entrypoint`` (verl, PRIME-RL, a torchrun script)
+    that trains but never calls ``DiLoCoHook.step``, so its replicas trained alone. None when
+    some round was exchanged, or when a replica failed anyway (its own error says more)."""
+    if not rows or not all(row["ok"] for row in rows):
+        return None
+    if any(m.get("committed") for ms in metrics.values() for m in ms):
+        return None
+    if any((row.get("rounds_committed") or 0) > 0 for row in rows):
+        return None
+    return (
+        f"no round was exchanged: {len(rows)} replica(s) exited cleanly but none committed any "
+        f"of the {rounds} round(s) asked for; the entrypoint likely never calls "
+        "DiLoCoHook.step after its optimizer step (docs/integrations.md)"
+    )
 
 
 def run_problems(
