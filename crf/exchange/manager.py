@@ -235,7 +235,7 @@ class ObjectStoreManager:
         config = config or ExchangeConfig(**options)
         hooks = ExchangeHooks(
             on_phase=self._transfer_phase,
-            on_wait=self._serve_heal_requests if config.checkpoint_every > 1 else None,
+            on_wait=self._serve_heal_requests if config.checkpoint_period > 1 else None,
         )
         self.exchange = ObjectStoreAllReduce(store, world_size, rank, config, hooks)
         self.stats = ManagerStats()
