@@ -433,8 +433,9 @@ class RunSpec:
         why="global states are written every that many rounds",
         group=DILOCO,
         help="Write the global checkpoint (weights + outer momentum, ~3x the model) every "
-        "this many rounds, at the last round and when a replica needs one to heal; a "
-        "whole-run resume restarts from the newest.",
+        "this many rounds (outer rounds: with --fragments, after the last fragment's sync), "
+        "at the last round and when a replica needs one to heal; a whole-run resume "
+        "restarts from the newest.",
     )
     wire_dtype: str = option(
         "float32",

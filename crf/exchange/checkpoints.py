@@ -172,6 +172,9 @@ class Checkpoints:
         #: the training thread's part of the checkpoints, global and inner: waiting for the
         #: previous write from the buffers (back-pressure) and copying into them
         self.foreground_s = 0.0
+        #: the part of it spent waiting for the previous write (the writer is slower than
+        #: the rounds: the disk or the store's bandwidth, not the copy)
+        self.wait_s = 0.0
         self._keepalive = keepalive
         self._reject = on_reject
         #: global rounds whose state was refused (foreign, stale copy, corrupt): never
@@ -239,6 +242,7 @@ class Checkpoints:
         self._writing, previous = None, self._writing
         t0 = time.monotonic()
         self.writer.wait_for(previous)
+        self.wait_s += time.monotonic() - t0
         self.foreground_s += time.monotonic() - t0
 
     def due(self, r: int) -> bool:
@@ -477,7 +481,9 @@ class Checkpoints:
         self._inner_writing, previous = None, self._inner_writing
         t0 = time.monotonic()
         self.writer.wait_for(previous)
+        t1 = time.monotonic()
         snapshot = snapshot_tree(state, self._inner_buffers)
+        self.wait_s += t1 - t0
         self.foreground_s += time.monotonic() - t0
         meta = {
             "round": r,
