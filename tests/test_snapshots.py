@@ -187,3 +187,13 @@ def test_a_written_global_state_opens_with_load_file(tmp_path) -> None:
     assert torch.equal(on_disk["model/w"], w)
     assert ckpt.bytes_up == (tmp_path / layout.global_key(0)).stat().st_size
     assert torch.equal(ckpt.read_global(0)["model"]["w"], w)
+
+
+def test_an_inner_state_without_crc32s_loads_and_the_setting_is_restored() -> None:
+    """The writer leaves out torch's CRC-32s (crf's XXH3 covers the payload): torch.load reads
+    the bytes back exactly, and torch.save's process-wide setting is as it was after."""
+    snap = snapshot_tree(_adam_state(), HostBuffers())
+    before = torch.serialization.get_crc32_options()
+    data = b"".join(torch_save_parts(snap, crc32=False))
+    assert torch.serialization.get_crc32_options() == before
+    _same(snap, torch.load(io.BytesIO(data), weights_only=True))

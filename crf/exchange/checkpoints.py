@@ -495,7 +495,8 @@ class Checkpoints:
         horizon = r - self.exchange.config.keep_rounds * self.period
 
         def write() -> None:
-            parts = encode_blob_parts(torch_save_parts(snapshot), meta)
+            # the blob's XXH3 covers every byte: torch's own CRC-32 would be a second pass
+            parts = encode_blob_parts(torch_save_parts(snapshot, crc32=False), meta)
             self.store.put(layout.inner_key(self.rank, r), parts)
             self.inner_bytes_up += sum(memoryview(p).nbytes for p in parts)
             for old in layout.inner_rounds(self.store, self.rank):
