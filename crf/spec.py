@@ -433,8 +433,9 @@ class RunSpec:
         why="global states are written every that many rounds",
         group=DILOCO,
         help="Write the global checkpoint (weights + outer momentum, ~3x the model) every "
-        "this many rounds, at the last round and when a replica needs one to heal; a "
-        "whole-run resume restarts from the newest.",
+        "this many rounds (outer rounds: with --fragments, after the last fragment's sync), "
+        "at the last round and when a replica needs one to heal; a whole-run resume "
+        "restarts from the newest.",
     )
     wire_dtype: str = option(
         "float32",
@@ -652,8 +653,8 @@ class RunSpec:
         the periodic global states (a resume starts from one) and at the last round."""
         if not self.save_inner_state:
             return False
-        k = self.checkpoint_every
-        return k == 1 or (r + 1) % k == 0 or r >= self.exchange_rounds - 1
+        period = self.checkpoint_every * max(1, self.fragments)
+        return (r + 1) % period == 0 or r >= self.exchange_rounds - 1
 
     def validate(self) -> RunSpec:
         """SpecError naming the first option out of range (as its flag), else self. Each

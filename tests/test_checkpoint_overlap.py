@@ -83,10 +83,10 @@ def test_a_snapshot_waits_for_the_previous_write(monkeypatch: pytest.MonkeyPatch
 
     flatten = global_state.flatten
 
-    def counting_flatten(state: dict[str, Any]) -> global_state.FlatState:
+    def counting_flatten(state: dict[str, Any], *args: Any) -> global_state.FlatState:
         with lock:
             events.append(("snapshot", writes["n"]))
-        return flatten(state)
+        return flatten(state, *args)
 
     monkeypatch.setattr(global_state, "flatten", counting_flatten)
     store = _store_with_global_puts(slow_put)

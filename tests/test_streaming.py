@@ -103,7 +103,10 @@ def test_streaming_run_ends_identical_with_one_round_per_fragment_sync(tmp_path:
         assert quorum["participants"] == [0, 1]
         assert quorum["facts"]["fragment"] == r % F
         assert len({c["facts"] for c in quorum["contributions"].values()}) == 1
-    assert store.list("global") == [str(r) for r in range(ROUNDS * F)]
+    # --checkpoint-every counts outer rounds: a global state after each one's last fragment
+    assert store.list("global") == [str(r) for r in range(F - 1, ROUNDS * F, F)]
+    for r in range(N):  # and so do the inner states
+        assert layout.inner_rounds(store, r) == list(range(F - 1, ROUNDS * F, F))
     for ctx, _, _ in out:
         res = store.get_json(f"results/{ctx.rank}.json")
         assert res["rounds_committed"] == ROUNDS and res["syncs_committed"] == ROUNDS * F
@@ -115,15 +118,19 @@ def test_streaming_run_ends_identical_with_one_round_per_fragment_sync(tmp_path:
 
 
 def test_streaming_resume_mid_round_matches_uninterrupted(tmp_path: Path) -> None:
+    """Stopped after the first fragment's sync of outer round 1: the replicas resume from the
+    end of outer round 0 (the checkpoint's period is an outer round), run round 1 again and
+    end with the uninterrupted run's weights."""
     ref_store, ref_spec = new_run(tmp_path / "ref", fragments=F, fragment_sync_delay=DELAY)
     ref = run_threads(N, lambda r: train(ref_store, ref_spec, r))
     ref_state = ref[0][1].state_dict()
     store, spec = new_run(tmp_path / "cut", fragments=F, fragment_sync_delay=DELAY)
     stop = 3 * (H // F)  # after exchange round 2: fragment 0 of outer round 1
     run_threads(N, lambda r: train(store, spec, r, stop_at=stop))
+    assert layout.global_rounds(store) == [F - 1]
     out = run_threads(N, lambda r: train(store, spec, r))
     for ctx, model, start in out:
-        assert ctx.resumed_from == 2 and start == stop and ctx.resumed_inner
+        assert ctx.resumed_from == F - 1 and start == H and ctx.resumed_inner
         assert all(torch.equal(ref_state[k], v) for k, v in model.state_dict().items())
 
 

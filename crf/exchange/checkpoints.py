@@ -5,19 +5,22 @@ The manager (:class:`~crf.exchange.manager.ObjectStoreManager`) decides *when* (
 committed, a replica missed one, a replica restarts); this module knows *what* lies in the run
 folder and how it is checked:
 
-* ``global/<r>/state.safetensors``: the weights and outer-optimizer state after round ``r``,
-  written by the round's lowest participant every ``checkpoint_every`` rounds, at the last
-  round and on request; a safetensors file users can open (format: :mod:`crf.exchange.
-  global_state`). Its metadata names the run, the round and the model's layout under a
-  digest; one that is corrupt or from elsewhere is refused, reported, and never considered
-  again.
+* ``global/<r>/state.safetensors``: the weights and outer-optimizer state after exchange
+  round ``r``, written by the round's lowest participant every ``checkpoint_every`` outer
+  rounds (after the last fragment's sync), at the last round and on request; a safetensors
+  file users can open (format: :mod:`crf.exchange.global_state`). Its metadata names the
+  run, the round and the model's layout under a digest; one that is corrupt or from
+  elsewhere is refused, reported, and never considered again.
 * ``heal/<rank>.json``: a replica that missed a committed round and finds no global state new
   enough asks for one; whoever holds the newest state unwritten writes it.
 * ``replicas/<rank>/inner/<r>.pt``: a replica's inner-optimizer state (with fragments, also its
   local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``: a
   ``torch.save`` pickle in crf's checked blob container (only crf reads it).
 
-Writes run off the training thread when asked (:class:`CheckpointWriter`); the keys all come
+The training thread's part of a checkpoint is one copy into reused host buffers; the
+serialization, checksum and upload run off it when asked (:class:`CheckpointWriter`), from
+those buffers without copying them again (:mod:`crf.exchange.snapshots`). What an inner state
+holds: :mod:`crf.exchange.inner_state`. The keys all come
 from :mod:`crf.layout`. Why it works this way: docs/design.md, "DiLoCo manager"; the keys:
 docs/design.md, "The run folder".
 """
@@ -38,7 +41,9 @@ import torch
 
 from crf import layout
 from crf.exchange import global_state
-from crf.store import CorruptObjectError, ObjectNotFound, StoreError, decode_blob, encode_blob
+from crf.exchange.snapshots import HostBuffers, snapshot_tree, torch_save_parts
+from crf.store import CorruptObjectError, ObjectNotFound, StoreError
+from crf.store.codec import decode_blob, encode_blob_parts
 from crf.store.run_store import wait_until
 
 if TYPE_CHECKING:
@@ -149,6 +154,8 @@ class Checkpoints:
         self.writer = writer
         #: global/<r> is written every this many rounds, at ``final_round`` and on request
         self.checkpoint_every = config.checkpoint_every
+        #: exchange rounds per outer round: ``checkpoint_every`` counts outer rounds
+        self.fragments = config.fragments
         self.final_round: int | None = None
         #: how long a healing replica waits for a global state new enough
         self.heal_timeout_s = (
@@ -161,23 +168,42 @@ class Checkpoints:
         self.layout: str | None = None
         self.bytes_up = 0  # global states written
         self.bytes_down = 0  # global states read (healing, resuming)
+        self.inner_bytes_up = 0  # this replica's inner states written
+        #: the training thread's part of the checkpoints, global and inner: waiting for the
+        #: previous write from the buffers (back-pressure) and copying into them
+        self.foreground_s = 0.0
+        #: the part of it spent waiting for the previous write (the writer is slower than
+        #: the rounds: the disk or the store's bandwidth, not the copy)
+        self.wait_s = 0.0
         self._keepalive = keepalive
         self._reject = on_reject
         #: global rounds whose state was refused (foreign, stale copy, corrupt): never
         #: loaded again, as if they were not there
         self._bad: set[int] = set()
         self._owed: int | None = None  # a round whose global state this replica writes
-        # the newest global state not written (checkpoint_every > 1): served on request
+        # the newest global state not written (period > 1): served on request
         self._cached: tuple[int, global_state.FlatState] | None = None
         #: the last global snapshot's write: the next snapshot waits for it (one held at most)
         self._writing: Future | None = None
         self._cache_lock = threading.Lock()
-        # inner states serialized at a sync, held until the round's record is queued
+        #: where the global and the inner states are copied at a sync (snapshots.py)
+        self._global_buffers = HostBuffers()
+        self._inner_buffers = HostBuffers()
+        #: the last inner state's write: the next snapshot into the buffers waits for it
+        self._inner_writing: Future | None = None
+        # inner states copied at a sync, held until the round's record is queued
         self._held: list[Callable[[], None]] = []
 
     @property
     def rank(self) -> int:
         return self.exchange.rank
+
+    @property
+    def period(self) -> int:
+        """Exchange rounds from one periodic checkpoint to the next: ``checkpoint_every``
+        outer rounds, each ``fragments`` exchange rounds (the last fragment's sync ends
+        one)."""
+        return self.checkpoint_every * self.fragments
 
     # ------------------------------------------------------------------ writing global/<r>
     def owe(self, r: int) -> None:
@@ -199,9 +225,12 @@ class Checkpoints:
         with a background writer), else kept in memory so a heal request can still be served
         from it; either way the store's old rounds are collected."""
         due = self.due(r)
-        payload = global_state.flatten(state)
-        with self._cache_lock:
-            self._cached = None if due else (r, payload)
+        t0 = time.monotonic()
+        with self._global_buffers.lock:  # a cached state may be being served (a heal)
+            payload = global_state.flatten(state, self._global_buffers)
+            with self._cache_lock:
+                self._cached = None if due else (r, payload)
+        self.foreground_s += time.monotonic() - t0
         if due:
             self._writing = self.writer.submit(lambda: self.write_global(r, payload))
         else:
@@ -211,12 +240,16 @@ class Checkpoints:
         """Back-pressure before a new snapshot: wait for the previous global write (and the
         writes queued before it); a failed one goes to the writer's ``on_failure``."""
         self._writing, previous = None, self._writing
+        t0 = time.monotonic()
         self.writer.wait_for(previous)
+        self.wait_s += time.monotonic() - t0
+        self.foreground_s += time.monotonic() - t0
 
     def due(self, r: int) -> bool:
-        """Whether round r's global state is written (by its lowest participant)."""
-        k = self.checkpoint_every
-        if k == 1 or (r + 1) % k == 0:
+        """Whether exchange round r's global state is written (by its lowest participant):
+        at the end of every ``checkpoint_every``-th outer round, at the last round, and when
+        a replica asked for one."""
+        if (r + 1) % self.period == 0:
             return True
         if self.final_round is not None and r >= self.final_round:
             return True
@@ -231,11 +264,11 @@ class Checkpoints:
         safetensors object, its metadata naming the run, the round and the model's layout
         under a digest), remove the heal requests it serves and collect old rounds."""
         meta = {"round": r, "run_id": self.exchange.config.run_id, "layout": self.layout}
-        blob = global_state.encode(payload, meta)
+        parts = global_state.encode_parts(payload, meta)
         self._bad.discard(r)  # replaced by this one
-        self.store.put(layout.global_key(r), blob)
-        self.bytes_up += len(blob)
-        if self.checkpoint_every > 1:
+        self.store.put(layout.global_key(r), parts)
+        self.bytes_up += sum(memoryview(p).nbytes for p in parts)
+        if self.period > 1:
             for rank, target in self.heal_requests().items():
                 if target <= r:  # served: the asker loads global/<r> or newer
                     with contextlib.suppress(ObjectNotFound):
@@ -246,7 +279,7 @@ class Checkpoints:
         """The exchange's old rounds, then the globals of all but the last ``keep_rounds``
         checkpoint periods (a corrupt newest one falls back to an older one on resume)."""
         self.exchange.collect_garbage(r)
-        horizon = r - self.exchange.config.keep_rounds * self.checkpoint_every
+        horizon = r - self.exchange.config.keep_rounds * self.period
         rounds = layout.global_rounds(self.store)
         newest = max(rounds, default=None)
         for g in rounds:
@@ -268,23 +301,25 @@ class Checkpoints:
         """Called while the exchange waits for late replicas: if one asked for a global state
         and this replica holds the newest one unwritten, write it now (the asker is not in
         this round: without it, the round would wait for it until the deadline)."""
-        with self._cache_lock:
-            cached = self._cached
-            if cached is None:
-                return
+        # the buffers stay locked until written: the next snapshot overwrites them
+        with self._global_buffers.lock:
+            with self._cache_lock:
+                cached = self._cached
+                if cached is None:
+                    return
+                try:
+                    wanted = self.heal_requests()
+                except (StoreError, OSError) as e:
+                    log.debug("could not list heal requests: %s", e)
+                    return
+                if not any(t <= cached[0] for t in wanted.values()):
+                    return
+                self._cached = None
             try:
-                wanted = self.heal_requests()
+                self.write_global(*cached)
+                log.info("wrote global/%d for a replica that is healing", cached[0])
             except (StoreError, OSError) as e:
-                log.debug("could not list heal requests: %s", e)
-                return
-            if not any(t <= cached[0] for t in wanted.values()):
-                return
-            self._cached = None
-        try:
-            self.write_global(*cached)
-            log.info("wrote global/%d for a replica that is healing", cached[0])
-        except (StoreError, OSError) as e:
-            log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
+                log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
 
     # ------------------------------------------------------------------ reading global/<r>
     def latest_global(self) -> int | None:
@@ -354,7 +389,7 @@ class Checkpoints:
             return False
         if target <= base_round:
             return False
-        asked = self.checkpoint_every > 1 and self._newest() < target
+        asked = self.period > 1 and self._newest() < target
         if asked:  # global/ is written only every few rounds: ask for one
             body = {"rank": self.rank, "target": target, "round": r, "at": time.time()}
             self.store.put_json(layout.heal_key(self.rank), body)
@@ -415,12 +450,13 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ inner state
     def save_inner(self, r: int, state: Any, step: int) -> None:
-        """Save this replica's inner ``state`` after round ``r`` (for restarts): serialized
-        now, written by the writer (:meth:`inner_write`)."""
-        self.writer.submit(self.inner_write(r, state, step))
+        """Save this replica's inner ``state`` after round ``r`` (for restarts): copied now,
+        written by the writer (:meth:`inner_write`)."""
+        self.hold_inner(r, state, step)
+        self.release_inner()
 
     def hold_inner(self, r: int, state: Any, step: int) -> None:
-        """Serialize this replica's inner ``state`` after round ``r`` now (the weights change
+        """Copy this replica's inner ``state`` after round ``r`` now (the weights change
         with the next step), and hold its write until :meth:`release_inner`: the replica
         queues the round's record first, so a kill can never land a round's inner state
         without the record (a resume does not train that round again)."""
@@ -430,16 +466,25 @@ class Checkpoints:
         """Queue the held inner-state writes for the writer, in the order they were held."""
         held, self._held = self._held, []
         for write in held:
-            self.writer.submit(write)
+            self._inner_writing = self.writer.submit(write)
 
     def inner_write(self, r: int, state: Any, step: int) -> Callable[[], None]:
-        """Serialize this replica's inner ``state`` after round ``r`` now, and return the
-        write for the caller to submit to the writer when it is due (the replica queues its
-        round record first). One object per round: a resume needs the state of exactly
-        the newest global round, and global/<r> may be written after this replica already
-        saved r + 1; those older than ``keep_rounds`` checkpoint periods are deleted."""
-        buf = io.BytesIO()
-        torch.save(state, buf)
+        """Copy this replica's inner ``state`` after round ``r`` into the inner buffers now
+        (the training thread's only part: the previous write from them is waited for first),
+        and return the write - serialization, checksum, upload - for the caller to submit to
+        the writer when it is due (the replica queues its round record first). One object
+        per round: a resume needs the state of exactly the newest global round, and
+        global/<r> may be written after this replica already saved r + 1; those older than
+        ``keep_rounds`` checkpoint periods are deleted."""
+        if self._held:  # not written yet, and in the buffers this copy reuses
+            self.release_inner()
+        self._inner_writing, previous = None, self._inner_writing
+        t0 = time.monotonic()
+        self.writer.wait_for(previous)
+        t1 = time.monotonic()
+        snapshot = snapshot_tree(state, self._inner_buffers)
+        self.wait_s += t1 - t0
+        self.foreground_s += time.monotonic() - t0
         meta = {
             "round": r,
             "run_id": self.exchange.config.run_id,
@@ -447,11 +492,13 @@ class Checkpoints:
             "layout": self.layout,
             "step": step,
         }
-        payload = buf.getvalue()
-        horizon = r - self.exchange.config.keep_rounds * self.checkpoint_every
+        horizon = r - self.exchange.config.keep_rounds * self.period
 
         def write() -> None:
-            self.store.put(layout.inner_key(self.rank, r), encode_blob(payload, meta))
+            # the blob's XXH3 covers every byte: torch's own CRC-32 would be a second pass
+            parts = encode_blob_parts(torch_save_parts(snapshot, crc32=False), meta)
+            self.store.put(layout.inner_key(self.rank, r), parts)
+            self.inner_bytes_up += sum(memoryview(p).nbytes for p in parts)
             for old in layout.inner_rounds(self.store, self.rank):
                 if old <= horizon:
                     self.store.delete(layout.inner_key(self.rank, old))

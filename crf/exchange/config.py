@@ -97,6 +97,10 @@ class ExchangeConfig:
     #: global/<r> is written every this many rounds (and on demand): with more than one, a
     #: replica cannot rely on global/ to tell it is behind, so it looks at rounds/ too
     checkpoint_every: int = 1
+    #: exchange rounds per outer round (Streaming DiLoCo syncs one fragment per exchange
+    #: round): ``checkpoint_every`` counts outer rounds, so a checkpoint is taken after the
+    #: last fragment's sync
+    fragments: int = 1
     #: owners download their shard's parts while the quorum is open (default: on object
     #: stores, where that takes requests off the critical path; a local folder's reads are
     #: cheap and would only compete with the peers' writes)
@@ -113,6 +117,7 @@ class ExchangeConfig:
         _check_int("reduce_group_size", self.reduce_group_size, 0)
         _check_int("keep_rounds", self.keep_rounds, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 1)
+        _check_int("fragments", self.fragments, 1)
         _check_int("max_transfers", self.max_transfers, 1)
         if self.wire_dtype not in codec_names():  # looked up now: a codec registered late counts
             raise ValueError(f"wire_dtype must be one of {codec_names()}, got {self.wire_dtype!r}")
@@ -142,6 +147,11 @@ class ExchangeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
         return cls(**{**values, **overrides})
+
+    @property
+    def checkpoint_period(self) -> int:
+        """Exchange rounds from one periodic checkpoint to the next."""
+        return self.checkpoint_every * self.fragments
 
     def resolve(self, world_size: int, scheme: str, default_run_id: str) -> ExchangeConfig:
         """This config with every ``None`` chosen for ``world_size`` replicas on a store of

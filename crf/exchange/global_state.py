@@ -23,13 +23,16 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from crf import jsonsafe
 from crf.store import CorruptObjectError
 from crf.store.codec import checksum, raw_view
+
+if TYPE_CHECKING:
+    from crf.exchange.snapshots import HostBuffers
 
 #: the metadata entry holding the checksum; every other entry is covered by it
 DIGEST = "digest"
@@ -48,15 +51,23 @@ class FlatState:
     tree: str
 
 
-def flatten(state: dict[str, Any]) -> FlatState:
+def flatten(state: dict[str, Any], buffers: HostBuffers | None = None) -> FlatState:
     """Take ``state`` apart now (tensors copied to the CPU, no memory shared between them:
-    tied weights are saved twice, as safetensors requires)."""
+    tied weights are saved twice, as safetensors requires): into ``buffers``, reused from
+    one snapshot to the next (the training thread's one copy), or into new tensors."""
     tensors: dict[str, torch.Tensor] = {}
-    tree = _skeleton(state, (), tensors)
+    tree = _skeleton(state, (), tensors, buffers)
+    if buffers is not None:
+        buffers.settle()
     return FlatState(tensors, json.dumps(tree, sort_keys=False, allow_nan=False))
 
 
-def _skeleton(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
+def _skeleton(
+    obj: Any,
+    path: tuple[str, ...],
+    tensors: dict[str, torch.Tensor],
+    buffers: HostBuffers | None = None,
+) -> Any:
     """``obj`` as JSON with each tensor replaced by ``{"t": name}``. A dict is a list of
     [key, value] pairs (JSON keeps an int key apart from a str one), a list ``{"l": [...]}``,
     a tuple ``{"u": [...]}``, a plain value ``{"v": value}`` (a non-finite float
@@ -65,18 +76,21 @@ def _skeleton(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor])
         name = "/".join(path)
         if name in tensors:
             raise ValueError(f"global state: two tensors would be stored as {name!r}")
-        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
+        if buffers is not None:
+            tensors[name] = buffers.copy(name, obj)
+        else:
+            tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
         return {"t": name}
     if isinstance(obj, dict):
         items = []
         for k, v in obj.items():
             if not isinstance(k, str | int) or isinstance(k, bool):
                 raise TypeError(f"global state: key {k!r} at {'/'.join(path)} is not str/int")
-            items.append([k, _skeleton(v, (*path, str(k)), tensors)])
+            items.append([k, _skeleton(v, (*path, str(k)), tensors, buffers)])
         return {"d": items}
     if isinstance(obj, list | tuple):
         kind = "l" if isinstance(obj, list) else "u"
-        return {kind: [_skeleton(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]}
+        return {kind: [_skeleton(v, (*path, str(i)), tensors, buffers) for i, v in enumerate(obj)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"f": repr(obj)}
     if obj is None or isinstance(obj, bool | int | float | str):
@@ -114,15 +128,58 @@ def digest(meta: dict[str, str], tensors: dict[str, torch.Tensor], *, sha256: bo
 
 
 def encode(flat: FlatState, header: dict[str, Any]) -> bytes:
-    """The safetensors file of ``flat``; ``header`` (run id, round, layout) goes into its
-    metadata as JSON values, beside the tree and the digest."""
-    from safetensors.torch import save
+    """The safetensors file of ``flat`` as one bytes object (:func:`encode_parts`, joined)."""
+    return b"".join(encode_parts(flat, header))
 
+
+#: safetensors' names of the dtypes a state may hold
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def encode_parts(flat: FlatState, header: dict[str, Any]) -> list[Any]:
+    """The safetensors file of ``flat`` as parts: its header (``header`` - run id, round,
+    layout - goes into the metadata as JSON values, beside the tree and the digest), then
+    every tensor's own memory, unchanged (do not change the tensors until the parts are
+    written). The digest reads the tensors in place. The file is what the format specifies
+    (an 8-byte little-endian header length, the JSON header padded with spaces to a multiple
+    of 8, the tensors back to back, widest dtype first, then by name, as ``safetensors``
+    orders them so each is aligned), so ``safetensors.torch.load_file`` reads it."""
     meta = {k: jsonsafe.dumps(v) for k, v in header.items()}
     meta["format"] = FORMAT
     meta[TREE] = flat.tree
     meta[DIGEST] = digest(meta, flat.tensors)
-    return save(flat.tensors, metadata=meta)
+    order = sorted(flat.tensors, key=lambda n: (-flat.tensors[n].element_size(), n))
+    entries: dict[str, Any] = {"__metadata__": meta}
+    views, offset = [], 0
+    for name in order:
+        t = flat.tensors[name]
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"global state: {name} is {t.dtype}, which safetensors cannot hold")
+        view = raw_view(t)
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + view.nbytes],
+        }
+        offset += view.nbytes
+        if view.nbytes:
+            views.append(view)
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text, *views]
 
 
 def decode(data: bytes, *, where: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -16,8 +16,9 @@ exchange took - the difference is the overlap.
 gets ``False`` (DiLoCo then discards the round's inner steps) and heals from ``global/<r>``
 before its next round, so it rejoins with the same weights and outer momentum as everyone.
 The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``):
-the state is serialized at once (the weights change with the next inner step) and, with
-``async_checkpoints``, uploaded by a background writer so training does not wait for it;
+the state is copied at once (the weights change with the next inner step) and, with
+``async_checkpoints``, serialized and uploaded by a background writer so training does not
+wait for it;
 ``drain()`` waits for pending writes (a replica calls it before reporting its result). What
 lies in ``global/``, ``heal/`` and a replica's ``inner/``, and how it is checked, is
 :mod:`crf.exchange.checkpoints`; the manager decides when.
@@ -235,7 +236,7 @@ class ObjectStoreManager:
         config = config or ExchangeConfig(**options)
         hooks = ExchangeHooks(
             on_phase=self._transfer_phase,
-            on_wait=self._serve_heal_requests if config.checkpoint_every > 1 else None,
+            on_wait=self._serve_heal_requests if config.checkpoint_period > 1 else None,
         )
         self.exchange = ObjectStoreAllReduce(store, world_size, rank, config, hooks)
         self.stats = ManagerStats()
@@ -547,9 +548,10 @@ class ObjectStoreManager:
     def after_outer_step(self) -> None:
         """The round's lowest participant writes ``global/<r>`` when one is due (every
         ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to heal)
-        and collects garbage. The state is serialized now (the weights change with the next
-        inner step: one copy, the only part on the training thread); the encode and upload run
-        in the background with async_checkpoints, one at a time: a write still running at
+        and collects garbage. The state is copied now, into host buffers reused from round to
+        round (the weights change with the next inner step: one copy, the only part on the
+        training thread); the serialization, checksum and upload run in the background with
+        async_checkpoints, one at a time: a write still running at
         the next snapshot is waited for (blocked time). A state not written is kept in memory
         so a heal request can still be served from it."""
         r = self.checkpoints.take_owed()

@@ -292,7 +292,7 @@ class Membership(ExchangeState):
             # lags the others by more than keep_rounds (a straggler). A quorum decided now
             # would fork the weights; catch up instead.
             return newest
-        if self.config.checkpoint_every > 1:
+        if self.config.checkpoint_period > 1:
             # global/ is written only every few rounds: a later decided round shows just as
             # well that this replica lags the others
             return self._later_decided_round(r)

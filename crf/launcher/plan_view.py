@@ -81,7 +81,7 @@ def plan_rows(plan: Plan, bp: BackendPlan | None = None) -> Rows:
 
 def _schedule(spec: RunSpec) -> str:
     every = spec.checkpoint_every
-    tail = f", global state every {every} exchange rounds" if every > 1 else ""
+    tail = f", global state every {every} rounds" if every > 1 else ""
     return f"{spec.rounds} round(s) x {spec.sync_every} inner steps{tail}"
 
 

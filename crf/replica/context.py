@@ -33,6 +33,7 @@ import torch
 
 from crf import layout
 from crf.exchange import codecs as wirefmt
+from crf.exchange import inner_state
 from crf.exchange.allreduce import (
     NonFiniteError,
     describe_nonfinite,
@@ -454,21 +455,20 @@ class ReplicaContext:
         self.step = (latest + 1) * self.spec.sync_period
         try:
             # refused (reported in manager.rejected) or missing: started fresh
-            saved = manager.checkpoints.load_inner(latest)
-            # wrapped with fragments or a residual: {"inner_optimizer", "local_params",
-            # "error_feedback"}; else the optimizer's own state
-            inner_state = saved["inner_optimizer"] if "inner_optimizer" in saved else saved
+            saved = inner_state.split(manager.checkpoints.load_inner(latest))
             if self._split:  # also this replica's own (local) weights
+                if saved.local_params is None:
+                    raise KeyError("local_params")
                 params = dict(self.model.named_parameters())
                 with torch.no_grad():
-                    for name, value in saved["local_params"].items():
+                    for name, value in saved.local_params.items():
                         params[name].copy_(value)
             if self.local and self.local.refresh:  # FSDP: the full state, sent to the shards
-                self.local.refresh.inner_state = inner_state
+                self.local.refresh.inner_state = saved.optimizer
             else:
-                inner.load_state_dict(inner_state)
-            if "error_feedback" in saved:  # what the wire dropped, still to be resent
-                manager.exchange.load_error_feedback_state(saved["error_feedback"])
+                inner.load_state_dict(saved.optimizer)
+            if saved.error_feedback is not None:  # what the wire dropped, still to be resent
+                manager.exchange.load_error_feedback_state(saved.error_feedback)
             self.resumed_inner = True
         except (CorruptObjectError, ObjectNotFound, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
@@ -476,24 +476,19 @@ class ReplicaContext:
         self._beat(force=True)
 
     def _save_inner(self, r: int) -> None:
-        """Save this replica's inner-optimizer state after a committed round (for restarts).
-        With fragments, also its weights: only the fragment just synced is global, the others
-        hold this replica's local progress, which global/<r> does not have. With error
-        feedback (a sparse wire, ``--error-feedback``), also what the wire dropped, per
-        fragment: a restart or a resumed run resends it. Serialized now, written in the
-        background once the round's record is queued (``Checkpoints.hold_inner``)."""
+        """Save this replica's inner state after a committed round (for restarts; what it
+        holds: :mod:`crf.exchange.inner_state`): copied now, written in the background once
+        the round's record is queued (``Checkpoints.hold_inner``)."""
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
         refresh = self.local.refresh if self.local else None
-        state: Any = refresh.inner_state if refresh else self._inner.state_dict()
-        residual = self.manager.exchange.error_feedback_state()
-        if (self._split and self.model is not None) or residual:
-            state = {"inner_optimizer": state}
-        if self._split and self.model is not None:
-            local = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-            state["local_params"] = local
-        if residual:
-            state["error_feedback"] = residual
+        state = inner_state.compose(
+            refresh.inner_state if refresh else self._inner.state_dict(),
+            inner_state.trainable_weights(self.model)
+            if self._split and self.model is not None
+            else None,
+            self.manager.exchange.error_feedback_state(),
+        )
         self.manager.checkpoints.hold_inner(r, state, self.step)
 
     def _queue_unsaved(self) -> None:

@@ -184,9 +184,17 @@ def checksum() -> Any:
 
 def encode_blob(payload: bytes, meta: dict[str, Any] | None = None) -> bytes:
     """Wrap opaque bytes (e.g. a torch.save'd checkpoint) with a header and an XXH3-128."""
+    return b"".join(encode_blob_parts([payload], meta))
+
+
+def encode_blob_parts(payload: list[Any], meta: dict[str, Any] | None = None) -> list[Any]:
+    """The object of :func:`encode_blob` whose payload is the concatenation of the buffers
+    ``payload``, as buffers: the header, then ``payload`` itself (no copy; hashed in place),
+    for a store that writes them one after the other."""
     hbytes = jsonsafe.dumps(dict(meta or {}), sort_keys=True).encode()
-    digest = _digest(MAGIC, hbytes, payload)
-    return _FIXED.pack(BLOB_MAGIC, len(hbytes), len(payload), digest) + hbytes + payload
+    digest = _digest(MAGIC, hbytes, *payload)
+    size = sum(memoryview(p).nbytes for p in payload)
+    return [_FIXED.pack(BLOB_MAGIC, len(hbytes), size, digest) + hbytes, *payload]
 
 
 def decode_blob(data: bytes, *, where: str = "object") -> tuple[bytes, dict[str, Any]]:

@@ -1,0 +1,199 @@
+"""A checkpoint's snapshot and its serialization: the training thread copies into host buffers
+allocated once and reused; the writer serializes from them as parts (the buffers' own memory,
+no joined copy) into objects of the same format as before, so objects written before still
+load and the new ones load with the libraries (``safetensors.torch.load_file``, the old
+reader)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import torch
+from safetensors.torch import load_file, save
+
+from crf import layout
+from crf.exchange import global_state, inner_state
+from crf.exchange.allreduce import ObjectStoreAllReduce
+from crf.exchange.checkpoints import Checkpoints, CheckpointWriter
+from crf.exchange.config import ExchangeConfig
+from crf.exchange.snapshots import HostBuffers, snapshot_tree, torch_save_parts
+from crf.store import RunStore
+from crf.store.codec import decode_blob, encode_blob
+from tests.test_global_state import _same, _state
+
+
+def _adam_state() -> dict:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def test_buffers_are_allocated_once_and_reused() -> None:
+    """Two snapshots of a changing state: the second lands in the first one's memory (no new
+    allocation), and each holds the values of its own moment."""
+    buffers = HostBuffers()
+    w = torch.arange(6.0).reshape(2, 3)
+    first = global_state.flatten({"model": {"w": w}}, buffers)
+    ptr = first.tensors["model/w"].data_ptr()
+    assert torch.equal(first.tensors["model/w"], w)
+    assert first.tensors["model/w"].data_ptr() != w.data_ptr()  # a copy, not the tensor
+    w.add_(1)
+    second = global_state.flatten({"model": {"w": w}}, buffers)
+    assert second.tensors["model/w"].data_ptr() == ptr
+    assert torch.equal(second.tensors["model/w"], w)
+    assert buffers.nbytes == w.numel() * 4
+
+
+def test_a_snapshot_does_not_change_when_training_goes_on() -> None:
+    """An optimizer state copied into buffers: tensors and plain values (an lr scheduler edits
+    param_groups in place) keep the values they had at the copy."""
+    state = _adam_state()
+    snap = snapshot_tree(state, HostBuffers())
+    lr = state["param_groups"][0]["lr"]
+    state["param_groups"][0]["lr"] = 9.0
+    for s in state["state"].values():
+        s["exp_avg"].add_(1)
+    assert snap["param_groups"][0]["lr"] == lr
+    assert not any(
+        torch.equal(a["exp_avg"], b["exp_avg"])
+        for a, b in zip(snap["state"].values(), state["state"].values(), strict=True)
+    )
+
+
+def test_global_parts_are_a_safetensors_file_of_the_buffers() -> None:
+    """The parts are the header and the tensors' own memory; joined, safetensors loads them
+    (every dtype a state holds) and crf's reader gets the nested state back exactly."""
+    state = _state()
+    state["ints"] = torch.arange(5, dtype=torch.int64)
+    state["flags"] = torch.tensor([True, False])
+    state["empty"] = torch.empty(0)
+    flat = global_state.flatten(state, HostBuffers())
+    parts = global_state.encode_parts(flat, {"run_id": "t", "round": 2})
+    pointers = {t.data_ptr() for t in flat.tensors.values() if t.numel()}
+    views = [p for p in parts[1:] if isinstance(p, memoryview)]
+    assert len(views) == len(pointers)  # one part per tensor, none joined
+    data = b"".join(parts)
+    back, header = global_state.decode(data, where="x")
+    _same(state, back)
+    assert header == {"run_id": "t", "round": 2}
+    from safetensors.torch import load
+
+    loaded = load(data)
+    assert set(loaded) == set(flat.tensors)
+    assert all(torch.equal(loaded[k], v) for k, v in flat.tensors.items())
+
+
+def test_a_global_state_the_old_encoder_wrote_is_still_read() -> None:
+    """A file safetensors' own ``save`` built (how global states were written before) still
+    decodes, and the new file holds the same tensors and metadata."""
+    state = _state()
+    flat = global_state.flatten(state)
+    header = {"run_id": "t", "round": 3, "layout": "abc"}
+    meta = {k: global_state.jsonsafe.dumps(v) for k, v in header.items()}
+    meta["format"] = global_state.FORMAT
+    meta[global_state.TREE] = flat.tree
+    meta[global_state.DIGEST] = global_state.digest(meta, flat.tensors)
+    old = save(flat.tensors, metadata=meta)
+    back, got = global_state.decode(old, where="old")
+    _same(state, back)
+    assert got == header
+    new = global_state.encode(flat, header)
+    assert global_state.metadata(new) == global_state.metadata(old)
+
+
+def test_torch_save_parts_are_torch_saves_bytes_without_copying_the_tensors() -> None:
+    """Joined, the parts are byte for byte what torch.save writes; the tensors' bytes are
+    views of their own memory, so the writer never copies them."""
+    snap = snapshot_tree(_adam_state(), HostBuffers())
+    parts = torch_save_parts(snap)
+    buf = io.BytesIO()
+    torch.save(snap, buf)
+    assert b"".join(parts) == buf.getvalue()
+    big = [s["exp_avg_sq"] for s in snap["state"].values() if s["exp_avg_sq"].numel() >= 1024]
+    assert big
+    views = [p for p in parts if isinstance(p, memoryview)]
+    for t in big:  # the tensor's bytes are one part, in the tensor's memory
+        n = t.numel() * t.element_size()
+        assert any(
+            v.nbytes == n and torch.frombuffer(v, dtype=torch.uint8).data_ptr() == t.data_ptr()
+            for v in views
+        )
+    back = torch.load(io.BytesIO(b"".join(parts)), weights_only=True)
+    _same(snap, back)
+
+
+def _checkpoints(tmp_path, background: bool = False) -> Checkpoints:
+    store = RunStore(tmp_path.as_uri())
+    config = ExchangeConfig(run_id="run")
+    exchange = ObjectStoreAllReduce(store, 1, 0, config)
+    errors: list[BaseException] = []
+    ckpt = Checkpoints(exchange, CheckpointWriter(background, errors.append))
+    ckpt.layout = "L"
+    return ckpt
+
+
+def test_inner_states_are_written_from_the_buffers_and_the_old_format_still_loads(
+    tmp_path,
+) -> None:
+    """Inner states of three rounds through the background writer: each object holds its
+    round's values (a snapshot is not overwritten before its write), decodes with the old
+    reader (blob + torch.load), and one written the old way (torch.save into BytesIO,
+    encode_blob) still loads."""
+    ckpt = _checkpoints(tmp_path, background=True)
+    opt_state = _adam_state()
+    weights = {"w": torch.zeros(300)}
+    expect = {}
+    for r in range(3):
+        for s in opt_state["state"].values():
+            s["exp_avg"].add_(1.0)
+        weights["w"].add_(1.0)
+        expect[r] = (
+            {k: v["exp_avg"].clone() for k, v in opt_state["state"].items()},
+            weights["w"].clone(),
+        )
+        ckpt.hold_inner(r, inner_state.compose(opt_state, weights), step=r)
+        ckpt.release_inner()
+    ckpt.writer.drain()
+    for r in range(3):
+        saved = inner_state.split(ckpt.load_inner(r))
+        avgs, w = expect[r]
+        assert all(torch.equal(saved.optimizer["state"][k]["exp_avg"], v) for k, v in avgs.items())
+        assert torch.equal(saved.local_params["w"], w)
+        payload, meta = decode_blob(ckpt.store.get(layout.inner_key(0, r)))
+        assert meta["round"] == r and meta["step"] == r
+        torch.load(io.BytesIO(payload), weights_only=True)
+    # an inner state as it was written before
+    old = io.BytesIO()
+    torch.save(opt_state, old)
+    meta = {"round": 7, "run_id": "run", "rank": 0, "layout": "L", "step": 70}
+    ckpt.store.put(layout.inner_key(0, 7), encode_blob(old.getvalue(), meta))
+    saved = inner_state.split(ckpt.load_inner(7))
+    assert saved.local_params is None and saved.error_feedback is None
+    _same(opt_state, saved.optimizer)
+
+
+def test_a_written_global_state_opens_with_load_file(tmp_path) -> None:
+    """write_global on a file:// store: the file on disk is what safetensors' load_file
+    opens, with the buffers' values."""
+    ckpt = _checkpoints(tmp_path)
+    w = torch.randn(10, 10)
+    flat = global_state.flatten({"model": {"w": w}, "n": math.pi}, HostBuffers())
+    ckpt.write_global(0, flat)
+    on_disk = load_file(str(tmp_path / layout.global_key(0)))
+    assert torch.equal(on_disk["model/w"], w)
+    assert ckpt.bytes_up == (tmp_path / layout.global_key(0)).stat().st_size
+    assert torch.equal(ckpt.read_global(0)["model"]["w"], w)
+
+
+def test_an_inner_state_without_crc32s_loads_and_the_setting_is_restored() -> None:
+    """The writer leaves out torch's CRC-32s (crf's XXH3 covers the payload): torch.load reads
+    the bytes back exactly, and torch.save's process-wide setting is as it was after."""
+    snap = snapshot_tree(_adam_state(), HostBuffers())
+    before = torch.serialization.get_crc32_options()
+    data = b"".join(torch_save_parts(snap, crc32=False))
+    assert torch.serialization.get_crc32_options() == before
+    _same(snap, torch.load(io.BytesIO(data), weights_only=True))
