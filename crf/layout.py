@@ -387,7 +387,8 @@ class RoundMetrics(Record):
     rejected: list[Rejection] = field(default_factory=list)
     healed_from: int | None = None
     #: the exchange's seconds per phase of this round (crf.exchange.phases.PHASES: d2h,
-    #: encode, upload, wait, download, decode, h2d), summed over its syncs; {} in records
+    #: encode, upload, wait, download, decode, h2d), summed over its syncs, and ``snapshot``:
+    #: the checkpoint copies that blocked training since the previous record; {} in records
     #: written before the exchange timed its phases
     phases_s: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # the exchange's other facts

@@ -96,6 +96,11 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
     # each round's record carries its global model's eval loss; the figure shows it
     record = json.loads((run / "metrics" / "1" / "2.json").read_text())
     assert 0 < record["metrics"]["eval_loss"] < jm["eval_loss_initial"]
+    # ... and where its exchange's time went; the lowest participant's records also count
+    # the checkpoint snapshots on its training thread
+    assert {"encode", "upload", "download", "decode"} <= set(record["phases_s"]), record
+    writer = [json.loads((run / "metrics" / "0" / f"{r}.json").read_text()) for r in range(4)]
+    assert any(w["phases_s"].get("snapshot", 0) > 0 for w in writer), writer
     assert result["figure"] == str(run / "figure.png") and (run / "figure.png").stat().st_size
     # a replica's log: one line per round (what it learned, what the exchange cost), none of
     # torchft's per-sync lines at INFO, no known deprecation noise

@@ -5,7 +5,8 @@ parts up), so per-thread sums would count the same second twice. The clock times
 round's own thread: each second of its wall time goes to the innermost phase it is in (a
 nested phase pauses the one around it), and what no phase covers is the rest of the round's
 ``seconds``. The result's ``phases`` and a replica's round record (``phases_s``) carry the
-totals; ``bench/gpu.py`` reads them for its breakdown.
+totals; the record adds ``snapshot``, the training thread's checkpoint copies since the last
+record (``crf/exchange/checkpoints.py``); ``bench/gpu.py`` reads them for its breakdown.
 """
 
 from __future__ import annotations

@@ -195,6 +195,7 @@ class ReplicaContext:
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
         self._clock = TimeAccount()
+        self._snapshot_s = 0.0  # the manager's checkpoint snapshot seconds already reported
         self._pace = HeartbeatPace()
         #: writes heartbeats off the training thread while it trains (``diloco``)
         self._sender: HeartbeatSender | None = None
@@ -534,6 +535,13 @@ class ReplicaContext:
         # time: blocked in the manager vs the rest; the background transfer counts apart
         sync_s, transfer_s = self._clock.charge(m.blocked_s, m.transfer_s)
         F = self.spec.fragments
+        phases = dict(res.phases) if res else {}
+        # the training thread's checkpoint snapshots since the last record (the copy into the
+        # checkpoint's host buffers): the one part of a checkpoint that blocks training
+        snapshot_s = m.stats.ckpt_foreground_s - self._snapshot_s
+        self._snapshot_s = m.stats.ckpt_foreground_s
+        if snapshot_s > 0:
+            phases["snapshot"] = round(snapshot_s, 6)
         return {
             "round": e // F,
             "exchange_round": res.round if res else None,
@@ -548,7 +556,7 @@ class ReplicaContext:
             # objects this round left out or refused (m.rejected accumulates over the run)
             "rejected": self._syncs.new_rejections(m.rejected),
             "healed_from": m.last_healed_from,
-            "phases_s": dict(res.phases) if res else {},
+            "phases_s": phases,
         }
 
     def _check_weights_finite(self, r: int) -> None:
