@@ -147,11 +147,18 @@ def load_sft_rows(
     file has, format name) for all rows."""
     ds = _load(dataset, config, split)
     form, renames = sft_format(list(ds.column_names), columns, dataset)
+    copies: dict[str, str] = {}  # kept field -> the format's field that holds its column
     for field in keep:
         column = columns.get(field, field)
-        if column in ds.column_names:
+        if column in renames and renames[column] != field:
+            # the column is the format's already (GSM8K's ``answer`` mapped to completion):
+            # the kept field is a copy of it, so the format keeps its own name
+            copies[field] = renames[column]
+        elif column in ds.column_names:
             renames[column] = field
     ds = ds.select_columns(list(renames)).rename_columns(
         {c: f for c, f in renames.items() if c != f}
     )
+    for field, source in copies.items():
+        ds = ds.add_column(field, ds[source])
     return ds, form
