@@ -72,6 +72,7 @@ def check_inputs(spec: Any, *, local: bool) -> list[str]:
     splits = sample_splits(spec)
     for split in splits:
         check_rows(spec, split)
+    check_batch(spec)
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
     check_rewards_on(spec, splits)
@@ -381,6 +382,34 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
         {f: row.get(columns.get(f, f)) for f in FIELDS if columns.get(f, f) in row} for row in raw
     ]
     return Split(flag, name, rows)
+
+
+def check_batch(spec: Any) -> None:
+    """The composer job: every replica's share of --dataset holds at least one batch of
+    prompts (``prompts_per_step``). GRPO's sampler keeps only whole batches, so a smaller
+    share trains no step at all. Reads at most replicas x prompts_per_step rows."""
+    from crf.replica.data import _load, builder_of, is_local_folder
+    from crf.replica.jobs import job_config
+
+    if spec.job != "composer" or not spec.dataset:
+        return
+    if builder_of(spec.dataset) is None and not is_local_folder(spec.dataset):
+        return
+    per_step = int(job_config(spec.job, spec.job_config).prompts_per_step)
+    need = int(spec.replicas) * per_step
+    try:
+        ds = _load(spec.dataset, spec.dataset_config, spec.dataset_split, streaming=True)
+        rows = sum(1 for _ in ds.take(need))
+    except Exception:  # noqa: BLE001 - readable was checked before; nothing more to say
+        return
+    if rows < need:
+        fits = max(1, rows // int(spec.replicas))
+        raise LaunchError(
+            f"--dataset {spec.dataset} has {rows} row(s): each of {spec.replicas} replicas "
+            f"gets fewer than one batch of {per_step} prompts (prompts_per_step), and GRPO "
+            f"trains on whole batches only; add rows, lower --replicas, or --set "
+            f"prompts_per_step={fits}"
+        )
 
 
 def _column(spec: Any, fld: str) -> str:

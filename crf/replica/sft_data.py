@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from crf.replica.data import DataError, _load, _too_few, builder_of, is_local_folder
+from crf.replica.data import DataError, _load, _too_few, builder_of, is_local_folder, read_error
 
 #: the sft job's fields (``--column FIELD=COLUMN``): the formats', and ``answer`` (held-out
 #: rows scored by --reward)
@@ -109,8 +109,7 @@ def check_sft_dataset(
         first = list(ds.take(max(replicas, 4)))
         names = list(ds.column_names or (first[0].keys() if first else []))
     except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{what} {dataset} cannot be read: {reason}") from None
+        raise read_error(dataset, what, e) from None
     if len(first) < max(replicas, 1):
         if replicas:
             raise DataError(_too_few(dataset, len(first), replicas))
