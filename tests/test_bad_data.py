@@ -126,6 +126,10 @@ def _with_model(tiny: Path, tmp: Path, change: Callable[[Path], None] | None) ->
     return ["--model", _model(tiny, tmp, change)]
 
 
+RAISES = "def score(completions, **kw):\n    return [1 / 0 for _ in completions]\n"
+NAN = "def score(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+READS_SOLUTION = "def score(completions, solution, **kw):\n    return [1.0] * len(solution)\n"
+
 CONVERSATIONS = [
     {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]}
     for w in WORDS
@@ -201,13 +205,13 @@ CASES = [
          "no pad token and no EOS token"),
     # ---- the rewards, called on the sampled rows
     Case("reward-raises", lambda t, m: [*_composer(t), *_reward_module(
-         t, "rw_raises", "def score(completions, **kw):\n    return [1 / 0 for _ in completions]\n")],
+         t, "rw_raises", RAISES)],
          "--reward rw_raises:score raised ZeroDivisionError: division by zero"),
     Case("reward-returns-none", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_none", "def score(completions, **kw):\n    pass\n")],
          "--reward rw_none:score returned a null"),
     Case("reward-returns-nan", lambda t, m: [*_composer(t), *_reward_module(
-         t, "rw_nan", "def score(completions, **kw):\n    return [float('nan')] * len(completions)\n")],
+         t, "rw_nan", NAN)],
          "--reward rw_nan:score returned nan for row 0"),
     Case("reward-returns-none-per-row", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_nones", "def score(completions, **kw):\n    return [None] * len(completions)\n")],
@@ -219,7 +223,7 @@ CASES = [
          t, "rw_short", "def score(completions, **kw):\n    return [1.0]\n")],
          "returned 1 values on 8 row(s)"),
     Case("reward-reads-a-missing-column", lambda t, m: [*_composer(t), *_reward_module(
-         t, "rw_col", "def score(completions, solution, **kw):\n    return [1.0] * len(solution)\n")],
+         t, "rw_col", READS_SOLUTION)],
          "--reward rw_col:score raised TypeError"),
     Case("reward-module-syntax-error", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_syntax", "def score(completions, **kw)\n    return []\n")],
@@ -328,9 +332,9 @@ def test_an_unreachable_hub_repo_is_refused_on_the_local_backend(
 def test_a_cloud_backend_lists_an_unreachable_hub_repo_as_a_warning(tmp_path: Path) -> None:
     """The replicas of a cloud backend may reach what this machine cannot: the plan lists
     it, and does not refuse."""
-    from crf.launcher.plan import prepare
-
     from huggingface_hub import constants
+
+    from crf.launcher.plan import prepare
 
     saved = constants.ENDPOINT
     constants.ENDPOINT = f"http://127.0.0.1:{_closed_port()}"
