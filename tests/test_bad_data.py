@@ -352,3 +352,86 @@ def test_the_launch_error_is_crfs_own(tmp_path: Path) -> None:
 
     with pytest.raises(crf_pkg.LaunchError, match="is empty"):
         crf_pkg.dry_run(job="composer", dataset=_jsonl(tmp_path / "x.jsonl", []))
+
+
+# ---------------------------------------------------------------------- end to end
+SETUP_BUG = """
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    pass
+
+
+def run(ctx, cfg):
+    rows = [{"prompt": "ab="}]
+    return {"n": len(rows[0]["completion"])}  # the trainer's KeyError, raised while building
+"""
+
+TRAINING_BUG = """
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Config:
+    pass
+
+
+def run(ctx, cfg):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ctx.diloco(model, opt):
+        raise ValueError("row 3 has no label")  # in the first step, on every replica
+"""
+
+
+def _launch_job(tmp_path: Path, body: str, run_id: str) -> tuple[subprocess.CompletedProcess, dict]:
+    pkg = tmp_path / "wd" / "userjobs"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text(body)
+    base = tmp_path / "runs"
+    out = _cli("launch", "--store", str(base), "--run-id", run_id, "--replicas", "2",
+               "--job", "userjobs.job", "--workdir", str(tmp_path / "wd"), "-H", "2", "-r", "2",
+               "--max-restarts", "3", "--no-progress", "--timeout", "300",
+               env={"COLUMNS": "200", "CRF_LOG_LEVEL": "WARNING"})  # fmt: skip
+    return out, json.loads((base / run_id / "result.json").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_error_at_setup_fails_once_and_is_never_restarted(tmp_path: Path) -> None:
+    """The job's own code raises while it builds (what no check before launch can see): each
+    replica fails once, none is restarted, the run's reason is the error in one line, and
+    neither the summary nor the terminal shows a traceback."""
+    out, summary = _launch_job(tmp_path, SETUP_BUG, "setup-bug")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert summary["status"] == "failed" and summary["restarts"] == 0, summary
+    assert "failed at setup with KeyError: 'completion'" in summary["error"], summary["error"]
+    assert "a restart cannot fix it" in summary["error"]
+    assert "\n" not in summary["error"]
+    assert "Traceback" not in text
+    failed = [r for r in summary["replicas"] if r["state"] == "failed"]
+    assert failed and all(r["failure"] == "setup error" for r in failed), summary["replicas"]
+    for row in summary["replicas"]:
+        assert row["attempts"] == [] and row["restarts"] == 0, row
+        assert (row["rounds_committed"] or 0) == 0  # it never trained: 0 rounds, not 2/2
+    assert "failed at setup" in text and "0/2" in text
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_same_error_on_two_replicas_ends_the_run(tmp_path: Path) -> None:
+    """An error raised in training before the first committed round is restarted only until
+    it repeats (on the replica's restart or on the other replica): then the run ends with
+    that error as its reason, not after --max-restarts x replicas attempts."""
+    _, summary = _launch_job(tmp_path, TRAINING_BUG, "training-bug")
+    assert summary["status"] == "failed", summary
+    assert "ValueError: row 3 has no label" in summary["error"], summary["error"]
+    assert "a restart cannot fix it" in summary["error"]
+    assert summary["restarts"] <= 1, summary["restarts"]  # not 2 x --max-restarts 3

@@ -161,8 +161,8 @@ class Supervisor:
         if not isinstance(result, dict) or result.get("status") != "failed":
             return
         error = str(result.get("error") or "").strip()
-        if not error or int(result.get("rounds_committed") or 0) > 0:
-            return
+        if not error or result.get("transient") or int(result.get("rounds_committed") or 0):
+            return  # a store or network outage repeats too, and a restart may outlive it
         line = error.splitlines()[0]
         before = [r for r, seen in self.early_errors.items() if line in seen]
         self.early_errors.setdefault(rank, []).append(line)

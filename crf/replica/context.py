@@ -766,7 +766,7 @@ class ReplicaContext:
         self._beat(force=True)
 
     def fail(self, error: BaseException) -> None:
-        from crf.replica.failures import deterministic, failed_in
+        from crf.replica.failures import deterministic, failed_in, transient
 
         text = f"{type(error).__name__}: {error}"
         where, self.phase = self.phase, "failed"
@@ -779,6 +779,7 @@ class ReplicaContext:
             record = self.result_record("failed", text, {})
             record.traceback = "".join(traceback.format_exception(error))[-4000:]
             record.failed_in = failed_in(where)
+            record.transient = transient(error)
             # the driver leaves it down, whatever the exit code
             record.restartable = not self.deterministic_failure
             self.store.put_json(layout.result_key(self.rank), record.to_dict())
