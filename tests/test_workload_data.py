@@ -71,8 +71,9 @@ def test_empty_hint_values_are_dropped(tmp_path: Path) -> None:
 
 
 def _prepare(tmp_path: Path, **options) -> None:
-    prepare({"job": "composer", "replicas": 2, **options}, store=str(tmp_path / "runs"),
-            dry_run=True)  # fmt: skip
+    # 5 rows over 2 replicas: 2 prompts per step, so every share holds a whole GRPO batch
+    options = {"job": "composer", "replicas": 2, "job_config": {"prompts_per_step": 2}, **options}
+    prepare(options, store=str(tmp_path / "runs"), dry_run=True)
 
 
 def test_prepare_names_a_missing_column_and_lists_the_others(tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ class Split:
     dataset: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     form: str | None = None  # the sft job's format (prompt-completion, conversational, ...)
+    counted: int = 0  # the rows read (up to what check_batch needs)
 
 
 # ---------------------------------------------------------------------- entry point
@@ -72,7 +73,7 @@ def check_inputs(spec: Any, *, local: bool) -> list[str]:
     splits = sample_splits(spec)
     for split in splits:
         check_rows(spec, split)
-    check_batch(spec)
+    check_batch(spec, splits)
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
     check_rewards_on(spec, splits)
@@ -351,21 +352,68 @@ def sample_splits(spec: Any) -> list[Split]:
     return out
 
 
+def _jsonl_of(name: str, split: str) -> str | None:
+    """The local JSON-lines file a dataset split is (a .jsonl path, or a folder's
+    ``<split>.jsonl``), read here line by line: ``datasets`` takes a few tenths of a second
+    per load to resolve its builder, where a few lines take microseconds."""
+    if "://" in name:
+        return None
+    if name.lower().endswith(".jsonl") and os.path.isfile(name):
+        return name
+    path = os.path.join(name, f"{split}.jsonl")
+    if os.path.isdir(name) and os.path.isfile(path):
+        others = [f for f in os.listdir(name) if f.startswith(f"{split}.") or f"{split}-" in f]
+        return path if others == [f"{split}.jsonl"] else None  # shards: datasets decides
+    return None
+
+
+def first_rows(name: str, config: str | None, split: str, n: int) -> tuple[list[Any], list[str]]:
+    """(the first ``n`` rows of a split, its column names)."""
+    path = _jsonl_of(name, split)
+    if path is not None:
+        rows: list[Any] = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if len(rows) >= n:
+                        break
+        names = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
+        return rows, names
+    from crf.replica.data import _load
+
+    ds = _load(name, config, split, streaming=True)
+    rows = list(ds.take(n))
+    return rows, list(ds.column_names or (rows[0].keys() if rows else []))
+
+
+def _wanted(spec: Any, flag: str) -> int:
+    """Rows to read of a split: the sample, and (the composer's training split) one batch of
+    prompts per replica, counted for :func:`check_batch`."""
+    if spec.job != "composer" or flag != "--dataset":
+        return SAMPLE_ROWS
+    from crf.replica.jobs import job_config
+
+    per_step = int(job_config(spec.job, spec.job_config).prompts_per_step)
+    return max(SAMPLE_ROWS, int(spec.replicas) * per_step)
+
+
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
-    from crf.replica.data import FIELDS, _load
+    from crf.replica.data import FIELDS
 
     try:
-        ds = _load(name, config, split, streaming=True)
-        raw = list(ds.take(SAMPLE_ROWS))
+        every, names = first_rows(name, config, split, _wanted(spec, flag))
     except Exception as e:  # noqa: BLE001 - checked readable before; any reader error
         raise LaunchError(f"{flag} {name} cannot be read: {type(e).__name__}: {e}") from None
-    if not raw:
+    if not every:
         raise LaunchError(f"{flag} {name} has no rows: give a split with data")
+    if any(not isinstance(r, dict) for r in every):
+        raise LaunchError(f"{flag} {name}: every line must be a JSON object (a row)")
+    raw = every[:SAMPLE_ROWS]
     columns = dict(spec.columns)
     if spec.job == "sft":
         from crf.replica.sft_data import sft_format
 
-        names = list(ds.column_names or raw[0].keys())
         try:
             form, renames = sft_format(names, columns, name)
         except ValueError as e:
@@ -377,31 +425,25 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             if answer in row:
                 mapped["answer"] = row[answer]
             rows.append(mapped)
-        return Split(flag, name, rows, form)
+        return Split(flag, name, rows, form, len(every))
     rows = [
         {f: row.get(columns.get(f, f)) for f in FIELDS if columns.get(f, f) in row} for row in raw
     ]
-    return Split(flag, name, rows)
+    return Split(flag, name, rows, counted=len(every))
 
 
-def check_batch(spec: Any) -> None:
+def check_batch(spec: Any, splits: list[Split]) -> None:
     """The composer job: every replica's share of --dataset holds at least one batch of
     prompts (``prompts_per_step``). GRPO's sampler keeps only whole batches, so a smaller
-    share trains no step at all. Reads at most replicas x prompts_per_step rows."""
-    from crf.replica.data import _load, builder_of, is_local_folder
+    share trains no step at all (the sample counted up to replicas x prompts_per_step)."""
     from crf.replica.jobs import job_config
 
-    if spec.job != "composer" or not spec.dataset:
-        return
-    if builder_of(spec.dataset) is None and not is_local_folder(spec.dataset):
+    train = next((s for s in splits if s.flag == "--dataset"), None)
+    if spec.job != "composer" or train is None:
         return
     per_step = int(job_config(spec.job, spec.job_config).prompts_per_step)
     need = int(spec.replicas) * per_step
-    try:
-        ds = _load(spec.dataset, spec.dataset_config, spec.dataset_split, streaming=True)
-        rows = sum(1 for _ in ds.take(need))
-    except Exception:  # noqa: BLE001 - readable was checked before; nothing more to say
-        return
+    rows = train.counted
     if rows < need:
         fits = max(1, rows // int(spec.replicas))
         raise LaunchError(
