@@ -58,18 +58,43 @@ class Split:
 
 
 # ---------------------------------------------------------------------- entry point
-def check_inputs(spec: Any, *, local: bool) -> list[str]:
+@dataclass
+class Found:
+    """What the checks found that does not refuse the launch: ``warnings`` (a cloud
+    backend's Hub repos this machine cannot reach, for the plan's notes) and ``missing``
+    (a dry run on the local backend: a Hub repo it cannot reach, as missing access)."""
+
+    warnings: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     """Every check of this module for a plan's ``spec``; LaunchError (one line) for the
-    first problem, and the warnings a cloud backend's plan lists (what the launcher could
-    not reach). ``local``: the replicas run on this machine."""
+    first problem. ``local``: the replicas run on this machine, so an unreachable Hub repo
+    is refused (a dry run lists it with what is missing, as it lists credentials)."""
+    found = Found()
     if spec.entrypoint or spec.job not in ("composer", "sft"):
-        return []  # a custom job or entrypoint reads its data its own way
-    warnings: list[str] = []
+        return found  # a custom job or entrypoint reads its data its own way
     model = getattr(spec, "model", None)
+    hub = _hub_datasets(spec)
     if model:
-        warnings += check_model(model, spec, local=local)
-    for flag, name in _hub_datasets(spec):
-        warnings += check_reachable(name, "dataset", flag, local=local)
+        if os.path.isdir(model) or not _is_hub_id(model) or os.path.exists(model):
+            check_model(model, spec)
+        else:
+            hub.insert(0, ("--model", model))
+    for flag, name in hub:
+        kind = "model" if flag == "--model" else "dataset"
+        problem = hub_problem(name, kind, local=local)
+        if problem is None:
+            continue
+        if local and not dry_run:
+            raise LaunchError(f"{flag} {name}: {problem}")
+        if local:
+            found.missing.append(f"{flag} {name}: {problem}")
+        else:
+            found.warnings.append(
+                f"{flag} {name}: {problem} from this machine; the replicas must reach it"
+            )
     splits = sample_splits(spec)
     for split in splits:
         check_rows(spec, split)
@@ -77,7 +102,7 @@ def check_inputs(spec: Any, *, local: bool) -> list[str]:
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
     check_rewards_on(spec, splits)
-    return warnings
+    return found
 
 
 # ---------------------------------------------------------------------- reachability
@@ -95,20 +120,11 @@ def _hub_datasets(spec: Any) -> list[tuple[str, str]]:
     return out
 
 
-def check_reachable(name: str, kind: str, flag: str, *, local: bool) -> list[str]:
-    """Whether this machine can reach Hub ``kind`` (model or dataset) ``name``: LaunchError
-    on the local backend, a warning (returned) on a cloud one. A model in the local cache
-    counts as reachable (``from_pretrained`` falls back to it offline)."""
-    problem = hub_problem(name, kind)
-    if problem is None:
-        return []
-    if local:
-        raise LaunchError(f"{flag} {name}: {problem}")
-    return [f"{flag} {name}: {problem} from this machine; the replicas must reach it"]
-
-
-def hub_problem(name: str, kind: str) -> str | None:
-    """Why Hub repo ``name`` cannot be used from here (None: it answers, or is cached)."""
+def hub_problem(name: str, kind: str, *, local: bool = True) -> str | None:
+    """Why Hub repo ``name`` cannot be used from here (None: it answers, or is cached). A
+    model in the local cache counts as reachable (``from_pretrained`` falls back to it
+    offline). With ``HF_HUB_OFFLINE`` set, a cloud backend's repos are not asked for: the
+    user said this machine stays off the network, and its replicas are elsewhere."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -117,6 +133,8 @@ def hub_problem(name: str, kind: str) -> str | None:
         if isinstance(cached, str):
             return None
     if constants.HF_HUB_OFFLINE:
+        if not local:
+            return None
         return (
             f"HF_HUB_OFFLINE is set and the {kind} is not in this machine's Hub cache: "
             "unset it, or download it first (or pass a local folder)"
@@ -140,19 +158,17 @@ def hub_problem(name: str, kind: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- the model
-def check_model(model: str, spec: Any, *, local: bool) -> list[str]:
-    """A local ``--model`` folder's files (:func:`check_model_folder`), or a Hub id's
-    reachability; a path that is neither is refused."""
+def check_model(model: str, spec: Any) -> None:
+    """A local ``--model`` folder's files (:func:`check_model_folder`); a path that is no
+    folder is refused."""
     if os.path.isdir(model):
         check_model_folder(model, trust_remote_code=bool(getattr(spec, "trust_remote_code", 0)))
-        return []
+        return
     if os.path.exists(model):
         raise LaunchError(f"--model {model} is a file: give the model's folder or a Hub id")
-    if not _is_hub_id(model) or model.startswith(("/", "~")):
-        raise LaunchError(
-            f"--model {model}: no such folder here, and not a Hub id (org/name); check the path"
-        )
-    return check_reachable(model, "model", "--model", local=local)
+    raise LaunchError(
+        f"--model {model}: no such folder here, and not a Hub id (org/name); check the path"
+    )
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:

@@ -274,12 +274,13 @@ def prepare(
             check_job_run(spec, executor)
             rows = check_workload(spec)
             local = getattr(executor, "name", spec.backend) == "local"
-            reach = check_inputs(spec, local=local)  # a cloud backend's unreachable Hub repos
+            found = check_inputs(spec, local=local, dry_run=dry_run)  # data, model, rewards
+            missing += found.missing  # a dry run: a Hub repo this machine cannot reach
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
-            notes += reach
+            notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:

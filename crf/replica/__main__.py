@@ -119,14 +119,17 @@ def _train(ctx: Any) -> int:
             ctx.finish(metrics)
     # a job may raise anything: it is recorded (ctx.fail) and becomes the exit code
     except Exception as e:
-        if restart_cannot_help(e) or getattr(ctx, "deterministic_failure", False):
-            # one line: the error is in the run's input, and says it; the traceback is in
-            # results/<rank>.json (and at DEBUG) for whoever debugs the job itself
-            log.debug("replica failed", exc_info=True)
+        if restart_cannot_help(e):  # one line: the traceback adds nothing to what it says
+            log.error("replica failed, and a restart cannot fix it: %s", one_line(e))
+            return EXIT_UNRECOVERABLE
+        if getattr(ctx, "deterministic_failure", False):
+            # the run's input or the job's code: the traceback (the user's own frames) stays
+            # in this log for whoever fixes it; the driver's summary shows the one line
             log.error(
                 "replica failed%s, and a restart cannot fix it: %s",
                 " at setup" if getattr(ctx, "phase_failed_in", None) == "starting" else "",
                 one_line(e),
+                exc_info=True,
             )
             return EXIT_UNRECOVERABLE
         log.exception("replica failed")
