@@ -93,7 +93,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             found.missing.append(f"{flag} {name}: {problem}")
         else:
             found.warnings.append(
-                f"{flag} {name}: {problem} from this machine; the replicas must reach it"
+                f"{flag} {name}: not reached from this machine ({problem}); the "
+                f"{spec.backend} replicas must reach it themselves"
             )
     splits = sample_splits(spec)
     for split in splits:
@@ -128,10 +129,11 @@ def hub_problem(name: str, kind: str, *, local: bool = True) -> str | None:
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    if kind == "model":
-        cached = try_to_load_from_cache(name, "config.json")
-        if isinstance(cached, str):
-            return None
+    if kind == "model" and isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    folder = f"{kind}s--{name.replace('/', '--')}"  # the Hub cache's folder of the repo
+    if kind == "dataset" and os.path.isdir(os.path.join(constants.HF_HUB_CACHE, folder)):
+        return None  # downloaded before: datasets reads it offline
     if constants.HF_HUB_OFFLINE:
         if not local:
             return None
