@@ -195,15 +195,12 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
     config = _read_json(config_path, f"{flag}:")
     model_type = config.get("model_type")
     remote = trust_remote_code and "auto_map" in config
-    if not remote:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-        if model_type not in CONFIG_MAPPING_NAMES:
-            raise LaunchError(
-                f"{flag}: config.json's model_type {model_type!r} is unknown to this "
-                "transformers; fix config.json, upgrade transformers, or pass "
-                "--trust-remote-code for a model that ships its own code"
-            )
+    if not remote and not known_model_type(model_type):
+        raise LaunchError(
+            f"{flag}: config.json's model_type {model_type!r} is unknown to this "
+            "transformers; fix config.json, upgrade transformers, or pass "
+            "--trust-remote-code for a model that ships its own code"
+        )
     names = set(os.listdir(folder))
     if not names & set(TOKENIZER_FILES):
         raise LaunchError(
@@ -212,6 +209,24 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
         )
     check_weights(folder, names)
     check_vocab(folder, config)
+
+
+def known_model_type(model_type: Any) -> bool:
+    """Whether transformers knows ``model_type``: its ``transformers/models/<type>`` folder is
+    there (a directory lookup), else its auto mapping says so (an import that costs about a
+    second on a busy machine, paid only for a type without a folder of its name)."""
+    import importlib.util
+
+    if not isinstance(model_type, str) or not model_type:
+        return False
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin:
+        folder = os.path.join(os.path.dirname(spec.origin), "models", model_type.replace("-", "_"))
+        if os.path.isfile(os.path.join(folder, f"configuration_{model_type.replace('-', '_')}.py")):
+            return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
 
 
 def check_weights(folder: str, names: set[str]) -> None:
