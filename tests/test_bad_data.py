@@ -418,6 +418,7 @@ def test_an_error_at_setup_fails_once_and_is_never_restarted(tmp_path: Path) -> 
     assert "Traceback" not in text
     failed = [r for r in summary["replicas"] if r["state"] == "failed"]
     assert failed and all(r["failure"] == "setup error" for r in failed), summary["replicas"]
+    assert "Traceback" not in json.dumps(summary)  # the log keeps it, the summary does not
     for row in summary["replicas"]:
         assert row["attempts"] == [] and row["restarts"] == 0, row
         assert (row["rounds_committed"] or 0) == 0  # it never trained: 0 rounds, not 2/2

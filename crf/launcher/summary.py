@@ -153,7 +153,9 @@ def replica_row(
         reason = last_exception(log_tail)
         if reason:
             row["error"] = f"{row['error']}: {reason}"
-    if log_tail:
+    # a death's log tail is its only word; a replica that reported its error said it in
+    # one line, and its traceback stays in its log and results/<rank>.json
+    if log_tail and row["failure"] not in ("error", "setup error"):
         row["log_tail"] = list(log_tail)
     return row
 
@@ -528,8 +530,7 @@ def print_failures(summary: Mapping[str, Any], console: Console) -> None:
             console.print(f"    not restarted: {escape(row['not_restarted'])}", highlight=False)
         # an error the replica reported says it in one line (its traceback is in
         # results/<rank>.json); the log tail is for a death, which left no word
-        tail = [] if row.get("failure") in ("error", "setup error") else row.get("log_tail", [])
-        for line in tail:
+        for line in row.get("log_tail", []):
             console.print(Text(f"    {line}", style="dim"), soft_wrap=True)
         if row.get("log_path"):
             console.print(f"    log: {row['log_path']}", soft_wrap=True, highlight=False)
