@@ -29,6 +29,8 @@ _LAZY = {
     "compose_loss": "crf.composer",
     "DiLoCoCallback": "crf.composer",
     "RestartPolicy": "crf.launcher.plan",
+    # what launch/dry_run/resume raise for input a user can fix: one line that says how
+    "LaunchError": "crf.launcher.errors",
     # the SDK: what the CLI does, as functions that return typed objects
     "launch": "crf.sdk",
     "dry_run": "crf.sdk",

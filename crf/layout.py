@@ -442,6 +442,10 @@ class ResultRecord(Record):
     job_metrics: dict[str, Any] = field(default_factory=dict)
     traceback: str | None = None
     restartable: bool = True
+    #: where a failed replica was: ``setup`` (building data, model, trainer), ``training``...
+    failed_in: str | None = None
+    #: the error says the machine or the network failed (a restart may well succeed)
+    transient: bool = False
     #: what the replica ran with: torch / torchft / trl / transformers versions (crf.versions)
     versions: dict[str, str | None] = field(default_factory=dict)
     #: torch.cuda.is_available() in the replica (None: torch could not be imported)

@@ -45,7 +45,8 @@ def rows(out: str) -> dict[str, str]:
 
 def test_the_plan_shows_the_workload(no_account: Path) -> None:
     data = no_account / "train.jsonl"
-    data.write_text("".join(json.dumps({"q": f"{i}+1", "a": str(i + 1)}) + "\n" for i in range(8)))
+    # one batch of 8 prompts for each replica
+    data.write_text("".join(json.dumps({"q": f"{i}+1", "a": str(i + 1)}) + "\n" for i in range(32)))
     held = no_account / "held.jsonl"
     held.write_text(data.read_text())
     code, out = dry_run(

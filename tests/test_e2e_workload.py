@@ -66,7 +66,11 @@ def test_a_raising_reward_fails_the_replica_with_its_traceback(tmp_path: Path, m
 
     (tmp_path / "rev.jsonl").write_text(json.dumps({"prompt": "ab=", "answer": "ba"}) + "\n")
     (tmp_path / "badmod.py").write_text(
-        "def boom(completions, **kwargs):\n    raise KeyError('no_such_field')\n"
+        # right on the answers the check before launch passes it, wrong on generated text
+        "def boom(completions, answer, **kwargs):\n"
+        "    if completions != answer:\n"
+        "        raise KeyError('no_such_field')\n"
+        "    return [1.0] * len(completions)\n"
     )
     monkeypatch.chdir(tmp_path)
     summary = launch(

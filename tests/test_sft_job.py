@@ -290,3 +290,21 @@ def test_sft_across_two_local_ranks_matches_one(tmp_path: Path) -> None:
     assert weights[1].keys() == weights[2].keys()
     worst = max(float((weights[1][n] - weights[2][n]).abs().max()) for n in weights[1])
     assert worst < 1e-4, worst
+
+
+def test_held_out_keeps_the_mapping_when_the_answer_column_is_the_completion(
+    tmp_path: Path,
+) -> None:
+    """GSM8K's columns (question/answer) mapped to prompt/completion: the held-out split,
+    which also keeps ``answer`` for --reward, still has its completion."""
+    from crf.replica.sft_data import load_sft_rows
+
+    path = _jsonl(
+        tmp_path / "test.jsonl", [{"question": f"{w}=", "answer": w[::-1]} for w in WORDS]
+    )
+    columns = {"prompt": "question", "completion": "answer"}
+    ds, form = load_sft_rows(path, config=None, split="train", columns=columns, keep=("answer",))
+    assert form == "prompt-completion"
+    assert set(ds.column_names) == {"prompt", "completion", "answer"}
+    assert ds[0]["completion"] == ds[0]["answer"] == WORDS[0][::-1]
+    assert ds[0]["prompt"] == f"{WORDS[0]}="

@@ -181,7 +181,7 @@ def test_dry_run_shows_settings_and_warns_of_short_completions(
 ) -> None:
     data = _dataset(tmp_path, "abcd" * 10)
     base = ["launch", "--dataset", data, "--column", "prompt=q", "--reward", "exact_match",
-            "--store", tmp_path / "runs", "--dry-run"]  # fmt: skip
+            "--store", tmp_path / "runs", "--dry-run", "--set", "prompts_per_step=1"]  # fmt: skip
     toy = crf(*base)
     assert toy.exit_code == 0, toy.output
     flat = " ".join(toy.output.split())

@@ -71,8 +71,14 @@ def test_empty_hint_values_are_dropped(tmp_path: Path) -> None:
 
 
 def _prepare(tmp_path: Path, **options) -> None:
-    prepare({"job": "composer", "replicas": 2, **options}, store=str(tmp_path / "runs"),
-            dry_run=True)  # fmt: skip
+    # 5 rows over 2 replicas: 2 prompts per step, so every share holds a whole GRPO batch
+    fits = (
+        {"job_config": {"prompts_per_step": 2}}
+        if options.get("job", "composer") == "composer"
+        else {}
+    )
+    options = {"job": "composer", "replicas": 2, **fits, **options}
+    prepare(options, store=str(tmp_path / "runs"), dry_run=True)
 
 
 def test_prepare_names_a_missing_column_and_lists_the_others(tmp_path: Path) -> None:
@@ -109,7 +115,8 @@ def test_prepare_names_an_unreadable_file(tmp_path: Path) -> None:
 def test_prepare_makes_a_local_path_absolute(tmp_path: Path, monkeypatch) -> None:
     _write(str(tmp_path / "d.jsonl"), "jsonl")
     monkeypatch.chdir(tmp_path)
-    plan = prepare({"dataset": "d.jsonl", "columns": MAP}, store=str(tmp_path / "r"),
+    plan = prepare({"dataset": "d.jsonl", "columns": MAP, "replicas": 2,
+                    "job_config": {"prompts_per_step": 2}}, store=str(tmp_path / "r"),
                    dry_run=True)  # fmt: skip
     assert plan.spec.dataset == str(tmp_path / "d.jsonl")
 
@@ -139,7 +146,7 @@ def test_cli_flags_column_and_reward_reach_the_checks(tmp_path: Path) -> None:
     path = _write(str(tmp_path / "d.jsonl"), "jsonl")
     args = ["launch", "--dry-run", "--store", str(tmp_path / "r"), "--dataset", path,
             "--column", "prompt=q", "--reward", "exact_match=2",
-            "--reward", "format:^a"]  # fmt: skip
+            "--reward", "format:^a", "--set", "prompts_per_step=2"]  # fmt: skip
     bad = CliRunner().invoke(app, args)
     assert bad.exit_code != 0 and "no column 'answer'" in bad.output, bad.output
     ok = CliRunner().invoke(app, [*args, "--column", "answer=sol"])

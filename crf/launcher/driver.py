@@ -245,6 +245,8 @@ def run(
         sup.stopped = True
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         plan.executor.cancel_all(sup.handles)
+    if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
+        error = sup.fatal
     return finish_run(
         plan.spec,
         plan.store,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor, resolve_procs_per_replica
+from crf.launcher.data_checks import check_inputs
 from crf.launcher.errors import LaunchError
 from crf.launcher.user_env import check_reserved, resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
@@ -138,6 +139,12 @@ def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
         raise LaunchError(f"job {job!r} cannot be loaded ({e}); is crf fully installed?") from None
     except (TypeError, ValueError) as e:
         raise LaunchError(str(e)) from None
+    except Exception as e:  # a module-path job failing at import: a SyntaxError, its own code
+        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise LaunchError(
+            f"job {job!r}: importing it raised {type(e).__name__}: "
+            f"{getattr(e, 'msg', None) or e}{where}; fix the module"
+        ) from None
     # Keep only what the user set (coerced to the option's type): the replica applies the
     # job's defaults itself, and run.json stays readable.
     return {k: getattr(cfg, k, v) for k, v in options.items()}
@@ -266,10 +273,14 @@ def prepare(
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
+            local = getattr(executor, "name", spec.backend) == "local"
+            found = check_inputs(spec, local=local, dry_run=dry_run)  # data, model, rewards
+            missing += found.missing  # a dry run: a Hub repo this machine cannot reach
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
+            notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:

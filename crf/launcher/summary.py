@@ -143,13 +143,34 @@ def replica_row(
         row["not_restarted"] = not_restarted
     if data.get("restartable") is False:  # e.g. the replicas disagree on the model
         row["restartable"] = False
+    row["failed_in"] = data.get("failed_in")
+    row["failure"] = failure_kind(res, data)
+    # committed rounds: over all attempts from the per-round metrics; without any, what the
+    # last attempt reported (a replica that never trained committed nothing)
+    if metrics is not None and (metrics or restarts):
+        row["rounds_trained"] = sum(1 for m in metrics if m.get("committed"))
     if res.result is None and row["error"] and log_tail:  # it died without saying why
         reason = last_exception(log_tail)
         if reason:
             row["error"] = f"{row['error']}: {reason}"
-    if log_tail:
+    # a death's log tail is its only word; a replica that reported its error said it in
+    # one line, and its traceback stays in its log and results/<rank>.json
+    if log_tail and row["failure"] not in ("error", "setup error"):
         row["log_tail"] = list(log_tail)
     return row
+
+
+def failure_kind(res: ReplicaResult, data: Mapping[str, Any]) -> str | None:
+    """How a replica's last attempt ended when not ok: ``error`` (it raised, and said so in
+    its result: the input or the code; ``setup error`` before it trained), ``death`` (no
+    word from it: killed, preempted, OOM-killed, its container lost), ``cancelled``."""
+    if res.ok:
+        return None
+    if res.state is ReplicaState.CANCELLED:
+        return "cancelled"
+    if data.get("status") == "failed" and data.get("error"):
+        return "setup error" if data.get("failed_in") == "setup" else "error"
+    return "death"
 
 
 def _mean(values: Sequence[Any]) -> float | None:
@@ -391,6 +412,8 @@ def _exit_text(row: dict[str, Any]) -> Text:
         return Text("cancelled", style="yellow")
     if state == ReplicaState.SUCCEEDED:  # exited 0 but reported failure
         return Text(f"failed (reported, exit {code})", style="bold red")
+    if row.get("failure") == "setup error":
+        return Text(f"failed at setup ({code})", style="bold red")
     return Text(f"failed ({code})" if code is not None else "failed", style="bold red")
 
 
@@ -398,10 +421,9 @@ def _rounds_text(row: dict[str, Any], rounds: Any) -> str:
     """Committed rounds: the replica's own count, or - when it ran in several attempts (a
     restart, a resume) - the whole run's count from its per-round metrics."""
     committed = row.get("rounds_committed")
-    missed = row.get("rounds_missed")
     several = row.get("restarts") or row.get("resumed_from") is not None
-    if several and isinstance(missed, list) and isinstance(rounds, int):
-        committed = rounds - len(missed)
+    if several and isinstance(row.get("rounds_trained"), int):
+        committed = row["rounds_trained"]
     return f"{committed}/{rounds}" if committed is not None else "-"
 
 
@@ -535,6 +557,8 @@ def print_failures(summary: Mapping[str, Any], console: Console) -> None:
         )
         if row.get("not_restarted"):
             console.print(f"    not restarted: {escape(row['not_restarted'])}", highlight=False)
+        # an error the replica reported says it in one line (its traceback is in
+        # results/<rank>.json); the log tail is for a death, which left no word
         for line in row.get("log_tail", []):
             console.print(Text(f"    {line}", style="dim"), soft_wrap=True)
         if row.get("log_path"):
@@ -583,8 +607,9 @@ def verdict_parts(summary: Mapping[str, Any]) -> list[str]:
             parts.append("[yellow]not every replica reported its weights hash[/]")
     if summary.get("error"):
         parts.append(f"[red]{escape(summary['error'])}[/]")
-    if summary.get("fatal_error"):
-        parts.append(f"[red]a restart cannot fix it: {escape(summary['fatal_error'])}[/]")
+    fatal = summary.get("fatal_error")
+    if fatal and fatal.split(": ", 1)[-1] not in str(summary.get("error") or ""):
+        parts.append(f"[red]a restart cannot fix it: {escape(fatal)}[/]")
     return parts
 
 

@@ -73,6 +73,11 @@ class Supervisor:
         self.attempts: dict[int, list[dict[str, Any]]] = {h.rank: [] for h in handles}
         self.not_restarted: dict[int, str] = {}
         self.stopped = False  # set once the driver cancels the run: no more restarts
+        #: the errors (``Type: message``) each rank failed with before its first committed
+        #: round, over its attempts: one seen twice is a bug, not a death
+        self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
+        #: the run's one-line reason when an early error ended it (None: it did not)
+        self.fatal: str | None = None
 
     @property
     def total_restarts(self) -> int:
@@ -80,6 +85,8 @@ class Supervisor:
 
     def _why_not(self, rank: int, status: ReplicaStatus) -> str | None:
         policy = self.plan.restart
+        if self.fatal is not None and self.stopped:
+            return "a restart cannot fix its error (the run stopped)"
         if self.stopped:
             return "the run is being stopped"
         if status.exit_code in NO_RESTART_EXIT_CODES:
@@ -112,6 +119,7 @@ class Supervisor:
             return status
         if status.state is not ReplicaState.FAILED or handle.rank in self.not_restarted:
             return status
+        self._judge_early_error(handle.rank)
         reason = self._why_not(handle.rank, status)
         if reason is not None:
             self.not_restarted[handle.rank] = reason
@@ -139,6 +147,41 @@ class Supervisor:
             "from the newest global state[/]"
         )
         return executor.status(new)
+
+    def _judge_early_error(self, rank: int) -> None:
+        """End the run at once when replica ``rank`` failed before its first committed round
+        with an error that a restart cannot fix: one it says is deterministic (raised in
+        setup, crf/replica/failures.py), or one whose type and message another replica, or
+        its own earlier attempt, failed with before. Deaths (no result, or a transient
+        error) restart as the policy allows."""
+        try:
+            result = self.plan.store.get_json(layout.result_key(rank))
+        except Exception:  # noqa: BLE001 - none: it died without a word (killed, OOM, lost)
+            return
+        if not isinstance(result, dict) or result.get("status") != "failed":
+            return
+        error = str(result.get("error") or "").strip()
+        if not error or result.get("transient") or int(result.get("rounds_committed") or 0):
+            return  # a store or network outage repeats too, and a restart may outlive it
+        line = error.splitlines()[0]
+        before = [r for r, seen in self.early_errors.items() if line in seen]
+        self.early_errors.setdefault(rank, []).append(line)
+        setup = result.get("failed_in") == "setup" and result.get("restartable") is False
+        if not setup and not before:
+            return
+        where = "at setup" if result.get("failed_in") == "setup" else "before its first round"
+        also = [r for r in before if r != rank]
+        again = " (again)" if rank in before else ""
+        others = f"; replica(s) {', '.join(map(str, also))} too" if also else ""
+        self.fatal = (
+            f"replica {rank} failed {where}{again} with {line}{others}: a restart cannot fix "
+            "it, so the run stopped; fix the input and launch again"
+        )
+        self.stopped = True
+        self._say(f"[red]{escape(self.fatal)}[/]")
+        others_running = [h for h in self.handles if h.rank != rank]
+        with contextlib.suppress(Exception):  # the run ends either way; cancel is best effort
+            self.plan.executor.cancel_all(others_running)
 
     def _record(
         self, handle: ReplicaHandle, status: ReplicaStatus, heartbeat: layout.Heartbeat | None

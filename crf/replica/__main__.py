@@ -107,6 +107,7 @@ def _local_rank() -> int:
 def _train(ctx: Any) -> int:
     """Run the job in ``ctx``; the exit code."""
     from crf.exchange.manager import restart_cannot_help
+    from crf.replica.failures import one_line
     from crf.replica.jobs import get_job, job_config
 
     log = logging.getLogger("crf.replica")
@@ -119,7 +120,17 @@ def _train(ctx: Any) -> int:
     # a job may raise anything: it is recorded (ctx.fail) and becomes the exit code
     except Exception as e:
         if restart_cannot_help(e):  # one line: the traceback adds nothing to what it says
-            log.error("replica failed, and a restart cannot fix it: %s: %s", type(e).__name__, e)
+            log.error("replica failed, and a restart cannot fix it: %s", one_line(e))
+            return EXIT_UNRECOVERABLE
+        if getattr(ctx, "deterministic_failure", False):
+            # the run's input or the job's code: the traceback (the user's own frames) stays
+            # in this log for whoever fixes it; the driver's summary shows the one line
+            log.error(
+                "replica failed%s, and a restart cannot fix it: %s",
+                " at setup" if getattr(ctx, "phase_failed_in", None) == "starting" else "",
+                one_line(e),
+                exc_info=True,
+            )
             return EXIT_UNRECOVERABLE
         log.exception("replica failed")
         return 1

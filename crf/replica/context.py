@@ -43,7 +43,6 @@ from crf.exchange.codecs import compression as wire_compression
 from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import (
     ObjectStoreManager,
-    restart_cannot_help,
     turn_off_bucketization,
 )
 from crf.executors.process import process_started_at
@@ -190,6 +189,9 @@ class ReplicaContext:
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
+        #: set by fail(): the error would be raised again on a restart (failures.py)
+        self.deterministic_failure = False
+        self.phase_failed_in: str | None = None
         self.last_loss: float | None = None
         self.fragments: list[torch.nn.Module] = []
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
@@ -768,14 +770,22 @@ class ReplicaContext:
         self._beat(force=True)
 
     def fail(self, error: BaseException) -> None:
+        from crf.replica.failures import deterministic, failed_in, transient
+
         text = f"{type(error).__name__}: {error}"
-        self.phase = "failed"
+        where, self.phase = self.phase, "failed"
+        self.phase_failed_in = where
+        # an error in setup (or a reward's own) is raised again on every attempt: the
+        # replica exits 3 and the driver ends the run (crf/replica/failures.py)
+        self.deterministic_failure = deterministic(error, phase=where)
         self.tracker.close()  # what was logged up to the failure stays (it never raises)
         try:
             record = self.result_record("failed", text, {})
             record.traceback = "".join(traceback.format_exception(error))[-4000:]
+            record.failed_in = failed_in(where)
+            record.transient = transient(error)
             # the driver leaves it down, whatever the exit code
-            record.restartable = not restart_cannot_help(error)
+            record.restartable = not self.deterministic_failure
             self.store.put_json(layout.result_key(self.rank), record.to_dict())
             self._beat(force=True)
         # the store itself may be the problem, or the state the job left behind: whatever

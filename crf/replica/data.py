@@ -76,6 +76,19 @@ def _load(dataset: str, config: str | None, split: str, streaming: bool = False)
     return load_dataset(builder, data_files={split: dataset}, split=split, streaming=streaming)
 
 
+def read_error(dataset: str, flag: str, e: BaseException) -> DataError:
+    """A reader's exception as one line: an empty file says so (``datasets`` raises a bare
+    StopIteration for one), any other error its first line."""
+    import os
+
+    if is_local_file(dataset) and os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
+        return DataError(f"{flag} {dataset} is empty (0 bytes): it needs rows, one per line")
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, StopIteration):
+        reason = "no rows could be read from it (is it empty?)"
+    return DataError(f"{flag} {dataset} cannot be read: {reason}")
+
+
 def required_fields(needs_answer: bool) -> tuple[str, ...]:
     return ("prompt", "answer") if needs_answer else ("prompt",)
 
@@ -158,8 +171,7 @@ def check_dataset(
     except DataError:
         raise
     except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{flag} {dataset} cannot be read: {reason}") from None
+        raise read_error(dataset, flag, e) from None
     if not first and flag != "--dataset":
         raise DataError(f"{flag} {dataset} has no rows")
     if len(first) < replicas:

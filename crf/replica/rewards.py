@@ -143,6 +143,12 @@ def import_reward(name: str) -> Callable[..., Any]:
         raise RewardError(
             f"--reward {name}: cannot import it from the working directory ({e})"
         ) from None
+    except Exception as e:  # the module itself fails: a SyntaxError, an error at import
+        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise RewardError(
+            f"--reward {name}: importing {module} raised {type(e).__name__}: "
+            f"{getattr(e, 'msg', None) or e}{where}; fix the module"
+        ) from None
     if not callable(fn):
         raise RewardError(f"--reward {name}: {func} is not a function")
     return fn

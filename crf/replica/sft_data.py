@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from crf.replica.data import DataError, _load, _too_few, builder_of, is_local_folder
+from crf.replica.data import DataError, _load, _too_few, builder_of, is_local_folder, read_error
 
 #: the sft job's fields (``--column FIELD=COLUMN``): the formats', and ``answer`` (held-out
 #: rows scored by --reward)
@@ -109,8 +109,7 @@ def check_sft_dataset(
         first = list(ds.take(max(replicas, 4)))
         names = list(ds.column_names or (first[0].keys() if first else []))
     except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{what} {dataset} cannot be read: {reason}") from None
+        raise read_error(dataset, what, e) from None
     if len(first) < max(replicas, 1):
         if replicas:
             raise DataError(_too_few(dataset, len(first), replicas))
@@ -147,11 +146,18 @@ def load_sft_rows(
     file has, format name) for all rows."""
     ds = _load(dataset, config, split)
     form, renames = sft_format(list(ds.column_names), columns, dataset)
+    copies: dict[str, str] = {}  # kept field -> the format's field that holds its column
     for field in keep:
         column = columns.get(field, field)
-        if column in ds.column_names:
+        if column in renames and renames[column] != field:
+            # the column is the format's already (GSM8K's ``answer`` mapped to completion):
+            # the kept field is a copy of it, so the format keeps its own name
+            copies[field] = renames[column]
+        elif column in ds.column_names:
             renames[column] = field
     ds = ds.select_columns(list(renames)).rename_columns(
         {c: f for c, f in renames.items() if c != f}
     )
+    for field, source in copies.items():
+        ds = ds.add_column(field, ds[source])
     return ds, form

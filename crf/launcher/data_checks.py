@@ -1,0 +1,636 @@
+"""Checks before launch of the user's own data, model and rewards, on the launcher.
+
+A mistake in a dataset, a model folder or a reward function would otherwise surface inside
+every replica, after N processes (or N paid containers) started, downloaded and built a
+trainer; and being deterministic, it would surface again on every restart. So the plan reads
+what is cheap to read here and refuses the launch in one line that names the fix:
+
+- a few rows (:data:`SAMPLE_ROWS`) of every split the run uses (training and held-out),
+  after the ``--column`` mapping: empty splits, null or non-text prompts, empty SFT texts,
+  answers the chosen reward cannot read; each reward function is called on those rows and
+  must return one finite number per row;
+- a local ``--model`` folder's ``config.json``, tokenizer files and safetensors headers (a
+  header's offsets against the file's size find a truncated download without loading a
+  weight): a known ``model_type``, a tokenizer there, no more tokens than the model embeds,
+  a chat template for conversational data and a pad (or EOS) token for batches;
+- a Hub model or dataset, asked for with a short timeout: on the local backend the replicas
+  use this machine's network, so one it cannot reach is refused; on a cloud backend the
+  replicas may reach what the launcher cannot, so it is a warning (the plan's notes).
+
+Only configs, headers and a few rows are read: no weights are loaded and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from crf.launcher.errors import LaunchError
+
+#: rows of each split read before launch (the rewards are called on them too)
+SAMPLE_ROWS = 8
+#: seconds the Hub may take to answer before it counts as unreachable
+HUB_TIMEOUT_S = 4.0
+#: files of which at least one makes a tokenizer (transformers' fast and slow formats)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer_config.json")  # fmt: skip
+#: a tokenizer this much smaller than the model's embedding is another model's tokenizer
+#: (models pad their embedding a little past their tokenizer: Qwen2.5 151936 vs 151665)
+FOREIGN_TOKENIZER_RATIO = 0.5
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class Split:
+    """A few rows of one split the run reads, with the job's field names."""
+
+    flag: str  # the option that names it: --dataset, --eval-dataset, --eval-split
+    dataset: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    form: str | None = None  # the sft job's format (prompt-completion, conversational, ...)
+    counted: int = 0  # the rows read (up to what check_batch needs)
+
+
+# ---------------------------------------------------------------------- entry point
+@dataclass
+class Found:
+    """What the checks found that does not refuse the launch: ``warnings`` (a cloud
+    backend's Hub repos this machine cannot reach, for the plan's notes) and ``missing``
+    (a dry run on the local backend: a Hub repo it cannot reach, as missing access)."""
+
+    warnings: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
+    """Every check of this module for a plan's ``spec``; LaunchError (one line) for the
+    first problem. ``local``: the replicas run on this machine, so an unreachable Hub repo
+    is refused (a dry run lists it with what is missing, as it lists credentials)."""
+    found = Found()
+    if spec.entrypoint or spec.job not in ("composer", "sft"):
+        return found  # a custom job or entrypoint reads its data its own way
+    model = getattr(spec, "model", None)
+    hub = _hub_datasets(spec)
+    if model:
+        if os.path.isdir(model) or not _is_hub_id(model) or os.path.exists(model):
+            check_model(model, spec)
+        else:
+            hub.insert(0, ("--model", model))
+    for flag, name in hub:
+        kind = "model" if flag == "--model" else "dataset"
+        problem = hub_problem(name, kind, local=local)
+        if problem is None:
+            continue
+        if local and not dry_run:
+            raise LaunchError(f"{flag} {name}: {problem}")
+        if local:
+            found.missing.append(f"{flag} {name}: {problem}")
+        else:
+            found.warnings.append(
+                f"{flag} {name}: not reached from this machine ({problem}); the "
+                f"{spec.backend} replicas must reach it themselves"
+            )
+    splits = sample_splits(spec)
+    for split in splits:
+        check_rows(spec, split)
+    check_batch(spec, splits)
+    if model and os.path.isdir(model):
+        check_tokenizer_for(model, splits)
+    check_rewards_on(spec, splits)
+    return found
+
+
+# ---------------------------------------------------------------------- reachability
+def _is_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.match(name)) and not name.startswith(".") and not os.path.exists(name)
+
+
+def _hub_datasets(spec: Any) -> list[tuple[str, str]]:
+    from crf.replica.data import builder_of, is_local_folder
+
+    out = []
+    for flag, name in (("--dataset", spec.dataset), ("--eval-dataset", spec.eval_dataset)):
+        if name and builder_of(name) is None and not is_local_folder(name) and _is_hub_id(name):
+            out.append((flag, name))
+    return out
+
+
+def hub_problem(name: str, kind: str, *, local: bool = True) -> str | None:
+    """Why Hub repo ``name`` cannot be used from here (None: it answers, or is cached). A
+    model in the local cache counts as reachable (``from_pretrained`` falls back to it
+    offline). With ``HF_HUB_OFFLINE`` set, a cloud backend's repos are not asked for: the
+    user said this machine stays off the network, and its replicas are elsewhere."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if kind == "model" and isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    folder = f"{kind}s--{name.replace('/', '--')}"  # the Hub cache's folder of the repo
+    if kind == "dataset" and os.path.isdir(os.path.join(constants.HF_HUB_CACHE, folder)):
+        return None  # downloaded before: datasets reads it offline
+    if constants.HF_HUB_OFFLINE:
+        if not local:
+            return None
+        return (
+            f"HF_HUB_OFFLINE is set and the {kind} is not in this machine's Hub cache: "
+            "unset it, or download it first (or pass a local folder)"
+        )
+    try:
+        HfApi(endpoint=constants.ENDPOINT).repo_info(name, repo_type=kind, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return f"the {kind} is gated: accept its terms on the Hub and set HF_TOKEN"
+    except RepositoryNotFoundError:
+        return (
+            f"no such {kind} on the Hub {constants.ENDPOINT} (or it is private: set "
+            "HF_TOKEN); check the name, or pass a local folder"
+        )
+    except Exception as e:  # noqa: BLE001 - connection refused, timeout, DNS, TLS...
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        return (
+            f"the Hub ({constants.ENDPOINT}) cannot be reached ({type(e).__name__}: "
+            f"{reason}); check the network, or pass a local folder"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------- the model
+def check_model(model: str, spec: Any) -> None:
+    """A local ``--model`` folder's files (:func:`check_model_folder`); a path that is no
+    folder is refused."""
+    if os.path.isdir(model):
+        check_model_folder(model, trust_remote_code=bool(getattr(spec, "trust_remote_code", 0)))
+        return
+    if os.path.exists(model):
+        raise LaunchError(f"--model {model} is a file: give the model's folder or a Hub id")
+    raise LaunchError(
+        f"--model {model}: no such folder here, and not a Hub id (org/name); check the path"
+    )
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LaunchError(f"{what} {path} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise LaunchError(f"{what} {path} holds no JSON object")
+    return data
+
+
+def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
+    """config.json with a model_type transformers knows (or remote code allowed), tokenizer
+    files, weights that are all there, and a tokenizer no larger than the embedding (nor a
+    foreign one, far smaller)."""
+    flag = f"--model {folder}"
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise LaunchError(f"{flag} has no config.json: is it a Hugging Face model folder?")
+    config = _read_json(config_path, f"{flag}:")
+    model_type = config.get("model_type")
+    remote = trust_remote_code and "auto_map" in config
+    if not remote and not known_model_type(model_type):
+        raise LaunchError(
+            f"{flag}: config.json's model_type {model_type!r} is unknown to this "
+            "transformers; fix config.json, upgrade transformers, or pass "
+            "--trust-remote-code for a model that ships its own code"
+        )
+    names = set(os.listdir(folder))
+    if not names & set(TOKENIZER_FILES):
+        raise LaunchError(
+            f"{flag} has no tokenizer files (tokenizer.json, tokenizer_config.json...): save "
+            "the tokenizer there too (tokenizer.save_pretrained(folder))"
+        )
+    check_weights(folder, names)
+    check_vocab(folder, config)
+
+
+def known_model_type(model_type: Any) -> bool:
+    """Whether transformers knows ``model_type``: its ``transformers/models/<type>`` folder is
+    there (a directory lookup), else its auto mapping says so (an import that costs about a
+    second on a busy machine, paid only for a type without a folder of its name)."""
+    import importlib.util
+
+    if not isinstance(model_type, str) or not model_type:
+        return False
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.origin:
+        folder = os.path.join(os.path.dirname(spec.origin), "models", model_type.replace("-", "_"))
+        if os.path.isfile(os.path.join(folder, f"configuration_{model_type.replace('-', '_')}.py")):
+            return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+def check_weights(folder: str, names: set[str]) -> None:
+    """LaunchError when the weights are absent or a safetensors file is shorter than its
+    header says (a cut download); reads each file's header only."""
+    flag = f"--model {folder}"
+    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        listed = set(_read_json(index, f"{flag}:").get("weight_map", {}).values())
+        absent = sorted(listed - names)
+        if absent:
+            raise LaunchError(
+                f"{flag}: weight file(s) {', '.join(absent[:3])} named by "
+                "model.safetensors.index.json are missing; download the model again"
+            )
+    if not shards and not any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        raise LaunchError(
+            f"{flag} has no weights (model.safetensors or pytorch_model.bin): save the "
+            "model there (model.save_pretrained(folder))"
+        )
+    for name in shards:
+        why = safetensors_problem(os.path.join(folder, name))
+        if why:
+            raise LaunchError(f"{flag}: {name} {why}; download or save the model again")
+
+
+def safetensors_problem(path: str) -> str | None:
+    """Why a safetensors file is unusable, from its header alone (None: it is whole)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"is truncated ({size} bytes)"
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                return f"is truncated ({size} bytes, its header alone says {length + 8})"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as e:
+        return f"is not a safetensors file ({type(e).__name__})"
+    end = max(
+        (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
+        default=0,
+    )
+    if 8 + length + end > size:
+        return f"is truncated ({size} of {8 + length + end} bytes)"
+    return None
+
+
+def _embedding_size(config: Mapping[str, Any]) -> int | None:
+    for where in (config, config.get("text_config") or {}):
+        value = where.get("vocab_size") if isinstance(where, Mapping) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def tokenizer_size(folder: str) -> int | None:
+    """The number of token ids of the folder's ``tokenizer.json`` (vocabulary and added
+    tokens), or None when it has none (a slow tokenizer: not counted here)."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    data = _read_json(path, f"--model {folder}:")
+    vocab = (data.get("model") or {}).get("vocab")
+    ids: set[int] = set()
+    if isinstance(vocab, dict):
+        ids |= {v for v in vocab.values() if isinstance(v, int)}
+    elif isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        ids |= set(range(len(vocab)))
+    ids |= {t["id"] for t in data.get("added_tokens") or [] if isinstance(t.get("id"), int)}
+    return max(ids) + 1 if ids else None
+
+
+def check_vocab(folder: str, config: Mapping[str, Any]) -> None:
+    """LaunchError when token ids can exceed the model's embedding (an index error on the
+    first batch), or the tokenizer is far smaller than it (another model's tokenizer)."""
+    embed, tokens = _embedding_size(config), tokenizer_size(folder)
+    if embed is None or tokens is None:
+        return
+    if tokens > embed:
+        raise LaunchError(
+            f"--model {folder}: its tokenizer has {tokens} token ids but the model embeds "
+            f"{embed} (config.json vocab_size): ids past {embed - 1} would crash; save the "
+            "model with model.resize_token_embeddings(len(tokenizer))"
+        )
+    if tokens < embed * FOREIGN_TOKENIZER_RATIO:
+        raise LaunchError(
+            f"--model {folder}: its tokenizer has {tokens} token ids but the model embeds "
+            f"{embed}: the tokenizer is another model's; save the model's own tokenizer there"
+        )
+
+
+def tokenizer_settings(folder: str) -> dict[str, Any]:
+    """The folder's tokenizer_config.json (with ``chat_template`` from chat_template.jinja /
+    .json when saved apart, as transformers does now), {} without one."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    out = _read_json(path, f"--model {folder}:") if os.path.isfile(path) else {}
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if not out.get("chat_template") and os.path.isfile(jinja):
+        out["chat_template"] = "(chat_template.jinja)"
+    js = os.path.join(folder, "chat_template.json")
+    if not out.get("chat_template") and os.path.isfile(js):
+        out["chat_template"] = _read_json(js, f"--model {folder}:").get("chat_template")
+    special = os.path.join(folder, "special_tokens_map.json")
+    if os.path.isfile(special):
+        for key, value in _read_json(special, f"--model {folder}:").items():
+            out.setdefault(key, value)
+    return out
+
+
+def check_tokenizer_for(folder: str, splits: list[Split]) -> None:
+    """A chat template when a split is conversational, and a pad token (or an EOS, which the
+    replicas pad with) for batching."""
+    settings = tokenizer_settings(folder)
+    chat = next((s for s in splits if _conversational(s)), None)
+    if chat is not None and not settings.get("chat_template"):
+        raise LaunchError(
+            f"{chat.flag} {chat.dataset} holds conversations (lists of messages) but "
+            f"--model {folder} has no chat template: add one to its tokenizer "
+            "(tokenizer.chat_template = ...; save_pretrained), or use plain-text columns"
+        )
+    if not settings.get("pad_token") and not settings.get("eos_token"):
+        if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+            raise LaunchError(
+                f"--model {folder}: its tokenizer has no pad token and no EOS token to pad "
+                "batches with; set tokenizer.pad_token and save_pretrained the folder"
+            )
+
+
+def _conversational(split: Split) -> bool:
+    if split.form == "conversational":
+        return True
+    return any(isinstance(r.get("prompt"), list) for r in split.rows)
+
+
+# ---------------------------------------------------------------------- the rows
+def sample_splits(spec: Any) -> list[Split]:
+    """The first rows of every local or URL split the run reads, with the job's field
+    names (a Hub dataset is checked for reachability only: rows are the replicas' download)."""
+    from crf.replica.data import builder_of, eval_source, is_local_folder
+
+    sources = []
+    if spec.dataset:
+        sources.append(("--dataset", spec.dataset, spec.dataset_config, spec.dataset_split))
+    held = eval_source(spec)
+    if held is not None:
+        flag = "--eval-dataset" if spec.eval_dataset else "--eval-split"
+        sources.append((flag, *held))
+    out = []
+    for flag, name, config, split in sources:
+        if builder_of(name) is None and not is_local_folder(name):
+            continue
+        out.append(_sample(spec, flag, name, config, split))
+    return out
+
+
+def _jsonl_of(name: str, split: str) -> str | None:
+    """The local JSON-lines file a dataset split is (a .jsonl path, or a folder's
+    ``<split>.jsonl``), read here line by line: ``datasets`` takes a few tenths of a second
+    per load to resolve its builder, where a few lines take microseconds."""
+    if "://" in name:
+        return None
+    if name.lower().endswith(".jsonl") and os.path.isfile(name):
+        return name
+    path = os.path.join(name, f"{split}.jsonl")
+    if os.path.isdir(name) and os.path.isfile(path):
+        others = [f for f in os.listdir(name) if f.startswith(f"{split}.") or f"{split}-" in f]
+        return path if others == [f"{split}.jsonl"] else None  # shards: datasets decides
+    return None
+
+
+def first_rows(name: str, config: str | None, split: str, n: int) -> tuple[list[Any], list[str]]:
+    """(the first ``n`` rows of a split, its column names)."""
+    path = _jsonl_of(name, split)
+    if path is not None:
+        rows: list[Any] = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if len(rows) >= n:
+                        break
+        names = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
+        return rows, names
+    from crf.replica.data import _load
+
+    ds = _load(name, config, split, streaming=True)
+    rows = list(ds.take(n))
+    return rows, list(ds.column_names or (rows[0].keys() if rows else []))
+
+
+def _wanted(spec: Any, flag: str) -> int:
+    """Rows to read of a split: the sample, and (the composer's training split) one batch of
+    prompts per replica, counted for :func:`check_batch`."""
+    if spec.job != "composer" or flag != "--dataset":
+        return SAMPLE_ROWS
+    from crf.replica.jobs import job_config
+
+    per_step = int(job_config(spec.job, spec.job_config).prompts_per_step)
+    return max(SAMPLE_ROWS, int(spec.replicas) * per_step)
+
+
+def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
+    from crf.replica.data import FIELDS
+
+    try:
+        every, names = first_rows(name, config, split, _wanted(spec, flag))
+    except Exception as e:  # noqa: BLE001 - checked readable before; any reader error
+        raise LaunchError(f"{flag} {name} cannot be read: {type(e).__name__}: {e}") from None
+    if not every:
+        raise LaunchError(f"{flag} {name} has no rows: give a split with data")
+    if any(not isinstance(r, dict) for r in every):
+        raise LaunchError(f"{flag} {name}: every line must be a JSON object (a row)")
+    raw = every[:SAMPLE_ROWS]
+    columns = dict(spec.columns)
+    if spec.job == "sft":
+        from crf.replica.sft_data import sft_format
+
+        try:
+            form, renames = sft_format(names, columns, name)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+        answer = columns.get("answer", "answer")
+        rows = []
+        for row in raw:
+            mapped = {f: row.get(c) for c, f in renames.items()}
+            if answer in row:
+                mapped["answer"] = row[answer]
+            rows.append(mapped)
+        return Split(flag, name, rows, form, len(every))
+    rows = [
+        {f: row.get(columns.get(f, f)) for f in FIELDS if columns.get(f, f) in row} for row in raw
+    ]
+    return Split(flag, name, rows, counted=len(every))
+
+
+def check_batch(spec: Any, splits: list[Split]) -> None:
+    """The composer job: every replica's share of --dataset holds at least one batch of
+    prompts (``prompts_per_step``). GRPO's sampler keeps only whole batches, so a smaller
+    share trains no step at all (the sample counted up to replicas x prompts_per_step)."""
+    from crf.replica.jobs import job_config
+
+    train = next((s for s in splits if s.flag == "--dataset"), None)
+    if spec.job != "composer" or train is None:
+        return
+    per_step = int(job_config(spec.job, spec.job_config).prompts_per_step)
+    need = int(spec.replicas) * per_step
+    rows = train.counted
+    if rows < need:
+        fits = max(1, rows // int(spec.replicas))
+        raise LaunchError(
+            f"--dataset {spec.dataset} has {rows} row(s): each of {spec.replicas} replicas "
+            f"gets fewer than one batch of {per_step} prompts (prompts_per_step), and GRPO "
+            f"trains on whole batches only; add rows, lower --replicas, or --set "
+            f"prompts_per_step={fits}"
+        )
+
+
+def _column(spec: Any, fld: str) -> str:
+    column = dict(spec.columns).get(fld, fld)
+    return f"'{column}'" + (f" (for {fld})" if column != fld else "")
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_rows(spec: Any, split: Split) -> None:
+    """The sampled rows' values: a prompt that is text (or messages) on every row, SFT text
+    that is not empty, and (composer) an answer a reward that reads one can use."""
+    where = f"{split.flag} {split.dataset}"
+    for i, row in enumerate(split.rows):
+        if spec.job == "composer" or split.form == "prompt-completion":
+            prompt = row.get("prompt")
+            if not (isinstance(prompt, str) and prompt.strip()) and not _messages(prompt):
+                shown = "empty" if isinstance(prompt, str) else _kind(prompt)
+                raise LaunchError(
+                    f"{where} row {i}: the prompt in column {_column(spec, 'prompt')} is "
+                    f"{shown}; every row needs a prompt text: fill or drop such rows"
+                )
+        if spec.job == "sft":
+            for fld in ("text", "completion"):
+                value = row.get(fld)
+                if isinstance(value, str) and not value.strip():
+                    raise LaunchError(
+                        f"{where} row {i}: {_column(spec, fld)} is empty: there is nothing "
+                        "to learn from it; fill or drop such rows"
+                    )
+
+
+def _messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+# ---------------------------------------------------------------------- the rewards
+def check_rewards_on(spec: Any, splits: list[Split]) -> None:
+    """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
+    it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
+    text) as the completion: it must not raise and must return a finite number per row."""
+    from crf.replica.rewards import RewardError, parse_rewards, reward_function
+
+    if not spec.reward:
+        return
+    specs = parse_rewards(list(spec.reward))
+    scored = [s for s in splits if spec.job == "composer" or s.flag != "--dataset"]
+    for split in scored:
+        rows = [r for r in split.rows if r.get("prompt") is not None or r.get("messages")]
+        if not rows:
+            continue
+        for s in specs:
+            if s.needs_answer:
+                check_answers(spec, split, s.name)
+            try:
+                fn = reward_function(s)
+            except RewardError as e:
+                raise LaunchError(str(e)) from None
+            call_reward(s.name, fn, rows, split, many=len(specs) > 1)
+
+
+def check_answers(spec: Any, split: Split, reward: str) -> None:
+    """The answer column holds text or numbers (a built-in reward compares them as text);
+    ``math_answer`` must find a number or expression in at least one sampled answer."""
+    where = f"{split.flag} {split.dataset}"
+    for i, row in enumerate(split.rows):
+        value = row.get("answer")
+        if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise LaunchError(
+                f"{where} row {i}: the answer in column {_column(spec, 'answer')} is "
+                f"{_kind(value)}, which --reward {reward} cannot read; it needs text or a "
+                "number on every row (map another with --column answer=COLUMN)"
+            )
+    if reward == "math_answer":
+        from crf.replica.rewards import _math_verify
+
+        mv = _math_verify()
+        answers = [str(r["answer"]) for r in split.rows[:4]]
+        if not any(mv.parse(a, parsing_timeout=None) for a in answers):
+            raise LaunchError(
+                f"{where}: math_answer finds no number or expression in the answers of column "
+                f"{_column(spec, 'answer')} (e.g. {answers[0][:60]!r}); map the column that "
+                "holds the final answer with --column answer=COLUMN, or use exact_match"
+            )
+
+
+def _completion(row: Mapping[str, Any]) -> Any:
+    text = row.get("answer", row.get("completion", ""))
+    text = "" if text is None or isinstance(text, list) else str(text)
+    if isinstance(row.get("prompt"), list) or "messages" in row:
+        return [{"role": "assistant", "content": text}]
+    return text
+
+
+def _prompt(row: Mapping[str, Any]) -> Any:
+    if "messages" in row and isinstance(row["messages"], list):
+        return row["messages"][:-1]
+    return row.get("prompt")
+
+
+def call_reward(
+    name: str, fn: Callable[..., Any], rows: list[dict[str, Any]], split: Split, *, many: bool
+) -> None:
+    """LaunchError when reward ``name`` raises on ``rows`` or does not return one finite
+    number per row (None is TRL's "not applicable", allowed only beside other rewards)."""
+    extra = {k for r in rows for k in r if k not in ("prompt", "messages", "completion", "text")}
+    kwargs = {k: [r.get(k) for r in rows] for k in extra}
+    where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
+    try:
+        out = fn(
+            prompts=[_prompt(r) for r in rows],
+            completions=[_completion(r) for r in rows],
+            completion_ids=[[] for _ in rows],
+            trainer_state=None,
+            **kwargs,
+        )
+    except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
+        cause = e.__cause__ or e
+        raise LaunchError(
+            f"--reward {name} raised {type(cause).__name__}: {cause} {where}; fix the "
+            "function (it is called as TRL calls it: prompts, completions, and the "
+            "dataset's columns as keyword lists)"
+        ) from None
+    if not isinstance(out, list | tuple) or len(out) != len(rows):
+        got = f"a {_kind(out)}" if not isinstance(out, list | tuple) else f"{len(out)} values"
+        raise LaunchError(
+            f"--reward {name} returned {got} {where}; a reward returns a list with one "
+            "number per completion"
+        )
+    for i, value in enumerate(out):
+        if value is None and many:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if hasattr(value, "item") and not number:  # a numpy or torch scalar
+            try:
+                value, number = value.item(), True
+            except (TypeError, ValueError):
+                number = False
+        if not number or not math.isfinite(float(value)):
+            raise LaunchError(
+                f"--reward {name} returned {value!r} for row {i} {where}; a reward returns "
+                "a finite number per completion"
+            )

@@ -1,0 +1,438 @@
+"""A corpus of a user's own bad data, models and rewards: each ends in one line.
+
+Most are refused before launch (``crf launch --dry-run`` runs the same checks as a launch and
+starts nothing): exit code 2, one ``error:`` line that names the fix, no traceback, and the
+store untouched. The few that only a replica can meet (a job's own code raising while it
+builds its trainer) are launched for real and must fail once: not restarted, the run's
+reason one line, no traceback in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_cli import crf
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"] * 4  # 32 rows
+
+
+def _jsonl(path: Path, rows: list[Any]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _qa(**change: Any) -> list[dict[str, Any]]:
+    """GSM8K-shaped rows (question/answer), row 1 changed by ``change``."""
+    rows: list[dict[str, Any]] = [{"question": f"{w}=", "answer": w[::-1]} for w in WORDS]
+    rows[1] = {**rows[1], **change}
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.hub_models import save_tiny_repo
+
+    folder = tmp_path_factory.mktemp("model") / "tiny"
+    save_tiny_repo(folder)
+    return folder
+
+
+def _model(tiny: Path, tmp: Path, change: Callable[[Path], None] | None = None) -> str:
+    """A copy of the tiny model folder, changed by ``change``."""
+    folder = tmp / "model"
+    shutil.copytree(tiny, folder)
+    if change is not None:
+        change(folder)
+    return str(folder)
+
+
+def _edit_json(path: Path, **values: Any) -> None:
+    data = json.loads(path.read_text())
+    data.update(values)
+    path.write_text(json.dumps(data))
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _no_tokenizer(folder: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+
+
+def _no_chat_template(folder: Path) -> None:
+    (folder / "chat_template.jinja").unlink()
+    _edit_json(folder / "tokenizer_config.json", chat_template=None)
+
+
+def _no_pad_or_eos(folder: Path) -> None:
+    data = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in ("pad_token", "eos_token"):
+        data.pop(key, None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(data))
+
+
+def _index_missing_shard(folder: Path) -> None:
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
+
+
+def _reward_module(tmp: Path, name: str, body: str) -> list[str]:
+    """--workdir with module ``name`` (``body``), and --reward name:score."""
+    wd = tmp / "wd"
+    wd.mkdir(exist_ok=True)
+    (wd / f"{name}.py").write_text(body)
+    return ["--workdir", str(wd), "--reward", f"{name}:score"]
+
+
+@dataclass
+class Case:
+    """One bad input: ``args(tmp, tiny_model)`` are the launch's own flags; ``message`` is
+    in the one error line."""
+
+    id: str
+    args: Callable[[Path, Path], list[str]]
+    message: str
+
+
+def _composer(tmp: Path, rows: list[Any] | None = None, *extra: str) -> list[str]:
+    data = _jsonl(tmp / "train.jsonl", rows if rows is not None else _qa())
+    cols = ["--column", "prompt=question"]
+    return ["--job", "composer", "--dataset", data, *cols, *extra]
+
+
+def _sft(tmp: Path, rows: list[Any], *extra: str) -> list[str]:
+    return ["--job", "sft", "--dataset", _jsonl(tmp / "train.jsonl", rows), *extra]
+
+
+def _with_model(tiny: Path, tmp: Path, change: Callable[[Path], None] | None) -> list[str]:
+    return ["--model", _model(tiny, tmp, change)]
+
+
+RAISES = "def score(completions, **kw):\n    return [1 / 0 for _ in completions]\n"
+NAN = "def score(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+READS_SOLUTION = "def score(completions, solution, **kw):\n    return [1.0] * len(solution)\n"
+
+CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]}
+    for w in WORDS
+]
+
+CASES = [
+    # ---- the data, after --column mapping, in every split
+    Case("null-prompt", lambda t, m: _composer(t, _qa(question=None)),
+         "row 1: the prompt in column 'question' (for prompt) is null"),
+    Case("numeric-prompt", lambda t, m: _composer(t, _qa(question=42)),
+         "row 1: the prompt in column 'question' (for prompt) is int"),
+    Case("empty-prompt", lambda t, m: _composer(t, _qa(question="  ")),
+         "row 1: the prompt in column 'question' (for prompt) is empty"),
+    Case("missing-column-after-mapping", lambda t, m: _composer(t, None, "--column",
+         "answer=solution", "--reward", "exact_match"),
+         "has no column 'solution' (for answer)"),
+    Case("null-answer", lambda t, m: _composer(t, _qa(answer=None), "--reward", "exact_match"),
+         "row 1: the answer in column 'answer' is null, which --reward exact_match cannot read"),
+    Case("list-answer", lambda t, m: _composer(t, _qa(answer=["7"]), "--reward", "exact_match"),
+         "the answer in column 'answer' is list"),
+    Case("math-answer-without-numbers", lambda t, m: _composer(
+         t, [{"question": "q", "answer": "no number here"}] * 32, "--reward", "math_answer"),
+         "math_answer finds no number or expression in the answers of column 'answer'"),
+    Case("held-out-without-answer", lambda t, m: [*_composer(t, None, "--reward", "exact_match"),
+         "--eval-dataset", _jsonl(t / "test.jsonl", [{"question": "ab="}])],
+         "--eval-dataset"),
+    Case("held-out-null-prompt", lambda t, m: [*_composer(t), "--eval-dataset",
+         _jsonl(t / "test.jsonl", _qa(question=None))],
+         "--eval-dataset"),
+    Case("empty-file", lambda t, m: _composer(t, []), "is empty (0 bytes): it needs rows"),
+    Case("empty-held-out-split", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "train.jsonl", _qa())).parent), "--column", "prompt=question",
+         "--eval-split", "test", *([] if (t / "d" / "test.jsonl").write_text("") else [])],
+         "test"),
+    Case("smaller-than-one-batch", lambda t, m: _composer(t, _qa()[:9]),
+         "gets fewer than one batch of 8 prompts (prompts_per_step)"),
+    Case("sft-empty-texts", lambda t, m: _sft(t, [{"text": ""}] * 8),
+         "row 0: 'text' is empty: there is nothing to learn from it"),
+    Case("sft-empty-completion", lambda t, m: _sft(
+         t, [{"prompt": f"{w}=", "completion": ""} for w in WORDS]), "'completion' is empty"),
+    Case("sft-null-prompt", lambda t, m: _sft(
+         t, [{"prompt": None, "completion": w} for w in WORDS]), "'prompt' and 'completion'"),
+    Case("sft-no-format", lambda t, m: _sft(t, [{"body": w} for w in WORDS]),
+         "has none of the sft formats"),
+    Case("sft-held-out-without-answer", lambda t, m: [*_sft(t, [{"text": w} for w in WORDS]),
+         "--eval-dataset", _jsonl(t / "test.jsonl", [{"prompt": "ab=", "completion": "ba"}]),
+         "--reward", "exact_match"], "has no column 'answer' for --reward"),
+    # ---- the model folder
+    Case("model-without-tokenizer", lambda t, m: [*_composer(t), *_with_model(m, t, _no_tokenizer)],
+         "has no tokenizer files"),
+    Case("truncated-weights", lambda t, m: [*_composer(t), *_with_model(m, t, _truncate)],
+         "model.safetensors is truncated"),
+    Case("unknown-model-type", lambda t, m: [*_composer(t), *_with_model(
+         m, t, lambda f: _edit_json(f / "config.json", model_type="qwen9"))],
+         "config.json's model_type 'qwen9' is unknown"),
+    Case("tokenizer-larger-than-embedding", lambda t, m: [*_composer(t), *_with_model(
+         m, t, lambda f: _edit_json(f / "config.json", vocab_size=4))],
+         "but the model embeds 4 (config.json vocab_size)"),
+    Case("tokenizer-far-smaller-than-embedding", lambda t, m: [*_composer(t), *_with_model(
+         m, t, lambda f: _edit_json(f / "config.json", vocab_size=151936))],
+         "the tokenizer is another model's"),
+    Case("no-config", lambda t, m: [*_composer(t), *_with_model(
+         m, t, lambda f: (f / "config.json").unlink())], "has no config.json"),
+    Case("no-weights", lambda t, m: [*_composer(t), *_with_model(
+         m, t, lambda f: (f / "model.safetensors").unlink())], "has no weights"),
+    Case("index-names-a-missing-shard", lambda t, m: [*_composer(t), *_with_model(
+         m, t, _index_missing_shard)], "model-00002-of-00002.safetensors named by"),
+    Case("model-is-a-file", lambda t, m: [*_composer(t), "--model",
+         str(Path(_model(m, t)) / "config.json")], "no such folder"),
+    Case("messages-without-chat-template", lambda t, m: [*_sft(t, CONVERSATIONS), *_with_model(
+         m, t, _no_chat_template)], "holds conversations (lists of messages) but --model"),
+    Case("no-pad-or-eos-token", lambda t, m: [*_composer(t), *_with_model(m, t, _no_pad_or_eos)],
+         "no pad token and no EOS token"),
+    # ---- the rewards, called on the sampled rows
+    Case("reward-raises", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_raises", RAISES)],
+         "--reward rw_raises:score raised ZeroDivisionError: division by zero"),
+    Case("reward-returns-none", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_none", "def score(completions, **kw):\n    pass\n")],
+         "--reward rw_none:score returned a null"),
+    Case("reward-returns-nan", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_nan", NAN)],
+         "--reward rw_nan:score returned nan for row 0"),
+    Case("reward-returns-none-per-row", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_nones", "def score(completions, **kw):\n    return [None] * len(completions)\n")],
+         "--reward rw_nones:score returned None for row 0"),
+    Case("reward-returns-text", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_text", "def score(completions, **kw):\n    return ['1'] * len(completions)\n")],
+         "returned '1' for row 0"),
+    Case("reward-wrong-length", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_short", "def score(completions, **kw):\n    return [1.0]\n")],
+         "returned 1 values on 8 row(s)"),
+    Case("reward-reads-a-missing-column", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_col", READS_SOLUTION)],
+         "--reward rw_col:score raised TypeError"),
+    Case("reward-module-syntax-error", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_syntax", "def score(completions, **kw)\n    return []\n")],
+         "importing rw_syntax raised SyntaxError"),
+    Case("reward-module-fails-to-import", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_import", "import not_installed_anywhere\n")],
+         "cannot import it from the working directory (No module named 'not_installed_anywhere')"),
+    Case("reward-module-raises-at-import", lambda t, m: [*_composer(t), *_reward_module(
+         t, "rw_boom", "raise RuntimeError('needs API_KEY')\n")],
+         "importing rw_boom raised RuntimeError: needs API_KEY"),
+    Case("workdir-job-fails-to-import", lambda t, m: _workdir_job(t, "raise KeyError('x')\n"),
+         "importing it raised KeyError"),
+    Case("workdir-job-syntax-error", lambda t, m: _workdir_job(t, "def run(ctx, cfg)\n"),
+         "importing it raised SyntaxError"),
+]  # fmt: skip
+
+
+def _workdir_job(tmp: Path, body: str) -> list[str]:
+    pkg = tmp / "wd" / "userjobs"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "badjob.py").write_text(body)
+    return ["--workdir", str(tmp / "wd"), "--job", "userjobs.badjob"]
+
+
+def test_the_corpus_is_large() -> None:
+    assert len(CASES) >= 30
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_in_one_line(case: Case, tmp_path: Path, tiny_model: Path) -> None:
+    base = tmp_path / "runs"
+    args = case.args(tmp_path, tiny_model)
+    result = crf("launch", "--store", str(base), "--run-id", "t1", "--replicas", "2",
+                 "--dry-run", *args)  # fmt: skip
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    assert case.message in lines[0], lines[0]
+    assert not base.exists()  # nothing written
+
+
+def test_a_refused_launch_leaves_the_store_as_it_was(tmp_path: Path) -> None:
+    """A real launch (not a dry run) refused for its data: the store's other runs keep every
+    byte and time stamp."""
+    base = tmp_path / "runs"
+    (base / "old").mkdir(parents=True)
+    (base / "old" / "run.json").write_text("{}")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in base.rglob("*") if p.is_file()}
+    result = crf("launch", "--store", str(base), "--run-id", "t1", "--replicas", "2",
+                 *_composer(tmp_path, _qa(question=None)))  # fmt: skip
+    assert result.exit_code == 2, result.output
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in base.rglob("*") if p.is_file()}
+    assert after == before
+    assert not (base / "t1").exists()
+
+
+def test_gsm8k_columns_with_a_held_out_split_are_accepted(tmp_path: Path) -> None:
+    """The SFT job on GSM8K's own names (question/answer), a held-out split and a reward:
+    the plan accepts it (the held-out split keeps the mapping)."""
+    folder = tmp_path / "d"
+    _jsonl(folder / "train.jsonl", _qa())
+    _jsonl(folder / "test.jsonl", _qa())
+    result = crf("launch", "--store", str(tmp_path / "runs"), "--dry-run", "--replicas", "2",
+                 "--job", "sft", "--dataset", str(folder), "--column", "prompt=question",
+                 "--column", "completion=answer", "--eval-split", "test",
+                 "--reward", "exact_match")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed once the socket is: connections are refused
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full.pop("HF_HUB_OFFLINE", None)
+    return subprocess.run([sys.executable, "-m", "crf.launcher.cli", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "name"), [("--dataset", "openai/gsm8k"), ("--model", "Qwen/Qwen2.5-0.5B")]
+)
+def test_an_unreachable_hub_repo_is_refused_on_the_local_backend(
+    flag: str, name: str, tmp_path: Path
+) -> None:
+    """No network to the Hub (HF_ENDPOINT on a closed loopback port, an empty cache): refused
+    in one line, with the time it took inside the bound (the CLI's start included)."""
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HOME": str(tmp_path / "hf")}
+    started = time.monotonic()
+    out = _cli("launch", "--store", str(tmp_path / "runs"), "--replicas", "2", "--job",
+               "composer", flag, name, env=env)  # fmt: skip
+    took = time.monotonic() - started
+    lines = out.stderr.strip().splitlines() + out.stdout.strip().splitlines()
+    assert out.returncode == 2, out
+    assert len(lines) == 1 and "cannot be reached" in lines[0] and name in lines[0], lines
+    assert took < 60  # a bound for a loaded machine; bench/data_checks.py measures it
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_cloud_backend_lists_an_unreachable_hub_repo_as_a_warning(tmp_path: Path) -> None:
+    """The replicas of a cloud backend may reach what this machine cannot: the plan lists
+    it, and does not refuse."""
+    from huggingface_hub import constants
+
+    from crf.launcher.plan import prepare
+
+    saved = constants.ENDPOINT
+    constants.ENDPOINT = f"http://127.0.0.1:{_closed_port()}"
+    try:
+        plan = prepare({"job": "composer", "dataset": "openai/gsm8k", "replicas": 2,
+                        "backend": "modal"}, store="s3://bucket/runs", dry_run=True)  # fmt: skip
+    finally:
+        constants.ENDPOINT = saved
+    assert any("--dataset openai/gsm8k" in n and "replicas must reach it" in n for n in plan.notes)
+
+
+def test_the_launch_error_is_crfs_own(tmp_path: Path) -> None:
+    """SDK users catch crf.LaunchError for the same one line."""
+    import crf as crf_pkg
+
+    with pytest.raises(crf_pkg.LaunchError, match="is empty"):
+        crf_pkg.dry_run(job="composer", dataset=_jsonl(tmp_path / "x.jsonl", []))
+
+
+# ---------------------------------------------------------------------- end to end
+SETUP_BUG = """
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    pass
+
+
+def run(ctx, cfg):
+    rows = [{"prompt": "ab="}]
+    return {"n": len(rows[0]["completion"])}  # the trainer's KeyError, raised while building
+"""
+
+TRAINING_BUG = """
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Config:
+    pass
+
+
+def run(ctx, cfg):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ctx.diloco(model, opt):
+        raise ValueError("row 3 has no label")  # in the first step, on every replica
+"""
+
+
+def _launch_job(tmp_path: Path, body: str, run_id: str) -> tuple[subprocess.CompletedProcess, dict]:
+    pkg = tmp_path / "wd" / "userjobs"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text(body)
+    base = tmp_path / "runs"
+    out = _cli("launch", "--store", str(base), "--run-id", run_id, "--replicas", "2",
+               "--job", "userjobs.job", "--workdir", str(tmp_path / "wd"), "-H", "2", "-r", "2",
+               "--max-restarts", "3", "--no-progress", "--timeout", "300",
+               env={"COLUMNS": "200", "CRF_LOG_LEVEL": "WARNING"})  # fmt: skip
+    return out, json.loads((base / run_id / "result.json").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_error_at_setup_fails_once_and_is_never_restarted(tmp_path: Path) -> None:
+    """The job's own code raises while it builds (what no check before launch can see): each
+    replica fails once, none is restarted, the run's reason is the error in one line, and
+    neither the summary nor the terminal shows a traceback."""
+    out, summary = _launch_job(tmp_path, SETUP_BUG, "setup-bug")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert summary["status"] == "failed" and summary["restarts"] == 0, summary
+    assert "failed at setup with KeyError: 'completion'" in summary["error"], summary["error"]
+    assert "a restart cannot fix it" in summary["error"]
+    assert "\n" not in summary["error"]
+    assert "Traceback" not in text
+    failed = [r for r in summary["replicas"] if r["state"] == "failed"]
+    assert failed and all(r["failure"] == "setup error" for r in failed), summary["replicas"]
+    assert "Traceback" not in json.dumps(summary)  # the log keeps it, the summary does not
+    for row in summary["replicas"]:
+        assert row["attempts"] == [] and row["restarts"] == 0, row
+        assert (row["rounds_committed"] or 0) == 0  # it never trained: 0 rounds, not 2/2
+    assert "failed at setup" in text and "0/2" in text
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_same_error_on_two_replicas_ends_the_run(tmp_path: Path) -> None:
+    """An error raised in training before the first committed round is restarted only until
+    it repeats (on the replica's restart or on the other replica): then the run ends with
+    that error as its reason, not after --max-restarts x replicas attempts."""
+    _, summary = _launch_job(tmp_path, TRAINING_BUG, "training-bug")
+    assert summary["status"] == "failed", summary
+    assert "ValueError: row 3 has no label" in summary["error"], summary["error"]
+    assert "a restart cannot fix it" in summary["error"]
+    assert summary["restarts"] <= 1, summary["restarts"]  # not 2 x --max-restarts 3

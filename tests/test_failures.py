@@ -1,0 +1,174 @@
+"""Restarts are for deaths: which failures a replica and the driver treat as bugs.
+
+- a replica's own classification (crf/replica/failures.py): an error in setup or a reward's
+  own is deterministic, a machine's or network's is not;
+- the driver (``Supervisor``): a replica that failed before its first committed round with
+  a deterministic error, or with the error another replica (or its own earlier attempt)
+  failed with, ends the run; a death or a repeated outage restarts as the policy allows;
+- the summary: committed rounds, not planned ones, and how each replica ended.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from crf import layout
+from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState, ReplicaStatus
+from crf.launcher.plan import RestartPolicy
+from crf.launcher.summary import _rounds_text, replica_row
+from crf.launcher.supervise import Supervisor
+from crf.replica.failures import deterministic, one_line, transient
+from crf.replica.rewards import RewardFailed
+from crf.store import RunStore, StoreTimeout
+
+
+def _raised_from(outer: type[BaseException], inner: BaseException) -> BaseException:
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            raise outer("wrapped") from e
+    except BaseException as e:  # noqa: BLE001 - the chained error itself
+        return e
+
+
+@pytest.mark.parametrize(
+    ("error", "phase", "expected"),
+    [
+        (KeyError("completion"), "starting", True),  # building the trainer: the input
+        (ValueError("chat_template is not set"), "starting", True),
+        (FileNotFoundError("train.jsonl"), "starting", True),  # a file of the run's own
+        (ConnectionError("reset"), "starting", False),  # the network
+        (OSError("Read timed out"), "starting", False),
+        (MemoryError(), "starting", False),
+        (RuntimeError("CUDA out of memory"), "starting", False),
+        (StoreTimeout("store down"), "starting", False),
+        (KeyError("x"), "training", False),  # later on: only a repeat says it is a bug
+        (_raised_from(RewardFailed, KeyError("answer")), "training", True),
+        (_raised_from(RewardFailed, ConnectionError("api")), "training", False),
+    ],
+)
+def test_what_a_replica_counts_as_deterministic(
+    error: BaseException, phase: str, expected: bool
+) -> None:
+    assert deterministic(error, phase=phase) is expected
+    if not expected and phase == "starting":
+        assert transient(error)
+
+
+def test_one_line_keeps_the_first_line() -> None:
+    assert one_line(ValueError("bad row\nmore detail")) == "ValueError: bad row"
+
+
+class _Executor:
+    """Replicas whose status the test sets; counts relaunches and cancels."""
+
+    name = "local"
+    native_restarts = False
+
+    def __init__(self) -> None:
+        self.states: dict[int, ReplicaState] = {}
+        self.relaunched: list[int] = []
+        self.cancelled: list[int] = []
+
+    def status(self, h: ReplicaHandle) -> ReplicaStatus:
+        state = self.states.get(h.rank, ReplicaState.RUNNING)
+        code = 1 if state is ReplicaState.FAILED else None
+        return ReplicaStatus(state=state, exit_code=code, message=f"exited with code {code}")
+
+    def relaunch(self, h: ReplicaHandle) -> ReplicaHandle:
+        self.relaunched.append(h.rank)
+        self.states[h.rank] = ReplicaState.RUNNING
+        return ReplicaHandle(h.backend, h.run_id, h.rank, "new", h.run_uri, h.world_size)
+
+    def cancel_all(self, handles: list[ReplicaHandle]) -> None:
+        for h in handles:
+            if not self.status(h).terminal:
+                self.cancelled.append(h.rank)
+                self.states[h.rank] = ReplicaState.CANCELLED
+
+
+def _supervisor(tmp_path: Path, n: int = 2) -> tuple[Supervisor, _Executor, RunStore]:
+    store = RunStore(f"file://{tmp_path}/run")
+    executor = _Executor()
+    handles = [ReplicaHandle("local", "r", k, str(k), store.uri, n) for k in range(n)]
+    plan = SimpleNamespace(store=store, executor=executor, restart=RestartPolicy(3))
+    return Supervisor(plan, handles, launch_no=0), executor, store  # type: ignore[arg-type]
+
+
+def _fail(
+    store: RunStore, executor: _Executor, rank: int, error: str | None, **result: Any
+) -> None:
+    executor.states[rank] = ReplicaState.FAILED
+    if error is not None:
+        record = {"rank": rank, "status": "failed", "error": error, "rounds_committed": 0}
+        store.put_json(layout.result_key(rank), {**record, **result})
+
+
+def test_an_error_at_setup_ends_the_run_at_once(tmp_path: Path) -> None:
+    sup, executor, store = _supervisor(tmp_path)
+    _fail(store, executor, 1, "KeyError: 'completion'", failed_in="setup", restartable=False)
+    sup.check(1, None)
+    assert executor.relaunched == [] and executor.cancelled == [0]
+    assert sup.fatal is not None and "replica 1 failed at setup with KeyError" in sup.fatal
+    assert "\n" not in sup.fatal
+
+
+def test_the_same_error_on_a_second_replica_ends_the_run(tmp_path: Path) -> None:
+    sup, executor, store = _supervisor(tmp_path, n=3)
+    _fail(store, executor, 0, "ValueError: row 3 has no label", failed_in="training")
+    sup.check(0, None)
+    assert executor.relaunched == [0] and sup.fatal is None  # once: it may have been a fluke
+    _fail(store, executor, 2, "ValueError: row 3 has no label", failed_in="training")
+    sup.check(2, None)
+    assert executor.relaunched == [0]  # not again
+    assert sup.fatal is not None and "replica(s) 0 too" in sup.fatal
+    assert sorted(executor.cancelled) == [0, 1]
+
+
+def test_the_same_error_on_a_restart_ends_the_run(tmp_path: Path) -> None:
+    sup, executor, store = _supervisor(tmp_path)
+    for _ in range(2):
+        _fail(store, executor, 1, "TypeError: bad operand", failed_in="training")
+        sup.check(1, None)
+    assert executor.relaunched == [1]
+    assert sup.fatal is not None and "(again)" in sup.fatal
+
+
+def test_deaths_and_repeated_outages_restart_as_before(tmp_path: Path) -> None:
+    sup, executor, store = _supervisor(tmp_path)
+    for _ in range(2):  # killed: no result at all
+        _fail(store, executor, 0, None)
+        sup.check(0, None)
+    for _ in range(2):  # the store was down, twice, the same way
+        _fail(store, executor, 1, "StoreTimeout: store down", transient=True)
+        sup.check(1, None)
+    assert executor.relaunched == [0, 0, 1, 1] and sup.fatal is None
+    # after a committed round an error is no longer an input error: the policy decides
+    _fail(store, executor, 0, "KeyError: 'x'", rounds_committed=2, failed_in="training")
+    sup.check(0, None)
+    assert sup.fatal is None and executor.relaunched[-1] == 0
+
+
+def _row(result: dict[str, Any] | None, state: ReplicaState, **kw: Any) -> dict[str, Any]:
+    handle = ReplicaHandle("local", "r", 0, "1", "file:///x", 1)
+    res = ReplicaResult(handle, state, 3 if state is ReplicaState.FAILED else 0, result)
+    return replica_row(res, rounds=2, **kw)
+
+
+def test_the_summary_shows_committed_rounds_and_a_setup_failure() -> None:
+    failed = {"status": "failed", "error": "KeyError: 'completion'", "failed_in": "setup",
+              "rounds_committed": 0, "rounds_missed": [], "restartable": False}  # fmt: skip
+    row = _row(failed, ReplicaState.FAILED, metrics=[], restarts=2)
+    assert row["failure"] == "setup error"
+    assert _rounds_text(row, 2) == "0/2"  # restarted, never trained: not 2/2
+    dead = _row(None, ReplicaState.FAILED)
+    assert dead["failure"] == "death"
+    resumed = _row({"status": "ok", "rounds_committed": 1}, ReplicaState.SUCCEEDED,
+                   metrics=[{"round": 0, "committed": True}, {"round": 1, "committed": True}],
+                   restarts=1)  # fmt: skip
+    assert resumed["failure"] is None and _rounds_text(resumed, 2) == "2/2"
