@@ -906,7 +906,7 @@ def merge_documented(res: dict[str, Any], path: str) -> dict[str, Any]:
     """``res`` completed with the phases it has no numbers for (not run, skipped or failed:
     a failure keeps its row too) from the result at ``path`` (the one the docs' table
     shows), each marked with the commit that measured it:
-    a device session that runs only the crf phases keeps the generation rows of an earlier
+    a run of only the crf phases keeps the generation rows of an earlier
     one. ``res`` alone where there is none."""
     try:
         with open(path) as f:

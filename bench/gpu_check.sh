@@ -30,7 +30,7 @@ $py -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || e
 
 tests=0
 if [ $# -eq 0 ]; then
-  timeout 240 $py -m pytest -q -p no:cacheprovider -n 0 -m gpu -rs --timeout 150 \
+  timeout 240 $py -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 150 \
     tests/test_gpu_paths.py tests/test_gpu_generation.py tests/test_allreduce_device.py \
     2>&1 | tee "$out/gpu-tests.log"
   tests=${PIPESTATUS[0]}

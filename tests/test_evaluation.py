@@ -123,6 +123,9 @@ def test_held_out_rows_are_a_fixed_subsample_of_the_split(tmp_path: Path) -> Non
 
 
 def _prepare(tmp_path: Path, **options):
+    # a batch of 2 prompts: the small datasets here give each replica one at least
+    if options.get("job", "composer") == "composer":
+        options.setdefault("job_config", {"prompts_per_step": 2, "num_generations": 2})
     return prepare(
         {"replicas": 2, **options}, store=str(tmp_path / "runs"), dry_run=True
     )  # fmt: skip

@@ -206,11 +206,7 @@ def run(
 
     from crf.store import StoreError
 
-    if timeout_s is not None:
-        try:
-            check_seconds("--timeout", timeout_s)
-        except SpecError as e:
-            raise LaunchError(str(e)) from None
+    _check_timeout(timeout_s)
     console = console or Console()
     started = time.time()
     try:
@@ -264,6 +260,15 @@ def run(
         console=console,
         plot=plot,
     )
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    """``--timeout`` refused in one line before anything is written."""
+    if timeout_s is not None:
+        try:
+            check_seconds("--timeout", timeout_s)
+        except SpecError as e:
+            raise LaunchError(str(e)) from None
 
 
 def _one_line(e: BaseException) -> str:

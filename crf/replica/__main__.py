@@ -122,12 +122,13 @@ def _train(ctx: Any) -> int:
         if restart_cannot_help(e):  # one line: the traceback adds nothing to what it says
             log.error("replica failed, and a restart cannot fix it: %s", one_line(e))
             return EXIT_UNRECOVERABLE
-        if getattr(ctx, "deterministic_failure", False):
+        failure = getattr(ctx, "failure", None)
+        if failure is not None and failure[1]:
             # the run's input or the job's code: the traceback (the user's own frames) stays
             # in this log for whoever fixes it; the driver's summary shows the one line
             log.error(
                 "replica failed%s, and a restart cannot fix it: %s",
-                " at setup" if getattr(ctx, "phase_failed_in", None) == "starting" else "",
+                " at setup" if failure[0] == "starting" else "",
                 one_line(e),
                 exc_info=True,
             )

@@ -189,19 +189,17 @@ class ReplicaContext:
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
         self.phase = "starting"
-        #: set by fail(): the error would be raised again on a restart (failures.py)
-        self.deterministic_failure = False
-        self.phase_failed_in: str | None = None
+        #: set by fail(): the phase it failed in, and whether the error would be raised again
+        #: on a restart (crf/replica/failures.py)
+        self.failure: tuple[str, bool] | None = None
         self.last_loss: float | None = None
         self.fragments: list[torch.nn.Module] = []
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
         self._clock = TimeAccount()
-        self._snapshot_s = 0.0  # the manager's checkpoint snapshot seconds already reported
         self._pace = HeartbeatPace()
         #: writes heartbeats off the training thread while it trains (``diloco``)
         self._sender: HeartbeatSender | None = None
-        self._finished = False
         #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
         self._to_save: tuple[Any, Any] | None = None
         #: --report-to: where the steps and rounds are also logged (started on first use)
@@ -540,8 +538,7 @@ class ReplicaContext:
         phases = dict(res.phases) if res else {}
         # the training thread's checkpoint snapshots since the last record (the copy into the
         # checkpoint's host buffers): the one part of a checkpoint that blocks training
-        snapshot_s = m.stats.ckpt_foreground_s - self._snapshot_s
-        self._snapshot_s = m.stats.ckpt_foreground_s
+        snapshot_s = self._syncs.new_snapshot_s(m.stats.ckpt_foreground_s)
         if snapshot_s > 0:
             phases["snapshot"] = round(snapshot_s, 6)
         return {
@@ -765,7 +762,6 @@ class ReplicaContext:
         self._save_model()
         record = self.result_record("ok", None, job_metrics or {})
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
-        self._finished = True
         self.phase = "done"
         self._beat(force=True)
 
@@ -774,10 +770,9 @@ class ReplicaContext:
 
         text = f"{type(error).__name__}: {error}"
         where, self.phase = self.phase, "failed"
-        self.phase_failed_in = where
         # an error in setup (or a reward's own) is raised again on every attempt: the
         # replica exits 3 and the driver ends the run (crf/replica/failures.py)
-        self.deterministic_failure = deterministic(error, phase=where)
+        self.failure = (where, deterministic(error, phase=where))
         self.tracker.close()  # what was logged up to the failure stays (it never raises)
         try:
             record = self.result_record("failed", text, {})
@@ -785,7 +780,7 @@ class ReplicaContext:
             record.failed_in = failed_in(where)
             record.transient = transient(error)
             # the driver leaves it down, whatever the exit code
-            record.restartable = not self.deterministic_failure
+            record.restartable = not self.failure[1]
             self.store.put_json(layout.result_key(self.rank), record.to_dict())
             self._beat(force=True)
         # the store itself may be the problem, or the state the job left behind: whatever
@@ -799,7 +794,7 @@ class ReplicaContext:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is not None:
             self.fail(exc)
-        elif not self._finished:
+        elif self.phase != "done":
             self.finish({})
         return False
 

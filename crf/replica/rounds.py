@@ -142,6 +142,12 @@ class SyncBook:
     finished: list[dict[str, Any]] = field(default_factory=list)  # per round, not recorded
     outer_commits: dict[int, list[bool]] = field(default_factory=dict)
     n_rejected: int = 0  # how many of the manager's rejected entries are in an entry already
+    snapshot_s: float = 0.0  # the manager's checkpoint snapshot seconds in an entry already
+
+    def new_snapshot_s(self, total: float) -> float:
+        """The checkpoint snapshot seconds of the manager's running ``total`` not seen yet."""
+        fresh, self.snapshot_s = total - self.snapshot_s, total
+        return fresh
 
     def new_rejections(self, rejected: list[Any]) -> list[Rejection]:
         """The entries of the manager's ``rejected`` (which grows over the run) not seen yet."""
