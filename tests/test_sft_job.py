@@ -169,8 +169,10 @@ def test_defaults_follow_the_model() -> None:
     """With --model the trainer settings are SFTConfig's own; LoRA learns 10x faster."""
     from trl import SFTConfig
 
+    from crf.replica.trl_settings import checkpointing
+
     trl = SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none",
-                    activation_checkpointing=False)  # fmt: skip
+                    **checkpointing(SFTConfig, False))  # fmt: skip
     given = Config().settings(model=True, lora=False)
     assert given["learning_rate"] == trl.learning_rate
     assert given["per_device_train_batch_size"] == trl.per_device_train_batch_size

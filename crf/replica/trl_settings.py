@@ -85,6 +85,19 @@ class SettingError(ValueError):
     """A trl.<field> setting cannot be used; the message is one line naming the fix."""
 
 
+def checkpointing(config_cls: type, on: bool) -> dict[str, bool]:
+    """Activation (gradient) checkpointing under the name ``config_cls`` takes: newer
+    transformers call it ``activation_checkpointing`` (the old name warns there), releases
+    before it only know ``gradient_checkpointing``."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    key = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else ("gradient_checkpointing")
+    )
+    return {key: on}
+
+
 def grpo_defaults() -> dict[str, Any]:
     """Every GRPOConfig field with its default (None for those with a factory)."""
     from trl import GRPOConfig

@@ -393,6 +393,7 @@ def trainer_config(
     from crf.composer import ComposerConfig
     from crf.composer.task import HINT_TEMPLATE
     from crf.replica.model import Placement
+    from crf.replica.trl_settings import checkpointing
 
     spec = ctx.spec
     fields = cfg.trainer_fields(spec)
@@ -403,8 +404,7 @@ def trainer_config(
         seed=int(ctx.data_seed),
         **local_ranks.trainer_args(ctx, cfg.prompts_per_step * generations),  # this rank's
         distill_hint_template=HINT_TEMPLATE,
-        # transformers 5 names it activation_checkpointing (the old name warns)
-        activation_checkpointing=bool(getattr(spec, "gradient_checkpointing", False)),
+        **checkpointing(ComposerConfig, bool(getattr(spec, "gradient_checkpointing", False))),
         **Placement.for_spec(spec).trainer_args(),
         # --report-to: TRL's own callbacks log every step (crf/replica/tracking.py)
         **(ctx.tracker.trainer_args() if hasattr(ctx, "tracker") else {"report_to": []}),

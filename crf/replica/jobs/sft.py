@@ -557,13 +557,15 @@ def trainer_args(ctx: Any, setup: ReplicaSetup, cfg: Config, output_dir: str) ->
     """The ``SFTConfig`` of this replica: crf's settings, then the ``trl`` table."""
     from trl import SFTConfig
 
+    from crf.replica.trl_settings import checkpointing
+
     return SFTConfig(
         output_dir=output_dir,
         max_steps=int(ctx.total_steps),
         seed=int(ctx.data_seed),
         train_sampling_strategy="sequential",  # the rows are ordered already (row_order)
         per_device_eval_batch_size=cfg.eval_batch_size,
-        activation_checkpointing=bool(getattr(ctx.spec, "gradient_checkpointing", False)),
+        **checkpointing(SFTConfig, bool(getattr(ctx.spec, "gradient_checkpointing", False))),
         **{k: v for k, v in setup.settings.items() if k != "per_device_train_batch_size"},
         # this local rank's share of each batch (all of it with one rank)
         **local_ranks.trainer_args(ctx, setup.settings["per_device_train_batch_size"]),
