@@ -499,11 +499,13 @@ def _kind(value: Any) -> str:
 def check_rows(spec: Any, split: Split) -> None:
     """The sampled rows' values: a prompt that is text (or messages) on every row, SFT text
     that is not empty, and (composer) an answer a reward that reads one can use."""
+    from crf.replica.sft_data import is_messages
+
     where = f"{split.flag} {split.dataset}"
     for i, row in enumerate(split.rows):
         if spec.job == "composer" or split.form == "prompt-completion":
             prompt = row.get("prompt")
-            if not (isinstance(prompt, str) and prompt.strip()) and not _messages(prompt):
+            if not (isinstance(prompt, str) and prompt.strip()) and not is_messages(prompt):
                 shown = "empty" if isinstance(prompt, str) else _kind(prompt)
                 raise LaunchError(
                     f"{where} row {i}: the prompt in column {_column(spec, 'prompt')} is "
@@ -517,14 +519,6 @@ def check_rows(spec: Any, split: Split) -> None:
                         f"{where} row {i}: {_column(spec, fld)} is empty: there is nothing "
                         "to learn from it; fill or drop such rows"
                     )
-
-
-def _messages(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
 
 
 # ---------------------------------------------------------------------- the rewards

@@ -60,7 +60,8 @@ def sft_format(
     )
 
 
-def _is_messages(value: Any) -> bool:
+def is_messages(value: Any) -> bool:
+    """A conversation in TRL's format: a non-empty list of {role, content} turns."""
     return (
         isinstance(value, list)
         and bool(value)
@@ -74,12 +75,12 @@ def check_row(row: Mapping[str, Any], form: str, dataset: str, index: int) -> No
     where = f"--dataset {dataset} row {index}"
     if form == "language modeling" and not isinstance(row.get("text"), str):
         raise DataError(f"{where}: 'text' must be a string (got {type(row.get('text')).__name__})")
-    if form == "conversational" and not _is_messages(row.get("messages")):
+    if form == "conversational" and not is_messages(row.get("messages")):
         raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}} messages")
     if form == "prompt-completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         plain = isinstance(prompt, str) and isinstance(completion, str)
-        if not plain and not (_is_messages(prompt) and _is_messages(completion)):
+        if not plain and not (is_messages(prompt) and is_messages(completion)):
             raise DataError(
                 f"{where}: 'prompt' and 'completion' must both be strings, or both lists of "
                 "{'role', 'content'} messages"
