@@ -35,6 +35,15 @@ Layout of one run folder::
     faults/<tag>                              a fault-injection spec that has fired (tests)
     code/crf-<sha>.tar.gz                     the crf source cloud containers fetch and run
     code/workdir-<sha>.tar.gz                 the user's --workdir, unpacked for every replica
+    policy/base/<r>                           rollout workers: the global weights of round r
+    policy/<rank>/<step>                      trainer rank's policy after <step> inner steps
+                                              (a delta against policy/base/<round>)
+    policy/<rank>/acks/<w>.json               the version worker w has loaded (it holds it)
+    rollouts/<rank>/<w>-<seq>                 worker w's rollout batch <seq> for trainer rank
+    rollouts/<rank>/returned/<w>-<seq>        a batch its trainer could not use in time: the
+                                              worker generates its rows again
+    workers/<w>/state.json                    rollout worker w's heartbeat
+    workers/<w>/result.json                   rollout worker w's final result
 """
 
 from __future__ import annotations
@@ -61,6 +70,11 @@ ENV_LOCAL_WORKER = "CRF_LOCAL_WORKER"
 ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
 #: the run-folder key of the packed --workdir a cloud container unpacks and runs in
 ENV_WORKDIR_KEY = "CRF_WORKDIR_KEY"
+#: ``trainer`` (the default) or ``rollout``: what a started process is
+ENV_ROLE = "CRF_ROLE"
+ROLE_TRAINER, ROLE_ROLLOUT = "trainer", "rollout"
+#: a rollout worker's index (0..M-1), set with CRF_ROLE=rollout
+ENV_WORKER = "CRF_WORKER"
 
 
 def replica_env(run_uri: str, rank: int, world_size: int, run_id: str) -> dict[str, str]:
@@ -224,6 +238,51 @@ def workdir_key(digest: str) -> str:
 
 def fault_key(tag: str) -> str:
     return f"{FAULTS}/{tag}"
+
+
+# ------------------------------------------------------------------ rollout workers' keys
+POLICY = "policy"
+ROLLOUTS = "rollouts"
+WORKERS = "workers"
+
+
+def policy_base_key(r: int) -> str:
+    """The global weights rollout workers add a trainer's delta to in round r (first writer
+    wins: every trainer's copy is the same)."""
+    return f"{POLICY}/base/{r}"
+
+
+def policy_dir(rank: int) -> str:
+    return f"{POLICY}/{rank}"
+
+
+def policy_key(rank: int, step: int) -> str:
+    """Trainer rank's policy after ``step`` inner steps in all (crf.rollouts.Version)."""
+    return f"{policy_dir(rank)}/{step}"
+
+
+def policy_ack_key(rank: int, worker: int) -> str:
+    return f"{policy_dir(rank)}/acks/{worker}.json"
+
+
+def rollout_dir(rank: int) -> str:
+    return f"{ROLLOUTS}/{rank}"
+
+
+def rollout_key(rank: int, worker: int, seq: int) -> str:
+    return f"{rollout_dir(rank)}/{worker}-{seq}"
+
+
+def returned_key(rank: int, worker: int, seq: int) -> str:
+    return f"{rollout_dir(rank)}/returned/{worker}-{seq}"
+
+
+def worker_state_key(worker: int) -> str:
+    return f"{WORKERS}/{worker}/state.json"
+
+
+def worker_result_key(worker: int) -> str:
+    return f"{WORKERS}/{worker}/result.json"
 
 
 # ---------------------------------------------------------------------------------- listings
@@ -391,6 +450,10 @@ class RoundMetrics(Record):
     #: the checkpoint copies that blocked training since the previous record; {} in records
     #: written before the exchange timed its phases
     phases_s: dict[str, float] = field(default_factory=dict)
+    #: with rollout workers: the rollouts this round trained on by source (``workers``,
+    #: ``local``), ``refused`` batches, ``staleness_mean`` / ``staleness_max`` (inner steps)
+    #: and, per worker ``w<k>``, its rollouts; {} without workers
+    rollouts: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # the exchange's other facts
 
     @classmethod
@@ -406,6 +469,36 @@ class RoundMetrics(Record):
         out = dataclasses.asdict(self)
         extra = out.pop("extra")
         return {**extra, **out}
+
+
+@dataclass
+class WorkerState(Record):
+    """``workers/<w>/state.json``: what rollout worker w is doing (rewritten while it lives)
+    and, in ``workers/<w>/result.json``, how it ended."""
+
+    worker: int = 0
+    serves: int = 0  # the trainer replica it generates for
+    phase: str = "starting"  # starting, loading, generating, pacing, done, failed
+    version: int | None = None  # the policy version (inner step) it holds
+    rollouts: int = 0  # rollouts (completions) written
+    batches: int = 0
+    returned: int = 0  # batches its trainer returned (too stale) that it generated again
+    staleness_mean: float | None = None  # at the time each batch was written
+    updated_at: float = 0.0
+    pid: int | None = None
+    host: str | None = None
+    status: str | None = None  # in result.json: ok, failed, cancelled
+    error: str | None = None
+
+
+@dataclass
+class PolicyAck(Record):
+    """``policy/<rank>/acks/<w>.json``: the policy version worker w has loaded and holds."""
+
+    worker: int
+    step: int
+    digest: str = ""
+    loaded_at: float = 0.0
 
 
 @dataclass
