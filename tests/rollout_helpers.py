@@ -30,7 +30,13 @@ def repeated(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def make_trainer(
-    steps: int = 1, *, model: Any = None, peft_config: Any = None, **kw: Any
+    steps: int = 1,
+    *,
+    model: Any = None,
+    peft_config: Any = None,
+    rows: list[dict[str, Any]] | None = None,
+    rollout_func: Any = None,
+    **kw: Any,
 ) -> ComposerReplicationTrainer:
     kw.setdefault("distill_hint_template", HINT_TEMPLATE)
     kw.setdefault("learning_rate", 1e-2)
@@ -54,9 +60,10 @@ def make_trainer(
         model=tiny_qwen2(TOK, seed=0) if model is None else model,
         reward_funcs=reverse_reward,
         args=args,
-        train_dataset=Dataset.from_list(ROWS),
+        train_dataset=Dataset.from_list(ROWS if rows is None else rows),
         processing_class=TOK,
         peft_config=peft_config,
+        rollout_func=rollout_func,
     )
     trainer.remove_callback(PrinterCallback)
     return trainer
@@ -104,6 +111,24 @@ def worker_batch(
         tokenizer_digest=tokenizer_digest(worker.processing_class),
         policy_digest=policy_digest,
     )
+
+
+def replaying(batch: Batch, rows: list[dict[str, Any]]) -> Any:
+    """A TRL ``rollout_func`` that answers each prompt with the batch's completions of it,
+    in order: TRL's own on-policy path, fed the worker's completions."""
+
+    def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list]:
+        queues: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            queues.setdefault(str(row["prompt"]), []).append(i)
+        picked = [queues[str(p)].pop(0) for p in prompts]
+        return {
+            "prompt_ids": [batch.prompt_ids[i] for i in picked],
+            "completion_ids": [batch.completion_ids[i] for i in picked],
+            "logprobs": [batch.logprobs[i] for i in picked],
+        }
+
+    return rollout_func
 
 
 class MemorySource:

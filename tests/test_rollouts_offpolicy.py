@@ -22,6 +22,7 @@ from tests.rollout_helpers import (  # noqa: E402
     logged,
     make_trainer,
     repeated,
+    replaying,
     worker_batch,
 )
 
@@ -48,6 +49,14 @@ def stale0() -> dict[str, Any]:
         source = MemorySource([(batch, rows)])
         grads = train_on(trainer, source, RolloutConfig(workers=1, correction=mode))
         out[mode] = (trainer, source, grads.grads)
+    # TRL's own path, no intake: a rollout_func hands TRL the same completions as its own
+    reference = make_trainer(
+        max_grad_norm=0.0, rows=list(PROMPTS), rollout_func=replaying(batch, rows)
+    )
+    grads = Grads()
+    reference.add_callback(grads)
+    reference.train()
+    out["trl"] = (reference, None, grads.grads)
     return out
 
 
@@ -71,6 +80,10 @@ def test_staleness_zero_gradients_equal_on_policy(stale0: dict[str, Any]) -> Non
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in on_policy.values()))
     assert norm > 1e-3  # the step has a real gradient to compare
     worst = max(float((corrected[k] - on_policy[k]).abs().max()) for k in on_policy)
+    assert worst <= 1e-6, worst
+    # and "off" is TRL's on-policy path, fed the same completions through its rollout_func
+    _, _, trl = stale0["trl"]
+    worst = max(float((trl[k] - on_policy[k]).abs().max()) for k in on_policy)
     assert worst <= 1e-6, worst
 
 

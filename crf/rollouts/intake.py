@@ -85,6 +85,10 @@ def check_trainer(trainer: Any, config: RolloutConfig) -> None:
         )
     if trainer.tools or getattr(trainer, "environment_factories", None) is not None:
         raise ValueError("rollout workers generate text completions only: drop tools/environments")
+    if trainer.accelerator.num_processes > 1:
+        raise ValueError(
+            "rollout workers serve one trainer process per replica: use --procs-per-replica 1"
+        )
     if trainer.rollout_func is not None:
         raise ValueError("rollout workers replace TRL's rollout_func: use one or the other")
 
