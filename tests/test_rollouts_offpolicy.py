@@ -127,6 +127,30 @@ def trained() -> list[dict[str, torch.Tensor]]:
     return snaps.weights
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """A trainer on the initial weights, for checks that only run its intake."""
+    return make_trainer()
+
+
+@pytest.fixture(scope="module")
+def latest(trained: list[dict[str, torch.Tensor]]):
+    """A trainer on the weights after the last of the 12 steps."""
+    trainer = make_trainer()
+    trainer.model.load_state_dict(trained[-1])
+    return trainer
+
+
+def generated_by(plain, weights: dict[str, torch.Tensor], rows: list[dict]):
+    """A worker batch sampled by ``weights`` (``plain``'s own weights are put back)."""
+    initial = {k: v.clone() for k, v in plain.model.state_dict().items()}
+    plain.model.load_state_dict(weights)
+    try:
+        return worker_batch(plain, rows)
+    finally:
+        plain.model.load_state_dict(initial)
+
+
 def take(trainer, batch, rows, config: RolloutConfig | None = None, **digests: str):
     """Run the trainer's intake on one generation batch; the source records the outcome."""
     source = MemorySource([(batch, rows)], {int(k[1:]): v for k, v in digests.items()})
@@ -135,37 +159,31 @@ def take(trainer, batch, rows, config: RolloutConfig | None = None, **digests: s
     return taken, source
 
 
-def test_batch_from_other_weights_is_refused(trained: list[dict[str, torch.Tensor]]) -> None:
+def test_batch_from_other_weights_is_refused(plain, latest) -> None:
     """The initial policy's rollouts, offered to a trained trainer as its current version:
     the mismatch says the worker served other weights."""
     rows = repeated(PROMPTS)
-    batch = worker_batch(make_trainer(), rows)  # initial weights
-    trainer = make_trainer()
-    trainer.model.load_state_dict(trained[-1])
-    taken, source = take(trainer, batch, rows, RolloutConfig(workers=1))
+    batch = worker_batch(plain, rows)  # initial weights
+    taken, source = take(latest, batch, rows, RolloutConfig(workers=1))
     assert taken is None and source.local_rows == [16]
     (reason,) = source.refusals
     assert "exceeds max_mismatch" in reason
 
 
-def test_batch_within_the_bound_is_taken(trained: list[dict[str, torch.Tensor]]) -> None:
+def test_batch_within_the_bound_is_taken(plain, latest, trained) -> None:
     """One step stale (the default bound): taken and corrected, its ratios off 1."""
     rows = repeated(PROMPTS)
-    worker = make_trainer()
-    worker.model.load_state_dict(trained[-2])
-    batch = worker_batch(worker, rows)
-    trainer = make_trainer()
-    trainer.model.load_state_dict(trained[-1])
-    taken, source = take(trainer, batch, rows, RolloutConfig(workers=1))
+    batch = generated_by(plain, trained[-2], rows)
+    taken, source = take(latest, batch, rows, RolloutConfig(workers=1))
     assert source.refusals == [] and taken is not None
     stats = taken.correction.stats
     assert 0 < stats["mismatch_kl"] <= RolloutConfig().max_mismatch
     assert stats["ratio_min"] < 1 < stats["ratio_max"]
 
 
-def test_other_policy_digest_is_refused() -> None:
+def test_other_policy_digest_is_refused(plain) -> None:
     rows = repeated(PROMPTS)
-    trainer = make_trainer()
+    trainer = plain
     batch = worker_batch(trainer, rows, policy_digest="not-published")
     taken, source = take(trainer, batch, rows, v0="published")
     assert taken is None and "policy digest" in source.refusals[0]
@@ -184,9 +202,9 @@ def test_other_policy_digest_is_refused() -> None:
         (lambda b: b.logprobs.__setitem__(0, b.logprobs[0][:-1]), "log-probs"),
     ],
 )
-def test_inconsistent_batch_is_refused(change, reason: str) -> None:
+def test_inconsistent_batch_is_refused(plain, change, reason: str) -> None:
     rows = repeated(PROMPTS)
-    trainer = make_trainer()
+    trainer = plain
     batch = worker_batch(trainer, rows)
     change(batch)
     taken, source = take(trainer, batch, rows)
@@ -200,17 +218,12 @@ def test_vespo_is_refused_with_workers() -> None:
     trainer.use_rollout_source(MemorySource([]), RolloutConfig(correction="off"))
 
 
-def test_masking_mode_zeroes_advantages_outside_the_bounds(
-    trained: list[dict[str, torch.Tensor]],
-) -> None:
+def test_masking_mode_zeroes_advantages_outside_the_bounds(plain, latest, trained) -> None:
     """token_mask on a stale batch: the advantages TRL gets are per token, zero exactly where
     the ratio left [clip_min, clip_max], and the clip is anchored at the proximal log-probs."""
     rows = repeated(PROMPTS)
-    worker = make_trainer()
-    worker.model.load_state_dict(trained[-3])
-    batch = worker_batch(worker, rows)
-    trainer = make_trainer()
-    trainer.model.load_state_dict(trained[-1])
+    batch = generated_by(plain, trained[-3], rows)
+    trainer = latest
     taken, _ = take(trainer, batch, rows, RolloutConfig(workers=1, correction="off"))
     mask = taken.tensors["mask"].bool()
     behaviour = torch.zeros_like(taken.proximal)
