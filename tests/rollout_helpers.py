@@ -40,6 +40,7 @@ def make_trainer(
 ) -> ComposerReplicationTrainer:
     kw.setdefault("distill_hint_template", HINT_TEMPLATE)
     kw.setdefault("learning_rate", 1e-2)
+    kw.setdefault("per_device_train_batch_size", BATCH)
     args = ComposerConfig(
         output_dir=kw.pop("output_dir", "/tmp/crf-rollout-tests"),
         use_cpu=True,
@@ -49,7 +50,6 @@ def make_trainer(
         logging_steps=1,
         disable_tqdm=True,
         max_steps=steps,
-        per_device_train_batch_size=BATCH,
         num_generations=GENERATIONS,
         max_completion_length=4,
         lr_scheduler_type="constant",

@@ -264,3 +264,34 @@ def test_lora_policy_trains_on_worker_rollouts() -> None:
     after = dict(trainer.model.named_parameters())
     changed = {k for k in before if not torch.equal(before[k], after[k].detach())}
     assert changed and all("lora_" in k for k in changed)
+
+
+@pytest.mark.parametrize(
+    ("settings", "mode"),
+    [
+        ({"loss_type": "cispo"}, "sequence_mask"),
+        ({"loss_type": "dapo", "importance_sampling_level": "sequence"}, "sequence_truncate"),
+        (
+            {
+                "per_device_train_batch_size": 8,
+                "gradient_accumulation_steps": 2,
+                "num_iterations": 2,
+            },
+            "token_truncate",
+        ),
+    ],
+)
+def test_other_losses_and_schedules_train_on_worker_rollouts(
+    stale0: dict[str, Any], settings: dict[str, Any], mode: str
+) -> None:
+    """Per-token advantages suit TRL's other clipped losses, sequence-level ratios, and a
+    generation split over micro-batches and reused for several iterations."""
+    rows = repeated(PROMPTS)
+    trainer = make_trainer(steps=2 if "num_iterations" in settings else 1, **settings)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    source = MemorySource([(stale0["batch"], rows)])
+    train_on(trainer, source, RolloutConfig(workers=1, correction=mode))
+    (stats,) = source.used_stats
+    assert abs(stats["ratio_max"] - 1) <= 1e-6 and source.local_rows == []
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
