@@ -76,6 +76,14 @@ def test_tokenizer_digest_tells_tokenizers_apart() -> None:
     assert tokenizer_digest(TOK) != tokenizer_digest(other)
 
 
+def test_tokenizer_digest_ignores_the_padding_of_the_last_call() -> None:
+    """A trainer whose tokenizer padded an evaluation batch still matches its worker's."""
+    used = char_tokenizer(task_alphabet("abcd"))
+    before = tokenizer_digest(used)
+    used(["ab", "abcd"], padding=True, truncation=True, max_length=3)
+    assert tokenizer_digest(used) == before == tokenizer_digest(TOK)
+
+
 def test_empty_batch_is_refused(trainer) -> None:
     with pytest.raises(ValueError, match="at least one row"):
         generate_rollouts(trainer, [])

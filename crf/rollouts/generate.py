@@ -162,13 +162,21 @@ def sampling_settings(trainer: Any) -> dict:
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
-    """A sha256 over what maps text to token ids: the fast tokenizer's full serialization (or
-    the vocabulary of a slow one), the special tokens, the padding side and the chat template.
+    """A sha256 over what maps text to token ids: the fast tokenizer's serialization without
+    its per-call padding and truncation (or the vocabulary of a slow one), the special
+    tokens, the padding side and the chat template.
     A processor (multimodal) is digested through its tokenizer."""
     tok = getattr(tokenizer, "tokenizer", tokenizer)
     backend = getattr(tok, "backend_tokenizer", None)
+    serialized = None
+    if backend is not None:
+        # padding and truncation are per-call state the backend keeps from its last call (a
+        # trainer that padded an evaluation batch would otherwise differ from its worker)
+        serialized = json.loads(backend.to_str())
+        serialized.pop("padding", None)
+        serialized.pop("truncation", None)
     parts: dict[str, Any] = {
-        "backend": backend.to_str() if backend is not None else None,
+        "backend": serialized,
         "vocab": None if backend is not None else sorted(tok.get_vocab().items()),
         "special": {k: str(v) for k, v in sorted(tok.special_tokens_map.items())},
         "padding_side": getattr(tok, "padding_side", None),

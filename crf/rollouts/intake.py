@@ -13,8 +13,9 @@ TRL's ``old_per_token_logps`` and weighs the advantages per token.
 A batch is refused (the source is told why, and the trainer generates the rows itself) when
 it cannot be what the trainer would have sampled from the version it names: other rows than
 the generation needs, another tokenizer or sampling settings, prompts that do not tokenize to
-its prompt ids, a policy digest other than the one the trainer published for that version, a
-version newer than the trainer, or a mismatch KL above ``max_mismatch``.
+its prompt ids, a policy digest other than the one the trainer published for that version,
+or a mismatch KL above ``max_mismatch``. Staleness is the source's to judge and record: it
+knows the replica's global step (a resumed trainer's TRL step starts again at 0).
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ class Taken:
     tensors: RolloutTensors
     proximal: torch.Tensor
     correction: Correction
-    staleness: int
 
 
 def check_trainer(trainer: Any, config: RolloutConfig) -> None:
@@ -116,10 +116,10 @@ class RolloutIntake:
             self._local(n)
             return None
         batch, rows = got
-        reason = self._check(batch, rows, n, step)
+        reason = self._check(batch, rows, n)
         taken = None
         if reason is None:
-            taken = self._correct(batch, rows, step)
+            taken = self._correct(batch, rows)
             reason = refusal(taken.correction.stats, self.config.max_mismatch)
         if reason is not None:
             log.warning("refused rollout batch %s-%s: %s", batch.worker, batch.seq, reason)
@@ -133,7 +133,7 @@ class RolloutIntake:
         self._metric("rollouts/worker_share", 0.0)
         self._metric("rollouts/refused", float(refused))
 
-    def _check(self, batch: Any, rows: list[dict], n: int, step: int) -> str | None:
+    def _check(self, batch: Any, rows: list[dict], n: int) -> str | None:
         sizes = {
             len(rows),
             len(batch.row_ids),
@@ -146,8 +146,6 @@ class RolloutIntake:
         for ids, lps in zip(batch.completion_ids, batch.logprobs, strict=True):
             if len(ids) != len(lps) or not ids:
                 return "a completion's log-probs do not match its tokens"
-        if batch.version > step:
-            return f"policy version {batch.version} is newer than the trainer (step {step})"
         if batch.tokenizer_digest != self._tokenizer_digest:
             return "the worker's tokenizer differs from the trainer's"
         if dict(batch.sampling) != self._sampling:
@@ -160,7 +158,7 @@ class RolloutIntake:
             return "the rows' prompts do not tokenize to the batch's prompt ids"
         return None
 
-    def _correct(self, batch: Any, rows: list[dict], step: int) -> Taken:
+    def _correct(self, batch: Any, rows: list[dict]) -> Taken:
         trainer = self.trainer
         tensors = rollout_tensors(trainer, batch.prompt_ids, batch.completion_ids)
         proximal = per_token_logps(trainer, tensors)
@@ -179,7 +177,7 @@ class RolloutIntake:
             clip_min=cfg.clip_min,
             clip_max=cfg.clip_max,
         )
-        return Taken(batch, list(rows), tensors, proximal, correction, step - int(batch.version))
+        return Taken(batch, list(rows), tensors, proximal, correction)
 
     def completions(self, taken: Taken, prompt_ids: list[list[int]]) -> tuple[list, list]:
         """What TRL's ``_generate_single_turn`` returns for the taken batch: its completion
@@ -207,13 +205,12 @@ class RolloutIntake:
                 output["importance_sampling_ratio"] = torch.ones_like(
                     output["importance_sampling_ratio"]
                 )
-        stats = {**taken.correction.stats, "staleness": float(taken.staleness)}
+        stats = dict(taken.correction.stats)
         worker = f"rollouts/w{taken.batch.worker}"
         for key, value in stats.items():
             self._metric(f"{worker}/{key}", value)
         self._metric("rollouts/worker_share", 1.0)
         self._metric("rollouts/refused", 0.0)
-        self._metric("rollouts/staleness", float(taken.staleness))
         self.source.used(taken.batch, stats)
 
     def _metric(self, name: str, value: float) -> None:
