@@ -246,16 +246,16 @@ class RolloutQueue:
                 bad.append(((w, seq), str(e)))
                 self.remove((w, seq))
         batches.sort(key=lambda b: (b.version, b.created_at, b.worker, b.seq))
-        returned = []
-        for b in batches:
+        returned: list[RolloutBatch] = []
+        taken = None
+        for b in batches:  # the unusable ones go, whichever is taken
             if len(b) != rollouts:  # made for other settings: generating it again won't help
                 bad.append(((b.worker, b.seq), f"{len(b)} rollouts, the trainer needs {rollouts}"))
                 self.remove(b)
-                continue
-            if step - b.version > max_staleness:
+            elif step - b.version > max_staleness:
                 self.give_back(b)
                 returned.append(b)
-                continue
-            self.remove(b)
-            return b, returned, bad
-        return None, returned, bad
+            elif taken is None:
+                self.remove(b)
+                taken = b
+        return taken, returned, bad

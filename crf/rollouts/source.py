@@ -128,6 +128,10 @@ class StoreRolloutSource:
         self.poll_s = poll_s
         self.counts = RolloutCounts()
         self.total = RolloutCounts()
+        #: the trainer's sampling settings and tokenizer digest (``expect``): a batch made
+        #: with others samples another distribution, or means other token ids
+        self._sampling: dict[str, Any] | None = None
+        self._tokenizer: str | None = None
         #: the step the batch in use was taken at (its staleness is counted from there)
         self._taken_at: dict[str, int] = {}
 
@@ -177,6 +181,10 @@ class StoreRolloutSource:
         return self.digests.expected_digest(version)
 
     # ------------------------------------------------------------------ the replica's
+    def expect(self, sampling: dict[str, Any], tokenizer_digest: str) -> None:
+        """Use only batches made with these sampling settings and this tokenizer."""
+        self._sampling, self._tokenizer = dict(sampling), tokenizer_digest
+
     def take_counts(self) -> dict[str, Any]:
         """The counts since the last call (one round's), as ``RoundMetrics.rollouts``."""
         counts, self.counts = self.counts, RolloutCounts()
@@ -191,6 +199,10 @@ class StoreRolloutSource:
         """Why the trainer must not train on ``batch`` (None: it may)."""
         if any(not 0 <= i < len(self.rows) for i in batch.row_ids):
             return f"row ids outside the trainer's {len(self.rows)} rows"
+        if self._tokenizer is not None and batch.tokenizer_digest != self._tokenizer:
+            return "made with another tokenizer than the trainer's"
+        if self._sampling is not None and batch.sampling != self._sampling:
+            return f"sampled with {batch.sampling}, the trainer samples with {self._sampling}"
         expected = self.expected_digest(batch.version)
         if expected is not None and batch.policy_digest != expected:
             return (
