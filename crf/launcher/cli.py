@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
-from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
+from crf.spec import BACKEND, ROLLOUT, RUN, RUN_DEFINING, Option, run_options
 
 
 def _help_markup_mode() -> Literal["rich"] | None:
@@ -119,6 +119,19 @@ Hardware = Annotated[
         help="Per-replica hardware in the backend's own terms: a Modal GPU (A10G, H100:2), "
         "an HF Jobs flavor (a10g-small), a SageMaker instance type (ml.g5.xlarge).",
         rich_help_panel=BACKEND,
+    ),
+]
+RolloutHardware = Annotated[
+    str | None,
+    typer.Option(
+        "--rollout-hardware",
+        "--rollout-gpu",
+        "--rollout-flavor",
+        "--rollout-instance-type",
+        help="Each rollout worker's hardware (--rollout-workers), in the backend's terms as "
+        "--hardware (default: the replicas'). Any other backend option for the workers "
+        "only: -o rollout_<option>=VALUE.",
+        rich_help_panel=ROLLOUT,
     ),
 ]
 Image = Annotated[
@@ -236,6 +249,7 @@ Resume = Annotated[
 
 def _launch_flags(
     hardware: Hardware = None,
+    rollout_hardware: RolloutHardware = None,
     image: Image = None,
     region: Region = None,
     opt: BackendOpts = None,
@@ -481,7 +495,8 @@ def _refuse_run_defining(ctx: typer.Context, cfg: Any, path: str | None) -> None
 
 
 def _backend_flags(flags: dict[str, Any]) -> list[Any]:
-    return [flags[name] for name in ("hardware", "image", "region", "opt") if flags[name]]
+    names = ("hardware", "rollout_hardware", "image", "region", "opt")
+    return [flags[name] for name in names if flags[name]]
 
 
 def _backend_options(
@@ -505,12 +520,13 @@ def _backend_options(
     hw_name = getattr(cls, "hardware_option", None)
     for flag, name, value in (
         ("--hardware", hw_name, flags["hardware"]),
+        ("--rollout-hardware", hw_name and f"rollout_{hw_name}", flags["rollout_hardware"]),
         ("--image", "image", flags["image"]),
         ("--region", "region", flags["region"]),
     ):
         if value is None:
             continue
-        if name is None or name not in known:
+        if name is None or name.removeprefix("rollout_") not in known:
             _fail(f"the {backend} backend has no {flag} option (its options: {', '.join(known)})")
         out[name] = value
     if timeout is not None and "timeout_s" in known and "timeout_s" not in out:
