@@ -270,26 +270,43 @@ class WorkerPool:
 
     def collect(self) -> list[dict[str, Any]]:
         """One row per worker for the summary: its process's end and its own account."""
-        rows = []
-        for handle in self.handles:
-            try:
-                status = self.executor.status(handle)
-            except Exception as e:  # noqa: BLE001 - a row that says so beats no summary
-                status = ReplicaStatus(ReplicaState.FAILED, None, f"status unknown: {e}")
-            state = read_worker_state(self.store, handle.rank, final=True)
-            state = state or read_worker_state(self.store, handle.rank)
-            rows.append(
-                {
-                    "worker": handle.rank,
-                    "state": str(status.state),
-                    "exit_code": status.exit_code,
-                    "message": status.message,
-                    "restarts": self.restarts.get(handle.rank, 0),
-                    "record": state.to_dict() if state is not None else None,
-                }
-            )
-        return rows
+        return worker_rows(self.executor, self.handles, self.store, self.restarts)
 
     def _say(self, message: str) -> None:
         if self.console is not None:
             self.console.print(message, highlight=False)
+
+
+def worker_rows(
+    executor: ServerlessExecutor,
+    handles: Sequence[ReplicaHandle],
+    store: RunStore,
+    restarts: Mapping[int, int] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per worker (crf.launcher.rollout_view.worker_row): its process's state as
+    the backend sees it, joined with its own record (its result, else its heartbeat)."""
+    from crf.launcher.rollout_view import worker_row
+
+    rows = []
+    for handle in handles:
+        try:
+            status = executor.status(handle)
+        except Exception as e:  # noqa: BLE001 - a row that says so beats no summary
+            status = ReplicaStatus(ReplicaState.FAILED, None, f"status unknown: {e}")
+        record = read_worker_state(store, handle.rank, final=True)
+        record = record or read_worker_state(store, handle.rank)
+        restarted = (restarts or {}).get(handle.rank, int(handle.extra.get("attempt", 0)))
+        rows.append(worker_row(handle.rank, str(status.state), record, restarted, status.message))
+    return rows
+
+
+def read_worker_handles(store: RunStore, launch_no: int) -> list[ReplicaHandle]:
+    """The workers' saved handles of a launch (none: a run without workers, or damaged)."""
+    try:
+        saved = store.get_json(layout.worker_handles_key(launch_no))
+        handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
+    except Exception:  # noqa: BLE001 - none or damaged: the workers are optional
+        return []
+    for h in handles:
+        h.extra["role"] = layout.ROLE_ROLLOUT
+    return sorted(handles, key=lambda h: h.rank)
