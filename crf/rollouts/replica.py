@@ -37,9 +37,11 @@ class TrainerRollouts:
         self.publisher = PolicyPublisher(
             ctx.store, ctx.rank, cfg, run_id=ctx.spec.run_id, sync_every=self.sync_every
         )
+        # TRL's own step restarts at 0 when a replica resumes; versions count the run's
         self.source = StoreRolloutSource(
-            ctx.store, ctx.rank, ctx.world_size, cfg, rows, digests=self.publisher
-        )
+            ctx.store, ctx.rank, ctx.world_size, cfg, rows, digests=self.publisher,
+            step_of=lambda: int(ctx.step),
+        )  # fmt: skip
         self._round: int | None = None
 
     def begin(self, model: Any, step: int) -> None:
@@ -76,6 +78,6 @@ def attach(ctx: Any, trainer: Any, callback: Any, rows: list[dict[str, Any]]) ->
     cfg = RolloutConfig.from_spec(ctx.spec)
     hooks = TrainerRollouts(ctx, rows, cfg)
     hooks.source.expect(sampling_settings(trainer), tokenizer_digest(trainer.processing_class))
-    trainer.use_rollout_source(hooks.source)
+    trainer.use_rollout_source(hooks.source, cfg)
     callback.rollouts = hooks
     return hooks

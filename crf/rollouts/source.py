@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -113,11 +114,13 @@ class StoreRolloutSource:
         rows: list[dict[str, Any]],
         *,
         digests: Any = None,
+        step_of: Callable[[], int] | None = None,
         poll_s: float = 0.05,
     ) -> None:
         """``rows``: the trainer's shard as ``build()`` makes it, before any resume rotation
         (a batch's row ids index it); ``digests``: what answers ``expected_digest`` (the
-        trainer's PolicyPublisher)."""
+        trainer's PolicyPublisher); ``step_of``: the replica's global inner step, used in
+        place of the step ``take`` is given (a resumed trainer's TRL counts from 0)."""
         self.store = store
         self.rank = rank
         self.cfg = cfg
@@ -126,6 +129,7 @@ class StoreRolloutSource:
         self.queue = RolloutQueue(store, rank)
         self.digests = digests
         self.poll_s = poll_s
+        self.step_of = step_of
         self.counts = RolloutCounts()
         self.total = RolloutCounts()
         #: the trainer's sampling settings and tokenizer digest (``expect``): a batch made
@@ -137,6 +141,8 @@ class StoreRolloutSource:
 
     # ------------------------------------------------------------------ the protocol
     def take(self, step: int, rows: int) -> tuple[RolloutBatch, list[dict]] | None:
+        if self.step_of is not None:
+            step = self.step_of()
         deadline = time.monotonic() + max(0.0, self.cfg.wait_s)
         while True:
             batch, returned, bad = self.queue.oldest_within(step, self.cfg.max_staleness, rows)
