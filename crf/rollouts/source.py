@@ -29,7 +29,7 @@ from crf.store import ObjectNotFound, RunStore
 log = logging.getLogger(__name__)
 
 #: a worker whose heartbeat is older than this is not waited for (it died or was preempted)
-WORKER_SILENT_S = 120.0
+WORKER_SILENT_S = 30.0
 
 
 class RolloutSource(Protocol):
