@@ -44,6 +44,20 @@ BEAT_S = 5.0
 MAX_POLL_S = 1.0
 
 
+def settled_tokenizer_digest(tokenizer: Any) -> str:
+    """The tokenizer's digest (crf.rollouts.generate.tokenizer_digest) with the per-call
+    padding and truncation a fast tokenizer's backend keeps from its last call cleared first
+    (every call sets them again): a trainer that has already tokenized a padded batch and a
+    worker that has not then agree on what maps text to token ids."""
+    from crf.rollouts.generate import tokenizer_digest
+
+    backend = getattr(getattr(tokenizer, "tokenizer", tokenizer), "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_padding()
+        backend.no_truncation()
+    return tokenizer_digest(tokenizer)
+
+
 def admits(trainer_step: int, queued: int, version: int, max_staleness: int) -> bool:
     """Whether a batch of policy ``version`` written now will be within the bound when its
     trainer uses it: the trainer (at ``trainer_step``, or at least at ``version``, which it
@@ -153,7 +167,7 @@ class RolloutWorker:
         from crf.replica.jobs import composer as job
         from crf.replica.jobs import job_config
         from crf.replica.rewards import job_rewards
-        from crf.rollouts.generate import sampling_settings, tokenizer_digest
+        from crf.rollouts.generate import sampling_settings
 
         if self.spec.job != "composer":
             raise ValueError(
@@ -173,7 +187,7 @@ class RolloutWorker:
         self.prompts = Prompts(len(self.setup.shard), rollouts // generations, generations,
                                index=mine.index(self.worker), count=len(mine))  # fmt: skip
         self.sampling = sampling_settings(self.trainer)
-        self.tokenizer = tokenizer_digest(self.setup.tokenizer)
+        self.tokenizer = settled_tokenizer_digest(self.trainer.processing_class)
 
     # ------------------------------------------------------------------ the loop
     def trainer_done(self) -> bool:
