@@ -139,6 +139,15 @@ def test_a_batch_of_other_weights_is_refused(store: RunStore) -> None:
     assert RolloutQueue(store, 0).queued() == []
 
 
+def test_a_version_the_trainer_did_not_publish_is_refused(store: RunStore) -> None:
+    """A batch of a version an earlier attempt of a restarted trainer published (or one
+    since deleted) names weights this trainer never had."""
+    src = source(store, v2="published")
+    RolloutQueue(store, 0).put(batch(worker=0, seq=0, version=3, digest="published"))
+    assert src.take(step=3, rows=4) is None
+    assert src.take_counts()["refused"] == 1
+
+
 def test_the_source_waits_for_a_live_worker(store: RunStore) -> None:
     """With a worker alive the trainer waits (up to wait_s) for its batch."""
     state = layout.WorkerState(worker=0, serves=0, phase="generating", updated_at=time.time())

@@ -28,7 +28,7 @@ moto_s3 = cloud_servers.moto_s3
 s3_env = cloud_servers.s3_env
 
 RUN = "run-test"
-WIRES = ("float32", "bfloat16", "float16", "int8", "topk4")
+WIRES = wirefmt.codec_names()  # every wire: float32, bfloat16, float16, int8, topk2/4/8
 
 
 def tiny(seed: int) -> torch.nn.Module:
@@ -144,6 +144,23 @@ def test_deletion_waits_for_acks_and_the_staleness_bound(store: RunStore) -> Non
     rd.release()
     pub.close()
     assert list_versions(store, 0) == [] and read_acks(store, 0) == []
+
+
+def test_a_restarted_trainer_drops_what_an_earlier_attempt_published_ahead(
+    store: RunStore,
+) -> None:
+    model = tiny(0)
+    first = publisher(store, wire="bfloat16", max_staleness=4)
+    first.start_round(0, model)
+    for s in range(0, 8):
+        first.publish(s, model)
+    assert list_versions(store, 0) == [3, 4, 5, 6, 7]
+    again = publisher(store, wire="bfloat16", max_staleness=4)  # resumed at step 4
+    assert again.drop_after(4) == [5, 6, 7]
+    again.start_round(1, model)
+    again.publish(4, model)
+    assert list_versions(store, 0) == [3, 4]
+    assert again.knows(4) and not again.knows(3)
 
 
 def test_a_version_gone_meanwhile_is_unavailable(store: RunStore) -> None:

@@ -214,6 +214,18 @@ class PolicyPublisher:
     def expected_digest(self, version: int) -> str | None:
         return self.digests.get(version)
 
+    def knows(self, version: int) -> bool:
+        """Whether this publisher published ``version`` (and has not deleted it)."""
+        return version in self.digests
+
+    def drop_after(self, step: int) -> list[int]:
+        """Delete the versions after ``step``: a restarted trainer resumes at ``step``, and
+        what an earlier attempt published beyond it is no policy it will have."""
+        gone = [v for v in list_versions(self.store, self.rank) if v > step]
+        for v in gone:
+            self.store.delete(layout.policy_key(self.rank, v))
+        return gone
+
     def collect(self, step: int) -> list[int]:
         """Delete every version that is not the newest, that no acknowledgement names, and
         that is more than max_staleness steps behind ``step``; the versions deleted."""

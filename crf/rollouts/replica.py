@@ -46,6 +46,7 @@ class TrainerRollouts:
 
     def begin(self, model: Any, step: int) -> None:
         """Training starts (or resumes) at ``step`` on the global weights."""
+        self.publisher.drop_after(step)
         self._publish(model, step, force=True)
 
     def step_end(self, model: Any, step: int) -> None:

@@ -210,6 +210,11 @@ class StoreRolloutSource:
         if self._sampling is not None and batch.sampling != self._sampling:
             return f"sampled with {batch.sampling}, the trainer samples with {self._sampling}"
         expected = self.expected_digest(batch.version)
+        if self.digests is not None and expected is None:
+            return (
+                f"version {batch.version} was not published by this trainer (an earlier "
+                "attempt's, or deleted)"
+            )
         if expected is not None and batch.policy_digest != expected:
             return (
                 f"generated with other weights than the policy published as version "
