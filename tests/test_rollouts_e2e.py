@@ -94,3 +94,23 @@ def test_a_trainer_uses_its_worker_and_outlives_it(tmp_path: Path) -> None:
     # the worker left no result (it was killed); its trainer cleaned its policy versions up
     assert not store.object_exists(layout.worker_result_key(0))
     assert [n for n in store.list(layout.policy_dir(0)) if n.isdigit()] == []
+
+
+def test_crf_launch_starts_a_worker_whose_batches_the_replica_trains_on(tmp_path: Path) -> None:
+    """The whole chain on the local backend: ``crf launch --rollout-workers 1`` starts the
+    worker beside the replica, the replica trains on its batches, the run ends ok."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "crf.launcher.cli", "launch", "--job", "composer",
+           "--replicas", "1", "--rollout-workers", "1", "--sync-every", "2", "--rounds", "2",
+           "--run-id", "cli", "--store", str(tmp_path), "--no-progress", "--eval-examples",
+           "4", "--set", "num_examples=64", "--set", "prompts_per_step=2", "--set",
+           "num_generations=2", "--rollout-wait", "300"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    store = RunStore(str(tmp_path / "cli"))
+    assert store.get_json(layout.result_key(0))["status"] == "ok"
+    counts = [r["rollouts"] for r in rounds(store, 2)]
+    # a live worker is waited for, so every batch the replica trained on was the worker's
+    assert sum(c["workers"] for c in counts) == 4 * ROLLOUTS_PER_STEP, counts
+    assert sum(c["local"] + c["refused"] for c in counts) == 0, counts
