@@ -123,7 +123,9 @@ def generate_rollouts(
     token) exactly as TRL would generate them for that batch in train mode.
 
     Text prompts and conversations (chat template applied by TRL) are supported; images,
-    tools and environments are not (rollout workers serve the composer's text GRPO)."""
+    tools and environments are not (rollout workers serve the composer's text GRPO). A
+    worker that loads new weights into ``trainer.model`` calls ``trainer.weights_replaced()``
+    so that, with ``use_vllm``, TRL pushes them to vLLM before the next generation."""
     if not rows:
         raise ValueError("generate_rollouts needs at least one row")
     if trainer.tools or getattr(trainer, "environment_factories", None) is not None:
