@@ -15,6 +15,7 @@ Layout of one run folder::
     result.json                               the driver's summary of the newest launch
     launches/<k>.json                         who launched attempt k of the whole run, from where
     launches/<k>/handles.json                 the replicas' handles (to attach, cancel, resume)
+    launches/<k>/workers.json                 the rollout workers' handles
     launches/<k>/attempts/<rank>-<a>.json     what a replica's failed attempt left
     launches/<k>/previous/...                 the previous launch's result files, kept at resume
     launches/<k>/superseded/global/<r>/...    global states a resume started past
@@ -135,6 +136,11 @@ def launch_key(k: int) -> str:
 
 def handles_key(k: int) -> str:
     return f"{LAUNCHES}/{k}/handles.json"
+
+
+def worker_handles_key(launch: int) -> str:
+    """The rollout workers' handles of driver launch ``launch`` (beside the replicas')."""
+    return f"{LAUNCHES}/{launch}/workers.json"
 
 
 def attempt_key(k: int, rank: int, attempt: int) -> str:

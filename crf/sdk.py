@@ -114,7 +114,7 @@ class Run:
 _WATCH = ("plot", "console", "poll_s", "report")
 #: backend options the SDK also takes as keywords, as the CLI's --hardware (--gpu, --flavor,
 #: --instance-type), --image and --region
-_BACKEND_KEYS = (*HARDWARE_KEYS, "image", "region")
+_BACKEND_KEYS = (*HARDWARE_KEYS, *(f"rollout_{k}" for k in HARDWARE_KEYS), "image", "region")
 
 
 @dataclass

@@ -20,6 +20,7 @@ reports how often it did in ``ReplicaStatus.restarts``; the driver then only cou
 
 from __future__ import annotations
 
+import inspect
 import json
 import shlex
 import sys
@@ -178,6 +179,41 @@ def replica_env(
     return out
 
 
+@dataclass(frozen=True)
+class Workers:
+    """The processes a launch starts are rollout workers, not trainer replicas: worker w
+    gets the replica contract of the trainer it serves (``CRF_RANK`` w % trainers,
+    ``CRF_WORLD_SIZE`` the trainers) plus ``CRF_ROLE=rollout`` and ``CRF_WORKER=w``, so
+    ``python -m crf.replica`` runs the worker loop for that trainer. Given to
+    ``launch_replicas(..., workers=Workers(n))``: the "ranks" it starts are then worker
+    indices (0..M-1), their logs, job names and labels named ``worker-<w>`` / ``w<w>``."""
+
+    trainers: int
+
+    def env(self, worker: int) -> dict[str, str]:
+        return {
+            layout.ENV_RANK: str(worker % max(1, self.trainers)),
+            layout.ENV_WORLD_SIZE: str(self.trainers),
+            layout.ENV_ROLE: layout.ROLE_ROLLOUT,
+            layout.ENV_WORKER: str(worker),
+        }
+
+    @staticmethod
+    def unit(worker: int) -> str:
+        """How job names and log files tell worker w from replica w."""
+        return f"w{worker}"
+
+
+def role_of(handle: ReplicaHandle) -> str:
+    """``trainer`` or ``rollout``: what a handle's process is (older handles: trainer)."""
+    return str(handle.extra.get("role") or layout.ROLE_TRAINER)
+
+
+def unit_name(rank: int, workers: Workers | None) -> str:
+    """A replica's rank, or ``w<k>`` for rollout worker k (job names, labels, messages)."""
+    return str(rank) if workers is None else Workers.unit(rank)
+
+
 def resolve_procs_per_replica(
     requested: int | None,
     executor: ServerlessExecutor,
@@ -242,11 +278,14 @@ class LaunchArgs:
     run_uri: str
     run_id: str
     plain_env: dict[str, str] = field(default_factory=dict)
+    #: set when the launch started rollout workers (kept apart from the trainers' record)
+    workers: Workers | None = None
 
     @classmethod
     def of(cls, n_replicas: int, entrypoint: Entrypoint, entrypoint_args: Sequence[str],
            env: Mapping[str, str] | None, run_uri: str, run_id: str,
-           plain_env: Mapping[str, str] | None = None) -> LaunchArgs:  # fmt: skip
+           plain_env: Mapping[str, str] | None = None,
+           workers: Workers | None = None) -> LaunchArgs:  # fmt: skip
         """The record of a ``launch_replicas`` call, its arguments copied as plain strings."""
         return cls(
             n_replicas=n_replicas,
@@ -256,7 +295,12 @@ class LaunchArgs:
             run_uri=run_uri,
             run_id=run_id,
             plain_env={str(k): str(v) for k, v in (plain_env or {}).items()},
+            workers=workers,
         )
+
+    @property
+    def role(self) -> str:
+        return layout.ROLE_TRAINER if self.workers is None else layout.ROLE_ROLLOUT
 
 
 def prepare_launch(n_replicas: int, run_uri: str, run_id: str | None,
@@ -435,10 +479,46 @@ class ServerlessExecutor(ABC):
 
     # ------------------------------------------------------------------ restarts
     def remember_launch(self, record: LaunchArgs) -> None:
-        """Keep how a run was started (in memory only) for ``relaunch``."""
+        """Keep how a run was started (in memory only) for ``relaunch``: one record per
+        run and role (its trainers, its rollout workers)."""
         if not hasattr(self, "_launch_records"):
-            self._launch_records: dict[str, LaunchArgs] = {}
-        self._launch_records[record.run_id] = record
+            self._launch_records: dict[tuple[str, str], LaunchArgs] = {}
+        self._launch_records[(record.run_id, record.role)] = record
+
+    def launch_workers(
+        self,
+        n_workers: int,
+        trainers: int,
+        entrypoint: Entrypoint = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        run_uri: str,
+        run_id: str | None = None,
+        workers: Sequence[int] | None = None,
+        plain_env: Mapping[str, str] | None = None,
+    ) -> list[ReplicaHandle]:
+        """Start rollout workers 0..n_workers-1 (or only ``workers``) of a run of
+        ``trainers`` replicas, on this executor's hardware, with the same code, image and
+        secrets handling as its replicas; one handle per worker (``extra["role"]`` is
+        ``rollout``, ``rank`` the worker's index). Backends whose ``launch_replicas`` takes
+        ``workers=`` (every built-in one) need nothing more."""
+        params = inspect.signature(self.launch_replicas).parameters
+        if "workers" not in params:
+            raise ExecutorError(f"the {self.name} backend cannot start rollout workers")
+        handles = self.launch_replicas(
+            n_workers,
+            entrypoint,
+            (),
+            env,
+            run_uri=run_uri,
+            run_id=run_id,
+            ranks=workers,
+            plain_env=plain_env,
+            workers=Workers(trainers),  # type: ignore[call-arg]
+        )
+        for h in handles:
+            h.extra["role"] = layout.ROLE_ROLLOUT
+        return handles
 
     def relaunch(self, handle: ReplicaHandle) -> ReplicaHandle:
         """Start ``handle``'s rank again with the command and environment it was first started
@@ -449,22 +529,36 @@ class ServerlessExecutor(ABC):
         executor instance launched can be relaunched: the environment, which may hold
         credentials, is never written anywhere it could be read back from.
         """
-        record = getattr(self, "_launch_records", {}).get(handle.run_id)
+        role = role_of(handle)
+        record = getattr(self, "_launch_records", {}).get((handle.run_id, role))
         if record is None:
+            what = "replica" if role == layout.ROLE_TRAINER else "rollout worker"
             raise ExecutorError(
-                f"cannot relaunch replica {handle.rank} of run {handle.run_id}: it was not "
+                f"cannot relaunch {what} {handle.rank} of run {handle.run_id}: it was not "
                 "launched by this executor (resume the run instead: crf launch --resume)"
             )
-        (new,) = self.launch_replicas(
-            record.n_replicas,
-            record.entrypoint,
-            record.entrypoint_args,
-            record.env,
-            run_uri=record.run_uri,
-            run_id=record.run_id,
-            ranks=[handle.rank],
-            plain_env=record.plain_env,
-        )
+        if record.workers is not None:
+            (new,) = self.launch_workers(
+                record.n_replicas,
+                record.workers.trainers,
+                record.entrypoint,
+                record.env,
+                run_uri=record.run_uri,
+                run_id=record.run_id,
+                workers=[handle.rank],
+                plain_env=record.plain_env,
+            )
+        else:
+            (new,) = self.launch_replicas(
+                record.n_replicas,
+                record.entrypoint,
+                record.entrypoint_args,
+                record.env,
+                run_uri=record.run_uri,
+                run_id=record.run_id,
+                ranks=[handle.rank],
+                plain_env=record.plain_env,
+            )
         new.extra["attempt"] = int(handle.extra.get("attempt", 0)) + 1
         return new
 
@@ -507,10 +601,14 @@ class ServerlessExecutor(ABC):
             time.sleep(poll_s)
 
     def read_result(self, handle: ReplicaHandle) -> tuple[dict[str, Any] | None, str | None]:
-        """``results/<rank>.json`` from the store: (result, problem reading it)."""
+        """``results/<rank>.json`` (a rollout worker's ``workers/<w>/result.json``) from the
+        store: (result, problem reading it)."""
         from crf.store import ObjectNotFound, RunStore  # lazy: the store pulls in fsspec
 
-        key = layout.result_key(handle.rank)
+        if role_of(handle) == layout.ROLE_ROLLOUT:
+            key = layout.worker_result_key(handle.rank)
+        else:
+            key = layout.result_key(handle.rank)
         try:
             data = RunStore(handle.run_uri).get_json(key)
         except ObjectNotFound:

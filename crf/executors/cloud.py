@@ -49,10 +49,12 @@ from crf.executors.base import (
     ReadyCheck,
     ReplicaHandle,
     ServerlessExecutor,
+    Workers,
     build_command,
     check_launch_args,
     prepare_launch,
     replica_env,
+    unit_name,
 )
 from crf.executors.bootstrap import (
     BOOTSTRAP,
@@ -75,6 +77,8 @@ CONTAINER_ENTRYPOINT = ("python", "-m", "crf.replica")
 #: a day: long enough for real runs, short enough that a forgotten run stops (Modal's maximum)
 DEFAULT_TIMEOUT_S = 24 * 3600.0
 LABEL_RUN, LABEL_RANK = "crf-run", "crf-rank"
+#: on rollout workers only: ``crf-role=rollout`` (their crf-rank is the worker's index)
+LABEL_ROLE = "crf-role"
 
 
 def pack_source() -> tuple[bytes, str]:
@@ -109,6 +113,13 @@ class Submission:
     secrets: dict[str, str]
     labels: dict[str, str]
     max_restarts: int
+    #: set for rollout workers (``rank`` is then the worker's index)
+    workers: Workers | None = None
+
+    @property
+    def unit(self) -> str:
+        """The rank, or ``w<k>`` for rollout worker k: what job names and messages say."""
+        return unit_name(self.rank, self.workers)
 
 
 class CloudExecutor(ServerlessExecutor):
@@ -224,6 +235,14 @@ class CloudExecutor(ServerlessExecutor):
     def labels(self, run_id: str, rank: int) -> dict[str, str]:
         return {LABEL_RUN: run_id, LABEL_RANK: str(rank)}
 
+    def unit_labels(self, run_id: str, rank: int, workers: Workers | None) -> dict[str, str]:
+        """A replica's labels; a rollout worker's also say ``crf-role=rollout`` (so looking
+        a run's replicas up by label leaves its workers out)."""
+        labels = self.labels(run_id, rank)
+        if workers is not None:
+            labels[LABEL_ROLE] = layout.ROLE_ROLLOUT
+        return labels
+
     @abstractmethod
     def _submit(self, sub: Submission) -> tuple[str, dict[str, Any]]:
         """Start one container; return (backend id, extra handle fields)."""
@@ -240,7 +259,10 @@ class CloudExecutor(ServerlessExecutor):
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
         plain_env: Mapping[str, str] | None = None,
+        workers: Workers | None = None,
     ) -> list[ReplicaHandle]:
+        """Start one container per rank (with ``workers``, per rollout worker: see
+        :class:`~crf.executors.base.Workers`), all or none."""
         check_launch_args(n_replicas, run_uri, in_process=False)
         self.check_run_uri(run_uri)
         run_uri, run_id, to_start = prepare_launch(n_replicas, run_uri, run_id, ranks)
@@ -256,8 +278,12 @@ class CloudExecutor(ServerlessExecutor):
             raise ExecutorError(f"could not read the run's run.json at {run_uri}: {e}") from e
         argv = self.container_argv(command)
         handles: list[ReplicaHandle] = []
+        role_extra = {} if workers is None else {"role": layout.ROLE_ROLLOUT}
         try:
             for rank in to_start:
+                env_ = self.container_env(run_uri, run_id, rank, n_replicas, code_key, needs)
+                if workers is not None:
+                    env_.update(workers.env(rank))
                 backend_id, extra = self._submit(
                     Submission(
                         run_id=run_id,
@@ -266,15 +292,14 @@ class CloudExecutor(ServerlessExecutor):
                         argv=argv,
                         env={
                             **{str(k): str(v) for k, v in (plain_env or {}).items()},
-                            **self.container_env(
-                                run_uri, run_id, rank, n_replicas, code_key, needs
-                            ),
+                            **env_,
                             # names only: the container hides these variables' values itself
                             ENV_SECRET_NAMES: ",".join(sorted(secrets)),
                         },
                         secrets=secrets,
-                        labels=self.labels(run_id, rank),
-                        max_restarts=max_restarts,
+                        labels=self.unit_labels(run_id, rank, workers),
+                        max_restarts=max_restarts if workers is None else 0,
+                        workers=workers,
                     )
                 )
                 handles.append(
@@ -284,8 +309,8 @@ class CloudExecutor(ServerlessExecutor):
                         rank=rank,
                         backend_id=backend_id,
                         run_uri=run_uri,
-                        world_size=n_replicas,
-                        extra=extra,
+                        world_size=n_replicas if workers is None else workers.trainers,
+                        extra={**extra, **role_extra},
                     )
                 )
         except ExecutorError:
@@ -293,12 +318,15 @@ class CloudExecutor(ServerlessExecutor):
             raise
         except Exception as e:  # noqa: BLE001 - anything that escapes a submit: no orphans left
             self.cancel_all(handles)
+            what = "replica" if workers is None else "rollout worker"
             raise ExecutorError(
-                f"{self.name} refused to start replica {len(handles)}: "
+                f"{self.name} refused to start {what} {len(handles)}: "
                 f"{redact(f'{type(e).__name__}: {e}', secrets.values())}"
             ) from None
         self.remember_launch(
-            LaunchArgs.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env)
+            LaunchArgs.of(
+                n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env, workers
+            )  # fmt: skip
         )
         return handles
 
@@ -349,6 +377,7 @@ __all__ = [
     "CONTAINER_ENTRYPOINT",
     "DEFAULT_TIMEOUT_S",
     "LABEL_RANK",
+    "LABEL_ROLE",
     "LABEL_RUN",
     "CloudExecutor",
     "pack_source",

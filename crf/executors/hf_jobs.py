@@ -57,7 +57,14 @@ from crf.executors.base import (
     ReplicaState,
     ReplicaStatus,
 )
-from crf.executors.cloud import DEFAULT_TIMEOUT_S, LABEL_RANK, LABEL_RUN, CloudExecutor, Submission
+from crf.executors.cloud import (
+    DEFAULT_TIMEOUT_S,
+    LABEL_RANK,
+    LABEL_ROLE,
+    LABEL_RUN,
+    CloudExecutor,
+    Submission,
+)
 from crf.executors.secrets import redact
 from crf.layout import ENV_RUN_ID, ENV_RUN_URI, ENV_WORLD_SIZE
 
@@ -297,11 +304,12 @@ class HFJobsExecutor(CloudExecutor):
                 flavor=self.flavor,
                 timeout=int(math.ceil(self.timeout_s)),
                 labels=sub.labels,
-                name=label_value(f"crf-{sub.run_id}-{sub.rank}"),
+                name=label_value(f"crf-{sub.run_id}-{sub.unit}"),
                 namespace=ns,
             )
         except HF_ERRORS as e:
-            raise self._explain(e, f"starting replica {sub.rank}") from None
+            what = "replica" if sub.workers is None else "rollout worker"
+            raise self._explain(e, f"starting {what} {sub.rank}") from None
         return job.id, {"namespace": ns, "url": job.url, "flavor": self.flavor}
 
     # ------------------------------------------------------------------ status
@@ -413,6 +421,8 @@ class HFJobsExecutor(CloudExecutor):
                 continue  # another run whose id maps to the same label value
             if env.get(ENV_RUN_URI) and normalize_uri(env[ENV_RUN_URI]).rstrip("/") != want_uri:
                 continue
+            if (job.labels or {}).get(LABEL_ROLE):
+                continue  # a rollout worker, not a replica
             try:
                 rank = int((job.labels or {})[LABEL_RANK])
             except (KeyError, ValueError):

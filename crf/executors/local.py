@@ -37,12 +37,22 @@ from crf.executors.base import (
     ReplicaState,
     ReplicaStatus,
     ServerlessExecutor,
+    Workers,
     build_command,
     prepare_launch,
     replica_env,
+    role_of,
+    unit_name,
 )
 from crf.executors.process import PidOwner, pid_owner, process_started_at
-from crf.layout import ENV_RANK, ENV_RUN_ID, ENV_RUN_URI, ENV_SECRET_NAMES, ENV_WORLD_SIZE
+from crf.layout import (
+    ENV_ROLE,
+    ENV_RUN_ID,
+    ENV_RUN_URI,
+    ENV_SECRET_NAMES,
+    ENV_WORLD_SIZE,
+    ROLE_TRAINER,
+)
 
 
 @dataclass
@@ -232,9 +242,12 @@ class LocalProcessExecutor(ServerlessExecutor):
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
         plain_env: Mapping[str, str] | None = None,
+        workers: Workers | None = None,
     ) -> list[ReplicaHandle]:
-        """Start the replicas as subprocesses. Local processes have no platform retries:
-        ``max_restarts`` is ignored and the driver relaunches failed ranks itself."""
+        """Start the replicas as subprocesses (with ``workers``, rollout workers: see
+        :class:`~crf.executors.base.Workers`; their logs are ``worker-<w>.log``). Local
+        processes have no platform retries: ``max_restarts`` is ignored and the driver
+        relaunches failed ranks itself."""
         run_uri, run_id, to_start = prepare_launch(n_replicas, run_uri, run_id, ranks)
         cmd = self.check_command(entrypoint, entrypoint_args)
         log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
@@ -242,19 +255,26 @@ class LocalProcessExecutor(ServerlessExecutor):
         base_env = {**self._base_env(), **{str(k): str(v) for k, v in (plain_env or {}).items()}}
         workdir = self._fetch_workdir(run_uri)
         handles: list[ReplicaHandle] = []
+        what = "replica" if workers is None else "rollout worker"
         try:
             for rank in to_start:
                 child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
+                if workers is not None:
+                    child_env.update(workers.env(rank))
                 cwd = self.cwd
                 if workdir is not None:
-                    cwd = self._unpack_for(workdir, run_uri, run_id, rank, child_env)
-                log = log_dir / f"replica-{rank}.log"
-                handles.append(self._start(cmd, child_env, env, log, cwd))
+                    unit = unit_name(rank, workers)
+                    cwd = self._unpack_for(workdir, run_uri, run_id, unit, child_env)
+                name = "replica" if workers is None else "worker"
+                log = log_dir / f"{name}-{rank}.log"
+                handles.append(self._start(cmd, child_env, env, log, cwd, rank, what))
         except OSError as e:
             self.cancel_all(handles)  # all or nothing: no orphan half of a run
-            raise ExecutorError(f"could not start replica {rank}: {e}") from e
+            raise ExecutorError(f"could not start {what} {rank}: {e}") from e
         self.remember_launch(
-            LaunchArgs.of(n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env)
+            LaunchArgs.of(
+                n_replicas, entrypoint, entrypoint_args, env, run_uri, run_id, plain_env, workers
+            )  # fmt: skip
         )
         return handles
 
@@ -269,7 +289,7 @@ class LocalProcessExecutor(ServerlessExecutor):
         except Exception as e:  # noqa: BLE001 - the store's client error, said as one line
             raise ExecutorError(f"could not read the run's workdir from {run_uri}: {e}") from e
 
-    def _unpack_for(self, workdir: bytes, run_uri: str, run_id: str, rank: int,
+    def _unpack_for(self, workdir: bytes, run_uri: str, run_id: str, rank: int | str,
                     child_env: dict[str, str]) -> str:  # fmt: skip
         """A fresh unpacked copy of the workdir for one replica (as a cloud container gets),
         first on its PYTHONPATH after crf: ``<run folder>/workdir/<rank>`` on a local store
@@ -287,8 +307,8 @@ class LocalProcessExecutor(ServerlessExecutor):
         return where
 
     def _start(self, cmd: list[str], child_env: dict[str, str], env: Mapping[str, str] | None,
-               log_path: Path, cwd: str | None = None) -> ReplicaHandle:  # fmt: skip
-        """Start one replica's process, its output appended to ``log_path``."""
+               log_path: Path, cwd: str | None, rank: int, what: str) -> ReplicaHandle:  # fmt: skip
+        """Start one replica's (or worker's) process, its output appended to ``log_path``."""
         argv = cmd
         secret_names = sorted(k for k in env or {} if not k.startswith("CRF_"))
         if secret_names:
@@ -297,11 +317,10 @@ class LocalProcessExecutor(ServerlessExecutor):
             # no later `crf logs` can show them
             child_env[ENV_SECRET_NAMES] = ",".join(secret_names)
             argv = [sys.executable, "-m", "crf.executors.redacted", *cmd]
-        rank = child_env[ENV_RANK]
         with open(log_path, "ab") as log_file:
             if log_file.tell() > 0:  # a restart or a resume: mark where it begins
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                mark = f"----- crf: replica {rank} started again at {stamp} -----\n"
+                mark = f"----- crf: {what} {rank} started again at {stamp} -----\n"
                 log_file.write(mark.encode())
                 log_file.flush()
             popen = subprocess.Popen(
@@ -317,7 +336,7 @@ class LocalProcessExecutor(ServerlessExecutor):
         handle = ReplicaHandle(
             backend=self.name,
             run_id=child_env[ENV_RUN_ID],
-            rank=int(rank),
+            rank=rank,
             backend_id=str(popen.pid),
             run_uri=child_env[ENV_RUN_URI],
             world_size=int(child_env[ENV_WORLD_SIZE]),
@@ -329,6 +348,8 @@ class LocalProcessExecutor(ServerlessExecutor):
                 "pid_started_at": process_started_at(popen.pid),
             },
         )
+        if what != "replica":
+            handle.extra["role"] = child_env[ENV_ROLE]
         with self._lock:
             self._procs[_key(handle)] = _Proc(popen, pgid=popen.pid)
         return handle
@@ -372,10 +393,11 @@ class LocalProcessExecutor(ServerlessExecutor):
         """Who holds the handle's pid now: the replica only if its start time (recorded at
         launch; absent from older handles) and its run id and rank match - pids get reused."""
         started = handle.extra.get("pid_started_at")
+        trainer = role_of(handle) == ROLE_TRAINER  # a worker's CRF_RANK is its trainer's
         return pid_owner(
             int(handle.backend_id),
             run_id=handle.run_id,
-            rank=handle.rank,
+            rank=handle.rank if trainer else None,
             started_at=started if isinstance(started, str | int | float) else None,
         )
 

@@ -54,7 +54,7 @@ from crf.executors.base import (
     ReplicaStatus,
 )
 from crf.executors.bootstrap import ENV_REQUIREMENTS
-from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, Submission
+from crf.executors.cloud import LABEL_RANK, LABEL_ROLE, LABEL_RUN, CloudExecutor, Submission
 
 #: the longest a Modal Sandbox may live (``timeout=``), in seconds
 MAX_TIMEOUT_S = 24 * 3600
@@ -349,7 +349,8 @@ class ModalExecutor(CloudExecutor):
         except _errors() as e:
             from crf.executors.secrets import redact
 
-            err = self._translate(e, f"create the Sandbox of replica {sub.rank}")
+            what = "replica" if sub.workers is None else "rollout worker"
+            err = self._translate(e, f"create the Sandbox of {what} {sub.rank}")
             raise ExecutorError(redact(str(err), sub.secrets.values())) from None
         with self._lock:
             self._sandboxes[sb.object_id] = sb
@@ -495,6 +496,8 @@ class ModalExecutor(CloudExecutor):
                 app_id=app.app_id, tags={LABEL_RUN: run_id}, client=client
             ):
                 tags = sb.get_tags()
+                if tags.get(LABEL_ROLE):
+                    continue  # a rollout worker, not a replica
                 try:
                     rank = int(tags.get(LABEL_RANK, ""))
                 except ValueError:

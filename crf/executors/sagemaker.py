@@ -68,9 +68,10 @@ from crf.executors.base import (
     ReplicaResult,
     ReplicaState,
     ReplicaStatus,
+    Workers,
 )
 from crf.executors.bootstrap import BOOTSTRAP, LOADER, SECRET_STEP
-from crf.executors.cloud import LABEL_RANK, LABEL_RUN, CloudExecutor, Submission
+from crf.executors.cloud import LABEL_RANK, LABEL_ROLE, LABEL_RUN, CloudExecutor, Submission
 from crf.executors.secrets import MissingCredentials, redact, scheme_of, store_secrets
 from crf.layout import ENV_RUN_URI
 
@@ -152,9 +153,10 @@ def slug(run_id: str) -> str:
     return re.sub(r"[^a-zA-Z0-9]+", "-", run_id).strip("-") or "run"
 
 
-def job_name(run_id: str, rank: int) -> str:
-    """``crf-<run>-r<rank>-<nonce>``: valid (<= 63 chars, [a-zA-Z0-9-]) and new on every call,
-    because a training job name can never be used twice in an account and region."""
+def job_name(run_id: str, rank: int | str) -> str:
+    """``crf-<run>-r<rank>-<nonce>`` (a rollout worker's rank is ``w<k>``): valid (<= 63
+    chars, [a-zA-Z0-9-]) and new on every call, because a training job name can never be
+    used twice in an account and region."""
     tail = f"-r{rank}-{uuid.uuid4().hex[:6]}"
     name = f"crf-{slug(run_id)[: MAX_JOB_NAME - 4 - len(tail)]}{tail}"
     assert _JOB_NAME_RE.fullmatch(name), name
@@ -548,6 +550,7 @@ class SageMakerExecutor(CloudExecutor):
         ranks: Sequence[int] | None = None,
         max_restarts: int = 0,
         plain_env: Mapping[str, str] | None = None,
+        workers: Workers | None = None,
     ) -> list[ReplicaHandle]:
         """As CloudExecutor's, plus: a secret created by a launch that fails is deleted."""
         with self._lock:
@@ -563,6 +566,7 @@ class SageMakerExecutor(CloudExecutor):
                 ranks=ranks,
                 max_restarts=max_restarts,
                 plain_env=plain_env,
+                workers=workers,
             )
         except BaseException:
             with self._lock:
@@ -594,7 +598,7 @@ class SageMakerExecutor(CloudExecutor):
         region = self._region()
         output = self._output_path(sub.env[ENV_RUN_URI])
         secret_arn = self._ensure_secret(sub.run_id, sub.secrets)
-        name = job_name(sub.run_id, sub.rank)
+        name = job_name(sub.run_id, sub.unit)
         stopping: dict[str, int] = {"MaxRuntimeInSeconds": max(1, math.ceil(self.timeout_s))}
         if self.spot:
             wait = self.max_wait_s if self.max_wait_s is not None else self.timeout_s + 3600
@@ -823,8 +827,8 @@ class SageMakerExecutor(CloudExecutor):
                 for summary in page.get("TrainingJobSummaries", []):
                     tags = sm.list_tags(ResourceArn=summary["TrainingJobArn"]).get("Tags", [])
                     labels = {t["Key"]: t["Value"] for t in tags}
-                    if labels.get(LABEL_RUN) != run_id:
-                        continue
+                    if labels.get(LABEL_RUN) != run_id or labels.get(LABEL_ROLE):
+                        continue  # another run's job, or a rollout worker
                     try:
                         rank = int(labels.get(LABEL_RANK, ""))
                     except ValueError:

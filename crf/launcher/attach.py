@@ -16,9 +16,10 @@ gathers the results into ``result.json`` exactly as a watching driver would have
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from crf import layout
@@ -38,6 +39,25 @@ class AttachedRun:
     launch_no: int
     launch_record: dict[str, Any]
     handles: list[ReplicaHandle]
+    #: the rollout workers' handles and the executor that started them (none without)
+    workers: list[ReplicaHandle] = field(default_factory=list)
+    worker_executor: ServerlessExecutor | None = None
+
+    def worker_rows(self) -> list[dict[str, Any]]:
+        """One row per rollout worker: its state as the backend sees it, and its record."""
+        from crf.launcher.workers import worker_rows
+
+        if not self.workers or self.worker_executor is None:
+            return []
+        return worker_rows(self.worker_executor, self.workers, self.store)
+
+    def logs_of(self, role: str) -> tuple[ServerlessExecutor, list[ReplicaHandle]]:
+        """The executor and handles of one role: ``trainer`` (the replicas) or ``rollout``."""
+        if role == layout.ROLE_ROLLOUT:
+            if not self.workers or self.worker_executor is None:
+                raise LaunchError(f"run {self.spec.run_id} has no rollout workers")
+            return self.worker_executor, self.workers
+        return self.executor, self.handles
 
     def statuses(self) -> list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]:
         from crf.launcher.supervise import read_heartbeat
@@ -124,7 +144,18 @@ def attach(run_id: str, store: str | None = None) -> AttachedRun:
                 f"run {run_id} has no saved replica handles and {e}; nothing to attach to"
             ) from None
     handles.sort(key=lambda h: h.rank)
-    return AttachedRun(spec, st, executor, launch_no, record, handles)
+    attached = AttachedRun(spec, st, executor, launch_no, record, handles)
+    if spec.rollout_workers:
+        from crf.launcher.workers import read_worker_handles, saved_rollout_options
+
+        attached.workers = read_worker_handles(st, launch_no)
+        overrides = saved_rollout_options(st.uri)
+        attached.worker_executor = (
+            make_executor(spec.backend, {**saved_backend_options(st), **overrides})
+            if overrides
+            else executor
+        )
+    return attached
 
 
 def gather(
@@ -139,6 +170,8 @@ def gather(
         extra["restart_policy"] = record["restart_policy"]
     if record.get("resumed_from_round") is not None:
         extra["resumed_from_round"] = record["resumed_from_round"]
+    if run.workers:
+        extra["workers"] = run.worker_rows()
     return finish_run(
         run.spec,
         run.store,
@@ -172,10 +205,23 @@ def _replica_lines(
 
 
 def follow_logs(
-    run: AttachedRun, rank: int | None, follow: bool, tail: int | None = None
+    run: AttachedRun,
+    rank: int | None,
+    follow: bool,
+    tail: int | None = None,
+    role: str = layout.ROLE_TRAINER,
 ) -> Iterator[tuple[int, str]]:
     """(rank, line) for one replica, or for all of them one after the other (without follow)
-    or interleaved as they arrive (with follow); ``tail``: only each replica's last lines."""
+    or interleaved as they arrive (with follow); ``tail``: only each replica's last lines.
+    With ``role="rollout"``, the same for the rollout workers (``rank``: a worker's index)."""
+    executor, handles = run.logs_of(role)
+    if role == layout.ROLE_ROLLOUT:
+        run = dataclasses.replace(run, executor=executor, handles=handles)
+        if rank is not None and rank not in [h.rank for h in handles]:
+            ids = ", ".join(str(h.rank) for h in handles)
+            raise LaunchError(
+                f"run {run.spec.run_id} has no rollout worker {rank} (workers: {ids})"
+            )
     handles = [run.handle(rank)] if rank is not None else run.handles
     if not follow or len(handles) == 1:
         for h in handles:
@@ -248,7 +294,7 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
             "running" if any(r["state"] in ("pending", "running") for r in replicas) else "stopped"
         )
     )
-    return {
+    record = {
         "run_id": run.spec.run_id,
         "backend": run.spec.backend,
         "job": run.spec.job_label,
@@ -258,6 +304,9 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
         "replicas": replicas,
         "result": result,
     }
+    if run.spec.rollout_workers:
+        record["workers"] = run.worker_rows()
+    return record
 
 
 def _replica_record(

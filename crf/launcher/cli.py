@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
-from crf.spec import BACKEND, RUN, RUN_DEFINING, Option, run_options
+from crf.spec import BACKEND, ROLLOUT, RUN, RUN_DEFINING, Option, run_options
 
 
 def _help_markup_mode() -> Literal["rich"] | None:
@@ -119,6 +119,19 @@ Hardware = Annotated[
         help="Per-replica hardware in the backend's own terms: a Modal GPU (A10G, H100:2), "
         "an HF Jobs flavor (a10g-small), a SageMaker instance type (ml.g5.xlarge).",
         rich_help_panel=BACKEND,
+    ),
+]
+RolloutHardware = Annotated[
+    str | None,
+    typer.Option(
+        "--rollout-hardware",
+        "--rollout-gpu",
+        "--rollout-flavor",
+        "--rollout-instance-type",
+        help="Each rollout worker's hardware (--rollout-workers), in the backend's terms as "
+        "--hardware (default: the replicas'). Any other backend option for the workers "
+        "only: -o rollout_<option>=VALUE.",
+        rich_help_panel=ROLLOUT,
     ),
 ]
 Image = Annotated[
@@ -236,6 +249,7 @@ Resume = Annotated[
 
 def _launch_flags(
     hardware: Hardware = None,
+    rollout_hardware: RolloutHardware = None,
     image: Image = None,
     region: Region = None,
     opt: BackendOpts = None,
@@ -481,7 +495,8 @@ def _refuse_run_defining(ctx: typer.Context, cfg: Any, path: str | None) -> None
 
 
 def _backend_flags(flags: dict[str, Any]) -> list[Any]:
-    return [flags[name] for name in ("hardware", "image", "region", "opt") if flags[name]]
+    names = ("hardware", "rollout_hardware", "image", "region", "opt")
+    return [flags[name] for name in names if flags[name]]
 
 
 def _backend_options(
@@ -505,12 +520,13 @@ def _backend_options(
     hw_name = getattr(cls, "hardware_option", None)
     for flag, name, value in (
         ("--hardware", hw_name, flags["hardware"]),
+        ("--rollout-hardware", hw_name and f"rollout_{hw_name}", flags["rollout_hardware"]),
         ("--image", "image", flags["image"]),
         ("--region", "region", flags["region"]),
     ):
         if value is None:
             continue
-        if name is None or name not in known:
+        if name is None or name.removeprefix("rollout_") not in known:
             _fail(f"the {backend} backend has no {flag} option (its options: {', '.join(known)})")
         out[name] = value
     if timeout is not None and "timeout_s" in known and "timeout_s" not in out:
@@ -638,6 +654,15 @@ def _watch(run_: Any, console: Console, interval: float) -> None:
         time.sleep(interval)
 
 
+def _print_workers(run_: Any, console: Console) -> None:
+    """The rollout workers' table under the replicas' (nothing for a run without)."""
+    rows = run_.worker_rows()
+    if rows:
+        from crf.launcher.rollout_view import workers_table
+
+        console.print(workers_table(rows))
+
+
 @app.command()
 def status(
     run_id: RunArg,
@@ -669,6 +694,7 @@ def status(
     rows = run_.statuses()
     if not json_out and not watch:
         console.print(_progress_of(run_, console.width))
+        _print_workers(run_, console)
     result = run_.result()
     if result is None and all(st.terminal for _, st, _ in rows):
         result = gather(run_, report=not json_out, console=console)
@@ -690,7 +716,17 @@ def status(
 def logs(
     run_id: RunArg,
     store: StoreOpt = None,
-    rank: Annotated[int | None, typer.Option(help="Only this replica (default: all).")] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(help="Only this replica (with --role rollout: this worker; default: all)."),
+    ] = None,
+    role: Annotated[
+        str,
+        typer.Option(
+            "--role",
+            help="Whose logs: trainer (the replicas) or rollout (the rollout workers).",
+        ),
+    ] = "trainer",
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing until the replicas end.")
     ] = False,
@@ -700,17 +736,22 @@ def logs(
                      "(then new ones, with --follow)."),
     ] = None,
 ) -> None:  # fmt: skip
-    """Print a run's replica logs (prefixed with the rank when showing several)."""
+    """Print a run's replica logs (prefixed with the rank when showing several; a rollout
+    worker's with w and its index)."""
     from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, follow_logs
     from crf.launcher.errors import LaunchError
     from crf.store.errors import StoreError
 
+    if role not in ("trainer", "rollout"):
+        _fail(f"--role {role!r} is unknown; choose trainer or rollout")
     try:
         run_ = attach(run_id, store)
-        prefix = rank is None and len(run_.handles) > 1
-        for r, line in follow_logs(run_, rank, follow, tail):
-            typer.echo(f"[{r}] {line}" if prefix else line)
+        several = len(run_.workers if role == "rollout" else run_.handles) > 1
+        prefix = rank is None and several
+        mark = "w" if role == "rollout" else ""
+        for r, line in follow_logs(run_, rank, follow, tail, role=role):
+            typer.echo(f"[{mark}{r}] {line}" if prefix else line)
     except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -756,6 +797,8 @@ def cancel(
         run_ = attach(run_id, store)
         live = [h for h, st, _ in run_.statuses() if not st.terminal]
         run_.executor.cancel_all(live)
+        if run_.workers and run_.worker_executor is not None:  # they serve no one now
+            run_.worker_executor.cancel_all(run_.workers)
     except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     console = Console()

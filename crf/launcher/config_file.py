@@ -179,6 +179,8 @@ def resolve_backend(
     given twice."""
     from crf.executors.base import ExecutorError
     from crf.executors.registry import executor_class, option_names
+    from crf.launcher.workers import PREFIX as ROLLOUT_PREFIX
+    from crf.launcher.workers import rollout_key
 
     try:
         cls = executor_class(backend)
@@ -191,7 +193,9 @@ def resolve_backend(
     for given, value in table.items():
         key = str(given).replace("-", "_")
         name = hardware if key in HARDWARE_KEYS else key
-        if name is None or name not in known:
+        if key.startswith(ROLLOUT_PREFIX):  # the rollout workers' own: rollout_<option>
+            name = rollout_key(cls, key)
+        if name is None or name.removeprefix(ROLLOUT_PREFIX) not in known:
             near = [*known, *(["hardware"] if hardware else [])]
             error = (
                 str(_unknown(key, where, near, "backend"))

@@ -45,6 +45,7 @@ from crf.spec import RunSpec, SpecError, check_seconds, run_options
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from crf.launcher.workers import WorkerPool
     from crf.store import RunStore
 
 __all__ = [
@@ -94,7 +95,10 @@ def _start_launch(plan: Plan, started: float) -> int:
     if plan.workdir is not None and spec.workdir_key:  # one per content: put once
         store.put_if_absent(spec.workdir_key, plan.workdir.data)
     store.put_json_if_absent(layout.launch_key(0), record.opening())
-    store.put_json(layout.BACKEND, {"backend": spec.backend, "options": backend_config(plan)})
+    backend: dict[str, Any] = {"backend": spec.backend, "options": backend_config(plan)}
+    if plan.workers is not None and plan.workers.overrides:  # the workers' own hardware
+        backend["rollout_options"] = plan.workers.overrides
+    store.put_json(layout.BACKEND, backend)
     return 0
 
 
@@ -159,6 +163,32 @@ def _start_replicas(
         raise LaunchError(f"could not start the replicas: {e}") from None
 
 
+def _start_workers(
+    plan: Plan, env: Mapping[str, str] | None, launch_no: int, console: Console | None
+) -> WorkerPool | None:
+    """Start the rollout workers after the replicas (None without any). A run never depends
+    on its workers: one that cannot start leaves its trainers to generate for themselves
+    (one yellow line says why)."""
+    from crf.launcher.workers import WorkerPool, save_worker_handles, start_workers
+
+    if plan.workers is None:
+        return None
+    try:
+        handles = start_workers(plan.workers, plan.spec, plan.command,
+                                {**plan.secret_env, **(env or {})})  # fmt: skip
+    except ExecutorError as e:
+        if console is not None:
+            console.print(f"[yellow]could not start the rollout workers ({e}); the replicas "
+                          "generate their own rollouts[/]", highlight=False)  # fmt: skip
+        return None
+    save_worker_handles(plan.store, launch_no, handles)
+    if console is not None:
+        serve = "worker w serves replica w % N"
+        console.print(f"{len(handles)} rollout worker(s) started ({serve})", highlight=False)
+    return WorkerPool(plan.workers, handles, store=plan.store, launch_no=launch_no,
+                      max_restarts=plan.restart.max_restarts, console=console)  # fmt: skip
+
+
 def _detached(
     plan: Plan, launch_no: int, handles: Sequence[ReplicaHandle], console: Console, report: bool
 ) -> dict[str, Any]:
@@ -221,9 +251,11 @@ def run(
         extra["resumed_from_round"] = plan.resume.from_round
     handles = _start_replicas(plan, env, started, extra)
     save_handles(plan.store, launch_no, handles)
+    pool = _start_workers(plan, env, launch_no, console if report else None)
     if detach:
         return _detached(plan, launch_no, handles, console, report)
     sup = Supervisor(plan, handles, launch_no=launch_no, console=console if report else None)
+    sup.workers = pool
     error: str | None = None
     cancelled = False
     try:
@@ -241,6 +273,9 @@ def run(
         sup.stopped = True
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         plan.executor.cancel_all(sup.handles)
+    if pool is not None:  # the trainers are done: so is what the workers generate for them
+        pool.stop()
+        extra["workers"] = pool.collect()
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
         error = sup.fatal
     return finish_run(

@@ -11,6 +11,8 @@ declared per job in :data:`JOB_PANELS`, since what "learning" looks like differs
   (the total and each of GRPO, distillation and replay, averaged over replicas), and sync
   against compute time per round. The total loss alone misleads: GRPO's loss can rise while
   the reward climbs, which is why it is not the headline.
+  With rollout workers (``--rollout-workers``) a panel more: each replica's share of
+  rollouts that came from its workers, and their mean staleness, per round.
 * **lm**: train loss (the round's mean over its inner steps) and eval loss (the round's global
   model on the shared held-out set), one line per replica.
 * anything else (a custom ``--entrypoint``): the loss and every numeric metric the records
@@ -35,6 +37,8 @@ from crf.store.errors import StoreError
 Records = Mapping[int, Sequence[Mapping[str, Any]]]
 #: the series of the held-out panels (crf/replica/evaluation.py): scores, and loss per token
 HELD_OUT, HELD_OUT_LOSS = "held_out", "held_out_loss"
+#: the rollout workers' panel (RoundMetrics.rollouts; crf/launcher/rollout_view.py)
+ROLLOUTS = "rollouts"
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ _HELD_OUT = Panel("held-out pass@1 and reward means (greedy; round -1: before tr
 _HELD_OUT_LOSS = Panel("held-out loss per round (round -1: before training)",
                        "loss per token", (HELD_OUT_LOSS,), per_replica=False)  # fmt: skip
 
+#: with rollout workers: each replica's share of rollouts from its workers (solid) and the mean
+#: staleness of those it used (dashed, right axis); absent from a run without workers
+_ROLLOUTS = Panel("rollout workers: share of each replica's batch, staleness",
+                  "share from workers", (ROLLOUTS,))  # fmt: skip
+
 _TIME = Panel("sync vs compute time per round", "seconds (mean over replicas)",
               ("compute_s", "sync_s"), per_replica=False,
               labels=("compute (inner steps)", "sync (blocked on the exchange)"))  # fmt: skip
@@ -67,6 +76,7 @@ JOB_PANELS: dict[str, tuple[Panel, ...]] = {
         Panel("mean reward per round", "reward", ("metrics.reward",)),
         Panel("held-out exact match per round", "exact match", ("metrics.exact_match",)),
         _HELD_OUT,
+        _ROLLOUTS,
         Panel(
             "loss channels (mean over replicas)",
             "loss",
@@ -140,8 +150,33 @@ def panels_for(job: str, metrics: Records) -> list[Panel]:
     return [
         p for p in declared
         if (_special_lines(p, metrics) if p.series[0] in (HELD_OUT, HELD_OUT_LOSS) else
+            _has_rollouts(metrics) if p.series[0] == ROLLOUTS else
             any(_points(rows, field) for rows in metrics.values() for field in p.series))
     ]  # fmt: skip
+
+
+def _has_rollouts(metrics: Records) -> bool:
+    from crf.launcher.rollout_view import round_series
+
+    return any(round_series(rows)["round"] for rows in metrics.values())
+
+
+def _draw_rollouts(ax: Any, metrics: Records) -> None:
+    """Each replica's share of rollouts from its workers per round (solid, left axis) and
+    the mean staleness of those it used (dashed, right axis, in inner steps)."""
+    from crf.launcher.rollout_view import round_series
+
+    right = ax.twinx()
+    for rank, rows in sorted(metrics.items()):
+        series = round_series(rows)
+        if not series["round"]:
+            continue
+        (line,) = ax.plot(series["round"], series["share"], marker="o", markersize=4,
+                          label=f"replica {rank}")  # fmt: skip
+        right.plot(series["round"], series["staleness"], linestyle="--", marker="x",
+                   color=line.get_color(), label=f"replica {rank} staleness")  # fmt: skip
+    ax.set_ylim(-0.05, 1.05)
+    right.set_ylabel("mean staleness (inner steps, dashed)")
 
 
 def _held_out_lines(metrics: Records) -> dict[str, list[tuple[int, float]]]:
@@ -180,7 +215,9 @@ def _special_lines(panel: Panel, metrics: Records) -> dict[str, list[tuple[int, 
 def _draw(ax: Any, panel: Panel, metrics: Records) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    if panel.series[0] in (HELD_OUT, HELD_OUT_LOSS):
+    if panel.series[0] == ROLLOUTS:
+        _draw_rollouts(ax, metrics)
+    elif panel.series[0] in (HELD_OUT, HELD_OUT_LOSS):
         for label, points in _special_lines(panel, metrics).items():
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", markersize=4, label=label)

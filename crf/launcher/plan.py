@@ -31,6 +31,7 @@ from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
     from crf.executors.workdir import PackedWorkdir
+    from crf.launcher.workers import WorkerPlan
     from crf.store import RunStore
 
 DEFAULT_STORE = "./crf-runs"
@@ -126,6 +127,8 @@ class Plan:
     #: a dry run's warnings about the job's settings, one line each (e.g. completions
     #: shorter than the dataset's answers)
     notes: list[str] = field(default_factory=list)
+    #: the rollout workers (--rollout-workers; None: none), started after the replicas
+    workers: WorkerPlan | None = None
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -240,6 +243,7 @@ def prepare(
     name. With ``dry_run``, what an account or a setup step provides (credentials, store
     access, a client library) does not stop the checks: it is listed in ``Plan.missing``.
     """
+    from crf.launcher.workers import plan_workers, split_options
     from crf.store import join_uri, normalize_uri
 
     values = launch_options(options)
@@ -247,6 +251,10 @@ def prepare(
     job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
     run_id = values.pop("run_id", None)
     run_id = run_id if run_id is not None else new_run_id()
+    # rollout_<option>: the rollout workers' own hardware (crf.launcher.workers)
+    backend_options, rollout_options = split_options(
+        values.get("backend", RunSpec.backend), backend_options
+    )
     if executor is None:
         executor = make_executor(values.get("backend", RunSpec.backend), backend_options)
     values["backend"] = getattr(executor, "name", values.get("backend", RunSpec.backend))
@@ -279,6 +287,10 @@ def prepare(
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
+            workers = plan_workers(spec, executor, backend_options, rollout_options)
+            if workers is not None and workers.executor is not executor:
+                found_too = check_access(workers.executor, run_uri, dry_run=dry_run)
+                missing += [line for line in found_too if line not in missing]
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
@@ -292,7 +304,7 @@ def prepare(
     else:
         run_store = _run_folder(run_uri, run_id, dry_run)
     return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env,
-                workdir=packed, missing=missing, notes=notes)  # fmt: skip
+                workdir=packed, missing=missing, notes=notes, workers=workers)  # fmt: skip
 
 
 def check_access(executor: ServerlessExecutor, run_uri: str, *, dry_run: bool) -> list[str]:

@@ -76,7 +76,54 @@ def plan_rows(plan: Plan, bp: BackendPlan | None = None) -> Rows:
                                 f"(by {w.how})"))  # fmt: skip
     if spec.pip:
         rows.append(("pip", " ".join(spec.pip)))
-    return rows + cost_rows(spec, bp)
+    wb = worker_plan(plan)
+    rows += worker_rows(plan, wb) if wb is not None else []
+    rows += cost_rows(spec, bp)
+    if wb is not None:
+        rows += cost_rows(spec, wb, role="worker") + both_roles_cost(spec, bp, wb)
+    return rows
+
+
+def worker_plan(plan: Plan) -> BackendPlan | None:
+    """The executor's ``describe`` of the rollout workers (None without any)."""
+    if plan.workers is None:
+        return None
+    return plan.workers.describe(plan.command, plan.spec.run_uri)
+
+
+def worker_rows(plan: Plan, wb: BackendPlan) -> Rows:
+    """The rollout workers' role: how many, whom they serve, how they meet the trainers,
+    and what they run on (the hardware, price and worst case come with the cost rows)."""
+    spec = plan.spec
+    m, n = spec.rollout_workers, spec.replicas
+    each = f"{m // n}" if m % n == 0 else f"{m // n}-{m // n + 1}"
+    serve = f"worker w serves replica w % {n}" + (f", {each} each" if m > n else "")
+    clip = f"[{spec.rollout_clip_min}, {spec.rollout_clip_max}]"
+    if spec.rollout_clip_min is None:
+        clip = f"<= {spec.rollout_clip_max}"
+    return [
+        ("rollout workers", f"{m} ({serve}); python -m crf.replica with CRF_ROLE=rollout"),
+        ("worker where", wb.where),
+        ("worker hardware", wb.hardware),
+        ("worker cpu and memory", wb.resources),
+        ("policy", f"published every {spec.publish_every} inner step(s) on the "
+                   f"{spec.rollout_wire} wire, at most {spec.max_staleness} step(s) stale"),
+        ("correction", f"{spec.rollout_correction} (ratio {clip}), batches with mismatch KL "
+                       f"> {spec.rollout_max_mismatch} refused; a replica waits "
+                       f"{spec.rollout_wait:g} s for a batch, then generates it itself"),
+    ]  # fmt: skip
+
+
+def both_roles_cost(spec: RunSpec, bp: BackendPlan, wb: BackendPlan) -> Rows:
+    """The run's price with its two roles together (where both are published)."""
+    if spec.backend == "local" or bp.total_hourly_usd is None or wb.total_hourly_usd is None:
+        return []
+    total = bp.total_hourly_usd + wb.total_hourly_usd
+    row = [("both roles", f"${total:.2f}/h")]
+    if bp.worst_case_usd is not None and wb.worst_case_usd is not None:
+        row = [("both roles", f"${total:.2f}/h, worst case "
+                              f"${bp.worst_case_usd + wb.worst_case_usd:,.2f}")]  # fmt: skip
+    return row
 
 
 def _schedule(spec: RunSpec) -> str:
@@ -85,22 +132,25 @@ def _schedule(spec: RunSpec) -> str:
     return f"{spec.rounds} round(s) x {spec.sync_every} inner steps{tail}"
 
 
-def cost_rows(spec: RunSpec, bp: BackendPlan) -> Rows:
+def cost_rows(spec: RunSpec, bp: BackendPlan, role: str = "replica") -> Rows:
     """The "cost" row (hourly, per replica and for the run, with its basis) and the "worst
-    case" row: the hourly price of every replica times the platform's timeout."""
+    case" row: the hourly price of every replica times the platform's timeout. With
+    ``role="worker"``, the same for the rollout workers ("worker cost", "worker worst
+    case")."""
+    prefix = "" if role == "replica" else f"{role} "
     if spec.backend == "local":
-        return [("cost", "free (this machine)")]
+        return [(f"{prefix}cost", "free (this machine)")]
     if bp.hourly_usd is None or bp.total_hourly_usd is None:
-        return [("cost", "not published for this hardware")]
+        return [(f"{prefix}cost", "not published for this hardware")]
     basis = f" ({bp.price_basis})" if bp.price_basis else ""
-    rows = [("cost", f"${bp.hourly_usd:.2f}/h per replica, ${bp.total_hourly_usd:.2f}/h for "
-                     f"{bp.replicas}{basis}")]  # fmt: skip
+    hourly = f"${bp.hourly_usd:.2f}/h per {role}, ${bp.total_hourly_usd:.2f}/h for {bp.replicas}"
+    rows = [(f"{prefix}cost", hourly + basis)]
     worst = bp.worst_case_usd
     if worst is not None and bp.timeout_s is not None:
         label = f" ({bp.price_basis.split(';')[0]})" if bp.price_basis else ""
         rows.append((
-            "worst case",
-            f"${worst:,.2f}: {bp.replicas} replica(s) x {_duration(bp.timeout_s)} (the "
+            f"{prefix}worst case",
+            f"${worst:,.2f}: {bp.replicas} {role}(s) x {_duration(bp.timeout_s)} (the "
             f"timeout that stops each one) x ${bp.hourly_usd:.2f}/h{label}",
         ))  # fmt: skip
     return rows
@@ -276,6 +326,10 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(plan_table(rows, f"crf launch --dry-run: run {spec.run_id}", console.width))
     for note in bp.notes:
         console.print(f"- {escape(note)}", highlight=False)
+    wb = worker_plan(plan)
+    for note in wb.notes if wb is not None else []:
+        if note not in bp.notes:
+            console.print(f"- rollout workers: {escape(note)}", highlight=False)
     for note in plan.notes:
         console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
     print_missing(console, plan.missing)

@@ -152,6 +152,7 @@ def prepare_resume(
     finished ok, a run whose replicas may still be running, and another backend than the one
     the run was launched on.
     """
+    from crf.launcher.workers import plan_workers, saved_rollout_options, split_options
     from crf.store import RunStore
 
     policy = RestartPolicy(max_restarts, max_run_restarts).validate()
@@ -162,9 +163,13 @@ def prepare_resume(
     found = _read_run(store, run_id)
     _refuse(run_id, found, backend)
     spec = found.spec
+    options = {**found.backend_options, **(backend_options or {})}
+    options, rollout_options = split_options(spec.backend, options)
+    rollout_options = {**saved_rollout_options(found.uri), **rollout_options}
     if executor is None:
-        executor = make_executor(spec.backend, {**found.backend_options, **(backend_options or {})})
+        executor = make_executor(spec.backend, options)
     check_replica_limit(executor, spec.replicas)
+    workers = plan_workers(spec, executor, options, rollout_options)
     try:
         executor.check_ready(found.uri)
         executor.check_command(spec.entrypoint)
@@ -183,7 +188,8 @@ def prepare_resume(
         superseded=superseded,
         fresh_inner=fresh,
     )
-    return Plan(spec, run_store, executor, spec.entrypoint, policy, info, secret_env)
+    return Plan(spec, run_store, executor, spec.entrypoint, policy, info, secret_env,
+                workers=workers)  # fmt: skip
 
 
 def resume_point(

@@ -239,8 +239,13 @@ def build_summary(
     launch: int = 0,
     restart_policy: Mapping[str, Any] | None = None,
     resumed_from_round: int | None = None,
+    workers: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The dict written to ``result.json`` (and returned by ``crf.launch``).
+
+    ``workers``: the rollout workers' rows (crf.launcher.workers.worker_rows), summed up
+    with the trainers' round metrics in ``workers`` (a run without workers has no such key).
+    A worker never decides the status: the trainers generate what it does not.
 
     ``status`` is ``ok`` only if every replica's last attempt exited cleanly and none reported
     a failure: an elastic run may finish with fewer replicas, but a replica that stayed dead
@@ -273,7 +278,7 @@ def build_summary(
     rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
     status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
     problems = run_problems(rows, reported, metrics, spec.rounds)
-    return {
+    summary = {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
         "backend": spec.backend,
@@ -303,6 +308,11 @@ def build_summary(
         "replicas": rows,
         "figure": None,
     }
+    if workers is not None:
+        from crf.launcher.rollout_view import workers_summary
+
+        summary["workers"] = workers_summary(workers, metrics)
+    return summary
 
 
 def run_status(
@@ -445,6 +455,14 @@ def _wire_text(row: Mapping[str, Any]) -> str:
     return f"{row.get('wire') or '-'}" + (f" {ratio:.1f}x" if ratio and ratio != 1 else "")
 
 
+def print_workers(summary: Mapping[str, Any], console: Console) -> None:
+    """The rollout workers' section (crf.launcher.rollout_view), when the run had workers."""
+    if summary.get("workers"):
+        from crf.launcher.rollout_view import print_workers as show
+
+        show(summary, console)
+
+
 def render_summary(
     summary: dict[str, Any],
     console: Console,
@@ -456,6 +474,7 @@ def render_summary(
     the verdict, and where result.json / figure.png are."""
     console.print(replica_table(summary, console.width))
     print_restarts(summary["replicas"], console)
+    print_workers(summary, console)
     print_failures(summary, console)
     print_version_warnings(summary, console)
     console.print("run " + " - ".join(verdict_parts(summary)))

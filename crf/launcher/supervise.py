@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from crf.launcher.plan import Plan
+    from crf.launcher.workers import WorkerPool
     from crf.store import RunStore
 
 LOG_TAIL_LINES = 15
@@ -78,6 +79,9 @@ class Supervisor:
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
         #: the run's one-line reason when an early error ended it (None: it did not)
         self.fatal: str | None = None
+        #: the run's rollout workers (crf.launcher.workers; None: none): polled with the
+        #: replicas, restarted as they are, never deciding the run
+        self.workers: WorkerPool | None = None
 
     @property
     def total_restarts(self) -> int:
@@ -273,6 +277,8 @@ def watch(
             beats[h.rank] = read_heartbeat(store, h.rank) or beats[h.rank]
             st = sup.check(i, beats[h.rank])
             views.append(ReplicaView(h.rank, st, beats[h.rank], sup.restarts[h.rank]))
+        if sup.workers is not None and not sup.stopped:
+            sup.workers.poll()
         if plain is not None:
             plain.update(views)
         if live is not None:
@@ -294,6 +300,8 @@ def watch(
             if timeout_s is not None and time.time() - started > timeout_s:
                 sup.stopped = True
                 executor.cancel_all(sup.handles)
+                if sup.workers is not None:
+                    sup.workers.stop()
                 refresh()
                 return True
             time.sleep(poll_s)

@@ -1,0 +1,189 @@
+"""How a run's rollout workers are shown: ``crf status``'s workers table, the summary's
+workers section, and the figure's per-round series.
+
+Two sources, each the authority on its side (docs/rollout-workers.md):
+
+- a worker's own record, ``workers/<w>/state.json`` while it lives and
+  ``workers/<w>/result.json`` at its end (:class:`crf.layout.WorkerState`): what it produced
+  (rollouts, batches, batches returned as too stale) and the staleness at which it wrote them;
+- each trainer's round metrics, ``RoundMetrics.rollouts``: what it actually trained on, by
+  source (``workers``, ``local``, per worker ``w<k>``), the batches it ``refused`` and the
+  staleness of what it used. The share of a trainer's batch its workers supplied comes from
+  here, since a rollout a worker wrote is not one its trainer used until the trainer says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from crf import layout
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One trainer's rollouts over its rounds (``RoundMetrics.rollouts`` of each): how many
+    came from its workers and how many it generated, the workers' share, the batches it
+    refused, the mean and maximum staleness of what it used, and per worker its rollouts."""
+    workers = local = refused = 0.0
+    weighted = 0.0
+    worst: float | None = None
+    per_worker: dict[str, float] = {}
+    for r in rounds:
+        ro = r.get("rollouts") or {}
+        if not isinstance(ro, Mapping) or not ro:
+            continue
+        used = _num(ro.get("workers"))
+        workers += used
+        local += _num(ro.get("local"))
+        refused += _num(ro.get("refused"))
+        weighted += _num(ro.get("staleness_mean")) * used
+        if ro.get("staleness_max") is not None:
+            worst = max(worst or 0.0, _num(ro.get("staleness_max")))
+        for key, value in ro.items():
+            if key.startswith("w") and key[1:].isdigit():
+                per_worker[key] = per_worker.get(key, 0.0) + _num(value)
+    total = workers + local
+    return {
+        "worker_rollouts": int(workers),
+        "local_rollouts": int(local),
+        "share": round(workers / total, 4) if total else None,
+        "refused": int(refused),
+        "staleness_mean": round(weighted / workers, 3) if workers else None,
+        "staleness_max": worst,
+        "by_worker": {k: int(v) for k, v in sorted(per_worker.items())},
+    }
+
+
+def round_series(rounds: Sequence[Mapping[str, Any]]) -> dict[str, list[float | None]]:
+    """One trainer's per-round workers' share and mean staleness (the figure's panel); empty
+    lists when no round recorded rollouts (a run without workers)."""
+    out: dict[str, list[float | None]] = {"round": [], "share": [], "staleness": []}
+    for r in rounds:
+        ro = r.get("rollouts") or {}
+        if not isinstance(ro, Mapping) or not ro:
+            continue
+        used, local = _num(ro.get("workers")), _num(ro.get("local"))
+        out["round"].append(_num(r.get("round")))
+        out["share"].append(used / (used + local) if used + local else None)
+        out["staleness"].append(_num(ro.get("staleness_mean")) if used else None)
+    return out
+
+
+def worker_row(
+    worker: int, state: str, record: layout.WorkerState | None, restarts: int = 0,
+    message: str = "",
+) -> dict[str, Any]:  # fmt: skip
+    """One worker as the summary and ``crf status --json`` show it."""
+    rec = record or layout.WorkerState(worker=worker)
+    return {
+        "worker": worker,
+        "serves": rec.serves if record is not None else None,
+        "state": state,
+        "message": message,
+        "phase": rec.phase if record is not None else None,
+        "status": rec.status,
+        "version": rec.version,
+        "rollouts": rec.rollouts,
+        "batches": rec.batches,
+        "returned": rec.returned,
+        "staleness_mean": rec.staleness_mean,
+        "restarts": restarts,
+        "error": rec.error,
+        "heartbeat_age_s": round(time.time() - rec.updated_at, 1) if rec.updated_at else None,
+    }
+
+
+def workers_summary(
+    rows: Sequence[Mapping[str, Any]], metrics: Mapping[int, Sequence[Mapping[str, Any]]]
+) -> dict[str, Any]:
+    """The summary's ``workers`` section: each worker's row and each trainer's rollouts."""
+    trainers = {str(rank): trainer_rollouts(rounds) for rank, rounds in sorted(metrics.items())}
+    produced = sum(int(r.get("rollouts") or 0) for r in rows)
+    used = sum(t["worker_rollouts"] for t in trainers.values())
+    local = sum(t["local_rollouts"] for t in trainers.values())
+    return {
+        "count": len(rows),
+        "rollouts_produced": produced,
+        "rollouts_used": used,
+        "share": round(used / (used + local), 4) if used + local else None,
+        "workers": [dict(r) for r in rows],
+        "trainers": trainers,
+    }
+
+
+def workers_table(rows: Sequence[Mapping[str, Any]], title: str = "rollout workers") -> Table:
+    """One row per worker: whom it serves, its state and phase, the policy version it holds,
+    what it produced, the staleness it wrote at, its restarts."""
+    table = Table(title=title)
+    for name in ("worker", "serves", "state", "phase", "version", "rollouts", "batches",
+                 "returned", "staleness", "restarts"):  # fmt: skip
+        table.add_column(name, justify="right" if name not in ("state", "phase") else "left")
+    for r in rows:
+        table.add_row(
+            f"w{r['worker']}",
+            _fmt(r.get("serves")),
+            str(r.get("state") or "-"),
+            str(r.get("phase") or "-"),
+            _fmt(r.get("version")),
+            _fmt(r.get("rollouts")),
+            _fmt(r.get("batches")),
+            _fmt(r.get("returned")),
+            _fmt(r.get("staleness_mean")),
+            _fmt(r.get("restarts")),
+        )
+    return table
+
+
+def trainers_table(trainers: Mapping[str, Mapping[str, Any]]) -> Table:
+    """One row per trainer: rollouts from its workers and its own, the workers' share of its
+    batches, the batches it refused, the staleness of what it used."""
+    table = Table(title="rollouts each replica trained on")
+    for name in ("replica", "from workers", "local", "worker share", "refused",
+                 "staleness mean", "staleness max"):  # fmt: skip
+        table.add_column(name, justify="right")
+    for rank, t in trainers.items():
+        share = t.get("share")
+        table.add_row(
+            rank,
+            _fmt(t.get("worker_rollouts")),
+            _fmt(t.get("local_rollouts")),
+            "-" if share is None else f"{share:.0%}",
+            _fmt(t.get("refused")),
+            _fmt(t.get("staleness_mean")),
+            _fmt(t.get("staleness_max")),
+        )
+    return table
+
+
+def print_workers(summary: Mapping[str, Any], console: Console) -> None:
+    """The summary's workers section (nothing for a run without workers)."""
+    section = summary.get("workers")
+    if not isinstance(section, Mapping) or not section.get("count"):
+        return
+    console.print(workers_table(section.get("workers") or ()))
+    console.print(trainers_table(section.get("trainers") or {}))
+    share = section.get("share")
+    said = "-" if share is None else f"{share:.0%}"
+    console.print(
+        f"rollout workers: {section.get('rollouts_produced', 0)} rollout(s) produced, "
+        f"{section.get('rollouts_used', 0)} trained on ({said} of the replicas' batches)",
+        highlight=False,
+    )

@@ -1,0 +1,312 @@
+"""The launcher's side of rollout workers: their hardware, their start, their supervision.
+
+A run with ``--rollout-workers M`` has two roles (docs/rollout-workers.md): N trainer
+replicas and M rollout workers. Workers run on the same backend, with the same image, code,
+``--workdir``, ``--pip`` and secrets as the replicas, on hardware of their own: every backend
+option may be given again for the workers as ``rollout_<option>`` (``rollout_gpu``,
+``rollout_flavor``, ``rollout_instance_type``, or ``rollout_hardware`` for whichever the
+backend names its hardware; ``--rollout-hardware`` on the command line), and the workers'
+executor is the backend's executor built with those options over the replicas' ones.
+
+A worker never decides a run: the trainers generate locally when no worker batch comes in
+time, so a worker that dies is started again while the restart policy allows (like a
+replica) and otherwise left dead; the run's status is its trainers'. Once every trainer has
+ended, the workers still running are cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from crf import layout
+from crf.executors.base import (
+    ExecutorError,
+    ReplicaHandle,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+)
+from crf.launcher.errors import LaunchError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from crf.executors.base import BackendPlan
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+
+#: a backend option given for the workers only: ``rollout_<option>``
+PREFIX = "rollout_"
+#: the workers' hardware under the generic names (as --hardware, --gpu, --flavor, ...)
+HARDWARE_KEYS = tuple(
+    f"{PREFIX}{k}" for k in ("hardware", "gpu", "flavor", "instance_type")
+)  # fmt: skip
+
+
+def rollout_key(backend_cls: type[ServerlessExecutor], key: str) -> str | None:
+    """``rollout_<option>`` as the backend's own option for the workers (``rollout_gpu``
+    on Modal for ``rollout_hardware``), or None where ``key`` is no rollout option."""
+    key = key.replace("-", "_")
+    if not key.startswith(PREFIX):
+        return None
+    if key in HARDWARE_KEYS:
+        hardware = getattr(backend_cls, "hardware_option", None)
+        return f"{PREFIX}{hardware}" if hardware else key
+    return key
+
+
+def split_options(
+    backend: str, options: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The backend options as (the replicas', the workers' overrides): ``rollout_<option>``
+    keys go to the workers (without the prefix); LaunchError for one the backend lacks."""
+    from crf.executors.registry import executor_class, option_names
+
+    trainer: dict[str, Any] = {}
+    rollout: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        name = str(key).replace("-", "_")
+        if not name.startswith(PREFIX):
+            trainer[key] = value
+            continue
+        try:
+            cls = executor_class(backend)
+        except ExecutorError as e:
+            raise LaunchError(str(e)) from None
+        own = (rollout_key(cls, name) or name).removeprefix(PREFIX)
+        known = option_names(cls)
+        if own not in known:
+            flag = "--rollout-hardware" if name in HARDWARE_KEYS else name
+            raise LaunchError(
+                f"the {backend} backend has no {flag} option for rollout workers (its "
+                f"options, each also as rollout_<option>: {', '.join(known) or 'none'})"
+            )
+        rollout[own] = value
+    return trainer, rollout
+
+
+@dataclass
+class WorkerPlan:
+    """How a run's rollout workers start: how many, for how many trainers, and the
+    executor built for their hardware (the replicas' own where nothing differs)."""
+
+    workers: int
+    trainers: int
+    executor: ServerlessExecutor
+    #: the backend options given for the workers only (rollout_<option>, unprefixed)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
+        return self.executor.describe(self.workers, command, run_uri)
+
+
+def plan_workers(
+    spec: RunSpec,
+    executor: ServerlessExecutor,
+    backend_options: Mapping[str, Any] | None,
+    overrides: Mapping[str, Any],
+) -> WorkerPlan | None:
+    """The workers of a checked spec (None without ``--rollout-workers``); LaunchError for
+    worker hardware given without workers, or a worker option the backend refuses."""
+    from crf.launcher.plan import make_executor
+
+    if not spec.rollout_workers:
+        if overrides:
+            names = ", ".join(f"{PREFIX}{k}" for k in overrides)
+            raise LaunchError(
+                f"{names} (--rollout-hardware and the other rollout_<option> backend options) "
+                "configure rollout workers: add --rollout-workers M, or leave them out"
+            )
+        return None
+    if spec.procs_per_replica not in (None, 1):
+        raise LaunchError(
+            f"--rollout-workers {spec.rollout_workers} needs --procs-per-replica 1 (each "
+            f"replica's hardware has {spec.procs_per_replica} GPUs, which would start that "
+            "many trainer processes): pass --procs-per-replica 1"
+        )
+    worker_executor = executor
+    if overrides:
+        worker_executor = make_executor(spec.backend, {**(backend_options or {}), **overrides})
+    return WorkerPlan(spec.rollout_workers, spec.replicas, worker_executor, dict(overrides))
+
+
+def saved_rollout_options(run_uri: str) -> dict[str, Any]:
+    """The workers' own backend options a run was launched with (``backend.json``)."""
+    from crf.store import RunStore
+
+    try:
+        data = RunStore(run_uri).get_json(layout.BACKEND)
+    except Exception:  # noqa: BLE001 - absent (no workers, an older run) or damaged: none
+        return {}
+    found = data.get("rollout_options") if isinstance(data, dict) else None
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def start_workers(
+    plan: WorkerPlan,
+    spec: RunSpec,
+    command: Sequence[str] | None,
+    env: Mapping[str, str],
+) -> list[ReplicaHandle]:
+    """Start the M workers (after the replicas); ExecutorError says why they could not."""
+    return plan.executor.launch_workers(
+        plan.workers,
+        plan.trainers,
+        list(command) if command else None,
+        env,
+        run_uri=spec.run_uri,
+        run_id=spec.run_id,
+        plain_env=spec.env,
+    )
+
+
+def save_worker_handles(store: RunStore, launch_no: int, handles: Sequence[ReplicaHandle]) -> None:
+    """Keep the workers' current handles in the store, as the replicas' (no secrets)."""
+    with contextlib.suppress(Exception):  # bookkeeping must never stop a run
+        data = {"handles": [h.to_dict() for h in handles]}
+        store.put_json(layout.worker_handles_key(launch_no), data)
+
+
+def read_worker_state(
+    store: RunStore, worker: int, *, final: bool = False
+) -> layout.WorkerState | None:
+    """Worker ``worker``'s heartbeat (or, ``final``, its result), or None if there is none."""
+    key = layout.worker_result_key(worker) if final else layout.worker_state_key(worker)
+    try:
+        data = store.get_json(key)
+    except Exception:  # noqa: BLE001 - absent, torn or any client error: a worker is optional
+        return None
+    return layout.WorkerState.from_dict(data) if isinstance(data, dict) else None
+
+
+def worker_states(store: RunStore, workers: int) -> dict[int, layout.WorkerState]:
+    """Each worker's newest record: its result where it wrote one, else its heartbeat."""
+    out = {}
+    for w in range(workers):
+        state = read_worker_state(store, w, final=True) or read_worker_state(store, w)
+        if state is not None:
+            out[w] = state
+    return out
+
+
+class WorkerPool:
+    """The run's rollout workers while its trainers train: restarts a dead one within the
+    restart policy (``--max-restarts`` per worker), never fails the run, and cancels them
+    all once the trainers are done."""
+
+    def __init__(
+        self,
+        plan: WorkerPlan,
+        handles: Sequence[ReplicaHandle],
+        *,
+        store: RunStore,
+        launch_no: int,
+        max_restarts: int,
+        console: Console | None = None,
+    ) -> None:
+        self.plan = plan
+        self.handles = list(handles)
+        self.store = store
+        self.launch_no = launch_no
+        self.max_restarts = max_restarts
+        self.console = console
+        self.restarts = {h.rank: 0 for h in handles}
+        self.not_restarted: dict[int, str] = {}
+        self.stopped = False
+
+    @property
+    def executor(self) -> ServerlessExecutor:
+        return self.plan.executor
+
+    def poll(self) -> list[ReplicaStatus]:
+        """Each worker's status, relaunching a failed one first while the policy allows."""
+        out = []
+        for i, handle in enumerate(self.handles):
+            try:
+                status = self.executor.status(handle)
+            except Exception as e:  # noqa: BLE001 - a worker's status never stops the run
+                out.append(ReplicaStatus(ReplicaState.PENDING, None, f"status unknown: {e}"))
+                continue
+            if status.state is ReplicaState.FAILED and not self.stopped:
+                status = self._restart(i, handle, status)
+            out.append(status)
+        return out
+
+    def _restart(self, index: int, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaStatus:
+        w = handle.rank
+        if w in self.not_restarted:
+            return status
+        if self.restarts[w] >= self.max_restarts:
+            self.not_restarted[w] = f"it already restarted {self.restarts[w]} time(s)"
+            self._say(
+                f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
+                f"({self.not_restarted[w]}): its trainer generates for itself[/]"
+            )
+            return status
+        try:
+            new = self.executor.relaunch(handle)
+        except ExecutorError as e:
+            self.not_restarted[w] = f"relaunch failed: {e}"
+            self._say(f"[yellow]rollout worker {w}: could not restart it: {e}[/]")
+            return status
+        new.extra["role"] = layout.ROLE_ROLLOUT
+        self.restarts[w] += 1
+        self.handles[index] = new
+        save_worker_handles(self.store, self.launch_no, self.handles)
+        self._say(
+            f"[yellow]rollout worker {w} {status.message or 'failed'}: restarted it "
+            f"({self.restarts[w]}/{self.max_restarts})[/]"
+        )
+        return self.executor.status(new)
+
+    def stop(self) -> None:
+        """The trainers are done (or the run is stopped): cancel the workers still running."""
+        self.stopped = True
+        with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
+            self.executor.cancel_all(self.handles)
+
+    def collect(self) -> list[dict[str, Any]]:
+        """One row per worker for the summary: its process's end and its own account."""
+        return worker_rows(self.executor, self.handles, self.store, self.restarts)
+
+    def _say(self, message: str) -> None:
+        if self.console is not None:
+            self.console.print(message, highlight=False)
+
+
+def worker_rows(
+    executor: ServerlessExecutor,
+    handles: Sequence[ReplicaHandle],
+    store: RunStore,
+    restarts: Mapping[int, int] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per worker (crf.launcher.rollout_view.worker_row): its process's state as
+    the backend sees it, joined with its own record (its result, else its heartbeat)."""
+    from crf.launcher.rollout_view import worker_row
+
+    rows = []
+    for handle in handles:
+        try:
+            status = executor.status(handle)
+        except Exception as e:  # noqa: BLE001 - a row that says so beats no summary
+            status = ReplicaStatus(ReplicaState.FAILED, None, f"status unknown: {e}")
+        record = read_worker_state(store, handle.rank, final=True)
+        record = record or read_worker_state(store, handle.rank)
+        restarted = (restarts or {}).get(handle.rank, int(handle.extra.get("attempt", 0)))
+        rows.append(worker_row(handle.rank, str(status.state), record, restarted, status.message))
+    return rows
+
+
+def read_worker_handles(store: RunStore, launch_no: int) -> list[ReplicaHandle]:
+    """The workers' saved handles of a launch (none: a run without workers, or damaged)."""
+    try:
+        saved = store.get_json(layout.worker_handles_key(launch_no))
+        handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
+    except Exception:  # noqa: BLE001 - none or damaged: the workers are optional
+        return []
+    for h in handles:
+        h.extra["role"] = layout.ROLE_ROLLOUT
+    return sorted(handles, key=lambda h: h.rank)
