@@ -122,7 +122,7 @@ class RolloutIntake:
             taken = self._correct(batch, rows)
             reason = refusal(taken.correction.stats, self.config.max_mismatch)
         if reason is not None:
-            log.warning("refused rollout batch %s-%s: %s", batch.worker, batch.seq, reason)
+            log.info("refused rollout batch %s-%s: %s", batch.worker, batch.seq, reason)
             self.source.refused(batch, reason)
             self._local(n, refused=True)
             return None
@@ -144,7 +144,9 @@ class RolloutIntake:
         if sizes != {n}:
             return f"the batch holds {sorted(sizes)} rollouts where the generation needs {n}"
         for ids, lps in zip(batch.completion_ids, batch.logprobs, strict=True):
-            if len(ids) != len(lps) or not ids:
+            if not ids:
+                return "a completion has no tokens (TRL's generation yields at least one)"
+            if len(ids) != len(lps):
                 return "a completion's log-probs do not match its tokens"
         if batch.tokenizer_digest != self._tokenizer_digest:
             return "the worker's tokenizer differs from the trainer's"
