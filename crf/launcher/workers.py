@@ -98,6 +98,9 @@ class WorkerPlan:
     executor: ServerlessExecutor
     #: the backend options given for the workers only (rollout_<option>, unprefixed)
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: the workers' command; None: the replicas' (``python -m crf.replica``, which runs the
+    #: worker loop under ``CRF_ROLE=rollout``)
+    command: list[str] | None = None
 
     def describe(self, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         return self.executor.describe(self.workers, command, run_uri)
@@ -152,6 +155,7 @@ def start_workers(
     env: Mapping[str, str],
 ) -> list[ReplicaHandle]:
     """Start the M workers (after the replicas); ExecutorError says why they could not."""
+    command = plan.command or command
     return plan.executor.launch_workers(
         plan.workers,
         plan.trainers,
