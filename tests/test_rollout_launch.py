@@ -37,7 +37,10 @@ from crf.launcher.workers import WorkerPool, plan_workers, split_options
 from crf.rollouts.config import RolloutConfig
 from crf.spec import ROLLOUT, RunSpec, SpecError, run_options
 from crf.store import RunStore
+from tests import cloud_servers
 
+moto_s3 = cloud_servers.moto_s3  # the fixtures, visible to this module's tests
+s3_env = cloud_servers.s3_env
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = [sys.executable, str(ROOT / "tests" / "rollout_worker_standin.py")]
 ROLLOUT_FIELDS = {
@@ -336,3 +339,49 @@ def test_worker_pool_never_fails_the_run_and_stops_at_the_end(tmp_path: Path) ->
     assert all(not s.terminal for s in alive.poll())
     alive.stop()
     assert [r["state"] for r in alive.collect()] == ["cancelled", "cancelled"]
+
+
+# ------------------------------------------------------------------------- a cloud backend
+def test_hf_jobs_start_workers_on_their_own_flavor_found_apart_from_replicas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_env: Any
+) -> None:
+    """Through the HF Jobs emulator: workers are jobs of their own flavor and name, with the
+    same image, code and secrets handling as the replicas, labelled crf-role=rollout (so a
+    lookup of the run's replicas by label leaves them out), relaunched as workers."""
+    pytest.importorskip("huggingface_hub", reason="needs the hf extra: pip install -e .[hf]")
+    from tests import test_executor_hf_jobs as hf
+    from tests.emulators.hf_jobs import HFJobsEmulator
+
+    monkeypatch.setenv("HF_TOKEN", hf.TOKEN)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    dump = "import os\nfor k, v in sorted(os.environ.items()): print(f'{k}={v}')"
+    with HFJobsEmulator({hf.TOKEN: hf.USER}, {hf.USER: [hf.ORG]}) as emu:
+        uri = f"s3://{s3_env.new_bucket()}/runs/roles"
+        trainer_opts, rollout_opts = split_options("hf", {"flavor": "a10g-small",
+                                                          "rollout_hardware": "l4x1"})  # fmt: skip
+        trainers = hf.make(emu, **trainer_opts)
+        workers = hf.make(emu, **{**trainer_opts, **rollout_opts})
+        (replica,) = trainers.launch_replicas(1, hf.py(dump), env={"MY_KEY": hf.SECRET},
+                                              run_uri=uri, run_id="roles")  # fmt: skip
+        handles = workers.launch_workers(2, 1, hf.py(dump), env={"MY_KEY": hf.SECRET},
+                                         run_uri=uri, run_id="roles")  # fmt: skip
+        for h in [replica, *handles]:
+            assert hf.ended(workers, h).state is ReplicaState.SUCCEEDED
+        spec = emu.jobs[handles[1].backend_id].spec
+        assert (
+            spec["flavor"] == "l4x1" and emu.jobs[replica.backend_id].spec["flavor"] == "a10g-small"
+        )
+        assert spec["labels"]["crf-role"] == "rollout" and spec["labels"]["crf-rank"] == "1"
+        assert "crf-role" not in emu.jobs[replica.backend_id].spec["labels"]
+        env = spec["environment"]
+        assert (env["CRF_ROLE"], env["CRF_WORKER"], env["CRF_RANK"]) == ("rollout", "1", "0")
+        assert "MY_KEY" in spec["secrets"] and hf.SECRET not in json.dumps(env)
+        lines = list(workers.logs(handles[1]))
+        assert "CRF_ROLE=rollout" in lines and "MY_KEY=***" in lines
+        found = trainers.find_replicas("roles", uri, 1)
+        assert [h.backend_id for h in found] == [replica.backend_id]
+        again = workers.relaunch(handles[0])
+        assert again.extra["role"] == "rollout"
+        assert emu.jobs[again.backend_id].spec["environment"]["CRF_WORKER"] == "0"
+        hf.ended(workers, again)
