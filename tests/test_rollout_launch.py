@@ -249,9 +249,7 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
         ),
         rollout_view.worker_row(1, "failed", None, restarts=3),
     ]
-    summary = build_summary(spec=spec, results=[], started_at=time.time(), metrics=metrics,
-                            workers=rows)  # fmt: skip
-    section = summary["workers"]
+    section = rollout_view.workers_summary(rows, metrics)
     assert section["count"] == 2 and section["rollouts_produced"] == 64
     t0, t1 = section["trainers"]["0"], section["trainers"]["1"]
     assert (t0["worker_rollouts"], t0["local_rollouts"], t0["share"]) == (56, 8, 0.875)

@@ -114,7 +114,7 @@ def plan_workers(
 ) -> WorkerPlan | None:
     """The workers of a checked spec (None without ``--rollout-workers``); LaunchError for
     worker hardware given without workers, or a worker option the backend refuses."""
-    from crf.launcher.plan import make_executor
+    from crf.executors.registry import make_executor
 
     if not spec.rollout_workers:
         if overrides:
@@ -132,7 +132,10 @@ def plan_workers(
         )
     worker_executor = executor
     if overrides:
-        worker_executor = make_executor(spec.backend, {**(backend_options or {}), **overrides})
+        try:
+            worker_executor = make_executor(spec.backend, {**(backend_options or {}), **overrides})
+        except ExecutorError as e:
+            raise LaunchError(f"rollout workers: {e}") from None
     return WorkerPlan(spec.rollout_workers, spec.replicas, worker_executor, dict(overrides))
 
 
