@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from crf.spec import RunSpec
     from crf.store import RunStore
 
+#: a worker's exit code when its environment breaks the contract (``python -m crf.replica``
+#: says so with 2): starting it again cannot help
+CONTRACT_EXIT = 2
 #: a backend option given for the workers only: ``rollout_<option>``
 PREFIX = "rollout_"
 #: the workers' hardware under the generic names (as --hardware, --gpu, --flavor, ...)
@@ -246,8 +249,12 @@ class WorkerPool:
         w = handle.rank
         if w in self.not_restarted:
             return status
-        if self.restarts[w] >= self.max_restarts:
-            self.not_restarted[w] = f"it already restarted {self.restarts[w]} time(s)"
+        if status.exit_code == CONTRACT_EXIT or self.restarts[w] >= self.max_restarts:
+            self.not_restarted[w] = (
+                f"exit code {CONTRACT_EXIT}: its environment breaks the worker contract"
+                if status.exit_code == CONTRACT_EXIT
+                else f"it already restarted {self.restarts[w]} time(s)"
+            )
             self._say(
                 f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
                 f"({self.not_restarted[w]}): its trainer generates for itself[/]"
