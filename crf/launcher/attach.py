@@ -51,6 +51,14 @@ class AttachedRun:
             return []
         return worker_rows(self.worker_executor, self.workers, self.store)
 
+    def trainer_rollouts(self) -> dict[str, dict[str, Any]]:
+        """Each replica's rollouts so far by source (its round metrics; rollout_view)."""
+        from crf.launcher.figure import read_metrics
+        from crf.launcher.rollout_view import trainer_rollouts
+
+        metrics = read_metrics(self.store, self.spec.replicas)
+        return {str(rank): trainer_rollouts(rounds) for rank, rounds in sorted(metrics.items())}
+
     def logs_of(self, role: str) -> tuple[ServerlessExecutor, list[ReplicaHandle]]:
         """The executor and handles of one role: ``trainer`` (the replicas) or ``rollout``."""
         if role == layout.ROLE_ROLLOUT:
@@ -306,6 +314,7 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
     }
     if run.spec.rollout_workers:
         record["workers"] = run.worker_rows()
+        record["worker_share"] = run.trainer_rollouts()
     return record
 
 

@@ -658,9 +658,10 @@ def _print_workers(run_: Any, console: Console) -> None:
     """The rollout workers' table under the replicas' (nothing for a run without)."""
     rows = run_.worker_rows()
     if rows:
-        from crf.launcher.rollout_view import workers_table
+        from crf.launcher.rollout_view import trainers_table, workers_table
 
         console.print(workers_table(rows))
+        console.print(trainers_table(run_.trainer_rollouts()))
 
 
 @app.command()
