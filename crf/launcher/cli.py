@@ -128,6 +128,7 @@ RolloutHardware = Annotated[
         "--rollout-gpu",
         "--rollout-flavor",
         "--rollout-instance-type",
+        metavar="",
         help="Each rollout worker's hardware (--rollout-workers), in the backend's terms as "
         "--hardware (default: the replicas'). Any other backend option for the workers "
         "only: -o rollout_<option>=VALUE.",
