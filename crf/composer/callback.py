@@ -17,6 +17,11 @@
   the trainer's ``weights_replaced`` there, so TRL's vLLM copy of the weights is marked stale
   and the next rollout pushes the new global weights first.
 
+- ``rollouts``: with rollout workers, the trainer replica's publisher and rollout source
+  (crf/rollouts/replica.py, set by the composer job): the policy is published on entering
+  DiLoCo and every ``publish_every`` inner steps, and each round's rollout counts go into its
+  record (``RoundMetrics.rollouts``). None without workers: nothing of it runs.
+
 ``ctx`` may be ``None`` (standalone/debug runs): the callback then only records the history.
 """
 
@@ -54,6 +59,8 @@ class DiLoCoCallback(TrainerCallback):
         self._last_logged_step = -1
         self.weights_replaced: list[Callable[[], None]] = []
         self._ctx_step = 0
+        #: crf.rollouts.replica.TrainerRollouts with rollout workers, else None
+        self.rollouts: Any = None
 
     # ------------------------------------------------------------------ DiLoCo
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -74,6 +81,8 @@ class DiLoCoCallback(TrainerCallback):
         self._stack.enter_context(self.ctx.diloco(model, inner))
         self._ctx_step = int(getattr(self.ctx, "step", 0) or 0)
         self._replaced()  # a restarted replica holds the global weights now
+        if self.rollouts is not None:
+            self.rollouts.begin(model, self._ctx_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
@@ -83,6 +92,9 @@ class DiLoCoCallback(TrainerCallback):
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+        rollouts, self.rollouts = self.rollouts, None
+        if rollouts is not None:
+            rollouts.close()
 
     def _replaced(self) -> None:
         for listener in self.weights_replaced:
@@ -96,6 +108,8 @@ class DiLoCoCallback(TrainerCallback):
             if _synced(self.ctx, step) or step != self._ctx_step + 1:  # outer step, or a heal
                 self._replaced()
             self._ctx_step = step
+            if self.rollouts is not None:
+                self.rollouts.step_end(_unwrapped(kwargs.get("model")), step)
         if self.ctx is not None and getattr(self.ctx, "step", 0) >= self.ctx.total_steps:
             control.should_training_stop = True  # healed into a later round: nothing left
         return control
@@ -114,6 +128,8 @@ class DiLoCoCallback(TrainerCallback):
             extra = {k: v for k, v in record.items() if k not in ("step", "loss")}
             if self.round_eval is not None and _at_round_end(self.ctx):
                 extra.update({k: v for k, v in self.round_eval().items() if v is not None})
+            if self.rollouts is not None and _at_round_end(self.ctx):
+                self.ctx.log_rollouts(self.rollouts.take_counts())
             self.ctx.log_step(loss=record["loss"], **extra)
 
 

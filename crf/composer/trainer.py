@@ -44,6 +44,8 @@ from crf.composer.losses import (
     sequence_logps,
     simpo_loss,
 )
+from crf.rollouts.config import RolloutConfig
+from crf.rollouts.intake import RolloutIntake, RolloutSource, Taken
 
 __all__ = ["ComposerReplicationTrainer", "capture_hidden", "loss_mask"]
 
@@ -138,6 +140,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._replay_ref: nn.Module | None = None
         if self._replay_on and args.replay_loss == "dpo":
             self._replay_ref = self._build_replay_reference()
+        self._intake: RolloutIntake | None = None
+        self._worker_rollout: Taken | None = None
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -158,6 +162,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if not 0.0 <= float(t) <= 1.0:
             raise ValueError(f"TAID t must be in [0, 1] (got {t})")
         self._taid_manual_t = float(t)
+
+    def use_rollout_source(
+        self, source: RolloutSource, config: RolloutConfig | None = None
+    ) -> None:
+        """Train on rollout workers' batches from ``source`` when it has one in time, else
+        generate locally; ``config`` gives the off-policy correction (decoupled PPO, see
+        crf/rollouts/correction.py) and the mismatch bound. Settings the correction cannot
+        serve (e.g. ``loss_type='vespo'``) raise ValueError here, before training. A trainer
+        that never calls this trains exactly as without workers."""
+        self._intake = RolloutIntake(self, source, config or RolloutConfig())
 
     # ------------------------------------------------------------------ model plumbing
     def _hf_model(self, model: nn.Module | None = None) -> nn.Module:
@@ -256,7 +270,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal, num_generations, *a, **kw):
         """TRL's generation; on its continuous-batching path, without the in-place cast of
-        the model to bf16/fp16 (crf/composer/generation.py)."""
+        the model to bf16/fp16 (crf/composer/generation.py). For a worker's batch taken by
+        the rollout intake: the worker's completions and behaviour log-probs, no sampling."""
+        if self._worker_rollout is not None:
+            taken, self._worker_rollout = self._worker_rollout, None
+            return self._intake.completions(taken, prompt_ids)
         guard = (
             master_weights_kept(self.model, self.args)
             if self.use_transformers_continuous_batching
@@ -268,7 +286,21 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        taken = None
+        if self._intake is not None and self.model.training:
+            taken = self._intake.take(inputs)
+        if taken is None:
+            output = super()._generate_and_score_completions(inputs)
+        else:
+            # The worker's rows replace the generation batch's before TRL scores them, so
+            # rewards, hints and traces are those of the prompts the worker completed.
+            inputs = taken.rows
+            self._worker_rollout = taken
+            try:
+                output = super()._generate_and_score_completions(inputs)
+            finally:
+                self._worker_rollout = None
+            self._intake.apply(taken, output)
         rewards, self._last_local_rewards = self._last_local_rewards, None
         if self._distill_on:
             self._attach_distill_inputs(inputs, output)

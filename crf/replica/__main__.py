@@ -1,5 +1,7 @@
 """``python -m crf.replica``: the replica entrypoint every backend starts.
 
+With ``CRF_ROLE=rollout`` the process is a rollout worker instead (crf/rollouts/worker.py).
+
 Reads the env contract and ``run.json``, runs the job named there, writes the result. Exits 0
 on success, 1 if the job failed (the failure is also recorded in ``results/<rank>.json``),
 2 if the environment breaks the contract, 3 if the job failed with an error a restart cannot
@@ -32,6 +34,10 @@ def _set_threads(world_size: int, backend: str) -> None:
 
 
 def main() -> int:
+    if os.environ.get(layout.ENV_ROLE, layout.ROLE_TRAINER) == layout.ROLE_ROLLOUT:
+        from crf.rollouts.worker import main as rollout_worker
+
+        return rollout_worker()
     from crf.exchange.memory import limit_malloc_arenas
     from crf.replica import local_ranks
 

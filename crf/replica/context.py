@@ -590,6 +590,11 @@ class ReplicaContext:
         self._queue_unsaved()
         self._beat()
 
+    def log_rollouts(self, counts: dict[str, Any]) -> None:
+        """With rollout workers: the round's rollouts by source, for its record (call before
+        the round's last ``log_step``)."""
+        self._steps.rollouts = dict(counts)
+
     def _flush_round_metrics(self) -> None:
         """Write the record of every outer round whose syncs are all in."""
         for info in self._syncs.take_finished():
@@ -605,8 +610,10 @@ class ReplicaContext:
                     "step": self.step,
                     "updated_at": time.time(),
                     **info,
+                    "rollouts": self._steps.rollouts,
                 }
             )
+            self._steps.rollouts = {}
             # one put per round, by the checkpoint writer (off the training thread, where a
             # store round trip queued behind the exchange's uploads cost a step), queued
             # before this sync's inner state (_queue_unsaved): a round whose inner states

@@ -41,6 +41,8 @@ class StepMetrics:
     round_losses: dict[int, float] = field(default_factory=dict)  # mean loss per recorded round
     #: the heartbeat's view of the last round record written (:func:`heartbeat_fields`)
     last_closed: dict[str, Any] = field(default_factory=dict)
+    #: with rollout workers: the round's rollouts by source (``RoundMetrics.rollouts``)
+    rollouts: dict[str, Any] = field(default_factory=dict)
 
     def add(self, loss: float | None, metrics: Mapping[str, float | None]) -> None:
         if loss is not None:

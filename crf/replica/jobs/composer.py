@@ -35,6 +35,7 @@ from typing import Any
 from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 from crf.replica import local_ranks
 from crf.replica.evaluation import as_text
+from crf.rollouts.config import RolloutConfig
 from crf.spec import coerce_text
 
 #: trains across a replica's local ranks (--procs-per-replica): TRL's trainer runs on each,
@@ -470,14 +471,46 @@ def _grpo_default(name: str) -> Any:
     return grpo_defaults()[name]
 
 
+def new_trainer(
+    ctx: Any,
+    cfg: Config,
+    setup: ReplicaSetup,
+    rewards: dict[str, Any],
+    tmp: str,
+    steps: int,
+    callbacks: list[Any],
+) -> Any:
+    """The composer trainer of replica ``ctx.rank`` (a rollout worker builds its trainer's
+    with this too, to generate exactly as it does); ``tmp``: a folder for its files."""
+    from datasets import Dataset
+    from transformers import PrinterCallback, ProgressCallback
+
+    from crf.composer import ComposerReplicationTrainer, save_tiny
+
+    model, tokenizer = setup.model, setup.tokenizer
+    args = trainer_config(ctx, cfg, output_dir=f"{tmp}/out", steps=steps,
+                          reward_weights=rewards["reward_weights"])  # fmt: skip
+    embedded = not getattr(ctx.spec, "model", None)
+    if args.beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
+        save_tiny(model, tokenizer, f"{tmp}/init-model")
+    trainer = ComposerReplicationTrainer(
+        model=model,
+        reward_funcs=rewards["reward_funcs"],
+        args=args,
+        train_dataset=Dataset.from_list(setup.shard),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    for noisy in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(noisy)
+    return trainer
+
+
 def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     """Train ``ctx.total_steps`` inner steps of the composer trainer under DiLoCo."""
     import tempfile
 
-    from datasets import Dataset
-    from transformers import PrinterCallback, ProgressCallback
-
-    from crf.composer import ComposerReplicationTrainer, DiLoCoCallback, save_tiny
+    from crf.composer import DiLoCoCallback
     from crf.composer.task import reverse_reward
     from crf.replica.rewards import job_rewards
 
@@ -490,6 +523,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     # remaining steps, on the data it has not seen yet (the shard rotated past what it used)
     start = int(ctx.resume_step()) if hasattr(ctx, "resume_step") else 0
     steps = int(ctx.total_steps) - start
+    # rollout workers index the shard as build() makes it, before the resume rotation
+    rows = list(setup.shard) if RolloutConfig.from_spec(ctx.spec).enabled else None
     if start:
         k = (start * cfg.prompts_per_step) % len(setup.shard)
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
@@ -498,22 +533,12 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     held, exact_before = held_out_eval(ctx, setup, rewards, max_new, cfg, start)
     callback = DiLoCoCallback(ctx, round_eval=held if held.rows else None)
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
-        args = trainer_config(ctx, cfg, output_dir=f"{tmp}/out", steps=steps,
-                              reward_weights=rewards["reward_weights"])  # fmt: skip
-        embedded = not getattr(ctx.spec, "model", None)
-        if args.beta > 0 and embedded:  # TRL reloads the reference from _name_or_path
-            save_tiny(model, tokenizer, f"{tmp}/init-model")
-        trainer = ComposerReplicationTrainer(
-            model=model,
-            reward_funcs=rewards["reward_funcs"],
-            args=args,
-            train_dataset=Dataset.from_list(setup.shard),
-            processing_class=tokenizer,
-            callbacks=[callback],
-        )
-        for noisy in (PrinterCallback, ProgressCallback):
-            trainer.remove_callback(noisy)
+        trainer = new_trainer(ctx, cfg, setup, rewards, tmp, steps, [callback])
         callback.weights_replaced.append(trainer.weights_replaced)  # vLLM: push after syncs
+        if rows is not None:  # rollout workers: publish the policy, take their batches
+            from crf.rollouts.replica import attach
+
+            attach(ctx, trainer, callback, rows)
         try:
             trainer.train()
         finally:

@@ -1,0 +1,239 @@
+"""The trainer's side of rollouts in: where each generation batch comes from.
+
+The composer trainer asks its :class:`RolloutSource` at every generation for a batch of
+``rows`` rollouts; :class:`StoreRolloutSource` answers from the trainer's queue in the store
+(crf/rollouts/batches.py): the oldest batch at most ``max_staleness`` inner steps behind the
+trainer, waiting up to ``wait_s`` for one while a worker of this trainer is alive. When none
+comes, it answers None and the trainer generates the batch itself: workers speed a run up,
+the run never depends on them. A batch whose policy digest is not what the trainer published
+for its version is refused (the worker generated with other weights), as is one the trainer's
+correction refuses (mismatch KL above the bound); both are counted, and the trainer then
+generates locally.
+
+It also keeps the round's counts, which the replica writes into ``RoundMetrics.rollouts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from crf import layout
+from crf.rollouts.batches import RolloutBatch, RolloutQueue
+from crf.rollouts.config import RolloutConfig
+from crf.store import ObjectNotFound, RunStore
+
+log = logging.getLogger(__name__)
+
+#: a worker whose heartbeat is older than this is not waited for (it died or was preempted)
+WORKER_SILENT_S = 30.0
+
+
+class RolloutSource(Protocol):
+    """What the composer trainer asks for its generation batches."""
+
+    def take(self, step: int, rows: int) -> tuple[RolloutBatch, list[dict]] | None:
+        """A batch for the generation at the trainer's global inner step ``step`` holding
+        ``rows`` rollouts, and its dataset rows (one dict per rollout); None: generate
+        locally."""
+        ...
+
+    def used(self, batch: RolloutBatch, stats: dict[str, float]) -> None:
+        """The trainer trained on ``batch``; ``stats``: its correction's statistics."""
+        ...
+
+    def refused(self, batch: RolloutBatch, reason: str) -> None: ...
+
+    def local(self, rows: int) -> None:
+        """The trainer generated ``rows`` rollouts itself."""
+        ...
+
+    def expected_digest(self, version: int) -> str | None:
+        """The digest of the weights the trainer published as ``version``."""
+        ...
+
+
+@dataclass
+class RolloutCounts:
+    """One round's rollouts by source, for ``RoundMetrics.rollouts``."""
+
+    workers: int = 0
+    local: int = 0
+    refused: int = 0
+    returned: int = 0
+    staleness: list[int] = field(default_factory=list)
+    per_worker: dict[int, int] = field(default_factory=dict)
+    #: per worker, each used batch's correction statistics
+    stats: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "workers": self.workers,
+            "local": self.local,
+            "refused": self.refused,
+            "returned": self.returned,
+            "staleness_mean": (
+                sum(self.staleness) / len(self.staleness) if self.staleness else None
+            ),
+            "staleness_max": max(self.staleness) if self.staleness else None,
+        }
+        for w in sorted(self.per_worker):
+            out[f"w{w}"] = self.per_worker[w]
+        correction = {f"w{w}": _summarize(s) for w, s in sorted(self.stats.items()) if s}
+        if correction:
+            out["correction"] = correction
+        return out
+
+
+def _summarize(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Per statistic: the min of minima, the max of maxima, the mean of the rest."""
+    out: dict[str, float] = {}
+    for name in {k for s in stats for k in s}:
+        values = [float(s[name]) for s in stats if name in s]
+        if name.endswith("_min") or name == "min":
+            out[name] = min(values)
+        elif name.endswith("_max") or name == "max":
+            out[name] = max(values)
+        else:
+            out[name] = sum(values) / len(values)
+    return out
+
+
+class StoreRolloutSource:
+    """:class:`RolloutSource` on the run's store, for trainer replica ``rank``."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        rank: int,
+        world_size: int,
+        cfg: RolloutConfig,
+        rows: list[dict[str, Any]],
+        *,
+        digests: Any = None,
+        step_of: Callable[[], int] | None = None,
+        poll_s: float = 0.05,
+    ) -> None:
+        """``rows``: the trainer's shard as ``build()`` makes it, before any resume rotation
+        (a batch's row ids index it); ``digests``: what answers ``expected_digest`` (the
+        trainer's PolicyPublisher); ``step_of``: the replica's global inner step, used in
+        place of the step ``take`` is given (a resumed trainer's TRL counts from 0)."""
+        self.store = store
+        self.rank = rank
+        self.cfg = cfg
+        self.rows = list(rows)
+        self.workers = cfg.workers_of(rank, world_size)
+        self.queue = RolloutQueue(store, rank)
+        self.digests = digests
+        self.poll_s = poll_s
+        self.step_of = step_of
+        self.counts = RolloutCounts()
+        self.total = RolloutCounts()
+        #: the trainer's sampling settings and tokenizer digest (``expect``): a batch made
+        #: with others samples another distribution, or means other token ids
+        self._sampling: dict[str, Any] | None = None
+        self._tokenizer: str | None = None
+        #: the step the batch in use was taken at (its staleness is counted from there)
+        self._taken_at: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ the protocol
+    def take(self, step: int, rows: int) -> tuple[RolloutBatch, list[dict]] | None:
+        if self.step_of is not None:
+            step = self.step_of()
+        deadline = time.monotonic() + max(0.0, self.cfg.wait_s)
+        while True:
+            batch, returned, bad = self.queue.oldest_within(step, self.cfg.max_staleness, rows)
+            for b in returned:
+                self.counts.returned += 1
+                self.total.returned += 1
+                log.info("step %d: worker %d's batch %d (version %d) came too late: returned",
+                         step, b.worker, b.seq, b.version)  # fmt: skip
+            for (w, seq), reason in bad:
+                self._count_refused()
+                log.warning("step %d: worker %d's batch %d refused: %s", step, w, seq, reason)
+            if batch is not None:
+                why = self._unusable(batch)
+                if why is None:
+                    self._taken_at = {batch.key: step}
+                    return batch, [dict(self.rows[i]) for i in batch.row_ids]
+                self.refused(batch, why)
+                continue
+            if time.monotonic() >= deadline or not self._worker_alive():
+                return None
+            time.sleep(self.poll_s)
+
+    def used(self, batch: RolloutBatch, stats: dict[str, float]) -> None:
+        for c in (self.counts, self.total):
+            c.workers += len(batch)
+            c.per_worker[batch.worker] = c.per_worker.get(batch.worker, 0) + len(batch)
+            c.staleness.append(max(0, self._taken_at.get(batch.key, batch.version) - batch.version))
+            c.stats.setdefault(batch.worker, []).append(dict(stats))
+
+    def refused(self, batch: RolloutBatch, reason: str) -> None:
+        self._count_refused()
+        log.warning("worker %d's batch %d (version %d) refused: %s",
+                    batch.worker, batch.seq, batch.version, reason)  # fmt: skip
+
+    def local(self, rows: int) -> None:
+        self.counts.local += rows
+        self.total.local += rows
+
+    def expected_digest(self, version: int) -> str | None:
+        if self.digests is None:
+            return None
+        return self.digests.expected_digest(version)
+
+    # ------------------------------------------------------------------ the replica's
+    def expect(self, sampling: dict[str, Any], tokenizer_digest: str) -> None:
+        """Use only batches made with these sampling settings and this tokenizer."""
+        self._sampling, self._tokenizer = dict(sampling), tokenizer_digest
+
+    def take_counts(self) -> dict[str, Any]:
+        """The counts since the last call (one round's), as ``RoundMetrics.rollouts``."""
+        counts, self.counts = self.counts, RolloutCounts()
+        return counts.record()
+
+    # ------------------------------------------------------------------ internals
+    def _count_refused(self) -> None:
+        self.counts.refused += 1
+        self.total.refused += 1
+
+    def _unusable(self, batch: RolloutBatch) -> str | None:
+        """Why the trainer must not train on ``batch`` (None: it may)."""
+        if any(not 0 <= i < len(self.rows) for i in batch.row_ids):
+            return f"row ids outside the trainer's {len(self.rows)} rows"
+        if self._tokenizer is not None and batch.tokenizer_digest != self._tokenizer:
+            return "made with another tokenizer than the trainer's"
+        if self._sampling is not None and batch.sampling != self._sampling:
+            return f"sampled with {batch.sampling}, the trainer samples with {self._sampling}"
+        expected = self.expected_digest(batch.version)
+        if self.digests is not None and expected is None:
+            return (
+                f"version {batch.version} was not published by this trainer (an earlier "
+                "attempt's, or deleted)"
+            )
+        if expected is not None and batch.policy_digest != expected:
+            return (
+                f"generated with other weights than the policy published as version "
+                f"{batch.version} (digest {batch.policy_digest[:12]} != {expected[:12]})"
+            )
+        return None
+
+    def _worker_alive(self) -> bool:
+        """Whether one of this trainer's workers is running (worth waiting for)."""
+        now = time.time()
+        for w in self.workers:
+            try:
+                state = layout.WorkerState.from_dict(
+                    self.store.get_json(layout.worker_state_key(w))
+                )
+            except (ObjectNotFound, ValueError, TypeError):
+                continue
+            if state.phase in ("done", "failed"):
+                continue
+            if now - state.updated_at <= WORKER_SILENT_S:
+                return True
+        return False

@@ -1,0 +1,174 @@
+"""Rollouts in (crf/rollouts/batches.py, source.py, worker admission): batches read back
+bit-exact, the trainer takes the oldest within the bound and returns the stale, admission
+paces at the bound's edge, and the trainer falls back to local generation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from crf import layout
+from crf.rollouts import RolloutConfig
+from crf.rollouts.batches import RolloutBatch, RolloutQueue, decode_batch, encode_batch
+from crf.rollouts.source import StoreRolloutSource
+from crf.rollouts.worker import admits
+from crf.store import CorruptObjectError, RunStore
+
+ROWS = [{"prompt": f"p{i}=", "answer": str(i)} for i in range(10)]
+
+
+def batch(worker: int = 0, seq: int = 0, version: int = 0, rank: int = 0, n: int = 4,
+          digest: str = "d") -> RolloutBatch:  # fmt: skip
+    rows = [(seq * 2 + i // 2) % len(ROWS) for i in range(n)]  # 2 generations per prompt
+    return RolloutBatch(
+        rank=rank,
+        worker=worker,
+        seq=seq,
+        version=version,
+        row_ids=rows,
+        prompt_ids=[[5, 6, r] for r in rows],
+        completion_ids=[[1, 2, 3][: 1 + i % 3] for i in range(n)],
+        logprobs=[[-0.1 * (j + 1) / 3, -1e-30, -7.25][: 1 + i % 3] for j, i in enumerate(range(n))],
+        sampling={"temperature": 1.0, "top_k": None},
+        tokenizer_digest="tok",
+        policy_digest=digest,
+        created_at=time.time(),
+    )
+
+
+def test_a_batch_reads_back_bit_exact(store: RunStore) -> None:
+    b = batch(worker=2, seq=7, version=3, n=6)
+    b.logprobs[0][0] = -0.1 + 2**-40  # a value with all 52 mantissa bits in use
+    q = RolloutQueue(store, 0)
+    q.put(b)
+    got = q.read(2, 7)
+    assert got == b
+    assert [x.hex() for x in got.logprobs[0]] == [x.hex() for x in b.logprobs[0]]
+
+
+def test_a_bad_batch_is_refused() -> None:
+    data = b"".join(encode_batch(batch()))
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        decode_batch(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CorruptObjectError):
+        decode_batch(data[:-4])
+    b = batch()
+    b.logprobs[1] = b.logprobs[1] + [0.0]
+    with pytest.raises(ValueError, match="log-probs"):
+        encode_batch(b)
+
+
+def test_the_trainer_takes_the_oldest_within_the_bound(store: RunStore) -> None:
+    q = RolloutQueue(store, 0)
+    q.put(batch(worker=0, seq=0, version=3))
+    q.put(batch(worker=1, seq=0, version=1))  # 2 steps behind step 3: too stale
+    q.put(batch(worker=0, seq=1, version=2))
+    q.put(batch(worker=1, seq=1, version=2, n=6))  # made for other settings
+    taken, returned, bad = q.oldest_within(step=3, max_staleness=1, rollouts=4)
+    assert (taken.worker, taken.seq, taken.version) == (0, 1, 2)
+    assert [(b.worker, b.seq) for b in returned] == [(1, 0)]
+    assert [k for k, _ in bad] == [(1, 1)]
+    assert q.queued() == [(0, 0)]  # the taken, returned and refused ones are gone
+    # worker 1 finds its stale batch returned and generates those rows again first
+    again = q.take_returned(1)
+    assert [(b.seq, b.row_ids) for b in again] == [(0, batch(1, 0).row_ids)]
+    assert q.take_returned(1) == [] and q.take_returned(0) == []
+    # the bound's edge: exactly max_staleness behind is taken
+    taken, returned, _ = q.oldest_within(step=4, max_staleness=1, rollouts=4)
+    assert taken.version == 3 and not returned
+    assert q.oldest_within(step=4, max_staleness=1, rollouts=4)[0] is None
+
+
+@pytest.mark.parametrize(
+    ("trainer_step", "queued", "version", "bound", "ok"),
+    [
+        (0, 0, 0, 0, True),  # staleness 0: one batch at a time, on the newest weights
+        (0, 1, 0, 0, False),
+        (5, 0, 4, 1, True),
+        (5, 1, 4, 1, False),  # would be used at step 6 with version 4: 2 behind
+        (5, 1, 5, 1, True),  # the bound's edge
+        (5, 2, 5, 1, False),
+        (3, 0, 5, 1, True),  # a version newer than the step a heartbeat showed
+    ],
+)
+def test_admission_paces_at_the_bound(
+    trainer_step: int, queued: int, version: int, bound: int, ok: bool
+) -> None:
+    assert admits(trainer_step, queued, version, bound) is ok
+
+
+class Digests:
+    def __init__(self, **by_version: str) -> None:
+        self.by_version = {int(k[1:]): v for k, v in by_version.items()}
+
+    def expected_digest(self, version: int) -> str | None:
+        return self.by_version.get(version)
+
+
+def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:
+    cfg = RolloutConfig(workers=2, max_staleness=1, wait_s=wait_s)
+    return StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(**digests))
+
+
+def test_the_source_gives_rows_and_counts(store: RunStore) -> None:
+    src = source(store, v2="good")
+    q = RolloutQueue(store, 0)
+    q.put(batch(worker=1, seq=0, version=2, digest="good"))
+    got = src.take(step=3, rows=4)
+    assert got is not None
+    b, rows = got
+    assert rows == [ROWS[i] for i in b.row_ids]
+    src.used(b, {"mismatch_kl": 0.01, "ratio_min": 0.9, "ratio_max": 1.2})
+    src.local(4)
+    assert src.take(step=4, rows=4) is None  # nothing queued, no worker alive: no wait
+    src.local(4)
+    counts = src.take_counts()
+    assert counts["workers"] == 4 and counts["local"] == 8 and counts["w1"] == 4
+    assert counts["staleness_mean"] == 1 and counts["staleness_max"] == 1
+    assert counts["correction"]["w1"]["ratio_max"] == 1.2
+    assert src.take_counts()["workers"] == 0  # a new round
+
+
+def test_a_batch_of_other_weights_is_refused(store: RunStore) -> None:
+    src = source(store, v2="published")
+    RolloutQueue(store, 0).put(batch(worker=0, seq=0, version=2, digest="something else"))
+    assert src.take(step=2, rows=4) is None  # refused: the trainer generates locally
+    assert src.take_counts()["refused"] == 1
+    assert RolloutQueue(store, 0).queued() == []
+
+
+def test_a_version_the_trainer_did_not_publish_is_refused(store: RunStore) -> None:
+    """A batch of a version an earlier attempt of a restarted trainer published (or one
+    since deleted) names weights this trainer never had."""
+    src = source(store, v2="published")
+    RolloutQueue(store, 0).put(batch(worker=0, seq=0, version=3, digest="published"))
+    assert src.take(step=3, rows=4) is None
+    assert src.take_counts()["refused"] == 1
+
+
+def test_the_source_waits_for_a_live_worker(store: RunStore) -> None:
+    """With a worker alive the trainer waits (up to wait_s) for its batch."""
+    state = layout.WorkerState(worker=0, serves=0, phase="generating", updated_at=time.time())
+    store.put_json(layout.worker_state_key(0), state.to_dict())
+    src = source(store, wait_s=60.0, v1="d")
+    writer = threading.Timer(0.5, lambda: RolloutQueue(store, 0).put(batch(version=1)))
+    writer.start()
+    try:
+        got = src.take(step=1, rows=4)
+    finally:
+        writer.cancel()
+    assert got is not None and got[0].version == 1
+
+
+def test_a_dead_worker_is_not_waited_for(store: RunStore) -> None:
+    """A worker whose heartbeat went silent (killed, preempted) costs no wait."""
+    stale = time.time() - 3600
+    for w, phase in ((0, "generating"), (1, "done")):
+        state = layout.WorkerState(worker=w, phase=phase, updated_at=stale if w == 0 else 0)
+        store.put_json(layout.worker_state_key(w), state.to_dict())
+    src = source(store, wait_s=600.0)
+    started = time.monotonic()
+    assert src.take(step=0, rows=4) is None
+    assert time.monotonic() - started < 600  # it did not wait out wait_s
