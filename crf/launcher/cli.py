@@ -661,8 +661,8 @@ def _print_workers(run_: Any, console: Console) -> None:
     if rows:
         from crf.launcher.rollout_view import trainers_table, workers_table
 
-        console.print(workers_table(rows))
-        console.print(trainers_table(run_.trainer_rollouts()))
+        console.print(workers_table(rows, console.width))
+        console.print(trainers_table(run_.trainer_rollouts(), console.width))
 
 
 @app.command()
@@ -696,7 +696,8 @@ def status(
     rows = run_.statuses()
     if not json_out and not watch:
         console.print(_progress_of(run_, console.width))
-        _print_workers(run_, console)
+        if run_.result() is None:  # else the summary below shows them
+            _print_workers(run_, console)
     result = run_.result()
     if result is None and all(st.terminal for _, st, _ in rows):
         result = gather(run_, report=not json_out, console=console)
