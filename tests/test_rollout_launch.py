@@ -385,3 +385,22 @@ def test_hf_jobs_start_workers_on_their_own_flavor_found_apart_from_replicas(
         assert again.extra["role"] == "rollout"
         assert emu.jobs[again.backend_id].spec["environment"]["CRF_WORKER"] == "0"
         hf.ended(workers, again)
+
+
+def test_a_resumed_run_starts_its_workers_again_on_their_hardware(tmp_path: Path) -> None:
+    """--resume reads the workers' own backend options from backend.json (a launch without
+    workers writes none there) and plans the workers again."""
+    from crf.launcher.resume import prepare_resume
+
+    store = tmp_path / "runs"
+    spec = RunSpec(run_id="again", run_uri=f"file://{store / 'again'}", rollout_workers=2)
+    folder = RunStore(spec.run_uri)
+    folder.put(layout.RUN_SPEC, spec.validate().to_json().encode())
+    backend = {"backend": "local", "options": {"log_dir": None}}
+    folder.put_json(layout.BACKEND, {**backend, "rollout_options": {"grace_period_s": 3.0}})
+    plan = prepare_resume("again", store=str(store))
+    assert plan.workers is not None and plan.workers.workers == 2
+    assert plan.workers.executor is not plan.executor
+    assert plan.workers.executor.grace_period_s == 3.0 and plan.executor.grace_period_s == 10.0
+    folder.put_json(layout.BACKEND, backend)  # no workers' options: the replicas' executor
+    assert prepare_resume("again", store=str(store)).workers.executor.grace_period_s == 10.0
