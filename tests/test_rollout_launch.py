@@ -404,3 +404,37 @@ def test_a_resumed_run_starts_its_workers_again_on_their_hardware(tmp_path: Path
     assert plan.workers.executor.grace_period_s == 3.0 and plan.executor.grace_period_s == 10.0
     folder.put_json(layout.BACKEND, backend)  # no workers' options: the replicas' executor
     assert prepare_resume("again", store=str(store)).workers.executor.grace_period_s == 10.0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_detached_run_gathers_its_workers_in_crf_status(tmp_path: Path) -> None:
+    """Detached: the workers start with the replicas and end on their own when their
+    trainers have; `crf status` then writes the summary with the workers' section."""
+    from rich.console import Console
+
+    from crf.launcher.driver import run
+
+    store = tmp_path / "runs"
+    options = {"replicas": 1, "rounds": 1, "sync_every": 1, "rollout_workers": 2,
+               "job_config": {"num_examples": 32}, "run_id": "away"}  # fmt: skip
+    plan = prepare(options, store=str(store))
+    plan.workers.command = STANDIN  # type: ignore[union-attr]
+    console = Console(file=open(os.devnull, "w"), width=160)  # noqa: SIM115
+    out = run(plan, detach=True, console=console)
+    assert out["status"] == "detached"
+
+    def summary() -> Any:
+        status = cli("status", "away", "--store", str(store), "--json")
+        record = json.loads(status.output)
+        return record["result"] and all(
+            w["state"] in ("succeeded", "failed", "cancelled") for w in record["workers"]
+        ) and record  # fmt: skip
+
+    record = wait_for(summary, "the detached run and its workers to end", timeout=400)
+    assert record["result"]["status"] == "ok"
+    section = record["result"]["workers"]
+    assert section["count"] == 2 and {w["serves"] for w in section["workers"]} == {0}
+    # they end on their own once their trainer has; one still ending when the summary is
+    # gathered is cancelled then
+    assert all(w["status"] in ("ok", "cancelled") for w in section["workers"])

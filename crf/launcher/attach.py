@@ -16,6 +16,7 @@ gathers the results into ``result.json`` exactly as a watching driver would have
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Iterator
@@ -178,7 +179,10 @@ def gather(
         extra["restart_policy"] = record["restart_policy"]
     if record.get("resumed_from_round") is not None:
         extra["resumed_from_round"] = record["resumed_from_round"]
-    if run.workers:
+    if run.workers and run.worker_executor is not None:
+        # the trainers have ended: so has what their workers generate for them
+        with contextlib.suppress(Exception):  # best effort: a worker also ends by itself
+            run.worker_executor.cancel_all(run.workers)
         extra["workers"] = run.worker_rows()
     return finish_run(
         run.spec,

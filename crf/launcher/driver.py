@@ -198,6 +198,10 @@ def _stop_workers(pool: WorkerPool | None) -> dict[str, Any]:
     return {"workers": pool.collect()}
 
 
+def _and_workers(spec: RunSpec) -> str:
+    return f" and {spec.rollout_workers} rollout worker(s)" if spec.rollout_workers else ""
+
+
 def _detached(
     plan: Plan, launch_no: int, handles: Sequence[ReplicaHandle], console: Console, report: bool
 ) -> dict[str, Any]:
@@ -206,7 +210,7 @@ def _detached(
     if report:
         where = f" --store {spec.run_uri.rstrip('/').rsplit('/', 1)[0]}"
         console.print(
-            f"detached: {spec.replicas} replica(s) started. Follow with "
+            f"detached: {spec.replicas} replica(s){_and_workers(spec)} started. Follow with "
             f"[bold]crf status {spec.run_id}{where}[/] or "
             f"[bold]crf logs {spec.run_id}{where} --follow[/]; "
             f"stop with [bold]crf cancel {spec.run_id}{where}[/]",
