@@ -55,13 +55,21 @@ class Run:
         return RunStatus.from_dict(status_record(self._attached()))
 
     def logs(
-        self, rank: int | None = None, *, follow: bool = False, tail: int | None = None
+        self,
+        rank: int | None = None,
+        *,
+        follow: bool = False,
+        tail: int | None = None,
+        role: str = "trainer",
     ) -> Iterator[tuple[int, str]]:
         """(rank, line) of the replicas' logs; ``follow`` keeps going until they end,
-        ``tail`` starts at each replica's last lines."""
+        ``tail`` starts at each replica's last lines; ``role="rollout"``: the rollout
+        workers' (``rank``: a worker's index), as ``crf logs --role rollout``."""
         from crf.launcher.attach import follow_logs
 
-        yield from follow_logs(self._attached(), rank, follow, tail)
+        if role not in ("trainer", "rollout"):
+            raise LaunchError(f"role {role!r} is unknown; choose trainer or rollout")
+        yield from follow_logs(self._attached(), rank, follow, tail, role=role)
 
     def cancel(self) -> RunResult | None:
         """Stop every replica still running and write the summary; the result (None if the

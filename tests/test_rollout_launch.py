@@ -317,6 +317,8 @@ def test_one_launch_two_roles_local(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "CRF_ROLE=rollout" in one.output and "[w" not in one.output
     trainer = cli("logs", "two-roles", "--store", str(store), "--rank", "0")
     assert "CRF_ROLE=rollout" not in trainer.output and trainer.output
+    sdk_lines = list(crf.attach("two-roles", str(store)).logs(2, role="rollout"))
+    assert ("CRF_WORKER=2" in [line for _, line in sdk_lines]) and {r for r, _ in sdk_lines} == {2}
     missing = cli("logs", "two-roles", "--store", str(store), "--role", "rollout", "--rank", "7")
     assert missing.exit_code == 2 and "has no rollout worker 7" in missing.output
 
