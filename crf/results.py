@@ -206,6 +206,9 @@ class DryRun(_Typed):
     warnings: list[str] = field(default_factory=list)
     #: what an account or a setup step must provide before the run can launch
     missing: list[str] = field(default_factory=list)
+    #: the rollout workers' role (``rollout_workers``): how many, where, on what hardware,
+    #: at what price and worst case (the replicas' fields above); None without workers
+    workers: dict[str, Any] | None = None
 
     @property
     def ready(self) -> bool:

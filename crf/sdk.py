@@ -55,13 +55,21 @@ class Run:
         return RunStatus.from_dict(status_record(self._attached()))
 
     def logs(
-        self, rank: int | None = None, *, follow: bool = False, tail: int | None = None
+        self,
+        rank: int | None = None,
+        *,
+        follow: bool = False,
+        tail: int | None = None,
+        role: str = "trainer",
     ) -> Iterator[tuple[int, str]]:
         """(rank, line) of the replicas' logs; ``follow`` keeps going until they end,
-        ``tail`` starts at each replica's last lines."""
+        ``tail`` starts at each replica's last lines; ``role="rollout"``: the rollout
+        workers' (``rank``: a worker's index), as ``crf logs --role rollout``."""
         from crf.launcher.attach import follow_logs
 
-        yield from follow_logs(self._attached(), rank, follow, tail)
+        if role not in ("trainer", "rollout"):
+            raise LaunchError(f"role {role!r} is unknown; choose trainer or rollout")
+        yield from follow_logs(self._attached(), rank, follow, tail, role=role)
 
     def cancel(self) -> RunResult | None:
         """Stop every replica still running and write the summary; the result (None if the
@@ -281,8 +289,23 @@ def dry_run_of(plan: Plan) -> DryRun:
         total_hourly_usd=0.0 if free else bp.total_hourly_usd,
         secrets=[*bp.secrets, *(secret_name(s) for s in spec.secrets)],
         job_settings=dict(knobs), trl_settings=dict(trl), notes=list(bp.notes),
-        warnings=warnings, missing=list(plan.missing),
+        warnings=warnings, missing=list(plan.missing), workers=_workers_of(plan),
     )  # fmt: skip
+
+
+def _workers_of(plan: Plan) -> dict[str, Any] | None:
+    """The dry run's rollout-workers role: the workers' executor's plan, priced."""
+    if plan.workers is None:
+        return None
+    bp = plan.workers.describe(plan.command, plan.spec.run_uri)
+    free = plan.spec.backend == "local"
+    return {
+        "workers": bp.replicas, "serves": "worker w serves replica w % N",
+        "where": bp.where, "hardware": bp.hardware, "resources": bp.resources,
+        "hourly_usd": 0.0 if free else bp.hourly_usd,
+        "total_hourly_usd": 0.0 if free else bp.total_hourly_usd,
+        "worst_case_usd": 0.0 if free else bp.worst_case_usd,
+    }  # fmt: skip
 
 
 def resume(

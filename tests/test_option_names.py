@@ -81,6 +81,17 @@ def _samples(tmp: Path) -> dict[str, Any]:
         "columns": {"prompt": "question"},
         "reward": ["exact_match"],
         "report_to": "tensorboard",
+        # no workers: they need the built-in replica, which this walk's script replaces; the
+        # other rollout options are only read by workers, so they take any valid value
+        "rollout_workers": 0,
+        "publish_every": 3,
+        "max_staleness": 2,
+        "rollout_wire": "int8",
+        "rollout_wait": 2.5,
+        "rollout_correction": "token_mask",
+        "rollout_clip_min": 0.5,
+        "rollout_clip_max": 2.5,
+        "rollout_max_mismatch": 0.25,
         "backend": "local",
         "env": {"STAGE": "2"},
         "secrets": ["WALK_TOKEN"],
@@ -145,7 +156,7 @@ def test_every_option_has_one_value_from_flag_file_keyword_and_run_json(
     assert isinstance(sdk, DryRun) and sdk.run_id == "walk" and sdk.missing == []
     expected = sdk.options
     for name, declared in run_options().items():  # the samples reached the spec
-        if name not in ("job", "backend", "dataset_split"):
+        if name not in ("job", "backend", "dataset_split", "rollout_workers"):
             assert expected[name] != declared.default, name
     assert expected["round_timeout_s"] == 120.0 and expected["reward"] == ["exact_match"]
     assert expected["pip"] == ["pytest", "typer"]  # --requirements' lines join --pip

@@ -284,35 +284,16 @@ class CloudExecutor(ServerlessExecutor):
                 env_ = self.container_env(run_uri, run_id, rank, n_replicas, code_key, needs)
                 if workers is not None:
                     env_.update(workers.env(rank))
-                backend_id, extra = self._submit(
-                    Submission(
-                        run_id=run_id,
-                        rank=rank,
-                        world_size=n_replicas,
-                        argv=argv,
-                        env={
-                            **{str(k): str(v) for k, v in (plain_env or {}).items()},
-                            **env_,
-                            # names only: the container hides these variables' values itself
-                            ENV_SECRET_NAMES: ",".join(sorted(secrets)),
-                        },
-                        secrets=secrets,
-                        labels=self.unit_labels(run_id, rank, workers),
-                        max_restarts=max_restarts if workers is None else 0,
-                        workers=workers,
-                    )
-                )
-                handles.append(
-                    ReplicaHandle(
-                        backend=self.name,
-                        run_id=run_id,
-                        rank=rank,
-                        backend_id=backend_id,
-                        run_uri=run_uri,
-                        world_size=n_replicas if workers is None else workers.trainers,
-                        extra={**extra, **role_extra},
-                    )
-                )
+                plain = {str(k): str(v) for k, v in (plain_env or {}).items()}
+                # secrets by name only: the container hides these variables' values itself
+                env_ = {**plain, **env_, ENV_SECRET_NAMES: ",".join(sorted(secrets))}
+                sub = Submission(run_id, rank, n_replicas, argv, env_, secrets,
+                                 self.unit_labels(run_id, rank, workers),
+                                 max_restarts if workers is None else 0, workers)  # fmt: skip
+                backend_id, extra = self._submit(sub)
+                world = n_replicas if workers is None else workers.trainers
+                handles.append(ReplicaHandle(self.name, run_id, rank, backend_id, run_uri, world,
+                                             extra={**extra, **role_extra}))  # fmt: skip
         except ExecutorError:
             self.cancel_all(handles)  # all or nothing: no orphan half of a paid run
             raise

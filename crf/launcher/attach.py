@@ -16,6 +16,7 @@ gathers the results into ``result.json`` exactly as a watching driver would have
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Iterator
@@ -50,6 +51,14 @@ class AttachedRun:
         if not self.workers or self.worker_executor is None:
             return []
         return worker_rows(self.worker_executor, self.workers, self.store)
+
+    def trainer_rollouts(self) -> dict[str, dict[str, Any]]:
+        """Each replica's rollouts so far by source (its round metrics; rollout_view)."""
+        from crf.launcher.figure import read_metrics
+        from crf.launcher.rollout_view import trainer_rollouts
+
+        metrics = read_metrics(self.store, self.spec.replicas)
+        return {str(rank): trainer_rollouts(rounds) for rank, rounds in sorted(metrics.items())}
 
     def logs_of(self, role: str) -> tuple[ServerlessExecutor, list[ReplicaHandle]]:
         """The executor and handles of one role: ``trainer`` (the replicas) or ``rollout``."""
@@ -170,7 +179,10 @@ def gather(
         extra["restart_policy"] = record["restart_policy"]
     if record.get("resumed_from_round") is not None:
         extra["resumed_from_round"] = record["resumed_from_round"]
-    if run.workers:
+    if run.workers and run.worker_executor is not None:
+        # the trainers have ended: so has what their workers generate for them
+        with contextlib.suppress(Exception):  # best effort: a worker also ends by itself
+            run.worker_executor.cancel_all(run.workers)
         extra["workers"] = run.worker_rows()
     return finish_run(
         run.spec,
@@ -306,6 +318,7 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
     }
     if run.spec.rollout_workers:
         record["workers"] = run.worker_rows()
+        record["worker_share"] = run.trainer_rollouts()
     return record
 
 

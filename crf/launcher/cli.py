@@ -128,6 +128,7 @@ RolloutHardware = Annotated[
         "--rollout-gpu",
         "--rollout-flavor",
         "--rollout-instance-type",
+        metavar="",
         help="Each rollout worker's hardware (--rollout-workers), in the backend's terms as "
         "--hardware (default: the replicas'). Any other backend option for the workers "
         "only: -o rollout_<option>=VALUE.",
@@ -658,9 +659,10 @@ def _print_workers(run_: Any, console: Console) -> None:
     """The rollout workers' table under the replicas' (nothing for a run without)."""
     rows = run_.worker_rows()
     if rows:
-        from crf.launcher.rollout_view import workers_table
+        from crf.launcher.rollout_view import trainers_table, workers_table
 
-        console.print(workers_table(rows))
+        console.print(workers_table(rows, console.width))
+        console.print(trainers_table(run_.trainer_rollouts(), console.width))
 
 
 @app.command()
@@ -694,7 +696,8 @@ def status(
     rows = run_.statuses()
     if not json_out and not watch:
         console.print(_progress_of(run_, console.width))
-        _print_workers(run_, console)
+        if run_.result() is None:  # else the summary below shows them
+            _print_workers(run_, console)
     result = run_.result()
     if result is None and all(st.terminal for _, st, _ in rows):
         result = gather(run_, report=not json_out, console=console)

@@ -189,6 +189,19 @@ def _start_workers(
                       max_restarts=plan.restart.max_restarts, console=console)  # fmt: skip
 
 
+def _stop_workers(pool: WorkerPool | None) -> dict[str, Any]:
+    """The trainers are done, so is what the workers generate for them: cancel the ones
+    still running; their rows for the summary (``{}`` without workers)."""
+    if pool is None:
+        return {}
+    pool.stop()
+    return {"workers": pool.collect()}
+
+
+def _and_workers(spec: RunSpec) -> str:
+    return f" and {spec.rollout_workers} rollout worker(s)" if spec.rollout_workers else ""
+
+
 def _detached(
     plan: Plan, launch_no: int, handles: Sequence[ReplicaHandle], console: Console, report: bool
 ) -> dict[str, Any]:
@@ -197,7 +210,7 @@ def _detached(
     if report:
         where = f" --store {spec.run_uri.rstrip('/').rsplit('/', 1)[0]}"
         console.print(
-            f"detached: {spec.replicas} replica(s) started. Follow with "
+            f"detached: {spec.replicas} replica(s){_and_workers(spec)} started. Follow with "
             f"[bold]crf status {spec.run_id}{where}[/] or "
             f"[bold]crf logs {spec.run_id}{where} --follow[/]; "
             f"stop with [bold]crf cancel {spec.run_id}{where}[/]",
@@ -273,9 +286,7 @@ def run(
         sup.stopped = True
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         plan.executor.cancel_all(sup.handles)
-    if pool is not None:  # the trainers are done: so is what the workers generate for them
-        pool.stop()
-        extra["workers"] = pool.collect()
+    extra |= _stop_workers(pool)
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
         error = sup.fatal
     return finish_run(
@@ -372,6 +383,7 @@ def finish_run(
 
     console = console or Console()
     extra = dict(facts.pop("extra", None) or {})
+    workers = extra.pop("workers", None)  # the rollout workers' rows (crf.launcher.workers)
     results = executor.collect(handles, timeout=60)
     tails = {
         r.rank: log_tail(executor, r.handle)
@@ -391,6 +403,10 @@ def finish_run(
         **facts,
         **extra,
     )
+    if workers is not None:  # never the status: the trainers generate what they do not
+        from crf.launcher.rollout_view import workers_summary
+
+        summary["workers"] = workers_summary(workers, metrics)
     plot_path = _save_plot(spec, store, metrics, console) if plot else None
     summary["figure"] = plot_path
     _save_result(store, summary, launch_no)

@@ -18,12 +18,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-
 from crf import layout
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
 
 def _num(value: Any) -> float:
@@ -129,48 +128,56 @@ def workers_summary(
     }
 
 
-def workers_table(rows: Sequence[Mapping[str, Any]], title: str = "rollout workers") -> Table:
-    """One row per worker: whom it serves, its state and phase, the policy version it holds,
-    what it produced, the staleness it wrote at, its restarts."""
-    table = Table(title=title)
-    for name in ("worker", "serves", "state", "phase", "version", "rollouts", "batches",
-                 "returned", "staleness", "restarts"):  # fmt: skip
-        table.add_column(name, justify="right" if name not in ("state", "phase") else "left")
-    for r in rows:
-        table.add_row(
-            f"w{r['worker']}",
-            _fmt(r.get("serves")),
-            str(r.get("state") or "-"),
-            str(r.get("phase") or "-"),
-            _fmt(r.get("version")),
-            _fmt(r.get("rollouts")),
-            _fmt(r.get("batches")),
-            _fmt(r.get("returned")),
-            _fmt(r.get("staleness_mean")),
-            _fmt(r.get("restarts")),
-        )
-    return table
+def workers_table(
+    rows: Sequence[Mapping[str, Any]], width: int = 80, title: str = "rollout workers"
+) -> Table:
+    """One row per worker: whom it serves, its state (its phase while it runs), the policy
+    version it holds, what it produced, the staleness it wrote at, its restarts - fitted to
+    ``width`` columns (the least important left out, no value cut)."""
+    from crf.launcher.progress import Column, fit_table
+
+    def cells(key: str) -> list[Any]:
+        return [_fmt(r.get(key)) for r in rows]
+
+    state = [
+        str(r.get("phase") if r.get("state") in ("running", "pending") else r.get("state"))
+        for r in rows
+    ]
+    cols = [
+        Column("worker", [f"w{r['worker']}" for r in rows], keep=100),
+        Column("serves", cells("serves"), keep=95),
+        Column("state", state, keep=90, justify="left"),
+        Column("rollouts", cells("rollouts"), keep=88),
+        Column("stale", cells("staleness_mean"), keep=86),
+        Column("policy", cells("version"), keep=70),
+        Column("batches", cells("batches"), keep=60),
+        Column("returned", cells("returned"), keep=65),
+        Column("restarts", cells("restarts"), keep=75),
+    ]
+    return fit_table(cols, width, title=title)
 
 
-def trainers_table(trainers: Mapping[str, Mapping[str, Any]]) -> Table:
+def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -> Table:
     """One row per trainer: rollouts from its workers and its own, the workers' share of its
     batches, the batches it refused, the staleness of what it used."""
-    table = Table(title="rollouts each replica trained on")
-    for name in ("replica", "from workers", "local", "worker share", "refused",
-                 "staleness mean", "staleness max"):  # fmt: skip
-        table.add_column(name, justify="right")
-    for rank, t in trainers.items():
-        share = t.get("share")
-        table.add_row(
-            rank,
-            _fmt(t.get("worker_rollouts")),
-            _fmt(t.get("local_rollouts")),
-            "-" if share is None else f"{share:.0%}",
-            _fmt(t.get("refused")),
-            _fmt(t.get("staleness_mean")),
-            _fmt(t.get("staleness_max")),
-        )
-    return table
+    from crf.launcher.progress import Column, fit_table
+
+    rows = list(trainers.items())
+
+    def cells(key: str) -> list[Any]:
+        return [_fmt(t.get(key)) for _, t in rows]
+
+    share = [("-" if t.get("share") is None else f"{t['share']:.0%}") for _, t in rows]
+    cols = [
+        Column("replica", [rank for rank, _ in rows], keep=100),
+        Column("from workers", cells("worker_rollouts"), keep=95),
+        Column("local", cells("local_rollouts"), keep=94),
+        Column("share", share, keep=96),
+        Column("refused", cells("refused"), keep=85),
+        Column("stale mean", cells("staleness_mean"), keep=84),
+        Column("stale max", cells("staleness_max"), keep=70),
+    ]
+    return fit_table(cols, width, title="rollouts each replica trained on")
 
 
 def print_workers(summary: Mapping[str, Any], console: Console) -> None:
@@ -178,8 +185,8 @@ def print_workers(summary: Mapping[str, Any], console: Console) -> None:
     section = summary.get("workers")
     if not isinstance(section, Mapping) or not section.get("count"):
         return
-    console.print(workers_table(section.get("workers") or ()))
-    console.print(trainers_table(section.get("trainers") or {}))
+    console.print(workers_table(section.get("workers") or (), console.width))
+    console.print(trainers_table(section.get("trainers") or {}, console.width))
     share = section.get("share")
     said = "-" if share is None else f"{share:.0%}"
     console.print(

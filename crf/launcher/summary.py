@@ -239,13 +239,8 @@ def build_summary(
     launch: int = 0,
     restart_policy: Mapping[str, Any] | None = None,
     resumed_from_round: int | None = None,
-    workers: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The dict written to ``result.json`` (and returned by ``crf.launch``).
-
-    ``workers``: the rollout workers' rows (crf.launcher.workers.worker_rows), summed up
-    with the trainers' round metrics in ``workers`` (a run without workers has no such key).
-    A worker never decides the status: the trainers generate what it does not.
 
     ``status`` is ``ok`` only if every replica's last attempt exited cleanly and none reported
     a failure: an elastic run may finish with fewer replicas, but a replica that stayed dead
@@ -278,7 +273,7 @@ def build_summary(
     rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
     status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
     problems = run_problems(rows, reported, metrics, spec.rounds)
-    summary = {
+    return {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
         "backend": spec.backend,
@@ -308,11 +303,6 @@ def build_summary(
         "replicas": rows,
         "figure": None,
     }
-    if workers is not None:
-        from crf.launcher.rollout_view import workers_summary
-
-        summary["workers"] = workers_summary(workers, metrics)
-    return summary
 
 
 def run_status(

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from crf.launcher.plan import Plan
-    from crf.launcher.workers import WorkerPool
     from crf.store import RunStore
 
 LOG_TAIL_LINES = 15
@@ -79,9 +78,9 @@ class Supervisor:
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
         #: the run's one-line reason when an early error ended it (None: it did not)
         self.fatal: str | None = None
-        #: the run's rollout workers (crf.launcher.workers; None: none): polled with the
-        #: replicas, restarted as they are, never deciding the run
-        self.workers: WorkerPool | None = None
+        #: the run's rollout workers (a crf.launcher.workers.WorkerPool, which imports this
+        #: module; None: none): polled with the replicas, never deciding the run
+        self.workers: Any = None
 
     @property
     def total_restarts(self) -> int:

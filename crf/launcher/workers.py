@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from crf.spec import RunSpec
     from crf.store import RunStore
 
+#: a worker's exit code when its environment breaks the contract (``python -m crf.replica``
+#: says so with 2): starting it again cannot help
+CONTRACT_EXIT = 2
 #: a backend option given for the workers only: ``rollout_<option>``
 PREFIX = "rollout_"
 #: the workers' hardware under the generic names (as --hardware, --gpu, --flavor, ...)
@@ -98,6 +101,9 @@ class WorkerPlan:
     executor: ServerlessExecutor
     #: the backend options given for the workers only (rollout_<option>, unprefixed)
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: the workers' command; None: the replicas' (``python -m crf.replica``, which runs the
+    #: worker loop under ``CRF_ROLE=rollout``)
+    command: list[str] | None = None
 
     def describe(self, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         return self.executor.describe(self.workers, command, run_uri)
@@ -111,7 +117,7 @@ def plan_workers(
 ) -> WorkerPlan | None:
     """The workers of a checked spec (None without ``--rollout-workers``); LaunchError for
     worker hardware given without workers, or a worker option the backend refuses."""
-    from crf.launcher.plan import make_executor
+    from crf.executors.registry import make_executor
 
     if not spec.rollout_workers:
         if overrides:
@@ -129,7 +135,10 @@ def plan_workers(
         )
     worker_executor = executor
     if overrides:
-        worker_executor = make_executor(spec.backend, {**(backend_options or {}), **overrides})
+        try:
+            worker_executor = make_executor(spec.backend, {**(backend_options or {}), **overrides})
+        except ExecutorError as e:
+            raise LaunchError(f"rollout workers: {e}") from None
     return WorkerPlan(spec.rollout_workers, spec.replicas, worker_executor, dict(overrides))
 
 
@@ -152,6 +161,7 @@ def start_workers(
     env: Mapping[str, str],
 ) -> list[ReplicaHandle]:
     """Start the M workers (after the replicas); ExecutorError says why they could not."""
+    command = plan.command or command
     return plan.executor.launch_workers(
         plan.workers,
         plan.trainers,
@@ -239,8 +249,12 @@ class WorkerPool:
         w = handle.rank
         if w in self.not_restarted:
             return status
-        if self.restarts[w] >= self.max_restarts:
-            self.not_restarted[w] = f"it already restarted {self.restarts[w]} time(s)"
+        if status.exit_code == CONTRACT_EXIT or self.restarts[w] >= self.max_restarts:
+            self.not_restarted[w] = (
+                f"exit code {CONTRACT_EXIT}: its environment breaks the worker contract"
+                if status.exit_code == CONTRACT_EXIT
+                else f"it already restarted {self.restarts[w]} time(s)"
+            )
             self._say(
                 f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
                 f"({self.not_restarted[w]}): its trainer generates for itself[/]"

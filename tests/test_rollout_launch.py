@@ -1,0 +1,442 @@
+"""Rollout workers, the launcher's side: one launch starts two roles.
+
+The options (CLI, config file, SDK), the refusals before launch, the dry run's two roles with
+their hardware and price, the executors starting M workers with ``CRF_ROLE=rollout`` on their
+own hardware (local processes and the HF Jobs emulator), the driver supervising them (a dead
+worker restarted, never failing the run, all cancelled when the trainers end), and what
+``crf status``, ``crf logs --role``, the summary and the figure show of them.
+
+The worker process here is a stand-in (tests/rollout_worker_standin.py) that writes what the
+launcher reads of a worker; the real worker loop has its own tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import crf
+from crf import layout
+from crf.executors.base import ReplicaState, Workers
+from crf.executors.local import LocalProcessExecutor
+from crf.launcher import rollout_view
+from crf.launcher.cli import app
+from crf.launcher.errors import LaunchError
+from crf.launcher.figure import _ROLLOUTS, draw_figure, panels_for
+from crf.launcher.plan import prepare
+from crf.launcher.plan_view import plan_rows
+from crf.launcher.summary import build_summary
+from crf.launcher.workers import WorkerPool, plan_workers, split_options
+from crf.rollouts.config import RolloutConfig
+from crf.spec import ROLLOUT, RunSpec, SpecError, run_options
+from crf.store import RunStore
+from tests import cloud_servers
+
+moto_s3 = cloud_servers.moto_s3  # the fixtures, visible to this module's tests
+s3_env = cloud_servers.s3_env
+ROOT = Path(__file__).resolve().parent.parent
+STANDIN = [sys.executable, str(ROOT / "tests" / "rollout_worker_standin.py")]
+ROLLOUT_FIELDS = {
+    "rollout_workers": "workers",
+    "publish_every": "publish_every",
+    "max_staleness": "max_staleness",
+    "rollout_wire": "wire",
+    "rollout_wait": "wait_s",
+    "rollout_correction": "correction",
+    "rollout_clip_min": "clip_min",
+    "rollout_clip_max": "clip_max",
+    "rollout_max_mismatch": "max_mismatch",
+}
+
+
+def wait_for(pred: Any, what: str, timeout: float = 120.0) -> Any:
+    """Poll until ``pred()`` is truthy (a generous deadline, never a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def cli(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+# ------------------------------------------------------------------------------- options
+def test_the_options_are_run_options_with_rollout_configs_defaults() -> None:
+    declared = {n: o for n, o in run_options().items() if o.group == ROLLOUT}
+    assert set(declared) == set(ROLLOUT_FIELDS)
+    default = RolloutConfig()
+    for name, attr in ROLLOUT_FIELDS.items():
+        assert declared[name].default == getattr(default, attr), name
+    spec = RunSpec(run_id="r", run_uri="file:///tmp/r", rollout_workers=3, publish_every=2,
+                   max_staleness=0, rollout_wire="int8", rollout_wait=1.5,
+                   rollout_correction="sequence_mask", rollout_clip_min=0.5,
+                   rollout_clip_max=2.0, rollout_max_mismatch=0.1).validate()  # fmt: skip
+    cfg = RolloutConfig.from_spec(spec)
+    assert cfg == RolloutConfig(3, 2, 0, "int8", 1.5, "sequence_mask", 0.5, 2.0, 0.1)
+    assert cfg.enabled and cfg.workers_of(0, 2) == [0, 2]
+    # a run.json written before the options existed reads as no workers
+    old = json.loads(RunSpec(run_id="r", run_uri="file:///tmp/r").to_json())
+    for name in ROLLOUT_FIELDS:
+        old.pop(name)
+    assert RolloutConfig.from_spec(RunSpec.from_dict(old)) == RolloutConfig()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"job": "lm"}, "--rollout-workers 2 needs --job composer"),
+        ({"entrypoint": ["python", "x.py"]}, "needs the built-in replica"),
+        ({"procs_per_replica": 2}, "needs --procs-per-replica 1 (got 2)"),
+        ({"rollout_clip_min": 3.0}, "--rollout-clip-min (3.0) must be below"),
+        ({"rollout_correction": "clip"}, "--rollout-correction 'clip' is unknown"),
+        ({"rollout_wire": "int3"}, "--rollout-wire 'int3' is unknown"),
+        ({"max_staleness": -1}, "--max-staleness must be an integer >= 0"),
+        ({"rollout_wait": 0}, "--rollout-wait must be > 0 seconds"),
+        ({"rollout_workers": 1025}, "--rollout-workers must be an integer >= 0 and at most 1024"),
+    ],
+)
+def test_spec_refuses_what_workers_cannot_do(options: dict[str, Any], message: str) -> None:
+    spec = RunSpec(run_id="r", run_uri="file:///tmp/r", **{"rollout_workers": 2, **options})
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        spec.validate()
+
+
+def test_without_workers_the_rollout_options_change_nothing() -> None:
+    """Rollout settings without --rollout-workers are harmless (they are only read by
+    workers): no refusal, no worker plan."""
+    spec = RunSpec(run_id="r", run_uri="file:///tmp/r", job="lm", rollout_wire="int8").validate()
+    assert plan_workers(spec, LocalProcessExecutor(), {}, {}) is None
+
+
+def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> None:
+    store = str(tmp_path / "runs")
+    cases = [
+        (["--rollout-gpu", "A10G"], "the local backend has no --rollout-hardware option"),
+        (["--backend", "modal", "--rollout-gpu", "A10G"], "add --rollout-workers M"),
+        (["--rollout-workers", "2", "--job", "lm"], "needs --job composer"),
+        (["--rollout-workers", "2", "--procs-per-replica", "2"], "--procs-per-replica 1"),
+        (["--rollout-workers", "1", "-o", "rollout_nope=1"], "has no rollout_nope option"),
+    ]
+    for args, message in cases:
+        result = cli("launch", "--dry-run", "--store", store, *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output, (args, result.output)
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_split_options_sends_rollout_keys_to_the_workers() -> None:
+    trainer, rollout = split_options(
+        "modal", {"gpu": "A100", "rollout_hardware": "L4", "rollout-image": "img"}
+    )
+    assert trainer == {"gpu": "A100"} and rollout == {"gpu": "L4", "image": "img"}
+    with pytest.raises(LaunchError, match="no rollout_spot option"):
+        split_options("modal", {"rollout_spot": True})
+
+
+# ------------------------------------------------------------------------------- dry run
+def test_dry_run_without_workers_has_no_worker_rows(tmp_path: Path) -> None:
+    plan = prepare({"replicas": 2}, store=str(tmp_path), dry_run=True)
+    assert plan.workers is None
+    keys = [k for k, _ in plan_rows(plan)]
+    assert not [k for k in keys if "worker" in k or k in ("policy", "correction", "both roles")]
+
+
+def test_dry_run_shows_both_roles_with_hardware_price_and_worst_case(tmp_path: Path) -> None:
+    """Trainers on A100s, workers on L4s (HF Jobs): each role's hardware, hourly price and
+    worst case, and both together; no network is needed."""
+    result = cli(
+        "launch", "--dry-run", "--backend", "hf", "--flavor", "a100-large", "--replicas", "2",
+        "--rollout-workers", "4", "--rollout-flavor", "l4x1", "--timeout", "3000",
+        "--store", "s3://no-such-bucket/runs",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "rollout workers" in out and "4 (worker w serves replica w % 2, 2 each)" in out
+    assert "worker hardware" in out and "l4x1 (1x Nvidia L4" in out
+    assert "$2.50/h per replica, $5.00/h for 2" in out
+    assert "$0.80/h per worker, $3.20/h for 4" in out
+    # the timeout is --timeout + 600 s: 3600 s, so a worst case of exactly one hour each
+    assert "$5.00: 2 replica(s) x 1 h" in out and "$3.20: 4 worker(s) x 1 h" in out
+    assert "$8.20/h, worst case $8.20" in out
+
+
+def test_config_file_and_sdk_take_the_same_options(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "replicas = 2\nrollout_workers = 2\nmax_staleness = 2\n"
+        'store = "s3://no-such-bucket/runs"\n'
+        '[backend]\nname = "hf"\nflavor = "a100-large"\nrollout_hardware = "l4x1"\n'
+    )
+    result = cli("launch", "-c", str(config), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "l4x1 (1x Nvidia L4" in result.output and "at most 2 step(s) stale" in result.output
+    printed = cli("launch", "-c", str(config), "--print-config")
+    assert printed.exit_code == 0, printed.output
+    assert "rollout_workers = 2" in printed.output and 'rollout_flavor = "l4x1"' in printed.output
+
+    dry = crf.dry_run(backend="hf", replicas=2, rollout_workers=2, flavor="a100-large",
+                      rollout_flavor="l4x1", store="s3://no-such-bucket/runs")  # fmt: skip
+    assert dry.options["rollout_workers"] == 2 and dry.workers is not None
+    assert dry.workers["workers"] == 2 and dry.workers["hardware"].startswith("l4x1")
+    assert dry.workers["hourly_usd"] == 0.80 and dry.hardware.startswith("a100-large")
+    assert crf.dry_run(replicas=2, store=str(tmp_path)).workers is None
+
+
+# ------------------------------------------------------------------------------- executors
+def test_local_executor_starts_workers_with_their_role(tmp_path: Path) -> None:
+    names = "('CRF_ROLE', 'CRF_WORKER', 'CRF_RANK', 'CRF_WORLD_SIZE')"
+    code = f"import os\nfor k in {names}: print(k, os.environ.get(k))"
+    ex = LocalProcessExecutor(log_dir=tmp_path / "logs")
+    uri = f"file://{tmp_path / 'run'}"
+    trainers = ex.launch_replicas(2, [sys.executable, "-c", code], run_uri=uri, run_id="r")
+    workers = ex.launch_workers(3, 2, [sys.executable, "-c", code], run_uri=uri, run_id="r")
+    for h in [*trainers, *workers]:
+        ended = wait_for(lambda h=h: (s := ex.status(h)).terminal and s, "exit")
+        assert ended.state is ReplicaState.SUCCEEDED
+    assert [h.extra.get("role") for h in workers] == ["rollout"] * 3
+    assert all("role" not in h.extra for h in trainers)
+    lines = {w: (tmp_path / "logs" / f"worker-{w}.log").read_text().split("\n") for w in range(3)}
+    for w in range(3):
+        assert "CRF_ROLE rollout" in lines[w] and f"CRF_WORKER {w}" in lines[w]
+        assert f"CRF_RANK {w % 2}" in lines[w] and "CRF_WORLD_SIZE 2" in lines[w]
+    assert "CRF_ROLE None" in (tmp_path / "logs" / "replica-0.log").read_text()
+    # a worker relaunches as a worker, a replica as a replica: each role keeps its record
+    again = ex.relaunch(workers[2])
+    assert again.extra["role"] == "rollout" and again.extra["attempt"] == 1
+    replica = ex.relaunch(trainers[1])
+    for h in (again, replica):
+        wait_for(lambda h=h: ex.status(h).terminal, "exit")
+    log = (tmp_path / "logs" / "worker-2.log").read_text()
+    assert "rollout worker 2 started again" in log and log.count("CRF_WORKER 2") == 2
+    assert "CRF_ROLE None" in (tmp_path / "logs" / "replica-1.log").read_text().split("again")[1]
+
+
+def test_workers_env_is_the_trainers_contract_plus_the_role() -> None:
+    assert Workers(3).env(4) == {
+        "CRF_RANK": "1", "CRF_WORLD_SIZE": "3", "CRF_ROLE": "rollout", "CRF_WORKER": "4",
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------- summary, figure
+def _round(r: int, rank: int, workers: int, local: int, stale: float) -> dict[str, Any]:
+    m = layout.RoundMetrics(round=r, rank=rank, committed=True, loss=1.0)
+    m.rollouts = {"workers": workers, "local": local, "refused": 1 if local else 0,
+                  "staleness_mean": stale, "staleness_max": 2, f"w{rank}": workers}  # fmt: skip
+    return m.to_dict()
+
+
+def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> None:
+    spec = RunSpec(run_id="r", run_uri="file:///tmp/r", replicas=2, rounds=2, rollout_workers=2)
+    metrics = {
+        0: [_round(0, 0, 24, 8, 1.0), _round(1, 0, 32, 0, 0.5)],
+        1: [_round(0, 1, 0, 32, 0.0), _round(1, 1, 16, 16, 2.0)],
+    }
+    rows = [
+        rollout_view.worker_row(
+            0, "succeeded", layout.WorkerState(worker=0, serves=0, rollouts=64)
+        ),
+        rollout_view.worker_row(1, "failed", None, restarts=3),
+    ]
+    section = rollout_view.workers_summary(rows, metrics)
+    assert section["count"] == 2 and section["rollouts_produced"] == 64
+    t0, t1 = section["trainers"]["0"], section["trainers"]["1"]
+    assert (t0["worker_rollouts"], t0["local_rollouts"], t0["share"]) == (56, 8, 0.875)
+    assert t0["staleness_mean"] == pytest.approx((24 * 1.0 + 32 * 0.5) / 56, abs=1e-3)
+    assert (t1["worker_rollouts"], t1["share"], t1["refused"]) == (16, 0.25, 2)
+    assert t1["staleness_mean"] == 2.0 and t1["by_worker"] == {"w1": 16}
+    assert section["rollouts_used"] == 72 and section["share"] == pytest.approx(72 / 128)
+    assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
+
+
+def test_figure_has_a_worker_panel_only_with_workers() -> None:
+    with_workers = {0: [_round(0, 0, 24, 8, 1.0), _round(1, 0, 32, 0, 0.5)]}
+    assert _ROLLOUTS in panels_for("composer", with_workers)
+    plain = {0: [layout.RoundMetrics(round=0, rank=0, loss=1.0, committed=True).to_dict()]}
+    assert _ROLLOUTS not in panels_for("composer", plain)
+    assert draw_figure(with_workers, job="composer", title="t")[:4] == b"\x89PNG"
+    series = rollout_view.round_series(with_workers[0])
+    assert series == {"round": [0.0, 1.0], "share": [0.75, 1.0], "staleness": [1.0, 0.5]}
+
+
+# ------------------------------------------------------------------------ the driver, e2e
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_one_launch_two_roles_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A composer run of 2 replicas with 3 (stand-in) workers: the driver starts them with
+    their role, restarts the one that dies, never fails the run for it, stops them when the
+    trainers end; the summary, crf status and crf logs --role rollout show them."""
+    from rich.console import Console
+
+    from crf.launcher.driver import run
+
+    monkeypatch.setenv("CRF_TEST_WORKER_DIES", "1")
+    store = tmp_path / "runs"
+    options = {"replicas": 2, "rounds": 1, "sync_every": 1, "rollout_workers": 3,
+               "job_config": {"num_examples": 64}, "run_id": "two-roles"}  # fmt: skip
+    plan = prepare(options, store=str(store))
+    assert plan.workers is not None and plan.workers.executor is plan.executor
+    plan.workers.command = STANDIN
+    console = Console(file=open(os.devnull, "w"), width=160)  # noqa: SIM115
+    summary = run(plan, progress=False, console=console, plot=False)
+    assert summary["status"] == "ok", summary.get("error")
+    section = summary["workers"]
+    assert section["count"] == 3
+    by_worker = {r["worker"]: r for r in section["workers"]}
+    assert by_worker[1]["restarts"] == 1  # died once, restarted, the run did not care
+    assert {r["serves"] for r in by_worker.values()} == {0, 1}
+    assert all(r["state"] in ("succeeded", "cancelled") for r in by_worker.values())
+    run_store = RunStore(f"file://{store / 'two-roles'}")
+    saved = run_store.get_json(layout.worker_handles_key(0))["handles"]
+    assert sorted(h["rank"] for h in saved) == [0, 1, 2]
+
+    status = cli("status", "two-roles", "--store", str(store), "--json")
+    assert status.exit_code == 0, status.output
+    record = json.loads(status.output)
+    assert [w["worker"] for w in record["workers"]] == [0, 1, 2]
+    assert all(w["rollouts"] == 8 for w in record["workers"])
+    assert set(record["worker_share"]) == {"0", "1"}  # the replicas' rounds, by source
+    table = cli("status", "two-roles", "--store", str(store))
+    assert table.output.count("rollout workers") == 2 and "w2" in table.output  # + summary line
+    assert "rollouts each replica trained on" in table.output
+    logs = cli("logs", "two-roles", "--store", str(store), "--role", "rollout")
+    assert logs.exit_code == 0, logs.output
+    assert "[w1] dying on purpose" in logs.output and "[w2] CRF_WORKER=2" in logs.output
+    one = cli("logs", "two-roles", "--store", str(store), "--role", "rollout", "--rank", "0")
+    assert "CRF_ROLE=rollout" in one.output and "[w" not in one.output
+    trainer = cli("logs", "two-roles", "--store", str(store), "--rank", "0")
+    assert "CRF_ROLE=rollout" not in trainer.output and trainer.output
+    sdk_lines = list(crf.attach("two-roles", str(store)).logs(2, role="rollout"))
+    assert ("CRF_WORKER=2" in [line for _, line in sdk_lines]) and {r for r, _ in sdk_lines} == {2}
+    missing = cli("logs", "two-roles", "--store", str(store), "--role", "rollout", "--rank", "7")
+    assert missing.exit_code == 2 and "has no rollout worker 7" in missing.output
+
+
+def test_worker_pool_never_fails_the_run_and_stops_at_the_end(tmp_path: Path) -> None:
+    """A worker that keeps dying is restarted up to --max-restarts, then left dead; stop()
+    cancels the ones still running."""
+    ex = LocalProcessExecutor(log_dir=tmp_path / "logs", grace_period_s=5)
+    uri = f"file://{tmp_path / 'run'}"
+    die = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    live = [sys.executable, "-c", "import time; time.sleep(600)"]
+    from crf.launcher.workers import WorkerPlan
+
+    dying = WorkerPool(WorkerPlan(1, 1, ex), ex.launch_workers(1, 1, die, run_uri=uri, run_id="a"),
+                       store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
+    wait_for(lambda: (dying.poll(), dying.not_restarted)[1], "the restarts to run out")
+    assert dying.restarts == {0: 2} and "restarted 2 time(s)" in dying.not_restarted[0]
+    alive = WorkerPool(WorkerPlan(2, 1, ex), ex.launch_workers(2, 1, live, run_uri=uri, run_id="b"),
+                       store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
+    assert all(not s.terminal for s in alive.poll())
+    alive.stop()
+    assert [r["state"] for r in alive.collect()] == ["cancelled", "cancelled"]
+
+
+# ------------------------------------------------------------------------- a cloud backend
+def test_hf_jobs_start_workers_on_their_own_flavor_found_apart_from_replicas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_env: Any
+) -> None:
+    """Through the HF Jobs emulator: workers are jobs of their own flavor and name, with the
+    same image, code and secrets handling as the replicas, labelled crf-role=rollout (so a
+    lookup of the run's replicas by label leaves them out), relaunched as workers."""
+    pytest.importorskip("huggingface_hub", reason="needs the hf extra: pip install -e .[hf]")
+    from tests import test_executor_hf_jobs as hf
+    from tests.emulators.hf_jobs import HFJobsEmulator
+
+    monkeypatch.setenv("HF_TOKEN", hf.TOKEN)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+    dump = "import os\nfor k, v in sorted(os.environ.items()): print(f'{k}={v}')"
+    with HFJobsEmulator({hf.TOKEN: hf.USER}, {hf.USER: [hf.ORG]}) as emu:
+        uri = f"s3://{s3_env.new_bucket()}/runs/roles"
+        trainer_opts, rollout_opts = split_options("hf", {"flavor": "a10g-small",
+                                                          "rollout_hardware": "l4x1"})  # fmt: skip
+        trainers = hf.make(emu, **trainer_opts)
+        workers = hf.make(emu, **{**trainer_opts, **rollout_opts})
+        (replica,) = trainers.launch_replicas(1, hf.py(dump), env={"MY_KEY": hf.SECRET},
+                                              run_uri=uri, run_id="roles")  # fmt: skip
+        handles = workers.launch_workers(2, 1, hf.py(dump), env={"MY_KEY": hf.SECRET},
+                                         run_uri=uri, run_id="roles")  # fmt: skip
+        for h in [replica, *handles]:
+            assert hf.ended(workers, h).state is ReplicaState.SUCCEEDED
+        spec = emu.jobs[handles[1].backend_id].spec
+        assert (
+            spec["flavor"] == "l4x1" and emu.jobs[replica.backend_id].spec["flavor"] == "a10g-small"
+        )
+        assert spec["labels"]["crf-role"] == "rollout" and spec["labels"]["crf-rank"] == "1"
+        assert "crf-role" not in emu.jobs[replica.backend_id].spec["labels"]
+        env = spec["environment"]
+        assert (env["CRF_ROLE"], env["CRF_WORKER"], env["CRF_RANK"]) == ("rollout", "1", "0")
+        assert "MY_KEY" in spec["secrets"] and hf.SECRET not in json.dumps(env)
+        lines = list(workers.logs(handles[1]))
+        assert "CRF_ROLE=rollout" in lines and "MY_KEY=***" in lines
+        found = trainers.find_replicas("roles", uri, 1)
+        assert [h.backend_id for h in found] == [replica.backend_id]
+        again = workers.relaunch(handles[0])
+        assert again.extra["role"] == "rollout"
+        assert emu.jobs[again.backend_id].spec["environment"]["CRF_WORKER"] == "0"
+        hf.ended(workers, again)
+
+
+def test_a_resumed_run_starts_its_workers_again_on_their_hardware(tmp_path: Path) -> None:
+    """--resume reads the workers' own backend options from backend.json (a launch without
+    workers writes none there) and plans the workers again."""
+    from crf.launcher.resume import prepare_resume
+
+    store = tmp_path / "runs"
+    spec = RunSpec(run_id="again", run_uri=f"file://{store / 'again'}", rollout_workers=2)
+    folder = RunStore(spec.run_uri)
+    folder.put(layout.RUN_SPEC, spec.validate().to_json().encode())
+    backend = {"backend": "local", "options": {"log_dir": None}}
+    folder.put_json(layout.BACKEND, {**backend, "rollout_options": {"grace_period_s": 3.0}})
+    plan = prepare_resume("again", store=str(store))
+    assert plan.workers is not None and plan.workers.workers == 2
+    assert plan.workers.executor is not plan.executor
+    assert plan.workers.executor.grace_period_s == 3.0 and plan.executor.grace_period_s == 10.0
+    folder.put_json(layout.BACKEND, backend)  # no workers' options: the replicas' executor
+    assert prepare_resume("again", store=str(store)).workers.executor.grace_period_s == 10.0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_detached_run_gathers_its_workers_in_crf_status(tmp_path: Path) -> None:
+    """Detached: the workers start with the replicas and end on their own when their
+    trainers have; `crf status` then writes the summary with the workers' section."""
+    from rich.console import Console
+
+    from crf.launcher.driver import run
+
+    store = tmp_path / "runs"
+    options = {"replicas": 1, "rounds": 1, "sync_every": 1, "rollout_workers": 2,
+               "job_config": {"num_examples": 32}, "run_id": "away"}  # fmt: skip
+    plan = prepare(options, store=str(store))
+    plan.workers.command = STANDIN  # type: ignore[union-attr]
+    console = Console(file=open(os.devnull, "w"), width=160)  # noqa: SIM115
+    out = run(plan, detach=True, console=console)
+    assert out["status"] == "detached"
+
+    def summary() -> Any:
+        status = cli("status", "away", "--store", str(store), "--json")
+        record = json.loads(status.output)
+        return record["result"] and all(
+            w["state"] in ("succeeded", "failed", "cancelled") for w in record["workers"]
+        ) and record  # fmt: skip
+
+    record = wait_for(summary, "the detached run and its workers to end", timeout=400)
+    assert record["result"]["status"] == "ok"
+    section = record["result"]["workers"]
+    assert section["count"] == 2 and {w["serves"] for w in section["workers"]} == {0}
+    # they end on their own once their trainer has; one still ending when the summary is
+    # gathered is cancelled then
+    assert all(w["status"] in ("ok", "cancelled") for w in section["workers"])
