@@ -134,3 +134,19 @@ def test_a_worker_outside_the_contract_says_so_in_one_line(tmp_path: Path) -> No
     assert out.stderr.strip().splitlines() == [
         "crf.replica (rollout worker): CRF_WORKER=3, but the run has 1 rollout worker(s)"
     ]
+
+
+def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
+    from crf.rollouts.batches import RolloutBatch
+    from crf.rollouts.worker import RolloutWorker
+
+    uri = f"file://{tmp_path}/run"
+    store = RunStore(uri)
+    spec = run_spec(uri)
+    before = layout.WorkerState(worker=0, serves=0, rollouts=12, batches=3, returned=1)
+    store.put_json(layout.worker_state_key(0), before.to_dict())
+    w = RolloutWorker(store, spec, 0, 1)
+    assert (w.beat.state.rollouts, w.beat.state.batches, w.beat.state.returned) == (12, 3, 1)
+    assert w.seq == 3  # its next batch does not overwrite one of the previous attempt's
+    RolloutQueue(store, 0).put(RolloutBatch(0, 0, 5, 0, [0], [[1]], [[2]], [[-0.5]]))
+    assert RolloutWorker(store, spec, 0, 1).seq == 6

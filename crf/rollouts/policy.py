@@ -184,7 +184,7 @@ class PolicyPublisher:
         if self._base is None or self.layout is None:
             raise RuntimeError("PolicyPublisher.publish before start_round")
         lay, wire = self.layout, self.cfg.wire
-        delta = flat_weights(model) - self._base
+        delta = flat_weights(model).sub_(self._base)  # in place: one model-sized copy less
         segs = _segments(lay)
         payload = wirefmt.encode(delta, wire, segs)
         if not wirefmt.all_finite(payload, wire, lay.numel, segs):
@@ -192,8 +192,13 @@ class PolicyPublisher:
                 f"step {step}: the policy delta holds NaN/Inf on the {wire} wire; "
                 "use a wider --rollout-wire (bfloat16 or float32)"
             )
-        rebuilt = self._base + wirefmt.decode(payload, wire, lay.numel, segments=segs)
+        if payload.data_ptr() == delta.data_ptr():  # the float32 wire sends delta itself
+            rebuilt = self._base + delta
+        else:
+            del delta
+            rebuilt = wirefmt.decode(payload, wire, lay.numel, segments=segs).add_(self._base)
         digest = weights_digest(rebuilt)
+        del rebuilt
         meta = {
             "kind": KIND_DELTA,
             "run_id": self.run_id,

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 #: a worker whose heartbeat is older than this is not waited for (it died or was preempted)
 WORKER_SILENT_S = 30.0
+#: while waiting for a batch: the longest pause between two looks at the queue, and how
+#: often the workers' heartbeats are read
+MAX_POLL_S = 0.5
+ALIVE_EVERY_S = 1.0
 
 
 class RolloutSource(Protocol):
@@ -144,6 +148,7 @@ class StoreRolloutSource:
         if self.step_of is not None:
             step = self.step_of()
         deadline = time.monotonic() + max(0.0, self.cfg.wait_s)
+        poll, alive_checked, alive = self.poll_s, 0.0, True
         while True:
             batch, returned, bad = self.queue.oldest_within(step, self.cfg.max_staleness, rows)
             for b in returned:
@@ -161,9 +166,13 @@ class StoreRolloutSource:
                     return batch, [dict(self.rows[i]) for i in batch.row_ids]
                 self.refused(batch, why)
                 continue
-            if time.monotonic() >= deadline or not self._worker_alive():
+            now = time.monotonic()
+            if now - alive_checked >= ALIVE_EVERY_S:  # a few requests a second, not more
+                alive, alive_checked = self._worker_alive(), now
+            if now >= deadline or not alive:
                 return None
-            time.sleep(self.poll_s)
+            time.sleep(min(poll, max(0.0, deadline - now)))
+            poll = min(MAX_POLL_S, poll * 1.5)
 
     def used(self, batch: RolloutBatch, stats: dict[str, float]) -> None:
         for c in (self.counts, self.total):

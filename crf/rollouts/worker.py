@@ -155,11 +155,25 @@ class RolloutWorker:
         self.reader = PolicyReader(store, self.rank, worker, run_id=spec.run_id,
                                    wire=self.cfg.wire)  # fmt: skip
         self.queue = RolloutQueue(store, self.rank)
+        # a restarted worker goes on where its previous attempt stopped: its counts, its
+        # sequence numbers and its place in the shard (no prompt generated twice for that)
+        before = self._previous_state()
         state = layout.WorkerState(worker=worker, serves=self.rank, pid=os.getpid(),
-                                   host=socket.gethostname())  # fmt: skip
+                                   host=socket.gethostname(), rollouts=before.rollouts,
+                                   batches=before.batches, returned=before.returned)  # fmt: skip
         self.beat = Beat(store, state)
         self.staleness: list[int] = []
-        self.seq = 1 + max((s for _, s in self.queue.queued(worker)), default=-1)
+        queued = max((s for _, s in self.queue.queued(worker)), default=-1)
+        self.seq = max(queued + 1, before.batches)
+
+    def _previous_state(self) -> layout.WorkerState:
+        try:
+            old = layout.WorkerState.from_dict(
+                self.store.get_json(layout.worker_state_key(self.worker))
+            )
+        except Exception:  # noqa: BLE001 - none (the first attempt) or unreadable: start afresh
+            return layout.WorkerState(worker=self.worker)
+        return old if old.serves == self.rank else layout.WorkerState(worker=self.worker)
 
     # ------------------------------------------------------------------ setup
     def build(self, tmp: str) -> None:
@@ -185,7 +199,8 @@ class RolloutWorker:
         mine = self.cfg.workers_of(self.rank, self.world_size)
         self.rows_per_batch = rollouts
         self.prompts = Prompts(len(self.setup.shard), rollouts // generations, generations,
-                               index=mine.index(self.worker), count=len(mine))  # fmt: skip
+                               index=mine.index(self.worker), count=len(mine),
+                               made=self.beat.state.batches)  # fmt: skip
         self.sampling = sampling_settings(self.trainer)
         self.tokenizer = settled_tokenizer_digest(self.trainer.processing_class)
 
