@@ -76,6 +76,9 @@ ENV_ROLE = "CRF_ROLE"
 ROLE_TRAINER, ROLE_ROLLOUT = "trainer", "rollout"
 #: a rollout worker's index (0..M-1), set with CRF_ROLE=rollout
 ENV_WORKER = "CRF_WORKER"
+#: benchmarks only (bench/async.py): a rollout worker takes this many times its generation
+#: time per batch (it waits the rest), to stand for workers on slower GPUs than the trainers
+ENV_ROLLOUT_SLOWDOWN = "CRF_ROLLOUT_SLOWDOWN"
 
 
 def replica_env(run_uri: str, rank: int, world_size: int, run_id: str) -> dict[str, str]:

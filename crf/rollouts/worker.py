@@ -44,20 +44,6 @@ BEAT_S = 5.0
 MAX_POLL_S = 1.0
 
 
-def settled_tokenizer_digest(tokenizer: Any) -> str:
-    """The tokenizer's digest (crf.rollouts.generate.tokenizer_digest) with the per-call
-    padding and truncation a fast tokenizer's backend keeps from its last call cleared first
-    (every call sets them again): a trainer that has already tokenized a padded batch and a
-    worker that has not then agree on what maps text to token ids."""
-    from crf.rollouts.generate import tokenizer_digest
-
-    backend = getattr(getattr(tokenizer, "tokenizer", tokenizer), "backend_tokenizer", None)
-    if backend is not None:
-        backend.no_padding()
-        backend.no_truncation()
-    return tokenizer_digest(tokenizer)
-
-
 def admits(trainer_step: int, queued: int, version: int, max_staleness: int) -> bool:
     """Whether a batch of policy ``version`` written now will be within the bound when its
     trainer uses it: the trainer (at ``trainer_step``, or at least at ``version``, which it
@@ -181,7 +167,7 @@ class RolloutWorker:
         from crf.replica.jobs import composer as job
         from crf.replica.jobs import job_config
         from crf.replica.rewards import job_rewards
-        from crf.rollouts.generate import sampling_settings
+        from crf.rollouts.generate import sampling_settings, tokenizer_digest
 
         if self.spec.job != "composer":
             raise ValueError(
@@ -202,7 +188,7 @@ class RolloutWorker:
                                index=mine.index(self.worker), count=len(mine),
                                made=self.beat.state.batches)  # fmt: skip
         self.sampling = sampling_settings(self.trainer)
-        self.tokenizer = settled_tokenizer_digest(self.trainer.processing_class)
+        self.tokenizer = tokenizer_digest(self.trainer.processing_class)
 
     # ------------------------------------------------------------------ the loop
     def trainer_done(self) -> bool:
@@ -265,7 +251,11 @@ class RolloutWorker:
         from crf.rollouts.generate import generate_rollouts
 
         rows = [self.setup.shard[i] for i in row_ids]
+        started = time.perf_counter()
         prompt_ids, completion_ids, logprobs = generate_rollouts(self.trainer, rows)
+        slowdown = float(os.environ.get(layout.ENV_ROLLOUT_SLOWDOWN) or 1.0)
+        if slowdown > 1.0:  # a benchmark's stand-in for a slower GPU
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - started))
         batch = RolloutBatch(
             rank=self.rank,
             worker=self.worker,
