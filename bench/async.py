@@ -72,6 +72,7 @@ class Arm:
 
 ARMS = (
     Arm("sync"),
+    Arm("async-s0", workers=True, staleness=0),
     Arm("async-s1", workers=True, staleness=1),
     Arm("async-s2", workers=True, staleness=2),
     Arm("async-s2-off", workers=True, staleness=2, correction="off"),
