@@ -86,7 +86,7 @@ test-newest:
 	$(MAKE) test VENV=$(NEWEST_VENV) CONSTRAINTS=
 
 # constraints/ci.txt, the exact set CI tests: a fresh venv installed at the floors of
-# constraints/lowest.txt (the rest resolved to the newest that fit), then its `pip freeze`,
+# constraints/lowest.txt (the rest resolved to the newest that fit), then what it holds,
 # crf itself and torch's local build tag left out; constraints/verl.txt the same for the verl
 # venv (crf's ranges and verl 0.9.1's, resolved together, no floors). Run it after changing a
 # range or a floor.
