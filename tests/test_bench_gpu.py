@@ -103,13 +103,16 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     shutil.copy(ROOT / "bench" / "gpu.py", repo / "bench" / "gpu.py")
     out = tmp_path / "out"
     # the crf phase (GRPO-sized) is bench_crf with other sizes: crf-small stands for both.
-    # TRL's continuous batching needs transformers>=5.8 (crf refuses it before launch on
-    # older ones): the GRPO phase runs it where the installed transformers serves it
-    generations = ["continuous", "generate"] if _serves_continuous_batching() else ["generate"]
+    # continuous batching as the bench drives it (generate_batch with a persistent manager,
+    # TRL's path) needs transformers>=5.8 (crf refuses it before launch on older ones): the
+    # generate and GRPO phases run it where the installed transformers serves it
+    cb = _serves_continuous_batching()
+    engines = ["generate", "continuous", "static"] if cb else ["generate", "static"]
+    generations = ["continuous", "generate"] if cb else ["generate"]
     cmd = [sys.executable, str(repo / "bench" / "gpu.py"), "--tiny", "--out", str(out),
            "--steps", "2", "--sync-every", "2", "--rounds", "2", "--completion", "4",
            "--prompts", "1", "--new-tokens", "4", "--batches", "2,4",
-           "--grpo-generation", ",".join(generations),
+           "--engines", ",".join(engines), "--grpo-generation", ",".join(generations),
            "--phases", "generate,profile,grpo,crf-small", "--update-docs"]  # fmt: skip
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -117,7 +120,7 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     res = json.loads((out / "gpu.json").read_text())
     assert res["errors"] == {}
     made = [(g["key"], g["batch"]) for g in res["generate"] if "tokens_per_s" in g]
-    assert made == [(e, b) for e in ("generate", "continuous", "static") for b in (2, 4)]
+    assert made == [(e, b) for e in engines for b in (2, 4)]
     assert all(g["tokens_per_s"] > 0 for g in res["generate"] if "batch" in g)
     assert [p["batch"] for p in res["profile"]] == [2, 4]
     assert all(p["step_ms"] > 0 and p["top_cpu"] for p in res["profile"])
