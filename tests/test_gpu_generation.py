@@ -4,7 +4,8 @@ TRL 1.16's ``use_transformers_continuous_batching`` path casts the model it gene
 bf16 in place when ``bf16=True`` (and never back): the control case shows it does, on TRL's own
 GRPOTrainer. crf's ComposerReplicationTrainer generates on the same path with every parameter
 still fp32 afterwards (crf/composer/generation.py). Both run on the CPU and, marked ``gpu``, on
-CUDA."""
+CUDA, where transformers serves that path (>= 5.8; on older ones crf refuses the setting before
+launch: tests/test_trl_settings.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from packaging.version import Version
+
+from crf.replica.trl_settings import CONTINUOUS_BATCHING_TRANSFORMERS
+from crf.versions import distribution_version
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 DEVICES = [
@@ -22,6 +27,13 @@ DEVICES = [
         marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)],
     ),
 ]
+
+#: TRL runs its continuous-batching path only on transformers >= 5.8
+NEEDS_CB = pytest.mark.skipif(
+    Version(distribution_version("transformers") or "0")
+    < Version(CONTINUOUS_BATCHING_TRANSFORMERS),
+    reason=f"TRL's continuous batching needs transformers>={CONTINUOUS_BATCHING_TRANSFORMERS}",
+)
 
 
 def _trainer(cls: Any, folder: Path, device: str, **extra: Any) -> Any:
@@ -72,6 +84,7 @@ def folder(tmp_path: Path) -> Path:
     return tmp_path / "model"
 
 
+@NEEDS_CB
 @pytest.mark.parametrize("device", DEVICES)
 def test_trls_continuous_batching_casts_the_model_in_place(folder: Path, device: str) -> None:
     from trl import GRPOTrainer
@@ -81,6 +94,7 @@ def test_trls_continuous_batching_casts_the_model_in_place(folder: Path, device:
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
 
 
+@NEEDS_CB
 @pytest.mark.parametrize("device", DEVICES)
 def test_crf_generates_on_that_path_with_fp32_master_weights(folder: Path, device: str) -> None:
     from crf.composer import ComposerReplicationTrainer

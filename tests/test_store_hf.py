@@ -29,7 +29,11 @@ import pytest
 pytest.importorskip("huggingface_hub", reason="hf tests need the hf extra: pip install -e .[dev]")
 
 import fsspec  # noqa: E402
-import httpx2  # noqa: E402
+
+try:  # the HTTP client of the installed huggingface_hub: httpx2 in 2.x, httpx in 1.x
+    import httpx2  # noqa: E402
+except ImportError:
+    import httpx as httpx2  # noqa: E402
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete  # noqa: E402
 from huggingface_hub.errors import (  # noqa: E402
     HfHubHTTPError,

@@ -2,7 +2,8 @@
 ``--model``, TRL's GRPOConfig defaults with it, ``trl.<field>`` settings from ``--set``,
 ``[job.trl]`` and the SDK, checked before launch, shown by ``--print-config`` and
 ``--dry-run``; and vLLM (``trl.use_vllm``): refused where it cannot run, and fed the new
-global weights after every outer step (a stand-in engine: vLLM is never installed here)."""
+global weights after every outer step (a stand-in engine: vLLM is never installed here);
+continuous batching refused before launch on a transformers that cannot serve it."""
 
 from __future__ import annotations
 
@@ -233,6 +234,36 @@ def test_vllm_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(trl_settings.SettingError) as err:
         trl_settings.check_vllm({"use_vllm": True}, _spec(), gpus=None, local=True)
     assert "pip install 'composer-replication[vllm]'" in str(err.value)
+
+
+# --------------------------------------------------------------------------- continuous batching
+def test_continuous_batching_on_an_older_transformers_is_one_line(tmp_path: Path) -> None:
+    """TRL's continuous batching needs transformers >= 5.8, older ones are in crf's range:
+    the setting is refused before launch, in one line, on this environment's transformers
+    when it is older (the lowest set CI tests), and launches where it is not."""
+    from packaging.version import Version
+
+    from crf.versions import distribution_version
+
+    on = {"use_transformers_continuous_batching": True}
+    with pytest.raises(trl_settings.SettingError) as err:
+        trl_settings.check_continuous_batching(on, version="5.6.2")
+    assert str(err.value) == (
+        "trl.use_transformers_continuous_batching needs transformers>=5.8.0, and this "
+        "environment has 5.6.2: pip install 'transformers>=5.8.0,<6', or leave the setting off"
+    )
+    trl_settings.check_continuous_batching(on, version="5.8.0")
+    trl_settings.check_continuous_batching({}, version="5.6.2")
+
+    installed = distribution_version("transformers")
+    result = crf("launch", "--set", "trl.use_transformers_continuous_batching=true",
+                 "--store", tmp_path / "runs", "--dry-run")  # fmt: skip
+    if Version(installed) < Version(trl_settings.CONTINUOUS_BATCHING_TRANSFORMERS):
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == f"error: {str(err.value).replace('5.6.2', installed)}"
+    else:
+        assert result.exit_code == 0, result.output
+    assert not (tmp_path / "runs").exists()
 
 
 def _digest(model: Any) -> str:

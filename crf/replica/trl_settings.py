@@ -79,6 +79,10 @@ OWNED: dict[str, str] = {
 }
 #: the documented way to install vLLM for crf
 VLLM_EXTRA = "pip install 'composer-replication[vllm]'"
+#: the transformers release TRL's continuous-batching generation needs (TRL 1.16's
+#: GRPOTrainer refuses older ones in trl/trainer/grpo_trainer.py); crf accepts older
+#: transformers (PRIME-RL pins 5.6.2), so that one setting is refused before launch there
+CONTINUOUS_BATCHING_TRANSFORMERS = "5.8.0"
 
 
 class SettingError(ValueError):
@@ -254,16 +258,38 @@ def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bo
         )
 
 
+def check_continuous_batching(fields: Mapping[str, Any], version: str | None = None) -> None:
+    """SettingError before launch for ``use_transformers_continuous_batching`` on a
+    transformers older than :data:`CONTINUOUS_BATCHING_TRANSFORMERS` (``version``: this
+    environment's; replicas install the driver's versions, so theirs is the same)."""
+    if not fields.get("use_transformers_continuous_batching"):
+        return
+    from packaging.version import Version
+
+    from crf.versions import distribution_version
+
+    have = version or distribution_version("transformers") or "0"
+    need = CONTINUOUS_BATCHING_TRANSFORMERS
+    if Version(have) < Version(need):
+        raise SettingError(
+            f"trl.use_transformers_continuous_batching needs transformers>={need}, and this "
+            f"environment has {have}: pip install 'transformers>={need},<6', or leave the "
+            "setting off"
+        )
+
+
 def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
     """The composer job's checks that need the run options: its ``trl`` settings as TRL's
-    GRPOConfig takes them (for this model, LoRA and batch), and ``use_vllm`` where it can
-    run (:func:`check_vllm`). Nothing to check (TRL not imported) without ``trl``."""
+    GRPOConfig takes them (for this model, LoRA and batch), ``use_vllm`` where it can
+    run (:func:`check_vllm`), continuous batching where transformers serves it
+    (:func:`check_continuous_batching`). Nothing to check (TRL not imported) without ``trl``."""
     if not cfg.trl:
         return
     fields = cfg.trainer_fields(spec)
     generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
     check_values(fields, cfg.prompts_per_step * generations)
     check_vllm(fields, spec, gpus, local)
+    check_continuous_batching(fields)
 
 
 def completion_notes(
