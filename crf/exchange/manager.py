@@ -365,11 +365,12 @@ class ObjectStoreManager:
             self.stats.rounds_committed += 1
             self._step = r + 1
             self.base_round = r
-            parts = self.last_result.participants if self.last_result else [self.rank]
-            if self.exchange.world_size > 1 and parts and self.rank == min(parts):
-                self.checkpoints.owe(r)  # written after the outer step (after_outer_step)
+            parts = sorted(self.last_result.participants if self.last_result else [self.rank])
+            if self.exchange.world_size > 1 and self.rank in parts:
+                # its part (shard owner's) written after the outer step (after_outer_step)
+                self.checkpoints.owe(r, parts.index(self.rank), len(parts))
             else:
-                self.checkpoints.forget_cached()  # another replica holds the newest state
+                self.checkpoints.forget_cached()  # the participants hold the newest state
             return True
         self.stats.rounds_missed.append(r)
         if self.fatal_error is not None:
@@ -554,16 +555,17 @@ class ObjectStoreManager:
         async_checkpoints, one at a time: a write still running at
         the next snapshot is waited for (blocked time). A state not written is kept in memory
         so a heal request can still be served from it."""
-        r = self.checkpoints.take_owed()
-        if r is None:
+        owed = self.checkpoints.take_owed()
+        if owed is None:
             return
+        r, part, parts = owed
         t0 = time.monotonic()
         with self.blocking():
             # back-pressure: the previous write first (at most one snapshot held; its
             # failure is this replica's fatal error, raised by the caller)
             self.checkpoints.wait_previous()
             if self.fatal_error is None:
-                self.checkpoints.snapshot(r, self.state_dict())
+                self.checkpoints.snapshot(r, self.state_dict(), part, parts)
         self.stats.ckpt_foreground_s += time.monotonic() - t0
 
     def global_due(self, r: int) -> bool:
@@ -574,10 +576,10 @@ class ObjectStoreManager:
         """The exchange's ``on_wait`` hook: write a global state a healing replica asked for."""
         self.checkpoints.serve_heal_requests()
 
-    def _write_global(self, r: int, payload: Any) -> None:
-        """Write ``global/<r>`` now (``payload``: a state as
+    def _write_global(self, r: int, payload: Any, part: int = 0, parts: int = 1) -> None:
+        """Write part ``part`` of ``parts`` of ``global/<r>`` now (``payload``: a state as
         :func:`crf.exchange.global_state.flatten` takes it apart; tests forge a writer)."""
-        self.checkpoints.write_global(r, payload)
+        self.checkpoints.write_global(r, payload, part, parts)
 
     def latest_global(self) -> int | None:
         """The newest global round in the store, but one whose state was refused."""
