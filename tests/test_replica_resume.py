@@ -111,7 +111,7 @@ def test_resume_falls_back_when_the_newest_global_is_corrupt() -> None:
     before it (the exchange then marks it stale and it heals to the newer round)."""
     store, spec = new_store()
     run_threads(N, lambda r: train(store, spec, r, stop_after_round=1))
-    key = layout.global_key(1)
+    key = layout.global_part_key(1, 0, N)
     blob = bytearray(store.get(key))
     blob[-5] ^= 0xFF
     store.put(key, bytes(blob))

@@ -135,11 +135,7 @@ def test_kill_everything_mid_run_then_resume(
     # one of round 2's writes did (then the resume starts from global/1, which the test accepts)
     store = RunStore(f"file://{run}")
     # a global round is there once its state landed (a kill mid-write can leave its folder)
-    globals_ = sorted(
-        int(n)
-        for n in store.list("global")
-        if n.isdigit() and store.exists(layout.global_key(int(n)))
-    )
+    globals_ = layout.global_rounds(store, complete=True)
     newest = globals_[-1]
     assert newest == 2 or (checkpoint_every == 1 and newest == 1), globals_
     if lose_inner:
@@ -156,7 +152,7 @@ def test_kill_everything_mid_run_then_resume(
         decode_blob(store.get(f"replicas/{k}/inner/{latest}.pt"))[1]["round"] for k in range(N)
     ]
     assert inner == [latest] * N, (latest, inner)
-    aside_bytes = {g: store.get(layout.global_key(g)) for g in set_aside}
+    aside_bytes = {key: store.get(key) for g in set_aside for key in layout.global_parts(store, g)}
     spec_before = (run / "run.json").read_bytes()
     done_before = {
         p: p.stat().st_mtime_ns
@@ -175,9 +171,10 @@ def test_kill_everything_mid_run_then_resume(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"resuming (launch 1): replicas continue from round {latest + 1}" in proc.stdout
-    for g, data in aside_bytes.items():  # set aside, byte for byte, and written again
+    for g in set_aside:
         assert "set aside" in proc.stdout and f"global/{g}" in proc.stdout, proc.stdout
-        assert (run / layout.superseded_key(1, layout.global_key(g))).read_bytes() == data
+    for key, data in aside_bytes.items():  # set aside, byte for byte, and written again
+        assert (run / layout.superseded_key(1, key)).read_bytes() == data
     assert "start it afresh" not in proc.stdout
 
     result = json.loads((run / "result.json").read_text())
@@ -187,7 +184,7 @@ def test_kill_everything_mid_run_then_resume(
     # as many rounds as the uninterrupted run; none lost, none trained twice
     assert result["rounds_completed"] == reference["rounds_completed"] == ROUNDS
     assert result["rounds_lost"] == []
-    assert (run / layout.global_key(ROUNDS - 1)).exists()
+    assert layout.global_complete(store, ROUNDS - 1)
     for row in result["replicas"]:
         assert row["resumed_from"] == latest and row["steps"] == ROUNDS * H, row
         assert row["rounds_missed"] == [], row

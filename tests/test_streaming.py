@@ -153,7 +153,7 @@ def test_streaming_replica_outside_quorum_heals_and_ends_identical(
             return train(store, spec, rank)
         # late for exchange round 1 only: its upload waits until rank 0 committed alone
         own = RunStore(store.uri)
-        plug_late_upload(own, round_=1, until=lambda: own.exists(layout.global_key(1)))
+        plug_late_upload(own, round_=1, until=lambda: layout.global_complete(own, 1))
         return train(own, spec, rank)
 
     out = run_threads(N, slow_train, timeout=120)

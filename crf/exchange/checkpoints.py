@@ -121,6 +121,17 @@ class CheckpointWriter:
                 self._pool = None
 
 
+def read_global_state(store: Any, r: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state, header) of ``global/<r>`` in ``store`` (a :class:`~crf.store.RunStore`), its
+    parts joined, each checked against its digest but not against a run: for tools and
+    tests that read a run's checkpoint. ObjectNotFound when the state is not whole."""
+    keys = layout.global_parts(store, r)
+    if not keys:
+        raise ObjectNotFound(f"{store.uri}/{layout.global_dir(r)} holds no whole state")
+    files = [global_state.decode_part(store.get(k), where=f"{store.uri}/{k}") for k in keys]
+    return global_state.join(files, where=f"{store.uri}/{layout.global_dir(r)}")
+
+
 def _rejection(key: str, error: CorruptObjectError, where: str | None = None) -> layout.Rejection:
     """The record of a refused object: its bare run-folder ``key`` and why. The error's text
     starts with where the object was read (the key, or the store URI and key), which the
@@ -564,11 +575,12 @@ class Checkpoints:
             parts = encode_blob_parts(torch_save_parts(snapshot, crc32=False), meta)
             self.store.put(layout.inner_key(self.rank, r), parts)
             self.inner_bytes_up += sum(memoryview(p).nbytes for p in parts)
-            # kept: those of the oldest checkpoint kept and after (with no global state
-            # at all, the last keep_rounds checkpoint periods)
-            keep_from = self.keep_from(r) if self.exchange.world_size > 1 else None
+            # kept while their round's global state is (collect_garbage decides: an inner
+            # state without it is never read); with no global state at all, the last
+            # keep_rounds checkpoint periods
+            kept = layout.global_rounds(self.store)
             for old in layout.inner_rounds(self.store, self.rank):
-                if (old < keep_from) if keep_from is not None else (old <= horizon):
+                if (old < kept[0]) if kept else (old <= horizon):
                     self.store.delete(layout.inner_key(self.rank, old))
 
         return write
