@@ -5,14 +5,21 @@ The manager (:class:`~crf.exchange.manager.ObjectStoreManager`) decides *when* (
 committed, a replica missed one, a replica restarts); this module knows *what* lies in the run
 folder and how it is checked:
 
-* ``global/<r>/state.safetensors``: the weights and outer-optimizer state after exchange
-  round ``r``, written by the round's lowest participant every ``checkpoint_every`` outer
-  rounds (after the last fragment's sync), at the last round and on request; a safetensors
-  file users can open (format: :mod:`crf.exchange.global_state`). Its metadata names the
-  run, the round and the model's layout under a digest; one that is corrupt or from
-  elsewhere is refused, reported, and never considered again.
+* ``global/<r>/part-<s>-of-<n>.safetensors``: the weights and outer-optimizer state after
+  exchange round ``r``, in ``n`` parts, one per participant: the s-th, the owner of shard s,
+  copies and writes part s (about 1/n of the state's bytes, whole tensors:
+  :func:`~crf.exchange.global_state.part_names`), so no replica writes the whole state.
+  Written every ``checkpoint_every`` outer rounds (after the last fragment's sync), at the
+  last round and on request; safetensors files users can open (format:
+  :mod:`crf.exchange.global_state`). A state is read only whole (every part; an older
+  run's single ``state.safetensors`` too): a round with a part missing is not a state.
+  Each part's metadata names the run, the round, the part and the model's layout under a
+  digest; one that is corrupt or from elsewhere is refused, reported, and its round never
+  considered again. Kept: the newest checkpoint a whole-run resume can start from and
+  what is newer (:meth:`Checkpoints.keep_from`).
 * ``heal/<rank>.json``: a replica that missed a committed round and finds no global state new
-  enough asks for one; whoever holds the newest state unwritten writes it.
+  enough asks for one; the participants that hold the newest state unwritten write their
+  parts.
 * ``replicas/<rank>/inner/<r>.pt``: a replica's inner-optimizer state (with fragments, also its
   local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``: a
   ``torch.save`` pickle in crf's checked blob container (only crf reads it).

@@ -1,5 +1,8 @@
-"""The file format of a global checkpoint (``global/<r>/state.safetensors``): a safetensors
-file users can open with ``safetensors.torch.load_file``, not a custom pickle container.
+"""The file format of a global checkpoint (``global/<r>/part-<s>-of-<n>.safetensors``, or
+an older run's single ``state.safetensors``): safetensors files users can open with
+``safetensors.torch.load_file``, not a custom pickle container. A state is cut into parts
+of whole tensors (:func:`part_names`), one per participant of the round; each part carries
+the whole tree, and :func:`join` puts the checked parts back together.
 
 A global state is a nested dict (``{"model": model.state_dict(), "outer/0": optimizer state,
 ...}``). Its tensors are stored under their path in the tree, joined with ``/``

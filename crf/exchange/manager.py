@@ -15,10 +15,10 @@ exchange took - the difference is the overlap.
 ``should_commit()`` never raises: a replica outside the quorum, or whose exchange failed,
 gets ``False`` (DiLoCo then discards the round's inner steps) and heals from ``global/<r>``
 before its next round, so it rejoins with the same weights and outer momentum as everyone.
-The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``):
-the state is copied at once (the weights change with the next inner step) and, with
-``async_checkpoints``, serialized and uploaded by a background writer so training does not
-wait for it;
+Every participant writes its part of ``global/<r>`` (the s-th participant, shard s's owner,
+part s) after the outer step (``after_outer_step``): the part is copied at once (the weights
+change with the next inner step) and, with ``async_checkpoints``, serialized and uploaded by
+a background writer so training does not wait for it;
 ``drain()`` waits for pending writes (a replica calls it before reporting its result). What
 lies in ``global/``, ``heal/`` and a replica's ``inner/``, and how it is checked, is
 :mod:`crf.exchange.checkpoints`; the manager decides when.
@@ -547,9 +547,9 @@ class ObjectStoreManager:
                 load(state[key])
 
     def after_outer_step(self) -> None:
-        """The round's lowest participant writes ``global/<r>`` when one is due (every
-        ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to heal)
-        and collects garbage. The state is copied now, into host buffers reused from round to
+        """Each of the round's participants writes its part of ``global/<r>`` when one is due
+        (every ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to
+        heal); the first part's writer collects garbage. The part is copied now, into host buffers reused from round to
         round (the weights change with the next inner step: one copy, the only part on the
         training thread); the serialization, checksum and upload run in the background with
         async_checkpoints, one at a time: a write still running at
@@ -569,7 +569,7 @@ class ObjectStoreManager:
         self.stats.ckpt_foreground_s += time.monotonic() - t0
 
     def global_due(self, r: int) -> bool:
-        """Whether round r's global state is written (by its lowest participant)."""
+        """Whether round r's global state is written (by its participants, in parts)."""
         return self.checkpoints.due(r)
 
     def _serve_heal_requests(self) -> None:
