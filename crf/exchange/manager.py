@@ -551,10 +551,10 @@ class ObjectStoreManager:
         (every ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to
         heal); the first part's writer collects garbage. The part is copied now, into host
         buffers reused from round to round (the weights change with the next inner step: one
-        copy, the only part on the training thread); the serialization, checksum and upload run in the background with
-        async_checkpoints, one at a time: a write still running at
-        the next snapshot is waited for (blocked time). A state not written is kept in memory
-        so a heal request can still be served from it."""
+        copy, the only part on the training thread); the serialization, checksum and upload
+        run in the background with async_checkpoints, one at a time: a write still running
+        at the next snapshot is waited for (blocked time). A part not written is kept in
+        memory so a heal request can still be served from it."""
         owed = self.checkpoints.take_owed()
         if owed is None:
             return
