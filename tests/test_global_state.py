@@ -233,3 +233,42 @@ def test_an_older_runs_single_file_is_still_read(tmp_path) -> None:
         model.weight.zero_()
     assert mgr.load_newest_global() == 0 and torch.equal(model.weight, want)
     mgr.close()
+
+
+def test_a_part_holds_each_of_its_parameters_weights_copy_and_momentum() -> None:
+    """torchft's DiLoCo state: the model, the fragment's global copy and its outer Nesterov
+    momentum. Each parameter's three tensors land in the same part (the part whose shard's
+    parameters they are), and the parts split the bytes about evenly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    outer.step()
+    frag = "StreamingDiLoCoFragment_0"
+    state = {
+        "model": model.state_dict(),
+        frag: {
+            "outer_optimizer": outer.state_dict(),
+            "original_parameters": {n: p.detach().clone() for n, p in model.named_parameters()},
+        },
+    }
+    names = [n for n, _ in model.named_parameters()]
+    for parts in (2, 3):
+        where = {}
+        for s in range(parts):
+            for name in global_state.part_names(state, s, parts):
+                where[name] = s
+        for i, n in enumerate(names):
+            trio = {
+                where[f"model/{n}"],
+                where[f"{frag}/original_parameters/{n}"],
+                where[f"{frag}/outer_optimizer/state/{i}/momentum_buffer"],
+            }
+            assert len(trio) == 1, (n, trio)
+        assert where[f"model/{names[0]}"] == 0 and where[f"model/{names[-1]}"] == parts - 1
+        sizes = [0] * parts
+        flat = global_state.flatten(state)
+        for name, t in flat.tensors.items():
+            sizes[where[name]] += t.numel() * t.element_size()
+        assert max(sizes) < 1.5 * sum(sizes) / parts, sizes

@@ -127,20 +127,62 @@ def _sizes(obj: Any, path: tuple[str, ...], out: list[tuple[str, int]]) -> None:
 
 
 def part_names(state: dict[str, Any], part: int, parts: int) -> set[str]:
-    """The tensors of ``state`` that part ``part`` of ``parts`` holds: the state's tensors in
-    their order, cut into ``parts`` runs of about equal bytes (a tensor goes where its middle
-    byte falls; whole tensors, so each part is a plain safetensors file). Every participant
-    of a round holds the same state, so each computes the same cut from it alone."""
+    """The tensors of ``state`` that part ``part`` of ``parts`` holds: the state's tensors,
+    each parameter's together (its weights, its global copy, its outer momentum:
+    :func:`_by_parameter`), cut into ``parts`` runs of about equal bytes (a tensor goes where
+    its middle byte falls; whole tensors, so each part is a plain safetensors file). So part
+    s holds the weights and outer-optimizer state of about the s-th n-th of the parameters,
+    the ones whose shard its writer reduced. Every participant of a round holds the same
+    state, so each computes the same cut from it alone."""
     sizes: list[tuple[str, int]] = []
     _sizes(state, (), sizes)
     total = sum(n for _, n in sizes)
     names, offset = set(), 0
-    for name, n in sizes:
+    for name, n in _by_parameter(sizes):
         owner = min(parts - 1, int((offset + n / 2) * parts / total)) if total else 0
         if owner == part:
             names.add(name)
         offset += n
     return names
+
+
+#: where torchft's DiLoCo keeps a fragment's global copy and outer optimizer in its state
+_COPY, _OUTER = "/original_parameters/", "/outer_optimizer/state/"
+
+
+def _by_parameter(sizes: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``sizes`` reordered so each parameter's tensors are together, in the order the
+    parameters first appear: ``model/<p>``, ``<fragment>/original_parameters/<p>`` and
+    ``<fragment>/outer_optimizer/state/<i>/...`` (i: p's place in the fragment, as
+    torch.optim numbers it). Any other tensor stays a group of its own, where it is."""
+    copies: dict[str, list[str]] = {}  # fragment -> its parameters' names, in order
+    for name, _ in sizes:
+        if _COPY in name:
+            fragment, param = name.split(_COPY, 1)
+            copies.setdefault(fragment, []).append(param)
+    owner = {p: f for f, params in copies.items() for p in params}
+
+    def group(name: str) -> str:
+        if _COPY in name:
+            return name.replace(_COPY, "/", 1)
+        if _OUTER in name:
+            fragment, rest = name.split(_OUTER, 1)
+            index = rest.split("/", 1)[0]
+            params = copies.get(fragment, [])
+            if index.isdigit() and int(index) < len(params):
+                return f"{fragment}/{params[int(index)]}"
+        elif name.startswith("model/") and name[len("model/") :] in owner:
+            param = name[len("model/") :]
+            return f"{owner[param]}/{param}"
+        return name
+
+    first: dict[str, int] = {}
+    keys = []
+    for i, (name, _) in enumerate(sizes):
+        g = group(name)
+        first.setdefault(g, i)
+        keys.append((first[g], i))
+    return [sizes[i] for _, i in sorted(keys)]
 
 
 def _rebuild(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
