@@ -116,9 +116,8 @@ def test_streaming_run_ends_identical_with_one_round_per_fragment_sync(tmp_path:
     # (the older ones collected: a resume needs the newest whole one and its inner states)
     assert sorted(set(written)) == list(range(F - 1, ROUNDS * F, F)), written
     assert layout.global_rounds(store, complete=True)[-1] == ROUNDS * F - 1
-    for r in range(N):  # and so do the inner states, kept while their global state is
+    for r in range(N):  # and so do the inner states (kept while their global state is)
         kept = layout.inner_rounds(store, r)
-        assert kept == [g for g in layout.global_rounds(store) if g in kept], kept
         assert kept[-1] == ROUNDS * F - 1 and set(kept) <= set(range(F - 1, ROUNDS * F, F))
     for ctx, _, _ in out:
         res = store.get_json(f"results/{ctx.rank}.json")
