@@ -355,3 +355,24 @@ def test_a_global_folder_whose_state_never_landed_is_not_a_round(tmp_path: Path)
     assert sorted(store.list("global")) == ["1"]  # the cut write is gone
     assert store.get(layout.global_key(1)) == b"state 1"
     assert store.get("replicas/1/inner/2.pt") == b"inner 1 2"  # inner states stay
+
+
+def test_a_global_round_with_a_part_missing_is_not_a_round(tmp_path: Path) -> None:
+    """global/2 has part 0 of 2 but not part 1 (its writer was killed): the resume starts from
+    global/1, whose parts are all there, and claiming the launch deletes global/2's folder
+    (nothing in it can be read) and keeps global/1's parts as they are."""
+    base = tmp_path / "runs"
+    store = _fake_run(base)  # 2 replicas
+    for g in (1, 2):
+        for s in range(2):
+            if (g, s) != (2, 1):
+                store.put(layout.global_part_key(g, s, 2), f"part {s} of {g}".encode())
+        for k in range(2):
+            store.put(f"replicas/{k}/inner/{g}.pt", f"inner {k} {g}".encode())
+    assert layout.global_rounds(store, complete=True) == [1]
+    plan = driver.prepare_resume("old", store=str(base))
+    assert plan.resume is not None
+    assert (plan.resume.from_round, plan.resume.superseded) == (1, [])
+    assert driver._start_launch(plan, time.time()) == 1
+    assert sorted(store.list("global")) == ["1"]
+    assert store.get(layout.global_part_key(1, 1, 2)) == b"part 1 of 1"
