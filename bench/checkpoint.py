@@ -3,10 +3,11 @@ writer writes, each against the plain operation on the same bytes measured in th
 
 N replica processes train a model of P MB of fp32 weights under ``ReplicaContext.diloco``
 (the real torchft DiLoCo, manager, exchange and checkpoint writer) with AdamW as the inner
-optimizer, through a file:// store, with ``checkpoint_every`` 1: every round the lowest
-replica snapshots the global state (weights, the global copy and the outer momentum: 3 P)
-and every replica its inner state (AdamW's two moments: 2 P). An inner step is a sleep of
-``--step-ms`` (device work, on a GPU) and then the AdamW step on the CPU.
+optimizer, through a file:// store, with ``checkpoint_every`` 1: every round each replica
+snapshots its part of the global state (the part whose shard it reduced, about 1/N of the
+weights, the global copy and the outer momentum: 3 P / N) and its inner state (AdamW's two
+moments: 2 P). An inner step is a sleep of ``--step-ms`` (device work, on a GPU) and then
+the AdamW step on the CPU.
 
 Per replica it prints:
 
@@ -25,10 +26,18 @@ Per replica it prints:
   over its busy time during the run, where it shares the disk and the cores with the
   exchange and the other replica.
 
+``--lm-run`` instead launches the built-in lm job of 85M parameters (340 MB: ``crf launch
+--job lm -n 2 -H 3 -r 3 --set hidden_size=1024 --set num_layers=8 --set seq_len=16 --set
+batch_size=2``) with ``--checkpoint-every 1`` and with ``--checkpoint-every 100``, the two
+alternating, ``--repeats`` times each, and prints the sum over the replicas of ``sync_s`` in
+result.json (the training threads' blocked time) for each, their ratio (target <= 1.2: the
+median of each), the wall time and what the run folder holds at the end.
+
 Usage::
 
     python bench/checkpoint.py                       # P = 340 MB, N = 2, 4 rounds
     python bench/checkpoint.py --mb 64 --rounds 2    # a quick look
+    python bench/checkpoint.py --lm-run --repeats 2  # the lm run, every round vs never
 """
 
 from __future__ import annotations
@@ -90,7 +99,7 @@ def _worker(
         written = ck.bytes_up + ck.inner_bytes_up
         ctx.manager.drain()
         with lock:  # one replica at a time: the writer's path against a plain write, alone
-            alone = _writer_alone(ctx, folder, rank == 0)
+            alone = _writer_alone(ctx, folder, rank, n)
     ctx.finish({})
     snap_bytes = ck._global_buffers.nbytes + ck._inner_buffers.nbytes
     copy_s = statistics.mean(copies[1:] or copies)
@@ -111,32 +120,35 @@ def _worker(
     )
 
 
-def _writer_alone(ctx: Any, folder: str, writes_global: bool) -> dict[str, float]:
+def _writer_alone(ctx: Any, folder: str, rank: int, n: int) -> dict[str, float]:
     """The checkpoint writer's path - serialization, checksum, write with fsync - over this
-    replica's last snapshot (the global state if it writes one, and its inner state), timed
+    replica's last snapshot (its part of the global state, and its inner state), timed
     alone, and a plain write of the same sizes from memory to files in the same folder with
     fsync; the best of two each."""
+    from crf import layout
     from crf.exchange import global_state
 
     ck = ctx.manager.checkpoints
-    writes = []
-    if writes_global:
-        flat = global_state.flatten(ctx.manager.state_dict(), ck._global_buffers)
-        meta = {"round": 10**6, "run_id": "bench", "layout": ck.layout}
-        writes.append(lambda: ck.store.put("bench/global", global_state.encode_parts(flat, meta)))
+    state = ctx.manager.state_dict()
+    keep = global_state.part_names(state, rank, n)
+    flat = global_state.flatten(state, ck._global_buffers, keep)
+    meta = {"round": 10**6, "run_id": "bench", "layout": ck.layout, "part": rank, "parts": n}
+    writes = [lambda: ck.store.put("bench/global", global_state.encode_parts(flat, meta))]
     inner = ck.inner_write(10**6, ctx._inner.state_dict(), ctx.step)
     before = ck.inner_bytes_up
     writes.append(inner)
     writer_s = float("inf")
     for _ in range(2):
+        # the objects written before, deleted untimed: a write over one would also pay for
+        # freeing the old file's blocks, which the plain write (to a new file) does not
+        ck.store.delete("bench/global")
+        ck.store.delete(layout.inner_key(ck.rank, 10**6))
         t0 = time.perf_counter()
         for w in writes:
             w()
         writer_s = min(writer_s, time.perf_counter() - t0)
     inner_bytes = (ck.inner_bytes_up - before) // 2
-    sizes = [inner_bytes]
-    if writes_global:
-        sizes.append(ck.store.fs.size(ck.store.path("bench/global")))
+    sizes = [inner_bytes, ck.store.fs.size(ck.store.path("bench/global"))]
     plain_s = min(_plain_write_s(folder, sizes) for _ in range(2))
     return {
         "written_mb": sum(sizes) / MB,
@@ -194,6 +206,74 @@ def _plain_write_s(folder: str, sizes: list[int]) -> float:
     return seconds
 
 
+LM_RUN = [
+    "--job", "lm", "-n", "2", "-H", "3", "-r", "3",
+    "--set", "hidden_size=1024", "--set", "num_layers=8",
+    "--set", "seq_len=16", "--set", "batch_size=2",
+]  # fmt: skip
+
+
+def _lm_once(base: str, every: int, i: int) -> dict[str, Any]:
+    """One launch of the lm run with ``--checkpoint-every every``: its result.json's sum of
+    sync_s over the replicas, compute_s, wall time and the run folder's size at the end."""
+    import json
+    import subprocess
+
+    run_id = f"ckpt-every-{every}-{i}"
+    cmd = [sys.executable, "-m", "crf.launcher.cli", "launch", *LM_RUN]
+    cmd += ["--checkpoint-every", str(every), "--store", base, "--run-id", run_id]
+    cmd += ["--no-progress"]
+    env = dict(os.environ, CRF_LOG_LEVEL="WARNING")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"the lm run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    folder = os.path.join(base, run_id)
+    with open(os.path.join(folder, "result.json")) as f:
+        rows = json.load(f)["replicas"]
+    held = sum(
+        os.path.getsize(os.path.join(d, name))
+        for sub in ("global", "replicas")
+        for d, _, names in os.walk(os.path.join(folder, sub))
+        for name in names
+    )
+    return {
+        "every": every,
+        "sync": sum(float(r["sync_s"] or 0.0) for r in rows),
+        "compute": sum(float(r["compute_s"] or 0.0) for r in rows),
+        "wall": wall,
+        "held_mb": held / MB,
+    }
+
+
+def lm_run(args: argparse.Namespace) -> None:
+    """The lm run with a checkpoint every round against (nearly) never, alternating."""
+    base = tempfile.mkdtemp(prefix="crf-ckpt-lm-", dir=args.dir)
+    rows = []
+    try:
+        for i in range(args.repeats):
+            for every in (1, 100) if i % 2 == 0 else (100, 1):
+                rows.append(_lm_once(base, every, i))
+                r = rows[-1]
+                print(
+                    f"--checkpoint-every {r['every']:>3}: sum of sync_s {r['sync']:6.2f} s, "
+                    f"compute_s {r['compute']:6.2f} s, wall {r['wall']:6.1f} s, "
+                    f"checkpoints held at the end {r['held_mb']:6.0f} MB",
+                    flush=True,
+                )
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+    every = statistics.median(r["sync"] for r in rows if r["every"] == 1)
+    never = statistics.median(r["sync"] for r in rows if r["every"] == 100)
+    print(
+        f"sum of sync_s, median: every round {every:.2f} s, every 100 {never:.2f} s: "
+        f"ratio {every / never:.2f} (target <= 1.2)"
+    )
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from crf.spec import RunSpec
     from crf.store import RunStore
@@ -239,11 +319,21 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=3, help="inner steps per round (H)")
     ap.add_argument("--step-ms", type=float, default=1000, help="an inner step's device time")
     ap.add_argument("--dir", default=None, help="folder for the store (default: the temp dir)")
+    ap.add_argument(
+        "--lm-run",
+        action="store_true",
+        help="launch the 85M-parameter lm run with --checkpoint-every 1 and 100 instead",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="--lm-run: launches of each")
     args = ap.parse_args()
+    if args.lm_run:
+        lm_run(args)
+        return
     rows = run(args)
     print(
         f"P = {args.mb} MB fp32, N = {args.replicas}, H = {args.sync_every}, "
-        f"{args.rounds} rounds, a global and an inner state every round (file store)"
+        f"{args.rounds} rounds, a global state's part and an inner state every round per "
+        "replica (file store)"
     )
     print(
         f"{'rank':>4} {'snap MB':>8} {'first s':>8} {'blocked s/round':>16} {'of it wait':>10} "

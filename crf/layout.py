@@ -29,7 +29,8 @@ Layout of one run folder::
     rounds/<r>/partial/<i>/<g>                two levels: group g's sum of slice i
     rounds/<r>/held/<rank>/<s>                a shard kept when its owner left the quorum
     rounds/<r>/failed.json                    round r cannot complete (why)
-    global/<r>/state.safetensors              global weights + outer optimizer after round r
+    global/<r>/part-<s>-of-<n>.safetensors    global weights + outer optimizer after round r,
+                                              part s of n (older runs: state.safetensors)
     model/                                    the trained model, Hugging Face format (at the end)
     tensorboard/r<rank>/<file>                a replica's TensorBoard event files (--report-to)
     heal/<rank>.json                          a replica's request for a global state
@@ -217,7 +218,41 @@ def global_dir(r: int) -> str:
 
 
 def global_key(r: int) -> str:
+    """Round r's global state as one file: what runs before parts wrote (still read)."""
     return f"{GLOBAL}/{r}/state.safetensors"
+
+
+# ------------------------------------------------- global states written in parts
+_GLOBAL_PART = re.compile(r"^part-(\d+)-of-(\d+)\.safetensors$")
+
+
+def global_part_key(r: int, s: int, n: int) -> str:
+    """Part ``s`` of round r's global state, one of ``n``: written by the round's s-th
+    participant, the owner of shard s. The name says how many parts make the state whole."""
+    return f"{GLOBAL}/{r}/part-{s}-of-{n}.safetensors"
+
+
+def global_parts(store: Lister, r: int) -> list[str]:
+    """The keys that hold round r's whole global state: its ``n`` parts when every one has
+    landed, else ``global_key(r)`` where an older run wrote one file, else []. (A kill or a
+    dead writer can leave some parts without the others: such a round is not a state.)"""
+    names = store.list(global_dir(r))
+    found: dict[int, set[int]] = {}
+    for name in names:
+        m = _GLOBAL_PART.match(name)
+        if m:
+            found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    for n in sorted(found, reverse=True):  # one count per round; the largest if several
+        if found[n] == set(range(n)):
+            return [global_part_key(r, s, n) for s in range(n)]
+    if global_key(r).rsplit("/", 1)[-1] in names:
+        return [global_key(r)]
+    return []
+
+
+def global_complete(store: Lister, r: int) -> bool:
+    """Whether round r's global state is whole in the store (:func:`global_parts`)."""
+    return bool(global_parts(store, r))
 
 
 def model_key(name: str) -> str:
@@ -321,11 +356,11 @@ def round_numbers(store: Lister) -> list[int]:
 
 def global_rounds(store: Lister, *, complete: bool = False) -> list[int]:
     """Rounds with a global state folder, ascending. ``complete=True`` keeps only those whose
-    ``state.safetensors`` has landed (one request per round): a kill mid-write can leave the folder
-    with only the writer's temp file."""
+    state is whole (:func:`global_complete`, one listing per round): a kill mid-write can
+    leave the folder with only a writer's temp file, or some parts without the others."""
     rounds = numbered(store.list(GLOBAL))
     if complete:
-        rounds = [r for r in rounds if store.exists(global_key(r))]
+        rounds = [r for r in rounds if global_complete(store, r)]
     return rounds
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from crf import layout
-from crf.exchange import global_state
+from crf.exchange.checkpoints import Checkpoints
 from crf.store import RunStore
 from tests.conftest import run_threads
 from tests.test_diloco_manager import H, train_replica
@@ -54,15 +54,21 @@ def _train(store: RunStore, rounds: int, **kw: Any) -> list[Any]:
 def test_global_upload_is_not_blocked_time() -> None:
     """Two rounds, each global/ upload taking SLOW_S: the writer (rank 0) is blocked less than
     one upload in all (the copy only), and both states land and read back as the weights."""
-    store = _store_with_global_puts(lambda path: time.sleep(SLOW_S))
+    puts: list[str] = []
+    store = _store_with_global_puts(lambda path: (puts.append(path), time.sleep(SLOW_S)))
     # the second round's inner steps outlast the first upload: no back-pressure wait
     out = _train(store, 2, async_checkpoints=True, slow={H: SLOW_S * 1.5})
     model, mgr, commits = out[0]
     assert commits == [True, True]
     assert mgr.blocked_s < SLOW_S, mgr.blocked_s
     assert mgr.stats.ckpt_foreground_s < SLOW_S
-    mgr.drain()
-    assert sorted(store.list("global"), key=int) == ["0", "1"]
+    for _, each, _ in out:  # every replica writes a part
+        each.drain()
+    # both rounds' parts landed (each replica wrote its own; global/0 is collected once
+    # global/1 is whole: a resume needs only the newest)
+    for r in (0, 1):
+        assert sum("part-0-of-2" in p and f"/global/{r}/" in f"/{p}" for p in puts) == 1, puts
+    assert layout.global_rounds(store, complete=True) == [1]
     saved = mgr.checkpoints.read_global(1)["model"]
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     assert mgr.ckpt_s >= 2 * SLOW_S  # the uploads ran, in the background
@@ -77,25 +83,30 @@ def test_a_snapshot_waits_for_the_previous_write(monkeypatch: pytest.MonkeyPatch
 
     def slow_put(path: str) -> None:
         time.sleep(SLOW_S / 2)
+        if "part-0-of-" not in path:  # rank 0's part
+            return
         with lock:
             writes["n"] += 1
             events.append(("written", writes["n"]))
 
-    flatten = global_state.flatten
+    snapshot = Checkpoints.snapshot
 
-    def counting_flatten(state: dict[str, Any], *args: Any) -> global_state.FlatState:
-        with lock:
-            events.append(("snapshot", writes["n"]))
-        return flatten(state, *args)
+    def counting_snapshot(self: Checkpoints, r: int, *args: Any) -> None:
+        if self.rank == 0:
+            with lock:
+                events.append(("snapshot", writes["n"]))
+        return snapshot(self, r, *args)
 
-    monkeypatch.setattr(global_state, "flatten", counting_flatten)
+    monkeypatch.setattr(Checkpoints, "snapshot", counting_snapshot)
     store = _store_with_global_puts(slow_put)
-    _, mgr, commits = _train(store, 3, async_checkpoints=True)[0]
-    mgr.drain()
+    out = _train(store, 3, async_checkpoints=True)
+    for _, each, _ in out:  # every replica writes a part
+        each.drain()
+    commits = out[0][2]
     assert commits == [True] * 3
     snapshots = [done for kind, done in events if kind == "snapshot"]
     assert snapshots == [0, 1, 2]  # snapshot k (from 0) came after k writes had landed
-    assert layout.global_rounds(store) == [0, 1, 2]
+    assert layout.global_rounds(store, complete=True)[-1] == 2
 
 
 def test_a_failed_background_write_fails_the_replica() -> None:

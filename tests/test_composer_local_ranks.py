@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from crf import layout
-from crf.exchange import global_state
+from crf.exchange.checkpoints import read_global_state
 from crf.executors.local import LocalProcessExecutor
 from crf.launcher import driver
 from crf.launcher.cli import app
@@ -97,8 +96,7 @@ def _launch(base: Path, run_id: str, k: int, rounds: int, env: dict[str, str]) -
 
 
 def _global_model(run: Path, r: int) -> dict[str, Any]:
-    data = RunStore(str(run)).get(layout.global_key(r))
-    return global_state.decode(data, where=str(run))[0]["model"]
+    return read_global_state(RunStore(str(run)), r)[0]["model"]
 
 
 @pytest.mark.slow

@@ -123,12 +123,13 @@ def test_healing_skips_a_global_state_from_elsewhere(store: RunStore, source: st
     models = {r: torch.nn.Linear(3, 2) for r in range(3)}
     writer = _manager(store, "t", torch.nn.Linear(3, 2))
     writer._write_global(0, _global_payload(models[0], 0))
+    key = layout.global_part_key(1, 0, 1)
     if source == "older round":
-        store.put(layout.global_key(1), store.get(layout.global_key(0)))
+        store.put(key, store.get(layout.global_part_key(0, 0, 1)))
     else:
         other = other_run_store()
         _manager(other, "other", models[1])._write_global(1, _global_payload(models[1], 1))
-        store.put(layout.global_key(1), other.get(layout.global_key(1)))
+        store.put(key, other.get(key))
     store.put_json("rounds/1/quorum.json", {"round": 1, "run_id": "t"})  # the others did
 
     model = torch.nn.Linear(3, 2)
@@ -142,7 +143,7 @@ def test_healing_skips_a_global_state_from_elsewhere(store: RunStore, source: st
         later.join()
     assert healer.last_healed_from == 2 and healer.base_round == 2
     assert torch.equal(model.weight, models[2].weight)
-    assert rejected_objects(healer.rejected) == [layout.global_key(1)], healer.rejected
+    assert rejected_objects(healer.rejected) == [key], healer.rejected
 
 
 def test_healing_with_only_a_refused_global_fails_clearly(store: RunStore) -> None:
@@ -150,7 +151,7 @@ def test_healing_with_only_a_refused_global_fails_clearly(store: RunStore) -> No
     with HealError naming it, after the heal timeout, without loading anything."""
     writer = _manager(store, "t", torch.nn.Linear(3, 2))
     writer._write_global(0, _global_payload(torch.nn.Linear(3, 2), 0))
-    store.put(layout.global_key(1), store.get(layout.global_key(0)))
+    store.put(layout.global_part_key(1, 0, 1), store.get(layout.global_part_key(0, 0, 1)))
     store.put_json("rounds/1/quorum.json", {"round": 1, "run_id": "t"})
     model = torch.nn.Linear(3, 2)
     before = model.weight.detach().clone()
@@ -208,12 +209,17 @@ def train(store: RunStore, spec: RunSpec, rank: int, stop_after_round: int | Non
     return ctx
 
 
-def stopped_run(run_id: str = "resume") -> tuple[RunStore, RunSpec]:
-    """A run of N replicas stopped right after committing round 1 (global/0, global/1 and
-    every replica's inner/0 and inner/1 are there)."""
+def stopped_run(run_id: str = "resume", after: int = 1) -> tuple[RunStore, RunSpec]:
+    """A run of N replicas stopped right after committing round ``after`` (global/<after>,
+    its N parts, and every replica's inner/<after> are there; older checkpoints may have
+    been collected already). Training is deterministic: the same run stopped after round 0
+    holds this run's round-0 objects, bit for bit."""
     store, spec = new_run(run_id)
-    run_threads(N, lambda r: train(store, spec, r, stop_after_round=1))
-    assert store.list("global") == ["0", "1"]
+    run_threads(N, lambda r: train(store, spec, r, stop_after_round=after))
+    assert layout.global_parts(store, after) == [
+        layout.global_part_key(after, s, N) for s in range(N)
+    ]
+    assert all(store.exists(layout.inner_key(k, after)) for k in range(N))
     return store, spec
 
 
@@ -222,18 +228,23 @@ def test_resume_skips_a_global_state_from_elsewhere(source: str) -> None:
     """The newest global/1 is a copy of global/0, or another run's global/1 (same model):
     the resuming replica refuses and reports it and resumes from global/0, as when global/1
     is missing."""
+    earlier, _ = stopped_run(after=0)  # this run's round-0 objects
     store, spec = stopped_run()
-    key = layout.global_key(1)
-    if source == "older round":
-        store.put(key, store.get(layout.global_key(0)))
-    else:
-        other, _ = stopped_run("other")
-        store.put(key, other.get(key))
+    source_store, source_round = (earlier, 0) if source == "older round" else (None, 1)
+    if source_store is None:
+        source_store, _ = stopped_run("other")
+    for s in range(N):
+        key = layout.global_part_key(1, s, N)
+        store.put(key, source_store.get(layout.global_part_key(source_round, s, N)))
+    # round 0's checkpoint, as the run had it before it was collected
+    for key in layout.global_parts(earlier, 0) + [layout.inner_key(k, 0) for k in range(N)]:
+        store.put(key, earlier.get(key))
     ctx = ReplicaContext(store, spec, 0, N, shard_grace_s=2.0)
     model, opt = build()
+    refused = layout.global_part_key(1, 0, N)  # the first part read
     with ctx.diloco(model, opt):
         assert ctx.resumed_from == 0 and ctx.step == H
-        assert rejected_objects(ctx.manager.rejected) == [key], ctx.manager.rejected
+        assert rejected_objects(ctx.manager.rejected) == [refused], ctx.manager.rejected
 
 
 @pytest.mark.parametrize("source", ["other replica", "older round", "other run"])
@@ -246,8 +257,9 @@ def test_resume_refuses_an_inner_state_from_elsewhere(source: str) -> None:
     key = "replicas/0/inner/1.pt"
     if source == "other replica":
         store.put(key, store.get("replicas/1/inner/1.pt"))
-    elif source == "older round":
-        store.put(key, store.get("replicas/0/inner/0.pt"))
+    elif source == "older round":  # this run's own inner/0, as a run stopped then holds it
+        earlier, _ = stopped_run(after=0)
+        store.put(key, earlier.get("replicas/0/inner/0.pt"))
     else:
         other, _ = stopped_run("other")
         store.put(key, other.get(key))

@@ -111,7 +111,7 @@ def test_resume_falls_back_when_the_newest_global_is_corrupt() -> None:
     before it (the exchange then marks it stale and it heals to the newer round)."""
     store, spec = new_store()
     run_threads(N, lambda r: train(store, spec, r, stop_after_round=1))
-    key = layout.global_key(1)
+    key = layout.global_part_key(1, 0, N)
     blob = bytearray(store.get(key))
     blob[-5] ^= 0xFF
     store.put(key, bytes(blob))
@@ -120,6 +120,23 @@ def test_resume_falls_back_when_the_newest_global_is_corrupt() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with ctx.diloco(model, opt):
         assert ctx.resumed_from == 0 and ctx.step == H
+
+
+def test_resume_skips_a_newest_global_with_a_part_missing() -> None:
+    """The newest global/<r> lost one of its parts (its writer was killed before it landed):
+    the round is not a state, nothing is refused, and the replica resumes from the round
+    before it."""
+    store, spec = new_store()
+    run_threads(N, lambda r: train(store, spec, r, stop_after_round=1))
+    assert layout.global_parts(store, 1) == [layout.global_part_key(1, s, N) for s in range(N)]
+    store.delete(layout.global_part_key(1, N - 1, N))
+    ctx = ReplicaContext(store, spec, 0, N, shard_grace_s=2.0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    assert ctx.resume_step() == H  # where the data pipeline starts: after round 0
+    with ctx.diloco(model, opt):
+        assert ctx.resumed_from == 0 and ctx.step == H
+        assert ctx.manager.rejected == []
 
 
 def test_inner_states_round_trip_and_old_ones_are_collected() -> None:

@@ -135,11 +135,7 @@ def test_kill_everything_mid_run_then_resume(
     # one of round 2's writes did (then the resume starts from global/1, which the test accepts)
     store = RunStore(f"file://{run}")
     # a global round is there once its state landed (a kill mid-write can leave its folder)
-    globals_ = sorted(
-        int(n)
-        for n in store.list("global")
-        if n.isdigit() and store.exists(layout.global_key(int(n)))
-    )
+    globals_ = layout.global_rounds(store, complete=True)
     newest = globals_[-1]
     assert newest == 2 or (checkpoint_every == 1 and newest == 1), globals_
     if lose_inner:
@@ -156,7 +152,7 @@ def test_kill_everything_mid_run_then_resume(
         decode_blob(store.get(f"replicas/{k}/inner/{latest}.pt"))[1]["round"] for k in range(N)
     ]
     assert inner == [latest] * N, (latest, inner)
-    aside_bytes = {g: store.get(layout.global_key(g)) for g in set_aside}
+    aside_bytes = {key: store.get(key) for g in set_aside for key in layout.global_parts(store, g)}
     spec_before = (run / "run.json").read_bytes()
     done_before = {
         p: p.stat().st_mtime_ns
@@ -175,9 +171,10 @@ def test_kill_everything_mid_run_then_resume(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"resuming (launch 1): replicas continue from round {latest + 1}" in proc.stdout
-    for g, data in aside_bytes.items():  # set aside, byte for byte, and written again
+    for g in set_aside:
         assert "set aside" in proc.stdout and f"global/{g}" in proc.stdout, proc.stdout
-        assert (run / layout.superseded_key(1, layout.global_key(g))).read_bytes() == data
+    for key, data in aside_bytes.items():  # set aside, byte for byte, and written again
+        assert (run / layout.superseded_key(1, key)).read_bytes() == data
     assert "start it afresh" not in proc.stdout
 
     result = json.loads((run / "result.json").read_text())
@@ -187,15 +184,15 @@ def test_kill_everything_mid_run_then_resume(
     # as many rounds as the uninterrupted run; none lost, none trained twice
     assert result["rounds_completed"] == reference["rounds_completed"] == ROUNDS
     assert result["rounds_lost"] == []
-    assert (run / layout.global_key(ROUNDS - 1)).exists()
+    assert layout.global_complete(store, ROUNDS - 1)
     for row in result["replicas"]:
         assert row["resumed_from"] == latest and row["steps"] == ROUNDS * H, row
         assert row["rounds_missed"] == [], row
         logged = sorted(int(p.stem) for p in (run / "metrics" / str(row["rank"])).glob("*.json"))
         assert logged == list(range(ROUNDS)), logged
     assert {p: p.stat().st_mtime_ns for p in done_before} == done_before  # none redone
-    if checkpoint_every > 1:  # periodic globals plus the last round's
-        assert sorted(int(n) for n in store.list("global")) == [2, 5, 7]
+    if checkpoint_every > 1:  # the last periodic global (a resume's start) and the last
+        assert layout.global_rounds(store, complete=True) == [5, 7]
     # the same bits as the run nobody killed: the resumed replicas retrained nothing and
     # skipped nothing (weights, outer momentum, inner optimizer and data position restored)
     assert result["weights_identical"] is True
@@ -358,3 +355,24 @@ def test_a_global_folder_whose_state_never_landed_is_not_a_round(tmp_path: Path)
     assert sorted(store.list("global")) == ["1"]  # the cut write is gone
     assert store.get(layout.global_key(1)) == b"state 1"
     assert store.get("replicas/1/inner/2.pt") == b"inner 1 2"  # inner states stay
+
+
+def test_a_global_round_with_a_part_missing_is_not_a_round(tmp_path: Path) -> None:
+    """global/2 has part 0 of 2 but not part 1 (its writer was killed): the resume starts from
+    global/1, whose parts are all there, and claiming the launch deletes global/2's folder
+    (nothing in it can be read) and keeps global/1's parts as they are."""
+    base = tmp_path / "runs"
+    store = _fake_run(base)  # 2 replicas
+    for g in (1, 2):
+        for s in range(2):
+            if (g, s) != (2, 1):
+                store.put(layout.global_part_key(g, s, 2), f"part {s} of {g}".encode())
+        for k in range(2):
+            store.put(f"replicas/{k}/inner/{g}.pt", f"inner {k} {g}".encode())
+    assert layout.global_rounds(store, complete=True) == [1]
+    plan = driver.prepare_resume("old", store=str(base))
+    assert plan.resume is not None
+    assert (plan.resume.from_round, plan.resume.superseded) == (1, [])
+    assert driver._start_launch(plan, time.time()) == 1
+    assert sorted(store.list("global")) == ["1"]
+    assert store.get(layout.global_part_key(1, 1, 2)) == b"part 1 of 1"

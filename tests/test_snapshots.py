@@ -183,9 +183,9 @@ def test_a_written_global_state_opens_with_load_file(tmp_path) -> None:
     w = torch.randn(10, 10)
     flat = global_state.flatten({"model": {"w": w}, "n": math.pi}, HostBuffers())
     ckpt.write_global(0, flat)
-    on_disk = load_file(str(tmp_path / layout.global_key(0)))
+    on_disk = load_file(str(tmp_path / layout.global_part_key(0, 0, 1)))
     assert torch.equal(on_disk["model/w"], w)
-    assert ckpt.bytes_up == (tmp_path / layout.global_key(0)).stat().st_size
+    assert ckpt.bytes_up == (tmp_path / layout.global_part_key(0, 0, 1)).stat().st_size
     assert torch.equal(ckpt.read_global(0)["model"]["w"], w)
 
 

@@ -90,6 +90,15 @@ def test_spec_fields_validate_and_round_trip() -> None:
 
 def test_streaming_run_ends_identical_with_one_round_per_fragment_sync(tmp_path: Path) -> None:
     store, spec = new_run(tmp_path, fragments=F, fragment_sync_delay=DELAY, keep_rounds=100)
+    written: list[int] = []  # the rounds of the global parts written
+    put = store._put
+
+    def recording(path: str, data: Any, **kw: Any) -> bool:
+        if "/global/" in f"/{path}":
+            written.append(int(path.split("global/")[1].split("/")[0]))
+        return put(path, data, **kw)
+
+    store._put = recording  # type: ignore[method-assign]
     out = run_threads(N, lambda r: train(store, spec, r))
     for o in out:
         assert not isinstance(o, BaseException), o
@@ -104,9 +113,12 @@ def test_streaming_run_ends_identical_with_one_round_per_fragment_sync(tmp_path:
         assert quorum["facts"]["fragment"] == r % F
         assert len({c["facts"] for c in quorum["contributions"].values()}) == 1
     # --checkpoint-every counts outer rounds: a global state after each one's last fragment
-    assert store.list("global") == [str(r) for r in range(F - 1, ROUNDS * F, F)]
-    for r in range(N):  # and so do the inner states
-        assert layout.inner_rounds(store, r) == list(range(F - 1, ROUNDS * F, F))
+    # (the older ones collected: a resume needs the newest whole one and its inner states)
+    assert sorted(set(written)) == list(range(F - 1, ROUNDS * F, F)), written
+    assert layout.global_rounds(store, complete=True)[-1] == ROUNDS * F - 1
+    for r in range(N):  # and so do the inner states (kept while their global state is)
+        kept = layout.inner_rounds(store, r)
+        assert kept[-1] == ROUNDS * F - 1 and set(kept) <= set(range(F - 1, ROUNDS * F, F))
     for ctx, _, _ in out:
         res = store.get_json(f"results/{ctx.rank}.json")
         assert res["rounds_committed"] == ROUNDS and res["syncs_committed"] == ROUNDS * F
@@ -153,7 +165,7 @@ def test_streaming_replica_outside_quorum_heals_and_ends_identical(
             return train(store, spec, rank)
         # late for exchange round 1 only: its upload waits until rank 0 committed alone
         own = RunStore(store.uri)
-        plug_late_upload(own, round_=1, until=lambda: own.exists(layout.global_key(1)))
+        plug_late_upload(own, round_=1, until=lambda: layout.global_complete(own, 1))
         return train(own, spec, rank)
 
     out = run_threads(N, slow_train, timeout=120)

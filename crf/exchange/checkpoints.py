@@ -5,14 +5,21 @@ The manager (:class:`~crf.exchange.manager.ObjectStoreManager`) decides *when* (
 committed, a replica missed one, a replica restarts); this module knows *what* lies in the run
 folder and how it is checked:
 
-* ``global/<r>/state.safetensors``: the weights and outer-optimizer state after exchange
-  round ``r``, written by the round's lowest participant every ``checkpoint_every`` outer
-  rounds (after the last fragment's sync), at the last round and on request; a safetensors
-  file users can open (format: :mod:`crf.exchange.global_state`). Its metadata names the
-  run, the round and the model's layout under a digest; one that is corrupt or from
-  elsewhere is refused, reported, and never considered again.
+* ``global/<r>/part-<s>-of-<n>.safetensors``: the weights and outer-optimizer state after
+  exchange round ``r``, in ``n`` parts, one per participant: the s-th, the owner of shard s,
+  copies and writes part s (about 1/n of the state's bytes, whole tensors:
+  :func:`~crf.exchange.global_state.part_names`), so no replica writes the whole state.
+  Written every ``checkpoint_every`` outer rounds (after the last fragment's sync), at the
+  last round and on request; safetensors files users can open (format:
+  :mod:`crf.exchange.global_state`). A state is read only whole (every part; an older
+  run's single ``state.safetensors`` too): a round with a part missing is not a state.
+  Each part's metadata names the run, the round, the part and the model's layout under a
+  digest; one that is corrupt or from elsewhere is refused, reported, and its round never
+  considered again. Kept: the newest checkpoint a whole-run resume can start from and
+  what is newer (:meth:`Checkpoints.keep_from`).
 * ``heal/<rank>.json``: a replica that missed a committed round and finds no global state new
-  enough asks for one; whoever holds the newest state unwritten writes it.
+  enough asks for one; the participants that hold the newest state unwritten write their
+  parts.
 * ``replicas/<rank>/inner/<r>.pt``: a replica's inner-optimizer state (with fragments, also its
   local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``: a
   ``torch.save`` pickle in crf's checked blob container (only crf reads it).
@@ -121,6 +128,17 @@ class CheckpointWriter:
                 self._pool = None
 
 
+def read_global_state(store: Any, r: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state, header) of ``global/<r>`` in ``store`` (a :class:`~crf.store.RunStore`), its
+    parts joined, each checked against its digest but not against a run: for tools and
+    tests that read a run's checkpoint. ObjectNotFound when the state is not whole."""
+    keys = layout.global_parts(store, r)
+    if not keys:
+        raise ObjectNotFound(f"{store.uri}/{layout.global_dir(r)} holds no whole state")
+    files = [global_state.decode_part(store.get(k), where=f"{store.uri}/{k}") for k in keys]
+    return global_state.join(files, where=f"{store.uri}/{layout.global_dir(r)}")
+
+
 def _rejection(key: str, error: CorruptObjectError, where: str | None = None) -> layout.Rejection:
     """The record of a refused object: its bare run-folder ``key`` and why. The error's text
     starts with where the object was read (the key, or the store URI and key), which the
@@ -180,9 +198,11 @@ class Checkpoints:
         #: global rounds whose state was refused (foreign, stale copy, corrupt): never
         #: loaded again, as if they were not there
         self._bad: set[int] = set()
-        self._owed: int | None = None  # a round whose global state this replica writes
-        # the newest global state not written (period > 1): served on request
-        self._cached: tuple[int, global_state.FlatState] | None = None
+        #: a round whose global state this replica writes a part of: (round, part, parts)
+        self._owed: tuple[int, int, int] | None = None
+        # this replica's part of the newest global state not written (period > 1): served
+        # on request, as (round, part, parts, payload)
+        self._cached: tuple[int, int, int, global_state.FlatState] | None = None
         #: the last global snapshot's write: the next snapshot waits for it (one held at most)
         self._writing: Future | None = None
         self._cache_lock = threading.Lock()
@@ -206,34 +226,38 @@ class Checkpoints:
         return self.checkpoint_every * self.fragments
 
     # ------------------------------------------------------------------ writing global/<r>
-    def owe(self, r: int) -> None:
-        """This replica was round ``r``'s lowest participant: it writes ``global/<r>`` (when
-        due) after the outer step (:meth:`snapshot`)."""
-        self._owed = r
+    def owe(self, r: int, part: int = 0, parts: int = 1) -> None:
+        """This replica took part in round ``r`` as its ``part``-th participant of ``parts``
+        (the owner of shard ``part``): it writes that part of ``global/<r>`` (when due)
+        after the outer step (:meth:`snapshot`)."""
+        self._owed = (r, part, parts)
 
-    def take_owed(self) -> int | None:
-        r, self._owed = self._owed, None
-        return r
+    def take_owed(self) -> tuple[int, int, int] | None:
+        owed, self._owed = self._owed, None
+        return owed
 
     def forget_cached(self) -> None:
         """Another replica holds the newest global state now: nothing to serve."""
         with self._cache_lock:
             self._cached = None
 
-    def snapshot(self, r: int, state: dict[str, Any]) -> None:
-        """Round ``r``'s global ``state``, serialized now: written when due (in the background
-        with a background writer), else kept in memory so a heal request can still be served
-        from it; either way the store's old rounds are collected."""
+    def snapshot(self, r: int, state: dict[str, Any], part: int = 0, parts: int = 1) -> None:
+        """This replica's ``part`` of ``parts`` of round ``r``'s global ``state``
+        (:func:`~crf.exchange.global_state.part_names`), copied now: written when due (in the
+        background with a background writer), else kept in memory so a heal request can
+        still be served from it; either way the first part's writer collects the store's
+        old rounds."""
         due = self.due(r)
         t0 = time.monotonic()
+        keep = global_state.part_names(state, part, parts) if parts > 1 else None
         with self._global_buffers.lock:  # a cached state may be being served (a heal)
-            payload = global_state.flatten(state, self._global_buffers)
+            payload = global_state.flatten(state, self._global_buffers, keep)
             with self._cache_lock:
-                self._cached = None if due else (r, payload)
+                self._cached = None if due else (r, part, parts, payload)
         self.foreground_s += time.monotonic() - t0
         if due:
-            self._writing = self.writer.submit(lambda: self.write_global(r, payload))
-        else:
+            self._writing = self.writer.submit(lambda: self.write_global(r, payload, part, parts))
+        elif part == 0:
             self.writer.submit(lambda: self.collect_garbage(r))
 
     def wait_previous(self) -> None:
@@ -259,31 +283,61 @@ class Checkpoints:
             log.warning("could not look for heal requests after round %d: %s", r, e)
             return False
 
-    def write_global(self, r: int, payload: global_state.FlatState) -> None:
-        """Write ``global/<r>`` (``payload`` as :meth:`snapshot` takes it apart: one
-        safetensors object, its metadata naming the run, the round and the model's layout
-        under a digest), remove the heal requests it serves and collect old rounds."""
-        meta = {"round": r, "run_id": self.exchange.config.run_id, "layout": self.layout}
-        parts = global_state.encode_parts(payload, meta)
+    def write_global(
+        self, r: int, payload: global_state.FlatState, part: int = 0, parts: int = 1
+    ) -> None:
+        """Write part ``part`` of ``parts`` of ``global/<r>`` (``payload`` as :meth:`snapshot`
+        takes it apart: one safetensors object, its metadata naming the run, the round, the
+        part and the model's layout under a digest); once the state is whole, remove the
+        heal requests it serves. The first part's writer then collects old rounds."""
+        meta = {
+            "round": r,
+            "run_id": self.exchange.config.run_id,
+            "layout": self.layout,
+            "part": part,
+            "parts": parts,
+        }
+        data = global_state.encode_parts(payload, meta)
         self._bad.discard(r)  # replaced by this one
-        self.store.put(layout.global_key(r), parts)
-        self.bytes_up += sum(memoryview(p).nbytes for p in parts)
-        if self.period > 1:
+        self.store.put(layout.global_part_key(r, part, parts), data)
+        self.bytes_up += sum(memoryview(p).nbytes for p in data)
+        if self.period > 1 and layout.global_complete(self.store, r):
             for rank, target in self.heal_requests().items():
                 if target <= r:  # served: the asker loads global/<r> or newer
                     with contextlib.suppress(ObjectNotFound):
                         self.store.delete(layout.heal_key(rank))
-        self.collect_garbage(r)
+        if part == 0:
+            self.collect_garbage(r)
+
+    def keep_from(self, r: int) -> int | None:
+        """The oldest checkpoint round kept after round ``r``: the newest one a whole-run
+        resume can start from as if nothing had stopped - its global state whole and, if
+        any replica saves inner states, every replica's of that round (the resume's own
+        rule, ``crf.launcher.resume.resume_point``). Older ones are never read again. If
+        there is none within ``keep_rounds`` checkpoint periods (a replica stopped saving:
+        it is gone), the newest whole global state, which such a resume starts from. None:
+        no whole global state yet."""
+        whole = layout.global_rounds(self.store, complete=True)
+        inner = [set(layout.inner_rounds(self.store, k)) for k in range(self.exchange.world_size)]
+        horizon = r - self.exchange.config.keep_rounds * self.period
+        for g in reversed(whole):
+            if g <= horizon:
+                break
+            if not any(inner) or all(g in rounds for rounds in inner):
+                return g
+        return whole[-1] if whole else None
 
     def collect_garbage(self, r: int) -> None:
-        """The exchange's old rounds, then the globals of all but the last ``keep_rounds``
-        checkpoint periods (a corrupt newest one falls back to an older one on resume)."""
+        """The exchange's old rounds, then every global state older than the oldest one
+        kept (:meth:`keep_from`): what a resume needs - the newest checkpoint it can start
+        from, and the ones being written after it - and nothing more (docs/design.md, "What
+        a checkpoint costs")."""
         self.exchange.collect_garbage(r)
-        horizon = r - self.exchange.config.keep_rounds * self.period
-        rounds = layout.global_rounds(self.store)
-        newest = max(rounds, default=None)
-        for g in rounds:
-            if g <= horizon and g != newest:
+        keep_from = self.keep_from(r)
+        if keep_from is None:
+            return
+        for g in layout.global_rounds(self.store):
+            if g < keep_from:
                 self.store.delete(layout.global_dir(g))
 
     # ------------------------------------------------------------------ heal requests
@@ -315,44 +369,73 @@ class Checkpoints:
                 if not any(t <= cached[0] for t in wanted.values()):
                     return
                 self._cached = None
+            r, part, parts, payload = cached
             try:
-                self.write_global(*cached)
-                log.info("wrote global/%d for a replica that is healing", cached[0])
+                self.write_global(r, payload, part, parts)
+                log.info("wrote part %d of global/%d for a replica that is healing", part, r)
             except (StoreError, OSError) as e:
                 log.warning("could not write global/%d for a healing replica: %s", cached[0], e)
 
     # ------------------------------------------------------------------ reading global/<r>
     def latest_global(self) -> int | None:
-        """The newest global round in the store, but one whose state was refused."""
-        rounds = [g for g in layout.global_rounds(self.store) if g not in self._bad]
+        """The newest whole global round in the store, but one whose state was refused."""
+        rounds = layout.global_rounds(self.store, complete=True)
+        rounds = [g for g in rounds if g not in self._bad]
         return max(rounds) if rounds else None
 
     def read_global(self, r: int) -> dict[str, Any]:
-        """The state in ``global/<r>``. It must be this run's state of round r, of this model's
-        layout (its header says so, under its checksum): one that is corrupt, from another
-        run, copied from another round or of another layout raises CorruptObjectError, is
-        reported (``on_reject``) and is never considered again (``latest_global`` skips it),
-        so the caller falls back as for a missing one (ObjectNotFound)."""
-        key = layout.global_key(r)
-        data = self.store.get(key)
-        self.bytes_down += len(data)
-        where = f"{self.store.uri}/{key}"
+        """The state in ``global/<r>``: every part of it (or the one file an older run
+        wrote); ObjectNotFound when a part is missing. Each part must be this run's part of
+        round r, of this model's layout (its header says so, under its checksum), and the
+        parts one state: one that is corrupt, from another run, copied from another round or
+        of another layout raises CorruptObjectError, is reported (``on_reject``) and the round
+        is never considered again (``latest_global`` skips it), so the caller falls back as
+        for a missing one."""
+        keys = layout.global_parts(self.store, r)
+        if not keys:
+            raise ObjectNotFound(f"{self.store.uri}/{layout.global_dir(r)} holds no whole state")
+        files = []
+        for key in keys:
+            data = self.store.get(key)
+            self.bytes_down += len(data)
+            where = f"{self.store.uri}/{key}"
+            try:
+                files.append(self._check_part(r, key, data, where, len(keys)))
+            except CorruptObjectError as e:
+                self._refuse(r, key, e, where)
+                raise
+        where = f"{self.store.uri}/{layout.global_dir(r)}"
         try:
-            state, meta = global_state.decode(data, where=where)
-            expect = {"run_id": self.exchange.config.run_id, "round": r}
-            if self.layout is not None:
-                expect["layout"] = self.layout
-            bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
-            if bad:
-                raise CorruptObjectError(f"{key}: not this run's global state of round {r} ({bad})")
+            state, _ = global_state.join(files, where=layout.global_dir(r))
             if not isinstance(state, dict):
-                raise CorruptObjectError(f"{key}: its state is not a dict")
+                raise CorruptObjectError(f"{layout.global_dir(r)}: its state is not a dict")
         except CorruptObjectError as e:
-            log.warning("rejected %s", e)
-            self._bad.add(r)
-            self._reject(_rejection(key, e, where))
+            self._refuse(r, layout.global_dir(r), e, where)
             raise
         return state
+
+    def _check_part(self, r: int, key: str, data: bytes, where: str, parts: int) -> Any:
+        """One file of ``global/<r>``, checked: its digest, and that its header names this
+        run, round r, this layout and (for a part) the part its key names."""
+        part = global_state.decode_part(data, where=where)
+        meta = part.header
+        expect: dict[str, Any] = {"run_id": self.exchange.config.run_id, "round": r}
+        if self.layout is not None:
+            expect["layout"] = self.layout
+        if key != layout.global_key(r):
+            expect["parts"] = parts
+            expect["part"] = next(
+                s for s in range(parts) if layout.global_part_key(r, s, parts) == key
+            )
+        bad = {k: meta.get(k) for k, v in expect.items() if meta.get(k) != v}
+        if bad:
+            raise CorruptObjectError(f"{key}: not this run's global state of round {r} ({bad})")
+        return part
+
+    def _refuse(self, r: int, key: str, e: CorruptObjectError, where: str) -> None:
+        log.warning("rejected %s", e)
+        self._bad.add(r)
+        self._reject(_rejection(key, e, where))
 
     def resume(self, load: Callable[[int], None]) -> int | None:
         """``load`` the newest usable global round (a corrupt or vanished one falls back to
@@ -499,8 +582,12 @@ class Checkpoints:
             parts = encode_blob_parts(torch_save_parts(snapshot, crc32=False), meta)
             self.store.put(layout.inner_key(self.rank, r), parts)
             self.inner_bytes_up += sum(memoryview(p).nbytes for p in parts)
+            # kept while their round's global state is (collect_garbage decides: an inner
+            # state without it is never read); with no global state at all, the last
+            # keep_rounds checkpoint periods
+            kept = layout.global_rounds(self.store)
             for old in layout.inner_rounds(self.store, self.rank):
-                if old <= horizon:
+                if (old < kept[0]) if kept else (old <= horizon):
                     self.store.delete(layout.inner_key(self.rank, old))
 
         return write

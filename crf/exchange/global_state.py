@@ -1,5 +1,8 @@
-"""The file format of a global checkpoint (``global/<r>/state.safetensors``): a safetensors
-file users can open with ``safetensors.torch.load_file``, not a custom pickle container.
+"""The file format of a global checkpoint (``global/<r>/part-<s>-of-<n>.safetensors``, or
+an older run's single ``state.safetensors``): safetensors files users can open with
+``safetensors.torch.load_file``, not a custom pickle container. A state is cut into parts
+of whole tensors (:func:`part_names`), one per participant of the round; each part carries
+the whole tree, and :func:`join` puts the checked parts back together.
 
 A global state is a nested dict (``{"model": model.state_dict(), "outer/0": optimizer state,
 ...}``). Its tensors are stored under their path in the tree, joined with ``/``
@@ -51,12 +54,18 @@ class FlatState:
     tree: str
 
 
-def flatten(state: dict[str, Any], buffers: HostBuffers | None = None) -> FlatState:
+def flatten(
+    state: dict[str, Any],
+    buffers: HostBuffers | None = None,
+    keep: set[str] | None = None,
+) -> FlatState:
     """Take ``state`` apart now (tensors copied to the CPU, no memory shared between them:
     tied weights are saved twice, as safetensors requires): into ``buffers``, reused from
-    one snapshot to the next (the training thread's one copy), or into new tensors."""
+    one snapshot to the next (the training thread's one copy), or into new tensors. With
+    ``keep`` only the tensors of those names are copied (one part's: :func:`part_names`);
+    the tree still names every tensor, so the parts put together rebuild the state."""
     tensors: dict[str, torch.Tensor] = {}
-    tree = _skeleton(state, (), tensors, buffers)
+    tree = _skeleton(state, (), tensors, buffers, keep)
     if buffers is not None:
         buffers.settle()
     return FlatState(tensors, json.dumps(tree, sort_keys=False, allow_nan=False))
@@ -67,6 +76,7 @@ def _skeleton(
     path: tuple[str, ...],
     tensors: dict[str, torch.Tensor],
     buffers: HostBuffers | None = None,
+    keep: set[str] | None = None,
 ) -> Any:
     """``obj`` as JSON with each tensor replaced by ``{"t": name}``. A dict is a list of
     [key, value] pairs (JSON keeps an int key apart from a str one), a list ``{"l": [...]}``,
@@ -76,6 +86,8 @@ def _skeleton(
         name = "/".join(path)
         if name in tensors:
             raise ValueError(f"global state: two tensors would be stored as {name!r}")
+        if keep is not None and name not in keep:
+            return {"t": name}
         if buffers is not None:
             tensors[name] = buffers.copy(name, obj)
         else:
@@ -86,11 +98,12 @@ def _skeleton(
         for k, v in obj.items():
             if not isinstance(k, str | int) or isinstance(k, bool):
                 raise TypeError(f"global state: key {k!r} at {'/'.join(path)} is not str/int")
-            items.append([k, _skeleton(v, (*path, str(k)), tensors, buffers)])
+            items.append([k, _skeleton(v, (*path, str(k)), tensors, buffers, keep)])
         return {"d": items}
     if isinstance(obj, list | tuple):
         kind = "l" if isinstance(obj, list) else "u"
-        return {kind: [_skeleton(v, (*path, str(i)), tensors, buffers) for i, v in enumerate(obj)]}
+        items = [_skeleton(v, (*path, str(i)), tensors, buffers, keep) for i, v in enumerate(obj)]
+        return {kind: items}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"f": repr(obj)}
     if obj is None or isinstance(obj, bool | int | float | str):
@@ -99,6 +112,77 @@ def _skeleton(
         f"global state: {type(obj).__name__} at {'/'.join(path)!r} cannot be saved "
         "(tensors, dicts, lists and plain values can)"
     )
+
+
+def _sizes(obj: Any, path: tuple[str, ...], out: list[tuple[str, int]]) -> None:
+    """(name, bytes) of every tensor in ``obj``, in the order :func:`flatten` names them."""
+    if isinstance(obj, torch.Tensor):
+        out.append(("/".join(path), obj.numel() * obj.element_size()))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _sizes(v, (*path, str(k)), out)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _sizes(v, (*path, str(i)), out)
+
+
+def part_names(state: dict[str, Any], part: int, parts: int) -> set[str]:
+    """The tensors of ``state`` that part ``part`` of ``parts`` holds: the state's tensors,
+    each parameter's together (its weights, its global copy, its outer momentum:
+    :func:`_by_parameter`), cut into ``parts`` runs of about equal bytes (a tensor goes where
+    its middle byte falls; whole tensors, so each part is a plain safetensors file). So part
+    s holds the weights and outer-optimizer state of about the s-th n-th of the parameters,
+    the ones whose shard its writer reduced. Every participant of a round holds the same
+    state, so each computes the same cut from it alone."""
+    sizes: list[tuple[str, int]] = []
+    _sizes(state, (), sizes)
+    total = sum(n for _, n in sizes)
+    names, offset = set(), 0
+    for name, n in _by_parameter(sizes):
+        owner = min(parts - 1, int((offset + n / 2) * parts / total)) if total else 0
+        if owner == part:
+            names.add(name)
+        offset += n
+    return names
+
+
+#: where torchft's DiLoCo keeps a fragment's global copy and outer optimizer in its state
+_COPY, _OUTER = "/original_parameters/", "/outer_optimizer/state/"
+
+
+def _by_parameter(sizes: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``sizes`` reordered so each parameter's tensors are together, in the order the
+    parameters first appear: ``model/<p>``, ``<fragment>/original_parameters/<p>`` and
+    ``<fragment>/outer_optimizer/state/<i>/...`` (i: p's place in the fragment, as
+    torch.optim numbers it). Any other tensor stays a group of its own, where it is."""
+    copies: dict[str, list[str]] = {}  # fragment -> its parameters' names, in order
+    for name, _ in sizes:
+        if _COPY in name:
+            fragment, param = name.split(_COPY, 1)
+            copies.setdefault(fragment, []).append(param)
+    owner = {p: f for f, params in copies.items() for p in params}
+
+    def group(name: str) -> str:
+        if _COPY in name:
+            return name.replace(_COPY, "/", 1)
+        if _OUTER in name:
+            fragment, rest = name.split(_OUTER, 1)
+            index = rest.split("/", 1)[0]
+            params = copies.get(fragment, [])
+            if index.isdigit() and int(index) < len(params):
+                return f"{fragment}/{params[int(index)]}"
+        elif name.startswith("model/") and name[len("model/") :] in owner:
+            param = name[len("model/") :]
+            return f"{owner[param]}/{param}"
+        return name
+
+    first: dict[str, int] = {}
+    keys = []
+    for i, (name, _) in enumerate(sizes):
+        g = group(name)
+        first.setdefault(g, i)
+        keys.append((first[g], i))
+    return [sizes[i] for _, i in sorted(keys)]
 
 
 def _rebuild(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -185,6 +269,21 @@ def encode_parts(flat: FlatState, header: dict[str, Any]) -> list[Any]:
 def decode(data: bytes, *, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state, header) of a file :func:`encode` wrote; CorruptObjectError when it does not
     parse or its digest does not match (a flipped bit, a cut-off file, not a global state)."""
+    return join([decode_part(data, where=where)], where=where)
+
+
+@dataclass
+class Part:
+    """One checked file of a global state: its tensors, header and tree (as JSON)."""
+
+    tensors: dict[str, torch.Tensor]
+    header: dict[str, Any]
+    tree: str
+
+
+def decode_part(data: bytes, *, where: str) -> Part:
+    """One file :func:`encode_parts` wrote (a whole state or one part of it), checked against
+    its digest; CorruptObjectError when it does not parse or the digest does not match."""
     from safetensors.torch import load
 
     try:
@@ -198,10 +297,31 @@ def decode(data: bytes, *, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if digest(meta, tensors, sha256=old) != meta[DIGEST]:
         raise CorruptObjectError(f"{where}: checksum mismatch (object is corrupted)")
     try:
-        state = _rebuild(json.loads(meta[TREE]), tensors)
         header = {k: json.loads(v) for k, v in meta.items() if k not in (DIGEST, TREE, "format")}
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, TypeError) as e:
         raise CorruptObjectError(f"{where}: unreadable metadata ({e})") from None
+    return Part(tensors, header, meta[TREE])
+
+
+def join(parts: list[Part], *, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state, header) of a global state from its checked files (one, or every part): they
+    must name the same tree, and hold every tensor it names exactly once; the header is the
+    first part's, without ``part``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for p in parts:
+        if p.tree != parts[0].tree:
+            raise CorruptObjectError(f"{where}: its parts are of different states")
+        twice = tensors.keys() & p.tensors.keys()
+        if twice:
+            raise CorruptObjectError(f"{where}: {sorted(twice)[0]} is in two parts")
+        tensors.update(p.tensors)
+    try:
+        state = _rebuild(json.loads(parts[0].tree), tensors)
+    except KeyError as e:
+        raise CorruptObjectError(f"{where}: tensor {e} is in none of its parts") from None
+    except (ValueError, TypeError) as e:
+        raise CorruptObjectError(f"{where}: unreadable metadata ({e})") from None
+    header = {k: v for k, v in parts[0].header.items() if k != "part"}
     return state, header
 
 

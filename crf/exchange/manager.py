@@ -15,10 +15,10 @@ exchange took - the difference is the overlap.
 ``should_commit()`` never raises: a replica outside the quorum, or whose exchange failed,
 gets ``False`` (DiLoCo then discards the round's inner steps) and heals from ``global/<r>``
 before its next round, so it rejoins with the same weights and outer momentum as everyone.
-The lowest-rank participant writes ``global/<r>`` after the outer step (``after_outer_step``):
-the state is copied at once (the weights change with the next inner step) and, with
-``async_checkpoints``, serialized and uploaded by a background writer so training does not
-wait for it;
+Every participant writes its part of ``global/<r>`` (the s-th participant, shard s's owner,
+part s) after the outer step (``after_outer_step``): the part is copied at once (the weights
+change with the next inner step) and, with ``async_checkpoints``, serialized and uploaded by
+a background writer so training does not wait for it;
 ``drain()`` waits for pending writes (a replica calls it before reporting its result). What
 lies in ``global/``, ``heal/`` and a replica's ``inner/``, and how it is checked, is
 :mod:`crf.exchange.checkpoints`; the manager decides when.
@@ -365,11 +365,12 @@ class ObjectStoreManager:
             self.stats.rounds_committed += 1
             self._step = r + 1
             self.base_round = r
-            parts = self.last_result.participants if self.last_result else [self.rank]
-            if self.exchange.world_size > 1 and parts and self.rank == min(parts):
-                self.checkpoints.owe(r)  # written after the outer step (after_outer_step)
+            parts = sorted(self.last_result.participants if self.last_result else [self.rank])
+            if self.exchange.world_size > 1 and self.rank in parts:
+                # its part (shard owner's) written after the outer step (after_outer_step)
+                self.checkpoints.owe(r, parts.index(self.rank), len(parts))
             else:
-                self.checkpoints.forget_cached()  # another replica holds the newest state
+                self.checkpoints.forget_cached()  # the participants hold the newest state
             return True
         self.stats.rounds_missed.append(r)
         if self.fatal_error is not None:
@@ -546,38 +547,39 @@ class ObjectStoreManager:
                 load(state[key])
 
     def after_outer_step(self) -> None:
-        """The round's lowest participant writes ``global/<r>`` when one is due (every
-        ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to heal)
-        and collects garbage. The state is copied now, into host buffers reused from round to
-        round (the weights change with the next inner step: one copy, the only part on the
-        training thread); the serialization, checksum and upload run in the background with
-        async_checkpoints, one at a time: a write still running at
-        the next snapshot is waited for (blocked time). A state not written is kept in memory
-        so a heal request can still be served from it."""
-        r = self.checkpoints.take_owed()
-        if r is None:
+        """Each of the round's participants writes its part of ``global/<r>`` when one is due
+        (every ``checkpoint_every`` rounds, at ``final_round``, or a replica asked for one to
+        heal); the first part's writer collects garbage. The part is copied now, into host
+        buffers reused from round to round (the weights change with the next inner step: one
+        copy, the only part on the training thread); the serialization, checksum and upload
+        run in the background with async_checkpoints, one at a time: a write still running
+        at the next snapshot is waited for (blocked time). A part not written is kept in
+        memory so a heal request can still be served from it."""
+        owed = self.checkpoints.take_owed()
+        if owed is None:
             return
+        r, part, parts = owed
         t0 = time.monotonic()
         with self.blocking():
             # back-pressure: the previous write first (at most one snapshot held; its
             # failure is this replica's fatal error, raised by the caller)
             self.checkpoints.wait_previous()
             if self.fatal_error is None:
-                self.checkpoints.snapshot(r, self.state_dict())
+                self.checkpoints.snapshot(r, self.state_dict(), part, parts)
         self.stats.ckpt_foreground_s += time.monotonic() - t0
 
     def global_due(self, r: int) -> bool:
-        """Whether round r's global state is written (by its lowest participant)."""
+        """Whether round r's global state is written (by its participants, in parts)."""
         return self.checkpoints.due(r)
 
     def _serve_heal_requests(self) -> None:
         """The exchange's ``on_wait`` hook: write a global state a healing replica asked for."""
         self.checkpoints.serve_heal_requests()
 
-    def _write_global(self, r: int, payload: Any) -> None:
-        """Write ``global/<r>`` now (``payload``: a state as
+    def _write_global(self, r: int, payload: Any, part: int = 0, parts: int = 1) -> None:
+        """Write part ``part`` of ``parts`` of ``global/<r>`` now (``payload``: a state as
         :func:`crf.exchange.global_state.flatten` takes it apart; tests forge a writer)."""
-        self.checkpoints.write_global(r, payload)
+        self.checkpoints.write_global(r, payload, part, parts)
 
     def latest_global(self) -> int | None:
         """The newest global round in the store, but one whose state was refused."""

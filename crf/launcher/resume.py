@@ -249,25 +249,24 @@ def _set_aside(plan: Plan, k: int) -> None:
     that state; so would heal requests. Left in place, a resumed round could read its old
     quorum and averages (with checkpoint_every > 1 there are up to that many such rounds).
     Superseded global states are kept, not lost: the replicas write them again. A global
-    folder past the resume point whose state never landed (a writer killed mid-write leaves
-    its temp file) is deleted: nothing in it can be read, and left in place it would tell
-    every resumed replica that the others are already past that round (they would all wait
-    to heal from a state nobody writes)."""
+    folder past the resume point whose state never landed whole (a writer killed mid-write
+    leaves its temp file, or some parts without the others) is deleted: nothing in it can be
+    read, and left in place it would tell every resumed replica that the others are already
+    past that round (they would all wait to heal from a state nobody writes)."""
     from crf.store import ObjectNotFound
 
     assert plan.resume is not None
     store, top = plan.store, plan.resume.from_round
     for g in plan.resume.superseded:
         with contextlib.suppress(ObjectNotFound):
-            store.put(
-                layout.superseded_key(k, layout.global_key(g)), store.get(layout.global_key(g))
-            )
+            for key in layout.global_parts(store, g):  # its parts, or an older run's file
+                store.put(layout.superseded_key(k, key), store.get(key))
             store.delete(layout.global_dir(g))
     with contextlib.suppress(Exception):  # noqa: BLE001 - a leftover is cleaned next time
         for r in layout.round_numbers(store):
             if top is None or r > top:
                 store.delete(layout.round_dir(r))
         for g in layout.global_rounds(store):
-            if (top is None or g > top) and not store.exists(layout.global_key(g)):
+            if (top is None or g > top) and not layout.global_complete(store, g):
                 store.delete(layout.global_dir(g))
         store.delete(layout.HEAL)

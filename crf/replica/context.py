@@ -438,7 +438,7 @@ class ReplicaContext:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used. With
         local ranks, a collective: each of them calls it once, and all start from here."""
-        rounds = layout.global_rounds(self.store)
+        rounds = layout.global_rounds(self.store, complete=True)
         step = (rounds[-1] + 1) * self.spec.sync_period if rounds else 0
         if self.local:  # the other local ranks ask too (LocalFollower.resume_step)
             self.local.share(step)
