@@ -7,7 +7,10 @@ replicas, rounds, H and seed set; the arms differ only in where the rollouts com
 
 * ``sync``         — no rollout workers: each trainer generates its own rollouts (today's
                      run, the baseline);
-* ``async-s1``     — one rollout worker per trainer, ``--max-staleness 1``;
+* ``async-s0``     — one rollout worker per trainer, ``--max-staleness 0``: on-policy through
+                     the workers (the trainer waits for each batch), which tells what the
+                     transport costs from what the lag costs;
+* ``async-s1``     — the same at ``--max-staleness 1``;
 * ``async-s2``     — the same at ``--max-staleness 2``;
 * ``async-s2-off`` — staleness 2 with the off-policy correction off
                      (``--rollout-correction off``): does the correction matter here?
@@ -31,9 +34,10 @@ for workers on their own GPUs.
 
 Usage::
 
-    python bench/async.py                       # 3 seeds x 5 arms (about 30-60 min on 2 cores)
+    python bench/async.py                       # 3 seeds x 6 arms (about 15-30 min on 2 cores)
     python bench/async.py --quick               # 1 seed, fewer steps: a smoke run
     python bench/async.py --out docs/async.md   # also write the markdown table (+ .json)
+    python bench/async.py --set learning_rate=1e-3   # a composer job knob for every arm
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace) -> Outcome:
                 sync_every=args.sync_every,
                 seed=seed,
                 eval_examples=args.eval_examples,
+                job_config=dict(args.set),
                 store=store,
                 plot=False,
                 report=False,
@@ -274,6 +279,16 @@ def markdown(rows: list[list[str]], checks: list[dict[str, Any]], note: str, cmd
     return "\n".join(lines) + "\n"
 
 
+def _knob(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set needs KEY=VALUE (got {text!r})")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 seed, 3 rounds: a smoke run")
@@ -283,6 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--arms", default=",".join(a.name for a in ARMS))
     p.add_argument("--eval-examples", type=int, default=64)
+    p.add_argument("--set", action="append", default=[], type=_knob, metavar="KEY=VALUE",
+                   help="a composer job knob for every arm (e.g. learning_rate=1e-3)")  # fmt: skip
     p.add_argument("--out", default=None, help="also write a markdown table here (+ .json)")
     args = p.parse_args(argv)
     if args.quick:

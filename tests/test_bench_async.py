@@ -1,0 +1,77 @@
+"""bench/async.py's judgement of asynchronous arms against the synchronous seeds: the bounds
+(max(0.05, 2σ) and 10% of sync), the correction note, the table and the command line. The
+runs themselves take minutes per arm and are the benchmark's business."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "async.py"
+_SPEC = importlib.util.spec_from_file_location("bench_async", _PATH)
+bench = importlib.util.module_from_spec(_SPEC)  # "async" is a keyword: loaded by path
+sys.modules["bench_async"] = bench  # dataclasses look their module up
+_SPEC.loader.exec_module(bench)  # type: ignore[union-attr]
+
+
+def outcome(arm: str, seed: int, pass_at_1: float, auc: float, **kw) -> object:
+    return bench.Outcome(arm=arm, seed=seed, status="ok", pass_at_1=pass_at_1,
+                         reward_auc=auc, wall_s=10.0, **kw)  # fmt: skip
+
+
+def sync_seeds() -> list[object]:
+    return [outcome("sync", s, p, a) for s, (p, a) in enumerate([(0.5, 0.30), (0.5, 0.32),
+                                                                  (0.5, 0.31)])]  # fmt: skip
+
+
+def test_an_arm_within_both_bounds_passes_and_one_behind_fails() -> None:
+    runs = sync_seeds()
+    runs += [outcome("async-s1", s, 0.48, 0.30) for s in range(3)]  # 0.02 and 0.01 behind
+    runs += [outcome("async-s2", s, 0.40, 0.20) for s in range(3)]  # 0.10 and 0.11 behind
+    checks = {(c["arm"], c["metric"]): c for c in bench.verdicts(runs)}
+    assert checks[("async-s1", "pass_at_1")]["ok"]
+    assert checks[("async-s1", "reward_auc")]["ok"]
+    assert not checks[("async-s2", "pass_at_1")]["ok"]
+    assert not checks[("async-s2", "reward_auc")]["ok"]
+    # the tighter of max(0.05, 2σ) and 10% of sync's mean binds: 0.031 for an AUC of 0.31
+    assert checks[("async-s1", "reward_auc")]["bound"] == pytest.approx(0.031)
+
+
+def test_an_arm_ahead_of_sync_passes() -> None:
+    runs = sync_seeds() + [outcome("async-s1", s, 0.9, 0.5) for s in range(3)]
+    assert all(c["ok"] for c in bench.verdicts(runs))
+
+
+def test_an_arm_without_a_measure_fails() -> None:
+    runs = sync_seeds() + [bench.Outcome("async-s1", 0, "failed", None, None, 1.0)]
+    assert not any(c["ok"] for c in bench.verdicts(runs))
+
+
+def test_the_correction_note_says_when_the_benchmark_cannot_tell() -> None:
+    same = [outcome("async-s2", s, 0.5, 0.30) for s in range(3)]
+    same += [outcome("async-s2-off", s, 0.5, 0.30) for s in range(3)]
+    assert "cannot tell" in bench.correction_note(same)
+    behind = [outcome("async-s2", s, 0.5, 0.30) for s in range(3)]
+    behind += [outcome("async-s2-off", s, 0.2, 0.10) for s in range(3)]
+    assert "falls behind" in bench.correction_note(behind)
+
+
+def test_the_table_has_one_row_per_arm_with_its_gain_against_sync() -> None:
+    runs = sync_seeds()
+    runs += [bench.Outcome("async-s1", s, "ok", 0.5, 0.3, 5.0, worker_share=1.0, staleness=1.0)
+             for s in range(3)]  # fmt: skip
+    rows = bench.table(runs)
+    assert [r[0] for r in rows] == ["sync", "async-s1"]
+    assert rows[1][5] == "2.00x"  # half sync's wall time
+    md = bench.markdown(rows, bench.verdicts(runs), "note", "python bench/async.py")
+    assert "| async-s1 | 3 |" in md and "Measured with `python bench/async.py`" in md
+
+
+def test_the_command_line() -> None:
+    args = bench.parse_args(["--quick", "--set", "learning_rate=1e-3"])
+    assert args.seeds == "0" and args.set == [("learning_rate", 0.001)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--set", "learning_rate"])
