@@ -68,7 +68,10 @@ def test_global_upload_is_not_blocked_time() -> None:
     # global/1 is whole: a resume needs only the newest)
     for r in (0, 1):
         assert sum("part-0-of-2" in p and f"/global/{r}/" in f"/{p}" for p in puts) == 1, puts
-    assert layout.global_rounds(store, complete=True) == [1]
+    # global/0 goes once its collector sees global/1 whole, which depends on which part lands
+    # last: the newest whole state is round 1 either way
+    assert layout.global_rounds(store, complete=True)[-1] == 1
+    assert set(layout.global_rounds(store, complete=True)) <= {0, 1}
     saved = mgr.checkpoints.read_global(1)["model"]
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     assert mgr.ckpt_s >= 2 * SLOW_S  # the uploads ran, in the background

@@ -160,7 +160,8 @@ def test_make_demo_installs_the_runtime_only_and_make_test_the_dev_extra(tmp_pat
     assert installs == ["--upgrade pip", '$index "torch==2.13.0"', "-e ."]
     assert demo[-1].endswith("bin/crf launch --backend local --replicas 4")
     test = _make_plan("test", tmp_path / "venv")
-    assert any(line.endswith('pip install -q -e ".[dev]"') for line in test)
+    # the dev extra, at the versions CI tests (constraints/ci.txt)
+    assert any("pip install -q -c constraints/ci.txt -e \".[dev]\"" in line for line in test)
 
 
 # --- the wheel on its own -----------------------------------------------------------------

@@ -158,8 +158,9 @@ def test_polls_and_small_reads_are_one_request_each(bucket: str, monkeypatch) ->
     assert store.get_json("k2") == {"a": 1}  # JSON objects are small
     assert calls == ["get_object"]
     calls.clear()
-    assert store.get("k") == b"v" * 1000  # no hint: fsspec's own path (HEAD, then GET)
-    assert calls == ["head_object", "get_object"]
+    assert store.get("k") == b"v" * 1000  # no hint: fsspec's own path
+    # a GET, after a HEAD in the s3fs releases that ask for the size first
+    assert calls in (["head_object", "get_object"], ["get_object"])
 
 
 def test_create_retried_after_a_lost_response_still_wins(bucket: str, monkeypatch) -> None:
