@@ -161,7 +161,7 @@ def test_make_demo_installs_the_runtime_only_and_make_test_the_dev_extra(tmp_pat
     assert demo[-1].endswith("bin/crf launch --backend local --replicas 4")
     test = _make_plan("test", tmp_path / "venv")
     # the dev extra, at the versions CI tests (constraints/ci.txt)
-    assert any("pip install -q -c constraints/ci.txt -e \".[dev]\"" in line for line in test)
+    assert any('pip install -q -c constraints/ci.txt -e ".[dev]"' in line for line in test)
 
 
 # --- the wheel on its own -----------------------------------------------------------------
