@@ -7,6 +7,9 @@ made-up rollouts, and waits until its trainer's result (``results/<rank>.json``)
 then writes its own result (``workers/<w>/result.json``) and exits 0. SIGTERM (the driver
 cancelling it) ends it with a ``cancelled`` result. ``CRF_TEST_WORKER_DIES=w`` makes worker
 w's first attempt exit 1 at once (the driver must restart it, and the run must not care).
+
+It stands in for crf's own worker (``crf/rollouts/worker.py``, this repository), not for
+another project's API: the real worker runs under the launcher in tests/test_rollouts_e2e.py.
 """
 
 from __future__ import annotations

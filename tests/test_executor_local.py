@@ -2,7 +2,8 @@
 
 The replicas here are a small user entrypoint written into tmp_path that follows the contract
 (reads CRF_*, writes a heartbeat and ``results/<rank>.json`` through RunStore): that is both a
-stand-in for ``python -m crf.replica`` and the proof that a user's own script works the same.
+stand-in for ``python -m crf.replica`` (crf's own entrypoint, not another project's API: the
+real one runs in tests/test_e2e_local.py) and the proof that a user's own script works the same.
 Modes that do not need the store skip importing it (it pulls in torch, ~1.5 s per process).
 """
 

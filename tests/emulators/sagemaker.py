@@ -8,6 +8,12 @@ boto3 at it with the service-specific endpoint variables (``client_env()``):
 ``AWS_ENDPOINT_URL_SAGEMAKER``, ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``, ``AWS_ENDPOINT_URL_STS``.
 S3 and Secrets Manager stay moto's (``AWS_ENDPOINT_URL``), as in the store tests.
 
+Upstream it follows: the SageMaker API version 2017-07-24 and CloudWatch Logs 2014-03-28 as
+botocore's service models describe them: the shapes and limits it checks are those of
+botocore 1.43.117 (the release constraints/ci.txt pins), and the client is always the real
+boto3. moto cannot run
+a training job (above), so no test can use a real SageMaker server instead.
+
 Which service a request is for is read from its SigV4 credential scope
 (``Credential=<key>/<date>/<region>/<service>/aws4_request``):
 
