@@ -21,8 +21,10 @@ replicas, rounds, H and seed set; the arms differ only in where the rollouts com
 Reported per arm, as mean ± σ over the seeds: the final held-out pass@1 (the summary's
 ``held_out.pass@1_after``: greedy, every replica's share of the held-out prompts), the area
 under the reward curve (the mean over rounds of the replicas' mean training reward: higher
-is faster learning), the wall time, the share of the trainers' rollouts the workers
-supplied, and their mean staleness. The verdict checks each asynchronous arm against the
+is faster learning), the wall time, the time per round once training runs (the gain
+against sync is taken on it: starting processes and building models is the same for every
+arm and not what workers change), the share of the trainers' rollouts the workers supplied,
+and their mean staleness. The verdict checks each asynchronous arm against the
 synchronous seeds: pass@1 and reward AUC within max(0.05, 2σ of sync) and within 10% of
 sync. If the correction-off arm does not fall behind, the benchmark says it cannot tell
 the correction's worth on this task.
@@ -97,6 +99,8 @@ class Outcome:
     worker_share: float | None = None
     staleness: float | None = None
     rewards: list[float] = field(default_factory=list)
+    #: seconds per round once training runs (see :func:`round_time`)
+    round_s: float | None = None
 
 
 def _run_folder(store: str) -> Any:
@@ -127,6 +131,24 @@ def reward_curve(records: dict[int, list[layout.RoundMetrics]]) -> list[float]:
         if values:
             curve.append(statistics.fmean(values))
     return curve
+
+
+def round_time(records: dict[int, list[layout.RoundMetrics]]) -> float | None:
+    """Seconds per round in steady state: from the first committed round's record to the
+    last one's, per round between them (each replica's, averaged). It leaves out what every
+    arm pays once and workers cannot change: starting the processes, building the models and
+    the first round's filling of the workers' pipeline."""
+    firsts: dict[int, float] = {}
+    lasts: dict[int, tuple[int, float]] = {}
+    first_round: dict[int, int] = {}
+    for r, recs in records.items():
+        for m in recs:
+            if m.rank not in firsts:
+                firsts[m.rank], first_round[m.rank] = m.updated_at, r
+            lasts[m.rank] = (r, m.updated_at)
+    spans = [(t - firsts[k]) / (r - first_round[k]) for k, (r, t) in lasts.items()
+             if r > first_round[k]]  # fmt: skip
+    return statistics.fmean(spans) if spans else None
 
 
 def worker_use(records: dict[int, list[layout.RoundMetrics]]) -> tuple[float | None, float | None]:
@@ -185,6 +207,7 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace) -> Outcome:
                 worker_share=share,
                 staleness=staleness,
                 rewards=curve,
+                round_s=round_time(records),
             )
     finally:
         os.environ.clear()
@@ -243,24 +266,26 @@ def table(outcomes: list[Outcome]) -> list[list[str]]:
         return "n/a" if mean is None else f"{mean:.{digits}f} ± {sd:.{digits}f}"
 
     rows = []
-    sync_wall, _ = _stats([o.wall_s for o in outcomes if o.arm == "sync"])
+    sync_round, _ = _stats([o.round_s for o in outcomes if o.arm == "sync"])
     for arm in ARMS:
         runs = [o for o in outcomes if o.arm == arm.name]
         if not runs:
             continue
         wall, _ = _stats([o.wall_s for o in runs])
-        gain = f"{sync_wall / wall:.2f}x" if sync_wall and wall else "n/a"
+        per_round, _ = _stats([o.round_s for o in runs])
+        gain = f"{sync_round / per_round:.2f}x" if sync_round and per_round else "n/a"
         rows.append([
             arm.name, str(len(runs)), fmt([o.pass_at_1 for o in runs]),
-            fmt([o.reward_auc for o in runs]), f"{wall:.0f} s" if wall else "n/a", gain,
+            fmt([o.reward_auc for o in runs]), f"{wall:.0f} s" if wall else "n/a",
+            f"{per_round:.2f} s" if per_round else "n/a", gain,
             fmt([o.worker_share for o in runs], 2), fmt([o.staleness for o in runs], 2),
             ", ".join(sorted({o.status for o in runs})),
         ])  # fmt: skip
     return rows
 
 
-HEADER = ["arm", "seeds", "held-out pass@1", "reward AUC", "wall", "vs sync", "worker share",
-          "staleness", "status"]  # fmt: skip
+HEADER = ["arm", "seeds", "held-out pass@1", "reward AUC", "wall", "per round", "vs sync",
+          "worker share", "staleness", "status"]  # fmt: skip
 
 
 def markdown(rows: list[list[str]], checks: list[dict[str, Any]], note: str, cmd: str) -> str:
@@ -319,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             o = run_arm(arm, seed, args)
             outcomes.append(o)
             print(f"  {o.status}: pass@1 {o.pass_at_1}, reward AUC {o.reward_auc}, "
-                  f"{o.wall_s:.0f} s, worker share {o.worker_share}", flush=True)  # fmt: skip
+                  f"{o.wall_s:.0f} s, {o.round_s} s/round, worker share {o.worker_share}, "
+                  f"staleness {o.staleness}", flush=True)  # fmt: skip
     rows = table(outcomes)
     checks = verdicts(outcomes)
     note = correction_note(outcomes)

@@ -42,6 +42,7 @@ Layout of one run folder::
                                               (a delta against policy/base/<round>)
     policy/<rank>/acks/<w>.json               the version worker w has loaded (it holds it)
     rollouts/<rank>/<w>-<seq>                 worker w's rollout batch <seq> for trainer rank
+    rollouts/<rank>/cursor.json               the step trainer rank's next queued batch serves
     rollouts/<rank>/returned/<w>-<seq>        a batch its trainer could not use in time: the
                                               worker generates its rows again
     workers/<w>/state.json                    rollout worker w's heartbeat
@@ -315,6 +316,12 @@ def rollout_dir(rank: int) -> str:
 
 def rollout_key(rank: int, worker: int, seq: int) -> str:
     return f"{rollout_dir(rank)}/{worker}-{seq}"
+
+
+def rollout_cursor_key(rank: int) -> str:
+    """The step the next queued batch of trainer rank will serve (written before the trainer
+    takes a batch): its workers count their next batch's staleness from it."""
+    return f"{rollout_dir(rank)}/cursor.json"
 
 
 def returned_key(rank: int, worker: int, seq: int) -> str:

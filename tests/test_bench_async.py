@@ -61,11 +61,13 @@ def test_the_correction_note_says_when_the_benchmark_cannot_tell() -> None:
 
 def test_the_table_has_one_row_per_arm_with_its_gain_against_sync() -> None:
     runs = sync_seeds()
-    runs += [bench.Outcome("async-s1", s, "ok", 0.5, 0.3, 5.0, worker_share=1.0, staleness=1.0)
-             for s in range(3)]  # fmt: skip
+    for o in runs:
+        o.round_s = 2.0
+    runs += [bench.Outcome("async-s1", s, "ok", 0.5, 0.3, 30.0, worker_share=1.0, staleness=1.0,
+                           round_s=1.0) for s in range(3)]  # fmt: skip
     rows = bench.table(runs)
     assert [r[0] for r in rows] == ["sync", "async-s1"]
-    assert rows[1][5] == "2.00x"  # half sync's wall time
+    assert rows[1][4:7] == ["30 s", "1.00 s", "2.00x"]  # half sync's time per round
     md = bench.markdown(rows, bench.verdicts(runs), "note", "python bench/async.py")
     assert "| async-s1 | 3 |" in md and "Measured with `python bench/async.py`" in md
 
@@ -75,3 +77,15 @@ def test_the_command_line() -> None:
     assert args.seeds == "0" and args.set == [("learning_rate", 0.001)]
     with pytest.raises(SystemExit):
         bench.parse_args(["--set", "learning_rate"])
+
+
+def test_the_time_per_round_leaves_out_the_start() -> None:
+    from crf import layout
+
+    def rec(rank: int, r: int, at: float) -> object:
+        return layout.RoundMetrics(rank=rank, round=r, committed=True, updated_at=at)
+
+    # round 0 ends at 100 s (start-up and filling the pipeline), then 2 s per round
+    records = {r: [rec(0, r, 100.0 + 2 * r), rec(1, r, 101.0 + 2 * r)] for r in range(4)}
+    assert bench.round_time(records) == pytest.approx(2.0)
+    assert bench.round_time({0: [rec(0, 0, 5.0)]}) is None  # one round: no steady state

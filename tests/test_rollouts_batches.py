@@ -131,14 +131,6 @@ def test_the_source_gives_rows_and_counts(store: RunStore) -> None:
     assert src.take_counts()["workers"] == 0  # a new round
 
 
-def test_a_batch_of_other_weights_is_refused(store: RunStore) -> None:
-    src = source(store, v2="published")
-    RolloutQueue(store, 0).put(batch(worker=0, seq=0, version=2, digest="something else"))
-    assert src.take(step=2, rows=4) is None  # refused: the trainer generates locally
-    assert src.take_counts()["refused"] == 1
-    assert RolloutQueue(store, 0).queued() == []
-
-
 def test_a_version_the_trainer_did_not_publish_is_refused(store: RunStore) -> None:
     """A batch of a version an earlier attempt of a restarted trainer published (or one
     since deleted) names weights this trainer never had."""
@@ -172,3 +164,62 @@ def test_a_dead_worker_is_not_waited_for(store: RunStore) -> None:
     started = time.monotonic()
     assert src.take(step=0, rows=4) is None
     assert time.monotonic() - started < 600  # it did not wait out wait_s
+
+
+def test_the_cursor_counts_a_taken_batch_before_its_step_is_known(store: RunStore) -> None:
+    """The trainer takes batch 0 for step 0 and trains; its heartbeat still says step 0 and
+    version 1 is not out yet. With two more version-0 batches queued at bound 2, a third
+    would serve step 3 (3 steps stale): the cursor, written as the batch was taken, says
+    so, where the heartbeat's step would have admitted it."""
+    q = RolloutQueue(store, 0)
+    assert q.cursor() is None  # before the first take: the worker reads the heartbeat
+    for seq in range(3):
+        q.put(batch(seq=seq, version=0))
+    cfg = RolloutConfig(workers=1, max_staleness=2, wait_s=0.0)
+    src = StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(v0="d"))
+    got = src.take(step=0, rows=4)
+    assert got is not None and got[0].seq == 0
+    assert q.cursor() == 1 and len(q.queued()) == 2
+    assert admits(0, 2, 0, 2)  # the heartbeat's view
+    assert not admits(q.cursor(), len(q.queued()), 0, 2)  # the cursor's
+
+
+def test_the_cursor_is_written_before_the_batch_leaves_the_queue(store: RunStore) -> None:
+    """A worker reading between the two must never see the batch gone and the old step."""
+    seen: list[int | None] = []
+
+    class Watching(RunStore):
+        def delete(self, key: str) -> None:
+            seen.append(RolloutQueue(store, 0).cursor())
+            super().delete(key)
+
+    watched = Watching(store.uri)
+    RolloutQueue(watched, 0).put(batch(seq=0, version=4))
+    cfg = RolloutConfig(workers=1, max_staleness=2, wait_s=0.0)
+    src = StoreRolloutSource(watched, 0, 1, cfg, ROWS, digests=Digests(v4="d"))
+    assert src.take(step=5, rows=4) is not None
+    assert seen == [6]
+
+
+def test_while_the_trainer_waits_the_cursor_names_its_step(store: RunStore) -> None:
+    """At staleness 0 the trainer waits at step 5 for a batch of version 5: the worker,
+    holding version 5 with nothing queued, must see that its batch would be on time."""
+    state = layout.WorkerState(worker=0, serves=0, phase="generating", updated_at=time.time())
+    store.put_json(layout.worker_state_key(0), state.to_dict())
+    cfg = RolloutConfig(workers=1, max_staleness=0, wait_s=60.0)
+    src = StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(v5="d"))
+    q = RolloutQueue(store, 0)
+
+    def worker() -> None:
+        deadline = time.monotonic() + 30
+        while q.cursor() != 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if admits(q.cursor(), len(q.queued()), 5, 0):
+            q.put(batch(seq=0, version=5))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    got = src.take(step=5, rows=4)
+    t.join()
+    assert got is not None and got[0].version == 5
+    assert q.cursor() == 6

@@ -20,6 +20,7 @@ again first (no prompt is lost).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,7 +215,21 @@ class RolloutQueue:
             self.store.delete(key)
         return sorted(out, key=lambda b: b.seq)
 
+    def cursor(self) -> int | None:
+        """The step the first queued batch will serve (None: the trainer has taken none)."""
+        try:
+            return int(self.store.get_json(layout.rollout_cursor_key(self.rank))["step"])
+        except (ObjectNotFound, KeyError, TypeError, ValueError):
+            return None
+
     # ------------------------------------------------------------------ trainer
+    def set_cursor(self, step: int) -> None:
+        """The first queued batch will serve ``step``. The trainer writes it as it starts
+        looking for a step's batch, and ``step + 1`` as it claims one, before the batch
+        leaves the queue: a worker that reads both never counts its next batch as less stale
+        than it will be (for a moment it may count one step more)."""
+        self.store.put_json(layout.rollout_cursor_key(self.rank), {"step": int(step)})
+
     def read(self, worker: int, seq: int) -> RolloutBatch:
         key = layout.rollout_key(self.rank, worker, seq)
         return decode_batch(self.store.get(key), where=f"{self.store.uri}/{key}")
@@ -230,12 +245,16 @@ class RolloutQueue:
         self.remove(batch)
 
     def oldest_within(
-        self, step: int, max_staleness: int, rollouts: int
+        self,
+        step: int,
+        max_staleness: int,
+        rollouts: int,
+        on_claim: Callable[[], None] | None = None,
     ) -> tuple[RolloutBatch | None, list[RolloutBatch], list[tuple[tuple[int, int], str]]]:
         """Claim the oldest queued batch (lowest version, then earliest made) that is at most
-        ``max_staleness`` steps behind ``step`` and holds ``rollouts`` rollouts; also returns
-        the batches given back as too stale (or of another size) and the keys of unreadable
-        ones (removed)."""
+        ``max_staleness`` steps behind ``step`` and holds ``rollouts`` rollouts (calling
+        ``on_claim`` before it leaves the queue); also returns the batches given back as too
+        stale (or of another size) and the keys of unreadable ones (removed)."""
         batches, bad = [], []
         for w, seq in self.queued():
             try:
@@ -256,6 +275,8 @@ class RolloutQueue:
                 self.give_back(b)
                 returned.append(b)
             elif taken is None:
+                if on_claim is not None:
+                    on_claim()
                 self.remove(b)
                 taken = b
         return taken, returned, bad

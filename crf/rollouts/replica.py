@@ -74,14 +74,8 @@ def attach(ctx: Any, trainer: Any, callback: Any, rows: list[dict[str, Any]]) ->
     """Give ``trainer`` its workers' batches and ``callback`` the publishing (module
     docstring); ``rows``: the replica's shard as ``build()`` made it (the batches' row ids
     index it)."""
-    from crf.rollouts.generate import sampling_settings, tokenizer_digest
-
     cfg = RolloutConfig.from_spec(ctx.spec)
     hooks = TrainerRollouts(ctx, rows, cfg)
-    # the trainer's tokenizer has padded batches (the held-out evaluation): its digest is
-    # taken as the worker takes it, without that call's padding
-    digest = tokenizer_digest(trainer.processing_class)
-    hooks.source.expect(sampling_settings(trainer), digest)
     trainer.use_rollout_source(hooks.source, cfg)
     callback.rollouts = hooks
     return hooks

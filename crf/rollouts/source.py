@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from crf import layout
 from crf.rollouts.batches import RolloutBatch, RolloutQueue
 from crf.rollouts.config import RolloutConfig
+from crf.rollouts.polling import Poll
 from crf.store import ObjectNotFound, RunStore
 
 log = logging.getLogger(__name__)
@@ -136,21 +137,29 @@ class StoreRolloutSource:
         self.step_of = step_of
         self.counts = RolloutCounts()
         self.total = RolloutCounts()
-        #: the trainer's sampling settings and tokenizer digest (``expect``): a batch made
-        #: with others samples another distribution, or means other token ids
-        self._sampling: dict[str, Any] | None = None
-        self._tokenizer: str | None = None
         #: the step the batch in use was taken at (its staleness is counted from there)
         self._taken_at: dict[str, int] = {}
+        #: the cursor last written (crf/rollouts/batches.py ``set_cursor``)
+        self._cursor: int | None = None
+        #: how long taking a batch has typically waited (paces the looks while waiting)
+        self._wait_s: float | None = None
 
     # ------------------------------------------------------------------ the protocol
     def take(self, step: int, rows: int) -> tuple[RolloutBatch, list[dict]] | None:
         if self.step_of is not None:
             step = self.step_of()
-        deadline = time.monotonic() + max(0.0, self.cfg.wait_s)
-        poll, alive_checked, alive = self.poll_s, 0.0, True
+        # the workers pace to the cursor: the first queued batch serves ``step``
+        self._set_cursor(step)
+        claimed = lambda: self._set_cursor(step + 1)  # noqa: E731 - before it leaves the queue
+        started = time.monotonic()
+        deadline = started + max(0.0, self.cfg.wait_s)
+        poll = Poll(first=self.poll_s, cap=MAX_POLL_S)
+        poll.interval = self._wait_s  # pause at most a quarter of a typical wait
+        alive_checked, alive = 0.0, True
         while True:
-            batch, returned, bad = self.queue.oldest_within(step, self.cfg.max_staleness, rows)
+            batch, returned, bad = self.queue.oldest_within(
+                step, self.cfg.max_staleness, rows, on_claim=claimed
+            )
             for b in returned:
                 self.counts.returned += 1
                 self.total.returned += 1
@@ -163,16 +172,20 @@ class StoreRolloutSource:
                 why = self._unusable(batch)
                 if why is None:
                     self._taken_at = {batch.key: step}
+                    waited = time.monotonic() - started
+                    self._wait_s = waited if self._wait_s is None else (
+                        0.7 * self._wait_s + 0.3 * waited)  # fmt: skip
                     return batch, [dict(self.rows[i]) for i in batch.row_ids]
                 self.refused(batch, why)
+                self._set_cursor(step)  # still looking for step's batch
                 continue
             now = time.monotonic()
             if now - alive_checked >= ALIVE_EVERY_S:  # a few requests a second, not more
                 alive, alive_checked = self._worker_alive(), now
             if now >= deadline or not alive:
+                self._set_cursor(step + 1)  # the trainer generates step's batch itself
                 return None
-            time.sleep(min(poll, max(0.0, deadline - now)))
-            poll = min(MAX_POLL_S, poll * 1.5)
+            poll.sleep(at_most=deadline - now)
 
     def used(self, batch: RolloutBatch, stats: dict[str, float]) -> None:
         for c in (self.counts, self.total):
@@ -196,38 +209,35 @@ class StoreRolloutSource:
         return self.digests.expected_digest(version)
 
     # ------------------------------------------------------------------ the replica's
-    def expect(self, sampling: dict[str, Any], tokenizer_digest: str) -> None:
-        """Use only batches made with these sampling settings and this tokenizer."""
-        self._sampling, self._tokenizer = dict(sampling), tokenizer_digest
-
     def take_counts(self) -> dict[str, Any]:
         """The counts since the last call (one round's), as ``RoundMetrics.rollouts``."""
         counts, self.counts = self.counts, RolloutCounts()
         return counts.record()
 
     # ------------------------------------------------------------------ internals
+    def _set_cursor(self, step: int) -> None:
+        """Tell the workers which step the first queued batch serves (one small write, only
+        when it changes: about one per step)."""
+        if self._cursor != step:
+            self.queue.set_cursor(step)
+            self._cursor = step
+
     def _count_refused(self) -> None:
         self.counts.refused += 1
         self.total.refused += 1
 
     def _unusable(self, batch: RolloutBatch) -> str | None:
-        """Why the trainer must not train on ``batch`` (None: it may)."""
+        """Why ``batch`` cannot be this trainer's (None: it may be): rows it does not have, or
+        a version this trainer attempt never published (an earlier attempt's, or deleted).
+        Whether its contents are what the trainer would have sampled (tokenizer, sampling,
+        the published digest, the prompts' tokens, the mismatch) is the intake's to judge
+        (crf/rollouts/intake.py), in one place."""
         if any(not 0 <= i < len(self.rows) for i in batch.row_ids):
             return f"row ids outside the trainer's {len(self.rows)} rows"
-        if self._tokenizer is not None and batch.tokenizer_digest != self._tokenizer:
-            return "made with another tokenizer than the trainer's"
-        if self._sampling is not None and batch.sampling != self._sampling:
-            return f"sampled with {batch.sampling}, the trainer samples with {self._sampling}"
-        expected = self.expected_digest(batch.version)
-        if self.digests is not None and expected is None:
+        if self.digests is not None and self.expected_digest(batch.version) is None:
             return (
                 f"version {batch.version} was not published by this trainer (an earlier "
                 "attempt's, or deleted)"
-            )
-        if expected is not None and batch.policy_digest != expected:
-            return (
-                f"generated with other weights than the policy published as version "
-                f"{batch.version} (digest {batch.policy_digest[:12]} != {expected[:12]})"
             )
         return None
 

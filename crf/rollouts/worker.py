@@ -9,10 +9,11 @@ Worker ``w`` (``CRF_WORKER``) serves trainer replica ``w % N`` and follows only 
    the trainer's TRL would produce on the same weights;
 2. it loads the newest policy version its trainer published (crf/rollouts/policy.py) and
    acknowledges it, so that version is not deleted while it generates with it;
-3. admission: holding version v, it writes its next batch only if (its trainer's step +
-   the batches already queued for it) - v <= max_staleness, i.e. if that batch will still be
-   within the bound when the trainer gets to it; otherwise it waits and loads a newer
-   version (pacing: nothing is dropped);
+3. admission: holding version v, it writes its next batch only if (the step its trainer's
+   next queued batch serves, ``rollouts/<rank>/cursor.json`` + the batches already queued)
+   - v <= max_staleness, i.e. if that batch will still be within the bound when the
+   trainer gets to it; otherwise it waits (crf/rollouts/polling.py paces its looks to the
+   trainer's steps) and loads a newer version (pacing: nothing is dropped);
 4. it generates one TRL generation batch of its trainer (the batches its trainer returned as
    too stale first, then the next prompts of the shard) and writes it
    (crf/rollouts/batches.py);
@@ -195,6 +196,11 @@ class RolloutWorker:
         return self.store.object_exists(layout.result_key(self.rank))
 
     def trainer_step(self) -> int:
+        """The step the next batch queued for the trainer will serve: the trainer's cursor
+        (written as it takes each batch), or before its first take its heartbeat's step."""
+        cursor = self.queue.cursor()
+        if cursor is not None:
+            return cursor
         try:
             return int(self.store.get_json(layout.heartbeat_key(self.rank)).get("step") or 0)
         except Exception:  # noqa: BLE001 - no heartbeat yet, or unreadable: no news
@@ -221,23 +227,27 @@ class RolloutWorker:
         return self.reader.version is not None
 
     def run(self) -> None:
+        from crf.rollouts.polling import Poll
+
         pending: list[list[int]] = []
-        poll = 0.05
+        poll = Poll(first=0.05, cap=MAX_POLL_S)  # paced to the trainer's steps as seen
+        seen: int | None = None
         while not self.trainer_done():
             if not self.refresh():
-                time.sleep(poll)
-                poll = min(MAX_POLL_S, poll * 1.5)
+                poll.sleep()
                 continue
             version = int(self.reader.version)  # type: ignore[arg-type]
             step = self.trainer_step()
+            if seen is not None and step > seen:
+                poll.event(step - seen)
+            seen = step if seen is None else max(seen, step)
             queued = len(self.queue.queued())
             if not admits(step, queued, version, self.cfg.max_staleness):
                 if self.beat.state.phase != "pacing":
                     self.beat.update(phase="pacing")
-                time.sleep(poll)
-                poll = min(MAX_POLL_S, poll * 1.5)
+                poll.sleep()
                 continue
-            poll = 0.05
+            poll.start()
             returned = self.queue.take_returned(self.worker)
             if returned:  # its trainer could not use them in time: those rows first
                 pending += [b.row_ids for b in returned]
