@@ -83,13 +83,14 @@ def test_the_options_are_run_options_with_rollout_configs_defaults() -> None:
                    rollout_correction="sequence_mask", rollout_clip_min=0.5,
                    rollout_clip_max=2.0, rollout_max_mismatch=0.1).validate()  # fmt: skip
     cfg = RolloutConfig.from_spec(spec)
-    assert cfg == RolloutConfig(3, 2, 0, "int8", 1.5, "sequence_mask", 0.5, 2.0, 0.1)
+    assert cfg == RolloutConfig(3, 2, 0, "int8", 1.5, "sequence_mask", 0.5, 2.0, 0.1,
+                                sync_period=spec.sync_period)  # fmt: skip
     assert cfg.enabled and cfg.workers_of(0, 2) == [0, 2]
     # a run.json written before the options existed reads as no workers
     old = json.loads(RunSpec(run_id="r", run_uri="file:///tmp/r").to_json())
     for name in ROLLOUT_FIELDS:
         old.pop(name)
-    assert RolloutConfig.from_spec(RunSpec.from_dict(old)) == RolloutConfig()
+    assert RolloutConfig.from_spec(RunSpec.from_dict(old)) == RolloutConfig(sync_period=20)
 
 
 @pytest.mark.parametrize(

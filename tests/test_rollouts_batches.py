@@ -99,6 +99,42 @@ def test_admission_paces_at_the_bound(
     assert admits(trainer_step, queued, version, bound) is ok
 
 
+@pytest.mark.parametrize(
+    ("trainer_step", "queued", "version", "ok"),
+    [
+        (13, 0, 13, True),  # H = 15, bound 2: version 13 serves step 13, 14 (same round)
+        (13, 1, 13, True),
+        (13, 2, 13, False),  # it would serve step 15, after the outer step at 15
+        (15, 0, 14, False),  # the last local version never serves the new round
+        (15, 0, 15, True),  # version 15 is the weights after the outer step
+        (16, 1, 15, True),
+    ],
+)
+def test_no_batch_crosses_an_outer_step(
+    trainer_step: int, queued: int, version: int, ok: bool
+) -> None:
+    assert admits(trainer_step, queued, version, 2, sync_period=15) is ok
+    assert (
+        RolloutConfig(max_staleness=2, sync_period=15).in_bound(
+            version, max(trainer_step, version) + queued
+        )
+        is ok
+    )
+
+
+def test_the_trainer_returns_a_batch_from_before_its_outer_step(store: RunStore) -> None:
+    q = RolloutQueue(store, 0)
+    q.put(batch(seq=0, version=14))  # 1 step behind step 15, but before the sync at 15
+    q.put(batch(seq=1, version=15))
+    taken, returned, _ = q.oldest_within(step=15, max_staleness=2, rollouts=4, sync_period=15)
+    assert taken.version == 15 and [b.version for b in returned] == [14]
+    assert RolloutConfig.from_spec(_Spec()).sync_period == 5
+
+
+class _Spec:
+    rollout_workers, max_staleness, sync_period = 1, 2, 5
+
+
 class Digests:
     def __init__(self, **by_version: str) -> None:
         self.by_version = {int(k[1:]): v for k, v in by_version.items()}

@@ -246,3 +246,24 @@ def test_run_ids_stay_apart() -> None:
     pub.publish(0, tiny(0))
     with pytest.raises(CorruptObjectError):
         PolicyReader(a, 0, 0, run_id="other-run", wire="float32").load(tiny(1))
+
+
+def test_a_trainer_publishes_after_every_outer_step(store: RunStore) -> None:
+    """With --publish-every 3 and an outer step every 4 steps, the weights after each outer
+    step are published too: the rollouts of earlier versions are out of bounds then, and
+    workers would otherwise have nothing to generate with until the next publish."""
+    from types import SimpleNamespace
+
+    from crf.rollouts.replica import TrainerRollouts
+
+    spec = SimpleNamespace(run_id="r", sync_every=4, sync_period=4, rollout_workers=1,
+                           publish_every=3, max_staleness=9, rollout_wire="float32")  # fmt: skip
+    ctx = SimpleNamespace(spec=spec, store=store, rank=0, world_size=1, step=0)
+    hooks = TrainerRollouts(ctx, [{"prompt": "p"}], RolloutConfig.from_spec(spec))
+    model = tiny(0)
+    hooks.begin(model, 0)
+    for s in range(1, 10):
+        step(model, s)
+        hooks.step_end(model, s)
+    published = [v for v in range(10) if hooks.publisher.knows(v)]
+    assert published == [0, 3, 4, 6, 8, 9]

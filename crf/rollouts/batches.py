@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf import layout
+from crf.rollouts.config import in_bound
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import decode_blob, encode_blob_parts
 
@@ -250,11 +251,14 @@ class RolloutQueue:
         max_staleness: int,
         rollouts: int,
         on_claim: Callable[[], None] | None = None,
+        sync_period: int = 0,
     ) -> tuple[RolloutBatch | None, list[RolloutBatch], list[tuple[tuple[int, int], str]]]:
         """Claim the oldest queued batch (lowest version, then earliest made) that is at most
-        ``max_staleness`` steps behind ``step`` and holds ``rollouts`` rollouts (calling
-        ``on_claim`` before it leaves the queue); also returns the batches given back as too
-        stale (or of another size) and the keys of unreadable ones (removed)."""
+        ``max_staleness`` steps behind ``step``, sampled since the last outer step (every
+        ``sync_period`` steps: crf.rollouts.config.in_bound), and holds ``rollouts``
+        rollouts (calling ``on_claim`` before it leaves the queue); also returns the batches
+        given back as too stale (or of another size) and the keys of unreadable ones
+        (removed)."""
         batches, bad = [], []
         for w, seq in self.queued():
             try:
@@ -271,7 +275,7 @@ class RolloutQueue:
             if len(b) != rollouts:  # made for other settings: generating it again won't help
                 bad.append(((b.worker, b.seq), f"{len(b)} rollouts, the trainer needs {rollouts}"))
                 self.remove(b)
-            elif step - b.version > max_staleness:
+            elif not in_bound(b.version, step, max_staleness, sync_period):
                 self.give_back(b)
                 returned.append(b)
             elif taken is None:

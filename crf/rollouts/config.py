@@ -32,6 +32,17 @@ class Version:
         return self.step % sync_every
 
 
+def in_bound(version: int, step: int, max_staleness: int, sync_period: int = 0) -> bool:
+    """Whether a rollout of policy ``version`` (the weights after ``version`` inner steps) may
+    train the trainer's inner step ``step``: at most ``max_staleness`` steps behind it, and
+    sampled since the trainer's last outer step. An outer step (every ``sync_period`` inner
+    steps) replaces the weights by the exchange's result, a move no inner-step count bounds
+    (with outer momentum it goes past the round's own), so no rollout crosses one."""
+    if step - version > max_staleness:
+        return False
+    return sync_period <= 0 or version // sync_period == step // sync_period
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """The rollout workers' settings (see RunSpec's "Rollout workers" options for the help)."""
@@ -49,10 +60,16 @@ class RolloutConfig:
     #: other than the version it names: the trainer refuses it and generates locally
     #: (calibrated on the embedded task: see crf.rollouts.correction.refusal)
     max_mismatch: float = 0.5
+    #: inner steps between two outer steps (the spec's ``sync_period``; 0: none known)
+    sync_period: int = 0
 
     @property
     def enabled(self) -> bool:
         return self.workers > 0
+
+    def in_bound(self, version: int, step: int) -> bool:
+        """Whether a rollout of policy ``version`` may train the trainer's step ``step``."""
+        return in_bound(version, step, self.max_staleness, self.sync_period)
 
     @classmethod
     def from_spec(cls, spec: Any) -> RolloutConfig:
@@ -73,6 +90,7 @@ class RolloutConfig:
             clip_min=getattr(spec, "rollout_clip_min", None),
             clip_max=float(get("rollout_clip_max", d.clip_max)),
             max_mismatch=float(get("rollout_max_mismatch", d.max_mismatch)),
+            sync_period=int(get("sync_period", d.sync_period)),
         )
 
     def serves(self, worker: int, world_size: int) -> int:

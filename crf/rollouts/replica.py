@@ -57,7 +57,9 @@ class TrainerRollouts:
         if self._round != r and (force or step % self.sync_every == 0):
             self.publisher.start_round(r, model)
             self._round = r
-        if force or step % max(1, self.cfg.publish_every) == 0:
+        # after an outer step too: the rollouts of earlier versions are out of bounds now
+        synced = self.cfg.sync_period > 0 and step % self.cfg.sync_period == 0
+        if force or synced or step % max(1, self.cfg.publish_every) == 0:
             self.publisher.publish(step, model)
 
     def take_counts(self) -> dict[str, Any]:

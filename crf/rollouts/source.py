@@ -158,8 +158,9 @@ class StoreRolloutSource:
         alive_checked, alive = 0.0, True
         while True:
             batch, returned, bad = self.queue.oldest_within(
-                step, self.cfg.max_staleness, rows, on_claim=claimed
-            )
+                step, self.cfg.max_staleness, rows, on_claim=claimed,
+                sync_period=self.cfg.sync_period,
+            )  # fmt: skip
             for b in returned:
                 self.counts.returned += 1
                 self.total.returned += 1

@@ -11,9 +11,10 @@ Worker ``w`` (``CRF_WORKER``) serves trainer replica ``w % N`` and follows only 
    acknowledges it, so that version is not deleted while it generates with it;
 3. admission: holding version v, it writes its next batch only if (the step its trainer's
    next queued batch serves, ``rollouts/<rank>/cursor.json`` + the batches already queued)
-   - v <= max_staleness, i.e. if that batch will still be within the bound when the
-   trainer gets to it; otherwise it waits (crf/rollouts/polling.py paces its looks to the
-   trainer's steps) and loads a newer version (pacing: nothing is dropped);
+   - v <= max_staleness and no outer step comes between (crf.rollouts.config.in_bound),
+   i.e. if that batch will still be within the bound when the trainer gets to it;
+   otherwise it waits (crf/rollouts/polling.py paces its looks to the trainer's steps) and
+   loads a newer version (pacing: nothing is dropped);
 4. it generates one TRL generation batch of its trainer (the batches its trainer returned as
    too stale first, then the next prompts of the shard) and writes it
    (crf/rollouts/batches.py);
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf import layout
+from crf.rollouts.config import in_bound
 
 log = logging.getLogger("crf.rollouts.worker")
 
@@ -45,11 +47,15 @@ BEAT_S = 5.0
 MAX_POLL_S = 1.0
 
 
-def admits(trainer_step: int, queued: int, version: int, max_staleness: int) -> bool:
+def admits(
+    trainer_step: int, queued: int, version: int, max_staleness: int, sync_period: int = 0
+) -> bool:
     """Whether a batch of policy ``version`` written now will be within the bound when its
-    trainer uses it: the trainer (at ``trainer_step``, or at least at ``version``, which it
-    published) takes one batch per generation, ``queued`` are ahead of this one."""
-    return max(trainer_step, version) + queued - version <= max_staleness
+    trainer uses it (crf.rollouts.config.in_bound): the trainer (at ``trainer_step``, or at
+    least at ``version``, which it published) takes one batch per generation, ``queued``
+    are ahead of this one."""
+    use = max(trainer_step, version) + queued
+    return in_bound(version, use, max_staleness, sync_period)
 
 
 @dataclass
@@ -242,7 +248,7 @@ class RolloutWorker:
                 poll.event(step - seen)
             seen = step if seen is None else max(seen, step)
             queued = len(self.queue.queued())
-            if not admits(step, queued, version, self.cfg.max_staleness):
+            if not admits(step, queued, version, self.cfg.max_staleness, self.cfg.sync_period):
                 if self.beat.state.phase != "pacing":
                     self.beat.update(phase="pacing")
                 poll.sleep()
