@@ -294,3 +294,55 @@ def test_other_losses_and_schedules_train_on_worker_rollouts(
     assert abs(stats["ratio_max"] - 1) <= 1e-6 and source.local_rows == []
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_stale_batch_carries_its_rollouts_sequence_ratios(plain, latest, trained) -> None:
+    """Replay and distillation average over the policy's own rollouts: on a stale batch each
+    rollout weighs pi_prox(y)/pi_b(y), the product of its tokens' ratios (truncated at
+    clip_max), which GRPO's per-token weights alone would not give them."""
+    rows = repeated(PROMPTS)
+    batch = generated_by(plain, trained[-3], rows)  # two steps stale
+    taken, _ = take(latest, batch, rows, RolloutConfig(workers=1))
+    assert taken is not None
+    c = taken.correction
+    mask = taken.tensors["mask"].bool()
+    diff = (taken.proximal - pad_behaviour(batch, taken.proximal)) * mask
+    expected = torch.exp(diff.sum(-1)).clamp(max=3.0)
+    assert torch.allclose(c.sequence, expected)
+    assert float(c.sequence.min()) < 1 < float(c.sequence.max())
+
+
+def pad_behaviour(batch, like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for i, lp in enumerate(batch.logprobs):
+        out[i, : len(lp)] = torch.tensor(lp)
+    return out
+
+
+def test_channel_means_weigh_each_rollout() -> None:
+    from crf.composer.trainer import _rollout_mean
+
+    per_row, idx = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 2, 3])
+    assert float(_rollout_mean(per_row, {}, idx)) == 2.0  # no worker batch: a plain mean
+    weights = torch.tensor([3.0, 9.0, 1.0, 0.0])  # per rollout of the generation batch
+    got = _rollout_mean(per_row, {"rollout_sequence_weights": weights}, idx)
+    assert float(got) == pytest.approx((3 * 1 + 1 * 2 + 0 * 3) / 4)
+    masked = {"rollout_sequence_weights": torch.zeros(4)}
+    assert float(_rollout_mean(per_row, masked, idx)) == 0.0  # every rollout masked
+
+
+def test_staleness_zero_channels_equal_on_policy() -> None:
+    """With distillation and replay on, a worker on the trainer's exact weights gives the
+    same gradients with the correction as without it (every weight 1 up to float noise)."""
+    rows = repeated(PROMPTS)
+    batch = worker_batch(make_trainer(), rows)
+    grads = {}
+    for mode in ("token_truncate", "off"):
+        trainer = make_trainer(max_grad_norm=0.0, distill_alpha=0.5, replay_beta=0.5)
+        got = train_on(trainer, MemorySource([(batch, rows)]),
+                       RolloutConfig(workers=1, correction=mode))  # fmt: skip
+        assert logged(trainer, "replay_loss") and logged(trainer, "distill_loss")
+        grads[mode] = got.grads
+    worst = max(float((grads["token_truncate"][k] - grads["off"][k]).abs().max())
+                for k in grads["off"])  # fmt: skip
+    assert worst <= 1e-6, worst

@@ -99,3 +99,17 @@ def test_refusal_names_the_mismatch() -> None:
     reason = refusal({"mismatch_kl": 0.9}, 0.5)
     assert reason is not None and "mismatch KL 0.9 exceeds max_mismatch 0.5" in reason
     assert "not finite" in (refusal({"mismatch_kl": math.inf}, 0.5) or "")
+
+
+def test_each_rollout_gets_its_sequence_ratio_bounded_as_the_mode_says() -> None:
+    prox = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.9], [0.2, 0.4]]))
+    beh = torch.log(torch.tensor([[0.5, 0.5], [0.3, 0.3], [0.4, 0.4]]))
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
+    seq = torch.tensor([1.0, 9.0, 0.5])  # the products of the ratios over loss tokens
+    got = correct(prox, beh, mask, mode="token_truncate", clip_max=3.0).sequence
+    assert torch.allclose(got, torch.tensor([1.0, 3.0, 0.5]))
+    got = correct(prox, beh, mask, mode="sequence_mask", clip_min=0.6, clip_max=3.0).sequence
+    assert torch.allclose(got, torch.tensor([1.0, 0.0, 0.0]))
+    got = correct(prox, beh, mask, mode="token_truncate", clip_max=None).sequence
+    assert torch.allclose(got, seq)
+    assert torch.equal(correct(prox, beh, mask, mode="off").sequence, torch.ones(3))

@@ -529,7 +529,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             opd_entropy_threshold=args.resolved_opd_entropy_threshold,
             opd_forward_weight=args.resolved_opd_forward_weight,
         )
-        out.loss = masked_row_mean(per_token, mask[idx]).mean()
+        out.loss = _rollout_mean(masked_row_mean(per_token, mask[idx]), inputs, idx)
         window = float(inputs["distill_num_rows"]) * accum / spg
         out.scale = out.rows / max(window, 1.0)
         return out
@@ -572,7 +572,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         else:
             per_row = simpo_loss(pol_c, pol_r, beta=args.simpo_beta, gamma=args.simpo_gamma)
-        out.loss = per_row.mean()
+        out.loss = _rollout_mean(per_row, inputs, idx)
         window = float(inputs["replay_num_rows"]) * accum / spg
         out.scale = out.rows / max(window, 1.0)
         return out
@@ -616,3 +616,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._flush_channel_window()
         return out
+
+
+def _rollout_mean(per_row: torch.Tensor, inputs: dict[str, Any], idx: torch.Tensor) -> torch.Tensor:
+    """The mean of a channel's per-rollout losses. On a rollout worker's batch
+    (``rollout_sequence_weights``, crf/rollouts/intake.py) the rollouts were sampled by an
+    older policy: each weighs its importance ratio pi_prox(y)/pi_b(y) (truncated or masked as
+    the correction's mode says), self-normalised, so the channel estimates its loss over the
+    trainer's own policy, as GRPO's corrected advantages do. Without one, a plain mean."""
+    weights = inputs.get("rollout_sequence_weights")
+    if weights is None:
+        return per_row.mean()
+    w = weights[idx].to(per_row.dtype)
+    return (per_row * w).sum() / w.sum().clamp_min(1e-8)

@@ -12,6 +12,10 @@ policy plays in PPO:
   is multiplied by w = pi_prox / pi_b, truncated or masked as TRL's
   ``vllm_importance_sampling_mode`` names the modes (:data:`CORRECTION_MODES`).
 
+The composer's distillation and replay channels average over the policy's own rollouts as
+well; they weigh each rollout by its sequence ratio pi_prox(y)/pi_b(y), bounded as the mode
+says (``Correction.sequence``; crf/composer/trainer.py ``_rollout_mean``).
+
 TRL's clipped losses are linear in the advantage: for w >= 0,
 ``-min(r·A·w, clip(r)·A·w) = w · -min(r·A, clip(r)·A)``, so per-token advantages (B, T) = A·w
 (which TRL's ``_compute_loss`` accepts) apply exactly the weighted objective. VESPO weighs
@@ -50,6 +54,10 @@ class Correction:
 
     weights: torch.Tensor
     stats: dict[str, float]
+    #: per rollout (B,): the weight of a loss taken over whole rollouts (the composer's
+    #: replay pairs): the sequence ratio pi_prox(y)/pi_b(y), truncated or masked as ``mode``
+    #: says (all 1 with the correction off)
+    sequence: torch.Tensor | None = None
 
 
 def correct(
@@ -93,11 +101,20 @@ def correct(
             weights = ratio.masked_fill(outside, 0.0)
         weights = weights.expand_as(diff).contiguous()
         outside = outside.expand_as(diff)
+    if mode == "off":
+        sequence = torch.ones(diff.size(0), dtype=diff.dtype, device=diff.device)
+    else:
+        seq_ratio = torch.exp(diff.sum(-1))
+        if mode.endswith("truncate"):
+            bounded = clip_min is not None or clip_max is not None
+            sequence = torch.clamp(seq_ratio, min=clip_min, max=clip_max) if bounded else seq_ratio
+        else:
+            sequence = seq_ratio.masked_fill((seq_ratio < lo) | (seq_ratio > hi), 0.0)
     loss_tokens = m.bool()
     n = max(int(loss_tokens.sum()), 1)
     stats["masked"] = float(((weights == 0) & loss_tokens).sum()) / n
     stats["clipped"] = float((outside & loss_tokens).sum()) / n
-    return Correction(weights=weights * m, stats=stats)
+    return Correction(weights=weights * m, stats=stats, sequence=sequence)
 
 
 def _stats(diff: torch.Tensor, loss_tokens: torch.Tensor) -> dict[str, float]:

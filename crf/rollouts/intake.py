@@ -203,6 +203,8 @@ class RolloutIntake:
             output["advantages"] = advantages.unsqueeze(1) * taken.correction.weights.to(
                 advantages.dtype
             )
+            if taken.correction.sequence is not None:  # the replay channel's pairs
+                output["rollout_sequence_weights"] = taken.correction.sequence.to(advantages.device)
             if "importance_sampling_ratio" in output:  # TRL's own vLLM correction: ours replaces it
                 output["importance_sampling_ratio"] = torch.ones_like(
                     output["importance_sampling_ratio"]
