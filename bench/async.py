@@ -101,6 +101,8 @@ class Outcome:
     rewards: list[float] = field(default_factory=list)
     #: seconds per round once training runs (see :func:`round_time`)
     round_s: float | None = None
+    #: the mean mismatch KL (nats per token) of the worker batches trained on
+    mismatch_kl: float | None = None
 
 
 def _run_folder(store: str) -> Any:
@@ -149,6 +151,19 @@ def round_time(records: dict[int, list[layout.RoundMetrics]]) -> float | None:
     spans = [(t - firsts[k]) / (r - first_round[k]) for k, (r, t) in lasts.items()
              if r > first_round[k]]  # fmt: skip
     return statistics.fmean(spans) if spans else None
+
+
+def mismatch(records: dict[int, list[layout.RoundMetrics]]) -> float | None:
+    """The mean over rounds and workers of the correction's mismatch KL: how far, per token,
+    the policy that sampled a batch was from the one that trained on it."""
+    values = [
+        float(stats["mismatch_kl"])
+        for recs in records.values()
+        for m in recs
+        for stats in (m.rollouts.get("correction") or {}).values()
+        if isinstance(stats, dict) and stats.get("mismatch_kl") is not None
+    ]
+    return statistics.fmean(values) if values else None
 
 
 def worker_use(records: dict[int, list[layout.RoundMetrics]]) -> tuple[float | None, float | None]:
@@ -208,6 +223,7 @@ def run_arm(arm: Arm, seed: int, args: argparse.Namespace) -> Outcome:
                 staleness=staleness,
                 rewards=curve,
                 round_s=round_time(records),
+                mismatch_kl=mismatch(records),
             )
     finally:
         os.environ.clear()
@@ -279,13 +295,14 @@ def table(outcomes: list[Outcome]) -> list[list[str]]:
             fmt([o.reward_auc for o in runs]), f"{wall:.0f} s" if wall else "n/a",
             f"{per_round:.2f} s" if per_round else "n/a", gain,
             fmt([o.worker_share for o in runs], 2), fmt([o.staleness for o in runs], 2),
+            fmt([o.mismatch_kl for o in runs], 4),
             ", ".join(sorted({o.status for o in runs})),
         ])  # fmt: skip
     return rows
 
 
 HEADER = ["arm", "seeds", "held-out pass@1", "reward AUC", "wall", "per round", "vs sync",
-          "worker share", "staleness", "status"]  # fmt: skip
+          "worker share", "staleness", "mismatch KL", "status"]  # fmt: skip
 
 
 def markdown(rows: list[list[str]], checks: list[dict[str, Any]], note: str, cmd: str) -> str:

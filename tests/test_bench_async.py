@@ -89,3 +89,16 @@ def test_the_time_per_round_leaves_out_the_start() -> None:
     records = {r: [rec(0, r, 100.0 + 2 * r), rec(1, r, 101.0 + 2 * r)] for r in range(4)}
     assert bench.round_time(records) == pytest.approx(2.0)
     assert bench.round_time({0: [rec(0, 0, 5.0)]}) is None  # one round: no steady state
+
+
+def test_the_mismatch_is_the_mean_over_rounds_and_workers() -> None:
+    from crf import layout
+
+    def rec(r: int, kls: dict[str, float]) -> object:
+        correction = {w: {"mismatch_kl": kl, "ratio_max": 2.0} for w, kl in kls.items()}
+        return layout.RoundMetrics(rank=0, round=r, committed=True,
+                                   rollouts={"workers": 32, "correction": correction})  # fmt: skip
+
+    records = {0: [rec(0, {"w0": 0.01, "w1": 0.03})], 1: [rec(1, {"w0": 0.02})]}
+    assert bench.mismatch(records) == pytest.approx(0.02)
+    assert bench.mismatch({0: [layout.RoundMetrics(rank=0, round=0)]}) is None  # no workers
