@@ -340,6 +340,22 @@ def test_worker_pool_never_fails_the_run_and_stops_at_the_end(tmp_path: Path) ->
     alive = WorkerPool(WorkerPlan(2, 1, ex), ex.launch_workers(2, 1, live, run_uri=uri, run_id="b"),
                        store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
     assert all(not s.terminal for s in alive.poll())
+    # the live table shows each worker below the replicas' table
+    from rich.console import Console
+
+    from crf.launcher.supervise import with_workers
+
+    state = layout.WorkerState(worker=1, serves=0, phase="generating", version=7, rollouts=64,
+                               staleness_mean=1.5, updated_at=time.time())  # fmt: skip
+    RunStore(uri).put_json(layout.worker_state_key(1), state.to_dict())
+    rows = alive.live_rows(alive.poll())
+    assert [(r["worker"], r["phase"], r["rollouts"]) for r in rows] == [
+        (0, None, 0), (1, "generating", 64)]  # fmt: skip
+    console = Console(record=True, width=120, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(with_workers("replicas' table", rows, 120))
+    text = console.export_text()
+    assert "replicas' table" in text and "rollout workers" in text
+    assert "generating" in text and "64" in text and "1.5" in text
     alive.stop()
     assert [r["state"] for r in alive.collect()] == ["cancelled", "cancelled"]
 

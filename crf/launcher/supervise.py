@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
@@ -276,8 +276,9 @@ def watch(
             beats[h.rank] = read_heartbeat(store, h.rank) or beats[h.rank]
             st = sup.check(i, beats[h.rank])
             views.append(ReplicaView(h.rank, st, beats[h.rank], sup.restarts[h.rank]))
+        worker_statuses = None
         if sup.workers is not None and not sup.stopped:
-            sup.workers.poll()
+            worker_statuses = sup.workers.poll()
         if plain is not None:
             plain.update(views)
         if live is not None:
@@ -289,6 +290,9 @@ def watch(
                 elapsed_s=time.time() - started,
                 width=console.width,
             )
+            if worker_statuses is not None:  # the rollout workers below their trainers
+                rows = sup.workers.live_rows(worker_statuses)
+                table = with_workers(table, rows, console.width)
             live.update(table, refresh=True)
         return all(v.status.terminal for v in views)
 
@@ -304,6 +308,16 @@ def watch(
                 refresh()
                 return True
             time.sleep(poll_s)
+
+
+def with_workers(table: Any, rows: Sequence[Mapping[str, Any]], width: int) -> Any:
+    """The live display of a run with rollout workers: the replicas' table, then one row per
+    worker (whom it serves, its phase, the policy it holds, rollouts made, staleness)."""
+    from rich.console import Group
+
+    from crf.launcher.rollout_view import workers_table
+
+    return Group(table, workers_table(rows, width)) if rows else table
 
 
 def log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:

@@ -282,6 +282,22 @@ class WorkerPool:
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
 
+    def live_rows(self, statuses: Sequence[ReplicaStatus]) -> list[dict[str, Any]]:
+        """One row per worker for the live table, from the statuses :meth:`poll` just gave
+        (no second status call) and each worker's heartbeat."""
+        from crf.launcher.rollout_view import worker_row
+
+        return [
+            worker_row(
+                h.rank,
+                str(st.state),
+                read_worker_state(self.store, h.rank),
+                self.restarts.get(h.rank, 0),
+                st.message,
+            )  # fmt: skip
+            for h, st in zip(self.handles, statuses, strict=False)
+        ]
+
     def collect(self) -> list[dict[str, Any]]:
         """One row per worker for the summary: its process's end and its own account."""
         return worker_rows(self.executor, self.handles, self.store, self.restarts)
