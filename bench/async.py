@@ -36,7 +36,10 @@ for workers on their own GPUs.
 
 Usage::
 
-    python bench/async.py                       # 3 seeds x 6 arms (about 15-30 min on 2 cores)
+    python bench/async.py --rounds 8 --sync-every 30 --set learning_rate=5e-4
+                                                # docs/rollout-workers.md's main table:
+                                                # 3 seeds x 6 arms, about 12 min on 2 cores
+    python bench/async.py --rounds 4 --sync-every 15   # its table at the task's own rate
     python bench/async.py --quick               # 1 seed, fewer steps: a smoke run
     python bench/async.py --out docs/async.md   # also write the markdown table (+ .json)
     python bench/async.py --set learning_rate=1e-3   # a composer job knob for every arm
@@ -263,16 +266,24 @@ def verdicts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
 
 
 def correction_note(outcomes: list[Outcome]) -> str:
-    """Whether turning the correction off made the run fall behind."""
-    on = _stats([o.reward_auc for o in outcomes if o.arm == "async-s2"])
-    off = _stats([o.reward_auc for o in outcomes if o.arm == "async-s2-off"])
-    if on[0] is None or off[0] is None:
+    """Whether turning the correction off made the run fall behind, on either measure: by
+    more than max(0.05, 2σ of the corrected arm's seeds)."""
+    behind, measured = [], False
+    for metric, label in (("pass_at_1", "pass@1"), ("reward_auc", "reward AUC")):
+        on = _stats([getattr(o, metric) for o in outcomes if o.arm == "async-s2"])
+        off = _stats([getattr(o, metric) for o in outcomes if o.arm == "async-s2-off"])
+        if on[0] is None or off[0] is None:
+            continue
+        measured = True
+        if off[0] < on[0] - max(0.05, 2 * on[1]):
+            behind.append(f"{label} {off[0]:.3f} vs {on[0]:.3f} with it")
+    if not measured:
         return "correction: not measured"
-    if off[0] < on[0] - max(0.05, 2 * on[1]):
-        return f"correction off falls behind: reward AUC {off[0]:.3f} vs {on[0]:.3f} with it"
+    if behind:
+        return "correction off falls behind: " + ", ".join(behind)
     return (
-        f"correction off does not fall behind (reward AUC {off[0]:.3f} vs {on[0]:.3f}): at "
-        "this staleness and on this task the benchmark cannot tell the correction's worth"
+        "correction off does not fall behind: at this staleness and on this task the "
+        "benchmark cannot tell the correction's worth"
     )
 
 
@@ -343,6 +354,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], type=_knob, metavar="KEY=VALUE",
                    help="a composer job knob for every arm (e.g. learning_rate=1e-3)")  # fmt: skip
     p.add_argument("--out", default=None, help="also write a markdown table here (+ .json)")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="print the table of a run's saved .json, running nothing")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.rounds, args.sync_every = "0", 3, 10
@@ -351,6 +364,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            saved = [Outcome(**o) for o in json.load(f)]
+        print(markdown(table(saved), verdicts(saved), correction_note(saved),
+                       f"python bench/async.py, saved in {args.report}"))  # fmt: skip
+        return 0 if all(c["ok"] for c in verdicts(saved)) else 1
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     wanted = {a.strip() for a in args.arms.split(",") if a.strip()}
     arms = [a for a in ARMS if a.name in wanted]

@@ -57,6 +57,21 @@ def test_the_correction_note_says_when_the_benchmark_cannot_tell() -> None:
     behind = [outcome("async-s2", s, 0.5, 0.30) for s in range(3)]
     behind += [outcome("async-s2-off", s, 0.2, 0.10) for s in range(3)]
     assert "falls behind" in bench.correction_note(behind)
+    # on pass@1 alone is enough
+    one = [outcome("async-s2", s, 0.74, 0.42) for s in range(3)]
+    one += [outcome("async-s2-off", s, 0.55, 0.40) for s in range(3)]
+    note = bench.correction_note(one)
+    assert "falls behind: pass@1 0.550 vs 0.740" in note and "AUC" not in note
+
+
+def test_a_saved_run_reports_again(tmp_path, capsys) -> None:
+    import json
+
+    saved = tmp_path / "run.json"
+    runs = sync_seeds() + [outcome("async-s1", s, 0.48, 0.30) for s in range(3)]
+    saved.write_text(json.dumps([o.__dict__ for o in runs]))
+    assert bench.main(["--report", str(saved)]) == 0
+    assert "| async-s1 | 3 |" in capsys.readouterr().out
 
 
 def test_the_table_has_one_row_per_arm_with_its_gain_against_sync() -> None:
