@@ -24,10 +24,11 @@ under the reward curve (the mean over rounds of the replicas' mean training rewa
 is faster learning), the wall time, the time per round once training runs (the gain
 against sync is taken on it: starting processes and building models is the same for every
 arm and not what workers change), the share of the trainers' rollouts the workers supplied,
-and their mean staleness. The verdict checks each asynchronous arm against the
+their mean staleness and the mean mismatch KL of the batches trained on (how far per token
+the sampling policy was from the training one). The verdict checks each asynchronous arm against the
 synchronous seeds: pass@1 and reward AUC within max(0.05, 2σ of sync) and within 10% of
-sync. If the correction-off arm does not fall behind, the benchmark says it cannot tell
-the correction's worth on this task.
+sync. If the correction-off arm does not fall behind on either measure, the benchmark
+says it cannot tell the correction's worth on this task.
 
 On a CPU machine the trainers and workers share its cores: the processes run with one
 torch thread each (``CRF_TORCH_THREADS=1``), one trainer per worker, so the default of one
@@ -41,7 +42,8 @@ Usage::
                                                 # 3 seeds x 6 arms, about 12 min on 2 cores
     python bench/async.py --rounds 4 --sync-every 15   # its table at the task's own rate
     python bench/async.py --quick               # 1 seed, fewer steps: a smoke run
-    python bench/async.py --out docs/async.md   # also write the markdown table (+ .json)
+    python bench/async.py --out async.md        # also write the markdown table (+ .json)
+    python bench/async.py --report async.json   # the table of a saved run again
     python bench/async.py --set learning_rate=1e-3   # a composer job knob for every arm
 """
 
