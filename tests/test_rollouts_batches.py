@@ -12,6 +12,7 @@ import pytest
 from crf import layout
 from crf.rollouts import RolloutConfig
 from crf.rollouts.batches import RolloutBatch, RolloutQueue, decode_batch, encode_batch
+from crf.rollouts.config import in_bound
 from crf.rollouts.source import StoreRolloutSource
 from crf.rollouts.worker import admits
 from crf.store import CorruptObjectError, RunStore
@@ -114,12 +115,7 @@ def test_no_batch_crosses_an_outer_step(
     trainer_step: int, queued: int, version: int, ok: bool
 ) -> None:
     assert admits(trainer_step, queued, version, 2, sync_period=15) is ok
-    assert (
-        RolloutConfig(max_staleness=2, sync_period=15).in_bound(
-            version, max(trainer_step, version) + queued
-        )
-        is ok
-    )
+    assert in_bound(version, max(trainer_step, version) + queued, 2, 15) is ok
 
 
 def test_the_trainer_returns_a_batch_from_before_its_outer_step(store: RunStore) -> None:

@@ -67,10 +67,6 @@ class RolloutConfig:
     def enabled(self) -> bool:
         return self.workers > 0
 
-    def in_bound(self, version: int, step: int) -> bool:
-        """Whether a rollout of policy ``version`` may train the trainer's step ``step``."""
-        return in_bound(version, step, self.max_staleness, self.sync_period)
-
     @classmethod
     def from_spec(cls, spec: Any) -> RolloutConfig:
         """The settings of a run spec (defaults where the spec predates rollout workers)."""

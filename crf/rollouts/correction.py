@@ -87,29 +87,25 @@ def correct(
     lo = -math.inf if clip_min is None else float(clip_min)
     hi = math.inf if clip_max is None else float(clip_max)
     stats = _stats(diff, m.bool())
+
+    def bounded(ratio: torch.Tensor) -> torch.Tensor:
+        """``ratio`` truncated to, or zeroed outside, [clip_min, clip_max] as ``mode`` says."""
+        if mode.endswith("truncate"):
+            if clip_min is None and clip_max is None:
+                return ratio
+            return torch.clamp(ratio, min=clip_min, max=clip_max)
+        return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
     if mode == "off":
         weights = torch.ones_like(diff)
         outside = torch.zeros_like(diff, dtype=torch.bool)
-    else:
-        level = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
-        ratio = torch.exp(level)
-        outside = (ratio < lo) | (ratio > hi)
-        if mode.endswith("truncate"):
-            bounded = clip_min is not None or clip_max is not None
-            weights = torch.clamp(ratio, min=clip_min, max=clip_max) if bounded else ratio
-        else:
-            weights = ratio.masked_fill(outside, 0.0)
-        weights = weights.expand_as(diff).contiguous()
-        outside = outside.expand_as(diff)
-    if mode == "off":
         sequence = torch.ones(diff.size(0), dtype=diff.dtype, device=diff.device)
     else:
         seq_ratio = torch.exp(diff.sum(-1))
-        if mode.endswith("truncate"):
-            bounded = clip_min is not None or clip_max is not None
-            sequence = torch.clamp(seq_ratio, min=clip_min, max=clip_max) if bounded else seq_ratio
-        else:
-            sequence = seq_ratio.masked_fill((seq_ratio < lo) | (seq_ratio > hi), 0.0)
+        ratio = seq_ratio.unsqueeze(-1) if mode.startswith("sequence") else torch.exp(diff)
+        outside = ((ratio < lo) | (ratio > hi)).expand_as(diff)
+        weights = bounded(ratio).expand_as(diff).contiguous()
+        sequence = bounded(seq_ratio)
     loss_tokens = m.bool()
     n = max(int(loss_tokens.sum()), 1)
     stats["masked"] = float(((weights == 0) & loss_tokens).sum()) / n
