@@ -487,12 +487,12 @@ def test_straggler_does_not_stall_the_others_and_rejoins(
         globals_ = sorted(int(n) for n in os.listdir(run / "global"))
         assert rounds - 1 in globals_ and len(globals_) < rounds, globals_
         assert not (run / "heal").exists() or not os.listdir(run / "heal")
-    # it never committed a round alone (that would fork the weights until it healed). On a
-    # loaded machine the replicas' start can be further apart than the 2 s deadline, so a
-    # peer may decide round 0 alone and the others catch up on it: that is a quorum of one
-    # too, but not the straggler's own
+    # from the round it was late for on, it never committed a round alone (that would fork
+    # the weights until it healed). Before that it is not a straggler: on a loaded machine
+    # the replicas' start can be further apart than the 2 s deadline, so any of them, rank 2
+    # included, may decide round 0 alone and the others catch up on it
     for r, m in metrics(run, 2).items():
-        assert not m["committed"] or m["participants"] != [2], (r, m)
+        assert r < 2 or not m["committed"] or m["participants"] != [2], (r, m)
     if keep_rounds == 2:  # ~12 s late: round 2's folder was gone, it saw it was behind
         assert metrics(run, 2)[2]["participants"] == [], metrics(run, 2)[2]
     # it rejoined: it took part in the last rounds, not forever one behind
