@@ -5,6 +5,7 @@ runs themselves take minutes per arm and are the benchmark's business."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -65,8 +66,6 @@ def test_the_correction_note_says_when_the_benchmark_cannot_tell() -> None:
 
 
 def test_a_saved_run_reports_again(tmp_path, capsys) -> None:
-    import json
-
     saved = tmp_path / "run.json"
     runs = sync_seeds() + [outcome("async-s1", s, 0.48, 0.30) for s in range(3)]
     saved.write_text(json.dumps([o.__dict__ for o in runs]))
