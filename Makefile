@@ -140,7 +140,7 @@ bench: $(DEV_STAMP)
 # wheels at this venv's versions, what such a machine lacks or has at another version (about
 # 21 MB; a device call carries at most 64 MiB). bench/gpu_check.sh installs it there.
 GPU_WHEELS = trl torchft-nightly transformers peft datasets dill multiprocess protobuf \
-  pytest pytest-timeout pluggy iniconfig pygments \
+  pytest pytest-timeout pytest-xdist execnet pluggy iniconfig pygments \
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
   opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common \
   opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common \

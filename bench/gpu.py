@@ -248,16 +248,31 @@ def _generate_once(model: Any, tok: Any, engine: str, batch: int, new: int, devi
 
 
 def bench_generate(
-    folder: str, device: str, new_tokens: int, batches: list[int], engines: list[str]
+    folder: str,
+    device: str,
+    new_tokens: int,
+    batches: list[int],
+    engines: list[str],
+    rows: list[dict] | None = None,
+    done: Any = None,
+    deadline: float | None = None,
 ) -> list[dict]:
     """Generated tokens/s of each engine at each batch (bf16 weights on a GPU, greedy). Each
     is timed on its second call at the same shapes; the first (``warmup_s``) compiles the
     decoding step (``static``) or sizes the paged cache and captures CUDA graphs
-    (``continuous``, whose manager the second call reuses)."""
+    (``continuous``, whose manager the second call reuses).
+
+    Rows are appended to ``rows`` and ``done()`` is called after each, so that a benchmark
+    cut at its time limit keeps the engines it measured; past ``deadline``
+    (``time.perf_counter()``) an engine is a row saying it was skipped."""
     model, tok = _load_bf16(folder, device)
-    rows = []
+    rows = [] if rows is None else rows
     for engine in engines:
         for batch in batches:
+            if deadline is not None and time.perf_counter() > deadline:
+                why = "not measured: the benchmark's time budget was spent"
+                rows.append({"engine": ENGINES[engine], "batch": batch, "note": why})
+                continue
             try:
                 t0 = time.perf_counter()
                 _generate_once(model, tok, engine, batch, new_tokens, device)  # warm-up
@@ -272,6 +287,8 @@ def bench_generate(
             except Exception as e:  # an engine that fails here is a row, not a lost phase
                 rows.append({"engine": ENGINES[engine], "batch": batch,
                              "note": f"failed: {type(e).__name__}: {str(e)[:160]}"})  # fmt: skip
+                if done:
+                    done()
                 continue
             name = ENGINES[engine]
             if engine == "static" and device != "cuda":
@@ -282,6 +299,8 @@ def bench_generate(
             print(f"  {ENGINES[engine]}, batch {batch}: {made / dt:,.0f} tokens/s "
                   f"({1000 * dt / new_tokens:.1f} ms per step; warm-up {warm:.1f} s)",
                   flush=True)  # fmt: skip
+            if done:
+                done()
     del model
     _free(device)
     return rows
@@ -951,7 +970,10 @@ def commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="gpu-out", help="folder for gpu.json and gpu.md")
+    p.add_argument("--out", default="gpu-out", help="folder for gpu.json and gpu.md (written "
+                   "again as each phase and engine ends)")  # fmt: skip
+    p.add_argument("--logs", default=None, help="folder for the crf runs' logs and round "
+                   "records (default: --out)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="a 2-layer model: a quick CPU check")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (x 8 generations), "
                    "grpo phase and the GRPO-sized crf run")  # fmt: skip
@@ -1016,8 +1038,11 @@ def main(argv: list[str] | None = None) -> int:
             step = 2 * base["step_s"] if base else 10.0
         else:
             plain = [g for g in res.get("generate", []) if g.get("key") == "generate"]
+            plain = plain or res.get("profile") or []  # its steps: plain generate's too
             decode = plain[0]["step_ms"] / 1000 if plain else 0.07
-            step = 2 * a.run_completion * decode + 0.2
+            # the rollouts of a small step decode together; the GPU, shared by 2, is not the
+            # limit at this size (a measured step: 0.57 s for 8 tokens at 70 ms a token)
+            step = 1.25 * a.run_completion * decode + 0.1
         rounds = a.grpo_rounds if label == "grpo" else a.rounds
         return fit_sync_every(share, step, rounds, a.sync_every), max(30.0, share)
 
@@ -1029,8 +1054,14 @@ def main(argv: list[str] | None = None) -> int:
                                else (a.run_prompts, a.run_completion))  # fmt: skip
         rounds = a.grpo_rounds if label == "grpo" else a.rounds
         print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
-        return bench_crf(folder, prompts, completion, h, rounds, timeout, a.out,
+        return bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
                          a.checkpoint_every, label)  # fmt: skip
+
+    def generate_rows() -> list[dict]:
+        rows = res["generate"] = []  # saved as each engine ends: a cut run keeps them
+        deadline = t_start + a.budget_s if a.budget_s else None
+        bench_generate(folder, device, new_tokens, batches, engines, rows, save, deadline)
+        return [*rows, vllm_row()]
 
     print(json.dumps(res["environment"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="crf-gpu-model-") as folder:
@@ -1041,10 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = [e for e in a.engines.split(",") if e]
         batches = [int(b) for b in a.batches.split(",") if b]
         phases = {
-            "generate": lambda: [
-                *bench_generate(folder, device, new_tokens, batches, engines),
-                vllm_row(),
-            ],  # fmt: skip
+            "generate": generate_rows,
             "profile": lambda: bench_profile(folder, device, batches),
             "grpo": lambda: {
                 gen: bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)

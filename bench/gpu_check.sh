@@ -6,19 +6,25 @@
 #
 #   bash bench/gpu_check.sh OUT [bench/gpu.py arguments]
 #
-# OUT receives at most 7 files: gpu-tests.log, gpu-bench.log, gpu.json, gpu.md,
-# performance.md and gpu-bench.json (docs/ with the new table and the result behind it: copy
-# both back into docs/) and crf-runs.tgz (the crf runs' logs and round records). With bench/gpu.py arguments the tests are skipped and the benchmark
-# runs with those arguments and no budget, in at most 9.5 minutes: --phases crf,crf-small
-# measures crf's share at GRPO-sized and at small steps, H = 50.
-# Run from the repository's root; PYTHON (default python3) is the machine's Python with torch.
+# OUT receives at most 7 files, each written as soon as it is known (a check cut at a time
+# limit keeps what it measured): gpu-tests.log, gpu-bench.log, gpu.json and gpu.md (written
+# again after each phase), performance.md and gpu-bench.json (docs/ with the new table and
+# the result behind it: copy both back into docs/) and crf-runs.tgz (the crf runs' logs and
+# round records). With bench/gpu.py arguments the tests are skipped and the benchmark runs
+# with those arguments: --phases crf,crf-small measures crf's share at GRPO-sized and at
+# small steps, H = 50 (about 9 minutes).
+#
+# Environment: PYTHON (default python3: the machine's Python with torch), GPU_CHECK_S (the
+# seconds the whole check may take, default 470: 8 minutes less a margin for copying the
+# results), GPU_TESTS_S (the tests' share, default 200), GPU_PHASES (the benchmark's phases
+# after the tests, default generate,profile,grpo,crf-small). Run from the repository's root.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT [bench/gpu.py arguments]}
 shift
 mkdir -p "$out"
 py=${PYTHON:-python3}
 site=${GPU_SITE:-/tmp/crf-gpu-site}
-total=${GPU_CHECK_S:-470}  # 8 minutes, less a margin for copying the results
+total=${GPU_CHECK_S:-470}
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
 
@@ -27,25 +33,27 @@ $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
   --target "$site" .whl/*.whl || exit 2
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 $py -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU here'" || exit 2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
 tests=0
 if [ $# -eq 0 ]; then
-  timeout 240 $py -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 150 \
+  # the cases are independent processes with tiny models: 4 at a time (xdist, from .whl)
+  workers=$($py -c "import xdist" 2>/dev/null && echo "-n 4")
+  timeout "${GPU_TESTS_S:-200}" $py -m pytest -q -p no:cacheprovider -m gpu -rs \
+    --timeout 150 $workers --durations 10 \
     tests/test_gpu_paths.py tests/test_gpu_generation.py tests/test_allreduce_device.py \
     2>&1 | tee "$out/gpu-tests.log"
   tests=${PIPESTATUS[0]}
-  left=$((total - $(elapsed)))
-  set -- --budget-s $((left - 15)) --phases generate,profile,grpo,crf-small --new-tokens 64 \
-    --steps 3
-else
-  left=570  # a device command's limit is 10 minutes
+  echo "gpu-check: tests exit $tests after $(elapsed) s"
+  set -- --phases "${GPU_PHASES:-generate,profile,grpo,crf-small}" --new-tokens 64 --steps 3 \
+    --budget-s $((total - $(elapsed) - 25))
 fi
-bench_out=$(mktemp -d)
-timeout "$left" $py bench/gpu.py --out "$bench_out" --update-docs "$@" 2>&1 \
+left=$((total - $(elapsed) - 10))
+logs=$(mktemp -d)
+timeout "$left" $py bench/gpu.py --out "$out" --logs "$logs" --update-docs "$@" 2>&1 \
   | tee "$out/gpu-bench.log"
 bench=${PIPESTATUS[0]}
-cp "$bench_out"/gpu.json "$bench_out"/gpu.md "$out"/ 2>/dev/null
 cp docs/performance.md docs/gpu-bench.json "$out"/ 2>/dev/null
-(cd "$bench_out" && tar czf - crf-run-* 2>/dev/null) >"$out"/crf-runs.tgz
+(cd "$logs" && tar czf - crf-run-* 2>/dev/null) >"$out"/crf-runs.tgz
 echo "gpu-check: tests exit $tests, benchmark exit $bench, $(elapsed) s in all"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
