@@ -191,8 +191,16 @@ def problems(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 # ---------------------------------------------------------------------- phase 1: generate
 #: the generation engines measured, all in transformers (nothing extra to install)
+#: the grpo phase's generation paths (bench_grpo)
+GRPO_PATHS = {
+    "generate": "TRL's generate, crf's attention kernels",
+    "cudnn": "TRL's generate, SDPA with cuDNN",
+    "continuous": "continuous batching, fp32",
+}
+
 ENGINES = {
     "generate": "HF generate",
+    "nocudnn": "HF generate, SDPA without cuDNN (crf's generation on CUDA)",
     "static": "HF generate, static KV cache + torch.compile",
     "continuous": "continuous batching (generate_batch)",
 }
@@ -237,12 +245,16 @@ def _generate_once(model: Any, tok: Any, engine: str, batch: int, new: int, devi
             out = model.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb,
                                        progress_bar=False, persistent_manager=True)  # fmt: skip
         return sum(len(o.generated_tokens) for o in out.values())
+    from crf.composer.generation import generation_attention
+
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
     if engine == "static":
         # transformers compiles the decoding step itself for a static cache on a GPU
         kw["cache_implementation"] = "static"
-    with torch.no_grad():
+    # crf's choice of attention kernels for its generations (no cuDNN on CUDA), or PyTorch's
+    attention = generation_attention(model, cudnn=engine != "nocudnn")
+    with torch.no_grad(), attention:
         out = model.generate(**enc, **kw)
     return (out.shape[1] - enc["input_ids"].shape[1]) * batch
 
@@ -306,23 +318,30 @@ def bench_generate(
     return rows
 
 
-def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16) -> list[dict]:
-    """torch.profiler over ``steps`` decoding steps of plain ``generate`` at each batch: the
-    wall time per step against the time the CPU spent in ops and the time the GPU ran
-    kernels, the kernel launches per step, and the ops that cost most on each side. A step
-    whose GPU time is a small part of its wall time is paced by the CPU (Python, dispatch,
-    launches), not by the GPU."""
+def bench_profile(
+    folder: str,
+    device: str,
+    batches: list[int],
+    steps: int = 16,
+    engines: tuple[str, ...] = ("generate", "nocudnn"),
+) -> list[dict]:
+    """torch.profiler over ``steps`` decoding steps of plain ``generate`` at each batch, with
+    PyTorch's choice of attention kernels and with crf's (``engines``): the wall time per step
+    against the time the CPU spent in ops and the time the GPU ran kernels, the kernel
+    launches per step, and the ops that cost most on each side. A step whose GPU time is a
+    small part of its wall time is paced by the CPU (Python, dispatch, launches, plan
+    building), not by the GPU."""
     from torch.profiler import ProfilerActivity, profile
 
     model, tok = _load_bf16(folder, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     out = []
-    for batch in batches:
-        _generate_once(model, tok, "generate", batch, 4, device)  # warm-up
+    for engine, batch in [(e, b) for e in engines for b in batches]:
+        _generate_once(model, tok, engine, batch, 4, device)  # warm-up
         _sync(device)
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
-            _generate_once(model, tok, "generate", batch, steps, device)
+            _generate_once(model, tok, engine, batch, steps, device)
             _sync(device)
             wall = time.perf_counter() - t0
         avg = prof.key_averages()
@@ -338,6 +357,8 @@ def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16)
                     for e in ranked if value(e) > 0]  # fmt: skip
 
         row = {
+            "engine": ENGINES[engine],
+            "key": engine,
             "batch": batch,
             "steps": steps,
             "step_ms": 1000 * wall / steps,
@@ -350,7 +371,8 @@ def bench_profile(folder: str, device: str, batches: list[int], steps: int = 16)
             "top_gpu": top(_device_us),
         }
         out.append(row)
-        print(f"  profile, batch {batch}: {row['step_ms']:.1f} ms per step; GPU kernels "
+        print(f"  profile, {ENGINES[engine]}, batch {batch}: {row['step_ms']:.1f} ms per "
+              f"step; GPU kernels "
               f"{row['gpu_kernels_ms_per_step']:.1f} ms, CPU in ops "
               f"{row['cpu_ops_ms_per_step']:.1f} ms ({row['sync_and_copy_ms_per_step']:.1f} "
               f"synchronizing/copying), {row['aten_calls_per_step']:.0f} aten calls and "
@@ -389,9 +411,12 @@ def bench_grpo(
     folder: str, device: str, prompts: int, completion: int, steps: int, generation: str
 ) -> dict:
     """Optimizer steps of crf's composer trainer with TRL's GRPO defaults (batch and
-    completion length aside), in this process, without an exchange. ``generation``:
-    ``generate`` (TRL's default) or ``continuous`` (``use_transformers_continuous_batching``,
-    through crf's guard that keeps the fp32 master weights: they are checked after)."""
+    completion length aside), in this process, without an exchange. ``generation``: one of
+    :data:`GRPO_PATHS`: ``generate`` (TRL's default generate, with crf's attention kernels),
+    ``cudnn`` (the same with PyTorch's choice, cuDNN's attention on a recent GPU: the
+    baseline), or ``continuous`` (``use_transformers_continuous_batching``, which crf runs
+    in fp32 only: its paged cache takes the weights' dtype). The master weights' dtypes are
+    checked after."""
     import torch
     from datasets import Dataset
     from transformers import (
@@ -431,7 +456,8 @@ def bench_grpo(
             num_generations=gens,
             max_completion_length=completion,
             use_cpu=not cuda,
-            bf16=cuda and torch.cuda.is_bf16_supported(),
+            bf16=cuda and torch.cuda.is_bf16_supported() and generation != "continuous",
+            generation_cudnn_attention=generation == "cudnn",
             save_strategy="no",
             report_to=[],
             logging_steps=1,
@@ -802,7 +828,8 @@ def table(res: dict[str, Any]) -> str:
             lines.append(f"| {what}: generated tokens/s | {g['note']} |")
     for p in res.get("profile", []):
         lines.append(
-            f"| HF generate, batch {p['batch']}, one decoding step (torch.profiler): wall / GPU "
+            f"| {p.get('engine', 'HF generate')}, batch {p['batch']}, one decoding step "
+            "(torch.profiler): wall / GPU "
             f"kernels / CPU in ops / of which synchronizing and copying, ms; kernel launches | "
             f"{p['step_ms']:.1f} / {p['gpu_kernels_ms_per_step']:.1f} / "
             f"{p['cpu_ops_ms_per_step']:.1f} / {p['sync_and_copy_ms_per_step']:.1f}; "
@@ -816,14 +843,13 @@ def table(res: dict[str, Any]) -> str:
     grpo = res.get("grpo") or {}
     for gen, g in grpo.items():
         what = f"{g['rollouts_per_step']} rollouts of ≤ {res['completion']} tokens"
-        how = "TRL's generate" if gen == "generate" else "continuous batching"
+        how = GRPO_PATHS.get(gen, gen)
         lines += [
             f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f} |",
             f"| generated tokens/s inside the GRPO step ({how}) | "
             f"{g['tokens_per_s_in_step']:,.0f} |",
         ]
-        if gen != "generate":
-            lines.append(f"| master weights after it ({how}) | {', '.join(g['master_dtypes'])} |")
+        lines.append(f"| master weights after it ({how}) | {', '.join(g['master_dtypes'])} |")
     base = grpo.get("generate")
     if base:
         lines.append(
@@ -981,11 +1007,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of the grpo phase")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens each generate "
                    "call makes (default 128; --tiny: 8)")  # fmt: skip
-    p.add_argument("--engines", default="generate,continuous,static", help="generate phase's "
+    p.add_argument("--engines", default="generate,nocudnn,continuous,static", help="generate "
+                   "phase's "
                    "engines: " + ", ".join(f"{k} ({v})" for k, v in ENGINES.items()))  # fmt: skip
-    p.add_argument("--grpo-generation", default="generate,continuous",
-                   help="the grpo phase's generation paths: generate (TRL's default) and/or "
-                   "continuous")  # fmt: skip
+    p.add_argument("--grpo-generation", default="generate,cudnn",
+                   help="the grpo phase's generation paths: " + ", ".join(
+                       f"{k} ({v})" for k, v in GRPO_PATHS.items()))  # fmt: skip
     p.add_argument("--run-prompts", type=int, default=1, help="prompts per step, small-step run")
     p.add_argument("--run-completion", type=int, default=8, help="max completion, small-step run")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds a crf run may take "
@@ -1063,6 +1090,21 @@ def main(argv: list[str] | None = None) -> int:
         bench_generate(folder, device, new_tokens, batches, engines, rows, save, deadline)
         return [*rows, vllm_row()]
 
+    def grpo_paths() -> dict[str, dict]:
+        paths = res["grpo"] = {}  # saved as each path ends; a failed path is an error row
+        for gen in filter(None, a.grpo_generation.split(",")):
+            try:
+                paths[gen] = bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)
+                g = paths[gen]
+                print(f"  {GRPO_PATHS[gen]}: {g['step_s']:.2f} s per step, "
+                      f"{g['tokens_per_s_in_step']:,.0f} tokens/s", flush=True)  # fmt: skip
+            except Exception as e:
+                res["errors"][f"grpo ({GRPO_PATHS[gen]})"] = (
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                )
+            save()
+        return paths
+
     print(json.dumps(res["environment"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="crf-gpu-model-") as folder:
         t0 = time.perf_counter()
@@ -1074,11 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
         phases = {
             "generate": generate_rows,
             "profile": lambda: bench_profile(folder, device, batches),
-            "grpo": lambda: {
-                gen: bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)
-                for gen in a.grpo_generation.split(",")
-                if gen
-            },  # fmt: skip
+            "grpo": grpo_paths,
             "crf": lambda: crf_run("grpo"),
             "crf-small": lambda: crf_run("small"),
         }

@@ -2,10 +2,13 @@
 
 TRL 1.16's ``use_transformers_continuous_batching`` path casts the model it generates with to
 bf16 in place when ``bf16=True`` (and never back): the control case shows it does, on TRL's own
-GRPOTrainer. crf's ComposerReplicationTrainer generates on the same path with every parameter
-still fp32 afterwards (crf/composer/generation.py). Both run on the CPU and, marked ``gpu``, on
-CUDA, where transformers serves that path (>= 5.8; on older ones crf refuses the setting before
-launch: tests/test_trl_settings.py)."""
+GRPOTrainer. crf's ComposerReplicationTrainer generates on the same path without that cast
+(crf/composer/generation.py). The paged cache holds keys and values in the weights' dtype, so
+under bf16 autocast (bf16 keys from fp32 weights) the path cannot run: crf refuses the
+combination in its config, and trains on that path in fp32, every parameter still fp32
+afterwards. The cases run on the CPU and, marked ``gpu``, on CUDA, where transformers serves
+that path (>= 5.8; on older ones crf refuses the setting before launch:
+tests/test_trl_settings.py)."""
 
 from __future__ import annotations
 
@@ -36,19 +39,21 @@ NEEDS_CB = pytest.mark.skipif(
 )
 
 
-def _trainer(cls: Any, folder: Path, device: str, **extra: Any) -> Any:
+def _trainer(cls: Any, folder: Path, device: str, bf16: bool = True, **extra: Any) -> Any:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
 
     from crf.composer import ComposerConfig
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
-    args = ComposerConfig(
+    config = GRPOConfig if cls is GRPOTrainer else ComposerConfig
+    args = config(
         output_dir=str(folder / "out"),
         use_cpu=device == "cpu",
-        bf16=True,
+        bf16=bf16,
         max_steps=1,
         per_device_train_batch_size=4,
         num_generations=2,
@@ -96,15 +101,30 @@ def test_trls_continuous_batching_casts_the_model_in_place(folder: Path, device:
 
 @NEEDS_CB
 @pytest.mark.parametrize("device", DEVICES)
-def test_crf_generates_on_that_path_with_fp32_master_weights(folder: Path, device: str) -> None:
+def test_crf_trains_on_that_path_in_fp32(folder: Path, device: str) -> None:
+    """A generation on its own and then a whole optimizer step (generation inside the
+    prepared model, where autocast would be): completions come back and every parameter is
+    still fp32, on the device."""
     from crf.composer import ComposerReplicationTrainer
 
-    trainer = _trainer(ComposerReplicationTrainer, folder, device)
+    trainer = _trainer(ComposerReplicationTrainer, folder, device, bf16=False)
     completions = _generate(trainer)
     assert len(completions) == 2 and all(len(c) >= 1 for c in completions)
+    trainer.train()
+    assert trainer.state.global_step == 1
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
-    assert trainer.args.bf16 is True  # the flag is back: training still autocasts to bf16
     assert {p.device.type for p in trainer.model.parameters()} == {device}
+
+
+def test_crf_refuses_that_path_under_autocast() -> None:
+    """bf16 (or fp16) autocast with continuous batching is refused when the config is made,
+    naming the setting and the fix: the paged cache would hold fp32 while autocast makes
+    bf16 keys, and generation would fail at the first step."""
+    from crf.composer import ComposerConfig
+
+    with pytest.raises(ValueError, match="needs fp32 training .* --precision fp32"):
+        ComposerConfig(output_dir="unused", use_cpu=True, bf16=True,
+                       use_transformers_continuous_batching=True)  # fmt: skip
 
 
 def test_a_cast_the_guard_cannot_prevent_is_refused() -> None:

@@ -55,6 +55,14 @@ class ComposerConfig(GRPOConfig):
             "rejected" (they are already correct). None = every rollout.
         dpo_beta: DPO's β.
         simpo_beta, simpo_gamma: SimPO's β and target margin γ.
+
+    Generation:
+        generation_cudnn_attention: let PyTorch's SDPA use cuDNN's attention while generating
+            on CUDA (off by default: cuDNN builds a plan on the CPU for each new sequence
+            length, which is every decoding step; crf/composer/generation.py).
+        ``use_transformers_continuous_batching`` needs ``bf16=False`` and ``fp16=False``:
+            transformers' paged cache holds keys and values in the weights' dtype, and
+            autocast makes them bf16/fp16 from fp32 master weights.
     """
 
     distill_alpha: float = field(default=0.0, metadata={"help": "weight of channel 2"})
@@ -90,6 +98,12 @@ class ComposerConfig(GRPOConfig):
     dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta"})
     simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta"})
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO gamma (target margin)"})
+    generation_cudnn_attention: bool = field(
+        default=False,
+        metadata={"help": "let SDPA use cuDNN's attention while generating on CUDA (off: its "
+                  "per-length plan costs more CPU time per decoding step than the step's "
+                  "GPU work)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,6 +130,18 @@ class ComposerConfig(GRPOConfig):
         self._validate_wrapper_knobs()
         self._validate_taid()
         self._validate_opd()
+        self._validate_generation()
+
+    def _validate_generation(self) -> None:
+        """Continuous batching only without autocast (its paged cache takes the weights'
+        dtype for keys and values; autocast makes them bf16/fp16 from fp32 weights)."""
+        _need(
+            not (self.use_transformers_continuous_batching and (self.bf16 or self.fp16)),
+            "use_transformers_continuous_batching needs fp32 training (bf16=False, "
+            "fp16=False; in crf: --precision fp32): transformers' paged cache keeps keys and "
+            "values in the weights' dtype, and bf16/fp16 autocast makes them from fp32 master "
+            "weights in the other dtype",
+        )
 
     def _validate_choices(self) -> None:
         """The distill wrapper and the replay loss are among the known ones."""

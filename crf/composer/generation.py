@@ -12,9 +12,18 @@ rounded differences. With LoRA the fp32 adapters would be cast the same way.
 
 :func:`master_weights_kept` is the guard: for the duration of one generation it turns the
 trainer's ``bf16``/``fp16`` flags off, so TRL skips its cast and the model generates with the
-weights it trains (the accelerator's autocast, wrapped around the model's forward when the
-trainer was prepared, still runs the matrix products in bf16/fp16); it then checks that no
-parameter changed dtype, and raises if one did (a TRL version that casts some other way).
+weights it trains; it then checks that no parameter changed dtype, and raises if one did (a
+TRL version that casts some other way). Transformers' paged cache takes the model's dtype for
+the keys and values too, so under the trainer's bf16/fp16 autocast (which makes bf16 keys from
+fp32 weights) that path cannot run at all: :class:`~crf.composer.ComposerConfig` refuses the
+combination, and continuous batching runs with ``--precision fp32`` only.
+
+:func:`generation_attention` picks the attention kernels of a generation on CUDA. PyTorch's
+SDPA prefers cuDNN's attention on recent GPUs, and cuDNN builds an execution plan on the CPU
+for every new sequence length: a decoding step has a new length at every token, so each layer
+paid that build at every step (on one H100, 51 of the 103 ms a profiled step of a 24-layer
+model took, against 7 ms of GPU kernels; docs/performance.md, "GPU: one H100"). Without it,
+SDPA takes FlashAttention or the memory-efficient kernel, which need no plan.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["MasterWeightsCast", "master_weights_kept"]
+__all__ = ["MasterWeightsCast", "generation_attention", "master_weights_kept"]
 
 
 class MasterWeightsCast(RuntimeError):
@@ -49,3 +58,19 @@ def master_weights_kept(model: Any, args: Any) -> Iterator[None]:
                 "trainer's master weights must keep their dtype (crf exchanges differences "
                 "of them)"
             )
+
+
+@contextlib.contextmanager
+def generation_attention(model: Any, cudnn: bool = False) -> Iterator[None]:
+    """Generate inside this block: on CUDA, SDPA without cuDNN's attention (its per-length
+    plan building costs more CPU time per decoding step than the step's GPU work) unless
+    ``cudnn``; elsewhere, or with ``cudnn``, nothing changes."""
+    device = getattr(model, "device", None)
+    if cudnn or getattr(device, "type", None) != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(kernels):
+        yield

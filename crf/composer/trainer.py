@@ -34,7 +34,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from crf.composer.config import ComposerConfig
-from crf.composer.generation import master_weights_kept
+from crf.composer.generation import generation_attention, master_weights_kept
 from crf.composer.losses import (
     TAIDSchedule,
     compose_loss,
@@ -269,9 +269,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._last_loaded_step = -1
 
     def _generate_single_turn(self, prompt_ids, images, multimodal, num_generations, *a, **kw):
-        """TRL's generation; on its continuous-batching path, without the in-place cast of
-        the model to bf16/fp16 (crf/composer/generation.py). For a worker's batch taken by
-        the rollout intake: the worker's completions and behaviour log-probs, no sampling."""
+        """TRL's generation, on CUDA without cuDNN's attention; on its continuous-batching
+        path, without the in-place cast of the model to bf16/fp16 (both:
+        crf/composer/generation.py). For a worker's batch taken by the rollout intake: the
+        worker's completions and behaviour log-probs, no sampling."""
         if self._worker_rollout is not None:
             taken, self._worker_rollout = self._worker_rollout, None
             return self._intake.completions(taken, prompt_ids)
@@ -280,7 +281,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
             if self.use_transformers_continuous_batching
             else contextlib.nullcontext()
         )
-        with guard:
+        attention = generation_attention(self.model, self.args.generation_cudnn_attention)
+        with guard, attention:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal, num_generations, *a, **kw
             )

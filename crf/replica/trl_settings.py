@@ -258,12 +258,33 @@ def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bo
         )
 
 
-def check_continuous_batching(fields: Mapping[str, Any], version: str | None = None) -> None:
+def check_continuous_batching(
+    fields: Mapping[str, Any],
+    version: str | None = None,
+    *,
+    spec: Any = None,
+    gpus: int | None = None,
+    local: bool = True,
+) -> None:
     """SettingError before launch for ``use_transformers_continuous_batching`` on a
     transformers older than :data:`CONTINUOUS_BATCHING_TRANSFORMERS` (``version``: this
-    environment's; replicas install the driver's versions, so theirs is the same)."""
+    environment's; replicas install the driver's versions, so theirs is the same), and in a
+    run that trains under bf16/fp16 autocast (``--precision`` bf16 or fp16, or auto on a GPU):
+    transformers' paged cache keeps keys and values in the weights' dtype, fp32 here, and
+    autocast makes them bf16."""
     if not fields.get("use_transformers_continuous_batching"):
         return
+    precision = getattr(spec, "precision", None) or "auto"
+    if spec is not None and (
+        precision in ("bf16", "fp16") or (precision == "auto" and _on_gpu(spec, gpus, local))
+    ):
+        said = "auto (bf16 on a GPU)" if precision == "auto" else precision
+        raise SettingError(
+            f"trl.use_transformers_continuous_batching needs --precision fp32, and this run's "
+            f"is {said}: transformers' paged cache keeps keys and values in the weights' "
+            "dtype (crf's fp32 master weights) and bf16 autocast makes them bf16; or leave the "
+            "setting off (TRL's generate is the faster path on a GPU: docs/performance.md)"
+        )
     from packaging.version import Version
 
     from crf.versions import distribution_version
@@ -289,7 +310,20 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
     generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
     check_values(fields, cfg.prompts_per_step * generations)
     check_vllm(fields, spec, gpus, local)
-    check_continuous_batching(fields)
+    check_continuous_batching(fields, spec=spec, gpus=gpus, local=local)
+
+
+def _on_gpu(spec: Any, gpus: int | None, local: bool) -> bool:
+    """Whether the replicas train on a CUDA GPU that has bf16 (``--precision auto`` is bf16
+    there): ``--device``, else this machine for local replicas, else the backend's hardware."""
+    device = getattr(spec, "device", "auto")
+    if device in ("cpu", "cuda"):
+        return device == "cuda"
+    if not local:
+        return bool(gpus)
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def completion_notes(
