@@ -972,9 +972,12 @@ def merge_documented(res: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def commit() -> str | None:
-    """The checkout's commit (with ``+changes`` when its files differ), or None outside git."""
+    """The checkout's commit (with ``+changes`` when its files differ), or None outside git;
+    ``CRF_COMMIT`` when set (a copy of the tree whose ``.git`` is not the checkout's)."""
     import subprocess
 
+    if os.environ.get("CRF_COMMIT"):
+        return os.environ["CRF_COMMIT"]
     root = os.path.dirname(DOCS)
     try:
         head = subprocess.run(

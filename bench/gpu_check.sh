@@ -17,7 +17,8 @@
 # Environment: PYTHON (default python3: the machine's Python with torch), GPU_CHECK_S (the
 # seconds the whole check may take, default 470: 8 minutes less a margin for copying the
 # results), GPU_TESTS_S (the tests' share, default 200), GPU_PHASES (the benchmark's phases
-# after the tests, default generate,profile,grpo,crf-small). Run from the repository's root.
+# after the tests, default generate,profile,grpo,crf-small), CRF_COMMIT (the commit the table
+# names, where the machine's copy of the tree has another .git). Run from the repository's root.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT [bench/gpu.py arguments]}
 shift

@@ -138,3 +138,21 @@ def test_a_cast_the_guard_cannot_prevent_is_refused() -> None:
         with master_weights_kept(model, args):
             model.to(torch.bfloat16)
     assert args.bf16 is True
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_generation_attention_leaves_out_cudnn_on_cuda_only(cudnn: bool) -> None:
+    """On a CUDA model SDPA may not pick cuDNN's attention inside the block (unless asked
+    to), and the flags are as before after it; on a CPU model nothing changes."""
+    from types import SimpleNamespace
+
+    from crf.composer.generation import generation_attention
+
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled())
+    with generation_attention(SimpleNamespace(device=torch.device("cuda")), cudnn=cudnn):
+        assert flags.cudnn_sdp_enabled() is (cudnn and before[0])
+        assert flags.flash_sdp_enabled() is before[1]
+    with generation_attention(SimpleNamespace(device=torch.device("cpu"))):
+        assert flags.cudnn_sdp_enabled() is before[0]
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled()) == before

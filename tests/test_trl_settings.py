@@ -266,6 +266,51 @@ def test_continuous_batching_on_an_older_transformers_is_one_line(tmp_path: Path
     assert not (tmp_path / "runs").exists()
 
 
+def test_continuous_batching_under_autocast_is_refused_before_launch(tmp_path: Path) -> None:
+    """The paged cache takes the weights' dtype (crf's fp32 master weights) while bf16
+    autocast makes bf16 keys: a run whose precision is bf16 or fp16, or auto on a GPU, is
+    refused in one line that names --precision fp32; fp32, and auto without a GPU, launch."""
+    on = {"use_transformers_continuous_batching": True}
+    new = "5.8.0"
+    for precision, device, gpus, local in (("bf16", "cpu", None, True),
+                                           ("fp16", "cuda", None, True),
+                                           ("auto", "cuda", None, True),
+                                           ("auto", "auto", 1, False)):  # fmt: skip
+        with pytest.raises(trl_settings.SettingError, match="needs --precision fp32"):
+            trl_settings.check_continuous_batching(
+                on, new, spec=_spec(precision=precision, device=device), gpus=gpus, local=local
+            )
+    for precision, device, gpus, local in (("fp32", "cuda", None, True),
+                                           ("auto", "cpu", None, True),
+                                           ("auto", "auto", 0, False)):  # fmt: skip
+        trl_settings.check_continuous_batching(
+            on, new, spec=_spec(precision=precision, device=device), gpus=gpus, local=local
+        )
+
+    result = crf("launch", "--set", "trl.use_transformers_continuous_batching=true",
+                 "--precision", "bf16", "--store", tmp_path / "runs", "--dry-run")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert line.startswith("error: ") and "\n" not in line, line
+    from packaging.version import Version
+
+    from crf.versions import distribution_version
+
+    served = Version(distribution_version("transformers")) >= Version(new)
+    # a transformers that cannot serve the path is named first (the lowest set CI tests)
+    assert ("needs --precision fp32, and this run's is bf16" if served
+            else "needs transformers>=5.8.0") in line  # fmt: skip
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_attention_choice_reaches_the_trainer(tmp_path: Path) -> None:
+    """``--set generation_cudnn_attention=true`` reaches ComposerConfig; off by default."""
+    spec = _spec(device="cpu")
+    assert _trainer_config(spec, tmp_path).generation_cudnn_attention is False
+    args = _trainer_config(spec, tmp_path, generation_cudnn_attention="true")
+    assert args.generation_cudnn_attention is True
+
+
 def _digest(model: Any) -> str:
     h = hashlib.sha256()
     for p in model.parameters():

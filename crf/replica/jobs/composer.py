@@ -85,6 +85,9 @@ class Config:
     temperature: float | None = None
     grpo_beta: float | None = None  # KL-to-reference weight of the GRPO term (TRL's `beta`)
     prompts_per_step: int = 8  # x num_generations completions per optimizer step
+    # let SDPA use cuDNN's attention while generating on CUDA (off: it builds a plan on the
+    # CPU for each new sequence length; crf/composer/generation.py)
+    generation_cudnn_attention: bool = False
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
     distill_jsd_beta: float = 0.5
@@ -223,6 +226,7 @@ class Config:
             dpo_beta=self.dpo_beta,
             simpo_beta=self.simpo_beta,
             simpo_gamma=self.simpo_gamma,
+            generation_cudnn_attention=self.generation_cudnn_attention,
         )
         if self.distill_wrapper == "taid":
             if self.taid_schedule:
