@@ -11,24 +11,29 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
 
 1. ``generate``: generated tokens/s at batch 16 and 64 (bf16 weights, greedy, every sequence
    made to its full length) of each generation engine transformers has without an extra
-   install: plain ``model.generate``; ``generate`` with a static KV cache, whose decoding
-   step transformers compiles with torch.compile (CUDA graphs) on a GPU; and continuous
+   install: plain ``model.generate``, with PyTorch's choice of attention kernels and with
+   crf's (``nocudnn``: SDPA without cuDNN, what crf's trainer generates with on CUDA);
+   ``generate`` with a static KV cache, whose decoding step transformers compiles with
+   torch.compile (CUDA graphs) on a GPU; and continuous
    batching (``generate_batch``, a paged cache: what TRL's
    ``use_transformers_continuous_batching`` calls). Each is timed on its second call; the
    first (compilation, graph capture) is reported for the static cache. vLLM where it is
    installed (``crf[vllm]``), else marked not measured.
-2. ``profile``: torch.profiler over 16 decoding steps of plain ``generate`` at each batch: the
-   wall time of a step against the GPU's kernel time and the CPU's time in ops, the kernel
-   launches per step and the costliest ops on each side. A step whose kernels fill a small
-   part of its wall time is paced by the CPU (Python, dispatch, launches), not by the GPU.
+2. ``profile``: torch.profiler over 16 decoding steps of plain ``generate`` at each batch,
+   with each choice of attention kernels: the wall time of a step against the GPU's kernel
+   time and the CPU's time in ops, the kernel launches per step and the costliest ops on each
+   side. A step whose kernels fill a small part of its wall time is paced by the CPU (Python,
+   dispatch, launches, cuDNN's plan building), not by the GPU.
 3. ``grpo``: crf's composer trainer (TRL's GRPOTrainer and crf's loss channels) in this
    process, with TRL's GRPO defaults but for the batch (``--prompts`` x 8 generations) and
    the completion length (``--completion``): seconds per optimizer step (after a warm-up),
-   generated tokens/s inside the step and peak GPU memory, with TRL's generate and with
-   continuous batching (``--set trl.use_transformers_continuous_batching=true`` in a run;
-   the master weights are checked to be fp32 after it).
+   generated tokens/s inside the step and peak GPU memory, for each ``--grpo-generation``
+   path: TRL's generate with crf's attention kernels (the default) and with cuDNN's (the
+   baseline), or continuous batching (in fp32, the only precision crf runs it in); the
+   master weights are checked to be fp32 after each.
 4. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU at GRPO-sized steps (the grpo
-   phase's batch and length), H = 50, ``--grpo-rounds`` round(s), a file store on local disk,
+   phase's batch and length), H = 50 (or the largest that fits ``--budget-s``),
+   ``--grpo-rounds`` round(s), a file store on local disk,
    a global checkpoint every round. crf's share of wall time is measured from the run's own
    round records: the time training waited (exchange and checkpoint) against its compute,
    per replica; the goal is 5%. Each round's phases (device-to-host, encode, upload, wait for
@@ -60,11 +65,12 @@ command is::
 
 It leaves in ``$OUT`` the tests' and the benchmark's logs, gpu.json, gpu.md, the updated
 docs/performance.md and docs/gpu-bench.json (to copy back into docs/) and the crf runs' logs
-(crf-runs.tgz). crf's share at H = 50 takes about
-9 minutes by itself (the GRPO-sized run's one round is about 6); the same script runs it,
-without the tests, when given this benchmark's arguments::
+(crf-runs.tgz). crf's share at GRPO-sized steps needs a command of its own (a round of
+H = 50 such steps, the GPU shared by 2, is over 12 minutes on an H100, so each run takes the
+largest H that fits); the same script runs it, without the tests, when given this
+benchmark's arguments::
 
-    bash bench/gpu_check.sh "$OUT" --phases crf,crf-small
+    GPU_CHECK_S=570 bash bench/gpu_check.sh "$OUT" --phases crf,crf-small
 
 ``--tiny`` runs the phases on a 2-layer model on a CPU (what tests/test_bench_gpu.py does).
 """
@@ -1024,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
                    "H under --budget-s)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds of the small-step crf run")
     p.add_argument("--grpo-rounds", type=int, default=1, help="rounds of the GRPO-sized crf "
-                   "run (one round of H = 50 GRPO-sized steps is about 6 minutes)")  # fmt: skip
+                   "run (one round of H = 50 GRPO-sized steps is over 12 minutes)")  # fmt: skip
     p.add_argument("--batches", default="16,64", help="batches of the generate and profile "
                    "phases")  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=1, help="the crf runs' "

@@ -11,8 +11,9 @@
 # again after each phase), performance.md and gpu-bench.json (docs/ with the new table and
 # the result behind it: copy both back into docs/) and crf-runs.tgz (the crf runs' logs and
 # round records). With bench/gpu.py arguments the tests are skipped and the benchmark runs
-# with those arguments: --phases crf,crf-small measures crf's share at GRPO-sized and at
-# small steps, H = 50 (about 9 minutes).
+# with those arguments, its budget what is left of GPU_CHECK_S: GPU_CHECK_S=570 and
+# --phases crf,crf-small measure crf's share at GRPO-sized and at small steps, each run at the
+# largest H that fits.
 #
 # Environment: PYTHON (default python3: the machine's Python with torch), GPU_CHECK_S (the
 # seconds the whole check may take, default 470: 8 minutes less a margin for copying the
@@ -48,6 +49,8 @@ if [ $# -eq 0 ]; then
   echo "gpu-check: tests exit $tests after $(elapsed) s"
   set -- --phases "${GPU_PHASES:-generate,profile,grpo,crf-small}" --new-tokens 64 --steps 3 \
     --budget-s $((total - $(elapsed) - 25))
+else
+  set -- --budget-s $((total - $(elapsed) - 25)) "$@"  # a --budget-s given here comes later: it wins
 fi
 left=$((total - $(elapsed) - 10))
 logs=$(mktemp -d)

@@ -107,8 +107,8 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     # TRL's path) needs transformers>=5.8 (crf refuses it before launch on older ones): the
     # generate and GRPO phases run it where the installed transformers serves it
     cb = _serves_continuous_batching()
-    engines = ["generate", "continuous", "static"] if cb else ["generate", "static"]
-    generations = ["continuous", "generate"] if cb else ["generate"]
+    engines = ["generate", "nocudnn", "continuous", "static"] if cb else ["generate", "static"]
+    generations = ["continuous", "cudnn", "generate"] if cb else ["cudnn", "generate"]
     cmd = [sys.executable, str(repo / "bench" / "gpu.py"), "--tiny", "--out", str(out),
            "--steps", "2", "--sync-every", "2", "--rounds", "2", "--completion", "4",
            "--prompts", "1", "--new-tokens", "4", "--batches", "2,4",
@@ -122,14 +122,14 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     made = [(g["key"], g["batch"]) for g in res["generate"] if "tokens_per_s" in g]
     assert made == [(e, b) for e in engines for b in (2, 4)]
     assert all(g["tokens_per_s"] > 0 for g in res["generate"] if "batch" in g)
-    assert [p["batch"] for p in res["profile"]] == [2, 4]
+    profiled = [(p["key"], p["batch"]) for p in res["profile"]]
+    assert profiled == [(e, b) for e in ("generate", "nocudnn") for b in (2, 4)]
     assert all(p["step_ms"] > 0 and p["top_cpu"] for p in res["profile"])
     grpo = res["grpo"]
     assert sorted(grpo) == generations
     assert all(g["steps"] == 2 and g["step_s"] > 0 for g in grpo.values())
     assert grpo["generate"]["learning_rate"] == 1e-6  # TRL's GRPO default, not the toy's
-    if "continuous" in grpo:
-        assert grpo["continuous"]["master_dtypes"] == ["float32"]
+    assert all(g["master_dtypes"] == ["float32"] for g in grpo.values())
     run = res["crf-small"]
     assert run["weights_identical"] is True and run["sync_every"] == 2
     assert all(0 <= r["crf_share"] < 1 for r in run["replicas"])
