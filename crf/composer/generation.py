@@ -21,9 +21,9 @@ combination, and continuous batching runs with ``--precision fp32`` only.
 :func:`generation_attention` picks the attention kernels of a generation on CUDA. PyTorch's
 SDPA prefers cuDNN's attention on recent GPUs, and cuDNN builds an execution plan on the CPU
 for every new sequence length: a decoding step has a new length at every token, so each layer
-paid that build at every step (on one H100, 51 of the 103 ms a profiled step of a 24-layer
-model took, against 7 ms of GPU kernels; docs/performance.md, "GPU: one H100"). Without it,
-SDPA takes FlashAttention or the memory-efficient kernel, which need no plan.
+paid that build at every step (on one H100, 38-121 ms of CPU time in a profiled step of a
+24-layer model, against 7-10 ms of GPU kernels; docs/performance.md, "GPU: one H100"). Without
+it, SDPA takes FlashAttention or the memory-efficient kernel, which need no plan.
 """
 
 from __future__ import annotations

@@ -274,17 +274,6 @@ def check_continuous_batching(
     autocast makes them bf16."""
     if not fields.get("use_transformers_continuous_batching"):
         return
-    precision = getattr(spec, "precision", None) or "auto"
-    if spec is not None and (
-        precision in ("bf16", "fp16") or (precision == "auto" and _on_gpu(spec, gpus, local))
-    ):
-        said = "auto (bf16 on a GPU)" if precision == "auto" else precision
-        raise SettingError(
-            f"trl.use_transformers_continuous_batching needs --precision fp32, and this run's "
-            f"is {said}: transformers' paged cache keeps keys and values in the weights' "
-            "dtype (crf's fp32 master weights) and bf16 autocast makes them bf16; or leave the "
-            "setting off (TRL's generate is the faster path on a GPU: docs/performance.md)"
-        )
     from packaging.version import Version
 
     from crf.versions import distribution_version
@@ -296,6 +285,17 @@ def check_continuous_batching(
             f"trl.use_transformers_continuous_batching needs transformers>={need}, and this "
             f"environment has {have}: pip install 'transformers>={need},<6', or leave the "
             "setting off"
+        )
+    precision = getattr(spec, "precision", None) or "auto"
+    if spec is not None and (
+        precision in ("bf16", "fp16") or (precision == "auto" and _on_gpu(spec, gpus, local))
+    ):
+        said = "auto (bf16 on a GPU)" if precision == "auto" else precision
+        raise SettingError(
+            f"trl.use_transformers_continuous_batching needs --precision fp32, and this run's "
+            f"is {said}: transformers' paged cache keeps keys and values in the weights' "
+            "dtype (crf's fp32 master weights) and bf16 autocast makes them bf16; or leave the "
+            "setting off (TRL's generate is the faster path on a GPU: docs/performance.md)"
         )
 
 
