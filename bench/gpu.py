@@ -850,8 +850,10 @@ def table(res: dict[str, Any]) -> str:
     for gen, g in grpo.items():
         what = f"{g['rollouts_per_step']} rollouts of ≤ {res['completion']} tokens"
         how = GRPO_PATHS.get(gen, gen)
+        runs = g.get("step_s_runs") or [g["step_s"]]
+        each = f" (runs: {', '.join(f'{r:.2f}' for r in runs)})" if len(runs) > 1 else ""
         lines += [
-            f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f} |",
+            f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f}{each} |",
             f"| generated tokens/s inside the GRPO step ({how}) | "
             f"{g['tokens_per_s_in_step']:,.0f} |",
         ]
@@ -1022,6 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpo-generation", default="generate,cudnn",
                    help="the grpo phase's generation paths: " + ", ".join(
                        f"{k} ({v})" for k, v in GRPO_PATHS.items()))  # fmt: skip
+    p.add_argument("--grpo-repeats", type=int, default=1, help="runs of each grpo path, the "
+                   "paths alternated (a path's step: the median of its runs)")  # fmt: skip
     p.add_argument("--run-prompts", type=int, default=1, help="prompts per step, small-step run")
     p.add_argument("--run-completion", type=int, default=8, help="max completion, small-step run")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds a crf run may take "
@@ -1100,18 +1104,35 @@ def main(argv: list[str] | None = None) -> int:
         return [*rows, vllm_row()]
 
     def grpo_paths() -> dict[str, dict]:
-        paths = res["grpo"] = {}  # saved as each path ends; a failed path is an error row
-        for gen in filter(None, a.grpo_generation.split(",")):
-            try:
-                paths[gen] = bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)
-                g = paths[gen]
-                print(f"  {GRPO_PATHS[gen]}: {g['step_s']:.2f} s per step, "
-                      f"{g['tokens_per_s_in_step']:,.0f} tokens/s", flush=True)  # fmt: skip
-            except Exception as e:
-                res["errors"][f"grpo ({GRPO_PATHS[gen]})"] = (
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        """Each path ``--grpo-repeats`` times, the paths alternated (A B A B: an order effect
+        falls on both); a path's step is the median of its runs' (each run's own in
+        ``step_s_runs``). Saved as each run ends; a failed path is an error row."""
+        paths = res["grpo"] = {}
+        gens = [g for g in a.grpo_generation.split(",") if g]
+        failed: set[str] = set()
+        for _ in range(max(1, a.grpo_repeats)):
+            for gen in gens:
+                if gen in failed:
+                    continue
+                try:
+                    g = bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)
+                except Exception as e:
+                    res["errors"][f"grpo ({GRPO_PATHS[gen]})"] = (
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    )
+                    failed.add(gen)
+                    save()
+                    continue
+                runs = paths.get(gen, {}).get("step_s_runs", []) + [g["step_s"]]
+                g["step_s_runs"] = runs
+                g["step_s"] = statistics.median(runs)
+                g["tokens_per_s_in_step"] = (
+                    g["rollouts_per_step"] * g["completion_tokens_mean"] / g["step_s"]
                 )
-            save()
+                paths[gen] = g
+                print(f"  {GRPO_PATHS[gen]}: {runs[-1]:.2f} s per step (median of "
+                      f"{len(runs)} run(s): {g['step_s']:.2f} s)", flush=True)  # fmt: skip
+                save()
         return paths
 
     print(json.dumps(res["environment"]), flush=True)

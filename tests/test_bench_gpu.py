@@ -113,6 +113,7 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
            "--steps", "2", "--sync-every", "2", "--rounds", "2", "--completion", "4",
            "--prompts", "1", "--new-tokens", "4", "--batches", "2,4",
            "--engines", ",".join(engines), "--grpo-generation", ",".join(generations),
+           "--grpo-repeats", "2",
            "--phases", "generate,profile,grpo,crf-small", "--update-docs"]  # fmt: skip
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -128,6 +129,7 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     grpo = res["grpo"]
     assert sorted(grpo) == generations
     assert all(g["steps"] == 2 and g["step_s"] > 0 for g in grpo.values())
+    assert all(len(g["step_s_runs"]) == 2 for g in grpo.values())  # each path twice
     assert grpo["generate"]["learning_rate"] == 1e-6  # TRL's GRPO default, not the toy's
     assert all(g["master_dtypes"] == ["float32"] for g in grpo.values())
     run = res["crf-small"]
