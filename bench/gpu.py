@@ -66,8 +66,8 @@ command is::
 It leaves in ``$OUT`` the tests' and the benchmark's logs, gpu.json, gpu.md, the updated
 docs/performance.md and docs/gpu-bench.json (to copy back into docs/) and the crf runs' logs
 (crf-runs.tgz). crf's share at GRPO-sized steps needs a command of its own (a round of
-H = 50 such steps, the GPU shared by 2, is over 12 minutes on an H100, so each run takes the
-largest H that fits); the same script runs it, without the tests, when given this
+H = 50 such steps is over 6 minutes on an H100 before 2 replicas share it, so each run takes
+the largest H that fits); the same script runs it, without the tests, when given this
 benchmark's arguments::
 
     GPU_CHECK_S=570 bash bench/gpu_check.sh "$OUT" --phases crf,crf-small
@@ -1034,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
                    "H under --budget-s)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds of the small-step crf run")
     p.add_argument("--grpo-rounds", type=int, default=1, help="rounds of the GRPO-sized crf "
-                   "run (one round of H = 50 GRPO-sized steps is over 12 minutes)")  # fmt: skip
+                   "run (one round of H = 50 GRPO-sized steps is over 6 minutes)")  # fmt: skip
     p.add_argument("--batches", default="16,64", help="batches of the generate and profile "
                    "phases")  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=1, help="the crf runs' "
