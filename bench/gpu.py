@@ -196,7 +196,6 @@ def problems(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 # ---------------------------------------------------------------------- phase 1: generate
-#: the generation engines measured, all in transformers (nothing extra to install)
 #: the grpo phase's generation paths (bench_grpo)
 GRPO_PATHS = {
     "generate": "TRL's generate, crf's attention kernels",
@@ -204,6 +203,7 @@ GRPO_PATHS = {
     "continuous": "continuous batching, fp32",
 }
 
+#: the generation engines measured, all in transformers (nothing extra to install)
 ENGINES = {
     "generate": "HF generate",
     "nocudnn": "HF generate, SDPA without cuDNN (crf's generation on CUDA)",
@@ -305,18 +305,16 @@ def bench_generate(
             except Exception as e:  # an engine that fails here is a row, not a lost phase
                 rows.append({"engine": ENGINES[engine], "batch": batch,
                              "note": f"failed: {type(e).__name__}: {str(e)[:160]}"})  # fmt: skip
-                if done:
-                    done()
-                continue
-            name = ENGINES[engine]
-            if engine == "static" and device != "cuda":
-                name = "HF generate, static KV cache (transformers compiles on a GPU only)"
-            rows.append({"engine": name, "key": engine, "batch": batch,
-                         "tokens": made, "seconds": dt, "tokens_per_s": made / dt,
-                         "step_ms": 1000 * dt / new_tokens, "warmup_s": warm})  # fmt: skip
-            print(f"  {ENGINES[engine]}, batch {batch}: {made / dt:,.0f} tokens/s "
-                  f"({1000 * dt / new_tokens:.1f} ms per step; warm-up {warm:.1f} s)",
-                  flush=True)  # fmt: skip
+            else:
+                name = ENGINES[engine]
+                if engine == "static" and device != "cuda":
+                    name = "HF generate, static KV cache (transformers compiles on a GPU only)"
+                rows.append({"engine": name, "key": engine, "batch": batch,
+                             "tokens": made, "seconds": dt, "tokens_per_s": made / dt,
+                             "step_ms": 1000 * dt / new_tokens, "warmup_s": warm})  # fmt: skip
+                print(f"  {ENGINES[engine]}, batch {batch}: {made / dt:,.0f} tokens/s "
+                      f"({1000 * dt / new_tokens:.1f} ms per step; warm-up {warm:.1f} s)",
+                      flush=True)  # fmt: skip
             if done:
                 done()
     del model
@@ -1018,9 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of the grpo phase")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens each generate "
                    "call makes (default 128; --tiny: 8)")  # fmt: skip
-    p.add_argument("--engines", default="generate,nocudnn,continuous,static", help="generate "
-                   "phase's "
-                   "engines: " + ", ".join(f"{k} ({v})" for k, v in ENGINES.items()))  # fmt: skip
+    p.add_argument("--engines", default="generate,nocudnn,continuous,static",
+                   help="generate phase's engines: " + ", ".join(
+                       f"{k} ({v})" for k, v in ENGINES.items()))  # fmt: skip
     p.add_argument("--grpo-generation", default="generate,cudnn",
                    help="the grpo phase's generation paths: " + ", ".join(
                        f"{k} ({v})" for k, v in GRPO_PATHS.items()))  # fmt: skip
