@@ -23,11 +23,14 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
    with each choice of attention kernels: the wall time of a step against the GPU's kernel
    time and the CPU's time in ops, the kernel launches per step and the costliest ops on each
    side. A step whose kernels fill a small part of its wall time is paced by the CPU (Python,
-   dispatch, launches, cuDNN's plan building), not by the GPU.
+   dispatch, launches, cuDNN's plan building), not by the GPU. It runs in a process of its
+   own (``--profile-in-process`` to keep it in this one): a CUDA profile leaves CUPTI attached
+   to its process, which would slow the kernel launches of every phase after it.
 3. ``grpo``: crf's composer trainer (TRL's GRPOTrainer and crf's loss channels) in this
    process, with TRL's GRPO defaults but for the batch (``--prompts`` x 8 generations) and
    the completion length (``--completion``): seconds per optimizer step (after a warm-up),
-   generated tokens/s inside the step and peak GPU memory, for each ``--grpo-generation``
+   the part of the step spent generating the rollouts (TRL's ``_generate``, timed in each
+   step), generated tokens/s inside the step and peak GPU memory, for each ``--grpo-generation``
    path: TRL's generate with crf's attention kernels (the default) and with cuDNN's (the
    baseline), or continuous batching (in fp32, the only precision crf runs it in); the
    master weights are checked to be fp32 after each.
@@ -82,6 +85,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -389,6 +393,43 @@ def bench_profile(
     return out
 
 
+def profile_in_child(folder: str, batches: list[int], tiny: bool) -> list[dict]:
+    """:func:`bench_profile` in a process of its own, on the model saved in ``folder``: a
+    CUDA profile leaves CUPTI attached to the process that ran it (kineto tears it down only
+    with ``TEARDOWN_CUPTI=1``, and not where CUDA graphs were captured), and its hooks would
+    then slow every kernel launch of the phases measured after it in the same process."""
+    with tempfile.TemporaryDirectory(prefix="crf-gpu-profile-") as out:
+        cmd = [sys.executable, os.path.abspath(__file__), "--model", folder, "--out", out,
+               "--phases", "profile", "--profile-in-process",
+               "--batches", ",".join(str(b) for b in batches)]  # fmt: skip
+        if tiny:
+            cmd.append("--tiny")
+        proc = subprocess.run(cmd, check=False, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr)
+        try:
+            with open(os.path.join(out, "gpu.json")) as f:
+                res = json.load(f)
+        except (OSError, ValueError):
+            res = {}
+        if proc.returncode or "profile" not in res:
+            last = [line for line in proc.stderr.splitlines() if line.strip()][-1:]
+            why = (res.get("errors") or {}).get("profile") or (
+                last[0][:200] if last else f"exit status {proc.returncode}"
+            )
+            raise RuntimeError(f"the profile's process failed: {why}")
+        return res["profile"]
+
+
+def model_parameters(folder: str) -> int:
+    """Parameters of the model saved in ``folder``, counted without loading its weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
 def _self_us(e: Any) -> float:
     return float(getattr(e, "self_cpu_time_total", 0.0) or 0.0)
 
@@ -438,6 +479,8 @@ def bench_grpo(
         def __init__(self) -> None:
             self.marks: list[float] = []
             self.lengths: list[float] = []
+            #: (the step it ran in, seconds) of each generation
+            self.generation: list[tuple[int, float]] = []
 
         def on_step_begin(self, args, state, control, **kw):
             _sync(device)
@@ -480,6 +523,18 @@ def bench_grpo(
             processing_class=tok,
             callbacks=[DiLoCoCallback(None), clock],
         )
+        generating = trainer._generate  # TRL's rollouts of a step: what of it is generation
+
+        def timed_generate(prompts: list) -> Any:
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                return generating(prompts)
+            finally:
+                _sync(device)
+                clock.generation.append((len(clock.marks), time.perf_counter() - t0))
+
+        trainer._generate = timed_generate
         for noisy in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(noisy)
         if cuda:
@@ -492,6 +547,10 @@ def bench_grpo(
     per_step = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
     timed = per_step[1:] or per_step  # the first step compiles kernels and fills caches
     step_s = statistics.median(timed)
+    steps_run = range(1, len(per_step) + 1)
+    gen_per_step = [sum(s for i, s in clock.generation if i == n) for n in steps_run]
+    gen_timed = gen_per_step[1:] or gen_per_step
+    generation_s = statistics.median(gen_timed) if gen_timed else None
     length = statistics.median(clock.lengths) if clock.lengths else float(completion)
     del trainer, model
     _free(device)
@@ -500,6 +559,7 @@ def bench_grpo(
         "master_dtypes": dtypes,
         "steps": len(per_step),
         "step_s": step_s,
+        "generation_s": generation_s,
         "rollouts_per_step": prompts * gens,
         "completion_tokens_mean": length,
         "tokens_per_s_in_step": prompts * gens * length / step_s,
@@ -808,10 +868,14 @@ def table(res: dict[str, Any]) -> str:
     lines = [
         f"Measured by `python3 bench/gpu.py` on {env.get('gpu') or 'a CPU'} "
         f"({env['cpus']} CPU cores; Python {env['python']}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, trl {env['trl']}), on a random model of "
-        f"Qwen2.5-0.5B's shape ({res.get('parameters', 0) / 1e6:.0f}M parameters"
-        f"{', the --tiny shape' if res.get('tiny') else ''}), crf at commit "
-        f"{res.get('commit') or 'unknown'}.",
+        f"transformers {env['transformers']}, trl {env['trl']}), on "
+        + (
+            f"the model given with --model ({res.get('parameters', 0) / 1e6:.0f}M parameters)"
+            if res.get("model")
+            else f"a random model of Qwen2.5-0.5B's shape ({res.get('parameters', 0) / 1e6:.0f}M"
+            f" parameters{', the --tiny shape' if res.get('tiny') else ''})"
+        )
+        + f", crf at commit {res.get('commit') or 'unknown'}.",
     ]
     if res.get("merged"):
         told = ", ".join(f"{k} at {c}" for k, c in res["merged"].items())
@@ -850,11 +914,17 @@ def table(res: dict[str, Any]) -> str:
         how = GRPO_PATHS.get(gen, gen)
         runs = g.get("step_s_runs") or [g["step_s"]]
         each = f" (runs: {', '.join(f'{r:.2f}' for r in runs)})" if len(runs) > 1 else ""
-        lines += [
-            f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f}{each} |",
+        lines.append(f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f}{each} |")
+        if g.get("generation_s") is not None:
+            lines.append(
+                f"| of it generating the rollouts / the rest (scoring, forward, backward, "
+                f"optimizer) ({how}), s | {g['generation_s']:.2f} / "
+                f"{max(0.0, g['step_s'] - g['generation_s']):.2f} |"
+            )
+        lines.append(
             f"| generated tokens/s inside the GRPO step ({how}) | "
-            f"{g['tokens_per_s_in_step']:,.0f} |",
-        ]
+            f"{g['tokens_per_s_in_step']:,.0f} |"
+        )
         lines.append(f"| master weights after it ({how}) | {', '.join(g['master_dtypes'])} |")
     base = grpo.get("generate")
     if base:
@@ -1044,7 +1114,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="which phases, in order")  # fmt: skip
     p.add_argument("--update-docs", action="store_true", help="write the table into "
                    "docs/performance.md")  # fmt: skip
+    p.add_argument("--model", default=None, help="a model folder (save_pretrained, with its "
+                   "tokenizer) to measure instead of building the random one")  # fmt: skip
+    p.add_argument("--profile-in-process", action="store_true", help="run the profile phase "
+                   "in this process (default: a process of its own, so the profiler's hooks "
+                   "stay out of the phases measured after it)")  # fmt: skip
     a = p.parse_args(argv)
+    if a.model and not os.path.isfile(os.path.join(a.model, "config.json")):
+        p.error(f"--model {a.model}: no model saved there (config.json)")
 
     import torch
 
@@ -1124,6 +1201,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs = paths.get(gen, {}).get("step_s_runs", []) + [g["step_s"]]
                 g["step_s_runs"] = runs
                 g["step_s"] = statistics.median(runs)
+                gen_runs = paths.get(gen, {}).get("generation_s_runs", []) + [g["generation_s"]]
+                g["generation_s_runs"] = gen_runs
+                measured = [r for r in gen_runs if r is not None]
+                g["generation_s"] = statistics.median(measured) if measured else None
                 g["tokens_per_s_in_step"] = (
                     g["rollouts_per_step"] * g["completion_tokens_mean"] / g["step_s"]
                 )
@@ -1134,16 +1215,26 @@ def main(argv: list[str] | None = None) -> int:
         return paths
 
     print(json.dumps(res["environment"]), flush=True)
-    with tempfile.TemporaryDirectory(prefix="crf-gpu-model-") as folder:
+    with tempfile.TemporaryDirectory(prefix="crf-gpu-model-") as built:
         t0 = time.perf_counter()
-        res["parameters"] = build_model(folder, shape)
-        print(f"model: {res['parameters'] / 1e6:.0f}M parameters, built and saved in "
+        if a.model:
+            folder = res["model"] = a.model
+            res["parameters"] = model_parameters(folder)
+        else:
+            folder = built
+            res["parameters"] = build_model(folder, shape)
+        print(f"model: {res['parameters'] / 1e6:.0f}M parameters, "
+              f"{'from ' + folder if a.model else 'built and saved'} in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
         engines = [e for e in a.engines.split(",") if e]
         batches = [int(b) for b in a.batches.split(",") if b]
         phases = {
             "generate": generate_rows,
-            "profile": lambda: bench_profile(folder, device, batches),
+            "profile": lambda: (
+                bench_profile(folder, device, batches)
+                if a.profile_in_process
+                else profile_in_child(folder, batches, a.tiny)
+            ),
             "grpo": grpo_paths,
             "crf": lambda: crf_run("grpo"),
             "crf-small": lambda: crf_run("small"),

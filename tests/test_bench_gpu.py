@@ -83,6 +83,14 @@ def test_a_partial_run_keeps_the_documented_phases_it_did_not_run(tmp_path: Path
     assert gpu.merge_documented(now, str(tmp_path / "none.json")) == now
 
 
+def test_a_failed_profile_process_is_the_phase_s_error(tmp_path: Path) -> None:
+    # the profile runs in a process of its own; what it could not do reaches the parent as
+    # the phase's error, not as a missing row
+    why = "the profile's process failed: .*--model .*no-model: no model saved there"
+    with pytest.raises(RuntimeError, match=why):
+        gpu.profile_in_child(str(tmp_path / "no-model"), [2], tiny=True)
+
+
 def _serves_continuous_batching() -> bool:
     from packaging.version import Version
 
@@ -132,6 +140,9 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     assert all(len(g["step_s_runs"]) == 2 for g in grpo.values())  # each path twice
     assert grpo["generate"]["learning_rate"] == 1e-6  # TRL's GRPO default, not the toy's
     assert all(g["master_dtypes"] == ["float32"] for g in grpo.values())
+    # generation timed inside each step: a part of it, as often as the step
+    assert all(0 < g["generation_s"] <= max(g["step_s_runs"]) for g in grpo.values())
+    assert all(len(g["generation_s_runs"]) == 2 for g in grpo.values())
     run = res["crf-small"]
     assert run["weights_identical"] is True and run["sync_every"] == 2
     assert all(0 <= r["crf_share"] < 1 for r in run["replicas"])
@@ -140,4 +151,5 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     table = (out / "gpu.md").read_text()
     assert "crf's share of wall time, measured" in table and "goal ≤ 10%" in table
     assert "one decoding step (torch.profiler)" in table
+    assert "of it generating the rollouts / the rest" in table
     assert table in (repo / "docs" / "performance.md").read_text()
