@@ -41,7 +41,9 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
    round records: the time training waited (exchange and checkpoint) against its compute,
    per replica; the goal is 5%. Each round's phases (device-to-host, encode, upload, wait for
    a peer, download, decode, host-to-device, checkpoint snapshot) are read from the same
-   records where crf writes them.
+   records where crf writes them, and the device copies are set against their floor measured
+   after the run: 2 plain copies at once of a replica's fp32 pseudo-gradient between the GPU
+   and page-locked buffers allocated beforehand.
 5. ``crf-small``: the same at small steps (``--run-prompts`` x 8 rollouts of
    ``--run-completion`` tokens), the worst case for crf's share; the goal is 10%.
 
@@ -751,11 +753,16 @@ def bench_crf(
     out: str,
     checkpoint_every: int = 1,
     label: str = "grpo",
+    weight_bytes: int = 0,
 ) -> dict:
     """2 local replicas under crf (exchange and checkpoints through a file store). The
     replicas' phases and steps are printed as they change, and the run is cancelled after
     ``timeout`` seconds; what the rounds that committed by then measured is kept either way
-    (the round records, and the logs under ``out``/crf-run)."""
+    (the round records, and the logs under ``out``/crf-run). ``weight_bytes`` (a replica's
+    fp32 pseudo-gradient): the floor of its device copies is measured after the run
+    (:func:`bench_copies`), to read the round's device-to-host and host-to-device against."""
+    import torch
+
     import crf
 
     with tempfile.TemporaryDirectory(prefix="crf-gpu-store-") as store:
@@ -801,6 +808,8 @@ def bench_crf(
     done = min(r["rounds"] for r in reps)
     if not done:
         raise RuntimeError(error or "no round committed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    copies = bench_copies(weight_bytes, device) if weight_bytes else None
     ups = [b for r in reps for b in r["bytes_up_per_round"]]
     sync_all = sum(r["sync_s"] for r in reps)
     compute_all = sum(r["compute_s"] for r in reps)
@@ -818,10 +827,49 @@ def bench_crf(
         "weights_identical": result.weights_identical if result and result.ok else None,
         "checkpoint_every": checkpoint_every,
         "bytes_up_per_replica_round": statistics.median(ups),
+        "copies": copies,
         "wall_s": wall,
         "timeline": timeline.events,
         "error": error,
     }
+
+
+def bench_copies(nbytes: int, device: str, at_once: int = 2, repeats: int = 3) -> dict:
+    """The floor of a round's device copies: ``at_once`` plain copies of ``nbytes`` each (as
+    the 2 replicas sharing the GPU copy their pseudo-gradients together), each on a stream of
+    its own into a page-locked buffer allocated beforehand, device-to-host and back; the
+    fastest of ``repeats``. On a CPU, plain copies between two buffers."""
+    import torch
+
+    n = max(1, nbytes // 4)
+    cuda = device == "cuda"
+    dev = [torch.ones(n, dtype=torch.float32, device=device) for _ in range(at_once)]
+    host = [torch.empty(n, dtype=torch.float32, pin_memory=cuda) for _ in range(at_once)]
+    streams = [torch.cuda.Stream() for _ in range(at_once)] if cuda else [None] * at_once
+
+    def timed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            for (dst, src), stream in zip(pairs, streams, strict=True):
+                if stream is None:
+                    dst.copy_(src)
+                    continue
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            for stream in streams:
+                if stream is not None:
+                    stream.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    d2h = timed(list(zip(host, dev, strict=True)))
+    h2d = timed(list(zip(dev, host, strict=True)))
+    del dev, host
+    _free(device)
+    return {"bytes": 4 * n, "at_once": at_once, "pinned": cuda, "d2h_s": d2h, "h2d_s": h2d}
 
 
 # ---------------------------------------------------------------------- report
@@ -979,6 +1027,7 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     lines.append(f"| a round's phases ({size}), s, mean of replicas and rounds: {names} | "
                  + (" / ".join(told) if set(told) != {"—"} else "not in crf's round records")
                  + " |")  # fmt: skip
+    lines += _copy_rows(run, phases, size)
     ckpts = [r["ckpt_s"] for r in run["replicas"] if r.get("ckpt_s") is not None]
     if ckpts:
         told = ", ".join(f"{s:.1f}" for s in ckpts)
@@ -1003,6 +1052,31 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     if run.get("error"):
         lines.append(f"| crf run ({size}) | {run['error']} |")
     return lines
+
+
+def _copy_rows(run: dict[str, Any], phases: list[dict], size: str) -> list[str]:
+    """The round's device copies against their floor measured after the run: how much of a
+    plain copy of the same bytes (page-locked, as many at once as replicas) the training
+    thread waited for, each way. Blocking on no more than one such copy is the target."""
+    floor = run.get("copies")
+    if not floor:
+        return []
+    what = "pinned" if floor["pinned"] else "host"
+    told = []
+    for name, key in (("device-to-host", "d2h_s"), ("host-to-device", "h2d_s")):
+        values = [p[key] for p in phases if p.get(key) is not None]
+        if not values:
+            continue
+        mean, base = statistics.mean(values), floor[key]
+        ratio = f" ({mean / base:.2f}x)" if base > 0 else ""
+        told.append(f"{name} {mean:.3f} against {base:.3f}{ratio}")
+    if not told:
+        return []
+    return [
+        f"| a round's device copies ({size}), s, mean of replicas and rounds, against "
+        f"{floor['at_once']} plain {what} copies of the same {floor['bytes'] / 1e9:.2f} GB at "
+        f"once, measured after the run | {'; '.join(told)} |"
+    ]
 
 
 def update_docs(text: str, path: str) -> None:
@@ -1170,7 +1244,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = a.grpo_rounds if label == "grpo" else a.rounds
         print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
         return bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
-                         a.checkpoint_every, label)  # fmt: skip
+                         a.checkpoint_every, label, 4 * res["parameters"])  # fmt: skip
 
     def generate_rows() -> list[dict]:
         rows = res["generate"] = []  # saved as each engine ends: a cut run keeps them

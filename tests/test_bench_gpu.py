@@ -91,6 +91,22 @@ def test_a_failed_profile_process_is_the_phase_s_error(tmp_path: Path) -> None:
         gpu.profile_in_child(str(tmp_path / "no-model"), [2], tiny=True)
 
 
+def test_the_copies_floor_and_the_round_s_copies_against_it() -> None:
+    floor = gpu.bench_copies(1 << 20, "cpu", at_once=2, repeats=2)
+    assert floor["bytes"] == 1 << 20 and floor["at_once"] == 2 and floor["pinned"] is False
+    assert floor["d2h_s"] > 0 and floor["h2d_s"] > 0
+    run = {"copies": {"bytes": 2_000_000_000, "at_once": 2, "pinned": True,
+                      "d2h_s": 0.2, "h2d_s": 0.25}}  # fmt: skip
+    phases = [{"d2h_s": 0.1, "h2d_s": 0.5}, {"d2h_s": 0.3, "h2d_s": None}]
+    (row,) = gpu._copy_rows(run, phases, "small steps")
+    assert "2 plain pinned copies of the same 2.00 GB at once" in row
+    assert "device-to-host 0.200 against 0.200 (1.00x)" in row
+    assert "host-to-device 0.500 against 0.250 (2.00x)" in row
+    # a run whose tensors stayed on the host (a CPU run) has no device copies to show
+    assert gpu._copy_rows(run, [{"d2h_s": None, "h2d_s": None}], "small steps") == []
+    assert gpu._copy_rows({"copies": None}, phases, "small steps") == []
+
+
 def _serves_continuous_batching() -> bool:
     from packaging.version import Version
 
@@ -148,6 +164,8 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     assert all(0 <= r["crf_share"] < 1 for r in run["replicas"])
     assert 0 <= run["crf_share"] < 1 and run["goal"] == 0.10
     assert all(len(r["phases_per_round"]) == 2 for r in run["replicas"])
+    # the floor of the round's device copies, for the model's fp32 bytes
+    assert run["copies"]["bytes"] == 4 * res["parameters"] and run["copies"]["d2h_s"] > 0
     table = (out / "gpu.md").read_text()
     assert "crf's share of wall time, measured" in table and "goal ≤ 10%" in table
     assert "one decoding step (torch.profiler)" in table
