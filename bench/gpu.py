@@ -62,20 +62,20 @@ the rest comes from a folder of wheels that ``make gpu-wheels`` builds here (``.
 torchft-nightly, transformers 5.23, peft, datasets and what they need that such a machine
 lacks). ``make gpu-check`` (bench/gpu_check.sh) installs them into a private folder, runs the
 device tests (``pytest -m gpu``) and then this benchmark with what is left of 8 minutes as
-its budget (generate, profile, grpo, and crf-small when time is left for it); on a machine
-that has the repository as its working directory and returns a folder ``$OUT``, the one
-command is::
+its budget: crf's share at GRPO-sized steps first, at the largest H that fits (a round of
+H = 50 such steps is over 6 minutes on an H100 before 2 replicas share it), then the
+small-step run and the grpo phase when time is left for them (each run's H is planned from
+the steps the docs' result measured). On a machine that has the repository as its working
+directory and returns a folder ``$OUT``, the one command is::
 
     bash bench/gpu_check.sh "$OUT"
 
 It leaves in ``$OUT`` the tests' and the benchmark's logs, gpu.json, gpu.md, the updated
 docs/performance.md and docs/gpu-bench.json (to copy back into docs/) and the crf runs' logs
-(crf-runs.tgz). crf's share at GRPO-sized steps needs a command of its own (a round of
-H = 50 such steps is over 6 minutes on an H100 before 2 replicas share it, so each run takes
-the largest H that fits); the same script runs it, without the tests, when given this
-benchmark's arguments::
+(crf-runs.tgz). Given this benchmark's arguments, the same script runs them without the
+tests, e.g. the phases the check leaves out::
 
-    GPU_CHECK_S=570 bash bench/gpu_check.sh "$OUT" --phases crf,crf-small
+    GPU_CHECK_S=570 bash bench/gpu_check.sh "$OUT" --phases generate,profile,grpo,crf-small
 
 ``--tiny`` runs the phases on a 2-layer model on a CPU (what tests/test_bench_gpu.py does).
 """
@@ -738,6 +738,37 @@ def fit_sync_every(budget_s: float, step_s: float, rounds: int, most: int = 50) 
     return h
 
 
+def crf_run_step(label: str, known: tuple[dict, ...], run_completion: int) -> float:
+    """A replica's step in a crf run of ``label`` (``grpo`` or ``small``), the GPU shared by
+    2, for planning its H: from the first of the ``known`` results (this run's, then the
+    documented one) with the phase it comes from, else a guess."""
+    if label == "grpo":
+        for res in known:
+            base = (res.get("grpo") or {}).get("generate")
+            if base:
+                return 2 * base["step_s"]
+        return 10.0
+    decode = 0.07
+    for res in known:
+        plain = [g for g in res.get("generate") or [] if g.get("key") == "generate"]
+        plain = plain or res.get("profile") or []  # its steps: plain generate's too
+        if plain and plain[0].get("step_ms"):
+            decode = plain[0]["step_ms"] / 1000
+            break
+    # the rollouts of a small step decode together; the GPU, shared by 2, is not the limit
+    # at this size (a measured step: 0.57 s for 8 tokens at 70 ms a token)
+    return 1.25 * run_completion * decode + 0.1
+
+
+def crf_run_share(left: float, later: bool, least_grpo: float, least_small: float) -> float:
+    """The seconds of ``left`` the GRPO-sized crf run may take: all of them, but for what the
+    shortest small-step run needs (``least_small``) when that one follows (``later``) and
+    both fit; when only one fits, the GRPO-sized run (crf's share where it matters)."""
+    if later and left - least_small >= least_grpo:
+        return left - least_small
+    return left
+
+
 #: seconds a 2-replica run of the 494M model spends outside its rounds (start-up and model
 #: load, the last checkpoint, the model's export) and waiting per round: measured on one H100
 RUN_OVERHEAD_S, ROUND_WAIT_S = 60.0, 15.0
@@ -1214,26 +1245,27 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(a.out, "gpu.md"), "w") as f:
             f.write(table(res))
 
+    documented: dict[str, Any] = {}
+    if not (a.tiny or a.model):  # the docs' result measured this model: plan with its steps
+        try:
+            with open(os.path.join(DOCS, DOCS_RESULT)) as f:
+                documented = json.load(f)
+        except (OSError, ValueError):
+            pass
+
     def plan_run(label: str, later: bool) -> tuple[int, float]:
         """(H, timeout) of a crf run: --sync-every and --run-timeout, or under --budget-s the
-        largest H that fits this run's share of the time left (the GRPO-sized run 60% of it
-        when the small-step run still follows)."""
+        largest H that fits its share of the time left (:func:`crf_run_share`)."""
         if not a.budget_s:
             return a.sync_every, a.run_timeout
+        steps = {k: crf_run_step(k, (res, documented), a.run_completion)
+                 for k in ("grpo", "small")}  # fmt: skip
+        rounds = {"grpo": a.grpo_rounds, "small": a.rounds}
+        least = {k: RUN_OVERHEAD_S + rounds[k] * (ROUND_WAIT_S + min(a.sync_every,
+                 MIN_SYNC_EVERY) * steps[k]) for k in steps}  # fmt: skip
         left = a.budget_s - (time.perf_counter() - t_start)
-        share = left * (0.6 if later else 1.0)
-        base = (res.get("grpo") or {}).get("generate")
-        if label == "grpo":
-            step = 2 * base["step_s"] if base else 10.0
-        else:
-            plain = [g for g in res.get("generate", []) if g.get("key") == "generate"]
-            plain = plain or res.get("profile") or []  # its steps: plain generate's too
-            decode = plain[0]["step_ms"] / 1000 if plain else 0.07
-            # the rollouts of a small step decode together; the GPU, shared by 2, is not the
-            # limit at this size (a measured step: 0.57 s for 8 tokens at 70 ms a token)
-            step = 1.25 * a.run_completion * decode + 0.1
-        rounds = a.grpo_rounds if label == "grpo" else a.rounds
-        return fit_sync_every(share, step, rounds, a.sync_every), max(30.0, share)
+        share = crf_run_share(left, later, least["grpo"], least["small"])
+        return fit_sync_every(share, steps[label], rounds[label], a.sync_every), max(30.0, share)
 
     def crf_run(label: str) -> dict:
         order = a.phases.split(",")

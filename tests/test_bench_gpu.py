@@ -68,6 +68,20 @@ def test_the_largest_h_that_fits_a_budget() -> None:
         gpu.fit_sync_every(100.0, 6.0, rounds=2)  # too little left to measure a round
 
 
+def test_a_crf_run_is_planned_from_the_step_measured_here_else_the_documented_one() -> None:
+    here = {"grpo": {"generate": {"step_s": 4.0}}, "generate": [{"key": "generate", "step_ms": 30}]}
+    docs = {"grpo": {"generate": {"step_s": 7.0}}, "profile": [{"key": "generate", "step_ms": 50}]}
+    assert gpu.crf_run_step("grpo", (here, docs), 8) == 8.0  # the GPU shared by 2
+    assert gpu.crf_run_step("grpo", ({}, docs), 8) == 14.0
+    assert gpu.crf_run_step("grpo", ({}, {}), 8) == 10.0
+    assert gpu.crf_run_step("small", (here, docs), 8) == pytest.approx(1.25 * 8 * 0.03 + 0.1)
+    assert gpu.crf_run_step("small", ({}, docs), 8) == pytest.approx(1.25 * 8 * 0.05 + 0.1)
+    # the GRPO-sized run leaves the small one what it needs when both fit, else takes it all
+    assert gpu.crf_run_share(400.0, True, least_grpo=230.0, least_small=100.0) == 300.0
+    assert gpu.crf_run_share(300.0, True, least_grpo=230.0, least_small=100.0) == 300.0
+    assert gpu.crf_run_share(400.0, False, least_grpo=230.0, least_small=100.0) == 400.0
+
+
 def test_a_partial_run_keeps_the_documented_phases_it_did_not_run(tmp_path: Path) -> None:
     before = {"commit": "abc1234", "generate": [{"engine": "HF generate", "note": "x"}],
               "crf": {"old": True}, "merged": {"generate": "0000000"}}  # fmt: skip
