@@ -1090,9 +1090,8 @@ def _copy_rows(run: dict[str, Any], phases: list[dict], size: str) -> list[str]:
     plain copy of the same bytes (page-locked, as many at once as replicas) the training
     thread waited for, each way. Blocking on no more than one such copy is the target."""
     floor = run.get("copies")
-    if not floor:
+    if not floor or not floor["pinned"]:  # a CPU run: the exchange takes its tensors as they are
         return []
-    what = "pinned" if floor["pinned"] else "host"
     told = []
     for name, key in (("device-to-host", "d2h_s"), ("host-to-device", "h2d_s")):
         values = [p[key] for p in phases if p.get(key) is not None]
@@ -1105,7 +1104,7 @@ def _copy_rows(run: dict[str, Any], phases: list[dict], size: str) -> list[str]:
         return []
     return [
         f"| a round's device copies ({size}), s, mean of replicas and rounds, against "
-        f"{floor['at_once']} plain {what} copies of the same {floor['bytes'] / 1e9:.2f} GB at "
+        f"{floor['at_once']} plain pinned copies of the same {floor['bytes'] / 1e9:.2f} GB at "
         f"once, measured after the run | {'; '.join(told)} |"
     ]
 

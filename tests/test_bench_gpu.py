@@ -119,6 +119,7 @@ def test_the_copies_floor_and_the_round_s_copies_against_it() -> None:
     # a run whose tensors stayed on the host (a CPU run) has no device copies to show
     assert gpu._copy_rows(run, [{"d2h_s": None, "h2d_s": None}], "small steps") == []
     assert gpu._copy_rows({"copies": None}, phases, "small steps") == []
+    assert gpu._copy_rows({"copies": {**run["copies"], "pinned": False}}, phases, "x") == []
 
 
 def _serves_continuous_batching() -> bool:
