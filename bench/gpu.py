@@ -1028,8 +1028,9 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     shares = [r["crf_share"] for r in run["replicas"] if r["crf_share"] is not None]
     syncs = [r["sync_s"] for r in run["replicas"]]
     done = run.get("rounds_committed", run["rounds"])
-    rounds = f"{done} of {run['rounds']} rounds" if done < run["rounds"] else (
-        f"{run['rounds']} rounds")  # fmt: skip
+    plural = "round" if run["rounds"] == 1 else "rounds"
+    rounds = f"{done} of {run['rounds']} {plural}" if done < run["rounds"] else (
+        f"{run['rounds']} {plural}")  # fmt: skip
     k = run.get("checkpoint_every", 1)
     ckpt = "a global checkpoint every round" if k == 1 else (
         f"a global checkpoint every {k} rounds and at the last")  # fmt: skip
