@@ -784,16 +784,11 @@ def bench_crf(
     out: str,
     checkpoint_every: int = 1,
     label: str = "grpo",
-    weight_bytes: int = 0,
 ) -> dict:
     """2 local replicas under crf (exchange and checkpoints through a file store). The
     replicas' phases and steps are printed as they change, and the run is cancelled after
     ``timeout`` seconds; what the rounds that committed by then measured is kept either way
-    (the round records, and the logs under ``out``/crf-run). ``weight_bytes`` (a replica's
-    fp32 pseudo-gradient): the floor of its device copies is measured after the run
-    (:func:`bench_copies`), to read the round's device-to-host and host-to-device against."""
-    import torch
-
+    (the round records, and the logs under ``out``/crf-run)."""
     import crf
 
     with tempfile.TemporaryDirectory(prefix="crf-gpu-store-") as store:
@@ -839,8 +834,6 @@ def bench_crf(
     done = min(r["rounds"] for r in reps)
     if not done:
         raise RuntimeError(error or "no round committed")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    copies = bench_copies(weight_bytes, device) if weight_bytes else None
     ups = [b for r in reps for b in r["bytes_up_per_round"]]
     sync_all = sum(r["sync_s"] for r in reps)
     compute_all = sum(r["compute_s"] for r in reps)
@@ -858,7 +851,6 @@ def bench_crf(
         "weights_identical": result.weights_identical if result and result.ok else None,
         "checkpoint_every": checkpoint_every,
         "bytes_up_per_replica_round": statistics.median(ups),
-        "copies": copies,
         "wall_s": wall,
         "timeline": timeline.events,
         "error": error,
@@ -1275,8 +1267,11 @@ def main(argv: list[str] | None = None) -> int:
                                else (a.run_prompts, a.run_completion))  # fmt: skip
         rounds = a.grpo_rounds if label == "grpo" else a.rounds
         print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
-        return bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
-                         a.checkpoint_every, label, 4 * res["parameters"])  # fmt: skip
+        run = bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
+                        a.checkpoint_every, label)  # fmt: skip
+        # the floor of its device copies, a replica's fp32 pseudo-gradient each way
+        run["copies"] = bench_copies(4 * res["parameters"], device)
+        return run
 
     def generate_rows() -> list[dict]:
         rows = res["generate"] = []  # saved as each engine ends: a cut run keeps them
@@ -1304,17 +1299,16 @@ def main(argv: list[str] | None = None) -> int:
                     failed.add(gen)
                     save()
                     continue
-                runs = paths.get(gen, {}).get("step_s_runs", []) + [g["step_s"]]
-                g["step_s_runs"] = runs
-                g["step_s"] = statistics.median(runs)
-                gen_runs = paths.get(gen, {}).get("generation_s_runs", []) + [g["generation_s"]]
-                g["generation_s_runs"] = gen_runs
-                measured = [r for r in gen_runs if r is not None]
-                g["generation_s"] = statistics.median(measured) if measured else None
+                for key in ("step_s", "generation_s"):  # the median of the path's runs
+                    runs = paths.get(gen, {}).get(f"{key}_runs", []) + [g[key]]
+                    g[f"{key}_runs"] = runs
+                    measured = [r for r in runs if r is not None]
+                    g[key] = statistics.median(measured) if measured else None
                 g["tokens_per_s_in_step"] = (
                     g["rollouts_per_step"] * g["completion_tokens_mean"] / g["step_s"]
                 )
                 paths[gen] = g
+                runs = g["step_s_runs"]
                 print(f"  {GRPO_PATHS[gen]}: {runs[-1]:.2f} s per step (median of "
                       f"{len(runs)} run(s): {g['step_s']:.2f} s)", flush=True)  # fmt: skip
                 save()
