@@ -34,7 +34,15 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from crf.composer.config import ComposerConfig
-from crf.composer.generation import generation_attention, master_weights_kept
+from crf.composer.generation import (
+    compile_decoding,
+    generation_attention,
+    master_weights_kept,
+    no_input_grads_hook,
+    one_input_grads_hook,
+    static_cache_length,
+    static_cache_sized,
+)
 from crf.composer.losses import (
     TAIDSchedule,
     compose_loss,
@@ -142,6 +150,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._replay_ref = self._build_replay_reference()
         self._intake: RolloutIntake | None = None
         self._worker_rollout: Taken | None = None
+        one_input_grads_hook(self.model)
+        if args.generation_compile:
+            compile_decoding(self.generation_config)
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -270,9 +281,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal, num_generations, *a, **kw):
         """TRL's generation, on CUDA without cuDNN's attention; on its continuous-batching
-        path, without the in-place cast of the model to bf16/fp16 (both:
-        crf/composer/generation.py). For a worker's batch taken by the rollout intake: the
-        worker's completions and behaviour log-probs, no sampling."""
+        path, without the in-place cast of the model to bf16/fp16; with
+        ``generation_compile``, into a static cache sized in buckets and without the
+        input-embeddings hook (all: crf/composer/generation.py). For a worker's batch taken
+        by the rollout intake: the worker's completions and behaviour log-probs, no
+        sampling."""
         if self._worker_rollout is not None:
             taken, self._worker_rollout = self._worker_rollout, None
             return self._intake.completions(taken, prompt_ids)
@@ -282,7 +295,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
             else contextlib.nullcontext()
         )
         attention = generation_attention(self.model, self.args.generation_cudnn_attention)
-        with guard, attention:
+        cache = contextlib.nullcontext()
+        if self.args.generation_compile:
+            longest = max((len(p) for p in prompt_ids), default=0)
+            multiple = self.pad_to_multiple_of or 1
+            longest = -(-longest // multiple) * multiple
+            length = static_cache_length(longest, self.max_completion_length)
+            cache = contextlib.ExitStack()
+            cache.enter_context(static_cache_sized(self.model, self.generation_config, length))
+            cache.enter_context(no_input_grads_hook(self.model))
+        with guard, attention, cache:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal, num_generations, *a, **kw
             )

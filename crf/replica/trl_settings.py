@@ -299,16 +299,38 @@ def check_continuous_batching(
         )
 
 
+def check_generation_compile(compile_decoding: bool, fields: Mapping[str, Any]) -> None:
+    """SettingError before launch for ``generation_compile`` beside a setting that replaces
+    TRL's ``generate`` (vLLM, continuous batching) or its cache (``cache_implementation``
+    other than static): the trainer would refuse it at start, in every replica."""
+    if not compile_decoding:
+        return
+    for other in ("use_vllm", "use_transformers_continuous_batching"):
+        if fields.get(other):
+            raise SettingError(
+                f"generation_compile compiles TRL's generate path, and trl.{other} replaces "
+                "it: leave one of them off"
+            )
+    cache = fields.get("cache_implementation")
+    if cache not in (None, "static"):
+        raise SettingError(
+            f"generation_compile decodes with a static cache, and trl.cache_implementation "
+            f"is {cache!r}: leave trl.cache_implementation unset"
+        )
+
+
 def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
     """The composer job's checks that need the run options: its ``trl`` settings as TRL's
     GRPOConfig takes them (for this model, LoRA and batch), ``use_vllm`` where it can
     run (:func:`check_vllm`), continuous batching where transformers serves it
-    (:func:`check_continuous_batching`). Nothing to check (TRL not imported) without ``trl``."""
+    (:func:`check_continuous_batching`), compiled decoding on TRL's generate path
+    (:func:`check_generation_compile`). Nothing to check (TRL not imported) without ``trl``."""
     if not cfg.trl:
         return
     fields = cfg.trainer_fields(spec)
     generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
     check_values(fields, cfg.prompts_per_step * generations)
+    check_generation_compile(bool(getattr(cfg, "generation_compile", False)), fields)
     check_vllm(fields, spec, gpus, local)
     check_continuous_batching(fields, spec=spec, gpus=gpus, local=local)
 

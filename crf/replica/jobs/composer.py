@@ -88,6 +88,10 @@ class Config:
     # let SDPA use cuDNN's attention while generating on CUDA (off: it builds a plan on the
     # CPU for each new sequence length; crf/composer/generation.py)
     generation_cudnn_attention: bool = False
+    # decode with a static KV cache whose decoding step transformers compiles on CUDA, the
+    # cache in buckets of 256 tokens so one compilation serves the run's steps (TRL's generate
+    # path only; crf/composer/generation.py)
+    generation_compile: bool = False
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
     distill_jsd_beta: float = 0.5
@@ -227,6 +231,7 @@ class Config:
             simpo_beta=self.simpo_beta,
             simpo_gamma=self.simpo_gamma,
             generation_cudnn_attention=self.generation_cudnn_attention,
+            generation_compile=self.generation_compile,
         )
         if self.distill_wrapper == "taid":
             if self.taid_schedule:

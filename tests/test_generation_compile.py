@@ -1,0 +1,241 @@
+"""``generation_compile``: a static KV cache whose decoding step transformers compiles, sized in
+buckets so one compilation serves the steps of a run; and one input-embeddings hook, however
+many times TRL turns gradient checkpointing off and on around its generations.
+
+Transformers compiles on a GPU only; on the CPU the tests let it compile anyway
+(``CompileConfig._compile_all_devices``, transformers' own switch for this) with a backend
+that records each graph dynamo hands it and runs it eagerly, so what is checked is what
+compiles and how often, not how fast. The ``gpu`` case runs the real thing (inductor, CUDA
+graphs) on CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.hub_models import save_tiny_repo
+
+    path = tmp_path_factory.mktemp("gen-compile") / "model"
+    save_tiny_repo(path)
+    return path
+
+
+#: prompts of 4 to 18 characters: the steps' longest prompts differ
+ROWS = [{"prompt": "ab" * k + "="} for k in (3, 8, 1, 5, 2, 7, 4, 6)]
+
+
+def _trainer(
+    folder: Path, device: str = "cpu", steps: int = 3, cls: Any = None, **extra: Any
+) -> Any:
+    """crf's trainer (or ``cls``, TRL's GRPOTrainer) on the tiny model, gradient
+    checkpointing on (TRL turns it off and on around each generation)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from crf.composer import ComposerConfig, ComposerReplicationTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    args = ComposerConfig(
+        output_dir=str(folder.parent / f"out-{device}"),
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        gradient_checkpointing=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **extra,
+    )
+    return (cls or ComposerReplicationTrainer)(
+        model=model,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tok,
+    )
+
+
+def _cache_length(model: Any) -> int:
+    """The static cache's length: transformers < 5.8 keeps the cache on the model
+    (``_cache``), later releases a new cache per call, as long as the longest before
+    (``_previous_max_cache_length``)."""
+    cache = getattr(model, "_cache", None)
+    return cache.max_cache_len if cache is not None else model._previous_max_cache_length
+
+
+def _graphs_per_step(trainer: Any) -> list[int]:
+    """Dynamo's count of graphs compiled so far, at the end of each optimizer step."""
+    from torch._dynamo.utils import counters
+    from transformers import TrainerCallback
+
+    seen: list[int] = []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            seen.append(counters["stats"]["unique_graphs"])
+
+    trainer.add_callback(Count())
+    return seen
+
+
+def _compile_on_cpu(trainer: Any) -> list[Any]:
+    """Let transformers compile on the CPU, with a backend that keeps the graphs dynamo
+    hands it and runs them as they are; the list of those graphs. (A function: ``generate``
+    deep-copies its config, and a function is copied as itself.)"""
+    from transformers import CompileConfig
+
+    graphs: list[Any] = []
+
+    def backend(gm: Any, example_inputs: Any, **_: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    config = CompileConfig(backend=backend)
+    config._compile_all_devices = True  # transformers' switch: compile off a GPU too
+    trainer.generation_config.compile_config = config
+    return graphs
+
+
+def _input_hooks(model: Any) -> int:
+    return len(model.get_input_embeddings()._forward_hooks)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_one_compilation_serves_every_step(folder: Path) -> None:
+    """Three optimizer steps whose prompts differ in length: the decoding step is compiled
+    once, into one graph (no break at the input-embeddings hook), the cache is one bucket,
+    and the master weights stay fp32."""
+    trainer = _trainer(folder, generation_compile=True)
+    assert trainer.generation_config.cache_implementation == "static"
+    assert trainer.generation_config.disable_compile is False
+    graphs = _compile_on_cpu(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert len(graphs) == 1
+    assert _cache_length(trainer.model) == 256
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert _input_hooks(trainer.model) == 1
+
+
+@pytest.mark.slow
+def test_a_cache_sized_to_each_prompt_recompiles(folder: Path, monkeypatch: Any) -> None:
+    """The control: with the cache sized to each call's prompt and completion (what
+    transformers does on its own), a step with a longer prompt than before is a new cache
+    shape, and the decoding step compiles again."""
+    import crf.composer.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "static_cache_length", lambda prompt, new: prompt + new)
+    trainer = _trainer(folder, generation_compile=True)
+    graphs = _compile_on_cpu(trainer)
+    trainer.train()
+    assert len(graphs) > 1
+
+
+@pytest.mark.slow
+def test_compiled_decoding_makes_the_same_tokens(folder: Path) -> None:
+    """Greedy, the compiled static-cache decoding gives the tokens plain ``generate`` gives."""
+    made = []
+    for compiled in (False, True):
+        trainer = _trainer(folder, generation_compile=compiled)
+        prompts = trainer.processing_class(text=["ab=", "abcdab="])["input_ids"]
+        if compiled:
+            graphs = _compile_on_cpu(trainer)
+        trainer.generation_config.do_sample = False
+        trainer.model.eval()
+        completions, _ = trainer._generate_single_turn(prompts, None, {}, 1)
+        made.append(completions)
+    assert graphs
+    assert made[0] == made[1]
+    assert all(len(c) >= 1 for c in made[0])
+
+
+@pytest.mark.slow
+def test_the_input_embeddings_keep_one_hook(folder: Path) -> None:
+    """TRL turns gradient checkpointing off and on around each generation; with
+    transformers' own ``gradient_checkpointing_enable`` that adds a hook each time (TRL's
+    GRPOTrainer: more hooks after every step); crf's trainer keeps one."""
+    from trl import GRPOTrainer
+
+    trainer = _trainer(folder)
+    trainer.train()
+    assert _input_hooks(trainer.model) == 1
+
+    theirs = _trainer(folder, cls=GRPOTrainer)
+    theirs.train()
+    assert _input_hooks(theirs.model) > 1
+
+
+def test_a_copy_of_the_model_binds_its_own_hook(folder: Path) -> None:
+    """The idempotent ``enable_input_require_grads`` is bound to each model, so a deep copy
+    (the replay channel's frozen reference is one) registers on its own embeddings."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from crf.composer.generation import one_input_grads_hook
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    one_input_grads_hook(model)
+    twin = copy.deepcopy(model)
+    for _ in range(3):
+        twin.enable_input_require_grads()
+    assert _input_hooks(twin) == 1
+    assert _input_hooks(model) == 0
+
+
+def test_cache_lengths_are_buckets() -> None:
+    from crf.composer.generation import CACHE_BUCKET, static_cache_length
+
+    assert static_cache_length(10, 6) == CACHE_BUCKET
+    assert static_cache_length(CACHE_BUCKET - 6, 6) == CACHE_BUCKET
+    assert static_cache_length(CACHE_BUCKET - 5, 6) == 2 * CACHE_BUCKET
+    assert static_cache_length(300, 512, bucket=64) == 832
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"use_vllm": True}, "use_vllm replaces it"),
+        ({"use_transformers_continuous_batching": True, "bf16": False}, "continuous_batching"),
+        ({"cache_implementation": "dynamic"}, "cache_implementation is 'dynamic'"),
+    ],
+)
+def test_the_config_refuses_what_replaces_generate(setting: dict, match: str) -> None:
+    from crf.composer import ComposerConfig
+
+    with pytest.raises(ValueError, match=match):
+        ComposerConfig(output_dir="unused", use_cpu=True, generation_compile=True, **setting)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_compiled_decoding_on_cuda(folder: Path) -> None:
+    """On CUDA, transformers' own compilation (inductor, CUDA graphs) under bf16 autocast:
+    three steps whose prompts differ in length compile nothing after the first, and the
+    weights stay fp32 on the GPU."""
+    trainer = _trainer(folder, "cuda", steps=3, generation_compile=True)
+    seen = _graphs_per_step(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert seen[0] >= 1 and seen[-1] == seen[0], seen
+    assert _cache_length(trainer.model) == 256
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert {p.device.type for p in trainer.model.parameters()} == {"cuda"}
