@@ -31,9 +31,11 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
    the completion length (``--completion``): seconds per optimizer step (after a warm-up),
    the part of the step spent generating the rollouts (TRL's ``_generate``, timed in each
    step), generated tokens/s inside the step and peak GPU memory, for each ``--grpo-generation``
-   path: TRL's generate with crf's attention kernels (the default) and with cuDNN's (the
-   baseline), or continuous batching (in fp32, the only precision crf runs it in); the
-   master weights are checked to be fp32 after each.
+   path: TRL's generate with crf's attention kernels (the default), the same with its
+   decoding step compiled over a static KV cache (``generation_compile``: its first step,
+   which compiles, is reported apart), with cuDNN's attention (the baseline), or continuous
+   batching (in fp32, the only precision crf runs it in); the master weights are checked to
+   be fp32 after each.
 4. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU at GRPO-sized steps (the grpo
    phase's batch and length), H = 50 (or the largest that fits ``--budget-s``),
    ``--grpo-rounds`` round(s), a file store on local disk,
@@ -207,6 +209,7 @@ GRPO_PATHS = {
     "generate": "TRL's generate, crf's attention kernels",
     "cudnn": "TRL's generate, SDPA with cuDNN",
     "continuous": "continuous batching, fp32",
+    "compiled": "TRL's generate, static KV cache compiled (generation_compile)",
 }
 
 #: the generation engines measured, all in transformers (nothing extra to install)
@@ -461,9 +464,11 @@ def bench_grpo(
     completion length aside), in this process, without an exchange. ``generation``: one of
     :data:`GRPO_PATHS`: ``generate`` (TRL's default generate, with crf's attention kernels),
     ``cudnn`` (the same with PyTorch's choice, cuDNN's attention on a recent GPU: the
-    baseline), or ``continuous`` (``use_transformers_continuous_batching``, which crf runs
-    in fp32 only: its paged cache takes the weights' dtype). The master weights' dtypes are
-    checked after."""
+    baseline), ``compiled`` (``generation_compile``: a static KV cache, its decoding step
+    compiled; the first step compiles and is reported as ``first_step_s``), or
+    ``continuous`` (``use_transformers_continuous_batching``, which crf runs in fp32 only:
+    its paged cache takes the weights' dtype). The master weights' dtypes are checked
+    after."""
     import torch
     from datasets import Dataset
     from transformers import (
@@ -507,6 +512,7 @@ def bench_grpo(
             use_cpu=not cuda,
             bf16=cuda and torch.cuda.is_bf16_supported() and generation != "continuous",
             generation_cudnn_attention=generation == "cudnn",
+            generation_compile=generation == "compiled",
             save_strategy="no",
             report_to=[],
             logging_steps=1,
@@ -561,6 +567,7 @@ def bench_grpo(
         "master_dtypes": dtypes,
         "steps": len(per_step),
         "step_s": step_s,
+        "first_step_s": per_step[0] if per_step else None,
         "generation_s": generation_s,
         "rollouts_per_step": prompts * gens,
         "completion_tokens_mean": length,
@@ -985,6 +992,8 @@ def table(res: dict[str, Any]) -> str:
         how = GRPO_PATHS.get(gen, gen)
         runs = g.get("step_s_runs") or [g["step_s"]]
         each = f" (runs: {', '.join(f'{r:.2f}' for r in runs)})" if len(runs) > 1 else ""
+        if gen == "compiled" and g.get("first_step_s") is not None:
+            each += f"; first step (compiles on a GPU): {g['first_step_s']:.1f}"
         lines.append(f"| GRPO optimizer step ({what}; {how}), s | {g['step_s']:.2f}{each} |")
         if g.get("generation_s") is not None:
             lines.append(
@@ -1186,7 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default="generate,nocudnn,continuous,static",
                    help="generate phase's engines: " + ", ".join(
                        f"{k} ({v})" for k, v in ENGINES.items()))  # fmt: skip
-    p.add_argument("--grpo-generation", default="generate,cudnn",
+    p.add_argument("--grpo-generation", default="generate,compiled,cudnn",
                    help="the grpo phase's generation paths: " + ", ".join(
                        f"{k} ({v})" for k, v in GRPO_PATHS.items()))  # fmt: skip
     p.add_argument("--grpo-repeats", type=int, default=1, help="runs of each grpo path, the "
@@ -1289,6 +1298,11 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(max(1, a.grpo_repeats)):
             for gen in gens:
                 if gen in failed:
+                    continue
+                if a.budget_s and time.perf_counter() - t_start > a.budget_s:
+                    res.setdefault("skipped", {})[f"grpo ({GRPO_PATHS[gen]})"] = (
+                        f"skipped: the budget ({a.budget_s:.0f} s) was spent"
+                    )
                     continue
                 try:
                     g = bench_grpo(folder, device, a.prompts, a.completion, a.steps, gen)

@@ -45,6 +45,7 @@ if [ $# -eq 0 ]; then
   timeout "${GPU_TESTS_S:-200}" $py -m pytest -q -p no:cacheprovider -m gpu -rs \
     --timeout 150 $workers --durations 10 \
     tests/test_gpu_paths.py tests/test_gpu_generation.py tests/test_allreduce_device.py \
+    tests/test_generation_compile.py \
     2>&1 | tee "$out/gpu-tests.log"
   tests=${PIPESTATUS[0]}
   echo "gpu-check: tests exit $tests after $(elapsed) s"

@@ -147,7 +147,8 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     # generate and GRPO phases run it where the installed transformers serves it
     cb = _serves_continuous_batching()
     engines = ["generate", "nocudnn", "continuous", "static"] if cb else ["generate", "static"]
-    generations = ["continuous", "cudnn", "generate"] if cb else ["cudnn", "generate"]
+    generations = ["compiled", "cudnn", "generate"] + (["continuous"] if cb else [])
+    generations.sort()
     cmd = [sys.executable, str(repo / "bench" / "gpu.py"), "--tiny", "--out", str(out),
            "--steps", "2", "--sync-every", "2", "--rounds", "2", "--completion", "4",
            "--prompts", "1", "--new-tokens", "4", "--batches", "2,4",
@@ -174,6 +175,7 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     # generation timed inside each step: a part of it, as often as the step
     assert all(0 < g["generation_s"] <= max(g["step_s_runs"]) for g in grpo.values())
     assert all(len(g["generation_s_runs"]) == 2 for g in grpo.values())
+    assert grpo["compiled"]["first_step_s"] > 0  # a static cache (compiled on a GPU only)
     run = res["crf-small"]
     assert run["weights_identical"] is True and run["sync_every"] == 2
     assert all(0 <= r["crf_share"] < 1 for r in run["replicas"])

@@ -68,12 +68,24 @@ def _trainer(
     )
 
 
-def _cache_length(model: Any) -> int:
-    """The static cache's length: transformers < 5.8 keeps the cache on the model
-    (``_cache``), later releases a new cache per call, as long as the longest before
-    (``_previous_max_cache_length``)."""
-    cache = getattr(model, "_cache", None)
-    return cache.max_cache_len if cache is not None else model._previous_max_cache_length
+def _cache_length(trainer: Any) -> int:
+    """The length of the static cache the trainer keeps for its generations."""
+    return trainer._static_cache["length"]
+
+
+def _caches_per_step(trainer: Any) -> list[tuple[int, int]]:
+    """The kept static cache (its identity and its first keys' address) after each step."""
+    from transformers import TrainerCallback
+
+    seen: list[tuple[int, int]] = []
+
+    class Look(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            cache = trainer._static_cache["cache"]
+            seen.append((id(cache), cache.layers[0].keys.data_ptr()))
+
+    trainer.add_callback(Look())
+    return seen
 
 
 def _graphs_per_step(trainer: Any) -> list[int]:
@@ -121,16 +133,18 @@ def _fresh_dynamo() -> None:
 @pytest.mark.slow
 def test_one_compilation_serves_every_step(folder: Path) -> None:
     """Three optimizer steps whose prompts differ in length: the decoding step is compiled
-    once, into one graph (no break at the input-embeddings hook), the cache is one bucket,
-    and the master weights stay fp32."""
+    once, into one graph (no break at the input-embeddings hook), every generation decodes
+    into the same cache of one bucket, and the master weights stay fp32."""
     trainer = _trainer(folder, generation_compile=True)
     assert trainer.generation_config.cache_implementation == "static"
     assert trainer.generation_config.disable_compile is False
     graphs = _compile_on_cpu(trainer)
+    caches = _caches_per_step(trainer)
     trainer.train()
     assert trainer.state.global_step == 3
     assert len(graphs) == 1
-    assert _cache_length(trainer.model) == 256
+    assert _cache_length(trainer) == 256
+    assert len(caches) == 3 and len(set(caches)) == 1  # one cache, the same memory
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert _input_hooks(trainer.model) == 1
 
@@ -229,13 +243,15 @@ def test_the_config_refuses_what_replaces_generate(setting: dict, match: str) ->
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_compiled_decoding_on_cuda(folder: Path) -> None:
     """On CUDA, transformers' own compilation (inductor, CUDA graphs) under bf16 autocast:
-    three steps whose prompts differ in length compile nothing after the first, and the
-    weights stay fp32 on the GPU."""
+    three steps whose prompts differ in length compile nothing after the first and decode
+    into one cache, and the weights stay fp32 on the GPU."""
     trainer = _trainer(folder, "cuda", steps=3, generation_compile=True)
     seen = _graphs_per_step(trainer)
+    caches = _caches_per_step(trainer)
     trainer.train()
     assert trainer.state.global_step == 3
     assert seen[0] >= 1 and seen[-1] == seen[0], seen
-    assert _cache_length(trainer.model) == 256
+    assert _cache_length(trainer) == 256
+    assert len(set(caches)) == 1  # CUDA graphs recorded once, on one cache
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert {p.device.type for p in trainer.model.parameters()} == {"cuda"}

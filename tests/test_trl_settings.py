@@ -311,6 +311,35 @@ def test_the_attention_choice_reaches_the_trainer(tmp_path: Path) -> None:
     assert args.generation_cudnn_attention is True
 
 
+def test_compiled_decoding_reaches_the_trainer(tmp_path: Path) -> None:
+    """``--set generation_compile=true`` reaches ComposerConfig, off by default, and the
+    trainer then decodes with a static cache and compilation on."""
+    spec = _spec(device="cpu")
+    assert _trainer_config(spec, tmp_path).generation_compile is False
+    assert _trainer_config(spec, tmp_path, generation_compile="true").generation_compile is True
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("trl.use_transformers_continuous_batching=true", "use_transformers_continuous_batching "
+                                                          "replaces it"),
+        ("trl.cache_implementation=dynamic", "trl.cache_implementation is 'dynamic'"),
+        ("trl.use_vllm=true", "trl.use_vllm replaces it"),
+    ],
+)  # fmt: skip
+def test_compiled_decoding_beside_another_path_is_one_line(
+    tmp_path: Path, setting: str, message: str
+) -> None:
+    """Refused before launch, in one line, whatever else is wrong with the other setting on
+    this machine (no CUDA for vLLM, an older transformers for continuous batching)."""
+    result = crf("launch", "--set", "generation_compile=true", "--set", setting,
+                 "--store", tmp_path / "runs", "--dry-run")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
 def _digest(model: Any) -> str:
     h = hashlib.sha256()
     for p in model.parameters():

@@ -25,17 +25,17 @@ paid that build at every step (on one H100, 38-121 ms of CPU time in a profiled 
 24-layer model, against 7-10 ms of GPU kernels; docs/performance.md, "GPU: one H100"). Without
 it, SDPA takes FlashAttention or the memory-efficient kernel, which need no plan.
 
-:func:`compile_decoding` and :func:`static_cache_sized` make ``generate`` decode with a static
-KV cache whose decoding step transformers compiles (``torch.compile``, CUDA graphs: on an
-H100 a decoding step of a 0.5B model took 5.5 ms this way against 29-49 ms eager, because
-an eager step is paced by the CPU's dispatch of about a thousand kernels). Transformers
-compiles for a cache's shape, and sizes the cache to each call's prompt plus new tokens: a
-GRPO step's prompts have a new longest length at almost every step, and every new length
-would be a new compilation (34-43 s each on that H100). So crf sizes the cache in buckets
-of :data:`CACHE_BUCKET` tokens; transformers keeps a cache that is large enough and only
-resets it, and the decoding step keeps its shape, so one compilation serves every step
-whose prompt and completion fit the bucket. TRL turns compilation off in its generation
-config (``disable_compile=True``); :func:`compile_decoding` turns it back on.
+:func:`compile_decoding` and :func:`static_cache_kept` make ``generate`` decode with a static
+KV cache whose decoding step transformers compiles (``torch.compile``, CUDA graphs: an
+eager step is paced by the CPU's dispatch of about a thousand kernels; docs/performance.md,
+"GPU: one H100", has both measured). Transformers compiles for a cache's shape, and sizes
+the cache to each call's prompt plus new tokens: GRPO samples prompts of new lengths, and
+every longer one would be a new compilation (tens of seconds each). So crf sizes the cache
+in buckets of :data:`CACHE_BUCKET` tokens and keeps one cache for the calls it fits, reset
+between them: the decoding step keeps its shape and its cache's addresses, so one
+compilation and one recording of CUDA graphs serve every step whose prompt and completion
+fit the bucket. TRL turns compilation off in its generation config
+(``disable_compile=True``); :func:`compile_decoding` turns it back on.
 
 :func:`one_input_grads_hook` stops a leak those generations cause. TRL turns gradient
 checkpointing off for every generation and back on after it, and transformers'
@@ -61,8 +61,8 @@ __all__ = [
     "master_weights_kept",
     "no_input_grads_hook",
     "one_input_grads_hook",
+    "static_cache_kept",
     "static_cache_length",
-    "static_cache_sized",
 ]
 
 #: the static KV cache's length is a multiple of this many tokens (prompt and completion)
@@ -137,34 +137,38 @@ def _generating_model(model: Any) -> Any:
 
 
 @contextlib.contextmanager
-def static_cache_sized(model: Any, generation_config: Any, length: int) -> Iterator[None]:
-    """Generate inside this block: a static cache is sized to at least ``length`` tokens,
-    so calls whose prompts differ in length keep one cache shape (transformers reuses a
-    cache that is large enough) and the compiled decoding step compiles once. Through
-    ``GenerationConfig.max_cache_len`` where transformers has it, else by raising the length
-    transformers' ``_prepare_static_cache`` is asked for (the same rule, on releases before
-    that field)."""
-    if hasattr(type(generation_config)(), "max_cache_len"):
-        before = generation_config.max_cache_len
-        generation_config.max_cache_len = max(length, before or 0)
-        try:
-            yield
-        finally:
-            generation_config.max_cache_len = before
-        return
+def static_cache_kept(model: Any, length: int, held: dict[str, Any]) -> Iterator[None]:
+    """Generate inside this block into a static cache of at least ``length`` tokens that is
+    kept in ``held`` (``cache``, its ``batch`` and ``length``) and reset for the next call
+    it fits. Calls whose prompts
+    differ in length then share one cache shape, so the compiled decoding step compiles once,
+    and one cache, whose addresses CUDA graphs recorded: transformers 5.6 keeps its cache
+    across calls itself, later releases (5.17) make a new one per call, and every new address
+    makes CUDA graphs record again (after 128 such, torch stops using them for that step).
+    Through transformers' ``_prepare_static_cache``, which both call with keywords."""
+    from transformers import StaticCache
+
     target = _generating_model(model)
     prepare = getattr(target, "_prepare_static_cache", None)
     if prepare is None:
         raise RuntimeError(
-            "this transformers release sizes static caches neither through "
-            "GenerationConfig.max_cache_len nor _prepare_static_cache: leave "
-            "generation_compile off"
+            "this transformers release prepares static caches without _prepare_static_cache: "
+            "leave generation_compile off"
         )
 
-    def sized(*args: Any, max_cache_len: int, **kwargs: Any) -> Any:
-        return prepare(*args, max_cache_len=max(max_cache_len, length), **kwargs)
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        want = max(int(kwargs["max_cache_len"]), length)
+        cache, batch = held.get("cache"), kwargs.get("batch_size")
+        if cache is not None and held.get("batch") == batch and held["length"] >= want:
+            cache.reset()
+            return cache
+        kwargs["max_cache_len"] = want
+        cache = prepare(*args, **kwargs)
+        if isinstance(cache, StaticCache):
+            held.update(cache=cache, batch=batch, length=want)
+        return cache
 
-    target._prepare_static_cache = sized
+    target._prepare_static_cache = kept
     try:
         yield
     finally:

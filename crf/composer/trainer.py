@@ -40,8 +40,8 @@ from crf.composer.generation import (
     master_weights_kept,
     no_input_grads_hook,
     one_input_grads_hook,
+    static_cache_kept,
     static_cache_length,
-    static_cache_sized,
 )
 from crf.composer.losses import (
     TAIDSchedule,
@@ -151,6 +151,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._intake: RolloutIntake | None = None
         self._worker_rollout: Taken | None = None
         one_input_grads_hook(self.model)
+        #: the static cache compiled generations reuse (crf/composer/generation.py)
+        self._static_cache: dict[str, Any] = {}
         if args.generation_compile:
             compile_decoding(self.generation_config)
 
@@ -302,7 +304,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             longest = -(-longest // multiple) * multiple
             length = static_cache_length(longest, self.max_completion_length)
             cache = contextlib.ExitStack()
-            cache.enter_context(static_cache_sized(self.model, self.generation_config, length))
+            cache.enter_context(static_cache_kept(self.model, length, self._static_cache))
             cache.enter_context(no_input_grads_hook(self.model))
         with guard, attention, cache:
             return super()._generate_single_turn(

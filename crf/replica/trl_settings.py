@@ -311,6 +311,13 @@ def check_generation_compile(compile_decoding: bool, fields: Mapping[str, Any]) 
                 f"generation_compile compiles TRL's generate path, and trl.{other} replaces "
                 "it: leave one of them off"
             )
+    from transformers.generation import GenerationMixin
+
+    if not hasattr(GenerationMixin, "_prepare_static_cache"):
+        raise SettingError(
+            "generation_compile needs a transformers release that prepares static caches "
+            "with _prepare_static_cache (5.6 to 5.x); this one does not: leave it off"
+        )
     cache = fields.get("cache_implementation")
     if cache not in (None, "static"):
         raise SettingError(
