@@ -69,8 +69,10 @@ def _trainer(
 
 
 def _cache_length(trainer: Any) -> int:
-    """The length of the static cache the trainer keeps for its generations."""
-    return trainer._static_cache["length"]
+    """The length of the one static cache the trainer keeps for its generations."""
+    (_, length), *others = trainer._static_cache.values()
+    assert not others
+    return length
 
 
 def _caches_per_step(trainer: Any) -> list[tuple[int, int]]:
@@ -81,7 +83,7 @@ def _caches_per_step(trainer: Any) -> list[tuple[int, int]]:
 
     class Look(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            cache = trainer._static_cache["cache"]
+            ((cache, _),) = trainer._static_cache.values()
             seen.append((id(cache), cache.layers[0].keys.data_ptr()))
 
     trainer.add_callback(Look())

@@ -137,15 +137,15 @@ def _generating_model(model: Any) -> Any:
 
 
 @contextlib.contextmanager
-def static_cache_kept(model: Any, length: int, held: dict[str, Any]) -> Iterator[None]:
-    """Generate inside this block into a static cache of at least ``length`` tokens that is
-    kept in ``held`` (``cache``, its ``batch`` and ``length``) and reset for the next call
-    it fits. Calls whose prompts
-    differ in length then share one cache shape, so the compiled decoding step compiles once,
-    and one cache, whose addresses CUDA graphs recorded: transformers 5.6 keeps its cache
-    across calls itself, later releases (5.17) make a new one per call, and every new address
-    makes CUDA graphs record again (after 128 such, torch stops using them for that step).
-    Through transformers' ``_prepare_static_cache``, which both call with keywords."""
+def static_cache_kept(model: Any, length: int, held: dict[int, Any]) -> Iterator[None]:
+    """Generate inside this block into a static cache of at least ``length`` tokens, kept in
+    ``held`` per batch size (``{batch: (cache, length)}``) and reset for the next call it
+    fits. Calls whose prompts differ in length then share one cache shape, so the compiled
+    decoding step compiles once, and one cache, whose addresses CUDA graphs recorded:
+    transformers 5.6 keeps one cache across calls itself, later releases (5.17) make a new
+    one per call, and every new address makes CUDA graphs record again (after 128 such,
+    torch stops using them for that step). Through transformers' ``_prepare_static_cache``,
+    which both releases call with keywords."""
     from transformers import StaticCache
 
     target = _generating_model(model)
@@ -158,14 +158,15 @@ def static_cache_kept(model: Any, length: int, held: dict[str, Any]) -> Iterator
 
     def kept(*args: Any, **kwargs: Any) -> Any:
         want = max(int(kwargs["max_cache_len"]), length)
-        cache, batch = held.get("cache"), kwargs.get("batch_size")
-        if cache is not None and held.get("batch") == batch and held["length"] >= want:
+        batch = int(kwargs["batch_size"])
+        cache, has = held.get(batch, (None, 0))
+        if cache is not None and has >= want:
             cache.reset()
             return cache
         kwargs["max_cache_len"] = want
         cache = prepare(*args, **kwargs)
         if isinstance(cache, StaticCache):
-            held.update(cache=cache, batch=batch, length=want)
+            held[batch] = (cache, want)
         return cache
 
     target._prepare_static_cache = kept

@@ -151,8 +151,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._intake: RolloutIntake | None = None
         self._worker_rollout: Taken | None = None
         one_input_grads_hook(self.model)
-        #: the static cache compiled generations reuse (crf/composer/generation.py)
-        self._static_cache: dict[str, Any] = {}
+        #: the static caches compiled generations reuse, per batch size: (cache, length)
+        #: (crf/composer/generation.py)
+        self._static_cache: dict[int, Any] = {}
         if args.generation_compile:
             compile_decoding(self.generation_config)
 

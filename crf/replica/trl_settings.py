@@ -331,13 +331,16 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
     GRPOConfig takes them (for this model, LoRA and batch), ``use_vllm`` where it can
     run (:func:`check_vllm`), continuous batching where transformers serves it
     (:func:`check_continuous_batching`), compiled decoding on TRL's generate path
-    (:func:`check_generation_compile`). Nothing to check (TRL not imported) without ``trl``."""
+    (:func:`check_generation_compile`). Without ``trl`` settings, only the last (TRL is not
+    imported)."""
+    compiled = bool(getattr(cfg, "generation_compile", False))
     if not cfg.trl:
+        check_generation_compile(compiled, {})
         return
     fields = cfg.trainer_fields(spec)
     generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
     check_values(fields, cfg.prompts_per_step * generations)
-    check_generation_compile(bool(getattr(cfg, "generation_compile", False)), fields)
+    check_generation_compile(compiled, fields)
     check_vllm(fields, spec, gpus, local)
     check_continuous_batching(fields, spec=spec, gpus=gpus, local=local)
 
