@@ -33,7 +33,12 @@ ROWS = [{"prompt": "ab" * k + "="} for k in (3, 8, 1, 5, 2, 7, 4, 6)]
 
 
 def _trainer(
-    folder: Path, device: str = "cpu", steps: int = 3, cls: Any = None, **extra: Any
+    folder: Path,
+    device: str = "cpu",
+    steps: int = 3,
+    cls: Any = None,
+    bf16: bool | None = None,
+    **extra: Any,
 ) -> Any:
     """crf's trainer (or ``cls``, TRL's GRPOTrainer) on the tiny model, gradient
     checkpointing on (TRL turns it off and on around each generation)."""
@@ -48,7 +53,7 @@ def _trainer(
     args = ComposerConfig(
         output_dir=str(folder.parent / f"out-{device}"),
         use_cpu=device == "cpu",
-        bf16=device == "cuda",
+        bf16=device == "cuda" if bf16 is None else bf16,
         max_steps=steps,
         per_device_train_batch_size=4,
         num_generations=2,
@@ -133,11 +138,15 @@ def _fresh_dynamo() -> None:
 
 
 @pytest.mark.slow
-def test_one_compilation_serves_every_step(folder: Path) -> None:
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_one_compilation_serves_every_step(folder: Path, bf16: bool) -> None:
     """Three optimizer steps whose prompts differ in length: the decoding step is compiled
     once, into one graph (no break at the input-embeddings hook), every generation decodes
-    into the same cache of one bucket, and the master weights stay fp32."""
-    trainer = _trainer(folder, generation_compile=True)
+    into the same cache of one bucket, and the master weights stay fp32. Under bf16
+    autocast too, where the keys come out of the rotary embedding in fp32 and the values
+    in bf16, and a static cache as transformers makes it (values in the keys' dtype) fails
+    at the first generation."""
+    trainer = _trainer(folder, bf16=bf16, generation_compile=True)
     assert trainer.generation_config.cache_implementation == "static"
     assert trainer.generation_config.disable_compile is False
     graphs = _compile_on_cpu(trainer)
@@ -166,17 +175,21 @@ def test_a_cache_sized_to_each_prompt_recompiles(folder: Path, monkeypatch: Any)
 
 
 @pytest.mark.slow
-def test_compiled_decoding_makes_the_same_tokens(folder: Path) -> None:
-    """Greedy, the compiled static-cache decoding gives the tokens plain ``generate`` gives."""
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_compiled_decoding_makes_the_same_tokens(folder: Path, bf16: bool) -> None:
+    """Greedy, the compiled static-cache decoding gives the tokens plain ``generate`` gives
+    (both under the trainer's autocast, as in training), called outside training as a
+    rollout worker calls it."""
     made = []
     for compiled in (False, True):
-        trainer = _trainer(folder, generation_compile=compiled)
+        trainer = _trainer(folder, bf16=bf16, generation_compile=compiled)
         prompts = trainer.processing_class(text=["ab=", "abcdab="])["input_ids"]
         if compiled:
             graphs = _compile_on_cpu(trainer)
         trainer.generation_config.do_sample = False
         trainer.model.eval()
-        completions, _ = trainer._generate_single_turn(prompts, None, {}, 1)
+        with trainer.accelerator.autocast():
+            completions, _ = trainer._generate_single_turn(prompts, None, {}, 1)
         made.append(completions)
     assert graphs
     assert made[0] == made[1]

@@ -136,8 +136,20 @@ def _generating_model(model: Any) -> Any:
     return base() if callable(base) else model
 
 
+def _stored_as(layer: Any, dtype: Any) -> None:
+    """Make a static cache layer store the keys and values it is given in ``dtype``."""
+    update = layer.update
+
+    def update_in_dtype(key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    layer.update = update_in_dtype
+
+
 @contextlib.contextmanager
-def static_cache_kept(model: Any, length: int, held: dict[int, Any]) -> Iterator[None]:
+def static_cache_kept(
+    model: Any, length: int, held: dict[int, Any], dtype: Any = None
+) -> Iterator[None]:
     """Generate inside this block into a static cache of at least ``length`` tokens, kept in
     ``held`` per batch size (``{batch: (cache, length)}``) and reset for the next call it
     fits. Calls whose prompts differ in length then share one cache shape, so the compiled
@@ -145,7 +157,14 @@ def static_cache_kept(model: Any, length: int, held: dict[int, Any]) -> Iterator
     transformers 5.6 keeps one cache across calls itself, later releases (5.17) make a new
     one per call, and every new address makes CUDA graphs record again (after 128 such,
     torch stops using them for that step). Through transformers' ``_prepare_static_cache``,
-    which both releases call with keywords."""
+    which both releases call with keywords.
+
+    ``dtype``: the autocast dtype the model generates under, in which the cache then keeps
+    keys and values. Transformers' static cache allocates the values in the keys' dtype,
+    and under autocast with fp32 weights the two differ (the keys come out of the rotary
+    embedding in fp32, the values out of a bf16 projection): the first generation would
+    fail. Attention casts both to that dtype anyway, so storing them in it changes nothing
+    it computes."""
     from transformers import StaticCache
 
     target = _generating_model(model)
@@ -166,6 +185,9 @@ def static_cache_kept(model: Any, length: int, held: dict[int, Any]) -> Iterator
         kwargs["max_cache_len"] = want
         cache = prepare(*args, **kwargs)
         if isinstance(cache, StaticCache):
+            if dtype is not None:
+                for layer in cache.layers:
+                    _stored_as(layer, dtype)
             held[batch] = (cache, want)
         return cache
 

@@ -305,7 +305,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
             longest = -(-longest // multiple) * multiple
             length = static_cache_length(longest, self.max_completion_length)
             cache = contextlib.ExitStack()
-            cache.enter_context(static_cache_kept(self.model, length, self._static_cache))
+            # under the trainer's autocast, also where the model is not wrapped in it (a
+            # rollout worker's generation): the cache keeps keys and values in its dtype
+            autocast = (
+                torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+            )
+            cache.enter_context(self.accelerator.autocast())
+            cache.enter_context(static_cache_kept(self.model, length, self._static_cache, autocast))
             cache.enter_context(no_input_grads_hook(self.model))
         with guard, attention, cache:
             return super()._generate_single_turn(
