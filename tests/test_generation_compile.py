@@ -38,16 +38,27 @@ def _trainer(
     steps: int = 3,
     cls: Any = None,
     bf16: bool | None = None,
+    lora: bool = False,
     **extra: Any,
 ) -> Any:
     """crf's trainer (or ``cls``, TRL's GRPOTrainer) on the tiny model, gradient
-    checkpointing on (TRL turns it off and on around each generation)."""
+    checkpointing on (TRL turns it off and on around each generation); with ``lora``, the
+    model as crf's replica loads it with LoRA adapters (crf/replica/model.py)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from crf.composer import ComposerConfig, ComposerReplicationTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    if lora:
+        from types import SimpleNamespace
+
+        from crf.replica.model import Placement, load_pretrained
+
+        spec = SimpleNamespace(model=str(folder), lora_rank=4, lora_alpha=8,
+                               gradient_checkpointing=True)  # fmt: skip
+        model, _ = load_pretrained(spec, Placement(device, "fp32"), seed=0)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
     args = ComposerConfig(
@@ -158,6 +169,22 @@ def test_one_compilation_serves_every_step(folder: Path, bf16: bool) -> None:
     assert len(caches) == 3 and len(set(caches)) == 1  # one cache, the same memory
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert _input_hooks(trainer.model) == 1
+
+
+@pytest.mark.slow
+def test_lora_compiles_once_and_keeps_one_hook(folder: Path) -> None:
+    """With LoRA adapters (the model loaded as a replica loads it, PEFT's and crf's own
+    turning on of input gradients included), under bf16 autocast: one graph over three
+    steps, one cache, one input-embeddings hook, the adapters fp32."""
+    trainer = _trainer(folder, bf16=True, lora=True, generation_compile=True)
+    graphs = _compile_on_cpu(trainer)
+    caches = _caches_per_step(trainer)
+    trainer.train()
+    assert len(graphs) == 1
+    assert len(set(caches)) == 1
+    assert _input_hooks(trainer.model) == 1
+    trained = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
+    assert trained == {torch.float32}
 
 
 @pytest.mark.slow

@@ -124,6 +124,8 @@ def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any,
     import torch
     from transformers import AutoModelForCausalLM
 
+    from crf.composer.generation import one_input_grads_hook
+
     remote = bool(getattr(spec, "trust_remote_code", False))
     lora_rank = int(getattr(spec, "lora_rank", 0) or 0)
     tokenizer = load_tokenizer(spec.model, trust_remote_code=remote)
@@ -131,6 +133,9 @@ def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any,
     dtype = placement.torch_dtype if lora_rank else torch.float32
     model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype, trust_remote_code=remote)
     model.to(placement.device)
+    # one input-embeddings hook however often gradient checkpointing is turned on (below,
+    # by PEFT, by TRL around each generation): crf/composer/generation.py
+    one_input_grads_hook(model)
     for cfg in (model.config, getattr(model, "generation_config", None)):
         if cfg is not None and getattr(cfg, "pad_token_id", None) is None:
             cfg.pad_token_id = tokenizer.pad_token_id
