@@ -298,25 +298,31 @@ class ComposerReplicationTrainer(GRPOTrainer):
             else contextlib.nullcontext()
         )
         attention = generation_attention(self.model, self.args.generation_cudnn_attention)
-        cache = contextlib.nullcontext()
-        if self.args.generation_compile:
-            longest = max((len(p) for p in prompt_ids), default=0)
-            multiple = self.pad_to_multiple_of or 1
-            longest = -(-longest // multiple) * multiple
-            length = static_cache_length(longest, self.max_completion_length)
-            cache = contextlib.ExitStack()
-            # under the trainer's autocast, also where the model is not wrapped in it (a
-            # rollout worker's generation): the cache keeps keys and values in its dtype
-            autocast = (
-                torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
-            )
-            cache.enter_context(self.accelerator.autocast())
-            cache.enter_context(static_cache_kept(self.model, length, self._static_cache, autocast))
-            cache.enter_context(no_input_grads_hook(self.model))
-        with guard, attention, cache:
+        compiled = (
+            self._compiled_decoding(prompt_ids)
+            if self.args.generation_compile
+            else contextlib.nullcontext()
+        )
+        with guard, attention, compiled:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal, num_generations, *a, **kw
             )
+
+    def _compiled_decoding(self, prompt_ids: list[list[int]]) -> contextlib.ExitStack:
+        """What a ``generation_compile`` generation of ``prompt_ids`` runs inside: the
+        trainer's autocast (also where the model is not wrapped in it, as in a rollout
+        worker's generation), a kept static cache of the bucket the padded prompts and the
+        completion fit, holding keys and values in the autocast dtype, and no
+        input-embeddings hook (crf/composer/generation.py)."""
+        multiple = self.pad_to_multiple_of or 1
+        longest = -(-max((len(p) for p in prompt_ids), default=0) // multiple) * multiple
+        length = static_cache_length(longest, self.max_completion_length)
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.accelerator.autocast())
+        stack.enter_context(static_cache_kept(self.model, length, self._static_cache, dtype))
+        stack.enter_context(no_input_grads_hook(self.model))
+        return stack
 
     def _generate_and_score_completions(self, inputs):
         taken = None
