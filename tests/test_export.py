@@ -175,3 +175,126 @@ def test_a_peft_model_exports_its_adapter(tmp_path) -> None:
     export(RUN, str(dest), store=base)
     again = peft.PeftModel.from_pretrained(_tiny()[0], dest)
     assert weights_sha256(again) == weights_sha256(lora)
+
+
+def _adapter_run(tmp_path: Path, *, base_dtype: torch.dtype = torch.float32, model: str = ""):
+    """A run whose model/ is a trained-looking LoRA adapter (random, non-zero B) on a tiny
+    base saved in ``base_dtype`` to tmp_path/base; run.json names that base as --model."""
+    peft = pytest.importorskip("peft")
+    base_dir = tmp_path / "base"
+    model_, tok = _tiny()
+    model_.to(base_dtype).save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    store = RunStore((tmp_path / "runs" / RUN).as_uri())
+    spec = RunSpec(run_id=RUN, run_uri=store.uri, replicas=2, sync_every=2, rounds=1,
+                   model=model or str(base_dir), lora_rank=2).validate()  # fmt: skip
+    store.put(layout.RUN_SPEC, spec.to_json().encode())
+    base = AutoModelForCausalLM_fp32(base_dir)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                             init_lora_weights=False)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        lora = peft.get_peft_model(base, config)
+    save_model(store, lora, tok)
+    return store, str(tmp_path / "runs"), base_dir, lora, tok
+
+
+def AutoModelForCausalLM_fp32(folder: Path) -> torch.nn.Module:  # noqa: N802
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[1, 2, 3, 1, 2]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_merge_folds_the_adapter_into_the_runs_base(tmp_path) -> None:
+    """`crf export RUN DEST --merge`: one plain model (no adapter weights, no peft model
+    card) whose outputs are the adapter-on-base outputs, with the run's tokenizer; the base is
+    the run's --model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store, base, base_dir, lora, tok = _adapter_run(tmp_path)
+    dest = tmp_path / "merged"
+    res = CliRunner().invoke(app, ["export", RUN, str(dest), "--store", base, "--merge"])
+    assert res.exit_code == 0 and "exported" in res.output, res.output
+    files = {p.name for p in dest.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    assert not files & {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    merged = AutoModelForCausalLM.from_pretrained(dest)
+    assert type(merged).__name__ == "Qwen2ForCausalLM"
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert next(merged.parameters()).dtype == torch.float32
+    torch.testing.assert_close(_logits(merged), _logits(lora), rtol=1e-5, atol=1e-5)
+    base_model = AutoModelForCausalLM_fp32(base_dir)
+    assert not torch.allclose(_logits(merged), _logits(base_model), atol=1e-3)  # it moved
+    assert AutoTokenizer.from_pretrained(dest)("cab")["input_ids"] == tok("cab")["input_ids"]
+
+
+def test_merge_keeps_the_bases_stored_dtype_and_rounds_once(tmp_path) -> None:
+    """A bf16 base: the adapter is folded in fp32 and the merged weights are cast to bf16
+    once, so they are exactly the fp32 merge rounded, and the model is the base's size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    store, base, base_dir, lora, _ = _adapter_run(tmp_path, base_dtype=torch.bfloat16)
+    dest = tmp_path / "merged"
+    export(RUN, str(dest), store=base, merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(dest, dtype="auto")
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    assert str(AutoConfig.from_pretrained(dest).dtype).endswith("bfloat16")
+    want = {k: v.to(torch.bfloat16) for k, v in lora.merge_and_unload().state_dict().items()}
+    got = merged.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    size = (dest / "model.safetensors").stat().st_size
+    assert size <= 1.05 * (base_dir / "model.safetensors").stat().st_size
+
+
+def test_merge_refusals_are_one_line(tmp_path) -> None:
+    """What --merge cannot do says what to give instead, and writes nothing."""
+    runner = CliRunner()
+    store, base, base_dir, _, _ = _adapter_run(tmp_path)
+    out = tmp_path / "out"
+
+    def refused(*args: str) -> str:
+        res = runner.invoke(app, ["export", RUN, str(out), "--store", base, *args])
+        assert res.exit_code == 2, res.output
+        assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+        assert not out.exists() or not any(out.iterdir())
+        return res.output
+
+    assert "add --merge" in refused("--base-model", str(base_dir))
+    assert "not a folder on this machine" in refused("--merge", "--base-model", "./nowhere")
+    other = tmp_path / "other"  # another architecture: wider layers
+    tok = char_tokenizer("abc")
+    tiny_qwen2(tok, seed=1, hidden_size=32, num_layers=1, num_heads=2).save_pretrained(other)
+    assert "does not fit the base model" in refused("--merge", "--base-model", str(other))
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    assert "cannot load the base model" in refused("--merge", "--base-model", str(no_config))
+    # a whole model is exported as it is
+    model, tok = _tiny()
+    full = RunStore((tmp_path / "full" / RUN).as_uri())
+    full.put(layout.RUN_SPEC, store.get(layout.RUN_SPEC))
+    save_model(full, model, tok)
+    res = runner.invoke(app, ["export", RUN, str(out), "--store", str(tmp_path / "full"),
+                              "--merge"])  # fmt: skip
+    assert res.exit_code == 2 and "not a LoRA adapter" in res.output, res.output
+
+
+def test_merge_of_a_run_on_the_embedded_model_asks_for_the_base(tmp_path) -> None:
+    """No --model in run.json and an adapter that names no base: one line asking for it."""
+    from crf.launcher.merge import MergeError, base_model_of
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": null}')
+    with pytest.raises(MergeError, match="give --base-model"):
+        base_model_of({"model": None}, adapter, None)
+    assert base_model_of({"model": None}, adapter, "org/base") == "org/base"
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "org/named"}')
+    assert base_model_of({}, adapter, None) == "org/named"
+    assert base_model_of({"model": "org/run"}, adapter, None) == "org/run"

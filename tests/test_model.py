@@ -201,6 +201,30 @@ def test_composer_job_trains_a_hub_model_on_two_replicas(
         # N = 2: P up and P (N-1)/N * 2 down, plus object headers
         assert 1.5 * exchanged <= row["bytes_per_round"] <= 2 * exchanged + 64_000, row
     assert exchanged < sum(4 * p.numel() for p in model.parameters()) / 4
+    # its model/ is the adapter; `crf export --merge` folds it into the run's --model (the
+    # Hub id, through the same loopback Hub): one plain model that computes what the adapter
+    # on its base computes
+    import peft
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    runner, store = CliRunner(), str(tmp_path / "runs")
+    res = runner.invoke(app, ["export", f"hub-{lora_rank}", str(tmp_path / "adapter"),
+                              "--store", store])  # fmt: skip
+    assert res.exit_code == 0 and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    res = runner.invoke(app, ["export", f"hub-{lora_rank}", str(tmp_path / "merged"),
+                              "--store", store, "--merge"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(TINY_REPO, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_the_hub_emulator_serves_dataset_repos(

@@ -829,6 +829,22 @@ def export(
             "--force", help="Write into a folder that is not empty (same-named files replaced)."
         ),
     ] = False,
+    merge: Annotated[
+        bool,
+        typer.Option(
+            "--merge",
+            help="A LoRA run: fold the adapter into its base model and export one plain model "
+            "(in the base's dtype) instead of the adapter. Needs peft.",
+        ),
+    ] = False,
+    base_model: Annotated[
+        str | None,
+        typer.Option(
+            "--base-model",
+            metavar="MODEL",
+            help="With --merge: the base model (folder or Hub id). Default: the run's --model.",
+        ),
+    ] = None,
 ) -> None:
     """Copy the trained model (the run's model/, Hugging Face format, written when the run
     finished) to a folder, or push it to a Hub repo."""
@@ -836,8 +852,13 @@ def export(
     from crf.launcher.export import export as export_model
     from crf.store.errors import StoreError
 
+    console = Console(stderr=True)
     try:
-        done = export_model(run_id, dest, store=store, force=force)
+        with console.status("exporting", spinner="dots") as shown:
+            done = export_model(
+                run_id, dest, store=store, force=force, merge=merge, base_model=base_model,
+                step=lambda text: shown.update(escape(text)),
+            )  # fmt: skip
     except (LaunchError, StoreError, OSError) as e:
         _fail(str(e))
     Console().print(

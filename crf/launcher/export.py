@@ -7,12 +7,16 @@ one) then ``upload_folder`` - one commit, token from ``HF_TOKEN`` (and the Hub f
 ``HF_ENDPOINT`` when set). Every refusal is one line
 saying what to do: no such run, no ``model/`` yet (the run is still running, failed, was
 cancelled, stopped, or its job saves no model), a destination that is not empty.
+With ``merge`` a LoRA run's adapter is first folded into its base model
+(:mod:`crf.launcher.merge`), and what is copied or pushed is the merged model.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,27 +40,78 @@ class Exported:
 
 
 def export(
-    run_id: str, dest: str, *, store: str | None = None, force: bool = False, api: Any = None
+    run_id: str,
+    dest: str,
+    *,
+    store: str | None = None,
+    force: bool = False,
+    merge: bool = False,
+    base_model: str | None = None,
+    api: Any = None,
+    step: Callable[[str], None] = lambda _: None,
 ) -> Exported:
     """Copy run ``run_id``'s ``model/`` to ``dest`` (a folder, or ``hf://org/name``; ``api``:
-    the HfApi to push with, for tests)."""
+    the HfApi to push with, for tests). With ``merge``, a LoRA adapter is folded into its base
+    (``base_model``, else the run's model) and the merged model is what goes; ``step`` hears
+    the merge's stages (for a progress line)."""
     from crf.launcher.attach import run_store
 
+    if base_model is not None and not merge:
+        raise ExportError("--base-model names the base to merge into: add --merge")
     st = run_store(run_id, store)  # LaunchError: no such run
     files = model_files(st, run_id)
-    if dest.startswith(HF_PREFIX):
-        repo_id = hub_repo(dest)
-        with tempfile.TemporaryDirectory(prefix="crf-export-") as tmp:
-            _copy(st, files, Path(tmp))
-            url = push_to_hub(Path(tmp), repo_id, run_id, api)
-        return Exported(url, files)
+    hub = dest.startswith(HF_PREFIX)
+    repo_id = hub_repo(dest) if hub else ""
     target = Path(dest).expanduser()
-    if target.exists() and not target.is_dir():
-        raise ExportError(f"{dest} exists and is not a folder: give a folder to export into")
-    if target.is_dir() and any(target.iterdir()) and not force:
-        raise ExportError(f"{dest} is not empty: give an empty or new folder, or --force")
-    _copy(st, files, target)
+    if not hub:
+        if target.exists() and not target.is_dir():
+            raise ExportError(f"{dest} exists and is not a folder: give a folder to export into")
+        if target.is_dir() and any(target.iterdir()) and not force:
+            raise ExportError(f"{dest} is not empty: give an empty or new folder, or --force")
+    with tempfile.TemporaryDirectory(prefix="crf-export-") as tmp:
+        folder = Path(tmp) / "model"
+        _copy(st, files, folder)
+        if merge:
+            merged = Path(tmp) / "merged"
+            files = _merged(st, run_id, files, folder, merged, base_model, step)
+            folder = merged
+        if hub:
+            return Exported(push_to_hub(folder, repo_id, run_id, api), files)
+        for rel in files:
+            out = target / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp_out = out.with_name(f".{out.name}.crf-tmp")
+            shutil.copyfile(folder / rel, tmp_out)
+            os.replace(tmp_out, out)
     return Exported(str(target), files)
+
+
+def _merged(
+    st: Any,
+    run_id: str,
+    files: list[str],
+    adapter: Path,
+    out: Path,
+    base_model: str | None,
+    step: Callable[[str], None],
+) -> list[str]:
+    """The adapter in ``adapter`` merged into its base, written to ``out``; its files."""
+    from crf.launcher.merge import base_model_of, is_adapter, merge_adapter
+
+    if not is_adapter(files):
+        raise ExportError(
+            f"run {run_id}'s model/ is a whole model, not a LoRA adapter: export it without --merge"
+        )
+    from crf.store import ObjectNotFound
+
+    try:
+        spec = st.get_json(layout.RUN_SPEC)
+    except (ObjectNotFound, ValueError):  # no run.json: the adapter names its base
+        spec = {}
+    spec = spec if isinstance(spec, dict) else {}
+    base = base_model_of(spec, adapter, base_model)
+    remote = bool(spec.get("trust_remote_code", False))
+    return merge_adapter(adapter, base, out, trust_remote_code=remote, step=step)
 
 
 def model_files(st: Any, run_id: str) -> list[str]:
