@@ -207,6 +207,42 @@ def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
     assert all("reward" not in line for line in lines if line.startswith("replica 1 round"))
 
 
+def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) -> None:
+    """Short rounds close faster than the driver polls, and a heartbeat holds only the
+    newest: the rounds in between are read from their records in the run store and printed
+    in order; a resumed launch starts at its first round, an attached watcher at the round it
+    first sees."""
+    from crf import layout
+    from crf.launcher.progress import round_records
+    from crf.store import RunStore
+
+    store = RunStore((tmp_path / "run").as_uri())
+    for r in range(4):
+        store.put_json(layout.metrics_key(0, r), layout.RoundMetrics(
+            round=r, rank=0, loss=0.1 * (r + 1), step=2 * (r + 1), sync_s=0.5).to_dict())  # fmt: skip
+    running = ReplicaStatus(ReplicaState.RUNNING)
+
+    def shown(first: int | None, *last_rounds: int) -> list[str]:
+        out = io.StringIO()
+        rep = PlainReporter(Console(file=out, width=80), 8, round_records(store), first)
+        for r in last_rounds:
+            beat = _beat(0, "lm", last_round=r, step=2 * (r + 1), round_loss=0.1 * (r + 1))
+            rep.update([ReplicaView(0, running, beat)])
+        return [line.split(" step")[0] for line in out.getvalue().splitlines()]
+
+    every = [f"replica 0 round {r} ({r + 1}/8)" for r in range(4)]
+    assert shown(0, 1, 3) == every  # rounds 0 and 2 closed unseen
+    assert shown(0, 3)[0].endswith("round 0 (1/8)")
+    assert shown(2, 3) == every[2:]  # resumed: round 2 is its first
+    assert shown(None, 2, 3) == every[2:]  # attached while round 2 was the newest
+    text = io.StringIO()
+    rep = PlainReporter(Console(file=text, width=80), 8, round_records(store), 0)
+    rep.update([ReplicaView(0, running, _beat(0, "lm", last_round=2, step=6))])
+    assert "replica 0 round 1 (2/8) step 4 loss 0.2000 sync 0.5s" in text.getvalue()
+    # a record not there (yet): the round is left out, the newest still printed
+    assert shown(0, 6) == [*every, "replica 0 round 6 (7/8)"]
+
+
 def test_heartbeat_round_fields_round_trip() -> None:
     beat = _beat(0, "composer", round_rejected=1)
     again = Heartbeat.from_dict(beat.to_dict())

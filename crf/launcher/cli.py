@@ -635,7 +635,7 @@ def _watch(run_: Any, console: Console, interval: float) -> None:
     as crf launch prints them."""
     from rich.live import Live
 
-    from crf.launcher.progress import PlainReporter, ReplicaView
+    from crf.launcher.progress import PlainReporter, ReplicaView, round_records
 
     def ended() -> bool:
         return all(st.terminal for _, st, _ in run_.statuses())
@@ -646,7 +646,7 @@ def _watch(run_: Any, console: Console, interval: float) -> None:
                 time.sleep(interval)
                 live.update(_progress_of(run_, console.width), refresh=True)
         return
-    reporter = PlainReporter(console, run_.spec.rounds)
+    reporter = PlainReporter(console, run_.spec.rounds, round_records(run_.store), None)
     while True:
         rows = run_.statuses()
         reporter.update([ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in rows])

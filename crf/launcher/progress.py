@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from crf import jsonsafe
+from crf import jsonsafe, layout
 from crf.executors.base import ReplicaState, ReplicaStatus
 from crf.layout import Heartbeat
 
@@ -236,11 +236,25 @@ class PlainReporter:
     """The live display when the output is not a terminal (a file, a CI log): instead of a
     redrawn table, one line per replica per finished round and one per event (a replica
     ended, a round refused objects), printed as they happen so a log shows progress. New
-    rounds are found by comparing each replica's heartbeat with the previous poll's."""
+    rounds are found by comparing each replica's heartbeat with the previous poll's; a
+    heartbeat only holds the newest round, so rounds that closed between two polls (short
+    rounds) are read from their records (``records(rank, r)``: the round's
+    :class:`~crf.layout.RoundMetrics`, or None) and printed in order. ``first_round`` is the
+    first round this launch closes (after a resume, the one after the round it continues
+    from), so a resumed run does not print the earlier launches' rounds again; None (a
+    watcher that attached to a running run) starts at the round it first sees."""
 
-    def __init__(self, console: Console, rounds: int) -> None:
+    def __init__(
+        self,
+        console: Console,
+        rounds: int,
+        records: Callable[[int, int], layout.RoundMetrics | None] | None = None,
+        first_round: int | None = 0,
+    ) -> None:
         self.console = console
         self.rounds = rounds
+        self.records = records
+        self.first_round = first_round
         self.last_round: dict[int, int | None] = {}
         self.ended: set[int] = set()
 
@@ -248,22 +262,61 @@ class PlainReporter:
         for v in views:
             hb = v.heartbeat
             if hb is not None and hb.last_round is not None:
-                if self.last_round.get(v.rank) != hb.last_round:
+                shown = self.last_round.get(v.rank)
+                if shown != hb.last_round:
                     self.last_round[v.rank] = hb.last_round
-                    self._say(round_line(v.rank, hb, self.rounds))
-                    if hb.round_rejected:
-                        self._say(
-                            f"replica {v.rank} round {hb.last_round}: rejected "
-                            f"{hb.round_rejected} object(s) (never averaged)"
-                        )
+                    start = shown + 1 if shown is not None else self.first_round
+                    start = hb.last_round if start is None else start
+                    for r in range(start, hb.last_round):  # closed between two polls
+                        missed = self._record(v.rank, r)
+                        if missed is not None:
+                            self._round(v.rank, missed)
+                    self._round(v.rank, hb)
             if v.status.terminal and v.rank not in self.ended:
                 self.ended.add(v.rank)
                 self._say(f"replica {v.rank} ended: {process_text(v.status).plain}")
             elif not v.status.terminal:
                 self.ended.discard(v.rank)  # restarted: it will end again
 
+    def _record(self, rank: int, r: int) -> layout.Heartbeat | None:
+        """Round ``r`` of ``rank`` as the heartbeat showed it when it closed (None: no
+        record to read, or none yet)."""
+        if self.records is None:
+            return None
+        from crf.replica.rounds import heartbeat_fields
+
+        try:
+            record = self.records(rank, r)
+        except Exception:  # noqa: BLE001 - progress lines never stop a run
+            return None
+        if record is None:
+            return None
+        return layout.Heartbeat(rank=rank, step=record.step, **heartbeat_fields(record))
+
+    def _round(self, rank: int, hb: layout.Heartbeat) -> None:
+        self._say(round_line(rank, hb, self.rounds))
+        if hb.round_rejected:
+            self._say(
+                f"replica {rank} round {hb.last_round}: rejected "
+                f"{hb.round_rejected} object(s) (never averaged)"
+            )
+
     def _say(self, line: str) -> None:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def round_records(store: Any) -> Callable[[int, int], layout.RoundMetrics | None]:
+    """What :class:`PlainReporter` reads a missed round from: the run store's round record
+    (``metrics/<rank>/<r>.json``), None while it is not there."""
+    from crf.store import ObjectNotFound
+
+    def read(rank: int, r: int) -> layout.RoundMetrics | None:
+        try:
+            return layout.RoundMetrics.from_dict(store.get_json(layout.metrics_key(rank, r)))
+        except (ObjectNotFound, ValueError, TypeError):
+            return None
+
+    return read
 
 
 def round_line(rank: int, hb: Heartbeat, rounds: int) -> str:

@@ -258,7 +258,12 @@ def watch(
     they happen (:class:`~crf.launcher.progress.PlainReporter`)."""
     from rich.live import Live
 
-    from crf.launcher.progress import PlainReporter, ReplicaView, render_progress
+    from crf.launcher.progress import (
+        PlainReporter,
+        ReplicaView,
+        render_progress,
+        round_records,
+    )
 
     plan = sup.plan
     spec, store, executor = plan.spec, plan.store, plan.executor
@@ -268,7 +273,9 @@ def watch(
     if progress and console.is_terminal:
         live = Live(console=console, refresh_per_second=4, transient=False)
     elif progress:
-        plain = PlainReporter(console, spec.rounds)
+        resumed = plan.resume.from_round if plan.resume is not None else None
+        first = 0 if resumed is None else resumed + 1
+        plain = PlainReporter(console, spec.rounds, round_records(store), first)
 
     def refresh() -> bool:
         views = []
