@@ -218,8 +218,9 @@ def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) ->
 
     store = RunStore((tmp_path / "run").as_uri())
     for r in range(4):
-        store.put_json(layout.metrics_key(0, r), layout.RoundMetrics(
-            round=r, rank=0, loss=0.1 * (r + 1), step=2 * (r + 1), sync_s=0.5).to_dict())  # fmt: skip
+        record = layout.RoundMetrics(round=r, rank=0, loss=0.1 * (r + 1), step=2 * (r + 1),
+                                     sync_s=0.5)  # fmt: skip
+        store.put_json(layout.metrics_key(0, r), record.to_dict())
     running = ReplicaStatus(ReplicaState.RUNNING)
 
     def shown(first: int | None, *last_rounds: int) -> list[str]:
