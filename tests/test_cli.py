@@ -167,6 +167,30 @@ def test_unwritable_store_is_refused(tmp_path: Path, script: Path) -> None:
     assert blocker.read_text() == "not a folder"
 
 
+def test_dry_run_refuses_what_the_launch_would_and_writes_nothing(
+    tmp_path: Path, base: Path, script: Path
+) -> None:
+    """--dry-run finds a local store it could not write to, and a run folder that is not
+    empty, as the launch would, in one line; it leaves no folder or probe behind."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for store in (blocker / "runs", Path("/proc/crf-nope")):
+        result = crf(*_common(store, script), "--dry-run")
+        assert result.exit_code == 2, result.output
+        assert "cannot write to store" in result.output and "--store" in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    assert blocker.read_text() == "not a folder"
+    (base / "t1").mkdir(parents=True)
+    (base / "t1" / "notes.txt").write_text("mine")
+    result = crf(*_common(base, script), "--dry-run")
+    assert result.exit_code == 2 and "is not empty" in result.output, result.output
+    fresh = tmp_path / "fresh" / "runs"
+    result = crf(*_common(fresh, script), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "fresh").exists()  # nothing written, not even the folders
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "my_train.py", "runs"]
+
+
 def test_existing_run_folder_is_refused_and_left_untouched(base: Path, script: Path) -> None:
     run = base / "t1"
     (run / "results").mkdir(parents=True)

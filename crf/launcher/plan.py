@@ -603,8 +603,10 @@ def store_errors(where: str) -> Iterator[None]:
 
 
 def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
-    """The new run's folder, checked: it holds no run, and (unless ``dry_run``, which writes
-    nothing) it is writable and empty."""
+    """The new run's folder, checked: it holds no run, it is empty, and it is writable. A
+    ``dry_run`` writes nothing in the store: it reads, and a local folder's writability is
+    tried in the nearest folder that exists (:func:`_local_writable`); a cloud store's
+    write permission shows at launch."""
     from crf.store import RunStore
 
     with store_errors(run_uri):
@@ -615,15 +617,38 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
                 f"choose another --run-id, or continue it with --resume {run_id}"
             )
         if dry_run:
-            return probe
-        probe.check_writable()
+            _local_writable(probe)
+        else:
+            probe.check_writable()
         leftovers = [n for n in probe.list() if not n.startswith(".crf-probe-")]
         if leftovers:
             raise LaunchError(
                 f"run folder {display_path(probe)} is not empty ({', '.join(leftovers[:5])}); "
                 "choose another --run-id or another --store"
             )
-        return RunStore(run_uri)
+        return probe if dry_run else RunStore(run_uri)
+
+
+def _local_writable(store: RunStore) -> None:
+    """For a store on this machine's disk: LaunchError unless a folder can be made where the
+    run folder would go (tried, then removed, in the nearest folder that exists), which a
+    launch would find out only when it writes. Other stores: nothing (a dry run does not
+    write to them)."""
+    protocol = store.fs.protocol
+    if "file" not in (protocol if isinstance(protocol, tuple | list) else (protocol,)):
+        return
+    path = Path(store.path(""))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        if not path.is_dir():
+            raise NotADirectoryError(f"{path} is a file")
+        Path(tempfile.mkdtemp(prefix=".crf-probe-", dir=path)).rmdir()
+    except OSError as e:
+        raise LaunchError(
+            f"cannot write to store {store.uri}: {type(e).__name__}: {e}. "
+            "Check the path exists and that you may write there (check --store)"
+        ) from None
 
 
 def read_run_spec(store: RunStore) -> RunSpec:
