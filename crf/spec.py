@@ -280,7 +280,8 @@ class Option:
             rule = f"in {left}{low}, {high}{right}"
         else:
             rule = f"{'>' if self.open_low else '>='} {low} and finite"
-        return f"None or {rule}" if self.default is None else rule
+        # a flag is either given or not: "None" is only a value to name in Python
+        return f"None or {rule}" if self.default is None and self.label == self.name else rule
 
 
 _KINDS = {str: "a string", dict: "a mapping", bool: "true or false", list: "a list of strings"}
@@ -390,7 +391,11 @@ class RunSpec:
         help="Outer (Nesterov) momentum, in [0, 1). 0.5 suits runs of a few to tens of "
         "rounds; the DiLoCo paper's 0.9 was tuned for hundreds.",
     )
-    nesterov: bool = option(True, cli=False, group=DILOCO, help="Nesterov outer momentum.")
+    nesterov: bool = option(
+        True,
+        group=DILOCO,
+        help="Nesterov outer momentum (DiLoCo's choice); --no-nesterov: plain momentum.",
+    )
     seed: int = option(
         0,
         low=0,
@@ -415,7 +420,11 @@ class RunSpec:
         help="Seconds a replica waits for the others in one round.",
     )
     num_shards: int | None = option(
-        None, cli=False, low=1, group=WIRE, help="Shards per round (default: one per replica)."
+        None,
+        low=1,
+        group=WIRE,
+        help="Shards the round's average is split into, each reduced by one replica "
+        "(default: one per replica; with --reduce-group-size, G).",
     )
     reduce_group_size: int = option(
         0,
@@ -429,10 +438,11 @@ class RunSpec:
     )
     keep_rounds: int = option(
         3,
-        cli=False,
         low=1,
         group=DILOCO,
-        help="Rounds kept in the store; older ones are garbage-collected.",
+        help="Checkpoints kept in the store (global states and the replicas' inner states): "
+        "the newest this many; older ones are deleted as rounds commit. A resume needs "
+        "the newest.",
     )
     checkpoint_every: int = option(
         1,
@@ -475,7 +485,11 @@ class RunSpec:
         "momentum) or diloco (full residual, Nesterov outer step).",
     )
     save_inner_state: bool = option(  # each replica saves its inner optimizer (resume)
-        True, cli=False, group=DILOCO, help="Each replica saves its inner optimizer per round."
+        True,
+        group=DILOCO,
+        help="Each replica saves its inner optimizer state with each checkpoint, so a resume "
+        "continues exactly; --no-save-inner-state stores less, and a resumed replica "
+        "starts a fresh inner optimizer.",
     )
     # Streaming DiLoCo (arXiv 2501.18512): the model is split into `fragments` contiguous groups
     # of parameters, synced one at a time every sync_every / fragments inner steps, each sync

@@ -25,7 +25,7 @@ from crf.spec import run_options
 from tests.test_cli import REPLICA_SCRIPT
 
 #: run options the command line does not take (declared ``cli=False``; --set fills job_config)
-NOT_ON_THE_COMMAND_LINE = {"nesterov", "num_shards", "keep_rounds", "save_inner_state"}
+NOT_ON_THE_COMMAND_LINE: set[str] = set()
 
 
 def _samples(tmp: Path) -> dict[str, Any]:

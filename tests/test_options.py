@@ -108,7 +108,7 @@ def test_run_defining_options_come_from_the_declarations() -> None:
         ("outer_lr", -1.0, "--outer-lr must be > 0 and finite (got -1.0)"),
         ("outer_momentum", 1.0, "--outer-momentum must be in [0, 1) (got 1.0)"),
         ("min_replicas", 5, "--min-replicas must be between 1 and --replicas=2 (got 5)"),
-        ("num_shards", 0, "num_shards must be None or an integer >= 1 (got 0)"),
+        ("num_shards", 0, "--num-shards must be an integer >= 1 (got 0)"),
         ("wire_dtype", "fp8", "--wire-dtype 'fp8' is unknown; choose one of float32"),
         ("error_feedback", "yes", "error_feedback must be true or false (got 'yes')"),
         ("wire_dtype", "topk3", "--wire-dtype 'topk3' is unknown; choose one of float32"),
