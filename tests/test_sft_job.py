@@ -146,6 +146,23 @@ def test_held_out_data_and_rewards_are_checked_too(tmp_path: Path) -> None:
              columns={**columns, "answer": "a"})  # fmt: skip
 
 
+def test_an_eval_split_of_one_file_is_refused_as_for_composer(tmp_path: Path) -> None:
+    """A file has one split: --eval-split of a --dataset file would score the training rows
+    as "held-out" rows, so it is refused, as without a dataset or naming the training split."""
+    good = _jsonl(tmp_path / "good.jsonl", [{"text": w} for w in WORDS])
+    with pytest.raises(LaunchError, match="is one file, one split; pass the held-out file"):
+        _prepare(tmp_path, dataset=good, eval_split="test")
+    with pytest.raises(LaunchError, match="names a split of --dataset, and there is none"):
+        _prepare(tmp_path, eval_split="test")
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", [{"text": w} for w in WORDS])
+    _jsonl(folder / "test.jsonl", [{"text": w} for w in WORDS[:2]])
+    with pytest.raises(LaunchError, match="is the split the run trains on"):
+        _prepare(tmp_path, dataset=str(folder), eval_split="train")
+    _prepare(tmp_path, dataset=str(folder), eval_split="test")  # a real held-out split
+
+
 def test_trl_fields_are_checked_against_sftconfig() -> None:
     """``--set trl.NAME=VALUE`` and a ``trl`` table reach SFTConfig typed; a misspelt name
     gets "did you mean", one crf sets or a knob of the job says where it is set."""

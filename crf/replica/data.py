@@ -209,9 +209,11 @@ def eval_source(spec: Any) -> tuple[str, str | None, str] | None:
     return None
 
 
-def check_eval(spec: Any, needs_answer: bool) -> None:
-    """Before launch: the held-out options make sense together, and a file or folder they
-    name is readable with the columns the rewards read (DataError says what to fix)."""
+def check_eval_split(spec: Any) -> None:
+    """Before launch, for every job with held-out data: ``--eval-split`` without
+    ``--eval-dataset`` names another split of ``--dataset``, so there must be a dataset with
+    more than one split, and the split must not be the one the run trains on; else the
+    "held-out" rows would be training rows, or none (DataError says what to fix)."""
     split, other, dataset = spec.eval_split, spec.eval_dataset, spec.dataset
     if split and not other:
         if not dataset:
@@ -229,6 +231,14 @@ def check_eval(spec: Any, needs_answer: bool) -> None:
                 f"--eval-split {split} is the split the run trains on (--dataset-split); "
                 "name a held-out one (e.g. test)"
             )
+
+
+def check_eval(spec: Any, needs_answer: bool) -> None:
+    """Before launch: the held-out options make sense together (:func:`check_eval_split`),
+    and a file or folder they name is readable with the columns the rewards read
+    (DataError says what to fix)."""
+    check_eval_split(spec)
+    other = spec.eval_dataset
     source = eval_source(spec)
     if source is None:
         return

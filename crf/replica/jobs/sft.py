@@ -256,11 +256,12 @@ def check_launch(spec: Any) -> None:
     """Before launch (the driver): the dataset and held-out data are in an SFT format, with a
     row for every replica (crf/replica/sft_data.py); a local file becomes an absolute path.
     DataError says what to fix."""
-    from crf.replica.data import DataError, eval_source, is_local_file
+    from crf.replica.data import DataError, check_eval_split, eval_source, is_local_file
     from crf.replica.rewards import check_rewards
     from crf.replica.sft_data import check_sft_columns, check_sft_dataset
 
     check_sft_columns(spec.columns)
+    check_eval_split(spec)
     scored = check_rewards(spec.reward) if spec.reward else []
     if scored and spec.dataset and eval_source(spec) is None:
         raise DataError(
