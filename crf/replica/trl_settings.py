@@ -51,31 +51,31 @@ TOY: dict[str, Any] = {
 LORA_LR_FACTOR = 10.0
 #: what crf sets on every run whatever the model (overridable with trl.<field>)
 CRF_DEFAULTS: dict[str, Any] = {"lr_scheduler_type": "constant"}
-#: GRPOConfig fields crf sets itself -> the crf option to use instead
+#: GRPOConfig fields crf sets itself -> what to do instead (the end of the one-line refusal)
 OWNED: dict[str, str] = {
     "output_dir": "crf chooses it; the trained model is the run's model/ (crf export)",
-    "max_steps": "-H/--sync-every x --rounds",
-    "num_train_epochs": "-H/--sync-every x --rounds",
-    "seed": "--seed",
-    "data_seed": "--seed",
-    "save_strategy": "--checkpoint-every (crf checkpoints the global model)",
-    "save_steps": "--checkpoint-every (crf checkpoints the global model)",
-    "save_total_limit": "--checkpoint-every (crf checkpoints the global model)",
-    "resume_from_checkpoint": "crf launch --resume",
-    "report_to": "--report-to",
-    "run_name": "--report-to (crf names each replica's run)",
-    "logging_steps": "nothing: crf logs every optimizer step",
-    "logging_strategy": "nothing: crf logs every optimizer step",
-    "disable_tqdm": "nothing: replicas write logs, not progress bars",
-    "use_cpu": "--device",
-    "bf16": "--precision",
-    "fp16": "--precision",
-    "per_device_train_batch_size": "--set prompts_per_step (x num_generations)",
-    "gradient_checkpointing": "--gradient-checkpointing",
-    "activation_checkpointing": "--gradient-checkpointing",
-    "reward_weights": "--reward NAME=WEIGHT",
-    "push_to_hub": "crf export",
-    "hub_model_id": "crf export",
+    "max_steps": "use -H/--sync-every x --rounds",
+    "num_train_epochs": "use -H/--sync-every x --rounds",
+    "seed": "use --seed",
+    "data_seed": "use --seed",
+    "save_strategy": "use --checkpoint-every (crf checkpoints the global model)",
+    "save_steps": "use --checkpoint-every (crf checkpoints the global model)",
+    "save_total_limit": "use --checkpoint-every (crf checkpoints the global model)",
+    "resume_from_checkpoint": "use crf launch --resume",
+    "report_to": "use --report-to",
+    "run_name": "crf names each replica's run (--report-to)",
+    "logging_steps": "crf logs every optimizer step",
+    "logging_strategy": "crf logs every optimizer step",
+    "disable_tqdm": "replicas write logs, not progress bars",
+    "use_cpu": "use --device",
+    "bf16": "use --precision",
+    "fp16": "use --precision",
+    "per_device_train_batch_size": "use --set prompts_per_step (x num_generations)",
+    "gradient_checkpointing": "use --gradient-checkpointing",
+    "activation_checkpointing": "use --gradient-checkpointing",
+    "reward_weights": "use --reward NAME=WEIGHT",
+    "push_to_hub": "use crf export",
+    "hub_model_id": "use crf export",
 }
 #: the documented way to install vLLM for crf
 VLLM_EXTRA = "pip install 'composer-replication[vllm]'"
@@ -121,7 +121,7 @@ def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
     fields = grpo_defaults()
     for name in trl:
         if name in OWNED:
-            raise SettingError(f"trl.{name} is set by crf: use {OWNED[name]}")
+            raise SettingError(f"trl.{name} is set by crf: {OWNED[name]}")
         if name not in fields:
             if name in job_knobs:
                 raise SettingError(

@@ -103,6 +103,9 @@ class Config:
     # channel 3: replay of correct traces against the policy's own wrong rollouts
     replay_beta: float = 1.0
     replay_loss: str = "simpo"
+    # a rollout whose weighted total reward reaches this is not "rejected" (the default: an
+    # exact answer of the built-in rewards, whose best is 1.0)
+    replay_reward_threshold: float = 1.0
     dpo_beta: float = 0.1
     simpo_beta: float = 2.0
     simpo_gamma: float = 0.5
@@ -148,7 +151,8 @@ class Config:
             f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
         )
         self._validate_trainer(need)
-        need(math.isfinite(self.pass_threshold), "pass_threshold must be a finite number")
+        for name in ("pass_threshold", "replay_reward_threshold"):
+            need(math.isfinite(getattr(self, name)), f"{name} must be a finite number")
         for name in ("distill_alpha", "replay_beta", "distill_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (got {getattr(self, name)})")
         need(
@@ -226,7 +230,7 @@ class Config:
             distill_wrapper=self.distill_wrapper,
             replay_beta=self.replay_beta,
             replay_loss=self.replay_loss,
-            replay_reward_threshold=1.0,  # exact answers are not "rejected"
+            replay_reward_threshold=self.replay_reward_threshold,
             dpo_beta=self.dpo_beta,
             simpo_beta=self.simpo_beta,
             simpo_gamma=self.simpo_gamma,
