@@ -528,7 +528,9 @@ def _backend_options(
         if value is None:
             continue
         if name is None or name.removeprefix("rollout_") not in known:
-            _fail(f"the {backend} backend has no {flag} option (its options: {', '.join(known)})")
+            _fail(
+                f"the {backend} backend has no {flag} option; its options are: {', '.join(known)}"
+            )
         out[name] = value
     if timeout is not None and "timeout_s" in known and "timeout_s" not in out:
         out["timeout_s"] = timeout + 600  # the platform's limit is a safety net past --timeout

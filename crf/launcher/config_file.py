@@ -197,12 +197,15 @@ def resolve_backend(
             name = rollout_key(cls, key)
         if name is None or name.removeprefix(ROLLOUT_PREFIX) not in known:
             near = [*known, *(["hardware"] if hardware else [])]
-            error = (
-                str(_unknown(key, where, near, "backend"))
-                if where
-                else f"unknown {backend} backend option {key!r}{did_you_mean(key, near)}"
+            if where:  # a config file's [backend] key: the file and the key
+                error = f"{_unknown(key, where, near, 'backend')} (the {backend} backend's options"
+                raise ConfigError(f"{error}: {', '.join(known)})")
+            # the SDK's keyword or backend_options key: worded as the CLI's -o and --hardware
+            what = f"hardware option ({key})" if key in HARDWARE_KEYS else f"option {key}"
+            raise ConfigError(
+                f"the {backend} backend has no {what}{did_you_mean(key, near)}; its options "
+                f"are: {', '.join(known) or 'none'}"
             )
-            raise ConfigError(f"{error} (the {backend} backend's options: {', '.join(known)})")
         if name in out:
             place = f"[backend] in config file {where}" if where else "backend_options"
             raise ConfigError(f"{place} names {name} twice ({given_as[name]!r} and {given!r})")
