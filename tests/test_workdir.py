@@ -253,3 +253,34 @@ def test_cli_flags_reach_the_plan(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "6 file(s)" in out and ".gitignore (pathspec)" in out
     assert "numpy numpy>=1 packaging" in out
+
+
+def test_a_model_folder_is_named_as_the_replicas_find_it(tmp_path: Path, monkeypatch) -> None:
+    """A relative --model folder: absolute on the local backend (each replica runs in its
+    own copy of --workdir, where the relative path is not); on a cloud backend the path in
+    the shipped --workdir copy, and refused when it is not in one. A replica given a path
+    that is not there fails as a bug of the input (no restart), not as a failing machine."""
+    from crf.replica.failures import deterministic
+    from crf.replica.model import Placement, load_pretrained
+    from tests.hub_models import save_tiny_repo
+
+    root = make_workdir(tmp_path / "code")
+    save_tiny_repo(root / "models" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    opts = {"job": "lm", "replicas": 1, "rounds": 1, "model": "code/models/tiny",
+            "workdir": "code"}  # fmt: skip
+    store = str(tmp_path / "runs")
+    plan = driver.prepare({**opts, "run_id": "m1"}, store=store, dry_run=True)
+    assert plan.spec.model == str(root / "models" / "tiny")
+    plan = driver.prepare({**opts, "run_id": "m2", "backend": "modal"}, store="s3://b/runs",
+                          dry_run=True)  # fmt: skip
+    assert plan.spec.model == "models/tiny"  # where the replica's copy of code/ has it
+    with pytest.raises(LaunchError, match="the modal replicas cannot read: upload it"):
+        driver.prepare({**opts, "run_id": "m3", "backend": "modal", "workdir": None},
+                       store="s3://b/runs", dry_run=True)  # fmt: skip
+    assert driver.prepare({**opts, "run_id": "m4", "model": "org/name", "workdir": None},
+                          store=store, dry_run=True).spec.model == "org/name"  # fmt: skip
+    spec = RunSpec(run_id="r", run_uri="memory://x", model="./not-here")
+    with pytest.raises(FileNotFoundError, match="no such folder on this replica") as caught:
+        load_pretrained(spec, Placement("cpu", "fp32"), seed=0)
+    assert deterministic(caught.value, phase="starting")

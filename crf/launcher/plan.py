@@ -283,6 +283,7 @@ def prepare(
             rows = check_workload(spec)
             local = getattr(executor, "name", spec.backend) == "local"
             found = check_inputs(spec, local=local, dry_run=dry_run)  # data, model, rewards
+            spec.model = replica_model_path(spec)
             missing += found.missing  # a dry run: a Hub repo this machine cannot reach
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
@@ -475,6 +476,28 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None
+
+
+def replica_model_path(spec: RunSpec) -> str | None:
+    """``--model`` as the replicas must name it. A Hub id stays as it is. A folder on this
+    machine becomes an absolute path on the local backend (each replica runs in its own
+    directory, a copy of ``--workdir`` when there is one); on a cloud backend it is the path
+    inside the ``--workdir`` copy the replicas run from, when the folder is in it, and is
+    refused otherwise (those replicas cannot read this machine's disk)."""
+    model = spec.model
+    if not model or not os.path.isdir(os.path.expanduser(model)):
+        return model
+    path = os.path.abspath(os.path.expanduser(model))
+    if spec.backend == "local":
+        return path
+    workdir = os.path.abspath(spec.workdir) if spec.workdir else None
+    if workdir and os.path.commonpath([path, workdir]) == workdir:
+        return os.path.relpath(path, workdir)
+    raise LaunchError(
+        f"--model {model} is a folder on this machine, which the {spec.backend} replicas "
+        "cannot read: upload it to the Hub (huggingface-cli upload ORG/NAME FOLDER) and pass "
+        "its id, or put it in the --workdir folder"
+    )
 
 
 def _local_data(spec: RunSpec, dataset: str | None, flag: str) -> str | None:

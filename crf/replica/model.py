@@ -23,6 +23,7 @@ everywhere:
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,11 @@ def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any,
 
     remote = bool(getattr(spec, "trust_remote_code", False))
     lora_rank = int(getattr(spec, "lora_rank", 0) or 0)
+    local = str(spec.model).startswith(("/", ".", "~"))
+    if local and not os.path.isdir(os.path.expanduser(spec.model)):
+        # a path, not a Hub id: transformers' OSError would read as a failing machine and be
+        # restarted; the same path is missing on every attempt
+        raise FileNotFoundError(f"--model {spec.model}: no such folder on this replica")
     tokenizer = load_tokenizer(spec.model, trust_remote_code=remote)
     # full fine-tuning: fp32 master weights; LoRA: the frozen base in the compute dtype
     dtype = placement.torch_dtype if lora_rank else torch.float32
