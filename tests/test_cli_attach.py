@@ -112,6 +112,8 @@ def test_detach_then_status_logs_and_runs(tmp_path: Path, script: Path) -> None:
 
     code, out = crf("runs", "--store", str(base))
     assert code == 0 and "det" in out and "ok" in out
+    code, out = crf("runs", "--store", str(base), "--status", "failed", "--status", "stopped")
+    assert code == 0 and out.strip() == f"no failed or stopped runs in {base}", out
 
 
 def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path) -> None:

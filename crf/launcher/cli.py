@@ -595,7 +595,11 @@ def runs(
         return
     console = Console()
     if not rows:
-        console.print(f"no runs in {escape(store or './crf-runs')}")
+        where = escape(store or "./crf-runs")
+        if status:
+            console.print(f"no {' or '.join(status)} runs in {where}")
+        else:
+            console.print(f"no runs in {where}")
         return
     table = Table(title=f"runs in {store or './crf-runs'}")
     for col in ("run", "backend", "job", "replicas", "rounds", "created", "status"):

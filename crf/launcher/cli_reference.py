@@ -46,6 +46,18 @@ def _default(param: Any, declared: Any) -> str:
     return _cell(str(value))
 
 
+def _range(param: Any) -> str:
+    """`` (>= 0.2)`` for an option whose type bounds it, as ``--help`` shows it."""
+    low, high = getattr(param, "min", None), getattr(param, "max", None)
+    if low is None and high is None:
+        return ""
+    if high is None:
+        return f" (>= {low:g})"
+    if low is None:
+        return f" (<= {high:g})"
+    return f" ({low:g} to {high:g})"
+
+
 def _names(param: Any) -> str:
     names = [*param.opts, *getattr(param, "secondary_opts", [])]
     metavar = getattr(param, "metavar", None)
@@ -64,7 +76,7 @@ def _options_table(params: list[Any], launch: bool) -> list[str]:
         panel = getattr(param, "rich_help_panel", None) or "Options"
         row = (
             f"| {_names(param)} | {_default(param, declared.get(param.name or ''))} "
-            f"| {_cell(param.help or '')} |"
+            f"| {_cell(param.help or '')}{_range(param)} |"
         )
         panels.setdefault(panel, []).append(row)
     lines: list[str] = []
