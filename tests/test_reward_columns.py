@@ -34,10 +34,10 @@ WORDS = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"] * 4  # 32 rows
 
 # ---------------------------------------------------------------------- the pieces
 def test_every_column_is_kept_and_a_mapping_wins_over_a_column_of_the_fields_name() -> None:
-    names = ["question", "solution", "answer", "difficulty", "completions", "hint"]
+    names = ["question", "solution", "answer", "difficulty", "completions", "hint", "image"]
     keep = kept_columns({"question": "prompt", "solution": "answer", "hint": "hint"}, names)
     row = {"question": "ab=", "solution": "ba", "answer": "stale", "difficulty": None,
-           "completions": "x", "hint": ""}  # fmt: skip
+           "completions": "x", "hint": "", "image": {"bytes": b""}}  # fmt: skip
     assert job_row(row, keep) == {
         "prompt": "ab=",
         "answer": "ba",  # the fields, by the mapping
@@ -46,7 +46,7 @@ def test_every_column_is_kept_and_a_mapping_wins_over_a_column_of_the_fields_nam
         "difficulty": None,  # a reward gets a null as TRL gives it
     }  # fmt: skip
     # the stale `answer` column loses to the mapping, `completions` is TRL's own argument,
-    # and an empty hint is no hint
+    # an image would be a vision model's input, and an empty hint is no hint
 
 
 def test_a_train_dataset_keeps_a_column_its_first_row_lacks() -> None:
@@ -168,6 +168,20 @@ def test_a_reward_that_works_in_trl_passes_the_check(
     result = _dry_run(tmp_path, chat_model, body, conversations=conversations)
     assert result.exit_code == 0, result.output
     assert "nothing was launched or written" in result.output
+
+
+def test_a_column_named_text_reaches_a_composer_reward(tmp_path: Path, chat_model: Path) -> None:
+    """``text`` and ``messages`` are sft formats, but in a composer dataset plain columns."""
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "wd" / "rw_text.py").write_text(
+        "def score(completions, text, **kw):\n    return [float(len(t)) for t in text]\n"
+    )
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{w}=", "text": w}) + "\n" for w in WORDS))
+    result = crf("launch", "--store", str(tmp_path / "runs"), "--replicas", "2", "--dry-run",
+                 "--model", str(chat_model), "--dataset", str(data), "--workdir",
+                 str(tmp_path / "wd"), "--reward", "rw_text:score")  # fmt: skip
+    assert result.exit_code == 0, result.output
 
 
 def test_conversation_prompts_give_the_check_message_completions(

@@ -598,7 +598,10 @@ def call_reward(
     number per row (None is TRL's "not applicable", allowed only beside other rewards)."""
     from crf.replica.rewards import call, outside_trainer
 
-    extra = {k for r in rows for k in r if k not in ("prompt", "messages", "completion", "text")}
+    if split.form is None:  # composer: every column but those TRL keeps out
+        extra = {k for r in rows for k in r if k not in ("prompt", "completion")}
+    else:  # sft: a held-out row is scored with its answer (sft._scorable)
+        extra = {k for r in rows for k in r if k == "answer"}
     kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
     try:

@@ -27,6 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 FIELDS = ("prompt", "answer", "hint", "trace")
+#: columns TRL's GRPOTrainer reads as a vision model's inputs; crf trains text models (a
+#: tokenizer is the processing class), so they are not handed to the trainer
+MEDIA_COLUMNS = ("image", "images")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -143,11 +146,12 @@ def kept_columns(renames: Mapping[str, str], names: list[str]) -> list[tuple[str
     """(column, key) of what a row keeps: each job field from its column (``renames``), and
     every column under its own name as well, since TRL hands a reward function every column
     of the dataset as a keyword list; not a column named like a field mapped from another
-    one (the mapping wins), nor one named like an argument TRL gives rewards itself."""
+    one (the mapping wins), one named like an argument TRL gives rewards itself, nor an
+    image column (:data:`MEDIA_COLUMNS`)."""
     from crf.replica.rewards import PLAIN_PROMPT, TRL_ARGUMENTS
 
     fields = set(renames.values())
-    taken = fields | set(TRL_ARGUMENTS) | {PLAIN_PROMPT}
+    taken = fields | set(TRL_ARGUMENTS) | {PLAIN_PROMPT} | set(MEDIA_COLUMNS)
     return [*renames.items(), *((c, c) for c in names if c not in taken)]
 
 
