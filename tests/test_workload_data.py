@@ -51,7 +51,9 @@ def test_files_by_path_are_sharded_with_the_column_mapping(tmp_path: Path, kind:
     a, b = _shard(path, 0), _shard(path, 1)
     assert [r["prompt"] for r in a] == ["ab=", "ca=", "cc="]
     assert [r["prompt"] for r in b] == ["abc=", "dab="]
-    assert a[0] == {"prompt": "ab=", "answer": "ba", "hint": "ba"}  # no trace column: absent
+    # no trace column: absent; every column also under its own name (the rewards get them)
+    assert a[0] == {"prompt": "ab=", "answer": "ba", "hint": "ba", "q": "ab=", "sol": "ba",
+                    "why": "ba"}  # fmt: skip
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])

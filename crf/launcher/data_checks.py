@@ -22,6 +22,7 @@ Only configs, headers and a few rows are read: no weights are loaded and nothing
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -432,7 +433,7 @@ def _wanted(spec: Any, flag: str) -> int:
 
 
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
-    from crf.replica.data import FIELDS
+    from crf.replica.data import FIELDS, kept_columns
 
     try:
         every, names = first_rows(name, config, split, _wanted(spec, flag))
@@ -459,9 +460,9 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
                 mapped["answer"] = row[answer]
             rows.append(mapped)
         return Split(flag, name, rows, form, len(every))
-    rows = [
-        {f: row.get(columns.get(f, f)) for f in FIELDS if columns.get(f, f) in row} for row in raw
-    ]
+    # the job's fields, and every column under its own name (the rewards get them all)
+    keep = kept_columns({columns.get(f, f): f for f in FIELDS if columns.get(f, f) in names}, names)
+    rows = [{k: row[c] for c, k in keep if c in row} for row in raw]
     return Split(flag, name, rows, counted=len(every))
 
 
@@ -572,9 +573,14 @@ def check_answers(spec: Any, split: Split, reward: str) -> None:
 
 
 def _completion(row: Mapping[str, Any]) -> Any:
+    """The row's answer as a completion, in the form the replicas hand a reward: messages
+    when the dataset's prompt is a conversation, else text (TRL's rule; a replica that
+    sends a text prompt through the chat template gives the reward the text back)."""
+    from crf.replica.rewards import is_conversational
+
     text = row.get("answer", row.get("completion", ""))
     text = "" if text is None or isinstance(text, list) else str(text)
-    if isinstance(row.get("prompt"), list) or "messages" in row:
+    if is_conversational(_prompt(row)):
         return [{"role": "assistant", "content": text}]
     return text
 
@@ -590,16 +596,21 @@ def call_reward(
 ) -> None:
     """LaunchError when reward ``name`` raises on ``rows`` or does not return one finite
     number per row (None is TRL's "not applicable", allowed only beside other rewards)."""
-    extra = {k for r in rows for k in r if k not in ("prompt", "messages", "completion", "text")}
-    kwargs = {k: [r.get(k) for r in rows] for k in extra}
+    from crf.replica.rewards import call, outside_trainer
+
+    if split.form is None:  # composer: every column but those TRL keeps out
+        extra = {k for r in rows for k in r if k not in ("prompt", "completion")}
+    else:  # sft: a held-out row is scored with its answer (sft._scorable)
+        extra = {k for r in rows for k in r if k == "answer"}
+    kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
     try:
-        out = fn(
+        out = call(
+            fn,
             prompts=[_prompt(r) for r in rows],
             completions=[_completion(r) for r in rows],
             completion_ids=[[] for _ in rows],
-            trainer_state=None,
-            **kwargs,
+            **(kwargs | outside_trainer()),
         )
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
         cause = e.__cause__ or e
@@ -608,6 +619,12 @@ def call_reward(
             "function (it is called as TRL calls it: prompts, completions, and the "
             "dataset's columns as keyword lists)"
         ) from None
+    if inspect.iscoroutine(out):  # TRL awaits an `async def` reward only, not this
+        out.close()
+        raise LaunchError(
+            f"--reward {name} returned a coroutine {where}: TRL awaits a reward only when it "
+            "is declared `async def` (or has an `async def __call__`); declare it so"
+        )
     if not isinstance(out, list | tuple) or len(out) != len(rows):
         got = f"a {_kind(out)}" if not isinstance(out, list | tuple) else f"{len(out)} values"
         raise LaunchError(

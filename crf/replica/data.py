@@ -4,9 +4,11 @@ by path or fsspec URL), ``--column FIELD=COLUMN`` and each replica's shard.
 Rows are loaded with the ``datasets`` library (``load_dataset("json"|"parquet"|"csv",
 data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub);
 the file's columns are renamed to the job's fields ``prompt`` / ``answer`` / ``hint`` /
-``trace``. ``prompt`` is required (and ``answer`` when a built-in reward reads it); ``hint`` and
-``trace`` are optional: a row without them (column absent, or an empty/null value) takes no part
-in channel 2 / 3 (the trainer skips it). Replica ``rank`` takes rows ``rank::world_size``
+``trace``, and every column is kept under its own name as well, as TRL hands every column of
+the dataset to the reward functions (:func:`kept_columns`). ``prompt`` is required (and
+``answer`` when a built-in reward reads it); ``hint`` and ``trace`` are optional: a row without
+them (column absent, or an empty/null value) takes no part in channel 2 / 3 (the trainer
+skips it). Replica ``rank`` takes rows ``rank::world_size``
 (``Dataset.shard(contiguous=False)``), shuffled by its data seed, as the embedded task does.
 
 ``check_dataset`` reads only the first ``replicas`` rows of a file from the driver (streaming),
@@ -25,6 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 FIELDS = ("prompt", "answer", "hint", "trace")
+#: columns TRL's GRPOTrainer reads as a vision model's inputs; crf trains text models (a
+#: tokenizer is the processing class), so they are not handed to the trainer
+MEDIA_COLUMNS = ("image", "images")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -61,7 +66,8 @@ def check_columns(columns: Mapping[str, str]) -> None:
         if key not in FIELDS:
             raise DataError(
                 f"--column {key}={value}: {key!r} is no field of the job; "
-                f"use one of {', '.join(FIELDS)} (KEY is the job's field, VALUE the column)"
+                f"use one of {', '.join(FIELDS)} (KEY is the job's field, VALUE the column); "
+                "a reward function gets every column under its own name without one"
             )
 
 
@@ -129,13 +135,38 @@ def load_shard(
     """Replica ``rank``'s rows (rows ``rank::world_size``) as dicts of the job's fields."""
     ds = _load(dataset, config, split)
     renames = _renames(columns, list(ds.column_names), dataset, required_fields(needs_answer))
-    ds = ds.select_columns(list(renames)).rename_columns(
-        {c: f for c, f in renames.items() if c != f}
-    )
+    keep = kept_columns(renames, list(ds.column_names))
     if len(ds) < world_size:
         raise DataError(_too_few(dataset, len(ds), world_size))
     rows = ds.shard(num_shards=world_size, index=rank, contiguous=False).to_list()
-    return [{k: v for k, v in row.items() if v is not None and v != ""} for row in rows]
+    return [job_row(row, keep) for row in rows]
+
+
+def kept_columns(renames: Mapping[str, str], names: list[str]) -> list[tuple[str, str]]:
+    """(column, key) of what a row keeps: each job field from its column (``renames``), and
+    every column under its own name as well, since TRL hands a reward function every column
+    of the dataset as a keyword list; not a column named like a field mapped from another
+    one (the mapping wins), one named like an argument TRL gives rewards itself, nor an
+    image column (:data:`MEDIA_COLUMNS`)."""
+    from crf.replica.rewards import PLAIN_PROMPT, TRL_ARGUMENTS
+
+    fields = set(renames.values())
+    taken = fields | set(TRL_ARGUMENTS) | {PLAIN_PROMPT} | set(MEDIA_COLUMNS)
+    return [*renames.items(), *((c, c) for c in names if c not in taken)]
+
+
+def job_row(row: Mapping[str, Any], keep: list[tuple[str, str]]) -> dict[str, Any]:
+    """A row with the keys of :func:`kept_columns`; a job field that is null or empty is
+    left out (a row without a hint or trace takes no part in that channel), any other
+    column is kept as it is (a reward gets it as TRL would)."""
+    out = {}
+    for column, key in keep:
+        if column in row:
+            value = row[column]
+            if key in FIELDS and (value is None or value == ""):
+                continue
+            out[key] = value
+    return out
 
 
 def _too_few(dataset: str, rows: int, replicas: int) -> str:
@@ -269,9 +300,8 @@ def load_eval(spec: Any, needs_answer: bool) -> list[dict[str, Any]]:
         spec.columns, list(ds.column_names), dataset, required_fields(needs_answer), flag
     )
     keep = fixed_subsample(list(range(len(ds))), int(spec.eval_examples), int(spec.seed))
-    ds = ds.select(keep).select_columns(list(renames))
-    ds = ds.rename_columns({c: f for c, f in renames.items() if c != f})
-    return [{k: v for k, v in row.items() if v is not None and v != ""} for row in ds.to_list()]
+    columns = kept_columns(renames, list(ds.column_names))
+    return [job_row(row, columns) for row in ds.select(keep).to_list()]
 
 
 def fixed_subsample(rows: list[Any], n: int, seed: int) -> list[Any]:

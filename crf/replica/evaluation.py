@@ -185,17 +185,26 @@ def score_completions(
     """The completions (token ids and text) of ``rows`` scored as :func:`score` does."""
     if not rows:
         return Partial(of=of)
+    from crf.replica.rewards import call, outside_trainer
+
     funcs = rewards["reward_funcs"]
     funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
     weights = rewards.get("reward_weights") or [1.0] * len(funcs)
     prompts = [row["prompt"] for row in rows]
-    chat = not isinstance(prompts[0], str)
+    chat = not isinstance(prompts[0], str)  # TRL's rule (a replica's text prompts: see
+    # rewards.in_dataset_form, which gives them back as text)
     completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
     total = [0.0] * len(rows)
     sums: dict[str, float] = {}
     columns = _columns(rows)
     for fn, w in zip(funcs, weights, strict=True):
-        values = fn(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+        values = call(
+            fn,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=ids,
+            **(columns | outside_trainer()),
+        )
         values = [float("nan") if v is None else float(v) for v in values]
         if len(values) != len(rows):
             raise ValueError(

@@ -11,15 +11,28 @@ not). Names:
   recipes use, so results compare with theirs);
 - ``format:<regex>``: 1.0 when the completion matches the Python regex (``re.search``, DOTALL;
   anchor it with ``^...$`` for a whole-completion match);
-- ``module:function``: the user's own TRL reward function, importable from the replica's
-  working directory (the driver imports it from its own cwd before launch, to fail early).
+- ``module:function``: the user's own TRL reward function (``def`` or ``async def``, as
+  TRL's GRPOTrainer takes both), importable from the replica's working directory (the
+  driver imports it before launch, to fail early).
 
 A weight is written ``NAME=WEIGHT`` (the last ``=`` followed by a number), default 1.0.
+
+Every reward is called as TRL calls it: ``prompts``, ``completions``, ``completion_ids``,
+every other column of the dataset as a keyword list, ``trainer_state``, ``log_extra`` and
+``log_metric``. Prompts and completions keep the form of the dataset's prompts: text for a
+text prompt, messages for a conversation. A replica whose model has a chat template sends a
+text prompt to the model as a one-message conversation (so the template is applied); its
+rewards still see the text (:func:`in_dataset_form`), so a reward written for TRL with that
+dataset works unchanged, and the check before launch calls it in that same form.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import importlib
+import inspect
 import math
 import re
 import sys
@@ -31,6 +44,13 @@ BUILTINS = ("exact_match", "math_answer")
 #: built-ins that read the dataset's ``answer`` field
 NEEDS_ANSWER = ("exact_match", "math_answer")
 MATH_EXTRA = "install composer-replication[math] (math-verify) to use the math_answer reward"
+#: the column a replica adds to each row whose text prompt it turned into a conversation for
+#: the chat template: that text (never handed to a reward: :func:`in_dataset_form`)
+PLAIN_PROMPT = "crf_plain_prompt"
+#: the keyword arguments TRL gives every reward itself; a dataset column of one of these
+#: names is not passed on (TRL would pass the keyword twice)
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                 "log_metric", "environments")  # fmt: skip
 _WEIGHTED = re.compile(r"^(?P<name>.+)=(?P<weight>[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?)$")
 
 
@@ -75,12 +95,26 @@ def parse_reward(entry: str) -> RewardSpec:
         module, _, func = name.partition(":")
         if not module or not func.isidentifier():
             raise RewardError(f"--reward {entry!r}: write module:function (mypkg.rewards:score)")
+        if "/" in module or "\\" in module or module.endswith(".py"):
+            raise RewardError(_file_hint(name))
     elif name not in BUILTINS:
         raise RewardError(
             f"--reward {name!r} is unknown; choose one of {', '.join(BUILTINS)}, "
             "format:<regex> or module:function"
         )
     return RewardSpec(name, weight)
+
+
+def _file_hint(name: str) -> str:
+    """The fix for a ``--reward`` naming a file path: its module, shipped by --workdir."""
+    module, _, func = name.partition(":")
+    path = module.replace("\\", "/")
+    folder, _, stem = path.rpartition("/")
+    stem = stem.removesuffix(".py")
+    return (
+        f"--reward {name} names a file; name its module instead, and ship its folder with "
+        f"--workdir: --workdir {folder or '.'} --reward {stem}:{func}"
+    )
 
 
 def parse_rewards(entries: list[str]) -> list[RewardSpec]:
@@ -139,6 +173,16 @@ def import_reward(name: str) -> Callable[..., Any]:
         sys.path.insert(0, "")
     try:
         fn = getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as e:
+        hint = ""
+        if e.name == module.split(".")[0]:  # the user's module itself, not one it imports
+            hint = (
+                f"; is {module} in the folder --workdir ships (the replicas' working "
+                "directory)? pass --workdir FOLDER"
+            )
+        raise RewardError(
+            f"--reward {name}: cannot import it from the working directory ({e}){hint}"
+        ) from None
     except (ImportError, AttributeError) as e:
         raise RewardError(
             f"--reward {name}: cannot import it from the working directory ({e})"
@@ -154,17 +198,112 @@ def import_reward(name: str) -> Callable[..., Any]:
     return fn
 
 
-def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` raising RewardFailed naming the reward (the original traceback chained)."""
+def is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` gives a coroutine, by TRL's rule (``is_async_callable``): an
+    ``async def`` function, a partial of one, or an object with an ``async def __call__``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - the __call__ of an instance
+    )
 
-    def reward(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            raise RewardFailed(f"reward {name} raised {type(e).__name__}: {e}") from e
+
+def call(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """``fn(**kwargs)``, awaited when ``fn`` is async: in a thread of its own with its own
+    event loop (as TRL runs async rewards on a loop in a daemon thread), so it works from
+    code that is itself inside a running loop."""
+    if not is_async(fn):
+        return fn(**kwargs)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, fn(**kwargs)).result()
+
+
+def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` raising RewardFailed naming the reward (the original traceback chained); an
+    async ``fn`` stays async, so TRL awaits it with its other async rewards."""
+
+    def failed(e: Exception) -> RewardFailed:
+        return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}")
+
+    if is_async(fn):
+
+        async def reward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except Exception as e:
+                raise failed(e) from e
+
+    else:
+
+        def reward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise failed(e) from e
 
     reward.__name__ = name.replace(":", ".")
     return reward
+
+
+def _log_extra(column: str, values: list[Any]) -> None:
+    """TRL's ``log_extra`` where no trainer logs completions: nothing is logged."""
+
+
+def _log_metric(name: str, value: float) -> None:
+    """TRL's ``log_metric`` where no trainer logs metrics: nothing is logged."""
+
+
+def outside_trainer() -> dict[str, Any]:
+    """The keyword arguments TRL adds to every reward call, where a reward is called
+    outside a training step (the check before launch, the held-out evaluation): no
+    ``trainer_state``, and ``log_extra`` / ``log_metric`` that log nothing."""
+    return {"trainer_state": None, "log_extra": _log_extra, "log_metric": _log_metric}
+
+
+def is_conversational(prompt: Any) -> bool:
+    """The rule by which TRL hands a reward conversational completions: the prompt is a
+    list of messages (else text prompts get text completions)."""
+    return isinstance(prompt, list)
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """TRL's reward arguments with each row that a replica turned from text into a
+    conversation (its :data:`PLAIN_PROMPT` column) given back as text: the prompt as the
+    dataset held it, the completion as the assistant's text."""
+    plain = kwargs.pop(PLAIN_PROMPT, None)
+    if not plain or all(p is None for p in plain):
+        return kwargs
+    prompts, completions = list(kwargs["prompts"]), list(kwargs["completions"])
+    for i, text in enumerate(plain):
+        if text is not None:
+            prompts[i], completions[i] = text, _text(completions[i])
+    return {**kwargs, "prompts": prompts, "completions": completions}
+
+
+def in_dataset_form(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called with prompts and completions in the form the dataset's prompts have
+    (:func:`_plain`), async when ``fn`` is, under ``fn``'s name (what TRL logs it by)."""
+    if is_async(fn):
+
+        async def reward(**kwargs: Any) -> Any:
+            return await fn(**_plain(kwargs))
+
+    else:
+
+        def reward(**kwargs: Any) -> Any:
+            return fn(**_plain(kwargs))
+
+    reward.__name__ = getattr(fn, "__name__", None) or type(fn).__name__
+    return reward
+
+
+def in_dataset_forms(rewards: dict[str, Any]) -> dict[str, Any]:
+    """A job's ``reward_funcs`` / ``reward_weights`` (:func:`job_rewards`) with every
+    function in the dataset's form (:func:`in_dataset_form`)."""
+    funcs = rewards["reward_funcs"]
+    if isinstance(funcs, list | tuple):
+        return {**rewards, "reward_funcs": [in_dataset_form(f) for f in funcs]}
+    return {**rewards, "reward_funcs": in_dataset_form(funcs)}
 
 
 def reward_function(spec: RewardSpec) -> Callable[..., Any]:

@@ -186,6 +186,7 @@ class RolloutWorker:
 
         rewards = job_rewards(list(getattr(self.spec, "reward", [])), reverse_reward)
         self.setup = job.build(ctx, cfg)
+        rewards = self.setup.rewards_for(rewards)
         self.trainer = job.new_trainer(ctx, cfg, self.setup, rewards, tmp, 1, [])
         rollouts = int(self.trainer.args.generation_batch_size)
         generations = int(self.trainer.num_generations)

@@ -306,6 +306,18 @@ class ReplicaSetup:
     held_out: list[dict[str, Any]]
     placement: Any = None
     eval_rows: list[dict[str, Any]] | None = None
+    #: text prompts were sent as conversations (the model's chat template): the rewards
+    #: take them back as text (:meth:`rewards_for`)
+    plain_as_chat: bool = False
+
+    def rewards_for(self, rewards: dict[str, Any]) -> dict[str, Any]:
+        """A job's rewards (``job_rewards``) as they are called on these rows: with prompts
+        and completions in the form of the dataset's prompts, as TRL would call them."""
+        if not self.plain_as_chat:
+            return rewards
+        from crf.replica.rewards import in_dataset_forms
+
+        return in_dataset_forms(rewards)
 
 
 def _tiny(ctx: Any, cfg: Config) -> tuple[Any, Any]:
@@ -355,11 +367,17 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
         n_eval = int(getattr(ctx.spec, "eval_examples", 64) or 64)
         held_out = make_examples(n_eval, int(ctx.seed) + 7919, **shape)
     eval_rows = _eval_rows(ctx.spec) or held_out
-    if chat:  # a conversation prompt (a user's dataset may hold one already) stays as it is
-        for row in (*shard, *held_out, *eval_rows):
+    rows = (*shard, *held_out, *eval_rows)
+    plain = chat and any(isinstance(row["prompt"], str) for row in rows)
+    if plain:  # a conversation prompt (a user's dataset may hold one already) stays as it is
+        from crf.replica.rewards import PLAIN_PROMPT
+
+        for row in rows:  # the text kept for the rewards (rewards.in_dataset_form)
             if isinstance(row["prompt"], str):
+                row[PLAIN_PROMPT] = row["prompt"]
                 row["prompt"] = [{"role": "user", "content": row["prompt"]}]
-    return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows)
+            row.setdefault(PLAIN_PROMPT, None)
+    return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows, plain)
 
 
 def _eval_rows(spec: Any) -> list[dict[str, Any]]:
@@ -484,6 +502,16 @@ def _grpo_default(name: str) -> Any:
     return grpo_defaults()[name]
 
 
+def train_dataset(rows: list[dict[str, Any]]) -> Any:
+    """The rows as TRL's train dataset, with every column any row has (a row without one
+    gets None: ``Dataset.from_list`` would keep only the first row's keys, dropping a hint
+    column whose first row has none), in the order they first appear."""
+    from datasets import Dataset
+
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys})
+
+
 def new_trainer(
     ctx: Any,
     cfg: Config,
@@ -495,7 +523,6 @@ def new_trainer(
 ) -> Any:
     """The composer trainer of replica ``ctx.rank`` (a rollout worker builds its trainer's
     with this too, to generate exactly as it does); ``tmp``: a folder for its files."""
-    from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
 
     from crf.composer import ComposerReplicationTrainer, save_tiny
@@ -510,7 +537,7 @@ def new_trainer(
         model=model,
         reward_funcs=rewards["reward_funcs"],
         args=args,
-        train_dataset=Dataset.from_list(setup.shard),
+        train_dataset=train_dataset(setup.shard),
         processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -529,6 +556,7 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
 
     rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
     setup = build(ctx, cfg)
+    rewards = setup.rewards_for(rewards)
     model, tokenizer = setup.model, setup.tokenizer
     max_new = completion_tokens(cfg, ctx.spec)
 
