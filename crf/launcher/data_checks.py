@@ -90,6 +90,9 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         problem = hub_problem(name, kind, local=local)
         if problem is None:
             continue
+        parent = name.split("/", 1)[0]
+        if kind == "dataset" and "/" in name and os.path.isdir(parent):
+            problem = f"no such file or folder in {parent}/ here, and as a Hub id: {problem}"
         if local and not dry_run:
             raise LaunchError(f"{flag} {name}: {problem}")
         if local:

@@ -278,6 +278,13 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
             i = next(i for i, r in enumerate(whole) if not isinstance(r, dict))
             raise DataError(f"{flag} {shown}: item {i} of its list is no JSON object (a row)")
         return _from_dicts(whole)
+    lines = [line for line in text.split("\n") if line.strip()]
+    try:  # one parse for the whole file; a line that is not one object: find it below
+        rows = json.loads("[" + ",".join(lines) + "]")
+        if len(rows) == len(lines) and all(type(r) is dict for r in rows):
+            return _from_dicts(rows)
+    except json.JSONDecodeError:
+        pass
     rows = []
     decode = json.JSONDecoder().decode
     for number, line in enumerate(text.split("\n"), 1):
