@@ -515,8 +515,9 @@ def check_rows(spec: Any, split: Split) -> None:
             answers = values.pop("answer", None)
             flag = split.flag
             check_sft_rows(values, split.form, split.dataset, columns, flag)
-            if answers is not None:
-                check_values({"answer": answers}, columns, where)
+            if answers is not None:  # held-out answers a reward scores against
+                reader = answer_reader(spec) if split.flag != "--dataset" else None
+                check_values({"answer": answers}, columns, where, reader=reader)
             return
         scored = spec.job == "composer" or split.flag != "--dataset"
         reader = answer_reader(spec) if scored else None
