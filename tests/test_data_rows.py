@@ -188,3 +188,46 @@ def test_a_run_trains_on_a_saved_dataset_dict(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert summary["status"] == "ok", summary
     assert summary["held_out"] is not None
+
+
+# ---------------------------------------------------------------------- folders of files
+def _dry(tmp_path: Path, *args: str):
+    return crf("launch", "--store", str(tmp_path / "runs"), "--dry-run", "--replicas", "2",
+               "--job", "composer", "--column", "prompt=question", "--column",
+               "answer=solution", "--set", "prompts_per_step=2", *args)  # fmt: skip
+
+
+def test_every_row_of_a_folders_held_out_split_is_checked(tmp_path: Path) -> None:
+    folder = tmp_path / "d"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", _rows())
+    _jsonl(folder / "test.jsonl", _rows(r12={"question": None}))
+    result = _dry(tmp_path, "--dataset", str(folder), "--eval-split", "test")
+    assert result.exit_code == 2, result.output
+    assert f"--eval-split {folder} row 12: the prompt in column 'question'" in result.output
+
+
+def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
+    """A cloned Hub repo: a README's YAML names each config's files, as datasets reads it."""
+    import pandas as pd
+
+    folder = tmp_path / "clone"
+    for config, rows in (("main", _rows()), ("other", _rows(r3={"question": None}))):
+        (folder / config).mkdir(parents=True)
+        pd.DataFrame(rows).to_parquet(folder / config / "train-00000-of-00001.parquet")
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+            for c in ("main", "other")
+        )  # fmt: skip
+        + "---\n"
+    )
+    assert _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "main").exit_code == 0
+    refused = _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "other")
+    assert "row 3: the prompt in column 'question' (for prompt) is null" in refused.output
+    missing = _dry(tmp_path, "--dataset", str(folder))
+    assert missing.exit_code == 2
+    assert "has several configs ['main', 'other']: choose one with --dataset-config" in (
+        missing.output
+    )

@@ -400,7 +400,7 @@ def first_rows(
     from crf.replica.data import _load, is_local, read_rows
 
     if is_local(name):
-        every = read_rows(name, split, flag)
+        every = read_rows(name, split, flag, config)
         return every.first(n), every.names, every
     ds = _load(name, config, split, streaming=True)
     rows = list(ds.take(n))

@@ -359,7 +359,7 @@ def check_dataset(
         return []
     want = max(replicas, sample)
     if is_local(dataset):
-        every = read_rows(dataset, split, flag)
+        every = read_rows(dataset, split, flag, config)
         first, names, count = every.first(want), every.names, every.count
     else:
         try:

@@ -159,16 +159,32 @@ class _Absent:
 _ABSENT: Any = _Absent()
 
 
-def split_files(folder: str, split: str, flag: str) -> list[str]:
-    """The files of ``split`` in a folder of data files, as ``load_dataset(folder)`` finds
-    them (``datasets``' own split patterns); DataError naming the splits there are."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
+def split_files(folder: str, config: str | None, split: str, flag: str) -> list[str]:
+    """The files of ``split`` in a folder of data files, as ``load_dataset(folder, config)``
+    finds them (``datasets``' own resolution: its split patterns, or the configs of a
+    README's YAML, as in a cloned Hub repo); DataError naming the splits there are."""
+    from datasets import load_dataset_builder
+    from datasets.utils.logging import disable_progress_bar
 
+    disable_progress_bar()
     base = os.path.abspath(os.path.expanduser(folder))
     try:
-        files = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
-    except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError and the like
-        raise DataError(f"{flag} {folder} cannot be read: {str(e).splitlines()[0]}") from None
+        builder = load_dataset_builder(base, config)
+    except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        if "Config name is missing" in reason:  # a README's YAML names several
+            names = reason.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
+            raise DataError(
+                f"{flag} {folder} has several configs {names.strip()}: choose one with "
+                "--dataset-config"
+            ) from None
+        raise DataError(f"{flag} {folder} cannot be read: {reason}") from None
+    files = builder.config.data_files or {}
+    if builder.name not in BUILDERS.values():
+        raise DataError(
+            f"{flag} {folder} holds {builder.name} files, but crf reads only {_SUPPORTED} "
+            "files (or a save_to_disk folder)"
+        )
     if split not in files:
         raise DataError(
             f"{flag} {folder} has no split {split!r}: its files make the split(s) "
@@ -181,7 +197,7 @@ def split_files(folder: str, split: str, flag: str) -> list[str]:
 _READ: dict[tuple[Any, ...], Rows] = {}
 
 
-def read_rows(name: str, split: str, flag: str = "--dataset") -> Rows:
+def read_rows(name: str, split: str, flag: str = "--dataset", config: str | None = None) -> Rows:
     """Every row of a local file, folder or ``save_to_disk`` folder (``split``: a folder's
     split). DataError (one line, naming the line or row) when it cannot be read. A file
     unchanged since its last read (size and time) is not read again."""
@@ -189,22 +205,22 @@ def read_rows(name: str, split: str, flag: str = "--dataset") -> Rows:
     path = os.path.abspath(os.path.expanduser(name))
     inside = _data_files(path) if os.path.isdir(path) else []
     stats = [os.stat(os.path.join(path, f)) for f in inside] if inside else [os.stat(path)]
-    key = (path, split, *inside, *((s.st_size, s.st_mtime_ns) for s in stats))
+    key = (path, config, split, *inside, *((s.st_size, s.st_mtime_ns) for s in stats))
     if key not in _READ:
-        rows = _read_rows(name, split, flag)
+        rows = _read_rows(name, config, split, flag)
         while len(_READ) >= 4:
             _READ.pop(next(iter(_READ)))
         _READ[key] = rows
     return _READ[key]
 
 
-def _read_rows(name: str, split: str, flag: str) -> Rows:
+def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
     path = os.path.expanduser(name)
     if saved_kind(path):
         return _read_saved(path, split, flag, name)
     if os.path.isdir(path):
         parts = [_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}")
-                 for f in split_files(path, split, flag)]  # fmt: skip
+                 for f in split_files(path, config, split, flag)]  # fmt: skip
         return _concat(parts)
     return _read_file(path, flag, name)
 

@@ -162,7 +162,7 @@ def check_sft_dataset(
     if builder_of(dataset) is None and not is_local_folder(dataset):
         return
     if is_local(dataset):  # read whole: every row is checked
-        every = read_rows(dataset, split, what)
+        every = read_rows(dataset, split, what, config)
         first, names, count = every.first(max(replicas, 4)), every.names, every.count
     else:
         try:
