@@ -31,6 +31,7 @@ from crf.replica.data import (
     is_local,
     is_local_folder,
     is_messages,
+    messages_problem,
     mixed_problem,
     read_error,
     read_rows,
@@ -91,10 +92,12 @@ def row_problem(row: Mapping[str, Any], form: str, columns: Mapping[str, str]) -
                 "fill or drop such rows"
             )
     elif form == "conversational":
-        if not is_messages(row.get("messages")):
+        value = row.get("messages")
+        if not is_messages(value):
+            got = messages_problem(value) if isinstance(value, list) else type_name(value)
             return (
                 f"{column_of(columns, 'messages')} must be a list of {{'role', 'content'}} "
-                f"messages (got {type_name(row.get('messages'))})"
+                f"messages (got {got})"
             )
     elif form == "prompt-completion":
         prompt, completion = row.get("prompt"), row.get("completion")
