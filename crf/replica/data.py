@@ -1,22 +1,28 @@
-"""The composer job's dataset: ``--dataset`` (a Hub id, or a .jsonl/.json/.parquet/.csv file
-by path or fsspec URL), ``--column FIELD=COLUMN`` and each replica's shard.
+"""The composer job's dataset: ``--dataset`` (a Hub id; a .jsonl/.json/.parquet/.csv file by
+path or fsspec URL; a local folder of such files, or a ``save_to_disk`` folder:
+crf/replica/data_files.py), ``--column FIELD=COLUMN`` and each replica's shard.
 
 Rows are loaded with the ``datasets`` library (``load_dataset("json"|"parquet"|"csv",
-data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub);
-the file's columns are renamed to the job's fields ``prompt`` / ``answer`` / ``hint`` /
-``trace``. ``prompt`` is required (and ``answer`` when a built-in reward reads it); ``hint`` and
-``trace`` are optional: a row without them (column absent, or an empty/null value) takes no part
-in channel 2 / 3 (the trainer skips it). Replica ``rank`` takes rows ``rank::world_size``
-(``Dataset.shard(contiguous=False)``), shuffled by its data seed, as the embedded task does.
+data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub or a
+folder, ``load_from_disk`` for a saved one); the file's columns are renamed to the job's
+fields ``prompt`` / ``answer`` / ``hint`` / ``trace``. ``prompt`` is required (and ``answer``
+when a built-in reward reads it); ``hint`` and ``trace`` are optional: a row without them
+(column absent, or an empty/null value) takes no part in channel 2 / 3 (the trainer skips
+it). Replica ``rank`` takes rows ``rank::world_size`` (``Dataset.shard(contiguous=False)``),
+shuffled by its data seed, as the embedded task does.
 
-``check_dataset`` reads only the first ``replicas`` rows of a file from the driver (streaming),
-so a missing column, an empty shard or an unreadable file fail before any replica starts.
+One set of row rules (:func:`check_values`) holds twice: the launcher applies it to every row
+of a local file or folder before any replica starts (crf/launcher/data_checks.py), and each
+replica to its own rows at setup (:func:`load_shard`), so a Hub or URL dataset, which the
+launcher does not read whole, fails with the same one line naming the row. Values are read
+decoded by the dataset's features (:func:`decoded`), never through ``to_list()``.
 
 Held-out rows (``--eval-split`` / ``--eval-dataset``, :func:`eval_source`) go through the same
-loading and ``--column`` mapping; every replica draws the same ``--eval-examples`` of them with
-the run's seed (:func:`load_eval`) and scores its share (crf/replica/evaluation.py). A file has
-one split, so ``--eval-split`` needs a Hub id or a local folder (``datasets`` reads a folder of
-``train.jsonl`` / ``test.jsonl`` as those two splits); a held-out file is ``--eval-dataset``.
+loading, ``--column`` mapping and rules; every replica draws the same ``--eval-examples`` of
+them with the run's seed (:func:`load_eval`) and scores its share (crf/replica/evaluation.py).
+A file (or a saved Dataset) has one split, so ``--eval-split`` needs a Hub id or a local
+folder (``datasets`` reads a folder of ``train.jsonl`` / ``test.jsonl`` as those two splits; a
+saved DatasetDict has its own); a held-out file is ``--eval-dataset``.
 """
 
 from __future__ import annotations
