@@ -157,9 +157,9 @@ def check_sft_dataset(
 ) -> None:
     """Before launch, for a file, URL or local folder: readable, in one of the SFT formats,
     values of the right kind, the fields held-out scoring ``needs`` (``prompt``: not plain
-    text; ``answer``) and (``replicas`` > 0) a row for every replica. Reads at most
-    ``replicas`` rows (streaming; 4 for held-out data). A Hub id is checked by the
-    replicas."""
+    text; ``answer``) and (``replicas`` > 0) a row for every replica. A local file or
+    folder is read whole and every row checked (:func:`check_rows`); of a URL, the first
+    ``replicas`` rows (at least 4) are streamed. A Hub id is checked by the replicas."""
     check_sft_columns(columns)
     check_local(dataset, what)
     if builder_of(dataset) is None and not is_local_folder(dataset):
@@ -212,7 +212,8 @@ def load_sft_rows(
     keep: tuple[str, ...] = (),
 ) -> tuple[Any, str]:
     """(``datasets.Dataset`` holding only the format's fields, and those of ``keep`` the
-    file has, format name) for all rows."""
+    file has, format name) for all rows, each checked (:func:`check_rows`: a Hub or URL
+    dataset's bad row stops the replica at setup, naming the row)."""
     ds = _load(dataset, config, split)
     form, renames = sft_format(list(ds.column_names), columns, dataset)
     format_columns = {c: f for c, f in renames.items()}
