@@ -218,6 +218,8 @@ CASES = [
     Case("null-answer-late", lambda t, m: _composer(t, _late(25, answer=None), "--reward",
          "exact_match"), "row 25: the answer in column 'answer' is null, which --reward "
          "exact_match cannot read"),
+    Case("null-answer-late-default-reward", lambda t, m: _composer(t, _late(27, answer=None)),
+         "row 27: the answer in column 'answer' is null, which the default reward cannot read"),
     Case("mixed-answer-kinds", lambda t, m: _composer(t, _late(20, answer=7), "--reward",
          "exact_match"),
          "row 20: 'answer' is int while other rows hold text; make every value a string"),

@@ -43,6 +43,8 @@ from crf.replica.data_files import (
 )
 
 FIELDS = ("prompt", "answer", "hint", "trace")
+#: the answer reader without --reward: the job's own reward (exact match on the answer)
+DEFAULT_READER = "(default)"
 __all__ = ["BUILDERS", "FIELDS", "DataError"]
 
 
@@ -265,10 +267,11 @@ def value_problem(
     if field == "answer" and reader is not None:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return None
+        by = f"--reward {reader}" if reader != DEFAULT_READER else "the default reward"
         return (
             f"the answer in column {column_of(columns, field)} is {type_name(value)}, which "
-            f"--reward {reader} cannot read; it needs text or a number on every row (map "
-            "another with --column answer=COLUMN)"
+            f"{by} cannot read; it needs text or a number on every row (map another with "
+            "--column answer=COLUMN)"
         )
     if field in ("hint", "trace") and value is not None and not isinstance(value, str):
         return (
@@ -386,10 +389,13 @@ def check_dataset(
 
 
 def answer_reader(spec: Any) -> str | None:
-    """The first ``--reward`` that reads the answer column (its name), None if none does."""
+    """The first ``--reward`` that reads the answer column (its name; without ``--reward``,
+    :data:`DEFAULT_READER`, the job's own reward), None if none does."""
     from crf.replica.rewards import parse_rewards
 
     specs = parse_rewards(list(getattr(spec, "reward", None) or []))
+    if not specs:  # the job's own reward (the embedded task's) compares answers
+        return DEFAULT_READER
     return next((s.name for s in specs if s.needs_answer), None)
 
 
