@@ -246,6 +246,9 @@ CASES = [
          "x.jsonl: line 26 is not UTF-8 (byte 0xe9 at column 18)"),
     Case("latin1-csv", lambda t, m: _raw(t, "x.csv", b"question,answer\nab=,ba\ncaf\xe9,x\n"),
          "x.csv: line 3 is not UTF-8 (byte 0xe9 at column 4)"),
+    Case("latin1-csv-url", lambda t, m: ["--job", "composer", "--dataset", "file://" + _raw(
+         t, "x.csv", b"question,answer\nab=,ba\ncaf\xe9,x\n")[3], "--column", "prompt=question"],
+         "x.csv cannot be read: 'utf-8' codec can't decode byte 0xe9"),
     Case("line-not-an-object", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
     Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(

@@ -397,13 +397,14 @@ def first_rows(
 ) -> tuple[list[Any], list[str], Any]:
     """(the first ``n`` rows of a split, its column names, every row of a local one as
     crf.replica.data_files.Rows, or None for a URL's, of which only the ``n`` are read)."""
-    from crf.replica.data import _load, is_local, read_rows
+    from crf.replica.data import _load, is_local, quiet_datasets, read_rows
 
     if is_local(name):
         every = read_rows(name, split, flag, config)
         return every.first(n), every.names, every
-    ds = _load(name, config, split, streaming=True)
-    rows = list(ds.take(n))
+    with quiet_datasets():
+        ds = _load(name, config, split, streaming=True)
+        rows = list(ds.take(n))
     return rows, list(ds.column_names or (rows[0].keys() if rows else [])), None
 
 

@@ -27,9 +27,10 @@ saved DatasetDict has its own); a held-out file is ``--eval-dataset``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from crf.replica.data_files import (
@@ -105,6 +106,20 @@ def _load(
     if builder is None:
         return load_dataset(dataset, config, split=split, streaming=streaming)
     return load_dataset(builder, data_files={split: dataset}, split=split, streaming=streaming)
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """The launcher's reads of a URL: ``datasets`` logs a bad file's error before raising it,
+    which would print beside crf's own one line; a replica keeps those lines in its log."""
+    from datasets.utils import logging as datasets_logging
+
+    before = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(before)
 
 
 def read_error(dataset: str, flag: str, e: BaseException) -> DataError:
@@ -372,8 +387,9 @@ def check_dataset(
         first, names, count = every.first(want), every.names, every.count
     else:
         try:
-            ds = _load(dataset, config, split, streaming=True, flag=flag)
-            first = list(ds.take(want))
+            with quiet_datasets():
+                ds = _load(dataset, config, split, streaming=True, flag=flag)
+                first = list(ds.take(want))
             names = list(ds.column_names or (first[0].keys() if first else []))
         except DataError:
             raise

@@ -33,6 +33,7 @@ from crf.replica.data import (
     is_messages,
     messages_problem,
     mixed_problem,
+    quiet_datasets,
     read_error,
     read_rows,
     type_name,
@@ -169,8 +170,9 @@ def check_sft_dataset(
         first, names, count = every.first(max(replicas, 4)), every.names, every.count
     else:
         try:
-            ds = _load(dataset, config, split, streaming=True, flag=what)
-            first = list(ds.take(max(replicas, 4)))
+            with quiet_datasets():
+                ds = _load(dataset, config, split, streaming=True, flag=what)
+                first = list(ds.take(max(replicas, 4)))
             names = list(ds.column_names or (first[0].keys() if first else []))
         except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
             raise read_error(dataset, what, e) from None
