@@ -118,6 +118,41 @@ def _composer(tmp: Path, rows: list[Any] | None = None, *extra: str) -> list[str
     return ["--job", "composer", "--dataset", data, *cols, *extra]
 
 
+def _late(row: int, **change: Any) -> list[dict[str, Any]]:
+    """GSM8K-shaped rows, row ``row`` (past the first rows a sample reads) changed."""
+    rows: list[dict[str, Any]] = [{"question": f"{w}=", "answer": w[::-1]} for w in WORDS]
+    rows[row] = {**rows[row], **change}
+    return rows
+
+
+def _raw(tmp: Path, name: str, data: bytes, *extra: str) -> list[str]:
+    """A --dataset file of these bytes (GSM8K-shaped columns mapped)."""
+    path = tmp / name
+    path.write_bytes(data)
+    return ["--job", "composer", "--dataset", str(path), "--column", "prompt=question", *extra]
+
+
+def _lines(change: Callable[[list[bytes]], None]) -> bytes:
+    lines = [json.dumps(r).encode() for r in _qa()]
+    change(lines)
+    return b"\n".join(lines) + b"\n"
+
+
+def _set(lines: list[bytes], i: int, value: bytes) -> None:
+    lines[i] = value
+
+
+def _saved(tmp: Path, dict_splits: tuple[str, ...] = ()) -> str:
+    """A save_to_disk folder of GSM8K-shaped rows: a DatasetDict of ``dict_splits``, or a
+    Dataset."""
+    from datasets import Dataset, DatasetDict
+
+    ds = Dataset.from_list(_qa())
+    folder = str(tmp / "saved")
+    (DatasetDict({s: ds for s in dict_splits}) if dict_splits else ds).save_to_disk(folder)
+    return folder
+
+
 def _sft(tmp: Path, rows: list[Any], *extra: str) -> list[str]:
     return ["--job", "sft", "--dataset", _jsonl(tmp / "train.jsonl", rows), *extra]
 
@@ -177,6 +212,69 @@ CASES = [
     Case("sft-held-out-without-answer", lambda t, m: [*_sft(t, [{"text": w} for w in WORDS]),
          "--eval-dataset", _jsonl(t / "test.jsonl", [{"prompt": "ab=", "completion": "ba"}]),
          "--reward", "exact_match"], "has no column 'answer' for --reward"),
+    # ---- every row of a local file, not only the first few
+    Case("numeric-prompt-late", lambda t, m: _composer(t, _late(20, question=42)),
+         "row 20: the prompt in column 'question' (for prompt) is int"),
+    Case("null-answer-late", lambda t, m: _composer(t, _late(25, answer=None), "--reward",
+         "exact_match"), "row 25: the answer in column 'answer' is null, which --reward "
+         "exact_match cannot read"),
+    Case("null-answer-late-default-reward", lambda t, m: _composer(t, _late(27, answer=None)),
+         "row 27: the answer in column 'answer' is null, which the default reward cannot read"),
+    Case("mixed-answer-kinds", lambda t, m: _composer(t, _late(20, answer=7), "--reward",
+         "exact_match"),
+         "row 20: 'answer' is int while other rows hold text; make every value a string"),
+    Case("mixed-prompt-kinds", lambda t, m: _composer(t, _late(
+         20, question=[{"role": "user", "content": "ab="}])),
+         "row 20: 'question' (for prompt) is list while other rows hold text"),
+    Case("non-text-hint-late", lambda t, m: _composer(t, _late(20, hint=3), "--column",
+         "hint=hint"), "row 20: the hint in column 'hint' is int; a hint is text"),
+    Case("chat-message-without-content", lambda t, m: _composer(t, [
+         {"question": [{"role": "user", "text": "ab="}], "answer": "ba"}] * 32),
+         "row 0: the prompt in column 'question' (for prompt) is a list of messages whose "
+         "message 0 has no 'content'"),
+    Case("sft-null-completion-late", lambda t, m: _sft(t, [
+         {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
+         enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),
+    Case("sft-empty-text-late", lambda t, m: _sft(t, [{"text": "" if i == 30 else w} for i, w in
+         enumerate(WORDS)]), "row 30: 'text' is empty"),
+    # ---- a file that is not JSON lines, line by line
+    Case("malformed-line-21", lambda t, m: _raw(t, "x.jsonl", _lines(
+         lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}'))),
+         "x.jsonl: line 21 is not valid JSON (Expecting ',' delimiter at column"),
+    Case("latin1-line-26", lambda t, m: _raw(t, "x.jsonl", _lines(
+         lambda ls: _set(ls, 25, b'{"question": "caf\xe9", "answer": "x"}'))),
+         "x.jsonl: line 26 is not UTF-8 (byte 0xe9 at column 18)"),
+    Case("latin1-csv", lambda t, m: _raw(t, "x.csv", b"question,answer\nab=,ba\ncaf\xe9,x\n"),
+         "x.csv: line 3 is not UTF-8 (byte 0xe9 at column 4)"),
+    Case("latin1-csv-url", lambda t, m: ["--job", "composer", "--dataset", "file://" + _raw(
+         t, "x.csv", b"question,answer\nab=,ba\ncaf\xe9,x\n")[3], "--column", "prompt=question"],
+         "x.csv cannot be read: 'utf-8' codec can't decode byte 0xe9"),
+    Case("line-not-an-object", lambda t, m: _raw(t, "x.jsonl", _lines(
+         lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
+    Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
+         {"data": _qa()}).encode()), "rows are nested under 'data'"),
+    Case("empty-parquet", lambda t, m: _raw(t, "x.parquet", b""),
+         "x.parquet is empty (0 bytes): it needs rows"),
+    # ---- local paths that are not data crf reads
+    Case("tsv-file", lambda t, m: _raw(t, "x.tsv", b"question\tanswer\nab=\tba\n"),
+         "x.tsv is a local file, but crf reads only .jsonl, .json, .parquet, .csv files"),
+    Case("txt-file", lambda t, m: _raw(t, "x.txt", _lines(lambda ls: None)),
+         "x.txt is a local file, but crf reads only"),
+    Case("file-without-suffix", lambda t, m: _raw(t, "rows", _lines(lambda ls: None)),
+         "rows is a local file, but crf reads only"),
+    Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",
+         "./no/such/folder"], "--dataset ./no/such/folder: no such file or folder"),
+    Case("missing-data-file", lambda t, m: ["--job", "composer", "--dataset",
+         str(t / "nope.parquet")], "nope.parquet: no such file or folder"),
+    Case("folder-without-data-files", lambda t, m: ["--job", "composer", "--dataset",
+         str(t) if (t / "readme.txt").write_text("hi") else ""],
+         "is a folder with no .jsonl, .json, .parquet, .csv files (it holds readme.txt)"),
+    Case("saved-dict-without-the-split", lambda t, m: ["--job", "composer", "--dataset",
+         _saved(t, ("train",)), "--column", "prompt=question", "--eval-split", "test"],
+         "saved has no split 'test'; its splits are train"),
+    Case("saved-dataset-with-eval-split", lambda t, m: ["--job", "composer", "--dataset",
+         _saved(t), "--column", "prompt=question", "--eval-split", "test"],
+         "is one file, one split"),
     # ---- the model folder
     Case("model-without-tokenizer", lambda t, m: [*_composer(t), *_with_model(m, t, _no_tokenizer)],
          "has no tokenizer files"),

@@ -141,7 +141,10 @@ def test_prepare_refuses_held_out_options_that_cannot_work(tmp_path: Path, monke
     _jsonl(tmp_path / "d" / "train.jsonl", WORDS[:4])
     with pytest.raises(LaunchError, match="--eval-split train is the split the run trains on"):
         _prepare(tmp_path, dataset=str(tmp_path / "d"), columns=cols, eval_split="train")
-    with pytest.raises(LaunchError, match=r"--dataset .*/d cannot be read: Bad split: test"):
+    with pytest.raises(
+        LaunchError,
+        match=r"--dataset .*/d has no split .test.: its files",
+    ):
         _prepare(tmp_path, dataset=str(tmp_path / "d"), columns=cols, eval_split="test")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"q": "ab="}) + "\n")

@@ -106,7 +106,7 @@ def test_prepare_refuses_an_empty_shard(tmp_path: Path) -> None:
 
 def test_prepare_names_an_unreadable_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.jsonl")
-    with pytest.raises(LaunchError, match=f"--dataset {missing} cannot be read"):
+    with pytest.raises(LaunchError, match=f"--dataset {missing}: no such file or folder"):
         _prepare(tmp_path, dataset=missing)
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not a parquet file")

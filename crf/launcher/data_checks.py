@@ -55,7 +55,10 @@ class Split:
     dataset: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     form: str | None = None  # the sft job's format (prompt-completion, conversational, ...)
-    counted: int = 0  # the rows read (up to what check_batch needs)
+    counted: int = 0  # the rows read (up to what check_batch needs; a local split's all)
+    #: a local split's every value, by the job's field (check_rows reads them all); None:
+    #: a URL's split, of which only ``rows`` were read
+    every: dict[str, list[Any]] | None = None
 
 
 # ---------------------------------------------------------------------- entry point
@@ -88,6 +91,9 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         problem = hub_problem(name, kind, local=local)
         if problem is None:
             continue
+        parent = name.split("/", 1)[0]
+        if kind == "dataset" and "/" in name and os.path.isdir(parent):
+            problem = f"no such file or folder in {parent}/ here, and as a Hub id: {problem}"
         if local and not dry_run:
             raise LaunchError(f"{flag} {name}: {problem}")
         if local:
@@ -367,8 +373,9 @@ def _conversational(split: Split) -> bool:
 
 # ---------------------------------------------------------------------- the rows
 def sample_splits(spec: Any) -> list[Split]:
-    """The first rows of every local or URL split the run reads, with the job's field
-    names (a Hub dataset is checked for reachability only: rows are the replicas' download)."""
+    """The rows of every local or URL split the run reads, with the job's field names: a
+    local file or folder whole (its every value, for :func:`check_rows`), a URL's first rows
+    (a Hub dataset is checked for reachability only: rows are the replicas' download)."""
     from crf.replica.data import builder_of, eval_source, is_local_folder
 
     sources = []
@@ -386,39 +393,20 @@ def sample_splits(spec: Any) -> list[Split]:
     return out
 
 
-def _jsonl_of(name: str, split: str) -> str | None:
-    """The local JSON-lines file a dataset split is (a .jsonl path, or a folder's
-    ``<split>.jsonl``), read here line by line: ``datasets`` takes a few tenths of a second
-    per load to resolve its builder, where a few lines take microseconds."""
-    if "://" in name:
-        return None
-    if name.lower().endswith(".jsonl") and os.path.isfile(name):
-        return name
-    path = os.path.join(name, f"{split}.jsonl")
-    if os.path.isdir(name) and os.path.isfile(path):
-        others = [f for f in os.listdir(name) if f.startswith(f"{split}.") or f"{split}-" in f]
-        return path if others == [f"{split}.jsonl"] else None  # shards: datasets decides
-    return None
+def first_rows(
+    name: str, config: str | None, split: str, n: int, flag: str = "--dataset"
+) -> tuple[list[Any], list[str], Any]:
+    """(the first ``n`` rows of a split, its column names, every row of a local one as
+    crf.replica.data_files.Rows, or None for a URL's, of which only the ``n`` are read)."""
+    from crf.replica.data import _load, is_local, quiet_datasets, read_rows
 
-
-def first_rows(name: str, config: str | None, split: str, n: int) -> tuple[list[Any], list[str]]:
-    """(the first ``n`` rows of a split, its column names)."""
-    path = _jsonl_of(name, split)
-    if path is not None:
-        rows: list[Any] = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    rows.append(json.loads(line))
-                    if len(rows) >= n:
-                        break
-        names = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
-        return rows, names
-    from crf.replica.data import _load
-
-    ds = _load(name, config, split, streaming=True)
-    rows = list(ds.take(n))
-    return rows, list(ds.column_names or (rows[0].keys() if rows else []))
+    if is_local(name):
+        every = read_rows(name, split, flag, config)
+        return every.first(n), every.names, every
+    with quiet_datasets():
+        ds = _load(name, config, split, streaming=True)
+        rows = list(ds.take(n))
+    return rows, list(ds.column_names or (rows[0].keys() if rows else [])), None
 
 
 def _wanted(spec: Any, flag: str) -> int:
@@ -433,17 +421,20 @@ def _wanted(spec: Any, flag: str) -> int:
 
 
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
-    from crf.replica.data import FIELDS, kept_columns
+    from crf.replica.data import FIELDS, DataError, kept_columns
 
     try:
-        every, names = first_rows(name, config, split, _wanted(spec, flag))
+        first, names, every = first_rows(name, config, split, _wanted(spec, flag), flag)
+    except DataError as e:
+        raise LaunchError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - checked readable before; any reader error
         raise LaunchError(f"{flag} {name} cannot be read: {type(e).__name__}: {e}") from None
-    if not every:
+    if not first:
         raise LaunchError(f"{flag} {name} has no rows: give a split with data")
-    if any(not isinstance(r, dict) for r in every):
+    if any(not isinstance(r, dict) for r in first):
         raise LaunchError(f"{flag} {name}: every line must be a JSON object (a row)")
-    raw = every[:SAMPLE_ROWS]
+    counted = every.count if every is not None else len(first)
+    raw = first[:SAMPLE_ROWS]
     columns = dict(spec.columns)
     if spec.job == "sft":
         from crf.replica.sft_data import sft_format
@@ -459,11 +450,20 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             if answer in row:
                 mapped["answer"] = row[answer]
             rows.append(mapped)
-        return Split(flag, name, rows, form, len(every))
+        values = None
+        if every is not None:
+            values = {f: every.column(c) for c, f in renames.items()}
+            if answer in every.names:
+                values["answer"] = every.column(answer)
+        return Split(flag, name, rows, form, counted, values)
+    present = [f for f in FIELDS if columns.get(f, f) in names]
     # the job's fields, and every column under its own name (the rewards get them all)
     keep = kept_columns({columns.get(f, f): f for f in FIELDS if columns.get(f, f) in names}, names)
     rows = [{k: row[c] for c, k in keep if c in row} for row in raw]
-    return Split(flag, name, rows, counted=len(every))
+    values = None
+    if every is not None:
+        values = {f: every.column(columns.get(f, f)) for f in present}
+    return Split(flag, name, rows, counted=counted, every=values)
 
 
 def check_batch(spec: Any, splits: list[Split]) -> None:
@@ -489,8 +489,9 @@ def check_batch(spec: Any, splits: list[Split]) -> None:
 
 
 def _column(spec: Any, fld: str) -> str:
-    column = dict(spec.columns).get(fld, fld)
-    return f"'{column}'" + (f" (for {fld})" if column != fld else "")
+    from crf.replica.data import column_of
+
+    return column_of(dict(spec.columns), fld)
 
 
 def _kind(value: Any) -> str:
@@ -498,28 +499,33 @@ def _kind(value: Any) -> str:
 
 
 def check_rows(spec: Any, split: Split) -> None:
-    """The sampled rows' values: a prompt that is text (or messages) on every row, SFT text
-    that is not empty, and (composer) an answer a reward that reads one can use."""
-    from crf.replica.sft_data import is_messages
+    """The split's values, on every row of a local one (the sampled rows of a URL's), by the
+    rules each replica applies to its own rows (crf/replica/data.py ``check_values``,
+    crf/replica/sft_data.py ``check_rows``): a prompt that is text (or messages), SFT text
+    that is not empty, (composer) an answer the reward that reads one can use, and no
+    column that mixes kinds (text here, a number there)."""
+    from crf.replica.data import DataError, answer_reader, check_values
+    from crf.replica.sft_data import check_rows as check_sft_rows
 
     where = f"{split.flag} {split.dataset}"
-    for i, row in enumerate(split.rows):
-        if spec.job == "composer" or split.form == "prompt-completion":
-            prompt = row.get("prompt")
-            if not (isinstance(prompt, str) and prompt.strip()) and not is_messages(prompt):
-                shown = "empty" if isinstance(prompt, str) else _kind(prompt)
-                raise LaunchError(
-                    f"{where} row {i}: the prompt in column {_column(spec, 'prompt')} is "
-                    f"{shown}; every row needs a prompt text: fill or drop such rows"
-                )
-        if spec.job == "sft":
-            for fld in ("text", "completion"):
-                value = row.get(fld)
-                if isinstance(value, str) and not value.strip():
-                    raise LaunchError(
-                        f"{where} row {i}: {_column(spec, fld)} is empty: there is nothing "
-                        "to learn from it; fill or drop such rows"
-                    )
+    values = split.every
+    if values is None:
+        values = {f: [r.get(f) for r in split.rows] for f in {k for r in split.rows for k in r}}
+    columns = dict(spec.columns)
+    try:
+        if spec.job == "sft" and split.form is not None:
+            answers = values.pop("answer", None)
+            flag = split.flag
+            check_sft_rows(values, split.form, split.dataset, columns, flag)
+            if answers is not None:  # held-out answers a reward scores against
+                reader = answer_reader(spec) if split.flag != "--dataset" else None
+                check_values({"answer": answers}, columns, where, reader=reader)
+            return
+        scored = spec.job == "composer" or split.flag != "--dataset"
+        reader = answer_reader(spec) if scored else None
+        check_values(values, columns, where, reader=reader)
+    except DataError as e:
+        raise LaunchError(str(e)) from None
 
 
 # ---------------------------------------------------------------------- the rewards

@@ -503,16 +503,16 @@ def replica_model_path(spec: RunSpec) -> str | None:
 def _local_data(spec: RunSpec, dataset: str | None, flag: str) -> str | None:
     """A local data file or folder as an absolute path (DataError off the local backend,
     whose replicas cannot read this machine's disk); anything else as it is."""
-    from crf.replica.data import DataError, is_local_file, is_local_folder
+    from crf.replica.data import DataError, is_local
 
-    if dataset is None or not (is_local_file(dataset) or is_local_folder(dataset)):
+    if dataset is None or not is_local(dataset):
         return dataset
     if spec.backend != "local":
         raise DataError(
             f"{flag} {dataset} is a local file the {spec.backend} replicas "
             "cannot read: copy it to the store (or any URL) and pass that URL"
         )
-    return os.path.abspath(dataset)
+    return os.path.abspath(os.path.expanduser(dataset))
 
 
 def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | None:

@@ -1,48 +1,65 @@
-"""The composer job's dataset: ``--dataset`` (a Hub id, or a .jsonl/.json/.parquet/.csv file
-by path or fsspec URL), ``--column FIELD=COLUMN`` and each replica's shard.
+"""The composer job's dataset: ``--dataset`` (a Hub id; a .jsonl/.json/.parquet/.csv file by
+path or fsspec URL; a local folder of such files, or a ``save_to_disk`` folder:
+crf/replica/data_files.py), ``--column FIELD=COLUMN`` and each replica's shard.
 
 Rows are loaded with the ``datasets`` library (``load_dataset("json"|"parquet"|"csv",
-data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub);
-the file's columns are renamed to the job's fields ``prompt`` / ``answer`` / ``hint`` /
-``trace``, and every column is kept under its own name as well, as TRL hands every column of
-the dataset to the reward functions (:func:`kept_columns`). ``prompt`` is required (and
-``answer`` when a built-in reward reads it); ``hint`` and ``trace`` are optional: a row without
-them (column absent, or an empty/null value) takes no part in channel 2 / 3 (the trainer
-skips it). Replica ``rank`` takes rows ``rank::world_size``
-(``Dataset.shard(contiguous=False)``), shuffled by its data seed, as the embedded task does.
+data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub or a
+folder, ``load_from_disk`` for a saved one); the file's columns are renamed to the job's
+fields ``prompt`` / ``answer`` / ``hint`` / ``trace``, and every column is kept under its own
+name as well, as TRL hands every column of the dataset to the reward functions
+(:func:`kept_columns`). ``prompt`` is required (and ``answer`` when a built-in reward reads
+it); ``hint`` and ``trace`` are optional: a row without them (column absent, or an empty/null
+value) takes no part in channel 2 / 3 (the trainer skips it). Replica ``rank`` takes rows
+``rank::world_size`` (``Dataset.shard(contiguous=False)``), shuffled by its data seed, as the
+embedded task does.
 
-``check_dataset`` reads only the first ``replicas`` rows of a file from the driver (streaming),
-so a missing column, an empty shard or an unreadable file fail before any replica starts.
+One set of row rules (:func:`check_values`) holds twice: the launcher applies it to every row
+of a local file or folder before any replica starts (crf/launcher/data_checks.py), and each
+replica to its own rows at setup (:func:`load_shard`), so a Hub or URL dataset, which the
+launcher does not read whole, fails with the same one line naming the row. Values are read
+decoded by the dataset's features (:func:`decoded`), never through ``to_list()``.
 
 Held-out rows (``--eval-split`` / ``--eval-dataset``, :func:`eval_source`) go through the same
-loading and ``--column`` mapping; every replica draws the same ``--eval-examples`` of them with
-the run's seed (:func:`load_eval`) and scores its share (crf/replica/evaluation.py). A file has
-one split, so ``--eval-split`` needs a Hub id or a local folder (``datasets`` reads a folder of
-``train.jsonl`` / ``test.jsonl`` as those two splits); a held-out file is ``--eval-dataset``.
+loading, ``--column`` mapping and rules; every replica draws the same ``--eval-examples`` of
+them with the run's seed (:func:`load_eval`) and scores its share (crf/replica/evaluation.py).
+A file (or a saved Dataset) has one split, so ``--eval-split`` needs a Hub id or a local
+folder (``datasets`` reads a folder of ``train.jsonl`` / ``test.jsonl`` as those two splits; a
+saved DatasetDict has its own); a held-out file is ``--eval-dataset``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from crf.replica.data_files import (
+    BUILDERS,
+    DataError,
+    check_local,
+    load_saved,
+    read_rows,
+    saved_kind,
+    suffix_of,
+)
 
 FIELDS = ("prompt", "answer", "hint", "trace")
 #: columns TRL's GRPOTrainer reads as a vision model's inputs; crf trains text models (a
 #: tokenizer is the processing class), so they are not handed to the trainer
 MEDIA_COLUMNS = ("image", "images")
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DataError(ValueError):
-    """The dataset cannot be used; the message names the file or column and the fix."""
+#: the answer reader without --reward: the job's own reward (exact match on the answer)
+DEFAULT_READER = "(default)"
+__all__ = ["BUILDERS", "FIELDS", "DataError"]
 
 
 def builder_of(dataset: str) -> str | None:
-    """The ``datasets`` builder for a file or URL (by its suffix), None for a Hub id."""
-    path = dataset.split("?", 1)[0].lower()
-    for suffix, builder in BUILDERS.items():
-        if path.endswith(suffix):
-            return builder
+    """The ``datasets`` builder for a file or URL (by its suffix), None for a Hub id or a
+    folder."""
+    suffix = suffix_of(dataset)
+    if suffix is not None:
+        return BUILDERS[suffix]
     if "://" in dataset:
         raise DataError(f"--dataset {dataset}: a URL must name a {', '.join(BUILDERS)} file")
     return None
@@ -53,11 +70,20 @@ def is_local_file(dataset: str) -> bool:
 
 
 def is_local_folder(dataset: str) -> bool:
-    """A local folder of data files (``train.jsonl``, ``test.jsonl``...): ``datasets`` reads
-    it like a Hub dataset, one split per file name, so ``--eval-split`` can name one."""
-    import os
+    """A local folder of data files (``train.jsonl``, ``test.jsonl``...), which ``datasets``
+    reads like a Hub dataset, one split per file name, so ``--eval-split`` can name one; or
+    a ``save_to_disk`` folder (a DatasetDict's splits)."""
+    return "://" not in dataset and os.path.isdir(os.path.expanduser(dataset))
 
-    return "://" not in dataset and os.path.isdir(dataset)
+
+def is_local(dataset: str) -> bool:
+    """A file or folder on this machine's disk (read whole before launch)."""
+    return is_local_file(dataset) or is_local_folder(dataset)
+
+
+def one_split(dataset: str) -> bool:
+    """A dataset that is one split: a file, or a saved Dataset (not DatasetDict)."""
+    return bool(builder_of(dataset)) or saved_kind(os.path.expanduser(dataset)) == "dataset"
 
 
 def check_columns(columns: Mapping[str, str]) -> None:
@@ -71,24 +97,43 @@ def check_columns(columns: Mapping[str, str]) -> None:
             )
 
 
-def _load(dataset: str, config: str | None, split: str, streaming: bool = False) -> Any:
+def _load(
+    dataset: str, config: str | None, split: str, streaming: bool = False, flag: str = "--dataset"
+) -> Any:
     from datasets import load_dataset
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # a replica's log is for the run, not download bars
+    check_local(dataset, flag)
+    if saved_kind(os.path.expanduser(dataset)):
+        ds = load_saved(os.path.expanduser(dataset), split, flag)
+        return ds.to_iterable_dataset() if streaming else ds
     builder = builder_of(dataset)
     if builder is None:
         return load_dataset(dataset, config, split=split, streaming=streaming)
     return load_dataset(builder, data_files={split: dataset}, split=split, streaming=streaming)
 
 
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """The launcher's reads of a URL: ``datasets`` logs a bad file's error before raising it,
+    which would print beside crf's own one line; a replica keeps those lines in its log."""
+    from datasets.utils import logging as datasets_logging
+
+    before = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(before)
+
+
 def read_error(dataset: str, flag: str, e: BaseException) -> DataError:
     """A reader's exception as one line: an empty file says so (``datasets`` raises a bare
     StopIteration for one), any other error its first line."""
-    import os
-
     if is_local_file(dataset) and os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
-        return DataError(f"{flag} {dataset} is empty (0 bytes): it needs rows, one per line")
+        how = ", one per line" if suffix_of(dataset) in (".jsonl", ".csv") else ""
+        return DataError(f"{flag} {dataset} is empty (0 bytes): it needs rows{how}")
     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
     if isinstance(e, StopIteration):
         reason = "no rows could be read from it (is it empty?)"
@@ -131,15 +176,22 @@ def load_shard(
     rank: int,
     world_size: int,
     needs_answer: bool,
+    reader: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Replica ``rank``'s rows (rows ``rank::world_size``) as dicts of the job's fields."""
+    """Replica ``rank``'s rows (rows ``rank::world_size``) as dicts of the job's fields,
+    each checked by the rules the launcher applies to a local file (:func:`check_values`:
+    a Hub or URL dataset meets them here, as a DataError naming the row)."""
     ds = _load(dataset, config, split)
     renames = _renames(columns, list(ds.column_names), dataset, required_fields(needs_answer))
     keep = kept_columns(renames, list(ds.column_names))
     if len(ds) < world_size:
         raise DataError(_too_few(dataset, len(ds), world_size))
-    rows = ds.shard(num_shards=world_size, index=rank, contiguous=False).to_list()
-    return [job_row(row, keep) for row in rows]
+    shard = ds.shard(num_shards=world_size, index=rank, contiguous=False)
+    values = decoded(shard)  # column -> its values
+    index = range(rank, len(ds), world_size)  # the shard's rows' numbers in the split
+    fields = {f: values[c] for c, f in renames.items()}
+    check_values(fields, columns, f"--dataset {dataset}", reader=reader, index=index)
+    return [job_row(row, keep) for row in as_rows(values, len(shard))]
 
 
 def kept_columns(renames: Mapping[str, str], names: list[str]) -> list[tuple[str, str]]:
@@ -169,6 +221,169 @@ def job_row(row: Mapping[str, Any], keep: list[tuple[str, str]]) -> dict[str, An
     return out
 
 
+def decoded(ds: Any) -> dict[str, list[Any]]:
+    """A ``datasets.Dataset``'s columns as Python values, decoded by its features: never
+    ``to_list()``, which gives a ``Json`` column (what ``datasets`` makes of a JSON column
+    that mixes kinds: text and numbers) as JSON text, quotes and all."""
+    if len(ds) == 0:
+        return {name: [] for name in ds.column_names}
+    batch = ds[:]
+    return {name: list(batch[name]) for name in ds.column_names}
+
+
+def as_rows(values: Mapping[str, list[Any]], count: int) -> list[dict[str, Any]]:
+    """Rows of column lists (:func:`decoded`), every column of each."""
+    rows: list[dict[str, Any]] = [{} for _ in range(count)]
+    for name, column in values.items():
+        for row, value in zip(rows, column, strict=True):
+            row[name] = value
+    return rows
+
+
+# ---------------------------------------------------------------------- the row rules
+#: kinds of values a column holds, as a message names them, and the fix to one kind
+_KINDS = {"text": ("text", "a string"), "number": ("numbers", "a number"),
+          "list": ("lists", "a list"), "dict": ("objects", "an object"),
+          "bool": ("booleans", "a boolean")}  # fmt: skip
+
+
+def kind_of(value: Any) -> str | None:
+    """The kind of a non-null value: text, number, list, dict or bool."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list | tuple):
+        return "list"
+    return "dict" if isinstance(value, dict) else type(value).__name__
+
+
+def type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def column_of(columns: Mapping[str, str], field: str) -> str:
+    """How a message names a field's column: ``'question' (for prompt)``."""
+    column = columns.get(field, field)
+    return f"'{column}'" + (f" (for {field})" if column != field else "")
+
+
+def is_messages(value: Any) -> bool:
+    """A conversation in TRL's format: a non-empty list of {role, content} turns."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def messages_problem(value: Any) -> str | None:
+    """What keeps a list from being a conversation (None: it is one)."""
+    if not isinstance(value, list) or not value:
+        return None if is_messages(value) else "an empty list"
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return f"a list whose item {i} is {type_name(m)}, not a {{'role', 'content'}} message"
+        for key in ("role", "content"):
+            if key not in m:
+                return f"a list of messages whose message {i} has no {key!r}"
+    return None
+
+
+def value_problem(
+    field: str, value: Any, columns: Mapping[str, str], reader: str | None = None
+) -> str | None:
+    """Why ``value`` cannot be the composer job's ``field`` in a row (None: it can): a
+    prompt is text that is not blank, or a conversation; an answer that ``--reward reader``
+    reads is text or a number; a hint or trace is text, or null/empty for none."""
+    if field == "prompt":
+        if (isinstance(value, str) and value.strip()) or is_messages(value):
+            return None
+        shown = "empty" if isinstance(value, str) else type_name(value)
+        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+            shown = messages_problem(value) or shown
+        return (
+            f"the prompt in column {column_of(columns, field)} is {shown}; every row needs a "
+            "prompt text (or a list of {'role', 'content'} messages): fill or drop such rows"
+        )
+    if field == "answer" and reader is not None:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return None
+        by = f"--reward {reader}" if reader != DEFAULT_READER else "the default reward"
+        return (
+            f"the answer in column {column_of(columns, field)} is {type_name(value)}, which "
+            f"{by} cannot read; it needs text or a number on every row (map another with "
+            "--column answer=COLUMN)"
+        )
+    if field in ("hint", "trace") and value is not None and not isinstance(value, str):
+        return (
+            f"the {field} in column {column_of(columns, field)} is {type_name(value)}; a "
+            f"{field} is text (or null)"
+        )
+    return None
+
+
+#: a quick test a good value passes (value_problem says why a value that fails it is bad)
+_FINE = {
+    "prompt": lambda v: type(v) is str and bool(v.strip()),
+    "answer": lambda v: type(v) is str or type(v) is int or type(v) is float,
+    "hint": lambda v: v is None or type(v) is str,
+    "trace": lambda v: v is None or type(v) is str,
+}
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+def mixed_problem(values: list[Any], column: str) -> tuple[int, str] | None:
+    """(position, why) for the first value of a column whose kind differs from the rest
+    (text among numbers, a number among texts...); None when one kind (nulls aside) fills
+    it. ``datasets`` keeps such a column as JSON text, so no row would read as written.
+    ``column``: how the message names the column (:func:`column_of`)."""
+    if all(type(v) is str for v in values):  # the common case
+        return None
+    kinds = [kind_of(v) for v in values]
+    counts = Counter(k for k in kinds if k is not None)
+    if len(counts) < 2:
+        return None
+    usual = counts.most_common(1)[0][0]
+    i = next(i for i, k in enumerate(kinds) if k is not None and k != usual)
+    names, fix = _KINDS.get(usual, (usual, f"a {usual}"))
+    return i, (
+        f"{column} is {type_name(values[i])} while other rows hold {names}; make every value {fix}"
+    )
+
+
+def check_values(
+    values: Mapping[str, list[Any]],
+    columns: Mapping[str, str],
+    where: str,
+    *,
+    reader: str | None = None,
+    index: Any = None,
+) -> None:
+    """DataError naming the first row whose field breaks :func:`value_problem`, or a
+    column that mixes kinds (:func:`mixed_problem`). ``values``: field -> the values of its
+    column; ``index``: the rows' numbers in the split (a shard's), 0, 1, ... by default."""
+    for field, column in values.items():
+        number = index if index is not None else range(len(column))
+        ok = _FINE.get(field, _anything) if field != "answer" or reader else _anything
+        for i, value in zip(number, column, strict=False):
+            if ok(value):  # the common case, without building a message
+                continue
+            problem = value_problem(field, value, columns, reader)
+            if problem:
+                raise DataError(f"{where} row {i}: {problem}")
+        mixed = mixed_problem(column, column_of(columns, field))
+        if mixed is not None:
+            raise DataError(f"{where} row {number[mixed[0]]}: {mixed[1]}")
+
+
 def _too_few(dataset: str, rows: int, replicas: int) -> str:
     return (
         f"--dataset {dataset} has {rows} row(s) for {replicas} replicas: every replica needs "
@@ -189,26 +404,46 @@ def check_dataset(
 ) -> list[dict[str, Any]]:
     """Before launch, for a file, URL or local folder: readable, has the columns, enough rows
     for every replica (``replicas``; 1 for held-out data, which a replica may have none of).
-    Reads at most ``max(replicas, sample)`` rows (streaming) and returns them as dicts of the
-    job's fields (what the dry run inspects). A Hub id is checked by the replicas (nothing is
-    returned for it)."""
+    A local file or folder is read whole (crf/replica/data_files.py; the launcher's row
+    checks then see every row), a URL's first ``max(replicas, sample)`` rows streamed.
+    Returns those first rows as dicts of the job's fields (what the dry run inspects). A
+    Hub id is checked by the replicas (nothing is returned for it)."""
     check_columns(columns)
+    check_local(dataset, flag)
     if builder_of(dataset) is None and not is_local_folder(dataset):
         return []
-    try:
-        ds = _load(dataset, config, split, streaming=True)
-        first = list(ds.take(max(replicas, sample)))
-        names = list(ds.column_names or (first[0].keys() if first else []))
-    except DataError:
-        raise
-    except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-        raise read_error(dataset, flag, e) from None
-    if not first and flag != "--dataset":
+    want = max(replicas, sample)
+    if is_local(dataset):
+        every = read_rows(dataset, split, flag, config)
+        first, names, count = every.first(want), every.names, every.count
+    else:
+        try:
+            with quiet_datasets():
+                ds = _load(dataset, config, split, streaming=True, flag=flag)
+                first = list(ds.take(want))
+            names = list(ds.column_names or (first[0].keys() if first else []))
+        except DataError:
+            raise
+        except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
+            raise read_error(dataset, flag, e) from None
+        count = len(first)
+    if not count and flag != "--dataset":
         raise DataError(f"{flag} {dataset} has no rows")
-    if len(first) < replicas:
-        raise DataError(_too_few(dataset, len(first), replicas))
+    if count < replicas:
+        raise DataError(_too_few(dataset, count, replicas))
     renames = _renames(columns, names, dataset, required_fields(needs_answer), flag)
     return [{f: row.get(c) for c, f in renames.items()} for row in first]
+
+
+def answer_reader(spec: Any) -> str | None:
+    """The first ``--reward`` that reads the answer column (its name; without ``--reward``,
+    :data:`DEFAULT_READER`, the job's own reward), None if none does."""
+    from crf.replica.rewards import parse_rewards
+
+    specs = parse_rewards(list(getattr(spec, "reward", None) or []))
+    if not specs:  # the job's own reward (the embedded task's) compares answers
+        return DEFAULT_READER
+    return next((s.name for s in specs if s.needs_answer), None)
 
 
 def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -216,6 +451,7 @@ def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
     from crf.replica.rewards import parse_rewards
 
     specs = parse_rewards(list(spec.reward))
+    reader = answer_reader(spec)
     return load_shard(
         spec.dataset,
         config=spec.dataset_config,
@@ -224,6 +460,7 @@ def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
         rank=rank,
         world_size=world_size,
         needs_answer=any(s.needs_answer for s in specs) or not specs,
+        reader=reader,
     )
 
 
@@ -252,7 +489,7 @@ def check_eval_split(spec: Any) -> None:
                 f"--eval-split {split} names a split of --dataset, and there is none: give "
                 "--dataset, or the held-out data as --eval-dataset"
             )
-        if is_local_file(dataset) or builder_of(dataset):
+        if one_split(dataset):
             raise DataError(
                 f"--eval-split {split}: --dataset {dataset} is one file, one split; pass the "
                 "held-out file as --eval-dataset (or a folder with train/test files as --dataset)"
@@ -286,7 +523,7 @@ def check_eval(spec: Any, needs_answer: bool) -> None:
     )
 
 
-def load_eval(spec: Any, needs_answer: bool) -> list[dict[str, Any]]:
+def load_eval(spec: Any, needs_answer: bool, reader: str | None = None) -> list[dict[str, Any]]:
     """The run's held-out rows (:func:`eval_source`, the ``--column`` mapping), a fixed
     subsample of ``--eval-examples`` drawn with the run's seed: the same list on every
     replica. Empty when the run has no held-out data."""
@@ -294,14 +531,19 @@ def load_eval(spec: Any, needs_answer: bool) -> list[dict[str, Any]]:
     if source is None:
         return []
     dataset, config, split = source
-    ds = _load(dataset, config, split)
     flag = "--eval-dataset" if spec.eval_dataset else "--dataset"
+    ds = _load(dataset, config, split, flag=flag)
     renames = _renames(
         spec.columns, list(ds.column_names), dataset, required_fields(needs_answer), flag
     )
     keep = fixed_subsample(list(range(len(ds))), int(spec.eval_examples), int(spec.seed))
     columns = kept_columns(renames, list(ds.column_names))
-    return [job_row(row, columns) for row in ds.select(keep).to_list()]
+    ds = ds.select(keep)
+    values = decoded(ds)  # column -> its values
+    reader = reader if reader is not None else answer_reader(spec)
+    fields = {f: values[c] for c, f in renames.items()}
+    check_values(fields, spec.columns, f"{flag} {dataset}", reader=reader, index=keep)
+    return [job_row(row, columns) for row in as_rows(values, len(ds))]
 
 
 def fixed_subsample(rows: list[Any], n: int, seed: int) -> list[Any]:

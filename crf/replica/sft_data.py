@@ -20,7 +20,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from crf.replica.data import DataError, _load, _too_few, builder_of, is_local_folder, read_error
+from crf.replica.data import (
+    DataError,
+    _load,
+    _too_few,
+    builder_of,
+    check_local,
+    column_of,
+    decoded,
+    is_local,
+    is_local_folder,
+    is_messages,
+    messages_problem,
+    mixed_problem,
+    quiet_datasets,
+    read_error,
+    read_rows,
+    type_name,
+)
+
+__all__ = ["DataError", "is_messages"]
 
 #: the sft job's fields (``--column FIELD=COLUMN``): the formats', and ``answer`` (held-out
 #: rows scored by --reward)
@@ -60,31 +79,71 @@ def sft_format(
     )
 
 
-def is_messages(value: Any) -> bool:
-    """A conversation in TRL's format: a non-empty list of {role, content} turns."""
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
-
-
-def check_row(row: Mapping[str, Any], form: str, dataset: str, index: int) -> None:
-    """DataError for a row whose values do not fit its format (checked on the first rows
-    before launch, so a wrong column fails here and not in a replica's tokenizer)."""
-    where = f"--dataset {dataset} row {index}"
-    if form == "language modeling" and not isinstance(row.get("text"), str):
-        raise DataError(f"{where}: 'text' must be a string (got {type(row.get('text')).__name__})")
-    if form == "conversational" and not is_messages(row.get("messages")):
-        raise DataError(f"{where}: 'messages' must be a list of {{'role', 'content'}} messages")
-    if form == "prompt-completion":
+def row_problem(row: Mapping[str, Any], form: str, columns: Mapping[str, str]) -> str | None:
+    """Why a row (by the job's field names) does not fit its format (None: it does): text
+    that is a string and not blank; a prompt and a completion both strings (the completion
+    not blank) or both conversations; messages that are a conversation."""
+    if form == "language modeling":
+        text = row.get("text")
+        if not isinstance(text, str):
+            return f"{column_of(columns, 'text')} must be a string (got {type_name(text)})"
+        if not text.strip():
+            return (
+                f"{column_of(columns, 'text')} is empty: there is nothing to learn from it; "
+                "fill or drop such rows"
+            )
+    elif form == "conversational":
+        value = row.get("messages")
+        if not is_messages(value):
+            got = messages_problem(value) if isinstance(value, list) else type_name(value)
+            return (
+                f"{column_of(columns, 'messages')} must be a list of {{'role', 'content'}} "
+                f"messages (got {got})"
+            )
+    elif form == "prompt-completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         plain = isinstance(prompt, str) and isinstance(completion, str)
         if not plain and not (is_messages(prompt) and is_messages(completion)):
-            raise DataError(
-                f"{where}: 'prompt' and 'completion' must both be strings, or both lists of "
-                "{'role', 'content'} messages"
+            return (
+                "'prompt' and 'completion' must both be strings, or both lists of "
+                f"{{'role', 'content'}} messages (got {type_name(prompt)} and "
+                f"{type_name(completion)})"
             )
+        if plain and not completion.strip():
+            return (
+                f"{column_of(columns, 'completion')} is empty: there is nothing to learn from "
+                "it; fill or drop such rows"
+            )
+    return None
+
+
+def check_row(
+    row: Mapping[str, Any],
+    form: str,
+    dataset: str,
+    index: int,
+    columns: Mapping[str, str] | None = None,
+    flag: str = "--dataset",
+) -> None:
+    """DataError for a row whose values do not fit its format (:func:`row_problem`):
+    checked on every row of a local file before launch, and by each replica on its rows."""
+    problem = row_problem(row, form, columns or {})
+    if problem:
+        raise DataError(f"{flag} {dataset} row {index}: {problem}")
+
+
+def check_rows(
+    values: Mapping[str, list[Any]], form: str, dataset: str, columns: Mapping[str, str],
+    flag: str = "--dataset",
+) -> None:  # fmt: skip
+    """:func:`check_row` on every row of columns ``values`` (field -> values)."""
+    fields = [f for f in values if f in dict(FORMATS)[form]]
+    for i, row in enumerate(zip(*(values[f] for f in fields), strict=True)):
+        check_row(dict(zip(fields, row, strict=True)), form, dataset, i, columns, flag)
+    for field in fields:
+        mixed = mixed_problem(values[field], column_of(columns, field))
+        if mixed is not None:
+            raise DataError(f"{flag} {dataset} row {mixed[0]}: {mixed[1]}")
 
 
 def check_sft_dataset(
@@ -99,29 +158,40 @@ def check_sft_dataset(
 ) -> None:
     """Before launch, for a file, URL or local folder: readable, in one of the SFT formats,
     values of the right kind, the fields held-out scoring ``needs`` (``prompt``: not plain
-    text; ``answer``) and (``replicas`` > 0) a row for every replica. Reads at most
-    ``replicas`` rows (streaming; 4 for held-out data). A Hub id is checked by the
-    replicas."""
+    text; ``answer``) and (``replicas`` > 0) a row for every replica. A local file or
+    folder is read whole and every row checked (:func:`check_rows`); of a URL, the first
+    ``replicas`` rows (at least 4) are streamed. A Hub id is checked by the replicas."""
     check_sft_columns(columns)
+    check_local(dataset, what)
     if builder_of(dataset) is None and not is_local_folder(dataset):
         return
-    try:
-        ds = _load(dataset, config, split, streaming=True)
-        first = list(ds.take(max(replicas, 4)))
-        names = list(ds.column_names or (first[0].keys() if first else []))
-    except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-        raise read_error(dataset, what, e) from None
-    if len(first) < max(replicas, 1):
+    if is_local(dataset):  # read whole: every row is checked
+        every = read_rows(dataset, split, what, config)
+        first, names, count = every.first(max(replicas, 4)), every.names, every.count
+    else:
+        try:
+            with quiet_datasets():
+                ds = _load(dataset, config, split, streaming=True, flag=what)
+                first = list(ds.take(max(replicas, 4)))
+            names = list(ds.column_names or (first[0].keys() if first else []))
+        except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
+            raise read_error(dataset, what, e) from None
+        count = len(first)
+    if count < max(replicas, 1):
         if replicas:
-            raise DataError(_too_few(dataset, len(first), replicas))
+            raise DataError(_too_few(dataset, count, replicas))
         raise DataError(f"{what} {dataset} has no rows")
     try:
         form, renames = sft_format(names, columns, dataset)
     except DataError as e:
         raise DataError(str(e).replace("--dataset", what, 1)) from None
-    for i, row in enumerate(first):
-        renamed = {renames[c]: v for c, v in row.items() if c in renames}
-        check_row(renamed, form, dataset, i)
+    if is_local(dataset):
+        values = {f: every.column(c) for c, f in renames.items()}
+        check_rows(values, form, dataset, columns, what)
+    else:
+        for i, row in enumerate(first):
+            renamed = {renames[c]: v for c, v in row.items() if c in renames}
+            check_row(renamed, form, dataset, i, columns, what)
     if "prompt" in needs and form == "language modeling":
         raise DataError(
             f"{what} {dataset} is plain text: --reward scores answers to prompts, so the "
@@ -144,9 +214,13 @@ def load_sft_rows(
     keep: tuple[str, ...] = (),
 ) -> tuple[Any, str]:
     """(``datasets.Dataset`` holding only the format's fields, and those of ``keep`` the
-    file has, format name) for all rows."""
+    file has, format name) for all rows, each checked (:func:`check_rows`: a Hub or URL
+    dataset's bad row stops the replica at setup, naming the row)."""
     ds = _load(dataset, config, split)
     form, renames = sft_format(list(ds.column_names), columns, dataset)
+    format_columns = {c: f for c, f in renames.items()}
+    values = decoded(ds.select_columns(list(format_columns)))
+    check_rows({format_columns[c]: v for c, v in values.items()}, form, dataset, columns)
     copies: dict[str, str] = {}  # kept field -> the format's field that holds its column
     for field in keep:
         column = columns.get(field, field)

@@ -256,7 +256,7 @@ def check_launch(spec: Any) -> None:
     """Before launch (the driver): the dataset and held-out data are in an SFT format, with a
     row for every replica (crf/replica/sft_data.py); a local file becomes an absolute path.
     DataError says what to fix."""
-    from crf.replica.data import DataError, check_eval_split, eval_source, is_local_file
+    from crf.replica.data import DataError, check_eval_split, eval_source, is_local
     from crf.replica.rewards import check_rewards
     from crf.replica.sft_data import check_sft_columns, check_sft_dataset
 
@@ -270,13 +270,13 @@ def check_launch(spec: Any) -> None:
         )
     for attr in ("dataset", "eval_dataset"):
         path = getattr(spec, attr, None)
-        if path and is_local_file(path):
+        if path and is_local(path):
             if spec.backend != "local":
                 raise DataError(
                     f"--{attr.replace('_', '-')} {path} is a local file the {spec.backend} "
                     "replicas cannot read: copy it to the store (or any URL) and pass that URL"
                 )
-            setattr(spec, attr, os.path.abspath(path))
+            setattr(spec, attr, os.path.abspath(os.path.expanduser(path)))
     if spec.dataset:
         check_sft_dataset(
             spec.dataset, config=spec.dataset_config, split=spec.dataset_split,

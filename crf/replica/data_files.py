@@ -1,0 +1,369 @@
+"""A ``--dataset`` on this machine's disk: what the path is, and every row of it.
+
+A local path is one of three things ``datasets`` reads: a ``.jsonl`` / ``.json`` /
+``.parquet`` / ``.csv`` file, a folder of such files (one split per file name: ``train.jsonl``,
+``test.jsonl``...), or a folder written by ``Dataset.save_to_disk`` /
+``DatasetDict.save_to_disk`` (read with ``load_from_disk``; a ``DatasetDict``'s split is
+``--dataset-split`` / ``--eval-split``). Anything else on disk is refused by name
+(:func:`local_problem`) rather than handed to ``load_dataset``, which would take an unknown
+suffix for a Hub id, or a folder of ``readme.txt`` for a text dataset.
+
+:func:`read_rows` reads a local split whole, on the launcher, so the row rules
+(crf/replica/data.py ``value_problem``) hold on every row before any replica starts: JSON
+lines are parsed here, line by line, so a malformed line or a non-UTF-8 byte is named by its
+line; Parquet, CSV and ``save_to_disk`` folders go through pyarrow, pandas and
+``load_from_disk``, which type each column once. It reads columns, never a model: a
+100,000-row file takes well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+#: the data files crf reads, by suffix, and the ``datasets`` builder of each
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: files a ``save_to_disk`` folder holds: a Dataset's, a DatasetDict's
+SAVED_DATASET = ("state.json", "dataset_info.json")
+SAVED_DICT = "dataset_dict.json"
+_SUPPORTED = ", ".join(BUILDERS)
+
+
+class DataError(ValueError):
+    """The dataset cannot be used; the message names the file or column and the fix."""
+
+
+def suffix_of(path: str) -> str | None:
+    """The supported data suffix ``path`` ends with (a URL's query left out), or None."""
+    bare = path.split("?", 1)[0].lower()
+    return next((s for s in BUILDERS if bare.endswith(s)), None)
+
+
+def looks_local(name: str) -> bool:
+    """A name that can only be a path: it starts like one, or ends in a data suffix."""
+    return (
+        name.startswith(("./", "../", "/", "~", ".\\", "..\\"))
+        or name in (".", "..")
+        or (suffix_of(name) is not None and "://" not in name)
+    )
+
+
+def saved_kind(folder: str) -> str | None:
+    """``"dataset"`` / ``"dict"`` for a ``save_to_disk`` folder, None for any other."""
+    if not os.path.isdir(folder):
+        return None
+    if os.path.isfile(os.path.join(folder, SAVED_DICT)):
+        return "dict"
+    if all(os.path.isfile(os.path.join(folder, n)) for n in SAVED_DATASET):
+        return "dataset"
+    return None
+
+
+def _data_files(folder: str) -> list[str]:
+    """The folder's files (below it, at most two levels: ``data/train-*.parquet``)."""
+    out = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if root[len(folder) :].count(os.sep) > 2:
+            continue
+        out += [os.path.relpath(os.path.join(root, f), folder) for f in files]
+    return sorted(f for f in out if not os.path.basename(f).startswith("."))
+
+
+def local_problem(name: str, flag: str = "--dataset") -> str | None:
+    """Why local path ``name`` cannot be a dataset (None: it can, or it is no local path but
+    a URL or Hub id): an existing file of another suffix, a path that names nothing, a
+    folder without data files crf reads."""
+    if "://" in name:
+        return None
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        if suffix_of(path) is None:
+            return (
+                f"{flag} {name} is a local file, but crf reads only {_SUPPORTED} files (or a "
+                "folder of them, or a save_to_disk folder): convert it, e.g. to .jsonl"
+            )
+        return None
+    if os.path.isdir(path):
+        if saved_kind(path) is not None:
+            return None
+        files = _data_files(path)
+        if not any(suffix_of(f) for f in files):
+            held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
+            return (
+                f"{flag} {name} is a folder with no {_SUPPORTED} files (it holds "
+                f"{held or 'nothing'}): put the rows in train.jsonl (or .parquet, .csv) "
+                "there, or give a save_to_disk folder"
+            )
+        return None
+    if looks_local(name):
+        return f"{flag} {name}: no such file or folder"
+    return None
+
+
+def check_local(name: str, flag: str = "--dataset") -> None:
+    """DataError for a local path that cannot be a dataset (:func:`local_problem`)."""
+    problem = local_problem(name, flag)
+    if problem:
+        raise DataError(problem)
+
+
+def load_saved(folder: str, split: str, flag: str = "--dataset") -> Any:
+    """The ``datasets.Dataset`` of a ``save_to_disk`` folder: a DatasetDict's ``split``
+    (DataError naming the splits it has), a Dataset's rows whatever the split's name (one
+    saved Dataset is one split, like a file)."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(folder)
+    if hasattr(ds, "keys"):  # a DatasetDict
+        if split not in ds:
+            raise DataError(
+                f"{flag} {folder} has no split {split!r}; its splits are "
+                f"{', '.join(ds.keys())} (choose one with --dataset-split / --eval-split)"
+            )
+        return ds[split]
+    return ds
+
+
+# ---------------------------------------------------------------------- every row
+@dataclass
+class Rows:
+    """Every row of a local split: its column names, and each column's values."""
+
+    names: list[str]
+    columns: dict[str, list[Any]]
+    count: int
+
+    def first(self, n: int) -> list[dict[str, Any]]:
+        """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
+        out = []
+        for i in range(min(n, self.count)):
+            out.append({c: v[i] for c, v in self.columns.items() if v[i] is not _ABSENT})
+        return out
+
+    def column(self, name: str) -> list[Any]:
+        """A column's values, None where a row lacks it."""
+        values = self.columns.get(name)
+        if values is None:
+            return [None] * self.count
+        return [None if v is _ABSENT else v for v in values]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Any = _Absent()
+
+
+def split_files(folder: str, config: str | None, split: str, flag: str) -> list[str]:
+    """The files of ``split`` in a folder of data files, as ``load_dataset(folder, config)``
+    finds them (``datasets``' own resolution: its split patterns, or the configs of a
+    README's YAML, as in a cloned Hub repo); DataError naming the splits there are."""
+    from datasets import load_dataset_builder
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    base = os.path.abspath(os.path.expanduser(folder))
+    try:
+        builder = load_dataset_builder(base, config)
+    except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        if "Config name is missing" in reason:  # a README's YAML names several
+            names = reason.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
+            raise DataError(
+                f"{flag} {folder} has several configs {names.strip()}: choose one with "
+                "--dataset-config"
+            ) from None
+        raise DataError(f"{flag} {folder} cannot be read: {reason}") from None
+    files = builder.config.data_files or {}
+    if builder.name not in BUILDERS.values():
+        raise DataError(
+            f"{flag} {folder} holds {builder.name} files, but crf reads only {_SUPPORTED} "
+            "files (or a save_to_disk folder)"
+        )
+    if split not in files:
+        raise DataError(
+            f"{flag} {folder} has no split {split!r}: its files make the split(s) "
+            f"{', '.join(map(str, files))} (train.jsonl, test.jsonl...)"
+        )
+    return [str(f) for f in files[split] if suffix_of(str(f))]
+
+
+#: the last splits read (the launcher's checks read a split more than once): key -> Rows
+_READ: dict[tuple[Any, ...], Rows] = {}
+
+
+def read_rows(name: str, split: str, flag: str = "--dataset", config: str | None = None) -> Rows:
+    """Every row of a local file, folder or ``save_to_disk`` folder (``split``: a folder's
+    split). DataError (one line, naming the line or row) when it cannot be read. A file
+    unchanged since its last read (size and time) is not read again."""
+    check_local(name, flag)
+    path = os.path.abspath(os.path.expanduser(name))
+    inside = _data_files(path) if os.path.isdir(path) else []
+    stats = [os.stat(os.path.join(path, f)) for f in inside] if inside else [os.stat(path)]
+    key = (path, config, split, *inside, *((s.st_size, s.st_mtime_ns) for s in stats))
+    if key not in _READ:
+        rows = _read_rows(name, config, split, flag)
+        while len(_READ) >= 4:
+            _READ.pop(next(iter(_READ)))
+        _READ[key] = rows
+    return _READ[key]
+
+
+def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
+    path = os.path.expanduser(name)
+    if saved_kind(path):
+        return _read_saved(path, split, flag, name)
+    if os.path.isdir(path):
+        parts = [_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}")
+                 for f in split_files(path, config, split, flag)]  # fmt: skip
+        return _concat(parts)
+    return _read_file(path, flag, name)
+
+
+def _concat(parts: list[Rows]) -> Rows:
+    names = list(dict.fromkeys(n for p in parts for n in p.names))
+    columns = {n: [v for p in parts for v in p.columns.get(n, [_ABSENT] * p.count)] for n in names}
+    return Rows(names, columns, sum(p.count for p in parts))
+
+
+def _read_file(path: str, flag: str, shown: str) -> Rows:
+    if os.path.getsize(path) == 0:
+        how = ", one per line" if suffix_of(path) in (".jsonl", ".csv") else ""
+        raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")
+    suffix = suffix_of(path)
+    if suffix in (".jsonl", ".json"):
+        return _read_json(path, flag, shown)
+    if suffix == ".parquet":
+        return _read_parquet(path, flag, shown)
+    return _read_csv(path, flag, shown)
+
+
+def _utf8(data: bytes, flag: str, shown: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(
+            f"{flag} {shown}: line {line} is not UTF-8 (byte 0x{data[e.start]:02x} at column "
+            f"{column}); save the file as UTF-8"
+        ) from None
+
+
+def _from_dicts(rows: list[dict[str, Any]]) -> Rows:
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    columns = {n: [r.get(n, _ABSENT) for r in rows] for n in names}
+    return Rows(names, columns, len(rows))
+
+
+def _read_json(path: str, flag: str, shown: str) -> Rows:
+    """JSON lines (either suffix), or a ``.json`` list of rows, as ``datasets`` reads
+    them; errors name the line."""
+    with open(path, "rb") as f:
+        text = _utf8(f.read(), flag, shown)
+    head = text.lstrip()[:1]
+    whole: Any = None
+    if head == "[":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{flag} {shown}: line {e.lineno} is not valid JSON ({e.msg} at column {e.colno})"
+            ) from None
+    elif head == "{" and suffix_of(path) == ".json":
+        try:  # one object over the whole file, or JSON lines ("Extra data" after line 1)
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None
+        if isinstance(whole, dict):
+            nested = [k for k, v in whole.items() if _rows_under(v)]
+            if nested:
+                raise DataError(
+                    f"{flag} {shown} holds one JSON object whose rows are nested under "
+                    f"{nested[0]!r}: write the rows themselves, one object per line (.jsonl) "
+                    "or as a JSON list"
+                )
+            whole = [whole]
+    if whole is not None:
+        if not all(isinstance(r, dict) for r in whole):
+            i = next(i for i, r in enumerate(whole) if not isinstance(r, dict))
+            raise DataError(f"{flag} {shown}: item {i} of its list is no JSON object (a row)")
+        return _from_dicts(whole)
+    lines = [line for line in text.split("\n") if line.strip()]
+    try:  # one parse for the whole file; a line that is not one object: find it below
+        rows = json.loads("[" + ",".join(lines) + "]")
+        if len(rows) == len(lines) and all(type(r) is dict for r in rows):
+            return _from_dicts(rows)
+    except json.JSONDecodeError:
+        pass
+    rows = []
+    decode = json.JSONDecoder().decode
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = decode(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{flag} {shown}: line {number} is not valid JSON ({e.msg} at column {e.colno})"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{flag} {shown}: line {number} is a JSON {type(row).__name__}, not an "
+                'object: every line must be one row ({"column": value, ...})'
+            )
+        rows.append(row)
+    return _from_dicts(rows)
+
+
+def _rows_under(value: Any) -> bool:
+    """A list of rows (objects), not a conversation (a list of role/content messages)."""
+    if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+        return False
+    return not all("role" in v and "content" in v for v in value)
+
+
+def _arrow_rows(table: Any) -> Rows:
+    columns = {n: table.column(n).to_pylist() for n in table.column_names}
+    return Rows(list(table.column_names), columns, table.num_rows)
+
+
+def _read_parquet(path: str, flag: str, shown: str) -> Rows:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid and the like
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{flag} {shown} cannot be read as Parquet: {reason}") from None
+    return _arrow_rows(table)
+
+
+def _read_csv(path: str, flag: str, shown: str) -> Rows:
+    """As ``datasets``' csv builder reads it (pandas' defaults): each column typed once, an
+    empty cell null."""
+    import pandas as pd
+
+    with open(path, "rb") as f:
+        _utf8(f.read(), flag, shown)  # a non-UTF-8 byte, named by its line
+    try:
+        frame = pd.read_csv(path)
+    except Exception as e:  # noqa: BLE001 - pandas' ParserError names the line
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise DataError(f"{flag} {shown} cannot be read as CSV: {reason}") from None
+    columns = {}
+    for name in frame.columns:
+        series = frame[name].astype(object)
+        columns[str(name)] = series.where(series.notna(), None).tolist()
+    return Rows([str(n) for n in frame.columns], columns, len(frame))
+
+
+def _read_saved(path: str, split: str, flag: str, shown: str) -> Rows:
+    ds = load_saved(path, split, flag)
+    columns = ds[:] if len(ds) else {n: [] for n in ds.column_names}  # decoded values
+    return Rows(list(ds.column_names), {n: list(columns[n]) for n in ds.column_names}, len(ds))

@@ -1,0 +1,233 @@
+"""A user's rows as each replica reads them, and the dataset forms crf reads.
+
+The launcher checks every row of a local file (tests/test_bad_data.py); a Hub or URL
+dataset is only sampled there, so each replica checks its own rows at setup by the same
+rules (crf/replica/data.py ``check_values``) and stops with a DataError naming the row: a
+restart cannot fix it, so the run stops once. Values are read decoded, never as the JSON
+text ``datasets`` keeps a mixed column in. ``save_to_disk`` folders (a Dataset, or a
+DatasetDict's split) are read with ``load_from_disk`` by the launcher and the replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crf.replica.data import DataError, load_eval, load_shard
+from tests.test_cli import crf
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"] * 4  # 32 rows
+MAP = {"prompt": "question", "answer": "solution"}
+
+
+def _rows(**late: Any) -> list[dict[str, Any]]:
+    """32 rows; ``late`` sets row N's columns: ``r20={"solution": 7}``."""
+    rows: list[dict[str, Any]] = [{"question": f"{w}=", "solution": w[::-1]} for w in WORDS]
+    for key, change in late.items():
+        rows[int(key[1:])] = {**rows[int(key[1:])], **change}
+    return rows
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _shard(dataset: str, rank: int, world: int = 2, **kw: Any) -> list[dict[str, Any]]:
+    return load_shard(dataset, config=None, split=kw.pop("split", "train"), columns=MAP,
+                      rank=rank, world_size=world, needs_answer=True, **kw)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- each replica's rows
+def test_a_url_dataset_with_a_null_answer_stops_the_replica_that_holds_it(tmp_path: Path) -> None:
+    """Row 25 (rank 1 of 2) has a null answer: rank 1 refuses naming the row and the reward
+    that reads it; rank 0's rows are all good."""
+    url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r25={"solution": None}))
+    with pytest.raises(DataError, match=r"row 25: the answer in column 'solution' \(for "
+                       r"answer\) is null, which --reward exact_match cannot read"):  # fmt: skip
+        _shard(url, 1, reader="exact_match")
+    assert len(_shard(url, 0, reader="exact_match")) == 16
+
+
+def test_a_column_mixing_text_and_numbers_is_refused_not_quoted(tmp_path: Path) -> None:
+    """datasets keeps such a column as JSON text ('"ba"', quotes and all): the replica holding
+    the odd row refuses; no replica's answers are ever quoted."""
+    url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r20={"solution": 7}))
+    with pytest.raises(DataError, match=r"row 20: 'solution' \(for answer\) is int while "
+                       "other rows hold text; make every value a string"):  # fmt: skip
+        _shard(url, 0)
+    assert [r["answer"] for r in _shard(url, 1)] == [w[::-1] for w in WORDS[1::2]]
+
+
+def test_messages_with_extra_keys_are_read_as_messages(tmp_path: Path) -> None:
+    """A conversation whose messages differ in their keys is a List(Json) column to datasets;
+    the replica reads each message as a dict, not as its JSON text."""
+    rows = [{"question": [{"role": "user", "content": f"{w}="}], "solution": w[::-1]}
+            for w in WORDS]  # fmt: skip
+    rows[3]["question"][0]["name"] = "ann"
+    path = _jsonl(tmp_path / "chat.jsonl", rows)
+    shard = _shard(path, 1)
+    assert shard[1]["prompt"] == [{"role": "user", "content": "dd=", "name": "ann"}]
+    assert all(isinstance(m, dict) for r in shard for m in r["prompt"])
+
+
+def test_held_out_rows_are_checked_with_their_numbers(tmp_path: Path) -> None:
+    class Spec:
+        dataset, dataset_config, dataset_split = None, None, "train"
+        eval_dataset = _jsonl(tmp_path / "test.jsonl", _rows(r30={"question": ""}))
+        eval_split, eval_examples, seed, columns, reward = None, 64, 0, MAP, ["exact_match"]
+
+    with pytest.raises(DataError, match="--eval-dataset .*test.jsonl row 30: the prompt in "
+                       r"column 'question' \(for prompt\) is empty"):  # fmt: skip
+        load_eval(Spec, needs_answer=True)
+
+
+def test_the_sft_job_checks_every_row_it_trains_on(tmp_path: Path) -> None:
+    from crf.replica.sft_data import load_sft_rows
+
+    rows = [{"prompt": f"{w}=", "completion": w[::-1]} for w in WORDS]
+    rows[20]["completion"] = None
+    url = "file://" + _jsonl(tmp_path / "sft.jsonl", rows)
+    with pytest.raises(DataError, match="row 20: 'prompt' and 'completion' must both be "
+                       r"strings, .* \(got str and null\)"):  # fmt: skip
+        load_sft_rows(url, config=None, split="train", columns={})
+
+
+# ---------------------------------------------------------------------- save_to_disk folders
+def _save(folder: Path, splits: tuple[str, ...] = ()) -> str:
+    from datasets import Dataset, DatasetDict
+
+    ds = Dataset.from_list(_rows())
+    held = Dataset.from_list(_rows()[:8])
+    if splits:
+        DatasetDict({s: ds if s == "train" else held for s in splits}).save_to_disk(folder)
+    else:
+        ds.save_to_disk(folder)
+    return str(folder)
+
+
+def test_a_saved_dataset_and_a_saved_dataset_dicts_splits_are_read(tmp_path: Path) -> None:
+    one = _save(tmp_path / "one")
+    assert [r["answer"] for r in _shard(one, 1)] == [w[::-1] for w in WORDS[1::2]]
+    both = _save(tmp_path / "both", ("train", "test"))
+    assert len(_shard(both, 0)) == 16
+    assert len(_shard(both, 0, world=1, split="test")) == 8
+    with pytest.raises(DataError, match="has no split 'validation'; its splits are train, test"):
+        _shard(both, 0, split="validation")
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_dry_run_accepts_a_saved_dataset_dict_with_a_held_out_split(
+    job: str, tmp_path: Path
+) -> None:
+    folder = _save(tmp_path / "saved", ("train", "test"))
+    cols = ["--column", "prompt=question", "--column", "answer=solution"]
+    if job == "sft":
+        cols += ["--column", "completion=solution"]
+    result = crf("launch", "--store", str(tmp_path / "runs"), "--dry-run", "--replicas", "2",
+                 "--job", job, "--dataset", folder, *cols, "--eval-split", "test",
+                 "--reward", "exact_match",
+                 *(["--set", "prompts_per_step=2"] if job == "composer" else []))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_saved_dataset_with_a_bad_row_is_refused_before_launch(tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    Dataset.from_list(_rows(r29={"question": None})).save_to_disk(tmp_path / "saved")
+    result = crf("launch", "--store", str(tmp_path / "runs"), "--dry-run", "--replicas", "2",
+                 "--job", "composer", "--dataset", str(tmp_path / "saved"),
+                 "--column", "prompt=question", "--column", "answer=solution")  # fmt: skip
+    assert result.exit_code == 2
+    assert "row 29: the prompt in column 'question' (for prompt) is null" in result.output
+
+
+# ---------------------------------------------------------------------- real runs
+def _launch(tmp_path: Path, dataset: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    base = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "CRF_LOG_LEVEL": "WARNING"}
+    out = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", "launch", "--store", str(base), "--run-id",
+         "r", "--replicas", "2", "--job", "composer", "--dataset", dataset, "--column",
+         "prompt=question", "--column", "answer=solution", "--reward", "exact_match", "-H", "2",
+         "-r", "1", "--no-progress", "--timeout", "300", "--set", "prompts_per_step=2",
+         "--set", "num_generations=2", "--set", "max_completion_length=4", *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    return out, json.loads((base / "r" / "result.json").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_bad_row_past_the_sample_stops_the_run_once(tmp_path: Path) -> None:
+    """A URL dataset (only its first rows are read before launch) with a null answer in row
+    25: the replica holding it fails at setup naming the row, nothing restarts, and the run
+    ends at once with that line as its reason."""
+    url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r25={"solution": None}))
+    out, summary = _launch(tmp_path, url)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert summary["status"] == "failed" and summary["restarts"] == 0, summary
+    assert "row 25: the answer in column 'solution' (for answer) is null" in summary["error"]
+    assert "Traceback" not in text
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_run_trains_on_a_saved_dataset_dict(tmp_path: Path) -> None:
+    folder = _save(tmp_path / "saved", ("train", "test"))
+    out, summary = _launch(tmp_path, folder, "--eval-split", "test")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert summary["status"] == "ok", summary
+    assert summary["held_out"] is not None
+
+
+# ---------------------------------------------------------------------- folders of files
+def _dry(tmp_path: Path, *args: str):
+    return crf("launch", "--store", str(tmp_path / "runs"), "--dry-run", "--replicas", "2",
+               "--job", "composer", "--column", "prompt=question", "--column",
+               "answer=solution", "--set", "prompts_per_step=2", *args)  # fmt: skip
+
+
+def test_every_row_of_a_folders_held_out_split_is_checked(tmp_path: Path) -> None:
+    folder = tmp_path / "d"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", _rows())
+    _jsonl(folder / "test.jsonl", _rows(r12={"question": None}))
+    result = _dry(tmp_path, "--dataset", str(folder), "--eval-split", "test")
+    assert result.exit_code == 2, result.output
+    assert f"--eval-split {folder} row 12: the prompt in column 'question'" in result.output
+
+
+def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
+    """A cloned Hub repo: a README's YAML names each config's files, as datasets reads it."""
+    import pandas as pd
+
+    folder = tmp_path / "clone"
+    for config, rows in (("main", _rows()), ("other", _rows(r3={"question": None}))):
+        (folder / config).mkdir(parents=True)
+        pd.DataFrame(rows).to_parquet(folder / config / "train-00000-of-00001.parquet")
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+            for c in ("main", "other")
+        )  # fmt: skip
+        + "---\n"
+    )
+    assert _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "main").exit_code == 0
+    refused = _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "other")
+    assert "row 3: the prompt in column 'question' (for prompt) is null" in refused.output
+    missing = _dry(tmp_path, "--dataset", str(folder))
+    assert missing.exit_code == 2
+    assert "has several configs ['main', 'other']: choose one with --dataset-config" in (
+        missing.output
+    )
