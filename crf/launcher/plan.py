@@ -281,9 +281,7 @@ def prepare(
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
-            local = getattr(executor, "name", spec.backend) == "local"
-            found = check_inputs(spec, local=local, dry_run=dry_run)  # data, model, rewards
-            spec.model = replica_model_path(spec)
+            found = _check_inputs(spec, executor, dry_run)  # data, model, rewards
             missing += found.missing  # a dry run: a Hub repo this machine cannot reach
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
@@ -476,6 +474,15 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None
+
+
+def _check_inputs(spec: RunSpec, executor: ServerlessExecutor, dry_run: bool) -> Any:
+    """The run's data, model and rewards checked (crf/launcher/data_checks.py), then
+    ``--model`` named as the replicas will find it (:func:`replica_model_path`)."""
+    local = getattr(executor, "name", spec.backend) == "local"
+    found = check_inputs(spec, local=local, dry_run=dry_run)
+    spec.model = replica_model_path(spec)
+    return found
 
 
 def replica_model_path(spec: RunSpec) -> str | None:
