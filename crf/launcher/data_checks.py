@@ -12,7 +12,9 @@ what is cheap to read here and refuses the launch in one line that names the fix
 - a local ``--model`` folder's ``config.json``, tokenizer files and safetensors headers (a
   header's offsets against the file's size find a truncated download without loading a
   weight): a known ``model_type``, a tokenizer there, no more tokens than the model embeds,
-  a chat template for conversational data and a pad (or EOS) token for batches;
+  a chat template for conversational data and a pad (or EOS) token for batches; for the
+  composer job, prompts rendered through that template and counted against the model's
+  positions (crf/launcher/prompt_checks.py);
 - a Hub model or dataset, asked for with a short timeout: on the local backend the replicas
   use this machine's network, so one it cannot reach is refused; on a cloud backend the
   replicas may reach what the launcher cannot, so it is a warning (the plan's notes).
@@ -109,8 +111,16 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     check_batch(spec, splits)
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
+        if spec.job == "composer":  # prompts through its template, within its positions
+            _check_prompts(spec, model, splits)
     check_rewards_on(spec, splits)
     return found
+
+
+def _check_prompts(spec: Any, model: str, splits: list[Split]) -> None:
+    from crf.launcher.prompt_checks import check_prompts
+
+    check_prompts(model, splits, trust_remote_code=bool(getattr(spec, "trust_remote_code", 0)))
 
 
 # ---------------------------------------------------------------------- reachability

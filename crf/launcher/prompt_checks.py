@@ -1,0 +1,126 @@
+"""Before launch: the composer job's prompts as a local ``--model`` will read them.
+
+Two mistakes in a user's prompts surface only once a replica tokenizes them, and then on
+every attempt: a chat template that refuses a conversation (an unknown role: templates call
+``raise_exception``), and a prompt longer than the model's positions (TRL's GRPO does not
+truncate prompts: the rollout's attention then asks for memory no machine has, which reads
+as an out-of-memory death and is restarted). So the launcher renders prompts the way the
+replica does (crf/replica/jobs/composer.py: a conversation through the tokenizer's chat
+template with the generation prompt; a text prompt as one user message when the tokenizer has
+a template, else as it is) and counts their tokens with the folder's tokenizer.
+
+Rendering every row of a large file would take long, so the rows rendered are the sampled
+first rows, the first row of each distinct sequence of roles (what a template's role checks
+see), and the :data:`LONGEST` longest prompts by characters (what the length check needs).
+Only a local folder is read: a Hub model's tokenizer would be a download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from crf.launcher.errors import LaunchError
+
+#: the longest prompts (by characters) whose tokens are counted, per split
+LONGEST = 16
+
+
+def check_prompts(folder: str, splits: Iterable[Any], *, trust_remote_code: bool = False) -> None:
+    """LaunchError naming the row for a prompt the chat template refuses, or one of more
+    tokens than the model's ``max_position_embeddings``. ``splits``: the launcher's
+    :class:`~crf.launcher.data_checks.Split` objects. (A prompt that fits leaves the rest to
+    the completion: a rotary model generates past its positions, if worse, so a long
+    ``max_completion_length`` is no error.)"""
+    splits = [s for s in splits if _prompts(s)]
+    if not splits:
+        return
+    tokenizer = _tokenizer(folder, trust_remote_code)
+    if tokenizer is None:
+        return
+    limit = _positions(folder)
+    for split in splits:
+        prompts = _prompts(split)
+        for i in _chosen(prompts):
+            text = _render(tokenizer, prompts[i], split, i, folder)
+            if limit is None:
+                continue
+            tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if tokens > limit:
+                raise LaunchError(
+                    f"{split.flag} {split.dataset} row {i}: the prompt is {tokens} tokens, "
+                    f"more than --model {folder} takes ({limit} positions, "
+                    "max_position_embeddings); shorten or drop such rows"
+                )
+
+
+def _prompts(split: Any) -> list[Any]:
+    every = getattr(split, "every", None)
+    if every is not None and "prompt" in every:
+        return list(every["prompt"])
+    return [row.get("prompt") for row in getattr(split, "rows", [])]
+
+
+def _chosen(prompts: Sequence[Any]) -> list[int]:
+    """The rows to render (module docstring), in order."""
+    from crf.launcher.data_checks import SAMPLE_ROWS
+
+    chosen = set(range(min(SAMPLE_ROWS, len(prompts))))
+    seen: set[tuple[str, ...]] = set()
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            roles = tuple(str(m.get("role")) for m in prompt if isinstance(m, dict))
+            if roles not in seen:
+                seen.add(roles)
+                chosen.add(i)
+    by_length = sorted(range(len(prompts)), key=lambda i: -len(str(prompts[i] or "")))
+    chosen.update(by_length[:LONGEST])
+    return sorted(chosen)
+
+
+def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str:
+    """The prompt's text as the replica's rollout starts it."""
+    if isinstance(prompt, str) and not tokenizer.chat_template:
+        return prompt
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    try:
+        return str(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+    except Exception as e:  # noqa: BLE001 - jinja's errors, the template's raise_exception
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LaunchError(
+            f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
+            f"the prompt ({type(e).__name__}: {reason}); fix the row's messages or the template"
+        ) from None
+
+
+def _tokenizer(folder: str, trust_remote_code: bool) -> Any:
+    """The folder's tokenizer, None when it does not load here (the model check before
+    this one says why a folder is unusable)."""
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception:  # noqa: BLE001 - a tokenizer of a kind this check cannot build
+        return None
+
+
+def _positions(folder: str) -> int | None:
+    """The model's ``max_position_embeddings`` (its text config's, for a multimodal one)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

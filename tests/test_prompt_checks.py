@@ -1,0 +1,88 @@
+"""Before launch, a local --model reads the composer job's prompts as a replica will: through
+its chat template (one that refuses a role says so, naming the row, even far past the first
+rows) and within its positions (a prompt longer than max_position_embeddings is refused,
+naming the row, instead of a replica dying of the memory it asks for and being restarted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crf.launcher import driver
+from crf.launcher.errors import LaunchError
+from tests.hub_models import save_tiny_repo
+
+#: refuses any role but user and assistant, as many real templates do
+STRICT = (
+    "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def strict_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (128 positions) with a template that refuses unknown roles."""
+    folder = tmp_path_factory.mktemp("strict") / "model"
+    save_tiny_repo(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = STRICT
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in folder.glob("chat_template.*"):
+        extra.write_text(STRICT)
+    return folder
+
+
+def _plan(tmp_path: Path, model: Path, rows: list[dict[str, Any]]) -> Any:
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return driver.prepare(
+        {"replicas": 2, "model": str(model), "dataset": str(data), "reward": ["exact_match"],
+         "job_config": {"prompts_per_step": 2}},
+        store=str(tmp_path / "runs"), dry_run=True,
+    )  # fmt: skip
+
+
+def _chat(role: str = "user", content: str = "abc=") -> list[dict[str, str]]:
+    return [{"role": role, "content": content}]
+
+
+def test_a_role_the_template_refuses_is_named_with_its_row(tmp_path, strict_model) -> None:
+    rows = [{"prompt": _chat(), "answer": "cba"} for _ in range(40)]
+    _plan(tmp_path, strict_model, rows)  # every role accepted
+    rows[25]["prompt"] = _chat("usr")
+    with pytest.raises(LaunchError) as caught:
+        _plan(tmp_path, strict_model, rows)
+    message = str(caught.value)
+    assert "row 25: --model" in message and "chat template refuses the prompt" in message
+    assert "Unknown role: usr" in message and "\n" not in message
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused(tmp_path, strict_model) -> None:
+    rows = [{"prompt": "abc=", "answer": "cba"} for _ in range(40)]
+    rows[30]["prompt"] = "ab" * 100 + "="  # 201 characters: tokens, for a character tokenizer
+    with pytest.raises(LaunchError) as caught:
+        _plan(tmp_path, strict_model, rows)
+    message = str(caught.value)
+    assert "row 30: the prompt is" in message and "(128 positions" in message
+    rows[30]["prompt"] = "ab" * 40 + "="  # fits, as do the template's few tokens around it
+    _plan(tmp_path, strict_model, rows)
+
+
+def test_a_refusal_on_the_command_line_is_one_line(tmp_path, strict_model) -> None:
+    from tests.test_cli import crf
+
+    rows = [{"prompt": _chat(), "answer": "cba"} for _ in range(16)]
+    rows[9]["prompt"] = _chat("tool")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = crf("launch", "-n", "2", "--model", str(strict_model), "--dataset", str(data),
+                 "--reward", "exact_match", "--store", str(tmp_path / "runs"))  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert "row 9:" in result.output and "Unknown role: tool" in result.output
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
