@@ -367,3 +367,17 @@ def test_the_config_file_example_loads_and_round_trips(tmp_path: Path) -> None:
     again = parse_config(printed.output)
     assert again.options["replicas"] == 8 and again.backend_options == {"gpu": "A10G"}
     assert again.launch_flags["timeout"] == 3600 and again.job_config == cfg.job_config
+
+
+def test_a_job_option_at_the_top_level_is_sent_to_the_job_table(tmp_path) -> None:
+    """A knob of the job written at the top level (``learning_rate = 1e-5``) says where it
+    goes; a key that is nobody's option stays unknown."""
+    from crf.launcher.config_file import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="is an option of the composer job: put it in the "
+                                          r"\[job\] table"):  # fmt: skip
+        parse_config("replicas = 2\nlearning_rate = 1e-5\n", "f.toml")
+    with pytest.raises(ConfigError, match="is an option of the sft job"):
+        parse_config('job = "sft"\nmax_length = 64\n', "f.toml")
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+        parse_config("bogus = 1\n", "f.toml")

@@ -44,7 +44,7 @@ from crf.launcher.names import (
     option_spellings,
     setting_spellings,
 )
-from crf.spec import run_options
+from crf.spec import RunSpec, run_options
 
 #: launch flags that are not run options but may be set in the file (their types as TOML)
 LAUNCH_KEYS: dict[str, tuple[type, ...]] = {
@@ -111,6 +111,12 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
                 f"[{_TABLE_OPTIONS[name]}] table"
             )
         if key not in spellings:
+            job_name = str(options.get("job") or RunSpec.job)
+            if key in _job_fields(job_name):  # a knob of the job, one level too high
+                raise ConfigError(
+                    f"{key!r} in config file {where} is an option of the {job_name} job: put "
+                    "it in the [job] table"
+                )
             raise _unknown(key, where, list(spellings))
         target = launch if name in LAUNCH_KEYS else options
         if name in target:
@@ -213,17 +219,25 @@ def resolve_backend(
     return out
 
 
-def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") -> None:
-    """ConfigError naming the key, the file and the nearest option for a ``[job]`` key that
-    job ``job``'s Config lacks. A job that cannot be loaded is left to the launch's own check
-    (which names it); the values are checked there too, as for ``--set``."""
+def _job_fields(job: str) -> list[str]:
+    """The option names of job ``job``'s Config; none when the job cannot be loaded (the
+    launch's own check names it)."""
     import dataclasses
 
     from crf.replica.jobs import get_job
 
     try:
-        fields = [f.name for f in dataclasses.fields(get_job(job).Config)]
+        return [f.name for f in dataclasses.fields(get_job(job).Config)]
     except (ImportError, ValueError, TypeError):
+        return []
+
+
+def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") -> None:
+    """ConfigError naming the key, the file and the nearest option for a ``[job]`` key that
+    job ``job``'s Config lacks. A job that cannot be loaded is left to the launch's own check
+    (which names it); the values are checked there too, as for ``--set``."""
+    fields = _job_fields(job)
+    if not fields:
         return
     for key in table:
         if key not in fields:

@@ -134,7 +134,8 @@ def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
     for knob, field in KNOBS.items():
         if field in trl and job_knobs.get(knob) is not None:
             raise SettingError(
-                f"{field} is set twice: as --set {knob} and as --set trl.{field}; keep one"
+                f"{field} is set twice: as the job option {knob} and as trl.{field} (--set, "
+                "or a [job] and a [job.trl] key); keep one"
             )
 
 
