@@ -86,3 +86,23 @@ def test_a_refusal_on_the_command_line_is_one_line(tmp_path, strict_model) -> No
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert "row 9:" in result.output and "Unknown role: tool" in result.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:
+    """A config.json beside another model's weights: every replica's from_pretrained would
+    fail alike; the launcher compares the safetensors headers with the model the config
+    builds on the meta device, and names the tensor."""
+    from crf.launcher.model_shapes import shape_problem
+
+    folder = tmp_path / "model"
+    save_tiny_repo(folder)  # hidden size 32
+    assert shape_problem(str(folder), ["model.safetensors"]) is None
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_size"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    rows = [{"prompt": "abc=", "answer": "cba"} for _ in range(8)]
+    with pytest.raises(LaunchError) as caught:
+        _plan(tmp_path, folder, rows)
+    message = str(caught.value)
+    assert "model.safetensors stores model.embed_tokens.weight as [" in message
+    assert ", 32] but config.json makes it [" in message and ", 64]" in message
