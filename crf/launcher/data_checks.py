@@ -225,13 +225,13 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
             "the tokenizer there too (tokenizer.save_pretrained(folder))"
         )
     check_weights(folder, names)
+    check_vocab(folder, config)
     if not remote:  # a model with its own code is not built before launch (that runs it)
         from crf.launcher.model_shapes import shape_problem
 
         why = shape_problem(folder, (n for n in names if n.endswith(".safetensors")))
         if why:
             raise LaunchError(f"{flag}: {why}; save the model and its config together again")
-    check_vocab(folder, config)
 
 
 def known_model_type(model_type: Any) -> bool:
