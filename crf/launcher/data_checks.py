@@ -120,7 +120,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
 def _check_prompts(spec: Any, model: str, splits: list[Split]) -> None:
     from crf.launcher.prompt_checks import check_prompts
 
-    check_prompts(model, splits, trust_remote_code=bool(getattr(spec, "trust_remote_code", 0)))
+    remote = bool(getattr(spec, "trust_remote_code", False))
+    check_prompts(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
 
 
 # ---------------------------------------------------------------------- reachability

@@ -28,10 +28,13 @@ from crf.launcher.errors import LaunchError
 LONGEST = 16
 
 
-def check_prompts(folder: str, splits: Iterable[Any], *, trust_remote_code: bool = False) -> None:
+def check_prompts(
+    folder: str, splits: Iterable[Any], *, first: int = 8, trust_remote_code: bool = False
+) -> None:
     """LaunchError naming the row for a prompt the chat template refuses, or one of more
     tokens than the model's ``max_position_embeddings``. ``splits``: the launcher's
-    :class:`~crf.launcher.data_checks.Split` objects. (A prompt that fits leaves the rest to
+    :class:`~crf.launcher.data_checks.Split` objects; ``first``: the first rows rendered
+    whatever they hold (the sampled ones). (A prompt that fits leaves the rest to
     the completion: a rotary model generates past its positions, if worse, so a long
     ``max_completion_length`` is no error.)"""
     splits = [s for s in splits if _prompts(s)]
@@ -43,7 +46,7 @@ def check_prompts(folder: str, splits: Iterable[Any], *, trust_remote_code: bool
     limit = _positions(folder)
     for split in splits:
         prompts = _prompts(split)
-        for i in _chosen(prompts):
+        for i in _chosen(prompts, first):
             text = _render(tokenizer, prompts[i], split, i, folder)
             if limit is None:
                 continue
@@ -63,11 +66,9 @@ def _prompts(split: Any) -> list[Any]:
     return [row.get("prompt") for row in getattr(split, "rows", [])]
 
 
-def _chosen(prompts: Sequence[Any]) -> list[int]:
+def _chosen(prompts: Sequence[Any], first: int) -> list[int]:
     """The rows to render (module docstring), in order."""
-    from crf.launcher.data_checks import SAMPLE_ROWS
-
-    chosen = set(range(min(SAMPLE_ROWS, len(prompts))))
+    chosen = set(range(min(first, len(prompts))))
     seen: set[tuple[str, ...]] = set()
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, list):
