@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from crf.launcher.errors import LaunchError
+from crf.replica.model import local_tokenizer
 
 #: the longest prompts (by characters) whose tokens are counted, per split
 LONGEST = 16
@@ -40,7 +41,7 @@ def check_prompts(
     splits = [s for s in splits if _prompts(s)]
     if not splits:
         return
-    tokenizer = _tokenizer(folder, trust_remote_code)
+    tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         return
     limit = _positions(folder)
@@ -96,21 +97,6 @@ def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str
             f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
             f"the prompt ({type(e).__name__}: {reason}); fix the row's messages or the template"
         ) from None
-
-
-def _tokenizer(folder: str, trust_remote_code: bool) -> Any:
-    """The folder's tokenizer, None when it does not load here (the model check before
-    this one says why a folder is unusable)."""
-    try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        return AutoTokenizer.from_pretrained(
-            folder, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except Exception:  # noqa: BLE001 - a tokenizer of a kind this check cannot build
-        return None
 
 
 def _positions(folder: str) -> int | None:

@@ -119,6 +119,23 @@ def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def local_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any | None:
+    """``name``'s tokenizer as it loads on this machine alone (a folder, or the Hugging Face
+    cache; nothing is downloaded), None when it does not. The launcher's checks read prompts
+    and answers with it before any replica starts, so they never wait on the network, and a
+    tokenizer they cannot build leaves the verdict to the replica that loads the model."""
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        return AutoTokenizer.from_pretrained(
+            name, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception:  # noqa: BLE001 - not here, or of a kind this machine cannot build
+        return None
+
+
 def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any, Any]:
     """(model, tokenizer) for ``spec.model``: from_pretrained on ``placement.device``, with
     gradient checkpointing and LoRA as the spec asks (see module docstring)."""

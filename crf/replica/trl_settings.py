@@ -391,15 +391,10 @@ def _counter(model: str | None, trust_remote_code: bool) -> tuple[Any, str]:
     character tokenizer, one token per character)."""
     if not model:
         return len, "characters: the embedded model reads one character per token"
-    try:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
+    from crf.replica.model import local_tokenizer
 
-        hf_logging.set_verbosity_error()
-        tok = AutoTokenizer.from_pretrained(
-            model, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except Exception:  # not in a folder nor in the cache: no download before launch
+    tok = local_tokenizer(model, trust_remote_code=trust_remote_code)
+    if tok is None:  # not in a folder nor in the cache: no download before launch
         return (
             lambda text: math.ceil(len(text) / CHARS_PER_TOKEN),
             f"estimated as characters / {CHARS_PER_TOKEN}: {model}'s tokenizer is not on "
