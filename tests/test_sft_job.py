@@ -327,3 +327,71 @@ def test_held_out_keeps_the_mapping_when_the_answer_column_is_the_completion(
     assert set(ds.column_names) == {"prompt", "completion", "answer"}
     assert ds[0]["completion"] == ds[0]["answer"] == WORDS[0][::-1]
     assert ds[0]["prompt"] == f"{WORDS[0]}="
+
+
+RECORDS_COLUMNS = """
+import json
+
+
+def score(completions, difficulty, answer, **kw):
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"difficulty": difficulty, "answer": answer,
+                             "keys": sorted(kw)}}) + "\\n")
+    return [1.0 / d for d in difficulty]
+"""
+
+
+def _graded(path: Path) -> str:
+    rows = [{"q": f"{w}=", "a": w[::-1], "difficulty": 1 + i % 3} for i, w in enumerate(WORDS)]
+    return _jsonl(path, rows)
+
+
+def test_held_out_rewards_get_every_column_of_the_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As TRL hands a GRPO reward every dataset column, the sft job's held-out rewards get the
+    row's other columns under their own names (``difficulty`` here) beside ``answer``; what
+    SFTTrainer evaluates holds the format's columns only."""
+    log = tmp_path / "seen.jsonl"
+    (tmp_path / "rw_sft.py").write_text(RECORDS_COLUMNS.format(log=str(log)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _graded(tmp_path / "d.jsonl")
+    spec = SimpleNamespace(
+        dataset=data, dataset_config=None, dataset_split="train", eval_dataset=data,
+        eval_split=None, eval_examples=4, sync_every=2, device="cpu", precision="fp32",
+        report_to="none", reward=["rw_sft:score"],
+        columns={"prompt": "q", "completion": "a", "answer": "a"},
+    )  # fmt: skip
+    ctx = _Ctx(spec=spec, seed=0, data_seed=1, rank=0, world_size=1, total_steps=2, step=0,
+               logged=[])  # fmt: skip
+    cfg = Config(per_device_train_batch_size=4, hidden_size=16, num_heads=2, num_layers=1)
+    setup = sft.build(ctx, cfg)
+    assert set(setup.held_out.column_names) == {"prompt", "completion"}
+    chosen = sorted(_subsample(len(WORDS), 4))
+    assert [r["difficulty"] for r in setup.eval_rows] == [1 + i % 3 for i in chosen]
+    assert all(set(r) == {"prompt", "answer", "difficulty"} for r in setup.eval_rows)
+    metrics = sft.run(ctx, cfg)
+    assert metrics["steps"] == 2
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert seen and all(s["difficulty"] == [1 + i % 3 for i in chosen] for s in seen)
+    assert all(s["answer"] == [WORDS[i][::-1] for i in chosen] for s in seen)
+    assert not {"q", "a", "prompt", "completion"} & {k for s in seen for k in s["keys"]}
+
+
+def test_the_check_before_launch_calls_held_out_rewards_with_every_column(
+    tmp_path: Path,
+) -> None:
+    """The launch check calls an sft reward as the replicas will: with the held-out row's
+    other columns; a reward that needs a column the file lacks is refused in one line."""
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "wd" / "rw_sft.py").write_text(RECORDS_COLUMNS.format(log=str(tmp_path / "l")))
+    data = _graded(tmp_path / "d.jsonl")
+    columns = {"prompt": "q", "completion": "a", "answer": "a"}
+    options = dict(dataset=data, eval_dataset=data, columns=columns, reward=["rw_sft:score"],
+                   workdir=str(tmp_path / "wd"))  # fmt: skip
+    _prepare(tmp_path, **options)
+    plain = _jsonl(tmp_path / "plain.jsonl", FORMATS["prompt-completion"])
+    plain_columns = {**COLUMNS["prompt-completion"], "answer": "a"}
+    with pytest.raises(LaunchError, match="--reward rw_sft:score raised TypeError") as err:
+        _prepare(tmp_path, **{**options, "eval_dataset": plain, "columns": plain_columns})
+    assert "\n" not in str(err.value)

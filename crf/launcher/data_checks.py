@@ -454,18 +454,22 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     raw = first[:SAMPLE_ROWS]
     columns = dict(spec.columns)
     if spec.job == "sft":
-        from crf.replica.sft_data import sft_format
+        from crf.replica.sft_data import other_columns, sft_format
 
         try:
             form, renames = sft_format(names, columns, name)
         except ValueError as e:
             raise LaunchError(str(e)) from None
         answer = columns.get("answer", "answer")
+        # a held-out row reaches the rewards with every other column (sft._scorable)
+        scored = {**renames, answer: "answer"} if answer in names else dict(renames)
+        others = other_columns(scored, names) if flag != "--dataset" else {}
         rows = []
         for row in raw:
             mapped = {f: row.get(c) for c, f in renames.items()}
             if answer in row:
                 mapped["answer"] = row[answer]
+            mapped.update({k: row[c] for c, k in others.items() if c in row})
             rows.append(mapped)
         values = None
         if every is not None:
@@ -620,11 +624,12 @@ def call_reward(
     """LaunchError when reward ``name`` raises on ``rows`` or does not return one finite
     number per row (None is TRL's "not applicable", allowed only beside other rewards)."""
     from crf.replica.rewards import call, outside_trainer
+    from crf.replica.sft_data import FORMAT_FIELDS
 
     if split.form is None:  # composer: every column but those TRL keeps out
         extra = {k for r in rows for k in r if k not in ("prompt", "completion")}
-    else:  # sft: a held-out row is scored with its answer (sft._scorable)
-        extra = {k for r in rows for k in r if k == "answer"}
+    else:  # sft: a held-out row is scored with its other columns (sft._scorable)
+        extra = {k for r in rows for k in r if k not in FORMAT_FIELDS}
     kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
     try:

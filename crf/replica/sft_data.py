@@ -50,6 +50,18 @@ FORMATS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("conversational", ("messages",)),
     ("language modeling", ("text",)),
 )
+#: the fields that hold the text SFTTrainer reads; held-out rewards get the prompt as
+#: ``prompts``, and every other column of the row under its own name
+FORMAT_FIELDS = ("text", "prompt", "completion", "messages")
+
+
+def other_columns(renames: Mapping[str, str], names: list[str]) -> dict[str, str]:
+    """{column: column} of the columns a held-out reward gets besides the format's and
+    ``answer`` (``renames``): each under its own name, as TRL hands a reward every column of
+    a dataset, by the composer job's rule (crf/replica/data.py ``kept_columns``)."""
+    from crf.replica.data import kept_columns
+
+    return {c: k for c, k in kept_columns(renames, names) if c not in renames}
 
 
 def check_sft_columns(columns: Mapping[str, str]) -> None:
@@ -212,10 +224,13 @@ def load_sft_rows(
     split: str,
     columns: Mapping[str, str],
     keep: tuple[str, ...] = (),
+    others: bool = False,
 ) -> tuple[Any, str]:
     """(``datasets.Dataset`` holding only the format's fields, and those of ``keep`` the
     file has, format name) for all rows, each checked (:func:`check_rows`: a Hub or URL
-    dataset's bad row stops the replica at setup, naming the row)."""
+    dataset's bad row stops the replica at setup, naming the row). ``others``: every other
+    column too, under its own name (:func:`other_columns`), for the rewards that score
+    held-out rows."""
     ds = _load(dataset, config, split)
     form, renames = sft_format(list(ds.column_names), columns, dataset)
     format_columns = {c: f for c, f in renames.items()}
@@ -230,6 +245,8 @@ def load_sft_rows(
             copies[field] = renames[column]
         elif column in ds.column_names:
             renames[column] = field
+    if others:
+        renames.update(other_columns(renames, list(ds.column_names)))
     ds = ds.select_columns(list(renames)).rename_columns(
         {c: f for c, f in renames.items() if c != f}
     )

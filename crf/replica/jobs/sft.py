@@ -355,7 +355,7 @@ def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any, list[dict[str, Any]]]:
     from datasets import Dataset
 
     from crf.replica.data import eval_source, fixed_subsample
-    from crf.replica.sft_data import load_sft_rows
+    from crf.replica.sft_data import FORMAT_FIELDS, load_sft_rows
 
     spec = ctx.spec
     n_eval = int(getattr(spec, "eval_examples", 64))
@@ -379,28 +379,34 @@ def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any, list[dict[str, Any]]]:
     source = eval_source(spec)
     if source is None:
         return train, None, []
+    scored = bool(getattr(spec, "reward", None))
     held, _ = load_sft_rows(
-        source[0], config=source[1], split=source[2], columns=columns, keep=("answer",)
-    )
+        source[0], config=source[1], split=source[2], columns=columns, keep=("answer",),
+        others=scored,
+    )  # fmt: skip
     held = held.select(fixed_subsample(list(range(len(held))), n_eval, int(ctx.seed)))
-    scorable = _scorable(held) if getattr(spec, "reward", None) else []
-    if "answer" in held.column_names:
-        held = held.remove_columns("answer")
-    return train, held, scorable
+    scorable = _scorable(held) if scored else []
+    text = [c for c in held.column_names if c in FORMAT_FIELDS]  # what SFTTrainer reads
+    return train, held.select_columns(text), scorable
 
 
 def _scorable(held: Any) -> list[dict[str, Any]]:
     """Held-out rows as the rewards score them: the prompt (a conversation's turns before its
-    last answer) and the row's other fields (``answer``)."""
+    last answer) and the row's other columns (``answer``, and any other under its own name,
+    as TRL hands them to a reward)."""
+    from crf.replica.data import as_rows, decoded
+    from crf.replica.sft_data import FORMAT_FIELDS
+
     out = []
-    for row in held:
+    for row in as_rows(decoded(held), len(held)):
         if "messages" in row:
             prompt = row["messages"][:-1]
         elif "prompt" in row:
             prompt = row["prompt"]
         else:
             continue  # plain text has no prompt to answer
-        out.append({"prompt": prompt, **{k: v for k, v in row.items() if k == "answer"}})
+        others = {k: v for k, v in row.items() if k not in FORMAT_FIELDS}
+        out.append({"prompt": prompt, **others})
     return out
 
 
