@@ -172,7 +172,7 @@ def test_trl_fields_are_checked_against_sftconfig() -> None:
     for sets, says in [
         ({"trl.warmup_step": "3"}, "trl.warmup_step is no SFTConfig field; did you mean "
                                    "trl.warmup_steps?"),
-        ({"trl.max_steps": "9"}, "trl.max_steps is set by crf: --sync-every x --rounds"),
+        ({"trl.max_steps": "9"}, "trl.max_steps is set by crf: use -H/--sync-every x --rounds"),
         ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..., a knob"),
         ({"trl.warmup_steps": "many"}, "trl.warmup_steps='many' is not a valid int"),
         ({"trl.lr_scheduler_type": "wobbly"}, "SFTConfig refuses"),

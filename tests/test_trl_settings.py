@@ -441,3 +441,58 @@ def test_vllm_gets_the_global_weights_after_every_outer_step(
     pushed_before = [d for kind, d in events[:i] if kind == "push"]
     assert weights not in pushed_before  # the outer step did change the weights
     assert events[outers[1] + 1] == ("stale", "")
+
+
+def _recorder(config_cls: type) -> type:
+    """``config_cls`` that keeps the keyword arguments it is built with (its fields stay
+    readable) instead of building itself."""
+    seen: dict[str, Any] = {}
+
+    def init(self: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+
+    return type("Recorded", (config_cls,), {"__init__": init, "seen": seen})
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_every_field_crf_passes_its_trainer_is_refused_in_the_trl_table(
+    job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What crf hands the trainer's config itself (2 local ranks and a tracker, so the DDP
+    and reporting fields are there too) cannot also come from ``trl.*``: the two would reach
+    the config as one keyword given twice and fail in every replica. Each is refused before
+    launch, naming what to use instead, unless it is a knob of the job."""
+    import trl
+
+    import crf.composer
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.plan import validate_job
+    from crf.replica.jobs import composer, sft
+
+    spec = SimpleNamespace(device="cpu", precision="fp32", gradient_checkpointing=True)
+    tracker = SimpleNamespace(trainer_args=lambda: {"report_to": ["wandb"], "run_name": "r"})
+    ctx = SimpleNamespace(spec=spec, data_seed=1, local=SimpleNamespace(size=2), tracker=tracker)
+    if job == "sft":
+        recorded = _recorder(trl.SFTConfig)
+        monkeypatch.setattr(trl, "SFTConfig", recorded)
+        cfg = sft.Config()
+        setup = SimpleNamespace(
+            settings=cfg.settings(model=False, lora=False),
+            placement=SimpleNamespace(trainer_args=lambda: {"use_cpu": True, "bf16": False}),
+        )
+        ctx.total_steps = 4
+        sft.trainer_args(ctx, setup, cfg, "/tmp/out")
+        knobs = {f.name for f in dataclasses.fields(sft.Config)}
+    else:
+        recorded = _recorder(crf.composer.ComposerConfig)
+        monkeypatch.setattr(crf.composer, "ComposerConfig", recorded)
+        cfg = composer.Config()
+        composer.trainer_config(ctx, cfg, output_dir="/tmp/out", steps=4)
+        knobs = set(cfg.trainer_fields(spec)) | set(cfg.composer_kwargs())
+        knobs.add("distill_hint_template")  # a ComposerConfig field: no GRPOConfig one
+    passed = set(recorded.seen) - knobs
+    assert {"output_dir", "ddp_find_unused_parameters", "disable_tqdm", "run_name"} <= passed
+    for name in sorted(passed):
+        with pytest.raises(LaunchError, match=f"trl.{name} is set by crf: ") as err:
+            validate_job(job, {f"trl.{name}": "1"})
+        assert "\n" not in str(err.value)

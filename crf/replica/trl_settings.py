@@ -51,8 +51,9 @@ TOY: dict[str, Any] = {
 LORA_LR_FACTOR = 10.0
 #: what crf sets on every run whatever the model (overridable with trl.<field>)
 CRF_DEFAULTS: dict[str, Any] = {"lr_scheduler_type": "constant"}
-#: GRPOConfig fields crf sets itself -> what to do instead (the end of the one-line refusal)
-OWNED: dict[str, str] = {
+#: TrainingArguments fields crf sets itself in every job's trainer -> what to do instead
+#: (the end of the one-line refusal); each job adds its own (:data:`OWNED`, the sft job's)
+TRAINER_OWNED: dict[str, str] = {
     "output_dir": "crf chooses it; the trained model is the run's model/ (crf export)",
     "max_steps": "use -H/--sync-every x --rounds",
     "num_train_epochs": "use -H/--sync-every x --rounds",
@@ -70,12 +71,17 @@ OWNED: dict[str, str] = {
     "use_cpu": "use --device",
     "bf16": "use --precision",
     "fp16": "use --precision",
-    "per_device_train_batch_size": "use --set prompts_per_step (x num_generations)",
     "gradient_checkpointing": "use --gradient-checkpointing",
     "activation_checkpointing": "use --gradient-checkpointing",
-    "reward_weights": "use --reward NAME=WEIGHT",
+    "ddp_broadcast_buffers": "crf sets it for --procs-per-replica (local rank 0's buffers)",
+    "ddp_find_unused_parameters": "crf sets it for --procs-per-replica (no extra collective)",
     "push_to_hub": "use crf export",
     "hub_model_id": "use crf export",
+}
+#: GRPOConfig fields crf sets itself -> what to do instead
+OWNED: dict[str, str] = TRAINER_OWNED | {
+    "per_device_train_batch_size": "use --set prompts_per_step (x num_generations)",
+    "reward_weights": "use --reward NAME=WEIGHT",
 }
 #: the documented way to install vLLM for crf
 VLLM_EXTRA = "pip install 'composer-replication[vllm]'"

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf.replica import local_ranks
+from crf.replica.trl_settings import TRAINER_OWNED
 from crf.spec import coerce_text
 
 #: trains across a replica's local ranks (--procs-per-replica): SFTTrainer runs on each with
@@ -65,26 +66,12 @@ LORA_LEARNING_RATE = 2e-4
 TINY_LEARNING_RATE = 3e-3
 #: TrainingArguments' per-device batch size and SFTConfig's max_length (with --model)
 TRL_BATCH_SIZE, TRL_MAX_LENGTH = 8, 1024
-#: SFTConfig fields crf sets itself: from the run options, or because the run needs them
-RESERVED = {
-    "output_dir": "the run folder holds the outputs",
-    "max_steps": "--sync-every x --rounds sets the steps",
-    "num_train_epochs": "--sync-every x --rounds sets the steps",
-    "seed": "every replica's data seed comes from --seed",
-    "data_seed": "every replica's data seed comes from --seed",
-    "use_cpu": "use --device",
-    "bf16": "use --precision",
-    "fp16": "use --precision",
-    "report_to": "use --report-to",
-    "run_name": "the run id names it",
-    "activation_checkpointing": "use --gradient-checkpointing",
-    "gradient_checkpointing": "use --gradient-checkpointing",
-    "save_strategy": "DiLoCo's checkpoints are the run's",
-    "push_to_hub": "use crf export",
-    "resume_from_checkpoint": "a restarted replica resumes from the store",
+#: SFTConfig fields crf sets itself -> what to do instead: every job's trainer fields
+#: (trl_settings.TRAINER_OWNED) and the sft job's own
+RESERVED = TRAINER_OWNED | {
+    "per_device_eval_batch_size": "use --set eval_batch_size",
     "dataset_text_field": "use --column text=COLUMN",
     "train_sampling_strategy": "crf orders the rows (a resume continues where it stopped)",
-    "logging_steps": "crf logs every optimizer step",
 }
 
 
