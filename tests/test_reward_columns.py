@@ -49,6 +49,20 @@ def test_every_column_is_kept_and_a_mapping_wins_over_a_column_of_the_fields_nam
     # an image would be a vision model's input, and an empty hint is no hint
 
 
+def test_a_column_that_mixes_kinds_reaches_the_reward_as_the_file_holds_it() -> None:
+    """An extra column of text in one row and an object or a list in others is held as a
+    ``Json`` column (as ``load_dataset`` holds it): the trainer's rows give back each value
+    as it was; the job's own columns keep their plain types."""
+    from crf.replica.jobs.composer import train_dataset
+
+    rows = [{"prompt": "ab=", "meta": "x", "id": 1}, {"prompt": "ba=", "meta": {"k": 1}},
+            {"prompt": "cd=", "meta": [1, "a"], "id": "three"}]  # fmt: skip
+    ds = train_dataset(rows)
+    assert str(ds.features["prompt"]) == "Value('string')"
+    assert [ds[i]["meta"] for i in range(3)] == ["x", {"k": 1}, [1, "a"]]
+    assert [ds[i]["id"] for i in range(3)] == [1, None, "three"]
+
+
 def test_a_train_dataset_keeps_a_column_its_first_row_lacks() -> None:
     from crf.replica.jobs.composer import train_dataset
 
@@ -121,7 +135,10 @@ def _data(path: Path, conversations: bool = False) -> str:
     rows = []
     for i, w in enumerate(WORDS):
         prompt: Any = [{"role": "user", "content": f"{w}="}] if conversations else f"{w}="
-        rows.append({"question": prompt, "solution": w[::-1], "difficulty": 1 + i % 3})
+        # meta mixes kinds (text, an object): no job field, so it only travels to the rewards
+        meta: Any = f"row {i}" if i % 2 else {"source": "seed", "i": i}
+        rows.append({"question": prompt, "solution": w[::-1], "difficulty": 1 + i % 3,
+                     "meta": meta})  # fmt: skip
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -247,7 +264,7 @@ def _seen(kind, prompts, completions, kw):
             "kind": kind, "pid": os.getpid(),
             "prompts": sorted({{type(p).__name__ for p in prompts}}),
             "completions": sorted({{type(c).__name__ for c in completions}}),
-            "keys": sorted(kw), "difficulty": kw["difficulty"],
+            "keys": sorted(kw), "difficulty": kw["difficulty"], "meta": kw["meta"],
             "state": kw["trainer_state"] is not None,
         }}) + "\\n")
 
@@ -306,6 +323,9 @@ def test_a_real_run_calls_the_rewards_as_trl_and_the_check_do(
         assert PLAIN_PROMPT not in s["keys"] and {"difficulty", "solution", "answer",
                "question", "log_metric", "log_extra"} <= set(s["keys"])  # fmt: skip
         assert set(s["difficulty"]) <= {1, 2, 3}
+        assert all(m.startswith("row ") if isinstance(m, str) else m["source"] == "seed"
+                   for m in s["meta"]), s["meta"]  # fmt: skip
+        assert {type(m).__name__ for m in s["meta"]} <= {"str", "dict"}
     assert {s["kind"] for s in held_out} == {"plain", "judge"}  # each held-out scoring
     assert all(s["completions"] == ["list"] for s in held_out)  # conversations: messages
     after = summary["held_out"]["after"]

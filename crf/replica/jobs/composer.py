@@ -505,11 +505,27 @@ def _grpo_default(name: str) -> Any:
 def train_dataset(rows: list[dict[str, Any]]) -> Any:
     """The rows as TRL's train dataset, with every column any row has (a row without one
     gets None: ``Dataset.from_list`` would keep only the first row's keys, dropping a hint
-    column whose first row has none), in the order they first appear."""
-    from datasets import Dataset
+    column whose first row has none), in the order they first appear. A column whose values
+    mix kinds (an ``id`` of text and numbers, a ``meta`` of text and objects: the job's own
+    fields are refused so before launch, the others only travel to the rewards) is held as
+    ``datasets``' ``Json`` feature, as ``load_dataset`` holds it, so a reward gets each value
+    as it is in the file."""
+    import pyarrow as pa
+    from datasets import Dataset, Features, Json
 
     keys = list(dict.fromkeys(k for row in rows for k in row))
-    return Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys})
+    columns = {k: [row.get(k) for row in rows] for k in keys}
+    try:
+        return Dataset.from_dict(columns)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        pass
+    features = {}
+    for k, values in columns.items():
+        try:
+            features[k] = Dataset.from_dict({k: values}).features[k]
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            features[k] = Json()
+    return Dataset.from_dict(columns, features=Features(features))
 
 
 def new_trainer(
