@@ -298,3 +298,11 @@ def test_merge_of_a_run_on_the_embedded_model_asks_for_the_base(tmp_path) -> Non
     (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "org/named"}')
     assert base_model_of({}, adapter, None) == "org/named"
     assert base_model_of({"model": "org/run"}, adapter, None) == "org/run"
+    # a cloud run's folder in --workdir: the launching machine's copy, when it is here
+    (tmp_path / "code" / "models" / "base").mkdir(parents=True)
+    shipped = {"model": "./models/base", "workdir": str(tmp_path / "code")}
+    assert base_model_of(shipped, adapter, None) == str(tmp_path / "code" / "models" / "base")
+    assert base_model_of({**shipped, "workdir": "/gone"}, adapter, None) == "./models/base"
+    (adapter / "adapter_config.json").write_text("{not json")
+    with pytest.raises(MergeError, match="adapter_config.json is not valid JSON"):
+        base_model_of({}, adapter, None)

@@ -274,10 +274,26 @@ def test_a_model_folder_is_named_as_the_replicas_find_it(tmp_path: Path, monkeyp
     assert plan.spec.model == str(root / "models" / "tiny")
     plan = driver.prepare({**opts, "run_id": "m2", "backend": "modal"}, store="s3://b/runs",
                           dry_run=True)  # fmt: skip
-    assert plan.spec.model == "models/tiny"  # where the replica's copy of code/ has it
+    assert plan.spec.model == "./models/tiny"  # where the replica's copy of code/ has it
+    (tmp_path / "link").symlink_to(root)  # the same folder through a link
+    plan = driver.prepare(
+        {**opts, "run_id": "m2l", "backend": "modal", "model": "link/models/tiny"},
+        store="s3://b/runs",
+        dry_run=True,
+    )
+    assert plan.spec.model == "./models/tiny"
+    (root / "models" / ".gitignore").write_text("*.safetensors\n")  # weights not shipped
+    with pytest.raises(LaunchError, match="does not ship its config.json and weights"):
+        driver.prepare({**opts, "run_id": "m2i", "backend": "modal"}, store="s3://b/runs",
+                       dry_run=True)  # fmt: skip
+    (root / "models" / ".gitignore").unlink()
     with pytest.raises(LaunchError, match="the modal replicas cannot read: upload it"):
         driver.prepare({**opts, "run_id": "m3", "backend": "modal", "workdir": None},
                        store="s3://b/runs", dry_run=True)  # fmt: skip
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~/..." as a config file or quoted flag has it
+    plan = driver.prepare({**opts, "run_id": "m5", "model": "~/code/models/tiny"},
+                          store=store, dry_run=True)  # fmt: skip
+    assert plan.spec.model == str(root / "models" / "tiny")
     assert driver.prepare({**opts, "run_id": "m4", "model": "org/name", "workdir": None},
                           store=store, dry_run=True).spec.model == "org/name"  # fmt: skip
     spec = RunSpec(run_id="r", run_uri="memory://x", model="./not-here")

@@ -82,6 +82,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     if spec.entrypoint or spec.job not in ("composer", "sft"):
         return found  # a custom job or entrypoint reads its data its own way
     model = getattr(spec, "model", None)
+    model = model and os.path.expanduser(model)  # "~/m" from a config file or quoted flag
     hub = _hub_datasets(spec)
     if model:
         if os.path.isdir(model) or not _is_hub_id(model) or os.path.exists(model):

@@ -54,11 +54,23 @@ def base_model_of(run_spec: dict[str, Any], adapter_dir: Path, override: str | N
     if override:
         return override
     model = run_spec.get("model")
+    workdir = run_spec.get("workdir")
+    if model and workdir and str(model).startswith("./"):
+        # a cloud run's folder inside --workdir: the launching machine's copy of it
+        inside = Path(workdir) / str(model)
+        if inside.is_dir():
+            return str(inside)
     if model:
         return str(model)
     import json
 
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    try:
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    except ValueError as e:
+        raise MergeError(
+            f"the run's adapter_config.json is not valid JSON ({_first_line(e)}): give "
+            "--base-model, or export without --merge"
+        ) from None
     named = config.get("base_model_name_or_path")
     if named:
         return str(named)
@@ -117,8 +129,11 @@ def _merge(
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError) as e:
-        raise MergeError(f"cannot load the base model {base!r}: {_first_line(e)}") from None
+    except (OSError, ValueError, RuntimeError) as e:
+        raise MergeError(
+            f"cannot load the base model {base!r}: {_first_line(e)}; give --base-model (the "
+            "folder, or the Hub id the run trained)"
+        ) from None
     step("merging the adapter")
     try:
         merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()

@@ -281,7 +281,7 @@ def prepare(
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
-            found = _check_inputs(spec, executor, dry_run)  # data, model, rewards
+            found = _check_inputs(spec, executor, dry_run, packed)  # data, model, rewards
             missing += found.missing  # a dry run: a Hub repo this machine cannot reach
             k = spec.procs_per_replica  # None: the GPUs of the hardware (the job says if)
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
@@ -476,35 +476,57 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
         raise LaunchError(str(e)) from None
 
 
-def _check_inputs(spec: RunSpec, executor: ServerlessExecutor, dry_run: bool) -> Any:
+def _check_inputs(
+    spec: RunSpec, executor: ServerlessExecutor, dry_run: bool, packed: PackedWorkdir | None
+) -> Any:
     """The run's data, model and rewards checked (crf/launcher/data_checks.py), then
     ``--model`` named as the replicas will find it (:func:`replica_model_path`)."""
     local = getattr(executor, "name", spec.backend) == "local"
     found = check_inputs(spec, local=local, dry_run=dry_run)
-    spec.model = replica_model_path(spec)
+    spec.model = replica_model_path(spec, packed)
     return found
 
 
-def replica_model_path(spec: RunSpec) -> str | None:
+#: the files of a model folder the replicas need to load it from a shipped --workdir
+_MODEL_FILES = ("config.json",)
+_WEIGHTS = (".safetensors", ".bin")
+
+
+def replica_model_path(spec: RunSpec, packed: PackedWorkdir | None = None) -> str | None:
     """``--model`` as the replicas must name it. A Hub id stays as it is. A folder on this
     machine becomes an absolute path on the local backend (each replica runs in its own
     directory, a copy of ``--workdir`` when there is one); on a cloud backend it is the path
-    inside the ``--workdir`` copy the replicas run from, when the folder is in it, and is
-    refused otherwise (those replicas cannot read this machine's disk)."""
+    (``./...``) inside the ``--workdir`` copy the replicas run from, when the workdir ships
+    the folder's config and weights (``packed``: what it ships), and is refused otherwise
+    (those replicas cannot read this machine's disk)."""
+    from crf.executors.workdir import MAX_WORKDIR_BYTES
+
     model = spec.model
     if not model or not os.path.isdir(os.path.expanduser(model)):
         return model
     path = os.path.abspath(os.path.expanduser(model))
     if spec.backend == "local":
         return path
-    workdir = os.path.abspath(spec.workdir) if spec.workdir else None
-    if workdir and os.path.commonpath([path, workdir]) == workdir:
-        return os.path.relpath(path, workdir)
-    raise LaunchError(
+    hub = (
         f"--model {model} is a folder on this machine, which the {spec.backend} replicas "
         "cannot read: upload it to the Hub (huggingface-cli upload ORG/NAME FOLDER) and pass "
-        "its id, or put it in the --workdir folder"
+        "its id"
     )
+    real = os.path.realpath(path)
+    workdir = os.path.realpath(spec.workdir) if spec.workdir else None
+    if not workdir or os.path.commonpath([real, workdir]) != workdir:
+        cap = MAX_WORKDIR_BYTES // 2**20
+        raise LaunchError(f"{hub}, or put it in the --workdir folder (up to {cap} MB ships)")
+    inside = os.path.relpath(real, workdir).replace(os.sep, "/")
+    names = packed.names if packed else ()
+    shipped = {n[len(inside) + 1 :] for n in names if n.startswith(inside + "/")}
+    weights = any(n.endswith(_WEIGHTS) for n in shipped)
+    if not weights or not all(f in shipped for f in _MODEL_FILES):
+        raise LaunchError(
+            f"{hub}: --workdir {spec.workdir} does not ship its config.json and weights (git "
+            "ignores them, or they are not committed)"
+        )
+    return "./" + inside
 
 
 def _local_data(spec: RunSpec, dataset: str | None, flag: str) -> str | None:
