@@ -395,3 +395,29 @@ def test_the_check_before_launch_calls_held_out_rewards_with_every_column(
     with pytest.raises(LaunchError, match="--reward rw_sft:score raised TypeError") as err:
         _prepare(tmp_path, **{**options, "eval_dataset": plain, "columns": plain_columns})
     assert "\n" not in str(err.value)
+
+
+def test_answers_are_checked_only_where_a_reward_reads_them(tmp_path: Path) -> None:
+    """The sft job reads ``answer`` only in held-out rows, and only with --reward: an
+    answer column of mixed kinds in training rows, or held-out answers without a reward,
+    launch; null held-out answers a reward compares against are refused before launch, and
+    by the replica itself (a Hub or URL dataset), naming the flag and the row."""
+    from crf.replica.data import DataError
+
+    rows = [{"q": f"{w}=", "a": w[::-1], "answer": i if i % 2 else "n/a"}
+            for i, w in enumerate(WORDS)]  # fmt: skip
+    mixed = _jsonl(tmp_path / "mixed.jsonl", rows)
+    columns = {"prompt": "q", "completion": "a"}
+    _prepare(tmp_path, dataset=mixed, columns=columns)
+    nulls = _jsonl(tmp_path / "nulls.jsonl", [{**r, "answer": None} for r in rows])
+    _prepare(tmp_path, dataset=mixed, eval_dataset=nulls, columns=columns)
+    with pytest.raises(LaunchError, match=r"^--eval-dataset .*nulls.jsonl row 0: ") as err:
+        _prepare(tmp_path, dataset=mixed, eval_dataset=nulls, columns=columns,
+                 reward=["exact_match"])  # fmt: skip
+    assert "\n" not in str(err.value)
+    spec = SimpleNamespace(
+        dataset=mixed, dataset_config=None, dataset_split="train", eval_dataset=nulls,
+        eval_split=None, eval_examples=4, columns=columns, reward=["exact_match"],
+    )  # fmt: skip
+    with pytest.raises(DataError, match=r"^--eval-dataset .*nulls.jsonl row \d+: "):
+        sft._rows(SimpleNamespace(spec=spec, seed=0), Config())

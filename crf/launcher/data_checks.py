@@ -530,8 +530,8 @@ def check_rows(spec: Any, split: Split) -> None:
     from crf.replica.sft_data import check_rows as check_sft_rows
 
     where = f"{split.flag} {split.dataset}"
-    values = split.every
-    if values is None:
+    values = dict(split.every or {})
+    if split.every is None:
         values = {f: [r.get(f) for r in split.rows] for f in {k for r in split.rows for k in r}}
     columns = dict(spec.columns)
     try:
@@ -539,9 +539,9 @@ def check_rows(spec: Any, split: Split) -> None:
             answers = values.pop("answer", None)
             flag = split.flag
             check_sft_rows(values, split.form, split.dataset, columns, flag)
-            if answers is not None:  # held-out answers a reward scores against
-                reader = answer_reader(spec) if split.flag != "--dataset" else None
-                check_values({"answer": answers}, columns, where, reader=reader)
+            scored = split.flag != "--dataset" and bool(spec.reward)  # sft._rows reads them
+            if answers is not None and scored:  # held-out answers a reward scores against
+                check_values({"answer": answers}, columns, where, reader=answer_reader(spec))
             return
         scored = spec.job == "composer" or split.flag != "--dataset"
         reader = answer_reader(spec) if scored else None

@@ -225,17 +225,21 @@ def load_sft_rows(
     columns: Mapping[str, str],
     keep: tuple[str, ...] = (),
     others: bool = False,
+    flag: str = "--dataset",
 ) -> tuple[Any, str]:
     """(``datasets.Dataset`` holding only the format's fields, and those of ``keep`` the
     file has, format name) for all rows, each checked (:func:`check_rows`: a Hub or URL
     dataset's bad row stops the replica at setup, naming the row). ``others``: every other
     column too, under its own name (:func:`other_columns`), for the rewards that score
     held-out rows."""
-    ds = _load(dataset, config, split)
-    form, renames = sft_format(list(ds.column_names), columns, dataset)
+    ds = _load(dataset, config, split, flag=flag)
+    try:
+        form, renames = sft_format(list(ds.column_names), columns, dataset)
+    except DataError as e:
+        raise DataError(str(e).replace("--dataset", flag, 1)) from None
     format_columns = {c: f for c, f in renames.items()}
     values = decoded(ds.select_columns(list(format_columns)))
-    check_rows({format_columns[c]: v for c, v in values.items()}, form, dataset, columns)
+    check_rows({format_columns[c]: v for c, v in values.items()}, form, dataset, columns, flag)
     copies: dict[str, str] = {}  # kept field -> the format's field that holds its column
     for field in keep:
         column = columns.get(field, field)

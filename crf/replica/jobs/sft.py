@@ -341,7 +341,13 @@ def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any, list[dict[str, Any]]]:
     the held-out rows as prompts and answers (:func:`_scorable`)."""
     from datasets import Dataset
 
-    from crf.replica.data import eval_source, fixed_subsample
+    from crf.replica.data import (
+        answer_reader,
+        check_values,
+        decoded,
+        eval_source,
+        fixed_subsample,
+    )
     from crf.replica.sft_data import FORMAT_FIELDS, load_sft_rows
 
     spec = ctx.spec
@@ -367,12 +373,18 @@ def _rows(ctx: Any, cfg: Config) -> tuple[Any, Any, list[dict[str, Any]]]:
     if source is None:
         return train, None, []
     scored = bool(getattr(spec, "reward", None))
+    flag = "--eval-dataset" if getattr(spec, "eval_dataset", None) else "--eval-split"
     held, _ = load_sft_rows(
         source[0], config=source[1], split=source[2], columns=columns, keep=("answer",),
-        others=scored,
+        others=scored, flag=flag,
     )  # fmt: skip
-    held = held.select(fixed_subsample(list(range(len(held))), n_eval, int(ctx.seed)))
+    keep = fixed_subsample(list(range(len(held))), n_eval, int(ctx.seed))
+    held = held.select(keep)
     scorable = _scorable(held) if scored else []
+    if scored and "answer" in held.column_names:  # as the launcher checks a local file's
+        answers = decoded(held.select_columns(["answer"]))
+        where = f"{flag} {source[0]}"
+        check_values(answers, columns, where, reader=answer_reader(spec), index=keep)
     text = [c for c in held.column_names if c in FORMAT_FIELDS]  # what SFTTrainer reads
     return train, held.select_columns(text), scorable
 
