@@ -56,6 +56,7 @@ def test_saved_model_exports_to_a_folder_and_loads_with_the_same_weights(tmp_pat
     loaded = AutoModelForCausalLM.from_pretrained(dest)
     assert weights_sha256(loaded) == weights_sha256(model)
     assert AutoTokenizer.from_pretrained(dest)("cab")["input_ids"] == tok("cab")["input_ids"]
+    assert not list(tmp_path.glob(".crf-export-*"))  # staged beside dest, then moved in
 
     # a folder that is not empty is refused, unless --force
     with pytest.raises(ExportError, match="not empty.*--force"):
@@ -264,6 +265,7 @@ def test_merge_refusals_are_one_line(tmp_path) -> None:
         assert res.exit_code == 2, res.output
         assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
         assert not out.exists() or not any(out.iterdir())
+        assert not list(tmp_path.glob(".crf-export-*"))  # the staging folder is gone
         return res.output
 
     assert "add --merge" in refused("--base-model", str(base_dir))

@@ -14,7 +14,6 @@ With ``merge`` a LoRA run's adapter is first folded into its base model
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +67,13 @@ def export(
             raise ExportError(f"{dest} exists and is not a folder: give a folder to export into")
         if target.is_dir() and any(target.iterdir()) and not force:
             raise ExportError(f"{dest} is not empty: give an empty or new folder, or --force")
-    with tempfile.TemporaryDirectory(prefix="crf-export-") as tmp:
+    if not merge and not hub:
+        _copy(st, files, target)  # straight into the folder, a file at a time
+        return Exported(str(target), files)
+    # a Hub push uploads a folder; a merge writes the merged model beside the target (the
+    # same disk, so each file is then moved, not copied, and /tmp need not hold a model)
+    where = None if hub else _nearest_folder(target)
+    with tempfile.TemporaryDirectory(prefix=".crf-export-", dir=where) as tmp:
         folder = Path(tmp) / "model"
         _copy(st, files, folder)
         if merge:
@@ -80,10 +85,16 @@ def export(
         for rel in files:
             out = target / rel
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp_out = out.with_name(f".{out.name}.crf-tmp")
-            shutil.copyfile(folder / rel, tmp_out)
-            os.replace(tmp_out, out)
+            os.replace(folder / rel, out)
     return Exported(str(target), files)
+
+
+def _nearest_folder(path: Path) -> Path:
+    """``path``'s nearest existing ancestor folder (``path`` itself when it is one)."""
+    path = path.absolute()
+    while not path.is_dir():
+        path = path.parent
+    return path
 
 
 def _merged(
