@@ -14,8 +14,10 @@ Decisions:
   trained the job's embedded model has none that ``from_pretrained`` can load, and is refused.
 - **Precision.** The base is loaded in fp32 and the adapter folded in there, so the only
   rounding is one cast at the end to the base's stored dtype (its config's ``dtype``): the
-  merged model has the base's size and loads like it. The replicas trained LoRA on a base in
-  the compute dtype; folding in fp32 adds no second rounding on top of that.
+  merged model has the base's size and loads like it. A config that names no dtype leaves
+  the merged model in fp32. The replicas trained LoRA on a base in the compute dtype;
+  folding in fp32 adds no second rounding on top of that. The cost is memory: the fp32
+  base is held on this machine's CPU, 4 bytes per parameter (32 GB for an 8B model).
 - **What is copied.** The run's tokenizer files go with the merged weights; peft's model card
   (``README.md``) and the adapter's own files do not, since they would label a plain model as
   an adapter.
