@@ -330,3 +330,21 @@ def test_a_real_run_calls_the_rewards_as_trl_and_the_check_do(
     assert all(s["completions"] == ["list"] for s in held_out)  # conversations: messages
     after = summary["held_out"]["after"]
     assert after["examples"] == 4 and "reward/rw_obs.judge" in after
+
+
+def test_the_check_gives_an_empty_hint_as_the_replicas_do(tmp_path: Path, chat_model) -> None:
+    """A row with an empty hint takes no part in the hint channel: the replicas give a reward
+    None for it, and so does the check, which so refuses a reward that cannot take it."""
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "wd" / "rw_hint.py").write_text(
+        "def score(completions, hint, **kw):\n    return [float(len(h.lower())) for h in hint]\n"
+    )
+    rows = [{"prompt": f"{w}=", "answer": w[::-1], "hint": "" if i == 1 else f"reverse {w}"}
+            for i, w in enumerate(WORDS)]  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = crf("launch", "--store", str(tmp_path / "runs"), "--replicas", "2", "--dry-run",
+                 "--model", str(chat_model), "--dataset", str(data), "--workdir",
+                 str(tmp_path / "wd"), "--reward", "rw_hint:score")  # fmt: skip
+    assert result.exit_code != 0, result.output
+    assert "--reward rw_hint:score raised AttributeError" in result.output, result.output

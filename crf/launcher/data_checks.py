@@ -555,6 +555,7 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
     it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
     text) as the completion: it must not raise and must return a finite number per row."""
+    from crf.replica.data import job_row
     from crf.replica.rewards import RewardError, parse_rewards, reward_function
 
     if not spec.reward:
@@ -563,6 +564,8 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     scored = [s for s in splits if spec.job == "composer" or s.flag != "--dataset"]
     for split in scored:
         rows = [r for r in split.rows if r.get("prompt") is not None or r.get("messages")]
+        if split.form is None:  # composer: a row as the replicas give it (an empty hint: None)
+            rows = [job_row(r, [(k, k) for k in r]) for r in rows]
         if not rows:
             continue
         for s in specs:
