@@ -253,6 +253,10 @@ CASES = [
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
     Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
          {"data": _qa()}).encode()), "rows are nested under 'data'"),
+    Case("one-object-over-lines", lambda t, m: _raw(t, "x.json", json.dumps(
+         _qa()[0], indent=2).encode()), "holds one JSON object over several lines"),
+    Case("byte-order-mark", lambda t, m: _raw(t, "x.jsonl", b"\xef\xbb\xbf" + _lines(
+         lambda ls: None)), "starts with a byte-order mark (BOM): save it as UTF-8 without"),
     Case("empty-parquet", lambda t, m: _raw(t, "x.parquet", b""),
          "x.parquet is empty (0 bytes): it needs rows"),
     # ---- local paths that are not data crf reads

@@ -266,6 +266,10 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
     them; errors name the line."""
     with open(path, "rb") as f:
         text = _utf8(f.read(), flag, shown)
+    if text.startswith("\ufeff"):  # what some Windows editors write; datasets refuses it
+        raise DataError(
+            f"{flag} {shown} starts with a byte-order mark (BOM): save it as UTF-8 without BOM"
+        )
     head = text.lstrip()[:1]
     whole: Any = None
     if head == "[":
@@ -287,6 +291,12 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
                     f"{flag} {shown} holds one JSON object whose rows are nested under "
                     f"{nested[0]!r}: write the rows themselves, one object per line (.jsonl) "
                     "or as a JSON list"
+                )
+            if len([line for line in text.split("\n") if line.strip()]) > 1:
+                raise DataError(
+                    f"{flag} {shown} holds one JSON object over several lines, which the "
+                    "replicas' reader (datasets) cannot read: write each row on one line "
+                    "(JSON lines), or the rows as a JSON list"
                 )
             whole = [whole]
     if whole is not None:
