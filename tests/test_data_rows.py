@@ -231,3 +231,33 @@ def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
     assert "has several configs ['main', 'other']: choose one with --dataset-config" in (
         missing.output
     )
+
+
+def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
+    """A data file deep in a folder (``load_dataset``'s ``**`` finds it) is data, with or
+    without a trailing slash; a folder without one names what it holds; a README with many
+    configs names them all, however long the list."""
+    from crf.replica.data_files import local_problem, split_files
+
+    deep = tmp_path / "deep"
+    (deep / "a" / "b" / "c").mkdir(parents=True)
+    _jsonl(deep / "a" / "b" / "c" / "train.jsonl", _rows())
+    assert local_problem(str(deep)) is None and local_problem(f"{deep}/") is None
+    (tmp_path / "docs" / "x").mkdir(parents=True)
+    (tmp_path / "docs" / "x" / "notes.txt").write_text("hi")
+    assert "(it holds x/notes.txt)" in str(local_problem(str(tmp_path / "docs")))
+    many = tmp_path / "many"
+    names = [f"config_number_{i:02d}" for i in range(30)]
+    for c in names:
+        (many / c).mkdir(parents=True)
+        _jsonl(many / c / "train.jsonl", _rows())
+    (many / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/*\n" for c in names
+        )  # fmt: skip
+        + "---\n"
+    )
+    with pytest.raises(DataError, match="has several configs") as err:
+        split_files(str(many), None, "train", "--dataset")
+    assert names[-1] in str(err.value) and "choose one with --dataset-config" in str(err.value)

@@ -61,15 +61,25 @@ def saved_kind(folder: str) -> str | None:
     return None
 
 
-def _data_files(folder: str) -> list[str]:
-    """The folder's files (below it, at most two levels: ``data/train-*.parquet``)."""
+def _data_files(folder: str, *, depth: int | None = 2, first_data: bool = False) -> list[str]:
+    """The folder's files, relative, hidden ones left out: down to ``depth`` folders below it
+    (``data/train-*.parquet``; None: all), or (``first_data``) until the first data file, at
+    any depth, as ``load_dataset``'s ``**`` pattern finds it."""
+    folder = os.path.normpath(folder)
     out = []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        if root[len(folder) :].count(os.sep) > 2:
-            continue
-        out += [os.path.relpath(os.path.join(root, f), folder) for f in files]
-    return sorted(f for f in out if not os.path.basename(f).startswith("."))
+        rel = os.path.relpath(root, folder)
+        below = 0 if rel == "." else rel.count(os.sep) + 1
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if depth is not None and below >= depth:
+            dirs[:] = []  # no deeper
+        for f in sorted(files):
+            if f.startswith("."):
+                continue
+            out.append(os.path.normpath(os.path.join(rel, f)))
+            if first_data and suffix_of(f):
+                return sorted(out)
+    return sorted(out)
 
 
 def local_problem(name: str, flag: str = "--dataset") -> str | None:
@@ -89,7 +99,7 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
     if os.path.isdir(path):
         if saved_kind(path) is not None:
             return None
-        files = _data_files(path)
+        files = _data_files(path, depth=None, first_data=True)
         if not any(suffix_of(f) for f in files):
             held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
             return (
@@ -171,9 +181,10 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
     try:
         builder = load_dataset_builder(base, config)
     except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
-        if "Config name is missing" in reason:  # a README's YAML names several
-            names = reason.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
+        whole = " ".join(str(e).split())
+        reason = whole[:300] or type(e).__name__
+        if "Config name is missing" in whole:  # a README's YAML names several
+            names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
             raise DataError(
                 f"{flag} {folder} has several configs {names.strip()}: choose one with "
                 "--dataset-config"
