@@ -106,3 +106,7 @@ def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:
     message = str(caught.value)
     assert "model.safetensors stores model.embed_tokens.weight as [" in message
     assert ", 32] but config.json makes it [" in message and ", 64]" in message
+    # a quantized checkpoint stores packed weights in other shapes: not compared
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert shape_problem(str(folder), ["model.safetensors"]) is None

@@ -8,7 +8,8 @@ and cheaply: the model is built from its config on the ``meta`` device (shapes, 
 no weights read) and its tensors' shapes compared with the safetensors headers. Only names
 found in both are compared, so checkpoints whose keys transformers renames on load, and tied
 weights stored once, are not misread. Models that bring their own code are not built here
-(that would run it).
+(that would run it), and neither are quantized checkpoints (a ``quantization_config``: a
+4-bit weight is stored packed, in another shape than the config's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def config_shapes(folder: str) -> dict[str, tuple[int, ...]] | None:
 
         hf_logging.set_verbosity_error()
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        if getattr(config, "quantization_config", None):
+            return None  # packed weights: their stored shapes are not the config's
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - a model type this check cannot build: the load will say
