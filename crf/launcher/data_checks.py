@@ -439,14 +439,14 @@ def _wanted(spec: Any, flag: str) -> int:
 
 
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
-    from crf.replica.data import FIELDS, DataError, kept_columns
+    from crf.replica.data import FIELDS, DataError, kept_columns, read_error
 
     try:
         first, names, every = first_rows(name, config, split, _wanted(spec, flag), flag)
     except DataError as e:
         raise LaunchError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - checked readable before; any reader error
-        raise LaunchError(f"{flag} {name} cannot be read: {type(e).__name__}: {e}") from None
+        raise LaunchError(str(read_error(name, flag, e))) from None
     if not first:
         raise LaunchError(f"{flag} {name} has no rows: give a split with data")
     if any(not isinstance(r, dict) for r in first):
