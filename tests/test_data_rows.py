@@ -261,3 +261,46 @@ def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="has several configs") as err:
         split_files(str(many), None, "train", "--dataset")
     assert names[-1] in str(err.value) and "choose one with --dataset-config" in str(err.value)
+
+
+@pytest.mark.parametrize("form", ["jsonl", "csv", "parquet", "saved", "folder"])
+def test_a_split_too_large_to_read_whole_is_checked_on_its_first_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """Above CHECKED_BYTES the launcher reads a split's first CHECKED_ROWS rows only (held
+    as Python values, a file of several GB would take several times its size), says so in
+    the dry run's notes, and leaves a bad row further on to the replica that holds it."""
+    import pandas as pd
+    from datasets import Dataset
+
+    from crf.replica import data_files
+
+    monkeypatch.setattr(data_files, "CHECKED_BYTES", 200)
+    monkeypatch.setattr(data_files, "CHECKED_ROWS", 12)
+    rows = _rows(r20={"solution": None})  # past the first 12
+    if form == "jsonl":
+        data = _jsonl(tmp_path / "big.jsonl", rows)
+        with open(data, "a") as f:
+            f.write("not json\n")  # never read
+    elif form == "csv":
+        data = str(tmp_path / "big.csv")
+        pd.DataFrame(rows).to_csv(data, index=False)
+    elif form == "parquet":
+        data = str(tmp_path / "big.parquet")
+        pd.DataFrame(rows).to_parquet(data, row_group_size=8)
+    elif form == "saved":
+        data = str(tmp_path / "saved")
+        Dataset.from_list(rows * 4).save_to_disk(data)
+    else:
+        folder = tmp_path / "folder"
+        folder.mkdir()
+        for i in range(3):  # three files of one split: the third is not read
+            _jsonl(folder / f"train-{i}.jsonl", rows[:10])
+        data = str(folder)
+    every = data_files.read_rows(data, "train")
+    assert every.partial and 1 <= every.count <= 12
+    assert every.first(2)[0]["question"] == "ab="
+    result = _dry(tmp_path, "--dataset", data)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())  # however the terminal wraps the note
+    assert "rows were checked here (a split this large is not read whole)" in said, said

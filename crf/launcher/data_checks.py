@@ -51,7 +51,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 @dataclass
 class Split:
-    """A few rows of one split the run reads, with the job's field names."""
+    """The rows of one split the run reads, with the job's field names: a few to call the
+    rewards on, and (a local split) every value, for the row rules."""
 
     flag: str  # the option that names it: --dataset, --eval-dataset, --eval-split
     dataset: str
@@ -61,6 +62,8 @@ class Split:
     #: a local split's every value, by the job's field (check_rows reads them all); None:
     #: a URL's split, of which only ``rows`` were read
     every: dict[str, list[Any]] | None = None
+    #: a local split too large to read whole: ``every`` holds its first rows only
+    partial: bool = False
 
 
 # ---------------------------------------------------------------------- entry point
@@ -109,6 +112,12 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     splits = sample_splits(spec)
     for split in splits:
         check_rows(spec, split)
+        if split.partial:
+            found.warnings.append(
+                f"{split.flag} {split.dataset}: its first {split.counted:,} rows were checked "
+                "here (a split this large is not read whole); each replica checks its own "
+                "rows when it starts"
+            )
     check_batch(spec, splits)
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
@@ -477,7 +486,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             values = {f: every.column(c) for c, f in renames.items()}
             if answer in every.names:
                 values["answer"] = every.column(answer)
-        return Split(flag, name, rows, form, counted, values)
+        return Split(flag, name, rows, form, counted, values, partial=_partial(every))
     present = [f for f in FIELDS if columns.get(f, f) in names]
     # the job's fields, and every column under its own name (the rewards get them all)
     keep = kept_columns({columns.get(f, f): f for f in FIELDS if columns.get(f, f) in names}, names)
@@ -485,7 +494,11 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     values = None
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
-    return Split(flag, name, rows, counted=counted, every=values)
+    return Split(flag, name, rows, counted=counted, every=values, partial=_partial(every))
+
+
+def _partial(every: Any) -> bool:
+    return bool(getattr(every, "partial", False))
 
 
 def check_batch(spec: Any, splits: list[Split]) -> None:

@@ -10,10 +10,16 @@ suffix for a Hub id, or a folder of ``readme.txt`` for a text dataset.
 
 :func:`read_rows` reads a local split whole, on the launcher, so the row rules
 (crf/replica/data.py ``value_problem``) hold on every row before any replica starts: JSON
-lines are parsed here, line by line, so a malformed line or a non-UTF-8 byte is named by its
-line; Parquet, CSV and ``save_to_disk`` folders go through pyarrow, pandas and
+lines are parsed here (in one pass; a malformed line or a non-UTF-8 byte is then named by
+its line); Parquet, CSV and ``save_to_disk`` folders go through pyarrow, pandas and
 ``load_from_disk``, which type each column once. It reads columns, never a model: a
 100,000-row file takes well under a second.
+
+A split larger than :data:`CHECKED_BYTES` is read only up to its first
+:data:`CHECKED_ROWS` rows (:attr:`Rows.partial`): held whole as Python values, a file of
+several GB would take several times its size in the launcher's memory. Each replica checks
+its own rows by the same rules when it starts, so a bad row further on still stops the run
+once, naming the row.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
 SAVED_DATASET = ("state.json", "dataset_info.json")
 SAVED_DICT = "dataset_dict.json"
 _SUPPORTED = ", ".join(BUILDERS)
+#: a split of more bytes than this is checked on its first CHECKED_ROWS rows only
+CHECKED_BYTES = 256 * 2**20
+CHECKED_ROWS = 100_000
 
 
 class DataError(ValueError):
@@ -140,11 +149,13 @@ def load_saved(folder: str, split: str, flag: str = "--dataset") -> Any:
 # ---------------------------------------------------------------------- every row
 @dataclass
 class Rows:
-    """Every row of a local split: its column names, and each column's values."""
+    """Every row of a local split (``partial``: its first rows only, see the module
+    docstring; ``count`` is then the rows read): column names, and each column's values."""
 
     names: list[str]
     columns: dict[str, list[Any]]
     count: int
+    partial: bool = False
 
     def first(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
@@ -230,35 +241,72 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
     if saved_kind(path):
         return _read_saved(path, split, flag, name)
     if os.path.isdir(path):
-        parts = [_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}")
-                 for f in split_files(path, config, split, flag)]  # fmt: skip
+        files = split_files(path, config, split, flag)
+        big = sum(os.path.getsize(f) for f in files) > CHECKED_BYTES
+        parts: list[Rows] = []
+        for f in files:
+            left = CHECKED_ROWS - sum(p.count for p in parts) if big else None
+            if left is not None and left <= 0:
+                parts.append(Rows([], {}, 0, partial=True))  # the files after it: unread
+                break
+            parts.append(_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}", left))
         return _concat(parts)
-    return _read_file(path, flag, name)
+    big = os.path.getsize(path) > CHECKED_BYTES
+    return _read_file(path, flag, name, CHECKED_ROWS if big else None)
 
 
 def _concat(parts: list[Rows]) -> Rows:
     names = list(dict.fromkeys(n for p in parts for n in p.names))
     columns = {n: [v for p in parts for v in p.columns.get(n, [_ABSENT] * p.count)] for n in names}
-    return Rows(names, columns, sum(p.count for p in parts))
+    partial = any(p.partial for p in parts)
+    return Rows(names, columns, sum(p.count for p in parts), partial)
 
 
-def _read_file(path: str, flag: str, shown: str) -> Rows:
+def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:
+    """The file's rows; ``limit``: its first rows only, at most that many."""
     if os.path.getsize(path) == 0:
         how = ", one per line" if suffix_of(path) in (".jsonl", ".csv") else ""
         raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")
     suffix = suffix_of(path)
     if suffix in (".jsonl", ".json"):
-        return _read_json(path, flag, shown)
+        if limit is not None and _first_char(path) == "{":
+            return _read_json_lines(path, flag, shown, limit)
+        return _read_json(path, flag, shown)  # a JSON list is one document: read whole
     if suffix == ".parquet":
-        return _read_parquet(path, flag, shown)
-    return _read_csv(path, flag, shown)
+        return _read_parquet(path, flag, shown, limit)
+    return _read_csv(path, flag, shown, limit)
 
 
-def _utf8(data: bytes, flag: str, shown: str) -> str:
+def _first_char(path: str) -> str:
+    """The first character of a text file that is not white space ("" if none is near)."""
+    with open(path, "rb") as f:
+        head = f.read(65536).lstrip()
+    return head[:1].decode("latin-1")
+
+
+def _read_json_lines(path: str, flag: str, shown: str, limit: int) -> Rows:
+    """The first ``limit`` rows of a JSON lines file, read a line at a time (the rest of the
+    file is not read); errors name the line."""
+    rows = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if len(rows) >= limit:
+                break
+            row = _line_row(_utf8(raw, flag, shown, number), number, flag, shown)
+            if row is not None:
+                rows.append(row)
+    out = _from_dicts(rows)
+    out.partial = True
+    return out
+
+
+def _utf8(data: bytes, flag: str, shown: str, first_line: int = 1) -> str:
+    """``data`` (lines from ``first_line`` on) as text; DataError naming the line and
+    column of a byte that is not UTF-8."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
+        line = data.count(b"\n", 0, e.start) + first_line
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
         raise DataError(
             f"{flag} {shown}: line {line} is not UTF-8 (byte 0x{data[e.start]:02x} at column "
@@ -323,23 +371,30 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
     except json.JSONDecodeError:
         pass
     rows = []
-    decode = json.JSONDecoder().decode
     for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = decode(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{flag} {shown}: line {number} is not valid JSON ({e.msg} at column {e.colno})"
-            ) from None
-        if not isinstance(row, dict):
-            raise DataError(
-                f"{flag} {shown}: line {number} is a JSON {type(row).__name__}, not an "
-                'object: every line must be one row ({"column": value, ...})'
-            )
-        rows.append(row)
+        row = _line_row(line, number, flag, shown)
+        if row is not None:
+            rows.append(row)
     return _from_dicts(rows)
+
+
+def _line_row(line: str, number: int, flag: str, shown: str) -> dict[str, Any] | None:
+    """Line ``number`` of a JSON lines file as its row (None: a blank line); DataError
+    naming the line when it is no JSON object."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{flag} {shown}: line {number} is not valid JSON ({e.msg} at column {e.colno})"
+        ) from None
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{flag} {shown}: line {number} is a JSON {type(row).__name__}, not an "
+            'object: every line must be one row ({"column": value, ...})'
+        )
+    return row
 
 
 def _rows_under(value: Any) -> bool:
@@ -354,26 +409,39 @@ def _arrow_rows(table: Any) -> Rows:
     return Rows(list(table.column_names), columns, table.num_rows)
 
 
-def _read_parquet(path: str, flag: str, shown: str) -> Rows:
+def _read_parquet(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        if limit is None:
+            table = pq.read_table(path)
+        else:  # the first row groups' batches, up to limit rows
+            batches = pq.ParquetFile(path).iter_batches(batch_size=limit)
+            table = pa.Table.from_batches([next(batches)])
     except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid and the like
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{flag} {shown} cannot be read as Parquet: {reason}") from None
-    return _arrow_rows(table)
+    rows = _arrow_rows(table)
+    rows.partial = limit is not None
+    return rows
 
 
-def _read_csv(path: str, flag: str, shown: str) -> Rows:
+def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:
     """As ``datasets``' csv builder reads it (pandas' defaults): each column typed once, an
-    empty cell null."""
+    empty cell null. ``limit``: the first rows only."""
     import pandas as pd
 
     with open(path, "rb") as f:
-        _utf8(f.read(), flag, shown)  # a non-UTF-8 byte, named by its line
+        if limit is None:
+            _utf8(f.read(), flag, shown)  # a non-UTF-8 byte, named by its line
+        else:
+            for number, raw in enumerate(f, 1):
+                _utf8(raw, flag, shown, number)
+                if number > limit:
+                    break
     try:
-        frame = pd.read_csv(path)
+        frame = pd.read_csv(path, nrows=limit)
     except Exception as e:  # noqa: BLE001 - pandas' ParserError names the line
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise DataError(f"{flag} {shown} cannot be read as CSV: {reason}") from None
@@ -381,10 +449,14 @@ def _read_csv(path: str, flag: str, shown: str) -> Rows:
     for name in frame.columns:
         series = frame[name].astype(object)
         columns[str(name)] = series.where(series.notna(), None).tolist()
-    return Rows([str(n) for n in frame.columns], columns, len(frame))
+    return Rows([str(n) for n in frame.columns], columns, len(frame), limit is not None)
 
 
 def _read_saved(path: str, split: str, flag: str, shown: str) -> Rows:
-    ds = load_saved(path, split, flag)
+    ds = load_saved(path, split, flag)  # memory-mapped: only what is decoded is held
+    partial = ds.data.nbytes > CHECKED_BYTES and len(ds) > CHECKED_ROWS
+    if partial:
+        ds = ds.select(range(CHECKED_ROWS))
     columns = ds[:] if len(ds) else {n: [] for n in ds.column_names}  # decoded values
-    return Rows(list(ds.column_names), {n: list(columns[n]) for n in ds.column_names}, len(ds))
+    names = list(ds.column_names)
+    return Rows(names, {n: list(columns[n]) for n in names}, len(ds), partial)
