@@ -5,10 +5,11 @@ every replica, after N processes (or N paid containers) started, downloaded and 
 trainer; and being deterministic, it would surface again on every restart. So the plan reads
 what is cheap to read here and refuses the launch in one line that names the fix:
 
-- a few rows (:data:`SAMPLE_ROWS`) of every split the run uses (training and held-out),
-  after the ``--column`` mapping: empty splits, null or non-text prompts, empty SFT texts,
-  answers the chosen reward cannot read; each reward function is called on those rows and
-  must return one finite number per row;
+- every row of each local split the run uses (training and held-out; of a split too large
+  to read whole, its first rows: crf/replica/data_files.py), and a URL's first rows, after
+  the ``--column`` mapping: empty splits, null or non-text prompts, empty SFT texts,
+  answers the chosen reward cannot read, columns that mix kinds; each reward function is
+  called on a few of them (:data:`SAMPLE_ROWS`) and must return one finite number per row;
 - a local ``--model`` folder's ``config.json``, tokenizer files and safetensors headers (a
   header's offsets against the file's size find a truncated download without loading a
   weight): a known ``model_type``, a tokenizer there, no more tokens than the model embeds,
@@ -19,7 +20,8 @@ what is cheap to read here and refuses the launch in one line that names the fix
   use this machine's network, so one it cannot reach is refused; on a cloud backend the
   replicas may reach what the launcher cannot, so it is a warning (the plan's notes).
 
-Only configs, headers and a few rows are read: no weights are loaded and nothing is written.
+Configs, safetensors headers, tokenizers and rows are read; the model is built on the meta
+device only (crf/launcher/model_shapes.py): no weights are loaded and nothing is written.
 """
 
 from __future__ import annotations
