@@ -304,3 +304,27 @@ def test_a_split_too_large_to_read_whole_is_checked_on_its_first_rows(
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())  # however the terminal wraps the note
     assert "rows were checked here (a split this large is not read whole)" in said, said
+
+
+def test_the_checks_leave_the_users_logging_as_it_was(tmp_path: Path) -> None:
+    """The SDK runs in the user's process: reading a folder's splits, a dataset and a
+    tokenizer turns datasets' bars and transformers' warnings off only while crf reads."""
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as hf_logging
+
+    from crf.replica.data import _load
+    from crf.replica.data_files import split_files
+    from crf.replica.model import local_tokenizer
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_info()
+    datasets_logging.enable_progress_bar()
+    try:
+        _jsonl(tmp_path / "train.jsonl", _rows())
+        split_files(str(tmp_path), None, "train", "--dataset")
+        _load(str(tmp_path / "train.jsonl"), None, "train")
+        assert local_tokenizer(str(tmp_path / "no-model")) is None
+        assert hf_logging.get_verbosity() == hf_logging.INFO
+        assert datasets_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.set_verbosity(before)

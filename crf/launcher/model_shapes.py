@@ -34,14 +34,15 @@ def config_shapes(folder: str) -> dict[str, tuple[int, ...]] | None:
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        if getattr(config, "quantization_config", None):
-            return None  # packed weights: their stored shapes are not the config's
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        from crf.replica.model import quiet_transformers
+
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            if getattr(config, "quantization_config", None):
+                return None  # packed weights: their stored shapes are not the config's
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - a model type this check cannot build: the load will say
         return None
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

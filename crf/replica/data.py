@@ -40,6 +40,7 @@ from crf.replica.data_files import (
     DataError,
     check_local,
     load_saved,
+    no_bars,
     read_rows,
     saved_kind,
     suffix_of,
@@ -101,17 +102,17 @@ def _load(
     dataset: str, config: str | None, split: str, streaming: bool = False, flag: str = "--dataset"
 ) -> Any:
     from datasets import load_dataset
-    from datasets.utils.logging import disable_progress_bar
 
-    disable_progress_bar()  # a replica's log is for the run, not download bars
     check_local(dataset, flag)
-    if saved_kind(os.path.expanduser(dataset)):
-        ds = load_saved(os.path.expanduser(dataset), split, flag)
-        return ds.to_iterable_dataset() if streaming else ds
-    builder = builder_of(dataset)
-    if builder is None:
-        return load_dataset(dataset, config, split=split, streaming=streaming)
-    return load_dataset(builder, data_files={split: dataset}, split=split, streaming=streaming)
+    with no_bars():  # a replica's log is for the run, not download bars
+        if saved_kind(os.path.expanduser(dataset)):
+            ds = load_saved(os.path.expanduser(dataset), split, flag)
+            return ds.to_iterable_dataset() if streaming else ds
+        builder = builder_of(dataset)
+        if builder is None:
+            return load_dataset(dataset, config, split=split, streaming=streaming)
+        files = {split: dataset}
+        return load_dataset(builder, data_files=files, split=split, streaming=streaming)
 
 
 @contextlib.contextmanager

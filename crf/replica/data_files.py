@@ -24,8 +24,10 @@ once, naming the row.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,17 +182,31 @@ class _Absent:
 _ABSENT: Any = _Absent()
 
 
+@contextlib.contextmanager
+def no_bars() -> Iterator[None]:
+    """``datasets``' progress bars off while crf reads, and as they were after: the SDK runs
+    in the user's own process, whose bars stay theirs."""
+    from datasets.utils import logging as datasets_logging
+
+    bars = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            datasets_logging.enable_progress_bar()
+
+
 def split_files(folder: str, config: str | None, split: str, flag: str) -> list[str]:
     """The files of ``split`` in a folder of data files, as ``load_dataset(folder, config)``
     finds them (``datasets``' own resolution: its split patterns, or the configs of a
     README's YAML, as in a cloned Hub repo); DataError naming the splits there are."""
     from datasets import load_dataset_builder
-    from datasets.utils.logging import disable_progress_bar
 
-    disable_progress_bar()
     base = os.path.abspath(os.path.expanduser(folder))
     try:
-        builder = load_dataset_builder(base, config)
+        with no_bars():
+            builder = load_dataset_builder(base, config)
     except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
         whole = " ".join(str(e).split())
         reason = whole[:300] or type(e).__name__

@@ -22,8 +22,10 @@ everywhere:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,14 +128,28 @@ def local_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any | None
     tokenizer they cannot build leaves the verdict to the replica that loads the model."""
     try:
         from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        return AutoTokenizer.from_pretrained(
-            name, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(
+                name, local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except Exception:  # noqa: BLE001 - not here, or of a kind this machine cannot build
         return None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off while the launcher reads a model's files (crf says in
+    one line what is wrong), and its verbosity as it was after: the SDK runs in the user's
+    own process."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
 
 
 def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any, Any]:
