@@ -2,7 +2,8 @@
 
 PRIME-RL is not on the package index and its trainer needs a GPU, so the tests of
 crf.integrations.prime_rl call the adapter through this copy of what PRIME-RL's trainer does
-around a custom loss. It follows PRIME-RL main at commit
+around a custom loss (tests/test_integrations_prime_rl_real.py holds it against PRIME-RL's own
+modules where a checkout is given: ``make test-prime-rl``). It follows PRIME-RL main at commit
 559b44772e471d1538537b8805cc77f3824a5e64 (2026-08-21, tag v0.8.1.dev67, package version 0.8.0;
 the newest release tag, v0.8.0, is older):
 
