@@ -26,7 +26,8 @@ TORCH_INDEX_ARGS = if [ -n "$(TORCH_INDEX)" ] && [ "$$(uname -s)" = Linux ] && $
     "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10).close()" \
     2>/dev/null; then echo "--index-url $(TORCH_INDEX)"; fi
 
-.PHONY: install install-dev demo test test-newest test-verl constraints lint bench gpu-wheels \
+.PHONY: install install-dev demo test test-newest test-verl test-prime-rl constraints lint bench \
+  gpu-wheels \
   gpu-check clean torch-index-args
 
 $(TORCH_STAMP):
@@ -132,6 +133,36 @@ test-verl: $(VERL_STAMP)
 	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout 600 \
 	  tests/test_integrations_verl_real.py tests/test_integrations_verl.py
 
+# PRIME-RL's adapter through PRIME-RL's own loss, packing and data code
+# (tests/test_integrations_prime_rl_real.py, with the stand-in tests beside it). PRIME-RL is not
+# a package on the index: PRIME_RL_SRC names a checkout of its repository (the commit
+# tests/prime_rl_upstream.py follows), which the test imports from. A second venv, since
+# PRIME-RL requires Python 3.12: crf with its requirements, plus what PRIME-RL's loss, batch and
+# data modules import, at PRIME-RL's own floors (none needs a GPU; PRIME-RL's vllm and
+# flash-attn are imported by other modules only).
+PRIME_RL_VENV ?= .venv-prime-rl
+PRIME_RL_PYTHON ?= python3.12
+PRIME_RL_STAMP = $(PRIME_RL_VENV)/.crf-prime-rl
+PRIME_RL_PACKAGES = "beartype>=0.21.0" "jaxtyping>=0.3.2" "pydantic>=2" \
+  "prime-pydantic-config>=0.4.3" "wandb>=0.26.1" "msgspec>=0.18" "pyzmq>=27.1.0" \
+  "numpy>=2.2.6" "pytest>=8" "pytest-timeout>=2.3"
+
+$(PRIME_RL_STAMP): pyproject.toml
+	$(MAKE) $(PRIME_RL_VENV)/.crf-torch VENV=$(PRIME_RL_VENV) PYTHON=$(PRIME_RL_PYTHON)
+	$(PRIME_RL_VENV)/bin/python -m pip install -q --no-compile -e . $(PRIME_RL_PACKAGES)
+	touch $(PRIME_RL_STAMP)
+
+ifneq ($(filter test-prime-rl,$(MAKECMDGOALS)),)
+ifeq ($(PRIME_RL_SRC),)
+$(error make test-prime-rl: set PRIME_RL_SRC to a PRIME-RL checkout (its repository root))
+endif
+endif
+
+test-prime-rl: $(PRIME_RL_STAMP)
+	PRIME_RL_SRC="$(abspath $(PRIME_RL_SRC))" CRF_REQUIRE_PRIME_RL=1 \
+	  $(PRIME_RL_VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout 600 \
+	  tests/test_integrations_prime_rl_real.py tests/test_integrations_prime_rl.py
+
 bench: $(DEV_STAMP)
 	$(BIN)/python bench/exchange.py
 
@@ -165,4 +196,5 @@ torch-index-args:
 	@$(TORCH_INDEX_ARGS)
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) $(LOWEST_VENV) $(VERL_VENV) crf-runs .pytest_cache
+	rm -rf $(VENV) $(NEWEST_VENV) $(LOWEST_VENV) $(VERL_VENV) $(PRIME_RL_VENV) crf-runs \
+	  .pytest_cache

@@ -2,16 +2,22 @@
 
 PRIME-RL is not on the package index and its trainer needs a GPU, so the tests of
 crf.integrations.prime_rl call the adapter through this copy of what PRIME-RL's trainer does
-around a custom loss. It follows PRIME-RL main at commit
-559b44772e471d1538537b8805cc77f3824a5e64 (2026-08-21, package version 0.8.0):
+around a custom loss (tests/test_integrations_prime_rl_real.py holds it against PRIME-RL's own
+modules where a checkout is given: ``make test-prime-rl``). It follows PRIME-RL main at commit
+559b44772e471d1538537b8805cc77f3824a5e64 (2026-08-21, tag v0.8.1.dev67, package version 0.8.0;
+the newest release tag, v0.8.0, is older):
 
 - :class:`LossInputs` / :class:`LossOutputs`: field for field, in order and with the same
   default, ``src/prime_rl/trainer/rl/loss.py``;
+- :func:`route_to_ref_kl`: ``stamp_loss_routing`` of ``src/prime_rl/orchestrator/algo/routing.py``
+  for the ``opd``/``opsd`` algorithms (``action_loss_type = "ref_kl"``), the only ones that
+  attach reference log-probs: ``rl_weights`` 0.0 on every token, ``ref_kl_weights`` 1.0 on
+  the trainable ones;
 - :func:`pack`: ``_materialize_bin`` and ``pad_micro_batch`` of ``src/prime_rl/trainer/batch.py``
   for the fields the loss sees (a sample without reference log-probs gets ``0.0`` on every
   token once one sample of the micro-batch has them; a sample without an ``rl_weights`` stream
-  gets ``STREAM_FILL["rl_weights"]`` = 1.0 once one has it; padding tokens get loss_mask False,
-  0.0 everywhere else, and join the last sample);
+  gets ``STREAM_FILL["rl_weights"]`` = 1.0 once one has it, and ``ref_kl_weights`` 0.0;
+  padding tokens get loss_mask False, 0.0 everywhere else, and join the last sample);
 - :func:`rl_scale` and :func:`compute_rl_loss`: the rl component of ``compute_loss`` (loss.py)
   and the global token count ``train.py`` passes it as ``rl_scale``: per sample,
   ``LossInputs(loss_weights=None)`` on the full loss mask when there is no weight stream, else
@@ -61,6 +67,7 @@ class Sample:
     advantages: list[float]
     ref_logprobs: list[float] | None = None
     rl_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
 
 
 @dataclasses.dataclass
@@ -70,14 +77,27 @@ class MicroBatch:
     advantages: list[float]
     ref_logprobs: list[float] | None
     rl_weights: list[float] | None
+    ref_kl_weights: list[float] | None
     sequence_lengths: list[int]
+
+
+def route_to_ref_kl(sample: Sample) -> Sample:
+    """``stamp_loss_routing(sample, "ref_kl")``: an opd/opsd sample's trainable tokens go to
+    PRIME-RL's ref_kl loss and none to the rl loss."""
+    n = len(sample.loss_mask)
+    sample.rl_weights = [0.0] * n
+    sample.ref_kl_weights = [1.0 if m else 0.0 for m in sample.loss_mask]
+    return sample
 
 
 def pack(samples: Sequence[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
     """``_materialize_bin`` then ``pad_micro_batch``, for the fields above."""
     has_ref = any(s.ref_logprobs is not None for s in samples)
     has_rl = any(s.rl_weights is not None for s in samples)
-    mb = MicroBatch([], [], [], [] if has_ref else None, [] if has_rl else None, [])
+    has_ref_kl = any(s.ref_kl_weights is not None for s in samples)
+    mb = MicroBatch(
+        [], [], [], [] if has_ref else None, [] if has_rl else None, [] if has_ref_kl else None, []
+    )
     for s in samples:
         n = len(s.loss_mask)
         mb.loss_mask.extend(s.loss_mask)
@@ -87,6 +107,9 @@ def pack(samples: Sequence[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
             mb.ref_logprobs.extend(s.ref_logprobs if s.ref_logprobs is not None else [0.0] * n)
         if mb.rl_weights is not None:
             mb.rl_weights.extend(s.rl_weights if s.rl_weights is not None else [1.0] * n)
+        if mb.ref_kl_weights is not None:
+            fill = [0.0] * n
+            mb.ref_kl_weights.extend(s.ref_kl_weights if s.ref_kl_weights is not None else fill)
         mb.sequence_lengths.append(n)
     total = len(mb.loss_mask)
     pad = (pad_to_multiple_of - total % pad_to_multiple_of) % pad_to_multiple_of
@@ -99,6 +122,8 @@ def pack(samples: Sequence[Sample], pad_to_multiple_of: int = 1) -> MicroBatch:
             mb.ref_logprobs.extend([0.0] * pad)
         if mb.rl_weights is not None:
             mb.rl_weights.extend([0.0] * pad)
+        if mb.ref_kl_weights is not None:
+            mb.ref_kl_weights.extend([0.0] * pad)
     return mb
 
 

@@ -23,7 +23,11 @@ def _blocks(lang: str) -> list[str]:
 def test_the_prime_rl_toml_is_a_valid_composer_loss_table() -> None:
     (toml,) = _blocks("toml")
     kwargs = check_config(tomllib.loads(toml))
-    assert kwargs["distill_alpha"] == 0.1 and kwargs["replay_beta"] == 0.0
+    assert kwargs["distill_alpha"] == 0.0 and kwargs["replay_beta"] == 0.0
+    # the snippet's comment: distillation needs an algorithm that feeds it, grpo does not
+    taught = toml.replace("distill_alpha = 0.0", "distill_alpha = 0.1")
+    with pytest.raises(ValueError, match="PRIME-RL's algorithm\\(s\\) grpo"):
+        check_config(tomllib.loads(taught))
 
 
 def test_every_python_snippet_compiles() -> None:

@@ -2,7 +2,9 @@
 
 PRIME-RL is not on the package index and needs a GPU, so these tests stand in for it with
 tests/prime_rl_upstream.py: its ``LossInputs``, the packing that fills it and the rl part of
-``compute_loss``, rebuilt from PRIME-RL main at commit 559b4477 (2026-08-21, version 0.8.0)."""
+``compute_loss``, rebuilt from PRIME-RL main at commit 559b4477 (2026-08-21, tag v0.8.1.dev67,
+package version 0.8.0). tests/test_integrations_prime_rl_real.py runs the adapter through
+PRIME-RL's own code where a checkout of that commit is given (``make test-prime-rl``)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ import pytest
 import torch
 
 from crf.integrations.prime_rl import check_config, check_kwargs, composer_loss
-from tests.prime_rl_upstream import LossInputs, Sample, compute_rl_loss, pack, rl_scale
+from tests.prime_rl_upstream import (
+    LossInputs,
+    Sample,
+    compute_rl_loss,
+    pack,
+    rl_scale,
+    route_to_ref_kl,
+)
 
 
 def _inputs(t: int = 6, *, ref: bool = True, seed: int = 0) -> LossInputs:
@@ -212,10 +221,57 @@ def test_bad_kwargs_are_refused_in_one_line(kwargs: dict, message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_an_opd_sample_never_reaches_the_rl_loss() -> None:
+    """PRIME-RL's opd/opsd samples, the only ones with reference log-probs, are routed to its
+    ref_kl loss (rl weights 0.0): the rl loss runs on the GRPO sample packed beside them only,
+    whose reference is the pack's 0.0 fill, so distillation adds nothing."""
+    grpo, opd = _sample(6, 0, ref=False), route_to_ref_kl(_sample(5, 1, ref=True))
+    mb = pack([grpo, opd], pad_to_multiple_of=4)
+    assert mb.rl_weights == [1.0] * 6 + [0.0] * 6 and mb.ref_logprobs[:6] == [0.0] * 6
+    assert mb.ref_kl_weights == [0.0] * 6 + [0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    trainer = torch.tensor(mb.inference_logprobs).unsqueeze(0) + 0.1
+    scale = rl_scale([mb])
+    assert scale == 4
+    with_alpha, metrics, called = compute_rl_loss(
+        trainer, mb, lambda x: composer_loss(x, distill_alpha=0.5), scale
+    )
+    without, _, _ = compute_rl_loss(trainer, mb, composer_loss, scale)
+    assert len(called) == 1 and called[0].loss_mask.sum().item() == 4
+    assert [v.item() for v in metrics["distill_samples"]] == [0.0]
+    assert with_alpha.item() == without.item()
+
+
+def _rl_config(alpha: float, **orchestrator: dict) -> dict:
+    return {
+        "orchestrator": orchestrator,
+        "trainer": {"loss": {"type": "custom",
+                    "import_path": "crf.integrations.prime_rl.composer_loss",
+                    "kwargs": {"distill_alpha": alpha}}},
+    }  # fmt: skip
+
+
 def test_check_config_reads_the_loss_table() -> None:
-    table = {"trainer": {"loss": {"type": "custom",
-             "import_path": "crf.integrations.prime_rl.composer_loss",
-             "kwargs": {"distill_alpha": 0.1}}}}  # fmt: skip
-    assert check_config(table)["distill_alpha"] == 0.1
+    assert check_config(_rl_config(0.0))["ratio_high"] == 8.0
+    trainer_only = _rl_config(0.1)["trainer"]  # a trainer config does not name the algorithm
+    assert check_config(trainer_only)["distill_alpha"] == 0.1
+    custom = _rl_config(0.1, algo={"type": "my_distilled_grpo"})  # registered in code
+    assert check_config(custom)["distill_alpha"] == 0.1
     with pytest.raises(ValueError, match='type = "custom"'):
         check_config({"trainer": {"loss": {"type": "default"}}})
+
+
+@pytest.mark.parametrize(
+    ("orchestrator", "named"),
+    [
+        ({}, "grpo"),
+        ({"algo": {"type": "opd", "teacher": {"name": "t", "base_url": "http://h/v1"}}}, "opd"),
+        ({"train": {"source": [{"name": "a"}, {"name": "b", "algo": {"type": "opd"}}]}},
+         "grpo, opd"),
+    ],
+)  # fmt: skip
+def test_distillation_with_prime_rl_algorithms_is_refused_in_one_line(
+    orchestrator: dict, named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"algorithm\\(s\\) {named}: only opd and opsd") as e:
+        check_config(_rl_config(0.1, **orchestrator))
+    assert "\n" not in str(e.value) and "set distill_alpha = 0" in str(e.value)

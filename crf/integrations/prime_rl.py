@@ -1,7 +1,8 @@
 """The composer loss as a PRIME-RL custom loss (``[trainer.loss] type = "custom"``).
 
 The contract, as PRIME-RL's ``src/prime_rl/trainer/rl/loss.py`` defines it (main at commit
-559b4477, 2026-08-21, version 0.8.0): ``compute_loss`` splits each packed micro-batch into its
+559b4477, 2026-08-21, tag v0.8.1.dev67, package version 0.8.0; the newest release tag is
+v0.8.0): ``compute_loss`` splits each packed micro-batch into its
 samples and calls the loss once per sample, as ``fn(inputs, **kwargs) -> LossOutputs(loss,
 metrics)``. ``inputs`` is a ``LossInputs`` of 1-D per-token float32 tensors of that sample:
 ``trainer_logprobs`` (with gradient), ``inference_logprobs`` (the rollout engine's),
@@ -24,7 +25,14 @@ What :func:`composer_loss` computes, per token t of the sample:
 - channel 3 (replay) needs a chosen and a rejected sequence in one call; the contract hands
   the loss one sample, so ``replay_beta`` > 0 is refused (:func:`check_kwargs`).
 
-Which samples have a teacher. PRIME-RL packs several samples into one micro-batch and, as
+Which samples reach the loss with a teacher. Only PRIME-RL's ``opd`` and ``opsd`` algorithms
+attach reference log-probs, and both route their tokens to PRIME-RL's own ``ref_kl`` loss:
+the orchestrator stamps such a sample ``rl_weights`` 0.0 on every token
+(``stamp_loss_routing`` in ``src/prime_rl/orchestrator/algo/routing.py``), and
+``compute_loss`` skips the rl loss for a sample with no rl token. So with PRIME-RL's own
+algorithms this loss never sees a real teacher, and ``distill_alpha`` > 0 is refused
+(:func:`check_config`); the channel serves an algorithm registered in code that trains rl
+tokens and attaches reference log-probs. PRIME-RL packs several samples into one micro-batch and, as
 soon as one of them carries reference log-probs, fills the others' with ``0.0`` on every
 token (``_materialize_bin`` in ``src/prime_rl/trainer/batch.py``); padding tokens get ``0.0``
 too (``pad_micro_batch``), behind a false ``loss_mask``. So a sample's teacher counts as
@@ -50,7 +58,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LossOutputs", "check_config", "check_kwargs", "composer_loss"]
+__all__ = ["BUILTIN_ALGORITHMS", "LossOutputs", "check_config", "check_kwargs", "composer_loss"]
 
 #: the keyword arguments ``[trainer.loss.kwargs]`` may set, with their defaults
 DEFAULTS: dict[str, Any] = {
@@ -108,16 +116,47 @@ def check_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return kw
 
 
+#: PRIME-RL's algorithms (``AlgoConfig`` in its ``prime_rl.configs.algorithm``). None of them
+#: hands the rl loss reference log-probs: ``opd`` and ``opsd`` attach them but route their
+#: tokens to PRIME-RL's own ``ref_kl`` loss (module docstring).
+BUILTIN_ALGORITHMS = frozenset(
+    {"grpo", "max_rl", "rae", "hierarchical_grpo", "echo", "opd", "opsd", "sft"}
+)
+
+
+def _algorithms(config: Mapping[str, Any]) -> set[str] | None:
+    """The algorithm types a whole ``rl`` config trains with (each ``[[orchestrator.train.
+    source]]``'s ``algo``, else ``[orchestrator.algo]``, whose default is ``grpo``); None
+    for a trainer table alone, which does not say."""
+    if "trainer" not in config:
+        return None
+    orchestrator = config.get("orchestrator", {})
+    default = orchestrator.get("algo", {}).get("type", "grpo")
+    sources = orchestrator.get("train", {}).get("source", [])
+    return {(s.get("algo") or {}).get("type", default) for s in sources} or {default}
+
+
 def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """Check a PRIME-RL config's ``[trainer.loss]`` table (``config`` is the whole parsed
     TOML, or its ``trainer`` table) before a run starts: it must name this loss and its
-    kwargs must pass :func:`check_kwargs`. Returns the kwargs with defaults."""
+    kwargs must pass :func:`check_kwargs`; in a whole config, ``distill_alpha`` > 0 needs an
+    algorithm that is not one of PRIME-RL's own, which never feed it (``BUILTIN_ALGORITHMS``).
+    Returns the kwargs with defaults."""
     trainer = config.get("trainer", config)
     loss = trainer.get("loss", {})
     path = f"{__name__}.composer_loss"
     if loss.get("type") != "custom" or loss.get("import_path") != path:
         raise ValueError(f'[trainer.loss] must say type = "custom" and import_path = "{path}"')
-    return check_kwargs(loss.get("kwargs", {}))
+    kw = check_kwargs(loss.get("kwargs", {}))
+    algorithms = _algorithms(config)
+    if float(kw["distill_alpha"]) > 0 and algorithms and algorithms <= BUILTIN_ALGORITHMS:
+        raise ValueError(
+            f"crf composer loss: distill_alpha > 0 does nothing with PRIME-RL's algorithm(s) "
+            f"{', '.join(sorted(algorithms))}: only opd and opsd send reference log-probs, and "
+            "their tokens train PRIME-RL's ref_kl loss, not this one; set distill_alpha = 0 "
+            '(for distillation, use type = "opd" in [orchestrator.algo])'
+        )
+    return kw
 
 
 def _teacher(inputs: Any, attr: str, mask: torch.Tensor) -> torch.Tensor | None:

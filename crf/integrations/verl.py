@@ -17,10 +17,11 @@ keep together: it is not offered here.
 
 Where the fold runs: verl's ``RayPPOTrainer.fit`` (``verl/trainer/ppo/ray_trainer.py``, the
 trainer of ``trainer.use_v1=false``) calls ``compute_advantage`` and then
-``self._update_actor(batch)`` with nothing between them. :func:`composer_trainer_class`
-returns a subclass whose ``_update_actor`` folds the channel into the batch first. The
-teacher's log-probs are read from ``teacher_key``: ``ref_log_prob`` (what verl's reference
-policy writes when it is on) by default, or any key the user's data step fills.
+``self._update_actor(batch)``, with only the critic's update (which reads the batch) between
+them. :func:`composer_trainer_class` returns a subclass whose ``_update_actor`` folds the
+channel into the batch first. The teacher's log-probs are read from ``teacher_key``:
+``ref_log_prob`` (what verl's reference policy writes when it is on) by default, or any key
+the user's data step fills.
 
 Installing crf (``pip install 'composer-replication @ git+...'``) puts this module in the
 ``verl.plugins`` entry-point group, which ``import verl`` loads in every process (driver and
