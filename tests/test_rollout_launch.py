@@ -114,8 +114,9 @@ def test_spec_refuses_what_workers_cannot_do(options: dict[str, Any], message: s
 
 
 def test_without_workers_the_rollout_options_change_nothing() -> None:
-    """Rollout settings without --rollout-workers are harmless (they are only read by
-    workers): no refusal, no worker plan."""
+    """A RunSpec (a stored run.json) with rollout settings and no workers is valid: they are
+    only read by workers, so no worker plan. A launch refuses them changed from their
+    defaults (test_launch_refuses_what_workers_cannot_use_before_anything_starts)."""
     spec = RunSpec(run_id="r", run_uri="file:///tmp/r", job="lm", rollout_wire="int8").validate()
     assert plan_workers(spec, LocalProcessExecutor(), {}, {}) is None
 
@@ -135,6 +136,77 @@ def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> Non
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_launch_refuses_what_workers_cannot_use_before_anything_starts(tmp_path: Path) -> None:
+    """At launch (CLI, --dry-run, --print-config, a config file, the SDK), not only on a bare
+    RunSpec: workers with an --entrypoint (the launch once set the entrypoint after checking
+    the spec, so such a run started and failed), a rollout option changed without workers
+    (the run would silently start none), fewer workers than replicas (a replica without one
+    holds every round back). One line, exit 2, no traceback, nothing written."""
+    store = str(tmp_path / "runs")
+    cases = [
+        (["--rollout-workers", "2", "--entrypoint", "python x.py"], "needs the built-in replica"),
+        (["--max-staleness", "3"], "--max-staleness 3 configures rollout workers: add "
+         "--rollout-workers M, or leave it out"),
+        (["--rollout-wire", "int8", "--publish-every", "2"], "--publish-every 2, --rollout-wire "
+         "int8 configure rollout workers"),
+        (["--rollout-workers", "1", "--replicas", "2"], "--rollout-workers 1 leaves 1 of the 2 "
+         "replicas without a worker"),
+    ]  # fmt: skip
+    for args, message in cases:
+        for mode in ([], ["--dry-run"], ["--print-config"]):
+            result = cli("launch", "--store", store, "--no-progress", *args, *mode)
+            assert result.exit_code == 2, (args, mode, result.output)
+            assert message in result.output, (args, mode, result.output)
+            assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+    config = tmp_path / "run.toml"
+    config.write_text("replicas = 2\nmax_staleness = 3\n")
+    result = cli("launch", "-c", str(config), "--store", store)
+    assert result.exit_code == 2 and "--max-staleness 3 configures" in result.output
+    sdk_cases = [
+        ({"rollout_workers": 2, "entrypoint": "python x.py"}, "needs the built-in replica"),
+        ({"rollout_correction": "off"}, "--rollout-correction off configures rollout workers"),
+        ({"replicas": 3, "rollout_workers": 2}, "leaves 1 of the 3 replicas without a worker"),
+    ]
+    for options, message in sdk_cases:
+        with pytest.raises(LaunchError, match=message):
+            crf.launch(**options, store=store)
+        with pytest.raises(LaunchError, match=message):
+            crf.dry_run(**options, store=store)
+    assert not (tmp_path / "runs").exists()  # nothing written
+    # left at their defaults they are no settings; more workers than replicas split unevenly
+    assert crf.dry_run(replicas=2, max_staleness=1, store=store).workers is None
+    uneven = crf.dry_run(replicas=2, rollout_workers=3, store=store).workers
+    assert uneven is not None and uneven["workers"] == 3
+
+
+def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout options' part of tests/test_option_names.py's walk (which runs a script
+    of its own, so no workers): each one, unlike its default, reaches the same RunSpec value
+    from its flag, a config file's key and the SDK's keyword."""
+    from tests.test_option_names import _cli_spec, _command_line, _config_file
+
+    samples = {
+        "job": "composer", "job_config": {"learning_rate": 2e-6}, "replicas": 2,
+        "rollout_workers": 3, "publish_every": 3, "max_staleness": 2, "rollout_wire": "int8",
+        "rollout_wait": 2.5, "rollout_correction": "token_mask", "rollout_clip_min": 0.5,
+        "rollout_clip_max": 2.5, "rollout_max_mismatch": 0.25,
+    }  # fmt: skip
+    rollout = [name for name, opt in run_options().items() if opt.group == ROLLOUT]
+    assert set(rollout) <= set(samples), "a rollout option has no sample value"
+    store = str(tmp_path / "runs")
+    expected = crf.dry_run(**samples, store=store).options
+    for name in rollout:
+        assert expected[name] == samples[name] != run_options()[name].default, name
+    flags = _cli_spec([*_command_line(samples), "--store", store], monkeypatch)
+    from_file = _cli_spec(
+        ["-c", str(_config_file(samples, tmp_path / "w.toml")), "--store", store], monkeypatch
+    )
+    for name in rollout:
+        assert flags[name] == from_file[name] == expected[name], name
 
 
 def test_split_options_sends_rollout_keys_to_the_workers() -> None:

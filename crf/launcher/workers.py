@@ -109,6 +109,39 @@ class WorkerPlan:
         return self.executor.describe(self.workers, command, run_uri)
 
 
+def check_rollout_options(spec: RunSpec) -> None:
+    """LaunchError for rollout-worker settings that would do nothing, checked at launch (a
+    stored run.json is not judged by it): a worker option changed from its default without
+    ``--rollout-workers`` (the run would start no worker and ignore it), or fewer workers
+    than replicas (a replica without a worker generates its own rollouts, and every round
+    waits for that slowest trainer, so the workers would buy no time)."""
+    from crf.spec import ROLLOUT, run_options
+
+    if not spec.rollout_workers:
+        given = [
+            f"{opt.flag} {getattr(spec, name)}"
+            for name, opt in run_options().items()
+            if opt.group == ROLLOUT
+            and name != "rollout_workers"
+            and getattr(spec, name) != opt.default
+        ]
+        if given:
+            raise LaunchError(
+                f"{', '.join(map(str, given))} configure{'s' if len(given) == 1 else ''} "
+                "rollout workers: add --rollout-workers M, or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+        return
+    if spec.rollout_workers < spec.replicas:
+        idle = spec.replicas - spec.rollout_workers
+        raise LaunchError(
+            f"--rollout-workers {spec.rollout_workers} leaves {idle} of the {spec.replicas} "
+            "replicas without a worker (worker w serves replica w % N), and every round waits "
+            f"for those: use at least {spec.replicas} workers (a multiple of --replicas splits "
+            "them evenly), or drop --rollout-workers"
+        )
+
+
 def plan_workers(
     spec: RunSpec,
     executor: ServerlessExecutor,
