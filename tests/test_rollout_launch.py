@@ -333,6 +333,18 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
 
 
+def test_a_worker_that_ended_by_itself_is_not_shown_cancelled() -> None:
+    """At a run's end the driver cancels the workers still running; one that had already
+    written its own result (done, ok) but whose process had not yet exited is shown as it
+    ended, not as cancelled. One stopped short (its record not done) stays cancelled."""
+    done = layout.WorkerState(worker=0, serves=0, rollouts=64, phase="done", status="ok")
+    row = rollout_view.worker_row(0, "cancelled", done, message="cancelled")
+    assert (row["state"], row["message"]) == ("succeeded", "")
+    busy = layout.WorkerState(worker=1, serves=1, rollouts=32, phase="generating")
+    assert rollout_view.worker_row(1, "cancelled", busy)["state"] == "cancelled"
+    assert rollout_view.worker_row(2, "cancelled", None)["state"] == "cancelled"
+
+
 def test_figure_has_a_worker_panel_only_with_workers() -> None:
     with_workers = {0: [_round(0, 0, 24, 8, 1.0), _round(1, 0, 32, 0, 0.5)]}
     assert _ROLLOUTS in panels_for("composer", with_workers)
