@@ -541,3 +541,32 @@ def test_a_detached_run_gathers_its_workers_in_crf_status(tmp_path: Path) -> Non
     # they end on their own once their trainer has; one still ending when the summary is
     # gathered is cancelled then
     assert all(w["status"] in ("ok", "cancelled") for w in section["workers"])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_crf_cancel_of_a_detached_run_shows_its_workers_cancelled(tmp_path: Path) -> None:
+    """`crf cancel` from another process than the one that started the run stops its
+    workers with its replicas, and the summary says they were cancelled: the backend sees
+    only that a process it did not start ended without an ok result, which once read as
+    ``failed``."""
+    from rich.console import Console
+
+    from crf.launcher.driver import run
+
+    store = tmp_path / "runs"
+    options = {"replicas": 1, "rounds": 50, "sync_every": 2, "rollout_workers": 2,
+               "job_config": {"num_examples": 32}, "run_id": "stopped"}  # fmt: skip
+    plan = prepare(options, store=str(store))
+    plan.workers.command = STANDIN  # type: ignore[union-attr]
+    console = Console(file=open(os.devnull, "w"), width=160)  # noqa: SIM115
+    assert run(plan, detach=True, console=console)["status"] == "detached"
+    folder = RunStore(f"file://{store / 'stopped'}")
+    wait_for(lambda: all(folder.exists(layout.worker_state_key(w)) for w in (0, 1)),
+             "both workers' heartbeats")  # fmt: skip
+    cancelled = cli("cancel", "stopped", "--store", str(store))
+    assert cancelled.exit_code == 0, cancelled.output
+    result = folder.get_json(layout.RESULT)
+    assert result["status"] == "cancelled"
+    states = [(w["worker"], w["state"]) for w in result["workers"]["workers"]]
+    assert states == [(0, "cancelled"), (1, "cancelled")], result["workers"]

@@ -363,6 +363,28 @@ def worker_rows(
     return rows
 
 
+def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandle]) -> set[int]:
+    """The workers whose process still runs (pending or running), before a cancel."""
+    out = set()
+    for handle in handles:
+        try:
+            if not executor.status(handle).state.terminal:
+                out.add(handle.rank)
+        except Exception:  # noqa: BLE001 - unknown: not known to be running
+            continue
+    return out
+
+
+def as_cancelled(rows: list[dict[str, Any]], running: set[int]) -> list[dict[str, Any]]:
+    """``rows`` with each worker that was still running when the summary cancelled it shown
+    ``cancelled``, unless it ended by itself first: from another process than the one that
+    started it, the backend sees only that it ended without an ok result (``failed``)."""
+    for row in rows:
+        if row["worker"] in running and row["state"] != "succeeded":
+            row["state"], row["message"] = "cancelled", "cancelled: its trainers had ended"
+    return rows
+
+
 def read_worker_handles(store: RunStore, launch_no: int) -> list[ReplicaHandle]:
     """The workers' saved handles of a launch (none: a run without workers, or damaged)."""
     try:
