@@ -302,6 +302,32 @@ def test_workers_env_is_the_trainers_contract_plus_the_role() -> None:
     }  # fmt: skip
 
 
+def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> None:
+    """A worker process that dies (a real one, exit 1) with --max-restarts 0 is not started
+    again; the line says which limit stopped it, and the run's other role does not care."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", "exit(1)"])
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    handles = start_workers(plan, spec, None, {})
+    pool = WorkerPool(plan, handles, store=RunStore(uri), launch_no=0, max_restarts=0,
+                      console=console)  # fmt: skip
+    (status,) = wait_for(lambda: [s for s in pool.poll() if s.state.terminal], "its end")
+    assert status.state is ReplicaState.FAILED and pool.restarts == {0: 0}
+    line = out.getvalue().strip()
+    assert line == (
+        "rollout worker 0 exited with code 1; not restarting it (--max-restarts 0: it already "
+        "restarted 0 time(s)): its trainer generates for itself"
+    ), line
+
+
 # ------------------------------------------------------------------------- summary, figure
 def _round(r: int, rank: int, workers: int, local: int, stale: float) -> dict[str, Any]:
     m = layout.RoundMetrics(round=r, rank=rank, committed=True, loss=1.0)

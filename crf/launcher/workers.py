@@ -286,7 +286,8 @@ class WorkerPool:
             self.not_restarted[w] = (
                 f"exit code {CONTRACT_EXIT}: its environment breaks the worker contract"
                 if status.exit_code == CONTRACT_EXIT
-                else f"it already restarted {self.restarts[w]} time(s)"
+                else f"--max-restarts {self.max_restarts}: it already restarted "
+                f"{self.restarts[w]} time(s)"
             )
             self._say(
                 f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
