@@ -326,6 +326,9 @@ def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> N
         "rollout worker 0 exited with code 1; not restarting it (--max-restarts 0: it already "
         "restarted 0 time(s)): its trainer generates for itself"
     ), line
+    # its heartbeat says so, so its trainer stops waiting for it at once (not after 30 s)
+    state = RunStore(uri).get_json(layout.worker_state_key(0))
+    assert (state["phase"], state["serves"]) == ("failed", 0) and "not restarted" in state["error"]
 
 
 # ------------------------------------------------------------------------- summary, figure

@@ -17,6 +17,7 @@ ended, the workers still running are cancelled.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -293,12 +294,14 @@ class WorkerPool:
                 f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
                 f"({self.not_restarted[w]}): its trainer generates for itself[/]"
             )
+            self._mark_failed(w, status)
             return status
         try:
             new = self.executor.relaunch(handle)
         except ExecutorError as e:
             self.not_restarted[w] = f"relaunch failed: {e}"
             self._say(f"[yellow]rollout worker {w}: could not restart it: {e}[/]")
+            self._mark_failed(w, status)
             return status
         new.extra["role"] = layout.ROLE_ROLLOUT
         self.restarts[w] += 1
@@ -309,6 +312,18 @@ class WorkerPool:
             f"({self.restarts[w]}/{self.max_restarts})[/]"
         )
         return self.executor.status(new)
+
+    def _mark_failed(self, w: int, status: ReplicaStatus) -> None:
+        """Say in worker w's heartbeat that it is gone for good (phase ``failed``, its
+        counts kept): its trainer then stops waiting for its batches at once, instead of
+        waiting ``--rollout-wait`` per step until the heartbeat has been silent for 30 s."""
+        state = read_worker_state(self.store, w) or layout.WorkerState(
+            worker=w, serves=w % max(1, self.plan.trainers)
+        )
+        state.phase, state.error = "failed", f"{status.message or 'failed'}; not restarted"
+        state.updated_at = time.time()
+        with contextlib.suppress(Exception):  # bookkeeping must never stop a run
+            self.store.put_json(layout.worker_state_key(w), state.to_dict())
 
     def stop(self) -> None:
         """The trainers are done (or the run is stopped): cancel the workers still running."""
