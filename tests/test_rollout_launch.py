@@ -446,10 +446,12 @@ def test_worker_pool_never_fails_the_run_and_stops_at_the_end(tmp_path: Path) ->
     live = [sys.executable, "-c", "import time; time.sleep(600)"]
     from crf.launcher.workers import WorkerPlan
 
-    dying = WorkerPool(WorkerPlan(1, 1, ex), ex.launch_workers(1, 1, die, run_uri=uri, run_id="a"),
-                       store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
+    gone = f"file://{tmp_path / 'gone'}"  # its own run: the dead worker's heartbeat stays there
+    dying = WorkerPool(WorkerPlan(1, 1, ex), ex.launch_workers(1, 1, die, run_uri=gone, run_id="a"),
+                       store=RunStore(gone), launch_no=0, max_restarts=2)  # fmt: skip
     wait_for(lambda: (dying.poll(), dying.not_restarted)[1], "the restarts to run out")
     assert dying.restarts == {0: 2} and "restarted 2 time(s)" in dying.not_restarted[0]
+    assert RunStore(gone).get_json(layout.worker_state_key(0))["phase"] == "failed"
     alive = WorkerPool(WorkerPlan(2, 1, ex), ex.launch_workers(2, 1, live, run_uri=uri, run_id="b"),
                        store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
     assert all(not s.terminal for s in alive.poll())
