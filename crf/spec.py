@@ -658,8 +658,8 @@ class RunSpec:
         RolloutConfig.clip_min,
         low=0,
         group=ROLLOUT,
-        help="The *_mask corrections zero tokens (sequences) whose ratio is below this "
-        "(default: none).",
+        help="The ratio pi_prox/pi_behaviour is raised to this (or, *_mask, masked below "
+        "it) (default: none).",
     )
     rollout_clip_max: float = option(
         RolloutConfig.clip_max,

@@ -201,6 +201,22 @@ def test_missing_file_and_unknown_backend_key(tmp_path: Path) -> None:
         ),
         ("[backend]\nname = 'local'\ngpu = 'A10G'\n", "unknown key 'gpu' in [backend]"),
         ("[backend]\npoll = 1\n", "did you mean 'poll_s'?"),
+        # an option one table off says where it goes (not the nearest other name)
+        (
+            "rollout_hardware = 'L4'\n",
+            "'rollout_hardware' in config file {f} is a backend "
+            "option: put it in the [backend] table",
+        ),
+        (
+            "gpu = 'A10G'\n",
+            "'gpu' in config file {f} is a backend option: put it in the [backend] table",
+        ),
+        (
+            "[job]\nname = 'testjob'\nrollout_workers = 2\n",
+            "'rollout_workers' in [job] in "
+            "config file {f} is a run option, not an option of the testjob job: put it at the "
+            "top level",
+        ),
     ],
 )
 def test_cli_refuses_a_bad_file_before_launch(tmp_path: Path, text: str, message: str) -> None:

@@ -21,7 +21,7 @@ from crf.launcher import cli
 from crf.launcher.config_file import dump_config
 from crf.launcher.errors import LaunchError
 from crf.results import DryRun
-from crf.spec import run_options
+from crf.spec import ROLLOUT, run_options
 from tests.test_cli import REPLICA_SCRIPT
 
 #: run options the command line does not take (declared ``cli=False``; --set fills job_config)
@@ -81,17 +81,10 @@ def _samples(tmp: Path) -> dict[str, Any]:
         "columns": {"prompt": "question"},
         "reward": ["exact_match"],
         "report_to": "tensorboard",
-        # no workers: they need the built-in replica, which this walk's script replaces; the
-        # other rollout options are only read by workers, so they take any valid value
-        "rollout_workers": 0,
-        "publish_every": 3,
-        "max_staleness": 2,
-        "rollout_wire": "int8",
-        "rollout_wait": 2.5,
-        "rollout_correction": "token_mask",
-        "rollout_clip_min": 0.5,
-        "rollout_clip_max": 2.5,
-        "rollout_max_mismatch": 0.25,
+        # no workers: they need the built-in replica, which this walk's script replaces, and
+        # without workers a rollout option is refused unless left at its default
+        # (tests/test_rollout_launch.py walks them with workers)
+        **{name: opt.default for name, opt in run_options().items() if opt.group == ROLLOUT},
         "backend": "local",
         "env": {"STAGE": "2"},
         "secrets": ["WALK_TOKEN"],
@@ -105,7 +98,7 @@ def _command_line(samples: dict[str, Any]) -> list[str]:
     """The samples as ``crf launch`` flags, each by its declared flag."""
     args: list[str] = []
     for name, value in samples.items():
-        if name in NOT_ON_THE_COMMAND_LINE:
+        if name in NOT_ON_THE_COMMAND_LINE or value is None:  # None: the default, no flag
             continue
         flag = run_options()[name].flag
         if isinstance(value, bool):
@@ -156,7 +149,7 @@ def test_every_option_has_one_value_from_flag_file_keyword_and_run_json(
     assert isinstance(sdk, DryRun) and sdk.run_id == "walk" and sdk.missing == []
     expected = sdk.options
     for name, declared in run_options().items():  # the samples reached the spec
-        if name not in ("job", "backend", "dataset_split", "rollout_workers"):
+        if name not in ("job", "backend", "dataset_split") and declared.group != ROLLOUT:
             assert expected[name] != declared.default, name
     assert expected["round_timeout_s"] == 120.0 and expected["reward"] == ["exact_match"]
     assert expected["pip"] == ["pytest", "typer"]  # --requirements' lines join --pip

@@ -114,8 +114,9 @@ def test_spec_refuses_what_workers_cannot_do(options: dict[str, Any], message: s
 
 
 def test_without_workers_the_rollout_options_change_nothing() -> None:
-    """Rollout settings without --rollout-workers are harmless (they are only read by
-    workers): no refusal, no worker plan."""
+    """A RunSpec (a stored run.json) with rollout settings and no workers is valid: they are
+    only read by workers, so no worker plan. A launch refuses them changed from their
+    defaults (test_launch_refuses_what_workers_cannot_use_before_anything_starts)."""
     spec = RunSpec(run_id="r", run_uri="file:///tmp/r", job="lm", rollout_wire="int8").validate()
     assert plan_workers(spec, LocalProcessExecutor(), {}, {}) is None
 
@@ -135,6 +136,77 @@ def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> Non
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_launch_refuses_what_workers_cannot_use_before_anything_starts(tmp_path: Path) -> None:
+    """At launch (CLI, --dry-run, --print-config, a config file, the SDK), not only on a bare
+    RunSpec: workers with an --entrypoint (the launch once set the entrypoint after checking
+    the spec, so such a run started and failed), a rollout option changed without workers
+    (the run would silently start none), fewer workers than replicas (a replica without one
+    holds every round back). One line, exit 2, no traceback, nothing written."""
+    store = str(tmp_path / "runs")
+    cases = [
+        (["--rollout-workers", "2", "--entrypoint", "python x.py"], "needs the built-in replica"),
+        (["--max-staleness", "3"], "--max-staleness 3 configures rollout workers: add "
+         "--rollout-workers M, or leave it out"),
+        (["--rollout-wire", "int8", "--publish-every", "2"], "--publish-every 2, --rollout-wire "
+         "int8 configure rollout workers"),
+        (["--rollout-workers", "1", "--replicas", "2"], "--rollout-workers 1 leaves 1 of the 2 "
+         "replicas without a worker"),
+    ]  # fmt: skip
+    for args, message in cases:
+        for mode in ([], ["--dry-run"], ["--print-config"]):
+            result = cli("launch", "--store", store, "--no-progress", *args, *mode)
+            assert result.exit_code == 2, (args, mode, result.output)
+            assert message in result.output, (args, mode, result.output)
+            assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+    config = tmp_path / "run.toml"
+    config.write_text("replicas = 2\nmax_staleness = 3\n")
+    result = cli("launch", "-c", str(config), "--store", store)
+    assert result.exit_code == 2 and "--max-staleness 3 configures" in result.output
+    sdk_cases = [
+        ({"rollout_workers": 2, "entrypoint": "python x.py"}, "needs the built-in replica"),
+        ({"rollout_correction": "off"}, "--rollout-correction off configures rollout workers"),
+        ({"replicas": 3, "rollout_workers": 2}, "leaves 1 of the 3 replicas without a worker"),
+    ]
+    for options, message in sdk_cases:
+        with pytest.raises(LaunchError, match=message):
+            crf.launch(**options, store=store)
+        with pytest.raises(LaunchError, match=message):
+            crf.dry_run(**options, store=store)
+    assert not (tmp_path / "runs").exists()  # nothing written
+    # left at their defaults they are no settings; more workers than replicas split unevenly
+    assert crf.dry_run(replicas=2, max_staleness=1, store=store).workers is None
+    uneven = crf.dry_run(replicas=2, rollout_workers=3, store=store).workers
+    assert uneven is not None and uneven["workers"] == 3
+
+
+def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout options' part of tests/test_option_names.py's walk (which runs a script
+    of its own, so no workers): each one, unlike its default, reaches the same RunSpec value
+    from its flag, a config file's key and the SDK's keyword."""
+    from tests.test_option_names import _cli_spec, _command_line, _config_file
+
+    samples = {
+        "job": "composer", "job_config": {"learning_rate": 2e-6}, "replicas": 2,
+        "rollout_workers": 3, "publish_every": 3, "max_staleness": 2, "rollout_wire": "int8",
+        "rollout_wait": 2.5, "rollout_correction": "token_mask", "rollout_clip_min": 0.5,
+        "rollout_clip_max": 2.5, "rollout_max_mismatch": 0.25,
+    }  # fmt: skip
+    rollout = [name for name, opt in run_options().items() if opt.group == ROLLOUT]
+    assert set(rollout) <= set(samples), "a rollout option has no sample value"
+    store = str(tmp_path / "runs")
+    expected = crf.dry_run(**samples, store=store).options
+    for name in rollout:
+        assert expected[name] == samples[name] != run_options()[name].default, name
+    flags = _cli_spec([*_command_line(samples), "--store", store], monkeypatch)
+    from_file = _cli_spec(
+        ["-c", str(_config_file(samples, tmp_path / "w.toml")), "--store", store], monkeypatch
+    )
+    for name in rollout:
+        assert flags[name] == from_file[name] == expected[name], name
 
 
 def test_split_options_sends_rollout_keys_to_the_workers() -> None:
@@ -230,6 +302,35 @@ def test_workers_env_is_the_trainers_contract_plus_the_role() -> None:
     }  # fmt: skip
 
 
+def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> None:
+    """A worker process that dies (a real one, exit 1) with --max-restarts 0 is not started
+    again; the line says which limit stopped it, and the run's other role does not care."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", "exit(1)"])
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    handles = start_workers(plan, spec, None, {})
+    pool = WorkerPool(plan, handles, store=RunStore(uri), launch_no=0, max_restarts=0,
+                      console=console)  # fmt: skip
+    (status,) = wait_for(lambda: [s for s in pool.poll() if s.state.terminal], "its end")
+    assert status.state is ReplicaState.FAILED and pool.restarts == {0: 0}
+    line = out.getvalue().strip()
+    assert line == (
+        "rollout worker 0 exited with code 1; not restarting it (--max-restarts 0: it already "
+        "restarted 0 time(s)): its trainer generates for itself"
+    ), line
+    # its heartbeat says so, so its trainer stops waiting for it at once (not after 30 s)
+    state = RunStore(uri).get_json(layout.worker_state_key(0))
+    assert (state["phase"], state["serves"]) == ("failed", 0) and "not restarted" in state["error"]
+
+
 # ------------------------------------------------------------------------- summary, figure
 def _round(r: int, rank: int, workers: int, local: int, stale: float) -> dict[str, Any]:
     m = layout.RoundMetrics(round=r, rank=rank, committed=True, loss=1.0)
@@ -259,6 +360,18 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     assert t1["staleness_mean"] == 2.0 and t1["by_worker"] == {"w1": 16}
     assert section["rollouts_used"] == 72 and section["share"] == pytest.approx(72 / 128)
     assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
+
+
+def test_a_worker_that_ended_by_itself_is_not_shown_cancelled() -> None:
+    """At a run's end the driver cancels the workers still running; one that had already
+    written its own result (done, ok) but whose process had not yet exited is shown as it
+    ended, not as cancelled. One stopped short (its record not done) stays cancelled."""
+    done = layout.WorkerState(worker=0, serves=0, rollouts=64, phase="done", status="ok")
+    row = rollout_view.worker_row(0, "cancelled", done, message="cancelled")
+    assert (row["state"], row["message"]) == ("succeeded", "")
+    busy = layout.WorkerState(worker=1, serves=1, rollouts=32, phase="generating")
+    assert rollout_view.worker_row(1, "cancelled", busy)["state"] == "cancelled"
+    assert rollout_view.worker_row(2, "cancelled", None)["state"] == "cancelled"
 
 
 def test_figure_has_a_worker_panel_only_with_workers() -> None:
@@ -333,10 +446,12 @@ def test_worker_pool_never_fails_the_run_and_stops_at_the_end(tmp_path: Path) ->
     live = [sys.executable, "-c", "import time; time.sleep(600)"]
     from crf.launcher.workers import WorkerPlan
 
-    dying = WorkerPool(WorkerPlan(1, 1, ex), ex.launch_workers(1, 1, die, run_uri=uri, run_id="a"),
-                       store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
+    gone = f"file://{tmp_path / 'gone'}"  # its own run: the dead worker's heartbeat stays there
+    dying = WorkerPool(WorkerPlan(1, 1, ex), ex.launch_workers(1, 1, die, run_uri=gone, run_id="a"),
+                       store=RunStore(gone), launch_no=0, max_restarts=2)  # fmt: skip
     wait_for(lambda: (dying.poll(), dying.not_restarted)[1], "the restarts to run out")
     assert dying.restarts == {0: 2} and "restarted 2 time(s)" in dying.not_restarted[0]
+    assert RunStore(gone).get_json(layout.worker_state_key(0))["phase"] == "failed"
     alive = WorkerPool(WorkerPlan(2, 1, ex), ex.launch_workers(2, 1, live, run_uri=uri, run_id="b"),
                        store=RunStore(uri), launch_no=0, max_restarts=2)  # fmt: skip
     assert all(not s.terminal for s in alive.poll())
@@ -457,3 +572,32 @@ def test_a_detached_run_gathers_its_workers_in_crf_status(tmp_path: Path) -> Non
     # they end on their own once their trainer has; one still ending when the summary is
     # gathered is cancelled then
     assert all(w["status"] in ("ok", "cancelled") for w in section["workers"])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_crf_cancel_of_a_detached_run_shows_its_workers_cancelled(tmp_path: Path) -> None:
+    """`crf cancel` from another process than the one that started the run stops its
+    workers with its replicas, and the summary says they were cancelled: the backend sees
+    only that a process it did not start ended without an ok result, which once read as
+    ``failed``."""
+    from rich.console import Console
+
+    from crf.launcher.driver import run
+
+    store = tmp_path / "runs"
+    options = {"replicas": 1, "rounds": 50, "sync_every": 2, "rollout_workers": 2,
+               "job_config": {"num_examples": 32}, "run_id": "stopped"}  # fmt: skip
+    plan = prepare(options, store=str(store))
+    plan.workers.command = STANDIN  # type: ignore[union-attr]
+    console = Console(file=open(os.devnull, "w"), width=160)  # noqa: SIM115
+    assert run(plan, detach=True, console=console)["status"] == "detached"
+    folder = RunStore(f"file://{store / 'stopped'}")
+    wait_for(lambda: all(folder.exists(layout.worker_state_key(w)) for w in (0, 1)),
+             "both workers' heartbeats")  # fmt: skip
+    cancelled = cli("cancel", "stopped", "--store", str(store))
+    assert cancelled.exit_code == 0, cancelled.output
+    result = folder.get_json(layout.RESULT)
+    assert result["status"] == "cancelled"
+    states = [(w["worker"], w["state"]) for w in result["workers"]["workers"]]
+    assert states == [(0, "cancelled"), (1, "cancelled")], result["workers"]

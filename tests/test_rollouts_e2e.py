@@ -94,6 +94,9 @@ def test_a_trainer_uses_its_worker_and_outlives_it(tmp_path: Path) -> None:
     # the worker left no result (it was killed); its trainer cleaned its policy versions up
     assert not store.object_exists(layout.worker_result_key(0))
     assert [n for n in store.list(layout.policy_dir(0)) if n.isdigit()] == []
+    # each log names who speaks: a worker's lines are not a replica's
+    assert "[rollout worker w0] INFO" in (tmp_path / "worker.log").read_text()
+    assert "[replica 0] INFO" in (tmp_path / "trainer.log").read_text()
 
 
 def test_crf_launch_starts_a_worker_whose_batches_the_replica_trains_on(tmp_path: Path) -> None:

@@ -806,13 +806,14 @@ def cancel(
         run_ = attach(run_id, store)
         live = [h for h, st, _ in run_.statuses() if not st.terminal]
         run_.executor.cancel_all(live)
-        if run_.workers and run_.worker_executor is not None:  # they serve no one now
-            run_.worker_executor.cancel_all(run_.workers)
+        gathered = run_.result() is not None  # else gather cancels the workers, and says so
+        if gathered and run_.workers and run_.worker_executor is not None:
+            run_.worker_executor.cancel_all(run_.workers)  # they serve no one now
     except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     console = Console()
     console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
-    if run_.result() is None:
+    if not gathered:
         summary = gather(run_, report=False, console=console, cancelled=bool(live))
         console.print(f"summary written: {escape(str(summary.get('result_path')))}")
 

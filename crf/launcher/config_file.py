@@ -117,6 +117,11 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
                     f"{key!r} in config file {where} is an option of the {job_name} job: put "
                     "it in the [job] table"
                 )
+            if _is_backend_key(key):  # the replicas' or the workers' hardware, image...
+                raise ConfigError(
+                    f"{key!r} in config file {where} is a backend option: put it in the "
+                    "[backend] table"
+                )
             raise _unknown(key, where, list(spellings))
         target = launch if name in LAUNCH_KEYS else options
         if name in target:
@@ -232,6 +237,15 @@ def _job_fields(job: str) -> list[str]:
         return []
 
 
+def _is_backend_key(key: str) -> bool:
+    """Whether a top-level key that is no run option is one of ``[backend]``'s: the
+    hardware under any of its names, the image or region, or a ``rollout_<option>``."""
+    name = key.replace("-", "_")
+    return name in ("hardware", "gpu", "flavor", "instance_type", "image", "region") or (
+        name.startswith("rollout_")
+    )
+
+
 def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") -> None:
     """ConfigError naming the key, the file and the nearest option for a ``[job]`` key that
     job ``job``'s Config lacks. A job that cannot be loaded is left to the launch's own check
@@ -241,6 +255,11 @@ def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") 
         return
     for key in table:
         if key not in fields:
+            if key in option_spellings() | setting_spellings():  # one level too low
+                raise ConfigError(
+                    f"{key!r} in [job] in config file {where} is a run option, not an option "
+                    f"of the {job} job: put it at the top level, above the tables"
+                )
             error = _unknown(key, where, fields, "job")
             raise ConfigError(f"{error} (job {job!r}'s options: {', '.join(sorted(fields))})")
 

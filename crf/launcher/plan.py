@@ -243,12 +243,13 @@ def prepare(
     name. With ``dry_run``, what an account or a setup step provides (credentials, store
     access, a client library) does not stop the checks: it is listed in ``Plan.missing``.
     """
-    from crf.launcher.workers import plan_workers, split_options
+    from crf.launcher.workers import check_rollout_options, plan_workers, split_options
     from crf.store import join_uri, normalize_uri
 
     values = launch_options(options)
     policy = (restart or RestartPolicy()).validate()
     job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
+    command = _command(entrypoint)  # on the spec before it is checked: workers refuse one
     run_id = values.pop("run_id", None)
     run_id = run_id if run_id is not None else new_run_id()
     # rollout_<option>: the rollout workers' own hardware (crf.launcher.workers)
@@ -263,10 +264,11 @@ def prepare(
     except (TypeError, ValueError, OSError) as e:  # not a string; no working directory
         raise LaunchError(f"--store {store!r} is not a usable URI or path: {e}") from None
     try:
-        spec = RunSpec(run_id=run_id, run_uri=run_uri, **values)
+        spec = RunSpec(run_id=run_id, run_uri=run_uri, entrypoint=command, **values)
         if _is_count(spec.replicas):  # the machine's limit says more than N's range
             check_replica_limit(executor, spec.replicas)
         spec.validate()
+        check_rollout_options(spec)
     except SpecError as e:
         raise LaunchError(str(e)) from None
     except TypeError as e:  # e.g. outer_lr="fast" from Python: comparisons fail
@@ -274,8 +276,6 @@ def prepare(
     missing = check_access(executor, run_uri, dry_run=dry_run)  # the backend's credentials
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
-    command = _command(entrypoint)
-    spec.entrypoint = command
     try:
         with importable(packed if _imports_user_code(spec) else None):  # from the workdir
             spec.job_config = validate_job(spec.job, job_options)
@@ -371,20 +371,23 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def checked_spec(options: Mapping[str, Any] | None) -> RunSpec:
     """The RunSpec of :func:`check_options` (its job_config typed); no store, no backend."""
+    from crf.launcher.workers import check_rollout_options
+
     values = launch_options(options)
     job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
     run_id = values.pop("run_id", None)
+    command = _command(entrypoint)
     try:
         spec = RunSpec(
             run_id=run_id if run_id is not None else new_run_id(), run_uri="memory://check",
-            **values,
+            entrypoint=command, **values,
         )  # fmt: skip
         spec.validate()
     except SpecError as e:
         raise LaunchError(str(e)) from None
     except TypeError as e:
         raise LaunchError(f"a run option has the wrong type: {e}") from None
-    _command(entrypoint)
+    check_rollout_options(spec)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     spec.job_config = validate_job(spec.job, job_options)
     check_job_run(spec, None)

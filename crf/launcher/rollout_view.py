@@ -90,8 +90,13 @@ def worker_row(
     worker: int, state: str, record: layout.WorkerState | None, restarts: int = 0,
     message: str = "",
 ) -> dict[str, Any]:  # fmt: skip
-    """One worker as the summary and ``crf status --json`` show it."""
+    """One worker as the summary and ``crf status --json`` show it. A worker that ended by
+    itself (its own record: done, ok) while the driver cancelled the ones still running is
+    ``succeeded``: the cancel only raced its exit, and the process state would say it was
+    stopped short."""
     rec = record or layout.WorkerState(worker=worker)
+    if state == "cancelled" and record is not None and (rec.phase, rec.status) == ("done", "ok"):
+        state, message = "succeeded", ""
     return {
         "worker": worker,
         "serves": rec.serves if record is not None else None,

@@ -17,6 +17,7 @@ ended, the workers still running are cancelled.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,39 @@ class WorkerPlan:
 
     def describe(self, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         return self.executor.describe(self.workers, command, run_uri)
+
+
+def check_rollout_options(spec: RunSpec) -> None:
+    """LaunchError for rollout-worker settings that would do nothing, checked at launch (a
+    stored run.json is not judged by it): a worker option changed from its default without
+    ``--rollout-workers`` (the run would start no worker and ignore it), or fewer workers
+    than replicas (a replica without a worker generates its own rollouts, and every round
+    waits for that slowest trainer, so the workers would buy no time)."""
+    from crf.spec import ROLLOUT, run_options
+
+    if not spec.rollout_workers:
+        given = [
+            f"{opt.flag} {getattr(spec, name)}"
+            for name, opt in run_options().items()
+            if opt.group == ROLLOUT
+            and name != "rollout_workers"
+            and getattr(spec, name) != opt.default
+        ]
+        if given:
+            raise LaunchError(
+                f"{', '.join(map(str, given))} configure{'s' if len(given) == 1 else ''} "
+                "rollout workers: add --rollout-workers M, or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+        return
+    if spec.rollout_workers < spec.replicas:
+        idle = spec.replicas - spec.rollout_workers
+        raise LaunchError(
+            f"--rollout-workers {spec.rollout_workers} leaves {idle} of the {spec.replicas} "
+            "replicas without a worker (worker w serves replica w % N), and every round waits "
+            f"for those: use at least {spec.replicas} workers (a multiple of --replicas splits "
+            "them evenly), or drop --rollout-workers"
+        )
 
 
 def plan_workers(
@@ -253,18 +287,21 @@ class WorkerPool:
             self.not_restarted[w] = (
                 f"exit code {CONTRACT_EXIT}: its environment breaks the worker contract"
                 if status.exit_code == CONTRACT_EXIT
-                else f"it already restarted {self.restarts[w]} time(s)"
+                else f"--max-restarts {self.max_restarts}: it already restarted "
+                f"{self.restarts[w]} time(s)"
             )
             self._say(
                 f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
                 f"({self.not_restarted[w]}): its trainer generates for itself[/]"
             )
+            self._mark_failed(w, status)
             return status
         try:
             new = self.executor.relaunch(handle)
         except ExecutorError as e:
             self.not_restarted[w] = f"relaunch failed: {e}"
             self._say(f"[yellow]rollout worker {w}: could not restart it: {e}[/]")
+            self._mark_failed(w, status)
             return status
         new.extra["role"] = layout.ROLE_ROLLOUT
         self.restarts[w] += 1
@@ -275,6 +312,18 @@ class WorkerPool:
             f"({self.restarts[w]}/{self.max_restarts})[/]"
         )
         return self.executor.status(new)
+
+    def _mark_failed(self, w: int, status: ReplicaStatus) -> None:
+        """Say in worker w's heartbeat that it is gone for good (phase ``failed``, its
+        counts kept): its trainer then stops waiting for its batches at once, instead of
+        waiting ``--rollout-wait`` per step until the heartbeat has been silent for 30 s."""
+        state = read_worker_state(self.store, w) or layout.WorkerState(
+            worker=w, serves=w % max(1, self.plan.trainers)
+        )
+        state.phase, state.error = "failed", f"{status.message or 'failed'}; not restarted"
+        state.updated_at = time.time()
+        with contextlib.suppress(Exception):  # bookkeeping must never stop a run
+            self.store.put_json(layout.worker_state_key(w), state.to_dict())
 
     def stop(self) -> None:
         """The trainers are done (or the run is stopped): cancel the workers still running."""
@@ -327,6 +376,28 @@ def worker_rows(
         record = record or read_worker_state(store, handle.rank)
         restarted = (restarts or {}).get(handle.rank, int(handle.extra.get("attempt", 0)))
         rows.append(worker_row(handle.rank, str(status.state), record, restarted, status.message))
+    return rows
+
+
+def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandle]) -> set[int]:
+    """The workers whose process still runs (pending or running), before a cancel."""
+    out = set()
+    for handle in handles:
+        try:
+            if not executor.status(handle).state.terminal:
+                out.add(handle.rank)
+        except Exception:  # noqa: BLE001 - unknown: not known to be running
+            continue
+    return out
+
+
+def as_cancelled(rows: list[dict[str, Any]], running: set[int]) -> list[dict[str, Any]]:
+    """``rows`` with each worker that was still running when the summary cancelled it shown
+    ``cancelled``, unless it ended by itself first: from another process than the one that
+    started it, the backend sees only that it ended without an ok result (``failed``)."""
+    for row in rows:
+        if row["worker"] in running and row["state"] != "succeeded":
+            row["state"], row["message"] = "cancelled", "cancelled: its trainers had ended"
     return rows
 
 

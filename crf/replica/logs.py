@@ -27,12 +27,13 @@ KNOWN_NOISE: tuple[tuple[str, type[Warning]], ...] = (
 CHATTY = ("torchft.local_sgd", "torchft.manager")
 
 
-def configure(rank: str) -> None:
-    """Logging for a replica process: its rank in every line, the level from the env."""
+def configure(rank: str, *, role: str = "replica") -> None:
+    """Logging for a replica process (or a rollout worker, ``role="rollout worker"``): who
+    speaks in every line, the level from the env."""
     level = os.environ.get(layout.ENV_LOG_LEVEL, "INFO").upper()
     logging.basicConfig(
         level=level,
-        format=f"%(asctime)s [replica {rank}] %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s [{role} {rank}] %(levelname)s %(name)s: %(message)s",
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         for name in CHATTY:

@@ -320,7 +320,7 @@ def main(environ: Any = None) -> int:
     from crf.store import RunStore
 
     env = os.environ if environ is None else environ
-    logs.configure(f"w{env.get(layout.ENV_WORKER, '?')}")
+    logs.configure(f"w{env.get(layout.ENV_WORKER, '?')}", role="rollout worker")
     try:
         if not env.get(layout.ENV_RUN_URI):
             raise ValueError(f"{layout.ENV_RUN_URI} must be set; `crf launch` sets it")
