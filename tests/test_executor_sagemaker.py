@@ -178,27 +178,38 @@ def test_bootstrap_travels_in_environment_chunks_within_limits() -> None:
 
 def test_bootstrap_loader_runs_the_command(tmp_path: Path) -> None:
     """The loader + secret step + shared bootstrap as a container runs them (no secret ARN:
-    the step is skipped), fetching the code from a file store."""
+    the step is skipped), fetching the code from a file store. The code is unpacked once per
+    machine: a second container process there uses the same copy without fetching it."""
+    from crf import layout
     from crf.executors.cloud import pack_source
     from crf.store import RunStore
 
     store = RunStore(f"file://{tmp_path}/run")
     data, sha = pack_source()
-    store.put("code/c.tar.gz", data)
+    key = layout.code_key(sha[:16])
+    store.put(key, data)
+    (tmp_path / "tmp").mkdir()
     env = {
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         "CRF_RUN_URI": f"file://{tmp_path}/run",
-        "CRF_CODE_KEY": "code/c.tar.gz",
+        "CRF_CODE_KEY": key,
         "CRF_REQUIREMENTS": "",
+        "TMPDIR": str(tmp_path / "tmp"),  # the container's disk
         **boot_environment(),
     }
     probe = "import os, crf; print(crf.__file__, 'CRF_BOOT_0' in os.environ)"
-    proc = subprocess.run(
-        ["python", "-c", LOADER, "python", "-c", probe],
-        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "crf-src-" in proc.stdout and "False" in proc.stdout  # the source from the store
+    seen = []
+    for _ in range(2):
+        proc = subprocess.run(
+            ["python", "-c", LOADER, "python", "-c", probe],
+            env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "crf-src-" in proc.stdout and "False" in proc.stdout  # the source from the store
+        seen.append(proc.stdout.strip().splitlines()[-1].split()[0])  # crf.__file__
+        store.delete(key)  # the second process does not fetch it again
+    assert seen[0] == seen[1] and seen[0].startswith(str(tmp_path / "tmp"))
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [Path(seen[0]).parent.parent.name]
 
 
 def test_options_from_the_cli_and_config_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:

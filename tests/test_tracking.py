@@ -102,7 +102,9 @@ def test_tensorboard_tracker_writes_steps_and_rounds_to_the_run_folder(tmp_path:
         bytes_down=20,
     )
     tracker.log_round(record.to_dict())
+    local = tracker.dir
     tracker.close()
+    assert not local.exists()  # copied to the run folder, the local one is removed
     tracker.log_step(3, {"loss": 1.0})  # after close: nothing, no error
     folder = tmp_path / "run" / layout.TENSORBOARD_DIR / "r1"
     assert any(p.name.startswith("events.out.tfevents") for p in folder.iterdir())

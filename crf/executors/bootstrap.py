@@ -73,12 +73,18 @@ data = os.environ.pop("CRF_GCS_CREDENTIALS_JSON", "")
 if data and not os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
     fd, p = tempfile.mkstemp(suffix=".json"); os.write(fd, data.encode()); os.close(fd)
     os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = p
-import fsspec
-uri = os.environ["CRF_RUN_URI"].rstrip("/") + "/" + os.environ["CRF_CODE_KEY"]
-with fsspec.open(uri, "rb") as f:
-    blob = f.read()
-src = tempfile.mkdtemp(prefix="crf-src-")
-tarfile.open(fileobj=io.BytesIO(blob)).extractall(src, filter="data")
+import fsspec, shutil
+code = os.environ["CRF_CODE_KEY"]  # content-addressed: one unpacked copy per machine
+src = os.path.join(tempfile.gettempdir(), "crf-src-" + re.sub(r"\W", "_", code))
+if not os.path.isdir(src):
+    with fsspec.open(os.environ["CRF_RUN_URI"].rstrip("/") + "/" + code, "rb") as f:
+        blob = f.read()
+    part = tempfile.mkdtemp(prefix="crf-src-part-")
+    tarfile.open(fileobj=io.BytesIO(blob)).extractall(part, filter="data")
+    try:
+        os.rename(part, src)
+    except OSError:  # another process on this machine unpacked it first
+        shutil.rmtree(part, ignore_errors=True)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 argv = sys.argv[1:]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -177,6 +178,8 @@ class TensorBoardTracker(Tracker):
     def _close(self) -> None:
         self.writer.close()
         self._upload()
+        if self.store is not None:  # copied to the run folder: the local folder goes
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class WandbTracker(Tracker):
