@@ -58,6 +58,8 @@ store.put_json(f"results/{rank}.json", {
     "job_metrics": {},
 })
 beat("done", spec["rounds"], loss)
+if rank == 0 and os.environ.get("BLOCK_RESULT"):  # the run folder refuses result.json
+    os.makedirs(os.path.join(store.root, "result.json", "held"), exist_ok=True)
 """
 
 
@@ -293,6 +295,25 @@ def test_failed_replica_gives_nonzero_exit(
     assert "phase" not in result.output  # --no-progress: no live table
     assert "replica 1" in result.output and "something went badly wrong" in result.output
     assert "failed (3)" in result.output
+
+
+def test_unsaved_result_exits_nonzero(
+    base: Path, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replica finished ok, but the run folder refused result.json: the summary is
+    shown with one line saying why, and the exit code is 1 (a script must not take a run
+    with no record for a success), for crf launch and for crf status alike."""
+    monkeypatch.setenv("BLOCK_RESULT", "1")  # rank 0 puts a folder where result.json goes
+    result = crf(*_common(base, script, run_id="unsaved"), "-n", "2", "-r", "2", "--no-progress")
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert said.count("result.json could not be written to") == 1, result.output
+    assert "run ok" in said  # the run itself did end ok: the summary says so
+    assert (base / "unsaved" / "result.json").is_dir()
+    status = crf("status", "unsaved", "--store", str(base))
+    assert status.exit_code == 1, status.output
+    assert "result.json could not be written to" in " ".join(status.output.split())
 
 
 def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:

@@ -814,7 +814,9 @@ def cancel(
     console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
     if run_.result() is None:
         summary = gather(run_, report=False, console=console, cancelled=bool(live))
-        console.print(f"summary written: {escape(str(summary.get('result_path')))}")
+        if summary.get("result_path") is None:  # the store refused it: say why, exit 1
+            _fail(str(summary.get("error")), EXIT_FAILED)
+        console.print(f"summary written: {escape(str(summary['result_path']))}")
 
 
 @app.command()
@@ -912,7 +914,14 @@ def plot(
 
 
 def _exit_code(summary: dict) -> int:
-    if summary["status"] in ("ok", "detached"):
+    """0 for a run that ended ok and whose summary was saved (or one left detached); a run
+    whose result.json could not be written exits 1 whatever its status: scripts (and
+    ``crf runs``) would otherwise find no record of the run that "succeeded"."""
+    if summary["status"] == "detached":
+        return EXIT_OK
+    if "result_path" in summary and summary["result_path"] is None:
+        return EXIT_FAILED
+    if summary["status"] == "ok":
         return EXIT_OK
     return EXIT_INTERRUPTED if summary["status"] == "cancelled" else EXIT_FAILED
 
