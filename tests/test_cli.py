@@ -361,8 +361,13 @@ def test_timeout_cancels_the_run(base: Path, script: Path, monkeypatch: pytest.M
     assert [r["state"] for r in summary["replicas"]] == ["succeeded", "cancelled"]
 
 
-def test_ctrl_c_cancels_replicas(base: Path, script: Path, tmp_path: Path) -> None:
-    """SIGINT reaches only the driver (replicas have their own sessions); it cancels them."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_cancels_replicas(
+    base: Path, script: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """SIGINT reaches only the driver (replicas have their own sessions); it cancels them.
+    SIGTERM (a CI job cancelled, kill, docker stop) does the same, not a silent death that
+    leaves the replicas unwatched."""
     # a separate driver process: the in-process test job is not registered there, use lm
     cmd = [sys.executable, "-m", "crf.launcher.cli", *_common(base, script, run_id="intr")]
     cmd[cmd.index("testjob")] = "lm"
@@ -383,17 +388,19 @@ def test_ctrl_c_cancels_replicas(base: Path, script: Path, tmp_path: Path) -> No
             assert driver.poll() is None and time.monotonic() < deadline, "replicas never started"
             time.sleep(0.05)
         pids = [json.loads(b.read_text())["pid"] for b in beats]
-        driver.send_signal(signal.SIGINT)
+        driver.send_signal(sig)
         try:
             code = driver.wait(60)
         except subprocess.TimeoutExpired:  # say where it hung (it did once, under CI load)
             driver.kill()
             driver.wait()
             raise AssertionError(
-                "the driver did not exit within 60 s of SIGINT; its log:\n"
+                f"the driver did not exit within 60 s of {sig.name}; its log:\n"
                 + (tmp_path / "driver.log").read_text()
             ) from None
-        assert code == 130, (tmp_path / "driver.log").read_text()
+        said = (tmp_path / "driver.log").read_text()
+        assert code == 130, said
+        assert "interrupted: cancelling the replicas" in said and "Traceback" not in said
     summary = json.loads((base / "intr" / "result.json").read_text())
     assert summary["status"] == "cancelled"
     assert [r["state"] for r in summary["replicas"]] == ["cancelled", "cancelled"]

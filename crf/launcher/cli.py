@@ -1,8 +1,9 @@
 """The ``crf`` command line (typer + rich).
 
 Exit codes are part of the interface, so scripts and CI can rely on them:
-0 the run finished ok; 1 the run started but failed (see result.json); 2 bad input, nothing was
-launched; 130 interrupted with Ctrl-C (replicas were cancelled).
+0 the run finished ok; 1 the run started but failed (see result.json), or its result.json
+could not be written; 2 bad input, nothing was launched; 130 interrupted with Ctrl-C or
+SIGTERM (replicas were cancelled).
 
 ``crf launch --resume RUN_ID`` continues a stopped run from its own ``run.json``; the options
 that define a run (replicas, job, H, rounds, ...) are refused with it rather than silently

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
@@ -272,14 +274,16 @@ def run(
     error: str | None = None
     cancelled = False
     try:
-        if watch(
-            sup,
-            console=console,
-            progress=progress,
-            timeout_s=timeout_s,
-            poll_s=poll_s,
-            started=started,
-        ):
+        with _sigterm_as_interrupt():
+            timed_out = watch(
+                sup,
+                console=console,
+                progress=progress,
+                timeout_s=timeout_s,
+                poll_s=poll_s,
+                started=started,
+            )
+        if timed_out:
             error = f"the run did not finish within {timeout_s}s; its replicas were cancelled"
     except KeyboardInterrupt:
         cancelled = True
@@ -306,6 +310,28 @@ def run(
         console=console,
         plot=plot,
     )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the driver watches, SIGTERM does what Ctrl-C does: cancel the replicas, write
+    the summary (status ``cancelled``), exit 130; ``crf launch --resume`` continues the run.
+    SIGTERM is how a CI job's cancel, ``kill``, ``docker stop`` or a batch scheduler ask a
+    process to stop; by default it ended the driver without a word and left the replicas
+    training with nobody watching. Only the main thread can take a signal (the SDK may
+    launch from another one: there SIGTERM keeps its default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_timeout(timeout_s: float | None) -> None:
