@@ -46,6 +46,13 @@ for r in range(spec["rounds"]):
                    "participants": list(range(world)), "loss": loss, "metrics": {},
                    "sync_s": 0.01, "compute_s": 0.02, "bytes_up": 1000, "bytes_down": 2000})
     beat("training", r + 1, loss)
+    if r == 0 and str(rank) in os.environ.get("FREEZE_RANKS", "").split(","):
+        import subprocess  # the run folder refuses writes from here on (as test_cli.freeze)
+        for folder, _, _ in os.walk(store.root):
+            if os.geteuid() == 0:
+                subprocess.run(["chattr", "+i", folder], check=True)
+            else:
+                os.chmod(folder, 0o555)
 if str(rank) in os.environ.get("FAIL_RANKS", "").split(","):
     print("something went badly wrong", flush=True)
     beat("failed", spec["rounds"], loss)
@@ -314,6 +321,70 @@ def test_unsaved_result_exits_nonzero(
     status = crf("status", "unsaved", "--store", str(base))
     assert status.exit_code == 1, status.output
     assert "result.json could not be written to" in " ".join(status.output.split())
+
+
+def _freezable(folder: Path) -> bool:
+    """Whether this process can make ``folder`` refuse writes: chmod as a user, chattr +i
+    (an immutable folder) as root, whom permissions do not stop."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        freeze(str(folder))
+        ok = not os.access(folder, os.W_OK) or _refused(folder / "probe")
+    except (OSError, subprocess.CalledProcessError):
+        ok = False
+    thaw(folder)
+    return ok
+
+
+def _refused(path: Path) -> bool:
+    try:
+        path.write_text("x")
+    except PermissionError:
+        return True
+    path.unlink()
+    return False
+
+
+def freeze(root: str) -> None:
+    """Make every folder under ``root`` refuse new entries (a read-only run folder; the
+    replica script does the same for FREEZE_RANKS)."""
+    for folder, _, _ in os.walk(root):
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i", folder], check=True, capture_output=True)
+        else:
+            os.chmod(folder, 0o555)
+
+
+def thaw(root: Path) -> None:
+    for folder, _, _ in os.walk(root):
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", folder], check=False, capture_output=True)
+        else:
+            os.chmod(folder, 0o755)
+
+
+def test_read_only_run_folder_stops_the_run_without_restarts(
+    base: Path, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run folder turns read-only mid-run: the replica that dies on it is not restarted
+    (every attempt would die the same way), the others are stopped, and one line says what
+    to fix and how to continue; exit 1."""
+    if not _freezable(base / "probe"):
+        pytest.skip("cannot make a folder read-only here (chattr +i needs root on ext4/xfs)")
+    monkeypatch.setenv("FREEZE_RANKS", "0")
+    monkeypatch.setenv("SLEEP_RANKS", "1")  # rank 1 would wait forever: it must be stopped
+    try:
+        result = crf(*_common(base, script, run_id="frozen"), "-n", "2", "-r", "3",
+                     "--no-progress", "--timeout", "300")  # fmt: skip
+    finally:
+        thaw(base / "frozen")
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "restarted it" not in said, result.output
+    assert f"the run folder {base / 'frozen'} refuses writes (PermissionError" in said
+    assert "continue with crf launch --resume frozen" in said
+    assert "did not finish within" not in said  # stopped, not timed out
+    assert "started again" not in (base / "frozen" / "logs" / "replica-0.log").read_text()
 
 
 def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
