@@ -74,11 +74,10 @@ class Run:
     def cancel(self) -> RunResult | None:
         """Stop every replica still running and write the summary; the result (None if the
         summary could not be gathered)."""
-        from crf.launcher.attach import gather
+        from crf.launcher.attach import cancel_run, gather
 
         run = self._attached()
-        live = [h for h, st, _ in run.statuses() if not st.terminal]
-        run.executor.cancel_all(live)
+        live = cancel_run(run)
         if run.result() is None:
             gather(run, report=False, cancelled=bool(live))
         data = run.result()

@@ -387,6 +387,44 @@ def test_read_only_run_folder_stops_the_run_without_restarts(
     assert "started again" not in (base / "frozen" / "logs" / "replica-0.log").read_text()
 
 
+def test_crf_cancel_stops_a_watched_run_without_restarts(base: Path, script: Path) -> None:
+    """crf cancel from another process while the launching driver still watches: the driver
+    must not take the stopped replicas for dead ones and restart them; it ends the run as
+    cancelled (exit 130), and the summary says so."""
+    cmd = [sys.executable, "-m", "crf.launcher.cli", *_common(base, script, run_id="watched")]
+    cmd[cmd.index("testjob")] = "lm"  # the in-process test job is not registered there
+    log = base.parent / "driver.log"
+    base.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        driver = subprocess.Popen([*cmd, "-n", "2", "--no-progress"], stdout=out,
+                                  stderr=subprocess.STDOUT,
+                                  env={**os.environ, "SLEEP_RANKS": "0,1"})  # fmt: skip
+        try:
+            beats = [base / "watched" / "replicas" / str(r) / "state.json" for r in (0, 1)]
+            deadline = time.monotonic() + 60
+            while not all(b.exists() for b in beats):
+                assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            pids = [json.loads(b.read_text())["pid"] for b in beats]
+            cancelled = crf("cancel", "watched", "--store", str(base))
+            assert cancelled.exit_code == 0, cancelled.output
+            assert "cancelled 2 running replica(s)" in cancelled.output
+            code = driver.wait(120)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    said = log.read_text()
+    assert code == 130, said
+    assert "restarted it" not in said and "not restarting it: the run was cancelled" in said
+    summary = json.loads((base / "watched" / "result.json").read_text())
+    assert summary["status"] == "cancelled" and summary["restarts"] == 0, summary
+    assert not (base / "watched" / "launches" / "0" / "attempts").exists()
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
     import crf as crf_pkg
     from crf.executors.local import LocalProcessExecutor

@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -165,6 +167,23 @@ def attach(run_id: str, store: str | None = None) -> AttachedRun:
             else executor
         )
     return attached
+
+
+def cancel_run(run: AttachedRun) -> list[ReplicaHandle]:
+    """Stop every replica of ``run`` still running (and its rollout workers); the replicas
+    that were. The request is written to the store first (``launches/<k>/cancel.json``): a
+    driver still watching the run would otherwise take the stopped replicas for dead ones
+    and restart them."""
+    live = [h for h, st, _ in run.statuses() if not st.terminal]
+    if live:
+        run.store.put_json(
+            layout.cancel_key(run.launch_no),
+            {"requested_at": time.time(), "host": socket.gethostname(), "pid": os.getpid()},
+        )
+    run.executor.cancel_all(live)
+    if run.workers and run.worker_executor is not None:  # they serve no one now
+        run.worker_executor.cancel_all(run.workers)
+    return live
 
 
 def gather(

@@ -799,16 +799,13 @@ def cancel(
     """Stop every replica of a run (from any machine that can reach its store and backend),
     then write its summary."""
     from crf.executors.base import ExecutorError
-    from crf.launcher.attach import attach, gather
+    from crf.launcher.attach import attach, cancel_run, gather
     from crf.launcher.errors import LaunchError
     from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
-        live = [h for h, st, _ in run_.statuses() if not st.terminal]
-        run_.executor.cancel_all(live)
-        if run_.workers and run_.worker_executor is not None:  # they serve no one now
-            run_.worker_executor.cancel_all(run_.workers)
+        live = cancel_run(run_)
     except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     console = Console()

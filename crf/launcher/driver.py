@@ -290,6 +290,7 @@ def run(
         sup.stopped = True
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         plan.executor.cancel_all(sup.handles)
+    cancelled = cancelled or sup.cancelled  # crf cancel from elsewhere
     extra |= _stop_workers(pool)
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
         error = sup.fatal

@@ -74,6 +74,8 @@ class Supervisor:
         self.attempts: dict[int, list[dict[str, Any]]] = {h.rank: [] for h in handles}
         self.not_restarted: dict[int, str] = {}
         self.stopped = False  # set once the driver cancels the run: no more restarts
+        #: set once ``crf cancel`` asked this launch to stop (launches/<k>/cancel.json)
+        self.cancelled = False
         #: the errors (``Type: message``) each rank failed with before its first committed
         #: round, over its attempts: one seen twice is a bug, not a death
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
@@ -91,6 +93,8 @@ class Supervisor:
         policy = self.plan.restart
         if self.fatal is not None and self.stopped:
             return "a restart cannot fix its error (the run stopped)"
+        if self.cancelled:
+            return "the run was cancelled (crf cancel)"
         if self.stopped:
             return "the run is being stopped"
         if status.exit_code in NO_RESTART_EXIT_CODES:
@@ -123,7 +127,10 @@ class Supervisor:
             return status
         if status.state is not ReplicaState.FAILED or handle.rank in self.not_restarted:
             return status
-        self._judge_early_error(handle.rank)
+        if not self.cancelled and self._cancel_requested():
+            self.cancelled = self.stopped = True  # stopped by crf cancel: not a death
+        if not self.cancelled:  # a cancelled replica's error says nothing about the input
+            self._judge_early_error(handle.rank)
         reason = self._why_not(handle.rank, status)
         if reason is not None:
             self.not_restarted[handle.rank] = reason
@@ -154,6 +161,14 @@ class Supervisor:
             "from the newest global state[/]"
         )
         return executor.status(new)
+
+    def _cancel_requested(self) -> bool:
+        """Whether ``crf cancel`` (from any process) asked this launch to stop: its replicas
+        then end by a signal, which looks like a death to the backend."""
+        try:
+            return self.plan.store.exists(layout.cancel_key(self.launch_no))
+        except Exception:  # noqa: BLE001 - unreadable: judge the replica as a death
+            return False
 
     def _judge_early_error(self, rank: int) -> None:
         """End the run at once when replica ``rank`` failed before its first committed round
