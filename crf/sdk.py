@@ -79,7 +79,7 @@ class Run:
         run = self._attached()
         live = cancel_run(run)
         if run.result() is None:
-            gather(run, report=False, cancelled=bool(live))
+            gather(run, report=False, cancelled=bool(live), cancelled_ranks=[h.rank for h in live])
         data = run.result()
         return RunResult.from_dict(data) if data else None
 

@@ -419,6 +419,7 @@ def test_crf_cancel_stops_a_watched_run_without_restarts(base: Path, script: Pat
     assert "restarted it" not in said and "not restarting it: the run was cancelled" in said
     summary = json.loads((base / "watched" / "result.json").read_text())
     assert summary["status"] == "cancelled" and summary["restarts"] == 0, summary
+    assert [r["state"] for r in summary["replicas"]] == ["cancelled", "cancelled"]
     assert not (base / "watched" / "launches" / "0" / "attempts").exists()
     for pid in pids:
         stat = Path(f"/proc/{pid}/stat")

@@ -187,9 +187,15 @@ def cancel_run(run: AttachedRun) -> list[ReplicaHandle]:
 
 
 def gather(
-    run: AttachedRun, *, report: bool = False, console: Any = None, cancelled: bool = False
+    run: AttachedRun,
+    *,
+    report: bool = False,
+    console: Any = None,
+    cancelled: bool = False,
+    cancelled_ranks: Iterable[int] = (),
 ) -> dict[str, Any]:
-    """Write this launch's summary (all replicas have ended); return it."""
+    """Write this launch's summary (all replicas have ended); return it. ``cancelled_ranks``:
+    the replicas this process stopped (``cancel_run``), reported as cancelled, not failed."""
     from crf.launcher.driver import finish_run
 
     record = run.launch_record
@@ -212,6 +218,7 @@ def gather(
         started=float(record.get("started_at") or time.time()),
         extra=extra,
         cancelled=cancelled,
+        cancelled_ranks=set(cancelled_ranks),
         report=report,
         console=console,
     )

@@ -811,7 +811,8 @@ def cancel(
     console = Console()
     console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
     if run_.result() is None:
-        summary = gather(run_, report=False, console=console, cancelled=bool(live))
+        summary = gather(run_, report=False, console=console, cancelled=bool(live),
+                         cancelled_ranks=[h.rank for h in live])  # fmt: skip
         if summary.get("result_path") is None:  # the store refused it: say why, exit 1
             _fail(str(summary.get("error")), EXIT_FAILED)
         console.print(f"summary written: {escape(str(summary['result_path']))}")

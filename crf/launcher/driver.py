@@ -16,6 +16,7 @@ resume overwrites anything without keeping it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -306,6 +307,7 @@ def run(
         attempts=sup.attempts,
         restarts=sup.restarts,
         not_restarted=sup.not_restarted,
+        cancelled_ranks=sup.cancelled_ranks,
         extra=extra,
         report=report,
         console=console,
@@ -411,7 +413,14 @@ def finish_run(
     console = console or Console()
     extra = dict(facts.pop("extra", None) or {})
     workers = extra.pop("workers", None)  # the rollout workers' rows (crf.launcher.workers)
-    results = executor.collect(handles, timeout=60)
+    stopped = set(facts.pop("cancelled_ranks", None) or ())
+    results = [
+        # crf cancel from another process: to this executor its replicas died of a signal
+        dataclasses.replace(r, state=ReplicaState.CANCELLED, error="cancelled")
+        if r.rank in stopped and r.state is ReplicaState.FAILED and not r.ok
+        else r
+        for r in executor.collect(handles, timeout=60)
+    ]
     tails = {
         r.rank: log_tail(executor, r.handle)
         for r in results

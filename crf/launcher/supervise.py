@@ -76,6 +76,7 @@ class Supervisor:
         self.stopped = False  # set once the driver cancels the run: no more restarts
         #: set once ``crf cancel`` asked this launch to stop (launches/<k>/cancel.json)
         self.cancelled = False
+        self.cancelled_ranks: set[int] = set()  # the replicas that cancel stopped
         #: the errors (``Type: message``) each rank failed with before its first committed
         #: round, over its attempts: one seen twice is a bug, not a death
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
@@ -94,6 +95,7 @@ class Supervisor:
         if self.fatal is not None and self.stopped:
             return "a restart cannot fix its error (the run stopped)"
         if self.cancelled:
+            self.cancelled_ranks.add(rank)
             return "the run was cancelled (crf cancel)"
         if self.stopped:
             return "the run is being stopped"
