@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import inspect
 import shutil
+import sys
 import time
 import typing
 from collections.abc import Iterable
@@ -781,7 +782,7 @@ def rm(
 
     try:
         where = run_store(run_id, store).root
-        if not yes and not typer.confirm(f"delete run {run_id} ({where}) and all its objects?"):
+        if not yes and not _confirm(f"delete run {run_id} ({where}) and all its objects?"):
             raise typer.Exit(EXIT_USAGE)
         count, size = remove_run(run_id, store)
     except (LaunchError, StoreError) as e:
@@ -910,6 +911,19 @@ def plot(
     except (LaunchError, StoreError, OSError) as e:
         _fail(str(e))
     Console().print(f"figure: {escape(where)}", soft_wrap=True, highlight=False)
+
+
+def _confirm(question: str) -> bool:
+    """Ask; with no answer to read (stdin closed or at its end: a script, CI) say how to
+    skip the question, in one line, exit 2, instead of click's bare "Aborted!" and exit 1."""
+    try:
+        return typer.confirm(question)
+    except typer.Abort:
+        if sys.stdin is not None and sys.stdin.isatty():
+            raise  # Ctrl-C at the question: click's own "Aborted!"
+        typer.echo("", err=True)  # end the question's line
+        _fail("no answer to read (stdin is not a terminal): nothing deleted; pass -y to "
+              "delete without asking")  # fmt: skip
 
 
 def _exit_code(summary: dict) -> int:
