@@ -17,6 +17,7 @@ Layout of one run folder::
     launches/<k>/handles.json                 the replicas' handles (to attach, cancel, resume)
     launches/<k>/workers.json                 the rollout workers' handles
     launches/<k>/attempts/<rank>-<a>.json     what a replica's failed attempt left
+    launches/<k>/cancel.json                  crf cancel asked launch k to stop (no restarts)
     launches/<k>/previous/...                 the previous launch's result files, kept at resume
     launches/<k>/superseded/global/<r>/...    global states a resume started past
     replicas/<rank>/state.json                heartbeat
@@ -146,6 +147,12 @@ def handles_key(k: int) -> str:
 def worker_handles_key(launch: int) -> str:
     """The rollout workers' handles of driver launch ``launch`` (beside the replicas')."""
     return f"{LAUNCHES}/{launch}/workers.json"
+
+
+def cancel_key(k: int) -> str:
+    """Written by ``crf cancel`` before it signals the replicas: a driver watching launch
+    ``k`` reads it when a replica dies, and restarts none (a cancel, not a death)."""
+    return f"{LAUNCHES}/{k}/cancel.json"
 
 
 def attempt_key(k: int, rank: int, attempt: int) -> str:

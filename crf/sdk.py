@@ -74,13 +74,12 @@ class Run:
     def cancel(self) -> RunResult | None:
         """Stop every replica still running and write the summary; the result (None if the
         summary could not be gathered)."""
-        from crf.launcher.attach import gather
+        from crf.launcher.attach import cancel_run, gather
 
         run = self._attached()
-        live = [h for h, st, _ in run.statuses() if not st.terminal]
-        run.executor.cancel_all(live)
+        live = cancel_run(run)
         if run.result() is None:
-            gather(run, report=False, cancelled=bool(live))
+            gather(run, report=False, cancelled=bool(live), cancelled_ranks=[h.rank for h in live])
         data = run.result()
         return RunResult.from_dict(data) if data else None
 

@@ -46,6 +46,13 @@ for r in range(spec["rounds"]):
                    "participants": list(range(world)), "loss": loss, "metrics": {},
                    "sync_s": 0.01, "compute_s": 0.02, "bytes_up": 1000, "bytes_down": 2000})
     beat("training", r + 1, loss)
+    if r == 0 and str(rank) in os.environ.get("FREEZE_RANKS", "").split(","):
+        import subprocess  # the run folder refuses writes from here on (as test_cli.freeze)
+        for folder, _, _ in os.walk(store.root):
+            if os.geteuid() == 0:
+                subprocess.run(["chattr", "+i", folder], check=True)
+            else:
+                os.chmod(folder, 0o555)
 if str(rank) in os.environ.get("FAIL_RANKS", "").split(","):
     print("something went badly wrong", flush=True)
     beat("failed", spec["rounds"], loss)
@@ -58,6 +65,8 @@ store.put_json(f"results/{rank}.json", {
     "job_metrics": {},
 })
 beat("done", spec["rounds"], loss)
+if rank == 0 and os.environ.get("BLOCK_RESULT"):  # the run folder refuses result.json
+    os.makedirs(os.path.join(store.root, "result.json", "held"), exist_ok=True)
 """
 
 
@@ -295,6 +304,128 @@ def test_failed_replica_gives_nonzero_exit(
     assert "failed (3)" in result.output
 
 
+def test_unsaved_result_exits_nonzero(
+    base: Path, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replica finished ok, but the run folder refused result.json: the summary is
+    shown with one line saying why, and the exit code is 1 (a script must not take a run
+    with no record for a success), for crf launch and for crf status alike."""
+    monkeypatch.setenv("BLOCK_RESULT", "1")  # rank 0 puts a folder where result.json goes
+    result = crf(*_common(base, script, run_id="unsaved"), "-n", "2", "-r", "2", "--no-progress")
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert said.count("result.json could not be written to") == 1, result.output
+    assert "run ok" in said  # the run itself did end ok: the summary says so
+    assert (base / "unsaved" / "result.json").is_dir()
+    status = crf("status", "unsaved", "--store", str(base))
+    assert status.exit_code == 1, status.output
+    assert "result.json could not be written to" in " ".join(status.output.split())
+
+
+def _freezable(folder: Path) -> bool:
+    """Whether this process can make ``folder`` refuse writes: chmod as a user, chattr +i
+    (an immutable folder) as root, whom permissions do not stop."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        freeze(str(folder))
+        ok = not os.access(folder, os.W_OK) or _refused(folder / "probe")
+    except (OSError, subprocess.CalledProcessError):
+        ok = False
+    thaw(folder)
+    return ok
+
+
+def _refused(path: Path) -> bool:
+    try:
+        path.write_text("x")
+    except PermissionError:
+        return True
+    path.unlink()
+    return False
+
+
+def freeze(root: str) -> None:
+    """Make every folder under ``root`` refuse new entries (a read-only run folder; the
+    replica script does the same for FREEZE_RANKS)."""
+    for folder, _, _ in os.walk(root):
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i", folder], check=True, capture_output=True)
+        else:
+            os.chmod(folder, 0o555)
+
+
+def thaw(root: Path) -> None:
+    for folder, _, _ in os.walk(root):
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", folder], check=False, capture_output=True)
+        else:
+            os.chmod(folder, 0o755)
+
+
+def test_read_only_run_folder_stops_the_run_without_restarts(
+    base: Path, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run folder turns read-only mid-run: the replica that dies on it is not restarted
+    (every attempt would die the same way), the others are stopped, and one line says what
+    to fix and how to continue; exit 1."""
+    if not _freezable(base / "probe"):
+        pytest.skip("cannot make a folder read-only here (chattr +i needs root on ext4/xfs)")
+    monkeypatch.setenv("FREEZE_RANKS", "0")
+    monkeypatch.setenv("SLEEP_RANKS", "1")  # rank 1 would wait forever: it must be stopped
+    try:
+        result = crf(*_common(base, script, run_id="frozen"), "-n", "2", "-r", "3",
+                     "--no-progress", "--timeout", "300")  # fmt: skip
+    finally:
+        thaw(base / "frozen")
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "restarted it" not in said, result.output
+    assert f"the run folder {base / 'frozen'} refuses writes (PermissionError" in said
+    assert "continue with crf launch --resume frozen" in said
+    assert "did not finish within" not in said  # stopped, not timed out
+    assert "started again" not in (base / "frozen" / "logs" / "replica-0.log").read_text()
+
+
+def test_crf_cancel_stops_a_watched_run_without_restarts(base: Path, script: Path) -> None:
+    """crf cancel from another process while the launching driver still watches: the driver
+    must not take the stopped replicas for dead ones and restart them; it ends the run as
+    cancelled (exit 130), and the summary says so."""
+    cmd = [sys.executable, "-m", "crf.launcher.cli", *_common(base, script, run_id="watched")]
+    cmd[cmd.index("testjob")] = "lm"  # the in-process test job is not registered there
+    log = base.parent / "driver.log"
+    base.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        driver = subprocess.Popen([*cmd, "-n", "2", "--no-progress"], stdout=out,
+                                  stderr=subprocess.STDOUT,
+                                  env={**os.environ, "SLEEP_RANKS": "0,1"})  # fmt: skip
+        try:
+            beats = [base / "watched" / "replicas" / str(r) / "state.json" for r in (0, 1)]
+            deadline = time.monotonic() + 60
+            while not all(b.exists() for b in beats):
+                assert driver.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            pids = [json.loads(b.read_text())["pid"] for b in beats]
+            cancelled = crf("cancel", "watched", "--store", str(base))
+            assert cancelled.exit_code == 0, cancelled.output
+            assert "cancelled 2 running replica(s)" in cancelled.output
+            code = driver.wait(120)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    said = log.read_text()
+    assert code == 130, said
+    assert "restarted it" not in said and "not restarting it: the run was cancelled" in said
+    summary = json.loads((base / "watched" / "result.json").read_text())
+    assert summary["status"] == "cancelled" and summary["restarts"] == 0, summary
+    assert [r["state"] for r in summary["replicas"]] == ["cancelled", "cancelled"]
+    assert not (base / "watched" / "launches" / "0" / "attempts").exists()
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def test_python_api(base: Path, script: Path, tmp_path: Path) -> None:
     import crf as crf_pkg
     from crf.executors.local import LocalProcessExecutor
@@ -340,8 +471,13 @@ def test_timeout_cancels_the_run(base: Path, script: Path, monkeypatch: pytest.M
     assert [r["state"] for r in summary["replicas"]] == ["succeeded", "cancelled"]
 
 
-def test_ctrl_c_cancels_replicas(base: Path, script: Path, tmp_path: Path) -> None:
-    """SIGINT reaches only the driver (replicas have their own sessions); it cancels them."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_cancels_replicas(
+    base: Path, script: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """SIGINT reaches only the driver (replicas have their own sessions); it cancels them.
+    SIGTERM (a CI job cancelled, kill, docker stop) does the same, not a silent death that
+    leaves the replicas unwatched."""
     # a separate driver process: the in-process test job is not registered there, use lm
     cmd = [sys.executable, "-m", "crf.launcher.cli", *_common(base, script, run_id="intr")]
     cmd[cmd.index("testjob")] = "lm"
@@ -362,17 +498,19 @@ def test_ctrl_c_cancels_replicas(base: Path, script: Path, tmp_path: Path) -> No
             assert driver.poll() is None and time.monotonic() < deadline, "replicas never started"
             time.sleep(0.05)
         pids = [json.loads(b.read_text())["pid"] for b in beats]
-        driver.send_signal(signal.SIGINT)
+        driver.send_signal(sig)
         try:
             code = driver.wait(60)
         except subprocess.TimeoutExpired:  # say where it hung (it did once, under CI load)
             driver.kill()
             driver.wait()
             raise AssertionError(
-                "the driver did not exit within 60 s of SIGINT; its log:\n"
+                f"the driver did not exit within 60 s of {sig.name}; its log:\n"
                 + (tmp_path / "driver.log").read_text()
             ) from None
-        assert code == 130, (tmp_path / "driver.log").read_text()
+        said = (tmp_path / "driver.log").read_text()
+        assert code == 130, said
+        assert "interrupted: cancelling the replicas" in said and "Traceback" not in said
     summary = json.loads((base / "intr" / "result.json").read_text())
     assert summary["status"] == "cancelled"
     assert [r["state"] for r in summary["replicas"]] == ["cancelled", "cancelled"]

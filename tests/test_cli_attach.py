@@ -136,6 +136,9 @@ def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     result = json.loads((base / "long" / "result.json").read_text())
     assert result["status"] == "cancelled"
+    # the replicas it stopped are cancelled, not failed (to its executor they died of SIGTERM)
+    assert [r["state"] for r in result["replicas"]] == ["cancelled", "cancelled"]
+    assert (base / "long" / "launches" / "0" / "cancel.json").exists()
     code, out = crf("status", "long", "--store", str(base))
     assert code == 130 and "cancelled" in out
 

@@ -59,6 +59,11 @@ def test_rm_asks_refuses_a_running_run_and_deletes(tmp_path: Path, script: Path)
     no = subprocess.run([*CRF, "rm", "busy", "--store", str(base)], input="n\n",
                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert no.returncode == 2 and (base / "busy" / "run.json").exists()
+    # no answer to read (a script, CI: stdin at its end): one line saying how, not "Aborted!"
+    eof = subprocess.run([*CRF, "rm", "busy", "--store", str(base)], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert eof.returncode == 2 and (base / "busy" / "run.json").exists(), eof.stderr
+    assert "nothing deleted; pass -y" in eof.stderr and "Aborted" not in eof.stderr
     code, out = crf("rm", "busy", "--store", str(base), "-y")
     assert code == 0 and "deleted run busy" in out and "object(s)" in out
     assert not (base / "busy").exists()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -167,10 +169,35 @@ def attach(run_id: str, store: str | None = None) -> AttachedRun:
     return attached
 
 
+def cancel_run(run: AttachedRun) -> list[ReplicaHandle]:
+    """Stop every replica of ``run`` still running (and, once its summary is written, its
+    rollout workers: before, the gather that writes it stops them); the replicas that
+    were. The request is written to the store first (``launches/<k>/cancel.json``): a
+    driver still watching the run would otherwise take the stopped replicas for dead ones
+    and restart them."""
+    live = [h for h, st, _ in run.statuses() if not st.terminal]
+    if live:
+        run.store.put_json(
+            layout.cancel_key(run.launch_no),
+            {"requested_at": time.time(), "host": socket.gethostname(), "pid": os.getpid()},
+        )
+    run.executor.cancel_all(live)
+    gathered = run.result() is not None  # else gather cancels the workers, and says so
+    if gathered and run.workers and run.worker_executor is not None:
+        run.worker_executor.cancel_all(run.workers)  # they serve no one now
+    return live
+
+
 def gather(
-    run: AttachedRun, *, report: bool = False, console: Any = None, cancelled: bool = False
+    run: AttachedRun,
+    *,
+    report: bool = False,
+    console: Any = None,
+    cancelled: bool = False,
+    cancelled_ranks: Iterable[int] = (),
 ) -> dict[str, Any]:
-    """Write this launch's summary (all replicas have ended); return it."""
+    """Write this launch's summary (all replicas have ended); return it. ``cancelled_ranks``:
+    the replicas this process stopped (``cancel_run``), reported as cancelled, not failed."""
     from crf.launcher.driver import finish_run
 
     record = run.launch_record
@@ -196,6 +223,7 @@ def gather(
         started=float(record.get("started_at") or time.time()),
         extra=extra,
         cancelled=cancelled,
+        cancelled_ranks=set(cancelled_ranks),
         report=report,
         console=console,
     )

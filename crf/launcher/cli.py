@@ -1,8 +1,9 @@
 """The ``crf`` command line (typer + rich).
 
 Exit codes are part of the interface, so scripts and CI can rely on them:
-0 the run finished ok; 1 the run started but failed (see result.json); 2 bad input, nothing was
-launched; 130 interrupted with Ctrl-C (replicas were cancelled).
+0 the run finished ok; 1 the run started but failed (see result.json), or its result.json
+could not be written; 2 bad input, nothing was launched; 130 interrupted with Ctrl-C or
+SIGTERM (replicas were cancelled).
 
 ``crf launch --resume RUN_ID`` continues a stopped run from its own ``run.json``; the options
 that define a run (replicas, job, H, rounds, ...) are refused with it rather than silently
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import inspect
 import shutil
+import sys
 import time
 import typing
 from collections.abc import Iterable
@@ -780,7 +782,7 @@ def rm(
 
     try:
         where = run_store(run_id, store).root
-        if not yes and not typer.confirm(f"delete run {run_id} ({where}) and all its objects?"):
+        if not yes and not _confirm(f"delete run {run_id} ({where}) and all its objects?"):
             raise typer.Exit(EXIT_USAGE)
         count, size = remove_run(run_id, store)
     except (LaunchError, StoreError) as e:
@@ -798,24 +800,23 @@ def cancel(
     """Stop every replica of a run (from any machine that can reach its store and backend),
     then write its summary."""
     from crf.executors.base import ExecutorError
-    from crf.launcher.attach import attach, gather
+    from crf.launcher.attach import attach, cancel_run, gather
     from crf.launcher.errors import LaunchError
     from crf.store.errors import StoreError
 
     try:
         run_ = attach(run_id, store)
-        live = [h for h, st, _ in run_.statuses() if not st.terminal]
-        run_.executor.cancel_all(live)
-        gathered = run_.result() is not None  # else gather cancels the workers, and says so
-        if gathered and run_.workers and run_.worker_executor is not None:
-            run_.worker_executor.cancel_all(run_.workers)  # they serve no one now
+        live = cancel_run(run_)
     except (LaunchError, ExecutorError, StoreError) as e:
         _fail(str(e))
     console = Console()
     console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
-    if not gathered:
-        summary = gather(run_, report=False, console=console, cancelled=bool(live))
-        console.print(f"summary written: {escape(str(summary.get('result_path')))}")
+    if run_.result() is None:
+        summary = gather(run_, report=False, console=console, cancelled=bool(live),
+                         cancelled_ranks=[h.rank for h in live])  # fmt: skip
+        if summary.get("result_path") is None:  # the store refused it: say why, exit 1
+            _fail(str(summary.get("error")), EXIT_FAILED)
+        console.print(f"summary written: {escape(str(summary['result_path']))}")
 
 
 @app.command()
@@ -912,8 +913,28 @@ def plot(
     Console().print(f"figure: {escape(where)}", soft_wrap=True, highlight=False)
 
 
+def _confirm(question: str) -> bool:
+    """Ask; with no answer to read (stdin closed or at its end: a script, CI) say how to
+    skip the question, in one line, exit 2, instead of click's bare "Aborted!" and exit 1."""
+    try:
+        return typer.confirm(question)
+    except typer.Abort:
+        if sys.stdin is not None and sys.stdin.isatty():
+            raise  # Ctrl-C at the question: click's own "Aborted!"
+        typer.echo("", err=True)  # end the question's line
+        _fail("no answer to read (stdin is not a terminal): nothing deleted; pass -y to "
+              "delete without asking")  # fmt: skip
+
+
 def _exit_code(summary: dict) -> int:
-    if summary["status"] in ("ok", "detached"):
+    """0 for a run that ended ok and whose summary was saved (or one left detached); a run
+    whose result.json could not be written exits 1 whatever its status: scripts (and
+    ``crf runs``) would otherwise find no record of the run that "succeeded"."""
+    if summary["status"] == "detached":
+        return EXIT_OK
+    if "result_path" in summary and summary["result_path"] is None:
+        return EXIT_FAILED
+    if summary["status"] == "ok":
         return EXIT_OK
     return EXIT_INTERRUPTED if summary["status"] == "cancelled" else EXIT_FAILED
 

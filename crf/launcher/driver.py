@@ -16,10 +16,13 @@ resume overwrites anything without keeping it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import signal
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
@@ -272,20 +275,23 @@ def run(
     error: str | None = None
     cancelled = False
     try:
-        if watch(
-            sup,
-            console=console,
-            progress=progress,
-            timeout_s=timeout_s,
-            poll_s=poll_s,
-            started=started,
-        ):
+        with _sigterm_as_interrupt():
+            timed_out = watch(
+                sup,
+                console=console,
+                progress=progress,
+                timeout_s=timeout_s,
+                poll_s=poll_s,
+                started=started,
+            )
+        if timed_out:
             error = f"the run did not finish within {timeout_s}s; its replicas were cancelled"
     except KeyboardInterrupt:
         cancelled = True
         sup.stopped = True
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         plan.executor.cancel_all(sup.handles)
+    cancelled = cancelled or sup.cancelled  # crf cancel from elsewhere
     extra |= _stop_workers(pool)
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
         error = sup.fatal
@@ -301,11 +307,34 @@ def run(
         attempts=sup.attempts,
         restarts=sup.restarts,
         not_restarted=sup.not_restarted,
+        cancelled_ranks=sup.cancelled_ranks,
         extra=extra,
         report=report,
         console=console,
         plot=plot,
     )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the driver watches, SIGTERM does what Ctrl-C does: cancel the replicas, write
+    the summary (status ``cancelled``), exit 130; ``crf launch --resume`` continues the run.
+    SIGTERM is how a CI job's cancel, ``kill``, ``docker stop`` or a batch scheduler ask a
+    process to stop; by default it ended the driver without a word and left the replicas
+    training with nobody watching. Only the main thread can take a signal (the SDK may
+    launch from another one: there SIGTERM keeps its default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_timeout(timeout_s: float | None) -> None:
@@ -384,7 +413,14 @@ def finish_run(
     console = console or Console()
     extra = dict(facts.pop("extra", None) or {})
     workers = extra.pop("workers", None)  # the rollout workers' rows (crf.launcher.workers)
-    results = executor.collect(handles, timeout=60)
+    stopped = set(facts.pop("cancelled_ranks", None) or ())
+    results = [
+        # crf cancel from another process: to this executor its replicas died of a signal
+        dataclasses.replace(r, state=ReplicaState.CANCELLED, error="cancelled")
+        if r.rank in stopped and r.state is ReplicaState.FAILED and not r.ok
+        else r
+        for r in executor.collect(handles, timeout=60)
+    ]
     tails = {
         r.rank: log_tail(executor, r.handle)
         for r in results

@@ -366,6 +366,10 @@ def run_problems(
     stopped the run for good (an error no restart can fix)."""
     committed = {m.get("round") for ms in metrics.values() for m in ms if m.get("committed")}
     committed &= set(range(rounds))
+    # a round is lost when the run got to it and nobody committed it; the rounds after the
+    # last one any replica recorded were never reached (a cancelled or failed run), not lost
+    recorded = [m.get("round") for ms in metrics.values() for m in ms]
+    reached = max((r for r in recorded if isinstance(r, int)), default=0)
     all_rejected = layout.rejected_keys(reported)
     syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
     fatal = next(
@@ -374,10 +378,13 @@ def run_problems(
     )
     return {
         "fatal_error": fatal,
-        # rounds at least one replica committed, and rounds nobody did (e.g. a bad object
-        # failed the round for everyone); None when no replica logged per-round metrics
+        # rounds at least one replica committed, and rounds the run reached that nobody did
+        # (e.g. a bad object failed the round for everyone); None when no replica logged
+        # per-round metrics
         "rounds_completed": len(committed) if metrics else None,
-        "rounds_lost": sorted(set(range(rounds)) - committed) if metrics else None,
+        "rounds_lost": sorted(set(range(min(reached + 1, rounds))) - committed)
+        if metrics
+        else None,
         "objects_rejected": len(all_rejected),
         "rejected_objects": all_rejected,
         "contributions_left_out": len({x.key for x in reported if x.left_out}),

@@ -8,6 +8,7 @@ The new process of a restarted replica resumes from the store by itself, so a re
 from __future__ import annotations
 
 import contextlib
+import errno
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -73,6 +74,9 @@ class Supervisor:
         self.attempts: dict[int, list[dict[str, Any]]] = {h.rank: [] for h in handles}
         self.not_restarted: dict[int, str] = {}
         self.stopped = False  # set once the driver cancels the run: no more restarts
+        #: set once ``crf cancel`` asked this launch to stop (launches/<k>/cancel.json)
+        self.cancelled = False
+        self.cancelled_ranks: set[int] = set()  # the replicas that cancel stopped
         #: the errors (``Type: message``) each rank failed with before its first committed
         #: round, over its attempts: one seen twice is a bug, not a death
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
@@ -90,6 +94,9 @@ class Supervisor:
         policy = self.plan.restart
         if self.fatal is not None and self.stopped:
             return "a restart cannot fix its error (the run stopped)"
+        if self.cancelled:
+            self.cancelled_ranks.add(rank)
+            return "the run was cancelled (crf cancel)"
         if self.stopped:
             return "the run is being stopped"
         if status.exit_code in NO_RESTART_EXIT_CODES:
@@ -122,7 +129,10 @@ class Supervisor:
             return status
         if status.state is not ReplicaState.FAILED or handle.rank in self.not_restarted:
             return status
-        self._judge_early_error(handle.rank)
+        if not self.cancelled and self._cancel_requested():
+            self.cancelled = self.stopped = True  # stopped by crf cancel: not a death
+        if not self.cancelled:  # a cancelled replica's error says nothing about the input
+            self._judge_early_error(handle.rank)
         reason = self._why_not(handle.rank, status)
         if reason is not None:
             self.not_restarted[handle.rank] = reason
@@ -133,7 +143,10 @@ class Supervisor:
             return status
         if heartbeat and heartbeat.updated_at < handle.started_at - 1:
             heartbeat = None  # written by an earlier attempt: says nothing about this one
-        self._record(handle, status, heartbeat)
+        refused = self._record(handle, status, heartbeat)
+        if refused is not None and refuses_writes(refused):
+            self._stop_for_store(handle.rank, refused)
+            return status
         try:
             new = executor.relaunch(handle)
         except ExecutorError as e:
@@ -150,6 +163,14 @@ class Supervisor:
             "from the newest global state[/]"
         )
         return executor.status(new)
+
+    def _cancel_requested(self) -> bool:
+        """Whether ``crf cancel`` (from any process) asked this launch to stop: its replicas
+        then end by a signal, which looks like a death to the backend."""
+        try:
+            return self.plan.store.exists(layout.cancel_key(self.launch_no))
+        except Exception:  # noqa: BLE001 - unreadable: judge the replica as a death
+            return False
 
     def _judge_early_error(self, rank: int) -> None:
         """End the run at once when replica ``rank`` failed before its first committed round
@@ -186,9 +207,31 @@ class Supervisor:
         with contextlib.suppress(Exception):  # the run ends either way; cancel is best effort
             self.plan.executor.cancel_all(others_running)
 
+    def _stop_for_store(self, rank: int, error: BaseException) -> None:
+        """End the run: the run folder refuses the driver's writes, so it refuses the
+        replicas' too (each of them died on it, or will), and every restart would only die
+        the same way, --max-restarts times per replica."""
+        from crf.launcher.plan import display_path
+
+        where = display_path(self.plan.store)
+        cause = " ".join(f"{type(error).__name__}: {error}".split())
+        self.fatal = (
+            f"the run folder {where} refuses writes ({cause}): a restart cannot fix it, so "
+            f"the run stopped; make it writable, then continue with crf launch --resume "
+            f"{self.plan.spec.run_id}"
+        )
+        self.not_restarted[rank] = "the run folder refuses writes"
+        self.stopped = True
+        self._say(f"[red]{escape(self.fatal)}[/]")
+        others = [h for h in self.handles if h.rank != rank]
+        with contextlib.suppress(Exception):  # the run ends either way; cancel is best effort
+            self.plan.executor.cancel_all(others)
+
     def _record(
         self, handle: ReplicaHandle, status: ReplicaStatus, heartbeat: layout.Heartbeat | None
-    ) -> None:
+    ) -> BaseException | None:
+        """Keep what the ended attempt left (see the class); the store's error when it
+        refused the record, else None."""
         store = self.plan.store
         attempt = int(handle.extra.get("attempt", 0))
         record: dict[str, Any] = {
@@ -213,18 +256,40 @@ class Supervisor:
             store.put_json(layout.attempt_key(self.launch_no, handle.rank, attempt), record)
             if record["result"] is not None:
                 store.delete(key)
-        except Exception as e:  # bookkeeping must never stop a restart
+        except Exception as e:  # a store outage must not stop a restart (the caller judges)
             record["record_error"] = f"{type(e).__name__}: {e}"
+            failure: BaseException | None = e
+        else:
+            failure = None
         slim = {k: v for k, v in record.items() if k != "result"}
         if isinstance(record["result"], dict):  # it failed cleanly and said why
             slim["error"] = record["result"].get("error")
             slim["rejected"] = record["result"].get("rejected") or []
         self.attempts[handle.rank].append(slim)
+        return failure
 
     def _say(self, message: str) -> None:
         """Tell the user at once (above the live table): a restart is news, not a summary."""
         if self.console is not None:
             self.console.print(message, highlight=False)
+
+
+#: errno values of a folder that refuses writes for good: no permission, a read-only file
+#: system (a full disk, ENOSPC, may clear, and a store outage is retried by a restart)
+_REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def refuses_writes(error: BaseException) -> bool:
+    """Whether the run store's ``error`` (or one it was raised from) says it refuses writes
+    for good, rather than that it is unreachable for a while."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno in _REFUSED:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def save_handles(store: RunStore, launch_no: int, handles: Sequence[ReplicaHandle]) -> None:

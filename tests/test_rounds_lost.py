@@ -1,0 +1,34 @@
+"""``rounds_lost`` names the rounds a run reached that nobody committed, not the rounds a
+cancelled or failed run never got to: "round(s) 2, 3, ..., 9 committed by nobody" under a run
+cancelled in round 2 read as eight rounds of lost work."""
+
+from __future__ import annotations
+
+from crf.launcher.summary import run_problems
+
+
+def _record(rnd: int, committed: bool) -> dict:
+    return {"round": rnd, "committed": committed, "loss": 1.0}
+
+
+def test_rounds_after_the_last_reached_are_not_lost() -> None:
+    metrics = {0: [_record(0, True), _record(1, True)], 1: [_record(0, True)]}
+    problems = run_problems([], [], metrics, rounds=10)
+    assert problems["rounds_completed"] == 2
+    assert problems["rounds_lost"] == []
+
+
+def test_a_round_nobody_committed_is_lost_even_when_later_ones_were() -> None:
+    metrics = {
+        0: [_record(0, True), _record(1, False), _record(2, True), _record(3, False)],
+        1: [_record(0, True), _record(1, False)],
+    }
+    problems = run_problems([], [], metrics, rounds=6)
+    assert problems["rounds_completed"] == 2
+    assert problems["rounds_lost"] == [1, 3]
+
+
+def test_a_run_that_committed_nothing_lost_its_first_round() -> None:
+    problems = run_problems([], [], {0: [], 1: []}, rounds=5)
+    assert problems["rounds_lost"] == [0]
+    assert run_problems([], [], {}, rounds=5)["rounds_lost"] is None
