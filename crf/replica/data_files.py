@@ -351,9 +351,7 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
         try:
             whole = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(
-                f"{flag} {shown}: line {e.lineno} is not valid JSON ({e.msg} at column {e.colno})"
-            ) from None
+            raise _not_json(flag, shown, e.lineno, e) from None
     elif head == "{" and suffix_of(path) == ".json":
         try:  # one object over the whole file, or JSON lines ("Extra data" after line 1)
             whole = json.loads(text)
@@ -394,6 +392,10 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
     return _from_dicts(rows)
 
 
+def _not_json(flag: str, shown: str, line: int, e: json.JSONDecodeError) -> DataError:
+    return DataError(f"{flag} {shown}: line {line} is not valid JSON ({e.msg} at column {e.colno})")
+
+
 def _line_row(line: str, number: int, flag: str, shown: str) -> dict[str, Any] | None:
     """Line ``number`` of a JSON lines file as its row (None: a blank line); DataError
     naming the line when it is no JSON object."""
@@ -402,9 +404,7 @@ def _line_row(line: str, number: int, flag: str, shown: str) -> dict[str, Any] |
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(
-            f"{flag} {shown}: line {number} is not valid JSON ({e.msg} at column {e.colno})"
-        ) from None
+        raise _not_json(flag, shown, number, e) from None
     if not isinstance(row, dict):
         raise DataError(
             f"{flag} {shown}: line {number} is a JSON {type(row).__name__}, not an "
