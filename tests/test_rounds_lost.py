@@ -32,3 +32,17 @@ def test_a_run_that_committed_nothing_lost_its_first_round() -> None:
     problems = run_problems([], [], {0: [], 1: []}, rounds=5)
     assert problems["rounds_lost"] == [0]
     assert run_problems([], [], {}, rounds=5)["rounds_lost"] is None
+
+
+def test_a_cancel_after_every_replica_reported_ok_stopped_nothing() -> None:
+    """Ctrl-C as the run ends: every replica had already reported its own ok result, so the
+    run finished (a resume would train nothing); a cancel that stopped a replica, or one of
+    a script that reports no result, is a cancelled run."""
+    from crf.launcher.summary import run_status
+
+    done = [{"ok": True, "reported_status": "ok"}, {"ok": True, "reported_status": "ok"}]
+    assert run_status(done, {}, cancelled=True, error=None) == ("ok", None)
+    stopped = [done[0], {"ok": False, "reported_status": None}]
+    assert run_status(stopped, {}, cancelled=True, error=None)[0] == "cancelled"
+    silent = [{"ok": True, "reported_status": None}] * 2  # exit 0, no result of its own
+    assert run_status(silent, {}, cancelled=True, error=None)[0] == "cancelled"

@@ -313,11 +313,15 @@ def run_status(
     error: str | None,
     rounds: int | None = None,
 ) -> tuple[str, str | None]:
-    """The run's verdict and error (see :func:`build_summary`): a loss that went NaN/Inf
+    """The run's verdict and error (see :func:`build_summary`): ``cancelled`` unless every
+    replica had already reported its own ok result; a loss that went NaN/Inf
     fails a run whatever its exit codes, and is added to the error; so does a run that asked
     for ``rounds`` and exchanged none (:func:`never_exchanged`)."""
     idle = never_exchanged(rows, metrics, rounds) if rounds is not None else None
-    if cancelled:
+    # a cancel that came once every replica had reported its own ok result stopped nothing
+    # (Ctrl-C as the run ended): the run finished
+    finished = bool(rows) and all(r["ok"] and r.get("reported_status") == "ok" for r in rows)
+    if cancelled and not finished:
         status = "cancelled"
     elif error is not None or not rows or not all(row["ok"] for row in rows):
         status = "failed"
