@@ -494,7 +494,8 @@ def test_straggler_does_not_stall_the_others_and_rejoins(
     for r, m in metrics(run, 2).items():
         assert r < 2 or not m["committed"] or m["participants"] != [2], (r, m)
     if keep_rounds == 2:  # ~12 s late: round 2's folder was gone, it saw it was behind
-        assert metrics(run, 2)[2]["participants"] == [], metrics(run, 2)[2]
+        late = metrics(run, 2).get(2)  # none: it started later still and healed past it
+        assert (late is None and healed) or late["participants"] == [], (late, healed)
     # it rejoined: it took part in the last rounds, not forever one behind
     assert rounds - 1 in committed_rounds(run, 2) and rounds - 2 in committed_rounds(run, 2)
     others = [0, 1]

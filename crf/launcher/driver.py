@@ -272,26 +272,7 @@ def run(
         return _detached(plan, launch_no, handles, console, report)
     sup = Supervisor(plan, handles, launch_no=launch_no, console=console if report else None)
     sup.workers = pool
-    error: str | None = None
-    cancelled = False
-    try:
-        with _sigterm_as_interrupt():
-            timed_out = watch(
-                sup,
-                console=console,
-                progress=progress,
-                timeout_s=timeout_s,
-                poll_s=poll_s,
-                started=started,
-            )
-        if timed_out:
-            error = f"the run did not finish within {timeout_s}s; its replicas were cancelled"
-    except KeyboardInterrupt:
-        cancelled = True
-        sup.stopped = True
-        console.print("[yellow]interrupted: cancelling the replicas...[/]")
-        plan.executor.cancel_all(sup.handles)
-    cancelled = cancelled or sup.cancelled  # crf cancel from elsewhere
+    error, cancelled = _watched(plan, sup, console, progress, timeout_s, poll_s, started)
     extra |= _stop_workers(pool)
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
         error = sup.fatal
@@ -313,6 +294,39 @@ def run(
         console=console,
         plot=plot,
     )
+
+
+def _watched(
+    plan: Plan,
+    sup: Supervisor,
+    console: Console,
+    progress: bool,
+    timeout_s: float | None,
+    poll_s: float,
+    started: float,
+) -> tuple[str | None, bool]:
+    """Watch the replicas until they end: (the run's error, whether it was cancelled: by
+    Ctrl-C or SIGTERM here, which cancels the replicas, or by crf cancel elsewhere)."""
+    error: str | None = None
+    cancelled = False
+    try:
+        with _sigterm_as_interrupt():
+            timed_out = watch(
+                sup,
+                console=console,
+                progress=progress,
+                timeout_s=timeout_s,
+                poll_s=poll_s,
+                started=started,
+            )
+        if timed_out:
+            error = f"the run did not finish within {timeout_s}s; its replicas were cancelled"
+    except KeyboardInterrupt:
+        cancelled = True
+        sup.stopped = True
+        console.print("[yellow]interrupted: cancelling the replicas...[/]")
+        plan.executor.cancel_all(sup.handles)
+    return error, cancelled or sup.cancelled  # sup.cancelled: crf cancel from elsewhere
 
 
 @contextlib.contextmanager
