@@ -186,6 +186,7 @@ def test_bootstrap_loader_runs_the_command(tmp_path: Path) -> None:
 
     store = RunStore(f"file://{tmp_path}/run")
     data, sha = pack_source()
+    assert pack_source()[1] == sha  # the same source, the same key: its copy is found again
     key = layout.code_key(sha[:16])
     store.put(key, data)
     (tmp_path / "tmp").mkdir()

@@ -9,6 +9,7 @@ import io
 import json
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,19 @@ def names_in(data: bytes) -> list[str]:
         return sorted(tar.getnames())
 
 
-def test_packing_honours_gitignore_without_git(tmp_path: Path) -> None:
+def test_packing_honours_gitignore_without_git(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = make_workdir(tmp_path / "code")
     packed = pack_workdir(root)
     assert packed.how == ".gitignore (pathspec)"
     assert names_in(packed.data) == [
         ".gitignore", "helper.py", "pkg/.gitignore", "pkg/keep.log", "pkg/mod.py", "train.py",
     ]  # fmt: skip
-    assert pack_workdir(root).sha256 == packed.sha256  # reproducible: one key per content
+    # reproducible: one key per content, also when packed later (gzip's header holds a time)
+    later = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert pack_workdir(root).sha256 == packed.sha256
 
 
 def test_packing_a_git_checkout_takes_what_git_would(tmp_path: Path) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import tarfile
 import threading
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
@@ -69,7 +68,7 @@ from crf.executors.secrets import (
     scheme_of,
     store_secrets,
 )
-from crf.executors.workdir import RunNeeds, run_needs
+from crf.executors.workdir import RunNeeds, reproducible_tar_gz, run_needs
 from crf.layout import ENV_SECRET_NAMES, ENV_WORKDIR_KEY
 
 #: the command a container runs when the user gives no entrypoint (``python`` of the image)
@@ -87,7 +86,7 @@ def pack_source() -> tuple[bytes, str]:
 
     root = Path(crf.__file__).resolve().parent
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+    with reproducible_tar_gz(buf) as tar:
         for path in sorted(root.rglob("*")):
             if "__pycache__" in path.parts or path.suffix in (".pyc", ".pyo") or path.is_dir():
                 continue

@@ -23,13 +23,15 @@ or a resume ships the same code.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
 import shutil
 import subprocess
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,18 @@ def _too_big(root: Path, sizes: dict[str, int], limit: int) -> WorkdirError:
     )
 
 
+@contextmanager
+def reproducible_tar_gz(buf: io.BytesIO) -> Iterator[tarfile.TarFile]:
+    """A tar.gz writer into ``buf`` whose bytes depend only on the members added: gzip's
+    header carries the time it was written unless told otherwise, and a packed folder is
+    stored under its digest (the same folder packed a second later must find its copy)."""
+    with (
+        gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=6, mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w") as tar,
+    ):
+        yield tar
+
+
 def pack_workdir(
     path: str | os.PathLike[str],
     limit: int = MAX_WORKDIR_BYTES,
@@ -154,7 +168,7 @@ def pack_workdir(
     if sum(sizes.values()) > limit:
         raise _too_big(root, sizes, limit)
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+    with reproducible_tar_gz(buf) as tar:
         for name in names:
             file = root / name
             info = tarfile.TarInfo(name)
