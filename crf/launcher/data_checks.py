@@ -6,10 +6,11 @@ trainer; and being deterministic, it would surface again on every restart. So th
 what is cheap to read here and refuses the launch in one line that names the fix:
 
 - every row of each local split the run uses (training and held-out; of a split too large
-  to read whole, its first rows: crf/replica/data_files.py), and a URL's first rows, after
-  the ``--column`` mapping: empty splits, null or non-text prompts, empty SFT texts,
-  answers the chosen reward cannot read, columns that mix kinds; each reward function is
-  called on a few of them (:data:`SAMPLE_ROWS`) and must return one finite number per row;
+  to read whole, its first rows), and a URL's first rows (crf/replica/data.py
+  ``first_rows``), after the ``--column`` mapping: empty splits, null or non-text prompts,
+  empty SFT texts, answers the chosen reward cannot read, columns that mix kinds; each
+  reward function is called on a few of them (:data:`SAMPLE_ROWS`) and must return one
+  finite number per row;
 - a local ``--model`` folder's ``config.json``, tokenizer files and safetensors headers (a
   header's offsets against the file's size find a truncated download without loading a
   weight): a known ``model_type``, a tokenizer there, no more tokens than the model embeds,
@@ -422,22 +423,6 @@ def sample_splits(spec: Any) -> list[Split]:
     return out
 
 
-def first_rows(
-    name: str, config: str | None, split: str, n: int, flag: str = "--dataset"
-) -> tuple[list[Any], list[str], Any]:
-    """(the first ``n`` rows of a split, its column names, every row of a local one as
-    crf.replica.data_files.Rows, or None for a URL's, of which only the ``n`` are read)."""
-    from crf.replica.data import _load, is_local, quiet_datasets, read_rows
-
-    if is_local(name):
-        every = read_rows(name, split, flag, config)
-        return every.first(n), every.names, every
-    with quiet_datasets():
-        ds = _load(name, config, split, streaming=True)
-        rows = list(ds.take(n))
-    return rows, list(ds.column_names or (rows[0].keys() if rows else [])), None
-
-
 def _wanted(spec: Any, flag: str) -> int:
     """Rows to read of a split: the sample, and (the composer's training split) one batch of
     prompts per replica, counted for :func:`check_batch`."""
@@ -450,10 +435,10 @@ def _wanted(spec: Any, flag: str) -> int:
 
 
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
-    from crf.replica.data import FIELDS, DataError, kept_columns, read_error
+    from crf.replica.data import FIELDS, DataError, first_rows, kept_columns, read_error
 
     try:
-        first, names, every = first_rows(name, config, split, _wanted(spec, flag), flag)
+        first, names, counted, every = first_rows(name, config, split, _wanted(spec, flag), flag)
     except DataError as e:
         raise LaunchError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - checked readable before; any reader error
@@ -462,7 +447,6 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
         raise LaunchError(f"{flag} {name} has no rows: give a split with data")
     if any(not isinstance(r, dict) for r in first):
         raise LaunchError(f"{flag} {name}: every line must be a JSON object (a row)")
-    counted = every.count if every is not None else len(first)
     raw = first[:SAMPLE_ROWS]
     columns = dict(spec.columns)
     if spec.job == "sft":

@@ -33,11 +33,12 @@ import contextlib
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from crf.replica.data_files import (
     BUILDERS,
     DataError,
+    Rows,
     check_local,
     load_saved,
     no_bars,
@@ -139,6 +140,38 @@ def read_error(dataset: str, flag: str, e: BaseException) -> DataError:
     if isinstance(e, StopIteration):
         reason = "no rows could be read from it (is it empty?)"
     return DataError(f"{flag} {dataset} cannot be read: {reason}")
+
+
+class FirstRows(NamedTuple):
+    """What the checks before launch read of a split (:func:`first_rows`)."""
+
+    rows: list[dict[str, Any]]  # its first rows, as the file has them
+    names: list[str]  # its column names
+    count: int  # the rows read: every row of a local split (or its first, when partial)
+    every: Rows | None  # a local split's every row; None for a URL's
+
+
+def first_rows(
+    dataset: str, config: str | None, split: str, n: int, flag: str = "--dataset"
+) -> FirstRows:
+    """The first ``n`` rows of a file, URL or local folder's ``split``, read as the checks
+    before launch read them: a local split whole (crf/replica/data_files.py; of one over its
+    CHECKED_BYTES, the first CHECKED_ROWS rows), so the row rules see every row; of a URL,
+    only the ``n`` rows, streamed. DataError (one line, :func:`read_error`) when it cannot
+    be read."""
+    if is_local(dataset):
+        every = read_rows(dataset, split, flag, config)
+        return FirstRows(every.first(n), every.names, every.count, every)
+    try:
+        with quiet_datasets():
+            ds = _load(dataset, config, split, streaming=True, flag=flag)
+            rows = list(ds.take(n))
+        names = list(ds.column_names or (rows[0].keys() if rows else []))
+    except DataError:
+        raise
+    except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
+        raise read_error(dataset, flag, e) from None
+    return FirstRows(rows, names, len(rows), None)
 
 
 def required_fields(needs_answer: bool) -> tuple[str, ...]:
@@ -405,29 +438,15 @@ def check_dataset(
 ) -> list[dict[str, Any]]:
     """Before launch, for a file, URL or local folder: readable, has the columns, enough rows
     for every replica (``replicas``; 1 for held-out data, which a replica may have none of).
-    A local file or folder is read whole (crf/replica/data_files.py; the launcher's row
-    checks then see every row), a URL's first ``max(replicas, sample)`` rows streamed.
-    Returns those first rows as dicts of the job's fields (what the dry run inspects). A
-    Hub id is checked by the replicas (nothing is returned for it)."""
+    Read by :func:`first_rows`: a local file or folder whole (the launcher's row checks then
+    see every row), a URL's first ``max(replicas, sample)`` rows. Returns those first rows as
+    dicts of the job's fields (what the dry run inspects). A Hub id is checked by the
+    replicas (nothing is returned for it)."""
     check_columns(columns)
     check_local(dataset, flag)
     if builder_of(dataset) is None and not is_local_folder(dataset):
         return []
-    want = max(replicas, sample)
-    if is_local(dataset):
-        every = read_rows(dataset, split, flag, config)
-        first, names, count = every.first(want), every.names, every.count
-    else:
-        try:
-            with quiet_datasets():
-                ds = _load(dataset, config, split, streaming=True, flag=flag)
-                first = list(ds.take(want))
-            names = list(ds.column_names or (first[0].keys() if first else []))
-        except DataError:
-            raise
-        except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-            raise read_error(dataset, flag, e) from None
-        count = len(first)
+    first, names, count, _ = first_rows(dataset, config, split, max(replicas, sample), flag)
     if not count and flag != "--dataset":
         raise DataError(f"{flag} {dataset} has no rows")
     if count < replicas:

@@ -28,14 +28,11 @@ from crf.replica.data import (
     check_local,
     column_of,
     decoded,
-    is_local,
+    first_rows,
     is_local_folder,
     is_messages,
     messages_problem,
     mixed_problem,
-    quiet_datasets,
-    read_error,
-    read_rows,
     type_name,
 )
 
@@ -170,25 +167,15 @@ def check_sft_dataset(
 ) -> None:
     """Before launch, for a file, URL or local folder: readable, in one of the SFT formats,
     values of the right kind, the fields held-out scoring ``needs`` (``prompt``: not plain
-    text; ``answer``) and (``replicas`` > 0) a row for every replica. A local file or
-    folder is read whole and every row checked (:func:`check_rows`); of a URL, the first
-    ``replicas`` rows (at least 4) are streamed. A Hub id is checked by the replicas."""
+    text; ``answer``) and (``replicas`` > 0) a row for every replica. Read by
+    crf/replica/data.py ``first_rows``: a local file or folder whole, every row checked
+    (:func:`check_rows`); of a URL, the first ``replicas`` rows (at least 4). A Hub id is
+    checked by the replicas."""
     check_sft_columns(columns)
     check_local(dataset, what)
     if builder_of(dataset) is None and not is_local_folder(dataset):
         return
-    if is_local(dataset):  # read whole: every row is checked
-        every = read_rows(dataset, split, what, config)
-        first, names, count = every.first(max(replicas, 4)), every.names, every.count
-    else:
-        try:
-            with quiet_datasets():
-                ds = _load(dataset, config, split, streaming=True, flag=what)
-                first = list(ds.take(max(replicas, 4)))
-            names = list(ds.column_names or (first[0].keys() if first else []))
-        except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
-            raise read_error(dataset, what, e) from None
-        count = len(first)
+    first, names, count, every = first_rows(dataset, config, split, max(replicas, 4), what)
     if count < max(replicas, 1):
         if replicas:
             raise DataError(_too_few(dataset, count, replicas))
@@ -197,7 +184,7 @@ def check_sft_dataset(
         form, renames = sft_format(names, columns, dataset)
     except DataError as e:
         raise DataError(str(e).replace("--dataset", what, 1)) from None
-    if is_local(dataset):
+    if every is not None:  # a local split, read whole: every row is checked
         values = {f: every.column(c) for c, f in renames.items()}
         check_rows(values, form, dataset, columns, what)
     else:
