@@ -82,6 +82,23 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def ended_as_recorded(result: Mapping[str, object] | None) -> ReplicaStatus:
+    """How a process this executor did not start (a saved run read by ``crf status``) ended,
+    as its own record says: its exit code is its parent's to read, but a result it wrote says
+    whether it finished. Only where no record says so does the status say it is unknown."""
+    status = result.get("status") if result is not None else None
+    if status == "ok":
+        return ReplicaStatus(ReplicaState.SUCCEEDED, None, "finished (its result says ok)")
+    if status is None:
+        return ReplicaStatus(
+            ReplicaState.FAILED, None, "process ended without a result; exit code unknown"
+        )
+    error = result.get("error") if result is not None else None
+    said = f"its result says {status}" + (f": {error}" if error else "")
+    state = ReplicaState.CANCELLED if status == "cancelled" else ReplicaState.FAILED
+    return ReplicaStatus(state, None, said)
+
+
 def _live_groups(pgids: set[int]) -> set[int]:
     """Which of ``pgids`` still hold a live (non-zombie) process.
 
@@ -406,11 +423,7 @@ class LocalProcessExecutor(ServerlessExecutor):
         if self._owner(handle) is PidOwner.REPLICA:
             return ReplicaStatus(ReplicaState.RUNNING)
         result, _ = self.read_result(handle)
-        if result is not None and result.get("status") == "ok":
-            return ReplicaStatus(ReplicaState.SUCCEEDED, None, "exit code unknown (not our child)")
-        return ReplicaStatus(
-            ReplicaState.FAILED, None, "process ended without an ok result; exit code unknown"
-        )
+        return ended_as_recorded(result)
 
     # ------------------------------------------------------------------ logs
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
