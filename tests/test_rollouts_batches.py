@@ -11,7 +11,13 @@ import pytest
 
 from crf import layout
 from crf.rollouts import RolloutConfig
-from crf.rollouts.batches import RolloutBatch, RolloutQueue, decode_batch, encode_batch
+from crf.rollouts.batches import (
+    RolloutBatch,
+    RolloutQueue,
+    decode_batch,
+    drop_finished_queues,
+    encode_batch,
+)
 from crf.rollouts.config import in_bound
 from crf.rollouts.source import StoreRolloutSource
 from crf.rollouts.worker import admits
@@ -137,6 +143,45 @@ class Digests:
 
     def expected_digest(self, version: int) -> str | None:
         return self.by_version.get(version)
+
+
+def test_what_no_trainer_attempt_reads_goes_at_the_trainers_end(store: RunStore) -> None:
+    """A trainer that trained every step deletes its queue (what its workers wrote ahead,
+    returned batches, its cursor): a later attempt takes only batches of versions it
+    publishes itself. One that stopped short keeps it (its workers make the returned rows
+    again for the restart). A worker drops only its own batches; the driver, once the
+    workers are stopped, only the queues of trainers that ended ok."""
+    from types import SimpleNamespace
+
+    from crf.rollouts.replica import TrainerRollouts
+
+    q, other = RolloutQueue(store, 0), RolloutQueue(store, 1)
+    for w, seq in ((0, 0), (0, 1), (2, 0)):
+        q.put(batch(worker=w, seq=seq))
+    q.give_back(batch(worker=2, seq=1))
+    q.set_cursor(3)
+    other.put(batch(worker=1, seq=0, rank=1))
+    spec = SimpleNamespace(run_id="r", sync_every=2, sync_period=2, rollout_workers=3,
+                           publish_every=1, max_staleness=1, rollout_wire="float32")  # fmt: skip
+    cfg = RolloutConfig.from_spec(spec)
+
+    def trainer(at: int) -> TrainerRollouts:
+        ctx = SimpleNamespace(spec=spec, store=store, rank=0, world_size=2, step=at,
+                              total_steps=4)  # fmt: skip
+        return TrainerRollouts(ctx, ROWS, cfg)
+
+    trainer(3).close()  # stopped short
+    assert q.queued() == [(0, 0), (0, 1), (2, 0)] and q.cursor() == 3
+    assert q.drop(2) == 2  # its queued batch and the one returned to it
+    assert q.queued() == [(0, 0), (0, 1)] and store.list(f"{layout.rollout_dir(0)}/returned") == []
+    trainer(4).close()
+    assert store.list(layout.rollout_dir(0)) == [] and q.cursor() is None
+    assert other.queued() == [(1, 0)]  # another trainer's queue is its own
+    # once the workers are stopped, the driver clears the queue of a trainer that ended ok
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "failed"})
+    assert drop_finished_queues(store) == [] and other.queued() == [(1, 0)]
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "ok"})
+    assert drop_finished_queues(store) == [1] and other.queued() == []
 
 
 def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:

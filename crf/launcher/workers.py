@@ -330,6 +330,7 @@ class WorkerPool:
         self.stopped = True
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
+        drop_untaken(self.store)
 
     def live_rows(self, statuses: Sequence[ReplicaStatus]) -> list[dict[str, Any]]:
         """One row per worker for the live table, from the statuses :meth:`poll` just gave
@@ -377,6 +378,15 @@ def worker_rows(
         restarted = (restarts or {}).get(handle.rank, int(handle.extra.get("attempt", 0)))
         rows.append(worker_row(handle.rank, str(status.state), record, restarted, status.message))
     return rows
+
+
+def drop_untaken(store: RunStore) -> None:
+    """The workers are stopped: the batches no finished trainer took go (only store space is
+    at stake, so a store error is let be)."""
+    from crf.rollouts.batches import drop_finished_queues
+
+    with contextlib.suppress(Exception):
+        drop_finished_queues(store)
 
 
 def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandle]) -> set[int]:
