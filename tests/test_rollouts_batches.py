@@ -243,6 +243,26 @@ def test_a_dead_worker_is_not_waited_for(store: RunStore) -> None:
     assert time.monotonic() - started < 600  # it did not wait out wait_s
 
 
+def test_a_restarted_worker_building_its_model_is_not_waited_for(store: RunStore) -> None:
+    """A worker ``starting`` (building its model) is waited for on the trainer's first
+    batches, which is what it is started for; once the trainer has trained on a worker's
+    batch, one starting is a restarted worker: the trainer generates at once."""
+    state = layout.WorkerState(worker=0, serves=0, phase="starting", updated_at=time.time())
+    store.put_json(layout.worker_state_key(0), state.to_dict())
+    src = source(store, wait_s=600.0, v1="d")
+    writer = threading.Timer(0.5, lambda: RolloutQueue(store, 0).put(batch(version=1)))
+    writer.start()
+    try:
+        got = src.take(step=1, rows=4)  # the first batch: waited for
+    finally:
+        writer.cancel()
+    assert got is not None
+    src.used(got[0], {})
+    store.put_json(layout.worker_state_key(0), {**state.to_dict(), "updated_at": time.time()})
+    assert not src._worker_alive()  # fresh, but not worth a wait
+    assert src.take(step=2, rows=4) is None  # so it generates this batch itself
+
+
 def test_the_cursor_counts_a_taken_batch_before_its_step_is_known(store: RunStore) -> None:
     """The trainer takes batch 0 for step 0 and trains; its heartbeat still says step 0 and
     version 1 is not out yet. With two more version-0 batches queued at bound 2, a third
