@@ -309,8 +309,8 @@ class RolloutWorker:
 
     def drop_leftovers(self) -> None:
         """Its trainer finished ok: the batches this worker wrote that it did not take (and
-        any returned to it) serve nobody. Its trainer clears its queue at its end too; this
-        removes a batch written after that, which the worker did before seeing the result."""
+        any returned to it) serve nobody. The trainer clears its queue at its end too; this
+        removes one the worker wrote while it was clearing, before the result was there."""
         try:
             result = self.store.get_json(layout.result_key(self.rank))
             if isinstance(result, dict) and result.get("status") == "ok":
