@@ -536,7 +536,9 @@ class WorkerState(Record):
 
     worker: int = 0
     serves: int = 0  # the trainer replica it generates for
-    phase: str = "starting"  # starting, loading, generating, pacing, done, failed
+    # starting (building its model), loading (a policy version), generating, pacing, done,
+    # failed
+    phase: str = "starting"
     version: int | None = None  # the policy version (inner step) it holds
     rollouts: int = 0  # rollouts (completions) written
     batches: int = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,49 @@ def test_failed_replica_is_reported(script: Path, run_uri: str, tmp_path: Path) 
     assert bad.result is not None and bad.result["status"] == "failed"
     assert bad.error == "told to fail"
     assert (tmp_path / "logs" / "replica-1.log").exists()
+
+
+def test_another_process_reads_how_they_ended_from_their_records(
+    script: Path, run_uri: str, tmp_path: Path
+) -> None:
+    """``crf status`` of a saved run asks an executor that did not start the processes: their
+    exit codes are not its to read, but each one's result (a worker's ``result.json``), else
+    its last heartbeat marked done or failed, says how it ended; only where nothing does is
+    the end unknown."""
+    from crf import layout
+    from crf.store import RunStore
+
+    ex = LocalProcessExecutor(log_dir=tmp_path / "logs")
+    go = tmp_path / "go"
+    handles = ex.launch_replicas(
+        3, [sys.executable, str(script)], env={"FAIL_RANKS": "1"}, run_uri=run_uri
+    )
+    (silent,) = ex.launch_replicas(1, ["python", str(script), "wait-file", str(go)],
+                                   run_uri=f"{run_uri}-silent")  # fmt: skip
+    go.touch()
+    assert ex.wait([*handles, silent], timeout=60)
+    # workers' handles: the rank is the worker's number, its records are under workers/<w>/
+    w0, w1, w2 = (
+        replace(handles[2], rank=w, extra={**handles[2].extra, "role": layout.ROLE_ROLLOUT})
+        for w in range(3)
+    )
+    store = RunStore(run_uri)
+    store.put_json(layout.worker_result_key(0), {"worker": 0, "status": "ok"})
+    store.put_json(layout.worker_state_key(1), {"worker": 1, "phase": "done"})  # no result
+    store.put_json(layout.worker_state_key(2), {"worker": 2, "phase": "generating"})
+
+    other = LocalProcessExecutor()
+    ok, bad = other.status(handles[0]), other.status(handles[1])
+    assert (ok.state, ok.message) == (ReplicaState.SUCCEEDED, "finished (its result says so)")
+    assert bad.state is ReplicaState.FAILED
+    assert bad.message == "its result says failed: told to fail"
+    done, beat = other.status(w0), other.status(w1)
+    assert done.state is beat.state is ReplicaState.SUCCEEDED
+    assert (done.message, beat.message) == (
+        "finished (its result says so)", "finished (its heartbeat says so)"
+    )  # fmt: skip
+    for unknown in (other.status(w2), other.status(silent)):  # nothing says how they ended
+        assert unknown.state is ReplicaState.FAILED and "exit code unknown" in unknown.message
 
 
 def test_status_transitions(script: Path, run_uri: str, tmp_path: Path) -> None:

@@ -106,6 +106,26 @@ def test_heartbeat_metrics_and_result_written() -> None:
     assert len(hashes) == 1
 
 
+@pytest.mark.parametrize("options", [{}, SPARSE_FRAGMENTS], ids=["fp32", "frag"])
+def test_a_replica_resumed_after_its_last_round_keeps_the_loss_it_finished_with(
+    options: dict,
+) -> None:
+    """Resumed once every round was trained (its driver died before the summary), a replica
+    trains nothing; its result and heartbeat still carry the last round's loss (from its
+    round record), not none."""
+    store, spec = new_store(**options)
+    run_threads(N, lambda r: train(store, spec, r))
+    finished = [json.loads(store.get(f"results/{r}.json"))["final_loss"] for r in range(N)]
+    assert None not in finished
+    out = run_threads(N, lambda r: train(store, spec, r))
+    for ctx, _, start in out:
+        assert start == ROUNDS * H and ctx.resumed_from == ROUNDS * spec.fragments - 1
+        res = json.loads(store.get(f"results/{ctx.rank}.json"))
+        assert res["final_loss"] == finished[ctx.rank], res
+        state = json.loads(store.get(f"replicas/{ctx.rank}/state.json"))
+        assert state["last_round"] == ROUNDS - 1 and state["round_loss"] == finished[ctx.rank]
+
+
 def test_resume_falls_back_when_the_newest_global_is_corrupt() -> None:
     """A bit-flipped newest global/<r> is rejected and the replica resumes from the one
     before it (the exchange then marks it stale and it heals to the newer round)."""

@@ -331,6 +331,34 @@ def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> N
     assert (state["phase"], state["serves"]) == ("failed", 0) and "not restarted" in state["error"]
 
 
+def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
+    """A worker that died and was started again reads as ``starting`` from the restart on
+    (counts kept), before its new process writes anything: its trainer, past its first
+    batches, generates at once instead of waiting for the dead one's last heartbeat to age."""
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    flag = tmp_path / "died-once"
+    code = (
+        f"import pathlib, sys, time\nflag = pathlib.Path({str(flag)!r})\n"
+        "if not flag.exists():\n    flag.touch()\n    sys.exit(1)\ntime.sleep(600)"
+    )
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", code])
+    store = RunStore(uri)
+    before = layout.WorkerState(worker=0, serves=0, phase="generating", batches=3, updated_at=1.0)
+    store.put_json(layout.worker_state_key(0), before.to_dict())
+    pool = WorkerPool(plan, start_workers(plan, spec, None, {}), store=store, launch_no=0,
+                      max_restarts=1)  # fmt: skip
+    try:
+        wait_for(lambda: pool.poll() and pool.restarts == {0: 1}, "its restart")
+        state = store.get_json(layout.worker_state_key(0))
+        assert (state["phase"], state["batches"]) == ("starting", 3), state
+        assert state["updated_at"] > 1.0
+    finally:
+        pool.stop()
+
+
 # ------------------------------------------------------------------------- summary, figure
 def _round(r: int, rank: int, workers: int, local: int, stale: float) -> dict[str, Any]:
     m = layout.RoundMetrics(round=r, rank=rank, committed=True, loss=1.0)

@@ -11,7 +11,13 @@ import pytest
 
 from crf import layout
 from crf.rollouts import RolloutConfig
-from crf.rollouts.batches import RolloutBatch, RolloutQueue, decode_batch, encode_batch
+from crf.rollouts.batches import (
+    RolloutBatch,
+    RolloutQueue,
+    decode_batch,
+    drop_finished_queues,
+    encode_batch,
+)
 from crf.rollouts.config import in_bound
 from crf.rollouts.source import StoreRolloutSource
 from crf.rollouts.worker import admits
@@ -139,6 +145,45 @@ class Digests:
         return self.by_version.get(version)
 
 
+def test_what_no_trainer_attempt_reads_goes_at_the_trainers_end(store: RunStore) -> None:
+    """A trainer that trained every step deletes its queue (what its workers wrote ahead,
+    returned batches, its cursor): a later attempt takes only batches of versions it
+    publishes itself. One that stopped short keeps it (its workers make the returned rows
+    again for the restart). A worker drops only its own batches; the driver, once the
+    workers are stopped, only the queues of trainers that ended ok."""
+    from types import SimpleNamespace
+
+    from crf.rollouts.replica import TrainerRollouts
+
+    q, other = RolloutQueue(store, 0), RolloutQueue(store, 1)
+    for w, seq in ((0, 0), (0, 1), (2, 0)):
+        q.put(batch(worker=w, seq=seq))
+    q.give_back(batch(worker=2, seq=1))
+    q.set_cursor(3)
+    other.put(batch(worker=1, seq=0, rank=1))
+    spec = SimpleNamespace(run_id="r", sync_every=2, sync_period=2, rollout_workers=3,
+                           publish_every=1, max_staleness=1, rollout_wire="float32")  # fmt: skip
+    cfg = RolloutConfig.from_spec(spec)
+
+    def trainer(at: int) -> TrainerRollouts:
+        ctx = SimpleNamespace(spec=spec, store=store, rank=0, world_size=2, step=at,
+                              total_steps=4)  # fmt: skip
+        return TrainerRollouts(ctx, ROWS, cfg)
+
+    trainer(3).close()  # stopped short
+    assert q.queued() == [(0, 0), (0, 1), (2, 0)] and q.cursor() == 3
+    assert q.drop(2) == 2  # its queued batch and the one returned to it
+    assert q.queued() == [(0, 0), (0, 1)] and store.list(f"{layout.rollout_dir(0)}/returned") == []
+    trainer(4).close()
+    assert store.list(layout.rollout_dir(0)) == [] and q.cursor() is None
+    assert other.queued() == [(1, 0)]  # another trainer's queue is its own
+    # once the workers are stopped, the driver clears the queue of a trainer that ended ok
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "failed"})
+    assert drop_finished_queues(store) == [] and other.queued() == [(1, 0)]
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "ok"})
+    assert drop_finished_queues(store) == [1] and other.queued() == []
+
+
 def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:
     cfg = RolloutConfig(workers=2, max_staleness=1, wait_s=wait_s)
     return StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(**digests))
@@ -196,6 +241,26 @@ def test_a_dead_worker_is_not_waited_for(store: RunStore) -> None:
     started = time.monotonic()
     assert src.take(step=0, rows=4) is None
     assert time.monotonic() - started < 600  # it did not wait out wait_s
+
+
+def test_a_restarted_worker_building_its_model_is_not_waited_for(store: RunStore) -> None:
+    """A worker ``starting`` (building its model) is waited for on the trainer's first
+    batches, which is what it is started for; once the trainer has trained on a worker's
+    batch, one starting is a restarted worker: the trainer generates at once."""
+    state = layout.WorkerState(worker=0, serves=0, phase="starting", updated_at=time.time())
+    store.put_json(layout.worker_state_key(0), state.to_dict())
+    src = source(store, wait_s=600.0, v1="d")
+    writer = threading.Timer(0.5, lambda: RolloutQueue(store, 0).put(batch(version=1)))
+    writer.start()
+    try:
+        got = src.take(step=1, rows=4)  # the first batch: waited for
+    finally:
+        writer.cancel()
+    assert got is not None
+    src.used(got[0], {})
+    store.put_json(layout.worker_state_key(0), {**state.to_dict(), "updated_at": time.time()})
+    assert not src._worker_alive()  # fresh, but not worth a wait
+    assert src.take(step=2, rows=4) is None  # so it generates this batch itself
 
 
 def test_the_cursor_counts_a_taken_batch_before_its_step_is_known(store: RunStore) -> None:

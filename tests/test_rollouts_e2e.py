@@ -117,3 +117,5 @@ def test_crf_launch_starts_a_worker_whose_batches_the_replica_trains_on(tmp_path
     # a live worker is waited for, so every batch the replica trained on was the worker's
     assert sum(c["workers"] for c in counts) == 4 * ROLLOUTS_PER_STEP, counts
     assert sum(c["local"] + c["refused"] for c in counts) == 0, counts
+    # what the worker wrote ahead that the finished replica never took went with the run
+    assert store.list(layout.rollout_dir(0)) == []

@@ -112,6 +112,7 @@ def test_the_worker_generates_paces_and_ends_with_its_trainer(tmp_path: Path) ->
         assert first.policy_digest == pub.expected_digest(2)
         wait(lambda: state(store).returned >= 2, proc=proc)
 
+        assert q.queued()  # written ahead, never taken
         # the trainer ends: so does its worker
         store.put_json(layout.result_key(0), {"rank": 0, "status": "ok"})
         assert proc.wait(timeout=120) == 0
@@ -121,6 +122,8 @@ def test_the_worker_generates_paces_and_ends_with_its_trainer(tmp_path: Path) ->
     result = layout.WorkerState.from_dict(store.get_json(layout.worker_result_key(0)))
     assert result.status == "ok" and result.phase == "done" and result.batches >= 3
     assert read_acks(store, 0) == []  # it holds nothing any more
+    # what it wrote that its finished trainer never took serves nobody: it went
+    assert q.queued() == [] and store.list(f"{layout.rollout_dir(0)}/returned") == []
 
 
 def test_a_worker_outside_the_contract_says_so_in_one_line(tmp_path: Path) -> None:

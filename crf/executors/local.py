@@ -51,7 +51,10 @@ from crf.layout import (
     ENV_RUN_URI,
     ENV_SECRET_NAMES,
     ENV_WORLD_SIZE,
+    ROLE_ROLLOUT,
     ROLE_TRAINER,
+    heartbeat_key,
+    worker_state_key,
 )
 
 
@@ -80,6 +83,33 @@ def _signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
+
+
+def ended_as_recorded(
+    result: Mapping[str, object] | None, heartbeat: Mapping[str, object] | None = None
+) -> ReplicaStatus:
+    """How a process this executor did not start (a saved run read by ``crf status``) ended,
+    as its own records say: its exit code is its parent's to read, but the result it wrote
+    (else its last heartbeat, marked ``done`` or ``failed``) says whether it finished. Only
+    where neither says so is the end unknown."""
+    record, what = result, "result"
+    if record is None and heartbeat is not None and heartbeat.get("phase") in ENDED_PHASES:
+        record, what = {**heartbeat, "status": ENDED_PHASES[str(heartbeat["phase"])]}, "heartbeat"
+    status = record.get("status") if record is not None else None
+    if status == "ok":
+        return ReplicaStatus(ReplicaState.SUCCEEDED, None, f"finished (its {what} says so)")
+    if record is None or status is None:
+        return ReplicaStatus(
+            ReplicaState.FAILED, None, "process ended without a result; exit code unknown"
+        )
+    error = record.get("error")
+    said = f"its {what} says {status}" + (f": {error}" if error else "")
+    state = ReplicaState.CANCELLED if status == "cancelled" else ReplicaState.FAILED
+    return ReplicaStatus(state, None, said)
+
+
+#: the heartbeat phases that say how a process ended, as a result's status
+ENDED_PHASES = {"done": "ok", "failed": "failed"}
 
 
 def _live_groups(pgids: set[int]) -> set[int]:
@@ -406,11 +436,20 @@ class LocalProcessExecutor(ServerlessExecutor):
         if self._owner(handle) is PidOwner.REPLICA:
             return ReplicaStatus(ReplicaState.RUNNING)
         result, _ = self.read_result(handle)
-        if result is not None and result.get("status") == "ok":
-            return ReplicaStatus(ReplicaState.SUCCEEDED, None, "exit code unknown (not our child)")
-        return ReplicaStatus(
-            ReplicaState.FAILED, None, "process ended without an ok result; exit code unknown"
-        )
+        return ended_as_recorded(result, None if result else self._last_heartbeat(handle))
+
+    @staticmethod
+    def _last_heartbeat(handle: ReplicaHandle) -> dict[str, object] | None:
+        """The heartbeat a process left (a worker's ``workers/<w>/state.json``), or None."""
+        from crf.store import RunStore  # lazy: the store pulls in fsspec
+
+        rollout = role_of(handle) == ROLE_ROLLOUT
+        key = worker_state_key(handle.rank) if rollout else heartbeat_key(handle.rank)
+        try:
+            data = RunStore(handle.run_uri).get_json(key)
+        except Exception:  # noqa: BLE001 - absent or unreadable: it says nothing
+            return None
+        return data if isinstance(data, dict) else None
 
     # ------------------------------------------------------------------ logs
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:

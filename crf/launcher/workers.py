@@ -304,6 +304,7 @@ class WorkerPool:
             self._mark_failed(w, status)
             return status
         new.extra["role"] = layout.ROLE_ROLLOUT
+        self._mark(w, "starting")  # its trainer, past its first batches, stops waiting at once
         self.restarts[w] += 1
         self.handles[index] = new
         save_worker_handles(self.store, self.launch_no, self.handles)
@@ -317,10 +318,16 @@ class WorkerPool:
         """Say in worker w's heartbeat that it is gone for good (phase ``failed``, its
         counts kept): its trainer then stops waiting for its batches at once, instead of
         waiting ``--rollout-wait`` per step until the heartbeat has been silent for 30 s."""
+        self._mark(w, "failed", f"{status.message or 'failed'}; not restarted")
+
+    def _mark(self, w: int, phase: str, error: str | None = None) -> None:
+        """Worker w's heartbeat says ``phase`` now (its counts kept): ``failed`` for one not
+        restarted, ``starting`` for one restarted (crf.rollouts.source: a trainer past its
+        first batches does not wait for a worker still building its model)."""
         state = read_worker_state(self.store, w) or layout.WorkerState(
             worker=w, serves=w % max(1, self.plan.trainers)
         )
-        state.phase, state.error = "failed", f"{status.message or 'failed'}; not restarted"
+        state.phase, state.error = phase, error
         state.updated_at = time.time()
         with contextlib.suppress(Exception):  # bookkeeping must never stop a run
             self.store.put_json(layout.worker_state_key(w), state.to_dict())
@@ -330,6 +337,7 @@ class WorkerPool:
         self.stopped = True
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
+        drop_untaken(self.store)
 
     def live_rows(self, statuses: Sequence[ReplicaStatus]) -> list[dict[str, Any]]:
         """One row per worker for the live table, from the statuses :meth:`poll` just gave
@@ -377,6 +385,15 @@ def worker_rows(
         restarted = (restarts or {}).get(handle.rank, int(handle.extra.get("attempt", 0)))
         rows.append(worker_row(handle.rank, str(status.state), record, restarted, status.message))
     return rows
+
+
+def drop_untaken(store: RunStore) -> None:
+    """The workers are stopped: the batches no finished trainer took go (only store space is
+    at stake, so a store error is let be)."""
+    from crf.rollouts.batches import drop_finished_queues
+
+    with contextlib.suppress(Exception):
+        drop_finished_queues(store)
 
 
 def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandle]) -> set[int]:

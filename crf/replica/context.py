@@ -49,7 +49,13 @@ from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
 from crf.replica.beacon import HeartbeatSender
 from crf.replica.local_ranks import LocalGroup, MirrorRefresh, send_start
-from crf.replica.rounds import StepMetrics, SyncBook, TimeAccount, heartbeat_fields
+from crf.replica.rounds import (
+    StepMetrics,
+    SyncBook,
+    TimeAccount,
+    heartbeat_fields,
+    newest_round_record,
+)
 from crf.replica.seeds import data_seed_of
 from crf.replica.tracking import new_tracker
 from crf.spec import RunSpec
@@ -454,6 +460,7 @@ class ReplicaContext:
             return
         self.resumed_from = latest
         self.step = (latest + 1) * self.spec.sync_period
+        self._recall_last_round((latest + 1) // self.spec.fragments - 1)
         try:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = inner_state.split(manager.checkpoints.load_inner(latest))
@@ -475,6 +482,17 @@ class ReplicaContext:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
+
+    def _recall_last_round(self, last: int) -> None:
+        """Start from the newest round record this replica wrote up to outer round ``last``
+        (where it resumes): a replica that had already trained every round trains none now,
+        and its result and heartbeat still show the loss it finished with."""
+        record = newest_round_record(self.store, self.rank, last)
+        if record is None:
+            return
+        if record.loss is not None:
+            self._steps.round_losses[record.round] = record.loss
+        self._steps.last_closed = heartbeat_fields(record)
 
     def _save_inner(self, r: int) -> None:
         """Save this replica's inner state after a committed round (for restarts; what it

@@ -30,6 +30,24 @@ def heartbeat_fields(record: layout.RoundMetrics) -> dict[str, Any]:
     }
 
 
+def newest_round_record(store: Any, rank: int, last: int) -> layout.RoundMetrics | None:
+    """Replica ``rank``'s newest round record with a loss, of a round up to ``last``; None
+    when it wrote none that can be read. Records of later rounds belong to a stopped launch
+    whose rounds are trained again."""
+    try:
+        rounds = [r for r in layout.metrics_rounds(store, rank) if r <= last]
+    except Exception:  # noqa: BLE001 - the store's error: the loss shown is not worth a restart
+        return None
+    for r in sorted(rounds, reverse=True):
+        try:
+            record = layout.RoundMetrics.from_dict(store.get_json(layout.metrics_key(rank, r)))
+        except Exception:  # noqa: BLE001 - unreadable or gone: an older record may serve
+            continue
+        if record.loss is not None:
+            return record
+    return None
+
+
 @dataclass
 class StepMetrics:
     """The inner steps' loss and metrics since the last round record, averaged into the record

@@ -216,6 +216,23 @@ class RolloutQueue:
             self.store.delete(key)
         return sorted(out, key=lambda b: b.seq)
 
+    def drop(self, worker: int) -> int:
+        """Delete ``worker``'s batches, queued and returned (its trainer has finished: no
+        attempt of it reads them); how many went."""
+        folder = f"{layout.rollout_dir(self.rank)}/returned"
+        keys = [layout.rollout_key(self.rank, w, seq) for w, seq in self.queued(worker)]
+        returned = (p for p in map(_parse, self.store.list(folder)) if p and p[0] == worker)
+        keys += [layout.returned_key(self.rank, *p) for p in returned]
+        for key in keys:
+            self.store.delete(key)
+        return len(keys)
+
+    def clear(self) -> None:
+        """Delete the whole queue (batches, returned batches, cursor): its trainer trained
+        every step, and a later attempt of it uses only batches of versions it publishes
+        itself (crf/rollouts/source.py), never these."""
+        self.store.delete(layout.rollout_dir(self.rank))
+
     def cursor(self) -> int | None:
         """The step the first queued batch will serve (None: the trainer has taken none)."""
         try:
@@ -284,3 +301,22 @@ class RolloutQueue:
                 self.remove(b)
                 taken = b
         return taken, returned, bad
+
+
+def drop_finished_queues(store: RunStore) -> list[int]:
+    """Delete the queue of every trainer whose result says ok, once its workers are stopped
+    (a batch one of them wrote while its trainer cleared its queue); the ranks cleared. A
+    trainer that did not finish ok keeps its queue: its workers make the returned rows again
+    for a restart or a resume."""
+    cleared = []
+    for name in store.list(layout.ROLLOUTS):
+        if not name.isdigit():
+            continue
+        try:
+            result = store.get_json(layout.result_key(int(name)))
+        except (ObjectNotFound, ValueError):
+            continue
+        if isinstance(result, dict) and result.get("status") == "ok":
+            RolloutQueue(store, int(name)).clear()
+            cleared.append(int(name))
+    return cleared

@@ -10,7 +10,8 @@ the callback drives at the trainer's own moments:
 - ``step_end``: every ``publish_every`` inner steps, version ``step`` (a delta on the rollout
   wire), deleting what no worker can still use;
 - ``take_counts``: the round's rollouts by source, for ``RoundMetrics.rollouts``;
-- ``close``: the trainer's versions and its workers' acknowledgements go.
+- ``close``: the trainer's versions and its workers' acknowledgements go, and, once it has
+  trained every step, its queue of rollout batches (what its workers wrote ahead).
 
 Publishing happens on the training thread, between two steps: a worker at staleness 0 must
 find version ``s`` before the trainer's generation at step ``s``.
@@ -32,7 +33,7 @@ class TrainerRollouts:
     """The publisher and the source of one trainer replica (module docstring)."""
 
     def __init__(self, ctx: Any, rows: list[dict[str, Any]], cfg: RolloutConfig) -> None:
-        self.cfg = cfg
+        self.cfg, self.ctx = cfg, ctx
         self.sync_every = max(1, int(ctx.spec.sync_every))
         self.publisher = PolicyPublisher(
             ctx.store, ctx.rank, cfg, run_id=ctx.spec.run_id, sync_every=self.sync_every
@@ -70,6 +71,13 @@ class TrainerRollouts:
             self.publisher.close()
         except Exception as e:  # noqa: BLE001 - cleanup must not fail a finished run
             log.warning("could not delete the published policy versions: %s", e)
+        total = getattr(self.ctx, "total_steps", None)
+        if total is None or int(self.ctx.step) < int(total):
+            return  # stopped short: a restart's workers still regenerate the returned rows
+        try:  # trained every step: what its workers wrote ahead, no attempt of it reads
+            self.source.queue.clear()
+        except Exception as e:  # noqa: BLE001 - cleanup must not fail a finished run
+            log.warning("could not delete the rollout batches left in the queue: %s", e)
 
 
 def attach(ctx: Any, trainer: Any, callback: Any, rows: list[dict[str, Any]]) -> TrainerRollouts:

@@ -243,7 +243,12 @@ class StoreRolloutSource:
         return None
 
     def _worker_alive(self) -> bool:
-        """Whether one of this trainer's workers is running (worth waiting for)."""
+        """Whether one of this trainer's workers is running (worth waiting for). A worker
+        still ``starting`` (building its model: minutes for a large one) is waited for only
+        until this trainer has trained on a worker's batch: at first, waiting for the first
+        batch is the point; after that a starting worker is a restarted one (or one slower
+        to start than its peers), and each step would wait ``--rollout-wait`` for it in vain
+        before generating its batch itself anyway."""
         now = time.time()
         for w in self.workers:
             try:
@@ -253,6 +258,8 @@ class StoreRolloutSource:
             except (ObjectNotFound, ValueError, TypeError):
                 continue
             if state.phase in ("done", "failed"):
+                continue
+            if state.phase == "starting" and self.total.workers:
                 continue
             if now - state.updated_at <= WORKER_SILENT_S:
                 return True

@@ -19,7 +19,8 @@ Worker ``w`` (``CRF_WORKER``) serves trainer replica ``w % N`` and follows only 
    too stale first, then the next prompts of the shard) and writes it
    (crf/rollouts/batches.py);
 5. it heartbeats ``workers/<w>/state.json`` throughout, and stops when its trainer has a
-   result, writing ``workers/<w>/result.json``.
+   result, writing ``workers/<w>/result.json`` (after deleting the batches it wrote that
+   its trainer, finished ok, did not take).
 
 A worker that dies costs its trainer only speed: the trainer generates locally.
 """
@@ -300,9 +301,22 @@ class RolloutWorker:
             self.reader.release()
         except Exception as e:  # noqa: BLE001 - the trainer deletes acks at its end anyway
             log.warning("could not release the acknowledgement: %s", e)
+        if status == "ok":
+            self.drop_leftovers()
         phase = "done" if status == "ok" else "failed"
         self.beat.update(phase=phase, status=status, error=error)
         self.beat.write(layout.worker_result_key(self.worker))
+
+    def drop_leftovers(self) -> None:
+        """Its trainer finished ok: the batches this worker wrote that it did not take (and
+        any returned to it) serve nobody. The trainer clears its queue at its end too; this
+        removes one the worker wrote while it was clearing, before the result was there."""
+        try:
+            result = self.store.get_json(layout.result_key(self.rank))
+            if isinstance(result, dict) and result.get("status") == "ok":
+                self.queue.drop(self.worker)
+        except Exception as e:  # noqa: BLE001 - only store space is at stake
+            log.warning("could not delete this worker's untaken batches: %s", e)
 
 
 def _env_int(name: str, env: Any) -> int:
