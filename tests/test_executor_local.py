@@ -215,6 +215,17 @@ def test_another_process_reads_how_they_ended_from_their_records(
     )  # fmt: skip
     for unknown in (other.status(w2), other.status(silent)):  # nothing says how they ended
         assert unknown.state is ReplicaState.FAILED and "exit code unknown" in unknown.message
+    # what an earlier process in the same place wrote (a resumed launch's replica and worker
+    # killed before their first write find the stopped launch's) says nothing of this one
+    before = silent.started_at - 60.0
+    RunStore(silent.run_uri).put_json(
+        layout.heartbeat_key(0), {"rank": 0, "phase": "done", "updated_at": before}
+    )
+    w3 = replace(w2, rank=3)
+    store.put_json(layout.worker_result_key(3),
+                   {"worker": 3, "phase": "done", "status": "ok", "updated_at": before})  # fmt: skip
+    for stale in (other.status(silent), other.status(w3)):
+        assert stale.state is ReplicaState.FAILED and "exit code unknown" in stale.message
 
 
 def test_status_transitions(script: Path, run_uri: str, tmp_path: Path) -> None:

@@ -112,6 +112,18 @@ def ended_as_recorded(
 ENDED_PHASES = {"done": "ok", "failed": "failed"}
 
 
+def written_since(record: Mapping[str, object], started_at: float) -> bool:
+    """Whether ``record`` may be the process's started at ``started_at``: one stamped
+    earlier (``updated_at``) is an earlier process's in the same place (a resumed launch's
+    replica finds the stopped launch's last heartbeat, its worker that launch's result, until
+    it writes its own), and must not tell how this one ended. A record without a stamp (a
+    replica's result: a resume moves those aside) is taken as it is."""
+    stamp = record.get("updated_at")
+    if not isinstance(stamp, int | float) or isinstance(stamp, bool):
+        return True
+    return stamp >= started_at
+
+
 def _live_groups(pgids: set[int]) -> set[int]:
     """Which of ``pgids`` still hold a live (non-zombie) process.
 
@@ -436,11 +448,14 @@ class LocalProcessExecutor(ServerlessExecutor):
         if self._owner(handle) is PidOwner.REPLICA:
             return ReplicaStatus(ReplicaState.RUNNING)
         result, _ = self.read_result(handle)
+        if result is not None and not written_since(result, handle.started_at):
+            result = None  # an earlier process's (a resumed launch's worker had none yet)
         return ended_as_recorded(result, None if result else self._last_heartbeat(handle))
 
     @staticmethod
     def _last_heartbeat(handle: ReplicaHandle) -> dict[str, object] | None:
-        """The heartbeat a process left (a worker's ``workers/<w>/state.json``), or None."""
+        """The heartbeat this process left (a worker's ``workers/<w>/state.json``), or None;
+        one written before it started is an earlier process's, and says nothing of it."""
         from crf.store import RunStore  # lazy: the store pulls in fsspec
 
         rollout = role_of(handle) == ROLE_ROLLOUT
@@ -449,7 +464,9 @@ class LocalProcessExecutor(ServerlessExecutor):
             data = RunStore(handle.run_uri).get_json(key)
         except Exception:  # noqa: BLE001 - absent or unreadable: it says nothing
             return None
-        return data if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not written_since(data, handle.started_at):
+            return None
+        return data
 
     # ------------------------------------------------------------------ logs
     def logs(self, handle: ReplicaHandle, follow: bool = False) -> Iterator[str]:
