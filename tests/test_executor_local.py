@@ -222,8 +222,8 @@ def test_another_process_reads_how_they_ended_from_their_records(
         layout.heartbeat_key(0), {"rank": 0, "phase": "done", "updated_at": before}
     )
     w3 = replace(w2, rank=3)
-    store.put_json(layout.worker_result_key(3),
-                   {"worker": 3, "phase": "done", "status": "ok", "updated_at": before})  # fmt: skip
+    stale_ok = {"worker": 3, "phase": "done", "status": "ok", "updated_at": before}
+    store.put_json(layout.worker_result_key(3), stale_ok)
     for stale in (other.status(silent), other.status(w3)):
         assert stale.state is ReplicaState.FAILED and "exit code unknown" in stale.message
 
