@@ -146,11 +146,12 @@ class Digests:
 
 
 def test_what_no_trainer_attempt_reads_goes_at_the_trainers_end(store: RunStore) -> None:
-    """A trainer that trained every step deletes its queue (what its workers wrote ahead,
-    returned batches, its cursor): a later attempt takes only batches of versions it
-    publishes itself. One that stopped short keeps it (its workers make the returned rows
-    again for the restart). A worker drops only its own batches; the driver, once the
-    workers are stopped, only the queues of trainers that ended ok."""
+    """A trainer that trained every step deletes its queued batches and its cursor: a later
+    attempt takes only batches of versions it publishes itself. The batches returned to a
+    worker stay (the rows it still owes, generated first if the trainer trains again: a
+    restart, a resume with more rounds). One that stopped short keeps its queue. A worker
+    drops only its own batches; the driver, once the workers are stopped, only the queues of
+    trainers that ended ok."""
     from types import SimpleNamespace
 
     from crf.rollouts.replica import TrainerRollouts
@@ -161,6 +162,7 @@ def test_what_no_trainer_attempt_reads_goes_at_the_trainers_end(store: RunStore)
     q.give_back(batch(worker=2, seq=1))
     q.set_cursor(3)
     other.put(batch(worker=1, seq=0, rank=1))
+    other.give_back(batch(worker=1, seq=1, rank=1))
     spec = SimpleNamespace(run_id="r", sync_every=2, sync_period=2, rollout_workers=3,
                            publish_every=1, max_staleness=1, rollout_wire="float32")  # fmt: skip
     cfg = RolloutConfig.from_spec(spec)
@@ -170,18 +172,21 @@ def test_what_no_trainer_attempt_reads_goes_at_the_trainers_end(store: RunStore)
                               total_steps=4)  # fmt: skip
         return TrainerRollouts(ctx, ROWS, cfg)
 
+    returned = f"{layout.rollout_dir(0)}/returned"
     trainer(3).close()  # stopped short
     assert q.queued() == [(0, 0), (0, 1), (2, 0)] and q.cursor() == 3
-    assert q.drop(2) == 2  # its queued batch and the one returned to it
-    assert q.queued() == [(0, 0), (0, 1)] and store.list(f"{layout.rollout_dir(0)}/returned") == []
+    assert q.drop(2) == 1  # its queued batch; the one returned to it stays
+    assert q.queued() == [(0, 0), (0, 1)] and store.list(returned) == ["2-1"]
     trainer(4).close()
-    assert store.list(layout.rollout_dir(0)) == [] and q.cursor() is None
+    assert q.queued() == [] and q.cursor() is None
+    assert [b.seq for b in q.take_returned(2)] == [1]  # still owed, should it train again
     assert other.queued() == [(1, 0)]  # another trainer's queue is its own
     # once the workers are stopped, the driver clears the queue of a trainer that ended ok
     store.put_json(layout.result_key(1), {"rank": 1, "status": "failed"})
     assert drop_finished_queues(store) == [] and other.queued() == [(1, 0)]
     store.put_json(layout.result_key(1), {"rank": 1, "status": "ok"})
     assert drop_finished_queues(store) == [1] and other.queued() == []
+    assert [b.seq for b in other.take_returned(1)] == [1]
 
 
 def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:

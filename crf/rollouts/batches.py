@@ -217,21 +217,23 @@ class RolloutQueue:
         return sorted(out, key=lambda b: b.seq)
 
     def drop(self, worker: int) -> int:
-        """Delete ``worker``'s batches, queued and returned (its trainer has finished: no
-        attempt of it reads them); how many went."""
-        folder = f"{layout.rollout_dir(self.rank)}/returned"
+        """Delete ``worker``'s queued batches (its trainer has finished: no attempt of it
+        takes them); how many went. Those returned to it stay (:meth:`clear`)."""
         keys = [layout.rollout_key(self.rank, w, seq) for w, seq in self.queued(worker)]
-        returned = (p for p in map(_parse, self.store.list(folder)) if p and p[0] == worker)
-        keys += [layout.returned_key(self.rank, *p) for p in returned]
         for key in keys:
             self.store.delete(key)
         return len(keys)
 
     def clear(self) -> None:
-        """Delete the whole queue (batches, returned batches, cursor): its trainer trained
-        every step, and a later attempt of it uses only batches of versions it publishes
-        itself (crf/rollouts/source.py), never these."""
-        self.store.delete(layout.rollout_dir(self.rank))
+        """Delete the queued batches and the cursor: the trainer trained every step, and a
+        later attempt of it uses only batches of versions it publishes itself
+        (crf/rollouts/source.py), never these. The returned batches stay: they are the rows
+        its workers still owe it, which they generate first if it trains again (a restart
+        after a failure at its very end, or ``crf launch --resume --rounds`` with more
+        rounds); no trainer reads them."""
+        for w, seq in self.queued():
+            self.store.delete(layout.rollout_key(self.rank, w, seq))
+        self.store.delete(layout.rollout_cursor_key(self.rank))
 
     def cursor(self) -> int | None:
         """The step the first queued batch will serve (None: the trainer has taken none)."""
@@ -304,10 +306,10 @@ class RolloutQueue:
 
 
 def drop_finished_queues(store: RunStore) -> list[int]:
-    """Delete the queue of every trainer whose result says ok, once its workers are stopped
-    (a batch one of them wrote while its trainer cleared its queue); the ranks cleared. A
-    trainer that did not finish ok keeps its queue: its workers make the returned rows again
-    for a restart or a resume."""
+    """Clear the queue (:meth:`RolloutQueue.clear`) of every trainer whose result says ok,
+    once its workers are stopped (a batch one of them wrote while its trainer cleared its
+    queue); the ranks cleared. A trainer that did not finish ok keeps its queue whole: its
+    workers make the returned rows again for a restart or a resume."""
     cleared = []
     for name in store.list(layout.ROLLOUTS):
         if not name.isdigit():

@@ -11,7 +11,7 @@ the callback drives at the trainer's own moments:
   wire), deleting what no worker can still use;
 - ``take_counts``: the round's rollouts by source, for ``RoundMetrics.rollouts``;
 - ``close``: the trainer's versions and its workers' acknowledgements go, and, once it has
-  trained every step, its queue of rollout batches (what its workers wrote ahead).
+  trained every step, the rollout batches queued for it (what its workers wrote ahead).
 
 Publishing happens on the training thread, between two steps: a worker at staleness 0 must
 find version ``s`` before the trainer's generation at step ``s``.
@@ -74,7 +74,7 @@ class TrainerRollouts:
         total = getattr(self.ctx, "total_steps", None)
         if total is None or int(self.ctx.step) < int(total):
             return  # stopped short: a restart's workers still regenerate the returned rows
-        try:  # trained every step: what its workers wrote ahead, no attempt of it reads
+        try:  # trained every step: what its workers wrote ahead, no attempt of it takes
             self.source.queue.clear()
         except Exception as e:  # noqa: BLE001 - cleanup must not fail a finished run
             log.warning("could not delete the rollout batches left in the queue: %s", e)

@@ -19,8 +19,8 @@ Worker ``w`` (``CRF_WORKER``) serves trainer replica ``w % N`` and follows only 
    too stale first, then the next prompts of the shard) and writes it
    (crf/rollouts/batches.py);
 5. it heartbeats ``workers/<w>/state.json`` throughout, and stops when its trainer has a
-   result, writing ``workers/<w>/result.json`` (after deleting the batches it wrote that
-   its trainer, finished ok, did not take).
+   result, writing ``workers/<w>/result.json`` (after deleting the queued batches it wrote
+   that its trainer, finished ok, did not take).
 
 A worker that dies costs its trainer only speed: the trainer generates locally.
 """
@@ -308,9 +308,10 @@ class RolloutWorker:
         self.beat.write(layout.worker_result_key(self.worker))
 
     def drop_leftovers(self) -> None:
-        """Its trainer finished ok: the batches this worker wrote that it did not take (and
-        any returned to it) serve nobody. The trainer clears its queue at its end too; this
-        removes one the worker wrote while it was clearing, before the result was there."""
+        """Its trainer finished ok: the queued batches this worker wrote that it did not take
+        serve nobody (those returned to it stay: crf.rollouts.batches.RolloutQueue.clear).
+        The trainer clears its queue at its end too; this removes one the worker wrote while
+        it was clearing, before the result was there."""
         try:
             result = self.store.get_json(layout.result_key(self.rank))
             if isinstance(result, dict) and result.get("status") == "ok":
