@@ -97,8 +97,12 @@ def test_kill_everything_mid_run_then_resume(
     ref = subprocess.Popen(
         crf_cmd(*launch, "--run-id", "ref"), env=_env(), stdout=out["ref"], stderr=subprocess.STDOUT
     )
+    # with one replica's newest inner state lost, the round before it must still be whole:
+    # a kill while global/2 is written leaves global/1 the newest, and the default two kept
+    # rounds would hold no complete round under it
+    keep = ["--keep-rounds", "3"] if lose_inner else []
     victim = subprocess.Popen(
-        crf_cmd(*launch, "--run-id", "victim", "--checkpoint-every", str(checkpoint_every)),
+        crf_cmd(*launch, "--run-id", "victim", "--checkpoint-every", str(checkpoint_every), *keep),
         env={**_env(), "CRF_FAULT": faults},
         stdout=out["victim"],
         stderr=subprocess.STDOUT,
