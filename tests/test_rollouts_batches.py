@@ -189,6 +189,27 @@ def test_what_no_trainer_attempt_reads_goes_at_the_trainers_end(store: RunStore)
     assert [b.seq for b in other.take_returned(1)] == [1]
 
 
+def test_a_result_the_store_fails_to_give_keeps_only_its_own_queue(
+    store: RunStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's clearing goes trainer by trainer: a store error on one trainer's result
+    keeps that trainer's queue, and the others' queues are still cleared."""
+    queues = [RolloutQueue(store, r) for r in range(3)]
+    for r, q in enumerate(queues):
+        q.put(batch(worker=r, seq=0, rank=r))
+        store.put_json(layout.result_key(r), {"rank": r, "status": "ok"})
+    get_json = store.get_json
+
+    def failing(key: str) -> object:
+        if key == layout.result_key(1):
+            raise OSError("the store is unreachable")
+        return get_json(key)
+
+    monkeypatch.setattr(store, "get_json", failing)
+    assert drop_finished_queues(store) == [0, 2]
+    assert [q.queued() for q in queues] == [[], [(1, 0)], []]
+
+
 def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:
     cfg = RolloutConfig(workers=2, max_staleness=1, wait_s=wait_s)
     return StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(**digests))

@@ -314,11 +314,11 @@ def drop_finished_queues(store: RunStore) -> list[int]:
     for name in store.list(layout.ROLLOUTS):
         if not name.isdigit():
             continue
-        try:
+        try:  # each trainer apart: one result the store fails to give keeps only its queue
             result = store.get_json(layout.result_key(int(name)))
-        except (ObjectNotFound, ValueError):
+            if isinstance(result, dict) and result.get("status") == "ok":
+                RolloutQueue(store, int(name)).clear()
+                cleared.append(int(name))
+        except Exception:  # noqa: BLE001 - absent, unreadable, a store error: space only
             continue
-        if isinstance(result, dict) and result.get("status") == "ok":
-            RolloutQueue(store, int(name)).clear()
-            cleared.append(int(name))
     return cleared
