@@ -566,19 +566,20 @@ def test_a_resumed_run_starts_its_workers_again_on_their_hardware(tmp_path: Path
     assert plan.workers.executor.grace_period_s == 3.0 and plan.executor.grace_period_s == 10.0
     folder.put_json(layout.BACKEND, backend)  # no workers' options: the replicas' executor
     assert prepare_resume("again", store=str(store)).workers.executor.grace_period_s == 10.0
-    # the stopped launch's worker records are kept aside: the new workers' rows are their own
+    # the stopped launch's worker results are kept aside: a new worker's row is no longer
+    # read as ended; its heartbeat stays, the new worker goes on from its counts
     from crf.launcher.resume import claim_resume
     from crf.launcher.workers import worker_states
 
-    stopped = layout.WorkerState(worker=1, phase="done", batches=7).to_dict()
-    folder.put_json(layout.worker_result_key(1), stopped)
-    folder.put_json(layout.worker_state_key(1), stopped)
-    assert worker_states(folder, 2)[1].batches == 7
+    ended = layout.WorkerState(worker=1, phase="done", batches=7).to_dict()
+    folder.put_json(layout.worker_result_key(1), ended)
+    folder.put_json(layout.worker_state_key(1), {**ended, "phase": "generating"})
+    assert worker_states(folder, 2)[1].phase == "done"
     plan = prepare_resume("again", store=str(store))
     k = claim_resume(plan, layout.LaunchRecord(0, time.time(), "here", os.getpid(), "local"))
-    assert worker_states(folder, 2) == {}
-    for key in (layout.worker_result_key(1), layout.worker_state_key(1)):
-        assert folder.get_json(layout.previous_key(k, key)) == stopped
+    assert worker_states(folder, 2)[1].phase == "generating"
+    assert worker_states(folder, 2)[1].batches == 7
+    assert folder.get_json(layout.previous_key(k, layout.worker_result_key(1))) == ended
 
 
 @pytest.mark.e2e

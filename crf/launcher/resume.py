@@ -222,10 +222,9 @@ def resume_point(
 def claim_resume(plan: Plan, record: layout.LaunchRecord) -> int:
     """Claim resumed launch k (``launches/<k>.json``, create-if-absent: two drivers resuming
     at once cannot both win) and return k. The previous ``result.json`` and
-    ``results/<rank>.json`` are kept under ``launches/<k>/previous/`` before the replicas
-    write new ones (and the rollout workers' results and heartbeats, so the new workers'
-    rows start from their own), and what the stopped launch left after the resume point is
-    put aside."""
+    ``results/<rank>.json`` (and the rollout workers' results) are kept under
+    ``launches/<k>/previous/`` before the replicas write new ones, and what the stopped
+    launch left after the resume point is put aside."""
     assert plan.resume is not None
     spec, store, k = plan.spec, plan.store, plan.resume.launch
     record.launch, record.resumed_from_round = k, plan.resume.from_round
@@ -236,10 +235,10 @@ def claim_resume(plan: Plan, record: layout.LaunchRecord) -> int:
             "exists); let it run, or wait for it to stop"
         )
     keep = [layout.RESULT] + [layout.result_key(r) for r in range(spec.replicas)]
-    # a worker's record of the stopped launch would read as the new worker's (its phase
-    # ``done``, its counts) until that one writes its own
-    for w in range(spec.rollout_workers):
-        keep += [layout.worker_result_key(w), layout.worker_state_key(w)]
+    # a worker's result of the stopped launch would read as the new worker's end (phase
+    # ``done``) until that one writes its own; its heartbeat stays: a worker goes on from
+    # it (its counts, its batch numbers)
+    keep += [layout.worker_result_key(w) for w in range(spec.rollout_workers)]
     for src in keep:
         with contextlib.suppress(Exception):  # missing is normal; nothing here may block
             store.put(layout.previous_key(k, src), store.get(src))
