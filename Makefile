@@ -167,10 +167,10 @@ bench: $(DEV_STAMP)
 	$(BIN)/python bench/exchange.py
 
 # bench/gpu.py and the device tests on an offline GPU machine (Python 3.12, with torch,
-# transformers, accelerate, safetensors): .whl/ holds, as cp312 x86-64
+# transformers, accelerate, safetensors, tokenizers): .whl/ holds, as cp312 x86-64
 # wheels at this venv's versions, what such a machine lacks or has at another version (about
-# 21 MB; a device call carries at most 64 MiB). bench/gpu_check.sh installs it there.
-GPU_WHEELS = trl torchft-nightly transformers peft datasets dill multiprocess protobuf \
+# 23 MB; a device call carries at most 64 MiB). bench/gpu_check.sh installs it there.
+GPU_WHEELS = trl torchft-nightly transformers tokenizers huggingface-hub safetensors accelerate peft datasets dill multiprocess protobuf \
   pytest pytest-timeout pytest-xdist execnet pluggy iniconfig pygments \
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
   opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common \
