@@ -1145,12 +1145,19 @@ def merge_documented(res: dict[str, Any], path: str) -> dict[str, Any]:
     for key in PHASE_KEYS:
         if key not in res and key in old:
             out[key] = old[key]
-            kept[key] = (old.get("merged") or {}).get(key) or old.get("commit") or "unknown"
+            kept[key] = (old.get("merged") or {}).get(key) or measured_by(old)
     # a skipped phase shown from the earlier run needs no note; a failure keeps its row
     out["skipped"] = {k: v for k, v in res.get("skipped", {}).items() if k not in kept}
     if kept:
         out["merged"] = kept
     return out
+
+
+def measured_by(res: dict[str, Any]) -> str:
+    """The commit and the GPU of a result, as a kept row names them: a table can hold rows
+    of two machines."""
+    gpu = (res.get("environment") or {}).get("gpu")
+    return (res.get("commit") or "unknown") + (f" on {gpu}" if gpu else "")
 
 
 def commit() -> str | None:

@@ -94,6 +94,13 @@ def test_a_partial_run_keeps_the_documented_phases_it_did_not_run(tmp_path: Path
     assert got["merged"] == {"generate": "0000000"}  # the commit that measured it
     assert got["errors"] == {"generate": "failed: x"}  # still shown
     assert got["skipped"] == {"crf-small": "skipped: 9 s left"}  # nothing earlier to show
+    # a row kept from a run on another machine names that machine with its commit
+    before = {"commit": "abc1234", "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
+              "generate": [{"engine": "HF generate"}]}  # fmt: skip
+    path.write_text(json.dumps(before))
+    got = gpu.merge_documented({"commit": "def5678", "environment": {"gpu": "NVIDIA H200"}},
+                               str(path))  # fmt: skip
+    assert got["merged"] == {"generate": "abc1234 on NVIDIA H100 80GB HBM3"}
     assert gpu.merge_documented(now, str(tmp_path / "none.json")) == now
 
 
