@@ -203,54 +203,50 @@ def test_two_level_rounds_survive_a_dead_member_and_a_dead_leader(tmp_path: Path
         assert wait <= deadline + 2 * grace + 1.5, (point, wait)
 
 
-#: one permanent death, shared by the two tests after it: rank 3 of 4 SIGKILLed in round 1
-#: before its upload, --max-restarts 0 (a deadline long enough that a loaded machine's slow
-#: start does not leave a replica out of round 0, one replica deciding it alone)
-DEAD_N, DEAD_ROUNDS, DEAD_DEADLINE = 4, 5, 10.0
-
-
-@pytest.fixture(scope="module")
-def dead_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """The run both tests read (its summary and run folder): launched once per module."""
-    base = tmp_path_factory.mktemp("dead") / "runs"
-    summary = launch_lm(
-        base,
-        "dead",
-        replicas=DEAD_N,
-        sync_every=4,
-        rounds=DEAD_ROUNDS,
-        round_timeout_s=DEAD_DEADLINE,
-        env={"CRF_FAULT": "rank=3,point=uploading,round=1"},
-        max_restarts=0,
-        keep_rounds=100,  # keep every round's decision to read it
-    )
-    print("\n" + describe(summary))
-    return summary, base / "dead"
-
-
-def test_restart_policy_caps_and_reports(dead_run: tuple[dict, Path]) -> None:
+def test_restart_policy_caps_and_reports(tmp_path: Path) -> None:
     """--max-restarts 0: a killed replica stays dead, the others finish without it, and the
     summary says why it was not restarted (the run is then failed, not silently ok)."""
-    summary, _ = dead_run
-    *alive, dead = summary["replicas"]
+    summary = launch_lm(
+        tmp_path / "runs",
+        "capped",
+        replicas=2,
+        sync_every=3,
+        rounds=4,
+        # long enough that a loaded machine's slow start does not leave rank 0 out of round 0
+        # (rank 1 deciding it alone at the deadline); the dead replica costs one deadline
+        round_timeout_s=10.0,
+        env={"CRF_FAULT": "rank=1,point=uploading,round=1"},
+        max_restarts=0,
+    )
+    print("\n" + describe(summary))
+    ok, dead = summary["replicas"]
     assert summary["status"] == "failed" and summary["restarts"] == 0
-    for ok in alive:
-        assert ok["ok"] and ok["rounds_committed"] == DEAD_ROUNDS and ok["rounds_missed"] == []
+    assert ok["ok"] and ok["rounds_committed"] == 4 and ok["rounds_missed"] == []
     assert dead["exit_code"] == -9 and "killed by SIGKILL" in dead["error"]
     assert "--max-restarts" in dead["not_restarted"]
-    assert dead["rounds_missed"] == list(range(1, DEAD_ROUNDS))
+    assert dead["rounds_missed"] == [1, 2, 3]
 
 
-def test_a_dead_replica_costs_one_deadline_per_run_not_one_per_round(
-    dead_run: tuple[dict, Path],
-) -> None:
+def test_a_dead_replica_costs_one_deadline_per_run_not_one_per_round(tmp_path: Path) -> None:
     """Rank 3 of 4 is SIGKILLed in round 1 before its upload and never restarted. Round 1
     waits its deadline for it; later rounds do not: it was no member of round 1 and its
     heartbeat stopped, so each later round is decided as soon as the three live replicas
     arrived ("all live arrived", rank 3 recorded as not waited for). One permanent death
     adds one round deadline to the run, not one per round."""
-    summary, run = dead_run
-    rounds, deadline = DEAD_ROUNDS, DEAD_DEADLINE
+    n, h, rounds, deadline = 4, 4, 5, 10.0
+    summary = launch_lm(
+        tmp_path / "runs",
+        "dead",
+        replicas=n,
+        sync_every=h,
+        rounds=rounds,
+        round_timeout_s=deadline,
+        env={"CRF_FAULT": "rank=3,point=uploading,round=1"},
+        max_restarts=0,
+        keep_rounds=100,  # keep every round's decision to read it
+    )
+    run = tmp_path / "runs" / "dead"
+    print("\n" + describe(summary))
     assert summary["status"] == "failed" and summary["replicas"][3]["exit_code"] == -9
     survivors = [0, 1, 2]
     for k in survivors:
@@ -436,12 +432,12 @@ def test_fault_columns_in_tables() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sleep_s", "keep_rounds", "checkpoint_every", "rounds"),
-    [(1.0, 3, 1, 10), (3.0, 2, 1, 16), (3.0, 2, 100, 16)],
+    ("sleep_s", "keep_rounds", "checkpoint_every"),
+    [(1.0, 3, 1), (3.0, 2, 1), (3.0, 2, 100)],
     ids=["behind-by-a-round", "behind-past-garbage-collection", "past-gc-no-periodic-globals"],
 )
 def test_straggler_does_not_stall_the_others_and_rejoins(
-    tmp_path: Path, sleep_s: float, keep_rounds: int, checkpoint_every: int, rounds: int
+    tmp_path: Path, sleep_s: float, keep_rounds: int, checkpoint_every: int
 ) -> None:
     """Rank 2 is made slow in round 2 (its 4 inner steps take ``sleep_s`` more each, deadline
     2 s): the others close round 2 at the deadline without it. A few seconds late, it takes
@@ -456,9 +452,8 @@ def test_straggler_does_not_stall_the_others_and_rejoins(
     asks for a global state under heal/. The others wait for it at most in round 2 (its
     deadline) and round 3 (while its fresh heartbeat says it is one round behind), never in
     later rounds while it is far behind: every round takes >= 1 s (everyone sleeps 0.25 s a
-    step), so the ~12 s straggler wakes with rounds to spare in a run of 16 rounds, and the
-    ~4 s one has 7 rounds after round 2 in a run of 10."""
-    n, h, deadline = 3, 4, 2.0
+    step), so the ~12 s straggler wakes with rounds to spare."""
+    n, h, rounds, deadline = 3, 4, 16, 2.0
     slow = [
         {"rank": "*", "from_step": 0, "to_step": 10**6, "sleep_s": 0.25},
         {"rank": 2, "from_step": 2 * h + 1, "to_step": 3 * h, "sleep_s": sleep_s},
