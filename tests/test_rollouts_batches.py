@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -243,17 +244,22 @@ def test_a_version_the_trainer_did_not_publish_is_refused(store: RunStore) -> No
     assert src.take_counts()["refused"] == 1
 
 
+def take_while_a_worker_writes(src: StoreRolloutSource, store: RunStore) -> Any:
+    """The trainer's take at step 1 while a worker writes a version-1 batch 0.5 s later."""
+    writer = threading.Timer(0.5, lambda: RolloutQueue(store, 0).put(batch(version=1)))
+    writer.start()
+    try:
+        return src.take(step=1, rows=4)
+    finally:
+        writer.cancel()
+
+
 def test_the_source_waits_for_a_live_worker(store: RunStore) -> None:
     """With a worker alive the trainer waits (up to wait_s) for its batch."""
     state = layout.WorkerState(worker=0, serves=0, phase="generating", updated_at=time.time())
     store.put_json(layout.worker_state_key(0), state.to_dict())
     src = source(store, wait_s=60.0, v1="d")
-    writer = threading.Timer(0.5, lambda: RolloutQueue(store, 0).put(batch(version=1)))
-    writer.start()
-    try:
-        got = src.take(step=1, rows=4)
-    finally:
-        writer.cancel()
+    got = take_while_a_worker_writes(src, store)
     assert got is not None and got[0].version == 1
 
 
@@ -276,12 +282,7 @@ def test_a_restarted_worker_building_its_model_is_not_waited_for(store: RunStore
     state = layout.WorkerState(worker=0, serves=0, phase="starting", updated_at=time.time())
     store.put_json(layout.worker_state_key(0), state.to_dict())
     src = source(store, wait_s=600.0, v1="d")
-    writer = threading.Timer(0.5, lambda: RolloutQueue(store, 0).put(batch(version=1)))
-    writer.start()
-    try:
-        got = src.take(step=1, rows=4)  # the first batch: waited for
-    finally:
-        writer.cancel()
+    got = take_while_a_worker_writes(src, store)  # the first batch: waited for
     assert got is not None
     src.used(got[0], {})
     store.put_json(layout.worker_state_key(0), {**state.to_dict(), "updated_at": time.time()})
