@@ -25,6 +25,7 @@ POINTS = (
     "after_quorum",  # after the quorum is decided, before reducing
     "owning_shard",  # while owning a shard: inputs read, reduced shard not published
     "after_reduce",  # after publishing owned shards, before gathering
+    "inner_write",  # in the checkpoint writer, before the upload of its inner state of a round
 )
 POISON_POINTS = (
     "nan_contribution",  # a NaN in its uploaded contribution, after its own finiteness check

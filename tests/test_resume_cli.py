@@ -86,24 +86,23 @@ def test_kill_everything_mid_run_then_resume(
     them again, from the saved state; that kill comes in round 5, ten inner steps after round
     2's sync, so the background writes of global/2 (the run's first global state) have landed
     even on a loaded machine (in round 4 the kill could come before them).
-    ``inner-state-lost`` deletes one replica's inner state of the newest round before
-    resuming, as a kill before that background write landed would: the resume sets that
-    global state aside (kept, not deleted), starts one round earlier and still ends
-    bit-identical."""
+    ``inner-state-lost``: the last replica dies in its checkpoint writer instead, before its
+    inner state of round 2 is uploaded (its part of global/2 is written before it, in the
+    same writer), so round 1 is the newest with every inner state and the store keeps it:
+    the resume sets global/2 aside (kept, not deleted) when it landed whole, starts from
+    round 1 and still ends bit-identical."""
     base = tmp_path / "bucket"
-    faults = ";".join(f"rank={k},point=inner_step,step={killed_round * H + 2}" for k in range(N))
+    faults = [f"rank={k},point=inner_step,step={killed_round * H + 2}" for k in range(N)]
+    if lose_inner:  # the last replica's inner state of the round before never lands
+        faults[-1] = f"rank={N - 1},point=inner_write,round={killed_round - 1}"
     out = {name: open(tmp_path / f"{name}.log", "w") for name in ("ref", "victim")}  # noqa: SIM115
     launch = ["launch", "--store", str(base), "--no-progress", *COMMON]
     ref = subprocess.Popen(
         crf_cmd(*launch, "--run-id", "ref"), env=_env(), stdout=out["ref"], stderr=subprocess.STDOUT
     )
-    # with one replica's newest inner state lost, the round before it must still be whole:
-    # a kill while global/2 is written leaves global/1 the newest, and the default two kept
-    # rounds would hold no complete round under it
-    keep = ["--keep-rounds", "3"] if lose_inner else []
     victim = subprocess.Popen(
-        crf_cmd(*launch, "--run-id", "victim", "--checkpoint-every", str(checkpoint_every), *keep),
-        env={**_env(), "CRF_FAULT": faults},
+        crf_cmd(*launch, "--run-id", "victim", "--checkpoint-every", str(checkpoint_every)),
+        env={**_env(), "CRF_FAULT": ";".join(faults)},
         stdout=out["victim"],
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -142,15 +141,14 @@ def test_kill_everything_mid_run_then_resume(
     globals_ = layout.global_rounds(store, complete=True)
     newest = globals_[-1]
     assert newest == 2 or (checkpoint_every == 1 and newest == 1), globals_
-    if lose_inner:
-        store.delete(f"replicas/{N - 1}/inner/{newest}.pt")
     complete = [
         g for g in globals_ if all(store.exists(f"replicas/{k}/inner/{g}.pt") for k in range(N))
     ]
     latest = complete[-1]  # where the resume must start
     assert latest in (newest, newest - 1), (globals_, complete)
-    if lose_inner:
-        assert latest == newest - 1, (globals_, complete)
+    if lose_inner:  # the last replica's inner/2 never landed: global/1 was kept for it
+        assert not store.exists(f"replicas/{N - 1}/inner/{killed_round - 1}.pt")
+        assert latest == killed_round - 2, (globals_, complete)
     set_aside = [g for g in globals_ if g > latest]
     inner = [
         decode_blob(store.get(f"replicas/{k}/inner/{latest}.pt"))[1]["round"] for k in range(N)

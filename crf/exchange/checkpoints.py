@@ -49,6 +49,7 @@ import torch
 from crf import layout
 from crf.exchange import global_state
 from crf.exchange.snapshots import HostBuffers, snapshot_tree, torch_save_parts
+from crf.faults import maybe_fault
 from crf.store import CorruptObjectError, ObjectNotFound, StoreError
 from crf.store.codec import decode_blob, encode_blob_parts
 from crf.store.run_store import wait_until
@@ -578,6 +579,7 @@ class Checkpoints:
         horizon = r - self.exchange.config.keep_rounds * self.period
 
         def write() -> None:
+            maybe_fault("inner_write", self.rank, r, self.store)
             # the blob's XXH3 covers every byte: torch's own CRC-32 would be a second pass
             parts = encode_blob_parts(torch_save_parts(snapshot, crc32=False), meta)
             self.store.put(layout.inner_key(self.rank, r), parts)
