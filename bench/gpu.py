@@ -1060,6 +1060,7 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     lines.append(f"| a round's phases ({size}), s, mean of replicas and rounds: {names} | "
                  + (" / ".join(told) if set(told) != {"—"} else "not in crf's round records")
                  + " |")  # fmt: skip
+    lines += _by_round_rows(run, size)
     lines += _copy_rows(run, phases, size)
     ckpts = [r["ckpt_s"] for r in run["replicas"] if r.get("ckpt_s") is not None]
     if ckpts:
@@ -1085,6 +1086,36 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     if run.get("error"):
         lines.append(f"| crf run ({size}) | {run['error']} |")
     return lines
+
+
+def _by_round_rows(run: dict[str, Any], size: str) -> list[str]:
+    """With more than one round: the wait, the device-to-host copy and the checkpoint
+    snapshot of each round (mean of the replicas), so a first round's one-time costs stand
+    apart from what every round costs."""
+    reps = run["replicas"]
+    n = min((len(r.get("sync_per_round_s", [])) for r in reps), default=0)
+    if n < 2:
+        return []
+
+    def mean(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        return f"{statistics.mean(known):.2f}" if known else "—"
+
+    told = []
+    for i in range(n):
+        phases = [r["phases_per_round"][i] for r in reps if len(r.get("phases_per_round", [])) > i]
+        told.append(
+            f"round {i}: "
+            + " / ".join([
+                mean([r["sync_per_round_s"][i] for r in reps]),
+                mean([p.get("d2h_s") for p in phases]),
+                mean([p.get("snapshot_s") for p in phases]),
+            ])
+        )  # fmt: skip
+    return [
+        f"| by round ({size}), s, mean of replicas: the wait / device-to-host / checkpoint "
+        f"snapshot | {'; '.join(told)} |"
+    ]
 
 
 def _copy_rows(run: dict[str, Any], phases: list[dict], size: str) -> list[str]:

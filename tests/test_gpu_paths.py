@@ -83,14 +83,18 @@ def test_sft_with_held_out_data_on_the_device(tmp_path: Path, model_dir: str, de
     """The sft job, auto precision (bf16 on a GPU that has it), a held-out file scored each
     round: both replicas end bit-identical and each round has a held-out loss."""
     summary = _launch(
-        tmp_path, "sft", job="sft", model=model_dir, device=device, precision="auto",
-        dataset=_jsonl(tmp_path / "train.jsonl", 64, 0),
+        tmp_path, "sft", env={"CRF_LOG_LEVEL": "INFO"}, job="sft", model=model_dir,
+        device=device, precision="auto", dataset=_jsonl(tmp_path / "train.jsonl", 64, 0),
         eval_dataset=_jsonl(tmp_path / "test.jsonl", 8, 1), eval_examples=8,
         job_config={"learning_rate": 3e-3, "per_device_train_batch_size": 8},
     )  # fmt: skip
     _ok(summary)
     assert all(r["steps"] == 4 for r in summary["replicas"])
     assert sorted(summary["held_out"]["loss_per_round"]) == [0, 1], summary["held_out"]
+    # on a GPU the host buffers are page-locked before training (on the CPU none are needed)
+    logs = [Path(r["log_path"]).read_text() for r in summary["replicas"]]
+    assert all(("host buffers:" in log) == (device == "cuda") for log in logs)
+    assert all(("inner-state buffers:" in log) == (device == "cuda") for log in logs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,7 +17,7 @@ from crf.exchange import global_state, inner_state
 from crf.exchange.allreduce import ObjectStoreAllReduce
 from crf.exchange.checkpoints import Checkpoints, CheckpointWriter
 from crf.exchange.config import ExchangeConfig
-from crf.exchange.snapshots import HostBuffers, snapshot_tree, torch_save_parts
+from crf.exchange.snapshots import HostBuffers, reserve_tree, snapshot_tree, torch_save_parts
 from crf.store import RunStore
 from crf.store.codec import decode_blob, encode_blob
 from tests.test_global_state import _same, _state
@@ -197,3 +197,46 @@ def test_an_inner_state_without_crc32s_loads_and_the_setting_is_restored() -> No
     data = b"".join(torch_save_parts(snap, crc32=False))
     assert torch.serialization.get_crc32_options() == before
     _same(snap, torch.load(io.BytesIO(data), weights_only=True))
+
+
+def test_reserved_buffers_are_the_ones_the_first_snapshots_fill() -> None:
+    """Buffers reserved before the first snapshot (a global state's part, an inner state)
+    are allocated without copying anything, and the first snapshots land in them: no new
+    allocation and the values of the moment they were taken."""
+    state = _state()
+    part_buffers, whole = HostBuffers(), HostBuffers()
+    keep = global_state.part_names(state, 1, 2)
+    reserved = global_state.reserve(state, part_buffers, keep)
+    assert reserved == part_buffers.nbytes > 0
+    assert global_state.reserve(state, part_buffers, keep) == 0  # once
+    global_state.reserve(state, whole)
+    assert part_buffers.nbytes < whole.nbytes  # the part's tensors only
+    ptrs = {n: b.data_ptr() for n, b in part_buffers._buffers.items()}
+    flat = global_state.flatten(state, part_buffers, keep)
+    assert part_buffers.nbytes == reserved
+    assert {n: t.data_ptr() for n, t in flat.tensors.items()} == ptrs
+    assert set(flat.tensors) == keep
+
+    opt_state, buffers = _adam_state(), HostBuffers()
+    n = reserve_tree(opt_state, buffers)
+    assert n == buffers.nbytes > 0
+    snap = snapshot_tree(opt_state, buffers)
+    assert buffers.nbytes == n
+    _same(opt_state, snap)
+
+
+def test_a_checkpoints_reserved_buffers_take_its_first_snapshots(tmp_path) -> None:
+    """Checkpoints.reserve_global / reserve_inner allocate what the first global snapshot
+    and the first inner snapshot then fill, and the written objects hold the values."""
+    ckpt = _checkpoints(tmp_path)
+    state = {"model": {"w": torch.randn(8, 8)}, "outer/0": {"step": 3}}
+    assert ckpt.reserve_global(state) == 8 * 8 * 4
+    ckpt.snapshot(0, state)
+    assert ckpt._global_buffers.nbytes == 8 * 8 * 4
+    assert torch.equal(ckpt.read_global(0)["model"]["w"], state["model"]["w"])
+    opt = _adam_state()
+    n = ckpt.reserve_inner(opt)
+    assert n > 0
+    ckpt.inner_write(0, opt, step=1)()
+    assert ckpt._inner_buffers.nbytes == n
+    _same(opt, ckpt.load_inner(0))

@@ -117,7 +117,10 @@ def test_device_tensors_go_through_pinned_buffers_kept_per_layout(monkeypatch) -
     monkeypatch.setattr(staging, "CHUNK_BYTES", 4096)  # several chunks per tensor
     ts = [torch.randn(5000, device="cuda"), torch.randn(7, 9, device="cuda")]
     host = HostStaging()
+    assert host.reserve(ts) > 0  # page-locked before the first round, which takes them
+    reserved = [b.data_ptr() for b in host._host_buffers(ts)]
     staged = host.stage(ts)
+    assert [h.data_ptr() for h in staged.host] == reserved
     assert staged.on_device and len(staged.events) > 2
     assert all(h.is_pinned() and h.device.type == "cpu" for h in staged.host)
     staged.wait_until(5000)
@@ -131,3 +134,49 @@ def test_device_tensors_go_through_pinned_buffers_kept_per_layout(monkeypatch) -
     again = host.stage(ts)  # the next round: the same buffers
     assert [h.data_ptr() for h in again.host] == [h.data_ptr() for h in staged.host]
     again.finish()
+
+
+def test_a_layouts_buffers_are_views_of_one_block() -> None:
+    """A layout's host buffers share one allocation, each view aligned and apart from the
+    others; a tensor already on the CPU gets none (a round uses it in place)."""
+    layout_ = (
+        ((5, 3), torch.float32, torch.device("meta")),
+        ((7,), torch.float32, torch.device("cpu")),
+        ((11,), torch.bfloat16, torch.device("meta")),
+        ((2, 2), torch.float64, torch.device("meta")),
+    )
+    bufs = staging.host_block(layout_, pin=False)
+    assert bufs[1] is None
+    views = [b for b in bufs if b is not None]
+    assert [(tuple(b.shape), b.dtype) for b in views] == [
+        ((5, 3), torch.float32),
+        ((11,), torch.bfloat16),
+        ((2, 2), torch.float64),
+    ]
+    base = views[0].untyped_storage().data_ptr()
+    assert all(b.untyped_storage().data_ptr() == base for b in views)
+    assert all((b.data_ptr() - base) % staging.ALIGN_BYTES == 0 for b in views)
+    for i, b in enumerate(views):
+        b.fill_(i + 1)
+    assert [float(b.flatten()[0]) for b in views] == [1.0, 2.0, 3.0]  # none overlaps
+
+
+def test_a_reservation_is_what_the_first_round_uses_and_a_wrong_one_goes() -> None:
+    """``reserve`` allocates a layout's buffers before any round and the first round of that
+    layout takes them (no second allocation); a reservation for a layout no round uses is
+    let go at the first round of another."""
+    ts = [torch.empty(5000, device="meta"), torch.empty(7, 9, device="meta")]
+    host = HostStaging()
+    n = host.reserve(ts)
+    assert n == host.nbytes >= (5000 + 63) * 4
+    assert host.reserve(ts) == 0  # once
+    assert HostStaging().reserve([torch.zeros(3)]) == 0  # CPU tensors: nothing to copy
+    reserved = [b.data_ptr() for b in host._host_buffers(ts)]
+    assert host.nbytes == n  # used, not allocated again
+    again = [b.data_ptr() for b in host._host_buffers(ts)]
+    assert again == reserved
+
+    wrong = HostStaging()
+    wrong.reserve([torch.empty(100, device="meta")])
+    wrong._host_buffers(ts)  # another layout: the unused reservation goes
+    assert wrong.nbytes == n

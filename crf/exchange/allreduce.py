@@ -167,6 +167,12 @@ class ObjectStoreAllReduce(
         self._staging = HostStaging()
         self._clock: PhaseClock | None = None
 
+    def reserve(self, tensors: list[torch.Tensor]) -> int:
+        """Allocate the host buffers a round of tensors like these (the same shapes, dtypes
+        and devices) copies through, before the first round; returns the bytes allocated
+        (none for CPU tensors: a round uses them in place)."""
+        return self._staging.reserve(tensors) if self.world_size > 1 else 0
+
     @property
     def wire(self) -> str:
         """The wire format of this exchange's payloads, by its name in the store (a sparse

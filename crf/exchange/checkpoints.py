@@ -48,7 +48,7 @@ import torch
 
 from crf import layout
 from crf.exchange import global_state
-from crf.exchange.snapshots import HostBuffers, snapshot_tree, torch_save_parts
+from crf.exchange.snapshots import HostBuffers, reserve_tree, snapshot_tree, torch_save_parts
 from crf.faults import maybe_fault
 from crf.store import CorruptObjectError, ObjectNotFound, StoreError
 from crf.store.codec import decode_blob, encode_blob_parts
@@ -260,6 +260,19 @@ class Checkpoints:
             self._writing = self.writer.submit(lambda: self.write_global(r, payload, part, parts))
         elif part == 0:
             self.writer.submit(lambda: self.collect_garbage(r))
+
+    def reserve_global(self, state: dict[str, Any], part: int = 0, parts: int = 1) -> int:
+        """Allocate the host buffers this replica's ``part`` of ``parts`` of a global
+        ``state`` is copied into at a snapshot, before the first one (the part it writes
+        when every replica takes part); returns the bytes allocated."""
+        keep = global_state.part_names(state, part, parts) if parts > 1 else None
+        with self._global_buffers.lock:
+            return global_state.reserve(state, self._global_buffers, keep)
+
+    def reserve_inner(self, state: Any) -> int:
+        """Allocate the host buffers an inner ``state`` is copied into, before the first
+        snapshot of it; returns the bytes allocated."""
+        return reserve_tree(state, self._inner_buffers)
 
     def wait_previous(self) -> None:
         """Back-pressure before a new snapshot: wait for the previous global write (and the

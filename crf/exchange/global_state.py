@@ -71,12 +71,22 @@ def flatten(
     return FlatState(tensors, json.dumps(tree, sort_keys=False, allow_nan=False))
 
 
+def reserve(state: dict[str, Any], buffers: HostBuffers, keep: set[str] | None = None) -> int:
+    """Allocate the buffers :func:`flatten` of ``state`` (with ``keep``) will copy into,
+    copying nothing: before the first snapshot, so that it costs what the later ones do.
+    Returns the bytes allocated."""
+    before = buffers.nbytes
+    _skeleton(state, (), {}, buffers, keep, fill=False)
+    return buffers.nbytes - before
+
+
 def _skeleton(
     obj: Any,
     path: tuple[str, ...],
     tensors: dict[str, torch.Tensor],
     buffers: HostBuffers | None = None,
     keep: set[str] | None = None,
+    fill: bool = True,
 ) -> Any:
     """``obj`` as JSON with each tensor replaced by ``{"t": name}``. A dict is a list of
     [key, value] pairs (JSON keeps an int key apart from a str one), a list ``{"l": [...]}``,
@@ -89,7 +99,7 @@ def _skeleton(
         if keep is not None and name not in keep:
             return {"t": name}
         if buffers is not None:
-            tensors[name] = buffers.copy(name, obj)
+            tensors[name] = buffers.copy(name, obj, fill=fill)
         else:
             tensors[name] = obj.detach().to("cpu", copy=True).contiguous()
         return {"t": name}
@@ -98,11 +108,13 @@ def _skeleton(
         for k, v in obj.items():
             if not isinstance(k, str | int) or isinstance(k, bool):
                 raise TypeError(f"global state: key {k!r} at {'/'.join(path)} is not str/int")
-            items.append([k, _skeleton(v, (*path, str(k)), tensors, buffers, keep)])
+            items.append([k, _skeleton(v, (*path, str(k)), tensors, buffers, keep, fill)])
         return {"d": items}
     if isinstance(obj, list | tuple):
         kind = "l" if isinstance(obj, list) else "u"
-        items = [_skeleton(v, (*path, str(i)), tensors, buffers, keep) for i, v in enumerate(obj)]
+        items = [
+            _skeleton(v, (*path, str(i)), tensors, buffers, keep, fill) for i, v in enumerate(obj)
+        ]
         return {kind: items}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"f": repr(obj)}

@@ -537,6 +537,26 @@ class ObjectStoreManager:
         self.exchange.close()
         self.checkpoints.close()
 
+    def reserve_host_buffers(self, rounds: list[list[torch.Tensor]]) -> int:
+        """Before the first round: allocate the host buffers the rounds copy through (each
+        of ``rounds``: the tensors one round exchanges, a fragment's pseudo-gradients, of its
+        parameters' shapes) and those this replica's part of a global snapshot is copied
+        into (the part it writes when every replica takes part). Page-locking on a GPU is
+        slow; paid here, it is not a cost of the first round. Returns the bytes allocated;
+        the time counts as blocked (crf's, not training's)."""
+        with self.blocking():
+            n = sum(self.exchange.reserve(ts) for ts in rounds)
+            world = self.exchange.world_size
+            part, parts = (self.rank, world) if world > 1 else (0, 1)
+            n += self.checkpoints.reserve_global(self.state_dict(), part, parts)
+        return n
+
+    def reserve_inner_buffers(self, state: Any) -> int:
+        """Allocate the host buffers an inner ``state`` is copied into at a snapshot, before
+        the first (blocked time); returns the bytes allocated."""
+        with self.blocking():
+            return self.checkpoints.reserve_inner(state)
+
     # -------------------------------------------------------------- global state
     def state_dict(self) -> dict[str, Any]:
         return {key: save() for key, (_, save) in self._state_fns.items()}

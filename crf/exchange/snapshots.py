@@ -41,17 +41,19 @@ class HostBuffers:
         """Host memory the buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def copy(self, name: str, tensor: torch.Tensor, *, fill: bool = True) -> torch.Tensor:
         """``tensor``'s values in ``name``'s buffer (a GPU tensor's copy may still be in
-        flight: :meth:`settle` waits for it)."""
+        flight: :meth:`settle` waits for it). ``fill=False`` only allocates the buffer (a
+        reservation before the first snapshot: :func:`reserve_tree`)."""
         src = tensor.detach()
         buf = self._buffers.get(name)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             pin = src.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
             self._buffers[name] = buf
-        with torch.no_grad():
-            buf.copy_(src, non_blocking=buf.is_pinned())
+        if fill:
+            with torch.no_grad():
+                buf.copy_(src, non_blocking=buf.is_pinned())
         return buf
 
     @staticmethod
@@ -71,13 +73,22 @@ def snapshot_tree(obj: Any, buffers: HostBuffers, path: str = "") -> Any:
     return out
 
 
-def _snapshot(obj: Any, buffers: HostBuffers, path: str) -> Any:
+def reserve_tree(obj: Any, buffers: HostBuffers) -> int:
+    """Allocate the buffers :func:`snapshot_tree` of ``obj`` will copy into, copying nothing
+    (page-locking is slow: paid once, before the first snapshot, not by it); returns the
+    bytes allocated."""
+    before = buffers.nbytes
+    _snapshot(obj, buffers, "", fill=False)
+    return buffers.nbytes - before
+
+
+def _snapshot(obj: Any, buffers: HostBuffers, path: str, fill: bool = True) -> Any:
     if isinstance(obj, torch.Tensor):
-        return buffers.copy(path, obj)
+        return buffers.copy(path, obj, fill=fill)
     if isinstance(obj, dict):
-        return {k: _snapshot(v, buffers, f"{path}/{k!r}") for k, v in obj.items()}
+        return {k: _snapshot(v, buffers, f"{path}/{k!r}", fill) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        items = [_snapshot(v, buffers, f"{path}/{i}") for i, v in enumerate(obj)]
+        items = [_snapshot(v, buffers, f"{path}/{i}", fill) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 

@@ -11,6 +11,14 @@ copy, at a fraction of the bus speed). A page-locked buffer allocated once per l
 Streaming DiLoCo fragment has its own) and reused every round is the one copy the bus
 allows, and it can run asynchronously.
 
+Why one block per layout, reserved before training: PyTorch's page-locked allocator makes
+each tensor an allocation of its own, pinned when made (and rounded up to a power of two
+below a size threshold): for a model's few hundred tensors, a few hundred slow allocations.
+A layout's buffers are therefore views into one page-locked block, and the replica reserves
+the blocks of its fragments when it starts (:meth:`HostStaging.reserve`), so the first
+round copies as fast as the later ones; a reservation no round uses is let go at the first
+round.
+
 Why in chunks, on a stream of its own: the copy is cut into chunks of :data:`CHUNK_BYTES`,
 each followed by a CUDA event, so the upload step encodes and checksums shard 0 while the
 later chunks are still crossing the bus (:meth:`Staged.wait_until`). The copy stream first
@@ -20,6 +28,7 @@ written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +38,39 @@ import torch
 CHUNK_BYTES = 64 << 20
 #: layouts whose buffers are kept (fragments of one model: a handful)
 _KEEP_LAYOUTS = 8
+#: where each tensor's view starts in a layout's block: a multiple of this many bytes
+ALIGN_BYTES = 64
+
+Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
+
+
+def layout_key(tensors: list[torch.Tensor]) -> Layout:
+    """What a round's host buffers depend on: each tensor's shape, dtype and device."""
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
+def host_block(layout: Layout, pin: bool) -> list[torch.Tensor | None]:
+    """Host buffers for ``layout``: views into one allocation (page-locked if ``pin``), each
+    starting at a multiple of :data:`ALIGN_BYTES`; None for a tensor already on the CPU."""
+    offsets, total = [], 0
+    for shape, dtype, device in layout:
+        if device.type == "cpu":
+            offsets.append(None)
+            continue
+        offsets.append(total)
+        n = math.prod(shape) * dtype.itemsize
+        total += -(-n // ALIGN_BYTES) * ALIGN_BYTES
+    if not total:
+        return [None] * len(layout)
+    block = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    out: list[torch.Tensor | None] = []
+    for (shape, dtype, _), at in zip(layout, offsets, strict=True):
+        if at is None:
+            out.append(None)
+            continue
+        n = math.prod(shape) * dtype.itemsize
+        out.append(block[at : at + n].view(dtype).view(shape))
+    return out
 
 
 @dataclass
@@ -82,8 +124,32 @@ class HostStaging:
     every round (page-locked when CUDA is available)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], list[torch.Tensor | None]] = {}
+        self._buffers: dict[Layout, list[torch.Tensor | None]] = {}
         self._streams: dict[torch.device, Any] = {}
+        #: layouts reserved and not staged yet
+        self._unused: set[Layout] = set()
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the kept buffers hold."""
+        return sum(
+            b.numel() * b.element_size()
+            for bs in self._buffers.values()
+            for b in bs
+            if b is not None
+        )
+
+    def reserve(self, tensors: list[torch.Tensor]) -> int:
+        """Allocate the buffers a round of ``tensors`` (the same shapes, dtypes and devices)
+        will use, before any round: the page-locking is paid here, at start-up, and not by
+        the first round's copy. Returns the bytes allocated (0: nothing to copy, or done)."""
+        key = layout_key(tensors)
+        if key in self._buffers or all(d.type == "cpu" for _, _, d in key):
+            return 0
+        before = self.nbytes
+        self._allocate(key)
+        self._unused.add(key)
+        return self.nbytes - before
 
     def stage(self, tensors: list[torch.Tensor]) -> Staged:
         """Start copying ``tensors`` to the host; CPU tensors are taken as they are."""
@@ -100,20 +166,24 @@ class HostStaging:
         return staged
 
     def _host_buffers(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        key = layout_key(tensors)
         bufs = self._buffers.get(key)
         if bufs is None:
-            if len(self._buffers) >= _KEEP_LAYOUTS:
-                self._buffers.clear()
-            pin = torch.cuda.is_available()
-            bufs = self._buffers[key] = [
-                None
-                if t.device.type == "cpu"
-                else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                for t in tensors
-            ]
+            # a reservation for another layout that no round has used will not be: let it go
+            for unused in self._unused:
+                self._buffers.pop(unused, None)
+            self._unused.clear()
+            bufs = self._allocate(key)
+        self._unused.discard(key)
         # a CPU tensor is used itself
         return [t if b is None else b for t, b in zip(tensors, bufs, strict=True)]
+
+    def _allocate(self, key: Layout) -> list[torch.Tensor | None]:
+        if len(self._buffers) >= _KEEP_LAYOUTS:
+            self._buffers.clear()
+            self._unused.clear()
+        bufs = self._buffers[key] = host_block(key, pin=torch.cuda.is_available())
+        return bufs
 
     def _copy_to_host(self, staged: Staged, t: torch.Tensor, h: torch.Tensor, pos: int) -> None:
         """Copy device tensor ``t`` into host buffer ``h`` (at ``pos`` in the vector)."""

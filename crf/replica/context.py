@@ -191,6 +191,8 @@ class ReplicaContext:
         self._inner: torch.optim.Optimizer | None = None
         self.resumed_from: int | None = None  # global round this replica resumed from
         self.resumed_inner = False
+        #: the inner step after which the inner snapshots' buffers are reserved (on a GPU)
+        self._reserve_inner_at: int | None = None
         self.model: torch.nn.Module | None = None
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
@@ -302,6 +304,7 @@ class ReplicaContext:
         with algo:
             self._inner = inner_optimizer
             self._resume(manager, inner_optimizer)
+            self._reserve_host_buffers(fragments)
             if local:
                 state = local.refresh.inner_state if local.refresh else None
                 send_start(local, self.step, model, inner_optimizer, self.resumed_inner, state)
@@ -500,15 +503,43 @@ class ReplicaContext:
         the round's record is queued (``Checkpoints.hold_inner``)."""
         if self._inner is None or self.manager is None or not self.spec.saves_inner_state(r):
             return
+        self.manager.checkpoints.hold_inner(r, self._inner_state(), self.step)
+
+    def _inner_state(self) -> dict[str, Any]:
+        """What an inner-state checkpoint holds now (:mod:`crf.exchange.inner_state`)."""
+        assert self._inner is not None and self.manager is not None
         refresh = self.local.refresh if self.local else None
-        state = inner_state.compose(
+        return inner_state.compose(
             refresh.inner_state if refresh else self._inner.state_dict(),
             inner_state.trainable_weights(self.model)
             if self._split and self.model is not None
             else None,
             self.manager.exchange.error_feedback_state(),
         )
-        self.manager.checkpoints.hold_inner(r, state, self.step)
+
+    def _reserve_host_buffers(self, fragments: list[torch.nn.Module]) -> None:
+        """On a GPU, before training: page-lock the host buffers the exchange and this
+        replica's part of the global snapshots copy into, so the first round costs what
+        the later ones do (the time counts as crf's; on the CPU nothing is copied)."""
+        rounds = [list(f.parameters()) for f in fragments]
+        if self.manager is None or not any(p.is_cuda for ps in rounds for p in ps):
+            return
+        t0 = time.monotonic()
+        n = self.manager.reserve_host_buffers(rounds)
+        log.info("host buffers: %.2f GB page-locked in %.1f s", n / 1e9, time.monotonic() - t0)
+        self._reserve_inner_at = self.step + 1  # the optimizer's state exists after a step
+
+    def _reserve_inner_buffers(self) -> None:
+        """After the first inner step (the optimizer made its state): the inner snapshots'
+        buffers, page-locked now rather than by the first snapshot."""
+        self._reserve_inner_at = None
+        if self._inner is None or self.manager is None or not self.spec.save_inner_state:
+            return
+        t0 = time.monotonic()
+        n = self.manager.reserve_inner_buffers(self._inner_state())
+        log.info(
+            "inner-state buffers: %.2f GB page-locked in %.1f s", n / 1e9, time.monotonic() - t0
+        )
 
     def _queue_unsaved(self) -> None:
         """Queue the inner states serialized at the last sync for the writer: after the
@@ -520,6 +551,8 @@ class ReplicaContext:
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
+        if self.step == self._reserve_inner_at:
+            self._reserve_inner_buffers()
         maybe_fault("inner_step", self.rank, None, self.store, step=self.step)
         if self.model is not None and maybe_poison(
             "nan_weights", self.rank, None, self.store, step=self.step
