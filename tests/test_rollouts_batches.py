@@ -239,9 +239,26 @@ def test_a_version_the_trainer_did_not_publish_is_refused(store: RunStore) -> No
     """A batch of a version an earlier attempt of a restarted trainer published (or one
     since deleted) names weights this trainer never had."""
     src = source(store, v2="published")
-    RolloutQueue(store, 0).put(batch(worker=0, seq=0, version=3, digest="published"))
+    queue = RolloutQueue(store, 0)
+    made = batch(worker=0, seq=0, version=3, digest="published")
+    queue.put(made)
     assert src.take(step=3, rows=4) is None
     assert src.take_counts()["refused"] == 1
+    # its rows are not lost for the pass: its worker is given them back to make again
+    assert queue.queued() == []
+    assert [b.row_ids for b in queue.take_returned(0)] == [made.row_ids]
+
+
+def test_a_batch_refused_for_what_it_holds_is_not_given_back(store: RunStore) -> None:
+    """Rows the trainer does not have would come back the same way: dropped, not returned."""
+    src = source(store, v3="published")
+    queue = RolloutQueue(store, 0)
+    foreign = batch(worker=0, seq=0, version=3, digest="published")
+    foreign.row_ids[1] = 99
+    queue.put(foreign)
+    assert src.take(step=3, rows=4) is None
+    assert src.take_counts()["refused"] == 1
+    assert queue.take_returned(0) == []
 
 
 def take_while_a_worker_writes(src: StoreRolloutSource, store: RunStore) -> Any:

@@ -260,9 +260,14 @@ class RolloutQueue:
 
     def give_back(self, batch: RolloutBatch) -> None:
         """Move a batch the trainer cannot use to ``returned/``: its worker makes it again."""
+        self.return_rows(batch)
+        self.remove(batch)
+
+    def return_rows(self, batch: RolloutBatch) -> None:
+        """Put ``batch`` (already out of the queue) in ``returned/``: its worker generates
+        its rows again first."""
         self.store.put(layout.returned_key(self.rank, batch.worker, batch.seq),
                        encode_batch(batch))  # fmt: skip
-        self.remove(batch)
 
     def oldest_within(
         self,

@@ -178,6 +178,10 @@ class StoreRolloutSource:
                         0.7 * self._wait_s + 0.3 * waited)  # fmt: skip
                     return batch, [dict(self.rows[i]) for i in batch.row_ids]
                 self.refused(batch, why)
+                if self._unpublished(batch):  # its rows are still owed: made again
+                    self.queue.return_rows(batch)
+                    log.info("worker %d's batch %d: its rows go back to it", batch.worker,
+                             batch.seq)  # fmt: skip
                 self._set_cursor(step)  # still looking for step's batch
                 continue
             now = time.monotonic()
@@ -235,12 +239,19 @@ class StoreRolloutSource:
         (crf/rollouts/intake.py), in one place."""
         if any(not 0 <= i < len(self.rows) for i in batch.row_ids):
             return f"row ids outside the trainer's {len(self.rows)} rows"
-        if self.digests is not None and self.expected_digest(batch.version) is None:
+        if self._unpublished(batch):
             return (
                 f"version {batch.version} was not published by this trainer (an earlier "
                 "attempt's, or deleted)"
             )
         return None
+
+    def _unpublished(self, batch: RolloutBatch) -> bool:
+        """Whether ``batch`` was made from a version this trainer attempt never published
+        (an earlier attempt's, or deleted). Its rows are fine, and its worker makes them
+        again from a version this attempt publishes (given back, not lost for the pass);
+        a batch refused for what it holds would be made the same way again, so it is not."""
+        return self.digests is not None and self.expected_digest(batch.version) is None
 
     def _worker_alive(self) -> bool:
         """Whether one of this trainer's workers is running (worth waiting for). A worker
