@@ -653,6 +653,7 @@ ROUND_PHASES = (
     ("decode", "decode_s"),
     ("host-to-device", "h2d_s"),
     ("checkpoint snapshot", "snapshot_s"),
+    ("DiLoCo's outer step (pseudo-gradients, global copy, outer optimizer)", "outer_s"),
 )
 
 

@@ -504,9 +504,11 @@ class RoundMetrics(Record):
     rejected: list[Rejection] = field(default_factory=list)
     healed_from: int | None = None
     #: the exchange's seconds per phase of this round (crf.exchange.phases.PHASES: d2h,
-    #: encode, upload, wait, download, decode, h2d), summed over its syncs, and ``snapshot``:
-    #: the checkpoint copies that blocked training since the previous record; {} in records
-    #: written before the exchange timed its phases
+    #: encode, upload, wait, download, decode, h2d), summed over its syncs, ``snapshot``:
+    #: the checkpoint copies that blocked training since the previous record, and ``outer``:
+    #: DiLoCo's own work at the syncs (pseudo-gradients, restoring the global weights, the
+    #: outer step, its global copy); {} in records written before the exchange timed its
+    #: phases
     phases_s: dict[str, float] = field(default_factory=dict)
     #: with rollout workers: the rollouts this round trained on by source (``workers``,
     #: ``local``), ``refused`` batches, ``staleness_mean`` / ``staleness_max`` (inner steps)

@@ -101,6 +101,8 @@ def test_launch_local_lm_bit_identical_and_learns(tmp_path: Path) -> None:
     # ... and where its exchange's time went; the lowest participant's records also count
     # the checkpoint snapshots on its training thread
     assert {"encode", "upload", "download", "decode"} <= set(record["phases_s"]), record
+    # ... and DiLoCo's own work at the sync (pseudo-gradients, the outer step), in its wait
+    assert 0 <= record["phases_s"]["outer"] <= record["sync_s"], record
     writer = [json.loads((run / "metrics" / "0" / f"{r}.json").read_text()) for r in range(4)]
     assert any(w["phases_s"].get("snapshot", 0) > 0 for w in writer), writer
     assert result["figure"] == str(run / "figure.png") and (run / "figure.png").stat().st_size

@@ -6,6 +6,8 @@ order; every round reports its seconds per phase, and a replica's round record c
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -180,3 +182,55 @@ def test_a_reservation_is_what_the_first_round_uses_and_a_wrong_one_goes() -> No
     wrong.reserve([torch.empty(100, device="meta")])
     wrong._host_buffers(ts)  # another layout: the unused reservation goes
     assert wrong.nbytes == n
+
+
+def test_diloco_s_outer_work_counts_as_the_sync_s_not_as_training(tmp_path, monkeypatch) -> None:
+    """What torchft's DiLoCo does at a sync outside the manager (pseudo-gradients, restoring
+    the global weights, the outer step, saving its global copy) is crf's time: the round
+    record has it as the ``outer`` phase, inside ``sync_s``, and not in ``compute_s``. A
+    slow save of the global copy (0.5 s at each sync) shows where it lands."""
+    import json
+    import time
+
+    from torchft.local_sgd import _StreamingDiLoCoFragment
+
+    from crf.replica.context import ReplicaContext
+    from crf.spec import RunSpec
+    from tests.test_bucketization import build
+
+    save = _StreamingDiLoCoFragment.save_parameters
+    syncing: set[int] = set()
+
+    def slow_save(self) -> None:
+        if threading.get_ident() in syncing:  # at a sync, not when DiLoCo starts
+            time.sleep(0.5)
+        save(self)
+
+    monkeypatch.setattr(_StreamingDiLoCoFragment, "save_parameters", slow_save)
+    store = RunStore(f"file://{tmp_path}/run")
+    spec = RunSpec(run_id="run", run_uri=store.uri, replicas=2, sync_every=2, rounds=2,
+                   round_timeout_s=30).validate()  # fmt: skip
+    store.put_if_absent("run.json", spec.to_json().encode())
+
+    def train(rank: int) -> None:
+        ctx = ReplicaContext(store, spec, rank, 2, shard_grace_s=2.0)
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with ctx.diloco(model, opt):
+            syncing.add(threading.get_ident())
+            while ctx.step < ctx.total_steps:
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ctx.log_step(loss=loss.item())
+        ctx.finish({})
+
+    assert run_threads(2, train, timeout=120) == [None, None]
+    for rank in range(2):
+        records = [json.loads((tmp_path / f"run/metrics/{rank}/{r}.json").read_text())
+                   for r in range(2)]  # fmt: skip
+        for rec in records:
+            assert 0.5 <= rec["phases_s"]["outer"] <= rec["sync_s"], rec
+        # 4 tiny steps: the sleeps would have made compute at least 1 s
+        assert records[-1]["compute_s"] < 1.0, records

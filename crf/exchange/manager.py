@@ -169,6 +169,10 @@ class ManagerStats:
     #: the training thread's part of the global checkpoints (part of ``blocked_s``): waiting
     #: for the previous write (back-pressure) and copying the state; encode and upload are not
     ckpt_foreground_s: float = 0.0
+    #: DiLoCo's work at the last sync outside the manager (pseudo-gradients, restoring the
+    #: global weights, the outer step, its global copy), as the replica timed it; part of
+    #: ``blocked_s``. None: not timed
+    last_outer_s: float | None = None
 
 
 @dataclass
@@ -536,6 +540,15 @@ class ObjectStoreManager:
             self._sync.thread = None
         self.exchange.close()
         self.checkpoints.close()
+
+    def charge_outer(self, seconds: float) -> None:
+        """Count ``seconds`` of DiLoCo's own work at a sync, outside this manager (the
+        replica times it: the pseudo-gradients, restoring the global weights, the outer
+        step, the copies of its global copy), as blocked time: it is the sync's, not
+        training's."""
+        seconds = max(0.0, seconds)
+        self.stats.blocked_s += seconds
+        self.stats.last_outer_s = seconds
 
     def reserve_host_buffers(self, rounds: list[list[torch.Tensor]]) -> int:
         """Before the first round: allocate the host buffers the rounds copy through (each

@@ -6,7 +6,8 @@ round's own thread: each second of its wall time goes to the innermost phase it 
 nested phase pauses the one around it), and what no phase covers is the rest of the round's
 ``seconds``. The result's ``phases`` and a replica's round record (``phases_s``) carry the
 totals; the record adds ``snapshot``, the training thread's checkpoint copies since the last
-record (``crf/exchange/checkpoints.py``); ``bench/gpu.py`` reads them for its breakdown.
+record (``crf/exchange/checkpoints.py``), and ``outer``, DiLoCo's own work at the sync
+(``crf/replica/context.py``); ``bench/gpu.py`` reads them for its breakdown.
 """
 
 from __future__ import annotations

@@ -193,6 +193,8 @@ class ReplicaContext:
         self.resumed_inner = False
         #: the inner step after which the inner snapshots' buffers are reserved (on a GPU)
         self._reserve_inner_at: int | None = None
+        #: (clock, manager's blocked seconds) where a sync step's own work ended
+        self._outer_mark: tuple[float, float] | None = None
         self.model: torch.nn.Module | None = None
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
@@ -301,6 +303,8 @@ class ReplicaContext:
         gathering = None  # FSDP: registered before DiLoCo's own hook (on entering it)
         if local is not None and local.refresh is not None:
             gathering = inner_optimizer.register_step_post_hook(local.refresh)
+        # also before DiLoCo's: where a sync step's own work ends and DiLoCo's begins
+        marking = inner_optimizer.register_step_post_hook(self._mark_step_end)
         with algo:
             self._inner = inner_optimizer
             self._resume(manager, inner_optimizer)
@@ -315,6 +319,7 @@ class ReplicaContext:
                 ok = True
             finally:
                 hook.remove()
+                marking.remove()
                 if gathering is not None:
                     gathering.remove()
                 self._close_manager(manager, ok)
@@ -549,6 +554,29 @@ class ReplicaContext:
         if self.manager is not None:
             self.manager.checkpoints.release_inner()
 
+    def _mark_step_end(self, *_: Any) -> None:
+        """Before DiLoCo's hook, at a step that syncs: the step's own GPU work is waited for
+        here (training's time), and the clock and the manager's blocked time are noted, so
+        that what DiLoCo does outside the manager - the pseudo-gradients, restoring the
+        global weights, the outer optimizer step, the copies of its global copy - counts as
+        the sync's (:meth:`_charge_outer`), not as training."""
+        m = self.manager
+        if m is None or (self.step + 1) % self.spec.sync_period != 0:
+            return
+        if self.model is not None:
+            device = next(self.model.parameters(), torch.empty(0)).device
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        self._outer_mark = (time.monotonic(), m.blocked_s)
+
+    def _charge_outer(self, m: ObjectStoreManager) -> None:
+        """DiLoCo's work since :meth:`_mark_step_end` outside the manager (the manager times
+        its own) counts as blocked: the sync's, ``outer`` among its phases."""
+        if self._outer_mark is None:
+            return
+        (t0, blocked0), self._outer_mark = self._outer_mark, None
+        m.charge_outer((time.monotonic() - t0) - (m.blocked_s - blocked0))
+
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
         if self.step == self._reserve_inner_at:
@@ -563,6 +591,7 @@ class ReplicaContext:
         if self.step % period != 0 or self.manager is None:
             return
         m = self.manager
+        self._charge_outer(m)
         e = self.step // period - 1  # the exchange round that just synced
         # a replica that healed into a later round skips the inner steps it no longer needs
         self.step = max(self.step, m.current_step() * period)
@@ -592,6 +621,9 @@ class ReplicaContext:
         snapshot_s = self._syncs.new_snapshot_s(m.stats.ckpt_foreground_s)
         if snapshot_s > 0:
             phases["snapshot"] = round(snapshot_s, 6)
+        outer_s, m.stats.last_outer_s = m.stats.last_outer_s, None
+        if outer_s is not None:
+            phases["outer"] = round(outer_s, 6)
         return {
             "round": e // F,
             "exchange_round": res.round if res else None,
