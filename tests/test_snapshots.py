@@ -240,3 +240,38 @@ def test_a_checkpoints_reserved_buffers_take_its_first_snapshots(tmp_path) -> No
     ckpt.inner_write(0, opt, step=1)()
     assert ckpt._inner_buffers.nbytes == n
     _same(opt, ckpt.load_inner(0))
+
+
+def test_a_round_record_lands_while_a_state_write_runs() -> None:
+    """A round's record goes on a lane of its own: it lands while a large state write queued
+    before it is still running, and a write queued after it waits for it; if the record
+    failed, that write does not land (an inner state never lands without its record)."""
+    import threading
+
+    import pytest
+
+    errors: list[BaseException] = []
+    writer = CheckpointWriter(True, errors.append)
+    release, done = threading.Event(), []
+    writer.submit(lambda: (release.wait(30), done.append("state")))  # a global state
+    record = writer.submit_record(lambda: done.append("record"))
+    assert record is not None
+    record.result(timeout=30)
+    assert done == ["record"]  # not behind the state write
+    release.set()
+
+    def bad() -> None:
+        raise OSError("the store said no")
+
+    failed = writer.submit_record(bad)
+    assert failed is not None
+    failed.exception(timeout=30)  # done, failed: still waited on
+    after = writer.submit(lambda: done.append("inner"))
+    assert failed is not None and after is not None
+    with pytest.raises(OSError):
+        after.result(timeout=30)
+    assert done == ["record", "state"]  # the inner write did not land without its record
+    writer.check()
+    assert errors and all(isinstance(e, OSError) for e in errors)
+    writer._pending.clear()  # both failures were reported
+    writer.close()

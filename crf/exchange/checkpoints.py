@@ -77,17 +77,40 @@ class CheckpointWriter:
         self._on_failure = on_failure
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        #: a lane of its own for round records (:meth:`submit_record`), and the last one
+        self._records: ThreadPoolExecutor | None = None
+        self._last_record: Future | None = None
 
     def submit(self, write: Callable[[], None]) -> Future | None:
-        """Run ``write`` now, or queue it (returns its future) with a background writer."""
+        """Run ``write`` now, or queue it (returns its future) with a background writer. It
+        runs after the round records submitted before it have landed, and fails if one
+        failed (an inner state never lands without its round's record)."""
         if not self.background:
             write()
             return None
         self.check()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-ckpt")
+        record = self._last_record
+        if record is not None and (not record.done() or record.exception() is not None):
+            write = _after(record, write)
         future = self._pool.submit(self._timed, write)
         self._pending.append(future)
+        return future
+
+    def submit_record(self, write: Callable[[], None]) -> Future | None:
+        """Run a small write (a round's record) now, or queue it on a lane of its own, so
+        it lands in milliseconds instead of behind the state writes queued before it (a
+        global state is gigabytes); the writes submitted after it wait for it."""
+        if not self.background:
+            write()
+            return None
+        self.check()
+        if self._records is None:
+            self._records = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-record")
+        future = self._records.submit(write)
+        self._pending.append(future)
+        self._last_record = future
         return future
 
     def _timed(self, write: Callable[[], None]) -> None:
@@ -120,13 +143,26 @@ class CheckpointWriter:
             f.result(timeout=timeout_s)
 
     def close(self) -> None:
-        """Wait for pending writes (raising the first that failed), then stop the thread."""
+        """Wait for pending writes (raising the first that failed), then stop the threads."""
         try:
             self.drain()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            for pool in (self._pool, self._records):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._pool = self._records = None
+            self._last_record = None
+
+
+def _after(first: Future, write: Callable[[], None]) -> Callable[[], None]:
+    """``write``, run once ``first`` is done; not at all if ``first`` failed (its error is
+    raised: the write depended on it)."""
+
+    def run() -> None:
+        first.result()
+        write()
+
+    return run
 
 
 def read_global_state(store: Any, r: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -697,14 +697,15 @@ class ReplicaContext:
                 }
             )
             self._steps.rollouts = {}
-            # one put per round, by the checkpoint writer (off the training thread, where a
-            # store round trip queued behind the exchange's uploads cost a step), queued
-            # before this sync's inner state (_queue_unsaved): a round whose inner states
+            # one put per round, by the checkpoint writer's record lane (off the training
+            # thread, where a store round trip queued behind the exchange's uploads cost a
+            # step; not behind the state writes, so it lands at once), before this sync's
+            # inner state (_queue_unsaved), which waits for it: a round whose inner states
             # landed has its record too, or a kill would lose it for good (a resume does not
             # train that round again)
             key, data = layout.metrics_key(self.rank, r), record.to_dict()
             if self.manager is not None:
-                self.manager.checkpoints.writer.submit(
+                self.manager.checkpoints.writer.submit_record(
                     lambda key=key, data=data: self.store.put_json(key, data)
                 )
             else:
