@@ -167,6 +167,9 @@ class DiLoCoHook:
         turn_off_bucketization(self._algo)
         self.manager.set_fragment_sizes([len(list(model.parameters()))])
         self._algo.__enter__()  # its pre/post hooks on the optimizer: the sync runs in step()
+        local = [local_tensor(p.detach()) for p in model.parameters()]
+        if any(t.is_cuda for t in local):  # page-locked before the first round, not by it
+            self.manager.reserve_host_buffers([local])
         if self.ctx is not None:
             self.ctx.manager = self.manager
             self.ctx._set_phase("training")
