@@ -276,6 +276,9 @@ class ObjectStoreManager:
         #: global state to heal from: the replica's heartbeat goes on, so the others (which
         #: follow liveness) see a replica that is slow, not dead
         self.on_blocked: Callable[[], None] | None = None
+        #: host buffers reserved on a GPU; the inner snapshots' are due after the first
+        #: inner step (:meth:`reserve_inner_buffers`)
+        self.inner_buffers_due = False
 
     @property
     def store(self) -> RunStore:
@@ -562,6 +565,7 @@ class ObjectStoreManager:
             world = self.exchange.world_size
             part, parts = (self.rank, world) if world > 1 else (0, 1)
             n += self.checkpoints.reserve_global(self.state_dict(), part, parts)
+        self.inner_buffers_due = True  # once the inner optimizer has made its state
         return n
 
     def reserve_inner_buffers(self, state: Any) -> int:

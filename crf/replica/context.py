@@ -191,10 +191,6 @@ class ReplicaContext:
         self._inner: torch.optim.Optimizer | None = None
         self.resumed_from: int | None = None  # global round this replica resumed from
         self.resumed_inner = False
-        #: the inner step after which the inner snapshots' buffers are reserved (on a GPU)
-        self._reserve_inner_at: int | None = None
-        #: (clock, manager's blocked seconds) where a sync step's own work ended
-        self._outer_mark: tuple[float, float] | None = None
         self.model: torch.nn.Module | None = None
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
@@ -532,12 +528,10 @@ class ReplicaContext:
         t0 = time.monotonic()
         n = self.manager.reserve_host_buffers(rounds)
         log.info("host buffers: %.2f GB page-locked in %.1f s", n / 1e9, time.monotonic() - t0)
-        self._reserve_inner_at = self.step + 1  # the optimizer's state exists after a step
 
     def _reserve_inner_buffers(self) -> None:
         """After the first inner step (the optimizer made its state): the inner snapshots'
         buffers, page-locked now rather than by the first snapshot."""
-        self._reserve_inner_at = None
         if self._inner is None or self.manager is None or not self.spec.save_inner_state:
             return
         t0 = time.monotonic()
@@ -567,19 +561,19 @@ class ReplicaContext:
             device = next(self.model.parameters(), torch.empty(0)).device
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
-        self._outer_mark = (time.monotonic(), m.blocked_s)
+        self._clock.mark_outer(m.blocked_s)
 
     def _charge_outer(self, m: ObjectStoreManager) -> None:
         """DiLoCo's work since :meth:`_mark_step_end` outside the manager (the manager times
         its own) counts as blocked: the sync's, ``outer`` among its phases."""
-        if self._outer_mark is None:
-            return
-        (t0, blocked0), self._outer_mark = self._outer_mark, None
-        m.charge_outer((time.monotonic() - t0) - (m.blocked_s - blocked0))
+        outer_s = self._clock.take_outer(m.blocked_s)
+        if outer_s is not None:
+            m.charge_outer(outer_s)
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1
-        if self.step == self._reserve_inner_at:
+        if self.manager is not None and self.manager.inner_buffers_due:
+            self.manager.inner_buffers_due = False  # the optimizer made its state: now
             self._reserve_inner_buffers()
         maybe_fault("inner_step", self.rank, None, self.store, step=self.step)
         if self.model is not None and maybe_poison(

@@ -97,6 +97,8 @@ class TimeAccount:
     mark: float = field(default_factory=time.monotonic)
     blocked_mark: float = 0.0
     transfer_mark: float = 0.0
+    #: (clock, the manager's blocked seconds) where a sync step's own work ended
+    outer_mark: tuple[float, float] | None = None
 
     def restart(self) -> None:
         """A new manager (totals from zero); compute time counts from now."""
@@ -112,6 +114,18 @@ class TimeAccount:
         self.compute_s += max(0.0, now - self.mark - sync_s)
         self.mark = now
         return sync_s, transfer
+
+    def mark_outer(self, blocked_s: float) -> None:
+        """A sync step's own work ends here (DiLoCo's hook comes next)."""
+        self.outer_mark = (time.monotonic(), blocked_s)
+
+    def take_outer(self, blocked_s: float) -> float | None:
+        """Seconds since :meth:`mark_outer` that the manager did not count as blocked
+        (DiLoCo's own work at the sync); None without a mark."""
+        if self.outer_mark is None:
+            return None
+        (t0, blocked0), self.outer_mark = self.outer_mark, None
+        return (time.monotonic() - t0) - (blocked_s - blocked0)
 
     def wall_s(self) -> float:
         return time.time() - self.started_at
