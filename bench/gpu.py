@@ -38,7 +38,7 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
    be fp32 after each.
 4. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU at GRPO-sized steps (the grpo
    phase's batch and length), H = 50 (or the largest that fits ``--budget-s``),
-   ``--grpo-rounds`` round(s), a file store on local disk,
+   ``--grpo-rounds`` round(s) (one fewer when they do not fit), a file store on local disk,
    a global checkpoint every round. crf's share of wall time is measured from the run's own
    round records: the time training waited (exchange and checkpoint) against its compute,
    per replica; the goal is 5%. Each round's phases (device-to-host, encode, upload, wait for
@@ -1052,6 +1052,10 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
         + ", ".join(f"{s / max(1, done):.1f}" for s in syncs)
         + " |",
     ]
+    later = _share_after_first(run)
+    if later:
+        lines.append(f"| crf's share of wall time after round 0 ({size}: its start-up costs "
+                     f"apart), per replica | {', '.join(f'{x:.1%}' for x in later)} |")  # fmt: skip
     phases = [p for r in run["replicas"] for p in r.get("phases_per_round", [])]
     told = []
     for _, key in ROUND_PHASES:
@@ -1087,6 +1091,18 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     if run.get("error"):
         lines.append(f"| crf run ({size}) | {run['error']} |")
     return lines
+
+
+def _share_after_first(run: dict[str, Any]) -> list[float]:
+    """Each replica's share of wall time over the rounds after round 0 (which also pays for
+    page-locking host buffers and the first compilations); [] with fewer than 2 rounds."""
+    out = []
+    for r in run["replicas"]:
+        sync = sum(r.get("sync_per_round_s", [])[1:])
+        compute = sum(r.get("compute_per_round_s", [])[1:])
+        if len(r.get("sync_per_round_s", [])) >= 2 and sync + compute > 0:
+            out.append(sync / (sync + compute))
+    return out
 
 
 def _by_round_rows(run: dict[str, Any], size: str) -> list[str]:
@@ -1246,8 +1262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-every", type=int, default=50, help="H of the crf runs (the most "
                    "H under --budget-s)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds of the small-step crf run")
-    p.add_argument("--grpo-rounds", type=int, default=1, help="rounds of the GRPO-sized crf "
-                   "run (one round of H = 50 GRPO-sized steps is over 6 minutes)")  # fmt: skip
+    p.add_argument("--grpo-rounds", type=int, default=2, help="rounds of the GRPO-sized crf "
+                   "run, one fewer where they do not fit --budget-s (a second round tells a "
+                   "round's cost from the first's one-time costs)")  # fmt: skip
     p.add_argument("--batches", default="16,64", help="batches of the generate and profile "
                    "phases")  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=1, help="the crf runs' "
@@ -1293,27 +1310,36 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
 
-    def plan_run(label: str, later: bool) -> tuple[int, float]:
-        """(H, timeout) of a crf run: --sync-every and --run-timeout, or under --budget-s the
-        largest H that fits its share of the time left (:func:`crf_run_share`)."""
+    def plan_run(label: str, later: bool) -> tuple[int, float, int]:
+        """(H, timeout, rounds) of a crf run: --sync-every, --run-timeout and its rounds, or
+        under --budget-s the largest H that fits its share of the time left
+        (:func:`crf_run_share`), with one round fewer when its rounds do not fit (a second
+        round is what tells a round's cost from the first round's one-time costs)."""
+        rounds = {"grpo": a.grpo_rounds, "small": a.rounds}
         if not a.budget_s:
-            return a.sync_every, a.run_timeout
+            return a.sync_every, a.run_timeout, rounds[label]
         steps = {k: crf_run_step(k, (res, documented), a.run_completion)
                  for k in ("grpo", "small")}  # fmt: skip
-        rounds = {"grpo": a.grpo_rounds, "small": a.rounds}
-        least = {k: RUN_OVERHEAD_S + rounds[k] * (ROUND_WAIT_S + min(a.sync_every,
-                 MIN_SYNC_EVERY) * steps[k]) for k in steps}  # fmt: skip
-        left = a.budget_s - (time.perf_counter() - t_start)
-        share = crf_run_share(left, later, least["grpo"], least["small"])
-        return fit_sync_every(share, steps[label], rounds[label], a.sync_every), max(30.0, share)
+        while True:
+            least = {k: RUN_OVERHEAD_S + rounds[k] * (ROUND_WAIT_S + min(a.sync_every,
+                     MIN_SYNC_EVERY) * steps[k]) for k in steps}  # fmt: skip
+            left = a.budget_s - (time.perf_counter() - t_start)
+            share = crf_run_share(left, later, least["grpo"], least["small"])
+            try:
+                h = fit_sync_every(share, steps[label], rounds[label], a.sync_every)
+            except NoTimeLeft:
+                if rounds[label] <= 1:
+                    raise
+                rounds[label] -= 1
+                continue
+            return h, max(30.0, share), rounds[label]
 
     def crf_run(label: str) -> dict:
         order = a.phases.split(",")
         later = label == "grpo" and "crf-small" in order[order.index("crf") + 1 :]
-        h, timeout = plan_run(label, later)
+        h, timeout, rounds = plan_run(label, later)
         prompts, completion = ((a.prompts, a.completion) if label == "grpo"
                                else (a.run_prompts, a.run_completion))  # fmt: skip
-        rounds = a.grpo_rounds if label == "grpo" else a.rounds
         print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
         run = bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
                         a.checkpoint_every, label)  # fmt: skip

@@ -194,6 +194,7 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     assert "crf's share of wall time, measured" in table and "goal ≤ 10%" in table
     by_round = next(line for line in table.splitlines() if line.startswith("| by round"))
     assert "round 0: " in by_round and "round 1: " in by_round  # first apart from the rest
+    assert "crf's share of wall time after round 0" in table
     assert "one decoding step (torch.profiler)" in table
     assert "of it generating the rollouts / the rest" in table
     assert table in (repo / "docs" / "performance.md").read_text()
