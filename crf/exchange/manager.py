@@ -576,6 +576,12 @@ class ObjectStoreManager:
 
     # -------------------------------------------------------------- global state
     def state_dict(self) -> dict[str, Any]:
+        """The global state: each registered part's. On a GPU the device's queued work is
+        waited for first: DiLoCo copies its global copy to page-locked host memory
+        asynchronously after the outer step, and the state's host tensors are read by the
+        CPU, which does not wait for the device by itself."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         return {key: save() for key, (_, save) in self._state_fns.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

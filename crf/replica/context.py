@@ -404,7 +404,10 @@ class ReplicaContext:
             outers[0] if len(outers) == 1 else outers,
             sync_every=spec.sync_every,
             use_bucketization=False,
-            pin_memory=False,
+            # its global copy page-locked when the model is on a GPU (torchft's default
+            # there): its three copies of P each round at the bus's speed; the global state
+            # waits for the device before reading it (ObjectStoreManager.state_dict)
+            pin_memory=any(p.is_cuda for f in fragments for p in f.parameters()),
             fragment_sync_delay=spec.fragment_sync_delay,
         )
         turn_off_bucketization(algo)  # one exchange per sync already (see its docstring)
