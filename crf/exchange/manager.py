@@ -175,6 +175,13 @@ class ManagerStats:
     last_outer_s: float | None = None
 
 
+def _settle_device() -> None:
+    """Wait for the GPU's queued work (nothing on the CPU): host memory it copies into
+    asynchronously is then what the CPU reads and writes."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @dataclass
 class _Sync:
     """One sync, from ``start_quorum()`` to ``should_commit()``: the queued tensors and the
@@ -580,11 +587,14 @@ class ObjectStoreManager:
         waited for first: DiLoCo copies its global copy to page-locked host memory
         asynchronously after the outer step, and the state's host tensors are read by the
         CPU, which does not wait for the device by itself."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        _settle_device()
         return {key: save() for key, (_, save) in self._state_fns.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load each registered part's state. On a GPU the device's queued work is waited
+        for first: a copy DiLoCo left in flight into its page-locked global copy (the one it
+        makes when it starts) must not land over what is loaded."""
+        _settle_device()
         for key, (load, _) in self._state_fns.items():
             if key in state:
                 load(state[key])
