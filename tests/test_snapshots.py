@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file, save
 
@@ -248,8 +249,6 @@ def test_a_round_record_lands_while_a_state_write_runs() -> None:
     failed, that write does not land (an inner state never lands without its record)."""
     import threading
 
-    import pytest
-
     errors: list[BaseException] = []
     writer = CheckpointWriter(True, errors.append)
     release, done = threading.Event(), []
@@ -275,3 +274,18 @@ def test_a_round_record_lands_while_a_state_write_runs() -> None:
     assert errors and all(isinstance(e, OSError) for e in errors)
     writer._pending.clear()  # both failures were reported
     writer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_reserved_buffers_of_device_tensors_are_page_locked_and_filled() -> None:
+    """A GPU state's reserved buffers are page-locked host memory, and the first snapshot
+    copies the device's values into exactly them."""
+    state = {"w": torch.randn(64, 64, device="cuda"), "step": torch.tensor(3.0, device="cuda")}
+    buffers = HostBuffers()
+    assert reserve_tree(state, buffers) == (64 * 64 + 1) * 4
+    ptrs = {n: b.data_ptr() for n, b in buffers._buffers.items()}
+    assert all(b.is_pinned() for b in buffers._buffers.values())
+    snap = snapshot_tree(state, buffers)
+    assert {n: b.data_ptr() for n, b in buffers._buffers.items()} == ptrs
+    assert torch.equal(snap["w"], state["w"].cpu()) and float(snap["step"]) == 3.0
