@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from crf.store import RunStore
 
@@ -72,6 +73,19 @@ def hf_hub_env(hf_hub: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> d
         hf_hub.endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}",
     )  # fmt: skip
     return env
+
+
+#: a test's devices: the CPU, and CUDA as a ``gpu`` test (skipped without one, with the reason)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
 
 
 def run_threads(n: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:

@@ -14,18 +14,8 @@ import torch
 
 from crf.exchange.allreduce import ObjectStoreAllReduce
 from crf.store import RunStore
-from tests.conftest import run_threads
+from tests.conftest import DEVICES, run_threads
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 SHAPES = [(300,), (17, 9), (1,), (64, 64)]
 
 

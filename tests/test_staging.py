@@ -18,7 +18,7 @@ from crf.exchange.phases import PHASES, PhaseClock
 from crf.exchange.staging import HostStaging, Staged
 from crf.replica.rounds import merge_syncs
 from crf.store import RunStore
-from tests.conftest import run_threads
+from tests.conftest import DEVICES, run_threads
 
 
 def test_cpu_tensors_are_used_in_place() -> None:
@@ -183,18 +183,6 @@ def test_a_reservation_is_what_the_first_round_uses_and_a_wrong_one_goes() -> No
     wrong.reserve([torch.empty(100, device="meta")])
     wrong._host_buffers(ts)  # another layout: the unused reservation goes
     assert wrong.nbytes == n
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -85,32 +85,33 @@ class CheckpointWriter:
         """Run ``write`` now, or queue it (returns its future) with a background writer. It
         runs after the round records submitted before it have landed, and fails if one
         failed (an inner state never lands without its round's record)."""
-        if not self.background:
-            write()
-            return None
-        self.check()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-ckpt")
         record = self._last_record
         if record is not None and (not record.done() or record.exception() is not None):
             write = _after(record, write)
-        future = self._pool.submit(self._timed, write)
-        self._pending.append(future)
-        return future
+        return self._queue(write, records=False)
 
     def submit_record(self, write: Callable[[], None]) -> Future | None:
         """Run a small write (a round's record) now, or queue it on a lane of its own, so
         it lands in milliseconds instead of behind the state writes queued before it (a
         global state is gigabytes); the writes submitted after it wait for it."""
+        future = self._queue(write, records=True)
+        self._last_record = future
+        return future
+
+    def _queue(self, write: Callable[[], None], records: bool) -> Future | None:
         if not self.background:
             write()
             return None
         self.check()
-        if self._records is None:
-            self._records = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crf-record")
-        future = self._records.submit(write)
+        if records:
+            if self._records is None:
+                self._records = ThreadPoolExecutor(1, thread_name_prefix="crf-record")
+            future = self._records.submit(write)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="crf-ckpt")
+            future = self._pool.submit(self._timed, write)
         self._pending.append(future)
-        self._last_record = future
         return future
 
     def _timed(self, write: Callable[[], None]) -> None:

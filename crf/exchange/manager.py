@@ -49,6 +49,7 @@ from crf.exchange.allreduce import (
 )
 from crf.exchange.checkpoints import Checkpoints, CheckpointWriter, HealError
 from crf.exchange.config import ExchangeConfig, ExchangeHooks
+from crf.exchange.snapshots import settle_device
 from crf.store import CorruptObjectError, RunStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -173,13 +174,6 @@ class ManagerStats:
     #: global weights, the outer step, its global copy), as the replica timed it; part of
     #: ``blocked_s``. None: not timed
     last_outer_s: float | None = None
-
-
-def _settle_device() -> None:
-    """Wait for the GPU's queued work (nothing on the CPU): host memory it copies into
-    asynchronously is then what the CPU reads and writes."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 @dataclass
@@ -587,14 +581,14 @@ class ObjectStoreManager:
         waited for first: DiLoCo copies its global copy to page-locked host memory
         asynchronously after the outer step, and the state's host tensors are read by the
         CPU, which does not wait for the device by itself."""
-        _settle_device()
+        settle_device()
         return {key: save() for key, (_, save) in self._state_fns.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load each registered part's state. On a GPU the device's queued work is waited
         for first: a copy DiLoCo left in flight into its page-locked global copy (the one it
         makes when it starts) must not land over what is loaded."""
-        _settle_device()
+        settle_device()
         for key, (load, _) in self._state_fns.items():
             if key in state:
                 load(state[key])

@@ -59,8 +59,15 @@ class HostBuffers:
     @staticmethod
     def settle() -> None:
         """Wait for the device-to-host copies :meth:`copy` left in flight."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        settle_device()
+
+
+def settle_device() -> None:
+    """Wait for the GPU's queued work (nothing on the CPU): host memory it copies into
+    asynchronously then holds what the CPU reads, and nothing in flight lands over what the
+    CPU writes there."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def snapshot_tree(obj: Any, buffers: HostBuffers, path: str = "") -> Any:

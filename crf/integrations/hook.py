@@ -148,9 +148,8 @@ class DiLoCoHook:
             store.child(prefix) if prefix else store, world, rank, config
         )
         self.manager.final_round = spec.exchange_rounds - 1
-        self.manager.state_layout = tensors_layout_hash(
-            [local_tensor(p.detach()) for p in model.parameters()]
-        )
+        local = [local_tensor(p.detach()) for p in model.parameters()]
+        self.manager.state_layout = tensors_layout_hash(local)
         _save_local_parts(self.manager)
         sparseloco = self.manager.exchange.config.sparseloco
         momentum = 0.0 if sparseloco else spec.outer_momentum
@@ -167,7 +166,6 @@ class DiLoCoHook:
         turn_off_bucketization(self._algo)
         self.manager.set_fragment_sizes([len(list(model.parameters()))])
         self._algo.__enter__()  # its pre/post hooks on the optimizer: the sync runs in step()
-        local = [local_tensor(p.detach()) for p in model.parameters()]
         if any(t.is_cuda for t in local):  # page-locked before the first round, not by it
             self.manager.reserve_host_buffers([local])
         if self.ctx is not None:
