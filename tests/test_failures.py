@@ -172,3 +172,23 @@ def test_the_summary_shows_committed_rounds_and_a_setup_failure() -> None:
                    metrics=[{"round": 0, "committed": True}, {"round": 1, "committed": True}],
                    restarts=1)  # fmt: skip
     assert resumed["failure"] is None and _rounds_text(resumed, 2) == "2/2"
+
+
+def test_a_replica_dead_before_its_first_record_missed_every_round() -> None:
+    from crf.launcher.summary import build_summary
+    from crf.spec import RunSpec
+
+    spec = RunSpec(run_id="r", run_uri="file:///x", replicas=2, rounds=3)
+
+    def result(rank: int, state: ReplicaState, data: dict[str, Any] | None) -> ReplicaResult:
+        handle = ReplicaHandle("local", "r", rank, str(rank), "file:///x", 2)
+        return ReplicaResult(handle, state, 0 if state is ReplicaState.SUCCEEDED else -9, data)
+
+    results = [result(0, ReplicaState.SUCCEEDED, {"status": "ok", "rounds_committed": 3}),
+               result(1, ReplicaState.FAILED, None)]  # fmt: skip
+    records = {0: [{"round": r, "committed": True} for r in range(3)], 1: []}
+    rows = build_summary(spec=spec, results=results, started_at=0.0, metrics=records)["replicas"]
+    assert rows[0]["rounds_missed"] == [] and rows[1]["rounds_missed"] == [0, 1, 2]
+    # no record from anyone (unreadable, or no round ran): each replica's own word, if any
+    rows = build_summary(spec=spec, results=results, started_at=0.0, metrics={0: [], 1: []})
+    assert [row["rounds_missed"] for row in rows["replicas"]] == [None, None]

@@ -122,9 +122,11 @@ def replica_row(
     }
     for key in RESULT_FIELDS:
         row[key] = data.get(key)
-    # rounds missed over the whole run, not just the last attempt, when the replica logged
-    # per-round metrics; otherwise what the replica itself reported
-    if metrics and rounds is not None:
+    # rounds missed over the whole run, not just the last attempt, from the run's per-round
+    # records (``rounds`` is None when there are none to go by): a replica with no record
+    # committed nothing, as one that died before its first record landed; otherwise what
+    # the replica itself reported
+    if metrics is not None and rounds is not None:
         row["rounds_missed"] = rounds_missed(metrics, rounds)
     syncs = [m.get("sync_s") for m in metrics or ()]
     syncs = [float(v) for v in syncs if isinstance(v, int | float) and not isinstance(v, bool)]
@@ -255,7 +257,8 @@ def build_summary(
         replica_row(
             r,
             (log_tails or {}).get(r.rank, ()),
-            rounds=spec.rounds,
+            # no record from any replica (unreadable, or no round ran): their own counts
+            rounds=spec.rounds if any(metrics.values()) else None,
             metrics=metrics.get(r.rank),
             attempts=attempts.get(r.rank, ()),
             restarts=(restarts or {}).get(r.rank, 0),
