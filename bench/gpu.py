@@ -730,38 +730,47 @@ class NoTimeLeft(Exception):
 MIN_SYNC_EVERY = 10
 
 
-def fit_sync_every(budget_s: float, step_s: float, rounds: int, most: int = 50) -> int:
+def fit_sync_every(
+    budget_s: float, step_s: float, rounds: int, most: int = 50, overhead_s: float = 0.0
+) -> int:
     """The largest H <= ``most`` whose ``rounds`` rounds of steps of ``step_s`` (a step of a
     replica, the GPU shared by 2) fit in ``budget_s`` with start-up, the rounds' waits and
-    the run's close counted (:data:`RUN_OVERHEAD_S`, :data:`ROUND_WAIT_S`). NoTimeLeft when
-    that is under :data:`MIN_SYNC_EVERY` (and under ``most``)."""
-    left = budget_s - RUN_OVERHEAD_S - rounds * ROUND_WAIT_S
+    the run's close counted (:data:`RUN_OVERHEAD_S`, :data:`ROUND_WAIT_S`, and
+    ``overhead_s`` more: the first generation's compilation). NoTimeLeft when that is under
+    :data:`MIN_SYNC_EVERY` (and under ``most``)."""
+    left = budget_s - RUN_OVERHEAD_S - overhead_s - rounds * ROUND_WAIT_S
     h = min(most, int(left / (rounds * max(step_s, 1e-3))))
     if h < min(most, MIN_SYNC_EVERY):
         raise NoTimeLeft(
             f"skipped: {budget_s:.0f} s of the budget left, a run of H = "
             f"{min(most, MIN_SYNC_EVERY)} needs about "
-            f"{RUN_OVERHEAD_S + rounds * (ROUND_WAIT_S + MIN_SYNC_EVERY * step_s):.0f} s"
+            f"{RUN_OVERHEAD_S + overhead_s + rounds * (ROUND_WAIT_S + MIN_SYNC_EVERY * step_s):.0f}"
+            " s"
         )
     return h
 
 
-def crf_run_step(label: str, known: tuple[dict, ...], run_completion: int) -> float:
+def crf_run_step(
+    label: str, known: tuple[dict, ...], run_completion: int, compiled: bool = False
+) -> float:
     """A replica's step in a crf run of ``label`` (``grpo`` or ``small``), the GPU shared by
     2, for planning its H: from the first of the ``known`` results (this run's, then the
-    documented one) with the phase it comes from, else a guess."""
+    documented one) with the phase it comes from, else a guess; ``compiled``: the replicas
+    decode with the compiled static cache (the GRPO step's ``compiled`` path, the generate
+    phase's ``static`` engine)."""
     if label == "grpo":
         for res in known:
-            base = (res.get("grpo") or {}).get("generate")
+            base = (res.get("grpo") or {}).get("compiled" if compiled else "generate")
             if base:
                 return 2 * base["step_s"]
-        return 10.0
-    decode = 0.07
+        return 4.0 if compiled else 10.0
+    decode = 0.01 if compiled else 0.07
     for res in known:
-        plain = [g for g in res.get("generate") or [] if g.get("key") == "generate"]
-        plain = plain or res.get("profile") or []  # its steps: plain generate's too
-        if plain and plain[0].get("step_ms"):
-            decode = plain[0]["step_ms"] / 1000
+        key = "static" if compiled else "generate"
+        rows = [g for g in res.get("generate") or [] if g.get("key") == key]
+        rows = rows or ([] if compiled else res.get("profile") or [])  # plain generate's too
+        if rows and rows[0].get("step_ms"):
+            decode = rows[0]["step_ms"] / 1000
             break
     # the rollouts of a small step decode together; the GPU, shared by 2, is not the limit
     # at this size (a measured step: 0.57 s for 8 tokens at 70 ms a token)
@@ -780,6 +789,19 @@ def crf_run_share(left: float, later: bool, least_grpo: float, least_small: floa
 #: seconds a 2-replica run of the 494M model spends outside its rounds (start-up and model
 #: load, the last checkpoint, the model's export) and waiting per round: measured on one H100
 RUN_OVERHEAD_S, ROUND_WAIT_S = 60.0, 15.0
+#: seconds the first generation of a replica compiles its decoding step (the 494M model's
+#: first compiled GRPO step, 28 s on one H200, and 2 replicas compile at once)
+COMPILE_S = 45.0
+#: ``--crf-generation``: the crf runs' ``generation_compile`` (the default: unset, which
+#: compiles on CUDA where it can run)
+CRF_GENERATION = {"default": None, "plain": False, "compiled": True}
+#: how the table names a crf run's generation (a run measured before the setting had a
+#: default decoded with plain ``generate``)
+CRF_DECODING = {
+    "default": ", decoding compiled over a static KV cache (the default on CUDA)",
+    "plain": ", plain generate",
+    "compiled": ", decoding compiled over a static KV cache",
+}
 
 
 def bench_crf(
@@ -792,12 +814,17 @@ def bench_crf(
     out: str,
     checkpoint_every: int = 1,
     label: str = "grpo",
+    generation: str = "default",
 ) -> dict:
     """2 local replicas under crf (exchange and checkpoints through a file store). The
     replicas' phases and steps are printed as they change, and the run is cancelled after
     ``timeout`` seconds; what the rounds that committed by then measured is kept either way
-    (the round records, and the logs under ``out``/crf-run)."""
+    (the round records, and the logs under ``out``/crf-run). ``generation``: a key of
+    :data:`CRF_GENERATION`."""
     import crf
+
+    compiled = CRF_GENERATION[generation]
+    knobs = {} if compiled is None else {"generation_compile": compiled}
 
     with tempfile.TemporaryDirectory(prefix="crf-gpu-store-") as store:
         data = os.path.join(store, "train.jsonl")
@@ -821,6 +848,7 @@ def bench_crf(
                         "job_config": {
                             "prompts_per_step": prompts,
                             "max_completion_length": completion,
+                            **knobs,
                         },  # fmt: skip
                     },
                     store=store,
@@ -858,6 +886,7 @@ def bench_crf(
         "step_s": sum(r["compute_s"] for r in reps) / (sync_every * sum(r["rounds"] for r in reps)),
         "weights_identical": result.weights_identical if result and result.ok else None,
         "checkpoint_every": checkpoint_every,
+        "generation": generation,
         "bytes_up_per_replica_round": statistics.median(ups),
         "wall_s": wall,
         "timeline": timeline.events,
@@ -1041,13 +1070,12 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     met = ""
     if goal is not None and run.get("crf_share") is not None:
         met = f" (goal ≤ {goal:.0%}: {'met' if run['crf_share'] <= goal else 'not met'})"
+    decoding = CRF_DECODING.get(run.get("generation", "plain"), "")
     lines = [
         f"| crf's share of wall time, measured (sync + checkpoint against compute), {size}, "
         f"H = {run['sync_every']}, 2 replicas sharing the GPU, {rounds}, {ckpt}, "
-        f"{run['rollouts_per_step']} rollouts of ≤ {run['completion']} tokens per step | "
-        + ", ".join(f"{s:.1%}" for s in shares)
-        + met
-        + " |",
+        f"{run['rollouts_per_step']} rollouts of ≤ {run['completion']} tokens per step"
+        f"{decoding} | " + ", ".join(f"{s:.1%}" for s in shares) + met + " |",
         f"| time training waited for crf per replica and round ({size}), s | "
         + ", ".join(f"{s / max(1, done):.1f}" for s in syncs)
         + " |",
@@ -1267,6 +1295,13 @@ def main(argv: list[str] | None = None) -> int:
                    "round's cost from the first's one-time costs)")  # fmt: skip
     p.add_argument("--batches", default="16,64", help="batches of the generate and profile "
                    "phases")  # fmt: skip
+    p.add_argument(
+        "--crf-generation",
+        choices=sorted(CRF_GENERATION),
+        default="default",
+        help="the crf runs' generation: default (generation_compile unset: "
+        "compiled on CUDA where it can run), plain (generate) or compiled",
+    )
     p.add_argument("--checkpoint-every", type=int, default=1, help="the crf runs' "
                    "--checkpoint-every (the last round is always checkpointed)")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=0, help="seconds the whole benchmark may "
@@ -1318,15 +1353,18 @@ def main(argv: list[str] | None = None) -> int:
         rounds = {"grpo": a.grpo_rounds, "small": a.rounds}
         if not a.budget_s:
             return a.sync_every, a.run_timeout, rounds[label]
-        steps = {k: crf_run_step(k, (res, documented), a.run_completion)
+        # the replicas compile their decoding step on CUDA unless told not to
+        compiled = device == "cuda" and a.crf_generation != "plain"
+        extra = COMPILE_S if compiled else 0.0
+        steps = {k: crf_run_step(k, (res, documented), a.run_completion, compiled)
                  for k in ("grpo", "small")}  # fmt: skip
         while True:
-            least = {k: RUN_OVERHEAD_S + rounds[k] * (ROUND_WAIT_S + min(a.sync_every,
+            least = {k: RUN_OVERHEAD_S + extra + rounds[k] * (ROUND_WAIT_S + min(a.sync_every,
                      MIN_SYNC_EVERY) * steps[k]) for k in steps}  # fmt: skip
             left = a.budget_s - (time.perf_counter() - t_start)
             share = crf_run_share(left, later, least["grpo"], least["small"])
             try:
-                h = fit_sync_every(share, steps[label], rounds[label], a.sync_every)
+                h = fit_sync_every(share, steps[label], rounds[label], a.sync_every, extra)
             except NoTimeLeft:
                 if rounds[label] <= 1:
                     raise
@@ -1342,7 +1380,7 @@ def main(argv: list[str] | None = None) -> int:
                                else (a.run_prompts, a.run_completion))  # fmt: skip
         print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
         run = bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
-                        a.checkpoint_every, label)  # fmt: skip
+                        a.checkpoint_every, label, a.crf_generation)  # fmt: skip
         # the floor of its device copies, a replica's fp32 pseudo-gradient each way
         run["copies"] = bench_copies(4 * res["parameters"], device)
         return run

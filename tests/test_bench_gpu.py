@@ -66,6 +66,8 @@ def test_the_largest_h_that_fits_a_budget() -> None:
     assert gpu.fit_sync_every(over + 3 * 6.0, 6.0, rounds=1, most=3) == 3
     with pytest.raises(gpu.NoTimeLeft, match="skipped: 100 s of the budget left"):
         gpu.fit_sync_every(100.0, 6.0, rounds=2)  # too little left to measure a round
+    # the replicas' first generation compiles: that time is not there for steps
+    assert gpu.fit_sync_every(over + 30 + 20 * 6.0, 6.0, rounds=1, overhead_s=30.0) == 20
 
 
 def test_a_crf_run_is_planned_from_the_step_measured_here_else_the_documented_one() -> None:
@@ -76,6 +78,13 @@ def test_a_crf_run_is_planned_from_the_step_measured_here_else_the_documented_on
     assert gpu.crf_run_step("grpo", ({}, {}), 8) == 10.0
     assert gpu.crf_run_step("small", (here, docs), 8) == pytest.approx(1.25 * 8 * 0.03 + 0.1)
     assert gpu.crf_run_step("small", ({}, docs), 8) == pytest.approx(1.25 * 8 * 0.05 + 0.1)
+    # replicas that decode compiled: the GRPO step's compiled path, the static engine's step
+    here["grpo"]["compiled"] = {"step_s": 1.0}
+    here["generate"].append({"key": "static", "step_ms": 5})
+    assert gpu.crf_run_step("grpo", (here, docs), 8, compiled=True) == 2.0
+    assert gpu.crf_run_step("grpo", ({}, docs), 8, compiled=True) == 4.0  # no such step known
+    small = gpu.crf_run_step("small", (here, docs), 8, compiled=True)
+    assert small == pytest.approx(1.25 * 8 * 0.005 + 0.1)
     # the GRPO-sized run leaves the small one what it needs when both fit, else takes it all
     assert gpu.crf_run_share(400.0, True, least_grpo=230.0, least_small=100.0) == 300.0
     assert gpu.crf_run_share(300.0, True, least_grpo=230.0, least_small=100.0) == 300.0

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import DEVICES
+
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 
 
@@ -281,13 +283,109 @@ def test_the_config_refuses_what_replaces_generate(setting: dict, match: str) ->
         ComposerConfig(output_dir="unused", use_cpu=True, generation_compile=True, **setting)
 
 
+def test_unset_it_compiles_where_it_can_run(folder: Path) -> None:
+    """``generation_compile`` unset: on for a trainer on CUDA, on TRL's generate path, for a
+    model transformers compiles whole (LoRA's base model included); off on the CPU, beside
+    vLLM or continuous batching, with another cache, or for a model that cannot compile.
+    Set, it is what it says."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from crf.composer.generation import decoding_compiled
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model._can_compile_fullgraph
+
+    def args(device: str = "cuda", **kw: Any) -> SimpleNamespace:
+        base = dict(device=torch.device(device), generation_compile=None, use_vllm=False,
+                    use_transformers_continuous_batching=False,
+                    cache_implementation=None)  # fmt: skip
+        return SimpleNamespace(**{**base, **kw})
+
+    assert decoding_compiled(args(), model)
+    assert decoding_compiled(args(cache_implementation="static"), model)
+    peft = SimpleNamespace(get_base_model=lambda: model)
+    assert decoding_compiled(args(), peft)
+    assert not decoding_compiled(args("cpu"), model)
+    assert not decoding_compiled(args(use_vllm=True), model)
+    assert not decoding_compiled(args(use_transformers_continuous_batching=True), model)
+    assert not decoding_compiled(args(cache_implementation="dynamic"), model)
+    assert not decoding_compiled(args(), SimpleNamespace(_can_compile_fullgraph=False))
+    assert decoding_compiled(args("cpu", generation_compile=True), model)
+    assert not decoding_compiled(args(generation_compile=False), model)
+
+
+def test_unset_on_the_cpu_generate_is_left_as_it_is(folder: Path) -> None:
+    """A trainer on the CPU with ``generation_compile`` unset keeps TRL's generation config:
+    no static cache, compilation off as TRL sets it."""
+    trainer = _trainer(folder)
+    assert trainer.args.generation_compile is None and not trainer.compiled_decoding
+    assert trainer.generation_config.cache_implementation != "static"
+    assert trainer.generation_config.disable_compile is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_decoding_sees_weights_changed_in_place(folder: Path, device: str) -> None:
+    """DiLoCo's outer step, a heal and a resume write the model's weights in place between
+    generations: the compiled decoding step (and on CUDA its recorded graphs) then decodes
+    with the new weights, the tokens plain ``generate`` makes from them."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(folder, device, bf16=False, generation_compile=True)
+    graphs = _compile_on_cpu(trainer) if device == "cpu" else [True]
+    trainer.generation_config.do_sample = False
+    trainer.model.eval()
+    prompts = trainer.processing_class(text=["ab=", "abcdab="])["input_ids"]
+
+    def greedy(model: Any = None) -> list:
+        if model is None:
+            return trainer._generate_single_turn(prompts, None, {}, 1)[0]
+        enc = trainer.processing_class(text=["ab=", "abcdab="], return_tensors="pt",
+                                       padding=True).to(device)  # fmt: skip
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False,
+                             pad_token_id=trainer.processing_class.pad_token_id)  # fmt: skip
+        width = enc["input_ids"].shape[1]
+        eos = trainer.processing_class.eos_token_id
+        return [_until(row[width:].tolist(), eos) for row in out]
+
+    before = greedy()
+    assert graphs  # it compiled
+    torch.manual_seed(7)
+    other = AutoModelForCausalLM.from_config(trainer.model.config).to(device).eval()
+    with torch.no_grad():  # weights far from the tiny model's (which decodes one token)
+        for p in other.parameters():
+            p.normal_(0.0, 0.5)
+    assert greedy(other) != before  # the new weights decode otherwise
+    with torch.no_grad():
+        for mine, theirs in zip(trainer.model.parameters(), other.parameters(), strict=True):
+            mine.copy_(theirs)  # as torchft's DiLoCo restores and steps the weights
+    assert greedy() == greedy(other)
+    trainer.model.load_state_dict(_load_twin(folder).state_dict())  # as a resume loads
+    assert greedy() == before
+
+
+def _until(tokens: list[int], eos: int | None) -> list[int]:
+    """A completion up to and with its first EOS, as TRL returns it."""
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def _load_twin(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_compiled_decoding_on_cuda(folder: Path) -> None:
-    """On CUDA, transformers' own compilation (inductor, CUDA graphs) under bf16 autocast:
-    three steps whose prompts differ in length compile nothing after the first and decode
-    into one cache, and the weights stay fp32 on the GPU."""
-    trainer = _trainer(folder, "cuda", steps=3, generation_compile=True)
+    """On CUDA, with ``generation_compile`` unset (the default), transformers' own
+    compilation (inductor, CUDA graphs) under bf16 autocast: three steps whose prompts differ
+    in length compile nothing after the first and decode into one cache, and the weights
+    stay fp32 on the GPU."""
+    trainer = _trainer(folder, "cuda", steps=3)
+    assert trainer.compiled_decoding
     seen = _graphs_per_step(trainer)
     caches = _caches_per_step(trainer)
     trainer.train()
@@ -297,3 +395,19 @@ def test_compiled_decoding_on_cuda(folder: Path) -> None:
     assert len(set(caches)) == 1  # CUDA graphs recorded once, on one cache
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert {p.device.type for p in trainer.model.parameters()} == {"cuda"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_lora_compiled_decoding_on_cuda(folder: Path) -> None:
+    """On CUDA, LoRA adapters with ``generation_compile`` unset: compiled by default, three
+    steps on one cache and no compilation after the first, the adapters fp32."""
+    trainer = _trainer(folder, "cuda", steps=3, lora=True)
+    assert trainer.compiled_decoding
+    seen = _graphs_per_step(trainer)
+    caches = _caches_per_step(trainer)
+    trainer.train()
+    assert seen[0] >= 1 and seen[-1] == seen[0], seen
+    assert len(set(caches)) == 1
+    trained = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
+    assert trained == {torch.float32}

@@ -101,7 +101,8 @@ def test_sft_with_held_out_data_on_the_device(tmp_path: Path, model_dir: str, de
 def test_composer_lora_in_bf16_on_the_device(tmp_path: Path, model_dir: str, device: str) -> None:
     """The composer job on ``--model`` with LoRA adapters and ``--precision bf16`` (the frozen
     base in bf16, the adapters fp32): only the adapters are exchanged, the replicas end
-    bit-identical, and the embedded task's held-out prompts are scored."""
+    bit-identical, the embedded task's held-out prompts are scored, and on CUDA the
+    generations decode compiled (the default there)."""
     summary = _launch(
         tmp_path, "lora", job="composer", model=model_dir, device=device, precision="bf16",
         lora_rank=4, eval_examples=4, job_config=SMALL,
@@ -110,6 +111,9 @@ def test_composer_lora_in_bf16_on_the_device(tmp_path: Path, model_dir: str, dev
     assert summary["held_out"], summary
     full = sum(p.numel() for p in _load(model_dir).parameters())
     assert all(0 < r["bytes_per_round"] < 4 * full for r in summary["replicas"])
+    # generation_compile unset: the decoding step compiled on CUDA, plain generate on the CPU
+    logs = [Path(r["log_path"]).read_text() for r in summary["replicas"]]
+    assert all(("decoding step compiled" in log) == (device == "cuda") for log in logs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -312,11 +312,15 @@ def test_the_attention_choice_reaches_the_trainer(tmp_path: Path) -> None:
 
 
 def test_compiled_decoding_reaches_the_trainer(tmp_path: Path) -> None:
-    """``--set generation_compile=true`` reaches ComposerConfig, off by default, and the
-    trainer then decodes with a static cache and compilation on."""
+    """``--set generation_compile=true|false|auto`` reaches ComposerConfig; unset, it is
+    off for the embedded toy model and the trainer's choice (None) for ``--model``."""
     spec = _spec(device="cpu")
     assert _trainer_config(spec, tmp_path).generation_compile is False
     assert _trainer_config(spec, tmp_path, generation_compile="true").generation_compile is True
+    model = _spec(device="cpu", model="org/model")
+    assert _trainer_config(model, tmp_path).generation_compile is None
+    assert _trainer_config(model, tmp_path, generation_compile="auto").generation_compile is None
+    assert _trainer_config(model, tmp_path, generation_compile="off").generation_compile is False
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,9 @@ class ComposerConfig(GRPOConfig):
             tokens so that the steps reuse one compilation (crf/composer/generation.py). The
             first generation compiles (tens of seconds for a 0.5B model). Only with TRL's
             ``generate`` path: not with ``use_vllm`` or continuous batching, and
-            ``cache_implementation`` unset or ``"static"``.
+            ``cache_implementation`` unset or ``"static"``. None (the default): on where
+            it can run, on CUDA for a model transformers compiles whole
+            (``decoding_compiled``); True or False: as set.
         ``use_transformers_continuous_batching`` needs ``bf16=False`` and ``fp16=False``:
             transformers' paged cache holds keys and values in the weights' dtype, and
             autocast makes them bf16/fp16 from fp32 master weights.
@@ -111,11 +113,12 @@ class ComposerConfig(GRPOConfig):
                   "GPU work)"},
     )  # fmt: skip
 
-    generation_compile: bool = field(
-        default=False,
+    generation_compile: bool | None = field(
+        default=None,
         metadata={"help": "decode with a static KV cache whose decoding step transformers "
                   "compiles on CUDA (the cache in buckets of 256 tokens: one compilation for "
-                  "the run's steps); TRL's generate path only"},
+                  "the run's steps); TRL's generate path only. Unset: on where it can run "
+                  "(CUDA, TRL's generate path, a model transformers compiles whole)"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from trl.trainer.utils import pad, use_adapter
 from crf.composer.config import ComposerConfig
 from crf.composer.generation import (
     compile_decoding,
+    decoding_compiled,
     generation_attention,
     master_weights_kept,
     no_input_grads_hook,
@@ -154,10 +155,20 @@ class ComposerReplicationTrainer(GRPOTrainer):
         #: the static caches compiled generations reuse, per batch size: (cache, length)
         #: (crf/composer/generation.py)
         self._static_cache: dict[int, Any] = {}
-        if args.generation_compile:
+        #: whether generations decode with a compiled static cache (``generation_compile``,
+        #: resolved for this device and model when unset)
+        self._compile_decoding = decoding_compiled(args, self.model)
+        if self._compile_decoding:
             compile_decoding(self.generation_config)
 
     # ------------------------------------------------------------------ public helpers
+    @property
+    def compiled_decoding(self) -> bool:
+        """Whether generations decode with a compiled static KV cache: ``generation_compile``
+        as set, or resolved for this device and model when unset (crf/composer/generation.py,
+        ``decoding_compiled``)."""
+        return self._compile_decoding
+
     @property
     def taid_t(self) -> float | None:
         """The TAID interpolation value the next step uses (None if TAID has no t yet)."""
@@ -300,7 +311,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         attention = generation_attention(self.model, self.args.generation_cudnn_attention)
         compiled = (
             self._compiled_decoding(prompt_ids)
-            if self.args.generation_compile
+            if self._compile_decoding
             else contextlib.nullcontext()
         )
         with guard, attention, compiled:

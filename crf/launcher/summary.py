@@ -257,8 +257,7 @@ def build_summary(
         replica_row(
             r,
             (log_tails or {}).get(r.rank, ()),
-            # no record from any replica (unreadable, or no round ran): their own counts
-            rounds=spec.rounds if any(metrics.values()) else None,
+            rounds=spec.rounds if any(metrics.values()) else None,  # no record: their counts
             metrics=metrics.get(r.rank),
             attempts=attempts.get(r.rank, ()),
             restarts=(restarts or {}).get(r.rank, 0),

@@ -27,6 +27,7 @@ traces (channel 3) are generated with the prompts.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 from dataclasses import dataclass, field
@@ -90,8 +91,9 @@ class Config:
     generation_cudnn_attention: bool = False
     # decode with a static KV cache whose decoding step transformers compiles on CUDA, the
     # cache in buckets of 256 tokens so one compilation serves the run's steps (TRL's generate
-    # path only; crf/composer/generation.py)
-    generation_compile: bool = False
+    # path only; crf/composer/generation.py). None ("auto"): on for --model where it can run
+    # (CUDA, TRL's generate path, a model transformers compiles whole), off for the toy
+    generation_compile: bool | None = None
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
     distill_jsd_beta: float = 0.5
@@ -117,6 +119,7 @@ class Config:
         the old spelling of "the default"."""
         for name, like in _KNOB_TYPES.items():
             setattr(self, name, coerce_text(getattr(self, name), like, f"job option {name}"))
+        self.generation_compile = _on_off_auto(self.generation_compile, "generation_compile")
         if self.max_completion_length == 0:
             self.max_completion_length = None
         if not isinstance(self.trl, dict):
@@ -220,8 +223,13 @@ class Config:
             toy_completion=self.max_len + 2,
         )
 
-    def composer_kwargs(self) -> dict[str, Any]:
-        """The ComposerConfig fields this job sets from its composer-loss knobs."""
+    def composer_kwargs(self, spec: Any = None) -> dict[str, Any]:
+        """The ComposerConfig fields this job sets from its composer-loss knobs (and its
+        generation's: compiled decoding unset means off for the toy model, which it does
+        not pay for, and the trainer's choice for ``--model``)."""
+        compiled = self.generation_compile
+        if compiled is None and not getattr(spec, "model", None):
+            compiled = False
         kw: dict[str, Any] = dict(
             distill_alpha=self.distill_alpha,
             distill_jsd_beta=self.distill_jsd_beta,
@@ -235,7 +243,7 @@ class Config:
             simpo_beta=self.simpo_beta,
             simpo_gamma=self.simpo_gamma,
             generation_cudnn_attention=self.generation_cudnn_attention,
-            generation_compile=self.generation_compile,
+            generation_compile=compiled,
         )
         if self.distill_wrapper == "taid":
             if self.taid_schedule:
@@ -243,6 +251,19 @@ class Config:
             else:
                 kw["taid_t"] = self.taid_t
         return kw
+
+
+def _on_off_auto(value: Any, name: str) -> bool | None:
+    """A knob that is true, false or unset ("auto": None), from a value or ``--set`` text;
+    ValueError naming it otherwise."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("auto", "none", ""):
+        return None
+    if text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return coerce_text(text, False, f"job option {name}")
+    raise ValueError(f"job option {name}={value!r} is not true, false or auto")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -445,7 +466,7 @@ def trainer_config(
         disable_tqdm=True,
         reward_weights=reward_weights,
         **fields,
-        **cfg.composer_kwargs(),
+        **cfg.composer_kwargs(spec),
     )
 
 
@@ -472,6 +493,8 @@ def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if getattr(spec, "dataset", None):
         unused |= set(TASK_KNOBS)
     knobs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "trl" and k not in unused}
+    if knobs["generation_compile"] is None:  # as the replicas take it (Config's comment)
+        knobs["generation_compile"] = "auto" if getattr(spec, "model", None) else False
     for knob, name in KNOBS.items():
         knobs[knob] = fields.get(name, _grpo_default(name))
     batch = {"per_device_train_batch_size": cfg.prompts_per_step * generations}
@@ -559,6 +582,12 @@ def new_trainer(
     )
     for noisy in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(noisy)
+    if trainer.compiled_decoding and cfg.generation_compile is None:
+        logging.getLogger(__name__).info(
+            "generation: decoding step compiled over a static KV cache (generation_compile, "
+            "the default on CUDA; the first generation compiles; --set "
+            "generation_compile=false turns it off)"
+        )
     return trainer
 
 
