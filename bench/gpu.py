@@ -39,7 +39,9 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
 4. ``crf``: ``crf.launch`` of 2 local replicas sharing the GPU at GRPO-sized steps (the grpo
    phase's batch and length), H = 50 (or the largest that fits ``--budget-s``),
    ``--grpo-rounds`` round(s) (one fewer when they do not fit), a file store on local disk,
-   a global checkpoint every round. crf's share of wall time is measured from the run's own
+   a global checkpoint every round, the replicas generating as a run's default has them
+   (``--crf-generation``: on CUDA, decoding compiled over a static KV cache, whose first
+   generation compiles). crf's share of wall time is measured from the run's own
    round records: the time training waited (exchange and checkpoint) against its compute,
    per replica; the goal is 5%. Each round's phases (device-to-host, encode, upload, wait for
    a peer, download, decode, host-to-device, checkpoint snapshot) are read from the same
