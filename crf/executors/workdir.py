@@ -17,8 +17,8 @@ data, and each replica downloads it at start.
 
 The executors learn what a run needs from its run.json (``run_needs``): the workdir's key, the
 extra pip requirements and the optional extras its options use (peft for ``--lora-rank``,
-math-verify for ``--reward math_answer``), so the launch protocol is unchanged and a restart
-or a resume ships the same code.
+math-verify for ``--reward math_answer``, the tracker's package for ``--report-to``), so the
+launch protocol needs no argument for them and a restart or a resume ships the same code.
 """
 
 from __future__ import annotations
