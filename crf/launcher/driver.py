@@ -334,8 +334,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     """While the driver watches, SIGTERM does what Ctrl-C does: cancel the replicas, write
     the summary (status ``cancelled``), exit 130; ``crf launch --resume`` continues the run.
     SIGTERM is how a CI job's cancel, ``kill``, ``docker stop`` or a batch scheduler ask a
-    process to stop; by default it ended the driver without a word and left the replicas
-    training with nobody watching. Only the main thread can take a signal (the SDK may
+    process to stop; its default action would end the driver without a word and leave the
+    replicas training with nobody watching. Only the main thread can take a signal (the SDK may
     launch from another one: there SIGTERM keeps its default)."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -115,8 +115,8 @@ class Config:
     trl: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Trainer knobs given as text (``--set``) take their type; 0 completion tokens is
-        the old spelling of "the default"."""
+        """Trainer knobs given as text (``--set``) take their type; 0 completion tokens
+        also means "the default"."""
         for name, like in _KNOB_TYPES.items():
             setattr(self, name, coerce_text(getattr(self, name), like, f"job option {name}"))
         self.generation_compile = _on_off_auto(self.generation_compile, "generation_compile")
