@@ -554,8 +554,9 @@ class RunSpec:
     dataset: str | None = option(
         None,
         group=WORKLOAD,
-        help="Training data: a Hub dataset id, or a .jsonl/.json/.parquet/.csv file by path or "
-        "URL (s3://, gs://, hf://, memory://, file://...); default: the job's embedded task.",
+        help="Training data: a Hub dataset id, a .jsonl/.json/.parquet/.csv file by path or "
+        "URL (s3://, gs://, hf://, memory://, file://...), or a local folder of such files or "
+        "saved with save_to_disk; default: the job's embedded task.",
     )
     dataset_config: str | None = option(
         None, group=WORKLOAD, help="The Hub dataset's config (subset) name."
