@@ -166,8 +166,9 @@ JobSets = Annotated[  # fills the run option job_config
 LaunchStore = Annotated[
     str | None,
     typer.Option(
-        help="Base folder/URI for runs (file:///..., or a path). The run lives in "
-        "<store>/<run-id>. Default: ./crf-runs",
+        help="Base folder/URI for runs: a path, file:///..., or an object store (s3://, gs://, "
+        "hf://; what cloud backends need). The run lives in <store>/<run-id>. "
+        "Default: ./crf-runs",
         rich_help_panel=LAUNCH,
     ),
 ]
