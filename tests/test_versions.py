@@ -68,6 +68,29 @@ def test_the_bootstrap_installs_only_what_differs_and_holds_the_images_torch(
     assert f"torch=={torch_version}" in args  # the constraint file's line
 
 
+def test_the_bootstrap_replaces_a_torch_older_than_crfs_floor(tmp_path: Path) -> None:
+    """An image whose torch is below the floor crf declares (here a floor above the installed
+    one) gets a newer torch from pip, said in a line, and pip is not held to the old one."""
+    fake = tmp_path / "fake" / "pip"
+    fake.mkdir(parents=True)
+    log = tmp_path / "pip-args.txt"
+    fake.joinpath("__init__.py").write_text("")
+    fake.joinpath("__main__.py").write_text(
+        f"import sys\nopen({str(log)!r}, 'w').write('\\n'.join(sys.argv[1:]))\nsys.exit(7)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), *sys.path]),
+           "CRF_REQUIREMENTS": f"torch>=999.1 {pinned('rich>=1')}"}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", BOOTSTRAP, "true"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    torch_version = metadata.version("torch").split("+")[0]
+    said = f"crf bootstrap: this image's torch {torch_version} is older than crf's torch>=999.1"
+    assert said in proc.stdout
+    args = log.read_text().splitlines()
+    assert "torch>=999.1" in args and "-c" not in args
+    assert pinned("rich>=1") not in args  # what is installed at its pin stays
+
+
 def test_a_replica_on_other_versions_is_a_yellow_warning_in_the_summary() -> None:
     here = installed_versions()
     assert here["trl"] == metadata.version("trl") and here["torch"]

@@ -13,7 +13,9 @@ each pinned to the version the driver has installed (``trl==1.16.0``, ``s3fs==20
 so replicas run the code the driver was tested with, not whatever is newest that day. torch is
 the exception: an image's torch is a build for its CUDA and is kept as it is (its requirement
 stays the declared range, the bootstrap does not touch a torch that imports, and pip is held
-to that torch by a constraint so no dependency pulls another build over it). Each replica
+to that torch by a constraint so no dependency pulls another build over it), unless it is
+older than crf's declared floor: then pip installs a newer torch, with the image's
+torchvision and torchaudio, which are builds of the old one, and says so. Each replica
 records the versions it ran with (crf.versions); the summary warns when they differ.
 
 SageMaker cannot take a long command line, so it runs ``LOADER`` which joins the program from
@@ -55,16 +57,26 @@ def ver(n):
         return md.version(n).split("+")[0]
     except md.PackageNotFoundError:
         return None
+def nums(v):
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+def older(r):  # an image's build below the floor crf declares: replaced, with its companions
+    n, floor = re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0], re.search(r">=\s*([\d.]+)", r)
+    return n in keep and floor and ver(n) and nums(ver(n)) < nums(floor.group(1))
 def have(r):
     n = re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]
-    if u.find_spec(names.get(n, n.replace("-", "_"))) is None:
+    if u.find_spec(names.get(n, n.replace("-", "_"))) is None or older(r):
         return False
     return n in keep or "==" not in r or ver(n) == r.split("==")[1]
 missing = [r for r in need if not have(r)]
 if missing:
+    pin, old = [], [r for r in missing if older(r)]
+    for r in old:
+        n = r.split(">=")[0].strip()
+        print("crf bootstrap: this image's " + n + " " + ver(n) + " is older than crf's " + r
+              + ": installing a newer one (an image with it starts faster)", flush=True)
+        missing += [c for c in ("torchvision", "torchaudio") if ver(c)]  # builds of that torch
     print("crf bootstrap: installing " + " ".join(missing), flush=True)
-    pin = []
-    if u.find_spec("torch") is not None and ver("torch"):  # no dependency replaces it
+    if not old and u.find_spec("torch") is not None and ver("torch"):  # nothing replaces it
         fd, c = tempfile.mkstemp(suffix=".txt")
         os.write(fd, ("torch==" + ver("torch") + "\n").encode()); os.close(fd)
         pin = ["-c", c]

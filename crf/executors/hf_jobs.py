@@ -71,8 +71,9 @@ from crf.layout import ENV_RUN_ID, ENV_RUN_URI, ENV_WORLD_SIZE
 #: the cheapest flavor (2 vCPU, 16 GB, $0.01/h): enough to try crf's small jobs; pick a GPU
 #: flavor with --flavor for real training
 DEFAULT_FLAVOR = "cpu-basic"
-#: a stock PyTorch image from Docker Hub (CUDA build: it runs on CPU flavors as well)
-DEFAULT_IMAGE = "pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime"
+#: a stock PyTorch image from Docker Hub (CUDA build: it runs on CPU flavors as well), with
+#: the torch crf's floor names, so the bootstrap keeps it
+DEFAULT_IMAGE = "pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime"
 #: the Hub's own default is 30 minutes; crf always sends timeout_s (a day by default)
 HUB_DEFAULT_TIMEOUT_S = 30 * 60
 

@@ -118,8 +118,9 @@ VCPU_MEMORY_GIB: dict[str, tuple[int, int]] = {
 SPOT_HOURLY_USD: dict[str, float] = dict(_CATALOG["spot_usd_per_hour"])
 
 # The AWS PyTorch training Deep Learning Container (boto3 has no image lookup; the sagemaker
-# SDK's image_uris table is where these come from). torch 2.8 / Python 3.12 satisfies crf's
-# torch>=2.6; the bootstrap installs the rest (torchft, trl, s3fs...) at start.
+# SDK's image_uris table is where these come from), Python 3.12. Its torch 2.8 is older than
+# crf's floor, so the bootstrap installs a newer torch at start, with the rest (torchft, trl,
+# s3fs...); an image with torch at crf's floor or newer (--image) starts without it.
 DLC_REPOSITORY = "pytorch-training"
 DLC_TAG_GPU = "2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker"
 DLC_TAG_CPU = "2.8.0-cpu-py312-ubuntu22.04-sagemaker"
