@@ -63,11 +63,11 @@ keeps the other phases' rows from there, each with the commit that measured it.
 
 On an offline GPU machine with Python 3.12, torch, transformers, accelerate and safetensors,
 the rest comes from a folder of wheels that ``make gpu-wheels`` builds here (``.whl/``: trl,
-torchft-nightly, transformers 5.23, peft, datasets and what they need that such a machine
+torchft-nightly, transformers, peft, datasets and what they need that such a machine
 lacks). ``make gpu-check`` (bench/gpu_check.sh) installs them into a private folder, runs the
 device tests (``pytest -m gpu``) and then this benchmark with what is left of 8 minutes as
 its budget: crf's share at GRPO-sized steps first, at the largest H that fits (a round of
-H = 50 such steps is over 6 minutes on an H100 before 2 replicas share it), then the
+H = 50 such steps is 3 to 6.5 minutes on an H200 or H100 before 2 replicas share it), then the
 small-step run and the grpo phase when time is left for them (each run's H is planned from
 the steps the docs' result measured). On a machine that has the repository as its working
 directory and returns a folder ``$OUT``, the one command is::

@@ -234,6 +234,12 @@ def global_key(r: int) -> str:
 _GLOBAL_PART = re.compile(r"^part-(\d+)-of-(\d+)\.safetensors$")
 
 
+def shard_prefix(local_rank: int, local_size: int) -> str:
+    """Where local rank ``local_rank`` of ``local_size`` of a ``DiLoCoHook`` replica exchanges
+    its shard, inside the run folder (the run folder itself with one rank)."""
+    return "" if local_size == 1 else f"shards/{local_rank}-of-{local_size}"
+
+
 def global_part_key(r: int, s: int, n: int) -> str:
     """Part ``s`` of round r's global state, one of ``n``: written by the round's s-th
     participant, the owner of shard s. The name says how many parts make the state whole."""

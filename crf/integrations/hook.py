@@ -43,6 +43,7 @@ import torch
 from crf.exchange.allreduce import tensors_layout_hash
 from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import ObjectStoreManager, turn_off_bucketization
+from crf.layout import shard_prefix
 from crf.replica.context import ContractError, ReplicaContext, outer_lr
 from crf.store.codec import raw_view
 
@@ -55,12 +56,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds: a DTensor's local shard, else ``t`` itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def shard_prefix(local_rank: int, local_size: int) -> str:
-    """Where local rank ``local_rank`` of ``local_size`` exchanges its shard, in the run
-    folder (the run folder itself with one rank)."""
-    return "" if local_size == 1 else f"shards/{local_rank}-of-{local_size}"
 
 
 def _local_group() -> tuple[int, int]:

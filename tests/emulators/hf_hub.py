@@ -2,7 +2,7 @@
 and the write routes ``crf export RUN hf://ORG/NAME`` uses.
 
 The Hub has no offline emulator, so this is a small read-only REST server (stdlib
-``ThreadingHTTPServer``) that answers the routes ``huggingface_hub`` 2.4 calls to download,
+``ThreadingHTTPServer``) that answers the routes ``huggingface_hub`` (1.x) calls to download,
 in the shapes its parsers read. The REAL clients then work against it: ``hf_hub_download``,
 ``snapshot_download``, ``HfApi().model_info / list_repo_tree / get_paths_info``,
 ``HfFileSystem`` (``hf://`` paths, hence ``datasets.load_dataset``) and
