@@ -328,3 +328,58 @@ def test_the_checks_leave_the_users_logging_as_it_was(tmp_path: Path) -> None:
         assert datasets_logging.is_progress_bar_enabled()
     finally:
         hf_logging.set_verbosity(before)
+
+
+# ---------------------------------------------------------------------- unreadable paths
+_READ = """
+import sys
+from crf.replica.data_files import DataError, read_rows
+for name in sys.argv[1:]:
+    try:
+        read_rows(name, "train")
+        print("read", name)
+    except DataError as e:
+        print(e)
+"""
+
+
+def _as_a_user(tmp_path: Path) -> list[str]:
+    """A command prefix under which file permissions hold: none for a user; for root (who
+    reads any file), a user namespace without a mapping (``unshare -U``)."""
+    if os.geteuid() != 0:
+        return []
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    probe.chmod(0)
+    try:
+        denied = subprocess.run(["unshare", "-U", "cat", str(probe)], capture_output=True)
+    except OSError:
+        denied = None
+    if denied is None or denied.returncode == 0 or b"Permission denied" not in denied.stderr:
+        pytest.skip("root here reads any file, and no user namespace is allowed to drop that")
+    return ["unshare", "-U"]
+
+
+def test_an_unreadable_file_or_folder_is_named_in_one_line(tmp_path: Path) -> None:
+    """A file, a folder, and a folder's file this user may not read: each is one line saying
+    so and how to fix it, not a PermissionError's traceback nor a folder that "holds
+    nothing"."""
+    prefix = _as_a_user(tmp_path)
+    for name in ("file.jsonl", "folder/train.jsonl", "inner/train.jsonl"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        _jsonl(tmp_path / name, _rows())
+    (tmp_path / "file.jsonl").chmod(0)
+    (tmp_path / "folder").chmod(0)
+    (tmp_path / "inner" / "train.jsonl").chmod(0)
+    names = [str(tmp_path / n) for n in ("file.jsonl", "folder", "inner")]
+    out = subprocess.run([*prefix, sys.executable, "-c", _READ, *names], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    (tmp_path / "folder").chmod(0o755)  # for tmp_path's clean-up
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+    assert lines[0] == (f"--dataset {names[0]} cannot be read (Permission denied): make it "
+                        "readable by the user running crf (chmod u+r), or copy it somewhere "
+                        "readable")  # fmt: skip
+    assert lines[1].startswith(f"--dataset {names[1]} cannot be read (Permission denied)")
+    assert "(chmod u+rx)" in lines[1]
+    assert lines[2].startswith(f"--dataset {names[2]}: train.jsonl cannot be read (Permission")

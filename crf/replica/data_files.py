@@ -6,7 +6,9 @@ A local path is one of three things ``datasets`` reads: a ``.jsonl`` / ``.json``
 ``DatasetDict.save_to_disk`` (read with ``load_from_disk``; a ``DatasetDict``'s split is
 ``--dataset-split`` / ``--eval-split``). Anything else on disk is refused by name
 (:func:`local_problem`) rather than handed to ``load_dataset``, which would take an unknown
-suffix for a Hub id, or a folder of ``readme.txt`` for a text dataset.
+suffix for a Hub id, or a folder of ``readme.txt`` for a text dataset; so is a file or folder
+this user may not read (:func:`unreadable`), which would otherwise fail inside a reader or
+look like an empty folder.
 
 :func:`read_rows` reads a local split whole, on the launcher, so the row rules
 (crf/replica/data.py ``value_problem``) hold on every row before any replica starts: JSON
@@ -106,8 +108,11 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
                 f"{flag} {name} is a local file, but crf reads only {_SUPPORTED} files (or a "
                 "folder of them, or a save_to_disk folder): convert it, e.g. to .jsonl"
             )
-        return None
+        return unreadable(path, flag, name)
     if os.path.isdir(path):
+        problem = unreadable(path, flag, name)
+        if problem:
+            return problem
         if saved_kind(path) is not None:
             return None
         files = _data_files(path, depth=None, first_data=True)
@@ -121,6 +126,24 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
         return None
     if looks_local(name):
         return f"{flag} {name}: no such file or folder"
+    return None
+
+
+def unreadable(path: str, flag: str, shown: str) -> str | None:
+    """Why this user cannot read file or folder ``path`` (None: it can): a folder it may
+    not list would otherwise look empty, a file would fail in the reader."""
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            with open(path, "rb"):
+                pass
+    except OSError as e:
+        how = "u+rx" if os.path.isdir(path) else "u+r"
+        return (
+            f"{flag} {shown} cannot be read ({e.strerror or type(e).__name__}): make it "
+            f"readable by the user running crf (chmod {how}), or copy it somewhere readable"
+        )
     return None
 
 
@@ -280,6 +303,9 @@ def _concat(parts: list[Rows]) -> Rows:
 
 def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:
     """The file's rows; ``limit``: its first rows only, at most that many."""
+    problem = unreadable(path, flag, shown)  # a file of a folder: its own permissions
+    if problem:
+        raise DataError(problem)
     if os.path.getsize(path) == 0:
         how = ", one per line" if suffix_of(path) in (".jsonl", ".csv") else ""
         raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")
