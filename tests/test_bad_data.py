@@ -232,6 +232,10 @@ CASES = [
          {"question": [{"role": "user", "text": "ab="}], "answer": "ba"}] * 32),
          "row 0: the prompt in column 'question' (for prompt) is a list of messages whose "
          "message 0 has no 'content'"),
+    Case("conversations-without-a-model", lambda t, m: _composer(t, [
+         {"question": [{"role": "user", "content": "ab="}], "answer": "ba"}] * 32),
+         "holds conversations (lists of messages) but the composer job's embedded model has "
+         "no chat template"),
     Case("sft-null-completion-late", lambda t, m: _sft(t, [
          {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
          enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),

@@ -122,6 +122,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
                 "rows when it starts"
             )
     check_batch(spec, splits)
+    if not model:
+        check_embedded_model(spec, splits)
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
         if spec.job == "composer":  # prompts through its template, within its positions
@@ -393,6 +395,18 @@ def check_tokenizer_for(folder: str, splits: list[Split]) -> None:
                 f"--model {folder}: its tokenizer has no pad token and no EOS token to pad "
                 "batches with; set tokenizer.pad_token and save_pretrained the folder"
             )
+
+
+def check_embedded_model(spec: Any, splits: list[Split]) -> None:
+    """Without ``--model`` the composer job trains its embedded character model, which has
+    no chat template: conversational prompts would fail at every replica's first step."""
+    chat = next((s for s in splits if _conversational(s)), None)
+    if spec.job == "composer" and chat is not None:
+        raise LaunchError(
+            f"{chat.flag} {chat.dataset} holds conversations (lists of messages) but the "
+            "composer job's embedded model has no chat template: pass --model with one, or "
+            "give the prompts as text"
+        )
 
 
 def _conversational(split: Split) -> bool:
