@@ -236,6 +236,19 @@ CASES = [
          {"question": [{"role": "user", "content": "ab="}], "answer": "ba"}] * 32),
          "holds conversations (lists of messages) but the composer job's embedded model has "
          "no chat template"),
+    Case("chat-message-with-null-content", lambda t, m: [*_composer(t, [
+         {"question": [{"role": "user", "content": None}], "answer": "ba"}] * 32),
+         *_with_model(m, t, None)], "row 0: the prompt in column 'question' (for prompt) is a "
+         "list of messages whose message 0 (user) has a content that is null, not text"),
+    Case("sft-message-with-null-role", lambda t, m: _sft(t, [{"messages": [
+         {"role": None, "content": w}]} for w in WORDS]),
+         "row 0: 'messages' must be a list of {'role', 'content'} messages (got a list of "
+         "messages whose message 0 has a role that is null, not a name)"),
+    Case("sft-completion-message-with-numeric-content", lambda t, m: _sft(t, [
+         {"prompt": [{"role": "user", "content": w}], "completion": [
+          {"role": "assistant", "content": 7}]} for w in WORDS]),
+         "row 0: 'completion' must be a list of {'role', 'content'} messages (got a list of "
+         "messages whose message 0 (assistant) has a content that is int, not text)"),
     Case("sft-null-completion-late", lambda t, m: _sft(t, [
          {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
          enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),

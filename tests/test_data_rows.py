@@ -383,3 +383,18 @@ def test_an_unreadable_file_or_folder_is_named_in_one_line(tmp_path: Path) -> No
     assert lines[1].startswith(f"--dataset {names[1]} cannot be read (Permission denied)")
     assert "(chmod u+rx)" in lines[1]
     assert lines[2].startswith(f"--dataset {names[2]}: train.jsonl cannot be read (Permission")
+
+
+def test_a_conversation_needs_named_roles_and_text_contents() -> None:
+    """A null or numeric content would reach the chat template as "None" or "7"; a tool
+    call's null content is TRL's format and stays a conversation."""
+    from crf.replica.data import is_messages, messages_problem
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}
+    assert is_messages([{"role": "user", "content": "ab="}, call])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ab="}]}]
+    assert is_messages(parts)
+    assert messages_problem([{"role": "user", "content": None}]) == (
+        "a list of messages whose message 0 (user) has a content that is null, not text"
+    )
+    assert "role that is empty" in messages_problem([{"role": " ", "content": "x"}])

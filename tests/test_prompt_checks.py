@@ -1,7 +1,8 @@
 """Before launch, a local --model reads the composer job's prompts as a replica will: through
 its chat template (one that refuses a role says so, naming the row, even far past the first
 rows) and within its positions (a prompt longer than max_position_embeddings is refused,
-naming the row, instead of a replica dying of the memory it asks for and being restarted)."""
+naming the row, instead of a replica dying of the memory it asks for and being restarted);
+and the sft job's conversations through the same template."""
 
 from __future__ import annotations
 
@@ -86,6 +87,32 @@ def test_a_refusal_on_the_command_line_is_one_line(tmp_path, strict_model) -> No
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert "row 9:" in result.output and "Unknown role: tool" in result.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("form", ["messages", "prompt-completion"])
+def test_an_sft_conversation_the_template_refuses_is_named_with_its_row(
+    tmp_path, strict_model, form: str
+) -> None:
+    """The sft job's conversations meet the template when each replica tokenizes its
+    dataset (a setup error on every replica): the launcher renders them first."""
+
+    def row(role: str) -> dict[str, Any]:
+        if form == "messages":
+            return {"messages": [*_chat(role), *_chat("assistant", "cba")]}
+        return {"prompt": _chat(role), "completion": _chat("assistant", "cba")}
+
+    rows = [row("user") for _ in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"replicas": 2, "job": "sft", "model": str(strict_model), "dataset": str(data)}
+    driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)  # every role accepted
+    rows[33] = row("human")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(LaunchError) as caught:
+        driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)
+    message = str(caught.value)
+    assert "row 33: --model" in message and "chat template refuses the conversation" in message
+    assert "Unknown role: human" in message and "\n" not in message
 
 
 def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:

@@ -16,7 +16,7 @@ what is cheap to read here and refuses the launch in one line that names the fix
   weight): a known ``model_type``, a tokenizer there, no more tokens than the model embeds,
   a chat template for conversational data and a pad (or EOS) token for batches; for the
   composer job, prompts rendered through that template and counted against the model's
-  positions (crf/launcher/prompt_checks.py);
+  positions; for the sft job, conversations rendered through it (crf/launcher/prompt_checks.py);
 - a Hub model or dataset, asked for with a short timeout: on the local backend the replicas
   use this machine's network, so one it cannot reach is refused; on a cloud backend the
   replicas may reach what the launcher cannot, so it is a warning (the plan's notes).
@@ -128,6 +128,11 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         check_tokenizer_for(model, splits)
         if spec.job == "composer":  # prompts through its template, within its positions
             _check_prompts(spec, model, splits)
+        else:  # the sft job's conversations through its template
+            from crf.launcher.prompt_checks import check_conversations
+
+            remote = bool(getattr(spec, "trust_remote_code", False))
+            check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
     check_rewards_on(spec, splits)
     return found
 

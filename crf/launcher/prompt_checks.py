@@ -13,6 +13,11 @@ Rendering every row of a large file would take long, so the rows rendered are th
 first rows, the first row of each distinct sequence of roles (what a template's role checks
 see), and the :data:`LONGEST` longest prompts by characters (what the length check needs).
 Only a local folder is read: a Hub model's tokenizer would be a download.
+
+The sft job's conversations (``messages``, or a prompt and a completion that are lists of
+messages) meet the same template when each replica tokenizes its dataset, and a refused one
+stops every replica at setup: :func:`check_conversations` renders the same choice of rows
+before launch. Their length is no error (``SFTConfig.max_length`` truncates them).
 """
 
 from __future__ import annotations
@@ -67,7 +72,51 @@ def _prompts(split: Any) -> list[Any]:
     return [row.get("prompt") for row in getattr(split, "rows", [])]
 
 
-def _chosen(prompts: Sequence[Any], first: int) -> list[int]:
+def check_conversations(
+    folder: str, splits: Iterable[Any], *, first: int = 8, trust_remote_code: bool = False
+) -> None:
+    """LaunchError naming the row for an sft conversation the chat template refuses (module
+    docstring); ``splits`` and ``first`` as for :func:`check_prompts`. A folder without a
+    template is left to the launcher's tokenizer check, which refuses it for conversations."""
+    chats = [(s, _conversations(s)) for s in splits]
+    chats = [(s, c) for s, c in chats if any(c)]
+    if not chats:
+        return
+    tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
+    if tokenizer is None or not tokenizer.chat_template:
+        return
+    for split, conversations in chats:
+        for i in _chosen(conversations, first, longest=0):
+            if conversations[i]:
+                try:
+                    tokenizer.apply_chat_template(conversations[i], tokenize=False)
+                except Exception as e:  # noqa: BLE001 - jinja's errors, raise_exception
+                    raise _refused(split, i, folder, "conversation", e) from None
+
+
+def _conversations(split: Any) -> list[Any]:
+    """An sft split's conversations, row by row (None for a row that holds none): its
+    ``messages``, or its prompt and completion messages together."""
+    if getattr(split, "form", None) is None:
+        return []
+    every = getattr(split, "every", None)
+    rows = getattr(split, "rows", [])
+    columns = every or {k: [r.get(k) for r in rows] for k in ("messages", "prompt", "completion")}
+    if columns.get("messages") is not None:
+        return [m if isinstance(m, list) else None for m in columns["messages"]]
+    pairs = zip(columns.get("prompt") or [], columns.get("completion") or [], strict=False)
+    return [p + c if isinstance(p, list) and isinstance(c, list) else None for p, c in pairs]
+
+
+def _refused(split: Any, i: int, folder: str, what: str, e: Exception) -> LaunchError:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return LaunchError(
+        f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
+        f"the {what} ({type(e).__name__}: {reason}); fix the row's messages or the template"
+    )
+
+
+def _chosen(prompts: Sequence[Any], first: int, longest: int = LONGEST) -> list[int]:
     """The rows to render (module docstring), in order."""
     chosen = set(range(min(first, len(prompts))))
     seen: set[tuple[str, ...]] = set()
@@ -77,8 +126,9 @@ def _chosen(prompts: Sequence[Any], first: int) -> list[int]:
             if roles not in seen:
                 seen.add(roles)
                 chosen.add(i)
-    by_length = sorted(range(len(prompts)), key=lambda i: -len(str(prompts[i] or "")))
-    chosen.update(by_length[:LONGEST])
+    if longest:
+        by_length = sorted(range(len(prompts)), key=lambda i: -len(str(prompts[i] or "")))
+        chosen.update(by_length[:longest])
     return sorted(chosen)
 
 
@@ -92,11 +142,7 @@ def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str
             tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         )
     except Exception as e:  # noqa: BLE001 - jinja's errors, the template's raise_exception
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise LaunchError(
-            f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
-            f"the prompt ({type(e).__name__}: {reason}); fix the row's messages or the template"
-        ) from None
+        raise _refused(split, i, folder, "prompt", e) from None
 
 
 def _positions(folder: str) -> int | None:

@@ -307,24 +307,36 @@ def column_of(columns: Mapping[str, str], field: str) -> str:
 
 
 def is_messages(value: Any) -> bool:
-    """A conversation in TRL's format: a non-empty list of {role, content} turns."""
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
+    """A conversation in TRL's format: a non-empty list of {role, content} turns, each role
+    a name and each content text (or a list of parts; null only beside ``tool_calls``)."""
+    return isinstance(value, list) and bool(value) and messages_problem(value) is None
 
 
 def messages_problem(value: Any) -> str | None:
-    """What keeps a list from being a conversation (None: it is one)."""
-    if not isinstance(value, list) or not value:
-        return None if is_messages(value) else "an empty list"
+    """What keeps a value from being a conversation (None: it is one). A null or numeric
+    content would reach the chat template as the text "None" or "3", and a null role as no
+    turn at all: the model would train on what the file never said."""
+    if not isinstance(value, list):
+        return type_name(value)
+    if not value:
+        return "an empty list"
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             return f"a list whose item {i} is {type_name(m)}, not a {{'role', 'content'}} message"
         for key in ("role", "content"):
             if key not in m:
                 return f"a list of messages whose message {i} has no {key!r}"
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or not role.strip():
+            shown = "empty" if isinstance(role, str) else type_name(role)
+            return f"a list of messages whose message {i} has a role that is {shown}, not a name"
+        if content is None and m.get("tool_calls"):
+            continue  # an assistant's tool call: its content may be null
+        if not isinstance(content, str | list):
+            return (
+                f"a list of messages whose message {i} ({role}) has a content that is "
+                f"{type_name(content)}, not text"
+            )
     return None
 
 

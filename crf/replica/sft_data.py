@@ -112,7 +112,14 @@ def row_problem(row: Mapping[str, Any], form: str, columns: Mapping[str, str]) -
     elif form == "prompt-completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         plain = isinstance(prompt, str) and isinstance(completion, str)
-        if not plain and not (is_messages(prompt) and is_messages(completion)):
+        if isinstance(prompt, list) and isinstance(completion, list):
+            for field, value in (("prompt", prompt), ("completion", completion)):
+                if not is_messages(value):
+                    return (
+                        f"{column_of(columns, field)} must be a list of {{'role', 'content'}} "
+                        f"messages (got {messages_problem(value)})"
+                    )
+        elif not plain:
             return (
                 "'prompt' and 'completion' must both be strings, or both lists of "
                 f"{{'role', 'content'}} messages (got {type_name(prompt)} and "
