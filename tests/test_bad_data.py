@@ -249,6 +249,11 @@ CASES = [
           {"role": "assistant", "content": 7}]} for w in WORDS]),
          "row 0: 'completion' must be a list of {'role', 'content'} messages (got a list of "
          "messages whose message 0 (assistant) has a content that is int, not text)"),
+    Case("column-naming-no-column", lambda t, m: _composer(t, None, "--column", "answer="),
+         "--column answer= names no column: give the file's column after '='"),
+    Case("sft-prompt-and-completion-one-column", lambda t, m: _sft(
+         t, [{"text": w} for w in WORDS], "--column", "prompt=text", "--column",
+         "completion=text"), "--column maps prompt and completion to one column 'text'"),
     Case("sft-null-completion-late", lambda t, m: _sft(t, [
          {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
          enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),

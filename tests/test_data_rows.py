@@ -78,6 +78,19 @@ def test_messages_with_extra_keys_are_read_as_messages(tmp_path: Path) -> None:
     assert all(isinstance(m, dict) for r in shard for m in r["prompt"])
 
 
+def test_one_column_may_feed_two_fields(tmp_path: Path) -> None:
+    """A solution replayed as the trace and read as the answer: both fields hold it (the
+    answer was lost to the trace, and the launcher called it null)."""
+    data = _jsonl(tmp_path / "d.jsonl", _rows())
+    columns = {**MAP, "trace": "solution"}
+    rows = load_shard(data, config=None, split="train", columns=columns, rank=0,
+                      world_size=2, needs_answer=True, reader="exact_match")  # fmt: skip
+    assert rows[0]["answer"] == rows[0]["trace"] == rows[0]["solution"] == "ba"
+    result = _dry(tmp_path, "--dataset", data, "--column", "trace=solution",
+                  "--reward", "exact_match")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
 def test_held_out_rows_are_checked_with_their_numbers(tmp_path: Path) -> None:
     class Spec:
         dataset, dataset_config, dataset_split = None, None, "train"

@@ -494,7 +494,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
         return Split(flag, name, rows, form, counted, values, partial=_partial(every))
     present = [f for f in FIELDS if columns.get(f, f) in names]
     # the job's fields, and every column under its own name (the rewards get them all)
-    keep = kept_columns({columns.get(f, f): f for f in FIELDS if columns.get(f, f) in names}, names)
+    keep = kept_columns([(columns.get(f, f), f) for f in present], names)
     rows = [{k: row[c] for c, k in keep if c in row} for row in raw]
     values = None
     if every is not None:

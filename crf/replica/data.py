@@ -88,8 +88,19 @@ def one_split(dataset: str) -> bool:
     return bool(builder_of(dataset)) or saved_kind(os.path.expanduser(dataset)) == "dataset"
 
 
+def no_column(columns: Mapping[str, str]) -> None:
+    """DataError for a ``--column FIELD=`` that names no column (an unset shell variable)."""
+    for key, value in columns.items():
+        if not str(value).strip():
+            raise DataError(
+                f"--column {key}={value} names no column: give the file's column after '=' "
+                f"(--column {key}=COLUMN)"
+            )
+
+
 def check_columns(columns: Mapping[str, str]) -> None:
-    """DataError for a --column whose key is no job field."""
+    """DataError for a --column whose key is no job field, or that names no column."""
+    no_column(columns)
     for key, value in columns.items():
         if key not in FIELDS:
             raise DataError(
@@ -184,14 +195,15 @@ def _renames(
     dataset: str,
     need: tuple[str, ...],
     flag: str = "--dataset",
-):
-    """file column -> field, for the fields whose column is there; DataError if a required
-    one is missing."""
-    out = {}
+) -> list[tuple[str, str]]:
+    """(file column, field) for the fields whose column is there; DataError if a required
+    one is missing. Pairs, not a dict by column: one column may feed several fields (a
+    solution that is the trace replayed and the answer ``math_answer`` reads)."""
+    out = []
     for field in FIELDS:
         column = columns.get(field, field)
         if column in names:
-            out[column] = field
+            out.append((column, field))
         elif field in need:
             how = f"column {column!r} (for {field})" if column != field else f"column {field!r}"
             raise DataError(
@@ -223,22 +235,26 @@ def load_shard(
     shard = ds.shard(num_shards=world_size, index=rank, contiguous=False)
     values = decoded(shard)  # column -> its values
     index = range(rank, len(ds), world_size)  # the shard's rows' numbers in the split
-    fields = {f: values[c] for c, f in renames.items()}
+    fields = {f: values[c] for c, f in renames}
     check_values(fields, columns, f"--dataset {dataset}", reader=reader, index=index)
     return [job_row(row, keep) for row in as_rows(values, len(shard))]
 
 
-def kept_columns(renames: Mapping[str, str], names: list[str]) -> list[tuple[str, str]]:
-    """(column, key) of what a row keeps: each job field from its column (``renames``), and
+def kept_columns(
+    renames: Mapping[str, str] | list[tuple[str, str]], names: list[str]
+) -> list[tuple[str, str]]:
+    """(column, key) of what a row keeps: each job field from its column (``renames``:
+    column -> field, or (column, field) pairs), and
     every column under its own name as well, since TRL hands a reward function every column
     of the dataset as a keyword list; not a column named like a field mapped from another
     one (the mapping wins), one named like an argument TRL gives rewards itself, nor an
     image column (:data:`MEDIA_COLUMNS`)."""
     from crf.replica.rewards import PLAIN_PROMPT, TRL_ARGUMENTS
 
-    fields = set(renames.values())
+    pairs = list(renames.items()) if isinstance(renames, Mapping) else list(renames)
+    fields = {f for _, f in pairs}
     taken = fields | set(TRL_ARGUMENTS) | {PLAIN_PROMPT} | set(MEDIA_COLUMNS)
-    return [*renames.items(), *((c, c) for c in names if c not in taken)]
+    return [*pairs, *((c, c) for c in names if c not in taken)]
 
 
 def job_row(row: Mapping[str, Any], keep: list[tuple[str, str]]) -> dict[str, Any]:
@@ -464,7 +480,7 @@ def check_dataset(
     if count < replicas:
         raise DataError(_too_few(dataset, count, replicas))
     renames = _renames(columns, names, dataset, required_fields(needs_answer), flag)
-    return [{f: row.get(c) for c, f in renames.items()} for row in first]
+    return [{f: row.get(c) for c, f in renames} for row in first]
 
 
 def answer_reader(spec: Any) -> str | None:
@@ -573,7 +589,7 @@ def load_eval(spec: Any, needs_answer: bool, reader: str | None = None) -> list[
     ds = ds.select(keep)
     values = decoded(ds)  # column -> its values
     reader = reader if reader is not None else answer_reader(spec)
-    fields = {f: values[c] for c, f in renames.items()}
+    fields = {f: values[c] for c, f in renames}
     check_values(fields, spec.columns, f"{flag} {dataset}", reader=reader, index=keep)
     return [job_row(row, columns) for row in as_rows(values, len(ds))]
 

@@ -33,6 +33,7 @@ from crf.replica.data import (
     is_messages,
     messages_problem,
     mixed_problem,
+    no_column,
     type_name,
 )
 
@@ -62,13 +63,21 @@ def other_columns(renames: Mapping[str, str], names: list[str]) -> dict[str, str
 
 
 def check_sft_columns(columns: Mapping[str, str]) -> None:
-    """DataError for a ``--column`` whose key is no field of the sft job."""
+    """DataError for a ``--column`` whose key is no field of the sft job, that names no
+    column, or that maps a prompt and its completion to one column."""
+    no_column(columns)
     for key, value in columns.items():
         if key not in SFT_FIELDS:
             raise DataError(
                 f"--column {key}={value}: {key!r} is no field of the sft job; use one of "
                 f"{', '.join(SFT_FIELDS)} (KEY is the job's field, VALUE the column)"
             )
+    prompt, completion = columns.get("prompt", "prompt"), columns.get("completion", "completion")
+    if prompt == completion:  # the pair would be one column twice (``answer`` may share one)
+        raise DataError(
+            f"--column maps prompt and completion to one column {prompt!r}: each reads its "
+            "own (--column prompt=COLUMN --column completion=OTHER)"
+        )
 
 
 def sft_format(
