@@ -288,6 +288,8 @@ CASES = [
          "x.txt is a local file, but crf reads only"),
     Case("file-without-suffix", lambda t, m: _raw(t, "rows", _lines(lambda ls: None)),
          "rows is a local file, but crf reads only"),
+    Case("empty-dataset-name", lambda t, m: ["--job", "composer", "--dataset", ""],
+         "--dataset is an empty string: give its name, or leave it out"),
     Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",
          "./no/such/folder"], "--dataset ./no/such/folder: no such file or folder"),
     Case("missing-data-file", lambda t, m: ["--job", "composer", "--dataset",
