@@ -115,6 +115,12 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
             return problem
         if saved_kind(path) is not None:
             return None
+        saved = sorted(d.name for d in os.scandir(path) if d.is_dir() and saved_kind(d.path))
+        if saved:  # its state.json files would be read as rows
+            return (
+                f"{flag} {name} holds the save_to_disk folder {saved[0]}: give that folder "
+                f"({flag} {os.path.join(name, saved[0])})"
+            )
         files = _data_files(path, depth=None, first_data=True)
         if not any(suffix_of(f) for f in files):
             held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
