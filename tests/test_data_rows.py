@@ -276,6 +276,21 @@ def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
     assert names[-1] in str(err.value) and "choose one with --dataset-config" in str(err.value)
 
 
+def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
+    """datasets reads a folder in one format and skips train.csv beside train.jsonl without a
+    word: the dry run warns, naming it (the rows read are the .jsonl's, as the replicas')."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", _rows())
+    (folder / "train.csv").write_text("question,solution\nab=,ba\n")
+    (folder / "dataset_infos.json").write_text("{}")  # a Hub repo's description: no rows
+    result = _dry(tmp_path, "--dataset", str(folder))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert f"warning: --dataset {folder}: train.csv not read (a folder is read in one" in text
+    assert "dataset_infos.json" not in text
+
+
 @pytest.mark.parametrize("form", ["jsonl", "csv", "parquet", "saved", "folder"])
 def test_a_split_too_large_to_read_whole_is_checked_on_its_first_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str

@@ -67,6 +67,8 @@ class Split:
     every: dict[str, list[Any]] | None = None
     #: a local split too large to read whole: ``every`` holds its first rows only
     partial: bool = False
+    #: a folder's data files of another format, which the replicas' reader skips
+    unread: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- entry point
@@ -115,6 +117,12 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     splits = sample_splits(spec)
     for split in splits:
         check_rows(spec, split)
+        if split.unread:
+            found.warnings.append(
+                f"{split.flag} {split.dataset}: {', '.join(split.unread[:3])} not read (a "
+                "folder is read in one format, its most common, as datasets reads it); "
+                "convert such files or move them out"
+            )
         if split.partial:
             found.warnings.append(
                 f"{split.flag} {split.dataset}: its first {split.counted:,} rows were checked "
@@ -491,7 +499,8 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             values = {f: every.column(c) for c, f in renames.items()}
             if answer in every.names:
                 values["answer"] = every.column(answer)
-        return Split(flag, name, rows, form, counted, values, partial=_partial(every))
+        unread = list(getattr(every, "unread", []))
+        return Split(flag, name, rows, form, counted, values, _partial(every), unread)
     present = [f for f in FIELDS if columns.get(f, f) in names]
     # the job's fields, and every column under its own name (the rewards get them all)
     keep = kept_columns([(columns.get(f, f), f) for f in present], names)
@@ -499,7 +508,8 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     values = None
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
-    return Split(flag, name, rows, counted=counted, every=values, partial=_partial(every))
+    unread = list(getattr(every, "unread", []))
+    return Split(flag, name, rows, None, counted, values, _partial(every), unread)
 
 
 def _partial(every: Any) -> bool:

@@ -30,7 +30,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: the data files crf reads, by suffix, and the ``datasets`` builder of each
@@ -187,6 +187,8 @@ class Rows:
     columns: dict[str, list[Any]]
     count: int
     partial: bool = False
+    #: a folder's data files of another format than the one read, which ``datasets`` skips
+    unread: list[str] = field(default_factory=list)
 
     def first(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
@@ -295,9 +297,28 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
                 parts.append(Rows([], {}, 0, partial=True))  # the files after it: unread
                 break
             parts.append(_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}", left))
-        return _concat(parts)
+        rows = _concat(parts)
+        rows.unread = other_formats(path, files)
+        return rows
     big = os.path.getsize(path) > CHECKED_BYTES
     return _read_file(path, flag, name, CHECKED_ROWS if big else None)
+
+
+#: files of a Hub repo or saved dataset that describe the data and are no rows
+_METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+
+
+def other_formats(folder: str, read: list[str]) -> list[str]:
+    """The folder's data files (relative) of another format than ``read``'s: ``datasets``
+    reads a folder in one format, its most common, and skips the rest without a word
+    (``train.csv`` beside ``train.jsonl``)."""
+    formats = {BUILDERS[s] for f in read if (s := suffix_of(f))}
+    out = []
+    for f in _data_files(folder):
+        suffix = suffix_of(f)
+        if suffix and BUILDERS[suffix] not in formats and os.path.basename(f) not in _METADATA:
+            out.append(f)
+    return out
 
 
 def _concat(parts: list[Rows]) -> Rows:
