@@ -271,6 +271,10 @@ CASES = [
     Case("latin1-csv-url", lambda t, m: ["--job", "composer", "--dataset", "file://" + _raw(
          t, "x.csv", b"question,answer\nab=,ba\ncaf\xe9,x\n")[3], "--column", "prompt=question"],
          "x.csv cannot be read: 'utf-8' codec can't decode byte 0xe9"),
+    Case("nan-answer", lambda t, m: _raw(t, "x.jsonl", _lines(
+         lambda ls: _set(ls, 6, b'{"question": "ab=", "answer": NaN}'))),
+         "row 6: the answer in column 'answer' is NaN (a missing value), which the default "
+         "reward cannot read"),
     Case("line-not-an-object", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
     Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(

@@ -361,7 +361,8 @@ def value_problem(
 ) -> str | None:
     """Why ``value`` cannot be the composer job's ``field`` in a row (None: it can): a
     prompt is text that is not blank, or a conversation; an answer that ``--reward reader``
-    reads is text or a number; a hint or trace is text, or null/empty for none."""
+    reads is text or a number (not NaN, which is a missing value); a hint or trace is text,
+    or null/empty for none."""
     if field == "prompt":
         if (isinstance(value, str) and value.strip()) or is_messages(value):
             return None
@@ -373,11 +374,13 @@ def value_problem(
             "prompt text (or a list of {'role', 'content'} messages): fill or drop such rows"
         )
     if field == "answer" and reader is not None:
-        if isinstance(value, str | int | float) and not isinstance(value, bool):
+        nan = isinstance(value, float) and value != value  # a missing value (pandas' NaN)
+        if isinstance(value, str | int | float) and not isinstance(value, bool) and not nan:
             return None
         by = f"--reward {reader}" if reader != DEFAULT_READER else "the default reward"
+        shown = "NaN (a missing value)" if nan else type_name(value)
         return (
-            f"the answer in column {column_of(columns, field)} is {type_name(value)}, which "
+            f"the answer in column {column_of(columns, field)} is {shown}, which "
             f"{by} cannot read; it needs text or a number on every row (map another with "
             "--column answer=COLUMN)"
         )
@@ -392,7 +395,7 @@ def value_problem(
 #: a quick test a good value passes (value_problem says why a value that fails it is bad)
 _FINE = {
     "prompt": lambda v: type(v) is str and bool(v.strip()),
-    "answer": lambda v: type(v) is str or type(v) is int or type(v) is float,
+    "answer": lambda v: type(v) is str or type(v) is int or (type(v) is float and v == v),
     "hint": lambda v: v is None or type(v) is str,
     "trace": lambda v: v is None or type(v) is str,
 }
