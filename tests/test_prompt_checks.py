@@ -25,17 +25,28 @@ STRICT = (
 )
 
 
-@pytest.fixture(scope="module")
-def strict_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model (128 positions) with a template that refuses unknown roles."""
-    folder = tmp_path_factory.mktemp("strict") / "model"
+#: renders no turn for a role it does not know, as Qwen's templates do
+SKIPS = (
+    "{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}"
+    "{{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+def _with_template(folder: Path, template: str) -> Path:
+    """The tiny model (128 positions) saved to ``folder`` with this chat template."""
     save_tiny_repo(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = STRICT
+    config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     for extra in folder.glob("chat_template.*"):
-        extra.write_text(STRICT)
+        extra.write_text(template)
     return folder
+
+
+@pytest.fixture(scope="module")
+def strict_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a template that refuses unknown roles."""
+    return _with_template(tmp_path_factory.mktemp("strict") / "model", STRICT)
 
 
 def _plan(tmp_path: Path, model: Path, rows: list[dict[str, Any]]) -> Any:
@@ -113,6 +124,29 @@ def test_an_sft_conversation_the_template_refuses_is_named_with_its_row(
     message = str(caught.value)
     assert "row 33: --model" in message and "chat template refuses the conversation" in message
     assert "Unknown role: human" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_role_the_template_leaves_out_is_named_with_its_row(tmp_path, job: str) -> None:
+    """ShareGPT's roles through a template that renders no turn for them: the model would
+    train without those turns; refused, naming the row and the role."""
+    model = _with_template(tmp_path / "model", SKIPS)
+
+    def row(user: str) -> dict[str, Any]:
+        if job == "composer":
+            return {"prompt": _chat(user), "answer": "cba"}
+        return {"messages": [*_chat(user), *_chat("assistant", "cba")]}
+
+    rows = [row("human" if i == 10 else "user") for i in range(12)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"replicas": 2, "job": job, "model": str(model), "dataset": str(data),
+            "job_config": {"prompts_per_step": 2} if job == "composer" else {}}  # fmt: skip
+    with pytest.raises(LaunchError) as caught:
+        driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)
+    message = str(caught.value)
+    assert "row 10: --model" in message, message
+    assert "chat template leaves out the message of role 'human'" in message
 
 
 def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:

@@ -1,8 +1,10 @@
 """Before launch: the composer job's prompts as a local ``--model`` will read them.
 
-Two mistakes in a user's prompts surface only once a replica tokenizes them, and then on
+Three mistakes in a user's prompts surface only once a replica tokenizes them, and then on
 every attempt: a chat template that refuses a conversation (an unknown role: templates call
-``raise_exception``), and a prompt longer than the model's positions (TRL's GRPO does not
+``raise_exception``), one that renders no turn for a role it does not know (Qwen's, for
+ShareGPT's ``human`` / ``gpt``: the model trains without those turns, silently), and a
+prompt longer than the model's positions (TRL's GRPO does not
 truncate prompts: the rollout's attention then asks for memory no machine has, which reads
 as an out-of-memory death and is restarted). So the launcher renders prompts the way the
 replica does (crf/replica/jobs/composer.py: a conversation through the tokenizer's chat
@@ -32,6 +34,8 @@ from crf.replica.model import local_tokenizer
 
 #: the longest prompts (by characters) whose tokens are counted, per split
 LONGEST = 16
+#: roles chat templates render; a message of another role must show in the rendered text
+KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
 def check_prompts(
@@ -89,9 +93,10 @@ def check_conversations(
         for i in _chosen(conversations, first, longest=0):
             if conversations[i]:
                 try:
-                    tokenizer.apply_chat_template(conversations[i], tokenize=False)
+                    text = tokenizer.apply_chat_template(conversations[i], tokenize=False)
                 except Exception as e:  # noqa: BLE001 - jinja's errors, raise_exception
                     raise _refused(split, i, folder, "conversation", e) from None
+                _check_kept(conversations[i], str(text), split, i, folder)
 
 
 def _conversations(split: Any) -> list[Any]:
@@ -138,11 +143,29 @@ def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str
         return prompt
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
-        return str(
+        text = str(
             tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         )
     except Exception as e:  # noqa: BLE001 - jinja's errors, the template's raise_exception
         raise _refused(split, i, folder, "prompt", e) from None
+    _check_kept(messages, text, split, i, folder)
+    return text
+
+
+def _check_kept(messages: list[Any], text: str, split: Any, i: int, folder: str) -> None:
+    """LaunchError for a message of a role the template does not know whose content is not
+    in the rendered text: templates that branch on the role (Qwen's) render no turn for an
+    unknown one (ShareGPT's ``human`` / ``gpt``), and the model would train on the rest."""
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if role in KNOWN_ROLES or not isinstance(content, str) or not content.strip():
+            continue
+        if content.strip() not in text:
+            raise LaunchError(
+                f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template "
+                f"leaves out the message of role {role!r} (its content is not in the rendered "
+                "text); use the roles it renders (system, user, assistant)"
+            )
 
 
 def _positions(folder: str) -> int | None:
