@@ -171,3 +171,31 @@ def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     assert shape_problem(str(folder), ["model.safetensors"]) is None
+
+
+def test_a_replica_renders_its_own_prompts_at_setup(tmp_path, strict_model) -> None:
+    """A Hub model, or a URL dataset's rows past the first, are first seen by a replica: it
+    renders the same choice of rows while it builds (a setup error ends the run at once),
+    rather than meeting the template's error in a training step (taken for a death and
+    restarted, on every attempt)."""
+    from transformers import AutoModelForCausalLM
+
+    from crf.replica.data import DataError
+    from crf.replica.model import local_tokenizer
+    from crf.replica.prompt_fit import check_setup_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(strict_model)
+    tokenizer = local_tokenizer(str(strict_model))
+    prompts: list[Any] = [_chat() for _ in range(40)]
+    check_setup_prompts(tokenizer, model, prompts, "org/strict")  # every role accepted
+    prompts[25] = _chat("usr")
+    with pytest.raises(DataError, match=r"--model org/strict's chat template refuses a prompt "
+                       r"\('usr: abc='\): TemplateError: Unknown role: usr"):  # fmt: skip
+        check_setup_prompts(tokenizer, model, prompts, "org/strict")
+    prompts[25] = _chat(content="ab" * 100 + "=")  # 128 positions
+    with pytest.raises(DataError, match=r"is \d+ tokens, more than --model org/strict takes"):
+        check_setup_prompts(tokenizer, model, prompts, "org/strict")
+    skips = local_tokenizer(str(_with_template(tmp_path / "skips", SKIPS)))
+    prompts[25] = _chat("human")
+    with pytest.raises(DataError, match="leaves out the message of role 'human'"):
+        check_setup_prompts(skips, model, prompts, "org/skips")

@@ -13,8 +13,10 @@ a template, else as it is) and counts their tokens with the folder's tokenizer.
 
 Rendering every row of a large file would take long, so the rows rendered are the sampled
 first rows, the first row of each distinct sequence of roles (what a template's role checks
-see), and the :data:`LONGEST` longest prompts by characters (what the length check needs).
-Only a local folder is read: a Hub model's tokenizer would be a download.
+see), and the 16 longest prompts by characters (what the length check needs): crf/replica/
+prompt_fit.py ``chosen_rows``, by which each replica of a ``--model`` run renders its own rows
+at setup too. Only a local folder is read here: a Hub model's tokenizer would be a download,
+so a Hub model's prompts are first rendered by the replicas.
 
 The sft job's conversations (``messages``, or a prompt and a completion that are lists of
 messages) meet the same template when each replica tokenizes its dataset, and a refused one
@@ -26,16 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from crf.launcher.errors import LaunchError
 from crf.replica.model import local_tokenizer
-
-#: the longest prompts (by characters) whose tokens are counted, per split
-LONGEST = 16
-#: roles chat templates render; a message of another role must show in the rendered text
-KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+from crf.replica.prompt_fit import chosen_rows, dropped_role
 
 
 def check_prompts(
@@ -56,7 +54,7 @@ def check_prompts(
     limit = _positions(folder)
     for split in splits:
         prompts = _prompts(split)
-        for i in _chosen(prompts, first):
+        for i in chosen_rows(prompts, first):
             text = _render(tokenizer, prompts[i], split, i, folder)
             if limit is None:
                 continue
@@ -90,7 +88,7 @@ def check_conversations(
     if tokenizer is None or not tokenizer.chat_template:
         return
     for split, conversations in chats:
-        for i in _chosen(conversations, first, longest=0):
+        for i in chosen_rows(conversations, first, longest=0):
             if conversations[i]:
                 try:
                     text = tokenizer.apply_chat_template(conversations[i], tokenize=False)
@@ -121,22 +119,6 @@ def _refused(split: Any, i: int, folder: str, what: str, e: Exception) -> Launch
     )
 
 
-def _chosen(prompts: Sequence[Any], first: int, longest: int = LONGEST) -> list[int]:
-    """The rows to render (module docstring), in order."""
-    chosen = set(range(min(first, len(prompts))))
-    seen: set[tuple[str, ...]] = set()
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, list):
-            roles = tuple(str(m.get("role")) for m in prompt if isinstance(m, dict))
-            if roles not in seen:
-                seen.add(roles)
-                chosen.add(i)
-    if longest:
-        by_length = sorted(range(len(prompts)), key=lambda i: -len(str(prompts[i] or "")))
-        chosen.update(by_length[:longest])
-    return sorted(chosen)
-
-
 def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str:
     """The prompt's text as the replica's rollout starts it."""
     if isinstance(prompt, str) and not tokenizer.chat_template:
@@ -153,19 +135,15 @@ def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str
 
 
 def _check_kept(messages: list[Any], text: str, split: Any, i: int, folder: str) -> None:
-    """LaunchError for a message of a role the template does not know whose content is not
-    in the rendered text: templates that branch on the role (Qwen's) render no turn for an
-    unknown one (ShareGPT's ``human`` / ``gpt``), and the model would train on the rest."""
-    for m in messages:
-        role, content = m.get("role"), m.get("content")
-        if role in KNOWN_ROLES or not isinstance(content, str) or not content.strip():
-            continue
-        if content.strip() not in text:
-            raise LaunchError(
-                f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template "
-                f"leaves out the message of role {role!r} (its content is not in the rendered "
-                "text); use the roles it renders (system, user, assistant)"
-            )
+    """LaunchError for a message the rendered text leaves out (crf/replica/prompt_fit.py
+    ``dropped_role``): the model would train without that turn, silently."""
+    role = dropped_role(messages, text)
+    if role is not None:
+        raise LaunchError(
+            f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template "
+            f"leaves out the message of role {role!r} (its content is not in the rendered "
+            "text); use the roles it renders (system, user, assistant)"
+        )
 
 
 def _positions(folder: str) -> int | None:

@@ -400,6 +400,10 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
                 row[PLAIN_PROMPT] = row["prompt"]
                 row["prompt"] = [{"role": "user", "content": row["prompt"]}]
             row.setdefault(PLAIN_PROMPT, None)
+    if getattr(ctx.spec, "model", None):  # its template and positions, before any step
+        from crf.replica.prompt_fit import check_setup_prompts
+
+        check_setup_prompts(tokenizer, model, [r["prompt"] for r in rows], ctx.spec.model)
     return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows, plain)
 
 
