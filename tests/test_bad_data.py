@@ -304,6 +304,13 @@ CASES = [
     Case("parent-of-a-saved-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(Path(_saved(t)).parent), "--column", "prompt=question"],
          "holds the save_to_disk folder saved: give that folder (--dataset "),
+    Case("splits-in-two-formats", lambda t, m: ["--job", "composer", "--dataset", str(Path(
+         _jsonl(t / "d" / "train.jsonl", _qa())).parent), "--column", "prompt=question",
+         "--eval-split", "test", *([] if (t / "d" / "test.csv").write_text("question,answer\n"
+         "ab=,ba\n") else [])], "d holds its splits in different formats (train: json, test: "
+         "csv), and datasets reads a folder in one"),
+    Case("model-folder-as-dataset", lambda t, m: ["--job", "composer", "--dataset",
+         _model(m, t)], "model is a model folder (config.json and weights), not data"),
     Case("saved-dict-without-the-split", lambda t, m: ["--job", "composer", "--dataset",
          _saved(t, ("train",)), "--column", "prompt=question", "--eval-split", "test"],
          "saved has no split 'test'; its splits are train"),

@@ -115,6 +115,13 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
             return problem
         if saved_kind(path) is not None:
             return None
+        if os.path.isfile(os.path.join(path, "config.json")) and any(
+            f.endswith((".safetensors", ".bin")) for f in os.listdir(path)
+        ):
+            return (
+                f"{flag} {name} is a model folder (config.json and weights), not data: give "
+                "the rows' file or folder here (a model goes to --model)"
+            )
         saved = sorted(d.name for d in os.scandir(path) if d.is_dir() and saved_kind(d.path))
         if saved:  # its state.json files would be read as rows
             return (
@@ -241,6 +248,12 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
     except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
         whole = " ".join(str(e).split())
         reason = whole[:300] or type(e).__name__
+        if "Couldn't infer the same data file format for all splits" in whole:
+            raise DataError(
+                f"{flag} {folder} holds its splits in different formats ("
+                f"{_formats_of(whole)}), and datasets reads a folder in one: convert one "
+                "split's files (e.g. all to .jsonl)"
+            ) from None
         if "Config name is missing" in whole:  # a README's YAML names several
             names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
             raise DataError(
@@ -260,6 +273,14 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
             f"{', '.join(map(str, files))} (train.jsonl, test.jsonl...)"
         )
     return [str(f) for f in files[split] if suffix_of(str(f))]
+
+
+def _formats_of(message: str) -> str:
+    """``train: json, test: csv`` from datasets' message of a folder's mixed splits."""
+    import re
+
+    pairs = re.findall(r"NamedSplit\('([^']+)'\): \('(\w+)'", message)
+    return ", ".join(f"{split}: {fmt}" for split, fmt in pairs) or "see the file names"
 
 
 #: the last splits read (the launcher's checks read a split more than once): key -> Rows
