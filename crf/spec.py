@@ -848,6 +848,7 @@ class RunSpec:
         self._validate_tracking()
         if self.model is not None and not self.model.strip():
             raise SpecError("--model must name a Hub id or a folder (got an empty string)")
+        self._validate_data_names()
         folder = self.model and os.path.expanduser(self.model)
         if folder and self.model.startswith(("/", ".", "~")) and not os.path.isdir(folder):
             # a path, not a Hub id (org/name): local replicas would each fail to load it
@@ -856,6 +857,16 @@ class RunSpec:
                     f"--model {self.model!r}: no such folder (give a Hub id org/name or a "
                     "folder saved with save_pretrained)"
                 )
+
+    def _validate_data_names(self) -> None:
+        """An empty data option (``--dataset "$DATA"`` with DATA unset) would read as the
+        option left out: the embedded task trained instead of the user's rows."""
+        names = {"--dataset": self.dataset, "--eval-dataset": self.eval_dataset,
+                 "--dataset-config": self.dataset_config, "--dataset-split": self.dataset_split,
+                 "--eval-split": self.eval_split}  # fmt: skip
+        for flag, value in names.items():
+            if value is not None and not str(value).strip():
+                raise SpecError(f"{flag} is an empty string: give its name, or leave it out")
 
     def _validate_tracking(self) -> None:
         """--report-to needs its package here (the replicas import the one the driver has)

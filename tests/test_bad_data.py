@@ -232,6 +232,28 @@ CASES = [
          {"question": [{"role": "user", "text": "ab="}], "answer": "ba"}] * 32),
          "row 0: the prompt in column 'question' (for prompt) is a list of messages whose "
          "message 0 has no 'content'"),
+    Case("conversations-without-a-model", lambda t, m: _composer(t, [
+         {"question": [{"role": "user", "content": "ab="}], "answer": "ba"}] * 32),
+         "holds conversations (lists of messages) but the composer job's embedded model has "
+         "no chat template"),
+    Case("chat-message-with-null-content", lambda t, m: [*_composer(t, [
+         {"question": [{"role": "user", "content": None}], "answer": "ba"}] * 32),
+         *_with_model(m, t, None)], "row 0: the prompt in column 'question' (for prompt) is a "
+         "list of messages whose message 0 (user) has a content that is null, not text"),
+    Case("sft-message-with-null-role", lambda t, m: _sft(t, [{"messages": [
+         {"role": None, "content": w}]} for w in WORDS]),
+         "row 0: 'messages' must be a list of {'role', 'content'} messages (got a list of "
+         "messages whose message 0 has a role that is null, not a name)"),
+    Case("sft-completion-message-with-numeric-content", lambda t, m: _sft(t, [
+         {"prompt": [{"role": "user", "content": w}], "completion": [
+          {"role": "assistant", "content": 7}]} for w in WORDS]),
+         "row 0: 'completion' must be a list of {'role', 'content'} messages (got a list of "
+         "messages whose message 0 (assistant) has a content that is int, not text)"),
+    Case("column-naming-no-column", lambda t, m: _composer(t, None, "--column", "answer="),
+         "--column answer= names no column: give the file's column after '='"),
+    Case("sft-prompt-and-completion-one-column", lambda t, m: _sft(
+         t, [{"text": w} for w in WORDS], "--column", "prompt=text", "--column",
+         "completion=text"), "--column maps prompt and completion to one column 'text'"),
     Case("sft-null-completion-late", lambda t, m: _sft(t, [
          {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
          enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),
@@ -249,6 +271,10 @@ CASES = [
     Case("latin1-csv-url", lambda t, m: ["--job", "composer", "--dataset", "file://" + _raw(
          t, "x.csv", b"question,answer\nab=,ba\ncaf\xe9,x\n")[3], "--column", "prompt=question"],
          "x.csv cannot be read: 'utf-8' codec can't decode byte 0xe9"),
+    Case("nan-answer", lambda t, m: _raw(t, "x.jsonl", _lines(
+         lambda ls: _set(ls, 6, b'{"question": "ab=", "answer": NaN}'))),
+         "row 6: the answer in column 'answer' is NaN (a missing value), which the default "
+         "reward cannot read"),
     Case("line-not-an-object", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
     Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
@@ -266,6 +292,8 @@ CASES = [
          "x.txt is a local file, but crf reads only"),
     Case("file-without-suffix", lambda t, m: _raw(t, "rows", _lines(lambda ls: None)),
          "rows is a local file, but crf reads only"),
+    Case("empty-dataset-name", lambda t, m: ["--job", "composer", "--dataset", ""],
+         "--dataset is an empty string: give its name, or leave it out"),
     Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",
          "./no/such/folder"], "--dataset ./no/such/folder: no such file or folder"),
     Case("missing-data-file", lambda t, m: ["--job", "composer", "--dataset",
@@ -273,6 +301,16 @@ CASES = [
     Case("folder-without-data-files", lambda t, m: ["--job", "composer", "--dataset",
          str(t) if (t / "readme.txt").write_text("hi") else ""],
          "is a folder with no .jsonl, .json, .parquet, .csv files (it holds readme.txt)"),
+    Case("parent-of-a-saved-folder", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_saved(t)).parent), "--column", "prompt=question"],
+         "holds the save_to_disk folder saved: give that folder (--dataset "),
+    Case("splits-in-two-formats", lambda t, m: ["--job", "composer", "--dataset", str(Path(
+         _jsonl(t / "d" / "train.jsonl", _qa())).parent), "--column", "prompt=question",
+         "--eval-split", "test", *([] if (t / "d" / "test.csv").write_text("question,answer\n"
+         "ab=,ba\n") else [])], "d holds its splits in different formats (train: json, test: "
+         "csv), and datasets reads a folder in one"),
+    Case("model-folder-as-dataset", lambda t, m: ["--job", "composer", "--dataset",
+         _model(m, t)], "model is a model folder (config.json and weights), not data"),
     Case("saved-dict-without-the-split", lambda t, m: ["--job", "composer", "--dataset",
          _saved(t, ("train",)), "--column", "prompt=question", "--eval-split", "test"],
          "saved has no split 'test'; its splits are train"),

@@ -281,3 +281,21 @@ def test_example_runs_as_replica_entrypoint(
     result = store.get_json("results/0.json")
     assert result["status"] == "ok" and result["rounds_committed"] == 2
     assert result["job_metrics"]["steps"] == 4
+
+
+def test_conversations_without_a_chat_template_fail_at_setup(tmp_path: Path) -> None:
+    """Conversational prompts (a URL dataset: the launcher reads its first rows only) with a
+    tokenizer without a chat template: a DataError while the replica builds (a setup error,
+    never restarted), not TRL's ValueError at the first training step (restarted)."""
+    from crf.replica.data import DataError
+    from crf.replica.jobs.composer import Config, build
+
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": w}], "answer": w[::-1]} for w in ("ab", "cd")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx = FakeContext()
+    vars(ctx.spec).update(dataset=f"file://{data}", dataset_config=None, dataset_split="train",
+                          columns={}, reward=[], eval_dataset=None, eval_split=None)  # fmt: skip
+    with pytest.raises(DataError, match="the prompts hold conversations .* the composer job's "
+                       "embedded model has no chat template"):  # fmt: skip
+        build(ctx, Config())

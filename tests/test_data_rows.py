@@ -78,6 +78,19 @@ def test_messages_with_extra_keys_are_read_as_messages(tmp_path: Path) -> None:
     assert all(isinstance(m, dict) for r in shard for m in r["prompt"])
 
 
+def test_one_column_may_feed_two_fields(tmp_path: Path) -> None:
+    """A solution replayed as the trace and read as the answer: both fields hold it (the
+    answer was lost to the trace, and the launcher called it null)."""
+    data = _jsonl(tmp_path / "d.jsonl", _rows())
+    columns = {**MAP, "trace": "solution"}
+    rows = load_shard(data, config=None, split="train", columns=columns, rank=0,
+                      world_size=2, needs_answer=True, reader="exact_match")  # fmt: skip
+    assert rows[0]["answer"] == rows[0]["trace"] == rows[0]["solution"] == "ba"
+    result = _dry(tmp_path, "--dataset", data, "--column", "trace=solution",
+                  "--reward", "exact_match")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
 def test_held_out_rows_are_checked_with_their_numbers(tmp_path: Path) -> None:
     class Spec:
         dataset, dataset_config, dataset_split = None, None, "train"
@@ -263,6 +276,21 @@ def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
     assert names[-1] in str(err.value) and "choose one with --dataset-config" in str(err.value)
 
 
+def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
+    """datasets reads a folder in one format and skips train.csv beside train.jsonl without a
+    word: the dry run warns, naming it (the rows read are the .jsonl's, as the replicas')."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", _rows())
+    (folder / "train.csv").write_text("question,solution\nab=,ba\n")
+    (folder / "dataset_infos.json").write_text("{}")  # a Hub repo's description: no rows
+    result = _dry(tmp_path, "--dataset", str(folder))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert f"warning: --dataset {folder}: train.csv not read (a folder is read in one" in text
+    assert "dataset_infos.json" not in text
+
+
 @pytest.mark.parametrize("form", ["jsonl", "csv", "parquet", "saved", "folder"])
 def test_a_split_too_large_to_read_whole_is_checked_on_its_first_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
@@ -328,3 +356,73 @@ def test_the_checks_leave_the_users_logging_as_it_was(tmp_path: Path) -> None:
         assert datasets_logging.is_progress_bar_enabled()
     finally:
         hf_logging.set_verbosity(before)
+
+
+# ---------------------------------------------------------------------- unreadable paths
+_READ = """
+import sys
+from crf.replica.data_files import DataError, read_rows
+for name in sys.argv[1:]:
+    try:
+        read_rows(name, "train")
+        print("read", name)
+    except DataError as e:
+        print(e)
+"""
+
+
+def _as_a_user(tmp_path: Path) -> list[str]:
+    """A command prefix under which file permissions hold: none for a user; for root (who
+    reads any file), a user namespace without a mapping (``unshare -U``)."""
+    if os.geteuid() != 0:
+        return []
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    probe.chmod(0)
+    try:
+        denied = subprocess.run(["unshare", "-U", "cat", str(probe)], capture_output=True)
+    except OSError:
+        denied = None
+    if denied is None or denied.returncode == 0 or b"Permission denied" not in denied.stderr:
+        pytest.skip("root here reads any file, and no user namespace is allowed to drop that")
+    return ["unshare", "-U"]
+
+
+def test_an_unreadable_file_or_folder_is_named_in_one_line(tmp_path: Path) -> None:
+    """A file, a folder, and a folder's file this user may not read: each is one line saying
+    so and how to fix it, not a PermissionError's traceback nor a folder that "holds
+    nothing"."""
+    prefix = _as_a_user(tmp_path)
+    for name in ("file.jsonl", "folder/train.jsonl", "inner/train.jsonl"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        _jsonl(tmp_path / name, _rows())
+    (tmp_path / "file.jsonl").chmod(0)
+    (tmp_path / "folder").chmod(0)
+    (tmp_path / "inner" / "train.jsonl").chmod(0)
+    names = [str(tmp_path / n) for n in ("file.jsonl", "folder", "inner")]
+    out = subprocess.run([*prefix, sys.executable, "-c", _READ, *names], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    (tmp_path / "folder").chmod(0o755)  # for tmp_path's clean-up
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+    assert lines[0] == (f"--dataset {names[0]} cannot be read (Permission denied): make it "
+                        "readable by the user running crf (chmod u+r), or copy it somewhere "
+                        "readable")  # fmt: skip
+    assert lines[1].startswith(f"--dataset {names[1]} cannot be read (Permission denied)")
+    assert "(chmod u+rx)" in lines[1]
+    assert lines[2].startswith(f"--dataset {names[2]}: train.jsonl cannot be read (Permission")
+
+
+def test_a_conversation_needs_named_roles_and_text_contents() -> None:
+    """A null or numeric content would reach the chat template as "None" or "7"; a tool
+    call's null content is TRL's format and stays a conversation."""
+    from crf.replica.data import is_messages, messages_problem
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}
+    assert is_messages([{"role": "user", "content": "ab="}, call])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ab="}]}]
+    assert is_messages(parts)
+    assert messages_problem([{"role": "user", "content": None}]) == (
+        "a list of messages whose message 0 (user) has a content that is null, not text"
+    )
+    assert "role that is empty" in messages_problem([{"role": " ", "content": "x"}])

@@ -1,7 +1,8 @@
 """Before launch, a local --model reads the composer job's prompts as a replica will: through
 its chat template (one that refuses a role says so, naming the row, even far past the first
 rows) and within its positions (a prompt longer than max_position_embeddings is refused,
-naming the row, instead of a replica dying of the memory it asks for and being restarted)."""
+naming the row, instead of a replica dying of the memory it asks for and being restarted);
+and the sft job's conversations through the same template."""
 
 from __future__ import annotations
 
@@ -24,17 +25,28 @@ STRICT = (
 )
 
 
-@pytest.fixture(scope="module")
-def strict_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model (128 positions) with a template that refuses unknown roles."""
-    folder = tmp_path_factory.mktemp("strict") / "model"
+#: renders no turn for a role it does not know, as Qwen's templates do
+SKIPS = (
+    "{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}"
+    "{{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+def _with_template(folder: Path, template: str) -> Path:
+    """The tiny model (128 positions) saved to ``folder`` with this chat template."""
     save_tiny_repo(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = STRICT
+    config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     for extra in folder.glob("chat_template.*"):
-        extra.write_text(STRICT)
+        extra.write_text(template)
     return folder
+
+
+@pytest.fixture(scope="module")
+def strict_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a template that refuses unknown roles."""
+    return _with_template(tmp_path_factory.mktemp("strict") / "model", STRICT)
 
 
 def _plan(tmp_path: Path, model: Path, rows: list[dict[str, Any]]) -> Any:
@@ -88,6 +100,55 @@ def test_a_refusal_on_the_command_line_is_one_line(tmp_path, strict_model) -> No
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+@pytest.mark.parametrize("form", ["messages", "prompt-completion"])
+def test_an_sft_conversation_the_template_refuses_is_named_with_its_row(
+    tmp_path, strict_model, form: str
+) -> None:
+    """The sft job's conversations meet the template when each replica tokenizes its
+    dataset (a setup error on every replica): the launcher renders them first."""
+
+    def row(role: str) -> dict[str, Any]:
+        if form == "messages":
+            return {"messages": [*_chat(role), *_chat("assistant", "cba")]}
+        return {"prompt": _chat(role), "completion": _chat("assistant", "cba")}
+
+    rows = [row("user") for _ in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"replicas": 2, "job": "sft", "model": str(strict_model), "dataset": str(data)}
+    driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)  # every role accepted
+    rows[33] = row("human")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(LaunchError) as caught:
+        driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)
+    message = str(caught.value)
+    assert "row 33: --model" in message and "chat template refuses the conversation" in message
+    assert "Unknown role: human" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_role_the_template_leaves_out_is_named_with_its_row(tmp_path, job: str) -> None:
+    """ShareGPT's roles through a template that renders no turn for them: the model would
+    train without those turns; refused, naming the row and the role."""
+    model = _with_template(tmp_path / "model", SKIPS)
+
+    def row(user: str) -> dict[str, Any]:
+        if job == "composer":
+            return {"prompt": _chat(user), "answer": "cba"}
+        return {"messages": [*_chat(user), *_chat("assistant", "cba")]}
+
+    rows = [row("human" if i == 10 else "user") for i in range(12)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"replicas": 2, "job": job, "model": str(model), "dataset": str(data),
+            "job_config": {"prompts_per_step": 2} if job == "composer" else {}}  # fmt: skip
+    with pytest.raises(LaunchError) as caught:
+        driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)
+    message = str(caught.value)
+    assert "row 10: --model" in message, message
+    assert "chat template leaves out the message of role 'human'" in message
+
+
 def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:
     """A config.json beside another model's weights: every replica's from_pretrained would
     fail alike; the launcher compares the safetensors headers with the model the config
@@ -110,3 +171,31 @@ def test_weights_of_other_shapes_than_the_config_are_refused(tmp_path) -> None:
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     assert shape_problem(str(folder), ["model.safetensors"]) is None
+
+
+def test_a_replica_renders_its_own_prompts_at_setup(tmp_path, strict_model) -> None:
+    """A Hub model, or a URL dataset's rows past the first, are first seen by a replica: it
+    renders the same choice of rows while it builds (a setup error ends the run at once),
+    rather than meeting the template's error in a training step (taken for a death and
+    restarted, on every attempt)."""
+    from transformers import AutoModelForCausalLM
+
+    from crf.replica.data import DataError
+    from crf.replica.model import local_tokenizer
+    from crf.replica.prompt_fit import check_setup_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(strict_model)
+    tokenizer = local_tokenizer(str(strict_model))
+    prompts: list[Any] = [_chat() for _ in range(40)]
+    check_setup_prompts(tokenizer, model, prompts, "org/strict")  # every role accepted
+    prompts[25] = _chat("usr")
+    with pytest.raises(DataError, match=r"--model org/strict's chat template refuses a prompt "
+                       r"\('usr: abc='\): TemplateError: Unknown role: usr"):  # fmt: skip
+        check_setup_prompts(tokenizer, model, prompts, "org/strict")
+    prompts[25] = _chat(content="ab" * 100 + "=")  # 128 positions
+    with pytest.raises(DataError, match=r"is \d+ tokens, more than --model org/strict takes"):
+        check_setup_prompts(tokenizer, model, prompts, "org/strict")
+    skips = local_tokenizer(str(_with_template(tmp_path / "skips", SKIPS)))
+    prompts[25] = _chat("human")
+    with pytest.raises(DataError, match="leaves out the message of role 'human'"):
+        check_setup_prompts(skips, model, prompts, "org/skips")

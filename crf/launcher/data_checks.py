@@ -16,7 +16,7 @@ what is cheap to read here and refuses the launch in one line that names the fix
   weight): a known ``model_type``, a tokenizer there, no more tokens than the model embeds,
   a chat template for conversational data and a pad (or EOS) token for batches; for the
   composer job, prompts rendered through that template and counted against the model's
-  positions (crf/launcher/prompt_checks.py);
+  positions; for the sft job, conversations rendered through it (crf/launcher/prompt_checks.py);
 - a Hub model or dataset, asked for with a short timeout: on the local backend the replicas
   use this machine's network, so one it cannot reach is refused; on a cloud backend the
   replicas may reach what the launcher cannot, so it is a warning (the plan's notes).
@@ -67,6 +67,8 @@ class Split:
     every: dict[str, list[Any]] | None = None
     #: a local split too large to read whole: ``every`` holds its first rows only
     partial: bool = False
+    #: a folder's data files of another format, which the replicas' reader skips
+    unread: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- entry point
@@ -115,6 +117,12 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     splits = sample_splits(spec)
     for split in splits:
         check_rows(spec, split)
+        if split.unread:
+            found.warnings.append(
+                f"{split.flag} {split.dataset}: {', '.join(split.unread[:3])} not read (a "
+                "folder is read in one format, its most common, as datasets reads it); "
+                "convert such files or move them out"
+            )
         if split.partial:
             found.warnings.append(
                 f"{split.flag} {split.dataset}: its first {split.counted:,} rows were checked "
@@ -122,10 +130,17 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
                 "rows when it starts"
             )
     check_batch(spec, splits)
+    if not model:
+        check_embedded_model(spec, splits)
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
         if spec.job == "composer":  # prompts through its template, within its positions
             _check_prompts(spec, model, splits)
+        else:  # the sft job's conversations through its template
+            from crf.launcher.prompt_checks import check_conversations
+
+            remote = bool(getattr(spec, "trust_remote_code", False))
+            check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
     check_rewards_on(spec, splits)
     return found
 
@@ -395,6 +410,18 @@ def check_tokenizer_for(folder: str, splits: list[Split]) -> None:
             )
 
 
+def check_embedded_model(spec: Any, splits: list[Split]) -> None:
+    """Without ``--model`` the composer job trains its embedded character model, which has
+    no chat template: conversational prompts would fail at every replica's first step."""
+    chat = next((s for s in splits if _conversational(s)), None)
+    if spec.job == "composer" and chat is not None:
+        raise LaunchError(
+            f"{chat.flag} {chat.dataset} holds conversations (lists of messages) but the "
+            "composer job's embedded model has no chat template: pass --model with one, or "
+            "give the prompts as text"
+        )
+
+
 def _conversational(split: Split) -> bool:
     if split.form == "conversational":
         return True
@@ -472,15 +499,17 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             values = {f: every.column(c) for c, f in renames.items()}
             if answer in every.names:
                 values["answer"] = every.column(answer)
-        return Split(flag, name, rows, form, counted, values, partial=_partial(every))
+        unread = list(getattr(every, "unread", []))
+        return Split(flag, name, rows, form, counted, values, _partial(every), unread)
     present = [f for f in FIELDS if columns.get(f, f) in names]
     # the job's fields, and every column under its own name (the rewards get them all)
-    keep = kept_columns({columns.get(f, f): f for f in FIELDS if columns.get(f, f) in names}, names)
+    keep = kept_columns([(columns.get(f, f), f) for f in present], names)
     rows = [{k: row[c] for c, k in keep if c in row} for row in raw]
     values = None
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
-    return Split(flag, name, rows, counted=counted, every=values, partial=_partial(every))
+    unread = list(getattr(every, "unread", []))
+    return Split(flag, name, rows, None, counted, values, _partial(every), unread)
 
 
 def _partial(every: Any) -> bool:

@@ -1,8 +1,10 @@
 """Before launch: the composer job's prompts as a local ``--model`` will read them.
 
-Two mistakes in a user's prompts surface only once a replica tokenizes them, and then on
+Three mistakes in a user's prompts surface only once a replica tokenizes them, and then on
 every attempt: a chat template that refuses a conversation (an unknown role: templates call
-``raise_exception``), and a prompt longer than the model's positions (TRL's GRPO does not
+``raise_exception``), one that renders no turn for a role it does not know (Qwen's, for
+ShareGPT's ``human`` / ``gpt``: the model trains without those turns, silently), and a
+prompt longer than the model's positions (TRL's GRPO does not
 truncate prompts: the rollout's attention then asks for memory no machine has, which reads
 as an out-of-memory death and is restarted). So the launcher renders prompts the way the
 replica does (crf/replica/jobs/composer.py: a conversation through the tokenizer's chat
@@ -11,22 +13,27 @@ a template, else as it is) and counts their tokens with the folder's tokenizer.
 
 Rendering every row of a large file would take long, so the rows rendered are the sampled
 first rows, the first row of each distinct sequence of roles (what a template's role checks
-see), and the :data:`LONGEST` longest prompts by characters (what the length check needs).
-Only a local folder is read: a Hub model's tokenizer would be a download.
+see), and the 16 longest prompts by characters (what the length check needs): crf/replica/
+prompt_fit.py ``chosen_rows``, by which each replica of a ``--model`` run renders its own rows
+at setup too. Only a local folder is read here: a Hub model's tokenizer would be a download,
+so a Hub model's prompts are first rendered by the replicas.
+
+The sft job's conversations (``messages``, or a prompt and a completion that are lists of
+messages) meet the same template when each replica tokenizes its dataset, and a refused one
+stops every replica at setup: :func:`check_conversations` renders the same choice of rows
+before launch. Their length is no error (``SFTConfig.max_length`` truncates them).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from crf.launcher.errors import LaunchError
 from crf.replica.model import local_tokenizer
-
-#: the longest prompts (by characters) whose tokens are counted, per split
-LONGEST = 16
+from crf.replica.prompt_fit import chosen_rows, dropped_role
 
 
 def check_prompts(
@@ -47,7 +54,7 @@ def check_prompts(
     limit = _positions(folder)
     for split in splits:
         prompts = _prompts(split)
-        for i in _chosen(prompts, first):
+        for i in chosen_rows(prompts, first):
             text = _render(tokenizer, prompts[i], split, i, folder)
             if limit is None:
                 continue
@@ -67,19 +74,49 @@ def _prompts(split: Any) -> list[Any]:
     return [row.get("prompt") for row in getattr(split, "rows", [])]
 
 
-def _chosen(prompts: Sequence[Any], first: int) -> list[int]:
-    """The rows to render (module docstring), in order."""
-    chosen = set(range(min(first, len(prompts))))
-    seen: set[tuple[str, ...]] = set()
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, list):
-            roles = tuple(str(m.get("role")) for m in prompt if isinstance(m, dict))
-            if roles not in seen:
-                seen.add(roles)
-                chosen.add(i)
-    by_length = sorted(range(len(prompts)), key=lambda i: -len(str(prompts[i] or "")))
-    chosen.update(by_length[:LONGEST])
-    return sorted(chosen)
+def check_conversations(
+    folder: str, splits: Iterable[Any], *, first: int = 8, trust_remote_code: bool = False
+) -> None:
+    """LaunchError naming the row for an sft conversation the chat template refuses (module
+    docstring); ``splits`` and ``first`` as for :func:`check_prompts`. A folder without a
+    template is left to the launcher's tokenizer check, which refuses it for conversations."""
+    chats = [(s, _conversations(s)) for s in splits]
+    chats = [(s, c) for s, c in chats if any(c)]
+    if not chats:
+        return
+    tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
+    if tokenizer is None or not tokenizer.chat_template:
+        return
+    for split, conversations in chats:
+        for i in chosen_rows(conversations, first, longest=0):
+            if conversations[i]:
+                try:
+                    text = tokenizer.apply_chat_template(conversations[i], tokenize=False)
+                except Exception as e:  # noqa: BLE001 - jinja's errors, raise_exception
+                    raise _refused(split, i, folder, "conversation", e) from None
+                _check_kept(conversations[i], str(text), split, i, folder)
+
+
+def _conversations(split: Any) -> list[Any]:
+    """An sft split's conversations, row by row (None for a row that holds none): its
+    ``messages``, or its prompt and completion messages together."""
+    if getattr(split, "form", None) is None:
+        return []
+    every = getattr(split, "every", None)
+    rows = getattr(split, "rows", [])
+    columns = every or {k: [r.get(k) for r in rows] for k in ("messages", "prompt", "completion")}
+    if columns.get("messages") is not None:
+        return [m if isinstance(m, list) else None for m in columns["messages"]]
+    pairs = zip(columns.get("prompt") or [], columns.get("completion") or [], strict=False)
+    return [p + c if isinstance(p, list) and isinstance(c, list) else None for p, c in pairs]
+
+
+def _refused(split: Any, i: int, folder: str, what: str, e: Exception) -> LaunchError:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return LaunchError(
+        f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
+        f"the {what} ({type(e).__name__}: {reason}); fix the row's messages or the template"
+    )
 
 
 def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str:
@@ -88,15 +125,25 @@ def _render(tokenizer: Any, prompt: Any, split: Any, i: int, folder: str) -> str
         return prompt
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
-        return str(
+        text = str(
             tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         )
     except Exception as e:  # noqa: BLE001 - jinja's errors, the template's raise_exception
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise _refused(split, i, folder, "prompt", e) from None
+    _check_kept(messages, text, split, i, folder)
+    return text
+
+
+def _check_kept(messages: list[Any], text: str, split: Any, i: int, folder: str) -> None:
+    """LaunchError for a message the rendered text leaves out (crf/replica/prompt_fit.py
+    ``dropped_role``): the model would train without that turn, silently."""
+    role = dropped_role(messages, text)
+    if role is not None:
         raise LaunchError(
-            f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
-            f"the prompt ({type(e).__name__}: {reason}); fix the row's messages or the template"
-        ) from None
+            f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template "
+            f"leaves out the message of role {role!r} (its content is not in the rendered "
+            "text); use the roles it renders (system, user, assistant)"
+        )
 
 
 def _positions(folder: str) -> int | None:

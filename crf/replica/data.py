@@ -88,8 +88,19 @@ def one_split(dataset: str) -> bool:
     return bool(builder_of(dataset)) or saved_kind(os.path.expanduser(dataset)) == "dataset"
 
 
+def no_column(columns: Mapping[str, str]) -> None:
+    """DataError for a ``--column FIELD=`` that names no column (an unset shell variable)."""
+    for key, value in columns.items():
+        if not str(value).strip():
+            raise DataError(
+                f"--column {key}={value} names no column: give the file's column after '=' "
+                f"(--column {key}=COLUMN)"
+            )
+
+
 def check_columns(columns: Mapping[str, str]) -> None:
-    """DataError for a --column whose key is no job field."""
+    """DataError for a --column whose key is no job field, or that names no column."""
+    no_column(columns)
     for key, value in columns.items():
         if key not in FIELDS:
             raise DataError(
@@ -184,14 +195,15 @@ def _renames(
     dataset: str,
     need: tuple[str, ...],
     flag: str = "--dataset",
-):
-    """file column -> field, for the fields whose column is there; DataError if a required
-    one is missing."""
-    out = {}
+) -> list[tuple[str, str]]:
+    """(file column, field) for the fields whose column is there; DataError if a required
+    one is missing. Pairs, not a dict by column: one column may feed several fields (a
+    solution that is the trace replayed and the answer ``math_answer`` reads)."""
+    out = []
     for field in FIELDS:
         column = columns.get(field, field)
         if column in names:
-            out[column] = field
+            out.append((column, field))
         elif field in need:
             how = f"column {column!r} (for {field})" if column != field else f"column {field!r}"
             raise DataError(
@@ -223,22 +235,26 @@ def load_shard(
     shard = ds.shard(num_shards=world_size, index=rank, contiguous=False)
     values = decoded(shard)  # column -> its values
     index = range(rank, len(ds), world_size)  # the shard's rows' numbers in the split
-    fields = {f: values[c] for c, f in renames.items()}
+    fields = {f: values[c] for c, f in renames}
     check_values(fields, columns, f"--dataset {dataset}", reader=reader, index=index)
     return [job_row(row, keep) for row in as_rows(values, len(shard))]
 
 
-def kept_columns(renames: Mapping[str, str], names: list[str]) -> list[tuple[str, str]]:
-    """(column, key) of what a row keeps: each job field from its column (``renames``), and
+def kept_columns(
+    renames: Mapping[str, str] | list[tuple[str, str]], names: list[str]
+) -> list[tuple[str, str]]:
+    """(column, key) of what a row keeps: each job field from its column (``renames``:
+    column -> field, or (column, field) pairs), and
     every column under its own name as well, since TRL hands a reward function every column
     of the dataset as a keyword list; not a column named like a field mapped from another
     one (the mapping wins), one named like an argument TRL gives rewards itself, nor an
     image column (:data:`MEDIA_COLUMNS`)."""
     from crf.replica.rewards import PLAIN_PROMPT, TRL_ARGUMENTS
 
-    fields = set(renames.values())
+    pairs = list(renames.items()) if isinstance(renames, Mapping) else list(renames)
+    fields = {f for _, f in pairs}
     taken = fields | set(TRL_ARGUMENTS) | {PLAIN_PROMPT} | set(MEDIA_COLUMNS)
-    return [*renames.items(), *((c, c) for c in names if c not in taken)]
+    return [*pairs, *((c, c) for c in names if c not in taken)]
 
 
 def job_row(row: Mapping[str, Any], keep: list[tuple[str, str]]) -> dict[str, Any]:
@@ -307,24 +323,36 @@ def column_of(columns: Mapping[str, str], field: str) -> str:
 
 
 def is_messages(value: Any) -> bool:
-    """A conversation in TRL's format: a non-empty list of {role, content} turns."""
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
+    """A conversation in TRL's format: a non-empty list of {role, content} turns, each role
+    a name and each content text (or a list of parts; null only beside ``tool_calls``)."""
+    return isinstance(value, list) and bool(value) and messages_problem(value) is None
 
 
 def messages_problem(value: Any) -> str | None:
-    """What keeps a list from being a conversation (None: it is one)."""
-    if not isinstance(value, list) or not value:
-        return None if is_messages(value) else "an empty list"
+    """What keeps a value from being a conversation (None: it is one). A null or numeric
+    content would reach the chat template as the text "None" or "3", and a null role as no
+    turn at all: the model would train on what the file never said."""
+    if not isinstance(value, list):
+        return type_name(value)
+    if not value:
+        return "an empty list"
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             return f"a list whose item {i} is {type_name(m)}, not a {{'role', 'content'}} message"
         for key in ("role", "content"):
             if key not in m:
                 return f"a list of messages whose message {i} has no {key!r}"
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or not role.strip():
+            shown = "empty" if isinstance(role, str) else type_name(role)
+            return f"a list of messages whose message {i} has a role that is {shown}, not a name"
+        if content is None and m.get("tool_calls"):
+            continue  # an assistant's tool call: its content may be null
+        if not isinstance(content, str | list):
+            return (
+                f"a list of messages whose message {i} ({role}) has a content that is "
+                f"{type_name(content)}, not text"
+            )
     return None
 
 
@@ -333,7 +361,8 @@ def value_problem(
 ) -> str | None:
     """Why ``value`` cannot be the composer job's ``field`` in a row (None: it can): a
     prompt is text that is not blank, or a conversation; an answer that ``--reward reader``
-    reads is text or a number; a hint or trace is text, or null/empty for none."""
+    reads is text or a number (not NaN, which is a missing value); a hint or trace is text,
+    or null/empty for none."""
     if field == "prompt":
         if (isinstance(value, str) and value.strip()) or is_messages(value):
             return None
@@ -345,11 +374,13 @@ def value_problem(
             "prompt text (or a list of {'role', 'content'} messages): fill or drop such rows"
         )
     if field == "answer" and reader is not None:
-        if isinstance(value, str | int | float) and not isinstance(value, bool):
+        nan = isinstance(value, float) and value != value  # a missing value (pandas' NaN)
+        if isinstance(value, str | int | float) and not isinstance(value, bool) and not nan:
             return None
         by = f"--reward {reader}" if reader != DEFAULT_READER else "the default reward"
+        shown = "NaN (a missing value)" if nan else type_name(value)
         return (
-            f"the answer in column {column_of(columns, field)} is {type_name(value)}, which "
+            f"the answer in column {column_of(columns, field)} is {shown}, which "
             f"{by} cannot read; it needs text or a number on every row (map another with "
             "--column answer=COLUMN)"
         )
@@ -364,7 +395,7 @@ def value_problem(
 #: a quick test a good value passes (value_problem says why a value that fails it is bad)
 _FINE = {
     "prompt": lambda v: type(v) is str and bool(v.strip()),
-    "answer": lambda v: type(v) is str or type(v) is int or type(v) is float,
+    "answer": lambda v: type(v) is str or type(v) is int or (type(v) is float and v == v),
     "hint": lambda v: v is None or type(v) is str,
     "trace": lambda v: v is None or type(v) is str,
 }
@@ -452,7 +483,7 @@ def check_dataset(
     if count < replicas:
         raise DataError(_too_few(dataset, count, replicas))
     renames = _renames(columns, names, dataset, required_fields(needs_answer), flag)
-    return [{f: row.get(c) for c, f in renames.items()} for row in first]
+    return [{f: row.get(c) for c, f in renames} for row in first]
 
 
 def answer_reader(spec: Any) -> str | None:
@@ -561,7 +592,7 @@ def load_eval(spec: Any, needs_answer: bool, reader: str | None = None) -> list[
     ds = ds.select(keep)
     values = decoded(ds)  # column -> its values
     reader = reader if reader is not None else answer_reader(spec)
-    fields = {f: values[c] for c, f in renames.items()}
+    fields = {f: values[c] for c, f in renames}
     check_values(fields, spec.columns, f"{flag} {dataset}", reader=reader, index=keep)
     return [job_row(row, columns) for row in as_rows(values, len(ds))]
 

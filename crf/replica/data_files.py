@@ -6,7 +6,9 @@ A local path is one of three things ``datasets`` reads: a ``.jsonl`` / ``.json``
 ``DatasetDict.save_to_disk`` (read with ``load_from_disk``; a ``DatasetDict``'s split is
 ``--dataset-split`` / ``--eval-split``). Anything else on disk is refused by name
 (:func:`local_problem`) rather than handed to ``load_dataset``, which would take an unknown
-suffix for a Hub id, or a folder of ``readme.txt`` for a text dataset.
+suffix for a Hub id, or a folder of ``readme.txt`` for a text dataset; so is a file or folder
+this user may not read (:func:`unreadable`), which would otherwise fail inside a reader or
+look like an empty folder.
 
 :func:`read_rows` reads a local split whole, on the launcher, so the row rules
 (crf/replica/data.py ``value_problem``) hold on every row before any replica starts: JSON
@@ -28,7 +30,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: the data files crf reads, by suffix, and the ``datasets`` builder of each
@@ -106,10 +108,26 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
                 f"{flag} {name} is a local file, but crf reads only {_SUPPORTED} files (or a "
                 "folder of them, or a save_to_disk folder): convert it, e.g. to .jsonl"
             )
-        return None
+        return unreadable(path, flag, name)
     if os.path.isdir(path):
+        problem = unreadable(path, flag, name)
+        if problem:
+            return problem
         if saved_kind(path) is not None:
             return None
+        if os.path.isfile(os.path.join(path, "config.json")) and any(
+            f.endswith((".safetensors", ".bin")) for f in os.listdir(path)
+        ):
+            return (
+                f"{flag} {name} is a model folder (config.json and weights), not data: give "
+                "the rows' file or folder here (a model goes to --model)"
+            )
+        saved = sorted(d.name for d in os.scandir(path) if d.is_dir() and saved_kind(d.path))
+        if saved:  # its state.json files would be read as rows
+            return (
+                f"{flag} {name} holds the save_to_disk folder {saved[0]}: give that folder "
+                f"({flag} {os.path.join(name, saved[0])})"
+            )
         files = _data_files(path, depth=None, first_data=True)
         if not any(suffix_of(f) for f in files):
             held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
@@ -121,6 +139,24 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
         return None
     if looks_local(name):
         return f"{flag} {name}: no such file or folder"
+    return None
+
+
+def unreadable(path: str, flag: str, shown: str) -> str | None:
+    """Why this user cannot read file or folder ``path`` (None: it can): a folder it may
+    not list would otherwise look empty, a file would fail in the reader."""
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            with open(path, "rb"):
+                pass
+    except OSError as e:
+        how = "u+rx" if os.path.isdir(path) else "u+r"
+        return (
+            f"{flag} {shown} cannot be read ({e.strerror or type(e).__name__}): make it "
+            f"readable by the user running crf (chmod {how}), or copy it somewhere readable"
+        )
     return None
 
 
@@ -158,6 +194,8 @@ class Rows:
     columns: dict[str, list[Any]]
     count: int
     partial: bool = False
+    #: a folder's data files of another format than the one read, which ``datasets`` skips
+    unread: list[str] = field(default_factory=list)
 
     def first(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
@@ -210,6 +248,12 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
     except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
         whole = " ".join(str(e).split())
         reason = whole[:300] or type(e).__name__
+        if "Couldn't infer the same data file format for all splits" in whole:
+            raise DataError(
+                f"{flag} {folder} holds its splits in different formats ("
+                f"{_formats_of(whole)}), and datasets reads a folder in one: convert one "
+                "split's files (e.g. all to .jsonl)"
+            ) from None
         if "Config name is missing" in whole:  # a README's YAML names several
             names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
             raise DataError(
@@ -229,6 +273,14 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
             f"{', '.join(map(str, files))} (train.jsonl, test.jsonl...)"
         )
     return [str(f) for f in files[split] if suffix_of(str(f))]
+
+
+def _formats_of(message: str) -> str:
+    """``train: json, test: csv`` from datasets' message of a folder's mixed splits."""
+    import re
+
+    pairs = re.findall(r"NamedSplit\('([^']+)'\): \('(\w+)'", message)
+    return ", ".join(f"{split}: {fmt}" for split, fmt in pairs) or "see the file names"
 
 
 #: the last splits read (the launcher's checks read a split more than once): key -> Rows
@@ -266,9 +318,28 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
                 parts.append(Rows([], {}, 0, partial=True))  # the files after it: unread
                 break
             parts.append(_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}", left))
-        return _concat(parts)
+        rows = _concat(parts)
+        rows.unread = other_formats(path, files)
+        return rows
     big = os.path.getsize(path) > CHECKED_BYTES
     return _read_file(path, flag, name, CHECKED_ROWS if big else None)
+
+
+#: files of a Hub repo or saved dataset that describe the data and are no rows
+_METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+
+
+def other_formats(folder: str, read: list[str]) -> list[str]:
+    """The folder's data files (relative) of another format than ``read``'s: ``datasets``
+    reads a folder in one format, its most common, and skips the rest without a word
+    (``train.csv`` beside ``train.jsonl``)."""
+    formats = {BUILDERS[s] for f in read if (s := suffix_of(f))}
+    out = []
+    for f in _data_files(folder):
+        suffix = suffix_of(f)
+        if suffix and BUILDERS[suffix] not in formats and os.path.basename(f) not in _METADATA:
+            out.append(f)
+    return out
 
 
 def _concat(parts: list[Rows]) -> Rows:
@@ -280,6 +351,9 @@ def _concat(parts: list[Rows]) -> Rows:
 
 def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:
     """The file's rows; ``limit``: its first rows only, at most that many."""
+    problem = unreadable(path, flag, shown)  # a file of a folder: its own permissions
+    if problem:
+        raise DataError(problem)
     if os.path.getsize(path) == 0:
         how = ", one per line" if suffix_of(path) in (".jsonl", ".csv") else ""
         raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")

@@ -33,6 +33,7 @@ from crf.replica.data import (
     is_messages,
     messages_problem,
     mixed_problem,
+    no_column,
     type_name,
 )
 
@@ -62,13 +63,21 @@ def other_columns(renames: Mapping[str, str], names: list[str]) -> dict[str, str
 
 
 def check_sft_columns(columns: Mapping[str, str]) -> None:
-    """DataError for a ``--column`` whose key is no field of the sft job."""
+    """DataError for a ``--column`` whose key is no field of the sft job, that names no
+    column, or that maps a prompt and its completion to one column."""
+    no_column(columns)
     for key, value in columns.items():
         if key not in SFT_FIELDS:
             raise DataError(
                 f"--column {key}={value}: {key!r} is no field of the sft job; use one of "
                 f"{', '.join(SFT_FIELDS)} (KEY is the job's field, VALUE the column)"
             )
+    prompt, completion = columns.get("prompt", "prompt"), columns.get("completion", "completion")
+    if prompt == completion:  # the pair would be one column twice (``answer`` may share one)
+        raise DataError(
+            f"--column maps prompt and completion to one column {prompt!r}: each reads its "
+            "own (--column prompt=COLUMN --column completion=OTHER)"
+        )
 
 
 def sft_format(
@@ -112,7 +121,14 @@ def row_problem(row: Mapping[str, Any], form: str, columns: Mapping[str, str]) -
     elif form == "prompt-completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         plain = isinstance(prompt, str) and isinstance(completion, str)
-        if not plain and not (is_messages(prompt) and is_messages(completion)):
+        if isinstance(prompt, list) and isinstance(completion, list):
+            for field, value in (("prompt", prompt), ("completion", completion)):
+                if not is_messages(value):
+                    return (
+                        f"{column_of(columns, field)} must be a list of {{'role', 'content'}} "
+                        f"messages (got {messages_problem(value)})"
+                    )
+        elif not plain:
             return (
                 "'prompt' and 'completion' must both be strings, or both lists of "
                 f"{{'role', 'content'}} messages (got {type_name(prompt)} and "

@@ -389,6 +389,8 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
         held_out = make_examples(n_eval, int(ctx.seed) + 7919, **shape)
     eval_rows = _eval_rows(ctx.spec) or held_out
     rows = (*shard, *held_out, *eval_rows)
+    if not chat:
+        _no_conversations(ctx.spec, rows)
     plain = chat and any(isinstance(row["prompt"], str) for row in rows)
     if plain:  # a conversation prompt (a user's dataset may hold one already) stays as it is
         from crf.replica.rewards import PLAIN_PROMPT
@@ -398,7 +400,27 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
                 row[PLAIN_PROMPT] = row["prompt"]
                 row["prompt"] = [{"role": "user", "content": row["prompt"]}]
             row.setdefault(PLAIN_PROMPT, None)
+    if getattr(ctx.spec, "model", None):  # its template and positions, before any step
+        from crf.replica.prompt_fit import check_setup_prompts
+
+        check_setup_prompts(tokenizer, model, [r["prompt"] for r in rows], ctx.spec.model)
     return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows, plain)
+
+
+def _no_conversations(spec: Any, rows: tuple[dict[str, Any], ...]) -> None:
+    """DataError at setup (a restart cannot fix it) for a conversational prompt when the
+    tokenizer has no chat template: TRL would raise at the first step, on every attempt.
+    The launcher refuses a local model or the embedded one so (crf/launcher/data_checks.py);
+    a Hub model's tokenizer is first read here."""
+    from crf.replica.data import DataError
+
+    if any(isinstance(row["prompt"], list) for row in rows):
+        model = getattr(spec, "model", None)
+        which = f"--model {model}" if model else "the composer job's embedded model"
+        raise DataError(
+            f"the prompts hold conversations (lists of messages) but {which} has no chat "
+            "template: use a model with one, or give the prompts as text"
+        )
 
 
 def _eval_rows(spec: Any) -> list[dict[str, Any]]:

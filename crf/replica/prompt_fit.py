@@ -1,0 +1,110 @@
+"""A replica's prompts through its model's chat template and within its positions, at setup.
+
+The launcher renders a local ``--model``'s prompts before launch (crf/launcher/
+prompt_checks.py). A Hub model's tokenizer, and the rows of a Hub or URL dataset past its
+first, are first seen here; and a prompt the template refuses (or one longer than the
+model's positions) would fail inside a training step, where the first failure is taken for
+a death and restarted. So the replica renders the same choice of its rows
+(:func:`chosen_rows`) while it builds: a DataError there is a setup error, which ends the
+run at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from crf.replica.data_files import DataError
+
+#: the longest prompts (by characters) whose tokens are counted
+LONGEST = 16
+#: roles chat templates render; a message of another role must show in the rendered text
+KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+def chosen_rows(prompts: Sequence[Any], first: int, longest: int = LONGEST) -> list[int]:
+    """The rows worth rendering, in order: the first ``first``, the first of each distinct
+    sequence of roles (what a template's role checks see) and the ``longest`` longest by
+    characters (what a length check needs). Rendering every row of a large file would take
+    long."""
+    chosen = set(range(min(first, len(prompts))))
+    seen: set[tuple[str, ...]] = set()
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            roles = tuple(str(m.get("role")) for m in prompt if isinstance(m, dict))
+            if roles not in seen:
+                seen.add(roles)
+                chosen.add(i)
+    if longest:
+        by_length = sorted(range(len(prompts)), key=lambda i: -len(str(prompts[i] or "")))
+        chosen.update(by_length[:longest])
+    return sorted(chosen)
+
+
+def dropped_role(messages: list[Any], text: str) -> str | None:
+    """The role of a message the rendered ``text`` leaves out (None: none is): a role
+    outside :data:`KNOWN_ROLES` whose content is not in the text. Templates that branch on
+    the role (Qwen's) render no turn for one they do not know (ShareGPT's ``human``)."""
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if role in KNOWN_ROLES or not isinstance(content, str) or not content.strip():
+            continue
+        if content.strip() not in text:
+            return str(role)
+    return None
+
+
+def check_setup_prompts(tokenizer: Any, model: Any, prompts: list[Any], model_name: str) -> None:
+    """DataError for a conversational prompt ``model_name``'s chat template refuses or
+    renders without one of its turns, or (``model`` given) a prompt of more tokens than its
+    ``max_position_embeddings``. ``prompts``: the replica's, as the trainer gets them (a
+    conversation, or text when the tokenizer has no template)."""
+    limit = _positions(model) if model is not None else None
+    for i in chosen_rows(prompts, first=8, longest=LONGEST if limit else 0):
+        prompt = prompts[i]
+        text = prompt if isinstance(prompt, str) else _render(tokenizer, prompt, model_name)
+        if limit is None:
+            continue
+        tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokens > limit:
+            raise DataError(
+                f"a prompt ({_shown(prompt)}) is {tokens} tokens, more than --model "
+                f"{model_name} takes ({limit} positions, max_position_embeddings); shorten "
+                "or drop such rows"
+            )
+
+
+def _render(tokenizer: Any, messages: list[Any], model_name: str) -> str:
+    try:
+        text = str(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+    except Exception as e:  # noqa: BLE001 - jinja's errors, the template's raise_exception
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(
+            f"--model {model_name}'s chat template refuses a prompt ({_shown(messages)}): "
+            f"{type(e).__name__}: {reason}; fix the rows' messages or the template"
+        ) from None
+    role = dropped_role(messages, text)
+    if role is not None:
+        raise DataError(
+            f"--model {model_name}'s chat template leaves out the message of role {role!r} "
+            f"of a prompt ({_shown(messages)}); use the roles it renders (system, user, "
+            "assistant)"
+        )
+    return text
+
+
+def _shown(prompt: Any) -> str:
+    """A prompt's beginning, for a message that cannot name its row (a shard is shuffled)."""
+    text = prompt if isinstance(prompt, str) else " | ".join(
+        f"{m.get('role')}: {m.get('content')}" for m in prompt if isinstance(m, dict)
+    )  # fmt: skip
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))
+
+
+def _positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
