@@ -576,3 +576,15 @@ def test_the_same_error_on_two_replicas_ends_the_run(tmp_path: Path) -> None:
     assert "ValueError: row 3 has no label" in summary["error"], summary["error"]
     assert "a restart cannot fix it" in summary["error"]
     assert summary["restarts"] <= 1, summary["restarts"]  # not 2 x --max-restarts 3
+
+
+def test_a_math_answer_refusal_is_one_line_in_a_real_process(tmp_path: Path) -> None:
+    """math-verify warns once per process that its timeouts are off (crf turns them off on
+    purpose); in the CLI's own process, with no test harness catching log records, the
+    refusal stays the one line."""
+    args = _composer(tmp_path, [{"question": "q", "answer": "no number here"}] * 32,
+                     "--reward", "math_answer")  # fmt: skip
+    out = _cli("launch", *args, "--store", str(tmp_path / "runs"), "--dry-run", env={})
+    lines = out.stderr.strip().splitlines() + out.stdout.strip().splitlines()
+    assert out.returncode == 2, out
+    assert len(lines) == 1 and "math_answer finds no number" in lines[0], lines

@@ -33,6 +33,7 @@ import concurrent.futures
 import functools
 import importlib
 import inspect
+import logging
 import math
 import re
 import sys
@@ -136,10 +137,14 @@ def exact_match(completions: list[Any], answer: list[Any], **_: Any) -> list[flo
 
 
 def _math_verify() -> Any:
+    """math-verify, its warning that timeouts are off kept quiet: crf turns its signal-based
+    timeouts off on purpose (a reward may run outside the main thread), and the warning
+    would be a second line beside a launcher's one-line refusal."""
     try:
         import math_verify
     except ImportError:
         raise RewardError(MATH_EXTRA) from None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     return math_verify
 
 
