@@ -33,7 +33,7 @@ from typing import Any
 
 from crf.launcher.errors import LaunchError
 from crf.replica.model import local_tokenizer
-from crf.replica.prompt_fit import chosen_rows, dropped_role
+from crf.replica.prompt_fit import chosen_rows, dropped_role, tokens_over
 
 
 def check_prompts(
@@ -56,10 +56,8 @@ def check_prompts(
         prompts = _prompts(split)
         for i in chosen_rows(prompts, first):
             text = _render(tokenizer, prompts[i], split, i, folder)
-            if limit is None:
-                continue
-            tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if tokens > limit:
+            tokens = tokens_over(tokenizer, text, limit)
+            if tokens is not None:
                 raise LaunchError(
                     f"{split.flag} {split.dataset} row {i}: the prompt is {tokens} tokens, "
                     f"more than --model {folder} takes ({limit} positions, "

@@ -54,6 +54,15 @@ def dropped_role(messages: list[Any], text: str) -> str | None:
     return None
 
 
+def tokens_over(tokenizer: Any, text: str, limit: int | None) -> int | None:
+    """``text``'s token count when it is more than ``limit`` positions (None: it fits, or
+    there is no limit)."""
+    if limit is None:
+        return None
+    tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return tokens if tokens > limit else None
+
+
 def check_setup_prompts(tokenizer: Any, model: Any, prompts: list[Any], model_name: str) -> None:
     """DataError for a conversational prompt ``model_name``'s chat template refuses or
     renders without one of its turns, or (``model`` given) a prompt of more tokens than its
@@ -63,10 +72,8 @@ def check_setup_prompts(tokenizer: Any, model: Any, prompts: list[Any], model_na
     for i in chosen_rows(prompts, first=8, longest=LONGEST if limit else 0):
         prompt = prompts[i]
         text = prompt if isinstance(prompt, str) else _render(tokenizer, prompt, model_name)
-        if limit is None:
-            continue
-        tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if tokens > limit:
+        tokens = tokens_over(tokenizer, text, limit)
+        if tokens is not None:
             raise DataError(
                 f"a prompt ({_shown(prompt)}) is {tokens} tokens, more than --model "
                 f"{model_name} takes ({limit} positions, max_position_embeddings); shorten "
