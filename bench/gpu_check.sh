@@ -42,11 +42,10 @@ tests=0
 if [ $# -eq 0 ]; then
   # the cases are independent processes with tiny models: 4 at a time (xdist, from .whl)
   workers=$($py -c "import xdist" 2>/dev/null && echo "-n 4")
+  # every test file with a device case (a gpu mark, or the CPU/CUDA list of tests/conftest.py)
+  files=$(grep -l "pytest.mark.gpu\|DEVICES" tests/test_*.py)
   timeout "${GPU_TESTS_S:-200}" $py -m pytest -q -p no:cacheprovider -m gpu -rs \
-    --timeout 150 $workers --durations 10 \
-    tests/test_gpu_paths.py tests/test_gpu_generation.py tests/test_allreduce_device.py \
-    tests/test_generation_compile.py \
-    2>&1 | tee "$out/gpu-tests.log"
+    --timeout 150 $workers --durations 10 $files 2>&1 | tee "$out/gpu-tests.log"
   tests=${PIPESTATUS[0]}
   echo "gpu-check: tests exit $tests after $(elapsed) s"
   set -- --phases "${GPU_PHASES:-crf,crf-small,grpo}" --new-tokens 64 --steps 3 \
