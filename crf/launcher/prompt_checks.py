@@ -33,7 +33,7 @@ from typing import Any
 
 from crf.launcher.errors import LaunchError
 from crf.replica.model import local_tokenizer
-from crf.replica.prompt_fit import chosen_rows, dropped_role, tokens_over
+from crf.replica.prompt_fit import chosen_rows, dropped_role, tokens_over, too_long
 
 
 def check_prompts(
@@ -59,9 +59,8 @@ def check_prompts(
             tokens = tokens_over(tokenizer, text, limit)
             if tokens is not None:
                 raise LaunchError(
-                    f"{split.flag} {split.dataset} row {i}: the prompt is {tokens} tokens, "
-                    f"more than --model {folder} takes ({limit} positions, "
-                    "max_position_embeddings); shorten or drop such rows"
+                    f"{split.flag} {split.dataset} row {i}: the prompt "
+                    f"{too_long(tokens, folder, limit)}"
                 )
 
 

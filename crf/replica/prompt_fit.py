@@ -54,6 +54,15 @@ def dropped_role(messages: list[Any], text: str) -> str | None:
     return None
 
 
+def too_long(tokens: int, model_name: str, limit: int) -> str:
+    """What to say of a prompt of ``tokens`` tokens that ``model_name``'s ``limit``
+    positions do not hold (after where it is)."""
+    return (
+        f"is {tokens} tokens, more than --model {model_name} takes ({limit} positions, "
+        "max_position_embeddings); shorten or drop such rows"
+    )
+
+
 def tokens_over(tokenizer: Any, text: str, limit: int | None) -> int | None:
     """``text``'s token count when it is more than ``limit`` positions (None: it fits, or
     there is no limit)."""
@@ -74,11 +83,7 @@ def check_setup_prompts(tokenizer: Any, model: Any, prompts: list[Any], model_na
         text = prompt if isinstance(prompt, str) else _render(tokenizer, prompt, model_name)
         tokens = tokens_over(tokenizer, text, limit)
         if tokens is not None:
-            raise DataError(
-                f"a prompt ({_shown(prompt)}) is {tokens} tokens, more than --model "
-                f"{model_name} takes ({limit} positions, max_position_embeddings); shorten "
-                "or drop such rows"
-            )
+            raise DataError(f"a prompt ({_shown(prompt)}) {too_long(tokens, model_name, limit)}")
 
 
 def _render(tokenizer: Any, messages: list[Any], model_name: str) -> str:

@@ -258,11 +258,13 @@ def _on_off_auto(value: Any, name: str) -> bool | None:
     ValueError naming it otherwise."""
     if value is None or isinstance(value, bool):
         return value
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text in ("auto", "none", ""):
+    if isinstance(value, str) and value.strip().lower() in ("auto", "none", ""):
         return None
-    if text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return coerce_text(text, False, f"job option {name}")
+    try:
+        if isinstance(value, str):
+            return coerce_text(value, False, f"job option {name}")
+    except ValueError:
+        pass
     raise ValueError(f"job option {name}={value!r} is not true, false or auto")
 
 
