@@ -276,6 +276,22 @@ def test_a_round_record_lands_while_a_state_write_runs() -> None:
     writer.close()
 
 
+def test_the_next_rounds_exchange_waits_for_the_last_record() -> None:
+    """``records_landed`` (what the manager's exchange thread calls before it publishes a
+    round) returns once the last record submitted has landed: a replica killed in a round
+    keeps its record of the round before."""
+    import threading
+
+    writer = CheckpointWriter(True, lambda e: None)
+    release, done = threading.Event(), []
+    writer.submit_record(lambda: (release.wait(30), done.append("record")))
+    threading.Timer(0.2, release.set).start()
+    writer.records_landed()
+    assert done == ["record"]
+    writer.records_landed()  # nothing pending: returns
+    writer.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reserved_buffers_of_device_tensors_are_page_locked_and_filled() -> None:

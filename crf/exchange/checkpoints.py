@@ -98,6 +98,14 @@ class CheckpointWriter:
         self._last_record = future
         return future
 
+    def records_landed(self) -> None:
+        """Wait until the last round record submitted has landed (or failed: its error goes
+        to ``on_failure`` at the next :meth:`check`). The next round's exchange publishes only
+        after it, so a replica killed in that round has its record of the round before."""
+        record = self._last_record
+        if record is not None:
+            futures_wait([record])
+
     def _queue(self, write: Callable[[], None], records: bool) -> Future | None:
         if not self.background:
             write()

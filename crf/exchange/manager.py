@@ -431,6 +431,7 @@ class ObjectStoreManager:
     def _run_exchange(self, sync: _Sync, tensors: list[torch.Tensor], r: int, base: int) -> None:
         t0 = time.monotonic()
         try:
+            self.checkpoints.writer.records_landed()  # the last round's record before this one
             if self.on_transfer_start is not None:
                 self.on_transfer_start(r)
             res = self.exchange.allreduce(
