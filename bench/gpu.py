@@ -48,7 +48,12 @@ It measures, in this order (each phase's numbers are written as soon as it ends)
    records where crf writes them, and the device copies are set against their floor measured
    after the run: 2 plain copies at once of a replica's fp32 pseudo-gradient between the GPU
    and page-locked buffers allocated beforehand.
-5. ``crf-small``: the same at small steps (``--run-prompts`` x 8 rollouts of
+5. ``crf-stream``: the same GRPO-sized run with Streaming DiLoCo (``--stream-fragments``,
+   2 by default: each fragment's exchange overlaps the longest stretch of training torchft
+   allows, H / fragments - 1 steps), the setting that hides the exchange behind training;
+   its table also shows each replica's exchange in the background against the time
+   training waited for it. The goal is 5%.
+6. ``crf-small``: the same as ``crf`` at small steps (``--run-prompts`` x 8 rollouts of
    ``--run-completion`` tokens), the worst case for crf's share; the goal is 10%.
 
 The replicas' phases and steps are printed as they change; each run's logs and round records
@@ -66,10 +71,11 @@ the rest comes from a folder of wheels that ``make gpu-wheels`` builds here (``.
 torchft-nightly, transformers, peft, datasets and what they need that such a machine
 lacks). ``make gpu-check`` (bench/gpu_check.sh) installs them into a private folder, runs the
 device tests (``pytest -m gpu``) and then this benchmark with what is left of 8 minutes as
-its budget: crf's share at GRPO-sized steps first, at the largest H that fits (a round of
-H = 50 such steps is 3 to 6.5 minutes on an H200 or H100 before 2 replicas share it), then the
-small-step run and the grpo phase when time is left for them (each run's H is planned from
-the steps the docs' result measured). On a machine that has the repository as its working
+its budget: crf's share at GRPO-sized steps with Streaming DiLoCo first, at the largest H
+that fits (a round of H = 50 such steps is 1 to 6.5 minutes on an H200 or H100 before 2
+replicas share it), then vanilla DiLoCo at the same steps, the small-step run and the grpo
+phase when time is left for them (each run's H is planned from the steps the docs' result
+measured). On a machine that has the repository as its working
 directory and returns a folder ``$OUT``, the one command is::
 
     bash bench/gpu_check.sh "$OUT"
@@ -79,7 +85,7 @@ docs/performance.md and docs/gpu-bench.json (to copy back into docs/) and the cr
 (crf-runs.tgz). Given this benchmark's arguments, the same script runs them without the
 tests, e.g. the phases the check leaves out::
 
-    GPU_CHECK_S=570 bash bench/gpu_check.sh "$OUT" --phases generate,profile,grpo,crf-small
+    GPU_CHECK_S=570 bash bench/gpu_check.sh "$OUT" --phases crf,generate,grpo,crf-small
 
 ``--tiny`` runs the phases on a 2-layer model on a CPU (what tests/test_bench_gpu.py does).
 """
@@ -695,6 +701,7 @@ def _per_replica(store: str, ranks: range) -> list[dict[str, Any]]:
         result = _read(run, layout.result_key(rank), layout.ResultRecord) if run else None
         out.append({"rank": rank, "rounds": len(recs), "compute_s": compute,
                     "sync_per_round_s": [m.sync_s for m in recs],
+                    "transfer_per_round_s": [m.transfer_s for m in recs],
                     "compute_per_round_s": per_round,
                     "bytes_up_per_round": [m.bytes_up for m in recs],
                     "phases_per_round": [round_phases(m) for m in recs],
@@ -719,8 +726,11 @@ def _keep_logs(store: str, out: str, name: str = "crf-run") -> None:
 
 
 #: crf's share of a replica's wall time (the time training waited for it, against its
-#: compute), as a goal: at GRPO-sized steps, and at small steps (the worst case)
-GOALS = {"grpo": 0.05, "small": 0.10}
+#: compute), as a goal: at GRPO-sized steps (vanilla DiLoCo, and Streaming DiLoCo, whose
+#: exchange overlaps training), and at small steps (the worst case)
+GOALS = {"grpo": 0.05, "stream": 0.05, "small": 0.10}
+#: the crf runs by label: the phase that runs each, and its steps' size
+RUN_PHASES = {"grpo": "crf", "stream": "crf-stream", "small": "crf-small"}
 
 
 class NoTimeLeft(Exception):
@@ -755,12 +765,12 @@ def fit_sync_every(
 def crf_run_step(
     label: str, known: tuple[dict, ...], run_completion: int, compiled: bool = False
 ) -> float:
-    """A replica's step in a crf run of ``label`` (``grpo`` or ``small``), the GPU shared by
-    2, for planning its H: from the first of the ``known`` results (this run's, then the
-    documented one) with the phase it comes from, else a guess; ``compiled``: the replicas
-    decode with the compiled static cache (the GRPO step's ``compiled`` path, the generate
-    phase's ``static`` engine)."""
-    if label == "grpo":
+    """A replica's step in a crf run of ``label`` (``grpo``, ``stream``: GRPO-sized, or
+    ``small``), the GPU shared by 2, for planning its H: from the first of the ``known``
+    results (this run's, then the documented one) with the phase it comes from, else a
+    guess; ``compiled``: the replicas decode with the compiled static cache (the GRPO step's
+    ``compiled`` path, the generate phase's ``static`` engine)."""
+    if label in ("grpo", "stream"):
         for res in known:
             base = (res.get("grpo") or {}).get("compiled" if compiled else "generate")
             if base:
@@ -779,13 +789,25 @@ def crf_run_step(
     return 1.25 * run_completion * decode + 0.1
 
 
-def crf_run_share(left: float, later: bool, least_grpo: float, least_small: float) -> float:
-    """The seconds of ``left`` the GRPO-sized crf run may take: all of them, but for what the
-    shortest small-step run needs (``least_small``) when that one follows (``later``) and
-    both fit; when only one fits, the GRPO-sized run (crf's share where it matters)."""
-    if later and left - least_small >= least_grpo:
-        return left - least_small
-    return left
+def crf_run_share(left: float, least_self: float, least_later: list[float]) -> float:
+    """The seconds of ``left`` a crf run may take: all of them, but for what the shortest
+    runs of the crf phases after it need (``least_later``, in their order), as many of them
+    as fit beside the shortest run of this one (``least_self``); when none does, all of it
+    (the earlier phases are the ones that matter more)."""
+    keep = 0.0
+    for least in least_later:
+        if left - keep - least < least_self:
+            break
+        keep += least
+    return left - keep
+
+
+def streaming(sync_every: int, fragments: int) -> tuple[int, int]:
+    """(H, delay) of a Streaming DiLoCo run of ``fragments`` fragments: H rounded down to a
+    multiple of them, and the longest delay torchft allows (one step short of a fragment's
+    period), so that a fragment's exchange has the most training to hide behind."""
+    h = max(fragments, sync_every - sync_every % fragments)
+    return h, h // fragments - 1
 
 
 #: seconds a 2-replica run of the 494M model spends outside its rounds (start-up and model
@@ -801,7 +823,7 @@ CRF_GENERATION = {"default": None, "plain": False, "compiled": True}
 #: default decoded with plain ``generate``)
 CRF_DECODING = {
     "default": ", decoding compiled over a static KV cache (the default on CUDA)",
-    "plain": ", plain generate",
+    "plain": ", plain generate",  # also the default on a CPU
     "compiled": ", decoding compiled over a static KV cache",
 }
 
@@ -817,16 +839,26 @@ def bench_crf(
     checkpoint_every: int = 1,
     label: str = "grpo",
     generation: str = "default",
+    fragments: int = 1,
 ) -> dict:
     """2 local replicas under crf (exchange and checkpoints through a file store). The
     replicas' phases and steps are printed as they change, and the run is cancelled after
     ``timeout`` seconds; what the rounds that committed by then measured is kept either way
     (the round records, and the logs under ``out``/crf-run). ``generation``: a key of
-    :data:`CRF_GENERATION`."""
+    :data:`CRF_GENERATION`. ``fragments`` > 1: Streaming DiLoCo, each fragment's exchange
+    overlapping the longest stretch of training torchft allows (:func:`streaming`)."""
+    import torch
+
     import crf
 
     compiled = CRF_GENERATION[generation]
     knobs = {} if compiled is None else {"generation_compile": compiled}
+    # what the replicas decode with: the default compiles on CUDA only
+    decoding = "plain" if generation == "default" and not torch.cuda.is_available() else generation
+    delay = 0
+    if fragments > 1:
+        sync_every, delay = streaming(sync_every, fragments)
+    stream = {"fragments": fragments, "fragment_sync_delay": delay} if fragments > 1 else {}
 
     with tempfile.TemporaryDirectory(prefix="crf-gpu-store-") as store:
         data = os.path.join(store, "train.jsonl")
@@ -847,6 +879,7 @@ def bench_crf(
                         "reward": ["exact_match"],
                         "round_timeout_s": 900.0,
                         "checkpoint_every": checkpoint_every,
+                        **stream,
                         "job_config": {
                             "prompts_per_step": prompts,
                             "max_completion_length": completion,
@@ -889,6 +922,9 @@ def bench_crf(
         "weights_identical": result.weights_identical if result and result.ok else None,
         "checkpoint_every": checkpoint_every,
         "generation": generation,
+        "decoding": decoding,
+        "fragments": fragments,
+        "fragment_sync_delay": delay,
         "bytes_up_per_replica_round": statistics.median(ups),
         "wall_s": wall,
         "timeline": timeline.events,
@@ -1044,7 +1080,7 @@ def table(res: dict[str, Any]) -> str:
             "| peak GPU memory of one replica (fp32 weights, AdamW, bf16 autocast), GiB | "
             + (f"{base['peak_memory_gib']:.1f} |" if base["peak_memory_gib"] else "— |")
         )
-    for key in ("crf", "crf-small"):
+    for key in RUN_PHASES.values():
         run = res.get(key)
         if run:
             lines += _run_rows(run, base)
@@ -1067,14 +1103,19 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     k = run.get("checkpoint_every", 1)
     ckpt = "a global checkpoint every round" if k == 1 else (
         f"a global checkpoint every {k} rounds and at the last")  # fmt: skip
-    size = "GRPO-sized steps" if run.get("label", "grpo") == "grpo" else "small steps"
+    size = run_size(run)
     goal = run.get("goal")
     met = ""
     if goal is not None and run.get("crf_share") is not None:
         met = f" (goal ≤ {goal:.0%}: {'met' if run['crf_share'] <= goal else 'not met'})"
-    decoding = CRF_DECODING.get(run.get("generation", "plain"), "")
+    decoding = CRF_DECODING.get(run.get("decoding", run.get("generation", "plain")), "")
+    if run.get("fragments", 1) > 1:
+        size_told = (f"{size} ({run['fragments']} fragments, each exchange overlapping "
+                     f"{run['fragment_sync_delay']} steps of training)")  # fmt: skip
+    else:
+        size_told = size
     lines = [
-        f"| crf's share of wall time, measured (sync + checkpoint against compute), {size}, "
+        f"| crf's share of wall time, measured (sync + checkpoint against compute), {size_told}, "
         f"H = {run['sync_every']}, 2 replicas sharing the GPU, {rounds}, {ckpt}, "
         f"{run['rollouts_per_step']} rollouts of ≤ {run['completion']} tokens per step"
         f"{decoding} | " + ", ".join(f"{s:.1%}" for s in shares) + met + " |",
@@ -1095,6 +1136,7 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     lines.append(f"| a round's phases ({size}), s, mean of replicas and rounds: {names} | "
                  + (" / ".join(told) if set(told) != {"—"} else "not in crf's round records")
                  + " |")  # fmt: skip
+    lines += _transfer_rows(run, size)
     lines += _by_round_rows(run, size)
     lines += _copy_rows(run, phases, size)
     ckpts = [r["ckpt_s"] for r in run["replicas"] if r.get("ckpt_s") is not None]
@@ -1108,7 +1150,7 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     start = next((e["t_s"] for e in run.get("timeline", []) if e["phase"] == "training"), None)
     if start is not None:
         lines.append(f"| launch to the first replica training ({size}), s | {start:.0f} |")
-    if grpo and done and run.get("label", "grpo") != "grpo":
+    if grpo and done and run.get("label", "grpo") == "small":
         per_round = statistics.mean(syncs) / done
         train = run["sync_every"] * grpo["step_s"]
         lines.append(
@@ -1121,6 +1163,29 @@ def _run_rows(run: dict[str, Any], grpo: dict[str, Any] | None) -> list[str]:
     if run.get("error"):
         lines.append(f"| crf run ({size}) | {run['error']} |")
     return lines
+
+
+def run_size(run: dict[str, Any]) -> str:
+    """How the table names a crf run: its steps' size, and Streaming DiLoCo's settings."""
+    label = run.get("label", "grpo")
+    if label == "small":
+        return "small steps"
+    return "GRPO-sized steps" + (", Streaming DiLoCo" if run.get("fragments", 1) > 1 else "")
+
+
+def _transfer_rows(run: dict[str, Any], size: str) -> list[str]:
+    """With Streaming DiLoCo: how long each replica's exchange took per round (upload to
+    decode, in the background), against the time training waited for it; a wait far
+    below the transfer is the overlap at work."""
+    if run.get("fragments", 1) <= 1:
+        return []
+    done = max(1, run.get("rounds_committed", run["rounds"]))
+    told = ", ".join(
+        f"{sum(r.get('transfer_per_round_s', [])) / done:.1f} / {r['sync_s'] / done:.1f}"
+        for r in run["replicas"]
+    )
+    return [f"| the exchange per replica and round ({size}), s: its transfer in the "
+            f"background / the time training waited | {told} |"]  # fmt: skip
 
 
 def _share_after_first(run: dict[str, Any]) -> list[float]:
@@ -1202,7 +1267,7 @@ def update_docs(text: str, path: str) -> None:
 
 
 #: the phases a result holds by name (what a partial run merges into the documented one)
-PHASE_KEYS = ("generate", "profile", "grpo", "crf", "crf-small")
+PHASE_KEYS = ("generate", "profile", "grpo", *RUN_PHASES.values())
 #: the result the docs' table was made from, beside the page (merged by later partial runs)
 DOCS_RESULT = "gpu-bench.json"
 
@@ -1304,12 +1369,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the crf runs' generation: default (generation_compile unset: "
         "compiled on CUDA where it can run), plain (generate) or compiled",
     )
+    p.add_argument("--stream-fragments", type=int, default=2, help="fragments of the "
+                   "crf-stream run (Streaming DiLoCo at GRPO-sized steps; its H is rounded "
+                   "down to a multiple of them)")  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=1, help="the crf runs' "
                    "--checkpoint-every (the last round is always checkpointed)")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=0, help="seconds the whole benchmark may "
                    "take (0: no limit): the crf runs take the largest H that fits what the "
                    "earlier phases left, each cut at its share")  # fmt: skip
-    p.add_argument("--phases", default="generate,profile,grpo,crf,crf-small",
+    p.add_argument("--phases", default="generate,profile,grpo,crf,crf-stream,crf-small",
                    help="which phases, in order")  # fmt: skip
     p.add_argument("--update-docs", action="store_true", help="write the table into "
                    "docs/performance.md")  # fmt: skip
@@ -1347,24 +1415,25 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
 
-    def plan_run(label: str, later: bool) -> tuple[int, float, int]:
+    def plan_run(label: str, later: list[str]) -> tuple[int, float, int]:
         """(H, timeout, rounds) of a crf run: --sync-every, --run-timeout and its rounds, or
         under --budget-s the largest H that fits its share of the time left
-        (:func:`crf_run_share`), with one round fewer when its rounds do not fit (a second
-        round is what tells a round's cost from the first round's one-time costs)."""
-        rounds = {"grpo": a.grpo_rounds, "small": a.rounds}
+        (:func:`crf_run_share`: what the ``later`` runs need, as many as fit), with one
+        round fewer when its rounds do not fit (a second round is what tells a round's cost
+        from the first round's one-time costs)."""
+        rounds = {"grpo": a.grpo_rounds, "stream": a.grpo_rounds, "small": a.rounds}
         if not a.budget_s:
             return a.sync_every, a.run_timeout, rounds[label]
         # the replicas compile their decoding step on CUDA unless told not to
         compiled = device == "cuda" and a.crf_generation != "plain"
         extra = COMPILE_S if compiled else 0.0
         steps = {k: crf_run_step(k, (res, documented), a.run_completion, compiled)
-                 for k in ("grpo", "small")}  # fmt: skip
+                 for k in rounds}  # fmt: skip
         while True:
             least = {k: RUN_OVERHEAD_S + extra + rounds[k] * (ROUND_WAIT_S + min(a.sync_every,
                      MIN_SYNC_EVERY) * steps[k]) for k in steps}  # fmt: skip
             left = a.budget_s - (time.perf_counter() - t_start)
-            share = crf_run_share(left, later, least["grpo"], least["small"])
+            share = crf_run_share(left, least[label], [least[k] for k in later])
             try:
                 h = fit_sync_every(share, steps[label], rounds[label], a.sync_every, extra)
             except NoTimeLeft:
@@ -1376,13 +1445,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def crf_run(label: str) -> dict:
         order = a.phases.split(",")
-        later = label == "grpo" and "crf-small" in order[order.index("crf") + 1 :]
+        runs = {phase: k for k, phase in RUN_PHASES.items()}
+        later = [runs[p] for p in order[order.index(RUN_PHASES[label]) + 1 :] if p in runs]
         h, timeout, rounds = plan_run(label, later)
-        prompts, completion = ((a.prompts, a.completion) if label == "grpo"
-                               else (a.run_prompts, a.run_completion))  # fmt: skip
-        print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s", flush=True)
+        prompts, completion = ((a.run_prompts, a.run_completion) if label == "small"
+                               else (a.prompts, a.completion))  # fmt: skip
+        fragments = a.stream_fragments if label == "stream" else 1
+        print(f"  H = {h}, {rounds} round(s), cut at {timeout:.0f} s"
+              + (f", {fragments} fragments" if fragments > 1 else ""), flush=True)  # fmt: skip
         run = bench_crf(folder, prompts, completion, h, rounds, timeout, a.logs or a.out,
-                        a.checkpoint_every, label, a.crf_generation)  # fmt: skip
+                        a.checkpoint_every, label, a.crf_generation, fragments)  # fmt: skip
         # the floor of its device copies, a replica's fp32 pseudo-gradient each way
         run["copies"] = bench_copies(4 * res["parameters"], device)
         return run
@@ -1455,8 +1527,7 @@ def main(argv: list[str] | None = None) -> int:
                 else profile_in_child(folder, batches, a.tiny)
             ),
             "grpo": grpo_paths,
-            "crf": lambda: crf_run("grpo"),
-            "crf-small": lambda: crf_run("small"),
+            **{phase: (lambda k=k: crf_run(k)) for k, phase in RUN_PHASES.items()},
         }
         for name in a.phases.split(","):
             t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 # The device check of an offline GPU machine, in at most 8 minutes: installs the wheel folder
 # .whl/ (make gpu-wheels) into a private folder, runs the device tests (pytest -m gpu), then
 # bench/gpu.py with what is left of the 8 minutes as its budget (--update-docs): crf's share
-# at GRPO-sized steps at the largest H that fits, then the small-step crf run and the GRPO
-# step if time is left for them.
+# at GRPO-sized steps with Streaming DiLoCo at the largest H that fits, then vanilla DiLoCo
+# at the same steps, the small-step crf run and the GRPO step if time is left for them.
 #
 #   bash bench/gpu_check.sh OUT [bench/gpu.py arguments]
 #
@@ -13,13 +13,13 @@
 # the result behind it: copy both back into docs/) and crf-runs.tgz (the crf runs' logs and
 # round records). With bench/gpu.py arguments the tests are skipped and the benchmark runs
 # with those arguments, its budget what is left of GPU_CHECK_S: GPU_CHECK_S=570 and
-# --phases generate,profile,grpo,crf-small measure generation, its profile, the GRPO step and
-# crf's share at small steps.
+# --phases crf,generate,grpo,crf-small measure crf's share with vanilla DiLoCo, generation,
+# the GRPO step and crf's share at small steps.
 #
 # Environment: PYTHON (default python3: the machine's Python with torch), GPU_CHECK_S (the
 # seconds the whole check may take, default 470: 8 minutes less a margin for copying the
 # results), GPU_TESTS_S (the tests' share, default 200), GPU_PHASES (the benchmark's phases
-# after the tests, default crf,crf-small,grpo), CRF_COMMIT (the commit the table
+# after the tests, default crf-stream,crf,crf-small,grpo), CRF_COMMIT (the commit the table
 # names, where the machine's copy of the tree has another .git). Run from the repository's root.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT [bench/gpu.py arguments]}
@@ -48,7 +48,7 @@ if [ $# -eq 0 ]; then
     --timeout 150 $workers --durations 10 $files 2>&1 | tee "$out/gpu-tests.log"
   tests=${PIPESTATUS[0]}
   echo "gpu-check: tests exit $tests after $(elapsed) s"
-  set -- --phases "${GPU_PHASES:-crf,crf-small,grpo}" --new-tokens 64 --steps 3 \
+  set -- --phases "${GPU_PHASES:-crf-stream,crf,crf-small,grpo}" --new-tokens 64 --steps 3 \
     --budget-s $((total - $(elapsed) - 25))
 else
   set -- --budget-s $((total - $(elapsed) - 25)) "$@"  # a --budget-s given here comes later: it wins

@@ -85,10 +85,43 @@ def test_a_crf_run_is_planned_from_the_step_measured_here_else_the_documented_on
     assert gpu.crf_run_step("grpo", ({}, docs), 8, compiled=True) == 4.0  # no such step known
     small = gpu.crf_run_step("small", (here, docs), 8, compiled=True)
     assert small == pytest.approx(1.25 * 8 * 0.005 + 0.1)
-    # the GRPO-sized run leaves the small one what it needs when both fit, else takes it all
-    assert gpu.crf_run_share(400.0, True, least_grpo=230.0, least_small=100.0) == 300.0
-    assert gpu.crf_run_share(300.0, True, least_grpo=230.0, least_small=100.0) == 300.0
-    assert gpu.crf_run_share(400.0, False, least_grpo=230.0, least_small=100.0) == 400.0
+    # a streaming run's steps are GRPO-sized
+    assert gpu.crf_run_step("stream", (here, docs), 8) == gpu.crf_run_step("grpo", (here, docs), 8)
+    # a run leaves the runs after it what they need, as many as fit, else takes it all
+    assert gpu.crf_run_share(400.0, 230.0, [100.0]) == 300.0
+    assert gpu.crf_run_share(300.0, 230.0, [100.0]) == 300.0
+    assert gpu.crf_run_share(400.0, 230.0, []) == 400.0
+    assert gpu.crf_run_share(600.0, 230.0, [230.0, 100.0]) == 270.0  # both after it fit
+    assert gpu.crf_run_share(500.0, 230.0, [230.0, 100.0]) == 270.0  # the first of them only
+    assert gpu.crf_run_share(500.0, 230.0, [300.0, 100.0]) == 500.0  # not the first: none
+
+
+def test_streaming_takes_the_longest_delay_torchft_allows() -> None:
+    assert gpu.streaming(50, 2) == (50, 24)  # a fragment every 25 steps, 24 of them overlap
+    assert gpu.streaming(11, 2) == (10, 4)  # H rounded down to a multiple of the fragments
+    assert gpu.streaming(12, 4) == (12, 2)
+    assert gpu.streaming(2, 2) == (2, 0)
+    assert gpu.streaming(1, 2) == (2, 0)  # never fewer steps than fragments
+
+
+def test_a_streaming_run_shows_its_overlap_and_its_goal() -> None:
+    rep = {"crf_share": 0.02, "sync_s": 1.0, "sync_per_round_s": [0.6, 0.4],
+           "compute_per_round_s": [30.0, 30.0], "transfer_per_round_s": [4.0, 3.0],
+           "phases_per_round": []}  # fmt: skip
+    run = {"label": "stream", "replicas": [rep, rep], "crf_share": 0.02, "goal": 0.05,
+           "sync_every": 10, "rounds": 2, "rounds_committed": 2, "rollouts_per_step": 32,
+           "completion": 128, "fragments": 2, "fragment_sync_delay": 4}  # fmt: skip
+    rows = "\n".join(gpu._run_rows(run, {"step_s": 1.0}))
+    size = "GRPO-sized steps, Streaming DiLoCo"
+    told = f"{size} (2 fragments, each exchange overlapping 4 steps of training), H = 10"
+    assert told in rows and "(goal ≤ 5%: met)" in rows
+    assert f"the exchange per replica and round ({size}), s: its transfer in the background" in rows
+    assert "the time training waited | 3.5 / 0.5, 3.5 / 0.5 |" in rows
+    assert "derived" not in rows  # measured at GRPO-sized steps: nothing to derive
+    # a vanilla run has no background transfer to show
+    vanilla = {**run, "label": "grpo", "fragments": 1, "fragment_sync_delay": 0}
+    rows = "\n".join(gpu._run_rows(vanilla, {"step_s": 1.0}))
+    assert "GRPO-sized steps, H = 10" in rows and "in the background" not in rows
 
 
 def test_a_partial_run_keeps_the_documented_phases_it_did_not_run(tmp_path: Path) -> None:
@@ -157,7 +190,8 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     (repo / "bench").mkdir()
     shutil.copy(ROOT / "bench" / "gpu.py", repo / "bench" / "gpu.py")
     out = tmp_path / "out"
-    # the crf phase (GRPO-sized) is bench_crf with other sizes: crf-small stands for both.
+    # the crf phase (GRPO-sized) is bench_crf with other sizes: crf-small stands for both;
+    # crf-stream runs the same with Streaming DiLoCo.
     # continuous batching as the bench drives it (generate_batch with a persistent manager,
     # TRL's path) needs transformers>=5.8 (crf refuses it before launch on older ones): the
     # generate and GRPO phases run it where the installed transformers serves it
@@ -170,7 +204,8 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
            "--prompts", "1", "--new-tokens", "4", "--batches", "2,4",
            "--engines", ",".join(engines), "--grpo-generation", ",".join(generations),
            "--grpo-repeats", "2",
-           "--phases", "generate,profile,grpo,crf-small", "--update-docs"]  # fmt: skip
+           "--phases", "generate,profile,grpo,crf-stream,crf-small",
+           "--update-docs"]  # fmt: skip
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -207,3 +242,9 @@ def test_tiny_run_of_every_phase(tmp_path: Path) -> None:
     assert "one decoding step (torch.profiler)" in table
     assert "of it generating the rollouts / the rest" in table
     assert table in (repo / "docs" / "performance.md").read_text()
+    stream = res["crf-stream"]
+    assert stream["weights_identical"] is True and stream["fragments"] == 2
+    assert (stream["sync_every"], stream["fragment_sync_delay"]) == (2, 0)
+    assert all(len(r["transfer_per_round_s"]) == 2 for r in stream["replicas"])
+    assert "Streaming DiLoCo (2 fragments" in table and "in the background" in table
+    assert "plain generate" in table  # the default decodes plainly on a CPU
