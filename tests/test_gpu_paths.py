@@ -1,7 +1,8 @@
 """Every crf path that puts tensors on a device, run on that device: the sft job with held-out
-data, the composer job with ``--model`` (full fine-tuning and LoRA), bf16 and auto precision,
-a CUDA run killed whole then resumed and exported, and DiLoCoHook in a loop whose tensors live
-on the device. (The exchange's average on CUDA tensors: tests/test_allreduce_device.py.)
+data and Streaming DiLoCo, the composer job with ``--model`` (full fine-tuning and LoRA),
+bf16 and auto precision, a CUDA run killed whole then resumed and exported, and DiLoCoHook in
+a loop whose tensors live on the device. (The exchange's average on CUDA tensors:
+tests/test_allreduce_device.py.)
 
 Each case runs on the CPU (marked slow/e2e: it proves the test body here) and on CUDA (marked
 ``gpu``; skipped without a GPU, with the reason): ``pytest -m gpu`` runs the CUDA ones, which is
@@ -80,16 +81,18 @@ def _jsonl(path: Path, n: int, seed: int) -> str:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sft_with_held_out_data_on_the_device(tmp_path: Path, model_dir: str, device: str) -> None:
-    """The sft job, auto precision (bf16 on a GPU that has it), a held-out file scored each
-    round: both replicas end bit-identical and each round has a held-out loss."""
+    """The sft job, auto precision (bf16 on a GPU that has it), with Streaming DiLoCo (2
+    fragments, each exchange overlapping a step), a held-out file scored each round: both
+    replicas end bit-identical and each round has a held-out loss."""
     summary = _launch(
         tmp_path, "sft", env={"CRF_LOG_LEVEL": "INFO"}, job="sft", model=model_dir,
-        device=device, precision="auto", dataset=_jsonl(tmp_path / "train.jsonl", 64, 0),
+        device=device, precision="auto", sync_every=4, fragments=2, fragment_sync_delay=1,
+        dataset=_jsonl(tmp_path / "train.jsonl", 64, 0),
         eval_dataset=_jsonl(tmp_path / "test.jsonl", 8, 1), eval_examples=8,
         job_config={"learning_rate": 3e-3, "per_device_train_batch_size": 8},
     )  # fmt: skip
     _ok(summary)
-    assert all(r["steps"] == 4 for r in summary["replicas"])
+    assert all(r["steps"] == 8 for r in summary["replicas"])
     assert sorted(summary["held_out"]["loss_per_round"]) == [0, 1], summary["held_out"]
     # on a GPU the host buffers are page-locked before training (on the CPU none are needed)
     logs = [Path(r["log_path"]).read_text() for r in summary["replicas"]]
