@@ -152,6 +152,9 @@ def _folder_problem(path: str, flag: str, name: str) -> str | None:
     files = _data_files(path, depth=None, first_data=True)
     if any(seen_in_folder(f) for f in files):
         return None
+    packed = next((p for f in files if (p := form_problem(f"{name}: {f}", flag))), None)
+    if packed:  # train.parquet.gz, train.jsonl.zst: said as for a file
+        return packed
     cased = [f for f in files if suffix_of(f)]
     if cased:  # TRAIN.JSONL: datasets finds only lower-case suffixes in a folder
         return (
