@@ -167,6 +167,13 @@ def _gz(path: Path) -> bool:
     return True
 
 
+def _linked(tmp: Path, data: str) -> str:
+    """A folder whose one entry, ``data``, is a link to the folder holding ``data``."""
+    (tmp / "outer").mkdir()
+    (tmp / "outer" / "data").symlink_to(Path(data).parent, target_is_directory=True)
+    return str(tmp / "outer")
+
+
 def _sft(tmp: Path, rows: list[Any], *extra: str) -> list[str]:
     return ["--job", "sft", "--dataset", _jsonl(tmp / "train.jsonl", rows), *extra]
 
@@ -324,6 +331,9 @@ CASES = [
     Case("compressed-parquet-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(t / "d") if _gz(t / "d" / "train.parquet.gz") else ""],
          "d: train.parquet.gz is a compressed Parquet file"),
+    Case("only-a-link-to-a-folder", lambda t, m: ["--job", "composer", "--dataset",
+         _linked(t, _jsonl(t / "real" / "train.jsonl", _qa()))],
+         "holds data, a link to a folder, which datasets does not follow: give that folder"),
     # ---- --dataset-config where --dataset has no configs
     Case("config-of-a-file", lambda t, m: _composer(t, None, "--dataset-config", "main"),
          "--dataset-config main: --dataset {t}/train.jsonl is one file, which has no configs; "

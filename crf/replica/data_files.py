@@ -161,6 +161,13 @@ def _folder_problem(path: str, flag: str, name: str) -> str | None:
             f"{flag} {name} holds {', '.join(cased[:3])}, but datasets reads a folder's "
             "files by lower-case suffixes only: rename them (e.g. train.jsonl)"
         )
+    links = sorted(e.name for e in os.scandir(path) if e.is_symlink() and e.is_dir())
+    if links:  # os.walk and datasets' patterns alike do not follow a link to a folder
+        return (
+            f"{flag} {name} holds {links[0]}, a link to a folder, which datasets does not "
+            f"follow: give that folder ({flag} {os.path.realpath(os.path.join(path, links[0]))}"
+            "), or copy its files here"
+        )
     held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
     return (
         f"{flag} {name} is a folder with no {SUPPORTED} files (it holds "
