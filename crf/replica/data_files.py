@@ -1,7 +1,7 @@
 """A ``--dataset`` on this machine's disk: what the path is, and every row of it.
 
 A local path is one of three things ``datasets`` reads: a ``.jsonl`` / ``.json`` /
-``.parquet`` / ``.csv`` file (the first two and CSV also compressed, ``.jsonl.gz``:
+``.parquet`` / ``.csv`` file (a JSON or CSV one also compressed, ``.jsonl.gz``:
 crf/replica/data_suffixes.py), a folder of such files (one split per file name:
 ``train.jsonl``, ``test.jsonl``...), or a folder written by ``Dataset.save_to_disk`` /
 ``DatasetDict.save_to_disk`` (read with ``load_from_disk``; a ``DatasetDict``'s split is
@@ -50,7 +50,6 @@ from crf.replica.data_suffixes import (
     suffix_of,
 )
 
-__all__ = ["BUILDERS", "suffix_of"]
 #: files a ``save_to_disk`` folder holds: a Dataset's, a DatasetDict's
 SAVED_DATASET = ("state.json", "dataset_info.json")
 SAVED_DICT = "dataset_dict.json"
