@@ -555,11 +555,15 @@ class RunSpec:
         None,
         group=WORKLOAD,
         help="Training data: a Hub dataset id, a .jsonl/.json/.parquet/.csv file by path or "
-        "URL (s3://, gs://, hf://, memory://, file://...), or a local folder of such files or "
-        "saved with save_to_disk; default: the job's embedded task.",
+        "URL (s3://, gs://, hf://, memory://, file://...; .jsonl/.json/.csv also as .gz, .bz2 "
+        "or .xz), or a local folder of such files or saved with save_to_disk; default: the "
+        "job's embedded task.",
     )
     dataset_config: str | None = option(
-        None, group=WORKLOAD, help="The Hub dataset's config (subset) name."
+        None,
+        group=WORKLOAD,
+        help="The config (subset) of a Hub dataset, or of a folder whose README names several; "
+        "a file or a save_to_disk folder has none.",
     )
     dataset_split: str = option("train", group=WORKLOAD, help="The dataset split to train on.")
     eval_split: str | None = option(

@@ -9,7 +9,9 @@ reason one line, no traceback in the summary.
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import os
 import shutil
 import socket
@@ -153,6 +155,25 @@ def _saved(tmp: Path, dict_splits: tuple[str, ...] = ()) -> str:
     return folder
 
 
+def _gz(path: Path) -> bool:
+    """A gzip-compressed Parquet file at ``path`` (True, for use in an expression)."""
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = path.with_suffix("")
+    pd.DataFrame(_qa()).to_parquet(plain)
+    path.write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+    return True
+
+
+def _linked(tmp: Path, data: str) -> str:
+    """A folder whose one entry, ``data``, is a link to the folder holding ``data``."""
+    (tmp / "outer").mkdir()
+    (tmp / "outer" / "data").symlink_to(Path(data).parent, target_is_directory=True)
+    return str(tmp / "outer")
+
+
 def _sft(tmp: Path, rows: list[Any], *extra: str) -> list[str]:
     return ["--job", "sft", "--dataset", _jsonl(tmp / "train.jsonl", rows), *extra]
 
@@ -292,6 +313,43 @@ CASES = [
          "x.txt is a local file, but crf reads only"),
     Case("file-without-suffix", lambda t, m: _raw(t, "rows", _lines(lambda ls: None)),
          "rows is a local file, but crf reads only"),
+    Case("compressed-parquet", lambda t, m: _raw(t, "x.parquet.gz", gzip.compress(b"PAR1")),
+         "x.parquet.gz is a compressed Parquet file, which datasets does not read: decompress"),
+    Case("zstd-jsonl", lambda t, m: _raw(t, "x.jsonl.zst", b"\x28\xb5\x2f\xfd"),
+         "x.jsonl.zst is compressed as .zst, which crf does not read: decompress it"),
+    Case("gz-that-does-not-decompress", lambda t, m: _raw(t, "x.jsonl.gz", _lines(
+         lambda ls: None)), "x.jsonl.gz does not decompress as .gz (Not a gzipped file"),
+    Case("malformed-line-in-gz", lambda t, m: _raw(t, "x.jsonl.gz", gzip.compress(_lines(
+         lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}')))),
+         "x.jsonl.gz: line 21 is not valid JSON (Expecting ',' delimiter"),
+    Case("null-prompt-in-csv-xz", lambda t, m: _raw(t, "x.csv.xz", lzma.compress(
+         b"question,answer\nab=,ba\n,x\n")), "row 1: the prompt in column 'question' (for "
+         "prompt) is null"),
+    Case("upper-case-suffixes-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "TRAIN.JSONL", _qa())).parent)],
+         "holds TRAIN.JSONL, but datasets reads a folder's files by lower-case suffixes only"),
+    Case("compressed-parquet-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
+         str(t / "d") if _gz(t / "d" / "train.parquet.gz") else ""],
+         "d: train.parquet.gz is a compressed Parquet file"),
+    Case("only-a-link-to-a-folder", lambda t, m: ["--job", "composer", "--dataset",
+         _linked(t, _jsonl(t / "real" / "train.jsonl", _qa()))],
+         "holds data, a link to a folder, which datasets does not follow: give that folder"),
+    # ---- --dataset-config where --dataset has no configs
+    Case("config-of-a-file", lambda t, m: _composer(t, None, "--dataset-config", "main"),
+         "--dataset-config main: --dataset {t}/train.jsonl is one file, which has no configs; "
+         "drop --dataset-config"),
+    Case("config-of-a-url", lambda t, m: ["--job", "composer", "--dataset", "file://" + _jsonl(
+         t / "x.jsonl", _qa()), "--column", "prompt=question", "--dataset-config", "main"],
+         "x.jsonl is one file, which has no configs"),
+    Case("config-of-a-saved-folder", lambda t, m: ["--job", "composer", "--dataset", _saved(t),
+         "--column", "prompt=question", "--dataset-config", "main"],
+         "saved is a save_to_disk folder, which has no configs"),
+    Case("config-a-folder-lacks", lambda t, m: ["--job", "composer", "--dataset", str(Path(
+         _jsonl(t / "d" / "train.jsonl", _qa())).parent), "--column", "prompt=question",
+         "--dataset-config", "main"],
+         "--dataset-config main: --dataset {t}/d has no such config (its configs: default)"),
+    Case("config-without-a-dataset", lambda t, m: ["--job", "sft", "--dataset-config", "main"],
+         "--dataset-config main names a part of --dataset, and there is none"),
     Case("empty-dataset-name", lambda t, m: ["--job", "composer", "--dataset", ""],
          "--dataset is an empty string: give its name, or leave it out"),
     Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",
@@ -404,7 +462,7 @@ def test_bad_input_is_refused_in_one_line(case: Case, tmp_path: Path, tiny_model
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert "Traceback" not in result.output
-    assert case.message in lines[0], lines[0]
+    assert case.message.replace("{t}", str(tmp_path)) in lines[0], lines[0]
     assert not base.exists()  # nothing written
 
 

@@ -195,6 +195,29 @@ def test_a_bad_row_past_the_sample_stops_the_run_once(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_a_run_trains_on_compressed_files_and_warns_of_a_file_not_read(tmp_path: Path) -> None:
+    """A folder of train.jsonl.gz and a stray extra.csv, launched for real: the replicas
+    train on the compressed rows, and the launch warns, before any replica starts, that
+    extra.csv is not read (as its dry run does)."""
+    import gzip
+
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    plain = Path(_jsonl(tmp_path / "train.jsonl", _rows()))
+    (folder / "train.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (folder / "extra.csv").write_text("question,solution\nab=,ba\n")
+    out, summary = _launch(tmp_path, str(folder))
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert summary["status"] == "ok", summary
+    warning = f"warning: --dataset {folder}: extra.csv not read (a folder is read in one format"
+    assert warning in text, text
+    assert text.index(warning) < text.index("summary")  # said before the run, not after
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_run_trains_on_a_saved_dataset_dict(tmp_path: Path) -> None:
     folder = _save(tmp_path / "saved", ("train", "test"))
     out, summary = _launch(tmp_path, folder, "--eval-split", "test")
@@ -277,18 +300,51 @@ def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
 
 
 def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
-    """datasets reads a folder in one format and skips train.csv beside train.jsonl without a
-    word: the dry run warns, naming it (the rows read are the .jsonl's, as the replicas')."""
+    """datasets reads a folder in one format and by lower-case suffixes, and skips train.csv
+    and train-2.JSONL beside train.jsonl without a word: the dry run warns, naming them (the
+    rows read are the .jsonl's, as the replicas')."""
     folder = tmp_path / "mixed"
     folder.mkdir()
     _jsonl(folder / "train.jsonl", _rows())
     (folder / "train.csv").write_text("question,solution\nab=,ba\n")
+    _jsonl(folder / "train-2.JSONL", _rows())  # datasets finds lower-case suffixes only
     (folder / "dataset_infos.json").write_text("{}")  # a Hub repo's description: no rows
     result = _dry(tmp_path, "--dataset", str(folder))
     text = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
-    assert f"warning: --dataset {folder}: train.csv not read (a folder is read in one" in text
+    assert f"warning: --dataset {folder}: train-2.JSONL, train.csv not read (a folder is" in text
+    assert "and by lower-case suffixes" in text and "convert or rename such files" in text
     assert "dataset_infos.json" not in text
+
+
+@pytest.mark.parametrize(("name", "pack"), [("d.jsonl.gz", "gzip"), ("d.json.bz2", "bz2"),
+                                            ("d.csv.xz", "lzma")])  # fmt: skip
+def test_a_compressed_file_is_read_as_its_plain_form(tmp_path: Path, name: str, pack: str) -> None:
+    """datasets decompresses .gz/.bz2/.xz itself: the checks before launch read the same rows
+    (every row, by the same rules), and so does each replica's loader."""
+    import importlib
+
+    import pandas as pd
+
+    from crf.replica.data_files import read_rows
+
+    plain = tmp_path / name.rsplit(".", 1)[0]
+    if plain.suffix == ".csv":
+        pd.DataFrame(_rows()).to_csv(plain, index=False)
+    elif plain.suffix == ".json":
+        plain.write_text(json.dumps(_rows()))  # a JSON list
+    else:
+        _jsonl(plain, _rows())
+    packed = tmp_path / name
+    packed.write_bytes(importlib.import_module(pack).compress(plain.read_bytes()))
+    assert read_rows(str(packed), "train").columns == read_rows(str(plain), "train").columns
+    assert _shard(str(packed), 1) == _shard(str(plain), 1)
+    if pack == "gzip":  # the CLI's dry run takes it, as a file and in a folder
+        assert _dry(tmp_path, "--dataset", str(packed)).exit_code == 0
+        (tmp_path / "f").mkdir()
+        packed.rename(tmp_path / "f" / "train.jsonl.gz")
+        result = _dry(tmp_path, "--dataset", str(tmp_path / "f"))
+        assert result.exit_code == 0, result.output
 
 
 @pytest.mark.parametrize("form", ["jsonl", "csv", "parquet", "saved", "folder"])

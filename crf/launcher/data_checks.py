@@ -120,8 +120,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         if split.unread:
             found.warnings.append(
                 f"{split.flag} {split.dataset}: {', '.join(split.unread[:3])} not read (a "
-                "folder is read in one format, its most common, as datasets reads it); "
-                "convert such files or move them out"
+                "folder is read in one format, its most common, and by lower-case suffixes, "
+                "as datasets reads it); convert or rename such files, or move them out"
             )
         if split.partial:
             found.warnings.append(

@@ -140,6 +140,16 @@ def _announce(plan: Plan, launch_no: int, console: Console) -> None:
     console.print(f"run folder: {display_path(plan.store)}", soft_wrap=True, highlight=False)
 
 
+def _warn(plan: Plan, console: Console) -> None:
+    """The checks' warnings (crf/launcher/data_checks.py: a folder's files the replicas'
+    reader skips, a split checked on its first rows only, a Hub repo this machine cannot
+    reach), one line each before any replica starts: a launch shows what its dry run shows."""
+    from rich.markup import escape
+
+    for note in plan.notes:
+        console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
+
+
 def _start_replicas(
     plan: Plan, env: Mapping[str, str] | None, started: float, extra: Mapping[str, Any]
 ) -> list[ReplicaHandle]:
@@ -262,6 +272,7 @@ def run(
         raise LaunchError(f"cannot write to the run folder {where}: {e}") from None
     if report:
         _announce(plan, launch_no, console)
+        _warn(plan, console)
     extra: dict[str, Any] = {"launch": launch_no, "restart_policy": plan.restart.to_dict()}
     if plan.resume is not None:
         extra["resumed_from_round"] = plan.resume.from_round

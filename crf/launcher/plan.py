@@ -124,8 +124,9 @@ class Plan:
     #: what a dry run found missing, one line each naming what provides it: credentials
     #: (the variable, file or login command), store access, a client library (empty: ready)
     missing: list[str] = field(default_factory=list)
-    #: a dry run's warnings about the job's settings, one line each (e.g. completions
-    #: shorter than the dataset's answers)
+    #: warnings, one line each: the checks' (a folder's files the replicas' reader skips, a
+    #: split checked on its first rows only), shown by a dry run and a launch alike; and a
+    #: dry run's about the job's settings (e.g. completions shorter than the dataset's answers)
     notes: list[str] = field(default_factory=list)
     #: the rollout workers (--rollout-workers; None: none), started after the replicas
     workers: WorkerPlan | None = None
@@ -446,10 +447,16 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
     from crf.replica.rewards import RewardError, check_rewards
 
     held_out = spec.eval_split or spec.eval_dataset
-    if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns or held_out):
+    parts = _dataset_parts(spec)
+    if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns or held_out or parts):
         raise LaunchError(
-            "--dataset, --eval-split, --eval-dataset, --column and --reward are for the "
-            "composer and sft jobs, not lm"
+            "--dataset (with --dataset-config, --dataset-split), --eval-split, --eval-dataset, "
+            "--column and --reward are for the composer and sft jobs, not lm"
+        )
+    if parts and not spec.dataset and spec.job in ("composer", "sft"):
+        raise LaunchError(
+            f"{parts[0]} names a part of --dataset, and there is none (the job's embedded "
+            "task has no configs or splits): give --dataset, or drop it"
         )
     job_check = getattr(get_job(spec.job), "check_launch", None)
     if job_check is not None:  # the job checks its own data (sft: TRL's SFT formats)
@@ -477,6 +484,14 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None
+
+
+def _dataset_parts(spec: RunSpec) -> list[str]:
+    """The options given that choose a part of --dataset: --dataset-config, and
+    --dataset-split when it is not the default."""
+    split = spec.dataset_split if spec.dataset_split != RunSpec.dataset_split else None
+    given = (("--dataset-config", spec.dataset_config), ("--dataset-split", split))
+    return [f"{flag} {value}" for flag, value in given if value]
 
 
 def _check_inputs(

@@ -1,6 +1,8 @@
 """The composer job's dataset: ``--dataset`` (a Hub id; a .jsonl/.json/.parquet/.csv file by
-path or fsspec URL; a local folder of such files, or a ``save_to_disk`` folder:
-crf/replica/data_files.py), ``--column FIELD=COLUMN`` and each replica's shard.
+path or fsspec URL, the text ones also compressed: crf/replica/data_suffixes.py; a local
+folder of such files, or a ``save_to_disk`` folder: crf/replica/data_files.py),
+``--dataset-config`` (:func:`check_config`), ``--column FIELD=COLUMN`` and each replica's
+shard.
 
 Rows are loaded with the ``datasets`` library (``load_dataset("json"|"parquet"|"csv",
 data_files=...)`` for files and URLs, ``load_dataset(id, config, split=...)`` for the Hub or a
@@ -46,6 +48,7 @@ from crf.replica.data_files import (
     saved_kind,
     suffix_of,
 )
+from crf.replica.data_suffixes import READ_FORMS, form_problem
 
 FIELDS = ("prompt", "answer", "hint", "trace")
 #: columns TRL's GRPOTrainer reads as a vision model's inputs; crf trains text models (a
@@ -63,7 +66,10 @@ def builder_of(dataset: str) -> str | None:
     if suffix is not None:
         return BUILDERS[suffix]
     if "://" in dataset:
-        raise DataError(f"--dataset {dataset}: a URL must name a {', '.join(BUILDERS)} file")
+        raise DataError(
+            form_problem(dataset, "--dataset")
+            or f"--dataset {dataset}: a URL must name one of crf's {READ_FORMS}"
+        )
     return None
 
 
@@ -86,6 +92,25 @@ def is_local(dataset: str) -> bool:
 def one_split(dataset: str) -> bool:
     """A dataset that is one split: a file, or a saved Dataset (not DatasetDict)."""
     return bool(builder_of(dataset)) or saved_kind(os.path.expanduser(dataset)) == "dataset"
+
+
+def check_config(dataset: str, config: str | None) -> None:
+    """DataError for a ``--dataset-config`` that ``--dataset`` has no use for: a file (by
+    path or URL) or a ``save_to_disk`` folder has no configs, and ``datasets`` would read it
+    whole whatever the name, so the user would believe a subset was chosen. A Hub dataset or
+    a folder of files has configs (an unknown one is refused as its reader finds it)."""
+    if config is None:
+        return
+    if builder_of(dataset) is not None:
+        what = "one file"
+    elif saved_kind(os.path.expanduser(dataset)):
+        what = "a save_to_disk folder"
+    else:
+        return
+    raise DataError(
+        f"--dataset-config {config}: --dataset {dataset} is {what}, which has no configs; "
+        "drop --dataset-config, or give the Hub dataset (or folder) whose config it names"
+    )
 
 
 def no_column(columns: Mapping[str, str]) -> None:
@@ -116,6 +141,7 @@ def _load(
     from datasets import load_dataset
 
     check_local(dataset, flag)
+    check_config(dataset, config)
     with no_bars():  # a replica's log is for the run, not download bars
         if saved_kind(os.path.expanduser(dataset)):
             ds = load_saved(os.path.expanduser(dataset), split, flag)
@@ -170,6 +196,7 @@ def first_rows(
     CHECKED_BYTES, the first CHECKED_ROWS rows), so the row rules see every row; of a URL,
     only the ``n`` rows, streamed. DataError (one line, :func:`read_error`) when it cannot
     be read."""
+    check_config(dataset, config)
     if is_local(dataset):
         every = read_rows(dataset, split, flag, config)
         return FirstRows(every.first(n), every.names, every.count, every)

@@ -1,8 +1,9 @@
 """A ``--dataset`` on this machine's disk: what the path is, and every row of it.
 
 A local path is one of three things ``datasets`` reads: a ``.jsonl`` / ``.json`` /
-``.parquet`` / ``.csv`` file, a folder of such files (one split per file name: ``train.jsonl``,
-``test.jsonl``...), or a folder written by ``Dataset.save_to_disk`` /
+``.parquet`` / ``.csv`` file (a JSON or CSV one also compressed, ``.jsonl.gz``:
+crf/replica/data_suffixes.py), a folder of such files (one split per file name:
+``train.jsonl``, ``test.jsonl``...), or a folder written by ``Dataset.save_to_disk`` /
 ``DatasetDict.save_to_disk`` (read with ``load_from_disk``; a ``DatasetDict``'s split is
 ``--dataset-split`` / ``--eval-split``). Anything else on disk is refused by name
 (:func:`local_problem`) rather than handed to ``load_dataset``, which would take an unknown
@@ -14,12 +15,14 @@ look like an empty folder.
 (crf/replica/data.py ``value_problem``) hold on every row before any replica starts: JSON
 lines are parsed here (in one pass; a malformed line or a non-UTF-8 byte is then named by
 its line); Parquet, CSV and ``save_to_disk`` folders go through pyarrow, pandas and
-``load_from_disk``, which type each column once. It reads columns, never a model: a
+``load_from_disk``, which type each column once. A compressed file is read decompressed, by
+the same rules. It reads columns, never a model: a
 100,000-row file takes well under a second.
 
 A split larger than :data:`CHECKED_BYTES` is read only up to its first
 :data:`CHECKED_ROWS` rows (:attr:`Rows.partial`): held whole as Python values, a file of
-several GB would take several times its size in the launcher's memory. Each replica checks
+several GB would take several times its size in the launcher's memory (a compressed file
+counts as :data:`COMPRESSED_RATIO` times its size). Each replica checks
 its own rows by the same rules when it starts, so a bad row further on still stops the run
 once, naming the row.
 """
@@ -28,30 +31,38 @@ from __future__ import annotations
 
 import contextlib
 import json
+import lzma
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the data files crf reads, by suffix, and the ``datasets`` builder of each
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+from crf.replica.data_suffixes import (
+    BUILDERS,
+    READ_FORMS,
+    SUPPORTED,
+    compression_of,
+    form_problem,
+    open_data,
+    pandas_compression,
+    seen_in_folder,
+    suffix_of,
+)
+
 #: files a ``save_to_disk`` folder holds: a Dataset's, a DatasetDict's
 SAVED_DATASET = ("state.json", "dataset_info.json")
 SAVED_DICT = "dataset_dict.json"
-_SUPPORTED = ", ".join(BUILDERS)
 #: a split of more bytes than this is checked on its first CHECKED_ROWS rows only
 CHECKED_BYTES = 256 * 2**20
 CHECKED_ROWS = 100_000
+#: a compressed file counts as this many times its size against CHECKED_BYTES (text rows
+#: compress about 4 to 10 times)
+COMPRESSED_RATIO = 8
 
 
 class DataError(ValueError):
     """The dataset cannot be used; the message names the file or column and the fix."""
-
-
-def suffix_of(path: str) -> str | None:
-    """The supported data suffix ``path`` ends with (a URL's query left out), or None."""
-    bare = path.split("?", 1)[0].lower()
-    return next((s for s in BUILDERS if bare.endswith(s)), None)
 
 
 def looks_local(name: str) -> bool:
@@ -90,7 +101,7 @@ def _data_files(folder: str, *, depth: int | None = 2, first_data: bool = False)
             if f.startswith("."):
                 continue
             out.append(os.path.normpath(os.path.join(rel, f)))
-            if first_data and suffix_of(f):
+            if first_data and seen_in_folder(f):
                 return sorted(out)
     return sorted(out)
 
@@ -104,42 +115,64 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
     path = os.path.expanduser(name)
     if os.path.isfile(path):
         if suffix_of(path) is None:
-            return (
-                f"{flag} {name} is a local file, but crf reads only {_SUPPORTED} files (or a "
-                "folder of them, or a save_to_disk folder): convert it, e.g. to .jsonl"
+            return form_problem(name, flag) or (
+                f"{flag} {name} is a local file, but crf reads only {READ_FORMS}, by their "
+                "suffix, or a folder of them, or a save_to_disk folder: give it its format's "
+                "suffix, or convert it, e.g. to .jsonl"
             )
         return unreadable(path, flag, name)
     if os.path.isdir(path):
-        problem = unreadable(path, flag, name)
-        if problem:
-            return problem
-        if saved_kind(path) is not None:
-            return None
-        if os.path.isfile(os.path.join(path, "config.json")) and any(
-            f.endswith((".safetensors", ".bin")) for f in os.listdir(path)
-        ):
-            return (
-                f"{flag} {name} is a model folder (config.json and weights), not data: give "
-                "the rows' file or folder here (a model goes to --model)"
-            )
-        saved = sorted(d.name for d in os.scandir(path) if d.is_dir() and saved_kind(d.path))
-        if saved:  # its state.json files would be read as rows
-            return (
-                f"{flag} {name} holds the save_to_disk folder {saved[0]}: give that folder "
-                f"({flag} {os.path.join(name, saved[0])})"
-            )
-        files = _data_files(path, depth=None, first_data=True)
-        if not any(suffix_of(f) for f in files):
-            held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
-            return (
-                f"{flag} {name} is a folder with no {_SUPPORTED} files (it holds "
-                f"{held or 'nothing'}): put the rows in train.jsonl (or .parquet, .csv) "
-                "there, or give a save_to_disk folder"
-            )
-        return None
+        return _folder_problem(path, flag, name)
     if looks_local(name):
         return f"{flag} {name}: no such file or folder"
     return None
+
+
+def _folder_problem(path: str, flag: str, name: str) -> str | None:
+    """:func:`local_problem` of a folder."""
+    problem = unreadable(path, flag, name)
+    if problem:
+        return problem
+    if saved_kind(path) is not None:
+        return None
+    if os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(path)
+    ):
+        return (
+            f"{flag} {name} is a model folder (config.json and weights), not data: give "
+            "the rows' file or folder here (a model goes to --model)"
+        )
+    saved = sorted(d.name for d in os.scandir(path) if d.is_dir() and saved_kind(d.path))
+    if saved:  # its state.json files would be read as rows
+        return (
+            f"{flag} {name} holds the save_to_disk folder {saved[0]}: give that folder "
+            f"({flag} {os.path.join(name, saved[0])})"
+        )
+    files = _data_files(path, depth=None, first_data=True)
+    if any(seen_in_folder(f) for f in files):
+        return None
+    packed = next((p for f in files if (p := form_problem(f"{name}: {f}", flag))), None)
+    if packed:  # train.parquet.gz, train.jsonl.zst: said as for a file
+        return packed
+    cased = [f for f in files if suffix_of(f)]
+    if cased:  # TRAIN.JSONL: datasets finds only lower-case suffixes in a folder
+        return (
+            f"{flag} {name} holds {', '.join(cased[:3])}, but datasets reads a folder's "
+            "files by lower-case suffixes only: rename them (e.g. train.jsonl)"
+        )
+    links = sorted(e.name for e in os.scandir(path) if e.is_symlink() and e.is_dir())
+    if links:  # os.walk and datasets' patterns alike do not follow a link to a folder
+        return (
+            f"{flag} {name} holds {links[0]}, a link to a folder, which datasets does not "
+            f"follow: give that folder ({flag} {os.path.realpath(os.path.join(path, links[0]))}"
+            "), or copy its files here"
+        )
+    held = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
+    return (
+        f"{flag} {name} is a folder with no {SUPPORTED} files (it holds "
+        f"{held or 'nothing'}): put the rows in train.jsonl (or .parquet, .csv) "
+        "there, or give a save_to_disk folder"
+    )
 
 
 def unreadable(path: str, flag: str, shown: str) -> str | None:
@@ -246,25 +279,11 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
         with no_bars():
             builder = load_dataset_builder(base, config)
     except Exception as e:  # noqa: BLE001 - datasets' EmptyDatasetError, a missing config
-        whole = " ".join(str(e).split())
-        reason = whole[:300] or type(e).__name__
-        if "Couldn't infer the same data file format for all splits" in whole:
-            raise DataError(
-                f"{flag} {folder} holds its splits in different formats ("
-                f"{_formats_of(whole)}), and datasets reads a folder in one: convert one "
-                "split's files (e.g. all to .jsonl)"
-            ) from None
-        if "Config name is missing" in whole:  # a README's YAML names several
-            names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
-            raise DataError(
-                f"{flag} {folder} has several configs {names.strip()}: choose one with "
-                "--dataset-config"
-            ) from None
-        raise DataError(f"{flag} {folder} cannot be read: {reason}") from None
+        raise _builder_error(folder, config, flag, e) from None
     files = builder.config.data_files or {}
     if builder.name not in BUILDERS.values():
         raise DataError(
-            f"{flag} {folder} holds {builder.name} files, but crf reads only {_SUPPORTED} "
+            f"{flag} {folder} holds {builder.name} files, but crf reads only {SUPPORTED} "
             "files (or a save_to_disk folder)"
         )
     if split not in files:
@@ -272,7 +291,35 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
             f"{flag} {folder} has no split {split!r}: its files make the split(s) "
             f"{', '.join(map(str, files))} (train.jsonl, test.jsonl...)"
         )
+    for f in map(str, files[split]):  # train.parquet.gz: datasets takes it, and fails on it
+        shown = f"{folder}: {os.path.relpath(f, base)}"
+        problem = None if suffix_of(f) else form_problem(shown, flag)
+        if problem:
+            raise DataError(problem)
     return [str(f) for f in files[split] if suffix_of(str(f))]
+
+
+def _builder_error(folder: str, config: str | None, flag: str, e: Exception) -> DataError:
+    """``load_dataset_builder``'s error for a folder as one line that says what to fix."""
+    whole = " ".join(str(e).split())
+    if "Couldn't infer the same data file format for all splits" in whole:
+        return DataError(
+            f"{flag} {folder} holds its splits in different formats ("
+            f"{_formats_of(whole)}), and datasets reads a folder in one: convert one "
+            "split's files (e.g. all to .jsonl)"
+        )
+    if "Config name is missing" in whole:  # a README's YAML names several
+        names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
+        return DataError(
+            f"{flag} {folder} has several configs {names.strip()}: choose one with --dataset-config"
+        )
+    if config is not None and f"BuilderConfig '{config}' not found" in whole:
+        names = whole.split("Available:", 1)[-1].strip(" []").replace("'", "")
+        return DataError(
+            f"--dataset-config {config}: {flag} {folder} has no such config (its configs: "
+            f"{names}); name one of them, or drop --dataset-config"
+        )
+    return DataError(f"{flag} {folder} cannot be read: {whole[:300] or type(e).__name__}")
 
 
 def _formats_of(message: str) -> str:
@@ -310,7 +357,7 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
         return _read_saved(path, split, flag, name)
     if os.path.isdir(path):
         files = split_files(path, config, split, flag)
-        big = sum(os.path.getsize(f) for f in files) > CHECKED_BYTES
+        big = sum(_bytes(f) for f in files) > CHECKED_BYTES
         parts: list[Rows] = []
         for f in files:
             left = CHECKED_ROWS - sum(p.count for p in parts) if big else None
@@ -321,8 +368,13 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
         rows = _concat(parts)
         rows.unread = other_formats(path, files)
         return rows
-    big = os.path.getsize(path) > CHECKED_BYTES
+    big = _bytes(path) > CHECKED_BYTES
     return _read_file(path, flag, name, CHECKED_ROWS if big else None)
+
+
+def _bytes(path: str) -> int:
+    """The file's size as it weighs read: a compressed file's, times COMPRESSED_RATIO."""
+    return os.path.getsize(path) * (COMPRESSED_RATIO if compression_of(path) else 1)
 
 
 #: files of a Hub repo or saved dataset that describe the data and are no rows
@@ -330,14 +382,17 @@ _METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "st
 
 
 def other_formats(folder: str, read: list[str]) -> list[str]:
-    """The folder's data files (relative) of another format than ``read``'s: ``datasets``
-    reads a folder in one format, its most common, and skips the rest without a word
-    (``train.csv`` beside ``train.jsonl``)."""
+    """The folder's data files (relative) that ``datasets`` skips without a word: those of
+    another format than ``read``'s (it reads a folder in one format, its most common:
+    ``train.csv`` beside ``train.jsonl``), and those with an upper-case suffix
+    (``more.JSONL``), which it does not find."""
     formats = {BUILDERS[s] for f in read if (s := suffix_of(f))}
     out = []
     for f in _data_files(folder):
         suffix = suffix_of(f)
-        if suffix and BUILDERS[suffix] not in formats and os.path.basename(f) not in _METADATA:
+        if not suffix or os.path.basename(f) in _METADATA:
+            continue
+        if BUILDERS[suffix] not in formats or not seen_in_folder(f):
             out.append(f)
     return out
 
@@ -350,13 +405,28 @@ def _concat(parts: list[Rows]) -> Rows:
 
 
 def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:
-    """The file's rows; ``limit``: its first rows only, at most that many."""
+    """The file's rows; ``limit``: its first rows only, at most that many. A compressed
+    file that does not decompress is one line naming it."""
     problem = unreadable(path, flag, shown)  # a file of a folder: its own permissions
     if problem:
         raise DataError(problem)
     if os.path.getsize(path) == 0:
         how = ", one per line" if suffix_of(path) in (".jsonl", ".csv") else ""
         raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")
+    packed = compression_of(path)
+    if packed is None:
+        return _read_plain(path, flag, shown, limit)
+    try:
+        return _read_plain(path, flag, shown, limit)
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:  # gzip, bz2, xz: bad data
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"{flag} {shown} does not decompress as {packed} ({reason}): check the file, or "
+            "pass it uncompressed"
+        ) from None
+
+
+def _read_plain(path: str, flag: str, shown: str, limit: int | None) -> Rows:
     suffix = suffix_of(path)
     if suffix in (".jsonl", ".json"):
         if limit is not None and _first_char(path) == "{":
@@ -369,7 +439,7 @@ def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Ro
 
 def _first_char(path: str) -> str:
     """The first character of a text file that is not white space ("" if none is near)."""
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         head = f.read(65536).lstrip()
     return head[:1].decode("latin-1")
 
@@ -378,7 +448,7 @@ def _read_json_lines(path: str, flag: str, shown: str, limit: int) -> Rows:
     """The first ``limit`` rows of a JSON lines file, read a line at a time (the rest of the
     file is not read); errors name the line."""
     rows = []
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         for number, raw in enumerate(f, 1):
             if len(rows) >= limit:
                 break
@@ -413,7 +483,7 @@ def _from_dicts(rows: list[dict[str, Any]]) -> Rows:
 def _read_json(path: str, flag: str, shown: str) -> Rows:
     """JSON lines (either suffix), or a ``.json`` list of rows, as ``datasets`` reads
     them; errors name the line."""
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         text = _utf8(f.read(), flag, shown)
     if text.startswith("\ufeff"):  # what some Windows editors write; datasets refuses it
         raise DataError(
@@ -522,7 +592,7 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
     empty cell null. ``limit``: the first rows only."""
     import pandas as pd
 
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         if limit is None:
             _utf8(f.read(), flag, shown)  # a non-UTF-8 byte, named by its line
         else:
@@ -531,7 +601,7 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
                 if number > limit:
                     break
     try:
-        frame = pd.read_csv(path, nrows=limit)
+        frame = pd.read_csv(path, nrows=limit, compression=pandas_compression(path))
     except Exception as e:  # noqa: BLE001 - pandas' ParserError names the line
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise DataError(f"{flag} {shown} cannot be read as CSV: {reason}") from None
