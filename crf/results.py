@@ -111,6 +111,10 @@ class RunResult(_Typed):
     figure: str | None = None
     result_path: str | None = None
     replicas: list[ReplicaSummary] = field(default_factory=list)
+    #: what the checks before launch warned of, one line each (a folder's files the
+    #: replicas' reader skips, a split checked on its first rows only): the lines a launch
+    #: prints before its replicas start, kept for a caller that did not watch them
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -198,7 +198,7 @@ def test_a_bad_row_past_the_sample_stops_the_run_once(tmp_path: Path) -> None:
 def test_a_run_trains_on_compressed_files_and_warns_of_a_file_not_read(tmp_path: Path) -> None:
     """A folder of train.jsonl.gz and a stray extra.csv, launched for real: the replicas
     train on the compressed rows, and the launch warns, before any replica starts, that
-    extra.csv is not read (as its dry run does)."""
+    extra.csv is not read (as its dry run does); the result keeps the warning."""
     import gzip
 
     folder = tmp_path / "packed"
@@ -214,6 +214,12 @@ def test_a_run_trains_on_compressed_files_and_warns_of_a_file_not_read(tmp_path:
     assert warning in text, text
     assert text.index(warning) < text.index("summary")  # said before the run, not after
     assert "Traceback" not in out.stdout + out.stderr
+    # and kept in the result, for a caller that launched without watching
+    (kept,) = summary["warnings"]
+    assert kept.startswith(f"--dataset {folder}: extra.csv not read"), kept
+    from crf.results import RunResult
+
+    assert RunResult.from_dict(summary).warnings == [kept]
 
 
 @pytest.mark.e2e

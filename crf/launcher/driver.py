@@ -285,6 +285,8 @@ def run(
     sup.workers = pool
     error, cancelled = _watched(plan, sup, console, progress, timeout_s, poll_s, started)
     extra |= _stop_workers(pool)
+    if plan.notes:  # printed above; kept in the result for a caller that did not watch
+        extra["warnings"] = list(plan.notes)
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason
         error = sup.fatal
     return finish_run(
@@ -438,6 +440,7 @@ def finish_run(
     console = console or Console()
     extra = dict(facts.pop("extra", None) or {})
     workers = extra.pop("workers", None)  # the rollout workers' rows (crf.launcher.workers)
+    warnings = extra.pop("warnings", None)  # the checks' before launch
     stopped = set(facts.pop("cancelled_ranks", None) or ())
     results = [
         # crf cancel from another process: to this executor its replicas died of a signal
@@ -468,6 +471,8 @@ def finish_run(
         from crf.launcher.rollout_view import workers_summary
 
         summary["workers"] = workers_summary(workers, metrics)
+    if warnings:
+        summary["warnings"] = list(warnings)
     plot_path = _save_plot(spec, store, metrics, console) if plot else None
     summary["figure"] = plot_path
     _save_result(store, summary, launch_no)
