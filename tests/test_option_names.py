@@ -31,7 +31,8 @@ NOT_ON_THE_COMMAND_LINE: set[str] = set()
 def _samples(tmp: Path) -> dict[str, Any]:
     """A value for every declared run option, each unlike its default where the others allow
     (backend stays local: the walk launches nothing else; job composer: it takes data)."""
-    (tmp / "train.jsonl").write_text(
+    (tmp / "data").mkdir()  # a folder of files: its config is "default"; a file has none
+    (tmp / "data" / "train.jsonl").write_text(
         "".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(8))
     )
     (tmp / "eval.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
@@ -72,8 +73,8 @@ def _samples(tmp: Path) -> dict[str, Any]:
         "gradient_checkpointing": True,
         "lora_rank": 4,
         "lora_alpha": 8,
-        "dataset": str(tmp / "train.jsonl"),
-        "dataset_config": "main",
+        "dataset": str(tmp / "data"),
+        "dataset_config": "default",
         "dataset_split": "train",
         "eval_split": "train",
         "eval_dataset": str(tmp / "eval.jsonl"),
