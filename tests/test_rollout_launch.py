@@ -331,6 +331,34 @@ def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> N
     assert (state["phase"], state["serves"]) == ("failed", 0) and "not restarted" in state["error"]
 
 
+def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) -> None:
+    """A worker that exits 3 (crf.rollouts.worker: an error a restart would raise again,
+    such as a model folder only it cannot read) is left dead at once, whatever
+    --max-restarts allows, and the line says the error it recorded."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    store = RunStore(uri)
+    failed = layout.WorkerState(worker=0, serves=0, phase="failed", status="failed",
+                                error="FileNotFoundError: --model /m: no such folder")  # fmt: skip
+    store.put_json(layout.worker_result_key(0), failed.to_dict())
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", "exit(3)"])
+    out = io.StringIO()
+    pool = WorkerPool(plan, start_workers(plan, spec, None, {}), store=store, launch_no=0,
+                      max_restarts=3, console=Console(file=out, width=300))  # fmt: skip
+    wait_for(lambda: (pool.poll(), pool.not_restarted)[1], "its end")
+    assert pool.restarts == {0: 0}
+    assert out.getvalue().strip() == (
+        "rollout worker 0 exited with code 3; not restarting it (a restart would fail the same "
+        "way: FileNotFoundError: --model /m: no such folder): its trainer generates for itself"
+    ), out.getvalue()
+
+
 def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
     """A worker that died and was started again reads as ``starting`` from the restart on
     (counts kept), before its new process writes anything: its trainer, past its first

@@ -139,6 +139,25 @@ def test_a_worker_outside_the_contract_says_so_in_one_line(tmp_path: Path) -> No
     ]
 
 
+def test_a_worker_whose_model_folder_is_missing_exits_3_saying_why(tmp_path: Path) -> None:
+    """An error while the worker builds its trainer's model (here a model folder it cannot
+    find) would come again on every restart: exit 3 (the launcher does not restart it), the
+    error in its result."""
+    uri = f"file://{tmp_path}/run"
+    store = RunStore(uri)
+    missing = tmp_path / "model"
+    missing.mkdir()  # there at launch, gone where the worker runs
+    store.put(layout.RUN_SPEC, run_spec(uri, model=str(missing)).to_json().encode())
+    missing.rmdir()
+    out = subprocess.run([sys.executable, "-m", "crf.replica"], env=worker_env(uri),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    result = layout.WorkerState.from_dict(store.get_json(layout.worker_result_key(0)))
+    assert (result.phase, result.status) == ("failed", "failed")
+    assert result.error == f"FileNotFoundError: --model {missing}: no such folder on this replica"
+    assert "a restart cannot fix it" in out.stderr
+
+
 def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
     from crf.rollouts.batches import RolloutBatch
     from crf.rollouts.worker import RolloutWorker

@@ -329,7 +329,10 @@ def _env_int(name: str, env: Any) -> int:
 
 def main(environ: Any = None) -> int:
     """The worker process: 0 when its trainer finished, 1 if it failed, 2 if the
-    environment breaks the contract."""
+    environment breaks the contract, 3 (``EXIT_UNRECOVERABLE``, as a replica's) if it failed
+    with an error a restart would raise again (crf.replica.failures: an error while it
+    builds its trainer's model, data and trainer, unless the machine or network failed),
+    so the launcher does not start it again."""
     from crf.replica import logs
     from crf.spec import RunSpec
     from crf.store import RunStore
@@ -357,17 +360,33 @@ def main(environ: Any = None) -> int:
     beats = threading.Thread(target=w.beat.run, name="crf-worker-beat", daemon=True)
     beats.start()
     log.info("rollout worker %d serves trainer %d (run %s)", worker, w.rank, spec.run_id)
+    phase = "starting"
     try:
         with tempfile.TemporaryDirectory(prefix="crf-rollout-") as tmp:
             w.build(tmp)
+            phase = "generating"
             w.run()
     except Exception as e:
-        log.exception("rollout worker failed")
-        w.finish("failed", f"{type(e).__name__}: {e}")
-        return 1
+        return _failed(w, e, phase)
     w.finish("ok")
     log.info("done: %d batches, %d rollouts", w.beat.state.batches, w.beat.state.rollouts)
     return 0
+
+
+def _failed(w: RolloutWorker, error: Exception, phase: str) -> int:
+    """Record the failure; the exit code: 3 when a restart would fail the same way (the
+    worker's own input, e.g. a model folder only it cannot read), else 1 (a death)."""
+    from crf.replica.__main__ import EXIT_UNRECOVERABLE
+    from crf.replica.failures import deterministic, one_line
+
+    w.finish("failed", f"{type(error).__name__}: {error}")
+    if deterministic(error, phase=phase):
+        log.error("rollout worker failed%s, and a restart cannot fix it: %s",
+                  " at setup" if phase == "starting" else "", one_line(error),
+                  exc_info=True)  # fmt: skip
+        return EXIT_UNRECOVERABLE
+    log.exception("rollout worker failed")
+    return 1
 
 
 def _set_threads(spec: Any, world: int) -> None:
