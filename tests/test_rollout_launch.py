@@ -129,6 +129,10 @@ def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> Non
         (["--rollout-workers", "2", "--job", "lm"], "needs --job composer"),
         (["--rollout-workers", "2", "--procs-per-replica", "2"], "--procs-per-replica 1"),
         (["--rollout-workers", "1", "-o", "rollout_nope=1"], "has no rollout_nope option"),
+        (
+            ["--rollout-workers", "2", "--set", "trl.loss_type=vespo"],
+            "trl.loss_type 'vespo' cannot take the off-policy correction rollout workers need",
+        ),
     ]
     for args, message in cases:
         result = cli("launch", "--dry-run", "--store", store, *args)
