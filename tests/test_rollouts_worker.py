@@ -172,3 +172,31 @@ def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
     assert w.seq == 3  # its next batch does not overwrite one of the previous attempt's
     RolloutQueue(store, 0).put(RolloutBatch(0, 0, 5, 0, [0], [[1]], [[2]], [[-0.5]]))
     assert RolloutWorker(store, spec, 0, 1).seq == 6
+
+
+def test_a_worker_that_loads_a_version_tells_its_trainer_the_weights_changed(
+    tmp_path: Path,
+) -> None:
+    """With use_vllm TRL generates from vLLM's copy of the weights, pushed when
+    ``_last_loaded_step`` differs from the step: every version the worker loads marks that
+    copy stale, else it would sample its first version for the whole run."""
+    from crf.rollouts.worker import RolloutWorker
+    from tests.rollout_helpers import make_trainer
+
+    uri = f"file://{tmp_path}/run"
+    store = RunStore(uri)
+    spec = run_spec(uri)
+    trainer = make_trainer()
+    pub = PolicyPublisher(store, 0, RolloutConfig.from_spec(spec), run_id=spec.run_id,
+                          sync_every=2)  # fmt: skip
+    pub.start_round(0, trainer.model)
+    pub.publish(0, trainer.model)
+    w = RolloutWorker(store, spec, 0, 1)
+    w.trainer = trainer
+    trainer.use_vllm, trainer._last_loaded_step = True, 0  # vLLM holds step 0's weights
+    assert w.refresh() and w.reader.version == 0
+    assert trainer._last_loaded_step == -1  # the next generation pushes the loaded ones
+    trainer._last_loaded_step = 0
+    assert w.refresh() and trainer._last_loaded_step == 0  # nothing newer: nothing to push
+    pub.publish(1, trainer.model)
+    assert w.refresh() and w.reader.version == 1 and trainer._last_loaded_step == -1

@@ -230,6 +230,9 @@ class RolloutWorker:
         except CorruptObjectError as e:
             log.warning("policy version %d unusable: %s", newest, e)
         else:
+            # with use_vllm TRL generates from its own copy of the weights, pushed only when
+            # told they changed: without this the worker would sample its first version on
+            self.trainer.weights_replaced()
             self.beat.update(version=self.reader.version)
             log.info("loaded policy version %d of trainer %d", newest, self.rank)
         return self.reader.version is not None
