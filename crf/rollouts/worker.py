@@ -154,9 +154,14 @@ class RolloutWorker:
         before = self._previous_state()
         state = layout.WorkerState(worker=worker, serves=self.rank, pid=os.getpid(),
                                    host=socket.gethostname(), rollouts=before.rollouts,
-                                   batches=before.batches, returned=before.returned)  # fmt: skip
+                                   batches=before.batches, returned=before.returned,
+                                   staleness_mean=before.staleness_mean)  # fmt: skip
         self.beat = Beat(store, state)
         self.staleness: list[int] = []
+        #: the earlier attempts' batches in the mean staleness (their sum, their count)
+        self._stale_before = (0.0, 0)
+        if before.staleness_mean is not None:
+            self._stale_before = (before.staleness_mean * before.batches, before.batches)
         queued = max((s for _, s in self.queue.queued(worker)), default=-1)
         self.seq = max(queued + 1, before.batches)
 
@@ -295,8 +300,10 @@ class RolloutWorker:
         self.seq += 1
         self.staleness.append(staleness)
         s = self.beat.state
+        total, count = self._stale_before
+        mean = (total + sum(self.staleness)) / (count + len(self.staleness))
         self.beat.update(rollouts=s.rollouts + len(batch), batches=s.batches + 1,
-                         staleness_mean=sum(self.staleness) / len(self.staleness))  # fmt: skip
+                         staleness_mean=mean)  # fmt: skip
 
     def finish(self, status: str, error: str | None = None) -> None:
         self.beat.stop.set()
