@@ -422,6 +422,31 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
 
 
+def test_the_summary_says_why_each_failed_worker_failed() -> None:
+    """Under the workers' table, one line per failed worker with the error it recorded and
+    how its process ended; a worker that succeeded or was cancelled gets none."""
+    import io
+
+    from rich.console import Console
+
+    failed = layout.WorkerState(worker=0, serves=0, phase="failed", status="failed",
+                                error="FileNotFoundError: --model /m: no such folder")  # fmt: skip
+    rows = [
+        rollout_view.worker_row(0, "failed", failed, message="exited with code 3"),
+        rollout_view.worker_row(1, "failed", None, message="killed by SIGKILL"),
+        rollout_view.worker_row(2, "cancelled", None),
+    ]
+    section = rollout_view.workers_summary(rows, {})
+    out = io.StringIO()
+    rollout_view.print_workers({"workers": section}, Console(file=out, width=200))
+    lines = [" ".join(line.split()) for line in out.getvalue().splitlines()]
+    failures = [line for line in lines if " failed: " in line]
+    assert failures == [
+        "w0 failed: FileNotFoundError: --model /m: no such folder; exited with code 3",
+        "w1 failed: killed by SIGKILL",
+    ], lines
+
+
 def test_a_worker_that_ended_by_itself_is_not_shown_cancelled() -> None:
     """At a run's end the driver cancels the workers still running; one that had already
     written its own result (done, ok) but whose process had not yet exited is shown as it

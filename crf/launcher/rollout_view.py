@@ -185,12 +185,30 @@ def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -
     return fit_table(cols, width, title="rollouts each replica trained on")
 
 
+def failure_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per failed worker: why it failed, in its own words where it recorded them
+    (its result's error), else the backend's (how its process ended)."""
+    out = []
+    for r in rows:
+        if r.get("state") != "failed":
+            continue
+        said = [str(x) for x in (r.get("error"), r.get("message")) if x]
+        out.append(f"w{r.get('worker')} failed: {'; '.join(said) or 'no reason recorded'}")
+    return out
+
+
+def print_failures(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
+    for line in failure_lines(rows):
+        console.print(line, highlight=False, markup=False)
+
+
 def print_workers(summary: Mapping[str, Any], console: Console) -> None:
     """The summary's workers section (nothing for a run without workers)."""
     section = summary.get("workers")
     if not isinstance(section, Mapping) or not section.get("count"):
         return
     console.print(workers_table(section.get("workers") or (), console.width))
+    print_failures(section.get("workers") or (), console)
     console.print(trainers_table(section.get("trainers") or {}, console.width))
     share = section.get("share")
     said = "-" if share is None else f"{share:.0%}"
