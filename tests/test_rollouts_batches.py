@@ -125,6 +125,15 @@ def test_no_batch_crosses_an_outer_step(
     assert in_bound(version, max(trainer_step, version) + queued, 2, 15) is ok
 
 
+def test_no_batch_is_written_for_a_step_past_the_trainers_last() -> None:
+    """A trainer of 10 steps trains steps 0-9: a batch that would serve step 10 or later
+    would be generated for nobody."""
+    assert admits(8, 1, 8, 2, total_steps=10)  # serves step 9, the last
+    assert not admits(8, 2, 8, 2, total_steps=10)  # would serve step 10
+    assert not admits(10, 0, 9, 2, total_steps=10)  # the trainer is done
+    assert admits(8, 2, 8, 2)  # without a known end, the bound alone
+
+
 def test_the_trainer_returns_a_batch_from_before_its_outer_step(store: RunStore) -> None:
     q = RolloutQueue(store, 0)
     q.put(batch(seq=0, version=14))  # 1 step behind step 15, but before the sync at 15

@@ -352,7 +352,7 @@ class WorkerPool:
         self.stopped = True
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
-        drop_untaken(self.store)
+        drop_untaken(self.store, self.plan.trainers)
 
     def live_rows(self, statuses: Sequence[ReplicaStatus]) -> list[dict[str, Any]]:
         """One row per worker for the live table, from the statuses :meth:`poll` just gave
@@ -402,13 +402,17 @@ def worker_rows(
     return rows
 
 
-def drop_untaken(store: RunStore) -> None:
-    """The workers are stopped: the batches no finished trainer took go (only store space is
-    at stake, so a store error is let be)."""
+def drop_untaken(store: RunStore, trainers: int) -> None:
+    """The workers are stopped: the batches no finished trainer took go, and once all
+    ``trainers`` finished ok the round bases of their policy (only store space is at stake,
+    so a store error is let be)."""
     from crf.rollouts.batches import drop_finished_queues
+    from crf.rollouts.policy import drop_finished_bases
 
     with contextlib.suppress(Exception):
         drop_finished_queues(store)
+    with contextlib.suppress(Exception):
+        drop_finished_bases(store, trainers)
 
 
 def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandle]) -> set[int]:

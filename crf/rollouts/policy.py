@@ -265,6 +265,23 @@ class PolicyPublisher:
             self.store.delete(f"{layout.policy_dir(self.rank)}/acks/{name}")
 
 
+def drop_finished_bases(store: RunStore, trainers: int) -> bool:
+    """Delete the round bases once all ``trainers`` have an ok result (each deletes its own
+    versions at its end, but a base is every trainer's, so none of them can); whether they
+    went. A resumed run publishes the bases it needs again, from its global weights."""
+    for rank in range(trainers):
+        try:
+            result = store.get_json(layout.result_key(rank))
+        except (ObjectNotFound, ValueError, TypeError):
+            return False
+        if not isinstance(result, dict) or result.get("status") != "ok":
+            return False
+    for name in store.list(f"{layout.POLICY}/base"):
+        if name.isdigit():
+            store.delete(layout.policy_base_key(int(name)))
+    return True
+
+
 def list_versions(store: RunStore, rank: int) -> list[int]:
     """The versions of trainer rank's policy in the store, oldest first."""
     return sorted(int(n) for n in store.list(layout.policy_dir(rank)) if n.isdigit())

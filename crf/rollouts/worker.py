@@ -49,13 +49,21 @@ MAX_POLL_S = 1.0
 
 
 def admits(
-    trainer_step: int, queued: int, version: int, max_staleness: int, sync_period: int = 0
+    trainer_step: int,
+    queued: int,
+    version: int,
+    max_staleness: int,
+    sync_period: int = 0,
+    total_steps: int | None = None,
 ) -> bool:
     """Whether a batch of policy ``version`` written now will be within the bound when its
     trainer uses it (crf.rollouts.config.in_bound): the trainer (at ``trainer_step``, or at
     least at ``version``, which it published) takes one batch per generation, ``queued``
-    are ahead of this one."""
+    are ahead of this one; and whether the trainer has that step to train at all (its
+    ``total_steps``: a batch for a step past its last would be generated for nobody)."""
     use = max(trainer_step, version) + queued
+    if total_steps is not None and use >= total_steps:
+        return False
     return in_bound(version, use, max_staleness, sync_period)
 
 
@@ -258,7 +266,9 @@ class RolloutWorker:
                 poll.event(step - seen)
             seen = step if seen is None else max(seen, step)
             queued = len(self.queue.queued())
-            if not admits(step, queued, version, self.cfg.max_staleness, self.cfg.sync_period):
+            total = int(self.spec.total_steps)
+            if not admits(step, queued, version, self.cfg.max_staleness, self.cfg.sync_period,
+                          total):  # fmt: skip
                 if self.beat.state.phase != "pacing":
                     self.beat.update(phase="pacing")
                 poll.sleep()
