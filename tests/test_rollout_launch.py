@@ -130,6 +130,32 @@ def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> Non
         (["--rollout-workers", "2", "--procs-per-replica", "2"], "--procs-per-replica 1"),
         (["--rollout-workers", "1", "-o", "rollout_nope=1"], "has no rollout_nope option"),
         (
+            [
+                "--rollout-workers",
+                "2",
+                "--backend",
+                "modal",
+                "--rollout-gpu",
+                "L5",
+                "--store",
+                "s3://b/r",
+            ],
+            "rollout workers: unknown Modal GPU 'L5'",
+        ),
+        (
+            [
+                "--rollout-workers",
+                "2",
+                "--backend",
+                "hf",
+                "--rollout-flavor",
+                "L4",
+                "--store",
+                "s3://b/r",
+            ],
+            "rollout workers: unknown HF Jobs flavor 'l4'",
+        ),
+        (
             ["--rollout-workers", "2", "--set", "trl.loss_type=vespo"],
             "trl.loss_type 'vespo' cannot take the off-policy correction rollout workers need",
         ),
@@ -247,6 +273,17 @@ def test_dry_run_shows_both_roles_with_hardware_price_and_worst_case(tmp_path: P
     # the timeout is --timeout + 600 s: 3600 s, so a worst case of exactly one hour each
     assert "$5.00: 2 replica(s) x 1 h" in out and "$3.20: 4 worker(s) x 1 h" in out
     assert "$8.20/h, worst case $8.20" in out
+
+
+def test_the_workers_resources_row_names_their_own_options() -> None:
+    """The workers' CPU and memory are set with -o rollout_<option>: the dry run's hint for
+    them says so (the replicas' -o cpu=N would not change them)."""
+    plan = prepare({"replicas": 2, "rollout_workers": 2, "backend": "modal"},
+                   store="s3://no-such-bucket/runs", dry_run=True,
+                   backend_options={"gpu": "A100", "rollout_gpu": "L4"})  # fmt: skip
+    rows = dict(plan_rows(plan))
+    assert rows["cpu and memory"].endswith("-o cpu=N -o memory_mb=MIB)")
+    assert rows["worker cpu and memory"].endswith("-o rollout_cpu=N -o rollout_memory_mb=MIB)")
 
 
 def test_config_file_and_sdk_take_the_same_options(tmp_path: Path) -> None:

@@ -288,7 +288,10 @@ def prepare(
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             workers = plan_workers(spec, executor, backend_options, rollout_options)
             if workers is not None and workers.executor is not executor:
-                found_too = check_access(workers.executor, run_uri, dry_run=dry_run)
+                try:  # their own hardware: the line says it is the workers'
+                    found_too = check_access(workers.executor, run_uri, dry_run=dry_run)
+                except LaunchError as e:
+                    raise LaunchError(f"rollout workers: {e}") from None
                 missing += [line for line in found_too if line not in missing]
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
