@@ -506,6 +506,27 @@ def test_figure_has_a_worker_panel_only_with_workers() -> None:
     assert series == {"round": [0.0, 1.0], "share": [0.75, 1.0], "staleness": [1.0, 0.5]}
 
 
+def test_the_staleness_axis_starts_at_zero() -> None:
+    """A steady staleness of 0.9 steps sits at 0.9 of a scale from 0, not at the top of one
+    fitted to it (where it read as a share of 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from crf.launcher.figure import _draw_rollouts
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    _draw_rollouts(ax, {0: [_round(r, 0, 32, 0, 0.9) for r in range(3)]})
+    low, high = fig.axes[1].get_ylim()
+    assert low <= 0 < 0.9 < high <= 1.1
+    fig = Figure()
+    ax = fig.add_subplot()
+    _draw_rollouts(ax, {0: [_round(0, 0, 32, 0, 3.0)]})
+    assert fig.axes[1].get_ylim()[1] > 3.0
+
+
 # ------------------------------------------------------------------------ the driver, e2e
 @pytest.mark.e2e
 @pytest.mark.slow
