@@ -239,6 +239,26 @@ def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
         assert flags[name] == from_file[name] == expected[name], name
 
 
+def test_a_backend_that_cannot_start_workers_is_refused_before_launch(tmp_path: Path) -> None:
+    """An executor handed to the SDK whose launch_replicas takes no ``workers=`` cannot
+    start rollout workers: one line before anything starts, not a warning after the
+    replicas did."""
+
+    class NoWorkers(LocalProcessExecutor):
+        def launch_replicas(  # type: ignore[override]
+            self, n_replicas: int, entrypoint: Any = None, args: Any = (), env: Any = None, *,
+            run_uri: str, run_id: str | None = None, ranks: Any = None, plain_env: Any = None,
+        ) -> Any:  # fmt: skip
+            kw = {"run_uri": run_uri, "run_id": run_id, "ranks": ranks, "plain_env": plain_env}
+            return super().launch_replicas(n_replicas, entrypoint, args, env, **kw)
+
+    assert LocalProcessExecutor().starts_workers() and not NoWorkers().starts_workers()
+    with pytest.raises(LaunchError, match="the local backend cannot start rollout workers"):
+        prepare({"replicas": 1, "rollout_workers": 1}, store=str(tmp_path), dry_run=True,
+                executor=NoWorkers())  # fmt: skip
+    assert not list(tmp_path.iterdir())
+
+
 def test_split_options_sends_rollout_keys_to_the_workers() -> None:
     trainer, rollout = split_options(
         "modal", {"gpu": "A100", "rollout_hardware": "L4", "rollout-image": "img"}

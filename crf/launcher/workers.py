@@ -164,6 +164,12 @@ def plan_workers(
                 "configure rollout workers: add --rollout-workers M, or leave them out"
             )
         return None
+    if not executor.starts_workers():
+        raise LaunchError(
+            f"--rollout-workers {spec.rollout_workers}: the {executor.name} backend cannot "
+            "start rollout workers (its launch_replicas takes no workers=): drop "
+            "--rollout-workers, or use a built-in backend"
+        )
     if spec.procs_per_replica not in (None, 1):
         raise LaunchError(
             f"--rollout-workers {spec.rollout_workers} needs --procs-per-replica 1 (each "
