@@ -452,7 +452,8 @@ def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
 def _round(r: int, rank: int, workers: int, local: int, stale: float) -> dict[str, Any]:
     m = layout.RoundMetrics(round=r, rank=rank, committed=True, loss=1.0)
     m.rollouts = {"workers": workers, "local": local, "refused": 1 if local else 0,
-                  "staleness_mean": stale, "staleness_max": 2, f"w{rank}": workers}  # fmt: skip
+                  "staleness_mean": stale, "staleness_max": 2, f"w{rank}": workers,
+                  "wait_s": 0.25}  # fmt: skip
     return m.to_dict()
 
 
@@ -464,12 +465,15 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     }
     rows = [
         rollout_view.worker_row(
-            0, "succeeded", layout.WorkerState(worker=0, serves=0, rollouts=64)
+            0, "succeeded", layout.WorkerState(worker=0, serves=0, rollouts=64, generate_s=3.25)
         ),
         rollout_view.worker_row(1, "failed", None, restarts=3),
     ]
     section = rollout_view.workers_summary(rows, metrics)
     assert section["count"] == 2 and section["rollouts_produced"] == 64
+    # the time each side spent: generating (a worker), waiting for batches (a trainer)
+    assert section["workers"][0]["generate_s"] == 3.2 and section["workers"][1]["generate_s"] == 0
+    assert section["trainers"]["0"]["wait_s"] == 0.5
     t0, t1 = section["trainers"]["0"], section["trainers"]["1"]
     assert (t0["worker_rollouts"], t0["local_rollouts"], t0["share"]) == (56, 8, 0.875)
     assert t0["staleness_mean"] == pytest.approx((24 * 1.0 + 32 * 0.5) / 56, abs=1e-3)

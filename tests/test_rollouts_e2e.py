@@ -128,3 +128,5 @@ def test_crf_launch_starts_a_worker_whose_batches_the_replica_trains_on(tmp_path
     # was trained on, or made again for being returned
     worker = layout.WorkerState.from_dict(store.get_json(layout.worker_result_key(0)))
     assert worker.rollouts == (4 + worker.returned) * ROLLOUTS_PER_STEP, worker
+    # and each side's time: the worker's generating, the replica's waiting for its batches
+    assert worker.generate_s > 0 and all(c["wait_s"] >= 0 for c in counts), counts

@@ -166,12 +166,12 @@ def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
     store = RunStore(uri)
     spec = run_spec(uri)
     before = layout.WorkerState(worker=0, serves=0, rollouts=12, batches=3, returned=1,
-                                staleness_mean=0.5)  # fmt: skip
+                                staleness_mean=0.5, generate_s=7.5)  # fmt: skip
     store.put_json(layout.worker_state_key(0), before.to_dict())
     w = RolloutWorker(store, spec, 0, 1)
     assert (w.beat.state.rollouts, w.beat.state.batches, w.beat.state.returned) == (12, 3, 1)
     # its staleness too: the summary shows the mean over every batch it wrote
-    assert w.beat.state.staleness_mean == 0.5
+    assert w.beat.state.staleness_mean == 0.5 and w.beat.state.generate_s == 7.5
     assert w.seq == 3  # its next batch does not overwrite one of the previous attempt's
     RolloutQueue(store, 0).put(RolloutBatch(0, 0, 5, 0, [0], [[1]], [[2]], [[-0.5]]))
     assert RolloutWorker(store, spec, 0, 1).seq == 6

@@ -287,12 +287,7 @@ def prepare(
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             workers = plan_workers(spec, executor, backend_options, rollout_options)
-            if workers is not None and workers.executor is not executor:
-                try:  # their own hardware: the line says it is the workers'
-                    found_too = check_access(workers.executor, run_uri, dry_run=dry_run)
-                except LaunchError as e:
-                    raise LaunchError(f"rollout workers: {e}") from None
-                missing += [line for line in found_too if line not in missing]
+            missing += worker_access(workers, executor, run_uri, dry_run, missing)
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
@@ -307,6 +302,24 @@ def prepare(
         run_store = _run_folder(run_uri, run_id, dry_run)
     return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env,
                 workdir=packed, missing=missing, notes=notes, workers=workers)  # fmt: skip
+
+
+def worker_access(
+    workers: WorkerPlan | None,
+    executor: ServerlessExecutor,
+    run_uri: str,
+    dry_run: bool,
+    missing: list[str],
+) -> list[str]:
+    """:func:`check_access` for the rollout workers' executor where it is their own (their
+    hardware differs): the lines not already in ``missing``; a refusal says it is theirs."""
+    if workers is None or workers.executor is executor:
+        return []
+    try:
+        found = check_access(workers.executor, run_uri, dry_run=dry_run)
+    except LaunchError as e:
+        raise LaunchError(f"rollout workers: {e}") from None
+    return [line for line in found if line not in missing]
 
 
 def check_access(executor: ServerlessExecutor, run_uri: str, *, dry_run: bool) -> list[str]:

@@ -40,8 +40,9 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One trainer's rollouts over its rounds (``RoundMetrics.rollouts`` of each): how many
     came from its workers and how many it generated, the workers' share, the batches it
-    refused, the mean and maximum staleness of what it used, and per worker its rollouts."""
-    workers = local = refused = 0.0
+    refused, the mean and maximum staleness of what it used, the seconds it spent waiting
+    for its workers' batches, and per worker its rollouts."""
+    workers = local = refused = waited = 0.0
     weighted = 0.0
     worst: float | None = None
     per_worker: dict[str, float] = {}
@@ -53,6 +54,7 @@ def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         workers += used
         local += _num(ro.get("local"))
         refused += _num(ro.get("refused"))
+        waited += _num(ro.get("wait_s"))
         weighted += _num(ro.get("staleness_mean")) * used
         if ro.get("staleness_max") is not None:
             worst = max(worst or 0.0, _num(ro.get("staleness_max")))
@@ -67,6 +69,7 @@ def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "refused": int(refused),
         "staleness_mean": round(weighted / workers, 3) if workers else None,
         "staleness_max": worst,
+        "wait_s": round(waited, 1),
         "by_worker": {k: int(v) for k, v in sorted(per_worker.items())},
     }
 
@@ -109,6 +112,7 @@ def worker_row(
         "batches": rec.batches,
         "returned": rec.returned,
         "staleness_mean": rec.staleness_mean,
+        "generate_s": round(rec.generate_s, 1),
         "restarts": restarts,
         "error": rec.error,
         "heartbeat_age_s": round(time.time() - rec.updated_at, 1) if rec.updated_at else None,
@@ -137,8 +141,9 @@ def workers_table(
     rows: Sequence[Mapping[str, Any]], width: int = 80, title: str = "rollout workers"
 ) -> Table:
     """One row per worker: whom it serves, its state (its phase while it runs), the policy
-    version it holds, what it produced, the staleness it wrote at, its restarts - fitted to
-    ``width`` columns (the least important left out, no value cut)."""
+    version it holds, what it produced, the staleness it wrote at, its restarts, the seconds
+    it spent generating - fitted to ``width`` columns (the least important left out, no
+    value cut)."""
     from crf.launcher.progress import Column, fit_table
 
     def cells(key: str) -> list[Any]:
@@ -158,13 +163,19 @@ def workers_table(
         Column("batches", cells("batches"), keep=60),
         Column("returned", cells("returned"), keep=65),
         Column("restarts", cells("restarts"), keep=75),
+        Column("generating", [_seconds(r.get("generate_s")) for r in rows], keep=55),
     ]
     return fit_table(cols, width, title=title)
 
 
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{_num(value):.1f}s"
+
+
 def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -> Table:
     """One row per trainer: rollouts from its workers and its own, the workers' share of its
-    batches, the batches it refused, the staleness of what it used."""
+    batches, the batches it refused, the staleness of what it used, the seconds it spent
+    waiting for its workers' batches."""
     from crf.launcher.progress import Column, fit_table
 
     rows = list(trainers.items())
@@ -181,6 +192,7 @@ def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -
         Column("refused", cells("refused"), keep=85),
         Column("stale mean", cells("staleness_mean"), keep=84),
         Column("stale max", cells("staleness_max"), keep=70),
+        Column("waited", [_seconds(t.get("wait_s")) for _, t in rows], keep=60),
     ]
     return fit_table(cols, width, title="rollouts each replica trained on")
 

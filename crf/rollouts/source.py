@@ -73,6 +73,8 @@ class RolloutCounts:
     per_worker: dict[int, int] = field(default_factory=dict)
     #: per worker, each used batch's correction statistics
     stats: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+    #: seconds the trainer spent looking for (and waiting for) its workers' batches
+    wait_s: float = 0.0
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -84,6 +86,7 @@ class RolloutCounts:
                 sum(self.staleness) / len(self.staleness) if self.staleness else None
             ),
             "staleness_max": max(self.staleness) if self.staleness else None,
+            "wait_s": round(self.wait_s, 3),
         }
         for w in sorted(self.per_worker):
             out[f"w{w}"] = self.per_worker[w]
@@ -173,7 +176,7 @@ class StoreRolloutSource:
                 why = self._unusable(batch)
                 if why is None:
                     self._taken_at = {batch.key: step}
-                    waited = time.monotonic() - started
+                    waited = self._waited(started)
                     self._wait_s = waited if self._wait_s is None else (
                         0.7 * self._wait_s + 0.3 * waited)  # fmt: skip
                     return batch, [dict(self.rows[i]) for i in batch.row_ids]
@@ -189,6 +192,7 @@ class StoreRolloutSource:
                 alive, alive_checked = self._worker_alive(), now
             if now >= deadline or not alive:
                 self._set_cursor(step + 1)  # the trainer generates step's batch itself
+                self._waited(started)
                 return None
             poll.sleep(at_most=deadline - now)
 
@@ -226,6 +230,13 @@ class StoreRolloutSource:
         if self._cursor != step:
             self.queue.set_cursor(step)
             self._cursor = step
+
+    def _waited(self, started: float) -> float:
+        """Count the seconds since ``started`` as time spent on the workers' batches."""
+        waited = time.monotonic() - started
+        self.counts.wait_s += waited
+        self.total.wait_s += waited
+        return waited
 
     def _count_refused(self) -> None:
         self.counts.refused += 1

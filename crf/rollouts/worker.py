@@ -163,7 +163,8 @@ class RolloutWorker:
         state = layout.WorkerState(worker=worker, serves=self.rank, pid=os.getpid(),
                                    host=socket.gethostname(), rollouts=before.rollouts,
                                    batches=before.batches, returned=before.returned,
-                                   staleness_mean=before.staleness_mean)  # fmt: skip
+                                   staleness_mean=before.staleness_mean,
+                                   generate_s=before.generate_s)  # fmt: skip
         self.beat = Beat(store, state)
         self.staleness: list[int] = []
         #: the earlier attempts' batches in the mean staleness (their sum, their count)
@@ -312,8 +313,9 @@ class RolloutWorker:
         s = self.beat.state
         total, count = self._stale_before
         mean = (total + sum(self.staleness)) / (count + len(self.staleness))
+        took = time.perf_counter() - started
         self.beat.update(rollouts=s.rollouts + len(batch), batches=s.batches + 1,
-                         staleness_mean=mean)  # fmt: skip
+                         staleness_mean=mean, generate_s=s.generate_s + took)  # fmt: skip
 
     def finish(self, status: str, error: str | None = None) -> None:
         self.beat.stop.set()
@@ -396,8 +398,7 @@ def main(environ: Any = None) -> int:
 def _failed(w: RolloutWorker, error: Exception, phase: str) -> int:
     """Record the failure; the exit code: 3 when a restart would fail the same way (the
     worker's own input, e.g. a model folder only it cannot read), else 1 (a death)."""
-    from crf.replica.__main__ import EXIT_UNRECOVERABLE
-    from crf.replica.failures import deterministic, one_line
+    from crf.replica.failures import EXIT_UNRECOVERABLE, deterministic, one_line
 
     w.finish("failed", f"{type(error).__name__}: {error}")
     if deterministic(error, phase=phase):
