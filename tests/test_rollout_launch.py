@@ -156,6 +156,24 @@ def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> Non
             "rollout workers: unknown HF Jobs flavor 'l4'",
         ),
         (
+            [
+                "--rollout-workers",
+                "2",
+                "--backend",
+                "hf",
+                "--flavor",
+                "a100-large",
+                "--rollout-flavor",
+                "cpu-basic",
+                "--set",
+                "trl.use_vllm=true",
+                "--store",
+                "s3://b/r",
+            ],
+            "rollout workers: trl.use_vllm needs a CUDA GPU, and the backend's hardware has none "
+            "crf knows of: choose GPU hardware (--rollout-hardware)",
+        ),
+        (
             ["--rollout-workers", "2", "--set", "trl.loss_type=vespo"],
             "trl.loss_type 'vespo' cannot take the off-policy correction rollout workers need",
         ),

@@ -287,7 +287,7 @@ def prepare(
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             workers = plan_workers(spec, executor, backend_options, rollout_options)
-            missing += worker_access(workers, executor, run_uri, dry_run, missing)
+            missing += check_workers(spec, workers, executor, dry_run, missing)
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
@@ -304,21 +304,25 @@ def prepare(
                 workdir=packed, missing=missing, notes=notes, workers=workers)  # fmt: skip
 
 
-def worker_access(
+def check_workers(
+    spec: RunSpec,
     workers: WorkerPlan | None,
     executor: ServerlessExecutor,
-    run_uri: str,
     dry_run: bool,
     missing: list[str],
 ) -> list[str]:
-    """:func:`check_access` for the rollout workers' executor where it is their own (their
-    hardware differs): the lines not already in ``missing``; a refusal says it is theirs."""
+    """The replicas' checks of the backend (:func:`check_access`) and of the job's settings
+    on its hardware (:func:`check_job_run`: vLLM needs a GPU) again for the rollout workers'
+    executor where it is their own (their hardware differs): the missing lines not already
+    in ``missing``; a refusal says it is the workers'."""
     if workers is None or workers.executor is executor:
         return []
     try:
-        found = check_access(workers.executor, run_uri, dry_run=dry_run)
+        found = check_access(workers.executor, spec.run_uri, dry_run=dry_run)
+        check_job_run(spec, workers.executor)
     except LaunchError as e:
-        raise LaunchError(f"rollout workers: {e}") from None
+        said = str(e).replace("(--hardware)", "(--rollout-hardware)")
+        raise LaunchError(f"rollout workers: {said}") from None
     return [line for line in found if line not in missing]
 
 
