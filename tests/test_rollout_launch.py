@@ -322,6 +322,12 @@ def test_the_workers_resources_row_names_their_own_options() -> None:
     rows = dict(plan_rows(plan))
     assert rows["cpu and memory"].endswith("-o cpu=N -o memory_mb=MIB)")
     assert rows["worker cpu and memory"].endswith("-o rollout_cpu=N -o rollout_memory_mb=MIB)")
+    # a worker's SageMaker job is named for w<k>, as it is started (crf-<run>-rw1-...)
+    from crf.launcher.plan_view import _worker_note
+
+    note = "each replica: training job crf-<run>-r<rank>-<nonce>, ml.g4dn.xlarge x 1"
+    assert _worker_note(note) == "each worker: training job crf-<run>-rw<worker>-<nonce>, " \
+        "ml.g4dn.xlarge x 1"  # fmt: skip
 
 
 def test_config_file_and_sdk_take_the_same_options(tmp_path: Path) -> None:

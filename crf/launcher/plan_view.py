@@ -114,6 +114,12 @@ def worker_rows(plan: Plan, wb: BackendPlan) -> Rows:
     ]  # fmt: skip
 
 
+def _worker_note(note: str) -> str:
+    """A backend's note on its replicas as it holds for the rollout workers: a worker's job
+    is named for ``w<k>`` where a replica's is for its rank (crf.executors.sagemaker)."""
+    return note.replace("each replica: ", "each worker: ").replace("-r<rank>-", "-rw<worker>-")
+
+
 def _worker_options(text: str) -> str:
     """A backend's text about its options (``-o cpu=N``) as the workers' own spelling of
     them (``-o rollout_cpu=N``): the replicas' options do not change the workers'."""
@@ -337,7 +343,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     wb = worker_plan(plan)
     for note in wb.notes if wb is not None else []:
         if note not in bp.notes:
-            console.print(f"- rollout workers: {escape(note)}", highlight=False)
+            console.print(f"- rollout workers: {escape(_worker_note(note))}", highlight=False)
     for note in plan.notes:
         console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
     print_missing(console, plan.missing)
