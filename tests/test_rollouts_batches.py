@@ -220,6 +220,26 @@ def test_a_result_the_store_fails_to_give_keeps_only_its_own_queue(
     assert [q.queued() for q in queues] == [[], [(1, 0)], []]
 
 
+def test_once_every_trainer_ended_ok_the_bases_and_returned_batches_go(store: RunStore) -> None:
+    """The round bases are every trainer's, the returned batches are rows owed to a trainer
+    that trains again: both stay while any trainer has no ok result (a resume may follow),
+    and go once all have one (a run that ended ok is never resumed)."""
+    from crf.rollouts.policy import drop_finished_bases
+
+    for r in range(2):
+        store.put(layout.policy_base_key(r), b"base")
+        RolloutQueue(store, r).return_rows(batch(worker=r, seq=3, rank=r))
+    store.put_json(layout.result_key(0), {"rank": 0, "status": "ok"})
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "failed"})
+    assert not drop_finished_bases(store, 2)
+    assert store.list(f"{layout.POLICY}/base") == ["0", "1"]
+    assert store.list(f"{layout.rollout_dir(1)}/returned") == ["1-3"]
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "ok"})
+    assert drop_finished_bases(store, 2)
+    assert store.list(f"{layout.POLICY}/base") == []
+    assert [store.list(f"{layout.rollout_dir(r)}/returned") for r in range(2)] == [[], []]
+
+
 def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:
     cfg = RolloutConfig(workers=2, max_staleness=1, wait_s=wait_s)
     return StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(**digests))

@@ -266,9 +266,12 @@ class PolicyPublisher:
 
 
 def drop_finished_bases(store: RunStore, trainers: int) -> bool:
-    """Delete the round bases once all ``trainers`` have an ok result (each deletes its own
-    versions at its end, but a base is every trainer's, so none of them can); whether they
-    went. A resumed run publishes the bases it needs again, from its global weights."""
+    """Once all ``trainers`` have an ok result, delete the round bases (each trainer deletes
+    its own versions at its end, but a base is every trainer's, so none of them can) and
+    the batches returned to their workers (no trainer trains again: a run that ended ok is
+    never resumed); whether they went."""
+    from crf.rollouts.batches import RolloutQueue
+
     for rank in range(trainers):
         try:
             result = store.get_json(layout.result_key(rank))
@@ -279,6 +282,8 @@ def drop_finished_bases(store: RunStore, trainers: int) -> bool:
     for name in store.list(f"{layout.POLICY}/base"):
         if name.isdigit():
             store.delete(layout.policy_base_key(int(name)))
+    for rank in range(trainers):
+        RolloutQueue(store, rank).drop_returned()
     return True
 
 
