@@ -163,7 +163,7 @@ def workers_table(
         Column("batches", cells("batches"), keep=60),
         Column("returned", cells("returned"), keep=65),
         Column("restarts", cells("restarts"), keep=75),
-        Column("generating", [_seconds(r.get("generate_s")) for r in rows], keep=55),
+        Column("gen time", [_seconds(r.get("generate_s")) for r in rows], keep=68),
     ]
     return fit_table(cols, width, title=title)
 
