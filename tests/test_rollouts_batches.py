@@ -315,10 +315,24 @@ def test_a_dead_worker_is_not_waited_for(store: RunStore) -> None:
     for w, phase in ((0, "generating"), (1, "done")):
         state = layout.WorkerState(worker=w, phase=phase, updated_at=stale if w == 0 else 0)
         store.put_json(layout.worker_state_key(w), state.to_dict())
-    src = source(store, wait_s=600.0)
+    src = source(store, wait_s=600.0, v0="d")  # a batch of version 0 could still come
     started = time.monotonic()
     assert src.take(step=0, rows=4) is None
     assert time.monotonic() - started < 600  # it did not wait out wait_s
+
+
+def test_a_step_no_published_version_can_serve_is_not_waited_for(store: RunStore) -> None:
+    """With --publish-every 3 and --max-staleness 1, versions 0 and 3 serve steps 0-1 and
+    3-4: step 2 has no version within the bound, so no worker batch can come for it, and
+    the trainer generates at once rather than wait --rollout-wait with its worker alive."""
+    state = layout.WorkerState(worker=0, serves=0, phase="pacing", updated_at=time.time())
+    store.put_json(layout.worker_state_key(0), state.to_dict())
+    src = source(store, wait_s=600.0, v0="d")
+    assert src._worker_alive() and src._may_come(1) and not src._may_come(2)
+    started = time.monotonic()
+    assert src.take(step=2, rows=4) is None
+    assert time.monotonic() - started < 600  # it did not wait out wait_s
+    assert RolloutQueue(store, 0).cursor() == 3  # its workers pace to the next step
 
 
 def test_a_restarted_worker_building_its_model_is_not_waited_for(store: RunStore) -> None:

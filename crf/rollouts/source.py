@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from crf import layout
 from crf.rollouts.batches import RolloutBatch, RolloutQueue
-from crf.rollouts.config import RolloutConfig
+from crf.rollouts.config import RolloutConfig, in_bound
 from crf.rollouts.polling import Poll
 from crf.store import ObjectNotFound, RunStore
 
@@ -159,6 +159,7 @@ class StoreRolloutSource:
         poll = Poll(first=self.poll_s, cap=MAX_POLL_S)
         poll.interval = self._wait_s  # pause at most a quarter of a typical wait
         alive_checked, alive = 0.0, True
+        hopeless = not self._may_come(step)
         while True:
             batch, returned, bad = self.queue.oldest_within(
                 step, self.cfg.max_staleness, rows, on_claim=claimed,
@@ -190,7 +191,7 @@ class StoreRolloutSource:
             now = time.monotonic()
             if now - alive_checked >= ALIVE_EVERY_S:  # a few requests a second, not more
                 alive, alive_checked = self._worker_alive(), now
-            if now >= deadline or not alive:
+            if now >= deadline or not alive or hopeless:
                 self._set_cursor(step + 1)  # the trainer generates step's batch itself
                 self._waited(started)
                 return None
@@ -230,6 +231,20 @@ class StoreRolloutSource:
         if self._cursor != step:
             self.queue.set_cursor(step)
             self._cursor = step
+
+    def _may_come(self, step: int) -> bool:
+        """Whether a batch for ``step`` may still come: this trainer published a version
+        within the bound of it (with ``--publish-every`` beyond ``--max-staleness`` + 1 some
+        steps have none, and waiting ``--rollout-wait`` for them would be in vain). Without
+        the publisher's digests (tests), always."""
+        if self.digests is None:
+            return True
+        low = max(0, step - self.cfg.max_staleness)
+        return any(
+            self.expected_digest(v) is not None
+            for v in range(low, step + 1)
+            if in_bound(v, step, self.cfg.max_staleness, self.cfg.sync_period)
+        )
 
     def _waited(self, started: float) -> float:
         """Count the seconds since ``started`` as time spent on the workers' batches."""
