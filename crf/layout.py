@@ -552,6 +552,7 @@ class WorkerState(Record):
     batches: int = 0
     returned: int = 0  # batches its trainer returned (too stale) that it generated again
     staleness_mean: float | None = None  # at the time each batch was written
+    generate_s: float = 0.0  # seconds spent generating the batches written
     updated_at: float = 0.0
     pid: int | None = None
     host: str | None = None

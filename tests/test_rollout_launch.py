@@ -129,6 +129,54 @@ def test_cli_refusals_are_one_line_before_anything_starts(tmp_path: Path) -> Non
         (["--rollout-workers", "2", "--job", "lm"], "needs --job composer"),
         (["--rollout-workers", "2", "--procs-per-replica", "2"], "--procs-per-replica 1"),
         (["--rollout-workers", "1", "-o", "rollout_nope=1"], "has no rollout_nope option"),
+        (
+            [
+                "--rollout-workers",
+                "2",
+                "--backend",
+                "modal",
+                "--rollout-gpu",
+                "L5",
+                "--store",
+                "s3://b/r",
+            ],
+            "rollout workers: unknown Modal GPU 'L5'",
+        ),
+        (
+            [
+                "--rollout-workers",
+                "2",
+                "--backend",
+                "hf",
+                "--rollout-flavor",
+                "L4",
+                "--store",
+                "s3://b/r",
+            ],
+            "rollout workers: unknown HF Jobs flavor 'l4'",
+        ),
+        (
+            [
+                "--rollout-workers",
+                "2",
+                "--backend",
+                "hf",
+                "--flavor",
+                "a100-large",
+                "--rollout-flavor",
+                "cpu-basic",
+                "--set",
+                "trl.use_vllm=true",
+                "--store",
+                "s3://b/r",
+            ],
+            "rollout workers: trl.use_vllm needs a CUDA GPU, and the backend's hardware has none "
+            "crf knows of: choose GPU hardware (--rollout-hardware)",
+        ),
+        (
+            ["--rollout-workers", "2", "--set", "trl.loss_type=vespo"],
+            "trl.loss_type 'vespo' cannot take the off-policy correction rollout workers need",
+        ),
     ]
     for args, message in cases:
         result = cli("launch", "--dry-run", "--store", store, *args)
@@ -209,6 +257,26 @@ def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
         assert flags[name] == from_file[name] == expected[name], name
 
 
+def test_a_backend_that_cannot_start_workers_is_refused_before_launch(tmp_path: Path) -> None:
+    """An executor handed to the SDK whose launch_replicas takes no ``workers=`` cannot
+    start rollout workers: one line before anything starts, not a warning after the
+    replicas did."""
+
+    class NoWorkers(LocalProcessExecutor):
+        def launch_replicas(  # type: ignore[override]
+            self, n_replicas: int, entrypoint: Any = None, args: Any = (), env: Any = None, *,
+            run_uri: str, run_id: str | None = None, ranks: Any = None, plain_env: Any = None,
+        ) -> Any:  # fmt: skip
+            kw = {"run_uri": run_uri, "run_id": run_id, "ranks": ranks, "plain_env": plain_env}
+            return super().launch_replicas(n_replicas, entrypoint, args, env, **kw)
+
+    assert LocalProcessExecutor().starts_workers() and not NoWorkers().starts_workers()
+    with pytest.raises(LaunchError, match="the local backend cannot start rollout workers"):
+        prepare({"replicas": 1, "rollout_workers": 1}, store=str(tmp_path), dry_run=True,
+                executor=NoWorkers())  # fmt: skip
+    assert not list(tmp_path.iterdir())
+
+
 def test_split_options_sends_rollout_keys_to_the_workers() -> None:
     trainer, rollout = split_options(
         "modal", {"gpu": "A100", "rollout_hardware": "L4", "rollout-image": "img"}
@@ -243,6 +311,23 @@ def test_dry_run_shows_both_roles_with_hardware_price_and_worst_case(tmp_path: P
     # the timeout is --timeout + 600 s: 3600 s, so a worst case of exactly one hour each
     assert "$5.00: 2 replica(s) x 1 h" in out and "$3.20: 4 worker(s) x 1 h" in out
     assert "$8.20/h, worst case $8.20" in out
+
+
+def test_the_workers_resources_row_names_their_own_options() -> None:
+    """The workers' CPU and memory are set with -o rollout_<option>: the dry run's hint for
+    them says so (the replicas' -o cpu=N would not change them)."""
+    plan = prepare({"replicas": 2, "rollout_workers": 2, "backend": "modal"},
+                   store="s3://no-such-bucket/runs", dry_run=True,
+                   backend_options={"gpu": "A100", "rollout_gpu": "L4"})  # fmt: skip
+    rows = dict(plan_rows(plan))
+    assert rows["cpu and memory"].endswith("-o cpu=N -o memory_mb=MIB)")
+    assert rows["worker cpu and memory"].endswith("-o rollout_cpu=N -o rollout_memory_mb=MIB)")
+    # a worker's SageMaker job is named for w<k>, as it is started (crf-<run>-rw1-...)
+    from crf.launcher.plan_view import _worker_note
+
+    note = "each replica: training job crf-<run>-r<rank>-<nonce>, ml.g4dn.xlarge x 1"
+    assert _worker_note(note) == "each worker: training job crf-<run>-rw<worker>-<nonce>, " \
+        "ml.g4dn.xlarge x 1"  # fmt: skip
 
 
 def test_config_file_and_sdk_take_the_same_options(tmp_path: Path) -> None:
@@ -331,6 +416,34 @@ def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> N
     assert (state["phase"], state["serves"]) == ("failed", 0) and "not restarted" in state["error"]
 
 
+def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) -> None:
+    """A worker that exits 3 (crf.rollouts.worker: an error a restart would raise again,
+    such as a model folder only it cannot read) is left dead at once, whatever
+    --max-restarts allows, and the line says the error it recorded."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    store = RunStore(uri)
+    failed = layout.WorkerState(worker=0, serves=0, phase="failed", status="failed",
+                                error="FileNotFoundError: --model /m: no such folder")  # fmt: skip
+    store.put_json(layout.worker_result_key(0), failed.to_dict())
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", "exit(3)"])
+    out = io.StringIO()
+    pool = WorkerPool(plan, start_workers(plan, spec, None, {}), store=store, launch_no=0,
+                      max_restarts=3, console=Console(file=out, width=300))  # fmt: skip
+    wait_for(lambda: (pool.poll(), pool.not_restarted)[1], "its end")
+    assert pool.restarts == {0: 0}
+    assert out.getvalue().strip() == (
+        "rollout worker 0 exited with code 3; not restarting it (a restart would fail the same "
+        "way: FileNotFoundError: --model /m: no such folder): its trainer generates for itself"
+    ), out.getvalue()
+
+
 def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
     """A worker that died and was started again reads as ``starting`` from the restart on
     (counts kept), before its new process writes anything: its trainer, past its first
@@ -363,7 +476,8 @@ def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
 def _round(r: int, rank: int, workers: int, local: int, stale: float) -> dict[str, Any]:
     m = layout.RoundMetrics(round=r, rank=rank, committed=True, loss=1.0)
     m.rollouts = {"workers": workers, "local": local, "refused": 1 if local else 0,
-                  "staleness_mean": stale, "staleness_max": 2, f"w{rank}": workers}  # fmt: skip
+                  "staleness_mean": stale, "staleness_max": 2, f"w{rank}": workers,
+                  "wait_s": 0.25}  # fmt: skip
     return m.to_dict()
 
 
@@ -375,12 +489,15 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     }
     rows = [
         rollout_view.worker_row(
-            0, "succeeded", layout.WorkerState(worker=0, serves=0, rollouts=64)
+            0, "succeeded", layout.WorkerState(worker=0, serves=0, rollouts=64, generate_s=3.25)
         ),
         rollout_view.worker_row(1, "failed", None, restarts=3),
     ]
     section = rollout_view.workers_summary(rows, metrics)
     assert section["count"] == 2 and section["rollouts_produced"] == 64
+    # the time each side spent: generating (a worker), waiting for batches (a trainer)
+    assert section["workers"][0]["generate_s"] == 3.2 and section["workers"][1]["generate_s"] == 0
+    assert section["trainers"]["0"]["wait_s"] == 0.5
     t0, t1 = section["trainers"]["0"], section["trainers"]["1"]
     assert (t0["worker_rollouts"], t0["local_rollouts"], t0["share"]) == (56, 8, 0.875)
     assert t0["staleness_mean"] == pytest.approx((24 * 1.0 + 32 * 0.5) / 56, abs=1e-3)
@@ -388,6 +505,31 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     assert t1["staleness_mean"] == 2.0 and t1["by_worker"] == {"w1": 16}
     assert section["rollouts_used"] == 72 and section["share"] == pytest.approx(72 / 128)
     assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
+
+
+def test_the_summary_says_why_each_failed_worker_failed() -> None:
+    """Under the workers' table, one line per failed worker with the error it recorded and
+    how its process ended; a worker that succeeded or was cancelled gets none."""
+    import io
+
+    from rich.console import Console
+
+    failed = layout.WorkerState(worker=0, serves=0, phase="failed", status="failed",
+                                error="FileNotFoundError: --model /m: no such folder")  # fmt: skip
+    rows = [
+        rollout_view.worker_row(0, "failed", failed, message="exited with code 3"),
+        rollout_view.worker_row(1, "failed", None, message="killed by SIGKILL"),
+        rollout_view.worker_row(2, "cancelled", None),
+    ]
+    section = rollout_view.workers_summary(rows, {})
+    out = io.StringIO()
+    rollout_view.print_workers({"workers": section}, Console(file=out, width=200))
+    lines = [" ".join(line.split()) for line in out.getvalue().splitlines()]
+    failures = [line for line in lines if " failed: " in line]
+    assert failures == [
+        "w0 failed: FileNotFoundError: --model /m: no such folder; exited with code 3",
+        "w1 failed: killed by SIGKILL",
+    ], lines
 
 
 def test_a_worker_that_ended_by_itself_is_not_shown_cancelled() -> None:
@@ -410,6 +552,27 @@ def test_figure_has_a_worker_panel_only_with_workers() -> None:
     assert draw_figure(with_workers, job="composer", title="t")[:4] == b"\x89PNG"
     series = rollout_view.round_series(with_workers[0])
     assert series == {"round": [0.0, 1.0], "share": [0.75, 1.0], "staleness": [1.0, 0.5]}
+
+
+def test_the_staleness_axis_starts_at_zero() -> None:
+    """A steady staleness of 0.9 steps sits at 0.9 of a scale from 0, not at the top of one
+    fitted to it (where it read as a share of 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from crf.launcher.figure import _draw_rollouts
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    _draw_rollouts(ax, {0: [_round(r, 0, 32, 0, 0.9) for r in range(3)]})
+    low, high = fig.axes[1].get_ylim()
+    assert low <= 0 < 0.9 < high <= 1.1
+    fig = Figure()
+    ax = fig.add_subplot()
+    _draw_rollouts(ax, {0: [_round(0, 0, 32, 0, 3.0)]})
+    assert fig.axes[1].get_ylim()[1] > 3.0
 
 
 # ------------------------------------------------------------------------ the driver, e2e

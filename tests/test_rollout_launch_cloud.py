@@ -5,6 +5,7 @@ relaunched as workers. (HF Jobs: tests/test_rollout_launch.py.)"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ fake, modal_env, run_uri = modal_tests.fake, modal_tests.modal_env, modal_tests.
 aws, script = sm_tests.aws, sm_tests.script
 
 pytestmark = pytest.mark.timeout(300)
+SECRET = "hf_worker_secret_value_0001"
 ROLE_CODE = (
     "import os, time\n"
     "print('role', os.environ.get('CRF_ROLE'), 'worker', os.environ.get('CRF_WORKER'),"
@@ -40,9 +42,17 @@ def test_modal_workers_run_in_sandboxes_of_their_own_gpu(
     trainers, workers = ModalExecutor(**trainer_opts), ModalExecutor(**trainer_opts, **rollout_opts)
     try:
         (replica,) = trainers.launch_replicas(1, modal_tests.py(ROLE_CODE), run_uri=run_uri)
-        handles = workers.launch_workers(2, 1, modal_tests.py(ROLE_CODE), env={"K": "v"},
+        handles = workers.launch_workers(2, 1, modal_tests.py(ROLE_CODE), env={"K": SECRET},
                                          run_uri=run_uri, run_id=replica.run_id)  # fmt: skip
         sb = modal_tests.sandbox(modal_env, handles[1])
+        # the secret travels in the credentials' Secret, never in the plain contract or the
+        # sandbox's description (a GPU sandbox names its Secrets by id)
+        sources = [modal_env.secrets[s["secret_id"]] for s in sb.secret_sources]
+        (creds,) = [s for s in sources if "AWS_SECRET_ACCESS_KEY" in s]
+        (plain,) = [s for s in sources if "CRF_RANK" in s]
+        assert creds["K"] == SECRET and "CRF_ROLE" not in creds
+        assert plain["CRF_ROLE"] == "rollout" and SECRET not in str(plain)
+        assert SECRET not in str(sb.definition) and SECRET not in str(sb.tags)
         assert sb.tags == {"crf-run": replica.run_id, "crf-rank": "1", "crf-role": "rollout"}
         assert "crf-role" not in modal_tests.sandbox(modal_env, replica).tags
         assert sb.definition.resources.gpu_config.gpu_type == "T4"
@@ -70,9 +80,16 @@ def test_sagemaker_workers_are_training_jobs_of_their_own_instance_type(
     trainers = sm_tests.executor("ml.m5.large")
     workers = sm_tests.executor("ml.g5.xlarge")
     (replica,) = trainers.launch_replicas(1, ["python", str(script), "ok"], run_uri=uri)
+    token = {"MY_TOKEN": sm_tests.CALLER_TOKEN}
     handles = workers.launch_workers(2, 1, ["python", str(script), "ok"], run_uri=uri,
-                                     run_id="roles")  # fmt: skip
+                                     run_id="roles", env=token)  # fmt: skip
     request = aws.emu.jobs[handles[1].backend_id].request
+    # what anyone allowed to DescribeTrainingJob sees of a worker: the secret's ARN only
+    desc = aws.sagemaker().describe_training_job(TrainingJobName=handles[1].backend_id)
+    assert desc["Environment"][sm_tests.ENV_SECRET_ARN] == handles[1].extra["secret_arn"]
+    blob = json.dumps(desc, default=str)
+    for value in (sm_tests.CALLER_TOKEN, sm_tests.DRIVER_KEY, sm_tests.DRIVER_SECRET):
+        assert value not in blob
     assert request["ResourceConfig"]["InstanceType"] == "ml.g5.xlarge"
     assert (
         aws.emu.jobs[replica.backend_id].request["ResourceConfig"]["InstanceType"] == "ml.m5.large"

@@ -125,6 +125,15 @@ def test_no_batch_crosses_an_outer_step(
     assert in_bound(version, max(trainer_step, version) + queued, 2, 15) is ok
 
 
+def test_no_batch_is_written_for_a_step_past_the_trainers_last() -> None:
+    """A trainer of 10 steps trains steps 0-9: a batch that would serve step 10 or later
+    would be generated for nobody."""
+    assert admits(8, 1, 8, 2, total_steps=10)  # serves step 9, the last
+    assert not admits(8, 2, 8, 2, total_steps=10)  # would serve step 10
+    assert not admits(10, 0, 9, 2, total_steps=10)  # the trainer is done
+    assert admits(8, 2, 8, 2)  # without a known end, the bound alone
+
+
 def test_the_trainer_returns_a_batch_from_before_its_outer_step(store: RunStore) -> None:
     q = RolloutQueue(store, 0)
     q.put(batch(seq=0, version=14))  # 1 step behind step 15, but before the sync at 15
@@ -211,6 +220,26 @@ def test_a_result_the_store_fails_to_give_keeps_only_its_own_queue(
     assert [q.queued() for q in queues] == [[], [(1, 0)], []]
 
 
+def test_once_every_trainer_ended_ok_the_bases_and_returned_batches_go(store: RunStore) -> None:
+    """The round bases are every trainer's, the returned batches are rows owed to a trainer
+    that trains again: both stay while any trainer has no ok result (a resume may follow),
+    and go once all have one (a run that ended ok is never resumed)."""
+    from crf.rollouts.policy import drop_finished_bases
+
+    for r in range(2):
+        store.put(layout.policy_base_key(r), b"base")
+        RolloutQueue(store, r).return_rows(batch(worker=r, seq=3, rank=r))
+    store.put_json(layout.result_key(0), {"rank": 0, "status": "ok"})
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "failed"})
+    assert not drop_finished_bases(store, 2)
+    assert store.list(f"{layout.POLICY}/base") == ["0", "1"]
+    assert store.list(f"{layout.rollout_dir(1)}/returned") == ["1-3"]
+    store.put_json(layout.result_key(1), {"rank": 1, "status": "ok"})
+    assert drop_finished_bases(store, 2)
+    assert store.list(f"{layout.POLICY}/base") == []
+    assert [store.list(f"{layout.rollout_dir(r)}/returned") for r in range(2)] == [[], []]
+
+
 def source(store: RunStore, wait_s: float = 0.0, **digests: str) -> StoreRolloutSource:
     cfg = RolloutConfig(workers=2, max_staleness=1, wait_s=wait_s)
     return StoreRolloutSource(store, 0, 1, cfg, ROWS, digests=Digests(**digests))
@@ -286,10 +315,24 @@ def test_a_dead_worker_is_not_waited_for(store: RunStore) -> None:
     for w, phase in ((0, "generating"), (1, "done")):
         state = layout.WorkerState(worker=w, phase=phase, updated_at=stale if w == 0 else 0)
         store.put_json(layout.worker_state_key(w), state.to_dict())
-    src = source(store, wait_s=600.0)
+    src = source(store, wait_s=600.0, v0="d")  # a batch of version 0 could still come
     started = time.monotonic()
     assert src.take(step=0, rows=4) is None
     assert time.monotonic() - started < 600  # it did not wait out wait_s
+
+
+def test_a_step_no_published_version_can_serve_is_not_waited_for(store: RunStore) -> None:
+    """With --publish-every 3 and --max-staleness 1, versions 0 and 3 serve steps 0-1 and
+    3-4: step 2 has no version within the bound, so no worker batch can come for it, and
+    the trainer generates at once rather than wait --rollout-wait with its worker alive."""
+    state = layout.WorkerState(worker=0, serves=0, phase="pacing", updated_at=time.time())
+    store.put_json(layout.worker_state_key(0), state.to_dict())
+    src = source(store, wait_s=600.0, v0="d")
+    assert src._worker_alive() and src._may_come(1) and not src._may_come(2)
+    started = time.monotonic()
+    assert src.take(step=2, rows=4) is None
+    assert time.monotonic() - started < 600  # it did not wait out wait_s
+    assert RolloutQueue(store, 0).cursor() == 3  # its workers pace to the next step
 
 
 def test_a_restarted_worker_building_its_model_is_not_waited_for(store: RunStore) -> None:

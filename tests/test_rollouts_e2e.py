@@ -121,3 +121,12 @@ def test_crf_launch_starts_a_worker_whose_batches_the_replica_trains_on(tmp_path
     # what the worker wrote ahead that the finished replica never took went with the run
     queue = RolloutQueue(store, 0)
     assert queue.queued() == [] and queue.cursor() is None
+    # so did the policy: versions, acknowledgements and the round bases
+    left = [f"{d}/{k}" for d in ("base", "0", "0/acks") for k in store.list(f"policy/{d}")]
+    assert left in ([], ["0/acks"]), left  # (an empty folder on a file store)
+    # the worker wrote no batch for a step past the replica's last (4 steps): all it wrote
+    # was trained on, or made again for being returned
+    worker = layout.WorkerState.from_dict(store.get_json(layout.worker_result_key(0)))
+    assert worker.rollouts == (4 + worker.returned) * ROLLOUTS_PER_STEP, worker
+    # and each side's time: the worker's generating, the replica's waiting for its batches
+    assert worker.generate_s > 0 and all(c["wait_s"] >= 0 for c in counts), counts

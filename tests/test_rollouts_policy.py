@@ -267,3 +267,23 @@ def test_a_trainer_publishes_after_every_outer_step(store: RunStore) -> None:
         hooks.step_end(model, s)
     published = [v for v in range(10) if hooks.publisher.knows(v)]
     assert published == [0, 3, 4, 6, 8, 9]
+
+
+def test_a_trainer_publishes_nothing_after_its_last_step(store: RunStore) -> None:
+    """The weights after the last step (here also an outer step's) serve no generation: no
+    version and no base of a round that never comes go to the store."""
+    from types import SimpleNamespace
+
+    from crf.rollouts.replica import TrainerRollouts
+
+    spec = SimpleNamespace(run_id="r", sync_every=4, sync_period=4, rollout_workers=1,
+                           publish_every=1, max_staleness=9, rollout_wire="float32")  # fmt: skip
+    ctx = SimpleNamespace(spec=spec, store=store, rank=0, world_size=1, step=0, total_steps=8)
+    hooks = TrainerRollouts(ctx, [{"prompt": "p"}], RolloutConfig.from_spec(spec))
+    model = tiny(0)
+    hooks.begin(model, 0)
+    for s in range(1, 9):
+        step(model, s)
+        hooks.step_end(model, s)
+    assert [v for v in range(9) if hooks.publisher.knows(v)][-1] == 7
+    assert sorted(store.list(f"{layout.POLICY}/base")) == ["0", "1"]

@@ -139,6 +139,25 @@ def test_a_worker_outside_the_contract_says_so_in_one_line(tmp_path: Path) -> No
     ]
 
 
+def test_a_worker_whose_model_folder_is_missing_exits_3_saying_why(tmp_path: Path) -> None:
+    """An error while the worker builds its trainer's model (here a model folder it cannot
+    find) would come again on every restart: exit 3 (the launcher does not restart it), the
+    error in its result."""
+    uri = f"file://{tmp_path}/run"
+    store = RunStore(uri)
+    missing = tmp_path / "model"
+    missing.mkdir()  # there at launch, gone where the worker runs
+    store.put(layout.RUN_SPEC, run_spec(uri, model=str(missing)).to_json().encode())
+    missing.rmdir()
+    out = subprocess.run([sys.executable, "-m", "crf.replica"], env=worker_env(uri),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    result = layout.WorkerState.from_dict(store.get_json(layout.worker_result_key(0)))
+    assert (result.phase, result.status) == ("failed", "failed")
+    assert result.error == f"FileNotFoundError: --model {missing}: no such folder on this replica"
+    assert "a restart cannot fix it" in out.stderr
+
+
 def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
     from crf.rollouts.batches import RolloutBatch
     from crf.rollouts.worker import RolloutWorker
@@ -146,10 +165,41 @@ def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
     uri = f"file://{tmp_path}/run"
     store = RunStore(uri)
     spec = run_spec(uri)
-    before = layout.WorkerState(worker=0, serves=0, rollouts=12, batches=3, returned=1)
+    before = layout.WorkerState(worker=0, serves=0, rollouts=12, batches=3, returned=1,
+                                staleness_mean=0.5, generate_s=7.5)  # fmt: skip
     store.put_json(layout.worker_state_key(0), before.to_dict())
     w = RolloutWorker(store, spec, 0, 1)
     assert (w.beat.state.rollouts, w.beat.state.batches, w.beat.state.returned) == (12, 3, 1)
+    # its staleness too: the summary shows the mean over every batch it wrote
+    assert w.beat.state.staleness_mean == 0.5 and w.beat.state.generate_s == 7.5
     assert w.seq == 3  # its next batch does not overwrite one of the previous attempt's
     RolloutQueue(store, 0).put(RolloutBatch(0, 0, 5, 0, [0], [[1]], [[2]], [[-0.5]]))
     assert RolloutWorker(store, spec, 0, 1).seq == 6
+
+
+def test_a_worker_that_loads_a_version_tells_its_trainer_the_weights_changed(
+    tmp_path: Path,
+) -> None:
+    """With use_vllm TRL generates from vLLM's copy of the weights, pushed when
+    ``_last_loaded_step`` differs from the step: every version the worker loads marks that
+    copy stale, else it would sample its first version for the whole run."""
+    from crf.rollouts.worker import RolloutWorker
+    from tests.rollout_helpers import make_trainer
+
+    uri = f"file://{tmp_path}/run"
+    store = RunStore(uri)
+    spec = run_spec(uri)
+    trainer = make_trainer()
+    pub = PolicyPublisher(store, 0, RolloutConfig.from_spec(spec), run_id=spec.run_id,
+                          sync_every=2)  # fmt: skip
+    pub.start_round(0, trainer.model)
+    pub.publish(0, trainer.model)
+    w = RolloutWorker(store, spec, 0, 1)
+    w.trainer = trainer
+    trainer.use_vllm, trainer._last_loaded_step = True, 0  # vLLM holds step 0's weights
+    assert w.refresh() and w.reader.version == 0
+    assert trainer._last_loaded_step == -1  # the next generation pushes the loaded ones
+    trainer._last_loaded_step = 0
+    assert w.refresh() and trainer._last_loaded_step == 0  # nothing newer: nothing to push
+    pub.publish(1, trainer.model)
+    assert w.refresh() and w.reader.version == 1 and trainer._last_loaded_step == -1

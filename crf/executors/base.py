@@ -485,6 +485,11 @@ class ServerlessExecutor(ABC):
             self._launch_records: dict[tuple[str, str], LaunchArgs] = {}
         self._launch_records[(record.run_id, record.role)] = record
 
+    def starts_workers(self) -> bool:
+        """Whether this backend can start rollout workers: its ``launch_replicas`` takes
+        ``workers=`` (every built-in one does)."""
+        return "workers" in inspect.signature(self.launch_replicas).parameters
+
     def launch_workers(
         self,
         n_workers: int,
@@ -502,8 +507,7 @@ class ServerlessExecutor(ABC):
         secrets handling as its replicas; one handle per worker (``extra["role"]`` is
         ``rollout``, ``rank`` the worker's index). Backends whose ``launch_replicas`` takes
         ``workers=`` (every built-in one) need nothing more."""
-        params = inspect.signature(self.launch_replicas).parameters
-        if "workers" not in params:
+        if not self.starts_workers():
             raise ExecutorError(f"the {self.name} backend cannot start rollout workers")
         handles = self.launch_replicas(
             n_workers,

@@ -213,7 +213,7 @@ def gather(
         running = running_workers(run.worker_executor, run.workers)
         with contextlib.suppress(Exception):  # best effort: a worker also ends by itself
             run.worker_executor.cancel_all(run.workers)
-        drop_untaken(run.store)
+        drop_untaken(run.store, run.spec.replicas)
         extra["workers"] = as_cancelled(run.worker_rows(), running)
     return finish_run(
         run.spec,

@@ -668,9 +668,10 @@ def _print_workers(run_: Any, console: Console) -> None:
     """The rollout workers' table under the replicas' (nothing for a run without)."""
     rows = run_.worker_rows()
     if rows:
-        from crf.launcher.rollout_view import trainers_table, workers_table
+        from crf.launcher.rollout_view import print_failures, trainers_table, workers_table
 
         console.print(workers_table(rows, console.width))
+        print_failures(rows, console)
         console.print(trainers_table(run_.trainer_rollouts(), console.width))
 
 

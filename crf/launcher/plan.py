@@ -288,9 +288,7 @@ def prepare(
             spec.procs_per_replica = resolve_procs_per_replica(k, executor, command, spec.job)
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             workers = plan_workers(spec, executor, backend_options, rollout_options)
-            if workers is not None and workers.executor is not executor:
-                found_too = check_access(workers.executor, run_uri, dry_run=dry_run)
-                missing += [line for line in found_too if line not in missing]
+            missing += check_workers(spec, workers, executor, dry_run, missing)
             notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
@@ -305,6 +303,28 @@ def prepare(
         run_store = _run_folder(run_uri, run_id, dry_run)
     return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env,
                 workdir=packed, missing=missing, notes=notes, workers=workers)  # fmt: skip
+
+
+def check_workers(
+    spec: RunSpec,
+    workers: WorkerPlan | None,
+    executor: ServerlessExecutor,
+    dry_run: bool,
+    missing: list[str],
+) -> list[str]:
+    """The replicas' checks of the backend (:func:`check_access`) and of the job's settings
+    on its hardware (:func:`check_job_run`: vLLM needs a GPU) again for the rollout workers'
+    executor where it is their own (their hardware differs): the missing lines not already
+    in ``missing``; a refusal says it is the workers'."""
+    if workers is None or workers.executor is executor:
+        return []
+    try:
+        found = check_access(workers.executor, spec.run_uri, dry_run=dry_run)
+        check_job_run(spec, workers.executor)
+    except LaunchError as e:
+        said = str(e).replace("(--hardware)", "(--rollout-hardware)")
+        raise LaunchError(f"rollout workers: {said}") from None
+    return [line for line in found if line not in missing]
 
 
 def check_access(executor: ServerlessExecutor, run_uri: str, *, dry_run: bool) -> list[str]:

@@ -105,13 +105,27 @@ def worker_rows(plan: Plan, wb: BackendPlan) -> Rows:
         ("rollout workers", f"{m} ({serve}); python -m crf.replica with CRF_ROLE=rollout"),
         ("worker where", wb.where),
         ("worker hardware", wb.hardware),
-        ("worker cpu and memory", wb.resources),
+        ("worker cpu and memory", _worker_options(wb.resources)),
         ("policy", f"published every {spec.publish_every} inner step(s) on the "
                    f"{spec.rollout_wire} wire, at most {spec.max_staleness} step(s) stale"),
         ("correction", f"{spec.rollout_correction} (ratio {clip}), batches with mismatch KL "
                        f"> {spec.rollout_max_mismatch} refused; a replica waits "
                        f"{spec.rollout_wait:g} s for a batch, then generates it itself"),
     ]  # fmt: skip
+
+
+def _worker_note(note: str) -> str:
+    """A backend's note on its replicas as it holds for the rollout workers: a worker's job
+    is named for ``w<k>`` where a replica's is for its rank (crf.executors.sagemaker)."""
+    return note.replace("each replica: ", "each worker: ").replace("-r<rank>-", "-rw<worker>-")
+
+
+def _worker_options(text: str) -> str:
+    """A backend's text about its options (``-o cpu=N``) as the workers' own spelling of
+    them (``-o rollout_cpu=N``): the replicas' options do not change the workers'."""
+    import re
+
+    return re.sub(r"-o (?!rollout_)(\w+)=", r"-o rollout_\1=", text)
 
 
 def both_roles_cost(spec: RunSpec, bp: BackendPlan, wb: BackendPlan) -> Rows:
@@ -329,7 +343,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     wb = worker_plan(plan)
     for note in wb.notes if wb is not None else []:
         if note not in bp.notes:
-            console.print(f"- rollout workers: {escape(note)}", highlight=False)
+            console.print(f"- rollout workers: {escape(_worker_note(note))}", highlight=False)
     for note in plan.notes:
         console.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
     print_missing(console, plan.missing)

@@ -40,8 +40,9 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One trainer's rollouts over its rounds (``RoundMetrics.rollouts`` of each): how many
     came from its workers and how many it generated, the workers' share, the batches it
-    refused, the mean and maximum staleness of what it used, and per worker its rollouts."""
-    workers = local = refused = 0.0
+    refused, the mean and maximum staleness of what it used, the seconds it spent waiting
+    for its workers' batches, and per worker its rollouts."""
+    workers = local = refused = waited = 0.0
     weighted = 0.0
     worst: float | None = None
     per_worker: dict[str, float] = {}
@@ -53,6 +54,7 @@ def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         workers += used
         local += _num(ro.get("local"))
         refused += _num(ro.get("refused"))
+        waited += _num(ro.get("wait_s"))
         weighted += _num(ro.get("staleness_mean")) * used
         if ro.get("staleness_max") is not None:
             worst = max(worst or 0.0, _num(ro.get("staleness_max")))
@@ -67,6 +69,7 @@ def trainer_rollouts(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "refused": int(refused),
         "staleness_mean": round(weighted / workers, 3) if workers else None,
         "staleness_max": worst,
+        "wait_s": round(waited, 1),
         "by_worker": {k: int(v) for k, v in sorted(per_worker.items())},
     }
 
@@ -109,6 +112,7 @@ def worker_row(
         "batches": rec.batches,
         "returned": rec.returned,
         "staleness_mean": rec.staleness_mean,
+        "generate_s": round(rec.generate_s, 1),
         "restarts": restarts,
         "error": rec.error,
         "heartbeat_age_s": round(time.time() - rec.updated_at, 1) if rec.updated_at else None,
@@ -137,8 +141,9 @@ def workers_table(
     rows: Sequence[Mapping[str, Any]], width: int = 80, title: str = "rollout workers"
 ) -> Table:
     """One row per worker: whom it serves, its state (its phase while it runs), the policy
-    version it holds, what it produced, the staleness it wrote at, its restarts - fitted to
-    ``width`` columns (the least important left out, no value cut)."""
+    version it holds, what it produced, the staleness it wrote at, its restarts, the seconds
+    it spent generating - fitted to ``width`` columns (the least important left out, no
+    value cut)."""
     from crf.launcher.progress import Column, fit_table
 
     def cells(key: str) -> list[Any]:
@@ -158,13 +163,19 @@ def workers_table(
         Column("batches", cells("batches"), keep=60),
         Column("returned", cells("returned"), keep=65),
         Column("restarts", cells("restarts"), keep=75),
+        Column("gen time", [_seconds(r.get("generate_s")) for r in rows], keep=68),
     ]
     return fit_table(cols, width, title=title)
 
 
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{_num(value):.1f}s"
+
+
 def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -> Table:
     """One row per trainer: rollouts from its workers and its own, the workers' share of its
-    batches, the batches it refused, the staleness of what it used."""
+    batches, the batches it refused, the staleness of what it used, the seconds it spent
+    waiting for its workers' batches."""
     from crf.launcher.progress import Column, fit_table
 
     rows = list(trainers.items())
@@ -181,8 +192,26 @@ def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -
         Column("refused", cells("refused"), keep=85),
         Column("stale mean", cells("staleness_mean"), keep=84),
         Column("stale max", cells("staleness_max"), keep=70),
+        Column("waited", [_seconds(t.get("wait_s")) for _, t in rows], keep=60),
     ]
     return fit_table(cols, width, title="rollouts each replica trained on")
+
+
+def failure_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per failed worker: why it failed, in its own words where it recorded them
+    (its result's error), else the backend's (how its process ended)."""
+    out = []
+    for r in rows:
+        if r.get("state") != "failed":
+            continue
+        said = [str(x) for x in (r.get("error"), r.get("message")) if x]
+        out.append(f"w{r.get('worker')} failed: {'; '.join(said) or 'no reason recorded'}")
+    return out
+
+
+def print_failures(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
+    for line in failure_lines(rows):
+        console.print(line, highlight=False, markup=False)
 
 
 def print_workers(summary: Mapping[str, Any], console: Console) -> None:
@@ -191,6 +220,7 @@ def print_workers(summary: Mapping[str, Any], console: Console) -> None:
     if not isinstance(section, Mapping) or not section.get("count"):
         return
     console.print(workers_table(section.get("workers") or (), console.width))
+    print_failures(section.get("workers") or (), console)
     console.print(trainers_table(section.get("trainers") or {}, console.width))
     share = section.get("share")
     said = "-" if share is None else f"{share:.0%}"

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 #: a worker's exit code when its environment breaks the contract (``python -m crf.replica``
 #: says so with 2): starting it again cannot help
 CONTRACT_EXIT = 2
+#: a worker's exit code when it failed with an error a restart would raise again (its own
+#: input: a model folder, a dataset it cannot read; crf.rollouts.worker), as a replica's
+UNRECOVERABLE_EXIT = 3
 #: a backend option given for the workers only: ``rollout_<option>``
 PREFIX = "rollout_"
 #: the workers' hardware under the generic names (as --hardware, --gpu, --flavor, ...)
@@ -161,6 +164,12 @@ def plan_workers(
                 "configure rollout workers: add --rollout-workers M, or leave them out"
             )
         return None
+    if not executor.starts_workers():
+        raise LaunchError(
+            f"--rollout-workers {spec.rollout_workers}: the {executor.name} backend cannot "
+            "start rollout workers (its launch_replicas takes no workers=): drop "
+            "--rollout-workers, or use a built-in backend"
+        )
     if spec.procs_per_replica not in (None, 1):
         raise LaunchError(
             f"--rollout-workers {spec.rollout_workers} needs --procs-per-replica 1 (each "
@@ -283,16 +292,12 @@ class WorkerPool:
         w = handle.rank
         if w in self.not_restarted:
             return status
-        if status.exit_code == CONTRACT_EXIT or self.restarts[w] >= self.max_restarts:
-            self.not_restarted[w] = (
-                f"exit code {CONTRACT_EXIT}: its environment breaks the worker contract"
-                if status.exit_code == CONTRACT_EXIT
-                else f"--max-restarts {self.max_restarts}: it already restarted "
-                f"{self.restarts[w]} time(s)"
-            )
+        why = self._no_restart(w, status)
+        if why is not None:
+            self.not_restarted[w] = why
             self._say(
                 f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
-                f"({self.not_restarted[w]}): its trainer generates for itself[/]"
+                f"({why}): its trainer generates for itself[/]"
             )
             self._mark_failed(w, status)
             return status
@@ -313,6 +318,22 @@ class WorkerPool:
             f"({self.restarts[w]}/{self.max_restarts})[/]"
         )
         return self.executor.status(new)
+
+    def _no_restart(self, w: int, status: ReplicaStatus) -> str | None:
+        """Why worker w, which failed, is not started again (None: it is): an exit that says
+        a restart would fail the same way (with the error it recorded), or the policy."""
+        if status.exit_code == CONTRACT_EXIT:
+            return f"exit code {CONTRACT_EXIT}: its environment breaks the worker contract"
+        if status.exit_code == UNRECOVERABLE_EXIT:
+            record = read_worker_state(self.store, w, final=True)
+            error = record.error if record is not None and record.error else "see its log"
+            return f"a restart would fail the same way: {error}"
+        if self.restarts[w] >= self.max_restarts:
+            return (
+                f"--max-restarts {self.max_restarts}: it already restarted "
+                f"{self.restarts[w]} time(s)"
+            )
+        return None
 
     def _mark_failed(self, w: int, status: ReplicaStatus) -> None:
         """Say in worker w's heartbeat that it is gone for good (phase ``failed``, its
@@ -337,7 +358,7 @@ class WorkerPool:
         self.stopped = True
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
-        drop_untaken(self.store)
+        drop_untaken(self.store, self.plan.trainers)
 
     def live_rows(self, statuses: Sequence[ReplicaStatus]) -> list[dict[str, Any]]:
         """One row per worker for the live table, from the statuses :meth:`poll` just gave
@@ -387,13 +408,17 @@ def worker_rows(
     return rows
 
 
-def drop_untaken(store: RunStore) -> None:
-    """The workers are stopped: the batches no finished trainer took go (only store space is
-    at stake, so a store error is let be)."""
+def drop_untaken(store: RunStore, trainers: int) -> None:
+    """The workers are stopped: the batches no finished trainer took go, and once all
+    ``trainers`` finished ok the round bases of their policy (only store space is at stake,
+    so a store error is let be)."""
     from crf.rollouts.batches import drop_finished_queues
+    from crf.rollouts.policy import drop_finished_bases
 
     with contextlib.suppress(Exception):
         drop_finished_queues(store)
+    with contextlib.suppress(Exception):
+        drop_finished_bases(store, trainers)
 
 
 def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandle]) -> set[int]:

@@ -17,9 +17,7 @@ import sys
 from typing import Any
 
 from crf import layout
-
-#: the job failed with an error that a restart of this replica would hit again
-EXIT_UNRECOVERABLE = 3
+from crf.replica.failures import EXIT_UNRECOVERABLE  # the job failed; a restart would too
 
 
 def _set_threads(world_size: int, backend: str) -> None:

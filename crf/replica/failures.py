@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+#: a replica's (or rollout worker's) exit code when it failed with an error a restart would
+#: raise again: the driver does not start it again
+EXIT_UNRECOVERABLE = 3
+
 #: exception type names of a failing machine or network, whatever the phase (matched on the
 #: class and its bases, so a client library's subclasses count without importing it)
 TRANSIENT = frozenset({

@@ -350,6 +350,22 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
     check_generation_compile(compiled, fields)
     check_vllm(fields, spec, gpus, local)
     check_continuous_batching(fields, spec=spec, gpus=gpus, local=local)
+    check_rollout_loss(fields, spec)
+
+
+def check_rollout_loss(fields: Mapping[str, Any], spec: Any) -> None:
+    """SettingError before launch for a ``loss_type`` the rollout workers' off-policy
+    correction cannot weigh (crf.rollouts.config.UNCORRECTABLE_LOSSES); every replica's
+    trainer would refuse it at setup."""
+    from crf.rollouts.config import UNCORRECTABLE_LOSSES, uncorrectable_loss
+
+    if not getattr(spec, "rollout_workers", 0):
+        return
+    if getattr(spec, "rollout_correction", "token_truncate") == "off":
+        return
+    loss = fields.get("loss_type")
+    if loss in UNCORRECTABLE_LOSSES:
+        raise SettingError(f"trl.{uncorrectable_loss(str(loss))}")
 
 
 def _on_gpu(spec: Any, gpus: int | None, local: bool) -> bool:

@@ -229,11 +229,21 @@ class RolloutQueue:
         later attempt of it uses only batches of versions it publishes itself
         (crf/rollouts/source.py), never these. The returned batches stay: they are the rows
         its workers still owe it, which they generate first if it trains again (a restart
-        after a failure at its very end, or ``crf launch --resume --rounds`` with more
-        rounds); no trainer reads them."""
+        after a failure at its very end, or a resume of the run after another trainer
+        failed); no trainer reads them. Once every trainer finished ok they go too
+        (:meth:`drop_returned`)."""
         for w, seq in self.queued():
             self.store.delete(layout.rollout_key(self.rank, w, seq))
         self.store.delete(layout.rollout_cursor_key(self.rank))
+
+    def drop_returned(self) -> None:
+        """Delete the batches returned to the workers: no trainer trains again (every one
+        finished ok, and a run that ended ok is never resumed)."""
+        folder = f"{layout.rollout_dir(self.rank)}/returned"
+        for name in self.store.list(folder):
+            p = _parse(name)
+            if p is not None:
+                self.store.delete(layout.returned_key(self.rank, *p))
 
     def cursor(self) -> int | None:
         """The step the first queued batch will serve (None: the trainer has taken none)."""

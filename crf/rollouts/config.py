@@ -15,6 +15,19 @@ from typing import Any
 #: sequences outside [clip_min, clip_max] (mask); ``off`` trains on the rollouts as if they
 #: were on-policy (for comparison only)
 CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "off")
+#: TRL loss types whose per-token loss is not linear in the advantage for w >= 0: the
+#: advantage weighting would not be the importance-weighted objective
+UNCORRECTABLE_LOSSES = ("vespo",)
+
+
+def uncorrectable_loss(loss_type: str) -> str:
+    """The one line that refuses ``loss_type`` with rollout workers (checked before launch,
+    crf.replica.trl_settings, and by the trainer, crf.rollouts.intake)."""
+    return (
+        f"loss_type {loss_type!r} cannot take the off-policy correction rollout workers "
+        "need (its weights are not linear in the advantage): use grpo, dapo, dr_grpo, bnpo, "
+        "cispo, sapo or luspo with rollout workers"
+    )
 
 
 @dataclass(frozen=True, order=True)

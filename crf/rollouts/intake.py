@@ -27,7 +27,12 @@ from typing import Any, Protocol
 import torch
 from trl.trainer.utils import pad
 
-from crf.rollouts.config import CORRECTION_MODES, RolloutConfig
+from crf.rollouts.config import (
+    CORRECTION_MODES,
+    UNCORRECTABLE_LOSSES,
+    RolloutConfig,
+    uncorrectable_loss,
+)
 from crf.rollouts.correction import Correction, correct, refusal
 from crf.rollouts.generate import (
     RolloutTensors,
@@ -40,10 +45,6 @@ from crf.rollouts.generate import (
 __all__ = ["RolloutIntake", "RolloutSource", "Taken", "check_trainer"]
 
 log = logging.getLogger(__name__)
-
-#: TRL loss types whose per-token loss is not linear in the advantage for w >= 0: the
-#: advantage weighting would not be the importance-weighted objective
-UNCORRECTABLE_LOSSES = ("vespo",)
 
 
 class RolloutSource(Protocol):
@@ -78,11 +79,7 @@ def check_trainer(trainer: Any, config: RolloutConfig) -> None:
             f"{', '.join(CORRECTION_MODES)}"
         )
     if config.correction != "off" and trainer.loss_type in UNCORRECTABLE_LOSSES:
-        raise ValueError(
-            f"loss_type {trainer.loss_type!r} cannot take the off-policy correction rollout "
-            "workers need (its weights are not linear in the advantage): use grpo, dapo, "
-            "dr_grpo, bnpo, cispo, sapo or luspo with rollout workers"
-        )
+        raise ValueError(uncorrectable_loss(trainer.loss_type))
     if trainer.tools or getattr(trainer, "environment_factories", None) is not None:
         raise ValueError("rollout workers generate text completions only: drop tools/environments")
     if trainer.accelerator.num_processes > 1:

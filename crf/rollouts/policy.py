@@ -265,6 +265,28 @@ class PolicyPublisher:
             self.store.delete(f"{layout.policy_dir(self.rank)}/acks/{name}")
 
 
+def drop_finished_bases(store: RunStore, trainers: int) -> bool:
+    """Once all ``trainers`` have an ok result, delete the round bases (each trainer deletes
+    its own versions at its end, but a base is every trainer's, so none of them can) and
+    the batches returned to their workers (no trainer trains again: a run that ended ok is
+    never resumed); whether they went."""
+    from crf.rollouts.batches import RolloutQueue
+
+    for rank in range(trainers):
+        try:
+            result = store.get_json(layout.result_key(rank))
+        except (ObjectNotFound, ValueError, TypeError):
+            return False
+        if not isinstance(result, dict) or result.get("status") != "ok":
+            return False
+    for name in store.list(f"{layout.POLICY}/base"):
+        if name.isdigit():
+            store.delete(layout.policy_base_key(int(name)))
+    for rank in range(trainers):
+        RolloutQueue(store, rank).drop_returned()
+    return True
+
+
 def list_versions(store: RunStore, rank: int) -> list[int]:
     """The versions of trainer rank's policy in the store, oldest first."""
     return sorted(int(n) for n in store.list(layout.policy_dir(rank)) if n.isdigit())

@@ -8,7 +8,8 @@ the callback drives at the trainer's own moments:
 - ``begin`` (DiLoCo entered: the weights are the global ones) and every round start after
   it: the round's base weights go to the store (``policy/base/<r>``), then version ``step``;
 - ``step_end``: every ``publish_every`` inner steps, version ``step`` (a delta on the rollout
-  wire), deleting what no worker can still use;
+  wire), deleting what no worker can still use; nothing after the last step, which no
+  generation follows;
 - ``take_counts``: the round's rollouts by source, for ``RoundMetrics.rollouts``;
 - ``close``: the trainer's versions and its workers' acknowledgements go, and, once it has
   trained every step, the rollout batches queued for it (what its workers wrote ahead).
@@ -54,6 +55,9 @@ class TrainerRollouts:
         self._publish(model, step, force=False)
 
     def _publish(self, model: Any, step: int, *, force: bool) -> None:
+        total = getattr(self.ctx, "total_steps", None)
+        if total is not None and step >= int(total):
+            return  # trained every step: no generation left for a version (or a base) to serve
         r = step // self.sync_every
         if self._round != r and (force or step % self.sync_every == 0):
             self.publisher.start_round(r, model)

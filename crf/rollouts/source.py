@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from crf import layout
 from crf.rollouts.batches import RolloutBatch, RolloutQueue
-from crf.rollouts.config import RolloutConfig
+from crf.rollouts.config import RolloutConfig, in_bound
 from crf.rollouts.polling import Poll
 from crf.store import ObjectNotFound, RunStore
 
@@ -73,6 +73,8 @@ class RolloutCounts:
     per_worker: dict[int, int] = field(default_factory=dict)
     #: per worker, each used batch's correction statistics
     stats: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+    #: seconds the trainer spent looking for (and waiting for) its workers' batches
+    wait_s: float = 0.0
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -84,6 +86,7 @@ class RolloutCounts:
                 sum(self.staleness) / len(self.staleness) if self.staleness else None
             ),
             "staleness_max": max(self.staleness) if self.staleness else None,
+            "wait_s": round(self.wait_s, 3),
         }
         for w in sorted(self.per_worker):
             out[f"w{w}"] = self.per_worker[w]
@@ -156,6 +159,7 @@ class StoreRolloutSource:
         poll = Poll(first=self.poll_s, cap=MAX_POLL_S)
         poll.interval = self._wait_s  # pause at most a quarter of a typical wait
         alive_checked, alive = 0.0, True
+        hopeless = not self._may_come(step)
         while True:
             batch, returned, bad = self.queue.oldest_within(
                 step, self.cfg.max_staleness, rows, on_claim=claimed,
@@ -173,7 +177,7 @@ class StoreRolloutSource:
                 why = self._unusable(batch)
                 if why is None:
                     self._taken_at = {batch.key: step}
-                    waited = time.monotonic() - started
+                    waited = self._waited(started)
                     self._wait_s = waited if self._wait_s is None else (
                         0.7 * self._wait_s + 0.3 * waited)  # fmt: skip
                     return batch, [dict(self.rows[i]) for i in batch.row_ids]
@@ -187,8 +191,9 @@ class StoreRolloutSource:
             now = time.monotonic()
             if now - alive_checked >= ALIVE_EVERY_S:  # a few requests a second, not more
                 alive, alive_checked = self._worker_alive(), now
-            if now >= deadline or not alive:
+            if now >= deadline or not alive or hopeless:
                 self._set_cursor(step + 1)  # the trainer generates step's batch itself
+                self._waited(started)
                 return None
             poll.sleep(at_most=deadline - now)
 
@@ -226,6 +231,27 @@ class StoreRolloutSource:
         if self._cursor != step:
             self.queue.set_cursor(step)
             self._cursor = step
+
+    def _may_come(self, step: int) -> bool:
+        """Whether a batch for ``step`` may still come: this trainer published a version
+        within the bound of it (with ``--publish-every`` beyond ``--max-staleness`` + 1 some
+        steps have none, and waiting ``--rollout-wait`` for them would be in vain). Without
+        the publisher's digests (tests), always."""
+        if self.digests is None:
+            return True
+        low = max(0, step - self.cfg.max_staleness)
+        return any(
+            self.expected_digest(v) is not None
+            for v in range(low, step + 1)
+            if in_bound(v, step, self.cfg.max_staleness, self.cfg.sync_period)
+        )
+
+    def _waited(self, started: float) -> float:
+        """Count the seconds since ``started`` as time spent on the workers' batches."""
+        waited = time.monotonic() - started
+        self.counts.wait_s += waited
+        self.total.wait_s += waited
+        return waited
 
     def _count_refused(self) -> None:
         self.counts.refused += 1

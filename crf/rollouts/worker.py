@@ -49,13 +49,21 @@ MAX_POLL_S = 1.0
 
 
 def admits(
-    trainer_step: int, queued: int, version: int, max_staleness: int, sync_period: int = 0
+    trainer_step: int,
+    queued: int,
+    version: int,
+    max_staleness: int,
+    sync_period: int = 0,
+    total_steps: int | None = None,
 ) -> bool:
     """Whether a batch of policy ``version`` written now will be within the bound when its
     trainer uses it (crf.rollouts.config.in_bound): the trainer (at ``trainer_step``, or at
     least at ``version``, which it published) takes one batch per generation, ``queued``
-    are ahead of this one."""
+    are ahead of this one; and whether the trainer has that step to train at all (its
+    ``total_steps``: a batch for a step past its last would be generated for nobody)."""
     use = max(trainer_step, version) + queued
+    if total_steps is not None and use >= total_steps:
+        return False
     return in_bound(version, use, max_staleness, sync_period)
 
 
@@ -154,9 +162,15 @@ class RolloutWorker:
         before = self._previous_state()
         state = layout.WorkerState(worker=worker, serves=self.rank, pid=os.getpid(),
                                    host=socket.gethostname(), rollouts=before.rollouts,
-                                   batches=before.batches, returned=before.returned)  # fmt: skip
+                                   batches=before.batches, returned=before.returned,
+                                   staleness_mean=before.staleness_mean,
+                                   generate_s=before.generate_s)  # fmt: skip
         self.beat = Beat(store, state)
         self.staleness: list[int] = []
+        #: the earlier attempts' batches in the mean staleness (their sum, their count)
+        self._stale_before = (0.0, 0)
+        if before.staleness_mean is not None:
+            self._stale_before = (before.staleness_mean * before.batches, before.batches)
         queued = max((s for _, s in self.queue.queued(worker)), default=-1)
         self.seq = max(queued + 1, before.batches)
 
@@ -230,6 +244,9 @@ class RolloutWorker:
         except CorruptObjectError as e:
             log.warning("policy version %d unusable: %s", newest, e)
         else:
+            # with use_vllm TRL generates from its own copy of the weights, pushed only when
+            # told they changed: without this the worker would sample its first version on
+            self.trainer.weights_replaced()
             self.beat.update(version=self.reader.version)
             log.info("loaded policy version %d of trainer %d", newest, self.rank)
         return self.reader.version is not None
@@ -250,7 +267,9 @@ class RolloutWorker:
                 poll.event(step - seen)
             seen = step if seen is None else max(seen, step)
             queued = len(self.queue.queued())
-            if not admits(step, queued, version, self.cfg.max_staleness, self.cfg.sync_period):
+            total = int(self.spec.total_steps)
+            if not admits(step, queued, version, self.cfg.max_staleness, self.cfg.sync_period,
+                          total):  # fmt: skip
                 if self.beat.state.phase != "pacing":
                     self.beat.update(phase="pacing")
                 poll.sleep()
@@ -292,8 +311,11 @@ class RolloutWorker:
         self.seq += 1
         self.staleness.append(staleness)
         s = self.beat.state
+        total, count = self._stale_before
+        mean = (total + sum(self.staleness)) / (count + len(self.staleness))
+        took = time.perf_counter() - started
         self.beat.update(rollouts=s.rollouts + len(batch), batches=s.batches + 1,
-                         staleness_mean=sum(self.staleness) / len(self.staleness))  # fmt: skip
+                         staleness_mean=mean, generate_s=s.generate_s + took)  # fmt: skip
 
     def finish(self, status: str, error: str | None = None) -> None:
         self.beat.stop.set()
@@ -329,7 +351,10 @@ def _env_int(name: str, env: Any) -> int:
 
 def main(environ: Any = None) -> int:
     """The worker process: 0 when its trainer finished, 1 if it failed, 2 if the
-    environment breaks the contract."""
+    environment breaks the contract, 3 (``EXIT_UNRECOVERABLE``, as a replica's) if it failed
+    with an error a restart would raise again (crf.replica.failures: an error while it
+    builds its trainer's model, data and trainer, unless the machine or network failed),
+    so the launcher does not start it again."""
     from crf.replica import logs
     from crf.spec import RunSpec
     from crf.store import RunStore
@@ -357,17 +382,32 @@ def main(environ: Any = None) -> int:
     beats = threading.Thread(target=w.beat.run, name="crf-worker-beat", daemon=True)
     beats.start()
     log.info("rollout worker %d serves trainer %d (run %s)", worker, w.rank, spec.run_id)
+    phase = "starting"
     try:
         with tempfile.TemporaryDirectory(prefix="crf-rollout-") as tmp:
             w.build(tmp)
+            phase = "generating"
             w.run()
     except Exception as e:
-        log.exception("rollout worker failed")
-        w.finish("failed", f"{type(e).__name__}: {e}")
-        return 1
+        return _failed(w, e, phase)
     w.finish("ok")
     log.info("done: %d batches, %d rollouts", w.beat.state.batches, w.beat.state.rollouts)
     return 0
+
+
+def _failed(w: RolloutWorker, error: Exception, phase: str) -> int:
+    """Record the failure; the exit code: 3 when a restart would fail the same way (the
+    worker's own input, e.g. a model folder only it cannot read), else 1 (a death)."""
+    from crf.replica.failures import EXIT_UNRECOVERABLE, deterministic, one_line
+
+    w.finish("failed", f"{type(error).__name__}: {error}")
+    if deterministic(error, phase=phase):
+        log.error("rollout worker failed%s, and a restart cannot fix it: %s",
+                  " at setup" if phase == "starting" else "", one_line(error),
+                  exc_info=True)  # fmt: skip
+        return EXIT_UNRECOVERABLE
+    log.exception("rollout worker failed")
+    return 1
 
 
 def _set_threads(spec: Any, world: int) -> None:
