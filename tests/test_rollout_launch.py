@@ -313,6 +313,23 @@ def test_dry_run_shows_both_roles_with_hardware_price_and_worst_case(tmp_path: P
     assert "$8.20/h, worst case $8.20" in out
 
 
+def test_dry_run_says_a_staleness_bound_a_round_cannot_reach(tmp_path: Path) -> None:
+    """No rollout crosses an outer step, so with H / fragments = 4 a bound of 4 or more
+    allows nothing beyond 3 steps: the dry run says so; a bound within the round is silent."""
+    args = ["launch", "--dry-run", "--replicas", "2", "--rollout-workers", "2", "--sync-every",
+            "8", "--fragments", "2", "--store", str(tmp_path)]  # fmt: skip
+    result = cli(*args, "--max-staleness", "6")
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert (
+        "warning: --max-staleness 6: no rollout crosses an outer step (every 4 inner step(s) "
+        "here), so none is more than 3 step(s) stale whatever the bound; set --max-staleness 3 "
+        "or less, or raise --sync-every"
+    ) in flat
+    fits = cli(*args, "--max-staleness", "3")
+    assert fits.exit_code == 0 and "--max-staleness 3:" not in fits.output
+
+
 def test_the_workers_resources_row_names_their_own_options() -> None:
     """The workers' CPU and memory are set with -o rollout_<option>: the dry run's hint for
     them says so (the replicas' -o cpu=N would not change them)."""

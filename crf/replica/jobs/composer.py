@@ -535,12 +535,30 @@ def check_run(cfg: Config, spec: Any, gpus: int | None, local: bool) -> None:
 
 def notes(cfg: Config, spec: Any, rows: list[dict[str, Any]]) -> list[str]:
     """A dry run's warnings: completions shorter than the longest answer or trace in the
-    sampled rows of --dataset (crf/replica/trl_settings.py, completion_notes)."""
+    sampled rows of --dataset (crf/replica/trl_settings.py, completion_notes), and a
+    staleness bound the rollout workers can never reach (:func:`staleness_notes`)."""
     from crf.replica.trl_settings import completion_notes
 
     model = getattr(spec, "model", None)
     remote = bool(getattr(spec, "trust_remote_code", False))
-    return completion_notes(completion_tokens(cfg, spec), rows, model, remote)
+    said = completion_notes(completion_tokens(cfg, spec), rows, model, remote)
+    return said + staleness_notes(spec)
+
+
+def staleness_notes(spec: Any) -> list[str]:
+    """A ``--max-staleness`` beyond what a round allows: no rollout crosses an outer step
+    (crf.rollouts.config.in_bound), which comes every H / fragments inner steps, so a bound
+    of that many steps or more allows nothing more than one step less; said so that the
+    user does not count on the larger one."""
+    period = getattr(spec, "sync_period", 0)
+    bound = getattr(spec, "max_staleness", 0)
+    if not getattr(spec, "rollout_workers", 0) or not period or bound < period:
+        return []
+    return [
+        f"--max-staleness {bound}: no rollout crosses an outer step (every {period} inner "
+        f"step(s) here), so none is more than {period - 1} step(s) stale whatever the bound; "
+        f"set --max-staleness {period - 1} or less, or raise --sync-every"
+    ]
 
 
 def _grpo_default(name: str) -> Any:
