@@ -328,6 +328,10 @@ CASES = [
     Case("upper-case-suffixes-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(Path(_jsonl(t / "d" / "TRAIN.JSONL", _qa())).parent)],
          "holds TRAIN.JSONL, but datasets reads a folder's files by lower-case suffixes only"),
+    Case("backup-beside-the-data-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "train.jsonl", _qa())).parent)
+         if _jsonl(t / "d" / "train.jsonl.bak", _qa(question=None)) else ""],
+         "holds train.jsonl.bak, which datasets reads as rows of the 'train' split"),
     Case("compressed-parquet-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(t / "d") if _gz(t / "d" / "train.parquet.gz") else ""],
          "d: train.parquet.gz is a compressed Parquet file"),

@@ -291,12 +291,22 @@ def split_files(folder: str, config: str | None, split: str, flag: str) -> list[
             f"{flag} {folder} has no split {split!r}: its files make the split(s) "
             f"{', '.join(map(str, files))} (train.jsonl, test.jsonl...)"
         )
-    for f in map(str, files[split]):  # train.parquet.gz: datasets takes it, and fails on it
-        shown = f"{folder}: {os.path.relpath(f, base)}"
-        problem = None if suffix_of(f) else form_problem(shown, flag)
+    for f in map(str, files[split]):
+        if suffix_of(f):
+            continue
+        rel = os.path.relpath(f, base)
+        # train.parquet.gz: datasets takes it, and fails on it
+        problem = form_problem(f"{folder}: {rel}", flag)
         if problem:
             raise DataError(problem)
-    return [str(f) for f in files[split] if suffix_of(str(f))]
+        # train.jsonl.bak: datasets takes any file whose name holds a data suffix, and
+        # would train on a backup's rows, unchecked
+        raise DataError(
+            f"{flag} {folder} holds {rel}, which datasets reads as rows of the {split!r} "
+            "split (its name holds a data suffix) though its name does not end in one: move "
+            "it out, or rename it to end in its format's suffix"
+        )
+    return [str(f) for f in files[split]]
 
 
 def _builder_error(folder: str, config: str | None, flag: str, e: Exception) -> DataError:
