@@ -226,7 +226,10 @@ def test_diloco_s_outer_work_counts_as_the_sync_s_not_as_training(
         with ctx.diloco(model, opt):
             syncing.add(threading.get_ident())
             while ctx.step < ctx.total_steps:
-                loss = model(torch.randn(8, 4, device=device)).pow(2).mean()
+                # a generator of its own: the global one is what the other replica's
+                # build() seeds and draws its initial weights from
+                g = torch.Generator().manual_seed(1000 * rank + ctx.step)
+                loss = model(torch.randn(8, 4, generator=g).to(device)).pow(2).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
