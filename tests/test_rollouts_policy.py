@@ -4,6 +4,7 @@ file/memory store and on S3 (moto); acknowledgement-based deletion; bad objects 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -248,23 +249,31 @@ def test_run_ids_stay_apart() -> None:
         PolicyReader(a, 0, 0, run_id="other-run", wire="float32").load(tiny(1))
 
 
-def test_a_trainer_publishes_after_every_outer_step(store: RunStore) -> None:
-    """With --publish-every 3 and an outer step every 4 steps, the weights after each outer
-    step are published too: the rollouts of earlier versions are out of bounds then, and
-    workers would otherwise have nothing to generate with until the next publish."""
+def _trained(store: RunStore, publish_every: int, steps: int, **ctx: Any) -> Any:
+    """A trainer's rollout hooks (an outer step every 4 steps) driven through ``steps``
+    inner steps of a tiny model; ``ctx``: more of the replica context (``total_steps``)."""
     from types import SimpleNamespace
 
     from crf.rollouts.replica import TrainerRollouts
 
     spec = SimpleNamespace(run_id="r", sync_every=4, sync_period=4, rollout_workers=1,
-                           publish_every=3, max_staleness=9, rollout_wire="float32")  # fmt: skip
-    ctx = SimpleNamespace(spec=spec, store=store, rank=0, world_size=1, step=0)
-    hooks = TrainerRollouts(ctx, [{"prompt": "p"}], RolloutConfig.from_spec(spec))
+                           publish_every=publish_every, max_staleness=9,
+                           rollout_wire="float32")  # fmt: skip
+    context = SimpleNamespace(spec=spec, store=store, rank=0, world_size=1, step=0, **ctx)
+    hooks = TrainerRollouts(context, [{"prompt": "p"}], RolloutConfig.from_spec(spec))
     model = tiny(0)
     hooks.begin(model, 0)
-    for s in range(1, 10):
+    for s in range(1, steps + 1):
         step(model, s)
         hooks.step_end(model, s)
+    return hooks
+
+
+def test_a_trainer_publishes_after_every_outer_step(store: RunStore) -> None:
+    """With --publish-every 3 and an outer step every 4 steps, the weights after each outer
+    step are published too: the rollouts of earlier versions are out of bounds then, and
+    workers would otherwise have nothing to generate with until the next publish."""
+    hooks = _trained(store, publish_every=3, steps=9)
     published = [v for v in range(10) if hooks.publisher.knows(v)]
     assert published == [0, 3, 4, 6, 8, 9]
 
@@ -272,18 +281,6 @@ def test_a_trainer_publishes_after_every_outer_step(store: RunStore) -> None:
 def test_a_trainer_publishes_nothing_after_its_last_step(store: RunStore) -> None:
     """The weights after the last step (here also an outer step's) serve no generation: no
     version and no base of a round that never comes go to the store."""
-    from types import SimpleNamespace
-
-    from crf.rollouts.replica import TrainerRollouts
-
-    spec = SimpleNamespace(run_id="r", sync_every=4, sync_period=4, rollout_workers=1,
-                           publish_every=1, max_staleness=9, rollout_wire="float32")  # fmt: skip
-    ctx = SimpleNamespace(spec=spec, store=store, rank=0, world_size=1, step=0, total_steps=8)
-    hooks = TrainerRollouts(ctx, [{"prompt": "p"}], RolloutConfig.from_spec(spec))
-    model = tiny(0)
-    hooks.begin(model, 0)
-    for s in range(1, 9):
-        step(model, s)
-        hooks.step_end(model, s)
+    hooks = _trained(store, publish_every=1, steps=8, total_steps=8)
     assert [v for v in range(9) if hooks.publisher.knows(v)][-1] == 7
     assert sorted(store.list(f"{layout.POLICY}/base")) == ["0", "1"]
