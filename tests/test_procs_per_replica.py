@@ -27,7 +27,7 @@ from crf.launcher.cli import app
 from crf.replica.local_fsdp import PREPARE, SYNC, action_at
 from crf.replica.local_ranks import LocalGroup
 from tests.fake_job import register_fake_job
-from tests.fault_helpers import launch_lm
+from tests.fault_helpers import describe, launch_lm
 
 #: the largest |w(2 x 2) - w(2 x 1)| allowed over every final weight. DDP (and FSDP's
 #: reduce-scatter) averages the two half-batch gradients (a sum in another order than one
@@ -130,7 +130,7 @@ def _two_by_two_with_a_kill(base: Path, run_id: str, mode: str, common: dict) ->
     assert summary["weights_identical"] is True
     dead = summary["replicas"][0]
     assert dead["restarts"] == 1 and any(a["exit_code"] == 1 for a in dead["attempts"]), dead
-    assert summary["replicas"][1]["restarts"] == 0
+    assert summary["replicas"][1]["restarts"] == 0, describe(summary)
     assert dead["resumed_from"] == 0, dead  # global/0, written before the kill
     for r in range(2):  # each result says how many processes trained the replica
         assert json.loads((base / run_id / "results" / f"{r}.json").read_text())["local_ranks"] == 2

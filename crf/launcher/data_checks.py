@@ -6,8 +6,9 @@ trainer; and being deterministic, it would surface again on every restart. So th
 what is cheap to read here and refuses the launch in one line that names the fix:
 
 - every row of each local split the run uses (training and held-out; of a split too large
-  to read whole, its first rows), and a URL's first rows (crf/replica/data.py
-  ``first_rows``), after the ``--column`` mapping: empty splits, null or non-text prompts,
+  to read whole, its first rows), and a URL's or a reachable Hub dataset's first rows,
+  streamed (crf/replica/data.py ``first_rows``; a Hub dataset's config and split are
+  checked on the way), after the ``--column`` mapping: empty splits, null or non-text prompts,
   empty SFT texts, answers the chosen reward cannot read, columns that mix kinds; each
   reward function is called on a few of them (:data:`SAMPLE_ROWS`) and must return one
   finite number per row;
@@ -33,8 +34,10 @@ import math
 import os
 import re
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from crf.launcher.errors import LaunchError
@@ -43,6 +46,9 @@ from crf.launcher.errors import LaunchError
 SAMPLE_ROWS = 8
 #: seconds the Hub may take to answer before it counts as unreachable
 HUB_TIMEOUT_S = 4.0
+#: seconds a Hub dataset's first rows may take to stream before the replicas are left to
+#: check them (resolving the repo's files and reading the head of the first one)
+HUB_ROWS_S = 60.0
 #: files of which at least one makes a tokenizer (transformers' fast and slow formats)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer_config.json")  # fmt: skip
@@ -97,11 +103,13 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             check_model(model, spec)
         else:
             hub.insert(0, ("--model", model))
+    unsampled: set[str] = set()  # Hub datasets whose rows are not read here
     for flag, name in hub:
         kind = "model" if flag == "--model" else "dataset"
         problem = hub_problem(name, kind, local=local)
         if problem is None:
             continue
+        unsampled.add(name)
         parent = name.split("/", 1)[0]
         if kind == "dataset" and "/" in name and os.path.isdir(parent):
             problem = f"no such file or folder in {parent}/ here, and as a Hub id: {problem}"
@@ -114,7 +122,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
                 f"{flag} {name}: not reached from this machine ({problem}); the "
                 f"{spec.backend} replicas must reach it themselves"
             )
-    splits = sample_splits(spec)
+    splits = sample_splits(spec, unsampled, found.warnings)
     for split in splits:
         check_rows(spec, split)
         if split.unread:
@@ -429,11 +437,15 @@ def _conversational(split: Split) -> bool:
 
 
 # ---------------------------------------------------------------------- the rows
-def sample_splits(spec: Any) -> list[Split]:
-    """The rows of every local or URL split the run reads, with the job's field names: a
-    local file or folder whole (its every value, for :func:`check_rows`), a URL's first rows
-    (a Hub dataset is checked for reachability only: rows are the replicas' download)."""
-    from crf.replica.data import builder_of, eval_source, is_local_folder
+def sample_splits(spec: Any, unsampled: set[str], warnings: list[str]) -> list[Split]:
+    """The rows of every split the run reads, with the job's field names: a local file or
+    folder whole (its every value, for :func:`check_rows`), a URL's or a Hub dataset's first
+    rows, streamed (the replicas download the rest). A Hub dataset in ``unsampled`` (not
+    reached from here) is left to the replicas, as is one with ``HF_HUB_OFFLINE`` set or
+    whose first rows take longer than :data:`HUB_ROWS_S` (a line of ``warnings`` says so)."""
+    from huggingface_hub import constants
+
+    from crf.replica.data import eval_source
 
     sources = []
     if spec.dataset:
@@ -444,10 +456,47 @@ def sample_splits(spec: Any) -> list[Split]:
         sources.append((flag, *held))
     out = []
     for flag, name, config, split in sources:
-        if builder_of(name) is None and not is_local_folder(name):
-            continue
-        out.append(_sample(spec, flag, name, config, split))
+        if not _is_hub_dataset(name):
+            out.append(_sample(spec, flag, name, config, split))
+        elif name not in unsampled and not constants.HF_HUB_OFFLINE:
+            sample = in_time(partial(_sample, spec, flag, name, config, split), HUB_ROWS_S)
+            if sample is None:
+                warnings.append(
+                    f"{flag} {name}: its first rows did not arrive within {HUB_ROWS_S:g}s, "
+                    "so they were not checked here; each replica checks its own rows when "
+                    "it starts"
+                )
+            else:
+                out.append(sample)
     return out
+
+
+def _is_hub_dataset(name: str) -> bool:
+    from crf.replica.data import builder_of, is_local_folder
+
+    return builder_of(name) is None and not is_local_folder(name)
+
+
+def in_time(read: Callable[[], Any], seconds: float) -> Any:
+    """``read()``'s value, or None when it takes longer than ``seconds`` (its thread, a
+    daemon, is left to end by itself: a download cannot be interrupted). Its exception is
+    raised here."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = read()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="crf-first-rows", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return None
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _wanted(spec: Any, flag: str) -> int:
@@ -461,8 +510,26 @@ def _wanted(spec: Any, flag: str) -> int:
     return max(SAMPLE_ROWS, int(spec.replicas) * per_step)
 
 
+def _needs_answer(spec: Any) -> bool:
+    """The composer job's rows need an answer column: a ``--reward`` reads it, or the job's
+    own reward does (no ``--reward``)."""
+    from crf.replica.rewards import parse_rewards
+
+    specs = parse_rewards(list(spec.reward or []))
+    return any(s.needs_answer for s in specs) or not specs
+
+
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
-    from crf.replica.data import FIELDS, DataError, first_rows, kept_columns, read_error
+    from crf.replica.data import (
+        FIELDS,
+        DataError,
+        field_columns,
+        first_rows,
+        is_local,
+        kept_columns,
+        read_error,
+        required_fields,
+    )
 
     try:
         first, names, counted, every = first_rows(name, config, split, _wanted(spec, flag), flag)
@@ -501,6 +568,11 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
                 values["answer"] = every.column(answer)
         unread = list(getattr(every, "unread", []))
         return Split(flag, name, rows, form, counted, values, _partial(every), unread)
+    if not is_local(name):  # a URL's or Hub dataset's columns (a local one's: plan.py)
+        try:
+            field_columns(columns, names, name, required_fields(_needs_answer(spec)), flag)
+        except DataError as e:
+            raise LaunchError(str(e)) from None
     present = [f for f in FIELDS if columns.get(f, f) in names]
     # the job's fields, and every column under its own name (the rewards get them all)
     keep = kept_columns([(columns.get(f, f), f) for f in present], names)

@@ -44,6 +44,7 @@ from crf.replica.data_files import (
     check_local,
     load_saved,
     no_bars,
+    part_error,
     read_rows,
     saved_kind,
     suffix_of,
@@ -147,8 +148,14 @@ def _load(
             ds = load_saved(os.path.expanduser(dataset), split, flag)
             return ds.to_iterable_dataset() if streaming else ds
         builder = builder_of(dataset)
-        if builder is None:
-            return load_dataset(dataset, config, split=split, streaming=streaming)
+        if builder is None:  # a Hub id
+            try:
+                return load_dataset(dataset, config, split=split, streaming=streaming)
+            except Exception as e:  # a config or split it has not: one line
+                known = part_error(dataset, config, split, flag, e)
+                if known is None:
+                    raise
+                raise known from None
         files = {split: dataset}
         return load_dataset(builder, data_files=files, split=split, streaming=streaming)
 
@@ -216,7 +223,7 @@ def required_fields(needs_answer: bool) -> tuple[str, ...]:
     return ("prompt", "answer") if needs_answer else ("prompt",)
 
 
-def _renames(
+def field_columns(
     columns: Mapping[str, str],
     names: list[str],
     dataset: str,
@@ -255,7 +262,7 @@ def load_shard(
     each checked by the rules the launcher applies to a local file (:func:`check_values`:
     a Hub or URL dataset meets them here, as a DataError naming the row)."""
     ds = _load(dataset, config, split)
-    renames = _renames(columns, list(ds.column_names), dataset, required_fields(needs_answer))
+    renames = field_columns(columns, list(ds.column_names), dataset, required_fields(needs_answer))
     keep = kept_columns(renames, list(ds.column_names))
     if len(ds) < world_size:
         raise DataError(_too_few(dataset, len(ds), world_size))
@@ -509,7 +516,7 @@ def check_dataset(
         raise DataError(f"{flag} {dataset} has no rows")
     if count < replicas:
         raise DataError(_too_few(dataset, count, replicas))
-    renames = _renames(columns, names, dataset, required_fields(needs_answer), flag)
+    renames = field_columns(columns, names, dataset, required_fields(needs_answer), flag)
     return [{f: row.get(c) for c, f in renames} for row in first]
 
 
@@ -611,7 +618,7 @@ def load_eval(spec: Any, needs_answer: bool, reader: str | None = None) -> list[
     dataset, config, split = source
     flag = "--eval-dataset" if spec.eval_dataset else "--dataset"
     ds = _load(dataset, config, split, flag=flag)
-    renames = _renames(
+    renames = field_columns(
         spec.columns, list(ds.column_names), dataset, required_fields(needs_answer), flag
     )
     keep = fixed_subsample(list(range(len(ds))), int(spec.eval_examples), int(spec.seed))

@@ -33,6 +33,7 @@ import contextlib
 import json
 import lzma
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -318,24 +319,51 @@ def _builder_error(folder: str, config: str | None, flag: str, e: Exception) -> 
             f"{_formats_of(whole)}), and datasets reads a folder in one: convert one "
             "split's files (e.g. all to .jsonl)"
         )
+    known = part_error(folder, config, None, flag, e)
+    if known is not None:
+        return known
+    return DataError(f"{flag} {folder} cannot be read: {whole[:300] or type(e).__name__}")
+
+
+def split_option(flag: str) -> str:
+    """The option that names the split of the data ``flag`` names."""
+    return "--dataset-split" if flag == "--dataset" else "--eval-split"
+
+
+def part_error(
+    name: str, config: str | None, split: str | None, flag: str, e: BaseException
+) -> DataError | None:
+    """``datasets``' error for a config or split a dataset (a Hub id or a folder) does not
+    have, as one line naming the option to change and what there is; None for any other
+    error (a network error is no fault of the options)."""
+    whole = " ".join(str(e).split())
+    where = "--dataset" if flag == "--eval-split" else flag  # --eval-split: of --dataset
     if "Config name is missing" in whole:  # a README's YAML names several
         names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
         return DataError(
-            f"{flag} {folder} has several configs {names.strip()}: choose one with --dataset-config"
+            f"{where} {name} has several configs {names.strip()}: choose one with --dataset-config"
         )
     if config is not None and f"BuilderConfig '{config}' not found" in whole:
         names = whole.split("Available:", 1)[-1].strip(" []").replace("'", "")
         return DataError(
-            f"--dataset-config {config}: {flag} {folder} has no such config (its configs: "
+            f"--dataset-config {config}: {where} {name} has no such config (its configs: "
             f"{names}); name one of them, or drop --dataset-config"
         )
-    return DataError(f"{flag} {folder} cannot be read: {whole[:300] or type(e).__name__}")
+    # streamed: "Bad split: x. Available splits: [...]"; downloaded: "Unknown split "x".
+    # Should be one of [...]."
+    bad = re.search(r"(?:Bad split: .+?\. Available splits:|Unknown split .+?\. Should be "
+                    r"one of) \[(.*?)\]", whole)  # fmt: skip
+    if split is not None and bad:
+        names = bad.group(1).replace("'", "")
+        return DataError(
+            f"{split_option(flag)} {split}: {where} {name} has no such split (its splits: "
+            f"{names}); name one of them"
+        )
+    return None
 
 
 def _formats_of(message: str) -> str:
     """``train: json, test: csv`` from datasets' message of a folder's mixed splits."""
-    import re
-
     pairs = re.findall(r"NamedSplit\('([^']+)'\): \('(\w+)'", message)
     return ", ".join(f"{split}: {fmt}" for split, fmt in pairs) or "see the file names"
 

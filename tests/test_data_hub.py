@@ -1,0 +1,171 @@
+"""A Hub dataset (``--dataset org/name``) checked before launch, as a URL is: its first rows
+streamed from a loopback Hub (tests/emulators/hf_hub.py) through the real ``datasets`` and
+``huggingface_hub`` clients, so a config or split it has not, a column it lacks or a bad row
+is one line before any replica starts; and a replica that meets a missing config or split
+says the same line."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_cli import crf
+
+WORDS = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"] * 2  # 16 rows
+
+#: a README whose YAML names two configs, each one split (as many Hub datasets do)
+CONFIGS = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train.jsonl
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train.jsonl
+---
+# two configs
+"""
+
+
+def _rows(**change: Any) -> list[dict[str, Any]]:
+    """GSM8K-shaped rows (question/answer), row 3 changed by ``change``."""
+    rows: list[dict[str, Any]] = [{"question": f"{w}=", "answer": w[::-1]} for w in WORDS]
+    rows[3] = {**rows[3], **change}
+    return rows
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def hub_data(hf_hub: Any, hf_hub_env: dict, tmp_path: Path) -> dict[str, str]:
+    """Three dataset repos: ``configs`` (two configs, train only), ``splits`` (train and
+    test files, no README) and ``null`` (train, its row 3's question null)."""
+    two = tmp_path / "configs"
+    (two / "README.md").parent.mkdir(parents=True)
+    (two / "README.md").write_text(CONFIGS)
+    _write(two / "main" / "train.jsonl", _rows())
+    _write(two / "socratic" / "train.jsonl", _rows())
+    hf_hub.add_repo("crf-test/configs", two, kind="dataset")
+    splits = tmp_path / "splits"
+    _write(splits / "data" / "train.jsonl", _rows())
+    _write(splits / "data" / "test.jsonl", _rows())
+    hf_hub.add_repo("crf-test/splits", splits, kind="dataset")
+    null = tmp_path / "null"
+    _write(null / "data" / "train.jsonl", _rows(question=None))
+    hf_hub.add_repo("crf-test/null", null, kind="dataset")
+    return {"store": str(tmp_path / "runs")}
+
+
+def _launch(hub_data: dict[str, str], *args: str) -> Any:
+    return crf("launch", "--store", hub_data["store"], "--dry-run", "--replicas", "2",
+               "--column", "prompt=question", *args)  # fmt: skip
+
+
+def _one_line(result: Any) -> str:
+    """The refusal: exit 2 and one error line (no traceback)."""
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert "Traceback" not in result.output, result.output
+    return " ".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--dataset", "crf-test/configs"],
+         "--dataset crf-test/configs has several configs ['main', 'socratic']: choose one "
+         "with --dataset-config"),
+        (["--dataset", "crf-test/configs", "--dataset-config", "Main"],
+         "--dataset-config Main: --dataset crf-test/configs has no such config (its configs: "
+         "main, socratic)"),
+        (["--dataset", "crf-test/splits", "--dataset-split", "validation"],
+         "--dataset-split validation: --dataset crf-test/splits has no such split (its "
+         "splits: train, test)"),
+        (["--dataset", "crf-test/configs", "--dataset-config", "main", "--eval-split", "test"],
+         "--eval-split test: --dataset crf-test/configs has no such split (its splits: train)"),
+        (["--dataset", "crf-test/splits", "--column", "answer=solution"],
+         "no column 'solution'"),
+        (["--dataset", "crf-test/null"], "row 3"),
+    ],
+    ids=["no-config", "unknown-config", "unknown-split", "unknown-eval-split", "no-column",
+         "null-prompt"],
+)  # fmt: skip
+def test_a_hub_datasets_mistake_is_one_line_before_launch(
+    hub_data: dict[str, str], args: list[str], says: str
+) -> None:
+    line = _one_line(_launch(hub_data, *args))
+    assert says in line, line
+    assert not Path(hub_data["store"]).exists()  # nothing written
+
+
+def test_a_good_hub_dataset_passes_with_its_config_and_held_out_split(
+    hub_data: dict[str, str],
+) -> None:
+    ok = _launch(hub_data, "--dataset", "crf-test/configs", "--dataset-config", "socratic")
+    assert ok.exit_code == 0, ok.output
+    held = _launch(hub_data, "--dataset", "crf-test/splits", "--eval-split", "test")
+    assert held.exit_code == 0, held.output
+
+
+def test_a_replica_meets_a_missing_config_or_split_as_the_same_line(
+    hub_data: dict[str, str],
+) -> None:
+    """What a replica reads (``load_shard``, the whole split) refuses a config or split the
+    dataset has not with the launcher's line: a DataError, which the replica reports as an
+    error no restart cures."""
+    from crf.replica.data import DataError, load_shard
+
+    def shard(config: str | None, split: str) -> list[dict[str, Any]]:
+        return load_shard("crf-test/configs", config=config, split=split,
+                          columns={"prompt": "question"}, rank=0, world_size=2,
+                          needs_answer=True)  # fmt: skip
+
+    assert len(shard("main", "train")) == len(WORDS) // 2
+    with pytest.raises(DataError, match="has no such config .its configs: main, socratic"):
+        shard("Main", "train")
+    with pytest.raises(DataError, match="--dataset-split test: .* no such split"):
+        shard("main", "test")
+
+
+def test_rows_slower_than_the_bound_are_left_to_the_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Hub dataset whose first rows do not arrive in HUB_ROWS_S: the launch goes on with a
+    warning that the replicas check their rows (a stalled read holds nothing up)."""
+    from types import SimpleNamespace
+
+    from crf.launcher import data_checks
+
+    stalled = threading.Event()
+
+    def stall(*args: Any) -> None:
+        stalled.wait(30)
+
+    monkeypatch.setattr(data_checks, "_sample", stall)
+    monkeypatch.setattr(data_checks, "HUB_ROWS_S", 0.2)
+    spec = SimpleNamespace(dataset="crf-test/slow", dataset_config=None, dataset_split="train",
+                           eval_dataset=None, eval_split=None)  # fmt: skip
+    warnings: list[str] = []
+    try:
+        assert data_checks.sample_splits(spec, set(), warnings) == []
+    finally:
+        stalled.set()
+    assert len(warnings) == 1 and "did not arrive within 0.2s" in warnings[0], warnings
+    assert "each replica checks its own rows" in warnings[0]
+
+
+def test_in_time_returns_the_value_or_raises_the_error() -> None:
+    from crf.launcher.data_checks import in_time
+
+    assert in_time(lambda: 7, 30) == 7
+    with pytest.raises(KeyError, match="x"):
+        in_time(lambda: {}["x"], 30)
