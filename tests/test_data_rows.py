@@ -488,3 +488,24 @@ def test_a_conversation_needs_named_roles_and_text_contents() -> None:
         "a list of messages whose message 0 (user) has a content that is null, not text"
     )
     assert "role that is empty" in messages_problem([{"role": " ", "content": "x"}])
+
+
+def test_a_linked_folder_beside_data_files_is_named_as_unread(tmp_path: Path) -> None:
+    """datasets follows a linked file but not a linked folder: a folder's train.jsonl beside
+    ``more/ -> elsewhere`` (which holds rows) trains on train.jsonl alone, so the dry run
+    warns, naming the link; a link to a folder without data files says nothing."""
+    folder = tmp_path / "d"
+    for made in (folder / "data", tmp_path / "elsewhere", tmp_path / "notes"):
+        made.mkdir(parents=True)
+    _jsonl(folder / "data" / "train-0.jsonl", _rows())
+    _jsonl(tmp_path / "elsewhere" / "train-1.jsonl", _rows())
+    (tmp_path / "notes" / "readme.txt").write_text("no rows")
+    (folder / "more").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (folder / "data" / "deeper").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (folder / "docs").symlink_to(tmp_path / "notes", target_is_directory=True)
+    result = _dry(tmp_path, "--dataset", str(folder))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert f"warning: --dataset {folder}: data/deeper/ (a link), more/ (a link) not read" in text
+    assert "not into linked folders" in text and "copy them in" in text
+    assert "docs/" not in text

@@ -129,7 +129,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             found.warnings.append(
                 f"{split.flag} {split.dataset}: {', '.join(split.unread[:3])} not read (a "
                 "folder is read in one format, its most common, and by lower-case suffixes, "
-                "as datasets reads it); convert or rename such files, or move them out"
+                "and not into linked folders, as datasets reads it); convert or rename such "
+                "files, or move them out (a linked folder's: copy them in)"
             )
         if split.partial:
             found.warnings.append(

@@ -432,7 +432,31 @@ def other_formats(folder: str, read: list[str]) -> list[str]:
             continue
         if BUILDERS[suffix] not in formats or not seen_in_folder(f):
             out.append(f)
-    return out
+    return out + linked_folders(folder)
+
+
+def linked_folders(folder: str) -> list[str]:
+    """The folder's links to folders that hold data files (``more/ -> /data/more``), as
+    ``more/ (a link)``: ``datasets`` follows a linked file but not a linked folder, so their
+    rows are skipped without a word. Looked for as deep as :func:`other_formats` looks."""
+    folder = os.path.normpath(folder)
+    out = []
+    for root, dirs, _ in os.walk(folder):
+        rel = os.path.relpath(root, folder)
+        below = 0 if rel == "." else rel.count(os.sep) + 1
+        for d in sorted(dirs):
+            path = os.path.join(root, d)
+            if not d.startswith(".") and os.path.islink(path) and _holds_data(path):
+                out.append(os.path.normpath(os.path.join(rel, d)) + "/ (a link)")
+        dirs[:] = [] if below >= 1 else [d for d in dirs if not d.startswith(".")]
+    return sorted(out)
+
+
+def _holds_data(path: str) -> bool:
+    try:
+        return any(suffix_of(f) for f in _data_files(path, first_data=True))
+    except OSError:
+        return False
 
 
 def _concat(parts: list[Rows]) -> Rows:
