@@ -158,6 +158,32 @@ def test_a_worker_whose_model_folder_is_missing_exits_3_saying_why(tmp_path: Pat
     assert "a restart cannot fix it" in out.stderr
 
 
+def test_a_worker_failing_as_its_previous_attempt_did_is_not_restarted(tmp_path: Path) -> None:
+    """An error while generating is a death the first time (exit 1: restarted); raised
+    again by the restarted attempt (its previous attempt's result names it) it would come
+    on every restart: exit 3. Another error, or an out-of-memory twice, stays a death."""
+    from crf.rollouts.worker import RolloutWorker, _failed
+
+    uri = f"file://{tmp_path}/run"
+    store = RunStore(uri)
+    spec = run_spec(uri)
+    store.put(layout.RUN_SPEC, spec.to_json().encode())
+
+    def attempt(error: Exception) -> int:
+        return _failed(RolloutWorker(store, spec, 0, 1), error, "generating")
+
+    bad = ValueError("token id 99 is out of the vocabulary (64)")
+    assert RolloutWorker(store, spec, 0, 1).earlier_error is None  # the first attempt
+    assert attempt(bad) == 1
+    assert RolloutWorker(store, spec, 0, 1).earlier_error == f"ValueError: {bad}"
+    assert attempt(bad) == 3
+    result = layout.WorkerState.from_dict(store.get_json(layout.worker_result_key(0)))
+    assert (result.status, result.error) == ("failed", f"ValueError: {bad}")
+    assert attempt(RuntimeError("another error")) == 1  # not the one before: a death
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert attempt(oom) == 1 and attempt(oom) == 1  # the machine's, not the input's
+
+
 def test_a_restarted_worker_goes_on_where_it_stopped(tmp_path: Path) -> None:
     from crf.rollouts.batches import RolloutBatch
     from crf.rollouts.worker import RolloutWorker

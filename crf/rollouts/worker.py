@@ -173,6 +173,8 @@ class RolloutWorker:
             self._stale_before = (before.staleness_mean * before.batches, before.batches)
         queued = max((s for _, s in self.queue.queued(worker)), default=-1)
         self.seq = max(queued + 1, before.batches)
+        #: the error its previous attempt failed with (its result), None if it had none
+        self.earlier_error = self._earlier_error()
 
     def _previous_state(self) -> layout.WorkerState:
         try:
@@ -182,6 +184,15 @@ class RolloutWorker:
         except Exception:  # noqa: BLE001 - none (the first attempt) or unreadable: start afresh
             return layout.WorkerState(worker=self.worker)
         return old if old.serves == self.rank else layout.WorkerState(worker=self.worker)
+
+    def _earlier_error(self) -> str | None:
+        try:
+            old = self.store.get_json(layout.worker_result_key(self.worker))
+        except Exception:  # noqa: BLE001 - none (no attempt failed before) or unreadable
+            return None
+        if not isinstance(old, dict) or old.get("status") != "failed":
+            return None
+        return str(old.get("error") or "").strip() or None
 
     # ------------------------------------------------------------------ setup
     def build(self, tmp: str) -> None:
@@ -353,8 +364,8 @@ def main(environ: Any = None) -> int:
     """The worker process: 0 when its trainer finished, 1 if it failed, 2 if the
     environment breaks the contract, 3 (``EXIT_UNRECOVERABLE``, as a replica's) if it failed
     with an error a restart would raise again (crf.replica.failures: an error while it
-    builds its trainer's model, data and trainer, unless the machine or network failed),
-    so the launcher does not start it again."""
+    builds its trainer's model, data and trainer, or one its previous attempt failed with
+    too, unless the machine or network failed), so the launcher does not start it again."""
     from crf.replica import logs
     from crf.spec import RunSpec
     from crf.store import RunStore
@@ -397,14 +408,20 @@ def main(environ: Any = None) -> int:
 
 def _failed(w: RolloutWorker, error: Exception, phase: str) -> int:
     """Record the failure; the exit code: 3 when a restart would fail the same way (the
-    worker's own input, e.g. a model folder only it cannot read), else 1 (a death)."""
-    from crf.replica.failures import EXIT_UNRECOVERABLE, deterministic, one_line
+    worker's own input, e.g. a model folder only it cannot read; or an error its previous
+    attempt failed with too, unless the machine or network failed), else 1 (a death)."""
+    from crf.replica.failures import EXIT_UNRECOVERABLE, deterministic, one_line, transient
 
     w.finish("failed", f"{type(error).__name__}: {error}")
     if deterministic(error, phase=phase):
         log.error("rollout worker failed%s, and a restart cannot fix it: %s",
                   " at setup" if phase == "starting" else "", one_line(error),
                   exc_info=True)  # fmt: skip
+        return EXIT_UNRECOVERABLE
+    earlier = (w.earlier_error or "").splitlines()[:1]
+    if earlier == [one_line(error)] and not transient(error):
+        log.error("rollout worker failed as its previous attempt did, so a restart cannot fix "
+                  "it: %s", one_line(error), exc_info=True)  # fmt: skip
         return EXIT_UNRECOVERABLE
     log.exception("rollout worker failed")
     return 1
