@@ -95,9 +95,13 @@ def _one_line(result: Any) -> str:
         (["--dataset", "crf-test/splits", "--column", "answer=solution"],
          "no column 'solution'"),
         (["--dataset", "crf-test/null"], "row 3"),
+        (["--job", "sft", "--dataset", "crf-test/splits"], "has none of the sft formats"),
+        (["--job", "sft", "--dataset", "crf-test/splits", "--column", "completion=answer",
+          "--eval-split", "test", "--reward", "exact_match", "--column", "answer=nope"],
+         "has no column 'nope' for --reward to check answers against"),
     ],
     ids=["no-config", "unknown-config", "unknown-split", "unknown-eval-split", "no-column",
-         "null-prompt"],
+         "null-prompt", "sft-no-format", "sft-held-out-no-answer"],
 )  # fmt: skip
 def test_a_hub_datasets_mistake_is_one_line_before_launch(
     hub_data: dict[str, str], args: list[str], says: str
@@ -114,6 +118,10 @@ def test_a_good_hub_dataset_passes_with_its_config_and_held_out_split(
     assert ok.exit_code == 0, ok.output
     held = _launch(hub_data, "--dataset", "crf-test/splits", "--eval-split", "test")
     assert held.exit_code == 0, held.output
+    sft = _launch(hub_data, "--job", "sft", "--dataset", "crf-test/splits", "--column",
+                  "completion=answer", "--eval-split", "test", "--reward",
+                  "exact_match")  # fmt: skip
+    assert sft.exit_code == 0, sft.output
 
 
 def test_a_replica_meets_a_missing_config_or_split_as_the_same_line(

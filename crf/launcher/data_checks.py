@@ -545,10 +545,13 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     raw = first[:SAMPLE_ROWS]
     columns = dict(spec.columns)
     if spec.job == "sft":
-        from crf.replica.sft_data import other_columns, sft_format
+        from crf.replica.sft_data import check_scorable, other_columns, sft_format
 
         try:
             form, renames = sft_format(names, columns, name)
+            if flag != "--dataset" and spec.reward:  # held-out rows the rewards score
+                needs = ("prompt", *(("answer",) if _needs_answer(spec) else ()))
+                check_scorable(name, form, names, columns, needs, flag)
         except ValueError as e:
             raise LaunchError(str(e)) from None
         answer = columns.get("answer", "answer")

@@ -505,8 +505,8 @@ def check_dataset(
     for every replica (``replicas``; 1 for held-out data, which a replica may have none of).
     Read by :func:`first_rows`: a local file or folder whole (the launcher's row checks then
     see every row), a URL's first ``max(replicas, sample)`` rows. Returns those first rows as
-    dicts of the job's fields (what the dry run inspects). A Hub id is checked by the
-    replicas (nothing is returned for it)."""
+    dicts of the job's fields (what the dry run inspects). A Hub id's first rows are read by
+    crf/launcher/data_checks.py, within a time bound (nothing is returned for it here)."""
     check_columns(columns)
     check_local(dataset, flag)
     if builder_of(dataset) is None and not is_local_folder(dataset):

@@ -185,8 +185,8 @@ def check_sft_dataset(
     values of the right kind, the fields held-out scoring ``needs`` (``prompt``: not plain
     text; ``answer``) and (``replicas`` > 0) a row for every replica. Read by
     crf/replica/data.py ``first_rows``: a local file or folder whole, every row checked
-    (:func:`check_rows`); of a URL, the first ``replicas`` rows (at least 4). A Hub id is
-    checked by the replicas."""
+    (:func:`check_rows`); of a URL, the first ``replicas`` rows (at least 4). A Hub id's
+    first rows are read by crf/launcher/data_checks.py, within a time bound."""
     check_sft_columns(columns)
     check_local(dataset, what)
     if builder_of(dataset) is None and not is_local_folder(dataset):
@@ -207,6 +207,19 @@ def check_sft_dataset(
         for i, row in enumerate(first):
             renamed = {renames[c]: v for c, v in row.items() if c in renames}
             check_row(renamed, form, dataset, i, columns, what)
+    check_scorable(dataset, form, names, columns, needs, what)
+
+
+def check_scorable(
+    dataset: str,
+    form: str,
+    names: list[str],
+    columns: Mapping[str, str],
+    needs: tuple[str, ...],
+    what: str,
+) -> None:
+    """DataError unless held-out rows in ``form`` with columns ``names`` hold what
+    ``--reward`` scoring ``needs``: prompts (not plain text) and an answer column."""
     if "prompt" in needs and form == "language modeling":
         raise DataError(
             f"{what} {dataset} is plain text: --reward scores answers to prompts, so the "
