@@ -239,6 +239,13 @@ def _dry(tmp_path: Path, *args: str):
                "answer=solution", "--set", "prompts_per_step=2", *args)  # fmt: skip
 
 
+def _accepted(tmp_path: Path, folder: Path) -> str:
+    """The dry run of ``--dataset folder``, which must pass: its output on one line."""
+    result = _dry(tmp_path, "--dataset", str(folder))
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())
+
+
 def test_every_row_of_a_folders_held_out_split_is_checked(tmp_path: Path) -> None:
     folder = tmp_path / "d"
     folder.mkdir()
@@ -315,9 +322,7 @@ def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -
     (folder / "train.csv").write_text("question,solution\nab=,ba\n")
     _jsonl(folder / "train-2.JSONL", _rows())  # datasets finds lower-case suffixes only
     (folder / "dataset_infos.json").write_text("{}")  # a Hub repo's description: no rows
-    result = _dry(tmp_path, "--dataset", str(folder))
-    text = " ".join(result.output.split())
-    assert result.exit_code == 0, result.output
+    text = _accepted(tmp_path, folder)
     assert f"warning: --dataset {folder}: train-2.JSONL, train.csv not read (a folder is" in text
     assert "and by lower-case suffixes" in text and "convert or rename such files" in text
     assert "dataset_infos.json" not in text
@@ -503,9 +508,7 @@ def test_a_linked_folder_beside_data_files_is_named_as_unread(tmp_path: Path) ->
     (folder / "more").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (folder / "data" / "deeper").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (folder / "docs").symlink_to(tmp_path / "notes", target_is_directory=True)
-    result = _dry(tmp_path, "--dataset", str(folder))
-    text = " ".join(result.output.split())
-    assert result.exit_code == 0, result.output
+    text = _accepted(tmp_path, folder)
     assert f"warning: --dataset {folder}: data/deeper/ (a link), more/ (a link) not read" in text
     assert "not into linked folders" in text and "copy them in" in text
     assert "docs/" not in text
