@@ -177,3 +177,56 @@ def test_in_time_returns_the_value_or_raises_the_error() -> None:
     assert in_time(lambda: 7, 30) == 7
     with pytest.raises(KeyError, match="x"):
         in_time(lambda: {}["x"], 30)
+
+
+def _run(hub_data: dict[str, str], env: dict, dataset: str, *extra: str) -> tuple[Any, dict]:
+    """A real local launch (the CLI in a process of its own, replicas too) on a Hub dataset,
+    the replicas downloading it from the loopback Hub."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    full = {**os.environ, **env, "PYTHONPATH": str(repo), "COLUMNS": "200",
+            "CRF_LOG_LEVEL": "WARNING"}  # fmt: skip
+    full.pop("HF_HUB_OFFLINE", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "crf.launcher.cli", "launch", "--store", hub_data["store"],
+         "--run-id", "r", "--replicas", "2", "--dataset", dataset, "--column",
+         "prompt=question", "--reward", "exact_match", "-H", "2", "-r", "1", "--no-progress",
+         "--timeout", "300", "--set", "prompts_per_step=2", "--set", "num_generations=2",
+         "--set", "max_completion_length=4", *extra],
+        cwd=repo, env=full, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    return out, json.loads((Path(hub_data["store"]) / "r" / "result.json").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_replicas_train_on_a_hub_dataset_and_score_its_held_out_split(
+    hub_data: dict[str, str], hf_hub_env: dict
+) -> None:
+    out, summary = _run(hub_data, hf_hub_env, "crf-test/splits", "--eval-split", "test")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert summary["status"] == "ok" and summary["restarts"] == 0, summary
+    assert summary["held_out"] is not None and summary["weights_identical"] is True
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_bad_row_past_a_hub_datasets_first_rows_stops_the_run_once(
+    hf_hub: Any, hf_hub_env: dict, hub_data: dict[str, str], tmp_path: Path
+) -> None:
+    """The launcher reads a Hub dataset's first rows only: a null question in row 12 is met
+    by the replica holding it, at setup, naming the row; nothing restarts."""
+    folder = tmp_path / "late"
+    rows = _rows()
+    rows[12] = {**rows[12], "question": None}
+    _write(folder / "data" / "train.jsonl", rows)
+    hf_hub.add_repo("crf-test/late", folder, kind="dataset")
+    out, summary = _run(hub_data, hf_hub_env, "crf-test/late")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert summary["status"] == "failed" and summary["restarts"] == 0, summary
+    assert "--dataset crf-test/late row 12" in summary["error"], summary["error"]
+    assert "Traceback" not in text
