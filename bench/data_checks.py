@@ -6,7 +6,8 @@ a reward, alternately with :func:`crf.launcher.data_checks.check_inputs` and wit
 replaced by a no-op in one process (the difference is the checks' cost), then the checks'
 own time inside a cold dry run in fresh processes (imports they pay included). Target for
 both: < 1 s.
-Then times the refusal of a Hub dataset on a closed loopback port (target: <= 10 s).
+Then times the checks of a Hub dataset served by a loopback Hub (its first rows streamed;
+target: < 5 s), and the refusal of a Hub dataset on a closed loopback port (target: <= 10 s).
 
 Usage::
 
@@ -76,6 +77,48 @@ def _cold(folder: Path, repeat: int) -> None:
           f"{statistics.median(checks):.3f} s (fresh processes; target < 1 s)")  # fmt: skip
 
 
+def _hub(tmp: Path, repeat: int) -> None:
+    """A dry run on a Hub dataset served by the loopback Hub (tests/emulators/hf_hub.py):
+    its first rows streamed through the real datasets client, against the same dry run
+    with the checks replaced by a no-op; the first run pays the module resolution cold."""
+    from datasets import config as datasets_config
+    from huggingface_hub import constants
+
+    from crf.launcher import data_checks, plan
+    from tests.emulators.hf_hub import HubEmulator
+
+    repo = tmp / "hub-data"
+    _data(repo / "data")
+    with HubEmulator(tmp / "hub-repos") as emu:
+        emu.add_repo("bench/data", repo, kind="dataset")
+        os.environ.update(HF_ENDPOINT=emu.endpoint, HF_HOME=str(tmp / "hf-home"))
+        constants.ENDPOINT = datasets_config.HF_ENDPOINT = emu.endpoint
+        constants.HUGGINGFACE_CO_URL_TEMPLATE = (
+            emu.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+        )
+        constants.HF_HUB_OFFLINE = False
+        options = {"job": "composer", "dataset": "bench/data", "replicas": 2,
+                   "eval_split": "test", "columns": {"prompt": "question"},
+                   "reward": ["exact_match"]}  # fmt: skip
+        real = data_checks.check_inputs
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeat + 1):
+            for on in (True, False):
+                plan.check_inputs = (
+                    real if on else (lambda spec, local, dry_run=False: data_checks.Found())
+                )
+                t = time.perf_counter()
+                plan.prepare(options, store=str(tmp / "runs"), dry_run=True)
+                times[on].append(time.perf_counter() - t)
+        plan.check_inputs = real
+    first = times[True][0] - times[False][0]
+    warm = statistics.median(times[True][1:]) - statistics.median(times[False][1:])
+    print(
+        f"Hub dataset (loopback Hub) dry run: +{first:.3f} s for its checks the first time, "
+        f"+{warm:.3f} s after (train and test splits' first rows; target < 5 s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
@@ -117,6 +160,7 @@ def main() -> None:
         print(f"{name:9s} dry run: {a:.3f} s with the checks, {b:.3f} s without: "
               f"+{a - b:.3f} s (warm process; target < 1 s)")  # fmt: skip
     _cold(tmp, args.repeat)
+    _hub(tmp, args.repeat)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
