@@ -578,6 +578,11 @@ class RunSpec:
         help="Held-out data from another dataset or file (same forms as --dataset, same "
         "--column mapping; its --eval-split, default train), scored each round.",
     )
+    eval_dataset_config: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="The config (subset) of --eval-dataset, as --dataset-config is of --dataset.",
+    )
     eval_examples: int = option(
         64,
         low=1,
@@ -867,7 +872,8 @@ class RunSpec:
         option left out: the embedded task trained instead of the user's rows."""
         names = {"--dataset": self.dataset, "--eval-dataset": self.eval_dataset,
                  "--dataset-config": self.dataset_config, "--dataset-split": self.dataset_split,
-                 "--eval-split": self.eval_split}  # fmt: skip
+                 "--eval-split": self.eval_split,
+                 "--eval-dataset-config": self.eval_dataset_config}  # fmt: skip
         for flag, value in names.items():
             if value is not None and not str(value).strip():
                 raise SpecError(f"{flag} is an empty string: give its name, or leave it out")

@@ -99,9 +99,19 @@ def _one_line(result: Any) -> str:
         (["--job", "sft", "--dataset", "crf-test/splits", "--column", "completion=answer",
           "--eval-split", "test", "--reward", "exact_match", "--column", "answer=nope"],
          "has no column 'nope' for --reward to check answers against"),
+        (["--dataset", "crf-test/splits", "--eval-dataset", "crf-test/configs"],
+         "--eval-dataset crf-test/configs has several configs ['main', 'socratic']: choose "
+         "one with --eval-dataset-config"),
+        (["--dataset", "crf-test/splits", "--eval-dataset", "crf-test/configs",
+          "--eval-dataset-config", "Main"],
+         "--eval-dataset-config Main: --eval-dataset crf-test/configs has no such config "
+         "(its configs: main, socratic); name one of them, or drop --eval-dataset-config"),
+        (["--dataset", "crf-test/splits", "--eval-dataset-config", "main"],
+         "--eval-dataset-config main names a config of --eval-dataset, and there is none"),
     ],
     ids=["no-config", "unknown-config", "unknown-split", "unknown-eval-split", "no-column",
-         "null-prompt", "sft-no-format", "sft-held-out-no-answer"],
+         "null-prompt", "sft-no-format", "sft-held-out-no-answer", "eval-no-config",
+         "eval-unknown-config", "eval-config-alone"],
 )  # fmt: skip
 def test_a_hub_datasets_mistake_is_one_line_before_launch(
     hub_data: dict[str, str], args: list[str], says: str
@@ -118,10 +128,27 @@ def test_a_good_hub_dataset_passes_with_its_config_and_held_out_split(
     assert ok.exit_code == 0, ok.output
     held = _launch(hub_data, "--dataset", "crf-test/splits", "--eval-split", "test")
     assert held.exit_code == 0, held.output
+    other = _launch(hub_data, "--dataset", "crf-test/splits", "--eval-dataset",
+                    "crf-test/configs", "--eval-dataset-config", "socratic")  # fmt: skip
+    assert other.exit_code == 0, other.output
+    assert "crf-test/configs, config socratic, split train" in " ".join(other.output.split())
     sft = _launch(hub_data, "--job", "sft", "--dataset", "crf-test/splits", "--column",
                   "completion=answer", "--eval-split", "test", "--reward",
                   "exact_match")  # fmt: skip
     assert sft.exit_code == 0, sft.output
+
+
+def test_a_config_for_a_held_out_file_is_refused(hub_data: dict[str, str], tmp_path: Path) -> None:
+    """A file has no configs: --eval-dataset-config with one would read it whole whatever
+    the name, so it is refused, naming the option."""
+    held = tmp_path / "held.jsonl"
+    _write(held, _rows())
+    line = _one_line(_launch(hub_data, "--dataset", "crf-test/splits", "--eval-dataset",
+                             str(held), "--eval-dataset-config", "main"))  # fmt: skip
+    assert (
+        f"--eval-dataset-config main: --eval-dataset {held} is one file, which has no "
+        "configs; drop --eval-dataset-config" in line
+    ), line
 
 
 def test_a_replica_meets_a_missing_config_or_split_as_the_same_line(

@@ -466,12 +466,19 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
     from crf.replica.jobs import get_job
     from crf.replica.rewards import RewardError, check_rewards
 
-    held_out = spec.eval_split or spec.eval_dataset
+    held_out = spec.eval_split or spec.eval_dataset or spec.eval_dataset_config
     parts = _dataset_parts(spec)
     if spec.job == "lm" and (spec.dataset or spec.reward or spec.columns or held_out or parts):
         raise LaunchError(
-            "--dataset (with --dataset-config, --dataset-split), --eval-split, --eval-dataset, "
-            "--column and --reward are for the composer and sft jobs, not lm"
+            "--dataset (with --dataset-config, --dataset-split), --eval-split, --eval-dataset "
+            "(with --eval-dataset-config), --column and --reward are for the composer and sft "
+            "jobs, not lm"
+        )
+    if spec.eval_dataset_config and not spec.eval_dataset:
+        raise LaunchError(
+            f"--eval-dataset-config {spec.eval_dataset_config} names a config of "
+            "--eval-dataset, and there is none: give --eval-dataset (a config of --dataset's "
+            "held-out split is --dataset-config's)"
         )
     if parts and not spec.dataset and spec.job in ("composer", "sft"):
         raise LaunchError(

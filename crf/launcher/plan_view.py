@@ -241,8 +241,9 @@ def _evaluation(spec: RunSpec, cfg: Any) -> str:
         what = "held-out loss" + (f", {what}" if spec.reward or not spec.dataset else "")
     source = eval_source(spec)
     if source is not None:
-        dataset, _, split = source
-        return f"{dataset}, split {split}: {spec.eval_examples} rows each round ({what})"
+        dataset, config, split = source
+        part = f"config {config}, " if config else ""
+        return f"{dataset}, {part}split {split}: {spec.eval_examples} rows each round ({what})"
     if spec.dataset:
         return "none (--eval-split or --eval-dataset scores held-out rows each round)"
     return f"the embedded task's {spec.eval_examples} held-out prompts each round ({what})"

@@ -42,6 +42,7 @@ from crf.replica.data_files import (
     DataError,
     Rows,
     check_local,
+    config_option,
     load_saved,
     no_bars,
     part_error,
@@ -95,8 +96,9 @@ def one_split(dataset: str) -> bool:
     return bool(builder_of(dataset)) or saved_kind(os.path.expanduser(dataset)) == "dataset"
 
 
-def check_config(dataset: str, config: str | None) -> None:
-    """DataError for a ``--dataset-config`` that ``--dataset`` has no use for: a file (by
+def check_config(dataset: str, config: str | None, flag: str = "--dataset") -> None:
+    """DataError for a ``--dataset-config`` that ``--dataset`` has no use for (or an
+    ``--eval-dataset-config`` that ``--eval-dataset`` has none for: ``flag``): a file (by
     path or URL) or a ``save_to_disk`` folder has no configs, and ``datasets`` would read it
     whole whatever the name, so the user would believe a subset was chosen. A Hub dataset or
     a folder of files has configs (an unknown one is refused as its reader finds it)."""
@@ -108,9 +110,10 @@ def check_config(dataset: str, config: str | None) -> None:
         what = "a save_to_disk folder"
     else:
         return
+    option, where = config_option(flag), "--dataset" if flag == "--eval-split" else flag
     raise DataError(
-        f"--dataset-config {config}: --dataset {dataset} is {what}, which has no configs; "
-        "drop --dataset-config, or give the Hub dataset (or folder) whose config it names"
+        f"{option} {config}: {where} {dataset} is {what}, which has no configs; drop "
+        f"{option}, or give the Hub dataset (or folder) whose config it names"
     )
 
 
@@ -142,7 +145,7 @@ def _load(
     from datasets import load_dataset
 
     check_local(dataset, flag)
-    check_config(dataset, config)
+    check_config(dataset, config, flag)
     with no_bars():  # a replica's log is for the run, not download bars
         if saved_kind(os.path.expanduser(dataset)):
             ds = load_saved(os.path.expanduser(dataset), split, flag)
@@ -203,7 +206,7 @@ def first_rows(
     CHECKED_BYTES, the first CHECKED_ROWS rows), so the row rules see every row; of a URL,
     only the ``n`` rows, streamed. DataError (one line, :func:`read_error`) when it cannot
     be read."""
-    check_config(dataset, config)
+    check_config(dataset, config, flag)
     if is_local(dataset):
         every = read_rows(dataset, split, flag, config)
         return FirstRows(every.first(n), every.names, every.count, every)
@@ -556,7 +559,7 @@ def eval_source(spec: Any) -> tuple[str, str | None, str] | None:
     other = getattr(spec, "eval_dataset", None)
     split = getattr(spec, "eval_split", None)
     if other:
-        return other, None, split or "train"
+        return other, getattr(spec, "eval_dataset_config", None), split or "train"
     if split and getattr(spec, "dataset", None):
         return spec.dataset, spec.dataset_config, split
     return None

@@ -330,6 +330,12 @@ def split_option(flag: str) -> str:
     return "--dataset-split" if flag == "--dataset" else "--eval-split"
 
 
+def config_option(flag: str) -> str:
+    """The option that names the config of the data ``flag`` names (``--eval-split`` names
+    a split of ``--dataset``)."""
+    return "--eval-dataset-config" if flag == "--eval-dataset" else "--dataset-config"
+
+
 def part_error(
     name: str, config: str | None, split: str | None, flag: str, e: BaseException
 ) -> DataError | None:
@@ -338,16 +344,17 @@ def part_error(
     error (a network error is no fault of the options)."""
     whole = " ".join(str(e).split())
     where = "--dataset" if flag == "--eval-split" else flag  # --eval-split: of --dataset
+    option = config_option(flag)
     if "Config name is missing" in whole:  # a README's YAML names several
         names = whole.split("available configs:", 1)[-1].split("]", 1)[0] + "]"
         return DataError(
-            f"{where} {name} has several configs {names.strip()}: choose one with --dataset-config"
+            f"{where} {name} has several configs {names.strip()}: choose one with {option}"
         )
     if config is not None and f"BuilderConfig '{config}' not found" in whole:
         names = whole.split("Available:", 1)[-1].strip(" []").replace("'", "")
         return DataError(
-            f"--dataset-config {config}: {where} {name} has no such config (its configs: "
-            f"{names}); name one of them, or drop --dataset-config"
+            f"{option} {config}: {where} {name} has no such config (its configs: "
+            f"{names}); name one of them, or drop {option}"
         )
     # streamed: "Bad split: x. Available splits: [...]"; downloaded: "Unknown split "x".
     # Should be one of [...]."
