@@ -650,3 +650,35 @@ def test_a_math_answer_refusal_is_one_line_in_a_real_process(tmp_path: Path) -> 
     lines = out.stderr.strip().splitlines() + out.stdout.strip().splitlines()
     assert out.returncode == 2, out
     assert len(lines) == 1 and "math_answer finds no number" in lines[0], lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal")
+def test_the_checks_show_a_spinner_on_a_terminal_and_leave_one_line(tmp_path: Path) -> None:
+    """On a terminal the checks before launch (a big split, a Hub dataset's first rows) show
+    what is going on; the spinner is gone when the refusal's one line is printed."""
+    import pty
+    import re
+
+    main, child = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "crf.launcher.cli", "launch", "--dry-run",
+                             "--store", str(tmp_path / "runs"), "--dataset",
+                             str(tmp_path / "missing.jsonl")], stdin=child, stdout=child,
+                            stderr=child, env=env, cwd=REPO)  # fmt: skip
+    os.close(child)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main)
+    assert proc.wait(timeout=120) == 2
+    text = out.decode(errors="replace")
+    assert "checking the data, model and rewards" in text
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "\n")
+    lines = [line.strip() for line in shown.splitlines() if line.strip()]
+    assert lines[-1] == f"error: --dataset {tmp_path / 'missing.jsonl'}: no such file or folder"

@@ -388,8 +388,11 @@ def launch(ctx: typer.Context, **params: Any) -> None:
                 backend_options=backend_options,
             )
         else:
-            plan = prepare(options, store=flags["store"], backend_options=backend_options,
-                           restart=policy, dry_run=flags["dry_run"])  # fmt: skip
+            # reading a big local split or a Hub dataset's first rows takes a while: a
+            # spinner on a terminal (nothing elsewhere)
+            with Console(stderr=True).status("checking the data, model and rewards"):
+                plan = prepare(options, store=flags["store"], backend_options=backend_options,
+                               restart=policy, dry_run=flags["dry_run"])  # fmt: skip
         if flags["dry_run"]:
             _print_plan(plan)
             raise typer.Exit(EXIT_USAGE if flags["strict"] and plan.missing else EXIT_OK)
