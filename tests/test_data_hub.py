@@ -198,6 +198,30 @@ def test_rows_slower_than_the_bound_are_left_to_the_replicas(
     assert "each replica checks its own rows" in warnings[0]
 
 
+def test_a_hub_dataset_that_cannot_be_streamed_is_left_to_the_replicas(
+    hub_data: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streaming read that fails for a reason no option names (here the connection, cut
+    as the rows come) is no refusal: the replicas download the split whole and may read it.
+    The launch goes on, saying so in a warning."""
+    from crf.replica import data
+
+    real = data._load
+
+    def cut(dataset: str, config: Any, split: str, streaming: bool = False, **kw: Any) -> Any:
+        if streaming:
+            raise ConnectionError("Connection reset by peer")
+        return real(dataset, config, split, streaming, **kw)
+
+    monkeypatch.setattr(data, "_load", cut)
+    out = _launch(hub_data, "--dataset", "crf-test/splits")
+    text = " ".join(out.output.split())
+    assert out.exit_code == 0, out.output
+    assert ("warning: --dataset crf-test/splits cannot be read: Connection reset by peer: its "
+            "first rows could not be streamed here") in text, text  # fmt: skip
+    assert "each replica downloads the split and checks its own rows" in text
+
+
 def test_in_time_returns_the_value_or_raises_the_error() -> None:
     from crf.launcher.data_checks import in_time
 

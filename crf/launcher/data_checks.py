@@ -442,11 +442,12 @@ def sample_splits(spec: Any, unsampled: set[str], warnings: list[str]) -> list[S
     """The rows of every split the run reads, with the job's field names: a local file or
     folder whole (its every value, for :func:`check_rows`), a URL's or a Hub dataset's first
     rows, streamed (the replicas download the rest). A Hub dataset in ``unsampled`` (not
-    reached from here) is left to the replicas, as is one with ``HF_HUB_OFFLINE`` set or
-    whose first rows take longer than :data:`HUB_ROWS_S` (a line of ``warnings`` says so)."""
+    reached from here) is left to the replicas, as is one with ``HF_HUB_OFFLINE`` set, one
+    whose first rows take longer than :data:`HUB_ROWS_S` and one they cannot be streamed from
+    for a reason no option names (a line of ``warnings`` says so)."""
     from huggingface_hub import constants
 
-    from crf.replica.data import eval_source
+    from crf.replica.data import NotStreamed, eval_source
 
     sources = []
     if spec.dataset:
@@ -460,7 +461,14 @@ def sample_splits(spec: Any, unsampled: set[str], warnings: list[str]) -> list[S
         if not _is_hub_dataset(name):
             out.append(_sample(spec, flag, name, config, split))
         elif name not in unsampled and not constants.HF_HUB_OFFLINE:
-            sample = in_time(partial(_sample, spec, flag, name, config, split), HUB_ROWS_S)
+            try:
+                sample = in_time(partial(_sample, spec, flag, name, config, split), HUB_ROWS_S)
+            except NotStreamed as e:
+                warnings.append(
+                    f"{e}: its first rows could not be streamed here, so they were not "
+                    "checked; each replica downloads the split and checks its own rows"
+                )
+                continue
             if sample is None:
                 warnings.append(
                     f"{flag} {name}: its first rows did not arrive within {HUB_ROWS_S:g}s, "
@@ -524,6 +532,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     from crf.replica.data import (
         FIELDS,
         DataError,
+        NotStreamed,
         field_columns,
         first_rows,
         is_local,
@@ -534,6 +543,8 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
 
     try:
         first, names, counted, every = first_rows(name, config, split, _wanted(spec, flag), flag)
+    except NotStreamed:
+        raise  # not the options' fault: sample_splits warns
     except DataError as e:
         raise LaunchError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - checked readable before; any reader error

@@ -58,7 +58,7 @@ FIELDS = ("prompt", "answer", "hint", "trace")
 MEDIA_COLUMNS = ("image", "images")
 #: the answer reader without --reward: the job's own reward (exact match on the answer)
 DEFAULT_READER = "(default)"
-__all__ = ["BUILDERS", "FIELDS", "DataError"]
+__all__ = ["BUILDERS", "FIELDS", "DataError", "NotStreamed"]
 
 
 def builder_of(dataset: str) -> str | None:
@@ -189,6 +189,12 @@ def read_error(dataset: str, flag: str, e: BaseException) -> DataError:
     return DataError(f"{flag} {dataset} cannot be read: {reason}")
 
 
+class NotStreamed(DataError):
+    """A Hub dataset's first rows could not be streamed for a reason its options do not
+    name (the streaming reader's or the network's): a replica, which downloads the split
+    whole, may still read it, so the launch is not refused for it."""
+
+
 class FirstRows(NamedTuple):
     """What the checks before launch read of a split (:func:`first_rows`)."""
 
@@ -218,6 +224,8 @@ def first_rows(
     except DataError:
         raise
     except Exception as e:  # FileNotFoundError, parse errors, fsspec/network errors
+        if builder_of(dataset) is None:  # a Hub id: streamed here, downloaded by a replica
+            raise NotStreamed(str(read_error(dataset, flag, e))) from None
         raise read_error(dataset, flag, e) from None
     return FirstRows(rows, names, len(rows), None)
 
