@@ -35,7 +35,8 @@ def _samples(tmp: Path) -> dict[str, Any]:
     (tmp / "data" / "train.jsonl").write_text(
         "".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(8))
     )
-    (tmp / "eval.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    (tmp / "eval").mkdir()  # a folder too: --eval-dataset-config names its "default"
+    (tmp / "eval" / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
     (tmp / "code").mkdir()
     (tmp / "code" / "replica.py").write_text(REPLICA_SCRIPT)
     (tmp / "requirements.txt").write_text("typer\n")
@@ -77,7 +78,8 @@ def _samples(tmp: Path) -> dict[str, Any]:
         "dataset_config": "default",
         "dataset_split": "train",
         "eval_split": "train",
-        "eval_dataset": str(tmp / "eval.jsonl"),
+        "eval_dataset": str(tmp / "eval"),
+        "eval_dataset_config": "default",
         "eval_examples": 3,
         "columns": {"prompt": "question"},
         "reward": ["exact_match"],
