@@ -151,7 +151,7 @@ def _load(
             ds = load_saved(os.path.expanduser(dataset), split, flag)
             return ds.to_iterable_dataset() if streaming else ds
         builder = builder_of(dataset)
-        if builder is None:  # a Hub id
+        if builder is None:  # a Hub id, or a folder of files
             try:
                 return load_dataset(dataset, config, split=split, streaming=streaming)
             except Exception as e:  # a config or split it has not: one line
