@@ -519,15 +519,6 @@ def _wanted(spec: Any, flag: str) -> int:
     return max(SAMPLE_ROWS, int(spec.replicas) * per_step)
 
 
-def _needs_answer(spec: Any) -> bool:
-    """The composer job's rows need an answer column: a ``--reward`` reads it, or the job's
-    own reward does (no ``--reward``)."""
-    from crf.replica.rewards import parse_rewards
-
-    specs = parse_rewards(list(spec.reward or []))
-    return any(s.needs_answer for s in specs) or not specs
-
-
 def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> Split:
     from crf.replica.data import (
         FIELDS,
@@ -537,6 +528,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
         first_rows,
         is_local,
         kept_columns,
+        needs_answer,
         read_error,
         required_fields,
     )
@@ -561,7 +553,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
         try:
             form, renames = sft_format(names, columns, name)
             if flag != "--dataset" and spec.reward:  # held-out rows the rewards score
-                needs = ("prompt", *(("answer",) if _needs_answer(spec) else ()))
+                needs = ("prompt", *(("answer",) if needs_answer(spec) else ()))
                 check_scorable(name, form, names, columns, needs, flag)
         except ValueError as e:
             raise LaunchError(str(e)) from None
@@ -585,7 +577,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
         return Split(flag, name, rows, form, counted, values, _partial(every), unread)
     if not is_local(name):  # a URL's or Hub dataset's columns (a local one's: plan.py)
         try:
-            field_columns(columns, names, name, required_fields(_needs_answer(spec)), flag)
+            field_columns(columns, names, name, required_fields(needs_answer(spec)), flag)
         except DataError as e:
             raise LaunchError(str(e)) from None
     present = [f for f in FIELDS if columns.get(f, f) in names]

@@ -542,11 +542,17 @@ def answer_reader(spec: Any) -> str | None:
     return next((s.name for s in specs if s.needs_answer), None)
 
 
-def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
-    """Replica ``rank``'s rows of ``spec.dataset`` (see load_shard), from the run options."""
+def needs_answer(spec: Any) -> bool:
+    """Whether the run's rows need an answer column: a ``--reward`` reads it, or the job's
+    own reward does (no ``--reward``)."""
     from crf.replica.rewards import parse_rewards
 
-    specs = parse_rewards(list(spec.reward))
+    specs = parse_rewards(list(getattr(spec, "reward", None) or []))
+    return any(s.needs_answer for s in specs) or not specs
+
+
+def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Replica ``rank``'s rows of ``spec.dataset`` (see load_shard), from the run options."""
     reader = answer_reader(spec)
     return load_shard(
         spec.dataset,
@@ -555,7 +561,7 @@ def spec_shard(spec: Any, rank: int, world_size: int) -> list[dict[str, Any]]:
         columns=dict(spec.columns),
         rank=rank,
         world_size=world_size,
-        needs_answer=any(s.needs_answer for s in specs) or not specs,
+        needs_answer=needs_answer(spec),
         reader=reader,
     )
 

@@ -427,13 +427,11 @@ def _no_conversations(spec: Any, rows: tuple[dict[str, Any], ...]) -> None:
 
 def _eval_rows(spec: Any) -> list[dict[str, Any]]:
     """The run's held-out rows (--eval-split / --eval-dataset), [] without them."""
-    from crf.replica.data import eval_source, load_eval
-    from crf.replica.rewards import parse_rewards
+    from crf.replica.data import eval_source, load_eval, needs_answer
 
     if eval_source(spec) is None:
         return []
-    specs = parse_rewards(list(getattr(spec, "reward", [])))
-    return load_eval(spec, needs_answer=any(s.needs_answer for s in specs) or not specs)
+    return load_eval(spec, needs_answer=needs_answer(spec))
 
 
 def held_out_eval(
