@@ -555,8 +555,8 @@ class RunSpec:
         None,
         group=WORKLOAD,
         help="Training data: a Hub dataset id, a .jsonl/.json/.parquet/.csv file by path or "
-        "URL (s3://, gs://, hf://, memory://, file://...; .jsonl/.json/.csv also as .gz, .bz2 "
-        "or .xz), or a local folder of such files or saved with save_to_disk; default: the "
+        "URL (s3://, gs://, hf://, memory://, file://...; .jsonl/.json/.csv also as .gz, .bz2, "
+        ".xz or .zst), or a local folder of such files or saved with save_to_disk; default: the "
         "job's embedded task.",
     )
     dataset_config: str | None = option(

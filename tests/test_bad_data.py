@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 
 from tests.test_cli import crf
 
@@ -315,8 +316,10 @@ CASES = [
          "rows is a local file, but crf reads only"),
     Case("compressed-parquet", lambda t, m: _raw(t, "x.parquet.gz", gzip.compress(b"PAR1")),
          "x.parquet.gz is a compressed Parquet file, which datasets does not read: decompress"),
-    Case("zstd-jsonl", lambda t, m: _raw(t, "x.jsonl.zst", b"\x28\xb5\x2f\xfd"),
-         "x.jsonl.zst is compressed as .zst, which crf does not read: decompress it"),
+    Case("zip-jsonl", lambda t, m: _raw(t, "x.jsonl.zip", b"PK\x03\x04"),
+         "x.jsonl.zip is compressed as .zip, which crf does not read: decompress it"),
+    Case("zst-that-does-not-decompress", lambda t, m: _raw(t, "x.jsonl.zst", _lines(
+         lambda ls: None)), "x.jsonl.zst does not decompress as .zst (zstd decompress error"),
     Case("gz-that-does-not-decompress", lambda t, m: _raw(t, "x.jsonl.gz", _lines(
          lambda ls: None)), "x.jsonl.gz does not decompress as .gz (Not a gzipped file"),
     Case("malformed-line-in-gz", lambda t, m: _raw(t, "x.jsonl.gz", gzip.compress(_lines(
@@ -325,6 +328,10 @@ CASES = [
     Case("null-prompt-in-csv-xz", lambda t, m: _raw(t, "x.csv.xz", lzma.compress(
          b"question,answer\nab=,ba\n,x\n")), "row 1: the prompt in column 'question' (for "
          "prompt) is null"),
+    Case("null-answer-in-zst-url", lambda t, m: ["--job", "composer", "--dataset", "file://"
+         + _raw(t, "x.jsonl.zst", zstandard.compress(_lines(lambda ls: _set(
+             ls, 3, b'{"question": "ab=", "answer": null}'))))[3], "--column",
+         "prompt=question"], "row 3: the answer in column 'answer' is null"),
     Case("upper-case-suffixes-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(Path(_jsonl(t / "d" / "TRAIN.JSONL", _qa())).parent)],
          "holds TRAIN.JSONL, but datasets reads a folder's files by lower-case suffixes only"),

@@ -329,10 +329,11 @@ def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("name", "pack"), [("d.jsonl.gz", "gzip"), ("d.json.bz2", "bz2"),
-                                            ("d.csv.xz", "lzma")])  # fmt: skip
+                                            ("d.csv.xz", "lzma"), ("d.csv.zst", "zstandard"),
+                                            ("d.jsonl.zstd", "zstandard")])  # fmt: skip
 def test_a_compressed_file_is_read_as_its_plain_form(tmp_path: Path, name: str, pack: str) -> None:
-    """datasets decompresses .gz/.bz2/.xz itself: the checks before launch read the same rows
-    (every row, by the same rules), and so does each replica's loader."""
+    """datasets decompresses .gz/.bz2/.xz/.zst itself: the checks before launch read the same
+    rows (every row, by the same rules), and so does each replica's loader."""
     import importlib
 
     import pandas as pd
@@ -350,10 +351,10 @@ def test_a_compressed_file_is_read_as_its_plain_form(tmp_path: Path, name: str, 
     packed.write_bytes(importlib.import_module(pack).compress(plain.read_bytes()))
     assert read_rows(str(packed), "train").columns == read_rows(str(plain), "train").columns
     assert _shard(str(packed), 1) == _shard(str(plain), 1)
-    if pack == "gzip":  # the CLI's dry run takes it, as a file and in a folder
+    if name.startswith("d.jsonl"):  # the CLI's dry run takes it, as a file and in a folder
         assert _dry(tmp_path, "--dataset", str(packed)).exit_code == 0
         (tmp_path / "f").mkdir()
-        packed.rename(tmp_path / "f" / "train.jsonl.gz")
+        packed.rename(tmp_path / "f" / f"train{packed.name[1:]}")
         result = _dry(tmp_path, "--dataset", str(tmp_path / "f"))
         assert result.exit_code == 0, result.output
 

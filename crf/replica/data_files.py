@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import lzma
 import os
 import re
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +42,7 @@ from crf.replica.data_suffixes import (
     READ_FORMS,
     SUPPORTED,
     compression_of,
+    decompress_errors,
     form_problem,
     open_data,
     pandas_compression,
@@ -487,7 +486,7 @@ def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Ro
         return _read_plain(path, flag, shown, limit)
     try:
         return _read_plain(path, flag, shown, limit)
-    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:  # gzip, bz2, xz: bad data
+    except decompress_errors() as e:  # gzip, bz2, xz, zstd: bad data
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(
             f"{flag} {shown} does not decompress as {packed} ({reason}): check the file, or "

@@ -2,7 +2,8 @@
 
 A file is ``.jsonl``, ``.json``, ``.parquet`` or ``.csv`` (any case: ``load_dataset``
 is told the builder for a file). A JSON lines, JSON or CSV file may also be compressed
-(``rows.jsonl.gz``, ``.bz2``, ``.xz``): ``datasets`` decompresses such a file itself, and
+(``rows.jsonl.gz``, ``.bz2``, ``.xz``, ``.zst``): ``datasets`` decompresses such a file itself
+(Zstandard through the ``zstandard`` package, one of crf's requirements), and
 the launcher's row checks read it through the same decompression (:func:`open_data`). A
 Parquet file compresses its own columns; ``datasets`` reads no compressed ``.parquet.gz``,
 so one is refused by name (:func:`form_problem`), as is a compression crf does not read.
@@ -18,20 +19,32 @@ import bz2
 import gzip
 import lzma
 import os
-from typing import IO
+import zlib
+from typing import IO, Any
 
 #: the data files crf reads, by suffix, and the ``datasets`` builder of each
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-#: compressions a .jsonl/.json/.csv file may have (``datasets`` decompresses each), and how
-#: to open each; pandas' name for each is the opener's module name
-COMPRESSIONS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}
-_PANDAS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz"}
+
+
+def _zstd_open(path: str, mode: str) -> IO[bytes]:
+    """A Zstandard file's bytes. ``zstandard`` is imported here, when a .zst file is read:
+    datasets and fsspec import it the same way, and a replica that reads none never pays."""
+    import zstandard
+
+    opened: IO[bytes] = zstandard.open(path, mode)
+    return opened
+
+
+#: compressions a .jsonl/.json/.csv file may have (``datasets`` decompresses each, by the
+#: file's first bytes), how to open each, and pandas' name for each
+COMPRESSIONS: dict[str, Any] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
+                                ".zst": _zstd_open, ".zstd": _zstd_open}  # fmt: skip
+_PANDAS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
 #: other compressions and archives, named in a refusal rather than taken for an unknown file
-_OTHER_PACKINGS = (".zst", ".zstd", ".zip", ".lz4", ".7z", ".tar", ".tgz", ".br", ".lzma",
-                   ".z", ".snappy")  # fmt: skip
+_OTHER_PACKINGS = (".zip", ".lz4", ".7z", ".tar", ".tgz", ".br", ".lzma", ".z", ".snappy")
 SUPPORTED = ", ".join(BUILDERS)
 #: what the refusals say crf reads
-READ_FORMS = f"{SUPPORTED} files (.jsonl, .json and .csv also as .gz, .bz2 or .xz)"
+READ_FORMS = f"{SUPPORTED} files (.jsonl, .json and .csv also as .gz, .bz2, .xz or .zst)"
 
 
 def _bare(path: str) -> str:
@@ -52,7 +65,8 @@ def suffix_of(path: str) -> str | None:
 
 
 def compression_of(path: str) -> str | None:
-    """``.gz`` / ``.bz2`` / ``.xz`` for a compressed data file, None for a plain one."""
+    """``.gz`` / ``.bz2`` / ``.xz`` / ``.zst`` for a compressed data file, None for a plain
+    one."""
     return _unpacked(_bare(path))[1] if suffix_of(path) else None
 
 
@@ -67,13 +81,21 @@ def open_data(path: str) -> IO[bytes]:
     packed = compression_of(path)
     if packed is None:
         return open(path, "rb")
-    opened: IO[bytes] = COMPRESSIONS[packed].open(path, "rb")
+    opened: IO[bytes] = COMPRESSIONS[packed](path, "rb")
     return opened
+
+
+def decompress_errors() -> tuple[type[BaseException], ...]:
+    """What reading a compressed file that does not decompress raises, in each compression
+    crf reads (called only once such a read failed: ``zstandard`` is imported then)."""
+    import zstandard
+
+    return (OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
 
 
 def form_problem(name: str, flag: str) -> str | None:
     """Why a data file crf does not read is refused, when its name says what it is: a
-    compressed Parquet file, or a compression other than .gz/.bz2/.xz. None otherwise."""
+    compressed Parquet file, or a compression other than .gz/.bz2/.xz/.zst. None otherwise."""
     bare = _bare(name)
     inner, packed = _unpacked(bare)
     if packed and inner.endswith(".parquet"):
@@ -85,7 +107,7 @@ def form_problem(name: str, flag: str) -> str | None:
     if ext in _OTHER_PACKINGS and any(stem.endswith(s) for s in BUILDERS):
         return (
             f"{flag} {name} is compressed as {ext}, which crf does not read: decompress it, "
-            "or compress it as .gz, .bz2 or .xz"
+            "or compress it as .gz, .bz2, .xz or .zst"
         )
     return None
 
