@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 
 from tests.test_cli import crf
 
@@ -47,8 +48,9 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> None:
 
 @pytest.fixture
 def hub_data(hf_hub: Any, hf_hub_env: dict, tmp_path: Path) -> dict[str, str]:
-    """Three dataset repos: ``configs`` (two configs, train only), ``splits`` (train and
-    test files, no README) and ``null`` (train, its row 3's question null)."""
+    """Four dataset repos: ``configs`` (two configs, train only), ``splits`` (train and
+    test files, no README), ``null`` (train, its row 3's question null) and ``zst`` (the
+    same as a Zstandard-compressed file)."""
     two = tmp_path / "configs"
     (two / "README.md").parent.mkdir(parents=True)
     (two / "README.md").write_text(CONFIGS)
@@ -62,6 +64,11 @@ def hub_data(hf_hub: Any, hf_hub_env: dict, tmp_path: Path) -> dict[str, str]:
     null = tmp_path / "null"
     _write(null / "data" / "train.jsonl", _rows(question=None))
     hf_hub.add_repo("crf-test/null", null, kind="dataset")
+    packed = tmp_path / "zst" / "data" / "train.jsonl"  # Zstandard, streamed decompressed
+    _write(packed, _rows(question=None))
+    packed.with_suffix(".jsonl.zst").write_bytes(zstandard.compress(packed.read_bytes()))
+    packed.unlink()
+    hf_hub.add_repo("crf-test/zst", tmp_path / "zst", kind="dataset")
     return {"store": str(tmp_path / "runs")}
 
 
@@ -95,6 +102,7 @@ def _one_line(result: Any) -> str:
         (["--dataset", "crf-test/splits", "--column", "answer=solution"],
          "no column 'solution'"),
         (["--dataset", "crf-test/null"], "row 3"),
+        (["--dataset", "crf-test/zst"], "row 3"),
         (["--job", "sft", "--dataset", "crf-test/splits"], "has none of the sft formats"),
         (["--job", "sft", "--dataset", "crf-test/splits", "--column", "completion=answer",
           "--eval-split", "test", "--reward", "exact_match", "--column", "answer=nope"],
@@ -110,8 +118,8 @@ def _one_line(result: Any) -> str:
          "--eval-dataset-config main names a config of --eval-dataset, and there is none"),
     ],
     ids=["no-config", "unknown-config", "unknown-split", "unknown-eval-split", "no-column",
-         "null-prompt", "sft-no-format", "sft-held-out-no-answer", "eval-no-config",
-         "eval-unknown-config", "eval-config-alone"],
+         "null-prompt", "null-prompt-zst", "sft-no-format", "sft-held-out-no-answer",
+         "eval-no-config", "eval-unknown-config", "eval-config-alone"],
 )  # fmt: skip
 def test_a_hub_datasets_mistake_is_one_line_before_launch(
     hub_data: dict[str, str], args: list[str], says: str
