@@ -110,6 +110,13 @@ def sandbox(fake: FakeModal, handle: ReplicaHandle) -> Any:
 
 
 # --------------------------------------------------------------------------- options, plan
+def image_commands(fake: FakeModal, image_id: str) -> list[str]:
+    """The Dockerfile commands of an image and of the images it is built on, base first."""
+    image = fake.images[image_id]
+    base = [c for b in image.base_images for c in image_commands(fake, b.image_id)]
+    return [*base, *image.dockerfile_commands]
+
+
 def test_gpu_names_follow_modal() -> None:
     assert parse_gpu(None) is None and parse_gpu("") is None
     assert parse_gpu("a10g") == ("A10G", 1)
@@ -294,6 +301,10 @@ def test_gpu_sandbox_uses_the_v1_path(run_uri: str, modal_env: FakeModal) -> Non
         assert not sb.v2
         res = sb.definition.resources
         assert (res.gpu_config.gpu_type, res.gpu_config.count) == ("T4", 2)
+        # the default image (debian_slim) holds a C compiler for Triton: the trainer's
+        # compiled decoding (crf/composer/generation.py) runs there
+        commands = image_commands(modal_env, sb.definition.image_id)
+        assert any("apt-get install" in cmd and "gcc" in cmd for cmd in commands), commands
         assert (res.milli_cpu, res.memory_mb, sb.definition.timeout_secs) == (2000, 2048, 90)
         by_id = [modal_env.secrets[s["secret_id"]] for s in sb.secret_sources]
         (creds,) = [s for s in by_id if "AWS_SECRET_ACCESS_KEY" in s]

@@ -316,6 +316,98 @@ def test_unset_it_compiles_where_it_can_run(folder: Path) -> None:
     assert not decoding_compiled(args(generation_compile=False), model)
 
 
+def test_unset_it_is_off_without_a_c_compiler(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton builds its launcher with a C compiler (CC, else gcc or clang): where there is
+    none, as in slim images, unset ``generation_compile`` is off on CUDA too, with one line
+    saying what to install; set, it is what it says."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from crf.composer.generation import c_compiler, decoding_compiled, no_compiler_note
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    cuda = SimpleNamespace(device=torch.device("cuda"), generation_compile=None, use_vllm=False,
+                           use_transformers_continuous_batching=False,
+                           cache_implementation=None)  # fmt: skip
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    assert c_compiler() is None
+    assert not decoding_compiled(cuda, model)
+    assert "install gcc in the image" in (no_compiler_note(cuda, model) or "")
+    explicit = SimpleNamespace(**{**vars(cuda), "generation_compile": True})
+    assert decoding_compiled(explicit, model) and no_compiler_note(explicit, model) is None
+    on_cpu = SimpleNamespace(**{**vars(cuda), "device": torch.device("cpu")})
+    assert no_compiler_note(on_cpu, model) is None  # it would not compile there anyway
+    (tmp_path / "clang").write_text("#!/bin/sh\n")
+    (tmp_path / "clang").chmod(0o755)
+    assert c_compiler() == str(tmp_path / "clang")
+    assert decoding_compiled(cuda, model) and no_compiler_note(cuda, model) is None
+    monkeypatch.setenv("CC", "/opt/cc")  # CC is taken as it is, as Triton takes it
+    assert c_compiler() == "/opt/cc"
+
+
+def _failing_compiler(trainer: Any) -> None:
+    """Compile on the CPU with a backend that fails as inductor does on a machine without a C
+    compiler (Triton's error, which dynamo wraps in its own)."""
+    from transformers import CompileConfig
+
+    def backend(gm: Any, example_inputs: Any, **_: Any) -> Any:
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    config = CompileConfig(backend=backend)
+    config._compile_all_devices = True
+    trainer.generation_config.compile_config = config
+
+
+@pytest.mark.slow
+def test_a_failed_compilation_by_default_falls_back_to_plain_generate(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unset ``generation_compile`` chose compiled decoding (as on CUDA) and compiling fails:
+    the generation is made again with plain ``generate`` (the tokens it makes), compiled
+    decoding is off for the rest of the run, one warning says why, and training goes on.
+    Set to True, the same failure is raised."""
+    import logging
+
+    import crf.composer.trainer as trainer_module
+    from crf.composer.generation import compile_failed
+
+    plain = _trainer(folder, generation_compile=False)
+    prompts = plain.processing_class(text=["ab=", "abcdab="])["input_ids"]
+
+    def greedy(trainer: Any) -> list:
+        trainer.generation_config.do_sample = False
+        trainer.model.eval()
+        with trainer.accelerator.autocast():
+            return trainer._generate_single_turn(prompts, None, {}, 1)[0]
+
+    expected = greedy(plain)
+    chosen = _trainer(folder, generation_compile=True)
+    _failing_compiler(chosen)
+    with pytest.raises(Exception) as raised:
+        greedy(chosen)
+    assert compile_failed(raised.value)
+
+    monkeypatch.setattr(trainer_module, "decoding_compiled", lambda args, model: True)
+    trainer = _trainer(folder, steps=2)
+    assert trainer.args.generation_compile is None and trainer.compiled_decoding
+    _failing_compiler(trainer)
+    with caplog.at_level(logging.WARNING, logger="crf.composer.trainer"):
+        assert greedy(trainer) == expected
+        trainer.model.train()
+        trainer.train()
+    assert not trainer.compiled_decoding
+    assert trainer.state.global_step == 2
+    assert trainer.generation_config.cache_implementation != "static"
+    assert trainer.generation_config.disable_compile is True
+    warned = [r.getMessage() for r in caplog.records if "generation_compile" in r.getMessage()]
+    assert len(warned) == 1 and "Failed to find C compiler" in warned[0], warned
+    assert "plain generate" in warned[0]
+
+
 def test_unset_on_the_cpu_generate_is_left_as_it_is(folder: Path) -> None:
     """A trainer on the CPU with ``generation_compile`` unset keeps TRL's generation config:
     no static cache, compilation off as TRL sets it."""

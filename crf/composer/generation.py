@@ -37,6 +37,14 @@ compilation and one recording of CUDA graphs serve every step whose prompt and c
 fit the bucket. TRL turns compilation off in its generation config
 (``disable_compile=True``); :func:`compile_decoding` turns it back on.
 
+Compiling on CUDA needs a C compiler: Triton builds its kernel launcher with ``gcc`` or
+``clang`` (or ``CC``) at its first kernel, and an image built without build tools has none
+(as the older ``-runtime`` tags of ``pytorch/pytorch`` had none). Unset,
+``generation_compile`` is off where :func:`c_compiler` finds none, and a compilation that
+fails all the same (:func:`compile_failed`) turns it off for the rest of the run, the
+generation redone with plain ``generate`` (:func:`plain_decoding`): the default must never be
+what stops a run. Set to True, the error is raised.
+
 :func:`one_input_grads_hook` stops a leak those generations cause. TRL turns gradient
 checkpointing off for every generation and back on after it, and transformers'
 ``gradient_checkpointing_enable`` registers a new forward hook on the input embeddings
@@ -49,6 +57,8 @@ compiled decoding step, whose guards check the number of hooks, recompiled at ev
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -56,12 +66,16 @@ from typing import Any
 __all__ = [
     "CACHE_BUCKET",
     "MasterWeightsCast",
+    "c_compiler",
     "compile_decoding",
+    "compile_failed",
     "decoding_compiled",
     "generation_attention",
     "master_weights_kept",
+    "no_compiler_note",
     "no_input_grads_hook",
     "one_input_grads_hook",
+    "plain_decoding",
     "static_cache_kept",
     "static_cache_length",
 ]
@@ -111,17 +125,51 @@ def generation_attention(model: Any, cudnn: bool = False) -> Iterator[None]:
         yield
 
 
-def compile_decoding(generation_config: Any) -> None:
+def compile_decoding(generation_config: Any) -> tuple[Any, Any]:
     """Make ``generation_config`` (TRL's, which it passes to every ``generate``) decode with
     a static KV cache and let transformers compile the decoding step: on CUDA (transformers
     compiles on a GPU only; elsewhere the static cache runs eagerly), with its default
-    ``CompileConfig`` (CUDA graphs) unless one is set."""
+    ``CompileConfig`` (CUDA graphs) unless one is set. Returns what :func:`plain_decoding`
+    restores: the cache implementation and compile switch it had."""
     from transformers import CompileConfig
 
+    before = (generation_config.cache_implementation, generation_config.disable_compile)
     generation_config.cache_implementation = "static"
     generation_config.disable_compile = False
     if getattr(generation_config, "compile_config", None) is None:
         generation_config.compile_config = CompileConfig()
+    return before
+
+
+def plain_decoding(generation_config: Any, before: tuple[Any, Any]) -> None:
+    """Undo :func:`compile_decoding`: the cache implementation and compile switch the config
+    had before it (TRL's: no static cache, compilation off)."""
+    generation_config.cache_implementation, generation_config.disable_compile = before
+
+
+def c_compiler() -> str | None:
+    """The C compiler Triton would build its CUDA kernel launcher with, as Triton looks for
+    it (``triton.runtime.build``): ``CC`` if set, else ``gcc`` or ``clang`` on the PATH; None
+    where there is none, and a compiled decoding step would fail at its first generation
+    ("Failed to find C compiler")."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+
+
+def compile_failed(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is a failure to compile: dynamo's or
+    inductor's own errors (a backend's error reaches ``generate`` wrapped in one), or
+    Triton's missing C compiler."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not e for e in seen):
+        module = type(current).__module__ or ""
+        if module.startswith(("torch._dynamo", "torch._inductor")):
+            return True
+        if "Failed to find C compiler" in str(current):
+            return True
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def decoding_compiled(args: Any, model: Any) -> bool:
@@ -129,13 +177,33 @@ def decoding_compiled(args: Any, model: Any) -> bool:
     as set, and when unset (None) wherever it pays and can run: the trainer on CUDA (the
     only device transformers compiles on), TRL's ``generate`` path (no ``use_vllm``, no
     continuous batching, ``cache_implementation`` unset or static), a model transformers can
-    compile whole (``_can_compile_fullgraph``) and a transformers release that prepares
-    static caches with ``_prepare_static_cache``. On one H200 it made a GRPO step of a 0.5B
+    compile whole (``_can_compile_fullgraph``), a transformers release that prepares
+    static caches with ``_prepare_static_cache``, and a C compiler for Triton
+    (:func:`c_compiler`). On one H200 it made a GRPO step of a 0.5B
     model 3.4x faster with the master weights kept fp32; its first generation compiles
     (about 30 s there), which a run of many steps repays (docs/performance.md)."""
     setting = getattr(args, "generation_compile", None)
     if setting is not None:
         return bool(setting)
+    return _would_compile(args, model) and c_compiler() is not None
+
+
+def no_compiler_note(args: Any, model: Any) -> str | None:
+    """The line a replica logs when unset ``generation_compile`` is off for want of a C
+    compiler alone (None otherwise): what to install to get it."""
+    if getattr(args, "generation_compile", None) is not None or c_compiler() is not None:
+        return None
+    if not _would_compile(args, model):
+        return None
+    return (
+        "generation_compile: off, since this machine has no C compiler for Triton (gcc, "
+        "clang or CC): install gcc in the image (apt-get install gcc) to decode with a "
+        "compiled static cache, several times faster on a GPU"
+    )
+
+
+def _would_compile(args: Any, model: Any) -> bool:
+    """:func:`decoding_compiled`'s conditions for an unset setting, but the C compiler."""
     from transformers.generation import GenerationMixin
 
     device = getattr(getattr(args, "device", None), "type", None)

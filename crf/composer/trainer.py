@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,11 +37,14 @@ from trl.trainer.utils import pad, use_adapter
 from crf.composer.config import ComposerConfig
 from crf.composer.generation import (
     compile_decoding,
+    compile_failed,
     decoding_compiled,
     generation_attention,
     master_weights_kept,
+    no_compiler_note,
     no_input_grads_hook,
     one_input_grads_hook,
+    plain_decoding,
     static_cache_kept,
     static_cache_length,
 )
@@ -57,6 +61,8 @@ from crf.rollouts.config import RolloutConfig
 from crf.rollouts.intake import RolloutIntake, RolloutSource, Taken
 
 __all__ = ["ComposerReplicationTrainer", "capture_hidden", "loss_mask"]
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -158,8 +164,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         #: whether generations decode with a compiled static cache (``generation_compile``,
         #: resolved for this device and model when unset)
         self._compile_decoding = decoding_compiled(args, self.model)
+        #: the generation config's settings before compile_decoding (plain_decoding's)
+        self._plain_decoding: tuple[Any, Any] | None = None
         if self._compile_decoding:
-            compile_decoding(self.generation_config)
+            self._plain_decoding = compile_decoding(self.generation_config)
+        elif note := no_compiler_note(args, self.model):
+            log.warning(note)
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -299,7 +309,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         ``generation_compile``, into a static cache sized in buckets and without the
         input-embeddings hook (all: crf/composer/generation.py). For a worker's batch taken
         by the rollout intake: the worker's completions and behaviour log-probs, no
-        sampling."""
+        sampling. A compilation that fails where ``generation_compile`` is unset turns it
+        off, and the generation is made again with plain ``generate``."""
         if self._worker_rollout is not None:
             taken, self._worker_rollout = self._worker_rollout, None
             return self._intake.completions(taken, prompt_ids)
@@ -314,10 +325,41 @@ class ComposerReplicationTrainer(GRPOTrainer):
             if self._compile_decoding
             else contextlib.nullcontext()
         )
-        with guard, attention, compiled:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal, num_generations, *a, **kw
-            )
+        try:
+            with guard, attention, compiled:
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal, num_generations, *a, **kw
+                )
+        except Exception as e:
+            chosen = self.args.generation_compile is not None
+            if not self._compile_decoding or chosen or not compile_failed(e):
+                raise
+            self._stop_compiling(e)
+        return self._generate_single_turn(prompt_ids, images, multimodal, num_generations,
+                                          *a, **kw)  # fmt: skip
+
+    def _stop_compiling(self, error: BaseException) -> None:
+        """Turn compiled decoding off for the rest of the run (it was on by default, and
+        compiling failed here): the generation config as TRL made it, the kept static
+        caches freed, and one warning with the error's first line."""
+        self._compile_decoding = False
+        if self._plain_decoding is not None:
+            plain_decoding(self.generation_config, self._plain_decoding)
+        self._static_cache.clear()
+        root, seen = error, [error]  # what failed inside the compiler (dynamo wraps it)
+        while (inner := root.__cause__ or root.__context__) is not None:
+            if any(inner is e for e in seen):
+                break
+            root = inner
+            seen.append(root)
+        first = (str(root).strip().splitlines() or [""])[0]
+        log.warning(
+            "generation_compile: compiling the decoding step failed (%s: %s), so this "
+            "replica generates with plain generate from now on; set generation_compile=false "
+            "to skip the attempt",
+            type(root).__name__,
+            first[:300],
+        )
 
     def _compiled_decoding(self, prompt_ids: list[list[int]]) -> contextlib.ExitStack:
         """What a ``generation_compile`` generation of ``prompt_ids`` runs inside: the
