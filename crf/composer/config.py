@@ -66,8 +66,9 @@ class ComposerConfig(GRPOConfig):
             first generation compiles (tens of seconds for a 0.5B model). Only with TRL's
             ``generate`` path: not with ``use_vllm`` or continuous batching, and
             ``cache_implementation`` unset or ``"static"``. None (the default): on where
-            it can run, on CUDA for a model transformers compiles whole
-            (``decoding_compiled``); True or False: as set.
+            it can run, on CUDA for a model transformers compiles whole, with a C compiler
+            for Triton (``decoding_compiled``), and off for the rest of the run if compiling
+            fails there; True or False: as set.
         ``use_transformers_continuous_batching`` needs ``bf16=False`` and ``fp16=False``:
             transformers' paged cache holds keys and values in the weights' dtype, and
             autocast makes them bf16/fp16 from fp32 master weights.
@@ -118,7 +119,8 @@ class ComposerConfig(GRPOConfig):
         metadata={"help": "decode with a static KV cache whose decoding step transformers "
                   "compiles on CUDA (the cache in buckets of 256 tokens: one compilation for "
                   "the run's steps); TRL's generate path only. Unset: on where it can run "
-                  "(CUDA, TRL's generate path, a model transformers compiles whole)"},
+                  "(CUDA, TRL's generate path, a model transformers compiles whole, a C "
+                  "compiler for Triton), and off for the run if compiling fails"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -92,7 +92,8 @@ class Config:
     # decode with a static KV cache whose decoding step transformers compiles on CUDA, the
     # cache in buckets of 256 tokens so one compilation serves the run's steps (TRL's generate
     # path only; crf/composer/generation.py). None ("auto"): on for --model where it can run
-    # (CUDA, TRL's generate path, a model transformers compiles whole), off for the toy
+    # (CUDA, TRL's generate path, a model transformers compiles whole, a C compiler), off
+    # for the toy
     generation_compile: bool | None = None
     # channel 2: distillation from the policy conditioned on the hint
     distill_alpha: float = 0.1
