@@ -36,6 +36,15 @@ def _raised_from(outer: type[BaseException], inner: BaseException) -> BaseExcept
         return e
 
 
+def _compiler(message: str) -> BaseException:
+    """A generation's compile failure as ``generate`` raises it: dynamo's wrapper of the
+    backend's (inductor's) error."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    inner = RuntimeError(message)
+    return BackendCompilerFailed(lambda *a: None, inner, None)
+
+
 @pytest.mark.parametrize(
     ("error", "phase", "expected"),
     [
@@ -50,6 +59,8 @@ def _raised_from(outer: type[BaseException], inner: BaseException) -> BaseExcept
         (KeyError("x"), "training", False),  # later on: only a repeat says it is a bug
         (_raised_from(RewardFailed, KeyError("answer")), "training", True),
         (_raised_from(RewardFailed, ConnectionError("api")), "training", False),
+        (_compiler("Failed to find C compiler. Please specify via CC"), "training", True),
+        (_compiler("CUDA out of memory"), "training", False),  # the GPU's memory, this time
     ],
 )
 def test_what_a_replica_counts_as_deterministic(

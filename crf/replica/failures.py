@@ -10,9 +10,12 @@ on a cloud backend, a new container.
 So an error raised while the replica builds its data, model and trainer (phase
 ``starting``, before its first inner step) is deterministic unless its type says the
 machine or the network failed (:data:`TRANSIENT`); so is a reward function's own error
-(not its network's) at any step, and what ``crf.exchange.manager.restart_cannot_help``
-names (the replicas disagree on the model). The replica then exits with code 3 and records
-``restartable: false``; the driver ends the run with that error as its one-line reason.
+(not its network's) at any step, a failure to compile (``generation_compile=true`` in an
+image without a C compiler fails the same way on every attempt;
+``crf.composer.generation.compile_failed``), and what
+``crf.exchange.manager.restart_cannot_help`` names (the replicas disagree on the model).
+The replica then exits with code 3 and records ``restartable: false``; the driver ends the
+run with that error as its one-line reason.
 """
 
 from __future__ import annotations
@@ -57,15 +60,16 @@ def transient(error: BaseException) -> bool:
 
 def deterministic(error: BaseException, *, phase: str) -> bool:
     """Whether a restart would raise ``error`` again (see the module docstring): an error in
-    setup (``phase`` ``starting``) or of a reward function, not a transient one, or one the
-    exchange says no restart can fix."""
+    setup (``phase`` ``starting``), of a reward function or of a compiler, not a transient
+    one, or one the exchange says no restart can fix."""
+    from crf.composer.generation import compile_failed
     from crf.exchange.manager import restart_cannot_help
 
     if restart_cannot_help(error):
         return True
     if transient(error):
         return False
-    if phase == "starting":
+    if phase == "starting" or compile_failed(error):
         return True
     return any("RewardFailed" in _names(e) for e in _chain(error))
 
