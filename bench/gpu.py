@@ -488,6 +488,7 @@ def bench_grpo(
     )
 
     from crf.composer import ComposerConfig, ComposerReplicationTrainer, DiLoCoCallback
+    from crf.replica.model import native_bf16
     from crf.replica.rewards import exact_match
 
     class Clock(TrainerCallback):
@@ -518,7 +519,7 @@ def bench_grpo(
             num_generations=gens,
             max_completion_length=completion,
             use_cpu=not cuda,
-            bf16=cuda and torch.cuda.is_bf16_supported() and generation != "continuous",
+            bf16=cuda and native_bf16() and generation != "continuous",
             generation_cudnn_attention=generation == "cudnn",
             generation_compile=generation == "compiled",
             save_strategy="no",

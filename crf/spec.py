@@ -525,8 +525,8 @@ class RunSpec:
         "auto",
         choices=PRECISIONS,
         group=WORKLOAD,
-        help="Training precision: auto (bf16 on a CUDA GPU that supports it, else fp32), "
-        "bf16, fp16 or fp32.",
+        help="Training precision: auto (bf16 on a CUDA GPU with bfloat16 of its own, Ampere "
+        "or later; else fp32), bf16, fp16 or fp32.",
     )
     device: str = option(
         "auto",

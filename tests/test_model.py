@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -72,6 +73,30 @@ def test_trainer_args_follow_the_placement() -> None:
     # this machine: the spec's auto resolves to what torch sees
     auto = Placement.for_spec(RunSpec(run_id="r", run_uri="memory://x"))
     assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(("major", "want"), [(7, "fp32"), (8, "bf16"), (9, "bf16")],
+                         ids=["t4-v100", "ampere", "hopper"])  # fmt: skip
+def test_auto_is_bf16_only_where_the_gpu_has_it(
+    monkeypatch: pytest.MonkeyPatch, major: int, want: str
+) -> None:
+    """torch.cuda.is_bf16_supported() says yes for a pre-Ampere GPU too (bf16 emulated, which
+    makes a tensor but computes slower than fp32): --precision auto is bf16 on compute
+    capability 8 and later only, and an explicit bf16 on an older GPU is refused. The GPU is
+    simulated where torch reads it (its properties), torch's own check runs as it is."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(major=major))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True)  # emulation
+    assert torch.cuda.is_bf16_supported()  # what torch says of every one of them
+    spec = RunSpec(run_id="r", run_uri="memory://x")
+    assert Placement.for_spec(spec) == Placement("cuda", want)
+    explicit = RunSpec(run_id="r", run_uri="memory://x", precision="bf16")
+    if want == "fp32":
+        with pytest.raises(ValueError, match="no bfloat16 of its own"):
+            Placement.for_spec(explicit)
+    else:
+        assert Placement.for_spec(explicit).dtype == "bf16"
 
 
 def test_model_options_are_validated_before_launch() -> None:

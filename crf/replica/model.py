@@ -59,9 +59,21 @@ def choose_dtype(requested: str, device: str, bf16_supported: bool) -> str:
         raise ValueError("--precision fp16 needs a CUDA GPU; on a CPU use bf16 or fp32")
     if requested == "bf16" and device == "cuda" and not bf16_supported:
         raise ValueError(
-            "--precision bf16 but this GPU does not support bfloat16 (pre-Ampere): use fp16"
+            "--precision bf16 but this GPU has no bfloat16 of its own (pre-Ampere, where "
+            "torch emulates it): use fp16 or fp32"
         )
     return requested
+
+
+def native_bf16() -> bool:
+    """Whether this machine's CUDA GPU computes in bfloat16 itself (Ampere and later).
+    ``torch.cuda.is_bf16_supported()`` also says yes for a T4 or a V100, where bf16 is
+    emulated: slower than fp32 there, and SDPA's fused kernels refuse it."""
+    import torch
+
+    return bool(
+        torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    )
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class Placement:
 
         cuda = torch.cuda.is_available()
         device = choose_device(getattr(spec, "device", "auto"), cuda)
-        bf16 = bool(cuda and device == "cuda" and torch.cuda.is_bf16_supported())
+        bf16 = bool(cuda and device == "cuda" and native_bf16())
         return cls(device, choose_dtype(getattr(spec, "precision", "auto"), device, bf16))
 
     @property

@@ -376,9 +376,9 @@ def _on_gpu(spec: Any, gpus: int | None, local: bool) -> bool:
         return device == "cuda"
     if not local:
         return bool(gpus)
-    import torch
+    from crf.replica.model import native_bf16
 
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return native_bf16()
 
 
 def completion_notes(
