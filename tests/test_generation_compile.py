@@ -10,6 +10,9 @@ graphs) on CUDA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -503,3 +506,41 @@ def test_lora_compiled_decoding_on_cuda(folder: Path) -> None:
     assert len(set(caches)) == 1
     trained = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
     assert trained == {torch.float32}
+
+
+_NO_COMPILER = """
+import logging
+from pathlib import Path
+from tests.test_generation_compile import _trainer
+logging.basicConfig(level=logging.WARNING)
+trainer = _trainer(Path(FOLDER), "cuda", steps=2)
+assert trainer.compiled_decoding
+trainer.train()
+assert trainer.state.global_step == 2
+print("compiled" if trainer.compiled_decoding else "fell back")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_compiled_decoding_without_a_working_compiler_trains_on(
+    folder: Path, tmp_path: Path
+) -> None:
+    """On CUDA, in a process whose C compiler is missing (``CC`` names none) and whose Triton
+    and inductor caches are new (nothing built before is reused): the default compiled
+    decoding fails at the first generation where Triton needs the compiler, the trainer warns
+    once and trains on with plain ``generate``. (A Triton that builds nothing with the C
+    compiler compiles instead; the run trains on either way.)"""
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    code = _NO_COMPILER.replace("FOLDER", repr(str(folder)))
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    said = out.stdout.strip().splitlines()[-1]
+    assert said in ("compiled", "fell back"), out.stdout
+    if said == "fell back":
+        warned = [line for line in out.stderr.splitlines() if "generation_compile:" in line]
+        assert len(warned) == 1 and "plain generate" in warned[0], warned
