@@ -372,11 +372,12 @@ def test_a_failed_compilation_by_default_falls_back_to_plain_generate(
     """Unset ``generation_compile`` chose compiled decoding (as on CUDA) and compiling fails:
     the generation is made again with plain ``generate`` (the tokens it makes), compiled
     decoding is off for the rest of the run, one warning says why, and training goes on.
-    Set to True, the same failure is raised."""
+    Set to True, the failure is raised as one line that a restart is not tried for."""
     import logging
 
     import crf.composer.trainer as trainer_module
-    from crf.composer.generation import compile_failed
+    from crf.composer.generation import CompileFailed, compile_failed
+    from crf.replica.failures import deterministic, one_line
 
     plain = _trainer(folder, generation_compile=False)
     prompts = plain.processing_class(text=["ab=", "abcdab="])["input_ids"]
@@ -390,9 +391,13 @@ def test_a_failed_compilation_by_default_falls_back_to_plain_generate(
     expected = greedy(plain)
     chosen = _trainer(folder, generation_compile=True)
     _failing_compiler(chosen)
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(CompileFailed) as raised:  # asked for: one line, no restart
         greedy(chosen)
-    assert compile_failed(raised.value)
+    assert compile_failed(raised.value) and deterministic(raised.value, phase="training")
+    assert one_line(raised.value).startswith(
+        "CompileFailed: generation_compile=true, and compiling the decoding step failed "
+        "(RuntimeError: Failed to find C compiler."
+    )
 
     monkeypatch.setattr(trainer_module, "decoding_compiled", lambda args, model: True)
     trainer = _trainer(folder, steps=2)

@@ -65,6 +65,7 @@ from typing import Any
 
 __all__ = [
     "CACHE_BUCKET",
+    "CompileFailed",
     "MasterWeightsCast",
     "c_compiler",
     "compile_decoding",
@@ -76,6 +77,7 @@ __all__ = [
     "no_input_grads_hook",
     "one_input_grads_hook",
     "plain_decoding",
+    "root_error",
     "static_cache_kept",
     "static_cache_length",
 ]
@@ -153,6 +155,24 @@ def c_compiler() -> str | None:
     where there is none, and a compiled decoding step would fail at its first generation
     ("Failed to find C compiler")."""
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+
+
+class CompileFailed(RuntimeError):
+    """``generation_compile=true`` and the decoding step did not compile (raised from the
+    compiler's error): the same image fails the same way on every attempt."""
+
+
+def root_error(error: BaseException) -> str:
+    """``Type: first line`` of the innermost error ``error`` was raised from: what failed
+    inside the compiler (dynamo's wrapper says only which backend raised)."""
+    root, seen = error, [error]
+    while (inner := root.__cause__ or root.__context__) is not None:
+        if any(inner is e for e in seen):
+            break
+        root = inner
+        seen.append(root)
+    first = (str(root).strip().splitlines() or [""])[0][:300]
+    return f"{type(root).__name__}: {first}" if first else type(root).__name__
 
 
 def compile_failed(error: BaseException) -> bool:

@@ -36,6 +36,7 @@ from trl.trainer.utils import pad, use_adapter
 
 from crf.composer.config import ComposerConfig
 from crf.composer.generation import (
+    CompileFailed,
     compile_decoding,
     compile_failed,
     decoding_compiled,
@@ -45,6 +46,7 @@ from crf.composer.generation import (
     no_input_grads_hook,
     one_input_grads_hook,
     plain_decoding,
+    root_error,
     static_cache_kept,
     static_cache_length,
 )
@@ -331,9 +333,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
                     prompt_ids, images, multimodal, num_generations, *a, **kw
                 )
         except Exception as e:
-            chosen = self.args.generation_compile is not None
-            if not self._compile_decoding or chosen or not compile_failed(e):
+            if not self._compile_decoding or not compile_failed(e):
                 raise
+            if self.args.generation_compile is not None:  # asked for: said in one line
+                raise CompileFailed(
+                    f"generation_compile=true, and compiling the decoding step failed "
+                    f"({root_error(e)}): install a C compiler (gcc) in the image, or leave "
+                    "generation_compile unset (then such a failure falls back to plain "
+                    "generate)"
+                ) from e
             self._stop_compiling(e)
         return self._generate_single_turn(prompt_ids, images, multimodal, num_generations,
                                           *a, **kw)  # fmt: skip
@@ -341,24 +349,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def _stop_compiling(self, error: BaseException) -> None:
         """Turn compiled decoding off for the rest of the run (it was on by default, and
         compiling failed here): the generation config as TRL made it, the kept static
-        caches freed, and one warning with the error's first line."""
+        caches freed, and one warning naming what failed in the compiler."""
         self._compile_decoding = False
         if self._plain_decoding is not None:
             plain_decoding(self.generation_config, self._plain_decoding)
         self._static_cache.clear()
-        root, seen = error, [error]  # what failed inside the compiler (dynamo wraps it)
-        while (inner := root.__cause__ or root.__context__) is not None:
-            if any(inner is e for e in seen):
-                break
-            root = inner
-            seen.append(root)
-        first = (str(root).strip().splitlines() or [""])[0]
         log.warning(
-            "generation_compile: compiling the decoding step failed (%s: %s), so this "
-            "replica generates with plain generate from now on; set generation_compile=false "
-            "to skip the attempt",
-            type(root).__name__,
-            first[:300],
+            "generation_compile: compiling the decoding step failed (%s), so this replica "
+            "generates with plain generate from now on; set generation_compile=false to skip "
+            "the attempt",
+            root_error(error),
         )
 
     def _compiled_decoding(self, prompt_ids: list[list[int]]) -> contextlib.ExitStack:
