@@ -319,7 +319,10 @@ CASES = [
     Case("zip-jsonl", lambda t, m: _raw(t, "x.jsonl.zip", b"PK\x03\x04"),
          "x.jsonl.zip is compressed as .zip, which crf does not read: decompress it"),
     Case("zst-that-does-not-decompress", lambda t, m: _raw(t, "x.jsonl.zst", _lines(
-         lambda ls: None)), "x.jsonl.zst does not decompress as .zst (zstd decompress error"),
+         lambda ls: None)), "x.jsonl.zst does not decompress as .zst (zstd decompress"),
+    Case("zst-cut-short", lambda t, m: _raw(t, "x.jsonl.zst", zstandard.compress(_lines(
+         lambda ls: None))[:-40]), "x.jsonl.zst does not decompress as .zst (the file ends "
+         "inside a frame: it was cut short)"),
     Case("gz-that-does-not-decompress", lambda t, m: _raw(t, "x.jsonl.gz", _lines(
          lambda ls: None)), "x.jsonl.gz does not decompress as .gz (Not a gzipped file"),
     Case("malformed-line-in-gz", lambda t, m: _raw(t, "x.jsonl.gz", gzip.compress(_lines(

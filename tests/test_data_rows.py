@@ -359,6 +359,22 @@ def test_a_compressed_file_is_read_as_its_plain_form(tmp_path: Path, name: str, 
         assert result.exit_code == 0, result.output
 
 
+def test_a_zstandard_file_of_several_frames_is_read_whole(tmp_path: Path) -> None:
+    """A .zst file may hold several frames (zstd's own tools write one per input they
+    concatenate): the checks read every frame, as datasets does, not the first alone."""
+    import zstandard
+
+    from crf.replica.data_files import read_rows
+
+    plain = Path(_jsonl(tmp_path / "d.jsonl", _rows()))
+    data = plain.read_bytes()
+    cut = data.index(b"\n", len(data) // 2) + 1
+    packed = tmp_path / "d.jsonl.zst"
+    packed.write_bytes(zstandard.compress(data[:cut]) + zstandard.compress(data[cut:]))
+    assert read_rows(str(packed), "train").columns == read_rows(str(plain), "train").columns
+    assert _shard(str(packed), 1) == _shard(str(plain), 1)
+
+
 @pytest.mark.parametrize("form", ["jsonl", "csv", "parquet", "saved", "folder"])
 def test_a_split_too_large_to_read_whole_is_checked_on_its_first_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str

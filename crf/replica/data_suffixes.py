@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
 import lzma
 import os
 import zlib
@@ -26,13 +27,51 @@ from typing import IO, Any
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _zstd_open(path: str, mode: str) -> IO[bytes]:
-    """A Zstandard file's bytes. ``zstandard`` is imported here, when a .zst file is read:
-    datasets and fsspec import it the same way, and a replica that reads none never pays."""
-    import zstandard
+class _ZstdFrames(io.RawIOBase):
+    """A Zstandard file's bytes, frame after frame, and a ``ZstdError`` where the file ends
+    inside a frame (cut short), as gzip raises ``EOFError``: ``zstandard``'s own readers
+    return what they decoded and stop without a word, so a truncated file would look like
+    one with fewer rows. ``zstandard`` is imported here, when a .zst file is read: datasets
+    and fsspec import it the same way, and a replica that reads none never pays."""
 
-    opened: IO[bytes] = zstandard.open(path, mode)
-    return opened
+    def __init__(self, path: str) -> None:
+        import zstandard
+
+        super().__init__()
+        self._zstd = zstandard
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._started = False  # whether the current frame has taken any bytes
+        self._out = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._out:
+            chunk = self._frame.unused_data if self._frame.eof else b""
+            if self._frame.eof:  # the next frame, if the file holds more
+                self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                self._started = False
+            chunk = chunk or self._file.read(1 << 16)
+            if not chunk:
+                if self._started:
+                    raise self._zstd.ZstdError("the file ends inside a frame: it was cut short")
+                return 0
+            self._started = True
+            self._out = self._frame.decompress(chunk)
+        n = min(len(buffer), len(self._out))
+        buffer[:n], self._out = self._out[:n], self._out[n:]
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _zstd_open(path: str, mode: str) -> IO[bytes]:
+    """A Zstandard file's bytes (:class:`_ZstdFrames`), buffered (lines, reads of any size)."""
+    return io.BufferedReader(_ZstdFrames(path))
 
 
 #: compressions a .jsonl/.json/.csv file may have (``datasets`` decompresses each, by the
