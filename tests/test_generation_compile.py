@@ -542,7 +542,7 @@ def test_compiled_decoding_without_a_working_compiler_trains_on(
     code = _NO_COMPILER.replace("FOLDER", repr(str(folder)))
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+                         text=True, timeout=140)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     said = out.stdout.strip().splitlines()[-1]
     assert said in ("compiled", "fell back"), out.stdout
