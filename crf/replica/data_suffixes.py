@@ -42,7 +42,7 @@ class _ZstdFrames(io.RawIOBase):
         self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
         self._frame = zstandard.ZstdDecompressor().decompressobj()
         self._started = False  # whether the current frame has taken any bytes
-        self._out = b""
+        self._out = memoryview(b"")  # decompressed, not yet read
 
     def readable(self) -> bool:
         return True
@@ -59,9 +59,9 @@ class _ZstdFrames(io.RawIOBase):
                     raise self._zstd.ZstdError("the file ends inside a frame: it was cut short")
                 return 0
             self._started = True
-            self._out = self._frame.decompress(chunk)
+            self._out = memoryview(self._frame.decompress(chunk))
         n = min(len(buffer), len(self._out))
-        buffer[:n], self._out = self._out[:n], self._out[n:]
+        buffer[:n], self._out = self._out[:n], self._out[n:]  # views: no copy of the rest
         return n
 
     def close(self) -> None:
