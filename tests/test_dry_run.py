@@ -133,6 +133,65 @@ def test_bad_input_still_stops_a_dry_run(no_account: Path) -> None:
     assert code == 2 and "unknown Modal GPU 'A10X'" in out and "│" not in out
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--backend", "modal", "--device", "cuda"],
+         "--device cuda needs a CUDA GPU, and the modal backend's hardware (CPU only) has "
+         "none: choose GPU hardware (--hardware), or use --device auto"),
+        (["--backend", "modal", "--precision", "fp16"],
+         "--precision fp16 needs a CUDA GPU, and the modal backend's hardware (CPU only)"),
+        (["--backend", "modal", "--gpu", "T4", "--precision", "bf16"],
+         "--precision bf16, but the modal backend's hardware (T4) has a GPU older than "
+         "Ampere"),
+        (["--backend", "hf", "--flavor", "t4-small", "--precision", "bf16"],
+         "the hf backend's hardware (t4-small) has a GPU older than Ampere"),
+        (["--backend", "sagemaker", "--instance-type", "ml.p3.2xlarge", "--precision", "bf16"],
+         "the sagemaker backend's hardware (ml.p3.2xlarge) has a GPU older than Ampere"),
+        (["--backend", "sagemaker", "--instance-type", "ml.m5.xlarge", "--device", "cuda"],
+         "the sagemaker backend's hardware (ml.m5.xlarge) has none"),
+        (["--backend", "modal", "--rollout-workers", "2", "--rollout-hardware", "T4",
+          "--gpu", "A10G", "--precision", "bf16"],
+         "rollout workers: --precision bf16, but the modal backend's hardware (T4)"),
+    ],
+    ids=["modal-cuda-no-gpu", "modal-fp16-no-gpu", "modal-t4-bf16", "hf-t4-bf16",
+         "sagemaker-v100-bf16", "sagemaker-cpu-cuda", "workers-t4-bf16"],
+)  # fmt: skip
+def test_a_device_or_precision_the_hardware_cannot_do_stops_the_launch(
+    no_account: Path, args: list[str], says: str
+) -> None:
+    """The replicas would refuse it at setup, each after its start (crf.replica.model): the
+    backend's hardware option already says, so the launch stops in one line before."""
+    for module in {"modal": "modal", "hf": "huggingface_hub", "sagemaker": "boto3"}.values():
+        pytest.importorskip(module)
+    code, out = crf("launch", *args, "--store", "s3://bucket/runs", "--dry-run")
+    assert code == 2 and says in out and "│" not in out, out
+
+
+def test_local_replicas_are_checked_against_this_machine(no_account: Path) -> None:
+    """Local replicas run here: --device cuda and fp16 need this machine's CUDA GPU."""
+    import torch
+
+    for args, what in ((["--device", "cuda"], "--device cuda"),
+                       (["--precision", "fp16"], "--precision fp16")):  # fmt: skip
+        code, out = crf("launch", "--job", "lm", *args, "--dry-run")
+        if torch.cuda.is_available():
+            assert code == 0, out
+        else:
+            said = f"{what} needs a CUDA GPU, and this machine (where the local replicas run)"
+            assert code == 2 and said in out, out
+
+
+def test_what_the_hardware_can_do_is_launched(no_account: Path) -> None:
+    """fp16 on a T4, bf16 on an A10G and a model of its own on a CPU backend pass."""
+    pytest.importorskip("modal")
+    for args in (["--gpu", "T4", "--precision", "fp16"], ["--gpu", "A10G", "--precision", "bf16"],
+                 ["--device", "cpu", "--precision", "bf16"], ["--gpu", "T4"]):  # fmt: skip
+        code, out = crf("launch", "--backend", "modal", *args, "--store", "s3://b/runs",
+                        "--dry-run")  # fmt: skip
+        assert code == 0, (args, out)
+
+
 def test_without_dry_run_the_first_missing_credential_stops_the_launch(no_account: Path) -> None:
     code, out = crf("launch", "--backend", "hf", "--job", "lm", "--store", "hf://buckets/me/b")
     assert code == 2 and out.startswith("error:") and "Hugging Face token" in out

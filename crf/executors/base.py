@@ -576,6 +576,12 @@ class ServerlessExecutor(ABC):
         the default of ``--procs-per-replica``."""
         return 0
 
+    def gpu_bf16(self) -> bool | None:
+        """Whether each replica's GPU computes in bfloat16 itself (Ampere or later; older
+        GPUs emulate it, slower than fp32): ``--precision``'s choices there. None where the
+        backend does not say, or without a GPU."""
+        return None
+
     def check_command(
         self, entrypoint: Entrypoint, entrypoint_args: Sequence[str] = ()
     ) -> list[str]:

@@ -458,6 +458,11 @@ class HFJobsExecutor(CloudExecutor):
     def gpus_per_replica(self) -> int:
         return flavor_gpus(self.flavor)
 
+    def gpu_bf16(self) -> bool | None:
+        if not flavor_gpus(self.flavor):
+            return None
+        return self.flavor not in _CATALOG["flavors_without_bf16"]
+
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         price = FLAVORS.get(self.flavor, (None, None))[1]
         gpus, resources = flavor_parts(self.flavor)

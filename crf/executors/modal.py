@@ -529,6 +529,10 @@ class ModalExecutor(CloudExecutor):
         parsed = parse_gpu(self.gpu)
         return parsed[1] if parsed else 0
 
+    def gpu_bf16(self) -> bool | None:
+        parsed = parse_gpu(self.gpu)
+        return None if parsed is None else parsed[0] not in _CATALOG["gpus_without_bf16"]
+
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         parsed = parse_gpu(self.gpu)
         gpu = f"{parsed[1]}x {parsed[0]}" if parsed else "no GPU"

@@ -880,6 +880,12 @@ class SageMakerExecutor(CloudExecutor):
     def gpus_per_replica(self) -> int:
         return instance_gpus(self.instance_type)
 
+    def gpu_bf16(self) -> bool | None:
+        if not has_gpu(self.instance_type):
+            return None
+        family = self.instance_type.rsplit(".", 1)[0]
+        return family not in _CATALOG["families_without_bf16"]
+
     def describe(self, n_replicas: int, command: Sequence[str] | None, run_uri: str) -> BackendPlan:
         region = self.region or "<default region>"
         notes = [

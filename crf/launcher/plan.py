@@ -191,6 +191,7 @@ def check_job_run(spec: RunSpec, executor: ServerlessExecutor | None) -> None:
     unknown."""
     from crf.replica.jobs import get_job, job_config
 
+    check_hardware(spec, executor)
     check = getattr(get_job(spec.job), "check_run", None)
     if check is None:
         return
@@ -200,6 +201,57 @@ def check_job_run(spec: RunSpec, executor: ServerlessExecutor | None) -> None:
         check(job_config(spec.job, spec.job_config), spec, gpus, local)
     except (TypeError, ValueError) as e:
         raise LaunchError(str(e)) from None
+
+
+def check_hardware(spec: RunSpec, executor: ServerlessExecutor | None) -> None:
+    """LaunchError for a ``--device`` or ``--precision`` the replicas' hardware cannot do,
+    where it is known before launch: a cloud backend's hardware option (no GPU; a GPU older
+    than Ampere, whose bfloat16 torch emulates), or this machine for local replicas. Each
+    replica would refuse the same at setup (crf.replica.model), after its start. Nothing
+    for an own command (crf's options are not its)."""
+    device, precision = spec.device, spec.precision
+    if executor is None or spec.entrypoint or device == "cpu":
+        return
+    if device == "auto" and precision in ("auto", "fp32"):
+        return
+    known = _hardware(executor)
+    if known is None:
+        return
+    gpu, bf16, shown = known
+    local = getattr(executor, "name", "") == "local"
+    other = "" if local else "choose GPU hardware (--hardware), or "
+    if not gpu and (device == "cuda" or precision == "fp16"):
+        what = "--device cuda" if device == "cuda" else "--precision fp16"
+        fix = "use --device auto" if device == "cuda" else "use --precision bf16 or fp32"
+        raise LaunchError(f"{what} needs a CUDA GPU, and {shown} has none: {other}{fix}")
+    if gpu and precision == "bf16" and bf16 is False:
+        raise LaunchError(
+            f"--precision bf16, but {shown} has a GPU older than Ampere, without bfloat16 of "
+            "its own (torch emulates it there, slower than fp32): use --precision fp16 or "
+            "fp32" + ("" if local else ", or Ampere or later hardware (--hardware)")
+        )
+
+
+def _hardware(executor: ServerlessExecutor) -> tuple[bool, bool | None, str] | None:
+    """What :func:`check_hardware` knows of the replicas' hardware: whether it has a GPU,
+    whether that GPU has bfloat16 of its own (None: unknown), and its name in a message;
+    None where the backend does not say (no hardware option)."""
+    if getattr(executor, "name", "") == "local":
+        import torch
+
+        from crf.replica.model import native_bf16
+
+        return (
+            torch.cuda.is_available(),
+            native_bf16(),
+            "this machine (where the local replicas run)",
+        )
+    option = getattr(executor, "hardware_option", None)
+    if option is None:
+        return None
+    value = getattr(executor, option, None)
+    shown = f"the {executor.name} backend's hardware ({value or 'CPU only'})"
+    return executor.gpus_per_replica() > 0, executor.gpu_bf16(), shown
 
 
 def check_replica_limit(executor: ServerlessExecutor, replicas: int) -> None:
