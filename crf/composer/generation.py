@@ -162,15 +162,20 @@ class CompileFailed(RuntimeError):
     compiler's error): the same image fails the same way on every attempt."""
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from, outermost first (a cycle ends it)."""
+    out: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not e for e in out):
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
 def root_error(error: BaseException) -> str:
     """``Type: first line`` of the innermost error ``error`` was raised from: what failed
     inside the compiler (dynamo's wrapper says only which backend raised)."""
-    root, seen = error, [error]
-    while (inner := root.__cause__ or root.__context__) is not None:
-        if any(inner is e for e in seen):
-            break
-        root = inner
-        seen.append(root)
+    root = _chain(error)[-1]
     first = (str(root).strip().splitlines() or [""])[0][:300]
     return f"{type(root).__name__}: {first}" if first else type(root).__name__
 
@@ -179,17 +184,11 @@ def compile_failed(error: BaseException) -> bool:
     """Whether ``error`` (or one it was raised from) is a failure to compile: dynamo's or
     inductor's own errors (a backend's error reaches ``generate`` wrapped in one), or
     Triton's missing C compiler."""
-    seen: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and all(current is not e for e in seen):
-        module = type(current).__module__ or ""
-        if module.startswith(("torch._dynamo", "torch._inductor")):
-            return True
-        if "Failed to find C compiler" in str(current):
-            return True
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return False
+    return any(
+        (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
+        or "Failed to find C compiler" in str(e)
+        for e in _chain(error)
+    )
 
 
 def decoding_compiled(args: Any, model: Any) -> bool:
