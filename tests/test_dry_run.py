@@ -192,6 +192,31 @@ def test_what_the_hardware_can_do_is_launched(no_account: Path) -> None:
         assert code == 0, (args, out)
 
 
+def test_continuous_batching_is_judged_on_the_backends_gpu(no_account: Path) -> None:
+    """TRL's continuous batching needs fp32 training. Under --precision auto that is so on a
+    T4 (no bfloat16 of its own: auto is fp32 there) and not on an A10G: the launch is
+    refused only on the A10G (on a transformers too old for the path, both name that)."""
+    pytest.importorskip("modal")
+    from packaging.version import Version
+
+    from crf.replica.trl_settings import CONTINUOUS_BATCHING_TRANSFORMERS
+    from crf.versions import distribution_version
+
+    served = Version(distribution_version("transformers") or "0") >= Version(
+        CONTINUOUS_BATCHING_TRANSFORMERS
+    )
+    cb = ("--set", "trl.use_transformers_continuous_batching=true")
+    for gpu, ok in (("T4", True), ("A10G", False)):
+        code, out = crf("launch", "--backend", "modal", "--gpu", gpu, *cb,
+                        "--store", "s3://b/runs", "--dry-run")  # fmt: skip
+        if not served:
+            assert code == 2 and "needs transformers>=" in out, (gpu, out)
+        elif ok:
+            assert code == 0, (gpu, out)
+        else:
+            assert code == 2 and "auto (bf16 on a GPU)" in out and "│" not in out, out
+
+
 def test_without_dry_run_the_first_missing_credential_stops_the_launch(no_account: Path) -> None:
     code, out = crf("launch", "--backend", "hf", "--job", "lm", "--store", "hf://buckets/me/b")
     assert code == 2 and out.startswith("error:") and "Hugging Face token" in out

@@ -268,24 +268,33 @@ def test_continuous_batching_on_an_older_transformers_is_one_line(tmp_path: Path
 
 def test_continuous_batching_under_autocast_is_refused_before_launch(tmp_path: Path) -> None:
     """The paged cache takes the weights' dtype (crf's fp32 master weights) while bf16
-    autocast makes bf16 keys: a run whose precision is bf16 or fp16, or auto on a GPU, is
-    refused in one line that names --precision fp32; fp32, and auto without a GPU, launch."""
+    autocast makes bf16 keys: a run whose precision is bf16 or fp16, or auto on a GPU with
+    bfloat16 of its own, is refused in one line that names --precision fp32; fp32, auto
+    without a GPU, and auto on a cloud GPU older than Ampere (a T4: auto is fp32 there),
+    launch."""
+    from crf.replica.model import native_bf16
+
     on = {"use_transformers_continuous_batching": True}
     new = "5.8.0"
-    for precision, device, gpus, local in (("bf16", "cpu", None, True),
-                                           ("fp16", "cuda", None, True),
-                                           ("auto", "cuda", None, True),
-                                           ("auto", "auto", 1, False)):  # fmt: skip
+    refused = [("bf16", "cpu", None, True, None), ("fp16", "cuda", None, True, None),
+               ("auto", "auto", 1, False, True), ("auto", "auto", 1, False, None),
+               ("auto", "cuda", None, False, None)]  # fmt: skip
+    launched = [("fp32", "cuda", None, True, None), ("auto", "cpu", None, True, None),
+                ("auto", "auto", 0, False, None), ("auto", "auto", 1, False, False),
+                ("auto", "cuda", None, False, False), ("auto", "cpu", 1, False, True)]  # fmt: skip
+    # local replicas: auto is bf16 where this machine's GPU has it (as crf.replica.model)
+    (refused if native_bf16() else launched).append(("auto", "cuda", None, True, None))
+    for precision, device, gpus, local, bf16 in refused:
         with pytest.raises(trl_settings.SettingError, match="needs --precision fp32"):
             trl_settings.check_continuous_batching(
-                on, new, spec=_spec(precision=precision, device=device), gpus=gpus, local=local
-            )
-    for precision, device, gpus, local in (("fp32", "cuda", None, True),
-                                           ("auto", "cpu", None, True),
-                                           ("auto", "auto", 0, False)):  # fmt: skip
+                on, new, spec=_spec(precision=precision, device=device), gpus=gpus,
+                local=local, bf16=bf16,
+            )  # fmt: skip
+    for precision, device, gpus, local, bf16 in launched:
         trl_settings.check_continuous_batching(
-            on, new, spec=_spec(precision=precision, device=device), gpus=gpus, local=local
-        )
+            on, new, spec=_spec(precision=precision, device=device), gpus=gpus, local=local,
+            bf16=bf16,
+        )  # fmt: skip
 
     result = crf("launch", "--set", "trl.use_transformers_continuous_batching=true",
                  "--precision", "bf16", "--store", tmp_path / "runs", "--dry-run")  # fmt: skip

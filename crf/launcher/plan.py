@@ -186,7 +186,8 @@ def job_notes(spec: RunSpec, rows: list[dict[str, Any]]) -> list[str]:
 
 def check_job_run(spec: RunSpec, executor: ServerlessExecutor | None) -> None:
     """The job's own checks that need the run options (``check_run(config, spec, gpus,
-    local)`` in its module, if it has one: the composer job's TRL settings and vLLM);
+    local, bf16)`` in its module, if it has one: the composer job's TRL settings and vLLM;
+    ``bf16`` whether a cloud backend's GPU has bfloat16 of its own, None if not known);
     LaunchError says what to fix. Without an executor (``--print-config``) the hardware is
     unknown."""
     from crf.replica.jobs import get_job, job_config
@@ -196,9 +197,12 @@ def check_job_run(spec: RunSpec, executor: ServerlessExecutor | None) -> None:
     if check is None:
         return
     local = getattr(executor, "name", spec.backend) == "local"
-    gpus = None if executor is None or local else executor.gpus_per_replica()
+    gpus: int | None = None
+    bf16: bool | None = None
+    if executor is not None and not local:
+        gpus, bf16 = executor.gpus_per_replica(), executor.gpu_bf16()
     try:
-        check(job_config(spec.job, spec.job_config), spec, gpus, local)
+        check(job_config(spec.job, spec.job_config), spec, gpus, local, bf16)
     except (TypeError, ValueError) as e:
         raise LaunchError(str(e)) from None
 

@@ -272,13 +272,15 @@ def check_continuous_batching(
     spec: Any = None,
     gpus: int | None = None,
     local: bool = True,
+    bf16: bool | None = None,
 ) -> None:
     """SettingError before launch for ``use_transformers_continuous_batching`` on a
     transformers older than :data:`CONTINUOUS_BATCHING_TRANSFORMERS` (``version``: this
     environment's; replicas install the driver's versions, so theirs is the same), and in a
     run that trains under bf16/fp16 autocast (``--precision`` bf16 or fp16, or auto on a GPU):
     transformers' paged cache keeps keys and values in the weights' dtype, fp32 here, and
-    autocast makes them bf16."""
+    autocast makes them bf16. ``bf16`` False: the backend's GPU has no bfloat16 of its own
+    (a T4), so auto is fp32 there."""
     if not fields.get("use_transformers_continuous_batching"):
         return
     from packaging.version import Version
@@ -295,7 +297,7 @@ def check_continuous_batching(
         )
     precision = getattr(spec, "precision", None) or "auto"
     if spec is not None and (
-        precision in ("bf16", "fp16") or (precision == "auto" and _on_gpu(spec, gpus, local))
+        precision in ("bf16", "fp16") or (precision == "auto" and _on_gpu(spec, gpus, local, bf16))
     ):
         said = "auto (bf16 on a GPU)" if precision == "auto" else precision
         raise SettingError(
@@ -333,11 +335,12 @@ def check_generation_compile(compile_decoding: bool, fields: Mapping[str, Any]) 
         )
 
 
-def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
+def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool, bf16: bool | None = None) -> None:
     """The composer job's checks that need the run options: its ``trl`` settings as TRL's
     GRPOConfig takes them (for this model, LoRA and batch), ``use_vllm`` where it can
-    run (:func:`check_vllm`), continuous batching where transformers serves it
-    (:func:`check_continuous_batching`), compiled decoding on TRL's generate path
+    run (:func:`check_vllm`), continuous batching where transformers serves it and the
+    precision is fp32 (:func:`check_continuous_batching`; ``bf16``: whether the backend's
+    GPU has bfloat16 of its own, None unknown), compiled decoding on TRL's generate path
     (:func:`check_generation_compile`). Without ``trl`` settings, only the last (TRL is not
     imported)."""
     compiled = bool(getattr(cfg, "generation_compile", False))
@@ -349,7 +352,7 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool) -> None:
     check_values(fields, cfg.prompts_per_step * generations)
     check_generation_compile(compiled, fields)
     check_vllm(fields, spec, gpus, local)
-    check_continuous_batching(fields, spec=spec, gpus=gpus, local=local)
+    check_continuous_batching(fields, spec=spec, gpus=gpus, local=local, bf16=bf16)
     check_rollout_loss(fields, spec)
 
 
@@ -368,17 +371,19 @@ def check_rollout_loss(fields: Mapping[str, Any], spec: Any) -> None:
         raise SettingError(f"trl.{uncorrectable_loss(str(loss))}")
 
 
-def _on_gpu(spec: Any, gpus: int | None, local: bool) -> bool:
-    """Whether the replicas train on a CUDA GPU that has bf16 (``--precision auto`` is bf16
-    there): ``--device``, else this machine for local replicas, else the backend's hardware."""
+def _on_gpu(spec: Any, gpus: int | None, local: bool, bf16: bool | None = None) -> bool:
+    """Whether the replicas train on a CUDA GPU that has bf16 of its own (``--precision
+    auto`` is bf16 there, fp32 on an older GPU): this machine's for local replicas, else the
+    backend's hardware (``gpus``; ``bf16`` False for a GPU older than Ampere), which
+    ``--device cuda`` says has a GPU where the hardware is not known."""
     device = getattr(spec, "device", "auto")
-    if device in ("cpu", "cuda"):
-        return device == "cuda"
-    if not local:
-        return bool(gpus)
-    from crf.replica.model import native_bf16
+    if device == "cpu":
+        return False
+    if local:
+        from crf.replica.model import native_bf16
 
-    return native_bf16()
+        return native_bf16()
+    return (device == "cuda" or bool(gpus)) and bf16 is not False
 
 
 def completion_notes(

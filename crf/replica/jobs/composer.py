@@ -524,12 +524,15 @@ def settings(cfg: Config, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return knobs, differs(fields | batch)
 
 
-def check_run(cfg: Config, spec: Any, gpus: int | None, local: bool) -> None:
+def check_run(
+    cfg: Config, spec: Any, gpus: int | None, local: bool, bf16: bool | None = None
+) -> None:
     """Before launch: the ``trl`` settings against TRL's GRPOConfig, and vLLM where it can
-    run (crf/replica/trl_settings.py)."""
+    run (crf/replica/trl_settings.py); ``bf16``: whether the backend's GPU has bfloat16 of
+    its own (None: unknown or local)."""
     from crf.replica.trl_settings import check_run as check
 
-    check(cfg, spec, gpus, local)
+    check(cfg, spec, gpus, local, bf16)
 
 
 def notes(cfg: Config, spec: Any, rows: list[dict[str, Any]]) -> list[str]:
