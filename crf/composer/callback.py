@@ -10,6 +10,12 @@
 - ``on_step_end`` asks the trainer to log every optimizer step, and ``on_log`` then calls
   ``ctx.log_step(loss=..., reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)``
   exactly once per inner optimizer step (metrics a step did not produce are left out).
+- A step that fp16's gradient scaler skips (its gradients overflowed: the trainer does not
+  call the optimizer's ``step``, so no step hook runs) still counts as an inner step, as it
+  does in the trainer's own ``global_step`` and ``max_steps``: ``on_step_end`` takes an
+  empty step of the inner optimizer (every gradient None: no weight or state changes) so
+  that its hooks run, DiLoCo's sync included. Otherwise crf's step count would fall behind
+  the trainer's, which stops at ``max_steps`` before the run's last sync.
 
 - ``weights_replaced``: callables run whenever the model's weights changed outside the
   trainer's optimizer: after each sync's outer step (and a heal into a later round), and on
@@ -28,6 +34,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +44,8 @@ from transformers import TrainerCallback
 __all__ = ["DEFAULT_STEP_METRICS", "DiLoCoCallback"]
 
 DEFAULT_STEP_METRICS = ("reward", "grpo_loss", "distill_loss", "replay_loss")
+
+log = logging.getLogger(__name__)
 
 
 class DiLoCoCallback(TrainerCallback):
@@ -59,6 +68,9 @@ class DiLoCoCallback(TrainerCallback):
         self._last_logged_step = -1
         self.weights_replaced: list[Callable[[], None]] = []
         self._ctx_step = 0
+        self._inner: Any = None
+        #: optimizer steps fp16's gradient scaler skipped (each counted as an inner step)
+        self.skipped_steps = 0
         #: crf.rollouts.replica.TrainerRollouts with rollout workers, else None
         self.rollouts: Any = None
 
@@ -77,6 +89,7 @@ class DiLoCoCallback(TrainerCallback):
         # across local ranks the trainer may hand over its DDP wrapper: DiLoCo (and the
         # weights local rank 0 shares) are the module's own parameters
         model = _unwrapped(model)
+        self._inner = inner
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self.ctx.diloco(model, inner))
         self._ctx_step = int(getattr(self.ctx, "step", 0) or 0)
@@ -104,6 +117,7 @@ class DiLoCoCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         control.should_log = True  # one log (hence one ctx.log_step) per optimizer step
         if self.ctx is not None:
+            self._count_skipped(kwargs.get("optimizer"), state.global_step)
             step = int(getattr(self.ctx, "step", 0) or 0)
             if _synced(self.ctx, step) or step != self._ctx_step + 1:  # outer step, or a heal
                 self._replaced()
@@ -113,6 +127,27 @@ class DiLoCoCallback(TrainerCallback):
         if self.ctx is not None and getattr(self.ctx, "step", 0) >= self.ctx.total_steps:
             control.should_training_stop = True  # healed into a later round: nothing left
         return control
+
+    def _count_skipped(self, optimizer: Any, global_step: int) -> None:
+        """After a step fp16's gradient scaler skipped (accelerate's ``step_was_skipped``),
+        an empty step of the inner optimizer: its gradients are None (the trainer zeroed
+        them), so torch's optimizers change nothing, and its step hooks count the step (and
+        sync at the round's end) as for a step taken."""
+        step = int(getattr(self.ctx, "step", 0) or 0)
+        if self._inner is None or step != self._ctx_step:
+            return
+        if not getattr(optimizer, "step_was_skipped", False):
+            return
+        self.skipped_steps += 1
+        say = log.warning if self.skipped_steps == 1 else log.info
+        say(
+            "step %d: fp16's gradient scaler skipped the optimizer step (the gradients "
+            "overflowed; it lowers its scale and goes on); it counts as an inner step, as in "
+            "the trainer's max_steps",
+            global_step,
+        )
+        self._inner.zero_grad(set_to_none=True)
+        self._inner.step()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs or state.global_step <= self._last_logged_step:

@@ -25,6 +25,14 @@ replica must therefore shard the same way (same K, same placement), which the ex
 checks per round (a shard of another layout is refused). Local rank 0 also speaks for the
 replica to the driver: heartbeats, per-round metrics and the result.
 
+A step the loop skipped still counts: fp16's gradient scaler does not call
+``optimizer.step()`` when the gradients overflow, nor does verl's engine when their norm is
+not finite, and then no step hook runs. :meth:`DiLoCoHook.step` notices that no optimizer
+step ran since its last call and takes an empty one (every gradient None: torch's
+optimizers change nothing) so that DiLoCo's hooks count it and sync on time, as the
+trainer-based jobs do. ``hook.done`` and a loop of ``--rounds`` × ``--sync-every`` steps then
+agree.
+
 What the hook leaves to ``ctx.diloco`` (crf's own jobs): restarts and ``--resume`` from a
 global state, Streaming DiLoCo (``--fragments`` > 1), and a saved model (``crf export``).
 Why: each needs the whole model in one place, or a state the framework's own checkpointing
@@ -161,6 +169,10 @@ class DiLoCoHook:
         turn_off_bucketization(self._algo)
         self.manager.set_fragment_sizes([len(list(model.parameters()))])
         self._algo.__enter__()  # its pre/post hooks on the optimizer: the sync runs in step()
+        #: optimizer steps taken (counted after DiLoCo's hooks), and fp16's skipped ones
+        self._taken = self._taken_before = 0
+        self.skipped_steps = 0
+        self._counting = optimizer.register_step_post_hook(self._count_step)
         if any(t.is_cuda for t in local):  # page-locked before the first round, not by it
             self.manager.reserve_host_buffers([local])
         if self.ctx is not None:
@@ -173,10 +185,29 @@ class DiLoCoHook:
         """Whether the run's inner steps (``--rounds`` × ``--sync-every``) are all taken."""
         return self.step_count >= self.spec.total_steps
 
+    def _count_step(self, *_: Any) -> None:
+        self._taken += 1
+
+    def _take_skipped_step(self) -> None:
+        """No optimizer step ran since the last :meth:`step` call (the loop skipped it): an
+        empty step (gradients None) runs the optimizer's hooks, DiLoCo's sync included, so
+        the step counts as the loop counts it."""
+        self.skipped_steps += 1
+        say = log.warning if self.skipped_steps == 1 else log.info
+        say("step %d: no optimizer step since the last hook.step() (the loop skipped it: "
+            "fp16's gradient scaler on overflowing gradients, or a gradient norm that is not "
+            "finite); it counts as an inner step", self.step_count + 1)  # fmt: skip
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
+
     def step(self, loss: float | None = None, **metrics: float) -> None:
-        """After each ``optimizer.step()``: counts it and, after a sync (which ran inside
-        that ``optimizer.step()``), writes the round's global state when one is due; local
-        rank 0 also records the step's ``loss`` and ``metrics`` for the run's tables."""
+        """After each ``optimizer.step()`` (or ``scaler.step(optimizer)``): counts it and,
+        after a sync (which ran inside that ``optimizer.step()``), writes the round's
+        global state when one is due; local rank 0 also records the step's ``loss`` and
+        ``metrics`` for the run's tables."""
+        if self._taken == self._taken_before:
+            self._take_skipped_step()
+        self._taken_before = self._taken
         self.step_count += 1
         m = self.manager
         synced = self.step_count % self.spec.sync_period == 0
@@ -199,6 +230,7 @@ class DiLoCoHook:
         local rank's ``shard_sha256`` (equal across replicas when they ended in sync).
         Returns the metrics written."""
         self._algo.__exit__(None, None, None)
+        self._counting.remove()
         digest = shard_sha256(self.model)
         digests = [digest]
         if self.local_size > 1:
@@ -220,6 +252,7 @@ class DiLoCoHook:
         if exc is None:
             return False
         self._algo.__exit__(exc_type, exc, tb)
+        self._counting.remove()
         if self.ctx is not None:
             self.ctx.fail(exc)
         log.error("rank %d/%d of replica %d failed: %s", self.local_rank, self.local_size,
