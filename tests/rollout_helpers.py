@@ -41,10 +41,10 @@ def make_trainer(
     kw.setdefault("distill_hint_template", HINT_TEMPLATE)
     kw.setdefault("learning_rate", 1e-2)
     kw.setdefault("per_device_train_batch_size", BATCH)
+    kw.setdefault("bf16", False)
     args = ComposerConfig(
         output_dir=kw.pop("output_dir", "/tmp/crf-rollout-tests"),
         use_cpu=True,
-        bf16=False,
         report_to=[],
         save_strategy="no",
         logging_steps=1,

@@ -87,3 +87,20 @@ def test_tokenizer_digest_ignores_the_padding_of_the_last_call() -> None:
 def test_empty_batch_is_refused(trainer) -> None:
     with pytest.raises(ValueError, match="at least one row"):
         generate_rollouts(trainer, [])
+
+
+def test_a_worker_generates_in_the_trainers_precision() -> None:
+    """A worker's trainer is never prepared by accelerate, so its model's forward carries no
+    autocast: the generation enters the trainer's own (bf16 here, on the CPU), as the
+    training replica's prepared model does, so both sample from the same distribution."""
+    worker = make_trainer(bf16=True)
+    assert not hasattr(worker.model, "_original_forward")  # not wrapped by accelerate
+    seen: list[torch.dtype] = []
+    lm_head = worker.model.get_output_embeddings()
+    hook = lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    try:
+        generate_rollouts(worker, repeated(ROWS[:1]))
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}, seen
+    assert next(worker.model.parameters()).dtype == torch.float32  # the weights stay fp32

@@ -306,13 +306,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._last_loaded_step = -1
 
     def _generate_single_turn(self, prompt_ids, images, multimodal, num_generations, *a, **kw):
-        """TRL's generation, on CUDA without cuDNN's attention; on its continuous-batching
-        path, without the in-place cast of the model to bf16/fp16; with
-        ``generation_compile``, into a static cache sized in buckets and without the
-        input-embeddings hook (all: crf/composer/generation.py). For a worker's batch taken
-        by the rollout intake: the worker's completions and behaviour log-probs, no
-        sampling. A compilation that fails where ``generation_compile`` is unset turns it
-        off, and the generation is made again with plain ``generate``."""
+        """TRL's generation under the trainer's autocast (a rollout worker's too), on CUDA
+        without cuDNN's attention; on its continuous-batching path, without the in-place
+        cast of the model to bf16/fp16; with ``generation_compile``, into a static cache
+        sized in buckets and without the input-embeddings hook (all:
+        crf/composer/generation.py). For a worker's batch taken by the rollout intake: the
+        worker's completions and behaviour log-probs, no sampling. A compilation that fails
+        where ``generation_compile`` is unset turns it off, and the generation is made again
+        with plain ``generate``."""
         if self._worker_rollout is not None:
             taken, self._worker_rollout = self._worker_rollout, None
             return self._intake.completions(taken, prompt_ids)
@@ -325,7 +326,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         compiled = (
             self._compiled_decoding(prompt_ids)
             if self._compile_decoding
-            else contextlib.nullcontext()
+            else self._unprepared_autocast()
         )
         try:
             with guard, attention, compiled:
@@ -360,6 +361,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
             "the attempt",
             root_error(error),
         )
+
+    def _unprepared_autocast(self) -> contextlib.AbstractContextManager:
+        """The trainer's autocast where the model's forward does not carry it: accelerate
+        wraps a prepared model's forward in it (the training replica's), a rollout worker's
+        model is never prepared and would generate in fp32, unlike the trainer it samples
+        for. (The compiled path enters it itself.)"""
+        if hasattr(self.model, "_original_forward"):  # accelerate's wrapper is on
+            return contextlib.nullcontext()
+        return self.accelerator.autocast()
 
     def _compiled_decoding(self, prompt_ids: list[list[int]]) -> contextlib.ExitStack:
         """What a ``generation_compile`` generation of ``prompt_ids`` runs inside: the
