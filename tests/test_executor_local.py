@@ -63,6 +63,7 @@ if mode == "sleep":  # a child in the same process group; both sleep until kille
     os.replace(sys.argv[2] + ".tmp", sys.argv[2])
     time.sleep(600)
 
+print(f"gpus={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
 from crf.store import RunStore
 
 store = RunStore(os.environ["CRF_RUN_URI"])
@@ -336,3 +337,65 @@ def test_bad_inputs_start_nothing(run_uri: str, tmp_path: Path) -> None:
         ex.launch_replicas(0, ["python"], run_uri=run_uri)
     assert not (tmp_path / "logs").exists()
     assert ex._procs == {}
+
+
+# --------------------------------------------------------------------------- GPUs
+def test_gpus_are_handed_out_in_rank_order() -> None:
+    """K GPUs per replica, then one per rollout worker; in turn when there are more
+    processes than GPUs; nothing with one GPU, or when K ranks need more than there are."""
+    from crf.executors.local_gpus import GpuSlots, visible_gpus
+
+    eight = GpuSlots(tuple(str(i) for i in range(8)), replicas=2, ranks_per_replica=4)
+    assert [eight.replica(r) for r in (0, 1)] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+    assert eight.worker(0) == ["0"]  # all 8 taken by the replicas: the workers share
+    two = GpuSlots(("a", "b"), replicas=3)
+    assert [two.replica(r) for r in range(3)] == [["a"], ["b"], ["a"]]
+    assert [two.worker(w) for w in range(2)] == [["b"], ["a"]]
+    assert two.assigns and "this machine's 2" in (two.describe() or "")
+    assert not GpuSlots(("0",), replicas=4).assigns
+    assert not GpuSlots(("0", "1"), replicas=1, ranks_per_replica=4).assigns
+    assert GpuSlots(("0",), replicas=4).describe() is None
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, GPU-9f,3"}) == ["2", "GPU-9f", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,2"}) == ["0"]  # CUDA stops at -1
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_each_local_process_sees_its_own_gpus(
+    script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real processes, this machine's GPUs named by CUDA_VISIBLE_DEVICES: replicas of K
+    ranks take K each (K from the run's run.json), rollout workers one each after them;
+    a launch whose environment names the GPUs itself keeps its own."""
+    from crf.executors.base import Workers
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,GPU-9f")
+    ex = LocalProcessExecutor()
+    uri = f"file://{tmp_path}/runs/k2"
+    spec = RunSpec(run_id="k2", run_uri=uri, replicas=2, procs_per_replica=2)
+    RunStore(uri).put("run.json", spec.to_json().encode())
+    cmd = ["python", str(script)]
+
+    def gpus(handles: list) -> list:
+        ex.collect(handles, timeout=60)
+        said = [[ln for ln in ex.logs(h) if ln.startswith("gpus=")] for h in handles]
+        return [lines[0].strip().removeprefix("gpus=") for lines in said]
+
+    assert gpus(ex.launch_replicas(2, cmd, run_uri=uri, run_id="k2")) == ["0,1", "2,GPU-9f"]
+    workers = f"file://{tmp_path}/runs/w"
+    launched = ex.launch_replicas(3, cmd, run_uri=workers, run_id="w", workers=Workers(2))
+    assert gpus(launched) == ["2", "GPU-9f", "0"]  # after 2 replicas of one rank each
+    mine = f"file://{tmp_path}/runs/mine"
+    launched = ex.launch_replicas(2, cmd, env={"CUDA_VISIBLE_DEVICES": "1"}, run_uri=mine,
+                                  run_id="mine")  # fmt: skip
+    assert gpus(launched) == ["1", "1"]
+    plain = f"file://{tmp_path}/runs/plain"  # --env CUDA_VISIBLE_DEVICES=... for every one
+    launched = ex.launch_replicas(2, cmd, run_uri=plain, run_id="plain",
+                                  plain_env={"CUDA_VISIBLE_DEVICES": "2"})  # fmt: skip
+    assert gpus(launched) == ["2", "2"]
+    assert any("GPUs: each replica" in n for n in ex.describe(2, None, uri).notes)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU: every process shares it
+    one = f"file://{tmp_path}/runs/one"
+    assert gpus(ex.launch_replicas(2, cmd, run_uri=one, run_id="one")) == ["3", "3"]
+    assert not any("GPUs" in n for n in ex.describe(2, None, one).notes)

@@ -11,7 +11,8 @@ same file after a separator line, so one file tells a rank's whole story. Replic
 through the store given as ``run_uri``, so a ``memory://`` store (which lives inside one
 process) is refused before anything starts. The environment carries the replica contract and
 any caller extras (credentials included): nothing secret is ever put on the command line,
-where ``ps`` would show it.
+where ``ps`` would show it. On a machine with several GPUs each replica and rollout worker
+sees its own (``CUDA_VISIBLE_DEVICES``: crf/executors/local_gpus.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from crf.executors.base import (
     role_of,
     unit_name,
 )
+from crf.executors.local_gpus import CUDA_VISIBLE_DEVICES, GpuSlots, visible_gpus
 from crf.executors.process import PidOwner, pid_owner, process_started_at
 from crf.layout import (
     ENV_ROLE,
@@ -296,6 +298,9 @@ class LocalProcessExecutor(ServerlessExecutor):
         log_dir.mkdir(parents=True, exist_ok=True)
         base_env = {**self._base_env(), **{str(k): str(v) for k, v in (plain_env or {}).items()}}
         workdir = self._fetch_workdir(run_uri)
+        gpus = self._gpu_slots(run_uri, n_replicas, workers)
+        if any(CUDA_VISIBLE_DEVICES in (e or {}) for e in (env, plain_env)):
+            gpus = GpuSlots((), 0)  # the launch names its GPUs itself
         handles: list[ReplicaHandle] = []
         what = "replica" if workers is None else "rollout worker"
         try:
@@ -303,6 +308,9 @@ class LocalProcessExecutor(ServerlessExecutor):
                 child_env = {**base_env, **replica_env(run_uri, run_id, rank, n_replicas, env)}
                 if workers is not None:
                     child_env.update(workers.env(rank))
+                if gpus.assigns:
+                    mine = gpus.replica(rank) if workers is None else gpus.worker(rank)
+                    child_env[CUDA_VISIBLE_DEVICES] = ",".join(mine)
                 cwd = self.cwd
                 if workdir is not None:
                     unit = unit_name(rank, workers)
@@ -319,6 +327,19 @@ class LocalProcessExecutor(ServerlessExecutor):
             )  # fmt: skip
         )
         return handles
+
+    def _gpu_slots(self, run_uri: str, n: int, workers: Workers | None) -> GpuSlots:
+        """The GPUs this launch hands out (crf/executors/local_gpus.py): the replicas and
+        their local ranks from the run's run.json (``n`` replicas of one rank without one),
+        the rollout workers after them."""
+        from crf.executors.workdir import run_spec
+
+        spec = run_spec(run_uri)
+        replicas = workers.trainers if workers is not None else n
+        if spec is not None:
+            replicas = int(spec.replicas)
+        k = int(getattr(spec, "procs_per_replica", None) or 1)
+        return GpuSlots(tuple(visible_gpus()), replicas, k)
 
     @staticmethod
     def _fetch_workdir(run_uri: str) -> bytes | None:
@@ -407,7 +428,10 @@ class LocalProcessExecutor(ServerlessExecutor):
             hardware=f"{cores} CPU core(s) shared, {max(1, cores // n_replicas)} thread(s) each",
             command=self.check_command(command),
             store=run_uri,
-            notes=[f"logs: {self.log_dir or '<run folder>/logs'}/replica-<rank>.log"],
+            notes=[
+                f"logs: {self.log_dir or '<run folder>/logs'}/replica-<rank>.log",
+                *filter(None, [GpuSlots(tuple(visible_gpus()), n_replicas).describe()]),
+            ],
             resources=f"this machine's {cores} CPU core(s){_memory_text()}, shared",
         )
 

@@ -291,6 +291,13 @@ class RunNeeds:
 def run_needs(run_uri: str) -> RunNeeds:
     """A run's needs from its run.json; none when there is no run.json (an executor driven
     directly, without the driver)."""
+    spec = run_spec(run_uri)
+    return RunNeeds() if spec is None else RunNeeds.of(spec)
+
+
+def run_spec(run_uri: str) -> Any:
+    """The run's RunSpec from its run.json; None when there is none (an executor driven
+    directly, without the driver)."""
     from crf import layout
     from crf.spec import RunSpec
     from crf.store import ObjectNotFound, RunStore
@@ -298,8 +305,8 @@ def run_needs(run_uri: str) -> RunNeeds:
     try:
         raw = RunStore(run_uri).get(layout.RUN_SPEC)
     except ObjectNotFound:
-        return RunNeeds()
-    return RunNeeds.of(RunSpec.from_json(bytes(raw)))
+        return None
+    return RunSpec.from_json(bytes(raw))
 
 
 def fetch_workdir(run_uri: str, key: str) -> bytes:
