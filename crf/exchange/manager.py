@@ -260,6 +260,9 @@ class ObjectStoreManager:
         self._sync = _Sync()
         self._sizes: list[int] | None = None  # tensors per fragment (set_fragment_sizes)
         self._blocking_depth = 0
+        #: the GPUs of the tensors exchanged (reserve_host_buffers), whose copies into host
+        #: memory state_dict and load_state_dict wait for
+        self._devices: set[torch.device] = set()
         self.last_result: AllReduceResult | None = None
         self.last_error: str | None = None
         self.fatal_error: Exception | None = None
@@ -562,6 +565,7 @@ class ObjectStoreManager:
         into (the part it writes when every replica takes part). Page-locking on a GPU is
         slow; paid here, it is not a cost of the first round. Returns the bytes allocated;
         the time counts as blocked (crf's, not training's)."""
+        self._devices = {t.device for ts in rounds for t in ts if t.is_cuda}
         with self.blocking():
             n = sum(self.exchange.reserve(ts) for ts in rounds)
             world = self.exchange.world_size
@@ -582,14 +586,14 @@ class ObjectStoreManager:
         waited for first: DiLoCo copies its global copy to page-locked host memory
         asynchronously after the outer step, and the state's host tensors are read by the
         CPU, which does not wait for the device by itself."""
-        settle_device()
+        settle_device(self._devices)
         return {key: save() for key, (_, save) in self._state_fns.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load each registered part's state. On a GPU the device's queued work is waited
         for first: a copy DiLoCo left in flight into its page-locked global copy (the one it
         makes when it starts) must not land over what is loaded."""
-        settle_device()
+        settle_device(self._devices)
         for key, (load, _) in self._state_fns.items():
             if key in state:
                 load(state[key])

@@ -20,6 +20,7 @@ the store writes one after the other and the checksum reads in place. No ``Bytes
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ class HostBuffers:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
+        #: the GPUs copies came from: :meth:`settle` waits for each
+        self._devices: set[torch.device] = set()
 
     @property
     def nbytes(self) -> int:
@@ -52,22 +55,28 @@ class HostBuffers:
             buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
             self._buffers[name] = buf
         if fill:
+            if src.is_cuda:
+                self._devices.add(src.device)
             with torch.no_grad():
                 buf.copy_(src, non_blocking=buf.is_pinned())
         return buf
 
-    @staticmethod
-    def settle() -> None:
-        """Wait for the device-to-host copies :meth:`copy` left in flight."""
-        settle_device()
+    def settle(self) -> None:
+        """Wait for the device-to-host copies :meth:`copy` left in flight (on every GPU
+        they came from)."""
+        settle_device(self._devices)
 
 
-def settle_device() -> None:
+def settle_device(devices: Iterable[torch.device] = ()) -> None:
     """Wait for the GPU's queued work (nothing on the CPU): host memory it copies into
     asynchronously then holds what the CPU reads, and nothing in flight lands over what the
-    CPU writes there."""
+    CPU writes there. The current GPU's, and that of each of ``devices`` (GPUs holding the
+    tensors copied: a process whose model is on ``cuda:1`` without ``set_device(1)`` copies
+    on a GPU that is not its current one)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        for device in set(devices) - {torch.device("cuda", torch.cuda.current_device())}:
+            torch.cuda.synchronize(device)
 
 
 def snapshot_tree(obj: Any, buffers: HostBuffers, path: str = "") -> Any:
