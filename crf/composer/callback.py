@@ -15,7 +15,9 @@
   does in the trainer's own ``global_step`` and ``max_steps``: ``on_step_end`` takes an
   empty step of the inner optimizer (every gradient None: no weight or state changes) so
   that its hooks run, DiLoCo's sync included. Otherwise crf's step count would fall behind
-  the trainer's, which stops at ``max_steps`` before the run's last sync.
+  the trainer's, which stops at ``max_steps`` before the run's last sync. (torch's fused
+  AdamW, the trainer's default ``optim``, takes the scaler into its own ``step`` and skips
+  the update inside it: its hooks run, and nothing is added.)
 
 - ``weights_replaced``: callables run whenever the model's weights changed outside the
   trainer's optimizer: after each sync's outer step (and a heal into a later round), and on
