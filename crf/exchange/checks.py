@@ -70,11 +70,17 @@ class Checks(ExchangeState):
                 f"(shard {s}: {describe_nonfinite(decoded)}); "
                 "use a wider wire format (--wire bfloat16 or float32)"
             )
-        first = next(i for i, t in enumerate(tensors) if not wirefmt.finite(t))
+        # the shard's own values say what is wrong; the tensor is named where one is found
+        # (on a GPU the copies of later chunks may still be in flight)
+        first = next((i for i, t in enumerate(tensors) if not wirefmt.finite(t)), None)
+        where = (
+            f"tensor {first} of {len(tensors)}: {describe_nonfinite(tensors[first].detach())}"
+            if first is not None
+            else f"shard {s}: {describe_nonfinite(values)}"
+        )
         raise NonFiniteError(
-            f"round {r}: this replica's pseudo-gradient holds non-finite values (tensor {first} "
-            f"of {len(tensors)}: {describe_nonfinite(tensors[first].detach())}): its weights "
-            "went NaN/Inf during the inner steps; nothing was uploaded"
+            f"round {r}: this replica's pseudo-gradient holds non-finite values ({where}): its "
+            "weights went NaN/Inf during the inner steps; nothing was uploaded"
         )
 
     def _check_layouts(
