@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from crf.executors.base import (
     BackendPlan,
@@ -297,8 +298,9 @@ class LocalProcessExecutor(ServerlessExecutor):
         log_dir = self.log_dir or self._default_log_dir(run_uri, run_id)
         log_dir.mkdir(parents=True, exist_ok=True)
         base_env = {**self._base_env(), **{str(k): str(v) for k, v in (plain_env or {}).items()}}
-        workdir = self._fetch_workdir(run_uri)
-        gpus = self._gpu_slots(run_uri, n_replicas, workers)
+        spec = self._run_spec(run_uri)
+        workdir = self._fetch_workdir(run_uri, spec)
+        gpus = self._gpu_slots(spec, n_replicas, workers)
         if any(CUDA_VISIBLE_DEVICES in (e or {}) for e in (env, plain_env)):
             gpus = GpuSlots((), 0)  # the launch names its GPUs itself
         handles: list[ReplicaHandle] = []
@@ -328,13 +330,22 @@ class LocalProcessExecutor(ServerlessExecutor):
         )
         return handles
 
-    def _gpu_slots(self, run_uri: str, n: int, workers: Workers | None) -> GpuSlots:
-        """The GPUs this launch hands out (crf/executors/local_gpus.py): the replicas and
-        their local ranks from the run's run.json (``n`` replicas of one rank without one),
-        the rollout workers after them."""
+    @staticmethod
+    def _run_spec(run_uri: str) -> Any:
+        """The run's RunSpec from its run.json; None without one (the executor driven
+        directly, without the driver)."""
         from crf.executors.workdir import run_spec
 
-        spec = run_spec(run_uri)
+        try:
+            return run_spec(run_uri)
+        except Exception as e:  # noqa: BLE001 - the store's client error, said as one line
+            raise ExecutorError(f"could not read the run's run.json from {run_uri}: {e}") from e
+
+    @staticmethod
+    def _gpu_slots(spec: Any, n: int, workers: Workers | None) -> GpuSlots:
+        """The GPUs this launch hands out (crf/executors/local_gpus.py): the replicas and
+        their local ranks from the run's ``spec`` (``n`` replicas of one rank without one),
+        the rollout workers after them."""
         replicas = workers.trainers if workers is not None else n
         if spec is not None:
             replicas = int(spec.replicas)
@@ -342,12 +353,12 @@ class LocalProcessExecutor(ServerlessExecutor):
         return GpuSlots(tuple(visible_gpus()), replicas, k)
 
     @staticmethod
-    def _fetch_workdir(run_uri: str) -> bytes | None:
+    def _fetch_workdir(run_uri: str, spec: Any) -> bytes | None:
         """The run's packed ``--workdir`` (named in its run.json), or None without one."""
-        from crf.executors.workdir import fetch_workdir, run_needs
+        from crf.executors.workdir import RunNeeds, fetch_workdir
 
+        key = RunNeeds.of(spec).workdir_key if spec is not None else None
         try:
-            key = run_needs(run_uri).workdir_key
             return fetch_workdir(run_uri, key) if key else None
         except Exception as e:  # noqa: BLE001 - the store's client error, said as one line
             raise ExecutorError(f"could not read the run's workdir from {run_uri}: {e}") from e

@@ -328,6 +328,7 @@ __all__ = [
     "pack_workdir",
     "read_requirements",
     "run_needs",
+    "run_spec",
     "unpack_workdir",
     "workdir_files",
 ]
