@@ -144,11 +144,14 @@ def test_readme_install_section_names_every_extra_and_the_projects_own_url() -> 
 
 
 def _make_plan(target: str, venv: Path) -> list[str]:
-    """The commands ``make TARGET`` would run on a fresh clone (``make -n``; nothing runs)."""
+    """The commands ``make TARGET`` would run on a fresh clone (``make -n``; nothing runs).
+    Without the variables of a make this suite may run under (``make test-newest`` sets
+    ``CONSTRAINTS=``, and make hands it on through ``MAKEFLAGS``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKEOVERRIDES", "MFLAGS")}
     out = subprocess.run(
         ["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}",
          "TORCH_INDEX="],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True, text=True, timeout=60, check=True, env=env,
     )  # fmt: skip
     return [line for line in out.stdout.splitlines() if "pip install" in line or "crf " in line]
 
