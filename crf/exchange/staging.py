@@ -82,7 +82,8 @@ class Staged:
     host: list[torch.Tensor]
     #: (start of a chunk in the concatenated vector, its event), in copy order
     events: list[tuple[int, Any]] = field(default_factory=list)
-    stream: Any = None
+    #: the copy stream of each GPU the tensors are on (one, unless a model spans GPUs)
+    streams: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def on_device(self) -> bool:
@@ -110,13 +111,14 @@ class Staged:
         for t, h in zip(self.tensors, self.host, strict=True):
             if h is t:
                 continue
-            if self.stream is not None:
-                with torch.cuda.stream(self.stream):
+            stream = self.streams.get(t.device)
+            if stream is not None:
+                with torch.cuda.stream(stream):
                     t.copy_(h, non_blocking=True)
             else:
                 t.copy_(h)
-        if self.stream is not None:
-            self.stream.synchronize()
+        for stream in self.streams.values():
+            stream.synchronize()
 
 
 class HostStaging:
@@ -197,7 +199,7 @@ class HostStaging:
             stream = self._streams[t.device] = torch.cuda.Stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         src_flat.record_stream(stream)  # a contiguous copy is not freed under the stream
-        staged.stream = stream
+        staged.streams[t.device] = stream
         dst_flat = h.view(-1)
         step = max(1, CHUNK_BYTES // max(1, t.element_size()))
         with torch.cuda.stream(stream):
