@@ -23,6 +23,7 @@ import torch
 from crf.replica.context import ReplicaContext
 from crf.spec import RunSpec
 from crf.store import RunStore
+from tests.conftest import DEVICES
 
 pytest.importorskip("transformers")
 
@@ -62,8 +63,11 @@ class _Regression(torch.nn.Module):
 
 
 def _run(
-    tmp_path: Path, optim: str, sync_every: int = 2, rounds: int = 3
+    tmp_path: Path, optim: str, device: str = "cpu", sync_every: int = 2, rounds: int = 3
 ) -> tuple[Any, Any, RunStore]:
+    """3 rounds of 2 steps of a real Trainer under DiLoCoCallback, the gradients overflowing
+    at OVERFLOW. On the CPU the trainer gets the gradient scaler accelerate makes for fp16 on
+    a GPU; on CUDA it trains in fp16 and accelerate makes its own."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from crf.composer import DiLoCoCallback
@@ -85,21 +89,23 @@ def _run(
     callback = DiLoCoCallback(ctx)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=spec.total_steps, per_device_train_batch_size=4,
-        learning_rate=0.01, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
-        disable_tqdm=True, remove_unused_columns=False, optim=optim,
+        learning_rate=0.01, use_cpu=device == "cpu", fp16=device == "cuda", report_to=[],
+        logging_steps=1, save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+        optim=optim,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=rows,
                       callbacks=[OverflowAt(), callback])  # fmt: skip
-    # what accelerate makes for fp16 on a GPU (on the CPU it makes none)
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    if device == "cpu":  # what accelerate makes for fp16 on a GPU (on the CPU it makes none)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
     with ctx:
         trainer.train()
     return trainer, callback, store
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optim", ["adamw_torch", "sgd", "adamw_torch_fused"])
 def test_a_skipped_step_counts_and_the_last_round_syncs(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, optim: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, optim: str, device: str
 ) -> None:
     """Two steps overflow in 3 rounds of 2: the trainer takes its 6 steps, crf counts 6,
     every round syncs (the last one at step 6) and the weights stay finite.
@@ -107,7 +113,7 @@ def test_a_skipped_step_counts_and_the_last_round_syncs(
     one warning, then info lines); torch's fused AdamW (the trainer's default) takes the
     scaler in its own step and skips the update inside it, so its step hooks ran already."""
     with caplog.at_level("INFO", logger="crf.composer.callback"):
-        trainer, callback, store = _run(tmp_path, optim)
+        trainer, callback, store = _run(tmp_path, optim, device)
     assert trainer.state.global_step == 6
     assert callback.ctx.step == 6
     result = json.loads(store.get("results/0.json"))
@@ -119,9 +125,12 @@ def test_a_skipped_step_counts_and_the_last_round_syncs(
     warned = [r.levelname for r in caplog.records if "scaler skipped" in r.getMessage()]
     if optim == "adamw_torch_fused":
         assert callback.skipped_steps == 0 and not warned
-    else:
+    elif device == "cpu":
         assert callback.skipped_steps == len(OVERFLOW)
         assert warned == ["WARNING", "INFO"]
+    else:  # fp16 on CUDA may also overflow on its own while the scale comes down
+        assert callback.skipped_steps >= len(OVERFLOW)
+        assert warned[0] == "WARNING" and set(warned[1:]) <= {"INFO"}
 
 
 @pytest.mark.parametrize("foreach", [True, False])
