@@ -71,6 +71,7 @@ __all__ = [
     "compile_decoding",
     "compile_failed",
     "decoding_compiled",
+    "error_chain",
     "generation_attention",
     "master_weights_kept",
     "no_compiler_note",
@@ -162,7 +163,7 @@ class CompileFailed(RuntimeError):
     compiler's error): the same image fails the same way on every attempt."""
 
 
-def _chain(error: BaseException) -> list[BaseException]:
+def error_chain(error: BaseException) -> list[BaseException]:
     """``error`` and the errors it was raised from, outermost first (a cycle ends it)."""
     out: list[BaseException] = []
     current: BaseException | None = error
@@ -175,7 +176,7 @@ def _chain(error: BaseException) -> list[BaseException]:
 def root_error(error: BaseException) -> str:
     """``Type: first line`` of the innermost error ``error`` was raised from: what failed
     inside the compiler (dynamo's wrapper says only which backend raised)."""
-    root = _chain(error)[-1]
+    root = error_chain(error)[-1]
     first = (str(root).strip().splitlines() or [""])[0][:300]
     return f"{type(root).__name__}: {first}" if first else type(root).__name__
 
@@ -187,7 +188,7 @@ def compile_failed(error: BaseException) -> bool:
     return any(
         (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
         or "Failed to find C compiler" in str(e)
-        for e in _chain(error)
+        for e in error_chain(error)
     )
 
 

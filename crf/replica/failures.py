@@ -62,7 +62,7 @@ def deterministic(error: BaseException, *, phase: str) -> bool:
     """Whether a restart would raise ``error`` again (see the module docstring): an error in
     setup (``phase`` ``starting``), of a reward function or of a compiler, not a transient
     one, or one the exchange says no restart can fix."""
-    from crf.composer.generation import compile_failed
+    from crf.composer.generation import compile_failed, error_chain
     from crf.exchange.manager import restart_cannot_help
 
     if restart_cannot_help(error):
@@ -71,16 +71,7 @@ def deterministic(error: BaseException, *, phase: str) -> bool:
         return False
     if phase == "starting" or compile_failed(error):
         return True
-    return any("RewardFailed" in _names(e) for e in _chain(error))
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and all(current is not e for e in out):
-        out.append(current)
-        current = current.__cause__ or current.__context__
-    return out
+    return any("RewardFailed" in _names(e) for e in error_chain(error))
 
 
 def failed_in(phase: str) -> str:
