@@ -169,8 +169,9 @@ bench: $(DEV_STAMP)
 # bench/gpu.py and the device tests on an offline GPU machine (Python 3.12, with torch,
 # transformers, accelerate, safetensors, tokenizers): .whl/ holds, as cp312 x86-64
 # wheels at this venv's versions, what such a machine lacks or has at another version (about
-# 23 MB; a device call carries at most 64 MiB). bench/gpu_check.sh installs it there.
+# 28 MB; a device call carries at most 64 MiB). bench/gpu_check.sh installs it there.
 GPU_WHEELS = trl torchft-nightly transformers tokenizers huggingface-hub safetensors accelerate peft datasets dill multiprocess protobuf \
+  zstandard \
   pytest pytest-timeout pytest-xdist execnet pluggy iniconfig pygments \
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
   opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common \
