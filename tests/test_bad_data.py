@@ -364,6 +364,18 @@ CASES = [
          "--dataset-config main: --dataset {t}/d has no such config (its configs: default)"),
     Case("config-without-a-dataset", lambda t, m: ["--job", "sft", "--dataset-config", "main"],
          "--dataset-config main names a part of --dataset, and there is none"),
+    Case("split-of-a-file", lambda t, m: _composer(t, None, "--dataset-split", "tset"),
+         "--dataset-split tset: --dataset {t}/train.jsonl is one split (a file, or a saved "
+         "Dataset), which datasets reads whole as 'train'; drop --dataset-split"),
+    Case("split-of-an-sft-file", lambda t, m: [*_sft(t, _qa()), "--dataset-split", "test"],
+         "--dataset-split test: --dataset {t}/train.jsonl is one split"),
+    Case("column-without-a-dataset", lambda t, m: ["--job", "composer", "--column",
+         "prompt=question"], "--column prompt=question maps the columns of --dataset, and "
+         "there is none"),
+    Case("column-given-twice", lambda t, m: [*_composer(t), "--column", "prompt=answer"],
+         "--column prompt is given twice ('question' and 'answer'): a field reads one column"),
+    Case("prompt-and-answer-from-one-column", lambda t, m: [*_composer(t), "--column",
+         "answer=question"], "--column maps prompt and answer to one column 'question'"),
     Case("empty-dataset-name", lambda t, m: ["--job", "composer", "--dataset", ""],
          "--dataset is an empty string: give its name, or leave it out"),
     Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",

@@ -206,8 +206,12 @@ def test_every_refusal_of_the_sdk_is_one_line(
 
 def test_spellings_and_single_values_mean_the_one_option(tmp_path: Path) -> None:
     store = str(tmp_path / "runs")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"q": "ab{i}=", "answer": "ba"}}\n' for i in range(16)))
     options = {"round-timeout": 50, "column": {"prompt": "q"}, "set": {"learning_rate": 1e-6}}
-    plan = crf.dry_run(options, reward="exact_match", secret=[], timeout=60, store=store)
+    plan = crf.dry_run(
+        options, dataset=str(data), reward="exact_match", secret=[], timeout=60, store=store
+    )
     assert plan.options["round_timeout_s"] == 50 and plan.options["reward"] == ["exact_match"]
     assert plan.options["columns"] == {"prompt": "q"}
     assert plan.options["job_config"] == {"learning_rate": 1e-6}

@@ -71,7 +71,13 @@ def parse_pairs(items: list[str] | None, flag: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             _fail(f"{flag} expects KEY=VALUE (got {item!r})")
-        out[key.strip()] = value
+        key = key.strip()
+        if flag == "--column" and out.get(key, value) != value:  # a later --set wins; not this
+            _fail(
+                f"--column {key} is given twice ({out[key]!r} and {value!r}): a field reads "
+                "one column; keep the one you mean"
+            )
+        out[key] = value
     return out
 
 

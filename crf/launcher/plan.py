@@ -541,6 +541,7 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
             f"{parts[0]} names a part of --dataset, and there is none (the job's embedded "
             "task has no configs or splits): give --dataset, or drop it"
         )
+    _check_column_use(spec)
     job_check = getattr(get_job(spec.job), "check_launch", None)
     if job_check is not None:  # the job checks its own data (sft: TRL's SFT formats)
         try:
@@ -567,6 +568,37 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
         )
     except (DataError, RewardError) as e:
         raise LaunchError(str(e)) from None
+
+
+def _check_column_use(spec: RunSpec) -> None:
+    """LaunchError for a ``--column`` mapping that reads nothing (no ``--dataset`` or
+    ``--eval-dataset``: the embedded task has its own fields), a composer prompt read from
+    the column another field reads (the answer would be in the prompt), and a
+    ``--dataset-split`` other than ``train`` of a dataset that is one split (a file, or a
+    saved Dataset): datasets reads it whole whatever the name, so a typo would train on it."""
+    from crf.replica.data import one_split
+
+    if spec.columns and not (spec.dataset or spec.eval_dataset):
+        mapping = " ".join(f"--column {k}={v}" for k, v in spec.columns.items())
+        raise LaunchError(
+            f"{mapping} maps the columns of --dataset, and there is none (the job's embedded "
+            "task has its own fields): give --dataset, or drop --column"
+        )
+    if spec.job == "composer" and spec.columns:
+        read = {f: spec.columns.get(f, f) for f in ("prompt", "answer", "hint", "trace")}
+        shared = [f for f in ("answer", "hint", "trace") if read[f] == read["prompt"]]
+        if shared:
+            raise LaunchError(
+                f"--column maps prompt and {shared[0]} to one column {read['prompt']!r}: the "
+                f"{shared[0]} would be the prompt itself; map each to its own column"
+            )
+    split = spec.dataset_split
+    if spec.dataset and split != RunSpec.dataset_split and one_split(spec.dataset):
+        raise LaunchError(
+            f"--dataset-split {split}: --dataset {spec.dataset} is one split (a file, or a "
+            "saved Dataset), which datasets reads whole as 'train'; drop --dataset-split, or "
+            "give a folder (or Hub dataset) that has this split"
+        )
 
 
 def _dataset_parts(spec: RunSpec) -> list[str]:
