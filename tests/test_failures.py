@@ -103,11 +103,14 @@ class _Executor:
                 self.states[h.rank] = ReplicaState.CANCELLED
 
 
-def _supervisor(tmp_path: Path, n: int = 2) -> tuple[Supervisor, _Executor, RunStore]:
+def _supervisor(
+    tmp_path: Path, n: int = 2, resume: Any = None
+) -> tuple[Supervisor, _Executor, RunStore]:
     store = RunStore(f"file://{tmp_path}/run")
     executor = _Executor()
     handles = [ReplicaHandle("local", "r", k, str(k), store.uri, n) for k in range(n)]
-    plan = SimpleNamespace(store=store, executor=executor, restart=RestartPolicy(3))
+    plan = SimpleNamespace(store=store, executor=executor, restart=RestartPolicy(3),
+                           resume=resume, spec=SimpleNamespace(run_id="run-7"))  # fmt: skip
     return Supervisor(plan, handles, launch_no=0), executor, store  # type: ignore[arg-type]
 
 
@@ -127,6 +130,22 @@ def test_an_error_at_setup_ends_the_run_at_once(tmp_path: Path) -> None:
     assert executor.relaunched == [] and executor.cancelled == [0]
     assert sup.fatal is not None and "replica 1 failed at setup with KeyError" in sup.fatal
     assert "\n" not in sup.fatal
+
+
+def test_a_continued_run_that_fails_at_setup_says_to_continue_it(tmp_path: Path) -> None:
+    """A run continued with --resume has rounds to keep: launched anew it would lose them,
+    so the reason says to continue it once the input is fixed."""
+    sup, executor, store = _supervisor(tmp_path, resume=SimpleNamespace(from_round=3))
+    _fail(store, executor, 0, "DataError: row 3: the prompt is null", failed_in="setup",
+          restartable=False)  # fmt: skip
+    sup.check(0, None)
+    assert sup.fatal is not None and sup.fatal.endswith(
+        "fix the input, then continue with crf launch --resume run-7"
+    ), sup.fatal
+    fresh, executor, store = _supervisor(tmp_path / "fresh")
+    _fail(store, executor, 0, "DataError: row 3", failed_in="setup", restartable=False)
+    fresh.check(0, None)
+    assert fresh.fatal is not None and fresh.fatal.endswith("fix the input and launch again")
 
 
 def test_the_same_error_on_a_second_replica_ends_the_run(tmp_path: Path) -> None:

@@ -197,9 +197,13 @@ class Supervisor:
         also = [r for r in before if r != rank]
         again = " (again)" if rank in before else ""
         others = f"; replica(s) {', '.join(map(str, also))} too" if also else ""
+        if self.plan.resume is not None:  # it has rounds to keep: continue it, not anew
+            then = f"fix the input, then continue with crf launch --resume {self.plan.spec.run_id}"
+        else:
+            then = "fix the input and launch again"
         self.fatal = (
             f"replica {rank} failed {where}{again} with {line}{others}: a restart cannot fix "
-            "it, so the run stopped; fix the input and launch again"
+            f"it, so the run stopped; {then}"
         )
         self.stopped = True
         self._say(f"[red]{escape(self.fatal)}[/]")
