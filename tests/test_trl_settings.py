@@ -200,6 +200,19 @@ def test_dry_run_shows_settings_and_warns_of_short_completions(
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_launch_warns_of_short_completions_as_its_dry_run_does(tmp_path: Path) -> None:
+    """The warning is the launch's, not only the dry run's: the plan a launch starts from
+    carries it, and the launch prints its plan's notes before any replica starts."""
+    from crf.launcher.plan import prepare
+
+    data = _dataset(tmp_path, "abcd" * 10)
+    options = {"dataset": str(data), "columns": {"prompt": "q"}, "reward": ["exact_match"],
+               "replicas": 2, "job_config": {"prompts_per_step": 1}}  # fmt: skip
+    plan = prepare(options, store=str(tmp_path / "runs"))
+    said = [n for n in plan.notes if "max_completion_length 5 is shorter" in n]
+    assert len(said) == 1 and "completions will be cut" in said[0], plan.notes
+
+
 def test_without_the_tokenizer_the_count_is_a_stated_estimate() -> None:
     notes = trl_settings.completion_notes(4, [{"answer": "x" * 40}], "/no/such/model")
     assert len(notes) == 1 and "10 tokens (estimated as characters / 4" in notes[0]

@@ -174,8 +174,9 @@ SAMPLE_ROWS = 64
 
 
 def job_notes(spec: RunSpec, rows: list[dict[str, Any]]) -> list[str]:
-    """A dry run's warnings about the job's settings against the sampled dataset rows (the
-    job module's ``notes(config, spec, rows)``, if it has one)."""
+    """The warnings about the job's settings against the sampled dataset rows (the job
+    module's ``notes(config, spec, rows)``, if it has one): a launch prints them before its
+    replicas start, as its dry run does."""
     from crf.replica.jobs import get_job, job_config
 
     notes = getattr(get_job(spec.job), "notes", None)
@@ -345,7 +346,7 @@ def prepare(
             check_local_batch(spec.job, spec.job_config, spec.procs_per_replica, spec)
             workers = plan_workers(spec, executor, backend_options, rollout_options)
             missing += check_workers(spec, workers, executor, dry_run, missing)
-            notes = job_notes(spec, rows) if dry_run else []  # the job may be the workdir's
+            notes = job_notes(spec, rows)  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)

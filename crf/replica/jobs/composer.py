@@ -536,9 +536,10 @@ def check_run(
 
 
 def notes(cfg: Config, spec: Any, rows: list[dict[str, Any]]) -> list[str]:
-    """A dry run's warnings: completions shorter than the longest answer or trace in the
-    sampled rows of --dataset (crf/replica/trl_settings.py, completion_notes), and a
-    staleness bound the rollout workers can never reach (:func:`staleness_notes`)."""
+    """The launch's warnings (printed by it and by its dry run): completions shorter than
+    the longest answer or trace in the sampled rows of --dataset (crf/replica/
+    trl_settings.py, completion_notes), and a staleness bound the rollout workers can never
+    reach (:func:`staleness_notes`)."""
     from crf.replica.trl_settings import completion_notes
 
     model = getattr(spec, "model", None)
