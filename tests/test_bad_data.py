@@ -69,6 +69,17 @@ def _edit_json(path: Path, **values: Any) -> None:
     path.write_text(json.dumps(data))
 
 
+def _gpt2(folder: Path) -> None:
+    """A GPT-2 (a learned table of 64 positions) in place of the tiny model, its tokenizer
+    kept."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    (folder / "model.safetensors").unlink()
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=16, n_layer=1, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+
+
 def _truncate(folder: Path) -> None:
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -425,6 +436,15 @@ CASES = [
          str(Path(_model(m, t)) / "config.json")], "no such folder"),
     Case("messages-without-chat-template", lambda t, m: [*_sft(t, CONVERSATIONS), *_with_model(
          m, t, _no_chat_template)], "holds conversations (lists of messages) but --model"),
+    Case("completions-past-learned-positions", lambda t, m: [*_composer(t), *_with_model(
+         m, t, _gpt2)], "and max_completion_length 512 need "),
+    Case("completions-past-learned-positions-named", lambda t, m: [*_composer(t), *_with_model(
+         m, t, _gpt2)], "(64, a learned table: a longer sequence fails, it does not run on); "
+         "lower it (--set max_completion_length="),
+    Case("sft-max-length-past-learned-positions", lambda t, m: [*_sft(t, [{"text": w} for w in
+         WORDS]), *_with_model(m, t, _gpt2)], "--model {t}/model has 64 positions (a learned "
+         "table: a longer sequence fails, it does not run on) but the sft job's max_length is "
+         "1024: --set max_length=64 (or less)"),
     Case("no-pad-or-eos-token", lambda t, m: [*_composer(t), *_with_model(m, t, _no_pad_or_eos)],
          "no pad token and no EOS token"),
     # ---- the rewards, called on the sampled rows

@@ -144,21 +144,45 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     if model and os.path.isdir(model):
         check_tokenizer_for(model, splits)
         if spec.job == "composer":  # prompts through its template, within its positions
-            _check_prompts(spec, model, splits)
-        else:  # the sft job's conversations through its template
+            found.warnings += _check_prompts(spec, model, splits)
+        else:  # the sft job's sequences within its positions, conversations through its template
             from crf.launcher.prompt_checks import check_conversations
 
+            check_sft_length(spec, model)
             remote = bool(getattr(spec, "trust_remote_code", False))
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
     check_rewards_on(spec, splits)
     return found
 
 
-def _check_prompts(spec: Any, model: str, splits: list[Split]) -> None:
+def _check_prompts(spec: Any, model: str, splits: list[Split]) -> list[str]:
     from crf.launcher.prompt_checks import check_prompts
+    from crf.replica.jobs import job_config
+    from crf.replica.jobs.composer import completion_tokens
 
     remote = bool(getattr(spec, "trust_remote_code", False))
-    check_prompts(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
+    new = completion_tokens(job_config("composer", spec.job_config), spec)
+    return check_prompts(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote, new_tokens=new)
+
+
+def check_sft_length(spec: Any, model: str) -> None:
+    """LaunchError for an sft ``max_length`` longer than a learned position table of
+    ``model`` (GPT-2's ``n_positions``): a sequence cut to max_length would still be longer
+    than the model's positions and fail in the first step, on every replica."""
+    from crf.launcher.model_shapes import learned_positions
+    from crf.replica.jobs import job_config
+
+    learned = learned_positions(model)
+    if learned is None:
+        return
+    lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
+    length = job_config("sft", spec.job_config).settings(model=True, lora=lora)["max_length"]
+    if length > learned:
+        raise LaunchError(
+            f"--model {model} has {learned} positions (a learned table: a longer sequence "
+            f"fails, it does not run on) but the sft job's max_length is {length}: --set "
+            f"max_length={learned} (or less)"
+        )
 
 
 # ---------------------------------------------------------------------- reachability

@@ -14,10 +14,12 @@ weights stored once, are not misread. Models that bring their own code are not b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 from collections.abc import Iterable
+from typing import Any
 
 
 def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -31,6 +33,34 @@ def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
 def config_shapes(folder: str) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape of the model ``config.json`` describes, built on the meta device;
     None when transformers cannot build it here."""
+    model = meta_model(folder)
+    return None if model is None else {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def learned_positions(folder: str) -> int | None:
+    """The positions of the model in ``folder`` when it has a learned table of absolute
+    positions (crf/replica/prompt_fit.py ``learned_positions``), from its meta build; None
+    when it has none or is not built here."""
+    from crf.replica.prompt_fit import learned_positions as of
+
+    model = meta_model(folder)
+    return None if model is None else of(model)
+
+
+def meta_model(folder: str) -> Any:
+    """The model ``config.json`` describes, built on the meta device (no memory, no weights
+    read; kept for the checks that follow while the file is unchanged); None when
+    transformers cannot build it here."""
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            config = f.read()
+    except OSError:
+        return None
+    return _meta_model(folder, config)
+
+
+@functools.lru_cache(maxsize=2)
+def _meta_model(folder: str, config: bytes) -> Any:
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -45,7 +75,7 @@ def config_shapes(folder: str) -> dict[str, tuple[int, ...]] | None:
                 model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - a model type this check cannot build: the load will say
         return None
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return model
 
 
 def shape_problem(folder: str, shards: Iterable[str]) -> str | None:

@@ -32,26 +32,35 @@ from collections.abc import Iterable
 from typing import Any
 
 from crf.launcher.errors import LaunchError
+from crf.launcher.model_shapes import learned_positions
 from crf.replica.model import local_tokenizer
-from crf.replica.prompt_fit import chosen_rows, dropped_role, tokens_over, too_long
+from crf.replica.prompt_fit import chosen_rows, dropped_role, past_learned, tokens_over, too_long
 
 
 def check_prompts(
-    folder: str, splits: Iterable[Any], *, first: int = 8, trust_remote_code: bool = False
-) -> None:
-    """LaunchError naming the row for a prompt the chat template refuses, or one of more
-    tokens than the model's ``max_position_embeddings``. ``splits``: the launcher's
-    :class:`~crf.launcher.data_checks.Split` objects; ``first``: the first rows rendered
-    whatever they hold (the sampled ones). (A prompt that fits leaves the rest to
-    the completion: a rotary model generates past its positions, if worse, so a long
-    ``max_completion_length`` is no error.)"""
+    folder: str,
+    splits: Iterable[Any],
+    *,
+    first: int = 8,
+    trust_remote_code: bool = False,
+    new_tokens: int = 0,
+) -> list[str]:
+    """LaunchError naming the row for a prompt the chat template refuses, one of more tokens
+    than the model's ``max_position_embeddings``, or one that leaves fewer than
+    ``new_tokens`` (``max_completion_length``) of a learned position table (GPT-2's: a longer
+    sequence fails). ``splits``: the launcher's :class:`~crf.launcher.data_checks.Split`
+    objects; ``first``: the first rows rendered whatever they hold (the sampled ones).
+    Returns a warning when the longest prompt and ``new_tokens`` run past the positions of
+    a model without such a table (a rotary model generates on, if worse: no error)."""
     splits = [s for s in splits if _prompts(s)]
     if not splits:
-        return
+        return []
     tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
     if tokenizer is None:
-        return
+        return []
     limit = _positions(folder)
+    learned = learned_positions(folder) if new_tokens else None
+    longest: tuple[int, Any, int] | None = None  # (tokens, split, row)
     for split in splits:
         prompts = _prompts(split)
         for i in chosen_rows(prompts, first):
@@ -62,6 +71,31 @@ def check_prompts(
                     f"{split.flag} {split.dataset} row {i}: the prompt "
                     f"{too_long(tokens, folder, limit)}"
                 )
+            if new_tokens and (limit or learned):
+                n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                longest = max(longest or (n, split, i), (n, split, i), key=lambda t: t[0])
+    return _past_positions(folder, longest, new_tokens, learned, limit)
+
+
+def _past_positions(
+    folder: str, longest: tuple[int, Any, int] | None, new: int, learned: int | None,
+    limit: int | None,
+) -> list[str]:  # fmt: skip
+    """The refusal (a learned table) or warning (another model) for a longest prompt that,
+    with ``new`` completion tokens, needs more positions than the model has."""
+    if longest is None:
+        return []
+    tokens, split, i = longest
+    if learned and tokens + new > learned:
+        what = past_learned(learned, folder, tokens, new, "max_completion_length")
+        raise LaunchError(f"{split.flag} {split.dataset} row {i}: {what}")
+    if limit and tokens + new > limit:
+        return [
+            f"{split.flag} {split.dataset} row {i}: a prompt of {tokens} tokens and "
+            f"max_completion_length {new} run past --model {folder}'s {limit} positions "
+            "(max_position_embeddings); it generates on past them, usually worse"
+        ]
+    return []
 
 
 def _prompts(split: Any) -> list[Any]:

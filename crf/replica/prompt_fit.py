@@ -72,18 +72,29 @@ def tokens_over(tokenizer: Any, text: str, limit: int | None) -> int | None:
     return tokens if tokens > limit else None
 
 
-def check_setup_prompts(tokenizer: Any, model: Any, prompts: list[Any], model_name: str) -> None:
+def check_setup_prompts(
+    tokenizer: Any, model: Any, prompts: list[Any], model_name: str, new_tokens: int = 0
+) -> None:
     """DataError for a conversational prompt ``model_name``'s chat template refuses or
     renders without one of its turns, or (``model`` given) a prompt of more tokens than its
-    ``max_position_embeddings``. ``prompts``: the replica's, as the trainer gets them (a
+    ``max_position_embeddings``, or one that leaves fewer than ``new_tokens`` (the
+    completions' ``max_completion_length``) of a learned position table
+    (:func:`learned_positions`). ``prompts``: the replica's, as the trainer gets them (a
     conversation, or text when the tokenizer has no template)."""
     limit = _positions(model) if model is not None else None
-    for i in chosen_rows(prompts, first=8, longest=LONGEST if limit else 0):
+    learned = learned_positions(model) if model is not None and new_tokens else None
+    longest = 0
+    for i in chosen_rows(prompts, first=8, longest=LONGEST if limit or learned else 0):
         prompt = prompts[i]
         text = prompt if isinstance(prompt, str) else _render(tokenizer, prompt, model_name)
         tokens = tokens_over(tokenizer, text, limit)
         if tokens is not None:
             raise DataError(f"a prompt ({_shown(prompt)}) {too_long(tokens, model_name, limit)}")
+        if learned:
+            longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    if learned and longest + new_tokens > learned:
+        raise DataError(past_learned(learned, model_name, longest, new_tokens,
+                                     "max_completion_length"))  # fmt: skip
 
 
 def _render(tokenizer: Any, messages: list[Any], model_name: str) -> str:
@@ -113,6 +124,38 @@ def _shown(prompt: Any) -> str:
         f"{m.get('role')}: {m.get('content')}" for m in prompt if isinstance(m, dict)
     )  # fmt: skip
     return repr(text[:60] + ("..." if len(text) > 60 else ""))
+
+
+#: the names transformers gives a table of learned absolute positions (GPT-2's ``wpe``,
+#: OPT's and BART's ``embed_positions``, BERT-style ``position_embeddings``)
+POSITION_TABLES = frozenset({"wpe", "embed_positions", "position_embeddings", "pos_emb"})
+
+
+def learned_positions(model: Any) -> int | None:
+    """The positions ``model`` takes when it looks them up in a learned table: a sequence
+    past them fails (an index error on the CPU, a device-side assert on CUDA), where a
+    rotary model generates on past its ``max_position_embeddings``, if worse. None: no such
+    table (rotary, ALiBi, or a model built otherwise)."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES:
+            configured = _positions(model)  # OPT's table keeps 2 rows more than it uses
+            rows = int(module.num_embeddings)
+            return min(rows, configured) if configured else rows
+    return None
+
+
+def past_learned(limit: int, model_name: str, longest: int, new: int, new_name: str) -> str:
+    """What to say when a prompt of ``longest`` tokens and ``new`` tokens more (the setting
+    ``new_name``) do not fit ``model_name``'s ``limit`` learned positions."""
+    room = limit - longest
+    fix = f"--set {new_name}={room}" if room > 0 else "shorten such prompts"
+    return (
+        f"a prompt of {longest} tokens and {new_name} {new} need {longest + new} positions, "
+        f"more than --model {model_name} has ({limit}, a learned table: a longer sequence "
+        f"fails, it does not run on); lower it ({fix}) or shorten the longest prompts"
+    )
 
 
 def _positions(model: Any) -> int | None:

@@ -406,7 +406,8 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     if getattr(ctx.spec, "model", None):  # its template and positions, before any step
         from crf.replica.prompt_fit import check_setup_prompts
 
-        check_setup_prompts(tokenizer, model, [r["prompt"] for r in rows], ctx.spec.model)
+        new = completion_tokens(cfg, ctx.spec)
+        check_setup_prompts(tokenizer, model, [r["prompt"] for r in rows], ctx.spec.model, new)
     return ReplicaSetup(tokenizer, model, shard, held_out, placement, eval_rows, plain)
 
 

@@ -1,0 +1,102 @@
+"""A model's positions against the sequences a run asks of it.
+
+A model with a learned table of absolute positions (GPT-2's ``wpe``, OPT's
+``embed_positions``) fails on a sequence longer than the table, in the first step of every
+replica; a rotary one generates on past its ``max_position_embeddings``, if worse. So the
+launch refuses a prompt plus ``max_completion_length`` (or an sft ``max_length``) past a
+learned table, warns past a rotary model's positions, and a replica that first reads its
+model (a Hub id) refuses the same at setup, where no restart follows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from crf.launcher.cli import app
+from crf.replica.data_files import DataError
+from crf.replica.prompt_fit import check_setup_prompts, learned_positions
+from tests.hub_models import save_tiny_repo
+
+
+def _gpt2(folder: Path, positions: int = 64) -> Path:
+    """A GPT-2 with ``positions`` learned positions and the tiny model's tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    save_tiny_repo(folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    (folder / "model.safetensors").unlink()
+    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=16, n_layer=1, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+def _rows(tmp_path: Path) -> Path:
+    path = tmp_path / "rows.jsonl"
+    # "bca=" and the template's ">": 5 tokens, the longest prompt
+    words = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"] * 4
+    path.write_text("".join(json.dumps({"prompt": f"{w}=", "answer": w[::-1]}) + "\n"
+                            for w in words))  # fmt: skip
+    return path
+
+
+def test_a_learned_table_is_found_and_a_rotary_model_has_none(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM
+
+    gpt2 = AutoModelForCausalLM.from_pretrained(_gpt2(tmp_path / "gpt2", 48))
+    assert learned_positions(gpt2) == 48
+    # OPT's table keeps two rows more than the positions it takes
+    opt = OPTForCausalLM(OPTConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1,
+                                   ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16,
+                                   max_position_embeddings=40))  # fmt: skip
+    assert opt.model.decoder.embed_positions.num_embeddings == 42
+    assert learned_positions(opt) == 40
+    assert learned_positions(save_tiny_repo(tmp_path / "qwen2")) is None  # rotary
+
+
+def test_a_replica_refuses_completions_past_a_learned_table_at_setup(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _gpt2(tmp_path / "gpt2")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = ["ab=", "abcd" * 5 + "="]  # 21 tokens: one per character
+    with pytest.raises(DataError) as caught:
+        check_setup_prompts(tokenizer, model, prompts, "org/gpt2", new_tokens=50)
+    assert "a prompt of 21 tokens and max_completion_length 50 need 71 positions" in str(
+        caught.value
+    )
+    assert "--set max_completion_length=43" in str(caught.value)
+    check_setup_prompts(tokenizer, model, prompts, "org/gpt2", new_tokens=43)  # fits
+    tiny = save_tiny_repo(tmp_path / "qwen2")
+    check_setup_prompts(tokenizer, tiny, prompts, "org/qwen2", new_tokens=10_000)  # rotary
+
+
+def test_the_launch_takes_completions_that_fit_and_warns_past_rotary_positions(
+    tmp_path: Path,
+) -> None:
+    runner = CliRunner()
+    data = _rows(tmp_path)
+    base = ["launch", "--dataset", str(data), "--reward", "exact_match", "--replicas", "2",
+            "--store", str(tmp_path / "runs"), "--dry-run"]  # fmt: skip
+    gpt2 = str(_gpt2(tmp_path / "gpt2"))
+    fits = runner.invoke(app, [*base, "--model", gpt2, "--set", "max_completion_length=59"])
+    assert fits.exit_code == 0, fits.output
+    past = runner.invoke(app, [*base, "--model", gpt2, "--set", "max_completion_length=60"])
+    assert past.exit_code == 2 and "need 65 positions" in past.output, past.output
+    sft = runner.invoke(app, ["launch", "--job", "sft", "--dataset", str(data), "--model", gpt2,
+                              "--column", "completion=answer", "--set", "max_length=64",
+                              "--store", str(tmp_path / "runs"),
+                              "--dry-run"])  # fmt: skip
+    assert sft.exit_code == 0, sft.output
+    qwen2 = tmp_path / "qwen2"
+    save_tiny_repo(qwen2)
+    limit = json.loads((qwen2 / "config.json").read_text())["max_position_embeddings"]
+    rotary = runner.invoke(app, [*base, "--model", str(qwen2), "--set",
+                                 f"max_completion_length={limit}"])  # fmt: skip
+    flat = " ".join(rotary.output.split())
+    assert rotary.exit_code == 0, rotary.output
+    assert f"run past --model {qwen2}'s {limit} positions" in flat, flat
