@@ -239,3 +239,53 @@ def test_a_reward_given_twice_or_weighted_zero_is_warned_about(tmp_path: Path) -
         "GRPO has nothing to learn from; give a reward a weight other than 0"
     ]
     assert data_checks.reward_warnings(["exact_match", "format:x=0.5"]) == []
+
+
+# ---------------------------------------------------------------------- a reward with no values
+def test_a_step_where_a_reward_gave_no_value_is_recorded_and_warned_about() -> None:
+    from crf.composer.callback import missing_rewards
+    from crf.launcher.summary import reward_warnings, rewards_missing
+
+    logs = {"loss": 0.1, "reward": 0.5, "rewards/rw.a/mean": float("nan"), "rewards/rw.b/mean": 1.0}
+    assert missing_rewards(logs) == {"reward_missing/rw.a": 1.0, "reward_missing/rw.b": 0.0}
+    records = {
+        0: [{"round": 0, "metrics": {"reward_missing/rw.a": 1.0, "reward_missing/rw.b": 0.5}},
+            {"round": 1, "metrics": {"reward_missing/rw.a": 0.5}}],
+        1: [{"round": 1, "metrics": {"reward_missing/rw.a": 1.0}}],
+    }  # fmt: skip
+    assert rewards_missing(records) == {"rw.a": [0, 1]}
+    (line,) = reward_warnings(rewards_missing(records))
+    assert line.startswith("reward rw.a gave no value (None or NaN for every completion) in "
+                           "round(s) 0, 1: ")  # fmt: skip
+
+
+TRAINS = """
+import numpy as np
+
+def bools(completions, answer, **kw):
+    return np.array([c.strip() == a for c, a in zip(completions, answer)])
+
+def nan_in_training(completions, trainer_state=None, **kw):
+    return [0.0 if trainer_state is None else float("nan") for _ in completions]
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_run_trains_on_a_numpy_bools_reward_and_warns_of_one_that_gave_no_value(
+    tmp_path: Path,
+) -> None:
+    args = _args(tmp_path, TRAINS, "rw_chk:bools", "rw_chk:nan_in_training")
+    proc = _process(tmp_path, [*args, "--rounds", "1", "-H", "2"])
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    text = " ".join(output.split())
+    assert ("warning: reward rw_chk.nan_in_training gave no value (None or NaN for every "
+            "completion) in round(s) 0") in text  # fmt: skip
+    (result,) = (tmp_path / "runs").glob("*/result.json")
+    summary = json.loads(result.read_text())
+    assert summary["status"] == "ok" and summary["rewards_missing"] == {
+        "rw_chk.nan_in_training": [0]
+    }
+    assert any("rw_chk.nan_in_training gave no value" in w for w in summary["warnings"])
+    assert summary["learning"]["reward"]["last"] is not None  # the bools reward trained

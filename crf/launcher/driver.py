@@ -472,8 +472,8 @@ def finish_run(
         from crf.launcher.rollout_view import workers_summary
 
         summary["workers"] = workers_summary(workers, metrics)
-    if warnings:
-        summary["warnings"] = list(warnings)
+    if warnings:  # before the run's own (a reward that gave no value: build_summary)
+        summary["warnings"] = [*warnings, *summary.get("warnings", [])]
     plot_path = _save_plot(spec, store, metrics, console) if plot else None
     summary["figure"] = plot_path
     _save_result(store, summary, launch_no)
