@@ -9,7 +9,8 @@
   (each rank's share of the batch; DDP without per-forward collectives).
 - ``on_step_end`` asks the trainer to log every optimizer step, and ``on_log`` then calls
   ``ctx.log_step(loss=..., reward=..., grpo_loss=..., distill_loss=..., replay_loss=...)``
-  exactly once per inner optimizer step (metrics a step did not produce are left out).
+  exactly once per inner optimizer step (metrics a step did not produce are left out), with
+  ``reward_missing/<name>`` per reward: 1.0 when it gave no value in the step (all None/NaN).
 - A step that fp16's gradient scaler skips (its gradients overflowed: the trainer does not
   call the optimizer's ``step``, so no step hook runs) still counts as an inner step, as it
   does in the trainer's own ``global_step`` and ``max_steps``: ``on_step_end`` takes an
@@ -160,6 +161,7 @@ class DiLoCoCallback(TrainerCallback):
             value = logs.get(key)
             if value is not None and math.isfinite(float(value)):
                 record[key] = float(value)
+        record.update(missing_rewards(logs))
         self.history.append(record)
         if self.ctx is not None:
             extra = {k: v for k, v in record.items() if k not in ("step", "loss")}
@@ -168,6 +170,24 @@ class DiLoCoCallback(TrainerCallback):
             if self.rollouts is not None and _at_round_end(self.ctx):
                 self.ctx.log_rollouts(self.rollouts.take_counts())
             self.ctx.log_step(loss=record["loss"], **extra)
+
+
+#: the round record's metric of a reward that gave no value: ``reward_missing/<name>``, the
+#: share of the round's logged steps in which it gave None or NaN for every completion
+MISSING = "reward_missing/"
+
+
+def missing_rewards(logs: dict[str, Any]) -> dict[str, float]:
+    """For each reward TRL logged (``rewards/<name>/mean``, a mean over the completions it
+    scored): 1.0 when it gave no value in the step (None or NaN for every completion: TRL's
+    "not applicable", left out of the reward trained on), else 0.0."""
+    out = {}
+    for key, value in logs.items():
+        if key.startswith("rewards/") and key.endswith("/mean"):
+            name = key.removeprefix("rewards/").removesuffix("/mean")
+            given = isinstance(value, int | float) and math.isfinite(float(value))
+            out[MISSING + name] = 0.0 if given else 1.0
+    return out
 
 
 def _unwrapped(model: Any) -> Any:

@@ -396,9 +396,13 @@ def launch(ctx: typer.Context, **params: Any) -> None:
         else:
             # reading a big local split or a Hub dataset's first rows takes a while: a
             # spinner on a terminal (nothing elsewhere)
-            with Console(stderr=True).status("checking the data, model and rewards"):
-                plan = prepare(options, store=flags["store"], backend_options=backend_options,
-                               restart=policy, dry_run=flags["dry_run"])  # fmt: skip
+            try:
+                with Console(stderr=True).status("checking the data, model and rewards"):
+                    plan = prepare(options, store=flags["store"], backend_options=backend_options,
+                                   restart=policy, dry_run=flags["dry_run"])  # fmt: skip
+            except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) during the checks
+                typer.echo("interrupted before launch: nothing was started", err=True)
+                raise typer.Exit(EXIT_INTERRUPTED) from None
         if flags["dry_run"]:
             _print_plan(plan)
             raise typer.Exit(EXIT_USAGE if flags["strict"] and plan.missing else EXIT_OK)

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import re
+import signal
 import struct
 import threading
 from collections.abc import Callable, Mapping
@@ -49,6 +50,11 @@ HUB_TIMEOUT_S = 4.0
 #: seconds a Hub dataset's first rows may take to stream before the replicas are left to
 #: check them (resolving the repo's files and reading the head of the first one)
 HUB_ROWS_S = 60.0
+#: seconds each reward function may take on the sampled rows before the launch is refused
+REWARD_CALL_S = 60.0
+#: the signal that ends a reward call past its time (the main thread's; SIGALRM is left to
+#: the user's code: math-verify times its parsing with it)
+_TOO_SLOW_SIGNAL = getattr(signal, "SIGUSR1", None)
 #: files of which at least one makes a tokenizer (transformers' fast and slow formats)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer_config.json")  # fmt: skip
@@ -152,6 +158,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             remote = bool(getattr(spec, "trust_remote_code", False))
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
     check_rewards_on(spec, splits)
+    found.warnings += reward_warnings(list(spec.reward or []), spec.job)
     return found
 
 
@@ -532,6 +539,48 @@ def in_time(read: Callable[[], Any], seconds: float) -> Any:
     return box["value"]
 
 
+class TooSlow(BaseException):
+    """A call did not return in time (:func:`within`). A BaseException, so that a reward's
+    own ``except Exception`` does not swallow it."""
+
+
+def within(run: Callable[[], Any], seconds: float) -> Any:
+    """``run()``'s value; TooSlow when it has not returned within ``seconds``. On the main
+    thread ``run`` runs there (a reward may use signals, as math-verify's timeouts do): a
+    watchdog thread signals the main thread, whose handler raises TooSlow into ``run``,
+    again each second until it gives up. Elsewhere (no signals but on the main thread), it
+    runs in a daemon thread (:func:`in_time`), left to end by itself."""
+    if threading.current_thread() is not threading.main_thread() or _TOO_SLOW_SIGNAL is None:
+        boxed = in_time(lambda: (run(),), seconds)
+        if boxed is None:
+            raise TooSlow
+        return boxed[0]
+    done, late = threading.Event(), threading.Event()
+    main = threading.get_ident()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if late.is_set() and not done.is_set():
+            raise TooSlow
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        late.set()
+        while not done.is_set():
+            signal.pthread_kill(main, _TOO_SLOW_SIGNAL)
+            done.wait(1.0)
+
+    previous = signal.signal(_TOO_SLOW_SIGNAL, interrupt)
+    watchdog = threading.Thread(target=watch, name="crf-reward-limit", daemon=True)
+    watchdog.start()
+    try:
+        return run()
+    finally:
+        done.set()
+        watchdog.join()
+        signal.signal(_TOO_SLOW_SIGNAL, previous)
+
+
 def _wanted(spec: Any, flag: str) -> int:
     """Rows to read of a split: the sample, and (the composer's training split) one batch of
     prompts per replica, counted for :func:`check_batch`."""
@@ -709,6 +758,41 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
             call_reward(s.name, fn, rows, split, many=len(specs) > 1)
 
 
+def reward_warnings(entries: list[str], job: str = "composer") -> list[str]:
+    """What the ``--reward`` entries allow but hardly mean: one given twice (called once
+    per entry, logged under one name) and a weight of 0 (called and logged, adding nothing
+    to the total: the reward GRPO trains on, or the sft job's held-out score)."""
+    from crf.replica.rewards import parse_rewards
+
+    specs = parse_rewards(entries)
+    total = "the reward trained on" if job == "composer" else "the held-out score"
+    out = []
+    weights: dict[str, list[float]] = {}
+    for s in specs:
+        weights.setdefault(s.name, []).append(s.weight)
+    for name, given in weights.items():
+        if len(given) > 1:
+            out.append(
+                f"--reward {name} is given {len(given)} times (weights "
+                f"{', '.join(f'{w:g}' for w in given)}): it is called once per entry and "
+                f"logged under one name; give it once, as {name}={sum(given):g}"
+            )
+    zero = [s.name for s in specs if s.weight == 0]
+    if zero and len(zero) == len(specs):
+        learns = ", so GRPO has nothing to learn from" if job == "composer" else ""
+        out.append(
+            f"every --reward has weight 0: {total} is 0 for every completion{learns}; give "
+            "a reward a weight other than 0"
+        )
+    elif zero:
+        out.extend(
+            f"--reward {name}=0 has weight 0: it is called and logged, but "
+            f"adds nothing to {total}; give it a weight, or drop it"
+            for name in dict.fromkeys(zero)
+        )
+    return out
+
+
 def check_answers(spec: Any, split: Split, reward: str) -> None:
     """The answer column holds text or numbers (a built-in reward compares them as text);
     ``math_answer`` must find a number or expression in at least one sampled answer."""
@@ -756,8 +840,10 @@ def _prompt(row: Mapping[str, Any]) -> Any:
 def call_reward(
     name: str, fn: Callable[..., Any], rows: list[dict[str, Any]], split: Split, *, many: bool
 ) -> None:
-    """LaunchError when reward ``name`` raises on ``rows`` or does not return one finite
-    number per row (None is TRL's "not applicable", allowed only beside other rewards)."""
+    """LaunchError when reward ``name`` raises, exits, takes longer than
+    :data:`REWARD_CALL_S` on ``rows`` or does not return one finite number per row, in any
+    form TRL turns into its rewards tensor (:func:`reward_values`; None is TRL's "not
+    applicable", allowed only beside other rewards)."""
     from crf.replica.rewards import call, outside_trainer
     from crf.replica.sft_data import FORMAT_FIELDS
 
@@ -767,7 +853,8 @@ def call_reward(
         extra = {k for r in rows for k in r if k not in FORMAT_FIELDS}
     kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
-    try:
+
+    def scored() -> Any:
         out = call(
             fn,
             prompts=[_prompt(r) for r in rows],
@@ -775,6 +862,22 @@ def call_reward(
             completion_ids=[[] for _ in rows],
             **(kwargs | outside_trainer()),
         )
+        return _listed(out)  # a generator's values come from the user's code too
+
+    try:
+        out = within(scored, REWARD_CALL_S)
+    except TooSlow:
+        raise LaunchError(
+            f"--reward {name} did not return within {REWARD_CALL_S:g}s {where}; make it "
+            f"return faster for {len(rows)} rows (a slow reward also slows every training "
+            "step, where it scores each batch of completions)"
+        ) from None
+    except SystemExit as e:  # sys.exit() in the user's code would end the launcher
+        raise LaunchError(
+            f"--reward {name} called sys.exit({e.code!r}) {where}; a reward returns its "
+            "values: raise an exception (or return None for a completion it cannot score) "
+            "instead"
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
         cause = e.__cause__ or e
         raise LaunchError(
@@ -782,29 +885,57 @@ def call_reward(
             "function (it is called as TRL calls it: prompts, completions, and the "
             "dataset's columns as keyword lists)"
         ) from None
+    check_reward_values(name, out, len(rows), where, many=many)
+
+
+def _listed(out: Any) -> Any:
+    """``out`` as the list TRL makes of it (``[r for r in out]``): any iterable but text
+    and mappings (TRL's tensor refuses their items); anything else as it is."""
+    if inspect.iscoroutine(out) or isinstance(out, str | bytes | Mapping):
+        return out
+    try:
+        return list(out)
+    except TypeError:  # not iterable: a number, None...
+        return out
+
+
+def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) -> None:
+    """LaunchError unless ``out`` holds ``n`` rewards TRL can take (:func:`reward_value`)."""
     if inspect.iscoroutine(out):  # TRL awaits an `async def` reward only, not this
         out.close()
         raise LaunchError(
             f"--reward {name} returned a coroutine {where}: TRL awaits a reward only when it "
             "is declared `async def` (or has an `async def __call__`); declare it so"
         )
-    if not isinstance(out, list | tuple) or len(out) != len(rows):
-        got = f"a {_kind(out)}" if not isinstance(out, list | tuple) else f"{len(out)} values"
+    if not isinstance(out, list) or len(out) != n:
+        got = f"a {_kind(out)}" if not isinstance(out, list) else f"{len(out)} values"
         raise LaunchError(
-            f"--reward {name} returned {got} {where}; a reward returns a list with one "
-            "number per completion"
+            f"--reward {name} returned {got} {where}; a reward returns a list (or an array) "
+            "with one number per completion"
         )
     for i, value in enumerate(out):
         if value is None and many:
             continue
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if hasattr(value, "item") and not number:  # a numpy or torch scalar
-            try:
-                value, number = value.item(), True
-            except (TypeError, ValueError):
-                number = False
-        if not number or not math.isfinite(float(value)):
+        number = reward_value(value)
+        if number is None or not math.isfinite(number):
+            shown = value if number is None else number
             raise LaunchError(
-                f"--reward {name} returned {value!r} for row {i} {where}; a reward returns "
-                "a finite number per completion"
+                f"--reward {name} returned {shown!r} for row {i} {where}; a reward returns "
+                "a finite number (or a bool) per completion"
             )
+
+
+def reward_value(value: Any) -> float | None:
+    """``value`` as the number TRL's ``torch.tensor(..., dtype=float32)`` makes of it: a
+    bool, an int, a float, or a numpy or torch scalar (a 0-d array or tensor); None for
+    anything else (text, None, a list, an array of several values)."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, str):
+        try:
+            item = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if isinstance(item, bool | int | float):
+            return float(item)
+    return None

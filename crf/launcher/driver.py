@@ -323,7 +323,7 @@ def _watched(
     error: str | None = None
     cancelled = False
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             timed_out = watch(
                 sup,
                 console=console,
@@ -343,13 +343,14 @@ def _watched(
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """While the driver watches, SIGTERM does what Ctrl-C does: cancel the replicas, write
     the summary (status ``cancelled``), exit 130; ``crf launch --resume`` continues the run.
     SIGTERM is how a CI job's cancel, ``kill``, ``docker stop`` or a batch scheduler ask a
     process to stop; its default action would end the driver without a word and leave the
-    replicas training with nobody watching. Only the main thread can take a signal (the SDK may
-    launch from another one: there SIGTERM keeps its default)."""
+    replicas training with nobody watching. The checks before launch use it too, so that
+    their temporary copy of ``--workdir`` is removed on the way out. Only the main thread can
+    take a signal (the SDK may launch from another one: there SIGTERM keeps its default)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -471,8 +472,8 @@ def finish_run(
         from crf.launcher.rollout_view import workers_summary
 
         summary["workers"] = workers_summary(workers, metrics)
-    if warnings:
-        summary["warnings"] = list(warnings)
+    if warnings:  # before the run's own (a reward that gave no value: build_summary)
+        summary["warnings"] = [*warnings, *summary.get("warnings", [])]
     plot_path = _save_plot(spec, store, metrics, console) if plot else None
     summary["figure"] = plot_path
     _save_result(store, summary, launch_no)

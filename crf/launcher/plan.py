@@ -335,7 +335,7 @@ def prepare(
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     try:
-        with importable(packed if _imports_user_code(spec) else None):  # from the workdir
+        with importable(packed if _imports_user_code(spec) else None, spec.workdir):
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
@@ -718,20 +718,27 @@ def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | N
 
 
 @contextlib.contextmanager
-def importable(packed: PackedWorkdir | None) -> Iterator[None]:
+def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iterator[None]:
     """The packed workdir, unpacked in a temporary folder first on sys.path, so the checks
-    before launch import a job or a reward from exactly what the replicas will get."""
+    before launch import a job or a reward from exactly what the replicas will get. A
+    refusal that names a file of the copy names it in ``workdir`` (the user's folder)
+    instead; SIGTERM, like Ctrl-C, removes the copy on its way out."""
     if packed is None:
         yield
         return
     from crf.executors.workdir import unpack_workdir
+    from crf.launcher.driver import sigterm_as_interrupt
 
-    with tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
         where = str(unpack_workdir(packed.data, Path(tmp) / "workdir"))
         sys.path.insert(0, where)
         importlib.invalidate_caches()
         try:
             yield
+        except LaunchError as e:
+            if workdir is None or where not in str(e):
+                raise
+            raise LaunchError(str(e).replace(where, workdir.rstrip(os.sep))) from None
         finally:
             sys.path.remove(where)
             for name, module in list(sys.modules.items()):  # none stays cached from it

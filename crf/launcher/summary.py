@@ -275,6 +275,8 @@ def build_summary(
     rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
     status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
     problems = run_problems(rows, reported, metrics, spec.rounds)
+    missing = rewards_missing(metrics)
+    notes = {"rewards_missing": missing, "warnings": reward_warnings(missing)} if missing else {}
     return {
         "run_id": spec.run_id,
         "run_uri": spec.run_uri,
@@ -304,6 +306,7 @@ def build_summary(
         "wall_s": round(ended_at - started_at, 3),
         "replicas": rows,
         "figure": None,
+        **notes,
     }
 
 
@@ -480,6 +483,8 @@ def render_summary(
     print_workers(summary, console)
     print_failures(summary, console)
     print_version_warnings(summary, console)
+    for line in reward_warnings(summary.get("rewards_missing") or {}):
+        console.print(f"[bold yellow]warning:[/] {escape(line)}", soft_wrap=True, highlight=False)
     console.print("run " + " - ".join(verdict_parts(summary)))
     if result_path:
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
@@ -653,6 +658,33 @@ def held_out_text(h: Mapping[str, Any]) -> str:
         return text + "-"
     rows = f"{after.get('examples')}/{after.get('of')}" if after.get("of") else after["examples"]
     return text + f"{h['pass@1_after']:.3f} (round {h['last_round']}, {rows} rows)"
+
+
+#: crf/composer/callback.py's MISSING (not imported: that module imports transformers)
+_MISSING = "reward_missing/"
+
+
+def rewards_missing(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, list[int]]:
+    """Each reward that gave no value (None or NaN for every completion) in every logged step
+    of a round on some replica: its name (as TRL logs it) and those rounds. The round records
+    carry ``reward_missing/<name>``, the share of such steps (crf/composer/callback.py)."""
+    out: dict[str, set[int]] = {}
+    for rows_of in metrics.values():
+        for m in rows_of:
+            for key, share in (m.get("metrics") or {}).items():
+                if key.startswith(_MISSING) and share == 1.0 and isinstance(m.get("round"), int):
+                    out.setdefault(key.removeprefix(_MISSING), set()).add(m["round"])
+    return {name: sorted(rounds) for name, rounds in sorted(out.items())}
+
+
+def reward_warnings(missing: Mapping[str, Sequence[int]]) -> list[str]:
+    """One line per reward of :func:`rewards_missing`."""
+    return [
+        f"reward {name} gave no value (None or NaN for every completion) in round(s) "
+        f"{', '.join(map(str, rounds))}: TRL leaves such completions out of it, so it "
+        "trained nothing there; make it return a number for the completions it scores"
+        for name, rounds in missing.items()
+    ]
 
 
 def version_warnings(rows: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -29,7 +29,6 @@ dataset works unchanged, and the check before launch calls it in that same form.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import importlib
 import inspect
@@ -37,6 +36,7 @@ import logging
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +192,12 @@ def import_reward(name: str) -> Callable[..., Any]:
         raise RewardError(
             f"--reward {name}: cannot import it from the working directory ({e})"
         ) from None
+    except SystemExit as e:  # sys.exit() at the module's top level
+        raise RewardError(
+            f"--reward {name}: importing {module} called sys.exit({e.code!r}); a module "
+            "that holds rewards must import without exiting (move that code under "
+            '`if __name__ == "__main__":`)'
+        ) from None
     except Exception as e:  # the module itself fails: a SyntaxError, an error at import
         where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
         raise RewardError(
@@ -219,8 +225,22 @@ def call(fn: Callable[..., Any], **kwargs: Any) -> Any:
     code that is itself inside a running loop."""
     if not is_async(fn):
         return fn(**kwargs)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, fn(**kwargs)).result()
+    coroutine = fn(**kwargs)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = asyncio.run(coroutine)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            box["error"] = e
+
+    # a daemon thread: one that never returns does not hold the process at its exit
+    thread = threading.Thread(target=run, name="crf-async-reward", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
