@@ -100,3 +100,28 @@ def test_the_launch_takes_completions_that_fit_and_warns_past_rotary_positions(
     flat = " ".join(rotary.output.split())
     assert rotary.exit_code == 0, rotary.output
     assert f"run past --model {qwen2}'s {limit} positions" in flat, flat
+
+
+def test_sft_prompts_that_take_the_whole_max_length_are_warned_of_or_refused(
+    tmp_path: Path,
+) -> None:
+    """TRL cuts an sft sequence at max_length and drops a row with no completion token left
+    to train on, without a word: the launch says how many of the prompts it checked are such
+    rows, and refuses when all are (no step would train)."""
+    from crf.launcher.errors import LaunchError
+    from crf.launcher.plan import prepare
+
+    data = tmp_path / "pc.jsonl"
+    prompts = ["ab=", "abcd=", "abcdab="]  # 3, 5 and 7 characters: tokens of the tiny model
+    data.write_text("".join(json.dumps({"prompt": p, "completion": "ba"}) + "\n"
+                            for p in prompts * 8))  # fmt: skip
+    options = {"job": "sft", "dataset": str(data), "replicas": 2}
+    plan = prepare({**options, "job_config": {"max_length": 5}}, store=str(tmp_path / "runs"))
+    said = [n for n in plan.notes if "prompts checked are max_length 5" in n]
+    assert len(said) == 1 and said[0].startswith(f"--dataset {data}: 16 of 24 prompts"), said
+    assert "raise --set max_length above 7 (the longest prompt" in said[0]
+    fits = prepare({**options, "job_config": {"max_length": 8}}, store=str(tmp_path / "runs"))
+    assert not [n for n in fits.notes if "max_length" in n], fits.notes
+    with pytest.raises(LaunchError) as caught:
+        prepare({**options, "job_config": {"max_length": 3}}, store=str(tmp_path / "runs"))
+    assert "every prompt checked is max_length 3 tokens or longer" in str(caught.value)

@@ -157,6 +157,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             check_sft_length(spec, model)
             remote = bool(getattr(spec, "trust_remote_code", False))
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
+    if spec.job == "sft":  # prompts that leave no completion token within max_length
+        found.warnings += sft_cut_prompts(spec, model, splits)
     check_rewards_on(spec, splits)
     found.warnings += reward_warnings(list(spec.reward or []), spec.job)
     return found
@@ -170,6 +172,47 @@ def _check_prompts(spec: Any, model: str, splits: list[Split]) -> list[str]:
     remote = bool(getattr(spec, "trust_remote_code", False))
     new = completion_tokens(job_config("composer", spec.job_config), spec)
     return check_prompts(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote, new_tokens=new)
+
+
+#: the first prompts of a split whose tokens :func:`sft_cut_prompts` counts
+CUT_ROWS = 10_000
+
+
+def sft_cut_prompts(spec: Any, model: str | None, splits: list[Split]) -> list[str]:
+    """A warning for sampled prompt-completion rows whose prompt takes the sft job's whole
+    ``max_length`` (TRL cuts each sequence there and drops a row with no completion token
+    left to train on, without a word), among the first :data:`CUT_ROWS`; LaunchError when
+    every one is such a row (no step would train). Counted with the model's tokenizer where it is on this machine, else
+    estimated (crf/replica/trl_settings.py ``token_counter``)."""
+    from crf.replica.jobs import job_config
+    from crf.replica.trl_settings import token_counter
+
+    lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
+    settings = job_config("sft", spec.job_config).settings(model=bool(model), lora=lora)
+    length = int(settings["max_length"])
+    out: list[str] = []
+    for split in splits:
+        every = (split.every or {}).get("prompt") or [r.get("prompt") for r in split.rows]
+        prompts = [p for p in every[:CUT_ROWS] if isinstance(p, str)]
+        if split.flag != "--dataset" or split.form != "prompt-completion" or not prompts:
+            continue
+        count, how = token_counter(model, bool(getattr(spec, "trust_remote_code", False)))
+        tokens = [count(p) for p in prompts]
+        cut = sum(n >= length for n in tokens)
+        where = f"{split.flag} {split.dataset}"
+        fix = f"raise --set max_length above {max(tokens)} (the longest prompt; {how})"
+        if cut == len(prompts):
+            raise LaunchError(
+                f"{where}: every prompt checked is max_length {length} tokens or longer, so "
+                f"no row keeps a completion token to train on and TRL drops them all; {fix}"
+            )
+        if cut:
+            out.append(
+                f"{where}: {cut} of {len(prompts)} prompts checked are max_length {length} "
+                f"tokens or longer: TRL drops such rows (no completion token left to train "
+                f"on); {fix}, or shorten them"
+            )
+    return out
 
 
 def check_sft_length(spec: Any, model: str) -> None:

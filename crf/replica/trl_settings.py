@@ -392,11 +392,11 @@ def completion_notes(
     """One line per dataset field (answer, trace) whose longest text in ``rows`` needs more
     than ``limit`` completion tokens: counted with the model's tokenizer when it loads from
     this machine (a folder, or the Hugging Face cache; nothing is downloaded), else
-    estimated from its characters (see :func:`_counter`)."""
+    estimated from its characters (see :func:`token_counter`)."""
     fields = [f for f in ("answer", "trace") if any(r.get(f) for r in rows)]
     if not fields:
         return []
-    count, how = _counter(model, trust_remote_code)
+    count, how = token_counter(model, trust_remote_code)
     out = []
     for name in fields:
         longest = max(count(str(r[name])) for r in rows if r.get(name))
@@ -413,7 +413,7 @@ def completion_notes(
 CHARS_PER_TOKEN = 4
 
 
-def _counter(model: str | None, trust_remote_code: bool) -> tuple[Any, str]:
+def token_counter(model: str | None, trust_remote_code: bool) -> tuple[Any, str]:
     """(tokens of a text, how they were counted) for ``model`` (None: the embedded model's
     character tokenizer, one token per character)."""
     if not model:
