@@ -182,8 +182,8 @@ def sft_cut_prompts(spec: Any, model: str | None, splits: list[Split]) -> list[s
     """A warning for sampled prompt-completion rows whose prompt takes the sft job's whole
     ``max_length`` (TRL cuts each sequence there and drops a row with no completion token
     left to train on, without a word), among the first :data:`CUT_ROWS`; LaunchError when
-    every one is such a row (no step would train). Counted with the model's tokenizer where it is on this machine, else
-    estimated (crf/replica/trl_settings.py ``token_counter``)."""
+    every one is such a row (no step would train). Counted with the model's tokenizer where
+    it is on this machine, else estimated (crf/replica/trl_settings.py ``token_counter``)."""
     from crf.replica.jobs import job_config
     from crf.replica.trl_settings import token_counter
 
