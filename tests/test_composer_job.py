@@ -283,6 +283,41 @@ def test_example_runs_as_replica_entrypoint(
     assert result["job_metrics"]["steps"] == 4
 
 
+def test_the_embedded_model_reads_a_datasets_characters_the_same_on_every_replica(
+    tmp_path: Path,
+) -> None:
+    """Without --model the embedded model is sized to the user's rows: every character of
+    them (digits and spaces here, none of the embedded task's alphabet) is a token of its
+    own, not the unknown token, on every replica alike, whatever rows its shard holds; and
+    its positions hold the longest prompt and its completions."""
+    import torch
+
+    from crf.composer.tiny import UNK
+    from crf.replica.jobs.composer import Config, build, completion_tokens
+
+    data = tmp_path / "sums.jsonl"
+    rows = [{"prompt": f"{i} + {i} = " + "pad " * (i % 7), "answer": 2 * i} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    setups = []
+    for rank in range(2):
+        ctx = FakeContext(rank=rank, world_size=2, seed=3)
+        vars(ctx.spec).update(dataset=str(data), dataset_config=None, dataset_split="train",
+                              columns={}, reward=["math_answer"], eval_dataset=None,
+                              eval_split=None)  # fmt: skip
+        setups.append(build(ctx, Config()))
+    ref = setups[0].model.state_dict()
+    assert all(torch.equal(ref[k], setups[1].model.state_dict()[k]) for k in ref)
+    tokenizer = setups[0].tokenizer
+    unk = tokenizer.convert_tokens_to_ids(UNK)
+    for row in rows:
+        text = row["prompt"] + str(row["answer"])
+        ids = tokenizer(text)["input_ids"]
+        assert unk not in ids and len(ids) == len(text), row
+    longest = max(len(r["prompt"]) for r in rows)
+    positions = setups[0].model.config.max_position_embeddings
+    assert positions >= longest + completion_tokens(Config(), ctx.spec)
+
+
 def test_conversations_without_a_chat_template_fail_at_setup(tmp_path: Path) -> None:
     """Conversational prompts (a URL dataset: the launcher reads its first rows only) with a
     tokenizer without a chat template: a DataError while the replica builds (a setup error,

@@ -14,6 +14,23 @@ from typing import Any
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
+def characters(value: Any) -> set[str]:
+    """Every character of the text in ``value`` (a row, a list of messages, nested), and of
+    its numbers as they print: what a character tokenizer needs to read a user's rows (an
+    answer of 24 is compared, and generated, as the text "24")."""
+    if isinstance(value, str):
+        return set(value)
+    if isinstance(value, bool) or value is None:
+        return set()
+    if isinstance(value, int | float):
+        return set(str(value))
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return set().union(*(characters(v) for v in value))
+    return set()
+
+
 def char_tokenizer(alphabet: str) -> Any:
     """A character-level fast tokenizer: one token per character, decode concatenates."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

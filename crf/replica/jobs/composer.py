@@ -360,19 +360,41 @@ def _tiny(ctx: Any, cfg: Config) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _tiny_for_data(ctx: Any, cfg: Config, eval_rows: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """The embedded model for a user's ``--dataset``: its character tokenizer reads every
+    character of the run's rows (all of them, read on every replica, so the model is the
+    same everywhere), and its positions hold the longest prompt with its hint and the
+    completions. The embedded task's alphabet alone would read other text as unknown
+    tokens, and its 28 positions would hold no longer prompt."""
+    from crf.composer import char_tokenizer, tiny_qwen2
+    from crf.composer.task import task_alphabet
+    from crf.composer.tiny import characters
+    from crf.replica.data import spec_shard
+
+    rows = [*spec_shard(ctx.spec, 0, 1), *eval_rows]
+    chars = set(task_alphabet(cfg.letters)).union(*(characters(r) for r in rows))
+    longest = max(len(str(r.get("prompt") or "")) + len(str(r.get("hint") or "")) for r in rows)
+    positions = longest + 1 + completion_tokens(cfg, ctx.spec) + 8  # 1: the hint's separator
+    tokenizer = char_tokenizer("".join(sorted(chars)))
+    model = tiny_qwen2(
+        tokenizer, seed=int(ctx.seed), hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads, max_position_embeddings=max(positions, 4 * (cfg.max_len + 2) + 8),
+    )  # fmt: skip
+    return model, tokenizer
+
+
 def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     """Identical initial weights on every replica; a disjoint data shard per rank."""
     from crf.composer.task import make_examples
     from crf.replica.model import Placement, load_pretrained
 
     placement = Placement.for_spec(ctx.spec)
+    model = tokenizer = None  # the embedded model for --dataset: sized to its rows, below
     if getattr(ctx.spec, "model", None):
         model, tokenizer = load_pretrained(ctx.spec, placement, seed=int(ctx.seed))
-    else:
+    elif not getattr(ctx.spec, "dataset", None):
         model, tokenizer = _tiny(ctx, cfg)
-    model.train()
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
-    chat = bool(getattr(tokenizer, "chat_template", None))
     if getattr(ctx.spec, "dataset", None):  # --dataset: the user's rows, no embedded held-out
         from crf.replica.data import spec_shard
 
@@ -392,6 +414,10 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
         held_out = make_examples(n_eval, int(ctx.seed) + 7919, **shape)
     eval_rows = _eval_rows(ctx.spec) or held_out
     rows = (*shard, *held_out, *eval_rows)
+    if model is None:
+        model, tokenizer = _tiny_for_data(ctx, cfg, eval_rows)
+    model.train()
+    chat = bool(getattr(tokenizer, "chat_template", None))
     if not chat:
         _no_conversations(ctx.spec, rows)
     plain = chat and any(isinstance(row["prompt"], str) for row in rows)

@@ -303,22 +303,13 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return [s for m in value for s in _strings(m)]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    return []
-
-
 def _tiny(ctx: Any, cfg: Config, datasets: list[Any], max_length: int) -> tuple[Any, Any]:
     """The tiny Qwen2 over the characters of every row (the same on every replica: all of
     them read every row), with a plain chat template for conversations."""
     from crf.composer import char_tokenizer, tiny_qwen2
+    from crf.composer.tiny import characters
 
-    chars = {c for ds in datasets for row in ds for s in _strings(row) for c in s}
+    chars = {c for ds in datasets for row in ds for c in characters(row)}
     chat = any("messages" in ds.column_names or _is_chat(ds) for ds in datasets)
     if chat:
         chars |= set(TINY_CHAT_TEMPLATE) | set("assistant: \n")
