@@ -312,6 +312,34 @@ def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
     assert names[-1] in str(err.value) and "choose one with --dataset-config" in str(err.value)
 
 
+@pytest.mark.parametrize("layout", ["train.parquet/part-00000-abc.snappy.parquet",
+                                    "rows.jsonl/train.jsonl"])  # fmt: skip
+def test_a_folder_named_like_a_file_is_read_as_a_folder(tmp_path: Path, layout: str) -> None:
+    """Spark and pandas write a "file" as a folder of parts (``train.parquet/part-*``, beside
+    a ``_SUCCESS`` marker): the checks before launch and each replica (composer and sft
+    alike) read it as the folder it is, not as one file of its suffix."""
+    import pandas as pd
+
+    from crf.replica.sft_data import load_sft_rows
+
+    part = tmp_path / layout
+    part.parent.mkdir()
+    (part.parent / "_SUCCESS").write_text("")
+    rows = _rows()
+    for r in rows:
+        r["completion"] = r["solution"]
+    if part.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(part)
+    else:
+        _jsonl(part, rows)
+    folder = str(part.parent)
+    assert _accepted(tmp_path, part.parent)
+    assert [r["answer"] for r in _shard(folder, 1)] == [w[::-1] for w in WORDS[1::2]]
+    sft, form = load_sft_rows(folder, config=None, split="train",
+                              columns={"prompt": "question"})  # fmt: skip
+    assert form == "prompt-completion" and len(sft) == 32
+
+
 def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
     """datasets reads a folder in one format and by lower-case suffixes, and skips train.csv
     and train-2.JSONL beside train.jsonl without a word: the dry run warns, naming them (the

@@ -63,8 +63,11 @@ __all__ = ["BUILDERS", "FIELDS", "DataError", "NotStreamed"]
 
 def builder_of(dataset: str) -> str | None:
     """The ``datasets`` builder for a file or URL (by its suffix), None for a Hub id or a
-    folder."""
+    folder: a local folder named like a file (Spark's and pandas' ``train.parquet/`` of
+    ``part-*.parquet`` files, ``rows.jsonl/``) is read as a folder, as the launcher reads it."""
     suffix = suffix_of(dataset)
+    if suffix is not None and "://" not in dataset and os.path.isdir(os.path.expanduser(dataset)):
+        return None
     if suffix is not None:
         return BUILDERS[suffix]
     if "://" in dataset:
