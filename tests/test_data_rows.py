@@ -341,19 +341,47 @@ def test_a_folder_named_like_a_file_is_read_as_a_folder(tmp_path: Path, layout: 
 
 
 def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
-    """datasets reads a folder in one format and by lower-case suffixes, and skips train.csv
-    and train-2.JSONL beside train.jsonl without a word: the dry run warns, naming them (the
-    rows read are the .jsonl's, as the replicas')."""
+    """datasets reads a folder's splits by their names and lower-case suffixes, and skips
+    notes.csv (no split's name) and train-2.JSONL beside train.jsonl without a word: the dry
+    run warns, naming them (the rows read are the .jsonl's, as the replicas')."""
     folder = tmp_path / "mixed"
     folder.mkdir()
     _jsonl(folder / "train.jsonl", _rows())
-    (folder / "train.csv").write_text("question,solution\nab=,ba\n")
+    (folder / "notes.csv").write_text("question,solution\nab=,ba\n")
     _jsonl(folder / "train-2.JSONL", _rows())  # datasets finds lower-case suffixes only
     (folder / "dataset_infos.json").write_text("{}")  # a Hub repo's description: no rows
     text = _accepted(tmp_path, folder)
-    assert f"warning: --dataset {folder}: train-2.JSONL, train.csv not read (a folder is" in text
+    assert f"warning: --dataset {folder}: notes.csv, train-2.JSONL not read (a folder is" in text
     assert "and by lower-case suffixes" in text and "convert or rename such files" in text
     assert "dataset_infos.json" not in text
+
+
+@pytest.mark.parametrize(("first", "second"), [("part1.jsonl", "part2.csv"),
+                                               ("train.jsonl", "train-2.parquet")])  # fmt: skip
+def test_a_split_in_two_formats_is_refused(tmp_path: Path, first: str, second: str) -> None:
+    """datasets puts both files in the split, then reads one format only (the most common;
+    a tie, either) and drops the other's rows without a word: refused before launch, naming
+    the formats and the files."""
+    import pandas as pd
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    _jsonl(folder / first, _rows())
+    frame = pd.DataFrame(_rows())
+    if second.endswith(".csv"):
+        frame.to_csv(folder / second, index=False)
+    else:
+        frame.to_parquet(folder / second)
+    result = _dry(tmp_path, "--dataset", str(folder))
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    fmt = "csv" if second.endswith(".csv") else "parquet"
+    assert f"--dataset {folder} holds split 'train' in two formats" in said, said
+    named = said.split("two formats, ", 1)[1].split(", and datasets", 1)[0]
+    assert named in (f"json ({first}) and {fmt} ({second})",
+                     f"{fmt} ({second}) and json ({first})"), said  # fmt: skip
+    assert "convert them to one format (e.g. all to .jsonl)" in said
+    assert "Traceback" not in said
 
 
 @pytest.mark.parametrize(("name", "pack"), [("d.jsonl.gz", "gzip"), ("d.json.bz2", "bz2"),

@@ -401,6 +401,9 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
         return _read_saved(path, split, flag, name)
     if os.path.isdir(path):
         files = split_files(path, config, split, flag)
+        mixed = split_formats(path, split, files, flag, name)
+        if mixed:
+            raise DataError(mixed)
         big = sum(_bytes(f) for f in files) > CHECKED_BYTES
         parts: list[Rows] = []
         for f in files:
@@ -439,6 +442,49 @@ def other_formats(folder: str, read: list[str]) -> list[str]:
         if BUILDERS[suffix] not in formats or not seen_in_folder(f):
             out.append(f)
     return out + linked_folders(folder)
+
+
+def split_formats(folder: str, split: str, read: list[str], flag: str, name: str) -> str | None:
+    """Why a folder whose ``split`` holds files of two formats is refused (None: it holds
+    one): ``datasets`` puts ``part1.jsonl`` and ``part2.csv`` in one split, then reads its
+    files of one format only (the most common; a tie, either) and drops the others' rows
+    without a word. Files no split takes (``extra.csv`` beside ``train.jsonl``), and those
+    ``datasets`` does not find (``more.JSONL``), are only named as not read
+    (:func:`other_formats`); so are a README's configs' files, resolved by the README."""
+    formats = {BUILDERS[s] for f in read if (s := suffix_of(f))}
+    others = [f for f in other_formats(folder, read) if suffix_of(f) and seen_in_folder(f)]
+    if not others or _yaml_configs(folder):
+        return None
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    base = os.path.abspath(folder)
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
+    except Exception:  # noqa: BLE001 - datasets' own resolution failed: leave it to warn
+        return None
+    in_split = {os.path.relpath(str(f), base) for f in found.get(split, [])}
+    dropped = [f for f in others if f in in_split]
+    if not dropped:
+        return None
+    kept, lost = os.path.relpath(read[0], base), BUILDERS[suffix_of(dropped[0]) or ".jsonl"]
+    return (
+        f"{flag} {name} holds split {split!r} in two formats, {'/'.join(sorted(formats))} "
+        f"({kept}) and {lost} ({', '.join(dropped[:3])}), and datasets reads a folder's split "
+        f"in one format only, so it would skip the {lost} files' rows: convert them to one "
+        "format (e.g. all to .jsonl)"
+    )
+
+
+def _yaml_configs(folder: str) -> bool:
+    """Whether the folder's README (or .huggingface.yaml) names configs, which then say
+    which files each split holds."""
+    for card in ("README.md", ".huggingface.yaml"):
+        path = os.path.join(folder, card)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if re.search(r"^configs:", f.read(1 << 16), re.MULTILINE):
+                    return True
+    return False
 
 
 def linked_folders(folder: str) -> list[str]:
