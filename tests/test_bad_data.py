@@ -135,6 +135,13 @@ def _raw(tmp: Path, name: str, data: bytes, *extra: str) -> list[str]:
     return ["--job", "composer", "--dataset", str(path), "--column", "prompt=question", *extra]
 
 
+def _pandas_json() -> bytes:
+    """GSM8K-shaped rows as pandas' ``df.to_json()`` writes them by default (by column)."""
+    import pandas as pd
+
+    return pd.DataFrame(_qa()).to_json().encode()
+
+
 def _lines(change: Callable[[list[bytes]], None]) -> bytes:
     lines = [json.dumps(r).encode() for r in _qa()]
     change(lines)
@@ -301,6 +308,15 @@ CASES = [
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
     Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
          {"data": _qa()}).encode()), "rows are nested under 'data'"),
+    Case("pandas-to-json-default", lambda t, m: _raw(t, "x.json", _pandas_json()),
+         'x.json holds one JSON object of columns ({column: {row: value}}), as pandas\' '
+         'to_json writes it without orient="records", lines=True: save it with '
+         'df.to_json(path, orient="records", lines=True), as a .jsonl'),
+    Case("pandas-to-json-default-as-jsonl", lambda t, m: _raw(t, "x.jsonl", _pandas_json()),
+         "as pandas' to_json writes it without orient=\"records\""),
+    Case("columns-as-lists-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
+         {"question": [r["question"] for r in _qa()], "answer": [r["answer"] for r in _qa()]}
+         ).encode()), "x.json holds one JSON object of columns ({column: [values]}), not rows"),
     Case("one-object-over-lines", lambda t, m: _raw(t, "x.json", json.dumps(
          _qa()[0], indent=2).encode()), "holds one JSON object over several lines"),
     Case("byte-order-mark", lambda t, m: _raw(t, "x.jsonl", b"\xef\xbb\xbf" + _lines(

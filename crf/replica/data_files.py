@@ -616,13 +616,7 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
         except json.JSONDecodeError:
             whole = None
         if isinstance(whole, dict):
-            nested = [k for k, v in whole.items() if _rows_under(v)]
-            if nested:
-                raise DataError(
-                    f"{flag} {shown} holds one JSON object whose rows are nested under "
-                    f"{nested[0]!r}: write the rows themselves, one object per line (.jsonl) "
-                    "or as a JSON list"
-                )
+            _one_object(whole, flag, shown)
             if len([line for line in text.split("\n") if line.strip()]) > 1:
                 raise DataError(
                     f"{flag} {shown} holds one JSON object over several lines, which the "
@@ -638,6 +632,8 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
     lines = [line for line in text.split("\n") if line.strip()]
     try:  # one parse for the whole file; a line that is not one object: find it below
         rows = json.loads("[" + ",".join(lines) + "]")
+        if len(rows) == 1 and type(rows[0]) is dict:  # a .jsonl of one object: its columns?
+            _one_object(rows[0], flag, shown)
         if len(rows) == len(lines) and all(type(r) is dict for r in rows):
             return _from_dicts(rows)
     except json.JSONDecodeError:
@@ -648,6 +644,35 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
         if row is not None:
             rows.append(row)
     return _from_dicts(rows)
+
+
+def _one_object(whole: dict[str, Any], flag: str, shown: str) -> None:
+    """DataError for a file of one JSON object that holds the rows in another layout: nested
+    under a key (``{"data": [...]}``), or by column, as pandas' ``df.to_json(path)`` writes
+    them without ``orient="records"`` (``{"prompt": {"0": ..., "1": ...}, ...}``) or as
+    ``df.to_dict("list")`` gives them (``{"prompt": [...], ...}``)."""
+    nested = [k for k, v in whole.items() if _rows_under(v)]
+    if nested:
+        raise DataError(
+            f"{flag} {shown} holds one JSON object whose rows are nested under "
+            f"{nested[0]!r}: write the rows themselves, one object per line (.jsonl) "
+            "or as a JSON list"
+        )
+    values = list(whole.values())
+    if values and all(isinstance(v, dict) and v and all(k.isdigit() for k in v) for v in values):
+        raise DataError(
+            f"{flag} {shown} holds one JSON object of columns ({{column: {{row: value}}}}), "
+            'as pandas\' to_json writes it without orient="records", lines=True: save it with '
+            'df.to_json(path, orient="records", lines=True), as a .jsonl'
+        )
+    lengths = {len(v) if isinstance(v, list) else -1 for v in values}
+    flat = all(not isinstance(x, dict | list) for v in values if isinstance(v, list) for x in v)
+    if len(values) > 1 and len(lengths) == 1 and min(lengths) > 1 and flat:
+        raise DataError(
+            f"{flag} {shown} holds one JSON object of columns ({{column: [values]}}), not "
+            "rows: write one object per row, e.g. pandas.DataFrame(columns).to_json(path, "
+            'orient="records", lines=True), as a .jsonl'
+        )
 
 
 def _not_json(flag: str, shown: str, line: int, e: json.JSONDecodeError) -> DataError:
