@@ -397,6 +397,18 @@ CASES = [
          "--eval-split", "test", *([] if (t / "d" / "test.csv").write_text("question,answer\n"
          "ab=,ba\n") else [])], "d holds its splits in different formats (train: json, test: "
          "csv), and datasets reads a folder in one"),
+    Case("folder-files-with-other-columns", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "a.jsonl", _qa())).parent), "--column", "prompt=question",
+         *([] if _jsonl(t / "d" / "b.jsonl", [{"prompt": r["question"], "answer": r["answer"]}
+                                              for r in _qa()]) is None else [])],
+         "d: b.jsonl's columns differ from a.jsonl's: column 'question' is in a.jsonl but not "
+         "in b.jsonl; datasets reads a folder's files as one table"),
+    Case("folder-files-with-other-types", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "a.jsonl", _qa())).parent), "--column", "prompt=question",
+         *([] if _jsonl(t / "d" / "b.jsonl", [{**r, "answer": 7} for r in _qa()]) is None
+           else [])],
+         "d: column 'answer' holds numbers in b.jsonl but text in a.jsonl; datasets reads a "
+         "folder's files as one table, so a column holds one kind of value in every file"),
     Case("model-folder-as-dataset", lambda t, m: ["--job", "composer", "--dataset",
          _model(m, t)], "model is a model folder (config.json and weights), not data"),
     Case("saved-dict-without-the-split", lambda t, m: ["--job", "composer", "--dataset",

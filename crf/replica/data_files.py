@@ -412,6 +412,10 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
                 parts.append(Rows([], {}, 0, partial=True))  # the files after it: unread
                 break
             parts.append(_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}", left))
+        shown = [os.path.relpath(f, path) for f in files]
+        unlike = _unlike_files(parts, shown, flag, name)
+        if unlike:
+            raise DataError(unlike)
         rows = _concat(parts)
         rows.unread = other_formats(path, files)
         return rows
@@ -509,6 +513,51 @@ def _holds_data(path: str) -> bool:
         return any(suffix_of(f) for f in _data_files(path, first_data=True))
     except OSError:
         return False
+
+
+def _kinds(values: list[Any]) -> set[str]:
+    """The kinds of a column's values (text, number, bool, list, dict), nulls aside."""
+    out = set()
+    for v in values:
+        if v is None or v is _ABSENT:
+            continue
+        if isinstance(v, bool):
+            out.add("bool")
+        elif isinstance(v, int | float):
+            out.add("number")
+        else:
+            out.add({str: "text", list: "list", dict: "dict"}.get(type(v), type(v).__name__))
+    return out
+
+
+def _unlike_files(parts: list[Rows], files: list[str], flag: str, name: str) -> str | None:
+    """Why a folder's files cannot be one split (None: they can): ``datasets`` reads them as
+    one table, so each file has the first one's columns, each holding the same kind of value
+    (a null column aside); the message names the file, the column and the fix."""
+    first, head = parts[0], files[0]
+    why = "datasets reads a folder's files as one table"
+    for part, file in zip(parts[1:], files[1:], strict=False):
+        if not part.count:
+            continue
+        for column in [*first.names, *part.names]:
+            if (column in first.names) != (column in part.names):
+                has, lacks = (head, file) if column in first.names else (file, head)
+                return (
+                    f"{flag} {name}: {file}'s columns differ from {head}'s: column "
+                    f"{column!r} is in {has} but not in {lacks}; {why}, so every file needs "
+                    "the same columns: add or drop it, or move the file out"
+                )
+            was, now = _kinds(first.columns[column]), _kinds(part.columns[column])
+            if len(was) == 1 and len(now) == 1 and was != now:
+                plural = {"number": "numbers", "bool": "booleans", "list": "lists",
+                          "dict": "objects"}  # fmt: skip
+                now_, was_ = (plural.get(k, k) for k in (now.pop(), was.pop()))
+                return (
+                    f"{flag} {name}: column {column!r} holds {now_} in {file} but "
+                    f"{was_} in {head}; {why}, so a column holds one kind of value in "
+                    "every file: make them the same (e.g. all text)"
+                )
+    return None
 
 
 def _concat(parts: list[Rows]) -> Rows:
