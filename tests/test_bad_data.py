@@ -135,6 +135,17 @@ def _raw(tmp: Path, name: str, data: bytes, *extra: str) -> list[str]:
     return ["--job", "composer", "--dataset", str(path), "--column", "prompt=question", *extra]
 
 
+def _parquet() -> bytes:
+    """GSM8K-shaped rows as a Parquet file's bytes."""
+    import io
+
+    import pandas as pd
+
+    out = io.BytesIO()
+    pd.DataFrame(_qa()).to_parquet(out)
+    return out.getvalue()
+
+
 def _pandas_json() -> bytes:
     """GSM8K-shaped rows as pandas' ``df.to_json()`` writes them by default (by column)."""
     import pandas as pd
@@ -321,6 +332,12 @@ CASES = [
          _qa()[0], indent=2).encode()), "holds one JSON object over several lines"),
     Case("byte-order-mark", lambda t, m: _raw(t, "x.jsonl", b"\xef\xbb\xbf" + _lines(
          lambda ls: None)), "starts with a byte-order mark (BOM): save it as UTF-8 without"),
+    Case("parquet-named-jsonl", lambda t, m: _raw(t, "rows.jsonl", _parquet()),
+         "rows.jsonl is a Parquet file, not .jsonl: rename it to rows.parquet"),
+    Case("gzip-without-its-suffix", lambda t, m: _raw(t, "x.jsonl", gzip.compress(_lines(
+         lambda ls: None))), "x.jsonl is gzip-compressed: rename it to x.jsonl.gz"),
+    Case("zstd-without-its-suffix", lambda t, m: _raw(t, "x.csv", zstandard.compress(
+         b"question,answer\nab=,ba\n")), "x.csv is Zstandard-compressed: rename it to x.csv.zst"),
     Case("empty-parquet", lambda t, m: _raw(t, "x.parquet", b""),
          "x.parquet is empty (0 bytes): it needs rows"),
     # ---- local paths that are not data crf reads

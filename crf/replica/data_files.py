@@ -578,6 +578,9 @@ def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Ro
         raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")
     packed = compression_of(path)
     if packed is None:
+        other = _other_kind(path)
+        if other:
+            raise DataError(f"{flag} {shown} {other}")
         return _read_plain(path, flag, shown, limit)
     try:
         return _read_plain(path, flag, shown, limit)
@@ -587,6 +590,29 @@ def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Ro
             f"{flag} {shown} does not decompress as {packed} ({reason}): check the file, or "
             "pass it uncompressed"
         ) from None
+
+
+#: the first bytes of files that are no text, and what each is
+_MAGIC = ((b"PAR1", "a Parquet file", ".parquet"), (b"\x1f\x8b", "gzip-compressed", ".gz"),
+          (b"\x28\xb5\x2f\xfd", "Zstandard-compressed", ".zst"), (b"BZh", "bz2-compressed",
+          ".bz2"), (b"\xfd7zXZ\x00", "xz-compressed", ".xz"))  # fmt: skip
+
+
+def _other_kind(path: str) -> str | None:
+    """What a plain ``.jsonl`` / ``.json`` / ``.csv`` file is instead, by its first bytes, and
+    the name to give it (None: text, as its suffix says)."""
+    if suffix_of(path) == ".parquet":
+        return None
+    with open(path, "rb") as f:
+        head = f.read(6)
+    base, own = os.path.basename(path), suffix_of(path) or ""
+    for magic, what, suffix in _MAGIC:
+        if not head.startswith(magic) or (magic == b"BZh" and not head[3:4].isdigit()):
+            continue  # bz2's magic is BZh and a block size digit
+        if suffix == ".parquet":
+            return f"is {what}, not {own}: rename it to {base[: -len(own)]}.parquet"
+        return f"is {what}: rename it to {base}{suffix}"
+    return None
 
 
 def _read_plain(path: str, flag: str, shown: str, limit: int | None) -> Rows:
