@@ -135,6 +135,19 @@ def _raw(tmp: Path, name: str, data: bytes, *extra: str) -> list[str]:
     return ["--job", "composer", "--dataset", str(path), "--column", "prompt=question", *extra]
 
 
+def _loop(tmp: Path) -> str:
+    """a.jsonl -> b.jsonl -> a.jsonl."""
+    (tmp / "a.jsonl").symlink_to(tmp / "b.jsonl")
+    (tmp / "b.jsonl").symlink_to(tmp / "a.jsonl")
+    return str(tmp / "a.jsonl")
+
+
+def _dangling(tmp: Path) -> str:
+    """a.jsonl -> moved.jsonl, which is not there."""
+    (tmp / "a.jsonl").symlink_to(tmp / "moved.jsonl")
+    return str(tmp / "a.jsonl")
+
+
 def _parquet() -> bytes:
     """GSM8K-shaped rows as a Parquet file's bytes."""
     import io
@@ -401,6 +414,14 @@ CASES = [
          "--dataset is an empty string: give its name, or leave it out"),
     Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",
          "./no/such/folder"], "--dataset ./no/such/folder: no such file or folder"),
+    Case("link-that-loops", lambda t, m: ["--job", "composer", "--dataset", _loop(t)],
+         "a.jsonl is a link that loops (it leads back to itself through links)"),
+    Case("dangling-link", lambda t, m: ["--job", "composer", "--dataset", _dangling(t)],
+         "a.jsonl is a link to {t}/moved.jsonl, which does not exist (a dangling link)"),
+    Case("glob-pattern", lambda t, m: ["--job", "composer", "--dataset", str(t / "d" / "tr*.jsonl")
+         if _jsonl(t / "d" / "train.jsonl", _qa()) else ""],
+         "tr*.jsonl: no such file or folder, and crf does not expand patterns (* ? [): pass the "
+         "folder that holds the files"),
     Case("missing-data-file", lambda t, m: ["--job", "composer", "--dataset",
          str(t / "nope.parquet")], "nope.parquet: no such file or folder"),
     Case("folder-without-data-files", lambda t, m: ["--job", "composer", "--dataset",

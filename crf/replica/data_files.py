@@ -30,6 +30,7 @@ once, naming the row.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -123,6 +124,25 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
         return unreadable(path, flag, name)
     if os.path.isdir(path):
         return _folder_problem(path, flag, name)
+    if os.path.islink(path):  # a link whose target is not there, or that leads to itself
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return (
+                    f"{flag} {name} is a link that loops (it leads back to itself through "
+                    "links): point it at the data file or folder, or pass that path"
+                )
+        return (
+            f"{flag} {name} is a link to {os.readlink(path)}, which does not exist (a "
+            "dangling link): point it at the data file or folder, or pass that path"
+        )
+    if any(c in name for c in "*?["):
+        return (
+            f"{flag} {name}: no such file or folder, and crf does not expand patterns "
+            "(* ? [): pass the folder that holds the files (a folder is read whole, one split "
+            "per file name), or one file"
+        )
     if looks_local(name):
         return f"{flag} {name}: no such file or folder"
     return None
