@@ -226,16 +226,16 @@ CONVERSATIONS = [
 CASES = [
     # ---- the data, after --column mapping, in every split
     Case("null-prompt", lambda t, m: _composer(t, _qa(question=None)),
-         "row 1: the prompt in column 'question' (for prompt) is null"),
+         "line 2: the prompt in column 'question' (for prompt) is null"),
     Case("numeric-prompt", lambda t, m: _composer(t, _qa(question=42)),
-         "row 1: the prompt in column 'question' (for prompt) is int"),
+         "line 2: the prompt in column 'question' (for prompt) is int"),
     Case("empty-prompt", lambda t, m: _composer(t, _qa(question="  ")),
-         "row 1: the prompt in column 'question' (for prompt) is empty"),
+         "line 2: the prompt in column 'question' (for prompt) is empty"),
     Case("missing-column-after-mapping", lambda t, m: _composer(t, None, "--column",
          "answer=solution", "--reward", "exact_match"),
          "has no column 'solution' (for answer)"),
     Case("null-answer", lambda t, m: _composer(t, _qa(answer=None), "--reward", "exact_match"),
-         "row 1: the answer in column 'answer' is null, which --reward exact_match cannot read"),
+         "line 2: the answer in column 'answer' is null, which --reward exact_match cannot read"),
     Case("list-answer", lambda t, m: _composer(t, _qa(answer=["7"]), "--reward", "exact_match"),
          "the answer in column 'answer' is list"),
     Case("math-answer-without-numbers", lambda t, m: _composer(
@@ -255,7 +255,7 @@ CASES = [
     Case("smaller-than-one-batch", lambda t, m: _composer(t, _qa()[:9]),
          "gets fewer than one batch of 8 prompts (prompts_per_step)"),
     Case("sft-empty-texts", lambda t, m: _sft(t, [{"text": ""}] * 8),
-         "row 0: 'text' is empty: there is nothing to learn from it"),
+         "line 1: 'text' is empty: there is nothing to learn from it"),
     Case("sft-empty-completion", lambda t, m: _sft(
          t, [{"prompt": f"{w}=", "completion": ""} for w in WORDS]), "'completion' is empty"),
     Case("sft-null-prompt", lambda t, m: _sft(
@@ -267,23 +267,23 @@ CASES = [
          "--reward", "exact_match"], "has no column 'answer' for --reward"),
     # ---- every row of a local file, not only the first few
     Case("numeric-prompt-late", lambda t, m: _composer(t, _late(20, question=42)),
-         "row 20: the prompt in column 'question' (for prompt) is int"),
+         "line 21: the prompt in column 'question' (for prompt) is int"),
     Case("null-answer-late", lambda t, m: _composer(t, _late(25, answer=None), "--reward",
-         "exact_match"), "row 25: the answer in column 'answer' is null, which --reward "
+         "exact_match"), "line 26: the answer in column 'answer' is null, which --reward "
          "exact_match cannot read"),
     Case("null-answer-late-default-reward", lambda t, m: _composer(t, _late(27, answer=None)),
-         "row 27: the answer in column 'answer' is null, which the default reward cannot read"),
+         "line 28: the answer in column 'answer' is null, which the default reward cannot read"),
     Case("mixed-answer-kinds", lambda t, m: _composer(t, _late(20, answer=7), "--reward",
          "exact_match"),
-         "row 20: 'answer' is int while other rows hold text; make every value a string"),
+         "line 21: 'answer' is int while other rows hold text; make every value a string"),
     Case("mixed-prompt-kinds", lambda t, m: _composer(t, _late(
          20, question=[{"role": "user", "content": "ab="}])),
-         "row 20: 'question' (for prompt) is list while other rows hold text"),
+         "line 21: 'question' (for prompt) is list while other rows hold text"),
     Case("non-text-hint-late", lambda t, m: _composer(t, _late(20, hint=3), "--column",
-         "hint=hint"), "row 20: the hint in column 'hint' is int; a hint is text"),
+         "hint=hint"), "line 21: the hint in column 'hint' is int; a hint is text"),
     Case("chat-message-without-content", lambda t, m: _composer(t, [
          {"question": [{"role": "user", "text": "ab="}], "answer": "ba"}] * 32),
-         "row 0: the prompt in column 'question' (for prompt) is a list of messages whose "
+         "line 1: the prompt in column 'question' (for prompt) is a list of messages whose "
          "message 0 has no 'content'"),
     Case("conversations-without-a-model", lambda t, m: _composer(t, [
          {"question": [{"role": "user", "content": "ab="}], "answer": "ba"}] * 32),
@@ -291,16 +291,16 @@ CASES = [
          "no chat template"),
     Case("chat-message-with-null-content", lambda t, m: [*_composer(t, [
          {"question": [{"role": "user", "content": None}], "answer": "ba"}] * 32),
-         *_with_model(m, t, None)], "row 0: the prompt in column 'question' (for prompt) is a "
+         *_with_model(m, t, None)], "line 1: the prompt in column 'question' (for prompt) is a "
          "list of messages whose message 0 (user) has a content that is null, not text"),
     Case("sft-message-with-null-role", lambda t, m: _sft(t, [{"messages": [
          {"role": None, "content": w}]} for w in WORDS]),
-         "row 0: 'messages' must be a list of {'role', 'content'} messages (got a list of "
+         "line 1: 'messages' must be a list of {'role', 'content'} messages (got a list of "
          "messages whose message 0 has a role that is null, not a name)"),
     Case("sft-completion-message-with-numeric-content", lambda t, m: _sft(t, [
          {"prompt": [{"role": "user", "content": w}], "completion": [
           {"role": "assistant", "content": 7}]} for w in WORDS]),
-         "row 0: 'completion' must be a list of {'role', 'content'} messages (got a list of "
+         "line 1: 'completion' must be a list of {'role', 'content'} messages (got a list of "
          "messages whose message 0 (assistant) has a content that is int, not text)"),
     Case("column-naming-no-column", lambda t, m: _composer(t, None, "--column", "answer="),
          "--column answer= names no column: give the file's column after '='"),
@@ -309,9 +309,9 @@ CASES = [
          "completion=text"), "--column maps prompt and completion to one column 'text'"),
     Case("sft-null-completion-late", lambda t, m: _sft(t, [
          {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
-         enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),
+         enumerate(WORDS)]), "line 21: 'prompt' and 'completion' must both be strings"),
     Case("sft-empty-text-late", lambda t, m: _sft(t, [{"text": "" if i == 30 else w} for i, w in
-         enumerate(WORDS)]), "row 30: 'text' is empty"),
+         enumerate(WORDS)]), "line 31: 'text' is empty"),
     # ---- a file that is not JSON lines, line by line
     Case("malformed-line-21", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}'))),
@@ -326,7 +326,7 @@ CASES = [
          "x.csv cannot be read: 'utf-8' codec can't decode byte 0xe9"),
     Case("nan-answer", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 6, b'{"question": "ab=", "answer": NaN}'))),
-         "row 6: the answer in column 'answer' is NaN (a missing value), which the default "
+         "line 7: the answer in column 'answer' is NaN (a missing value), which the default "
          "reward cannot read"),
     Case("line-not-an-object", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
@@ -375,12 +375,12 @@ CASES = [
          lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}')))),
          "x.jsonl.gz: line 21 is not valid JSON (Expecting ',' delimiter"),
     Case("null-prompt-in-csv-xz", lambda t, m: _raw(t, "x.csv.xz", lzma.compress(
-         b"question,answer\nab=,ba\n,x\n")), "row 1: the prompt in column 'question' (for "
+         b"question,answer\nab=,ba\n,x\n")), "line 3: the prompt in column 'question' (for "
          "prompt) is null"),
     Case("null-answer-in-zst-url", lambda t, m: ["--job", "composer", "--dataset", "file://"
          + _raw(t, "x.jsonl.zst", zstandard.compress(_lines(lambda ls: _set(
              ls, 3, b'{"question": "ab=", "answer": null}'))))[3], "--column",
-         "prompt=question"], "row 3: the answer in column 'answer' is null"),
+         "prompt=question"], "row 4 (the first is row 1): the answer in column 'answer' is null"),
     Case("upper-case-suffixes-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(Path(_jsonl(t / "d" / "TRAIN.JSONL", _qa())).parent)],
          "holds TRAIN.JSONL, but datasets reads a folder's files by lower-case suffixes only"),
@@ -490,13 +490,13 @@ CASES = [
          "--reward rw_none:score returned a null"),
     Case("reward-returns-nan", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_nan", NAN)],
-         "--reward rw_nan:score returned nan for row 0"),
+         "--reward rw_nan:score returned nan for the 1st row"),
     Case("reward-returns-none-per-row", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_nones", "def score(completions, **kw):\n    return [None] * len(completions)\n")],
-         "--reward rw_nones:score returned None for row 0"),
+         "--reward rw_nones:score returned None for the 1st row"),
     Case("reward-returns-text", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_text", "def score(completions, **kw):\n    return ['1'] * len(completions)\n")],
-         "returned '1' for row 0"),
+         "returned '1' for the 1st row"),
     Case("reward-wrong-length", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_short", "def score(completions, **kw):\n    return [1.0]\n")],
          "returned 1 values on 8 row(s)"),

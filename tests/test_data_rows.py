@@ -50,8 +50,9 @@ def test_a_url_dataset_with_a_null_answer_stops_the_replica_that_holds_it(tmp_pa
     """Row 25 (rank 1 of 2) has a null answer: rank 1 refuses naming the row and the reward
     that reads it; rank 0's rows are all good."""
     url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r25={"solution": None}))
-    with pytest.raises(DataError, match=r"row 25: the answer in column 'solution' \(for "
-                       r"answer\) is null, which --reward exact_match cannot read"):  # fmt: skip
+    with pytest.raises(DataError, match=r"row 26 \(the first is row 1\): the answer in column "
+                       r"'solution' \(for answer\) is null, which --reward exact_match cannot "
+                       "read"):  # fmt: skip
         _shard(url, 1, reader="exact_match")
     assert len(_shard(url, 0, reader="exact_match")) == 16
 
@@ -60,8 +61,9 @@ def test_a_column_mixing_text_and_numbers_is_refused_not_quoted(tmp_path: Path) 
     """datasets keeps such a column as JSON text ('"ba"', quotes and all): the replica holding
     the odd row refuses; no replica's answers are ever quoted."""
     url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r20={"solution": 7}))
-    with pytest.raises(DataError, match=r"row 20: 'solution' \(for answer\) is int while "
-                       "other rows hold text; make every value a string"):  # fmt: skip
+    with pytest.raises(DataError, match=r"row 21 \(the first is row 1\): 'solution' \(for "
+                       r"answer\) is int while other rows hold text; make every value a "
+                       "string"):  # fmt: skip
         _shard(url, 0)
     assert [r["answer"] for r in _shard(url, 1)] == [w[::-1] for w in WORDS[1::2]]
 
@@ -97,8 +99,9 @@ def test_held_out_rows_are_checked_with_their_numbers(tmp_path: Path) -> None:
         eval_dataset = _jsonl(tmp_path / "test.jsonl", _rows(r30={"question": ""}))
         eval_split, eval_examples, seed, columns, reward = None, 64, 0, MAP, ["exact_match"]
 
-    with pytest.raises(DataError, match="--eval-dataset .*test.jsonl row 30: the prompt in "
-                       r"column 'question' \(for prompt\) is empty"):  # fmt: skip
+    with pytest.raises(DataError, match=r"--eval-dataset .*test.jsonl row 31 \(the first is "
+                       r"row 1\): the prompt in column 'question' \(for prompt\) is "
+                       "empty"):  # fmt: skip
         load_eval(Spec, needs_answer=True)
 
 
@@ -108,8 +111,8 @@ def test_the_sft_job_checks_every_row_it_trains_on(tmp_path: Path) -> None:
     rows = [{"prompt": f"{w}=", "completion": w[::-1]} for w in WORDS]
     rows[20]["completion"] = None
     url = "file://" + _jsonl(tmp_path / "sft.jsonl", rows)
-    with pytest.raises(DataError, match="row 20: 'prompt' and 'completion' must both be "
-                       r"strings, .* \(got str and null\)"):  # fmt: skip
+    with pytest.raises(DataError, match=r"row 21 \(the first is row 1\): 'prompt' and "
+                       r"'completion' must both be strings, .* \(got str and null\)"):  # fmt: skip
         load_sft_rows(url, config=None, split="train", columns={})
 
 
@@ -160,7 +163,8 @@ def test_a_saved_dataset_with_a_bad_row_is_refused_before_launch(tmp_path: Path)
                  "--job", "composer", "--dataset", str(tmp_path / "saved"),
                  "--column", "prompt=question", "--column", "answer=solution")  # fmt: skip
     assert result.exit_code == 2
-    assert "row 29: the prompt in column 'question' (for prompt) is null" in result.output
+    said = "row 30 (the first is row 1): the prompt in column 'question' (for prompt) is null"
+    assert said in result.output
 
 
 # ---------------------------------------------------------------------- real runs
@@ -189,7 +193,8 @@ def test_a_bad_row_past_the_sample_stops_the_run_once(tmp_path: Path) -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     assert summary["status"] == "failed" and summary["restarts"] == 0, summary
-    assert "row 25: the answer in column 'solution' (for answer) is null" in summary["error"]
+    said = "row 26 (the first is row 1): the answer in column 'solution' (for answer) is null"
+    assert said in summary["error"]
     assert "Traceback" not in text
 
 
@@ -253,7 +258,8 @@ def test_every_row_of_a_folders_held_out_split_is_checked(tmp_path: Path) -> Non
     _jsonl(folder / "test.jsonl", _rows(r12={"question": None}))
     result = _dry(tmp_path, "--dataset", str(folder), "--eval-split", "test")
     assert result.exit_code == 2, result.output
-    assert f"--eval-split {folder} row 12: the prompt in column 'question'" in result.output
+    said = f"--eval-split {folder} row 13 (the first is row 1): the prompt in column 'question'"
+    assert said in result.output
 
 
 def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
@@ -274,7 +280,8 @@ def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
     )
     assert _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "main").exit_code == 0
     refused = _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "other")
-    assert "row 3: the prompt in column 'question' (for prompt) is null" in refused.output
+    said = "row 4 (the first is row 1): the prompt in column 'question' (for prompt) is null"
+    assert said in refused.output
     missing = _dry(tmp_path, "--dataset", str(folder))
     assert missing.exit_code == 2
     assert "has several configs ['main', 'other']: choose one with --dataset-config" in (

@@ -75,6 +75,8 @@ class Split:
     partial: bool = False
     #: a folder's data files of another format, which the replicas' reader skips
     unread: list[str] = field(default_factory=list)
+    #: each row's line in its file (a JSON lines or CSV file read whole), for messages
+    lines: list[int] | None = None
 
 
 # ---------------------------------------------------------------------- entry point
@@ -574,7 +576,9 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             if answer in every.names:
                 values["answer"] = every.column(answer)
         unread = list(getattr(every, "unread", []))
-        return Split(flag, name, rows, form, counted, values, _partial(every), unread)
+        return Split(
+            flag, name, rows, form, counted, values, _partial(every), unread, _lines(every)
+        )
     if not is_local(name):  # a URL's or Hub dataset's columns (a local one's: plan.py)
         try:
             field_columns(columns, names, name, required_fields(needs_answer(spec)), flag)
@@ -588,7 +592,11 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
     unread = list(getattr(every, "unread", []))
-    return Split(flag, name, rows, None, counted, values, _partial(every), unread)
+    return Split(flag, name, rows, None, counted, values, _partial(every), unread, _lines(every))
+
+
+def _lines(every: Any) -> list[int] | None:
+    return getattr(every, "lines", None)
 
 
 def _partial(every: Any) -> bool:
@@ -645,14 +653,15 @@ def check_rows(spec: Any, split: Split) -> None:
         if spec.job == "sft" and split.form is not None:
             answers = values.pop("answer", None)
             flag = split.flag
-            check_sft_rows(values, split.form, split.dataset, columns, flag)
+            check_sft_rows(values, split.form, split.dataset, columns, flag, split.lines)
             scored = split.flag != "--dataset" and bool(spec.reward)  # sft._rows reads them
             if answers is not None and scored:  # held-out answers a reward scores against
-                check_values({"answer": answers}, columns, where, reader=answer_reader(spec))
+                reader = answer_reader(spec)
+                check_values({"answer": answers}, columns, where, reader=reader, lines=split.lines)
             return
         scored = spec.job == "composer" or split.flag != "--dataset"
         reader = answer_reader(spec) if scored else None
-        check_values(values, columns, where, reader=reader)
+        check_values(values, columns, where, reader=reader, lines=split.lines)
     except DataError as e:
         raise LaunchError(str(e)) from None
 
@@ -692,10 +701,13 @@ def check_answers(spec: Any, split: Split, reward: str) -> None:
     for i, row in enumerate(split.rows):
         value = row.get("answer")
         if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
+            from crf.replica.data import row_name
+
             raise LaunchError(
-                f"{where} row {i}: the answer in column {_column(spec, 'answer')} is "
-                f"{_kind(value)}, which --reward {reward} cannot read; it needs text or a "
-                "number on every row (map another with --column answer=COLUMN)"
+                f"{where} {row_name(i, split.lines)}: the answer in column "
+                f"{_column(spec, 'answer')} is {_kind(value)}, which --reward {reward} "
+                "cannot read; it needs text or a number on every row (map another with "
+                "--column answer=COLUMN)"
             )
     if reward == "math_answer":
         from crf.replica.rewards import _math_verify
@@ -781,6 +793,12 @@ def call_reward(
                 number = False
         if not number or not math.isfinite(float(value)):
             raise LaunchError(
-                f"--reward {name} returned {value!r} for row {i} {where}; a reward returns "
-                "a finite number per completion"
+                f"--reward {name} returned {value!r} for the {_nth(i + 1)} row {where}; a "
+                "reward returns a finite number per completion"
             )
+
+
+def _nth(n: int) -> str:
+    """1st, 2nd, 3rd, 4th... 11th, 12th, 13th, 21st."""
+    end = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{end}"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from crf.replica.data_files import (
@@ -360,6 +360,16 @@ def kind_of(value: Any) -> str | None:
     return "dict" if isinstance(value, dict) else type(value).__name__
 
 
+def row_name(number: int, lines: Sequence[int] | None = None) -> str:
+    """How a message names the row ``number`` (counted from 0) of a split: its line in the
+    file when known (a JSON lines or CSV file read whole before launch: "line 12", as an
+    editor shows it, a CSV's header and any blank line counted), else its place counted from
+    1, as a user counts rows ("row 11 (the first is row 1)")."""
+    if lines is not None and 0 <= number < len(lines):
+        return f"line {lines[number]}"
+    return f"row {number + 1} (the first is row 1)"
+
+
 def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -479,10 +489,12 @@ def check_values(
     *,
     reader: str | None = None,
     index: Any = None,
+    lines: Sequence[int] | None = None,
 ) -> None:
     """DataError naming the first row whose field breaks :func:`value_problem`, or a
     column that mixes kinds (:func:`mixed_problem`). ``values``: field -> the values of its
-    column; ``index``: the rows' numbers in the split (a shard's), 0, 1, ... by default."""
+    column; ``index``: the rows' numbers in the split (a shard's), 0, 1, ... by default;
+    ``lines``: each row's line in its file, when known (:func:`row_name`)."""
     for field, column in values.items():
         number = index if index is not None else range(len(column))
         ok = _FINE.get(field, _anything) if field != "answer" or reader else _anything
@@ -491,10 +503,10 @@ def check_values(
                 continue
             problem = value_problem(field, value, columns, reader)
             if problem:
-                raise DataError(f"{where} row {i}: {problem}")
+                raise DataError(f"{where} {row_name(i, lines)}: {problem}")
         mixed = mixed_problem(column, column_of(columns, field))
         if mixed is not None:
-            raise DataError(f"{where} row {number[mixed[0]]}: {mixed[1]}")
+            raise DataError(f"{where} {row_name(number[mixed[0]], lines)}: {mixed[1]}")
 
 
 def _too_few(dataset: str, rows: int, replicas: int) -> str:

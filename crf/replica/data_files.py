@@ -249,6 +249,9 @@ class Rows:
     partial: bool = False
     #: a folder's data files of another format than the one read, which ``datasets`` skips
     unread: list[str] = field(default_factory=list)
+    #: each row's line in the file (a JSON lines or CSV file: what a message names), None
+    #: when rows are not lines (Parquet, a JSON list, a folder's files)
+    lines: list[int] | None = None
 
     def first(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
@@ -656,7 +659,7 @@ def _first_char(path: str) -> str:
 def _read_json_lines(path: str, flag: str, shown: str, limit: int) -> Rows:
     """The first ``limit`` rows of a JSON lines file, read a line at a time (the rest of the
     file is not read); errors name the line."""
-    rows = []
+    rows, numbers = [], []
     with open_data(path) as f:
         for number, raw in enumerate(f, 1):
             if len(rows) >= limit:
@@ -664,8 +667,9 @@ def _read_json_lines(path: str, flag: str, shown: str, limit: int) -> Rows:
             row = _line_row(_utf8(raw, flag, shown, number), number, flag, shown)
             if row is not None:
                 rows.append(row)
+                numbers.append(number)
     out = _from_dicts(rows)
-    out.partial = True
+    out.partial, out.lines = True, numbers
     return out
 
 
@@ -724,13 +728,13 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
             i = next(i for i, r in enumerate(whole) if not isinstance(r, dict))
             raise DataError(f"{flag} {shown}: item {i} of its list is no JSON object (a row)")
         return _from_dicts(whole)
-    lines = [line for line in text.split("\n") if line.strip()]
+    numbers, lines = _filled_lines(text)
     try:  # one parse for the whole file; a line that is not one object: find it below
         rows = json.loads("[" + ",".join(lines) + "]")
         if len(rows) == 1 and type(rows[0]) is dict:  # a .jsonl of one object: its columns?
             _one_object(rows[0], flag, shown)
         if len(rows) == len(lines) and all(type(r) is dict for r in rows):
-            return _from_dicts(rows)
+            return _numbered(_from_dicts(rows), numbers)
     except json.JSONDecodeError:
         pass
     rows = []
@@ -738,7 +742,20 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
         row = _line_row(line, number, flag, shown)
         if row is not None:
             rows.append(row)
-    return _from_dicts(rows)
+    return _numbered(_from_dicts(rows), numbers)
+
+
+def _filled_lines(text: str) -> tuple[list[int], list[str]]:
+    """(the numbers, from 1, of the text's lines that are not blank; those lines)."""
+    pairs = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    return [n for n, _ in pairs], [line for _, line in pairs]
+
+
+def _numbered(rows: Rows, numbers: list[int]) -> Rows:
+    """``rows`` with each row's line, when there is one row per line."""
+    if len(numbers) == rows.count:
+        rows.lines = numbers
+    return rows
 
 
 def _one_object(whole: dict[str, Any], flag: str, shown: str) -> None:
@@ -826,9 +843,10 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
     empty cell null. ``limit``: the first rows only."""
     import pandas as pd
 
+    numbers: list[int] = []
     with open_data(path) as f:
         if limit is None:
-            _utf8(f.read(), flag, shown)  # a non-UTF-8 byte, named by its line
+            numbers = _filled_lines(_utf8(f.read(), flag, shown))[0]  # a bad byte: its line
         else:
             for number, raw in enumerate(f, 1):
                 _utf8(raw, flag, shown, number)
@@ -843,7 +861,8 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
     for name in frame.columns:
         series = frame[name].astype(object)
         columns[str(name)] = series.where(series.notna(), None).tolist()
-    return Rows([str(n) for n in frame.columns], columns, len(frame), limit is not None)
+    rows = Rows([str(n) for n in frame.columns], columns, len(frame), limit is not None)
+    return _numbered(rows, numbers[1:])  # the header, then a row per line (none quoted over two)
 
 
 def _read_saved(path: str, split: str, flag: str, shown: str) -> Rows:
