@@ -374,6 +374,12 @@ CASES = [
     Case("malformed-line-in-gz", lambda t, m: _raw(t, "x.jsonl.gz", gzip.compress(_lines(
          lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}')))),
          "x.jsonl.gz: line 21 is not valid JSON (Expecting ',' delimiter"),
+    Case("na-answer-in-csv", lambda t, m: _raw(t, "x.csv", b"question,answer\n"
+         + b"ab=,ba\ncd=,NA\n" * 16, "--reward", "exact_match"),
+         "x.csv line 3: the answer in column 'answer' is null, which --reward exact_match "
+         "cannot read; it needs text or a number on every row (map another with --column "
+         "answer=COLUMN) (the CSV cell reads 'NA': pandas, which reads CSV files, takes an "
+         "empty cell, NA, N/A, None, null or NaN for a missing value"),
     Case("null-prompt-in-csv-xz", lambda t, m: _raw(t, "x.csv.xz", lzma.compress(
          b"question,answer\nab=,ba\n,x\n")), "line 3: the prompt in column 'question' (for "
          "prompt) is null"),

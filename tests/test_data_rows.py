@@ -347,6 +347,30 @@ def test_a_folder_named_like_a_file_is_read_as_a_folder(tmp_path: Path, layout: 
     assert form == "prompt-completion" and len(sft) == 32
 
 
+def test_a_csv_answer_written_with_leading_zeros_is_warned_of(tmp_path: Path) -> None:
+    """pandas reads a CSV's 0007 as the number 7, in the launcher and in every replica
+    (datasets' CSV reader): exact_match would compare against "7", so the dry run warns,
+    naming the line, what it is read as and how to keep the text; a text column's leading
+    zeros (kept as written) say nothing."""
+    data = tmp_path / "codes.csv"
+    body = "".join(f"{w}=,{i:04d},{w}\n" for i, w in enumerate(WORDS))
+    data.write_text("question,solution,note\n" + body)
+    text = " ".join(
+        _dry(tmp_path, "--dataset", str(data), "--reward", "exact_match").output.split()
+    )
+    assert (
+        f"warning: --dataset {data}: the answer column 'solution' (for answer) holds "
+        "numbers written with leading zeros ('0000' on line 2 is read as 0; 32 such "
+        "row(s)), which pandas, reading a CSV, drops, so --reward exact_match compares "
+        "answers against '0'; to keep them as text, convert the file to JSON lines: "
+        "pandas.read_csv(path, dtype=str, keep_default_na=False)"
+    ) in text, text
+    as_text = tmp_path / "text.csv"
+    as_text.write_text("question,solution\n" + "".join(f"{w}=,0{w}\n" for w in WORDS))
+    quiet = " ".join(_dry(tmp_path, "--dataset", str(as_text)).output.split())
+    assert "leading zeros" not in quiet, quiet
+
+
 def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
     """datasets reads a folder's splits by their names and lower-case suffixes, and skips
     notes.csv (no split's name) and train-2.JSONL beside train.jsonl without a word: the dry

@@ -77,6 +77,10 @@ class Split:
     unread: list[str] = field(default_factory=list)
     #: each row's line in its file (a JSON lines or CSV file read whole), for messages
     lines: list[int] | None = None
+    #: a CSV file's cells pandas read other than written, by the job's field: {row: text}
+    #: of numbers with leading zeros, and of missing values (crf/replica/data_files.py)
+    zeros: dict[str, dict[int, str]] = field(default_factory=dict)
+    missing: dict[str, dict[int, str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- entry point
@@ -127,6 +131,9 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     splits = sample_splits(spec, unsampled, found.warnings)
     for split in splits:
         check_rows(spec, split)
+        zeros = dropped_zeros(spec, split)
+        if zeros:
+            found.warnings.append(zeros)
         if split.unread:
             found.warnings.append(
                 f"{split.flag} {split.dataset}: {', '.join(split.unread[:3])} not read (a "
@@ -576,9 +583,9 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             if answer in every.names:
                 values["answer"] = every.column(answer)
         unread = list(getattr(every, "unread", []))
-        return Split(
-            flag, name, rows, form, counted, values, _partial(every), unread, _lines(every)
-        )
+        split = Split(flag, name, rows, form, counted, values, _partial(every), unread)
+        pairs = [*renames.items(), *([(answer, "answer")] if answer in names else [])]
+        return _as_written(split, every, pairs)
     if not is_local(name):  # a URL's or Hub dataset's columns (a local one's: plan.py)
         try:
             field_columns(columns, names, name, required_fields(needs_answer(spec)), flag)
@@ -592,15 +599,48 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
     unread = list(getattr(every, "unread", []))
-    return Split(flag, name, rows, None, counted, values, _partial(every), unread, _lines(every))
+    split = Split(flag, name, rows, None, counted, values, _partial(every), unread)
+    return _as_written(split, every, [(columns.get(f, f), f) for f in present])
 
 
-def _lines(every: Any) -> list[int] | None:
-    return getattr(every, "lines", None)
+def _as_written(split: Split, every: Any, pairs: list[tuple[str, str]]) -> Split:
+    """``split`` with each row's line in its file, and its CSV cells read other than
+    written (``every``'s, by column), by the job's field (``pairs``: column, field)."""
+    split.lines = getattr(every, "lines", None)
+    for column, fld in pairs:
+        if column in getattr(every, "zeros", {}):
+            split.zeros[fld] = every.zeros[column]
+        if column in getattr(every, "missing", {}):
+            split.missing[fld] = every.missing[column]
+    return split
 
 
 def _partial(every: Any) -> bool:
     return bool(getattr(every, "partial", False))
+
+
+def dropped_zeros(spec: Any, split: Split) -> str | None:
+    """A warning when a CSV's answer column, which a reward compares as text, holds numbers
+    written with leading zeros (``0007``): pandas (``datasets``' CSV reader, in every
+    replica too) reads them as numbers, so the reward compares against ``7``."""
+    from crf.replica.data import DEFAULT_READER, answer_reader, row_name
+
+    cells = split.zeros.get("answer")
+    scored = spec.job == "composer" or (split.flag != "--dataset" and bool(spec.reward))
+    reader = answer_reader(spec) if scored else None
+    if not cells or reader in (None, "math_answer") or split.every is None:
+        return None  # math_answer compares numbers: 0007 is 7
+    i, text = next(iter(cells.items()))
+    read = split.every["answer"][i]
+    by = "the default reward" if reader == DEFAULT_READER else f"--reward {reader}"
+    return (
+        f"{split.flag} {split.dataset}: the answer column {_column(spec, 'answer')} holds "
+        f"numbers written with leading zeros ({text!r} on {row_name(i, split.lines)} is read "
+        f"as {read!r}; {len(cells)} such row(s)), which pandas, reading a CSV, drops, so {by} "
+        f"compares answers against {str(read)!r}; to keep them as text, convert the file to "
+        "JSON lines: pandas.read_csv(path, dtype=str, keep_default_na=False).to_json("
+        '"train.jsonl", orient="records", lines=True)'
+    )
 
 
 def check_batch(spec: Any, splits: list[Split]) -> None:
@@ -657,11 +697,13 @@ def check_rows(spec: Any, split: Split) -> None:
             scored = split.flag != "--dataset" and bool(spec.reward)  # sft._rows reads them
             if answers is not None and scored:  # held-out answers a reward scores against
                 reader = answer_reader(spec)
-                check_values({"answer": answers}, columns, where, reader=reader, lines=split.lines)
+                check_values({"answer": answers}, columns, where, reader=reader,
+                             lines=split.lines, missing=split.missing)  # fmt: skip
             return
         scored = spec.job == "composer" or split.flag != "--dataset"
         reader = answer_reader(spec) if scored else None
-        check_values(values, columns, where, reader=reader, lines=split.lines)
+        check_values(values, columns, where, reader=reader, lines=split.lines,
+                     missing=split.missing)  # fmt: skip
     except DataError as e:
         raise LaunchError(str(e)) from None
 

@@ -490,11 +490,13 @@ def check_values(
     reader: str | None = None,
     index: Any = None,
     lines: Sequence[int] | None = None,
+    missing: Mapping[str, Mapping[int, str]] | None = None,
 ) -> None:
     """DataError naming the first row whose field breaks :func:`value_problem`, or a
     column that mixes kinds (:func:`mixed_problem`). ``values``: field -> the values of its
     column; ``index``: the rows' numbers in the split (a shard's), 0, 1, ... by default;
-    ``lines``: each row's line in its file, when known (:func:`row_name`)."""
+    ``lines``: each row's line in its file, when known (:func:`row_name`); ``missing``:
+    field -> {row: the text of a CSV cell read as missing} (:func:`csv_missing`)."""
     for field, column in values.items():
         number = index if index is not None else range(len(column))
         ok = _FINE.get(field, _anything) if field != "answer" or reader else _anything
@@ -503,10 +505,25 @@ def check_values(
                 continue
             problem = value_problem(field, value, columns, reader)
             if problem:
-                raise DataError(f"{where} {row_name(i, lines)}: {problem}")
+                cell = (missing or {}).get(field, {}).get(i) if value is None else None
+                said = problem + (csv_missing(cell) if cell is not None else "")
+                raise DataError(f"{where} {row_name(i, lines)}: {said}")
         mixed = mixed_problem(column, column_of(columns, field))
         if mixed is not None:
             raise DataError(f"{where} {row_name(number[mixed[0]], lines)}: {mixed[1]}")
+
+
+def csv_missing(cell: str) -> str:
+    """What a message adds of a null read from a CSV cell whose text is ``cell``: pandas
+    (``datasets``' CSV reader, in every replica too) reads an empty cell, and NA, None,
+    null, NaN..., as a missing value."""
+    said = f"the CSV cell reads {cell!r}" if cell.strip() else "the CSV cell is empty"
+    return (
+        f" ({said}: pandas, which reads CSV files, takes an empty cell, NA, N/A, None, null "
+        "or NaN for a missing value; fill it, or to keep such text convert the file to JSON "
+        'lines: pandas.read_csv(path, dtype=str, keep_default_na=False).to_json("train.jsonl'
+        '", orient="records", lines=True))'
+    )
 
 
 def _too_few(dataset: str, rows: int, replicas: int) -> str:

@@ -252,6 +252,11 @@ class Rows:
     #: each row's line in the file (a JSON lines or CSV file: what a message names), None
     #: when rows are not lines (Parquet, a JSON list, a folder's files)
     lines: list[int] | None = None
+    #: a CSV file's cells that pandas read other than they are written: column -> {row:
+    #: the cell's text} for numbers written with leading zeros (``0007``, read as 7) ...
+    zeros: dict[str, dict[int, str]] = field(default_factory=dict)
+    #: ... and for missing values (an empty cell, or ``NA``, ``None``, ``null``...)
+    missing: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def first(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
@@ -862,7 +867,36 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
         series = frame[name].astype(object)
         columns[str(name)] = series.where(series.notna(), None).tolist()
     rows = Rows([str(n) for n in frame.columns], columns, len(frame), limit is not None)
+    _as_written(rows, frame, path, limit)
     return _numbered(rows, numbers[1:])  # the header, then a row per line (none quoted over two)
+
+
+_LEADING_ZERO = re.compile(r"^\s*[+-]?0\d")
+
+
+def _as_written(rows: Rows, frame: Any, path: str, limit: int | None) -> None:
+    """Note in ``rows`` the CSV cells pandas read other than they are written (``datasets``
+    reads a CSV with pandas' defaults, in the replicas too): a number column's cells written
+    with leading zeros, and each missing value's text. Read again as text only when a
+    column is numeric or holds a missing value."""
+    import pandas as pd
+
+    numeric = [n for n in frame.columns if frame[n].dtype.kind in "iuf"]
+    nulls = [n for n in frame.columns if frame[n].isna().any()]
+    if not numeric and not nulls:
+        return
+    text = pd.read_csv(path, nrows=limit, dtype=str, keep_default_na=False,
+                       compression=pandas_compression(path))  # fmt: skip
+    if list(text.columns) != list(frame.columns) or len(text) != len(frame):
+        return  # read otherwise (a ragged file): say nothing rather than guess
+    for name in numeric:
+        cells = text[name].tolist()
+        zeros = {i: c for i, c in enumerate(cells) if _LEADING_ZERO.match(c)}
+        if zeros:
+            rows.zeros[str(name)] = zeros
+    for name in nulls:
+        cells, gone = text[name].tolist(), frame[name].isna().tolist()
+        rows.missing[str(name)] = {i: cells[i] for i, g in enumerate(gone) if g}
 
 
 def _read_saved(path: str, split: str, flag: str, shown: str) -> Rows:
