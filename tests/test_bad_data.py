@@ -509,6 +509,13 @@ CASES = [
     Case("reward-reads-a-missing-column", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_col", READS_SOLUTION)],
          "--reward rw_col:score raised TypeError"),
+    Case("reward-column-of-text-that-reads-as-json", lambda t, m: [*_composer(t, [
+         {**r, "zip": f"{i * 74:05d}" if i % 2 == 0 else i * 1000} for i, r in enumerate(_qa())]),
+         *_reward_module(t, "rw_zip", "def score(completions, zip, **kw):\n"
+                         "    return [0.0] * len(completions)\n")],
+         "train.jsonl: column 'zip' mixes text (line 1: '00000') and other kinds (line 2: "
+         "1000), and the replicas' reader (datasets) holds such a column as JSON, so the text "
+         "'00000' would reach the rewards as 0: make every value of it text (e.g. '1000')"),
     Case("reward-module-syntax-error", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_syntax", "def score(completions, **kw)\n    return []\n")],
          "importing rw_syntax raised SyntaxError"),

@@ -582,6 +582,7 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             values = {f: every.column(c) for c, f in renames.items()}
             if answer in every.names:
                 values["answer"] = every.column(answer)
+        read_as_json(spec, every, list(others), f"{flag} {name}")
         unread = list(getattr(every, "unread", []))
         split = Split(flag, name, rows, form, counted, values, _partial(every), unread)
         pairs = [*renames.items(), *([(answer, "answer")] if answer in names else [])]
@@ -598,9 +599,49 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     values = None
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
+    fields = {columns.get(f, f) for f in present}
+    read_as_json(spec, every, [c for c, k in keep if c == k and c not in fields], f"{flag} {name}")
     unread = list(getattr(every, "unread", []))
     split = Split(flag, name, rows, None, counted, values, _partial(every), unread)
     return _as_written(split, every, [(columns.get(f, f), f) for f in present])
+
+
+def read_as_json(spec: Any, every: Any, names: list[str], where: str) -> None:
+    """LaunchError, when a ``--reward`` is the user's own function, for a column that only
+    the rewards read (``names``; the built-in rewards read none of them) holding text beside
+    numbers or other kinds, where a text value reads as JSON (``"00074"``, ``"true"``): the
+    replicas' reader (``datasets``) holds such a column as JSON, and a text that parses as
+    JSON comes back parsed (74), so the rewards would get other values than the file's (and
+    than the checks here). Text beside objects that is no JSON (``"n/a"``) comes back as
+    written."""
+    from datasets.utils.json import ujson_loads
+
+    from crf.replica.data import kind_of, row_name
+    from crf.replica.rewards import BUILTINS, parse_rewards
+
+    if every is None or all(s.name in BUILTINS for s in parse_rewards(list(spec.reward or []))):
+        return
+    for column in names:
+        values = every.column(column)
+        kinds = {kind_of(v) for v in values if v is not None}
+        if "text" not in kinds or len(kinds) < 2:
+            continue
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                continue
+            try:
+                read = ujson_loads(value)
+            except ValueError:
+                continue
+            j = next(j for j, v in enumerate(values) if v is not None and not isinstance(v, str))
+            lines = every.lines
+            raise LaunchError(
+                f"{where}: column {column!r} mixes text ({row_name(i, lines)}: {value!r}) and "
+                f"other kinds ({row_name(j, lines)}: {values[j]!r}), and the replicas' reader "
+                f"(datasets) holds such a column as JSON, so the text {value!r} would reach the "
+                f"rewards as {read!r}: make every value of it text (e.g. {str(values[j])!r}), "
+                "or every value a number"
+            )
 
 
 def _as_written(split: Split, every: Any, pairs: list[tuple[str, str]]) -> Split:
