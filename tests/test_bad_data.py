@@ -146,6 +146,37 @@ def _raw(tmp: Path, name: str, data: bytes, *extra: str) -> list[str]:
     return ["--job", "composer", "--dataset", str(path), "--column", "prompt=question", *extra]
 
 
+def _loop(tmp: Path) -> str:
+    """a.jsonl -> b.jsonl -> a.jsonl."""
+    (tmp / "a.jsonl").symlink_to(tmp / "b.jsonl")
+    (tmp / "b.jsonl").symlink_to(tmp / "a.jsonl")
+    return str(tmp / "a.jsonl")
+
+
+def _dangling(tmp: Path) -> str:
+    """a.jsonl -> moved.jsonl, which is not there."""
+    (tmp / "a.jsonl").symlink_to(tmp / "moved.jsonl")
+    return str(tmp / "a.jsonl")
+
+
+def _parquet() -> bytes:
+    """GSM8K-shaped rows as a Parquet file's bytes."""
+    import io
+
+    import pandas as pd
+
+    out = io.BytesIO()
+    pd.DataFrame(_qa()).to_parquet(out)
+    return out.getvalue()
+
+
+def _pandas_json() -> bytes:
+    """GSM8K-shaped rows as pandas' ``df.to_json()`` writes them by default (by column)."""
+    import pandas as pd
+
+    return pd.DataFrame(_qa()).to_json().encode()
+
+
 def _lines(change: Callable[[list[bytes]], None]) -> bytes:
     lines = [json.dumps(r).encode() for r in _qa()]
     change(lines)
@@ -206,16 +237,16 @@ CONVERSATIONS = [
 CASES = [
     # ---- the data, after --column mapping, in every split
     Case("null-prompt", lambda t, m: _composer(t, _qa(question=None)),
-         "row 1: the prompt in column 'question' (for prompt) is null"),
+         "line 2: the prompt in column 'question' (for prompt) is null"),
     Case("numeric-prompt", lambda t, m: _composer(t, _qa(question=42)),
-         "row 1: the prompt in column 'question' (for prompt) is int"),
+         "line 2: the prompt in column 'question' (for prompt) is int"),
     Case("empty-prompt", lambda t, m: _composer(t, _qa(question="  ")),
-         "row 1: the prompt in column 'question' (for prompt) is empty"),
+         "line 2: the prompt in column 'question' (for prompt) is empty"),
     Case("missing-column-after-mapping", lambda t, m: _composer(t, None, "--column",
          "answer=solution", "--reward", "exact_match"),
          "has no column 'solution' (for answer)"),
     Case("null-answer", lambda t, m: _composer(t, _qa(answer=None), "--reward", "exact_match"),
-         "row 1: the answer in column 'answer' is null, which --reward exact_match cannot read"),
+         "line 2: the answer in column 'answer' is null, which --reward exact_match cannot read"),
     Case("list-answer", lambda t, m: _composer(t, _qa(answer=["7"]), "--reward", "exact_match"),
          "the answer in column 'answer' is list"),
     Case("math-answer-without-numbers", lambda t, m: _composer(
@@ -235,7 +266,7 @@ CASES = [
     Case("smaller-than-one-batch", lambda t, m: _composer(t, _qa()[:9]),
          "gets fewer than one batch of 8 prompts (prompts_per_step)"),
     Case("sft-empty-texts", lambda t, m: _sft(t, [{"text": ""}] * 8),
-         "row 0: 'text' is empty: there is nothing to learn from it"),
+         "line 1: 'text' is empty: there is nothing to learn from it"),
     Case("sft-empty-completion", lambda t, m: _sft(
          t, [{"prompt": f"{w}=", "completion": ""} for w in WORDS]), "'completion' is empty"),
     Case("sft-null-prompt", lambda t, m: _sft(
@@ -247,23 +278,23 @@ CASES = [
          "--reward", "exact_match"], "has no column 'answer' for --reward"),
     # ---- every row of a local file, not only the first few
     Case("numeric-prompt-late", lambda t, m: _composer(t, _late(20, question=42)),
-         "row 20: the prompt in column 'question' (for prompt) is int"),
+         "line 21: the prompt in column 'question' (for prompt) is int"),
     Case("null-answer-late", lambda t, m: _composer(t, _late(25, answer=None), "--reward",
-         "exact_match"), "row 25: the answer in column 'answer' is null, which --reward "
+         "exact_match"), "line 26: the answer in column 'answer' is null, which --reward "
          "exact_match cannot read"),
     Case("null-answer-late-default-reward", lambda t, m: _composer(t, _late(27, answer=None)),
-         "row 27: the answer in column 'answer' is null, which the default reward cannot read"),
+         "line 28: the answer in column 'answer' is null, which the default reward cannot read"),
     Case("mixed-answer-kinds", lambda t, m: _composer(t, _late(20, answer=7), "--reward",
          "exact_match"),
-         "row 20: 'answer' is int while other rows hold text; make every value a string"),
+         "line 21: 'answer' is int while other rows hold text; make every value a string"),
     Case("mixed-prompt-kinds", lambda t, m: _composer(t, _late(
          20, question=[{"role": "user", "content": "ab="}])),
-         "row 20: 'question' (for prompt) is list while other rows hold text"),
+         "line 21: 'question' (for prompt) is list while other rows hold text"),
     Case("non-text-hint-late", lambda t, m: _composer(t, _late(20, hint=3), "--column",
-         "hint=hint"), "row 20: the hint in column 'hint' is int; a hint is text"),
+         "hint=hint"), "line 21: the hint in column 'hint' is int; a hint is text"),
     Case("chat-message-without-content", lambda t, m: _composer(t, [
          {"question": [{"role": "user", "text": "ab="}], "answer": "ba"}] * 32),
-         "row 0: the prompt in column 'question' (for prompt) is a list of messages whose "
+         "line 1: the prompt in column 'question' (for prompt) is a list of messages whose "
          "message 0 has no 'content'"),
     Case("conversations-without-a-model", lambda t, m: _composer(t, [
          {"question": [{"role": "user", "content": "ab="}], "answer": "ba"}] * 32),
@@ -271,16 +302,16 @@ CASES = [
          "no chat template"),
     Case("chat-message-with-null-content", lambda t, m: [*_composer(t, [
          {"question": [{"role": "user", "content": None}], "answer": "ba"}] * 32),
-         *_with_model(m, t, None)], "row 0: the prompt in column 'question' (for prompt) is a "
+         *_with_model(m, t, None)], "line 1: the prompt in column 'question' (for prompt) is a "
          "list of messages whose message 0 (user) has a content that is null, not text"),
     Case("sft-message-with-null-role", lambda t, m: _sft(t, [{"messages": [
          {"role": None, "content": w}]} for w in WORDS]),
-         "row 0: 'messages' must be a list of {'role', 'content'} messages (got a list of "
+         "line 1: 'messages' must be a list of {'role', 'content'} messages (got a list of "
          "messages whose message 0 has a role that is null, not a name)"),
     Case("sft-completion-message-with-numeric-content", lambda t, m: _sft(t, [
          {"prompt": [{"role": "user", "content": w}], "completion": [
           {"role": "assistant", "content": 7}]} for w in WORDS]),
-         "row 0: 'completion' must be a list of {'role', 'content'} messages (got a list of "
+         "line 1: 'completion' must be a list of {'role', 'content'} messages (got a list of "
          "messages whose message 0 (assistant) has a content that is int, not text)"),
     Case("column-naming-no-column", lambda t, m: _composer(t, None, "--column", "answer="),
          "--column answer= names no column: give the file's column after '='"),
@@ -289,9 +320,9 @@ CASES = [
          "completion=text"), "--column maps prompt and completion to one column 'text'"),
     Case("sft-null-completion-late", lambda t, m: _sft(t, [
          {"prompt": f"{w}=", "completion": None if i == 20 else w} for i, w in
-         enumerate(WORDS)]), "row 20: 'prompt' and 'completion' must both be strings"),
+         enumerate(WORDS)]), "line 21: 'prompt' and 'completion' must both be strings"),
     Case("sft-empty-text-late", lambda t, m: _sft(t, [{"text": "" if i == 30 else w} for i, w in
-         enumerate(WORDS)]), "row 30: 'text' is empty"),
+         enumerate(WORDS)]), "line 31: 'text' is empty"),
     # ---- a file that is not JSON lines, line by line
     Case("malformed-line-21", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}'))),
@@ -306,16 +337,31 @@ CASES = [
          "x.csv cannot be read: 'utf-8' codec can't decode byte 0xe9"),
     Case("nan-answer", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 6, b'{"question": "ab=", "answer": NaN}'))),
-         "row 6: the answer in column 'answer' is NaN (a missing value), which the default "
+         "line 7: the answer in column 'answer' is NaN (a missing value), which the default "
          "reward cannot read"),
     Case("line-not-an-object", lambda t, m: _raw(t, "x.jsonl", _lines(
          lambda ls: _set(ls, 4, b'["ab=", "ba"]'))), "line 5 is a JSON list, not an object"),
     Case("rows-nested-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
          {"data": _qa()}).encode()), "rows are nested under 'data'"),
+    Case("pandas-to-json-default", lambda t, m: _raw(t, "x.json", _pandas_json()),
+         'x.json holds one JSON object of columns ({column: {row: value}}), as pandas\' '
+         'to_json writes it without orient="records", lines=True: save it with '
+         'df.to_json(path, orient="records", lines=True), as a .jsonl'),
+    Case("pandas-to-json-default-as-jsonl", lambda t, m: _raw(t, "x.jsonl", _pandas_json()),
+         "as pandas' to_json writes it without orient=\"records\""),
+    Case("columns-as-lists-in-json", lambda t, m: _raw(t, "x.json", json.dumps(
+         {"question": [r["question"] for r in _qa()], "answer": [r["answer"] for r in _qa()]}
+         ).encode()), "x.json holds one JSON object of columns ({column: [values]}), not rows"),
     Case("one-object-over-lines", lambda t, m: _raw(t, "x.json", json.dumps(
          _qa()[0], indent=2).encode()), "holds one JSON object over several lines"),
     Case("byte-order-mark", lambda t, m: _raw(t, "x.jsonl", b"\xef\xbb\xbf" + _lines(
          lambda ls: None)), "starts with a byte-order mark (BOM): save it as UTF-8 without"),
+    Case("parquet-named-jsonl", lambda t, m: _raw(t, "rows.jsonl", _parquet()),
+         "rows.jsonl is a Parquet file, not .jsonl: rename it to rows.parquet"),
+    Case("gzip-without-its-suffix", lambda t, m: _raw(t, "x.jsonl", gzip.compress(_lines(
+         lambda ls: None))), "x.jsonl is gzip-compressed: rename it to x.jsonl.gz"),
+    Case("zstd-without-its-suffix", lambda t, m: _raw(t, "x.csv", zstandard.compress(
+         b"question,answer\nab=,ba\n")), "x.csv is Zstandard-compressed: rename it to x.csv.zst"),
     Case("empty-parquet", lambda t, m: _raw(t, "x.parquet", b""),
          "x.parquet is empty (0 bytes): it needs rows"),
     # ---- local paths that are not data crf reads
@@ -339,13 +385,19 @@ CASES = [
     Case("malformed-line-in-gz", lambda t, m: _raw(t, "x.jsonl.gz", gzip.compress(_lines(
          lambda ls: _set(ls, 20, b'{"question": "oops, "answer": "x"}')))),
          "x.jsonl.gz: line 21 is not valid JSON (Expecting ',' delimiter"),
+    Case("na-answer-in-csv", lambda t, m: _raw(t, "x.csv", b"question,answer\n"
+         + b"ab=,ba\ncd=,NA\n" * 16, "--reward", "exact_match"),
+         "x.csv line 3: the answer in column 'answer' is null, which --reward exact_match "
+         "cannot read; it needs text or a number on every row (map another with --column "
+         "answer=COLUMN) (the CSV cell reads 'NA': pandas, which reads CSV files, takes an "
+         "empty cell, NA, N/A, None, null or NaN for a missing value"),
     Case("null-prompt-in-csv-xz", lambda t, m: _raw(t, "x.csv.xz", lzma.compress(
-         b"question,answer\nab=,ba\n,x\n")), "row 1: the prompt in column 'question' (for "
+         b"question,answer\nab=,ba\n,x\n")), "line 3: the prompt in column 'question' (for "
          "prompt) is null"),
     Case("null-answer-in-zst-url", lambda t, m: ["--job", "composer", "--dataset", "file://"
          + _raw(t, "x.jsonl.zst", zstandard.compress(_lines(lambda ls: _set(
              ls, 3, b'{"question": "ab=", "answer": null}'))))[3], "--column",
-         "prompt=question"], "row 3: the answer in column 'answer' is null"),
+         "prompt=question"], "row 4 (the first is row 1): the answer in column 'answer' is null"),
     Case("upper-case-suffixes-in-a-folder", lambda t, m: ["--job", "composer", "--dataset",
          str(Path(_jsonl(t / "d" / "TRAIN.JSONL", _qa())).parent)],
          "holds TRAIN.JSONL, but datasets reads a folder's files by lower-case suffixes only"),
@@ -391,6 +443,14 @@ CASES = [
          "--dataset is an empty string: give its name, or leave it out"),
     Case("missing-dot-path", lambda t, m: ["--job", "composer", "--dataset",
          "./no/such/folder"], "--dataset ./no/such/folder: no such file or folder"),
+    Case("link-that-loops", lambda t, m: ["--job", "composer", "--dataset", _loop(t)],
+         "a.jsonl is a link that loops (it leads back to itself through links)"),
+    Case("dangling-link", lambda t, m: ["--job", "composer", "--dataset", _dangling(t)],
+         "a.jsonl is a link to {t}/moved.jsonl, which does not exist (a dangling link)"),
+    Case("glob-pattern", lambda t, m: ["--job", "composer", "--dataset", str(t / "d" / "tr*.jsonl")
+         if _jsonl(t / "d" / "train.jsonl", _qa()) else ""],
+         "tr*.jsonl: no such file or folder, and crf does not expand patterns (* ? [): pass the "
+         "folder that holds the files"),
     Case("missing-data-file", lambda t, m: ["--job", "composer", "--dataset",
          str(t / "nope.parquet")], "nope.parquet: no such file or folder"),
     Case("folder-without-data-files", lambda t, m: ["--job", "composer", "--dataset",
@@ -404,6 +464,18 @@ CASES = [
          "--eval-split", "test", *([] if (t / "d" / "test.csv").write_text("question,answer\n"
          "ab=,ba\n") else [])], "d holds its splits in different formats (train: json, test: "
          "csv), and datasets reads a folder in one"),
+    Case("folder-files-with-other-columns", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "a.jsonl", _qa())).parent), "--column", "prompt=question",
+         *([] if _jsonl(t / "d" / "b.jsonl", [{"prompt": r["question"], "answer": r["answer"]}
+                                              for r in _qa()]) is None else [])],
+         "d: b.jsonl's columns differ from a.jsonl's: column 'question' is in a.jsonl but not "
+         "in b.jsonl; datasets reads a folder's files as one table"),
+    Case("folder-files-with-other-types", lambda t, m: ["--job", "composer", "--dataset",
+         str(Path(_jsonl(t / "d" / "a.jsonl", _qa())).parent), "--column", "prompt=question",
+         *([] if _jsonl(t / "d" / "b.jsonl", [{**r, "answer": 7} for r in _qa()]) is None
+           else [])],
+         "d: column 'answer' holds numbers in b.jsonl but text in a.jsonl; datasets reads a "
+         "folder's files as one table, so a column holds one kind of value in every file"),
     Case("model-folder-as-dataset", lambda t, m: ["--job", "composer", "--dataset",
          _model(m, t)], "model is a model folder (config.json and weights), not data"),
     Case("saved-dict-without-the-split", lambda t, m: ["--job", "composer", "--dataset",
@@ -456,19 +528,26 @@ CASES = [
          "--reward rw_none:score returned a null"),
     Case("reward-returns-nan", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_nan", NAN)],
-         "--reward rw_nan:score returned nan for row 0"),
+         "--reward rw_nan:score returned nan for the 1st row"),
     Case("reward-returns-none-per-row", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_nones", "def score(completions, **kw):\n    return [None] * len(completions)\n")],
-         "--reward rw_nones:score returned None for row 0"),
+         "--reward rw_nones:score returned None for the 1st row"),
     Case("reward-returns-text", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_text", "def score(completions, **kw):\n    return ['1'] * len(completions)\n")],
-         "returned '1' for row 0"),
+         "returned '1' for the 1st row"),
     Case("reward-wrong-length", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_short", "def score(completions, **kw):\n    return [1.0]\n")],
          "returned 1 values on 8 row(s)"),
     Case("reward-reads-a-missing-column", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_col", READS_SOLUTION)],
          "--reward rw_col:score raised TypeError"),
+    Case("reward-column-of-text-that-reads-as-json", lambda t, m: [*_composer(t, [
+         {**r, "zip": f"{i * 74:05d}" if i % 2 == 0 else i * 1000} for i, r in enumerate(_qa())]),
+         *_reward_module(t, "rw_zip", "def score(completions, zip, **kw):\n"
+                         "    return [0.0] * len(completions)\n")],
+         "train.jsonl: column 'zip' mixes text (line 1: '00000') and other kinds (line 2: "
+         "1000), and the replicas' reader (datasets) holds such a column as JSON, so the text "
+         "'00000' would reach the rewards as 0: make every value of it text (e.g. '1000')"),
     Case("reward-module-syntax-error", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_syntax", "def score(completions, **kw)\n    return []\n")],
          "importing rw_syntax raised SyntaxError"),

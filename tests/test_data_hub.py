@@ -101,8 +101,8 @@ def _one_line(result: Any) -> str:
          "--eval-split test: --dataset crf-test/configs has no such split (its splits: train)"),
         (["--dataset", "crf-test/splits", "--column", "answer=solution"],
          "no column 'solution'"),
-        (["--dataset", "crf-test/null"], "row 3"),
-        (["--dataset", "crf-test/zst"], "row 3"),
+        (["--dataset", "crf-test/null"], "row 4 (the first is row 1)"),
+        (["--dataset", "crf-test/zst"], "row 4 (the first is row 1)"),
         (["--job", "sft", "--dataset", "crf-test/splits"], "has none of the sft formats"),
         (["--job", "sft", "--dataset", "crf-test/splits", "--column", "completion=answer",
           "--eval-split", "test", "--reward", "exact_match", "--column", "answer=nope"],
@@ -287,5 +287,6 @@ def test_a_bad_row_past_a_hub_datasets_first_rows_stops_the_run_once(
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     assert summary["status"] == "failed" and summary["restarts"] == 0, summary
-    assert "--dataset crf-test/late row 12" in summary["error"], summary["error"]
+    said = summary["error"]
+    assert "--dataset crf-test/late row 13 (the first is row 1)" in said, said
     assert "Traceback" not in text

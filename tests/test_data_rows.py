@@ -50,8 +50,9 @@ def test_a_url_dataset_with_a_null_answer_stops_the_replica_that_holds_it(tmp_pa
     """Row 25 (rank 1 of 2) has a null answer: rank 1 refuses naming the row and the reward
     that reads it; rank 0's rows are all good."""
     url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r25={"solution": None}))
-    with pytest.raises(DataError, match=r"row 25: the answer in column 'solution' \(for "
-                       r"answer\) is null, which --reward exact_match cannot read"):  # fmt: skip
+    with pytest.raises(DataError, match=r"row 26 \(the first is row 1\): the answer in column "
+                       r"'solution' \(for answer\) is null, which --reward exact_match cannot "
+                       "read"):  # fmt: skip
         _shard(url, 1, reader="exact_match")
     assert len(_shard(url, 0, reader="exact_match")) == 16
 
@@ -60,8 +61,9 @@ def test_a_column_mixing_text_and_numbers_is_refused_not_quoted(tmp_path: Path) 
     """datasets keeps such a column as JSON text ('"ba"', quotes and all): the replica holding
     the odd row refuses; no replica's answers are ever quoted."""
     url = "file://" + _jsonl(tmp_path / "d.jsonl", _rows(r20={"solution": 7}))
-    with pytest.raises(DataError, match=r"row 20: 'solution' \(for answer\) is int while "
-                       "other rows hold text; make every value a string"):  # fmt: skip
+    with pytest.raises(DataError, match=r"row 21 \(the first is row 1\): 'solution' \(for "
+                       r"answer\) is int while other rows hold text; make every value a "
+                       "string"):  # fmt: skip
         _shard(url, 0)
     assert [r["answer"] for r in _shard(url, 1)] == [w[::-1] for w in WORDS[1::2]]
 
@@ -97,8 +99,9 @@ def test_held_out_rows_are_checked_with_their_numbers(tmp_path: Path) -> None:
         eval_dataset = _jsonl(tmp_path / "test.jsonl", _rows(r30={"question": ""}))
         eval_split, eval_examples, seed, columns, reward = None, 64, 0, MAP, ["exact_match"]
 
-    with pytest.raises(DataError, match="--eval-dataset .*test.jsonl row 30: the prompt in "
-                       r"column 'question' \(for prompt\) is empty"):  # fmt: skip
+    with pytest.raises(DataError, match=r"--eval-dataset .*test.jsonl row 31 \(the first is "
+                       r"row 1\): the prompt in column 'question' \(for prompt\) is "
+                       "empty"):  # fmt: skip
         load_eval(Spec, needs_answer=True)
 
 
@@ -108,8 +111,8 @@ def test_the_sft_job_checks_every_row_it_trains_on(tmp_path: Path) -> None:
     rows = [{"prompt": f"{w}=", "completion": w[::-1]} for w in WORDS]
     rows[20]["completion"] = None
     url = "file://" + _jsonl(tmp_path / "sft.jsonl", rows)
-    with pytest.raises(DataError, match="row 20: 'prompt' and 'completion' must both be "
-                       r"strings, .* \(got str and null\)"):  # fmt: skip
+    with pytest.raises(DataError, match=r"row 21 \(the first is row 1\): 'prompt' and "
+                       r"'completion' must both be strings, .* \(got str and null\)"):  # fmt: skip
         load_sft_rows(url, config=None, split="train", columns={})
 
 
@@ -160,7 +163,8 @@ def test_a_saved_dataset_with_a_bad_row_is_refused_before_launch(tmp_path: Path)
                  "--job", "composer", "--dataset", str(tmp_path / "saved"),
                  "--column", "prompt=question", "--column", "answer=solution")  # fmt: skip
     assert result.exit_code == 2
-    assert "row 29: the prompt in column 'question' (for prompt) is null" in result.output
+    said = "row 30 (the first is row 1): the prompt in column 'question' (for prompt) is null"
+    assert said in result.output
 
 
 # ---------------------------------------------------------------------- real runs
@@ -189,7 +193,8 @@ def test_a_bad_row_past_the_sample_stops_the_run_once(tmp_path: Path) -> None:
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     assert summary["status"] == "failed" and summary["restarts"] == 0, summary
-    assert "row 25: the answer in column 'solution' (for answer) is null" in summary["error"]
+    said = "row 26 (the first is row 1): the answer in column 'solution' (for answer) is null"
+    assert said in summary["error"]
     assert "Traceback" not in text
 
 
@@ -253,7 +258,8 @@ def test_every_row_of_a_folders_held_out_split_is_checked(tmp_path: Path) -> Non
     _jsonl(folder / "test.jsonl", _rows(r12={"question": None}))
     result = _dry(tmp_path, "--dataset", str(folder), "--eval-split", "test")
     assert result.exit_code == 2, result.output
-    assert f"--eval-split {folder} row 12: the prompt in column 'question'" in result.output
+    said = f"--eval-split {folder} row 13 (the first is row 1): the prompt in column 'question'"
+    assert said in result.output
 
 
 def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
@@ -274,7 +280,8 @@ def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
     )
     assert _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "main").exit_code == 0
     refused = _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "other")
-    assert "row 3: the prompt in column 'question' (for prompt) is null" in refused.output
+    said = "row 4 (the first is row 1): the prompt in column 'question' (for prompt) is null"
+    assert said in refused.output
     missing = _dry(tmp_path, "--dataset", str(folder))
     assert missing.exit_code == 2
     assert "has several configs ['main', 'other']: choose one with --dataset-config" in (
@@ -312,20 +319,100 @@ def test_a_folder_is_seen_as_datasets_sees_it(tmp_path: Path) -> None:
     assert names[-1] in str(err.value) and "choose one with --dataset-config" in str(err.value)
 
 
+@pytest.mark.parametrize("layout", ["train.parquet/part-00000-abc.snappy.parquet",
+                                    "rows.jsonl/train.jsonl"])  # fmt: skip
+def test_a_folder_named_like_a_file_is_read_as_a_folder(tmp_path: Path, layout: str) -> None:
+    """Spark and pandas write a "file" as a folder of parts (``train.parquet/part-*``, beside
+    a ``_SUCCESS`` marker): the checks before launch and each replica (composer and sft
+    alike) read it as the folder it is, not as one file of its suffix."""
+    import pandas as pd
+
+    from crf.replica.sft_data import load_sft_rows
+
+    part = tmp_path / layout
+    part.parent.mkdir()
+    (part.parent / "_SUCCESS").write_text("")
+    rows = _rows()
+    for r in rows:
+        r["completion"] = r["solution"]
+    if part.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(part)
+    else:
+        _jsonl(part, rows)
+    folder = str(part.parent)
+    assert _accepted(tmp_path, part.parent)
+    assert [r["answer"] for r in _shard(folder, 1)] == [w[::-1] for w in WORDS[1::2]]
+    sft, form = load_sft_rows(folder, config=None, split="train",
+                              columns={"prompt": "question"})  # fmt: skip
+    assert form == "prompt-completion" and len(sft) == 32
+
+
+def test_a_csv_answer_written_with_leading_zeros_is_warned_of(tmp_path: Path) -> None:
+    """pandas reads a CSV's 0007 as the number 7, in the launcher and in every replica
+    (datasets' CSV reader): exact_match would compare against "7", so the dry run warns,
+    naming the line, what it is read as and how to keep the text; a text column's leading
+    zeros (kept as written) say nothing."""
+    data = tmp_path / "codes.csv"
+    body = "".join(f"{w}=,{i:04d},{w}\n" for i, w in enumerate(WORDS))
+    data.write_text("question,solution,note\n" + body)
+    text = " ".join(
+        _dry(tmp_path, "--dataset", str(data), "--reward", "exact_match").output.split()
+    )
+    assert (
+        f"warning: --dataset {data}: the answer column 'solution' (for answer) holds "
+        "numbers written with leading zeros ('0000' on line 2 is read as 0; 32 such "
+        "row(s)), which pandas, reading a CSV, drops, so --reward exact_match compares "
+        "answers against '0'; to keep them as text, convert the file to JSON lines: "
+        "pandas.read_csv(path, dtype=str, keep_default_na=False)"
+    ) in text, text
+    as_text = tmp_path / "text.csv"
+    as_text.write_text("question,solution\n" + "".join(f"{w}=,0{w}\n" for w in WORDS))
+    quiet = " ".join(_dry(tmp_path, "--dataset", str(as_text)).output.split())
+    assert "leading zeros" not in quiet, quiet
+
+
 def test_a_folders_files_of_another_format_are_named_as_unread(tmp_path: Path) -> None:
-    """datasets reads a folder in one format and by lower-case suffixes, and skips train.csv
-    and train-2.JSONL beside train.jsonl without a word: the dry run warns, naming them (the
-    rows read are the .jsonl's, as the replicas')."""
+    """datasets reads a folder's splits by their names and lower-case suffixes, and skips
+    notes.csv (no split's name) and train-2.JSONL beside train.jsonl without a word: the dry
+    run warns, naming them (the rows read are the .jsonl's, as the replicas')."""
     folder = tmp_path / "mixed"
     folder.mkdir()
     _jsonl(folder / "train.jsonl", _rows())
-    (folder / "train.csv").write_text("question,solution\nab=,ba\n")
+    (folder / "notes.csv").write_text("question,solution\nab=,ba\n")
     _jsonl(folder / "train-2.JSONL", _rows())  # datasets finds lower-case suffixes only
     (folder / "dataset_infos.json").write_text("{}")  # a Hub repo's description: no rows
     text = _accepted(tmp_path, folder)
-    assert f"warning: --dataset {folder}: train-2.JSONL, train.csv not read (a folder is" in text
+    assert f"warning: --dataset {folder}: notes.csv, train-2.JSONL not read (a folder is" in text
     assert "and by lower-case suffixes" in text and "convert or rename such files" in text
     assert "dataset_infos.json" not in text
+
+
+@pytest.mark.parametrize(("first", "second"), [("part1.jsonl", "part2.csv"),
+                                               ("train.jsonl", "train-2.parquet")])  # fmt: skip
+def test_a_split_in_two_formats_is_refused(tmp_path: Path, first: str, second: str) -> None:
+    """datasets puts both files in the split, then reads one format only (the most common;
+    a tie, either) and drops the other's rows without a word: refused before launch, naming
+    the formats and the files."""
+    import pandas as pd
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    _jsonl(folder / first, _rows())
+    frame = pd.DataFrame(_rows())
+    if second.endswith(".csv"):
+        frame.to_csv(folder / second, index=False)
+    else:
+        frame.to_parquet(folder / second)
+    result = _dry(tmp_path, "--dataset", str(folder))
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    fmt = "csv" if second.endswith(".csv") else "parquet"
+    assert f"--dataset {folder} holds split 'train' in two formats" in said, said
+    named = said.split("two formats, ", 1)[1].split(", and datasets", 1)[0]
+    assert named in (f"json ({first}) and {fmt} ({second})",
+                     f"{fmt} ({second}) and json ({first})"), said  # fmt: skip
+    assert "convert them to one format (e.g. all to .jsonl)" in said
+    assert "Traceback" not in said
 
 
 @pytest.mark.parametrize(("name", "pack"), [("d.jsonl.gz", "gzip"), ("d.json.bz2", "bz2"),

@@ -70,7 +70,7 @@ def test_a_role_the_template_refuses_is_named_with_its_row(tmp_path, strict_mode
     with pytest.raises(LaunchError) as caught:
         _plan(tmp_path, strict_model, rows)
     message = str(caught.value)
-    assert "row 25: --model" in message and "chat template refuses the prompt" in message
+    assert "line 26: --model" in message and "chat template refuses the prompt" in message
     assert "Unknown role: usr" in message and "\n" not in message
 
 
@@ -80,7 +80,7 @@ def test_a_prompt_longer_than_the_models_positions_is_refused(tmp_path, strict_m
     with pytest.raises(LaunchError) as caught:
         _plan(tmp_path, strict_model, rows)
     message = str(caught.value)
-    assert "row 30: the prompt is" in message and "(128 positions" in message
+    assert "line 31: the prompt is" in message and "(128 positions" in message
     rows[30]["prompt"] = "ab" * 40 + "="  # fits, as do the template's few tokens around it
     _plan(tmp_path, strict_model, rows)
 
@@ -96,7 +96,7 @@ def test_a_refusal_on_the_command_line_is_one_line(tmp_path, strict_model) -> No
                  "--reward", "exact_match", "--store", str(tmp_path / "runs"))  # fmt: skip
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
-    assert "row 9:" in result.output and "Unknown role: tool" in result.output
+    assert "line 10:" in result.output and "Unknown role: tool" in result.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
@@ -122,7 +122,7 @@ def test_an_sft_conversation_the_template_refuses_is_named_with_its_row(
     with pytest.raises(LaunchError) as caught:
         driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)
     message = str(caught.value)
-    assert "row 33: --model" in message and "chat template refuses the conversation" in message
+    assert "line 34: --model" in message and "chat template refuses the conversation" in message
     assert "Unknown role: human" in message and "\n" not in message
 
 
@@ -145,7 +145,7 @@ def test_a_role_the_template_leaves_out_is_named_with_its_row(tmp_path, job: str
     with pytest.raises(LaunchError) as caught:
         driver.prepare(spec, store=str(tmp_path / "runs"), dry_run=True)
     message = str(caught.value)
-    assert "row 10: --model" in message, message
+    assert "line 11: --model" in message, message
     assert "chat template leaves out the message of role 'human'" in message
 
 

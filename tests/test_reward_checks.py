@@ -159,11 +159,11 @@ ACCEPTED = {
     "tuple-of-ints": "tuple(1 for _ in completions)",
 }
 REFUSED = {
-    "strings": ("['1.0'] * len(completions)", "returned '1.0' for row 0"),
-    "nan": ("[float('nan')] * len(completions)", "returned nan for row 0"),
-    "inf-in-numpy": ("np.full(len(completions), np.inf)", "returned inf for row 0"),
-    "nested": ("[[1.0]] * len(completions)", "returned [1.0] for row 0"),
-    "2-d-array": ("np.zeros((len(completions), 1))", "returned array([0.]) for row 0"),
+    "strings": ("['1.0'] * len(completions)", "returned '1.0' for the 1st row"),
+    "nan": ("[float('nan')] * len(completions)", "returned nan for the 1st row"),
+    "inf-in-numpy": ("np.full(len(completions), np.inf)", "returned inf for the 1st row"),
+    "nested": ("[[1.0]] * len(completions)", "returned [1.0] for the 1st row"),
+    "2-d-array": ("np.zeros((len(completions), 1))", "returned array([0.]) for the 1st row"),
     "a-number": ("1.0", "returned a float"),
     "a-dict": ("{'r': 1.0}", "returned a dict"),
     "too-few": ("np.zeros(2)", "returned 2 values"),

@@ -113,7 +113,7 @@ def test_prepare_accepts_each_format(tmp_path: Path, form: str) -> None:
          "has none of the sft formats: a 'text' column, 'prompt' and 'completion' columns, "
          "or 'messages'; its columns are question, answer"),
         ([{"q": "a", "answer": "b"}], {"prompt": "q"}, r"\(--column prompt=q\) has none"),
-        ([{"text": 3}], {}, "row 0: 'text' must be a string"),
+        ([{"text": 3}], {}, "line 1: 'text' must be a string"),
         ([{"messages": ["hi"]}], {}, "'messages' must be a list of {'role', 'content'}"),
         ([{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}], {},
          "'prompt' and 'completion' must both be strings, or both lists"),
@@ -406,7 +406,7 @@ def test_answers_are_checked_only_where_a_reward_reads_them(tmp_path: Path) -> N
     _prepare(tmp_path, dataset=mixed, columns=columns)
     nulls = _jsonl(tmp_path / "nulls.jsonl", [{**r, "answer": None} for r in rows])
     _prepare(tmp_path, dataset=mixed, eval_dataset=nulls, columns=columns)
-    with pytest.raises(LaunchError, match=r"^--eval-dataset .*nulls.jsonl row 0: ") as err:
+    with pytest.raises(LaunchError, match=r"^--eval-dataset .*nulls.jsonl line 1: ") as err:
         _prepare(tmp_path, dataset=mixed, eval_dataset=nulls, columns=columns,
                  reward=["exact_match"])  # fmt: skip
     assert "\n" not in str(err.value)
@@ -414,5 +414,5 @@ def test_answers_are_checked_only_where_a_reward_reads_them(tmp_path: Path) -> N
         dataset=mixed, dataset_config=None, dataset_split="train", eval_dataset=nulls,
         eval_split=None, eval_examples=4, columns=columns, reward=["exact_match"],
     )  # fmt: skip
-    with pytest.raises(DataError, match=r"^--eval-dataset .*nulls.jsonl row \d+: "):
+    with pytest.raises(DataError, match=r"^--eval-dataset .*nulls.jsonl row \d+ \(the first is "):
         sft._rows(SimpleNamespace(spec=spec, seed=0), Config())

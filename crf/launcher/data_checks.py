@@ -81,6 +81,12 @@ class Split:
     partial: bool = False
     #: a folder's data files of another format, which the replicas' reader skips
     unread: list[str] = field(default_factory=list)
+    #: each row's line in its file (a JSON lines or CSV file read whole), for messages
+    lines: list[int] | None = None
+    #: a CSV file's cells pandas read other than written, by the job's field: {row: text}
+    #: of numbers with leading zeros, and of missing values (crf/replica/data_files.py)
+    zeros: dict[str, dict[int, str]] = field(default_factory=dict)
+    missing: dict[str, dict[int, str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- entry point
@@ -131,6 +137,9 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     splits = sample_splits(spec, unsampled, found.warnings)
     for split in splits:
         check_rows(spec, split)
+        zeros = dropped_zeros(spec, split)
+        if zeros:
+            found.warnings.append(zeros)
         if split.unread:
             found.warnings.append(
                 f"{split.flag} {split.dataset}: {', '.join(split.unread[:3])} not read (a "
@@ -689,8 +698,11 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
             values = {f: every.column(c) for c, f in renames.items()}
             if answer in every.names:
                 values["answer"] = every.column(answer)
+        read_as_json(spec, every, list(others), f"{flag} {name}")
         unread = list(getattr(every, "unread", []))
-        return Split(flag, name, rows, form, counted, values, _partial(every), unread)
+        split = Split(flag, name, rows, form, counted, values, _partial(every), unread)
+        pairs = [*renames.items(), *([(answer, "answer")] if answer in names else [])]
+        return _as_written(split, every, pairs)
     if not is_local(name):  # a URL's or Hub dataset's columns (a local one's: plan.py)
         try:
             field_columns(columns, names, name, required_fields(needs_answer(spec)), flag)
@@ -703,12 +715,89 @@ def _sample(spec: Any, flag: str, name: str, config: str | None, split: str) -> 
     values = None
     if every is not None:
         values = {f: every.column(columns.get(f, f)) for f in present}
+    fields = {columns.get(f, f) for f in present}
+    read_as_json(spec, every, [c for c, k in keep if c == k and c not in fields], f"{flag} {name}")
     unread = list(getattr(every, "unread", []))
-    return Split(flag, name, rows, None, counted, values, _partial(every), unread)
+    split = Split(flag, name, rows, None, counted, values, _partial(every), unread)
+    return _as_written(split, every, [(columns.get(f, f), f) for f in present])
+
+
+def read_as_json(spec: Any, every: Any, names: list[str], where: str) -> None:
+    """LaunchError, when a ``--reward`` is the user's own function, for a column that only
+    the rewards read (``names``; the built-in rewards read none of them) holding text beside
+    numbers or other kinds, where a text value reads as JSON (``"00074"``, ``"true"``): the
+    replicas' reader (``datasets``) holds such a column as JSON, and a text that parses as
+    JSON comes back parsed (74), so the rewards would get other values than the file's (and
+    than the checks here). Text beside objects that is no JSON (``"n/a"``) comes back as
+    written."""
+    from datasets.utils.json import ujson_loads
+
+    from crf.replica.data import kind_of, row_name
+    from crf.replica.rewards import BUILTINS, parse_rewards
+
+    if every is None or all(s.name in BUILTINS for s in parse_rewards(list(spec.reward or []))):
+        return
+    for column in names:
+        values = every.column(column)
+        kinds = {kind_of(v) for v in values if v is not None}
+        if "text" not in kinds or len(kinds) < 2:
+            continue
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                continue
+            try:
+                read = ujson_loads(value)
+            except ValueError:
+                continue
+            j = next(j for j, v in enumerate(values) if v is not None and not isinstance(v, str))
+            lines = every.lines
+            raise LaunchError(
+                f"{where}: column {column!r} mixes text ({row_name(i, lines)}: {value!r}) and "
+                f"other kinds ({row_name(j, lines)}: {values[j]!r}), and the replicas' reader "
+                f"(datasets) holds such a column as JSON, so the text {value!r} would reach the "
+                f"rewards as {read!r}: make every value of it text (e.g. {str(values[j])!r}), "
+                "or every value a number"
+            )
+
+
+def _as_written(split: Split, every: Any, pairs: list[tuple[str, str]]) -> Split:
+    """``split`` with each row's line in its file, and its CSV cells read other than
+    written (``every``'s, by column), by the job's field (``pairs``: column, field)."""
+    split.lines = getattr(every, "lines", None)
+    for column, fld in pairs:
+        if column in getattr(every, "zeros", {}):
+            split.zeros[fld] = every.zeros[column]
+        if column in getattr(every, "missing", {}):
+            split.missing[fld] = every.missing[column]
+    return split
 
 
 def _partial(every: Any) -> bool:
     return bool(getattr(every, "partial", False))
+
+
+def dropped_zeros(spec: Any, split: Split) -> str | None:
+    """A warning when a CSV's answer column, which a reward compares as text, holds numbers
+    written with leading zeros (``0007``): pandas (``datasets``' CSV reader, in every
+    replica too) reads them as numbers, so the reward compares against ``7``."""
+    from crf.replica.data import DEFAULT_READER, answer_reader, row_name
+
+    cells = split.zeros.get("answer")
+    scored = spec.job == "composer" or (split.flag != "--dataset" and bool(spec.reward))
+    reader = answer_reader(spec) if scored else None
+    if not cells or reader in (None, "math_answer") or split.every is None:
+        return None  # math_answer compares numbers: 0007 is 7
+    i, text = next(iter(cells.items()))
+    read = split.every["answer"][i]
+    by = "the default reward" if reader == DEFAULT_READER else f"--reward {reader}"
+    return (
+        f"{split.flag} {split.dataset}: the answer column {_column(spec, 'answer')} holds "
+        f"numbers written with leading zeros ({text!r} on {row_name(i, split.lines)} is read "
+        f"as {read!r}; {len(cells)} such row(s)), which pandas, reading a CSV, drops, so {by} "
+        f"compares answers against {str(read)!r}; to keep them as text, convert the file to "
+        "JSON lines: pandas.read_csv(path, dtype=str, keep_default_na=False).to_json("
+        '"train.jsonl", orient="records", lines=True)'
+    )
 
 
 def check_batch(spec: Any, splits: list[Split]) -> None:
@@ -761,14 +850,17 @@ def check_rows(spec: Any, split: Split) -> None:
         if spec.job == "sft" and split.form is not None:
             answers = values.pop("answer", None)
             flag = split.flag
-            check_sft_rows(values, split.form, split.dataset, columns, flag)
+            check_sft_rows(values, split.form, split.dataset, columns, flag, split.lines)
             scored = split.flag != "--dataset" and bool(spec.reward)  # sft._rows reads them
             if answers is not None and scored:  # held-out answers a reward scores against
-                check_values({"answer": answers}, columns, where, reader=answer_reader(spec))
+                reader = answer_reader(spec)
+                check_values({"answer": answers}, columns, where, reader=reader,
+                             lines=split.lines, missing=split.missing)  # fmt: skip
             return
         scored = spec.job == "composer" or split.flag != "--dataset"
         reader = answer_reader(spec) if scored else None
-        check_values(values, columns, where, reader=reader)
+        check_values(values, columns, where, reader=reader, lines=split.lines,
+                     missing=split.missing)  # fmt: skip
     except DataError as e:
         raise LaunchError(str(e)) from None
 
@@ -843,10 +935,13 @@ def check_answers(spec: Any, split: Split, reward: str) -> None:
     for i, row in enumerate(split.rows):
         value = row.get("answer")
         if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
+            from crf.replica.data import row_name
+
             raise LaunchError(
-                f"{where} row {i}: the answer in column {_column(spec, 'answer')} is "
-                f"{_kind(value)}, which --reward {reward} cannot read; it needs text or a "
-                "number on every row (map another with --column answer=COLUMN)"
+                f"{where} {row_name(i, split.lines)}: the answer in column "
+                f"{_column(spec, 'answer')} is {_kind(value)}, which --reward {reward} "
+                "cannot read; it needs text or a number on every row (map another with "
+                "--column answer=COLUMN)"
             )
     if reward == "math_answer":
         from crf.replica.rewards import _math_verify
@@ -963,8 +1058,8 @@ def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) 
         if number is None or not math.isfinite(number):
             shown = value if number is None else number
             raise LaunchError(
-                f"--reward {name} returned {shown!r} for row {i} {where}; a reward returns "
-                "a finite number (or a bool) per completion"
+                f"--reward {name} returned {shown!r} for the {_nth(i + 1)} row {where}; a "
+                "reward returns a finite number (or a bool) per completion"
             )
 
 
@@ -982,3 +1077,9 @@ def reward_value(value: Any) -> float | None:
         if isinstance(item, bool | int | float):
             return float(item)
     return None
+
+
+def _nth(n: int) -> str:
+    """1st, 2nd, 3rd, 4th... 11th, 12th, 13th, 21st."""
+    end = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{end}"

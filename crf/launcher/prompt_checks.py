@@ -33,6 +33,7 @@ from typing import Any
 
 from crf.launcher.errors import LaunchError
 from crf.launcher.model_shapes import learned_positions
+from crf.replica.data import row_name
 from crf.replica.model import local_tokenizer
 from crf.replica.prompt_fit import chosen_rows, dropped_role, past_learned, tokens_over, too_long
 
@@ -67,10 +68,7 @@ def check_prompts(
             text = _render(tokenizer, prompts[i], split, i, folder)
             tokens = tokens_over(tokenizer, text, limit)
             if tokens is not None:
-                raise LaunchError(
-                    f"{split.flag} {split.dataset} row {i}: the prompt "
-                    f"{too_long(tokens, folder, limit)}"
-                )
+                raise LaunchError(f"{_row(split, i)}: the prompt {too_long(tokens, folder, limit)}")
             if new_tokens and (limit or learned):
                 n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
                 longest = max(longest or (n, split, i), (n, split, i), key=lambda t: t[0])
@@ -88,10 +86,10 @@ def _past_positions(
     tokens, split, i = longest
     if learned and tokens + new > learned:
         what = past_learned(learned, folder, tokens, new, "max_completion_length")
-        raise LaunchError(f"{split.flag} {split.dataset} row {i}: {what}")
+        raise LaunchError(f"{_row(split, i)}: {what}")
     if limit and tokens + new > limit:
         return [
-            f"{split.flag} {split.dataset} row {i}: a prompt of {tokens} tokens and "
+            f"{_row(split, i)}: a prompt of {tokens} tokens and "
             f"max_completion_length {new} run past --model {folder}'s {limit} positions "
             "(max_position_embeddings); it generates on past them, usually worse"
         ]
@@ -142,10 +140,15 @@ def _conversations(split: Any) -> list[Any]:
     return [p + c if isinstance(p, list) and isinstance(c, list) else None for p, c in pairs]
 
 
+def _row(split: Any, i: int) -> str:
+    """``--dataset NAME line 12`` / ``row 11 (the first is row 1)``: split row ``i``."""
+    return f"{split.flag} {split.dataset} {row_name(i, getattr(split, 'lines', None))}"
+
+
 def _refused(split: Any, i: int, folder: str, what: str, e: Exception) -> LaunchError:
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return LaunchError(
-        f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template refuses "
+        f"{_row(split, i)}: --model {folder}'s chat template refuses "
         f"the {what} ({type(e).__name__}: {reason}); fix the row's messages or the template"
     )
 
@@ -171,7 +174,7 @@ def _check_kept(messages: list[Any], text: str, split: Any, i: int, folder: str)
     role = dropped_role(messages, text)
     if role is not None:
         raise LaunchError(
-            f"{split.flag} {split.dataset} row {i}: --model {folder}'s chat template "
+            f"{_row(split, i)}: --model {folder}'s chat template "
             f"leaves out the message of role {role!r} (its content is not in the rendered "
             "text); use the roles it renders (system, user, assistant)"
         )

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from crf.replica.data_files import (
@@ -63,8 +63,11 @@ __all__ = ["BUILDERS", "FIELDS", "DataError", "NotStreamed"]
 
 def builder_of(dataset: str) -> str | None:
     """The ``datasets`` builder for a file or URL (by its suffix), None for a Hub id or a
-    folder."""
+    folder: a local folder named like a file (Spark's and pandas' ``train.parquet/`` of
+    ``part-*.parquet`` files, ``rows.jsonl/``) is read as a folder, as the launcher reads it."""
     suffix = suffix_of(dataset)
+    if suffix is not None and "://" not in dataset and os.path.isdir(os.path.expanduser(dataset)):
+        return None
     if suffix is not None:
         return BUILDERS[suffix]
     if "://" in dataset:
@@ -357,6 +360,16 @@ def kind_of(value: Any) -> str | None:
     return "dict" if isinstance(value, dict) else type(value).__name__
 
 
+def row_name(number: int, lines: Sequence[int] | None = None) -> str:
+    """How a message names the row ``number`` (counted from 0) of a split: its line in the
+    file when known (a JSON lines or CSV file read whole before launch: "line 12", as an
+    editor shows it, a CSV's header and any blank line counted), else its place counted from
+    1, as a user counts rows ("row 11 (the first is row 1)")."""
+    if lines is not None and 0 <= number < len(lines):
+        return f"line {lines[number]}"
+    return f"row {number + 1} (the first is row 1)"
+
+
 def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -476,10 +489,14 @@ def check_values(
     *,
     reader: str | None = None,
     index: Any = None,
+    lines: Sequence[int] | None = None,
+    missing: Mapping[str, Mapping[int, str]] | None = None,
 ) -> None:
     """DataError naming the first row whose field breaks :func:`value_problem`, or a
     column that mixes kinds (:func:`mixed_problem`). ``values``: field -> the values of its
-    column; ``index``: the rows' numbers in the split (a shard's), 0, 1, ... by default."""
+    column; ``index``: the rows' numbers in the split (a shard's), 0, 1, ... by default;
+    ``lines``: each row's line in its file, when known (:func:`row_name`); ``missing``:
+    field -> {row: the text of a CSV cell read as missing} (:func:`csv_missing`)."""
     for field, column in values.items():
         number = index if index is not None else range(len(column))
         ok = _FINE.get(field, _anything) if field != "answer" or reader else _anything
@@ -488,10 +505,25 @@ def check_values(
                 continue
             problem = value_problem(field, value, columns, reader)
             if problem:
-                raise DataError(f"{where} row {i}: {problem}")
+                cell = (missing or {}).get(field, {}).get(i) if value is None else None
+                said = problem + (csv_missing(cell) if cell is not None else "")
+                raise DataError(f"{where} {row_name(i, lines)}: {said}")
         mixed = mixed_problem(column, column_of(columns, field))
         if mixed is not None:
-            raise DataError(f"{where} row {number[mixed[0]]}: {mixed[1]}")
+            raise DataError(f"{where} {row_name(number[mixed[0]], lines)}: {mixed[1]}")
+
+
+def csv_missing(cell: str) -> str:
+    """What a message adds of a null read from a CSV cell whose text is ``cell``: pandas
+    (``datasets``' CSV reader, in every replica too) reads an empty cell, and NA, None,
+    null, NaN..., as a missing value."""
+    said = f"the CSV cell reads {cell!r}" if cell.strip() else "the CSV cell is empty"
+    return (
+        f" ({said}: pandas, which reads CSV files, takes an empty cell, NA, N/A, None, null "
+        "or NaN for a missing value; fill it, or to keep such text convert the file to JSON "
+        'lines: pandas.read_csv(path, dtype=str, keep_default_na=False).to_json("train.jsonl'
+        '", orient="records", lines=True))'
+    )
 
 
 def _too_few(dataset: str, rows: int, replicas: int) -> str:

@@ -30,6 +30,7 @@ once, naming the row.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -123,6 +124,25 @@ def local_problem(name: str, flag: str = "--dataset") -> str | None:
         return unreadable(path, flag, name)
     if os.path.isdir(path):
         return _folder_problem(path, flag, name)
+    if os.path.islink(path):  # a link whose target is not there, or that leads to itself
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return (
+                    f"{flag} {name} is a link that loops (it leads back to itself through "
+                    "links): point it at the data file or folder, or pass that path"
+                )
+        return (
+            f"{flag} {name} is a link to {os.readlink(path)}, which does not exist (a "
+            "dangling link): point it at the data file or folder, or pass that path"
+        )
+    if any(c in name for c in "*?["):
+        return (
+            f"{flag} {name}: no such file or folder, and crf does not expand patterns "
+            "(* ? [): pass the folder that holds the files (a folder is read whole, one split "
+            "per file name), or one file"
+        )
     if looks_local(name):
         return f"{flag} {name}: no such file or folder"
     return None
@@ -229,6 +249,14 @@ class Rows:
     partial: bool = False
     #: a folder's data files of another format than the one read, which ``datasets`` skips
     unread: list[str] = field(default_factory=list)
+    #: each row's line in the file (a JSON lines or CSV file: what a message names), None
+    #: when rows are not lines (Parquet, a JSON list, a folder's files)
+    lines: list[int] | None = None
+    #: a CSV file's cells that pandas read other than they are written: column -> {row:
+    #: the cell's text} for numbers written with leading zeros (``0007``, read as 7) ...
+    zeros: dict[str, dict[int, str]] = field(default_factory=dict)
+    #: ... and for missing values (an empty cell, or ``NA``, ``None``, ``null``...)
+    missing: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def first(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` rows as dicts (a row's missing column left out, as in JSON)."""
@@ -401,6 +429,9 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
         return _read_saved(path, split, flag, name)
     if os.path.isdir(path):
         files = split_files(path, config, split, flag)
+        mixed = split_formats(path, split, files, flag, name)
+        if mixed:
+            raise DataError(mixed)
         big = sum(_bytes(f) for f in files) > CHECKED_BYTES
         parts: list[Rows] = []
         for f in files:
@@ -409,6 +440,10 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
                 parts.append(Rows([], {}, 0, partial=True))  # the files after it: unread
                 break
             parts.append(_read_file(f, flag, f"{name}: {os.path.relpath(f, path)}", left))
+        shown = [os.path.relpath(f, path) for f in files]
+        unlike = _unlike_files(parts, shown, flag, name)
+        if unlike:
+            raise DataError(unlike)
         rows = _concat(parts)
         rows.unread = other_formats(path, files)
         return rows
@@ -441,6 +476,49 @@ def other_formats(folder: str, read: list[str]) -> list[str]:
     return out + linked_folders(folder)
 
 
+def split_formats(folder: str, split: str, read: list[str], flag: str, name: str) -> str | None:
+    """Why a folder whose ``split`` holds files of two formats is refused (None: it holds
+    one): ``datasets`` puts ``part1.jsonl`` and ``part2.csv`` in one split, then reads its
+    files of one format only (the most common; a tie, either) and drops the others' rows
+    without a word. Files no split takes (``extra.csv`` beside ``train.jsonl``), and those
+    ``datasets`` does not find (``more.JSONL``), are only named as not read
+    (:func:`other_formats`); so are a README's configs' files, resolved by the README."""
+    formats = {BUILDERS[s] for f in read if (s := suffix_of(f))}
+    others = [f for f in other_formats(folder, read) if suffix_of(f) and seen_in_folder(f)]
+    if not others or _yaml_configs(folder):
+        return None
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    base = os.path.abspath(folder)
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
+    except Exception:  # noqa: BLE001 - datasets' own resolution failed: leave it to warn
+        return None
+    in_split = {os.path.relpath(str(f), base) for f in found.get(split, [])}
+    dropped = [f for f in others if f in in_split]
+    if not dropped:
+        return None
+    kept, lost = os.path.relpath(read[0], base), BUILDERS[suffix_of(dropped[0]) or ".jsonl"]
+    return (
+        f"{flag} {name} holds split {split!r} in two formats, {'/'.join(sorted(formats))} "
+        f"({kept}) and {lost} ({', '.join(dropped[:3])}), and datasets reads a folder's split "
+        f"in one format only, so it would skip the {lost} files' rows: convert them to one "
+        "format (e.g. all to .jsonl)"
+    )
+
+
+def _yaml_configs(folder: str) -> bool:
+    """Whether the folder's README (or .huggingface.yaml) names configs, which then say
+    which files each split holds."""
+    for card in ("README.md", ".huggingface.yaml"):
+        path = os.path.join(folder, card)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if re.search(r"^configs:", f.read(1 << 16), re.MULTILINE):
+                    return True
+    return False
+
+
 def linked_folders(folder: str) -> list[str]:
     """The folder's links to folders that hold data files (``more/ -> /data/more``), as
     ``more/ (a link)``: ``datasets`` follows a linked file but not a linked folder, so their
@@ -465,6 +543,51 @@ def _holds_data(path: str) -> bool:
         return False
 
 
+def _kinds(values: list[Any]) -> set[str]:
+    """The kinds of a column's values (text, number, bool, list, dict), nulls aside."""
+    out = set()
+    for v in values:
+        if v is None or v is _ABSENT:
+            continue
+        if isinstance(v, bool):
+            out.add("bool")
+        elif isinstance(v, int | float):
+            out.add("number")
+        else:
+            out.add({str: "text", list: "list", dict: "dict"}.get(type(v), type(v).__name__))
+    return out
+
+
+def _unlike_files(parts: list[Rows], files: list[str], flag: str, name: str) -> str | None:
+    """Why a folder's files cannot be one split (None: they can): ``datasets`` reads them as
+    one table, so each file has the first one's columns, each holding the same kind of value
+    (a null column aside); the message names the file, the column and the fix."""
+    first, head = parts[0], files[0]
+    why = "datasets reads a folder's files as one table"
+    for part, file in zip(parts[1:], files[1:], strict=False):
+        if not part.count:
+            continue
+        for column in [*first.names, *part.names]:
+            if (column in first.names) != (column in part.names):
+                has, lacks = (head, file) if column in first.names else (file, head)
+                return (
+                    f"{flag} {name}: {file}'s columns differ from {head}'s: column "
+                    f"{column!r} is in {has} but not in {lacks}; {why}, so every file needs "
+                    "the same columns: add or drop it, or move the file out"
+                )
+            was, now = _kinds(first.columns[column]), _kinds(part.columns[column])
+            if len(was) == 1 and len(now) == 1 and was != now:
+                plural = {"number": "numbers", "bool": "booleans", "list": "lists",
+                          "dict": "objects"}  # fmt: skip
+                now_, was_ = (plural.get(k, k) for k in (now.pop(), was.pop()))
+                return (
+                    f"{flag} {name}: column {column!r} holds {now_} in {file} but "
+                    f"{was_} in {head}; {why}, so a column holds one kind of value in "
+                    "every file: make them the same (e.g. all text)"
+                )
+    return None
+
+
 def _concat(parts: list[Rows]) -> Rows:
     names = list(dict.fromkeys(n for p in parts for n in p.names))
     columns = {n: [v for p in parts for v in p.columns.get(n, [_ABSENT] * p.count)] for n in names}
@@ -483,6 +606,9 @@ def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Ro
         raise DataError(f"{flag} {shown} is empty (0 bytes): it needs rows{how}")
     packed = compression_of(path)
     if packed is None:
+        other = _other_kind(path)
+        if other:
+            raise DataError(f"{flag} {shown} {other}")
         return _read_plain(path, flag, shown, limit)
     try:
         return _read_plain(path, flag, shown, limit)
@@ -492,6 +618,29 @@ def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Ro
             f"{flag} {shown} does not decompress as {packed} ({reason}): check the file, or "
             "pass it uncompressed"
         ) from None
+
+
+#: the first bytes of files that are no text, and what each is
+_MAGIC = ((b"PAR1", "a Parquet file", ".parquet"), (b"\x1f\x8b", "gzip-compressed", ".gz"),
+          (b"\x28\xb5\x2f\xfd", "Zstandard-compressed", ".zst"), (b"BZh", "bz2-compressed",
+          ".bz2"), (b"\xfd7zXZ\x00", "xz-compressed", ".xz"))  # fmt: skip
+
+
+def _other_kind(path: str) -> str | None:
+    """What a plain ``.jsonl`` / ``.json`` / ``.csv`` file is instead, by its first bytes, and
+    the name to give it (None: text, as its suffix says)."""
+    if suffix_of(path) == ".parquet":
+        return None
+    with open(path, "rb") as f:
+        head = f.read(6)
+    base, own = os.path.basename(path), suffix_of(path) or ""
+    for magic, what, suffix in _MAGIC:
+        if not head.startswith(magic) or (magic == b"BZh" and not head[3:4].isdigit()):
+            continue  # bz2's magic is BZh and a block size digit
+        if suffix == ".parquet":
+            return f"is {what}, not {own}: rename it to {base[: -len(own)]}.parquet"
+        return f"is {what}: rename it to {base}{suffix}"
+    return None
 
 
 def _read_plain(path: str, flag: str, shown: str, limit: int | None) -> Rows:
@@ -515,7 +664,7 @@ def _first_char(path: str) -> str:
 def _read_json_lines(path: str, flag: str, shown: str, limit: int) -> Rows:
     """The first ``limit`` rows of a JSON lines file, read a line at a time (the rest of the
     file is not read); errors name the line."""
-    rows = []
+    rows, numbers = [], []
     with open_data(path) as f:
         for number, raw in enumerate(f, 1):
             if len(rows) >= limit:
@@ -523,8 +672,9 @@ def _read_json_lines(path: str, flag: str, shown: str, limit: int) -> Rows:
             row = _line_row(_utf8(raw, flag, shown, number), number, flag, shown)
             if row is not None:
                 rows.append(row)
+                numbers.append(number)
     out = _from_dicts(rows)
-    out.partial = True
+    out.partial, out.lines = True, numbers
     return out
 
 
@@ -570,13 +720,7 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
         except json.JSONDecodeError:
             whole = None
         if isinstance(whole, dict):
-            nested = [k for k, v in whole.items() if _rows_under(v)]
-            if nested:
-                raise DataError(
-                    f"{flag} {shown} holds one JSON object whose rows are nested under "
-                    f"{nested[0]!r}: write the rows themselves, one object per line (.jsonl) "
-                    "or as a JSON list"
-                )
+            _one_object(whole, flag, shown)
             if len([line for line in text.split("\n") if line.strip()]) > 1:
                 raise DataError(
                     f"{flag} {shown} holds one JSON object over several lines, which the "
@@ -589,11 +733,13 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
             i = next(i for i, r in enumerate(whole) if not isinstance(r, dict))
             raise DataError(f"{flag} {shown}: item {i} of its list is no JSON object (a row)")
         return _from_dicts(whole)
-    lines = [line for line in text.split("\n") if line.strip()]
+    numbers, lines = _filled_lines(text)
     try:  # one parse for the whole file; a line that is not one object: find it below
         rows = json.loads("[" + ",".join(lines) + "]")
+        if len(rows) == 1 and type(rows[0]) is dict:  # a .jsonl of one object: its columns?
+            _one_object(rows[0], flag, shown)
         if len(rows) == len(lines) and all(type(r) is dict for r in rows):
-            return _from_dicts(rows)
+            return _numbered(_from_dicts(rows), numbers)
     except json.JSONDecodeError:
         pass
     rows = []
@@ -601,7 +747,49 @@ def _read_json(path: str, flag: str, shown: str) -> Rows:
         row = _line_row(line, number, flag, shown)
         if row is not None:
             rows.append(row)
-    return _from_dicts(rows)
+    return _numbered(_from_dicts(rows), numbers)
+
+
+def _filled_lines(text: str) -> tuple[list[int], list[str]]:
+    """(the numbers, from 1, of the text's lines that are not blank; those lines)."""
+    pairs = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    return [n for n, _ in pairs], [line for _, line in pairs]
+
+
+def _numbered(rows: Rows, numbers: list[int]) -> Rows:
+    """``rows`` with each row's line, when there is one row per line."""
+    if len(numbers) == rows.count:
+        rows.lines = numbers
+    return rows
+
+
+def _one_object(whole: dict[str, Any], flag: str, shown: str) -> None:
+    """DataError for a file of one JSON object that holds the rows in another layout: nested
+    under a key (``{"data": [...]}``), or by column, as pandas' ``df.to_json(path)`` writes
+    them without ``orient="records"`` (``{"prompt": {"0": ..., "1": ...}, ...}``) or as
+    ``df.to_dict("list")`` gives them (``{"prompt": [...], ...}``)."""
+    nested = [k for k, v in whole.items() if _rows_under(v)]
+    if nested:
+        raise DataError(
+            f"{flag} {shown} holds one JSON object whose rows are nested under "
+            f"{nested[0]!r}: write the rows themselves, one object per line (.jsonl) "
+            "or as a JSON list"
+        )
+    values = list(whole.values())
+    if values and all(isinstance(v, dict) and v and all(k.isdigit() for k in v) for v in values):
+        raise DataError(
+            f"{flag} {shown} holds one JSON object of columns ({{column: {{row: value}}}}), "
+            'as pandas\' to_json writes it without orient="records", lines=True: save it with '
+            'df.to_json(path, orient="records", lines=True), as a .jsonl'
+        )
+    lengths = {len(v) if isinstance(v, list) else -1 for v in values}
+    flat = all(not isinstance(x, dict | list) for v in values if isinstance(v, list) for x in v)
+    if len(values) > 1 and len(lengths) == 1 and min(lengths) > 1 and flat:
+        raise DataError(
+            f"{flag} {shown} holds one JSON object of columns ({{column: [values]}}), not "
+            "rows: write one object per row, e.g. pandas.DataFrame(columns).to_json(path, "
+            'orient="records", lines=True), as a .jsonl'
+        )
 
 
 def _not_json(flag: str, shown: str, line: int, e: json.JSONDecodeError) -> DataError:
@@ -660,9 +848,10 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
     empty cell null. ``limit``: the first rows only."""
     import pandas as pd
 
+    numbers: list[int] = []
     with open_data(path) as f:
         if limit is None:
-            _utf8(f.read(), flag, shown)  # a non-UTF-8 byte, named by its line
+            numbers = _filled_lines(_utf8(f.read(), flag, shown))[0]  # a bad byte: its line
         else:
             for number, raw in enumerate(f, 1):
                 _utf8(raw, flag, shown, number)
@@ -677,7 +866,37 @@ def _read_csv(path: str, flag: str, shown: str, limit: int | None = None) -> Row
     for name in frame.columns:
         series = frame[name].astype(object)
         columns[str(name)] = series.where(series.notna(), None).tolist()
-    return Rows([str(n) for n in frame.columns], columns, len(frame), limit is not None)
+    rows = Rows([str(n) for n in frame.columns], columns, len(frame), limit is not None)
+    _as_written(rows, frame, path, limit)
+    return _numbered(rows, numbers[1:])  # the header, then a row per line (none quoted over two)
+
+
+_LEADING_ZERO = re.compile(r"^\s*[+-]?0\d")
+
+
+def _as_written(rows: Rows, frame: Any, path: str, limit: int | None) -> None:
+    """Note in ``rows`` the CSV cells pandas read other than they are written (``datasets``
+    reads a CSV with pandas' defaults, in the replicas too): a number column's cells written
+    with leading zeros, and each missing value's text. Read again as text only when a
+    column is numeric or holds a missing value."""
+    import pandas as pd
+
+    numeric = [n for n in frame.columns if frame[n].dtype.kind in "iuf"]
+    nulls = [n for n in frame.columns if frame[n].isna().any()]
+    if not numeric and not nulls:
+        return
+    text = pd.read_csv(path, nrows=limit, dtype=str, keep_default_na=False,
+                       compression=pandas_compression(path))  # fmt: skip
+    if list(text.columns) != list(frame.columns) or len(text) != len(frame):
+        return  # read otherwise (a ragged file): say nothing rather than guess
+    for name in numeric:
+        cells = text[name].tolist()
+        zeros = {i: c for i, c in enumerate(cells) if _LEADING_ZERO.match(c)}
+        if zeros:
+            rows.zeros[str(name)] = zeros
+    for name in nulls:
+        cells, gone = text[name].tolist(), frame[name].isna().tolist()
+        rows.missing[str(name)] = {i: cells[i] for i, g in enumerate(gone) if g}
 
 
 def _read_saved(path: str, split: str, flag: str, shown: str) -> Rows:

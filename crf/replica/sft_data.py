@@ -17,7 +17,7 @@ its tokenizer checks for a prompt first); the other columns are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from crf.replica.data import (
@@ -34,6 +34,7 @@ from crf.replica.data import (
     messages_problem,
     mixed_problem,
     no_column,
+    row_name,
     type_name,
 )
 
@@ -149,26 +150,29 @@ def check_row(
     index: int,
     columns: Mapping[str, str] | None = None,
     flag: str = "--dataset",
+    lines: Sequence[int] | None = None,
 ) -> None:
     """DataError for a row whose values do not fit its format (:func:`row_problem`):
-    checked on every row of a local file before launch, and by each replica on its rows."""
+    checked on every row of a local file before launch, and by each replica on its rows.
+    ``index``: the row's number in the split, from 0 (named as crf/replica/data.py
+    ``row_name`` names it, by its line in ``lines`` when known)."""
     problem = row_problem(row, form, columns or {})
     if problem:
-        raise DataError(f"{flag} {dataset} row {index}: {problem}")
+        raise DataError(f"{flag} {dataset} {row_name(index, lines)}: {problem}")
 
 
 def check_rows(
     values: Mapping[str, list[Any]], form: str, dataset: str, columns: Mapping[str, str],
-    flag: str = "--dataset",
+    flag: str = "--dataset", lines: Sequence[int] | None = None,
 ) -> None:  # fmt: skip
     """:func:`check_row` on every row of columns ``values`` (field -> values)."""
     fields = [f for f in values if f in dict(FORMATS)[form]]
     for i, row in enumerate(zip(*(values[f] for f in fields), strict=True)):
-        check_row(dict(zip(fields, row, strict=True)), form, dataset, i, columns, flag)
+        check_row(dict(zip(fields, row, strict=True)), form, dataset, i, columns, flag, lines)
     for field in fields:
         mixed = mixed_problem(values[field], column_of(columns, field))
         if mixed is not None:
-            raise DataError(f"{flag} {dataset} row {mixed[0]}: {mixed[1]}")
+            raise DataError(f"{flag} {dataset} {row_name(mixed[0], lines)}: {mixed[1]}")
 
 
 def check_sft_dataset(
@@ -202,7 +206,7 @@ def check_sft_dataset(
         raise DataError(str(e).replace("--dataset", what, 1)) from None
     if every is not None:  # a local split, read whole: every row is checked
         values = {f: every.column(c) for c, f in renames.items()}
-        check_rows(values, form, dataset, columns, what)
+        check_rows(values, form, dataset, columns, what, every.lines)
     else:
         for i, row in enumerate(first):
             renamed = {renames[c]: v for c, v in row.items() if c in renames}
