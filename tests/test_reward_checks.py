@@ -1,4 +1,4 @@
-"""The check before launch of a ``--workdir`` reward (crf/launcher/data_checks.py): a reward
+"""The check before launch of a ``--workdir`` reward (crf/launcher/reward_checks.py): a reward
 that blocks is stopped after a time limit, one that exits or does not parse is named in one
 line (the user's own file, not the check's temporary copy), what TRL's GRPOTrainer turns into
 its rewards tensor passes (bools, numpy and torch arrays and scalars), a reward given twice or
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from crf.launcher import data_checks
+from crf.launcher import reward_checks
 from tests.test_cli import crf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ async def score(completions, **kw):
 def test_a_reward_that_blocks_is_refused_after_the_time_limit(
     body: str, dry_run: bool, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(data_checks, "REWARD_CALL_S", 1.0)
+    monkeypatch.setattr(reward_checks, "REWARD_CALL_S", 1.0)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     started = time.monotonic()
     result = crf(*_args(tmp_path, body), *(["--dry-run"] if dry_run else []))
@@ -215,10 +215,10 @@ def test_check_values_reads_numbers_as_torch_does() -> None:
 
     for value, number in [(True, 1.0), (np.bool_(False), 0.0), (np.int64(3), 3.0),
                           (torch.tensor(0.25), 0.25), (np.array(2.0), 2.0), (7, 7.0)]:  # fmt: skip
-        assert data_checks.reward_value(value) == number
+        assert reward_checks.reward_value(value) == number
     for value in ["1", None, [1.0], np.array([1.0]), torch.ones(2), b"1", 1j]:
-        assert data_checks.reward_value(value) is None
-    assert math.isnan(data_checks.reward_value(float("nan")) or 0.0)
+        assert reward_checks.reward_value(value) is None
+    assert math.isnan(reward_checks.reward_value(float("nan")) or 0.0)
 
 
 # ---------------------------------------------------------------------- warnings
@@ -234,11 +234,11 @@ def test_a_reward_given_twice_or_weighted_zero_is_warned_about(tmp_path: Path) -
     ) in text
     assert ("warning: --reward exact_match=0 has weight 0: it is called and logged, but adds "
             "nothing to the reward trained on") in text  # fmt: skip
-    assert data_checks.reward_warnings(["exact_match=0"]) == [
+    assert reward_checks.reward_warnings(["exact_match=0"]) == [
         "every --reward has weight 0: the reward trained on is 0 for every completion, so "
         "GRPO has nothing to learn from; give a reward a weight other than 0"
     ]
-    assert data_checks.reward_warnings(["exact_match", "format:x=0.5"]) == []
+    assert reward_checks.reward_warnings(["exact_match", "format:x=0.5"]) == []
 
 
 # ---------------------------------------------------------------------- a reward with no values

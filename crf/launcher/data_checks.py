@@ -28,12 +28,9 @@ device only (crf/launcher/model_shapes.py): no weights are loaded and nothing is
 
 from __future__ import annotations
 
-import inspect
 import json
-import math
 import os
 import re
-import signal
 import struct
 import threading
 from collections.abc import Callable, Mapping
@@ -50,11 +47,6 @@ HUB_TIMEOUT_S = 4.0
 #: seconds a Hub dataset's first rows may take to stream before the replicas are left to
 #: check them (resolving the repo's files and reading the head of the first one)
 HUB_ROWS_S = 60.0
-#: seconds each reward function may take on the sampled rows before the launch is refused
-REWARD_CALL_S = 60.0
-#: the signal that ends a reward call past its time (the main thread's; SIGALRM is left to
-#: the user's code: math-verify times its parsing with it)
-_TOO_SLOW_SIGNAL = getattr(signal, "SIGUSR1", None)
 #: files of which at least one makes a tokenizer (transformers' fast and slow formats)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer_config.json")  # fmt: skip
@@ -98,6 +90,14 @@ class Found:
 
     warnings: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    #: the splits read, whose sampled rows the rewards are called on
+    splits: list[Split] = field(default_factory=list)
+
+
+def builtin_data(spec: Any) -> bool:
+    """Whether the run's data and rewards are read by a built-in job (composer, sft), which
+    these checks know; a custom job or entrypoint reads them its own way."""
+    return not spec.entrypoint and spec.job in ("composer", "sft")
 
 
 def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
@@ -105,7 +105,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     first problem. ``local``: the replicas run on this machine, so an unreachable Hub repo
     is refused (a dry run lists it with what is missing, as it lists credentials)."""
     found = Found()
-    if spec.entrypoint or spec.job not in ("composer", "sft"):
+    if not builtin_data(spec):
         return found  # a custom job or entrypoint reads its data its own way
     model = getattr(spec, "model", None)
     model = model and os.path.expanduser(model)  # "~/m" from a config file or quoted flag
@@ -168,9 +168,8 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
     if spec.job == "sft":  # prompts that leave no completion token within max_length
         found.warnings += sft_cut_prompts(spec, model, splits)
-    check_rewards_on(spec, splits)
-    found.warnings += reward_warnings(list(spec.reward or []), spec.job)
-    return found
+    found.splits = splits  # the rewards are called on their sampled rows next
+    return found  # (crf/launcher/reward_checks.py)
 
 
 def _check_prompts(spec: Any, model: str, splits: list[Split]) -> list[str]:
@@ -591,48 +590,6 @@ def in_time(read: Callable[[], Any], seconds: float) -> Any:
     return box["value"]
 
 
-class TooSlow(BaseException):
-    """A call did not return in time (:func:`within`). A BaseException, so that a reward's
-    own ``except Exception`` does not swallow it."""
-
-
-def within(run: Callable[[], Any], seconds: float) -> Any:
-    """``run()``'s value; TooSlow when it has not returned within ``seconds``. On the main
-    thread ``run`` runs there (a reward may use signals, as math-verify's timeouts do): a
-    watchdog thread signals the main thread, whose handler raises TooSlow into ``run``,
-    again each second until it gives up. Elsewhere (no signals but on the main thread), it
-    runs in a daemon thread (:func:`in_time`), left to end by itself."""
-    if threading.current_thread() is not threading.main_thread() or _TOO_SLOW_SIGNAL is None:
-        boxed = in_time(lambda: (run(),), seconds)
-        if boxed is None:
-            raise TooSlow
-        return boxed[0]
-    done, late = threading.Event(), threading.Event()
-    main = threading.get_ident()
-
-    def interrupt(signum: int, frame: Any) -> None:
-        if late.is_set() and not done.is_set():
-            raise TooSlow
-
-    def watch() -> None:
-        if done.wait(seconds):
-            return
-        late.set()
-        while not done.is_set():
-            signal.pthread_kill(main, _TOO_SLOW_SIGNAL)
-            done.wait(1.0)
-
-    previous = signal.signal(_TOO_SLOW_SIGNAL, interrupt)
-    watchdog = threading.Thread(target=watch, name="crf-reward-limit", daemon=True)
-    watchdog.start()
-    try:
-        return run()
-    finally:
-        done.set()
-        watchdog.join()
-        signal.signal(_TOO_SLOW_SIGNAL, previous)
-
-
 def _wanted(spec: Any, flag: str) -> int:
     """Rows to read of a split: the sample, and (the composer's training split) one batch of
     prompts per replica, counted for :func:`check_batch`."""
@@ -791,7 +748,7 @@ def dropped_zeros(spec: Any, split: Split) -> str | None:
     read = split.every["answer"][i]
     by = "the default reward" if reader == DEFAULT_READER else f"--reward {reader}"
     return (
-        f"{split.flag} {split.dataset}: the answer column {_column(spec, 'answer')} holds "
+        f"{split.flag} {split.dataset}: the answer column {shown_column(spec, 'answer')} holds "
         f"numbers written with leading zeros ({text!r} on {row_name(i, split.lines)} is read "
         f"as {read!r}; {len(cells)} such row(s)), which pandas, reading a CSV, drops, so {by} "
         f"compares answers against {str(read)!r}; to keep them as text, convert the file to "
@@ -822,13 +779,13 @@ def check_batch(spec: Any, splits: list[Split]) -> None:
         )
 
 
-def _column(spec: Any, fld: str) -> str:
+def shown_column(spec: Any, fld: str) -> str:
     from crf.replica.data import column_of
 
     return column_of(dict(spec.columns), fld)
 
 
-def _kind(value: Any) -> str:
+def value_kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
@@ -866,220 +823,3 @@ def check_rows(spec: Any, split: Split) -> None:
 
 
 # ---------------------------------------------------------------------- the rewards
-def check_rewards_on(spec: Any, splits: list[Split]) -> None:
-    """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
-    it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
-    text) as the completion: it must not raise and must return a finite number per row."""
-    from crf.replica.data import job_row
-    from crf.replica.rewards import RewardError, parse_rewards, reward_function
-
-    if not spec.reward:
-        return
-    specs = parse_rewards(list(spec.reward))
-    scored = [s for s in splits if spec.job == "composer" or s.flag != "--dataset"]
-    for split in scored:
-        rows = [r for r in split.rows if r.get("prompt") is not None or r.get("messages")]
-        if split.form is None:  # composer: a row as the replicas give it (an empty hint: None)
-            rows = [job_row(r, [(k, k) for k in r]) for r in rows]
-        if not rows:
-            continue
-        for s in specs:
-            if s.needs_answer:
-                check_answers(spec, split, s.name)
-            try:
-                fn = reward_function(s)
-            except RewardError as e:
-                raise LaunchError(str(e)) from None
-            call_reward(s.name, fn, rows, split, many=len(specs) > 1)
-
-
-def reward_warnings(entries: list[str], job: str = "composer") -> list[str]:
-    """What the ``--reward`` entries allow but hardly mean: one given twice (called once
-    per entry, logged under one name) and a weight of 0 (called and logged, adding nothing
-    to the total: the reward GRPO trains on, or the sft job's held-out score)."""
-    from crf.replica.rewards import parse_rewards
-
-    specs = parse_rewards(entries)
-    total = "the reward trained on" if job == "composer" else "the held-out score"
-    out = []
-    weights: dict[str, list[float]] = {}
-    for s in specs:
-        weights.setdefault(s.name, []).append(s.weight)
-    for name, given in weights.items():
-        if len(given) > 1:
-            out.append(
-                f"--reward {name} is given {len(given)} times (weights "
-                f"{', '.join(f'{w:g}' for w in given)}): it is called once per entry and "
-                f"logged under one name; give it once, as {name}={sum(given):g}"
-            )
-    zero = [s.name for s in specs if s.weight == 0]
-    if zero and len(zero) == len(specs):
-        learns = ", so GRPO has nothing to learn from" if job == "composer" else ""
-        out.append(
-            f"every --reward has weight 0: {total} is 0 for every completion{learns}; give "
-            "a reward a weight other than 0"
-        )
-    elif zero:
-        out.extend(
-            f"--reward {name}=0 has weight 0: it is called and logged, but "
-            f"adds nothing to {total}; give it a weight, or drop it"
-            for name in dict.fromkeys(zero)
-        )
-    return out
-
-
-def check_answers(spec: Any, split: Split, reward: str) -> None:
-    """The answer column holds text or numbers (a built-in reward compares them as text);
-    ``math_answer`` must find a number or expression in at least one sampled answer."""
-    where = f"{split.flag} {split.dataset}"
-    for i, row in enumerate(split.rows):
-        value = row.get("answer")
-        if value is None or isinstance(value, bool) or not isinstance(value, str | int | float):
-            from crf.replica.data import row_name
-
-            raise LaunchError(
-                f"{where} {row_name(i, split.lines)}: the answer in column "
-                f"{_column(spec, 'answer')} is {_kind(value)}, which --reward {reward} "
-                "cannot read; it needs text or a number on every row (map another with "
-                "--column answer=COLUMN)"
-            )
-    if reward == "math_answer":
-        from crf.replica.rewards import _math_verify
-
-        mv = _math_verify()
-        answers = [str(r["answer"]) for r in split.rows[:4]]
-        if not any(mv.parse(a, parsing_timeout=None) for a in answers):
-            raise LaunchError(
-                f"{where}: math_answer finds no number or expression in the answers of column "
-                f"{_column(spec, 'answer')} (e.g. {answers[0][:60]!r}); map the column that "
-                "holds the final answer with --column answer=COLUMN, or use exact_match"
-            )
-
-
-def _completion(row: Mapping[str, Any]) -> Any:
-    """The row's answer as a completion, in the form the replicas hand a reward: messages
-    when the dataset's prompt is a conversation, else text (TRL's rule; a replica that
-    sends a text prompt through the chat template gives the reward the text back)."""
-    from crf.replica.rewards import is_conversational
-
-    text = row.get("answer", row.get("completion", ""))
-    text = "" if text is None or isinstance(text, list) else str(text)
-    if is_conversational(_prompt(row)):
-        return [{"role": "assistant", "content": text}]
-    return text
-
-
-def _prompt(row: Mapping[str, Any]) -> Any:
-    if "messages" in row and isinstance(row["messages"], list):
-        return row["messages"][:-1]
-    return row.get("prompt")
-
-
-def call_reward(
-    name: str, fn: Callable[..., Any], rows: list[dict[str, Any]], split: Split, *, many: bool
-) -> None:
-    """LaunchError when reward ``name`` raises, exits, takes longer than
-    :data:`REWARD_CALL_S` on ``rows`` or does not return one finite number per row, in any
-    form TRL turns into its rewards tensor (:func:`reward_values`; None is TRL's "not
-    applicable", allowed only beside other rewards)."""
-    from crf.replica.rewards import call, outside_trainer
-    from crf.replica.sft_data import FORMAT_FIELDS
-
-    if split.form is None:  # composer: every column but those TRL keeps out
-        extra = {k for r in rows for k in r if k not in ("prompt", "completion")}
-    else:  # sft: a held-out row is scored with its other columns (sft._scorable)
-        extra = {k for r in rows for k in r if k not in FORMAT_FIELDS}
-    kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
-    where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
-
-    def scored() -> Any:
-        out = call(
-            fn,
-            prompts=[_prompt(r) for r in rows],
-            completions=[_completion(r) for r in rows],
-            completion_ids=[[] for _ in rows],
-            **(kwargs | outside_trainer()),
-        )
-        return _listed(out)  # a generator's values come from the user's code too
-
-    try:
-        out = within(scored, REWARD_CALL_S)
-    except TooSlow:
-        raise LaunchError(
-            f"--reward {name} did not return within {REWARD_CALL_S:g}s {where}; make it "
-            f"return faster for {len(rows)} rows (a slow reward also slows every training "
-            "step, where it scores each batch of completions)"
-        ) from None
-    except SystemExit as e:  # sys.exit() in the user's code would end the launcher
-        raise LaunchError(
-            f"--reward {name} called sys.exit({e.code!r}) {where}; a reward returns its "
-            "values: raise an exception (or return None for a completion it cannot score) "
-            "instead"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
-        cause = e.__cause__ or e
-        raise LaunchError(
-            f"--reward {name} raised {type(cause).__name__}: {cause} {where}; fix the "
-            "function (it is called as TRL calls it: prompts, completions, and the "
-            "dataset's columns as keyword lists)"
-        ) from None
-    check_reward_values(name, out, len(rows), where, many=many)
-
-
-def _listed(out: Any) -> Any:
-    """``out`` as the list TRL makes of it (``[r for r in out]``): any iterable but text
-    and mappings (TRL's tensor refuses their items); anything else as it is."""
-    if inspect.iscoroutine(out) or isinstance(out, str | bytes | Mapping):
-        return out
-    try:
-        return list(out)
-    except TypeError:  # not iterable: a number, None...
-        return out
-
-
-def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) -> None:
-    """LaunchError unless ``out`` holds ``n`` rewards TRL can take (:func:`reward_value`)."""
-    if inspect.iscoroutine(out):  # TRL awaits an `async def` reward only, not this
-        out.close()
-        raise LaunchError(
-            f"--reward {name} returned a coroutine {where}: TRL awaits a reward only when it "
-            "is declared `async def` (or has an `async def __call__`); declare it so"
-        )
-    if not isinstance(out, list) or len(out) != n:
-        got = f"a {_kind(out)}" if not isinstance(out, list) else f"{len(out)} values"
-        raise LaunchError(
-            f"--reward {name} returned {got} {where}; a reward returns a list (or an array) "
-            "with one number per completion"
-        )
-    for i, value in enumerate(out):
-        if value is None and many:
-            continue
-        number = reward_value(value)
-        if number is None or not math.isfinite(number):
-            shown = value if number is None else number
-            raise LaunchError(
-                f"--reward {name} returned {shown!r} for the {_nth(i + 1)} row {where}; a "
-                "reward returns a finite number (or a bool) per completion"
-            )
-
-
-def reward_value(value: Any) -> float | None:
-    """``value`` as the number TRL's ``torch.tensor(..., dtype=float32)`` makes of it: a
-    bool, an int, a float, or a numpy or torch scalar (a 0-d array or tensor); None for
-    anything else (text, None, a list, an array of several values)."""
-    if isinstance(value, bool | int | float):
-        return float(value)
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, str):
-        try:
-            item = value.item()
-        except (TypeError, ValueError, RuntimeError):
-            return None
-        if isinstance(item, bool | int | float):
-            return float(item)
-    return None
-
-
-def _nth(n: int) -> str:
-    """1st, 2nd, 3rd, 4th... 11th, 12th, 13th, 21st."""
-    end = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{end}"

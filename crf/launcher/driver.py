@@ -18,16 +18,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import socket
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
 from crf.executors.base import ExecutorError, ReplicaHandle, ReplicaState, ServerlessExecutor
 from crf.launcher.errors import LaunchError
+from crf.launcher.interrupts import sigterm_as_interrupt
 from crf.launcher.plan import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_STORE,
@@ -340,29 +339,6 @@ def _watched(
         console.print("[yellow]interrupted: cancelling the replicas...[/]")
         plan.executor.cancel_all(sup.handles)
     return error, cancelled or sup.cancelled  # sup.cancelled: crf cancel from elsewhere
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While the driver watches, SIGTERM does what Ctrl-C does: cancel the replicas, write
-    the summary (status ``cancelled``), exit 130; ``crf launch --resume`` continues the run.
-    SIGTERM is how a CI job's cancel, ``kill``, ``docker stop`` or a batch scheduler ask a
-    process to stop; its default action would end the driver without a word and leave the
-    replicas training with nobody watching. The checks before launch use it too, so that
-    their temporary copy of ``--workdir`` is removed on the way out. Only the main thread can
-    take a signal (the SDK may launch from another one: there SIGTERM keeps its default)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_timeout(timeout_s: float | None) -> None:

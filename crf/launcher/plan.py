@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor, resolve_procs_per_replica
-from crf.launcher.data_checks import check_inputs
+from crf.launcher.data_checks import builtin_data, check_inputs
 from crf.launcher.errors import LaunchError
 from crf.launcher.user_env import check_reserved, resolve_secrets
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
@@ -615,8 +615,13 @@ def _check_inputs(
 ) -> Any:
     """The run's data, model and rewards checked (crf/launcher/data_checks.py), then
     ``--model`` named as the replicas will find it (:func:`replica_model_path`)."""
+    from crf.launcher.reward_checks import check_rewards_on, reward_warnings
+
     local = getattr(executor, "name", spec.backend) == "local"
     found = check_inputs(spec, local=local, dry_run=dry_run)
+    if builtin_data(spec):  # each reward called on the sampled rows (none: not called)
+        check_rewards_on(spec, found.splits)
+        found.warnings += reward_warnings(list(spec.reward or []), spec.job)
     spec.model = replica_model_path(spec, packed)
     return found
 
@@ -727,7 +732,7 @@ def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iter
         yield
         return
     from crf.executors.workdir import unpack_workdir
-    from crf.launcher.driver import sigterm_as_interrupt
+    from crf.launcher.interrupts import sigterm_as_interrupt
 
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
         where = str(unpack_workdir(packed.data, Path(tmp) / "workdir"))

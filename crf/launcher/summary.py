@@ -265,17 +265,13 @@ def build_summary(
         )
         for r in results
     ]
-    reported = [
-        x
-        for r in results
-        for x in reported_rejections(r.result or {}, attempts.get(r.rank, ()), metrics.get(r.rank))
-    ]
+    reported = [x for r in results for x in _rejections(r, attempts, metrics)]
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
     rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
     status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
     problems = run_problems(rows, reported, metrics, spec.rounds)
-    missing = rewards_missing(metrics)
+    missing = rewards_missing(metrics)  # a reward that gave no value in a round: said so
     notes = {"rewards_missing": missing, "warnings": reward_warnings(missing)} if missing else {}
     return {
         "run_id": spec.run_id,
@@ -308,6 +304,16 @@ def build_summary(
         "figure": None,
         **notes,
     }
+
+
+def _rejections(
+    result: ReplicaResult,
+    attempts: Mapping[int, Sequence[Mapping[str, Any]]],
+    metrics: Mapping[int, Sequence[Mapping[str, Any]]],
+) -> list[Any]:
+    """What replica ``result``'s attempts and round records report of refused exchanges."""
+    rank = result.rank
+    return list(reported_rejections(result.result or {}, attempts.get(rank, ()), metrics.get(rank)))
 
 
 def run_status(
