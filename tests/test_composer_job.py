@@ -318,6 +318,16 @@ def test_the_embedded_model_reads_a_datasets_characters_the_same_on_every_replic
     assert positions >= longest + completion_tokens(Config(), ctx.spec)
 
 
+def test_the_default_reward_reads_a_number_answer_as_it_prints() -> None:
+    """A --dataset without --reward is scored by the embedded task's reward, which compares
+    characters: a JSON or CSV answer that is a number (24) is the text "24" there, as the
+    other built-in rewards read it, not a TypeError in the first training step."""
+    from crf.composer.task import reverse_reward
+
+    assert reverse_reward(["24", "2", "42"], answer=[24, 24, 24]) == [1.0, 0.25, 0.0]
+    assert reverse_reward(["x"], answer=[""]) == [0.0]  # an empty answer scores, not raises
+
+
 def test_conversations_without_a_chat_template_fail_at_setup(tmp_path: Path) -> None:
     """Conversational prompts (a URL dataset: the launcher reads its first rows only) with a
     tokenizer without a chat template: a DataError while the replica builds (a setup error,

@@ -44,11 +44,14 @@ def make_examples(
     return rows
 
 
-def score(completion: str, answer: str) -> float:
-    """Fraction of correct positions, scaled down for a wrong length; 1.0 iff exact."""
+def score(completion: str, answer: Any) -> float:
+    """Fraction of correct positions, scaled down for a wrong length; 1.0 iff exact. An
+    answer that is a number is compared as it prints (a dataset's ``24`` is the text
+    "24"), as the other built-in rewards compare it."""
+    answer = str(answer)
     hits = sum(1 for a, b in zip(completion, answer, strict=False) if a == b)
     length_factor = min(len(completion), len(answer)) / max(len(completion), len(answer), 1)
-    return (hits / len(answer)) * length_factor
+    return (hits / max(len(answer), 1)) * length_factor
 
 
 def completion_text(completion: Any) -> str:
@@ -58,6 +61,6 @@ def completion_text(completion: Any) -> str:
     return completion
 
 
-def reverse_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+def reverse_reward(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
     """TRL reward function: one score per completion, plain or conversational (``score``)."""
     return [score(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
