@@ -42,10 +42,12 @@ def _args(tmp: Path, body: str, *reward: str, name: str = "rw_chk") -> list[str]
             "--workdir", wd, "--no-progress", *rewards]  # fmt: skip
 
 
-def _process(tmp: Path, args: list[str], **kw: Any) -> subprocess.Popen[str]:
+def _process(
+    tmp: Path, args: list[str], env: dict[str, str] | None = None, **kw: Any
+) -> subprocess.Popen[str]:
     """``crf launch`` as a real process, its temporary files in ``tmp/tmp``."""
     (tmp / "tmp").mkdir(exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(tmp / "tmp"), "PYTHONPATH": str(REPO)}
+    env = {**(env or os.environ), "TMPDIR": str(tmp / "tmp"), "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "crf.launcher.cli", *args], cwd=REPO,
                             env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, **kw)  # fmt: skip
@@ -96,16 +98,31 @@ def test_a_reward_that_blocks_is_refused_after_the_time_limit(
     assert not (tmp_path / "runs").exists()
 
 
+#: BLOCKS, saying first that the check called it (a file named by CRF_TEST_CALLED)
+BLOCKS_SAYS = """
+import os, pathlib, time
+
+def score(completions, **kw):
+    pathlib.Path(os.environ["CRF_TEST_CALLED"]).touch()
+    time.sleep(400)
+    return [0.0] * len(completions)
+"""
+
+
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_stopping_the_launch_during_the_check_removes_its_workdir_copy(
     how: signal.Signals, tmp_path: Path
 ) -> None:
-    proc = _process(tmp_path, _args(tmp_path, BLOCKS))
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "tmp").glob("crf-workdir-check-*")):
+    """Stopped while the reward check runs (the reward has said it was called: a signal
+    at a time the test cannot see would make the test depend on the machine's load)."""
+    called = tmp_path / "called"
+    env = {**os.environ, "CRF_TEST_CALLED": str(called)}
+    proc = _process(tmp_path, _args(tmp_path, BLOCKS_SAYS), env=env)
+    deadline = time.monotonic() + 240
+    while not called.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.05)
-    time.sleep(0.5)  # in the reward's call, or about to be
+    assert list((tmp_path / "tmp").glob("crf-workdir-check-*"))
     proc.send_signal(how)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
