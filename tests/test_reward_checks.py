@@ -6,6 +6,7 @@ with weight 0 is warned about, and Ctrl-C or SIGTERM during the check leaves no 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -117,7 +118,10 @@ def test_stopping_the_launch_during_the_check_removes_its_workdir_copy(
     at a time the test cannot see would make the test depend on the machine's load)."""
     called = tmp_path / "called"
     env = {**os.environ, "CRF_TEST_CALLED": str(called)}
-    proc = _process(tmp_path, _args(tmp_path, BLOCKS_SAYS), env=env)
+    # Ctrl-C as a terminal delivers it: a CI job's background shell starts its processes with
+    # SIGINT ignored, and Python then takes no KeyboardInterrupt from it
+    default_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = _process(tmp_path, _args(tmp_path, BLOCKS_SAYS), env=env, preexec_fn=default_sigint)
     deadline = time.monotonic() + 240
     while not called.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
