@@ -125,3 +125,42 @@ def test_sft_prompts_that_take_the_whole_max_length_are_warned_of_or_refused(
     with pytest.raises(LaunchError) as caught:
         prepare({**options, "job_config": {"max_length": 3}}, store=str(tmp_path / "runs"))
     assert "every prompt checked is max_length 3 tokens or longer" in str(caught.value)
+
+
+def test_sft_held_out_answers_past_a_learned_table_are_refused_before_launch_and_at_setup(
+    tmp_path: Path,
+) -> None:
+    """sft's held-out pass@1 answers greedily, up to ``max_new_tokens`` (256 with --model),
+    before the first step: on a model with a learned table of 64 positions that evaluation
+    failed on every replica (an IndexError after launch). The launch refuses it naming the
+    row and the setting, and a replica (a Hub model, first read there) refuses the same."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from crf.replica.prompt_fit import check_answer_room
+
+    runner = CliRunner()
+    data = _rows(tmp_path)
+    gpt2 = _gpt2(tmp_path / "gpt2")
+    base = ["launch", "--job", "sft", "--dataset", str(data), "--eval-dataset", str(data),
+            "--column", "completion=answer", "--reward", "exact_match", "--model", str(gpt2),
+            "--set", "max_length=64", "--store", str(tmp_path / "runs"),
+            "--dry-run"]  # fmt: skip
+    past = runner.invoke(app, base)
+    flat = " ".join(past.output.split())
+    assert past.exit_code == 2, past.output
+    assert "held-out pass@1: a prompt of 4 tokens and max_new_tokens 256 need 260" in flat
+    assert "--set max_new_tokens=60" in flat and f"--eval-dataset {data} line 2" in flat, flat
+    fits = runner.invoke(app, [*base, "--set", "max_new_tokens=60"])
+    assert fits.exit_code == 0, fits.output
+    unscored = [a for a in base if a not in ("--reward", "exact_match", "--eval-dataset")]
+    unscored.remove(str(data))  # the --eval-dataset's; --dataset's stays
+    assert runner.invoke(app, unscored).exit_code == 0  # no pass@1: nothing generated
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2)
+    tokenizer = AutoTokenizer.from_pretrained(gpt2)
+    prompts = ["ab=", "bca="]  # held-out text prompts go untemplated: 4 tokens the longest
+    with pytest.raises(DataError) as caught:
+        check_answer_room(tokenizer, model, prompts, "org/gpt2", 256)
+    assert "max_new_tokens 256 need" in str(caught.value), caught.value
+    check_answer_room(tokenizer, model, prompts, "org/gpt2", 60)  # fits
+    check_answer_room(tokenizer, save_tiny_repo(tmp_path / "q"), prompts, "org/q", 10_000)

@@ -166,6 +166,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             check_sft_length(spec, model)
             remote = bool(getattr(spec, "trust_remote_code", False))
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
+            found.warnings += _check_answers(spec, model, splits)
     if spec.job == "sft":  # prompts that leave no completion token within max_length
         found.warnings += sft_cut_prompts(spec, model, splits)
     found.splits = splits  # the rewards are called on their sampled rows next
@@ -180,6 +181,20 @@ def _check_prompts(spec: Any, model: str, splits: list[Split]) -> list[str]:
     remote = bool(getattr(spec, "trust_remote_code", False))
     new = completion_tokens(job_config("composer", spec.job_config), spec)
     return check_prompts(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote, new_tokens=new)
+
+
+def _check_answers(spec: Any, model: str, splits: list[Split]) -> list[str]:
+    """The sft job's held-out answers within ``model``'s positions, when pass@1 is scored
+    (``--reward``): crf/launcher/prompt_checks.py ``check_answer_positions``."""
+    from crf.launcher.prompt_checks import check_answer_positions
+    from crf.replica.jobs import job_config
+
+    held = [s for s in splits if s.flag != "--dataset"]
+    if not held or not getattr(spec, "reward", None):
+        return []
+    new = job_config("sft", spec.job_config).new_tokens(spec)
+    remote = bool(getattr(spec, "trust_remote_code", False))
+    return check_answer_positions(model, held, new, trust_remote_code=remote)
 
 
 #: the first prompts of a split whose tokens :func:`sft_cut_prompts` counts

@@ -126,6 +126,53 @@ def check_conversations(
                 _check_kept(conversations[i], str(text), split, i, folder)
 
 
+def check_answer_positions(
+    folder: str, splits: Iterable[Any], new_tokens: int, *, trust_remote_code: bool = False
+) -> list[str]:
+    """The sft job's held-out pass@1 greedy answers (up to ``new_tokens``, its
+    ``max_new_tokens``) after the longest held-out prompt, against the model's positions:
+    LaunchError naming the row past a learned position table (the evaluation before the
+    first step fails there, on every replica), a warning past a rotary model's
+    ``max_position_embeddings``. ``splits``: the held-out ones."""
+    from crf.replica.prompt_fit import longest_answer_prompt
+
+    held = [(s, _held_out_prompts(s)) for s in splits]
+    held = [(s, p) for s, p in held if any(x is not None for x in p)]
+    learned = learned_positions(folder) if held else None
+    limit = _positions(folder)
+    if not held or not (learned or limit):
+        return []
+    tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
+    if tokenizer is None:
+        return []
+    for split, prompts in held:
+        longest = longest_answer_prompt(tokenizer, prompts)
+        if longest is None:
+            continue
+        tokens, i = longest
+        if learned and tokens + new_tokens > learned:
+            what = past_learned(learned, folder, tokens, new_tokens, "max_new_tokens")
+            raise LaunchError(f"{_row(split, i)}: held-out pass@1: {what}")
+        if limit and tokens + new_tokens > limit:
+            return [
+                f"{_row(split, i)}: held-out answers of max_new_tokens {new_tokens} after a "
+                f"prompt of {tokens} tokens run past --model {folder}'s {limit} positions "
+                "(max_position_embeddings); it generates on past them, usually worse"
+            ]
+    return []
+
+
+def _held_out_prompts(split: Any) -> list[Any]:
+    """An sft split's prompts as held-out pass@1 asks them (crf/replica/jobs/sft.py
+    ``_scorable``): a conversation's turns before its last answer, else the prompt."""
+    every = getattr(split, "every", None)
+    rows = getattr(split, "rows", [])
+    columns = every or {k: [r.get(k) for r in rows] for k in ("messages", "prompt")}
+    if columns.get("messages") is not None:
+        return [m[:-1] if isinstance(m, list) else None for m in columns["messages"]]
+    return list(columns.get("prompt") or [])
+
+
 def _conversations(split: Any) -> list[Any]:
     """An sft split's conversations, row by row (None for a row that holds none): its
     ``messages``, or its prompt and completion messages together."""

@@ -97,6 +97,45 @@ def check_setup_prompts(
                                      "max_completion_length"))  # fmt: skip
 
 
+def longest_answer_prompt(tokenizer: Any, prompts: Sequence[Any]) -> tuple[int, int] | None:
+    """(tokens, row) of the longest held-out prompt among the :func:`chosen_rows`, rendered as
+    held-out evaluation renders it (crf/replica/evaluation.py ``as_text``: a text as it is,
+    with the tokenizer's special tokens; a conversation through the chat template, with the
+    generation prompt). None: no prompt (a row of plain text has none), or a template that
+    refuses one (the conversation checks say so)."""
+    from crf.replica.evaluation import as_text
+
+    best: tuple[int, int] | None = None
+    for i in chosen_rows(prompts, first=0):
+        prompt = prompts[i]
+        if not isinstance(prompt, str | list):
+            continue
+        try:
+            text = as_text(tokenizer, prompt)
+        except Exception:  # noqa: BLE001 - jinja's errors: checked with the conversations
+            continue
+        tokens = len(tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"])
+        if best is None or tokens > best[0]:  # the first of the longest
+            best = (tokens, i)
+    return best
+
+
+def check_answer_room(
+    tokenizer: Any, model: Any, prompts: Sequence[Any], model_name: str, new_tokens: int
+) -> None:
+    """DataError when the sft job's held-out answers (greedy, of up to ``new_tokens``: its
+    ``max_new_tokens``) after the longest held-out prompt need more positions than
+    ``model``'s learned table: the evaluation before the first step would fail, on every
+    replica."""
+    learned = learned_positions(model)
+    longest = longest_answer_prompt(tokenizer, prompts) if learned else None
+    if learned and longest and longest[0] + new_tokens > learned:
+        raise DataError(
+            "held-out pass@1: "
+            + past_learned(learned, model_name, longest[0], new_tokens, "max_new_tokens")
+        )
+
+
 def _render(tokenizer: Any, messages: list[Any], model_name: str) -> str:
     try:
         text = str(

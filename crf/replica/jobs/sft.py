@@ -411,7 +411,11 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     settings = cfg.settings(model=given, lora=lora)
     train, held, scorable = _rows(ctx, cfg)
     if given:
+        from crf.replica.prompt_fit import check_answer_room
+
         model, tokenizer = load_pretrained(spec, placement, seed=int(ctx.seed))
+        prompts = [row["prompt"] for row in scorable]  # held-out answers within its positions
+        check_answer_room(tokenizer, model, prompts, spec.model, cfg.new_tokens(spec))
     else:
         data = [train] if held is None else [train, held]
         model, tokenizer = _tiny(ctx, cfg, data, settings["max_length"])
