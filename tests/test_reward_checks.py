@@ -1,8 +1,9 @@
 """The check before launch of a ``--workdir`` reward (crf/launcher/reward_checks.py): a reward
-that blocks is stopped after a time limit, one that exits or does not parse is named in one
-line (the user's own file, not the check's temporary copy), what TRL's GRPOTrainer turns into
-its rewards tensor passes (bools, numpy and torch arrays and scalars), a reward given twice or
-with weight 0 is warned about, and Ctrl-C or SIGTERM during the check leaves no copy behind."""
+that blocks (or a module that blocks as it imports) is stopped after a time limit, one that
+exits or does not parse is named in one line (the user's own file, not the check's temporary
+copy), what TRL's GRPOTrainer turns into its rewards tensor passes (bools, numpy and torch
+arrays and scalars), a reward given twice or with weight 0 is warned about, and Ctrl-C or
+SIGTERM during the check leaves no copy behind."""
 
 from __future__ import annotations
 
@@ -95,6 +96,39 @@ def test_a_reward_that_blocks_is_refused_after_the_time_limit(
     assert line.startswith("error: --reward rw_chk:score did not return within 1s on 8 row(s) "
                            f"of --dataset {tmp_path / 'train.jsonl'}"), line  # fmt: skip
     assert "make it return faster for 8 rows" in line and "every training step" in line
+    assert not list(tmp_path.glob("crf-workdir-check-*"))
+    assert not (tmp_path / "runs").exists()
+
+
+#: a module that blocks as it imports (a download, a lock, input())
+BLOCKS_AT_IMPORT = """
+import time
+
+time.sleep(400)
+
+def score(completions, **kw):
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_reward_module_that_blocks_at_import_is_refused_after_the_time_limit(
+    job: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(reward_checks, "REWARD_CALL_S", 1.0)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    args = _args(tmp_path, BLOCKS_AT_IMPORT, name="rw_imp")
+    if job == "sft":  # its rewards score held-out answers
+        data = args[args.index("--dataset") + 1]
+        args += ["--job", "sft", "--eval-dataset", data, "--column", "completion=answer"]
+    started = time.monotonic()
+    result = crf(*args)
+    assert time.monotonic() - started < 60
+    assert result.exit_code == 2, result.output
+    line = _one_line(result.output)
+    assert line.startswith("error: --reward rw_imp:score: importing rw_imp did not finish "
+                           "within 1s"), line  # fmt: skip
+    assert "load models or data on the reward's first call" in line
     assert not list(tmp_path.glob("crf-workdir-check-*"))
     assert not (tmp_path / "runs").exists()
 

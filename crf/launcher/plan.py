@@ -519,6 +519,7 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
     (``check_launch(spec)`` in its module: the sft job). A local dataset path becomes
     absolute, so replicas in another directory find it. Returns the first rows of a
     --dataset file (at most SAMPLE_ROWS) for the dry run's notes."""
+    from crf.launcher.reward_checks import import_rewards
     from crf.replica.data import DataError, check_dataset, check_eval
     from crf.replica.jobs import get_job
     from crf.replica.rewards import RewardError, check_rewards
@@ -543,6 +544,7 @@ def check_workload(spec: RunSpec) -> list[dict[str, Any]]:
             "task has no configs or splits): give --dataset, or drop it"
         )
     _check_column_use(spec)
+    import_rewards(spec.reward)  # within a time limit: a module may block as it imports
     job_check = getattr(get_job(spec.job), "check_launch", None)
     if job_check is not None:  # the job checks its own data (sft: TRL's SFT formats)
         try:

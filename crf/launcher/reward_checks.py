@@ -69,6 +69,33 @@ def within(run: Callable[[], Any], seconds: float) -> Any:
         signal.signal(_TOO_SLOW_SIGNAL, previous)
 
 
+def import_rewards(entries: list[str] | None) -> None:
+    """Each ``--reward module:function`` imported within :data:`REWARD_CALL_S`: a module
+    that blocks at import (a download, a lock, an ``input()``) would hang the launch, and
+    then every replica's setup. What an import raises is left to the reward checks that
+    follow (``check_rewards``), which import the same modules again, from ``sys.modules``."""
+    from crf.replica.rewards import BUILTINS, RewardError, parse_rewards, reward_function
+
+    try:
+        specs = parse_rewards(list(entries or []))
+    except RewardError:
+        return  # said by the checks that follow
+    for s in specs:
+        if s.name in BUILTINS or s.name.startswith("format:"):
+            continue
+        try:
+            within(lambda s=s: reward_function(s), REWARD_CALL_S)
+        except TooSlow:
+            module = s.name.partition(":")[0]
+            raise LaunchError(
+                f"--reward {s.name}: importing {module} did not finish within "
+                f"{REWARD_CALL_S:g}s; a module that holds rewards must import quickly (load "
+                "models or data on the reward's first call, not at import)"
+            ) from None
+        except RewardError:
+            return
+
+
 def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
     it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
