@@ -287,6 +287,37 @@ def test_resume_refusals(tmp_path: Path) -> None:
     assert driver.prepare_resume("old", store=str(base)).resume.launch == 2
 
 
+def test_a_resume_is_refused_while_the_backend_runs_replicas_without_heartbeats(
+    tmp_path: Path,
+) -> None:
+    """Right after a detached launch its replicas have written no heartbeat yet (seconds on
+    this host, minutes while a cloud container starts): the launch's saved handles and the
+    backend say they run, and a resume then would start a second replica for each rank."""
+    from crf.executors.base import ReplicaHandle
+
+    base = tmp_path / "runs"
+    store = _fake_run(base)
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        env={**os.environ, "CRF_RUN_ID": "old", "CRF_RANK": "1"},
+    )
+    try:
+        handle = ReplicaHandle(backend="local", run_id="old", rank=1, world_size=2,
+                               backend_id=str(sleeper.pid), run_uri=store.uri)  # fmt: skip
+        store.put_json(layout.launch_key(0), {"launch": 0, "started_at": time.time()})
+        store.put_json(layout.handles_key(0), {"handles": [handle.to_dict()]})
+        assert not store.exists("replicas/1/state.json")  # no heartbeat
+        with pytest.raises(LaunchError) as refused:
+            driver.prepare_resume("old", store=str(base))
+        said = str(refused.value)
+        assert "still has running replicas: replica 1 (running on local)" in said, said
+        assert "crf cancel old" in said
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert driver.prepare_resume("old", store=str(base)).resume is not None  # it ended
+
+
 def test_resume_point_is_the_newest_global_every_inner_state_exists_for() -> None:
     """A checkpoint is global/<r> plus each replica's inner/<r>: the resume starts from the
     newest complete one and sets the newer ones aside; with none complete, from the newest."""

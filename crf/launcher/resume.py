@@ -116,6 +116,33 @@ def _read_run(store: str | None, run_id: str) -> _Found:
         )
 
 
+def backend_live(store: RunStore, executor: ServerlessExecutor, launches: list[int]) -> list[str]:
+    """Replicas of the newest launch that its backend still runs, each as a short
+    description. Heartbeats alone miss a replica that has not written one yet (a few seconds
+    after a detached launch on this host, minutes while a cloud container starts): its
+    handle (``launches/<k>/handles.json``) says it was started, and the backend whether it
+    still runs. A backend that cannot be asked leaves it to the heartbeats."""
+    from crf.executors.base import ReplicaHandle
+
+    if not launches:
+        return []
+    k = max(launches)
+    try:
+        saved = store.get_json(layout.handles_key(k))
+        handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
+    except Exception:  # noqa: BLE001 - none saved, or damaged: nothing to ask about
+        return []
+    live = []
+    for h in sorted(handles, key=lambda h: h.rank):
+        try:
+            status = executor.status(h)
+        except ExecutorError:
+            continue
+        if not status.terminal:
+            live.append(f"replica {h.rank} ({status.state} on {h.backend or 'its backend'})")
+    return live
+
+
 def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
     """LaunchError if the run must not be resumed: it finished, it still runs, or the
     backend named is not the one it was launched on."""
@@ -125,8 +152,9 @@ def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
         )
     if found.live:
         raise LaunchError(
-            f"run {run_id} still has running replicas: {', '.join(found.live)}; stop them (or "
-            "let them finish) before resuming, or two replicas would share one rank"
+            f"run {run_id} still has running replicas: {', '.join(found.live)}; stop them "
+            f"(`crf cancel {run_id}`) or let them finish before resuming, or two replicas "
+            "would share one rank"
         )
     if backend is not None and backend != found.spec.backend:
         raise LaunchError(
@@ -168,6 +196,9 @@ def prepare_resume(
     rollout_options = {**saved_rollout_options(found.uri), **rollout_options}
     if executor is None:
         executor = make_executor(spec.backend, options)
+    with store_errors(found.uri):
+        found.live += backend_live(RunStore(found.uri, retries=0), executor, found.launches)
+    _refuse(run_id, found, backend)  # its backend may run replicas without heartbeats yet
     check_replica_limit(executor, spec.replicas)
     workers = plan_workers(spec, executor, options, rollout_options)
     try:
