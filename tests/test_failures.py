@@ -184,6 +184,65 @@ def test_deaths_and_repeated_outages_restart_as_before(tmp_path: Path) -> None:
     assert sup.fatal is None and executor.relaunched[-1] == 0
 
 
+class _Logged(_Executor):
+    """Replicas that exit with ``code`` and leave ``log`` (no result: they never reach crf)."""
+
+    def __init__(self, code: int, log: list[str]) -> None:
+        super().__init__()
+        self.code, self.log = code, log
+
+    def status(self, h: ReplicaHandle) -> ReplicaStatus:
+        status = super().status(h)
+        if status.state is ReplicaState.FAILED:
+            return ReplicaStatus(status.state, exit_code=self.code)
+        return status
+
+    def logs(self, h: ReplicaHandle) -> list[str]:
+        return self.log
+
+
+TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 2, in <module>',
+             "ModuleNotFoundError: No module named 'mypkg'"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("code", "log", "stops"),
+    [
+        (1, TRACEBACK, True),  # a user's script that raises: the same on every attempt
+        (4, ["usage: train.py", "ValueError: bad --lr"], True),  # sys.exit(4) after it
+        (137, TRACEBACK, False),  # killed (OOM: 128 + 9), whatever the log last said
+        (-9, TRACEBACK, False),
+        (1, ["Killed"], False),  # no exception line: nothing to compare
+    ],
+)
+def test_an_entrypoint_that_writes_no_result_is_judged_by_its_exit_and_log(
+    tmp_path: Path, code: int, log: list[str], stops: bool
+) -> None:
+    """A user's entrypoint that fails before it reaches crf writes no result; the same
+    exception line in its log on a second replica (or attempt) before any committed round
+    is an input error, not a death."""
+    sup, _, store = _supervisor(tmp_path)
+    executor = _Logged(code, log)
+    sup.plan.executor = executor  # type: ignore[misc]
+    for rank in (0, 1):
+        executor.states[rank] = ReplicaState.FAILED
+        sup.check(rank, None)
+    if stops:
+        assert executor.relaunched == [0] and sup.fatal is not None, sup.fatal
+        assert f"replica 1 failed before its first round with {log[-1]}; replica(s) 0 too" in (
+            sup.fatal
+        )
+    else:
+        assert executor.relaunched == [0, 1] and sup.fatal is None
+    store.put("global/0/part-0.safetensors", b"x")  # a committed round: deaths from here on
+    after, executor, _ = _supervisor(tmp_path)
+    after.plan.executor = logged = _Logged(1, TRACEBACK)  # type: ignore[misc]
+    for rank in (0, 1):
+        logged.states[rank] = ReplicaState.FAILED
+        after.check(rank, None)
+    assert logged.relaunched == [0, 1] and after.fatal is None
+
+
 def _row(result: dict[str, Any] | None, state: ReplicaState, **kw: Any) -> dict[str, Any]:
     handle = ReplicaHandle("local", "r", 0, "1", "file:///x", 1)
     res = ReplicaResult(handle, state, 3 if state is ReplicaState.FAILED else 0, result)

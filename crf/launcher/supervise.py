@@ -132,7 +132,7 @@ class Supervisor:
         if not self.cancelled and self._cancel_requested():
             self.cancelled = self.stopped = True  # stopped by crf cancel: not a death
         if not self.cancelled:  # a cancelled replica's error says nothing about the input
-            self._judge_early_error(handle.rank)
+            self._judge_early_error(handle, status)
         reason = self._why_not(handle.rank, status)
         if reason is not None:
             self.not_restarted[handle.rank] = reason
@@ -172,28 +172,23 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - unreadable: judge the replica as a death
             return False
 
-    def _judge_early_error(self, rank: int) -> None:
-        """End the run at once when replica ``rank`` failed before its first committed round
-        with an error that a restart cannot fix: one it says is deterministic (raised in
-        setup, crf/replica/failures.py), or one whose type and message another replica, or
-        its own earlier attempt, failed with before. Deaths (no result, or a transient
-        error) restart as the policy allows."""
-        try:
-            result = self.plan.store.get_json(layout.result_key(rank))
-        except Exception:  # noqa: BLE001 - none: it died without a word (killed, OOM, lost)
+    def _judge_early_error(self, handle: ReplicaHandle, status: ReplicaStatus) -> None:
+        """End the run at once when ``handle``'s replica failed before its first committed
+        round with an error that a restart cannot fix: one it says is deterministic (raised
+        in setup, crf/replica/failures.py), or one whose type and message another replica,
+        or its own earlier attempt, failed with before (its result's, or its log's for a
+        replica that wrote none). Deaths (killed, no word, or a transient error) restart as
+        the policy allows."""
+        rank = handle.rank
+        found = self._early_error(handle, status)
+        if found is None:
             return
-        if not isinstance(result, dict) or result.get("status") != "failed":
-            return
-        error = str(result.get("error") or "").strip()
-        if not error or result.get("transient") or int(result.get("rounds_committed") or 0):
-            return  # a store or network outage repeats too, and a restart may outlive it
-        line = error.splitlines()[0]
+        line, setup, failed_in = found
         before = [r for r, seen in self.early_errors.items() if line in seen]
         self.early_errors.setdefault(rank, []).append(line)
-        setup = result.get("failed_in") == "setup" and result.get("restartable") is False
         if not setup and not before:
             return
-        where = "at setup" if result.get("failed_in") == "setup" else "before its first round"
+        where = "at setup" if failed_in == "setup" else "before its first round"
         also = [r for r in before if r != rank]
         again = " (again)" if rank in before else ""
         others = f"; replica(s) {', '.join(map(str, also))} too" if also else ""
@@ -210,6 +205,49 @@ class Supervisor:
         others_running = [h for h in self.handles if h.rank != rank]
         with contextlib.suppress(Exception):  # the run ends either way; cancel is best effort
             self.plan.executor.cancel_all(others_running)
+
+    def _early_error(
+        self, handle: ReplicaHandle, status: ReplicaStatus
+    ) -> tuple[str, bool, str | None] | None:
+        """(the error's first line, whether the replica said no restart can fix it, where it
+        failed) of an attempt that failed before its first committed round; None for a
+        death, a transient error (a store or network outage repeats too, and a restart may
+        outlive it) or a failure after a committed round. A replica that wrote no result (a
+        user's entrypoint that never reached crf, killed or not) is judged by its exit and
+        its log (:meth:`_logged_error`)."""
+        try:
+            result = self.plan.store.get_json(layout.result_key(handle.rank))
+        except Exception:  # noqa: BLE001 - none: killed, OOM, lost, or it never wrote one
+            return self._logged_error(handle, status)
+        if not isinstance(result, dict) or result.get("status") != "failed":
+            return None
+        error = str(result.get("error") or "").strip()
+        if not error or result.get("transient") or int(result.get("rounds_committed") or 0):
+            return None
+        failed_in = result.get("failed_in")
+        setup = failed_in == "setup" and result.get("restartable") is False
+        return error.splitlines()[0], setup, failed_in
+
+    def _logged_error(
+        self, handle: ReplicaHandle, status: ReplicaStatus
+    ) -> tuple[str, bool, str | None] | None:
+        """The last exception line of the log of an attempt that exited by itself with an
+        error status (1..127: a Python traceback's 1, ``sys.exit(2)``), before the run
+        committed any round; None for a kill (a signal, or 128 + its number as a shell or a
+        container reports an OOM kill's 137), an unknown exit, or a log with no exception
+        line. Such an error repeats on every restart just as a reported one does."""
+        code = status.exit_code
+        if not isinstance(code, int) or not 0 < code < 128:
+            return None
+        try:
+            if layout.global_rounds(self.plan.store):
+                return None  # the run got past its first round: this may be a death
+        except Exception:  # noqa: BLE001 - the store cannot say: restart, as for a death
+            return None
+        from crf.launcher.summary import last_exception
+
+        line = last_exception(log_tail(self.plan.executor, handle))
+        return (line, False, None) if line else None
 
     def _stop_for_store(self, rank: int, error: BaseException) -> None:
         """End the run: the run folder refuses the driver's writes, so it refuses the
