@@ -258,8 +258,29 @@ def test_every_row_of_a_folders_held_out_split_is_checked(tmp_path: Path) -> Non
     _jsonl(folder / "test.jsonl", _rows(r12={"question": None}))
     result = _dry(tmp_path, "--dataset", str(folder), "--eval-split", "test")
     assert result.exit_code == 2, result.output
-    said = f"--eval-split {folder} row 13 (the first is row 1): the prompt in column 'question'"
+    said = f"--eval-split {folder} line 13 of test.jsonl: the prompt in column 'question'"
     assert said in result.output
+
+
+def test_a_row_of_a_folder_of_files_is_named_by_its_file_and_line(tmp_path: Path) -> None:
+    """A folder's files are one split; a bad row is named where the user finds it, its own
+    file's line (or row), not its place in the split."""
+    import pandas as pd
+
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    _jsonl(folder / "train-0.jsonl", _rows())
+    (folder / "train-1.jsonl").write_text(
+        "\n" + "".join(json.dumps(r) + "\n" for r in _rows(r4={"question": None}))
+    )  # a blank first line: the row's line is 6, its place in the file 5, in the split 37
+    refused = " ".join(_dry(tmp_path, "--dataset", str(folder)).output.split())
+    assert "line 6 of train-1.jsonl: the prompt in column 'question'" in refused, refused
+    parquet = tmp_path / "pq"
+    parquet.mkdir()
+    pd.DataFrame(_rows()).to_parquet(parquet / "a.parquet")
+    pd.DataFrame(_rows(r2={"question": None})).to_parquet(parquet / "b.parquet")
+    said = " ".join(_dry(tmp_path, "--dataset", str(parquet)).output.split())
+    assert "row 3 of b.parquet (the first is row 1): the prompt in column" in said, said
 
 
 def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
@@ -280,8 +301,8 @@ def test_a_folder_with_configs_reads_the_config_named(tmp_path: Path) -> None:
     )
     assert _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "main").exit_code == 0
     refused = _dry(tmp_path, "--dataset", str(folder), "--dataset-config", "other")
-    said = "row 4 (the first is row 1): the prompt in column 'question' (for prompt) is null"
-    assert said in refused.output
+    said = "row 4 of other/train-00000-of-00001.parquet (the first is row 1): the prompt in "
+    assert said in " ".join(refused.output.split())
     missing = _dry(tmp_path, "--dataset", str(folder))
     assert missing.exit_code == 2
     assert "has several configs ['main', 'other']: choose one with --dataset-config" in (

@@ -74,7 +74,7 @@ class Split:
     #: a folder's data files of another format, which the replicas' reader skips
     unread: list[str] = field(default_factory=list)
     #: each row's line in its file (a JSON lines or CSV file read whole), for messages
-    lines: list[int] | None = None
+    lines: list[int] | list[str] | None = None
     #: a CSV file's cells pandas read other than written, by the job's field: {row: text}
     #: of numbers with leading zeros, and of missing values (crf/replica/data_files.py)
     zeros: dict[str, dict[int, str]] = field(default_factory=dict)

@@ -360,13 +360,15 @@ def kind_of(value: Any) -> str | None:
     return "dict" if isinstance(value, dict) else type(value).__name__
 
 
-def row_name(number: int, lines: Sequence[int] | None = None) -> str:
+def row_name(number: int, lines: Sequence[int | str] | None = None) -> str:
     """How a message names the row ``number`` (counted from 0) of a split: its line in the
     file when known (a JSON lines or CSV file read whole before launch: "line 12", as an
-    editor shows it, a CSV's header and any blank line counted), else its place counted from
-    1, as a user counts rows ("row 11 (the first is row 1)")."""
+    editor shows it, a CSV's header and any blank line counted), its name in its own file
+    for a folder's rows (``lines`` holds the names: "line 5 of part-2.jsonl"), else its
+    place counted from 1, as a user counts rows ("row 11 (the first is row 1)")."""
     if lines is not None and 0 <= number < len(lines):
-        return f"line {lines[number]}"
+        entry = lines[number]
+        return entry if isinstance(entry, str) else f"line {entry}"
     return f"row {number + 1} (the first is row 1)"
 
 
@@ -489,7 +491,7 @@ def check_values(
     *,
     reader: str | None = None,
     index: Any = None,
-    lines: Sequence[int] | None = None,
+    lines: Sequence[int | str] | None = None,
     missing: Mapping[str, Mapping[int, str]] | None = None,
 ) -> None:
     """DataError naming the first row whose field breaks :func:`value_problem`, or a

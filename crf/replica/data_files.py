@@ -250,8 +250,9 @@ class Rows:
     #: a folder's data files of another format than the one read, which ``datasets`` skips
     unread: list[str] = field(default_factory=list)
     #: each row's line in the file (a JSON lines or CSV file: what a message names), None
-    #: when rows are not lines (Parquet, a JSON list, a folder's files)
-    lines: list[int] | None = None
+    #: when rows are not lines (Parquet, a JSON list); a folder's rows: each one's name in
+    #: its own file (``line 5 of part-2.jsonl``)
+    lines: list[int] | list[str] | None = None
     #: a CSV file's cells that pandas read other than they are written: column -> {row:
     #: the cell's text} for numbers written with leading zeros (``0007``, read as 7) ...
     zeros: dict[str, dict[int, str]] = field(default_factory=dict)
@@ -444,7 +445,7 @@ def _read_rows(name: str, config: str | None, split: str, flag: str) -> Rows:
         unlike = _unlike_files(parts, shown, flag, name)
         if unlike:
             raise DataError(unlike)
-        rows = _concat(parts)
+        rows = _concat(parts, shown)
         rows.unread = other_formats(path, files)
         return rows
     big = _bytes(path) > CHECKED_BYTES
@@ -588,11 +589,29 @@ def _unlike_files(parts: list[Rows], files: list[str], flag: str, name: str) -> 
     return None
 
 
-def _concat(parts: list[Rows]) -> Rows:
+def _concat(parts: list[Rows], shown: list[str]) -> Rows:
+    """A folder's files' rows as one split, in order. Each row keeps its name in its own
+    file (``line 5 of part-2.jsonl``, ``row 3 of part-2.parquet (the first is row 1)``),
+    and a CSV's cells read other than written keep their rows, counted in the split."""
+    from crf.replica.data import row_name
+
     names = list(dict.fromkeys(n for p in parts for n in p.names))
     columns = {n: [v for p in parts for v in p.columns.get(n, [_ABSENT] * p.count)] for n in names}
     partial = any(p.partial for p in parts)
-    return Rows(names, columns, sum(p.count for p in parts), partial)
+    rows = Rows(names, columns, sum(p.count for p in parts), partial)
+    rows.lines, start = [], 0
+    for part, file in zip(parts, shown, strict=False):
+        for i in range(part.count):
+            name = row_name(i, part.lines)
+            rows.lines.append(
+                f"{name} of {file}" if name.startswith("line ") else
+                name.replace(" (the first", f" of {file} (the first", 1)
+            )  # fmt: skip
+        for merged, own in ((rows.zeros, part.zeros), (rows.missing, part.missing)):
+            for column, cells in own.items():
+                merged.setdefault(column, {}).update({start + k: v for k, v in cells.items()})
+        start += part.count
+    return rows
 
 
 def _read_file(path: str, flag: str, shown: str, limit: int | None = None) -> Rows:

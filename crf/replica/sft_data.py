@@ -150,7 +150,7 @@ def check_row(
     index: int,
     columns: Mapping[str, str] | None = None,
     flag: str = "--dataset",
-    lines: Sequence[int] | None = None,
+    lines: Sequence[int | str] | None = None,
 ) -> None:
     """DataError for a row whose values do not fit its format (:func:`row_problem`):
     checked on every row of a local file before launch, and by each replica on its rows.
@@ -163,7 +163,7 @@ def check_row(
 
 def check_rows(
     values: Mapping[str, list[Any]], form: str, dataset: str, columns: Mapping[str, str],
-    flag: str = "--dataset", lines: Sequence[int] | None = None,
+    flag: str = "--dataset", lines: Sequence[int | str] | None = None,
 ) -> None:  # fmt: skip
     """:func:`check_row` on every row of columns ``values`` (field -> values)."""
     fields = [f for f in values if f in dict(FORMATS)[form]]
