@@ -13,12 +13,14 @@ every method reads the run folder (and asks the backend) again.
 from __future__ import annotations
 
 import json
+import os
 import time
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from crf import sdk_inputs as inputs
 from crf.launcher.errors import LaunchError
 from crf.launcher.names import (
     HARDWARE_KEYS,
@@ -64,12 +66,16 @@ class Run:
     ) -> Iterator[tuple[int, str]]:
         """(rank, line) of the replicas' logs; ``follow`` keeps going until they end,
         ``tail`` starts at each replica's last lines; ``role="rollout"``: the rollout
-        workers' (``rank``: a worker's index), as ``crf logs --role rollout``."""
+        workers' (``rank``: a worker's index), as ``crf logs --role rollout``. Its arguments
+        are checked at the call, before the first line is asked for."""
         from crf.launcher.attach import follow_logs
 
+        inputs.rank_of(rank)
+        inputs.flag("follow", follow)
+        inputs.count("tail", tail, 0)
         if role not in ("trainer", "rollout"):
             raise LaunchError(f"role {role!r} is unknown; choose trainer or rollout")
-        yield from follow_logs(self._attached(), rank, follow, tail, role=role)
+        return follow_logs(self._attached(), rank, follow, tail, role=role)
 
     def cancel(self) -> RunResult | None:
         """Stop every replica still running and write the summary; the result (None if the
@@ -89,6 +95,7 @@ class Run:
         seconds; the replicas keep running then."""
         from crf.launcher.attach import gather
 
+        inputs.wait_timeout(timeout, poll_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         run = self._attached()
         while True:
@@ -122,43 +129,68 @@ _WATCH = ("plot", "console", "poll_s", "report")
 #: backend options the SDK also takes as keywords, as the CLI's --hardware (--gpu, --flavor,
 #: --instance-type), --image and --region
 _BACKEND_KEYS = (*HARDWARE_KEYS, *(f"rollout_{k}" for k in HARDWARE_KEYS), "image", "region")
+#: where a keyword came from, as a message says it
+_MAPPING, _KEYWORD = "in the options mapping", "as a keyword"
 
 
 @dataclass
 class _Request:
     """A launch's keywords sorted by what takes them, each under its one name."""
 
+    function: str = "crf.launch"  # whose keywords these are, as a message names it
+    spec: RunSpec | None = None  # the RunSpec given as the options, if one was
     options: dict[str, Any] = field(default_factory=dict)  # run options, by field name
     settings: dict[str, Any] = field(default_factory=dict)  # store, timeout, max_restarts...
     backend: dict[str, Any] = field(default_factory=dict)  # the executor's options
     watch: dict[str, Any] = field(default_factory=dict)  # plot, console, poll_s, report
+    #: (part, name) -> (the spelling, where it came from) of each name given
+    given_as: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
-    def place(self, key: str) -> tuple[dict[str, Any], str]:
-        """Where a keyword goes and its name there; LaunchError with the nearest name."""
+    def place(self, key: str) -> tuple[str, str]:
+        """Which part takes a keyword, and its name there; LaunchError with what to do
+        instead for any other name (the nearest name, never the name itself)."""
         if key in option_spellings():
-            return self.options, option_spellings()[key]
+            return "options", option_spellings()[key]
         if key in setting_spellings():
-            return self.settings, setting_spellings()[key]
+            return "settings", setting_spellings()[key]
         if key.replace("-", "_") in _BACKEND_KEYS:
-            return self.backend, key.replace("-", "_")
+            return "backend", key.replace("-", "_")
         if key in _WATCH:
-            return self.watch, key
+            return "watch", key
+        if key in inputs.CLI_ONLY:
+            raise LaunchError(f"unknown launch option {key!r}: {inputs.CLI_ONLY[key]}")
+        if key in _OWN:
+            if self.function == "crf.resume":
+                raise LaunchError(f"crf.resume takes no {key}: a resumed run keeps its run.json")
+            raise LaunchError(f"{key} is a keyword of crf.launch, not a run option: give it "
+                              f"as {key}=... beside the options mapping, not in it")  # fmt: skip
         known = [*option_spellings(), *setting_spellings(), *_BACKEND_KEYS, *_WATCH, *_OWN]
-        raise LaunchError(f"unknown launch option {key!r}{did_you_mean(key, known)}")
+        what = "resume" if self.function == "crf.resume" else "launch"
+        raise LaunchError(f"unknown {what} option {key!r}{did_you_mean(key, known)}")
 
-    def add(self, pairs: Iterable[tuple[Any, Any]], *, override: bool = False) -> None:
+    def add(self, pairs: Iterable[tuple[Any, Any]], source: str, *, override: bool = False) -> None:
         """Each (name, value) under its one name; LaunchError for one given twice (under any
-        spellings) unless ``override`` (keywords over a RunSpec's values)."""
-        given_as: dict[tuple[int, str], Any] = {}
+        spellings, saying where each came from) unless ``override`` (keywords over a
+        RunSpec's values)."""
         for key, value in pairs:
             if not isinstance(key, str):
                 raise LaunchError(f"launch option names are strings (got {key!r})")
-            target, name = self.place(key)
-            if (id(target), name) in given_as or (name in target and not override):
-                first = given_as.get((id(target), name), name)
-                raise LaunchError(f"{name} is given twice ({first!r} and {key!r})")
-            given_as[id(target), name] = key
-            target[name] = as_declared(name, value) if target is self.options else value
+            part, name = self.place(key)
+            target: dict[str, Any] = getattr(self, part)
+            earlier = self.given_as.get((part, name))
+            if earlier is not None or (name in target and not override):
+                first = f"{earlier[0]!r} {earlier[1]}" if earlier else repr(name)
+                raise LaunchError(f"{name} is given twice ({first} and {key!r} {source})")
+            self.given_as[part, name] = (key, source)
+            target[name] = as_declared(name, value) if part == "options" else value
+
+    def named(self, name: str) -> bool:
+        """Whether a run option was chosen, not left to its default: given by name, or
+        set on the RunSpec to another value than RunSpec's default."""
+        if ("options", name) in self.given_as:
+            return True
+        default = getattr(RunSpec, name, None)
+        return self.spec is not None and getattr(self.spec, name) != default
 
 
 #: crf.launch's own keywords (named in an unknown name's "did you mean")
@@ -167,33 +199,114 @@ _OWN = ("executor", "backend_options", "restart", "detach", "progress", "dry_run
 
 
 def _request(
-    options: Mapping[str, Any] | RunSpec | None,
-    keywords: Mapping[str, Any],
-    backend_options: Mapping[str, Any] | None,
+    options: Any, keywords: Mapping[str, Any], backend_options: Any, function: str = "crf.launch"
 ) -> _Request:
+    """The keywords of a launch (or a resume) sorted and checked: each a LaunchError that
+    names it, before anything is read or written."""
     from crf.launcher.plan import launch_options
 
-    req = _Request()
+    options = inputs.options_of(options)
+    req = _Request(function=function)
     if isinstance(options, RunSpec):
-        req.options = launch_options(options)
-        req.add(keywords.items(), override=True)
+        req.spec, req.options = options, launch_options(options)
+        req.add(keywords.items(), _KEYWORD, override=True)
     else:
-        req.add([*(options or {}).items(), *keywords.items()])
-    for key, value in (backend_options or {}).items():
+        _refuse_recorded([*(options or {}), *keywords])
+        req.add((options or {}).items(), _MAPPING)
+        req.add(keywords.items(), _KEYWORD)
+    backend = inputs.mapping("backend_options", backend_options, "{'gpu': 'A10G'}")
+    for key, value in backend.items():
         name = str(key).replace("-", "_")
         if name in req.backend:
             raise LaunchError(f"{name} is given twice (as a keyword and in backend_options)")
         req.backend[name] = value
+    _check_request(req)
     return req
 
 
-def _prepare(req: _Request, executor: Any, restart: RestartPolicy | None, dry_run: bool) -> Plan:
+def _refuse_recorded(names: Iterable[Any]) -> None:
+    """LaunchError naming the fields run.json records for a run that are no launch options
+    (its folder, when it was made, the version): a run.json read back is not a launch."""
+    from crf.launcher.plan import _MANAGED
+
+    recorded = [name for name in names if name in _MANAGED]
+    if recorded:
+        raise LaunchError(
+            f"{', '.join(map(str, recorded))}: recorded in run.json for a run, not launch "
+            "options; leave them out (store= says where a run goes, backend_options= a "
+            "backend's options)"
+        )
+
+
+def _check_request(req: _Request) -> None:
+    """The values only the SDK takes, or takes in Python's types, checked as the command
+    line checks its flags: store, timeout, run_id, job_config, a RunSpec's run_uri, and
+    job_config beside an entrypoint."""
+    from crf.launcher.plan import check_entrypoint_options
+
+    settings, options = req.settings, req.options
+    settings["store"] = inputs.store_of(settings.get("store"))
+    inputs.launch_timeout(settings.get("timeout"))
+    inputs.run_id_of(options.get("run_id"))
+    inputs.job_config(options.get("job_config"))
+    if req.spec is not None:
+        _spec_store(req.spec, settings)
+        check_entrypoint_options(options.get("entrypoint"), options.get("job_config"),
+                                 job_named=req.named("job"))  # fmt: skip
+
+
+def _spec_store(spec: RunSpec, settings: dict[str, Any]) -> None:
+    """A RunSpec's ``run_uri`` says where its run goes: its store is the folder above, unless
+    ``store=`` is given, which must then name the same store. LaunchError if they disagree,
+    or the run_uri does not end in the spec's run_id."""
+    from crf.store import normalize_uri
+
+    uri = spec.run_uri
+    if not isinstance(uri, str) or "/" not in uri.rstrip("/"):
+        return  # the spec's own check says what is wrong with it
+    base, _, last = uri.rstrip("/").rpartition("/")
+    if base.endswith(":/"):  # memory://x: a run folder with no store above it
+        return
+    if isinstance(spec.run_id, str) and last != spec.run_id:
+        raise LaunchError(
+            f"the RunSpec's run_uri {uri!r} does not end in its run_id {spec.run_id!r}: a run "
+            f"lives in STORE/RUN_ID (run_uri=f'{{store}}/{spec.run_id}')"
+        )
+    given = settings.get("store")
+    if given is None:
+        settings["store"] = base
+    elif normalize_uri(given) != normalize_uri(base):
+        raise LaunchError(
+            f"store={given!r} and the RunSpec's run_uri {uri!r} (a run in store {base}) "
+            "disagree: give one of them, or make them name the same store"
+        )
+
+
+def _check_executor(req: _Request, executor: Any) -> None:
+    """An ``executor=`` replaces the one ``backend`` and the backend options would make:
+    LaunchError for either given beside it, which would be ignored."""
+    shown = f"executor={type(executor).__name__}(...)"
+    if req.backend:
+        raise LaunchError(
+            f"{', '.join(sorted(req.backend))}: backend options configure the executor crf "
+            f"makes from backend=, and {shown} is given: set them on that executor instead"
+        )
+    backend, name = req.options.get("backend"), getattr(executor, "name", None)
+    if req.named("backend") and backend != name:
+        raise LaunchError(
+            f"backend={backend!r} and {shown} (the {name} backend) disagree: an executor "
+            f"given replaces the backend; drop backend=, or give a {backend} executor"
+        )
+
+
+def _prepare(req: _Request, executor: Any, restart: Any, dry_run: bool) -> Plan:
     """The checked plan of a sorted request (crf.launcher.plan.prepare), the backend options
     resolved as the CLI resolves them."""
     from crf.executors.registry import executor_class, option_names
     from crf.launcher.config_file import resolve_backend
     from crf.launcher.plan import DEFAULT_MAX_RESTARTS, RestartPolicy, prepare
 
+    executor, restart = inputs.executor_of(executor), inputs.restart_policy(restart)
     settings = req.settings
     counts = {k: settings[k] for k in ("max_restarts", "max_run_restarts") if k in settings}
     if restart is not None and counts:
@@ -202,7 +315,9 @@ def _prepare(req: _Request, executor: Any, restart: RestartPolicy | None, dry_ru
         counts.get("max_restarts", DEFAULT_MAX_RESTARTS), counts.get("max_run_restarts")
     )
     backend_options: dict[str, Any] | None = None
-    if executor is None:
+    if executor is not None:
+        _check_executor(req, executor)
+    else:
         backend = req.options.get("backend", RunSpec.backend)
         backend_options = resolve_backend(backend, req.backend, where="")
         timeout = settings.get("timeout")
@@ -212,6 +327,12 @@ def _prepare(req: _Request, executor: Any, restart: RestartPolicy | None, dry_ru
             backend_options["timeout_s"] = timeout + 600 if is_number(timeout) else timeout
     return prepare(req.options, store=settings.get("store"), executor=executor,
                    backend_options=backend_options, restart=policy, dry_run=dry_run)  # fmt: skip
+
+
+def _flags(**given: Any) -> None:
+    """The yes/no keywords (``detach``, ``progress``, ``dry_run``): each True or False."""
+    for name, value in given.items():
+        inputs.flag(name, value)
 
 
 def launch(
@@ -242,18 +363,22 @@ def launch(
     run.json); ``secret_values`` gives the replicas variables by value through the backend's
     secret mechanism, never written anywhere (``secrets=["NAME"]`` reads them from this
     environment instead). ``plot``, ``console``, ``poll_s`` and ``report`` go to the watch
-    loop. Bad input, an unknown name included, is a LaunchError whose one line says what to
-    fix, before anything starts."""
+    loop. A RunSpec's ``run_uri`` is where its run goes (``store=``, if given, must agree);
+    an ``executor`` replaces ``backend`` and the backend options, so neither may be given
+    beside it. Bad input, an unknown name or a value of the wrong type included, is a
+    LaunchError whose one line says what to fix, before anything is written or started."""
     from crf.launcher import driver
 
+    _flags(detach=detach, progress=progress, dry_run=dry_run)
+    secrets = inputs.secret_values(secret_values)
     req = _request(options, keywords, backend_options)
     plan = _prepare(req, executor, restart, dry_run)
     if dry_run:
         return dry_run_of(plan)
     watch = {"report": progress, **req.watch}
-    summary = driver.run(plan, env=secret_values, progress=progress, detach=detach,
+    summary = driver.run(plan, env=secrets, progress=progress, detach=detach,
                          timeout_s=req.settings.get("timeout"), **watch)  # fmt: skip
-    return Run(summary["run_id"], req.settings.get("store"))
+    return Run(summary["run_id"], inputs.store_location(req.settings.get("store")))
 
 
 def dry_run(options: Mapping[str, Any] | RunSpec | None = None, /, **keywords: Any) -> DryRun:
@@ -314,16 +439,22 @@ def resume(
     restart: RestartPolicy | None = None,
     detach: bool = False,
     progress: bool = False,
+    dry_run: bool = False,
     secret_values: Mapping[str, str] | None = None,
     **keywords: Any,
-) -> Run:
-    """Continue a stopped run from its last committed round (``crf launch --resume``).
-    Takes :func:`launch`'s keywords but the run options: a resumed run keeps those of its
-    run.json (``backend`` excepted: it may continue elsewhere)."""
+) -> Run | DryRun:
+    """Continue a stopped run from its last committed round (``crf launch --resume``);
+    with ``dry_run=True`` check it and return its :class:`~crf.results.DryRun` instead
+    (``crf launch --resume RUN --dry-run``), starting nothing. Takes :func:`launch`'s
+    keywords but the run options: a resumed run keeps those of its run.json (``backend``
+    excepted: it may continue elsewhere)."""
     from crf.launcher import driver
     from crf.launcher.plan import RestartPolicy
 
-    req = _request(None, keywords, backend_options)
+    _flags(detach=detach, progress=progress, dry_run=dry_run)
+    secrets = inputs.secret_values(secret_values)
+    restart = inputs.restart_policy(restart)
+    req = _request(None, keywords, backend_options, function="crf.resume")
     fixed = sorted(set(req.options) - {"backend"})
     if fixed:
         raise LaunchError(
@@ -331,32 +462,46 @@ def resume(
             "options in its run.json"
         )
     counts = {k: req.settings[k] for k in ("max_restarts", "max_run_restarts") if k in req.settings}
+    if restart is not None and counts:
+        raise LaunchError(f"give restart= or {' and '.join(counts)}, not both")
     policy = restart or RestartPolicy(**counts)
     plan = driver.prepare_resume(
         run_id, store=req.settings.get("store"), backend=req.options.get("backend"),
         max_restarts=policy.max_restarts, max_run_restarts=policy.max_run_restarts,
         backend_options=dict(req.backend) or None,
     )  # fmt: skip
+    if dry_run:
+        return dry_run_of(plan)
     watch = {"report": progress, **req.watch}
-    summary = driver.run(plan, env=secret_values, progress=progress, detach=detach,
+    summary = driver.run(plan, env=secrets, progress=progress, detach=detach,
                          timeout_s=req.settings.get("timeout"), **watch)  # fmt: skip
-    return Run(summary["run_id"], req.settings.get("store"))
+    return Run(summary["run_id"], inputs.store_location(req.settings.get("store")))
 
 
-def attach(run_id: str, store: str | None = None) -> Run:
+def attach(run_id: str, store: str | os.PathLike[str] | None = None) -> Run:
     """The run ``run_id`` in ``store``; LaunchError if there is none."""
     from crf.launcher.attach import run_store
 
-    run_store(run_id, store)  # says clearly when there is no such run
-    return Run(run_id, store)
+    where = inputs.store_of(store)
+    run_store(run_id, where)  # says clearly when there is no such run
+    return Run(run_id, inputs.store_location(where))
 
 
 def runs(
-    store: str | None = None, *, status: str | Iterable[str] | None = None,
+    store: str | os.PathLike[str] | None = None, *, status: str | Iterable[str] | None = None,
     limit: int | None = None,
 ) -> list[RunInfo]:  # fmt: skip
-    """The runs in ``store``, newest first (``crf runs``)."""
+    """The runs in ``store``, newest first (``crf runs``); LaunchError, as ``crf runs``
+    exits 2, for an unknown status, a limit below 1 or a store that cannot be listed."""
     from crf.launcher.attach import list_runs
 
-    wanted = [status] if isinstance(status, str) else status
-    return [RunInfo.from_dict(row) for row in list_runs(store, status=wanted, limit=limit)]
+    where = inputs.store_of(store)
+    wanted = inputs.statuses(status)
+    inputs.count("limit", limit, 1)
+    try:
+        rows = list_runs(where, status=wanted, limit=limit)
+    except Exception as e:  # noqa: BLE001 - any client error: one line, as crf runs says it
+        raise LaunchError(
+            f"cannot list runs in {where or './crf-runs'}: {e} (check --store)"
+        ) from None
+    return [RunInfo.from_dict(row) for row in rows]

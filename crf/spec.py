@@ -134,15 +134,16 @@ def secret_name(entry: str) -> str:
     return entry.split("=", 1)[0]
 
 
-def check_env_names(env: object, secrets: object) -> None:
+def check_env_names(env: object, secrets: object, *, env_flag: str = "--env") -> None:
     """SpecError for an ``--env`` or ``--secret`` entry a replica cannot be given: a name
     that is no variable name, one of crf's own ``CRF_*`` variables, a value that is not a
     string, a secret given as ``KEY=value`` (a value on a command line is no secret), or a
-    name given twice."""
+    name given twice. ``env_flag`` names the mapping in a message (the SDK's
+    ``secret_values`` follow the same rules as ``--env``)."""
     if not isinstance(env, dict) or not isinstance(secrets, list):
         return  # the declared type check has said so already
     seen: set[str] = set()
-    for flag, name, value in [("--env", k, v) for k, v in env.items()] + [
+    for flag, name, value in [(env_flag, k, v) for k, v in env.items()] + [
         ("--secret", secret_name(str(e)), e) for e in secrets
     ]:
         if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):

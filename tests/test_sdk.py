@@ -7,14 +7,19 @@ results are typed and round-trip to the JSON they came from."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import crf
-from crf.results import RunResult, RunStatus
+from crf.executors.local import LocalProcessExecutor
+from crf.launcher.errors import LaunchError
+from crf.results import DryRun, RunResult, RunStatus
 from tests.test_cli import REPLICA_SCRIPT
 
 
@@ -91,3 +96,136 @@ def test_the_api_is_what_dir_shows_and_executors_import_lazily() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ModalExecutor", out.stderr
+
+
+#: a tiny real launch: what the refusals below are tried with
+SMALL = {"backend": "local", "replicas": 2, "job": "lm", "rounds": 1, "sync_every": 2}
+
+
+@pytest.mark.parametrize(
+    ("args", "keywords", "message"),
+    [
+        ((), {"restart": 3}, "restart takes a crf.RestartPolicy"),
+        (("replicas=2",), {}, "the options argument takes a dict or a RunSpec"),
+        ((), {"executor": "local"}, "executor takes an executor object; to choose a backend"),
+        ((), {"executor": LocalProcessExecutor}, "(got the class LocalProcessExecutor)"),
+        ((), {"backend_options": ["gpu"]}, "backend_options takes a dict"),
+        ((), {"run_id": 123}, "run id 123 is invalid"),
+        ((), {"store": 123}, "store takes a path or a URI string"),
+        ((), {"detach": "yes"}, "detach takes True or False (got str 'yes')"),
+        ((), {"secret_values": ["X"]}, "secret_values takes a dict"),
+        ((), {"secret_values": {"bad name": "v"}}, "secret_values 'bad name': not a variable"),
+        ((), {"secret_values": {"CRF_RANK": "7"}}, "CRF_* variables are crf's own"),
+        ((), {"secret_values": {"X": 1}}, "secret_values X: the value must be a string"),
+        ((), {"timeout": -1}, "--timeout must be > 0 seconds"),
+        ((), {"timeout": math.nan}, "--timeout must be > 0 seconds"),
+        ((), {"timeout": "10"}, "--timeout must be > 0 seconds"),
+        ((), {"job_config": "hidden_size=16"}, "job_config takes a dict of the job's options, "
+                                                "like {'hidden_size': 16}"),
+        ((), {"set": ["hidden_size=16"]}, "like {'hidden_size': 16} (got list"),
+        ((), {"job_config": {"hidden_size": {"a": 1}}}, "job option hidden_size takes an integer"),
+        ((), {"config": "run.toml"}, "crf.launcher.config_file.launch_config("),
+        (({"replicas": 3},), {}, "replicas is given twice ('replicas' in the options mapping "
+                                 "and 'replicas' as a keyword)"),
+        (({"created_at": 1.0, "version": 1},), {}, "created_at, version: recorded in run.json"),
+        (({"dry_run": True},), {}, "dry_run is a keyword of crf.launch, not a run option"),
+        ((), {"executor": LocalProcessExecutor(), "gpu": "A10G"}, "set them on that executor"),
+        ((), {"executor": LocalProcessExecutor(), "backend": "modal"},
+         "backend='modal' and executor=LocalProcessExecutor(...) (the local backend) disagree"),
+    ],
+)  # fmt: skip
+def test_a_wrong_keyword_is_one_launch_error_and_nothing_is_written(
+    args: tuple[Any, ...], keywords: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    store = tmp_path / "runs"
+    call = {**SMALL, "run_id": "refused", "store": str(store), **keywords}
+    with pytest.raises(LaunchError) as caught:
+        crf.dry_run(*args, **call)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(LaunchError) as caught:  # a launch: the same line, nothing written
+        crf.launch(*args, **call)
+    assert message in str(caught.value)
+    assert not store.exists() and crf.runs(store) == []
+
+
+def test_a_runspecs_run_uri_is_where_its_run_goes(tmp_path: Path) -> None:
+    uri = (tmp_path / "elsewhere" / "spec-run").as_uri()
+    spec = crf.RunSpec(run_id="spec-run", run_uri=uri, **SMALL)
+    assert crf.dry_run(spec).store == "file://" + str(tmp_path / "elsewhere" / "spec-run")
+    assert crf.dry_run(spec, store=tmp_path / "elsewhere").run_id == "spec-run"
+    with pytest.raises(LaunchError, match="disagree: give one of them"):
+        crf.dry_run(spec, store=str(tmp_path / "runs"))
+    spec.run_id = 5  # type: ignore[assignment]
+    with pytest.raises(LaunchError, match="run id 5 is invalid"):
+        crf.dry_run(spec, store=str(tmp_path / "elsewhere"))
+    command = crf.RunSpec(run_id="cmd", run_uri=(tmp_path / "cmd").as_uri(),
+                          entrypoint=["python", "x.py"], job_config={"lr": 1})  # fmt: skip
+    with pytest.raises(LaunchError, match="--set configures crf's built-in jobs"):
+        crf.dry_run(command)  # as --set with --entrypoint and no --job
+    assert not any(tmp_path.iterdir())
+
+
+def test_resume_checks_a_stopped_run_with_dry_run_and_writes_nothing(tmp_path: Path) -> None:
+    from crf.store import RunStore
+
+    store = RunStore((tmp_path / "runs" / "stopped").as_uri())  # a run whose driver died
+    spec = crf.RunSpec(run_id="stopped", run_uri=store.uri, **SMALL).validate()
+    store.put_if_absent("run.json", spec.to_json().encode())
+    plan = crf.resume("stopped", store=tmp_path / "runs", dry_run=True)  # --resume --dry-run
+    assert isinstance(plan, DryRun) and plan.run_id == "stopped" and plan.replicas == 2
+    assert store.list() == ["run.json"]
+    with pytest.raises(LaunchError, match="crf.resume takes no executor"):
+        crf.resume("stopped", store=tmp_path / "runs", executor=LocalProcessExecutor())
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> crf.Run:
+    """A finished tiny run, launched with a store relative to the working directory then."""
+    home = tmp_path_factory.mktemp("sdk-home")
+    here = os.getcwd()
+    os.chdir(home)
+    try:
+        run = crf.launch(SMALL, job_config={"hidden_size": 16, "num_layers": 1}, run_id="done",
+                         store="relstore", plot=False)  # fmt: skip
+    finally:
+        os.chdir(here)
+    assert isinstance(run, crf.Run) and run.store == str(home / "relstore")
+    return run
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda run: run.wait(timeout="1"), "timeout takes seconds, a number >= 0"),
+        (lambda run: run.wait(timeout=math.nan), "(got float nan)"),
+        (lambda run: run.wait(timeout=1, poll_s=0), "poll_s takes seconds between looks"),
+        (lambda run: run.logs(tail="2"), "tail takes an integer >= 0 (got str '2')"),
+        (lambda run: run.logs(tail=-1), "tail takes an integer >= 0 (got int -1)"),
+        (lambda run: run.logs(rank="0"), "rank takes a replica's rank, an int"),
+        (lambda run: crf.runs(run.store, limit="2"), "limit takes an integer >= 1"),
+        (lambda run: crf.runs(run.store, limit=0), "limit takes an integer >= 1 (got int 0)"),
+        (lambda run: crf.runs(run.store, status="okay"), "unknown --status okay (one of: ok,"),
+        (lambda run: crf.runs(run.store, status=["ok", 5]), "status takes status names"),
+        (lambda run: crf.runs("ftp://h/x"), "cannot list runs in ftp://h/x: store scheme 'ftp'"),
+        (lambda run: crf.resume(run.id, store=run.store, restart=3), "restart takes a crf.Rest"),
+        (lambda run: crf.resume(run.id, store=run.store, executor=1), "crf.resume takes no exec"),
+        (lambda run: crf.resume(run.id, store=run.store, timeout=-1), "--timeout must be > 0"),
+    ],
+)  # fmt: skip
+def test_a_wrong_argument_of_a_run_is_one_launch_error(
+    call: Any, message: str, finished: crf.Run
+) -> None:
+    with pytest.raises(LaunchError) as caught:
+        call(finished)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_run_keeps_its_store_absolute_and_takes_paths(
+    finished: crf.Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # elsewhere than the launch: the run is found all the same
+    assert finished.result is not None and finished.result.ok
+    assert finished.status().status == "ok"
+    assert crf.attach("done", store=Path(finished.store)) == finished
+    assert [i.run_id for i in crf.runs(Path(finished.store), status="ok", limit=1)] == ["done"]
+    assert [rank for rank, _ in finished.logs(rank=1, tail=1)] == [1]

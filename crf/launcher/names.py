@@ -61,8 +61,10 @@ def setting_spellings() -> dict[str, str]:
 
 
 def did_you_mean(key: object, known: Iterable[str]) -> str:
-    """``; did you mean 'x'?`` for the nearest known name, or nothing."""
-    near = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    """``; did you mean 'x'?`` for the nearest known name, or nothing; never the name given
+    (a name known elsewhere but not here would otherwise be suggested to itself)."""
+    others = [name for name in known if name != key]
+    near = difflib.get_close_matches(str(key), others, n=1, cutoff=0.6)
     return f"; did you mean {near[0]!r}?" if near else ""
 
 

@@ -102,8 +102,23 @@ def job_config(name: str, values: dict[str, Any] | None) -> Any:
     for key, val in list(values.items()):
         default = fields[key].default
         if default is not dataclasses.MISSING:
+            _check_scalar(key, val, default)
             values[key] = coerce_text(val, default, f"job option {key}")
     cfg = cls(**values)
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+def _check_scalar(key: str, value: Any, default: Any) -> None:
+    """ValueError naming the option for a table or a list where it takes one number, string
+    or bool (its default's type): the job's own checks would compare it and fail with a
+    TypeError that names neither."""
+    scalar = (bool, int, float, str)
+    if isinstance(default, scalar) and not isinstance(value, scalar):
+        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        kind = kinds[type(default)] if type(default) in kinds else type(default).__name__
+        raise ValueError(
+            f"job option {key} takes {kind}, like {default!r} (got {type(value).__name__} "
+            f"{value!r})"
+        )
