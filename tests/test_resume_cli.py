@@ -318,6 +318,31 @@ def test_a_resume_is_refused_while_the_backend_runs_replicas_without_heartbeats(
     assert driver.prepare_resume("old", store=str(base)).resume is not None  # it ended
 
 
+def test_crf_runs_says_running_only_of_a_run_whose_replicas_may_run(tmp_path: Path) -> None:
+    """``crf runs`` judges liveness as a resume does: a fresh heartbeat from this host whose
+    pid has ended (a killed replica) is a stopped run, one from another host is running;
+    and a copied run folder is listed under its own name, which the commands take."""
+    import shutil
+
+    from crf.launcher.attach import list_runs
+
+    base = tmp_path / "runs"
+    store = _fake_run(base)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    beat = {"phase": "training", "pid": ended.pid, "host": socket.gethostname(),
+            "run_id": "old", "rank": 0, "updated_at": time.time()}  # fmt: skip
+    store.put_json("replicas/0/state.json", beat)
+    assert [(r["run_id"], r["status"]) for r in list_runs(str(base))] == [("old", "stopped")]
+    store.put_json("replicas/0/state.json", beat | {"host": "elsewhere", "pid": 1})
+    assert [r["status"] for r in list_runs(str(base))] == ["running"]
+    store.put_json("replicas/0/state.json", beat | {"host": "elsewhere", "updated_at": 1.0})
+    shutil.copytree(base / "old", base / "copy")
+    assert sorted((r["run_id"], r["status"]) for r in list_runs(str(base))) == [
+        ("copy", "stopped"), ("old", "stopped"),
+    ]  # fmt: skip
+
+
 def test_resume_point_is_the_newest_global_every_inner_state_exists_for() -> None:
     """A checkpoint is global/<r> plus each replica's inner/<r>: the resume starts from the
     newest complete one and sets the newer ones aside; with none complete, from the newest."""

@@ -422,10 +422,11 @@ def _run_row(st: Any) -> dict[str, Any] | None:
             status = str(result.get("status"))
     except (StoreError, OSError, ValueError, TypeError, AttributeError):  # none yet, or torn
         result = None
-    if (result is None or status == "stopped") and _fresh_heartbeat(st, spec.replicas):
+    if (result is None or status == "stopped") and _fresh_heartbeat(st, spec):
         status = "running"
     return {
-        "run_id": spec.run_id,
+        # the folder's name, which every command takes (a copied folder keeps its run.json)
+        "run_id": st.uri.rstrip("/").rsplit("/", 1)[-1],
         "backend": spec.backend,
         "job": spec.job_label,
         "replicas": spec.replicas,
@@ -442,17 +443,11 @@ def _damaged_row(st: Any, why: str) -> dict[str, Any]:
     return {"run_id": name, **empty, "status": "damaged", "error": why}
 
 
-def _fresh_heartbeat(st: Any, replicas: int) -> bool:
-    """Whether any replica wrote its heartbeat recently enough to be running still (a
-    replica whose last heartbeat says done or failed has ended, however fresh it is)."""
-    from crf.launcher.resume import LIVE_HEARTBEAT_S
-    from crf.launcher.supervise import read_heartbeat
+def _fresh_heartbeat(st: Any, spec: RunSpec) -> bool:
+    """Whether any replica may still be running by its heartbeat (crf/launcher/resume.py
+    ``live_replicas``): on this host its pid must still be the replica's (a killed
+    replica's fresh heartbeat says nothing), on another a heartbeat younger than
+    ``LIVE_HEARTBEAT_S``; one that says done or failed has ended, however fresh."""
+    from crf.launcher.resume import live_replicas
 
-    now = time.time()
-    for r in range(replicas):
-        beat = read_heartbeat(st, r)
-        if beat is None or beat.phase in ("done", "failed"):
-            continue
-        if now - float(beat.updated_at or 0) < LIVE_HEARTBEAT_S:
-            return True
-    return False
+    return bool(live_replicas(st, spec.replicas, spec.run_id))
