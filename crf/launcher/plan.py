@@ -35,6 +35,21 @@ if TYPE_CHECKING:
     from crf.store import RunStore
 
 DEFAULT_STORE = "./crf-runs"
+
+
+def store_base(store: str | None) -> str:
+    """The normalized base URI of ``--store`` (None: ./crf-runs). Every command and the SDK
+    open their store through here: a blank store is refused (StoreURIError) rather than
+    taken for the default, and so is a URL with a typo or credentials in it
+    (:func:`crf.store.check_uri`): a LaunchError whose message never repeats them."""
+    from crf.store import StoreURIError, normalize_uri
+
+    try:
+        return normalize_uri(DEFAULT_STORE if store is None else store)
+    except StoreURIError as e:
+        raise LaunchError(f"--store: {e}") from None
+
+
 #: RunSpec fields the driver fills in itself; every other field is a run option (crf.spec)
 _MANAGED = frozenset(f.name for f in dataclasses.fields(RunSpec)) - set(run_options())
 DEFAULT_MAX_RESTARTS = 3
@@ -302,7 +317,7 @@ def prepare(
     access, a client library) does not stop the checks: it is listed in ``Plan.missing``.
     """
     from crf.launcher.workers import check_rollout_options, plan_workers, split_options
-    from crf.store import join_uri, normalize_uri
+    from crf.store import join_uri
 
     values = launch_options(options)
     policy = (restart or RestartPolicy()).validate()
@@ -318,7 +333,9 @@ def prepare(
         executor = make_executor(values.get("backend", RunSpec.backend), backend_options)
     values["backend"] = getattr(executor, "name", values.get("backend", RunSpec.backend))
     try:
-        run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
+        run_uri = join_uri(store_base(store), run_id)
+    except LaunchError:
+        raise
     except (TypeError, ValueError, OSError) as e:  # not a string; no working directory
         raise LaunchError(f"--store {store!r} is not a usable URI or path: {e}") from None
     try:

@@ -30,6 +30,7 @@ from crf.launcher.plan import (
     make_executor,
     read_run_spec,
     saved_backend_options,
+    store_base,
     store_errors,
     validate_job,
 )
@@ -89,11 +90,11 @@ class _Found:
 
 def _read_run(store: str | None, run_id: str) -> _Found:
     """Read what a resume needs; LaunchError for a folder without a run or a store error."""
-    from crf.store import RunStore, join_uri, normalize_uri
+    from crf.store import RunStore, join_uri
 
-    where = store or DEFAULT_STORE
-    with store_errors(f"{where}/{run_id}"):
-        run_store = RunStore(join_uri(normalize_uri(where), run_id), retries=0)
+    base = store_base(store)  # LaunchError: blank, a typo, credentials
+    with store_errors(f"{store or DEFAULT_STORE}/{run_id}"):
+        run_store = RunStore(join_uri(base, run_id), retries=0)
         if not run_store.exists(layout.RUN_SPEC):
             raise LaunchError(
                 f"nothing to resume at {display_path(run_store)}: it holds no run.json (check "
