@@ -316,3 +316,83 @@ def test_plot_of_a_run_that_ended_before_any_round_says_so(
     assert got == code
     line = one_line(text)
     assert says in line and "try again later" not in line
+
+
+# ------------------------------------------------------------------ crf launch
+LAUNCH = ("launch", "--backend", "local", "--job", "lm", "-n", "2", "-H", "2", "--rounds", "1")
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        ("ok", "choose another --run-id (it cannot be resumed: run r1 already finished"),
+        ("damaged", "choose another --run-id (it cannot be resumed: "),
+        ("failed", "choose another --run-id, or continue it with --resume r1"),
+        (None, "choose another --run-id, or continue it with --resume r1"),
+    ],
+)
+def test_a_launch_into_an_existing_run_suggests_resume_only_when_it_would_be_accepted(
+    tmp_path: Path, status: str | None, says: str
+) -> None:
+    base = tmp_path / "runs"
+    store = make_run(base, status=None if status == "damaged" else status)
+    if status == "damaged":
+        store.put(layout.RUN_SPEC, b"{not json")
+    code, out = crf(*LAUNCH, "--store", str(base), "--run-id", RUN, "--dry-run")
+    assert code == 2, out
+    line = one_line(out)
+    assert "already holds a run" in line and says in line
+    if "--resume" in says:  # and a resume is indeed not refused for being finished/damaged
+        code, out = crf("launch", "--resume", RUN, "--store", str(base), "--dry-run")
+        assert "already finished" not in out and "damaged" not in out, out
+
+
+def test_workdir_that_is_a_file_says_so(tmp_path: Path) -> None:
+    (tmp_path / "code.py").write_text("")
+    code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--workdir",
+                    str(tmp_path / "code.py"), "--dry-run")  # fmt: skip
+    assert code == 2, out
+    assert "is a file: --workdir takes a folder" in one_line(out)
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY"])
+def test_a_credential_in_env_is_refused_and_not_written(tmp_path: Path, name: str) -> None:
+    code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--env",
+                    f"{name}=hf_value_never_printed", "--dry-run")  # fmt: skip
+    assert code == 2, out
+    assert f"pass it with --secret {name}" in one_line(out)
+    assert "hf_value_never_printed" not in out and not (tmp_path / "runs").exists()
+
+
+def test_plain_env_is_still_accepted(tmp_path: Path) -> None:
+    code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--env", "WANDB_PROJECT=grpo",
+                    "--env", "TOKENIZERS_PARALLELISM=false", "--dry-run")  # fmt: skip
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("given", "warned"),
+    [({}, True), ({"WANDB_API_KEY": "k" * 40}, False), ({"WANDB_MODE": "offline"}, False),
+     ({"netrc": "machine api.wandb.ai login user password " + "k" * 40}, False)],
+)  # fmt: skip
+def test_wandb_on_the_local_backend_without_a_key_is_warned_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: dict[str, str], warned: bool
+) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("--report-to wandb needs the wandb package")
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    netrc = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+    for var, value in given.items():
+        if var == "netrc":
+            netrc.write_text(value + "\n")
+            netrc.chmod(0o600)
+        else:
+            monkeypatch.setenv(var, value)
+    code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--report-to", "wandb",
+                    "--dry-run")  # fmt: skip
+    assert code == 0, out
+    assert ("WANDB_API_KEY is not set here" in " ".join(out.split())) == warned, out

@@ -26,7 +26,12 @@ from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor, resolve_procs_per_replica
 from crf.launcher.data_checks import builtin_data, check_inputs
 from crf.launcher.errors import LaunchError
-from crf.launcher.user_env import check_reserved, resolve_secrets
+from crf.launcher.user_env import (
+    check_plain_env,
+    check_reserved,
+    resolve_secrets,
+    tracking_warnings,
+)
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
@@ -365,6 +370,7 @@ def prepare(
             missing += check_workers(spec, workers, executor, dry_run, missing)
             notes = job_notes(spec, rows)  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
+            notes += tracking_warnings(spec)  # local wandb without a key: no tracking
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:
@@ -446,7 +452,9 @@ def _dry_run_folder(run_uri: str, run_id: str, missing: list[str]) -> RunStore |
 
 def _read_secrets(spec: RunSpec, missing: list[str] | None) -> dict[str, str]:
     """The ``--secret`` values, each set (or its file readable) before launch; with a
-    ``missing`` list (a dry run) one that is not is added there instead of raised."""
+    ``missing`` list (a dry run) one that is not is added there instead of raised. A
+    credential given with ``--env`` is refused either way (check_plain_env)."""
+    check_plain_env(spec)
     if missing is None:
         return resolve_secrets(spec)
     check_reserved(spec)  # a reserved name is bad input, not something missing
@@ -829,9 +837,11 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
     with store_errors(run_uri):
         probe = RunStore(run_uri, retries=0)
         if probe.exists(layout.RUN_SPEC):
+            from crf.launcher.resume import held_run_hint
+
             raise LaunchError(
                 f"run folder {display_path(probe)} already holds a run (run.json exists); "
-                f"choose another --run-id, or continue it with --resume {run_id}"
+                f"{held_run_hint(probe, run_id)}"
             )
         if dry_run:
             _local_writable(probe)
