@@ -68,6 +68,8 @@ ROLLOUT_JOB = "composer"
 #: where each replica reports its metrics (--report-to; crf/replica/tracking.py); each one but
 #: none is a package of the optional ``tracking`` extra, imported by that name
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")
+#: a variable that lets --report-to wandb log: its key, or a mode that needs none (offline)
+WANDB_KEYS = frozenset({"WANDB_API_KEY", "WANDB_MODE"})
 
 
 class SpecError(ValueError):
@@ -893,7 +895,7 @@ class RunSpec:
         if self.backend == "local" or not isinstance(self.env, dict):
             return
         names = {secret_name(str(e)) for e in self.secrets} | set(self.env)
-        if tracker == "wandb" and not names & {"WANDB_API_KEY", "WANDB_MODE"}:
+        if tracker == "wandb" and not names & WANDB_KEYS:
             raise SpecError(
                 f"--report-to wandb on {self.backend}: give the replicas your key with "
                 "--secret WANDB_API_KEY (or --env WANDB_MODE=offline)"

@@ -267,7 +267,9 @@ def test_resume_refusals(tmp_path: Path) -> None:
     # a run that finished is not resumed, and a new launch never reuses its folder
     store.put_json("result.json", {"status": "ok"})
     assert "already finished" in refused("--resume", "old")
-    assert "continue it with --resume old" in refused("--run-id", "old", "--job", "lm")
+    said = refused("--run-id", "old", "--job", "lm")  # and --resume is not suggested for it
+    assert "choose another --run-id (it cannot be resumed: run old already finished" in said
+    assert "continue it with --resume" not in said
     assert store.get("run.json") == spec_bytes
 
     # two drivers resuming at once: the second one to claim the launch loses

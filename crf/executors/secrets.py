@@ -22,6 +22,7 @@ them back to a private file inside the container before the store is opened.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -49,6 +50,17 @@ GCS_JSON_VAR = "CRF_GCS_CREDENTIALS_JSON"
 SECRET_NAMES = frozenset(
     {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", GCS_JSON_VAR}
 )
+#: a variable name that says it holds a credential (HF_TOKEN, OPENAI_API_KEY, DB_PASSWORD,
+#: AWS_SECRET_ACCESS_KEY): ``--env`` writes its value in run.json, so such a name goes
+#: through ``--secret`` (crf.launcher.user_env.check_plain_env)
+_CREDENTIAL_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|SECRET_KEY)$")
+
+
+def looks_like_credential(name: str) -> bool:
+    """Whether ``name`` is a credential's variable: one crf knows, or named like one."""
+    return name in SECRET_NAMES or bool(_CREDENTIAL_NAME.search(name.upper()))
+
+
 #: shorter values are not redacted: hiding every "1" or "true" would garble the logs
 MIN_SECRET_CHARS = 6
 

@@ -157,6 +157,8 @@ def pack_workdir(
     an ``exclude`` folder stay out (the local run store, when it lies inside the workdir:
     ``--workdir .`` with the default ``./crf-runs`` must not ship earlier runs)."""
     root = Path(path).expanduser().resolve()
+    if root.exists() and not root.is_dir():
+        raise WorkdirError(f"--workdir {path} is a file: --workdir takes a folder (your code's)")
     if not root.is_dir():
         raise WorkdirError(f"--workdir {path}: no such folder")
     names, how = workdir_files(root)

@@ -103,17 +103,17 @@ class AttachedRun:
 
 
 def run_store(run_id: str, store: str | None) -> Any:
-    from crf.launcher.plan import DEFAULT_STORE
+    from crf.launcher.plan import DEFAULT_STORE, store_base
     from crf.spec import SpecError, check_run_id
-    from crf.store import RunStore, join_uri, normalize_uri
+    from crf.store import RunStore, join_uri
 
     try:
         check_run_id(run_id)  # one folder in --store, never a path out of it
     except SpecError as e:
         raise LaunchError(str(e)) from None
+    base = store_base(store)  # LaunchError: blank, a typo, credentials
     try:
-        uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
-        st = RunStore(uri, retries=1)
+        st = RunStore(join_uri(base, run_id), retries=1)
         if not st.exists(layout.RUN_SPEC):
             raise LaunchError(
                 f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
@@ -305,10 +305,10 @@ def list_runs(
     ``running`` if a heartbeat is fresh, else ``stopped`` (a driver died, or a detached run
     that nobody gathered yet - ``crf status`` tells which).
     """
-    from crf.launcher.plan import DEFAULT_STORE
-    from crf.store import RunStore, normalize_uri
+    from crf.launcher.plan import store_base
+    from crf.store import RunStore
 
-    base = RunStore(normalize_uri(store or DEFAULT_STORE), retries=1)
+    base = RunStore(store_base(store), retries=1)  # LaunchError: blank, a typo, credentials
     rows = []
     for name in sorted(base.list()):
         row = _run_row(base.child(name))
@@ -395,9 +395,82 @@ def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
             f"run {run_id} is still running ({', '.join(live)}); stop it first with "
             f"`crf cancel {run_id}`, then remove it"
         )
+    if st.scheme == "file":
+        _check_deletable(run_id, st.root)
     count, size = st.usage()
-    st.delete("")
+    try:
+        st.delete("")
+    except (StoreError, OSError) as e:
+        raise LaunchError(_partly_deleted(run_id, st, count, e)) from None
     return count, size
+
+
+def _check_deletable(run_id: str, root: str) -> None:
+    """LaunchError, with nothing deleted, for a local run folder that ``crf rm`` could only
+    delete in part: one that is a symbolic link (deleting the link, or what it points to,
+    is the user's call), or one with a folder whose entries cannot be removed (no write
+    permission, ``chattr +i``, a read-only mount: ``os.access`` asks the kernel, so it sees
+    all three, for root too). A half-deleted run would lose its figure or result while
+    still listed, and could no longer be resumed."""
+    folder = root.rstrip("/")
+    if os.path.islink(folder):
+        raise LaunchError(
+            f"run {run_id}'s folder {folder} is a symbolic link to {os.readlink(folder)}: "
+            "crf rm does not follow it; delete the link or its target yourself"
+        )
+    walked = list(os.walk(folder))
+    inside = [os.path.join(d, n) for d, names, _ in walked for n in names]
+    folders = [os.path.dirname(folder), folder, *inside]  # the store's folder loses the run's
+    for path in folders:
+        if not os.path.islink(path) and not os.access(path, os.W_OK | os.X_OK):
+            raise LaunchError(
+                f"cannot delete run {run_id}: {path} does not let its entries be removed (no "
+                "write permission, immutable, or read-only); nothing was deleted"
+            )
+    for path in (os.path.join(d, n) for d, _, files in walked for n in files):
+        if _undeletable_flag(path):
+            raise LaunchError(
+                f"cannot delete run {run_id}: {path} is immutable or append-only (chattr); "
+                "nothing was deleted"
+            )
+
+
+def _undeletable_flag(path: str) -> bool:
+    """Whether a file carries the immutable or append-only attribute (Linux ``chattr +i`` /
+    ``+a``), which refuses its unlink even to root in a writable folder. False where the
+    attributes cannot be read (another OS, a file system without them)."""
+    import array
+    import fcntl
+
+    get_flags, undeletable = 0x80086601, 0x10 | 0x20  # FS_IOC_GETFLAGS; IMMUTABLE | APPEND
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, get_flags, flags, True)
+        return bool(flags[0] & undeletable)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _partly_deleted(run_id: str, st: Any, count: int, e: BaseException) -> str:
+    """What ``crf rm`` says when the store refused a delete part way: what and why, and how
+    many of the run's objects are gone (counted again, not assumed)."""
+    from crf.launcher.errors import os_error_line
+
+    why = os_error_line(e) if isinstance(e, OSError) else str(e)
+    try:
+        left = st.usage()[0]
+    except (StoreError, OSError):
+        return f"could not delete all of run {run_id}: {why}"
+    return (
+        f"could not delete all of run {run_id}: {why}; {count - left} of {count} object(s) "
+        f"deleted, {left} left in {st.uri}"
+    )
 
 
 def _run_row(st: Any) -> dict[str, Any] | None:

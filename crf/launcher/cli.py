@@ -15,13 +15,14 @@ torch, job configs) are imported inside the commands so ``crf --help`` stays ins
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import shutil
 import sys
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Annotated, Any, Literal, NoReturn
 
 import typer
@@ -61,6 +62,24 @@ def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
     Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _user_errors(what: str = "") -> Iterator[None]:
+    """The one mapping of the run commands' errors (rm, export, plot, status, logs, cancel)
+    to one red line, exit 2: crf's own errors say what to fix; an OSError (a path under a
+    file, a folder where a file goes, no permission) is said in words with its path
+    (errors.os_error_line) instead of a traceback or a bare ``[Errno 20] ...``."""
+    from crf.executors.base import ExecutorError
+    from crf.launcher.errors import LaunchError, os_error_line
+    from crf.store.errors import StoreError
+
+    try:
+        yield
+    except (LaunchError, ExecutorError, StoreError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(os_error_line(e, what))
 
 
 def parse_pairs(items: list[str] | None, flag: str) -> dict[str, str]:
@@ -469,6 +488,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
         RestartPolicy,
         checked_spec,
         job_settings,
+        store_base,
         trl_config_name,
     )
 
@@ -479,6 +499,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
         RestartPolicy(flags["max_restarts"], flags["max_run_restarts"]).validate()
         spec = checked_spec(options)
         knobs, trl = job_settings(spec)
+        store_base(flags["store"])  # a typo or credentials in --store: refused, not printed
     except LaunchError as e:
         _fail(str(e))
     resolved = {n: options.get(n, o.default) for n, o in run_options().items()}
@@ -598,12 +619,15 @@ def runs(
     from rich.table import Table
 
     from crf.launcher.attach import RUN_STATUSES, list_runs
+    from crf.launcher.errors import LaunchError
 
     unknown = sorted(set(status or ()) - set(RUN_STATUSES))
     if unknown:
         _fail(f"unknown --status {', '.join(unknown)} (one of: {', '.join(RUN_STATUSES)})")
     try:
         rows = list_runs(store, status=status, limit=limit)
+    except LaunchError as e:  # a blank --store, a typo, credentials in it: said, not repeated
+        _fail(str(e))
     except Exception as e:
         _fail(f"cannot list runs in {store or './crf-runs'}: {e} (check --store)")
     if json_out:
@@ -702,14 +726,15 @@ def status(
 ) -> None:
     """Show a run's replicas as its backend and heartbeats see them; a detached run whose
     replicas have all ended gets its summary (result.json) here."""
-    from crf.launcher.attach import attach, gather, status_record
-    from crf.launcher.errors import LaunchError
-    from crf.store.errors import StoreError
+    with _user_errors():
+        _status(run_id, store, json_out, watch, interval)
 
-    try:
-        run_ = attach(run_id, store)
-    except (LaunchError, StoreError) as e:
-        _fail(str(e))
+
+def _status(run_id: str, store: str | None, json_out: bool, watch: bool, interval: float) -> None:
+    """``crf status``'s body (its errors are mapped by the caller)."""
+    from crf.launcher.attach import attach, gather, status_record
+
+    run_ = attach(run_id, store)
     console = Console(stderr=json_out)  # --json: stdout carries the JSON alone
     try:
         if watch and not json_out:
@@ -764,22 +789,18 @@ def logs(
 ) -> None:  # fmt: skip
     """Print a run's replica logs (prefixed with the rank when showing several; a rollout
     worker's with w and its index)."""
-    from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, follow_logs
-    from crf.launcher.errors import LaunchError
-    from crf.store.errors import StoreError
 
     if role not in ("trainer", "rollout"):
         _fail(f"--role {role!r} is unknown; choose trainer or rollout")
     try:
-        run_ = attach(run_id, store)
-        several = len(run_.workers if role == "rollout" else run_.handles) > 1
-        prefix = rank is None and several
-        mark = "w" if role == "rollout" else ""
-        for r, line in follow_logs(run_, rank, follow, tail, role=role):
-            typer.echo(f"[{mark}{r}] {line}" if prefix else line)
-    except (LaunchError, ExecutorError, StoreError) as e:
-        _fail(str(e))
+        with _user_errors():
+            run_ = attach(run_id, store)
+            several = len(run_.workers if role == "rollout" else run_.handles) > 1
+            prefix = rank is None and several
+            mark = "w" if role == "rollout" else ""
+            for r, line in follow_logs(run_, rank, follow, tail, role=role):
+                typer.echo(f"[{mark}{r}] {line}" if prefix else line)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
@@ -792,16 +813,12 @@ def rm(
 ) -> None:
     """Delete a run's objects from the store (refused while any replica may still run)."""
     from crf.launcher.attach import remove_run, run_store
-    from crf.launcher.errors import LaunchError
-    from crf.store.errors import StoreError
 
-    try:
+    with _user_errors("cannot delete"):
         where = run_store(run_id, store).root
         if not yes and not _confirm(f"delete run {run_id} ({where}) and all its objects?"):
             raise typer.Exit(EXIT_USAGE)
         count, size = remove_run(run_id, store)
-    except (LaunchError, StoreError) as e:
-        _fail(str(e))
     from crf.launcher.summary import fmt_bytes
 
     Console().print(f"deleted run {escape(run_id)}: {count} object(s), {fmt_bytes(size)}")
@@ -814,24 +831,19 @@ def cancel(
 ) -> None:
     """Stop every replica of a run (from any machine that can reach its store and backend),
     then write its summary."""
-    from crf.executors.base import ExecutorError
     from crf.launcher.attach import attach, cancel_run, gather
-    from crf.launcher.errors import LaunchError
-    from crf.store.errors import StoreError
 
-    try:
+    with _user_errors():
         run_ = attach(run_id, store)
         live = cancel_run(run_)
-    except (LaunchError, ExecutorError, StoreError) as e:
-        _fail(str(e))
-    console = Console()
-    console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
-    if run_.result() is None:
-        summary = gather(run_, report=False, console=console, cancelled=bool(live),
-                         cancelled_ranks=[h.rank for h in live])  # fmt: skip
-        if summary.get("result_path") is None:  # the store refused it: say why, exit 1
-            _fail(str(summary.get("error")), EXIT_FAILED)
-        console.print(f"summary written: {escape(str(summary['result_path']))}")
+        console = Console()
+        console.print(f"cancelled {len(live)} running replica(s) of run {escape(run_id)}")
+        if run_.result() is None:
+            summary = gather(run_, report=False, console=console, cancelled=bool(live),
+                             cancelled_ranks=[h.rank for h in live])  # fmt: skip
+            if summary.get("result_path") is None:  # the store refused it: say why, exit 1
+                _fail(str(summary.get("error")), EXIT_FAILED)
+            console.print(f"summary written: {escape(str(summary['result_path']))}")
 
 
 @app.command()
@@ -871,19 +883,14 @@ def export(
 ) -> None:
     """Copy the trained model (the run's model/, Hugging Face format, written when the run
     finished) to a folder, or push it to a Hub repo."""
-    from crf.launcher.errors import LaunchError
     from crf.launcher.export import export as export_model
-    from crf.store.errors import StoreError
 
     console = Console(stderr=True)
-    try:
-        with console.status("exporting", spinner="dots") as shown:
-            done = export_model(
-                run_id, dest, store=store, force=force, merge=merge, base_model=base_model,
-                step=lambda text: shown.update(escape(text)),
-            )  # fmt: skip
-    except (LaunchError, StoreError, OSError) as e:
-        _fail(str(e))
+    with _user_errors("cannot export"), console.status("exporting", spinner="dots") as shown:
+        done = export_model(
+            run_id, dest, store=store, force=force, merge=merge, base_model=base_model,
+            step=lambda text: shown.update(escape(text)),
+        )  # fmt: skip
     Console().print(
         f"exported {len(done.files)} file(s) of run {escape(run_id)} to {escape(done.dest)}"
     )
@@ -896,7 +903,8 @@ def plot(
     out: Annotated[
         str | None,
         typer.Option("--out", "-o", metavar="FILE",
-                     help="Write the PNG here instead of the run folder's figure.png."),
+                     help="Write the figure here instead of the run folder's figure.png; its "
+                     "suffix is the format: .png, .jpg, .pdf or .svg (its folder must exist)."),
     ] = None,
 ) -> None:  # fmt: skip
     """Redraw a run's figure (figure.png) from its store: a finished run or one still
@@ -905,27 +913,44 @@ def plot(
 
     from crf import layout
     from crf.launcher.attach import run_store
-    from crf.launcher.errors import LaunchError
-    from crf.launcher.figure import draw_figure, figure_job, figure_title, read_metrics
+    from crf.launcher.figure import (
+        draw_figure,
+        figure_format,
+        figure_job,
+        figure_title,
+        read_metrics,
+    )
     from crf.launcher.plan import display_path, read_run_spec
-    from crf.store.errors import StoreError
 
-    try:
+    with _user_errors("--out" if out else ""):
+        fmt = figure_format(out) if out else "png"  # before anything is read or written
         st = run_store(run_id, store)
         spec = read_run_spec(st)
-        png = draw_figure(read_metrics(st, spec.replicas), job=figure_job(spec),
-                          title=figure_title(spec))  # fmt: skip
-        if png is None:
-            _fail(f"run {run_id} has no round recorded yet: nothing to draw (try again later)", 1)
+        image = draw_figure(read_metrics(st, spec.replicas), job=figure_job(spec),
+                            title=figure_title(spec), fmt=fmt)  # fmt: skip
+        if image is None:
+            _fail(_nothing_to_plot(st, run_id), EXIT_FAILED)
         if out:
-            Path(out).write_bytes(png)
+            Path(out).expanduser().write_bytes(image)
             where = out
         else:
-            st.put(layout.FIGURE, png)
+            st.put(layout.FIGURE, image)
             where = display_path(st, layout.FIGURE)
-    except (LaunchError, StoreError, OSError) as e:
-        _fail(str(e))
     Console().print(f"figure: {escape(where)}", soft_wrap=True, highlight=False)
+
+
+def _nothing_to_plot(st: Any, run_id: str) -> str:
+    """Why a run has no figure: still before its first round, or it ended (failed, was
+    cancelled, stopped) before recording one, so that trying again would not help."""
+    from crf.launcher.attach import _run_row
+
+    status = (_run_row(st) or {}).get("status")
+    if status == "running":
+        return f"run {run_id} has no round recorded yet: nothing to draw (try again later)"
+    return (
+        f"run {run_id} ended (status: {status}) before recording any round: there is nothing "
+        "to plot"
+    )
 
 
 def _confirm(question: str) -> bool:

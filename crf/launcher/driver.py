@@ -90,9 +90,11 @@ def _start_launch(plan: Plan, started: float) -> int:
     if plan.resume is not None:
         return claim_resume(plan, record)
     if not store.put_if_absent(layout.RUN_SPEC, spec.to_json().encode()):
+        from crf.launcher.resume import held_run_hint
+
         raise LaunchError(
             f"run folder {display_path(store)} already holds a run (run.json exists); "
-            f"choose another --run-id, or continue it with --resume {spec.run_id}"
+            f"{held_run_hint(store, spec.run_id)}"
         )
     if plan.workdir is not None and spec.workdir_key:  # one per content: put once
         store.put_if_absent(spec.workdir_key, plan.workdir.data)

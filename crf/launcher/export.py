@@ -57,16 +57,11 @@ def export(
 
     if base_model is not None and not merge:
         raise ExportError("--base-model names the base to merge into: add --merge")
-    st = run_store(run_id, store)  # LaunchError: no such run
-    files = model_files(st, run_id)
     hub = dest.startswith(HF_PREFIX)
     repo_id = hub_repo(dest) if hub else ""
-    target = Path(dest).expanduser()
-    if not hub:
-        if target.exists() and not target.is_dir():
-            raise ExportError(f"{dest} exists and is not a folder: give a folder to export into")
-        if target.is_dir() and any(target.iterdir()) and not force:
-            raise ExportError(f"{dest} is not empty: give an empty or new folder, or --force")
+    target = Path() if hub else local_destination(dest, force)
+    st = run_store(run_id, store)  # LaunchError: no such run
+    files = model_files(st, run_id)
     if not merge and not hub:
         _copy(st, files, target)  # straight into the folder, a file at a time
         return Exported(str(target), files)
@@ -87,6 +82,41 @@ def export(
             out.parent.mkdir(parents=True, exist_ok=True)
             os.replace(folder / rel, out)
     return Exported(str(target), files)
+
+
+def local_destination(dest: str, force: bool) -> Path:
+    """The folder ``dest`` names, checked before anything is read or written; ExportError in
+    one line for a blank name, a URL with a typo (``hf:/org/name``, ``s3:/b``: it would
+    become a local folder named ``hf:``), a URL this does not write to (s3://, gs://: export
+    to a folder, then copy it with that store's tools), a file, a path under a file, or a
+    folder that is not empty (without ``force``). ``file://`` URLs are folders."""
+    from crf.store import StoreURIError, check_uri, split_uri
+
+    if not dest.strip():
+        raise ExportError(
+            f"DEST is empty: give a folder (created if needed) or {HF_PREFIX}ORG/NAME"
+        )
+    try:
+        check_uri(dest, "DEST")
+    except StoreURIError as e:
+        raise ExportError(f"{e}; DEST is a folder or {HF_PREFIX}ORG/NAME") from None
+    scheme, sep, _ = dest.partition("://")
+    if sep and scheme != "file":
+        raise ExportError(
+            f"DEST {scheme}://... is not a destination crf export writes to: give a folder (then "
+            f"copy it to {scheme}:// with that store's tools) or {HF_PREFIX}ORG/NAME"
+        )
+    target = Path(split_uri(dest)[1] if sep else dest).expanduser()
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"DEST {dest} exists and is not a folder: give a folder to export into")
+    above = target.absolute()
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():  # a path under a file
+        raise ExportError(f"DEST {dest}: {above} is a file, not a folder: give a folder")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise ExportError(f"DEST {dest} is not empty: give an empty or new folder, or --force")
+    return target
 
 
 def _nearest_folder(path: Path) -> Path:

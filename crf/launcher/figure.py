@@ -256,8 +256,43 @@ def _draw(ax: Any, panel: Panel, metrics: Records) -> None:
     ax.legend(loc="best", fontsize="x-small")
 
 
-def draw_figure(metrics: Records, *, job: str, title: str = "") -> bytes | None:
-    """PNG of the run's figure; None when no replica recorded anything to draw yet."""
+#: the formats ``crf plot -o FILE`` writes, named by FILE's suffix (matplotlib's Agg canvas
+#: draws each; jpg goes through Pillow, which matplotlib needs anyway)
+FIGURE_FORMATS = ("png", "jpg", "jpeg", "pdf", "svg")
+
+
+def figure_format(path: str, flag: str = "--out") -> str:
+    """The format ``path``'s suffix names (one of FIGURE_FORMATS); LaunchError in one line
+    for a path that cannot take the figure, before anything is drawn or written: no or an
+    unknown suffix (a PNG under fig.jpg would be a lie), a folder, a folder that is missing
+    or is a file. What the write itself may still meet (no permission) is the caller's."""
+    from pathlib import Path
+
+    from crf.launcher.errors import LaunchError
+
+    target = Path(path).expanduser()
+    suffixes = ", ".join(f".{f}" for f in FIGURE_FORMATS)
+    if target.is_dir():
+        raise LaunchError(f"{flag} {path} is a folder: give a file name in it ({path}/figure.png)")
+    fmt = target.suffix.lower().lstrip(".")
+    if fmt not in FIGURE_FORMATS:
+        named = f"ends in .{fmt}" if fmt else "has no suffix"
+        raise LaunchError(
+            f"{flag} {path} {named}: name a {suffixes} file (the suffix is the format)"
+        )
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LaunchError(f"{flag} {path}: {parent} is a file, not a folder")
+    if parent != target.parent:
+        raise LaunchError(f"{flag} {path}: folder {target.parent} does not exist: create it first")
+    return fmt
+
+
+def draw_figure(metrics: Records, *, job: str, title: str = "", fmt: str = "png") -> bytes | None:
+    """The run's figure as ``fmt`` (PNG unless told: FIGURE_FORMATS); None when no replica
+    recorded anything to draw yet."""
     panels = panels_for(job, metrics)
     if not panels:
         return None
@@ -274,7 +309,7 @@ def draw_figure(metrics: Records, *, job: str, title: str = "") -> bytes | None:
         fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="jpeg" if fmt == "jpg" else fmt)
     return buf.getvalue()
 
 

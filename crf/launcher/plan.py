@@ -26,7 +26,12 @@ from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor, resolve_procs_per_replica
 from crf.launcher.data_checks import builtin_data, check_inputs
 from crf.launcher.errors import LaunchError
-from crf.launcher.user_env import check_reserved, resolve_secrets
+from crf.launcher.user_env import (
+    check_plain_env,
+    check_reserved,
+    resolve_secrets,
+    tracking_warnings,
+)
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
@@ -35,6 +40,21 @@ if TYPE_CHECKING:
     from crf.store import RunStore
 
 DEFAULT_STORE = "./crf-runs"
+
+
+def store_base(store: str | None) -> str:
+    """The normalized base URI of ``--store`` (None: ./crf-runs). Every command and the SDK
+    open their store through here: a blank store is refused (StoreURIError) rather than
+    taken for the default, and so is a URL with a typo or credentials in it
+    (:func:`crf.store.check_uri`): a LaunchError whose message never repeats them."""
+    from crf.store import StoreURIError, normalize_uri
+
+    try:
+        return normalize_uri(DEFAULT_STORE if store is None else store)
+    except StoreURIError as e:
+        raise LaunchError(f"--store: {e}") from None
+
+
 #: RunSpec fields the driver fills in itself; every other field is a run option (crf.spec)
 _MANAGED = frozenset(f.name for f in dataclasses.fields(RunSpec)) - set(run_options())
 DEFAULT_MAX_RESTARTS = 3
@@ -302,7 +322,7 @@ def prepare(
     access, a client library) does not stop the checks: it is listed in ``Plan.missing``.
     """
     from crf.launcher.workers import check_rollout_options, plan_workers, split_options
-    from crf.store import join_uri, normalize_uri
+    from crf.store import join_uri
 
     values = launch_options(options)
     policy = (restart or RestartPolicy()).validate()
@@ -318,7 +338,9 @@ def prepare(
         executor = make_executor(values.get("backend", RunSpec.backend), backend_options)
     values["backend"] = getattr(executor, "name", values.get("backend", RunSpec.backend))
     try:
-        run_uri = join_uri(normalize_uri(store or DEFAULT_STORE), run_id)
+        run_uri = join_uri(store_base(store), run_id)
+    except LaunchError:
+        raise
     except (TypeError, ValueError, OSError) as e:  # not a string; no working directory
         raise LaunchError(f"--store {store!r} is not a usable URI or path: {e}") from None
     try:
@@ -348,6 +370,7 @@ def prepare(
             missing += check_workers(spec, workers, executor, dry_run, missing)
             notes = job_notes(spec, rows)  # the job may be the workdir's
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
+            notes += tracking_warnings(spec)  # local wandb without a key: no tracking
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
             executor.check_command(command)
     except ExecutorError as e:
@@ -429,7 +452,9 @@ def _dry_run_folder(run_uri: str, run_id: str, missing: list[str]) -> RunStore |
 
 def _read_secrets(spec: RunSpec, missing: list[str] | None) -> dict[str, str]:
     """The ``--secret`` values, each set (or its file readable) before launch; with a
-    ``missing`` list (a dry run) one that is not is added there instead of raised."""
+    ``missing`` list (a dry run) one that is not is added there instead of raised. A
+    credential given with ``--env`` is refused either way (check_plain_env)."""
+    check_plain_env(spec)
     if missing is None:
         return resolve_secrets(spec)
     check_reserved(spec)  # a reserved name is bad input, not something missing
@@ -812,9 +837,11 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
     with store_errors(run_uri):
         probe = RunStore(run_uri, retries=0)
         if probe.exists(layout.RUN_SPEC):
+            from crf.launcher.resume import held_run_hint
+
             raise LaunchError(
                 f"run folder {display_path(probe)} already holds a run (run.json exists); "
-                f"choose another --run-id, or continue it with --resume {run_id}"
+                f"{held_run_hint(probe, run_id)}"
             )
         if dry_run:
             _local_writable(probe)

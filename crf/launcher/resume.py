@@ -30,6 +30,7 @@ from crf.launcher.plan import (
     make_executor,
     read_run_spec,
     saved_backend_options,
+    store_base,
     store_errors,
     validate_job,
 )
@@ -89,31 +90,48 @@ class _Found:
 
 def _read_run(store: str | None, run_id: str) -> _Found:
     """Read what a resume needs; LaunchError for a folder without a run or a store error."""
-    from crf.store import RunStore, join_uri, normalize_uri
+    from crf.store import RunStore, join_uri
 
-    where = store or DEFAULT_STORE
-    with store_errors(f"{where}/{run_id}"):
-        run_store = RunStore(join_uri(normalize_uri(where), run_id), retries=0)
-        if not run_store.exists(layout.RUN_SPEC):
-            raise LaunchError(
-                f"nothing to resume at {display_path(run_store)}: it holds no run.json (check "
-                "--store and the run id)"
-            )
-        spec = read_run_spec(run_store)
-        previous = None
-        if run_store.exists(layout.RESULT):
-            with contextlib.suppress(ValueError, AttributeError):  # damaged: treated as none
-                previous = run_store.get_json(layout.RESULT).get("status")
-        return _Found(
-            uri=run_store.uri,
-            spec=spec,
-            previous=previous,
-            live=live_replicas(run_store, spec.replicas, spec.run_id),
-            launches=layout.launch_numbers(run_store),
-            rounds=layout.global_rounds(run_store, complete=True),
-            inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
-            backend_options=saved_backend_options(run_store),
+    base = store_base(store)  # LaunchError: blank, a typo, credentials
+    with store_errors(f"{store or DEFAULT_STORE}/{run_id}"):
+        return _read_found(RunStore(join_uri(base, run_id), retries=0))
+
+
+def _read_found(run_store: RunStore) -> _Found:
+    """:func:`_read_run` of an open run folder (store errors are the caller's)."""
+    if not run_store.exists(layout.RUN_SPEC):
+        raise LaunchError(
+            f"nothing to resume at {display_path(run_store)}: it holds no run.json (check "
+            "--store and the run id)"
         )
+    spec = read_run_spec(run_store)
+    previous = None
+    if run_store.exists(layout.RESULT):
+        with contextlib.suppress(ValueError, AttributeError):  # damaged: treated as none
+            previous = run_store.get_json(layout.RESULT).get("status")
+    return _Found(
+        uri=run_store.uri,
+        spec=spec,
+        previous=previous,
+        live=live_replicas(run_store, spec.replicas, spec.run_id),
+        launches=layout.launch_numbers(run_store),
+        rounds=layout.global_rounds(run_store, complete=True),
+        inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
+        backend_options=saved_backend_options(run_store),
+    )
+
+
+def held_run_hint(run_store: RunStore, run_id: str) -> str:
+    """What to do about a new launch into a folder that already holds run ``run_id``:
+    continue it with ``--resume`` only when a resume would be accepted (:func:`_refuse`);
+    else choose another run id, and why that run cannot be resumed (it finished ok, it still
+    runs, its run.json is damaged)."""
+    try:
+        with store_errors(run_store.uri):
+            _refuse(run_id, _read_found(run_store), None)
+    except LaunchError as e:
+        return f"choose another --run-id (it cannot be resumed: {e})"
+    return f"choose another --run-id, or continue it with --resume {run_id}"
 
 
 def backend_live(store: RunStore, executor: ServerlessExecutor, launches: list[int]) -> list[str]:

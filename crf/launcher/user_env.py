@@ -20,9 +20,52 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from crf.executors.secrets import store_credential_names
+from crf.executors.secrets import looks_like_credential, store_credential_names
 from crf.launcher.errors import LaunchError
-from crf.spec import RunSpec, secret_name
+from crf.spec import WANDB_KEYS, RunSpec, secret_name
+
+
+def check_plain_env(spec: RunSpec) -> None:
+    """LaunchError for an ``--env`` whose name says it is a credential (``HF_TOKEN``,
+    ``AWS_SECRET_ACCESS_KEY``, ``*_API_KEY``): an ``--env`` value is written in run.json and
+    shown by the platform, so a credential goes through ``--secret`` (docs/backends.md).
+    Checked for a new launch only: a resume cannot change its run.json."""
+    for name in spec.env if isinstance(spec.env, dict) else ():
+        if looks_like_credential(str(name)):
+            raise LaunchError(
+                f"--env {name}: a credential's value would be written in run.json; pass it "
+                f"with --secret {name} (its value read from this environment, or "
+                f"{name}=@file) instead"
+            )
+
+
+def tracking_warnings(spec: RunSpec, environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning (one line) for ``--report-to wandb`` on the local backend with no key the
+    replicas would find: none in this environment (they inherit it), in ``--env`` or
+    ``--secret``, nor a ~/.netrc login for api.wandb.ai (what ``wandb login`` writes). The run
+    would train, but every replica would log "tracking is off". A cloud backend refuses the
+    same (RunSpec._validate_tracking); here the machine's own login may be what is meant."""
+    env = os.environ if environ is None else environ
+    if spec.report_to != "wandb" or spec.backend != "local":
+        return []
+    names = {secret_name(str(e)) for e in spec.secrets} | set(spec.env) | set(env)
+    if names & WANDB_KEYS or _netrc_login("api.wandb.ai", env):
+        return []
+    return [
+        "--report-to wandb: WANDB_API_KEY is not set here (nor a `wandb login` in ~/.netrc), so "
+        "the replicas will train without tracking; export WANDB_API_KEY, run `wandb login`, "
+        "or --env WANDB_MODE=offline"
+    ]
+
+
+def _netrc_login(host: str, environ: Mapping[str, str]) -> bool:
+    """Whether the netrc file (``NETRC``, else ~/.netrc) has a login for ``host``."""
+    import netrc
+
+    try:
+        return netrc.netrc(environ.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def check_reserved(spec: RunSpec) -> None:

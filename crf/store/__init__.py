@@ -15,9 +15,11 @@ from crf.store.errors import (
     StoreError,
     StoreNotWritable,
     StoreTimeout,
+    StoreURIError,
 )
 from crf.store.run_store import (
     RunStore,
+    check_uri,
     join_uri,
     normalize_uri,
     register_scheme,
@@ -33,6 +35,8 @@ __all__ = [
     "StoreError",
     "StoreNotWritable",
     "StoreTimeout",
+    "StoreURIError",
+    "check_uri",
     "decode_blob",
     "decode_tensor",
     "encode_blob",

@@ -24,3 +24,9 @@ class StoreTimeout(StoreError, TimeoutError):
 
 class StoreNotWritable(StoreError):
     """The store URI cannot be written: wrong scheme, no permission, missing bucket."""
+
+
+class StoreURIError(StoreError, ValueError):
+    """A store URL that cannot be what the user meant: blank, a scheme missing a slash
+    (``s3:/bucket``), or credentials written into it. Raised before anything is read, written
+    or printed, so the message (which never repeats credentials) is the whole answer."""

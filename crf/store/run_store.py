@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -29,7 +30,13 @@ from typing import Any, NoReturn, TypeVar
 import fsspec
 
 from crf import jsonsafe
-from crf.store.errors import ObjectNotFound, StoreError, StoreNotWritable, StoreTimeout
+from crf.store.errors import (
+    ObjectNotFound,
+    StoreError,
+    StoreNotWritable,
+    StoreTimeout,
+    StoreURIError,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -173,8 +180,59 @@ def _garbled_in_transit() -> tuple[type[BaseException], ...]:
     return (exc.FlexibleChecksumError, exc.IncompleteReadError, exc.ResponseStreamingError)
 
 
+#: ``scheme:rest`` without ``//``: a URL missing a slash when the scheme is a protocol fsspec
+#: knows (``s3:/bucket``, ``file:runs``); a bare path is anything else
+_SCHEME_TYPO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)(.*)$", re.DOTALL)
+
+
+def check_uri(uri: str, what: str = "store") -> str:
+    """``uri`` unchanged, or StoreURIError saying what to fix: blank; a known protocol with
+    one slash or none (``s3:/b``, ``hf:/x``, ``file:x``), which a bare-path reading would
+    silently turn into a local folder named ``s3:``; or credentials written into the URL
+    (``s3://KEY:SECRET@bucket``), which would then be printed in plans, errors and run.json.
+    Every store URI goes through here (:func:`split_uri`), so every command and the SDK
+    refuse the same things in the same words. The message never repeats credentials."""
+    if not uri.strip():
+        raise StoreURIError(
+            f"the {what} is blank: give a folder or a URL (s3://BUCKET/PREFIX, gs://..., hf://...)"
+        )
+    scheme, sep, rest = uri.partition("://")
+    if sep and scheme != "file" and "@" in rest.split("/", 1)[0]:
+        raise StoreURIError(
+            f"the {what} URL holds credentials (USER:SECRET@ before the bucket): remove them "
+            f"and give them through the environment or a profile (docs/stores.md), e.g. "
+            f"{scheme}://{rest.split('@', 1)[1].split('/', 1)[0]}/..."
+        )
+    typo = None if sep else _SCHEME_TYPO.match(uri)
+    if typo and typo.group(1).lower() in _known_protocols():
+        return _refuse_typo(uri, typo.group(1), typo.group(2), what)
+    return uri
+
+
+def _refuse_typo(uri: str, scheme: str, rest: str, what: str) -> NoReturn:
+    """StoreURIError for ``scheme:rest`` (no ``//``), with the URL it most likely means."""
+    if scheme.lower() == "file" and not rest.startswith("/"):
+        meant = f"a plain path ({rest or '.'}) or file:///ABSOLUTE/PATH"
+    elif scheme.lower() == "file":
+        meant = f"file://{rest}"
+    else:
+        meant = f"{scheme}://{rest.lstrip('/')}"
+    raise StoreURIError(
+        f"the {what} {uri!r} looks like a URL missing a slash: did you mean {meant}? (a local "
+        f"folder with that name: write ./{uri})"
+    )
+
+
+@functools.cache
+def _known_protocols() -> frozenset[str]:
+    """The protocols fsspec knows (s3, gs, hf, file, memory, az, http, ...), and ours."""
+    return frozenset({*fsspec.available_protocols(), *_LAZY_SCHEMES, *_WRITERS})
+
+
 def split_uri(uri: str) -> tuple[str, str]:
-    """Return (scheme, path) for a store URI; a bare path means ``file``."""
+    """Return (scheme, path) for a store URI; a bare path means ``file`` (:func:`check_uri`
+    refuses what is not what the user meant)."""
+    check_uri(uri)
     if "://" not in uri:
         return "file", os.path.abspath(os.path.expanduser(uri))
     scheme, rest = uri.split("://", 1)
