@@ -109,6 +109,11 @@ def test_detach_then_status_logs_and_runs(tmp_path: Path, script: Path) -> None:
     result = json.loads((base / "det" / "result.json").read_text())
     assert result["status"] == "ok" and result["launch"] == 0
     assert [r["ok"] for r in result["replicas"]] == [True, True]
+    # its wall time is the replicas' (their last heartbeats), not the time until gathered
+    beats = [json.loads((base / "det" / "replicas" / str(r) / "state.json").read_text())
+             for r in (0, 1)]  # fmt: skip
+    assert result["ended_at"] == max(b["updated_at"] for b in beats)
+    assert result["wall_s"] == round(result["ended_at"] - result["started_at"], 3)
 
     code, out = crf("runs", "--store", str(base))
     assert code == 0 and "det" in out and "ok" in out

@@ -201,7 +201,7 @@ def gather(
     from crf.launcher.driver import finish_run
 
     record = run.launch_record
-    extra: dict[str, Any] = {"launch": run.launch_no}
+    extra: dict[str, Any] = {"launch": run.launch_no, "ended_at": _last_beat(run)}
     if record.get("restart_policy"):
         extra["restart_policy"] = record["restart_policy"]
     if record.get("resumed_from_round") is not None:
@@ -228,6 +228,23 @@ def gather(
         report=report,
         console=console,
     )
+
+
+def _last_beat(run: AttachedRun) -> float | None:
+    """When the launch's replicas ended, as their last heartbeats say (None: none wrote
+    one since the launch started: now). A detached run is gathered when someone asks (``crf
+    status`` an hour later), and its wall time is the replicas', not the time until then."""
+    from crf.launcher.supervise import read_heartbeat
+
+    started = float(run.launch_record.get("started_at") or 0)
+    beats = []
+    for h in run.handles:
+        with contextlib.suppress(Exception):  # unreadable: it says nothing of the end
+            beat = read_heartbeat(run.store, h.rank)
+            updated = beat.updated_at if beat is not None else None
+            if isinstance(updated, int | float) and started <= updated <= time.time():
+                beats.append(float(updated))
+    return max(beats) if beats else None
 
 
 def _replica_lines(
