@@ -355,10 +355,13 @@ def test_workdir_that_is_a_file_says_so(tmp_path: Path) -> None:
     assert "is a file: --workdir takes a folder" in one_line(out)
 
 
+@pytest.mark.parametrize("how", ["--dry-run", "--print-config"])
 @pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY"])
-def test_a_credential_in_env_is_refused_and_not_written(tmp_path: Path, name: str) -> None:
+def test_a_credential_in_env_is_refused_and_not_written(
+    tmp_path: Path, name: str, how: str
+) -> None:
     code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--env",
-                    f"{name}=hf_value_never_printed", "--dry-run")  # fmt: skip
+                    f"{name}=hf_value_never_printed", how)  # fmt: skip
     assert code == 2, out
     assert f"pass it with --secret {name}" in one_line(out)
     assert "hf_value_never_printed" not in out and not (tmp_path / "runs").exists()

@@ -491,6 +491,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
         store_base,
         trl_config_name,
     )
+    from crf.launcher.user_env import check_plain_env
 
     if flags["resume"] is not None:
         _fail("--print-config cannot be combined with --resume (the run's options are in its "
@@ -500,6 +501,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
         spec = checked_spec(options)
         knobs, trl = job_settings(spec)
         store_base(flags["store"])  # a typo or credentials in --store: refused, not printed
+        check_plain_env(spec)  # a credential in --env: refused, not printed
     except LaunchError as e:
         _fail(str(e))
     resolved = {n: options.get(n, o.default) for n, o in run_options().items()}
