@@ -345,6 +345,27 @@ def test_crf_runs_says_running_only_of_a_run_whose_replicas_may_run(tmp_path: Pa
     ]  # fmt: skip
 
 
+def test_a_resume_checks_the_runs_data_again_before_its_replicas_start(tmp_path: Path) -> None:
+    """A local run's data file edited since its launch (a null prompt) would stop every
+    replica at setup: the resume refuses it in one line, and says to continue once fixed."""
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"{w}=", "answer": w[::-1]} for w in ["ab", "bca", "cab", "dd"] * 8]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = tmp_path / "runs"
+    store = RunStore(f"file://{base}/old")
+    spec = RunSpec(run_id="old", run_uri=store.uri, replicas=2, dataset=str(data)).validate()
+    store.put_if_absent("run.json", spec.to_json().encode())
+    assert driver.prepare_resume("old", store=str(base)).resume is not None  # as launched
+    rows[5] = {"prompt": None, "answer": "x"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(LaunchError) as refused:
+        driver.prepare_resume("old", store=str(base))
+    said = str(refused.value)
+    assert f"--dataset {data} line 6: the prompt" in said, said
+    assert said.endswith("fix it, then run crf launch --resume old again)")
+    assert not store.exists(layout.launch_key(1)) and "\n" not in said
+
+
 def test_resume_point_is_the_newest_global_every_inner_state_exists_for() -> None:
     """A checkpoint is global/<r> plus each replica's inner/<r>: the resume starts from the
     newest complete one and sets the newer ones aside; with none complete, from the newest."""

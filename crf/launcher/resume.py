@@ -225,6 +225,7 @@ def prepare_resume(
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     validate_job(spec.job, spec.job_config)
+    recheck_inputs(spec)
     run_store = RunStore(found.uri)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
@@ -239,6 +240,28 @@ def prepare_resume(
     )
     return Plan(spec, run_store, executor, spec.entrypoint, policy, info, secret_env,
                 workers=workers)  # fmt: skip
+
+
+def recheck_inputs(spec: RunSpec) -> None:
+    """The run's data and model checked again before its replicas start, as at its launch
+    (crf/launcher/data_checks.py): a file edited since, or a model folder changed, would
+    otherwise stop every replica at setup. LaunchError says what to fix and to continue the
+    run once fixed. The local backend's only: its run.json names this machine's paths (a
+    cloud run's may be paths inside its shipped --workdir, which the replicas unpack)."""
+    import copy
+
+    from crf.launcher.data_checks import builtin_data, check_inputs
+    from crf.replica.data_files import DataError
+
+    if spec.backend != "local" or not builtin_data(spec):
+        return
+    try:
+        check_inputs(copy.deepcopy(spec), local=True)
+    except (LaunchError, DataError) as e:
+        raise LaunchError(
+            f"{e} (checked again to continue run {spec.run_id}: fix it, then run crf launch "
+            f"--resume {spec.run_id} again)"
+        ) from None
 
 
 def resume_point(
