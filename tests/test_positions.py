@@ -156,6 +156,15 @@ def test_sft_held_out_answers_past_a_learned_table_are_refused_before_launch_and
     unscored.remove(str(data))  # the --eval-dataset's; --dataset's stays
     assert runner.invoke(app, unscored).exit_code == 0  # no pass@1: nothing generated
 
+    qwen2 = tmp_path / "qwen2"  # rotary: past its positions, a warning
+    save_tiny_repo(qwen2)
+    limit = json.loads((qwen2 / "config.json").read_text())["max_position_embeddings"]
+    rotary = [*base[: base.index("--model") + 1], str(qwen2), *base[base.index("--model") + 2 :]]
+    warned = runner.invoke(app, [*rotary, "--set", f"max_new_tokens={limit}"])
+    flat = " ".join(warned.output.split())
+    assert warned.exit_code == 0, warned.output
+    assert f"held-out pass@1: a prompt of 4 tokens and max_new_tokens {limit} run past" in flat
+
     model = AutoModelForCausalLM.from_pretrained(gpt2)
     tokenizer = AutoTokenizer.from_pretrained(gpt2)
     prompts = ["ab=", "bca="]  # held-out text prompts go untemplated: 4 tokens the longest

@@ -77,21 +77,23 @@ def check_prompts(
 
 def _past_positions(
     folder: str, longest: tuple[int, Any, int] | None, new: int, learned: int | None,
-    limit: int | None,
+    limit: int | None, new_name: str = "max_completion_length", what: str = "",
 ) -> list[str]:  # fmt: skip
     """The refusal (a learned table) or warning (another model) for a longest prompt that,
-    with ``new`` completion tokens, needs more positions than the model has."""
+    with ``new`` tokens more (the setting ``new_name``), needs more positions than the
+    model has; ``what`` leads the line (``held-out pass@1: ``)."""
     if longest is None:
         return []
     tokens, split, i = longest
     if learned and tokens + new > learned:
-        what = past_learned(learned, folder, tokens, new, "max_completion_length")
-        raise LaunchError(f"{_row(split, i)}: {what}")
+        raise LaunchError(
+            f"{_row(split, i)}: {what}{past_learned(learned, folder, tokens, new, new_name)}"
+        )
     if limit and tokens + new > limit:
         return [
-            f"{_row(split, i)}: a prompt of {tokens} tokens and "
-            f"max_completion_length {new} run past --model {folder}'s {limit} positions "
-            "(max_position_embeddings); it generates on past them, usually worse"
+            f"{_row(split, i)}: {what}a prompt of {tokens} tokens and {new_name} {new} run "
+            f"past --model {folder}'s {limit} positions (max_position_embeddings); it "
+            "generates on past them, usually worse"
         ]
     return []
 
@@ -146,19 +148,12 @@ def check_answer_positions(
     if tokenizer is None:
         return []
     for split, prompts in held:
-        longest = longest_answer_prompt(tokenizer, prompts)
-        if longest is None:
-            continue
-        tokens, i = longest
-        if learned and tokens + new_tokens > learned:
-            what = past_learned(learned, folder, tokens, new_tokens, "max_new_tokens")
-            raise LaunchError(f"{_row(split, i)}: held-out pass@1: {what}")
-        if limit and tokens + new_tokens > limit:
-            return [
-                f"{_row(split, i)}: held-out answers of max_new_tokens {new_tokens} after a "
-                f"prompt of {tokens} tokens run past --model {folder}'s {limit} positions "
-                "(max_position_embeddings); it generates on past them, usually worse"
-            ]
+        found = longest_answer_prompt(tokenizer, prompts)
+        longest = (found[0], split, found[1]) if found else None
+        warned = _past_positions(folder, longest, new_tokens, learned, limit, "max_new_tokens",
+                                 "held-out pass@1: ")  # fmt: skip
+        if warned:
+            return warned
     return []
 
 
