@@ -190,3 +190,32 @@ def test_a_damaged_run_is_listed_as_damaged_and_named_by_status(tmp_path: Path) 
     assert "run.json is damaged: field replicas: --replicas must be an integer" in out
     code, out = crf("rm", "torn", "--store", str(base), "--yes")
     assert code == 0 and not (base / "torn").exists(), out
+
+
+def test_cancel_while_the_launch_is_still_starting_says_to_try_again(tmp_path: Path) -> None:
+    """Between run.json and the replicas' handles the driver is still starting them: crf
+    cancel (status, logs) says so and to try again, rather than that nothing runs; once
+    that driver is gone, it says there is nothing to attach to."""
+    import socket
+
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+
+    base = tmp_path / "runs"
+    store = RunStore(f"file://{base}/early")
+    spec = RunSpec(run_id="early", run_uri=store.uri, job="lm", replicas=2).validate()
+    store.put_if_absent("run.json", spec.to_json().encode())
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"launch": 0, "started_at": time.time(), "host": socket.gethostname(),
+                  "pid": driver.pid, "backend": "local"}  # fmt: skip
+        store.put_json("launches/0.json", record)
+        code, out = crf("cancel", "early", "--store", str(base))
+        flat = " ".join(out.split())
+        assert code == 2 and "run early is still starting: its launch 0" in flat, out
+        assert "try again in a moment" in flat
+    finally:
+        driver.kill()
+        driver.wait()
+    code, out = crf("cancel", "early", "--store", str(base))
+    assert code == 2 and "nothing to attach to" in out and "still starting" not in out, out

@@ -151,9 +151,7 @@ def attach(run_id: str, store: str | None = None) -> AttachedRun:
         try:
             handles = executor.find_replicas(spec.run_id, spec.run_uri, spec.replicas)
         except ExecutorError as e:
-            raise LaunchError(
-                f"run {run_id} has no saved replica handles and {e}; nothing to attach to"
-            ) from None
+            raise LaunchError(_no_handles(run_id, launch_no, record, str(e))) from None
     handles.sort(key=lambda h: h.rank)
     attached = AttachedRun(spec, st, executor, launch_no, record, handles)
     if spec.rollout_workers:
@@ -167,6 +165,24 @@ def attach(run_id: str, store: str | None = None) -> AttachedRun:
             else executor
         )
     return attached
+
+
+def _no_handles(run_id: str, launch_no: int, record: dict[str, Any], why: str) -> str:
+    """Why a run has no replicas to attach to, from its launch record: a driver that is
+    still starting them (its record has no end, and its process lives: try again in a
+    moment), or one that ended (or died) before it started any."""
+    import psutil
+
+    pid, host = record.get("pid"), record.get("host")
+    ended = record.get("ended_at") is not None or record.get("status") is not None
+    here = host == socket.gethostname() and isinstance(pid, int)
+    if record and not ended and (not here or psutil.pid_exists(pid)):
+        age = time.time() - float(record.get("started_at") or time.time())
+        return (
+            f"run {run_id} is still starting: its launch {launch_no} (driver pid {pid} on "
+            f"{host}, {age:.0f}s ago) has not started its replicas yet; try again in a moment"
+        )
+    return f"run {run_id} has no saved replica handles and {why}; nothing to attach to"
 
 
 def cancel_run(run: AttachedRun) -> list[ReplicaHandle]:
