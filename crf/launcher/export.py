@@ -178,11 +178,11 @@ def _no_model_why(st: Any, run_id: str) -> str:
     status = row.get("status")
     why = {
         "running": "is still running: its model/ is written when it finishes",
-        "failed": "failed, so it wrote no model/ (see `crf status`; resume it with "
-        "`crf launch --resume`)",
+        "failed": "failed, so it wrote no model/ (`crf status` says why; once that is "
+        f"fixed, `crf launch --resume {run_id}` continues it)",
         "cancelled": "was cancelled before it finished, so it wrote no model/",
         "stopped": "stopped before it finished (its driver died?), so it wrote no model/ "
-        "(`crf status` tells more; `crf launch --resume` continues it)",
+        f"(`crf status` tells more; `crf launch --resume {run_id}` continues it)",
         "ok": "finished but wrote no model/: its job does not save one "
         "(a job calls ctx.save_model_at_end(model, tokenizer))",
     }.get(str(status), f"has no model/ (status {status})")
