@@ -865,10 +865,7 @@ class RunSpec:
         if folder and self.model.startswith(("/", ".", "~")) and not os.path.isdir(folder):
             # a path, not a Hub id (org/name): local replicas would each fail to load it
             if self.backend == "local":
-                raise SpecError(
-                    f"--model {self.model!r}: no such folder (give a Hub id org/name or a "
-                    "folder saved with save_pretrained)"
-                )
+                raise SpecError(model_path_problem(self.model))
 
     def _validate_data_names(self) -> None:
         """An empty data option (``--dataset "$DATA"`` with DATA unset) would read as the
@@ -932,3 +929,21 @@ class RunSpec:
 
 #: run options that define a run: fixed in its run.json, so ``crf launch --resume`` refuses them
 RUN_DEFINING = tuple(name for name, o in run_options().items() if o.run_defining)
+
+
+def model_path_problem(model: str) -> str:
+    """The line for a ``--model`` path that is no folder, saying what it is instead: a file
+    (config.json, model.safetensors) is inside the folder wanted, a link's target is gone."""
+    path = os.path.expanduser(model)
+    if os.path.islink(path) and not os.path.exists(path):
+        return (
+            f"--model {model} is a link to {os.readlink(path)}, which does not exist; fix "
+            "the link or give the model's folder"
+        )
+    if os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        return f"--model {model} is a file: give the model's folder ({parent}) or a Hub id"
+    return (
+        f"--model {model!r}: no such folder (give a Hub id org/name or a folder saved with "
+        "save_pretrained)"
+    )

@@ -90,6 +90,27 @@ def _no_tokenizer(folder: Path) -> None:
         (folder / name).unlink(missing_ok=True)
 
 
+def _headless(folder: Path) -> None:
+    """The weights as an untied base model saves them: no lm_head.weight."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors.pop("lm_head.weight", None)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    _edit_json(folder / "config.json", tie_word_embeddings=False)
+
+
+def _adapter(folder: Path) -> None:
+    """A LoRA adapter's folder: adapter_config.json, no config.json."""
+    (folder / "config.json").unlink()
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+
+
+def _broken_link(tmp: Path) -> str:
+    (tmp / "model-link").symlink_to(tmp / "gone")
+    return str(tmp / "model-link")
+
+
 def _no_chat_template(folder: Path) -> None:
     (folder / "chat_template.jinja").unlink()
     _edit_json(folder / "tokenizer_config.json", chat_template=None)
@@ -505,7 +526,14 @@ CASES = [
     Case("index-names-a-missing-shard", lambda t, m: [*_composer(t), *_with_model(
          m, t, _index_missing_shard)], "model-00002-of-00002.safetensors named by"),
     Case("model-is-a-file", lambda t, m: [*_composer(t), "--model",
-         str(Path(_model(m, t)) / "config.json")], "no such folder"),
+         str(Path(_model(m, t)) / "config.json")], "is a file: give the model's folder ("),
+    Case("model-is-a-broken-link", lambda t, m: [*_composer(t), "--model", _broken_link(t)],
+         "is a link to"),
+    Case("model-is-a-lora-adapter", lambda t, m: [*_composer(t), *_with_model(m, t, _adapter)],
+         "is a LoRA adapter (of org/base), not a model: export it merged (crf export RUN DEST "
+         "--merge)"),
+    Case("model-without-its-lm-head", lambda t, m: [*_composer(t), *_with_model(m, t, _headless)],
+         "its weights lack lm_head.weight: it was saved without its LM head (AutoModel?)"),
     Case("messages-without-chat-template", lambda t, m: [*_sft(t, CONVERSATIONS), *_with_model(
          m, t, _no_chat_template)], "holds conversations (lists of messages) but --model"),
     Case("completions-past-learned-positions", lambda t, m: [*_composer(t), *_with_model(

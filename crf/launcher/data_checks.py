@@ -111,7 +111,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     model = model and os.path.expanduser(model)  # "~/m" from a config file or quoted flag
     hub = _hub_datasets(spec)
     if model:
-        if os.path.isdir(model) or not _is_hub_id(model) or os.path.exists(model):
+        if os.path.isdir(model) or not _is_hub_id(model) or os.path.lexists(model):
             check_model(model, spec)
         else:
             hub.insert(0, ("--model", model))
@@ -164,7 +164,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
             from crf.launcher.prompt_checks import check_conversations
 
             check_sft_length(spec, model)
-            remote = bool(getattr(spec, "trust_remote_code", False))
+            remote = False  # the launcher never runs a repo's code (replicas do, when asked)
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
             found.warnings += _check_answers(spec, model, splits)
     if spec.job == "sft":  # prompts that leave no completion token within max_length
@@ -178,7 +178,7 @@ def _check_prompts(spec: Any, model: str, splits: list[Split]) -> list[str]:
     from crf.replica.jobs import job_config
     from crf.replica.jobs.composer import completion_tokens
 
-    remote = bool(getattr(spec, "trust_remote_code", False))
+    remote = False  # the launcher never runs a repo's code (replicas do, when asked)
     new = completion_tokens(job_config("composer", spec.job_config), spec)
     return check_prompts(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote, new_tokens=new)
 
@@ -193,7 +193,7 @@ def _check_answers(spec: Any, model: str, splits: list[Split]) -> list[str]:
     if not held or not getattr(spec, "reward", None):
         return []
     new = job_config("sft", spec.job_config).new_tokens(spec)
-    remote = bool(getattr(spec, "trust_remote_code", False))
+    remote = False  # the launcher never runs a repo's code (replicas do, when asked)
     return check_answer_positions(model, held, new, trust_remote_code=remote)
 
 
@@ -219,7 +219,7 @@ def sft_cut_prompts(spec: Any, model: str | None, splits: list[Split]) -> list[s
         prompts = [p for p in every[:CUT_ROWS] if isinstance(p, str)]
         if split.flag != "--dataset" or split.form != "prompt-completion" or not prompts:
             continue
-        count, how = token_counter(model, bool(getattr(spec, "trust_remote_code", False)))
+        count, how = token_counter(model, False)  # never the repo's code here
         tokens = [count(p) for p in prompts]
         cut = sum(n >= length for n in tokens)
         where = f"{split.flag} {split.dataset}"
@@ -314,12 +314,14 @@ def hub_problem(name: str, kind: str, *, local: bool = True) -> str | None:
 # ---------------------------------------------------------------------- the model
 def check_model(model: str, spec: Any) -> None:
     """A local ``--model`` folder's files (:func:`check_model_folder`); a path that is no
-    folder is refused."""
+    folder is refused, saying what it is (a file, a broken link)."""
     if os.path.isdir(model):
         check_model_folder(model, trust_remote_code=bool(getattr(spec, "trust_remote_code", 0)))
         return
-    if os.path.exists(model):
-        raise LaunchError(f"--model {model} is a file: give the model's folder or a Hub id")
+    if os.path.lexists(model):
+        from crf.spec import model_path_problem
+
+        raise LaunchError(model_path_problem(model))
     raise LaunchError(
         f"--model {model}: no such folder here, and not a Hub id (org/name); check the path"
     )
@@ -336,6 +338,17 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
     return data
 
 
+def _optional_json(path: str) -> dict[str, Any]:
+    """A JSON object file's fields, or none when it is absent or unreadable (an optional
+    file another check does not depend on)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
     """config.json with a model_type transformers knows (or remote code allowed), tokenizer
     files, weights that are all there, and a tokenizer no larger than the embedding (nor a
@@ -343,6 +356,13 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
     flag = f"--model {folder}"
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
+        adapter = os.path.join(folder, "adapter_config.json")
+        if os.path.isfile(adapter):
+            base = _read_json(adapter, f"{flag}:").get("base_model_name_or_path")
+            raise LaunchError(
+                f"{flag} is a LoRA adapter (of {base}), not a model: export it merged "
+                "(crf export RUN DEST --merge) and pass DEST, or pass the base model"
+            )
         raise LaunchError(f"{flag} has no config.json: is it a Hugging Face model folder?")
     config = _read_json(config_path, f"{flag}:")
     model_type = config.get("model_type")
@@ -353,6 +373,11 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
             "transformers; fix config.json, upgrade transformers, or pass "
             "--trust-remote-code for a model that ships its own code"
         )
+    from crf.replica.model import kind_problem
+
+    kind = None if remote else kind_problem(config)
+    if kind:
+        raise LaunchError(f"{flag} {kind}")
     names = set(os.listdir(folder))
     if not names & set(TOKENIZER_FILES):
         raise LaunchError(
@@ -361,12 +386,17 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
         )
     check_weights(folder, names)
     check_vocab(folder, config)
-    if not remote:  # a model with its own code is not built before launch (that runs it)
-        from crf.launcher.model_shapes import shape_problem
+    if "auto_map" not in config:  # a model with its own code is not built here (that runs it)
+        from crf.launcher.model_shapes import missing_weights, shape_problem
+        from crf.replica.model import missing_message
 
-        why = shape_problem(folder, (n for n in names if n.endswith(".safetensors")))
+        shards = sorted(n for n in names if n.endswith(".safetensors"))
+        why = shape_problem(folder, shards)
         if why:
             raise LaunchError(f"{flag}: {why}; save the model and its config together again")
+        missing = missing_weights(folder, shards)
+        if missing:
+            raise LaunchError(missing_message(folder, missing))
 
 
 def known_model_type(model_type: Any) -> bool:
@@ -462,9 +492,21 @@ def tokenizer_size(folder: str) -> int | None:
 
 def check_vocab(folder: str, config: Mapping[str, Any]) -> None:
     """LaunchError when token ids can exceed the model's embedding (an index error on the
-    first batch), or the tokenizer is far smaller than it (another model's tokenizer)."""
+    first batch), or the tokenizer is far smaller than it (another model's tokenizer); and
+    a ``pad_token_id`` past the embedding, which every replica's setup fails on ("Padding_idx
+    must be within num_embeddings")."""
     embed, tokens = _embedding_size(config), tokenizer_size(folder)
-    if embed is None or tokens is None:
+    if embed is None:
+        return
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(folder, name)
+        pad = (config if name == "config.json" else _optional_json(path)).get("pad_token_id")
+        if isinstance(pad, int) and pad >= embed:
+            raise LaunchError(
+                f"--model {folder}: {name}'s pad_token_id {pad} is past the embedding "
+                f"(vocab_size {embed}): set it to the tokenizer's pad id, or remove it"
+            )
+    if tokens is None:
         return
     if tokens > embed:
         raise LaunchError(

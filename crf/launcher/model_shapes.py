@@ -8,8 +8,14 @@ and cheaply: the model is built from its config on the ``meta`` device (shapes, 
 no weights read) and its tensors' shapes compared with the safetensors headers. Only names
 found in both are compared, so checkpoints whose keys transformers renames on load, and tied
 weights stored once, are not misread. Models that bring their own code are not built here
-(that would run it), and neither are quantized checkpoints (a ``quantization_config``: a
-4-bit weight is stored packed, in another shape than the config's).
+(that would run it: a config with ``auto_map`` is left to the replicas, and transformers is
+told never to trust remote code here, so it raises instead of asking on the terminal), and
+neither are quantized checkpoints (a ``quantization_config``: a 4-bit weight is stored
+packed, in another shape than the config's).
+
+The same build says which tensors the checkpoint lacks (:func:`missing_weights`):
+transformers initialises a missing tensor at random, differently on every replica, so a
+model saved without its LM head would train from noise and its replicas would disagree.
 """
 
 from __future__ import annotations
@@ -62,13 +68,17 @@ def meta_model(folder: str) -> Any:
 @functools.lru_cache(maxsize=2)
 def _meta_model(folder: str, config: bytes) -> Any:
     try:
+        if "auto_map" in json.loads(config):
+            return None  # the repo's own code: only a replica (with --trust-remote-code) runs it
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from crf.replica.model import quiet_transformers
 
         with quiet_transformers():
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            config = AutoConfig.from_pretrained(
+                folder, local_files_only=True, trust_remote_code=False
+            )
             if getattr(config, "quantization_config", None):
                 return None  # packed weights: their stored shapes are not the config's
             with torch.device("meta"):
@@ -96,3 +106,47 @@ def shape_problem(folder: str, shards: Iterable[str]) -> str | None:
                     f"{list(want)}: the config and the weights are of different models"
                 )
     return None
+
+
+def stored_names(folder: str, shards: Iterable[str]) -> set[str] | None:
+    """The tensor names the safetensors files hold (headers only); None when one cannot be
+    read (a damaged file is the weights check's to report)."""
+    names: set[str] = set()
+    for shard in shards:
+        try:
+            names |= set(header_shapes(os.path.join(folder, shard)))
+        except (OSError, ValueError, struct.error):
+            return None
+    return names
+
+
+def missing_weights(folder: str, shards: Iterable[str]) -> list[str]:
+    """The tensors the model needs that the checkpoint lacks, as ``from_pretrained`` would
+    find them: a tied tensor stored under either name counts, non-persistent buffers are not
+    needed, and a checkpoint saved from the base model (no ``model.`` prefix) is matched as
+    transformers matches it. When a stored name matches no tensor of the model (a checkpoint
+    in an older naming that transformers converts on load), nothing is claimed."""
+    model = meta_model(folder)
+    stored = stored_names(folder, list(shards)) if model is not None else None
+    if model is None or not stored:
+        return []
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    params = model.state_dict(keep_vars=True)  # tied tensors are one object under two names
+    sharing: dict[int, list[str]] = {}
+    for name, tensor in params.items():
+        sharing.setdefault(id(tensor), []).append(name)
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+    def spellings(name: str) -> set[str]:
+        bare = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        return {name, bare}
+
+    known = set().union(*(spellings(n) for n in params))
+    if not stored <= known:
+        return []  # names transformers renames on load: the replica's load will say
+    missing = []
+    for name, tensor in params.items():
+        names = set(sharing[id(tensor)]) | ({tied[name]} if name in tied else set())
+        if not any(spellings(n) & stored for n in names):
+            missing.append(name)
+    return missing

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +164,70 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(before)
 
 
+def kind_problem(config: Mapping[str, Any]) -> str | None:
+    """Why the model ``config`` (config.json's fields) describes is no causal LM, as the
+    rest of "--model X ..." (None: it is one, or it brings its own code). An encoder-decoder
+    (T5) has no causal-LM class; a BERT-family encoder has one that trains bidirectionally
+    unless ``is_decoder``, silently wrong; a type without a causal-LM class fails to load."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+
+    kind = config.get("model_type")
+    if config.get("auto_map") or not isinstance(kind, str):
+        return None
+    why = "crf trains causal (decoder-only) LMs"
+    if config.get("is_encoder_decoder"):
+        return f"is a {kind} (an encoder-decoder model): {why}"
+    if kind in MASKED and not config.get("is_decoder") and not config.get("causal"):
+        return f"is a {kind} (an encoder model, is_decoder false): {why}"
+    if kind not in CAUSAL:
+        return f"is a {kind}, which has no causal-LM class in transformers: {why}"
+    return None
+
+
+def missing_message(model: str, missing: list[str]) -> str:
+    """One line for a checkpoint that lacks tensors the model needs (transformers would
+    initialise them at random, differently on each replica)."""
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    head = f"--model {model}: its weights lack {missing[0]}{more}: "
+    if any(n.split(".")[0] in ("lm_head", "cls", "embed_out", "output") for n in missing):
+        return head + (
+            "it was saved without its LM head (AutoModel?) — save it with AutoModelForCausalLM"
+        )
+    return head + "the checkpoint is incomplete; save or download the model again"
+
+
+def check_finite(model: Any, name: str) -> None:
+    """DataError naming the first parameter or buffer holding NaN or inf: sampling from it
+    fails ("probability tensor contains either inf, nan") on every attempt. One pass, on
+    the tensors' own device."""
+    import torch
+
+    from crf.replica.data_files import DataError
+
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise DataError(f"--model {name}: weight {key} holds NaN or inf values")
+
+
+def check_kind(name: str, *, trust_remote_code: bool) -> None:
+    """DataError at a replica's setup for a model that is no causal LM (:func:`kind_problem`)
+    (a Hub model the launcher could not read)."""
+    from transformers import AutoConfig
+
+    from crf.replica.data_files import DataError
+
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    why = kind_problem(config.to_dict() | {"auto_map": getattr(config, "auto_map", None)})
+    if why:
+        raise DataError(f"--model {name} {why}")
+
+
 def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any, Any]:
     """(model, tokenizer) for ``spec.model``: from_pretrained on ``placement.device``, with
     gradient checkpointing and LoRA as the spec asks (see module docstring)."""
@@ -179,11 +243,19 @@ def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any,
         # a path, not a Hub id: transformers' OSError would read as a failing machine and be
         # restarted; the same path is missing on every attempt
         raise FileNotFoundError(f"--model {spec.model}: no such folder on this replica")
+    check_kind(spec.model, trust_remote_code=remote)
     tokenizer = load_tokenizer(spec.model, trust_remote_code=remote)
     # full fine-tuning: fp32 master weights; LoRA: the frozen base in the compute dtype
     dtype = placement.torch_dtype if lora_rank else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype, trust_remote_code=remote)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        spec.model, dtype=dtype, trust_remote_code=remote, output_loading_info=True
+    )
+    if info.get("missing_keys"):
+        from crf.replica.data_files import DataError
+
+        raise DataError(missing_message(spec.model, sorted(info["missing_keys"])))
     model.to(placement.device)
+    check_finite(model, spec.model)
     # one input-embeddings hook however often gradient checkpointing is turned on (below,
     # by PEFT, by TRL around each generation): crf/composer/generation.py
     one_input_grads_hook(model)

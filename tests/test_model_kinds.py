@@ -1,0 +1,183 @@
+"""Models that cannot train correctly are refused before launch in one line, and the same
+rules hold at a replica's setup for a model only a replica can read (a Hub id): weights
+missing from the checkpoint, models that are no causal LM, custom code (never run nor
+prompted for by the launcher), non-finite weights, a pad id past the embedding, and a path
+that is an adapter, a file or a broken link."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from crf.launcher.data_checks import check_model
+from crf.launcher.errors import LaunchError
+from crf.replica.data_files import DataError
+from crf.replica.model import Placement, load_pretrained
+from tests.hub_models import save_tiny_repo
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 2}  # fmt: skip
+
+
+def _folder(tmp_path: Path, name: str, model: Any) -> Path:
+    """``model`` saved with the tiny repo's tokenizer (whose size it embeds)."""
+    folder = tmp_path / name
+    save_tiny_repo(folder)
+    for stale in ("model.safetensors", "config.json", "generation_config.json"):
+        (folder / stale).unlink(missing_ok=True)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _vocab(tmp_path: Path) -> int:
+    save_tiny_repo(tmp_path / "vocab")
+    return int(json.loads((tmp_path / "vocab" / "config.json").read_text())["vocab_size"])
+
+
+def _refused(folder: Path, **spec: Any) -> str:
+    with pytest.raises(LaunchError) as e:
+        check_model(str(folder), SimpleNamespace(**spec))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _llama(vocab: int, *, tie: bool, head: bool = True) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tie, **SMALL)
+    return (LlamaForCausalLM if head else LlamaModel)(config)
+
+
+def test_normal_saves_of_causal_lms_pass(tmp_path: Path) -> None:
+    """Tied and untied Llama, GPT-2 and Qwen2 as save_pretrained writes them; and a tied
+    Llama saved from its base model (no model. prefix), which from_pretrained loads whole."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = _vocab(tmp_path)
+    models = {
+        "tied": _llama(vocab, tie=True),
+        "untied": _llama(vocab, tie=False),
+        "base-tied": _llama(vocab, tie=True, head=False),
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=16, n_layer=1, n_head=2)),
+        "qwen2": Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, **SMALL)),
+    }
+    for name, model in models.items():
+        check_model(str(_folder(tmp_path, name, model)), SimpleNamespace())
+
+
+def test_missing_weights_are_refused_before_launch_and_at_setup(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    vocab = _llama_vocab = _vocab(tmp_path)
+    headless = _folder(tmp_path, "headless", _llama(_llama_vocab, tie=False, head=False))
+    said = _refused(headless)
+    assert "its weights lack lm_head.weight: it was saved without its LM head" in said
+    assert "save it with AutoModelForCausalLM" in said
+
+    cut = _folder(tmp_path, "cut", _llama(vocab, tie=False))
+    tensors = load_file(cut / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if ".layers.1." not in k}
+    save_file(kept, cut / "model.safetensors", metadata={"format": "pt"})
+    assert "(and 8 more): the checkpoint is incomplete" in _refused(cut)
+
+    # at the replica (a Hub model the launcher could not read): a DataError at setup
+    with pytest.raises(DataError, match="its weights lack lm_head.weight: it was saved"):
+        load_pretrained(SimpleNamespace(model=str(headless)), Placement("cpu", "fp32"), seed=0)
+
+
+def test_models_that_are_no_causal_lm_are_refused(tmp_path: Path) -> None:
+    from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
+
+    vocab = _vocab(tmp_path)
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=vocab, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    )
+    t5_folder = _folder(tmp_path, "t5", t5)
+    assert _refused(t5_folder).endswith(
+        "is a t5 (an encoder-decoder model): crf trains causal (decoder-only) LMs"
+    )
+    bert = BertForMaskedLM(
+        BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1,
+                   num_attention_heads=2, intermediate_size=32)
+    )  # fmt: skip
+    bert_folder = _folder(tmp_path, "bert", bert)
+    assert "is a bert (an encoder model, is_decoder false)" in _refused(bert_folder)
+    for folder in (t5_folder, bert_folder):
+        with pytest.raises(DataError, match="crf trains causal"):
+            load_pretrained(SimpleNamespace(model=str(folder)), Placement("cpu", "fp32"), seed=0)
+
+
+def test_custom_code_is_neither_run_nor_prompted_for(tmp_path: Path) -> None:
+    """A folder whose config.json maps to its own code: the launcher's checks pass without
+    asking on the terminal (stdin closed would hang or fail the prompt) and without running
+    the code (which would write a marker file)."""
+    folder = _folder(tmp_path, "custom", _llama(_vocab(tmp_path), tie=True))
+    marker = tmp_path / "ran"
+    (folder / "custom_config.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="custom-llama", auto_map={"AutoConfig": "custom_config.CustomConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    code = (
+        "import sys; from types import SimpleNamespace as S\n"
+        "from crf.launcher.data_checks import check_model\n"
+        "from crf.launcher.model_shapes import learned_positions\n"
+        f"check_model({str(folder)!r}, S(trust_remote_code=True))\n"
+        f"print('positions', learned_positions({str(folder)!r}))\n"
+    )
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "positions None" in out.stdout
+    assert "Do you wish to run the custom code" not in out.stdout + out.stderr
+    assert not marker.exists()
+    assert time.monotonic() - start < 60
+
+
+def test_non_finite_weights_are_a_data_error_at_setup(tmp_path: Path) -> None:
+    model = _llama(_vocab(tmp_path), tie=False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[3, 0] = float("nan")
+    folder = _folder(tmp_path, "nan", model)
+    with pytest.raises(DataError, match=r"weight model.embed_tokens.weight holds NaN or inf"):
+        load_pretrained(SimpleNamespace(model=str(folder)), Placement("cpu", "fp32"), seed=0)
+
+
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
+def test_a_pad_id_past_the_embedding_is_refused(tmp_path: Path, file: str) -> None:
+    vocab = _vocab(tmp_path)
+    folder = _folder(tmp_path, "pad", _llama(vocab, tie=True))
+    path = folder / file
+    data = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**data, "pad_token_id": 500}))
+    said = _refused(folder)
+    assert f"{file}'s pad_token_id 500 is past the embedding (vocab_size {vocab})" in said
+
+
+def test_an_adapter_a_file_and_a_broken_link_say_what_they_are(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "b/m"}))
+    said = _refused(adapter)
+    assert "is a LoRA adapter (of b/m)" in said and "crf export RUN DEST --merge" in said
+
+    folder = tmp_path / "model"
+    save_tiny_repo(folder)
+    said = _refused(folder / "config.json")
+    assert f"is a file: give the model's folder ({folder})" in said
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    assert "is a link to" in _refused(link) and "which does not exist" in _refused(link)
