@@ -15,7 +15,7 @@ Three layers, the later winning:
 3. ``trl.<field>`` (``--set trl.top_p=0.9``, ``[job.trl]``, ``job_config={"trl": {...}}``):
    any other GRPOConfig field, checked against the class (name, type, GRPOConfig's own
    validation) before launch. Fields crf sets itself (:data:`OWNED`) are refused with the
-   crf option that sets them.
+   crf option that sets them, and fields a knob sets with the knob.
 
 The learning-rate schedule stays ``constant`` with ``--model`` too (``trl.lr_scheduler_type``
 changes it): a restarted replica trains only its remaining steps, so a decaying schedule
@@ -123,11 +123,19 @@ def grpo_defaults() -> dict[str, Any]:
 
 def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
     """SettingError for a trl.<name> that is no GRPOConfig field (with the nearest one), a
-    field crf sets itself, or a field set twice (as a job knob and as trl.<field>)."""
+    field crf sets itself, or a field one of the job's knobs sets (:data:`KNOBS`): the knob
+    is checked (range, the toy's and LoRA's defaults) where ``trl.<field>`` would reach the
+    replicas unchecked, as the sft job refuses its own knobs."""
     fields = grpo_defaults()
+    by_field = {field: knob for knob, field in KNOBS.items()}
     for name in trl:
         if name in OWNED:
             raise SettingError(f"trl.{name} is set by crf: {OWNED[name]}")
+        if name in by_field:
+            knob = by_field[name]
+            raise SettingError(
+                f"trl.{name}: set it as --set {knob}=..., a knob of the composer job"
+            )
         if name not in fields:
             if name in job_knobs:
                 raise SettingError(
@@ -137,12 +145,6 @@ def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
             near = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"; did you mean trl.{near[0]}?" if near else ""
             raise SettingError(f"trl.{name} is no field of TRL's GRPOConfig{hint}")
-    for knob, field in KNOBS.items():
-        if field in trl and job_knobs.get(knob) is not None:
-            raise SettingError(
-                f"{field} is set twice: as the job option {knob} and as trl.{field} (--set, "
-                "or a [job] and a [job.trl] key); keep one"
-            )
 
 
 def coerce(trl: Mapping[str, Any]) -> dict[str, Any]:
