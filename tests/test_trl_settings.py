@@ -107,6 +107,8 @@ def test_trl_fields_from_every_spelling_are_one_table() -> None:
         ({"trl.seed": "3"}, "trl.seed is set by crf: use --seed"),
         ({"trl.bf16": "true"}, "trl.bf16 is set by crf: use --precision"),
         ({"trl.per_device_train_batch_size": "4"}, "use --set prompts_per_step"),
+        ({"trl.model_init_kwargs": '{"dtype": "float16"}'}, "use --precision for its dtype"),
+        ({"trl.trust_remote_code": "true"}, "trl.trust_remote_code is set by crf: use --trust"),
         ({"trl.distill_alpha": "1"}, "a composer job option: --set distill_alpha=VALUE"),
         ({"trl.beta": "0.1"}, "trl.beta: set it as --set grpo_beta=..., a knob"),
         ({"trl.temperature": "-1"}, "trl.temperature: set it as --set temperature=..., a knob"),

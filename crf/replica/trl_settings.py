@@ -75,6 +75,11 @@ TRAINER_OWNED: dict[str, str] = {
     "activation_checkpointing": "use --gradient-checkpointing",
     "ddp_broadcast_buffers": "crf sets it for --procs-per-replica (local rank 0's buffers)",
     "ddp_find_unused_parameters": "crf sets it for --procs-per-replica (no extra collective)",
+    "model_init_kwargs": (
+        "crf loads the model (TRL ignores it for a loaded model): use --precision for its "
+        "dtype, --trust-remote-code for the model's own code"
+    ),
+    "trust_remote_code": "use --trust-remote-code (crf loads the model and its tokenizer)",
     "push_to_hub": "use crf export",
     "hub_model_id": "use crf export",
 }

@@ -516,6 +516,8 @@ def trainer_config(
         logging_steps=1,
         disable_tqdm=True,
         reward_weights=reward_weights,
+        # TRL loads the reference model (grpo_beta > 0 without LoRA) as crf loaded the policy
+        trust_remote_code=bool(getattr(spec, "trust_remote_code", False)),
         **fields,
         **cfg.composer_kwargs(spec),
     )
