@@ -272,6 +272,41 @@ def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bo
         )
 
 
+#: trl.<field> settings that need a package TRL does not: field -> (import name, pip name)
+NEEDS_PACKAGE: dict[str, tuple[str, str]] = {"use_liger_kernel": ("liger_kernel", "liger-kernel")}
+
+
+def check_packages(fields: Mapping[str, Any], spec: Any, local: bool) -> None:
+    """SettingError before launch for a setting of :data:`NEEDS_PACKAGE` whose package the
+    replicas will not have: local replicas run in this Python, so it must import here; a
+    cloud backend installs crf's extras and ``--pip``, so it must be in ``--pip``. Each
+    replica's trainer would otherwise fail at setup with an ImportError (either job)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    for name, (module, package) in NEEDS_PACKAGE.items():
+        if not fields.get(name):
+            continue
+        if local:
+            if importlib.util.find_spec(module) is None:
+                raise SettingError(
+                    f"trl.{name} needs {package}, which is not installed in this Python (where "
+                    f"the local replicas run): pip install {package}, or leave it off"
+                )
+            continue
+        wanted = set()
+        for entry in getattr(spec, "pip", None) or ():
+            try:
+                wanted.add(canonicalize_name(Requirement(entry).name))
+            except InvalidRequirement:
+                continue
+        if canonicalize_name(package) not in wanted:
+            raise SettingError(
+                f"trl.{name} needs {package}, which the replicas install only when asked: "
+                f"add --pip {package}, or leave it off"
+            )
+
+
 def check_continuous_batching(
     fields: Mapping[str, Any],
     version: str | None = None,
@@ -361,6 +396,7 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool, bf16: bool | N
     check_vllm(fields, spec, gpus, local)
     check_continuous_batching(fields, spec=spec, gpus=gpus, local=local, bf16=bf16)
     check_rollout_loss(fields, spec)
+    check_packages(fields, spec, local)
 
 
 def check_rollout_loss(fields: Mapping[str, Any], spec: Any) -> None:
