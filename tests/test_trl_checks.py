@@ -36,3 +36,26 @@ def test_liger_kernel_on_a_cloud_backend_must_be_in_pip() -> None:
         trl_settings.check_packages(fields, SimpleNamespace(pip=["scipy"]), local=False)
     trl_settings.check_packages(fields, SimpleNamespace(pip=["Liger_Kernel>=0.5"]), local=False)
     trl_settings.check_packages({"use_liger_kernel": False}, SimpleNamespace(pip=[]), local=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ('{"max_new_tokens": "x"}', "GenerationConfig refuses max_new_tokens='x': '<='"),
+        ('{"max_new_tokens": 0}', "refuses max_new_tokens=0: `max_new_tokens` must be greater"),
+        ("[1, 2]", "trl.generation_kwargs must be a table of GenerationConfig fields"),
+    ],
+)
+def test_generation_kwargs_generation_config_refuses(tmp_path: Path, value: str, says: str) -> None:
+    out = _dry_run(tmp_path, "--set", f"trl.generation_kwargs={value}")
+    assert says in out
+
+
+def test_good_generation_kwargs_pass() -> None:
+    trl_settings.check_generation_kwargs({"generation_kwargs": {"min_tokens": 2, "top_k": 5}})
+
+
+def test_zero_completion_tokens_is_the_default() -> None:
+    from crf.replica.jobs import job_config
+
+    assert job_config("composer", {"max_completion_length": "0"}).max_completion_length is None

@@ -240,6 +240,38 @@ def check_values(fields: Mapping[str, Any], batch: int) -> None:
             ) from None
 
 
+def check_generation_kwargs(fields: Mapping[str, Any]) -> None:
+    """SettingError before launch for ``generation_kwargs`` transformers' GenerationConfig
+    refuses (a text where it takes a number, a value out of range), naming the key: TRL
+    builds a GenerationConfig from them in every replica, which would fail at setup (or at
+    its first rollout) and again after a restart."""
+    import warnings
+
+    kwargs = fields.get("generation_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise SettingError(
+            f"trl.generation_kwargs must be a table of GenerationConfig fields such as "
+            f'{{"top_k": 5}} (got {kwargs!r})'
+        )
+    from transformers import GenerationConfig
+
+    for key, value in [*kwargs.items(), ("", None)]:
+        one = {key: value} if key else kwargs  # each key alone, then all of them together
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                GenerationConfig(do_sample=True, **one).validate()
+            except (TypeError, ValueError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                said = f"{key}={value!r}" if key else f"{kwargs!r}"
+                raise SettingError(
+                    f"trl.generation_kwargs: transformers' GenerationConfig refuses {said}: "
+                    f"{first}"
+                ) from None
+
+
 def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bool) -> None:
     """SettingError before launch for ``use_vllm`` where it cannot run: a mode other than
     colocate, a replica without CUDA (``--device cpu``, a local machine without a GPU, a
@@ -393,6 +425,7 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool, bf16: bool | N
     generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
     check_values(fields, cfg.prompts_per_step * generations)
     check_generation_compile(compiled, fields)
+    check_generation_kwargs(fields)
     check_vllm(fields, spec, gpus, local)
     check_continuous_batching(fields, spec=spec, gpus=gpus, local=local, bf16=bf16)
     check_rollout_loss(fields, spec)
