@@ -267,8 +267,7 @@ def check_generation_kwargs(fields: Mapping[str, Any]) -> None:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 said = f"{key}={value!r}" if key else f"{kwargs!r}"
                 raise SettingError(
-                    f"trl.generation_kwargs: transformers' GenerationConfig refuses {said}: "
-                    f"{first}"
+                    f"trl.generation_kwargs: transformers' GenerationConfig refuses {said}: {first}"
                 ) from None
 
 
