@@ -5,6 +5,8 @@ assistant turns, and tokenizers generation or SFT cannot use."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,3 +61,90 @@ def test_zero_completion_tokens_is_the_default() -> None:
     from crf.replica.jobs import job_config
 
     assert job_config("composer", {"max_completion_length": "0"}).max_completion_length is None
+
+
+# --------------------------------------------------------------------------- the tokenizer
+WORDS = [a + b + c for a in "abcd" for b in "abcd" for c in "abcd"]  # 64 rows
+
+
+def _folder(tmp_path: Path, change: Callable[[Path], None] | None = None) -> str:
+    """The tiny model saved in ``tmp_path``, then changed by ``change``."""
+    from tests.hub_models import save_tiny_repo
+
+    folder = tmp_path / "model"
+    save_tiny_repo(folder)
+    if change is not None:
+        change(folder)
+    return str(folder)
+
+
+def _edit_config(folder: Path, **values: object) -> None:
+    path = folder / "tokenizer_config.json"
+    data = json.loads(path.read_text())
+    data.update(values)
+    path.write_text(json.dumps(data))
+
+
+def _data(tmp_path: Path, rows: list[dict]) -> str:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _no_eos(folder: Path) -> None:
+    data = json.loads((folder / "tokenizer_config.json").read_text())
+    assert data.get("pad_token")
+    data.pop("eos_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_tokenizer_without_eos_is_refused(tmp_path: Path, job: str) -> None:
+    rows = [{"prompt": w, "completion": w[::-1], "answer": w[::-1]} for w in WORDS]
+    model = _folder(tmp_path, _no_eos)
+    out = _dry_run(tmp_path, "--job", job, "--model", model, "--dataset", _data(tmp_path, rows))
+    assert f"--model {model}: its tokenizer has no EOS token, which generation stops on and " \
+           "SFT appends; set tokenizer.eos_token and save_pretrained" in out  # fmt: skip
+
+
+def _slow_only(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink()
+    _edit_config(folder, tokenizer_class="PreTrainedTokenizerFast")
+
+
+def test_a_tokenizer_that_does_not_load_is_one_line(tmp_path: Path) -> None:
+    from crf.replica.model import load_local_tokenizer
+
+    model = _folder(tmp_path, _slow_only)
+    assert load_local_tokenizer(model)[0] is None
+    rows = [{"prompt": w, "answer": w[::-1]} for w in WORDS]
+    out = _dry_run(tmp_path, "--model", model, "--dataset", _data(tmp_path, rows))
+    assert f"--model {model}: its tokenizer does not load (" in out
+    assert "save a fast tokenizer (tokenizer.json) with save_pretrained, or install " \
+           "sentencepiece" in out  # fmt: skip
+
+
+MARKED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+def _marked(folder: Path) -> None:
+    (folder / "chat_template.jinja").write_text(MARKED)
+
+
+def test_assistant_only_loss_needs_generation_markers(tmp_path: Path) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]}
+        for w in WORDS
+    ]
+    data = _data(tmp_path, rows)
+    args = ["--job", "sft", "--dataset", data, "--set", "trl.assistant_only_loss=true"]
+    out = _dry_run(tmp_path, *args, "--model", _folder(tmp_path))
+    assert "trl.assistant_only_loss needs a chat template that marks the assistant's turns " \
+           "with {% generation %}" in out  # fmt: skip
+    marked = _folder(tmp_path / "marked", _marked)
+    result = crf("launch", *args, "--model", marked, "--store", str(tmp_path / "r"), "--dry-run")
+    assert result.exit_code == 0, result.output
