@@ -175,6 +175,8 @@ def test_trl_fields_are_checked_against_sftconfig() -> None:
                                    "trl.warmup_steps?"),
         ({"trl.max_steps": "9"}, "trl.max_steps is set by crf: use -H/--sync-every x --rounds"),
         ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..., a knob"),
+        ({"trl.model_init_kwargs": '{"dtype": "float16"}'}, "use --precision for its dtype"),
+        ({"trl.trust_remote_code": "true"}, "use --trust-remote-code"),
         ({"trl.warmup_steps": "many"}, "trl.warmup_steps='many' is not a valid int"),
         ({"trl.lr_scheduler_type": "wobbly"}, "SFTConfig refuses"),
     ]:  # fmt: skip

@@ -107,8 +107,14 @@ def test_trl_fields_from_every_spelling_are_one_table() -> None:
         ({"trl.seed": "3"}, "trl.seed is set by crf: use --seed"),
         ({"trl.bf16": "true"}, "trl.bf16 is set by crf: use --precision"),
         ({"trl.per_device_train_batch_size": "4"}, "use --set prompts_per_step"),
+        ({"trl.model_init_kwargs": '{"dtype": "float16"}'}, "use --precision for its dtype"),
+        ({"trl.trust_remote_code": "true"}, "trl.trust_remote_code is set by crf: use --trust"),
         ({"trl.distill_alpha": "1"}, "a composer job option: --set distill_alpha=VALUE"),
-        ({"trl.beta": "0.1", "grpo_beta": "0.2"}, "beta is set twice"),
+        ({"trl.beta": "0.1"}, "trl.beta: set it as --set grpo_beta=..., a knob"),
+        ({"trl.temperature": "-1"}, "trl.temperature: set it as --set temperature=..., a knob"),
+        ({"trl.max_completion_length": "0"}, "set it as --set max_completion_length=..."),
+        ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..."),
+        ({"trl.num_generations": "2"}, "set it as --set num_generations=..."),
         ({"trl.top_k": "many"}, "trl.top_k='many' is not a valid int"),
     ],
 )
@@ -116,6 +122,18 @@ def test_bad_trl_settings_are_one_line_errors(values: dict, message: str) -> Non
     with pytest.raises(ValueError, match=None) as err:
         job_config("composer", values)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_knob_given_as_trl_field_is_refused_before_launch(tmp_path: Path) -> None:
+    result = crf("launch", "--set", "trl.temperature=-1", "--store", tmp_path / "runs",
+                 "--dry-run")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "trl.temperature: set it as --set temperature=..., a knob of the composer job" \
+        in result.output  # fmt: skip
+    assert len(result.output.strip().splitlines()) == 1
+    knob = crf("launch", "--set", "temperature=-1", "--store", tmp_path / "runs", "--dry-run")
+    assert knob.exit_code == 2 and "temperature must be > 0" in knob.output, knob.output
+    assert not (tmp_path / "runs").exists()
 
 
 def test_values_grpo_config_refuses_are_refused_before_launch(tmp_path: Path) -> None:

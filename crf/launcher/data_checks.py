@@ -157,7 +157,10 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     if not model:
         check_embedded_model(spec, splits)
     if model and os.path.isdir(model):
-        check_tokenizer_for(model, splits)
+        check_tokenizer_for(
+            model, splits, trust_remote_code=bool(getattr(spec, "trust_remote_code", False)),
+            assistant_only=spec.job == "sft" and _trl_setting(spec, "assistant_only_loss"),
+        )  # fmt: skip
         if spec.job == "composer":  # prompts through its template, within its positions
             found.warnings += _check_prompts(spec, model, splits)
         else:  # the sft job's sequences within its positions, conversations through its template
@@ -539,9 +542,17 @@ def tokenizer_settings(folder: str) -> dict[str, Any]:
     return out
 
 
-def check_tokenizer_for(folder: str, splits: list[Split]) -> None:
-    """A chat template when a split is conversational, and a pad token (or an EOS, which the
-    replicas pad with) for batching."""
+def check_tokenizer_for(
+    folder: str, splits: list[Split], *, trust_remote_code: bool = False,
+    assistant_only: bool = False,
+) -> None:  # fmt: skip
+    """The folder's tokenizer loads here as every replica loads it; a chat template when a
+    split is conversational (one that marks the assistant's turns with ``{% generation %}``
+    for ``assistant_only``: the sft job's ``trl.assistant_only_loss``); a pad token (or an
+    EOS, which the replicas pad with) for batching, and an EOS, which generation stops on
+    and SFT appends to every sequence."""
+    from crf.replica.model import load_local_tokenizer
+
     settings = tokenizer_settings(folder)
     chat = next((s for s in splits if _conversational(s)), None)
     if chat is not None and not settings.get("chat_template"):
@@ -556,6 +567,49 @@ def check_tokenizer_for(folder: str, splits: list[Split]) -> None:
                 f"--model {folder}: its tokenizer has no pad token and no EOS token to pad "
                 "batches with; set tokenizer.pad_token and save_pretrained the folder"
             )
+    tokenizer, why = load_local_tokenizer(folder, trust_remote_code=trust_remote_code)
+    if tokenizer is None:
+        raise LaunchError(
+            f"--model {folder}: its tokenizer does not load ({why}): save a fast tokenizer "
+            "(tokenizer.json) with save_pretrained, or install sentencepiece"
+        )
+    if getattr(tokenizer, "eos_token", None) is None:
+        raise LaunchError(
+            f"--model {folder}: its tokenizer has no EOS token, which generation stops on and "
+            "SFT appends; set tokenizer.eos_token and save_pretrained"
+        )
+    if assistant_only and chat is not None:
+        check_assistant_markers(folder, tokenizer)
+
+
+def check_assistant_markers(folder: str, tokenizer: Any) -> None:
+    """LaunchError when TRL's SFTTrainer would refuse ``tokenizer``'s chat template for
+    ``assistant_only_loss`` at every replica's setup: no ``{% generation %}`` markers and
+    not a template TRL knows how to patch (its own check, ``get_training_chat_template``)."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    if has_generation_markers(tokenizer.chat_template):
+        return
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        raise LaunchError(
+            "trl.assistant_only_loss needs a chat template that marks the assistant's turns "
+            f"with {{% generation %}} ... {{% endgeneration %}}, and --model {folder}'s has "
+            "none TRL can add: add the markers to its chat template (save_pretrained), or "
+            "leave trl.assistant_only_loss off"
+        ) from None
+
+
+def _trl_setting(spec: Any, name: str) -> bool:
+    """Whether the run's ``trl`` table sets ``name`` on (``--set trl.NAME=...``,
+    ``[job.trl]``), as the job reads it."""
+    from crf.replica.jobs import job_config
+
+    try:
+        return bool(job_config(spec.job, spec.job_config).trl.get(name))
+    except (TypeError, ValueError):  # refused with its own line before the data is read
+        return False
 
 
 def check_embedded_model(spec: Any, splits: list[Split]) -> None:

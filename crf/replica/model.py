@@ -138,15 +138,23 @@ def local_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any | None
     cache; nothing is downloaded), None when it does not. The launcher's checks read prompts
     and answers with it before any replica starts, so they never wait on the network, and a
     tokenizer they cannot build leaves the verdict to the replica that loads the model."""
+    return load_local_tokenizer(name, trust_remote_code=trust_remote_code)[0]
+
+
+def load_local_tokenizer(name: str, *, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """(``name``'s tokenizer or None, the first line of why it did not load, "" when it
+    did): :func:`local_tokenizer` with the reason, for the launcher's check of a model
+    folder, whose tokenizer every replica would fail to load the same way."""
     try:
         from transformers import AutoTokenizer
 
         with quiet_transformers():
             return AutoTokenizer.from_pretrained(
                 name, local_files_only=True, trust_remote_code=trust_remote_code
-            )
-    except Exception:  # noqa: BLE001 - not here, or of a kind this machine cannot build
-        return None
+            ), ""
+    except Exception as e:  # noqa: BLE001 - not here, or of a kind this machine cannot build
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return None, f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 @contextlib.contextmanager

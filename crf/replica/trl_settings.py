@@ -15,7 +15,7 @@ Three layers, the later winning:
 3. ``trl.<field>`` (``--set trl.top_p=0.9``, ``[job.trl]``, ``job_config={"trl": {...}}``):
    any other GRPOConfig field, checked against the class (name, type, GRPOConfig's own
    validation) before launch. Fields crf sets itself (:data:`OWNED`) are refused with the
-   crf option that sets them.
+   crf option that sets them, and fields a knob sets with the knob.
 
 The learning-rate schedule stays ``constant`` with ``--model`` too (``trl.lr_scheduler_type``
 changes it): a restarted replica trains only its remaining steps, so a decaying schedule
@@ -75,6 +75,11 @@ TRAINER_OWNED: dict[str, str] = {
     "activation_checkpointing": "use --gradient-checkpointing",
     "ddp_broadcast_buffers": "crf sets it for --procs-per-replica (local rank 0's buffers)",
     "ddp_find_unused_parameters": "crf sets it for --procs-per-replica (no extra collective)",
+    "model_init_kwargs": (
+        "crf loads the model (TRL ignores it for a loaded model): use --precision for its "
+        "dtype, --trust-remote-code for the model's own code"
+    ),
+    "trust_remote_code": "use --trust-remote-code (crf loads the model and its tokenizer)",
     "push_to_hub": "use crf export",
     "hub_model_id": "use crf export",
 }
@@ -123,11 +128,19 @@ def grpo_defaults() -> dict[str, Any]:
 
 def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
     """SettingError for a trl.<name> that is no GRPOConfig field (with the nearest one), a
-    field crf sets itself, or a field set twice (as a job knob and as trl.<field>)."""
+    field crf sets itself, or a field one of the job's knobs sets (:data:`KNOBS`): the knob
+    is checked (range, the toy's and LoRA's defaults) where ``trl.<field>`` would reach the
+    replicas unchecked, as the sft job refuses its own knobs."""
     fields = grpo_defaults()
+    by_field = {field: knob for knob, field in KNOBS.items()}
     for name in trl:
         if name in OWNED:
             raise SettingError(f"trl.{name} is set by crf: {OWNED[name]}")
+        if name in by_field:
+            knob = by_field[name]
+            raise SettingError(
+                f"trl.{name}: set it as --set {knob}=..., a knob of the composer job"
+            )
         if name not in fields:
             if name in job_knobs:
                 raise SettingError(
@@ -137,12 +150,6 @@ def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
             near = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"; did you mean trl.{near[0]}?" if near else ""
             raise SettingError(f"trl.{name} is no field of TRL's GRPOConfig{hint}")
-    for knob, field in KNOBS.items():
-        if field in trl and job_knobs.get(knob) is not None:
-            raise SettingError(
-                f"{field} is set twice: as the job option {knob} and as trl.{field} (--set, "
-                "or a [job] and a [job.trl] key); keep one"
-            )
 
 
 def coerce(trl: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,6 +240,37 @@ def check_values(fields: Mapping[str, Any], batch: int) -> None:
             ) from None
 
 
+def check_generation_kwargs(fields: Mapping[str, Any]) -> None:
+    """SettingError before launch for ``generation_kwargs`` transformers' GenerationConfig
+    refuses (a text where it takes a number, a value out of range), naming the key: TRL
+    builds a GenerationConfig from them in every replica, which would fail at setup (or at
+    its first rollout) and again after a restart."""
+    import warnings
+
+    kwargs = fields.get("generation_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise SettingError(
+            f"trl.generation_kwargs must be a table of GenerationConfig fields such as "
+            f'{{"top_k": 5}} (got {kwargs!r})'
+        )
+    from transformers import GenerationConfig
+
+    for key, value in [*kwargs.items(), ("", None)]:
+        one = {key: value} if key else kwargs  # each key alone, then all of them together
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                GenerationConfig(do_sample=True, **one).validate()
+            except (TypeError, ValueError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                said = f"{key}={value!r}" if key else f"{kwargs!r}"
+                raise SettingError(
+                    f"trl.generation_kwargs: transformers' GenerationConfig refuses {said}: {first}"
+                ) from None
+
+
 def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bool) -> None:
     """SettingError before launch for ``use_vllm`` where it cannot run: a mode other than
     colocate, a replica without CUDA (``--device cpu``, a local machine without a GPU, a
@@ -263,6 +301,41 @@ def check_vllm(fields: Mapping[str, Any], spec: Any, gpus: int | None, local: bo
             "trl.use_vllm needs a CUDA GPU, and the backend's hardware has none crf knows "
             "of: choose GPU hardware (--hardware)"
         )
+
+
+#: trl.<field> settings that need a package TRL does not: field -> (import name, pip name)
+NEEDS_PACKAGE: dict[str, tuple[str, str]] = {"use_liger_kernel": ("liger_kernel", "liger-kernel")}
+
+
+def check_packages(fields: Mapping[str, Any], spec: Any, local: bool) -> None:
+    """SettingError before launch for a setting of :data:`NEEDS_PACKAGE` whose package the
+    replicas will not have: local replicas run in this Python, so it must import here; a
+    cloud backend installs crf's extras and ``--pip``, so it must be in ``--pip``. Each
+    replica's trainer would otherwise fail at setup with an ImportError (either job)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    for name, (module, package) in NEEDS_PACKAGE.items():
+        if not fields.get(name):
+            continue
+        if local:
+            if importlib.util.find_spec(module) is None:
+                raise SettingError(
+                    f"trl.{name} needs {package}, which is not installed in this Python (where "
+                    f"the local replicas run): pip install {package}, or leave it off"
+                )
+            continue
+        wanted = set()
+        for entry in getattr(spec, "pip", None) or ():
+            try:
+                wanted.add(canonicalize_name(Requirement(entry).name))
+            except InvalidRequirement:
+                continue
+        if canonicalize_name(package) not in wanted:
+            raise SettingError(
+                f"trl.{name} needs {package}, which the replicas install only when asked: "
+                f"add --pip {package}, or leave it off"
+            )
 
 
 def check_continuous_batching(
@@ -351,9 +424,11 @@ def check_run(cfg: Any, spec: Any, gpus: int | None, local: bool, bf16: bool | N
     generations = fields.get("num_generations") or grpo_defaults()["num_generations"]
     check_values(fields, cfg.prompts_per_step * generations)
     check_generation_compile(compiled, fields)
+    check_generation_kwargs(fields)
     check_vllm(fields, spec, gpus, local)
     check_continuous_batching(fields, spec=spec, gpus=gpus, local=local, bf16=bf16)
     check_rollout_loss(fields, spec)
+    check_packages(fields, spec, local)
 
 
 def check_rollout_loss(fields: Mapping[str, Any], spec: Any) -> None:

@@ -82,7 +82,8 @@ class Config:
     # trainer (GRPOConfig fields; None: the toy's value, or GRPOConfig's default with --model)
     learning_rate: float | None = None
     num_generations: int | None = None
-    max_completion_length: int | None = None  # tokens per rollout (toy: max_len + 2)
+    # tokens per rollout; 0 or unset: the default (toy: max_len + 2; GRPOConfig's with --model)
+    max_completion_length: int | None = None
     temperature: float | None = None
     grpo_beta: float | None = None  # KL-to-reference weight of the GRPO term (TRL's `beta`)
     prompts_per_step: int = 8  # x num_generations completions per optimizer step
@@ -515,6 +516,8 @@ def trainer_config(
         logging_steps=1,
         disable_tqdm=True,
         reward_weights=reward_weights,
+        # TRL loads the reference model (grpo_beta > 0 without LoRA) as crf loaded the policy
+        trust_remote_code=bool(getattr(spec, "trust_remote_code", False)),
         **fields,
         **cfg.composer_kwargs(spec),
     )

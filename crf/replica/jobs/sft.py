@@ -239,6 +239,17 @@ def check_trl(values: dict[str, Any], own: list[str]) -> dict[str, Any]:
     return typed
 
 
+def check_run(
+    cfg: Config, spec: Any, gpus: int | None, local: bool, bf16: bool | None = None
+) -> None:
+    """Before launch, with the run options: a ``trl`` setting that needs a package the
+    replicas will not have (crf/replica/trl_settings.py ``check_packages``), which every
+    replica's trainer would refuse at setup."""
+    from crf.replica.trl_settings import check_packages
+
+    check_packages(cfg.trl, spec, local)
+
+
 def check_launch(spec: Any) -> None:
     """Before launch (the driver): the dataset and held-out data are in an SFT format, with a
     row for every replica (crf/replica/sft_data.py); a local file becomes an absolute path.
