@@ -657,6 +657,6 @@ def test_two_runs_in_one_bucket_never_see_each_other(tmp_path: Path) -> None:
     assert out["exp"]["weights_sha256"] != out["exp-2"]["weights_sha256"]
 
     before = {p: p.read_bytes() for p in (base / "exp").rglob("*") if p.is_file()}
-    with pytest.raises(LaunchError, match="already holds a run.*--resume exp"):
+    with pytest.raises(LaunchError, match="already holds a run.*already finished"):
         launch_lm(base, "exp", replicas=2, sync_every=3, rounds=3, round_timeout_s=20.0)
     assert {p: p.read_bytes() for p in (base / "exp").rglob("*") if p.is_file()} == before

@@ -35,6 +35,7 @@ from crf.launcher.plan import (
     ResumeInfo,
     backend_config,
     display_path,
+    held_run_hint,
     make_executor,
     prepare,
     read_run_spec,
@@ -90,8 +91,6 @@ def _start_launch(plan: Plan, started: float) -> int:
     if plan.resume is not None:
         return claim_resume(plan, record)
     if not store.put_if_absent(layout.RUN_SPEC, spec.to_json().encode()):
-        from crf.launcher.resume import held_run_hint
-
         raise LaunchError(
             f"run folder {display_path(store)} already holds a run (run.json exists); "
             f"{held_run_hint(store, spec.run_id)}"

@@ -837,8 +837,6 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
     with store_errors(run_uri):
         probe = RunStore(run_uri, retries=0)
         if probe.exists(layout.RUN_SPEC):
-            from crf.launcher.resume import held_run_hint
-
             raise LaunchError(
                 f"run folder {display_path(probe)} already holds a run (run.json exists); "
                 f"{held_run_hint(probe, run_id)}"
@@ -854,6 +852,26 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
                 "choose another --run-id or another --store"
             )
         return probe if dry_run else RunStore(run_uri)
+
+
+def held_run_hint(run_store: RunStore, run_id: str) -> str:
+    """What to do about a new launch into a folder that already holds run ``run_id``:
+    continue it with ``--resume`` unless a resume would be refused for what the folder says
+    (it finished ok, or its run.json is damaged: crf/launcher/resume.py refuses both, and a
+    run whose replicas still run), else choose another run id, and why."""
+    try:
+        read_run_spec(run_store)
+        result = run_store.get_json(layout.RESULT) if run_store.exists(layout.RESULT) else {}
+    except LaunchError as e:  # a damaged run.json
+        return f"choose another --run-id (it cannot be resumed: {e})"
+    except Exception:  # noqa: BLE001 - a torn result.json: a resume treats it as none
+        result = {}
+    if isinstance(result, dict) and result.get("status") == "ok":
+        return (
+            f"choose another --run-id (it cannot be resumed: run {run_id} already finished "
+            "(result.json says ok); there is nothing to resume)"
+        )
+    return f"choose another --run-id, or continue it with --resume {run_id}"
 
 
 def _local_writable(store: RunStore) -> None:

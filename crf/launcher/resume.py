@@ -121,19 +121,6 @@ def _read_found(run_store: RunStore) -> _Found:
     )
 
 
-def held_run_hint(run_store: RunStore, run_id: str) -> str:
-    """What to do about a new launch into a folder that already holds run ``run_id``:
-    continue it with ``--resume`` only when a resume would be accepted (:func:`_refuse`);
-    else choose another run id, and why that run cannot be resumed (it finished ok, it still
-    runs, its run.json is damaged)."""
-    try:
-        with store_errors(run_store.uri):
-            _refuse(run_id, _read_found(run_store), None)
-    except LaunchError as e:
-        return f"choose another --run-id (it cannot be resumed: {e})"
-    return f"choose another --run-id, or continue it with --resume {run_id}"
-
-
 def backend_live(store: RunStore, executor: ServerlessExecutor, launches: list[int]) -> list[str]:
     """Replicas of the newest launch that its backend still runs, each as a short
     description. Heartbeats alone miss a replica that has not written one yet (a few seconds

@@ -47,6 +47,7 @@ from crf.replica.data_files import (
     no_bars,
     part_error,
     read_rows,
+    row_name,
     saved_kind,
     suffix_of,
 )
@@ -58,7 +59,7 @@ FIELDS = ("prompt", "answer", "hint", "trace")
 MEDIA_COLUMNS = ("image", "images")
 #: the answer reader without --reward: the job's own reward (exact match on the answer)
 DEFAULT_READER = "(default)"
-__all__ = ["BUILDERS", "FIELDS", "DataError", "NotStreamed"]
+__all__ = ["BUILDERS", "FIELDS", "DataError", "NotStreamed", "row_name"]
 
 
 def builder_of(dataset: str) -> str | None:
@@ -358,18 +359,6 @@ def kind_of(value: Any) -> str | None:
     if isinstance(value, list | tuple):
         return "list"
     return "dict" if isinstance(value, dict) else type(value).__name__
-
-
-def row_name(number: int, lines: Sequence[int | str] | None = None) -> str:
-    """How a message names the row ``number`` (counted from 0) of a split: its line in the
-    file when known (a JSON lines or CSV file read whole before launch: "line 12", as an
-    editor shows it, a CSV's header and any blank line counted), its name in its own file
-    for a folder's rows (``lines`` holds the names: "line 5 of part-2.jsonl"), else its
-    place counted from 1, as a user counts rows ("row 11 (the first is row 1)")."""
-    if lines is not None and 0 <= number < len(lines):
-        entry = lines[number]
-        return entry if isinstance(entry, str) else f"line {entry}"
-    return f"row {number + 1} (the first is row 1)"
 
 
 def type_name(value: Any) -> str:

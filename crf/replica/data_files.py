@@ -34,7 +34,7 @@ import errno
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -589,12 +589,22 @@ def _unlike_files(parts: list[Rows], files: list[str], flag: str, name: str) -> 
     return None
 
 
+def row_name(number: int, lines: Sequence[int | str] | None = None) -> str:
+    """How a message names the row ``number`` (counted from 0) of a split: its line in the
+    file when known (a JSON lines or CSV file read whole before launch: "line 12", as an
+    editor shows it, a CSV's header and any blank line counted), its name in its own file
+    for a folder's rows (``lines`` holds the names: "line 5 of part-2.jsonl"), else its
+    place counted from 1, as a user counts rows ("row 11 (the first is row 1)")."""
+    if lines is not None and 0 <= number < len(lines):
+        entry = lines[number]
+        return entry if isinstance(entry, str) else f"line {entry}"
+    return f"row {number + 1} (the first is row 1)"
+
+
 def _concat(parts: list[Rows], shown: list[str]) -> Rows:
     """A folder's files' rows as one split, in order. Each row keeps its name in its own
     file (``line 5 of part-2.jsonl``, ``row 3 of part-2.parquet (the first is row 1)``),
     and a CSV's cells read other than written keep their rows, counted in the split."""
-    from crf.replica.data import row_name
-
     names = list(dict.fromkeys(n for p in parts for n in p.names))
     columns = {n: [v for p in parts for v in p.columns.get(n, [_ABSENT] * p.count)] for n in names}
     partial = any(p.partial for p in parts)
