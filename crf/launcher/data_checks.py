@@ -158,7 +158,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         check_embedded_model(spec, splits)
     if model and os.path.isdir(model):
         check_tokenizer_for(
-            model, splits, trust_remote_code=bool(getattr(spec, "trust_remote_code", False)),
+            model, splits,
             assistant_only=spec.job == "sft" and _trl_setting(spec, "assistant_only_loss"),
         )  # fmt: skip
         if spec.job == "composer":  # prompts through its template, within its positions
@@ -542,15 +542,14 @@ def tokenizer_settings(folder: str) -> dict[str, Any]:
     return out
 
 
-def check_tokenizer_for(
-    folder: str, splits: list[Split], *, trust_remote_code: bool = False,
-    assistant_only: bool = False,
-) -> None:  # fmt: skip
+def check_tokenizer_for(folder: str, splits: list[Split], *, assistant_only: bool = False) -> None:
     """The folder's tokenizer loads here as every replica loads it; a chat template when a
     split is conversational (one that marks the assistant's turns with ``{% generation %}``
     for ``assistant_only``: the sft job's ``trl.assistant_only_loss``); a pad token (or an
     EOS, which the replicas pad with) for batching, and an EOS, which generation stops on
-    and SFT appends to every sequence."""
+    and SFT appends to every sequence. A tokenizer that ships its own code is not loaded
+    here (the launcher never runs a repo's code, even with ``--trust-remote-code``): its
+    replicas load it, and say what is wrong with it."""
     from crf.replica.model import load_local_tokenizer
 
     settings = tokenizer_settings(folder)
@@ -567,7 +566,9 @@ def check_tokenizer_for(
                 f"--model {folder}: its tokenizer has no pad token and no EOS token to pad "
                 "batches with; set tokenizer.pad_token and save_pretrained the folder"
             )
-    tokenizer, why = load_local_tokenizer(folder, trust_remote_code=trust_remote_code)
+    if own_tokenizer_code(folder):
+        return
+    tokenizer, why = load_local_tokenizer(folder, trust_remote_code=False)
     if tokenizer is None:
         raise LaunchError(
             f"--model {folder}: its tokenizer does not load ({why}): save a fast tokenizer "
@@ -580,6 +581,18 @@ def check_tokenizer_for(
         )
     if assistant_only and chat is not None:
         check_assistant_markers(folder, tokenizer)
+
+
+def own_tokenizer_code(folder: str) -> bool:
+    """Whether ``folder``'s tokenizer is a class of the repo's own code: an ``AutoTokenizer``
+    entry in the ``auto_map`` of tokenizer_config.json or config.json."""
+    for name in ("tokenizer_config.json", "config.json"):
+        auto_map = _optional_json(os.path.join(folder, name)).get("auto_map")
+        if isinstance(auto_map, dict) and auto_map.get("AutoTokenizer"):
+            return True
+        if isinstance(auto_map, list) and name == "tokenizer_config.json" and auto_map:
+            return True  # transformers' older form: [slow class, fast class]
+    return False
 
 
 def check_assistant_markers(folder: str, tokenizer: Any) -> None:
