@@ -90,7 +90,7 @@ def test_a_reward_that_blocks_is_refused_after_the_time_limit(
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     started = time.monotonic()
     result = crf(*_args(tmp_path, body), *(["--dry-run"] if dry_run else []))
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 300  # not the 400 s it blocks for
     assert result.exit_code == 2, result.output
     line = _one_line(result.output)
     assert line.startswith("error: --reward rw_chk:score did not return within 1s on 8 row(s) "
@@ -123,7 +123,7 @@ def test_a_reward_module_that_blocks_at_import_is_refused_after_the_time_limit(
         args += ["--job", "sft", "--eval-dataset", data, "--column", "completion=answer"]
     started = time.monotonic()
     result = crf(*args)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 300  # not the 400 s it blocks for
     assert result.exit_code == 2, result.output
     line = _one_line(result.output)
     assert line.startswith("error: --reward rw_imp:score: importing rw_imp did not finish "
