@@ -220,6 +220,6 @@ def statuses(status: Any) -> list[str] | None:
     unknown = sorted(set(wanted) - set(RUN_STATUSES))
     if unknown:
         raise LaunchError(
-            f"unknown --status {', '.join(unknown)} (one of: {', '.join(RUN_STATUSES)})"
+            f"unknown status {', '.join(unknown)} (one of: {', '.join(RUN_STATUSES)})"
         )
     return wanted

@@ -204,7 +204,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> crf.Run:
         (lambda run: run.logs(rank="0"), "rank takes a replica's rank, an int"),
         (lambda run: crf.runs(run.store, limit="2"), "limit takes an integer >= 1"),
         (lambda run: crf.runs(run.store, limit=0), "limit takes an integer >= 1 (got int 0)"),
-        (lambda run: crf.runs(run.store, status="okay"), "unknown --status okay (one of: ok,"),
+        (lambda run: crf.runs(run.store, status="okay"), "unknown status okay (one of: ok,"),
         (lambda run: crf.runs(run.store, status=["ok", 5]), "status takes status names"),
         (lambda run: crf.runs("ftp://h/x"), "cannot list runs in ftp://h/x: store scheme 'ftp'"),
         (lambda run: crf.resume(run.id, store=run.store, restart=3), "restart takes a crf.Rest"),
