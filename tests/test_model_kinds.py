@@ -181,3 +181,41 @@ def test_an_adapter_a_file_and_a_broken_link_say_what_they_are(tmp_path: Path) -
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "gone")
     assert "is a link to" in _refused(link) and "which does not exist" in _refused(link)
+
+
+def test_an_embedding_padded_past_its_tokenizer_is_a_warning_not_a_refusal(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint may pad a small tokenizer's embedding to a round size: a tokenizer that
+    covers under half the rows is said with the numbers before launch, and the launch goes
+    on; token ids past the embedding (an index error in the first batch) stay a refusal."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    vocab = _vocab(tmp_path)
+    padded = _folder(tmp_path, "padded", _llama(vocab * 4, tie=True))
+    said = check_model(str(padded), SimpleNamespace())
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert f"its tokenizer has {vocab} token ids but the model embeds {vocab * 4} rows" in said[0]
+    assert "if the tokenizer is another model's" in said[0]
+    own = _folder(tmp_path, "own", _llama(vocab, tie=True))
+    assert check_model(str(own), SimpleNamespace()) == []
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{w}=", "answer": w[::-1]}) + "\n"
+                            for w in ["ab", "bca", "cab", "dd"] * 4))  # fmt: skip
+    launch = ["launch", "--dataset", str(rows), "--reward", "exact_match", "--replicas", "2",
+              "--store", str(tmp_path / "runs"), "--dry-run", "--model"]  # fmt: skip
+    out = CliRunner().invoke(app, [*launch, str(padded)])
+    flat = " ".join(out.output.split())
+    assert out.exit_code == 0, out.output
+    assert f"warning: --model {padded}: its tokenizer has {vocab} token ids" in flat, flat
+
+    short = _folder(tmp_path, "short", _llama(vocab - 2, tie=True))
+    assert "would crash" in _refused(short)
+    refused = CliRunner().invoke(app, [*launch, str(short)])
+    assert refused.exit_code == 2, refused.output
+    assert f"its tokenizer has {vocab} token ids but the model embeds {vocab - 2}" in " ".join(
+        refused.output.split()
+    )
