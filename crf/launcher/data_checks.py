@@ -167,7 +167,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         else:  # the sft job's sequences within its positions, conversations through its template
             from crf.launcher.prompt_checks import check_conversations
 
-            check_sft_length(spec, model)
+            found.warnings += check_sft_length(spec, model)
             remote = False  # the launcher never runs a repo's code (replicas do, when asked)
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
             found.warnings += _check_answers(spec, model, splits)
@@ -242,24 +242,33 @@ def sft_cut_prompts(spec: Any, model: str | None, splits: list[Split]) -> list[s
     return out
 
 
-def check_sft_length(spec: Any, model: str) -> None:
-    """LaunchError for an sft ``max_length`` longer than a learned position table of
-    ``model`` (GPT-2's ``n_positions``): a sequence cut to max_length would still be longer
-    than the model's positions and fail in the first step, on every replica."""
+def check_sft_length(spec: Any, model: str) -> list[str]:
+    """The sft job's ``max_length`` against ``model``'s positions. LaunchError past a
+    learned position table (GPT-2's ``n_positions``): a sequence cut to max_length would
+    still be longer than the table and fail in the first step, on every replica. A warning
+    past the ``max_position_embeddings`` of a model without one (rotary): it trains on past
+    them, on positions it was never trained at, usually worse."""
     from crf.launcher.model_shapes import learned_positions
+    from crf.launcher.prompt_checks import config_positions
     from crf.replica.jobs import job_config
+    from crf.replica.prompt_fit import max_length_past
 
-    learned = learned_positions(model)
-    if learned is None:
-        return
     lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
     length = job_config("sft", spec.job_config).settings(model=True, lora=lora)["max_length"]
-    if length > learned:
-        raise LaunchError(
-            f"--model {model} has {learned} positions (a learned table: a longer sequence "
-            f"fails, it does not run on) but the sft job's max_length is {length}: --set "
-            f"max_length={learned} (or less)"
-        )
+    learned = learned_positions(model)
+    if learned is not None:
+        if length > learned:
+            raise LaunchError(max_length_past(learned, model, length))
+        return []
+    limit = config_positions(model)
+    if limit is None or length <= limit:
+        return []
+    return [
+        f"--model {model} has {limit} positions (max_position_embeddings) but the sft job's "
+        f"max_length is {length}: a longer sequence trains past them, on positions the model "
+        f"was not trained at (it runs on, usually worse); --set max_length={limit} cuts "
+        "sequences there"
+    ]
 
 
 # ---------------------------------------------------------------------- reachability
