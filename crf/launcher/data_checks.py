@@ -331,7 +331,14 @@ def check_model(model: str, spec: Any) -> list[str]:
     link)."""
     if os.path.isdir(model):
         remote = bool(getattr(spec, "trust_remote_code", 0))
-        return check_model_folder(model, trust_remote_code=remote)
+        warnings = check_model_folder(model, trust_remote_code=remote)
+        if int(getattr(spec, "lora_rank", 0) or 0) > 0:
+            from crf.launcher.model_shapes import lora_problem
+
+            problem = lora_problem(model, getattr(spec, "lora_target_modules", None))
+            if problem:
+                raise LaunchError(problem)
+        return warnings
     if os.path.lexists(model):
         from crf.spec import model_path_problem
 

@@ -15,7 +15,9 @@ packed, in another shape than the config's).
 
 The same build says which tensors the checkpoint lacks (:func:`missing_weights`):
 transformers initialises a missing tensor at random, differently on every replica, so a
-model saved without its LM head would train from noise and its replicas would disagree.
+model saved without its LM head would train from noise and its replicas would disagree. And
+with ``--lora-rank``, whether peft can put adapters on the modules ``--lora-target-modules``
+names (:func:`lora_problem`): a Mamba refuses peft's default choice on every replica.
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def learned_positions(folder: str) -> int | None:
 
     model = meta_model(folder)
     return None if model is None else of(model)
+
+
+def lora_problem(folder: str, targets: str | None) -> str | None:
+    """Why peft would refuse LoRA on the model in ``folder`` with ``--lora-target-modules``
+    ``targets`` (crf/replica/lora.py ``target_problem``), from its meta build; None when it
+    would not, or the model is not built here (a replica's setup checks it then)."""
+    model = meta_model(folder)
+    if model is None:
+        return None
+    from crf.replica.lora import target_problem
+
+    return target_problem(model, targets, folder)
 
 
 def meta_model(folder: str) -> Any:
