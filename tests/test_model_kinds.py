@@ -219,3 +219,59 @@ def test_an_embedding_padded_past_its_tokenizer_is_a_warning_not_a_refusal(
     assert f"its tokenizer has {vocab} token ids but the model embeds {vocab - 2}" in " ".join(
         refused.output.split()
     )
+
+
+def _as_bin(folder: Path, *, legacy: bool = False, keep: Any = None) -> Path:
+    """``folder``'s weights moved from model.safetensors to pytorch_model.bin (torch.save's
+    zip format, or with ``legacy`` its pre-1.6 one), ``keep`` filtering the tensor names."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {k: v for k, v in tensors.items() if keep is None or keep(k)}
+    torch.save(tensors, folder / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def test_a_bin_checkpoint_gets_the_weight_checks_of_a_safetensors_one(tmp_path: Path) -> None:
+    """pytorch_model.bin, read memory-mapped onto the meta device (names and shapes, no
+    data): a whole one passes and loads; one without its LM head, one missing layers, one
+    whose shapes are another config's, a cut one and a shard its index names but that is
+    absent are refused in one line, as for safetensors. A .bin in torch's pre-1.6 format
+    (not mappable) is left to the replicas' load, and other .bin files are no weights."""
+    vocab = _vocab(tmp_path)
+    whole = _as_bin(_folder(tmp_path, "whole", _llama(vocab, tie=False)))
+    (whole / "training_args.bin").write_bytes(b"not a state dict")
+    assert check_model(str(whole), SimpleNamespace()) == []
+    model, _ = load_pretrained(SimpleNamespace(model=str(whole)), Placement("cpu", "fp32"), seed=0)
+    assert model.lm_head.weight.shape == (vocab, SMALL["hidden_size"])
+
+    headless = _as_bin(_folder(tmp_path, "headless", _llama(vocab, tie=False, head=False)))
+    assert "its weights lack lm_head.weight: it was saved without its LM head" in _refused(headless)
+    cut = _as_bin(_folder(tmp_path, "cut", _llama(vocab, tie=False)),
+                  keep=lambda k: ".layers.1." not in k)  # fmt: skip
+    assert "(and 8 more): the checkpoint is incomplete" in _refused(cut)
+    other = _as_bin(_folder(tmp_path, "other", _llama(vocab, tie=False)))
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    said = _refused(other)
+    assert f"--model {other}: pytorch_model.bin stores model.layers.0.mlp." in said
+    assert "the config and the weights are of different models" in said
+
+    truncated = _as_bin(_folder(tmp_path, "truncated", _llama(vocab, tie=False)))
+    data = (truncated / "pytorch_model.bin").read_bytes()
+    (truncated / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    said = _refused(truncated)
+    assert said.startswith(f"--model {truncated}: pytorch_model.bin is not a whole PyTorch")
+    assert said.endswith("download or save the model again")
+
+    sharded = _as_bin(_folder(tmp_path, "sharded", _llama(vocab, tie=False)))
+    (sharded / "pytorch_model.bin").rename(sharded / "pytorch_model-00001-of-00002.bin")
+    index = {"weight_map": {"lm_head.weight": "pytorch_model-00002-of-00002.bin",
+                            "model.norm.weight": "pytorch_model-00001-of-00002.bin"}}  # fmt: skip
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    said = _refused(sharded)
+    assert "pytorch_model-00002-of-00002.bin named by pytorch_model.bin.index.json" in said
+
+    legacy = _as_bin(_folder(tmp_path, "legacy", _llama(vocab, tie=False, head=False)), legacy=True)
+    assert check_model(str(legacy), SimpleNamespace()) == []  # not mappable: no claim

@@ -408,10 +408,10 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> list[
     check_weights(folder, names)
     warnings = check_vocab(folder, config)
     if "auto_map" not in config:  # a model with its own code is not built here (that runs it)
-        from crf.launcher.model_shapes import missing_weights, shape_problem
+        from crf.launcher.model_shapes import missing_weights, shape_problem, weight_files
         from crf.replica.model import missing_message
 
-        shards = sorted(n for n in names if n.endswith(".safetensors"))
+        shards = weight_files(folder, names)  # safetensors, else pytorch_model*.bin
         why = shape_problem(folder, shards)
         if why:
             raise LaunchError(f"{flag}: {why}; save the model and its config together again")
@@ -462,6 +462,30 @@ def check_weights(folder: str, names: set[str]) -> None:
         why = safetensors_problem(os.path.join(folder, name))
         if why:
             raise LaunchError(f"{flag}: {name} {why}; download or save the model again")
+    if not shards:
+        check_bin_weights(folder, names)
+
+
+def check_bin_weights(folder: str, names: set[str]) -> None:
+    """LaunchError for a checkpoint in torch's format (``pytorch_model*.bin``) whose index
+    names a shard that is absent, or a shard that does not open (a cut download); its
+    pickle is read memory-mapped onto the meta device, its tensor data is not."""
+    from crf.launcher.model_shapes import BIN_INDEX, bin_shapes, weight_files
+
+    flag = f"--model {folder}"
+    if BIN_INDEX in names:
+        listed = _read_json(os.path.join(folder, BIN_INDEX), f"{flag}:").get("weight_map", {})
+        absent = sorted(set(listed.values()) - names) if isinstance(listed, dict) else []
+        if absent:
+            raise LaunchError(
+                f"{flag}: weight file(s) {', '.join(absent[:3])} named by {BIN_INDEX} are "
+                "missing; download the model again"
+            )
+    for name in weight_files(folder, names):
+        try:
+            bin_shapes(os.path.join(folder, name))
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"{flag}: {name} {e}; download or save the model again") from None
 
 
 def safetensors_problem(path: str) -> str | None:
