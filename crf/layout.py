@@ -586,6 +586,9 @@ class ResultRecord(Record):
     syncs_caught_up: list[int] = field(default_factory=list)
     final_loss: float | None = None
     weights_sha256: str | None = None
+    #: the dtype ``--model``'s checkpoint is stored in (its config.json's), when this replica
+    #: saves a model: model/ holds the fp32 master weights, which ``crf export`` then says
+    model_dtype: str | None = None
     bytes_up: int = 0
     bytes_down: int = 0
     ckpt_bytes_up: int = 0

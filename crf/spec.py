@@ -294,6 +294,25 @@ def _base(annotation: Any) -> type:
     return typing.get_origin(annotation) or annotation
 
 
+#: peft's choice of every linear layer but the output one: --lora-target-modules' default
+LORA_ALL_LINEAR = "all-linear"
+
+
+def lora_targets_problem(value: str) -> str | None:
+    """Why ``--lora-target-modules`` is malformed, whatever the model (None: it is not)."""
+    names = [name.strip() for name in value.split(",")]
+    if not any(names):
+        return (
+            f"--lora-target-modules is empty: give {LORA_ALL_LINEAR} or module names separated "
+            "by commas (q_proj,v_proj)"
+        )
+    if "" in names:
+        return f"--lora-target-modules {value!r} has an empty name: separate names by one comma"
+    if LORA_ALL_LINEAR in names and len(names) > 1:
+        return f"--lora-target-modules {value!r}: {LORA_ALL_LINEAR} stands alone, without names"
+    return None
+
+
 def option(
     default: Any = dataclasses.MISSING,
     *,
@@ -553,6 +572,12 @@ class RunSpec:
     )
     lora_alpha: int = option(
         16, low=1, high=65536, group=WORKLOAD, help="LoRA scaling numerator (alpha / rank)."
+    )
+    lora_target_modules: str | None = option(
+        None,
+        group=WORKLOAD,
+        help="The modules --lora-rank adapts: all-linear (every linear layer but the output "
+        "one) or module names separated by commas (in_proj,x_proj); default all-linear.",
     )
     dataset: str | None = option(
         None,
@@ -857,6 +882,7 @@ class RunSpec:
             raise SpecError(
                 f"--lora-rank {self.lora_rank} needs peft: install composer-replication[lora]"
             )
+        self._validate_lora_targets()
         self._validate_tracking()
         if self.model is not None and not self.model.strip():
             raise SpecError("--model must name a Hub id or a folder (got an empty string)")
@@ -866,6 +892,20 @@ class RunSpec:
             # a path, not a Hub id (org/name): local replicas would each fail to load it
             if self.backend == "local":
                 raise SpecError(model_path_problem(self.model))
+
+    def _validate_lora_targets(self) -> None:
+        """``--lora-target-modules`` goes with ``--lora-rank``, and is well formed; whether
+        the model has such modules is the launcher's check of the model."""
+        if self.lora_target_modules is None:
+            return
+        if self.lora_rank == 0:
+            raise SpecError(
+                "--lora-target-modules names what --lora-rank adapts: add --lora-rank, or "
+                "leave it out"
+            )
+        problem = lora_targets_problem(self.lora_target_modules)
+        if problem:
+            raise SpecError(problem)
 
     def _validate_data_names(self) -> None:
         """An empty data option (``--dataset "$DATA"`` with DATA unset) would read as the

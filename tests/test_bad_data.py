@@ -516,9 +516,9 @@ CASES = [
     Case("tokenizer-larger-than-embedding", lambda t, m: [*_composer(t), *_with_model(
          m, t, lambda f: _edit_json(f / "config.json", vocab_size=4))],
          "but the model embeds 4 (config.json vocab_size)"),
-    Case("tokenizer-far-smaller-than-embedding", lambda t, m: [*_composer(t), *_with_model(
+    Case("config-of-a-larger-vocabulary", lambda t, m: [*_composer(t), *_with_model(
          m, t, lambda f: _edit_json(f / "config.json", vocab_size=151936))],
-         "the tokenizer is another model's"),
+         "the config and the weights are of different models"),
     Case("no-config", lambda t, m: [*_composer(t), *_with_model(
          m, t, lambda f: (f / "config.json").unlink())], "has no config.json"),
     Case("no-weights", lambda t, m: [*_composer(t), *_with_model(

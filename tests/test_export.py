@@ -308,3 +308,110 @@ def test_merge_of_a_run_on_the_embedded_model_asks_for_the_base(tmp_path) -> Non
     (adapter / "adapter_config.json").write_text("{not json")
     with pytest.raises(MergeError, match="adapter_config.json is not valid JSON"):
         base_model_of({}, adapter, None)
+
+
+def _sft_run_of_an_fp16_model(tmp_path: Path) -> tuple[Path, str]:
+    """A real sft run (1 replica process, 2 steps) of a tiny model stored in float16; the
+    run's folder and its store."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from crf.executors.local import LocalProcessExecutor
+    from crf.launcher import driver
+    from tests.hub_models import save_tiny_repo
+
+    folder = tmp_path / "fp16"
+    save_tiny_repo(folder)
+    AutoModelForCausalLM.from_pretrained(folder).to(torch.float16).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "float16"
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{w}=", "completion": w[::-1]}) + "\n"
+                            for w in ["ab", "bca", "cab", "dd"] * 2))  # fmt: skip
+    summary = driver.launch(
+        {"job": "sft", "replicas": 1, "sync_every": 2, "rounds": 1, "run_id": "half",
+         "model": str(folder), "dataset": str(data), "device": "cpu", "round_timeout_s": 120.0,
+         "job_config": {"per_device_train_batch_size": 4, "max_length": 16}},
+        store=str(tmp_path / "runs"), env={"CRF_LOG_LEVEL": "WARNING"},
+        executor=LocalProcessExecutor(grace_period_s=2.0),
+        restart=driver.RestartPolicy(max_restarts=0),
+        progress=False, report=False, plot=False, poll_s=0.1, timeout_s=300,
+    )  # fmt: skip
+    assert summary["status"] == "ok", [r.get("error") for r in summary["replicas"]]
+    return folder, str(tmp_path / "runs")
+
+
+@pytest.mark.e2e
+def test_an_fp16_model_exports_the_fp32_master_weights_saying_so_or_cast_with_dtype(
+    tmp_path,
+) -> None:
+    """A run trains fp32 master weights whatever --model's dtype: ``crf export`` writes them
+    as they are (the most precise copy) and says they are twice the size of the float16
+    model given, and how to write float16; ``--dtype float16`` writes exactly those weights
+    rounded once to float16, with config.json saying so, at about half the size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    runner = CliRunner()
+    folder, runs = _sft_run_of_an_fp16_model(tmp_path)
+    plain = runner.invoke(app, ["export", "half", str(tmp_path / "out32"), "--store", runs])
+    assert plain.exit_code == 0, plain.output
+    said = " ".join(plain.output.split())
+    assert (
+        "note: the weights are the run's fp32 master weights, twice the size of the float16 "
+        "model it started from; --dtype float16 writes them in float16" in said
+    ), said
+    master = AutoModelForCausalLM.from_pretrained(tmp_path / "out32", dtype="auto")
+    assert {p.dtype for p in master.parameters()} == {torch.float32}
+
+    half = runner.invoke(app, ["export", "half", str(tmp_path / "out16"), "--store", runs,
+                               "--dtype", "float16"])  # fmt: skip
+    assert half.exit_code == 0 and "note:" not in half.output, half.output
+    assert str(AutoConfig.from_pretrained(tmp_path / "out16").dtype).endswith("float16")
+    cast = AutoModelForCausalLM.from_pretrained(tmp_path / "out16", dtype="auto")
+    want = {k: v.to(torch.float16) for k, v in master.state_dict().items()}
+    got = cast.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    sizes = [(tmp_path / d / "model.safetensors").stat().st_size for d in ("out16", "out32")]
+    assert sizes[0] < 0.55 * sizes[1], sizes
+    assert (tmp_path / "out16" / "tokenizer.json").is_file()
+
+    bf16 = runner.invoke(app, ["export", "half", str(tmp_path / "outbf"), "--store", runs,
+                               "--dtype", "bf16"])  # fmt: skip
+    assert bf16.exit_code == 0, bf16.output
+    assert "the weights are written in bfloat16; the model the run started from was float16" in (
+        " ".join(bf16.output.split())
+    )
+
+
+def test_dtype_refusals_are_one_line_and_an_fp32_run_has_nothing_to_note(tmp_path) -> None:
+    """An unknown --dtype, a LoRA adapter without --merge, and float16 that cannot hold a
+    weight are refused in one line, writing nothing; a run of an fp32 model (the embedded
+    default's) exports byte for byte, with no note."""
+    store, base = _run(tmp_path)
+    model, tok = _tiny()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[1, 0] = 1e6  # past float16's 65504
+    save_model(store, model, tok)
+    store.put_json(layout.result_key(0), {"rank": 0, "status": "ok", "model_dtype": "float32"})
+    done = export(RUN, str(tmp_path / "same"), store=base)
+    assert done.note is None
+    for rel in done.files:
+        assert (tmp_path / "same" / rel).read_bytes() == store.get(layout.model_key(rel))
+    runner = CliRunner()
+    for args, says in [
+        (["--dtype", "fp8"], "--dtype 'fp8' is unknown; choose float16, bfloat16 or float32"),
+        (["--dtype", "float16"], "model.embed_tokens.weight holds values past float16's range"),
+    ]:
+        out = runner.invoke(app, ["export", RUN, str(tmp_path / "o"), "--store", base, *args])
+        assert out.exit_code != 0 and says in " ".join(out.output.split()), out.output
+        assert len(out.output.strip().splitlines()) == 1, out.output
+        assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+    bf16 = export(RUN, str(tmp_path / "bf16"), store=base, dtype="bfloat16")
+    assert (
+        bf16.note
+        == "the weights are written in bfloat16; the model the run started from was float32"
+    )
+
+    lora_store, lora_base, _, _, _ = _adapter_run(tmp_path / "lora")
+    with pytest.raises(ExportError, match="LoRA adapter: add --merge"):
+        export(RUN, str(tmp_path / "adapter16"), store=lora_base, dtype="float16")

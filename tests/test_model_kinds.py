@@ -210,3 +210,97 @@ def test_an_adapter_a_file_and_a_broken_link_say_what_they_are(tmp_path: Path) -
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "gone")
     assert "is a link to" in _refused(link) and "which does not exist" in _refused(link)
+
+
+def test_an_embedding_padded_past_its_tokenizer_is_a_warning_not_a_refusal(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint may pad a small tokenizer's embedding to a round size: a tokenizer that
+    covers under half the rows is said with the numbers before launch, and the launch goes
+    on; token ids past the embedding (an index error in the first batch) stay a refusal."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    vocab = _vocab(tmp_path)
+    padded = _folder(tmp_path, "padded", _llama(vocab * 4, tie=True))
+    said = check_model(str(padded), SimpleNamespace())
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert f"its tokenizer has {vocab} token ids but the model embeds {vocab * 4} rows" in said[0]
+    assert "if the tokenizer is another model's" in said[0]
+    own = _folder(tmp_path, "own", _llama(vocab, tie=True))
+    assert check_model(str(own), SimpleNamespace()) == []
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{w}=", "answer": w[::-1]}) + "\n"
+                            for w in ["ab", "bca", "cab", "dd"] * 4))  # fmt: skip
+    launch = ["launch", "--dataset", str(rows), "--reward", "exact_match", "--replicas", "2",
+              "--store", str(tmp_path / "runs"), "--dry-run", "--model"]  # fmt: skip
+    out = CliRunner().invoke(app, [*launch, str(padded)])
+    flat = " ".join(out.output.split())
+    assert out.exit_code == 0, out.output
+    assert f"warning: --model {padded}: its tokenizer has {vocab} token ids" in flat, flat
+
+    short = _folder(tmp_path, "short", _llama(vocab - 2, tie=True))
+    assert "would crash" in _refused(short)
+    refused = CliRunner().invoke(app, [*launch, str(short)])
+    assert refused.exit_code == 2, refused.output
+    assert f"its tokenizer has {vocab} token ids but the model embeds {vocab - 2}" in " ".join(
+        refused.output.split()
+    )
+
+
+def _as_bin(folder: Path, *, legacy: bool = False, keep: Any = None) -> Path:
+    """``folder``'s weights moved from model.safetensors to pytorch_model.bin (torch.save's
+    zip format, or with ``legacy`` its pre-1.6 one), ``keep`` filtering the tensor names."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {k: v for k, v in tensors.items() if keep is None or keep(k)}
+    torch.save(tensors, folder / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def test_a_bin_checkpoint_gets_the_weight_checks_of_a_safetensors_one(tmp_path: Path) -> None:
+    """pytorch_model.bin, read memory-mapped onto the meta device (names and shapes, no
+    data): a whole one passes and loads; one without its LM head, one missing layers, one
+    whose shapes are another config's, a cut one and a shard its index names but that is
+    absent are refused in one line, as for safetensors. A .bin in torch's pre-1.6 format
+    (not mappable) is left to the replicas' load, and other .bin files are no weights."""
+    vocab = _vocab(tmp_path)
+    whole = _as_bin(_folder(tmp_path, "whole", _llama(vocab, tie=False)))
+    (whole / "training_args.bin").write_bytes(b"not a state dict")
+    assert check_model(str(whole), SimpleNamespace()) == []
+    model, _ = load_pretrained(SimpleNamespace(model=str(whole)), Placement("cpu", "fp32"), seed=0)
+    assert model.lm_head.weight.shape == (vocab, SMALL["hidden_size"])
+
+    headless = _as_bin(_folder(tmp_path, "headless", _llama(vocab, tie=False, head=False)))
+    assert "its weights lack lm_head.weight: it was saved without its LM head" in _refused(headless)
+    cut = _as_bin(_folder(tmp_path, "cut", _llama(vocab, tie=False)),
+                  keep=lambda k: ".layers.1." not in k)  # fmt: skip
+    assert "(and 8 more): the checkpoint is incomplete" in _refused(cut)
+    other = _as_bin(_folder(tmp_path, "other", _llama(vocab, tie=False)))
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    said = _refused(other)
+    assert f"--model {other}: pytorch_model.bin stores model.layers.0.mlp." in said
+    assert "the config and the weights are of different models" in said
+
+    truncated = _as_bin(_folder(tmp_path, "truncated", _llama(vocab, tie=False)))
+    data = (truncated / "pytorch_model.bin").read_bytes()
+    (truncated / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    said = _refused(truncated)
+    assert said.startswith(f"--model {truncated}: pytorch_model.bin is not a whole PyTorch")
+    assert said.endswith("download or save the model again")
+
+    sharded = _as_bin(_folder(tmp_path, "sharded", _llama(vocab, tie=False)))
+    (sharded / "pytorch_model.bin").rename(sharded / "pytorch_model-00001-of-00002.bin")
+    index = {"weight_map": {"lm_head.weight": "pytorch_model-00002-of-00002.bin",
+                            "model.norm.weight": "pytorch_model-00001-of-00002.bin"}}  # fmt: skip
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    said = _refused(sharded)
+    assert "pytorch_model-00002-of-00002.bin named by pytorch_model.bin.index.json" in said
+
+    legacy = _as_bin(_folder(tmp_path, "legacy", _llama(vocab, tie=False, head=False)), legacy=True)
+    assert check_model(str(legacy), SimpleNamespace()) == []  # not mappable: no claim

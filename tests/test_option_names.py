@@ -74,6 +74,7 @@ def _samples(tmp: Path) -> dict[str, Any]:
         "gradient_checkpointing": True,
         "lora_rank": 4,
         "lora_alpha": 8,
+        "lora_target_modules": "q_proj,v_proj",
         "dataset": str(tmp / "data"),
         "dataset_config": "default",
         "dataset_split": "train",

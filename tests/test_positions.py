@@ -173,3 +173,47 @@ def test_sft_held_out_answers_past_a_learned_table_are_refused_before_launch_and
     assert "max_new_tokens 256 need" in str(caught.value), caught.value
     check_answer_room(tokenizer, model, prompts, "org/gpt2", 60)  # fits
     check_answer_room(tokenizer, save_tiny_repo(tmp_path / "q"), prompts, "org/q", 10_000)
+
+
+def test_an_sft_max_length_past_the_positions_is_refused_or_warned_of_alike(
+    tmp_path: Path,
+) -> None:
+    """The sft job's max_length past a learned table is refused before launch and, for a
+    model first read by a replica (a Hub id), at setup, in the same words; past a rotary
+    model's max_position_embeddings it is a warning (the model trains on past them, worse),
+    as the held-out answers' are."""
+    from transformers import AutoModelForCausalLM
+
+    from crf.replica.prompt_fit import check_length_room
+
+    runner = CliRunner()
+    data = _rows(tmp_path)
+    gpt2 = _gpt2(tmp_path / "gpt2")
+    qwen2 = tmp_path / "qwen2"
+    save_tiny_repo(qwen2)
+    limit = json.loads((qwen2 / "config.json").read_text())["max_position_embeddings"]
+    base = ["launch", "--job", "sft", "--dataset", str(data), "--column", "completion=answer",
+            "--store", str(tmp_path / "runs"), "--dry-run", "--model"]  # fmt: skip
+
+    past = runner.invoke(app, [*base, str(gpt2), "--set", "max_length=65"])
+    flat = " ".join(past.output.split())
+    assert past.exit_code == 2, past.output
+    said = f"--model {gpt2} has 64 positions (a learned table: a longer sequence fails"
+    assert said in flat and "max_length is 65: --set max_length=64 (or less)" in flat, flat
+    with pytest.raises(DataError) as caught:
+        check_length_room(AutoModelForCausalLM.from_pretrained(gpt2), "org/gpt2", 65)
+    assert "--model org/gpt2 has 64 positions (a learned table" in str(caught.value)
+    assert "max_length is 65: --set max_length=64 (or less)" in str(caught.value)
+    check_length_room(AutoModelForCausalLM.from_pretrained(gpt2), "org/gpt2", 64)  # fits
+    check_length_room(AutoModelForCausalLM.from_pretrained(qwen2), "org/qwen2", 10_000)
+
+    warned = runner.invoke(app, [*base, str(qwen2), "--set", f"max_length={limit + 1}"])
+    flat = " ".join(warned.output.split())
+    assert warned.exit_code == 0, warned.output
+    assert (
+        f"warning: --model {qwen2} has {limit} positions (max_position_embeddings) but the "
+        f"sft job's max_length is {limit + 1}" in flat
+    ), flat
+    assert f"--set max_length={limit} cuts sequences there" in flat
+    fits = runner.invoke(app, [*base, str(qwen2), "--set", f"max_length={limit}"])
+    assert fits.exit_code == 0 and "(max_position_embeddings) but" not in fits.output

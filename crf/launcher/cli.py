@@ -882,6 +882,15 @@ def export(
             help="With --merge: the base model (folder or Hub id). Default: the run's --model.",
         ),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="Write the weights in float16 or bfloat16 (or float32). Default: as the run "
+            "saved them, its fp32 master weights (with --merge: in the base's dtype).",
+        ),
+    ] = None,
 ) -> None:
     """Copy the trained model (the run's model/, Hugging Face format, written when the run
     finished) to a folder, or push it to a Hub repo."""
@@ -891,11 +900,13 @@ def export(
     with _user_errors("cannot export"), console.status("exporting", spinner="dots") as shown:
         done = export_model(
             run_id, dest, store=store, force=force, merge=merge, base_model=base_model,
-            step=lambda text: shown.update(escape(text)),
+            dtype=dtype, step=lambda text: shown.update(escape(text)),
         )  # fmt: skip
     Console().print(
         f"exported {len(done.files)} file(s) of run {escape(run_id)} to {escape(done.dest)}"
     )
+    if done.note:
+        Console().print(f"note: {escape(done.note)}", soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -50,8 +50,9 @@ HUB_ROWS_S = 60.0
 #: files of which at least one makes a tokenizer (transformers' fast and slow formats)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tokenizer_config.json")  # fmt: skip
-#: a tokenizer this much smaller than the model's embedding is another model's tokenizer
-#: (models pad their embedding a little past their tokenizer: Qwen2.5 151936 vs 151665)
+#: a tokenizer this much smaller than the model's embedding may be another model's: warned
+#: of, not refused (models pad their embedding past their tokenizer, a little as Qwen2.5's
+#: 151936 rows for 151665 ids, or a lot: a small tokenizer padded to a round size)
 FOREIGN_TOKENIZER_RATIO = 0.5
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -112,7 +113,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
     hub = _hub_datasets(spec)
     if model:
         if os.path.isdir(model) or not _is_hub_id(model) or os.path.lexists(model):
-            check_model(model, spec)
+            found.warnings += check_model(model, spec)
         else:
             hub.insert(0, ("--model", model))
     unsampled: set[str] = set()  # Hub datasets whose rows are not read here
@@ -166,7 +167,7 @@ def check_inputs(spec: Any, *, local: bool, dry_run: bool = False) -> Found:
         else:  # the sft job's sequences within its positions, conversations through its template
             from crf.launcher.prompt_checks import check_conversations
 
-            check_sft_length(spec, model)
+            found.warnings += check_sft_length(spec, model)
             remote = False  # the launcher never runs a repo's code (replicas do, when asked)
             check_conversations(model, splits, first=SAMPLE_ROWS, trust_remote_code=remote)
             found.warnings += _check_answers(spec, model, splits)
@@ -241,24 +242,33 @@ def sft_cut_prompts(spec: Any, model: str | None, splits: list[Split]) -> list[s
     return out
 
 
-def check_sft_length(spec: Any, model: str) -> None:
-    """LaunchError for an sft ``max_length`` longer than a learned position table of
-    ``model`` (GPT-2's ``n_positions``): a sequence cut to max_length would still be longer
-    than the model's positions and fail in the first step, on every replica."""
+def check_sft_length(spec: Any, model: str) -> list[str]:
+    """The sft job's ``max_length`` against ``model``'s positions. LaunchError past a
+    learned position table (GPT-2's ``n_positions``): a sequence cut to max_length would
+    still be longer than the table and fail in the first step, on every replica. A warning
+    past the ``max_position_embeddings`` of a model without one (rotary): it trains on past
+    them, on positions it was never trained at, usually worse."""
     from crf.launcher.model_shapes import learned_positions
+    from crf.launcher.prompt_checks import config_positions
     from crf.replica.jobs import job_config
+    from crf.replica.prompt_fit import max_length_past
 
-    learned = learned_positions(model)
-    if learned is None:
-        return
     lora = int(getattr(spec, "lora_rank", 0) or 0) > 0
     length = job_config("sft", spec.job_config).settings(model=True, lora=lora)["max_length"]
-    if length > learned:
-        raise LaunchError(
-            f"--model {model} has {learned} positions (a learned table: a longer sequence "
-            f"fails, it does not run on) but the sft job's max_length is {length}: --set "
-            f"max_length={learned} (or less)"
-        )
+    learned = learned_positions(model)
+    if learned is not None:
+        if length > learned:
+            raise LaunchError(max_length_past(learned, model, length))
+        return []
+    limit = config_positions(model)
+    if limit is None or length <= limit:
+        return []
+    return [
+        f"--model {model} has {limit} positions (max_position_embeddings) but the sft job's "
+        f"max_length is {length}: a longer sequence trains past them, on positions the model "
+        f"was not trained at (it runs on, usually worse); --set max_length={limit} cuts "
+        "sequences there"
+    ]
 
 
 # ---------------------------------------------------------------------- reachability
@@ -315,12 +325,20 @@ def hub_problem(name: str, kind: str, *, local: bool = True) -> str | None:
 
 
 # ---------------------------------------------------------------------- the model
-def check_model(model: str, spec: Any) -> None:
-    """A local ``--model`` folder's files (:func:`check_model_folder`); a path that is no
-    folder is refused, saying what it is (a file, a broken link)."""
+def check_model(model: str, spec: Any) -> list[str]:
+    """A local ``--model`` folder's files (:func:`check_model_folder`; its warnings are
+    returned); a path that is no folder is refused, saying what it is (a file, a broken
+    link)."""
     if os.path.isdir(model):
-        check_model_folder(model, trust_remote_code=bool(getattr(spec, "trust_remote_code", 0)))
-        return
+        remote = bool(getattr(spec, "trust_remote_code", 0))
+        warnings = check_model_folder(model, trust_remote_code=remote)
+        if int(getattr(spec, "lora_rank", 0) or 0) > 0:
+            from crf.launcher.model_shapes import lora_problem
+
+            problem = lora_problem(model, getattr(spec, "lora_target_modules", None))
+            if problem:
+                raise LaunchError(problem)
+        return warnings
     if os.path.lexists(model):
         from crf.spec import model_path_problem
 
@@ -352,10 +370,10 @@ def _optional_json(path: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
+def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> list[str]:
     """config.json with a model_type transformers knows (or remote code allowed), tokenizer
-    files, weights that are all there, and a tokenizer no larger than the embedding (nor a
-    foreign one, far smaller)."""
+    files, weights that are all there, and a tokenizer no larger than the embedding; returns
+    the warnings (a tokenizer far smaller than the embedding: :func:`check_vocab`)."""
     flag = f"--model {folder}"
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
@@ -388,18 +406,19 @@ def check_model_folder(folder: str, *, trust_remote_code: bool = False) -> None:
             "the tokenizer there too (tokenizer.save_pretrained(folder))"
         )
     check_weights(folder, names)
-    check_vocab(folder, config)
+    warnings = check_vocab(folder, config)
     if "auto_map" not in config:  # a model with its own code is not built here (that runs it)
-        from crf.launcher.model_shapes import missing_weights, shape_problem
+        from crf.launcher.model_shapes import missing_weights, shape_problem, weight_files
         from crf.replica.model import missing_message
 
-        shards = sorted(n for n in names if n.endswith(".safetensors"))
+        shards = weight_files(folder, names)  # safetensors, else pytorch_model*.bin
         why = shape_problem(folder, shards)
         if why:
             raise LaunchError(f"{flag}: {why}; save the model and its config together again")
         missing = missing_weights(folder, shards)
         if missing:
             raise LaunchError(missing_message(folder, missing))
+    return warnings
 
 
 def known_model_type(model_type: Any) -> bool:
@@ -443,6 +462,30 @@ def check_weights(folder: str, names: set[str]) -> None:
         why = safetensors_problem(os.path.join(folder, name))
         if why:
             raise LaunchError(f"{flag}: {name} {why}; download or save the model again")
+    if not shards:
+        check_bin_weights(folder, names)
+
+
+def check_bin_weights(folder: str, names: set[str]) -> None:
+    """LaunchError for a checkpoint in torch's format (``pytorch_model*.bin``) whose index
+    names a shard that is absent, or a shard that does not open (a cut download); its
+    pickle is read memory-mapped onto the meta device, its tensor data is not."""
+    from crf.launcher.model_shapes import BIN_INDEX, bin_shapes, weight_files
+
+    flag = f"--model {folder}"
+    if BIN_INDEX in names:
+        listed = _read_json(os.path.join(folder, BIN_INDEX), f"{flag}:").get("weight_map", {})
+        absent = sorted(set(listed.values()) - names) if isinstance(listed, dict) else []
+        if absent:
+            raise LaunchError(
+                f"{flag}: weight file(s) {', '.join(absent[:3])} named by {BIN_INDEX} are "
+                "missing; download the model again"
+            )
+    for name in weight_files(folder, names):
+        try:
+            bin_shapes(os.path.join(folder, name))
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"{flag}: {name} {e}; download or save the model again") from None
 
 
 def safetensors_problem(path: str) -> str | None:
@@ -493,14 +536,16 @@ def tokenizer_size(folder: str) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def check_vocab(folder: str, config: Mapping[str, Any]) -> None:
+def check_vocab(folder: str, config: Mapping[str, Any]) -> list[str]:
     """LaunchError when token ids can exceed the model's embedding (an index error on the
-    first batch), or the tokenizer is far smaller than it (another model's tokenizer); and
-    a ``pad_token_id`` past the embedding, which every replica's setup fails on ("Padding_idx
-    must be within num_embeddings")."""
+    first batch) or a ``pad_token_id`` is past it (every replica's setup fails: "Padding_idx
+    must be within num_embeddings"): both are certain failures. A tokenizer far smaller than
+    the embedding is returned as a warning: it may be another model's tokenizer (the wrong
+    rows would train), but a checkpoint may also pad a small tokenizer's embedding to a
+    round size, which trains fine, and the files cannot tell the two apart."""
     embed, tokens = _embedding_size(config), tokenizer_size(folder)
     if embed is None:
-        return
+        return []
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(folder, name)
         pad = (config if name == "config.json" else _optional_json(path)).get("pad_token_id")
@@ -510,7 +555,7 @@ def check_vocab(folder: str, config: Mapping[str, Any]) -> None:
                 f"(vocab_size {embed}): set it to the tokenizer's pad id, or remove it"
             )
     if tokens is None:
-        return
+        return []
     if tokens > embed:
         raise LaunchError(
             f"--model {folder}: its tokenizer has {tokens} token ids but the model embeds "
@@ -518,10 +563,13 @@ def check_vocab(folder: str, config: Mapping[str, Any]) -> None:
             "model with model.resize_token_embeddings(len(tokenizer))"
         )
     if tokens < embed * FOREIGN_TOKENIZER_RATIO:
-        raise LaunchError(
+        return [
             f"--model {folder}: its tokenizer has {tokens} token ids but the model embeds "
-            f"{embed}: the tokenizer is another model's; save the model's own tokenizer there"
-        )
+            f"{embed} rows (config.json vocab_size): fine for an embedding padded past its "
+            "tokenizer, but if the tokenizer is another model's, the run trains the wrong "
+            "rows: save the model's own tokenizer there"
+        ]
+    return []
 
 
 def tokenizer_settings(folder: str) -> dict[str, Any]:

@@ -1,21 +1,25 @@
 """Before launch: a local ``--model`` folder's weights have the shapes its ``config.json``
-gives them.
+gives them, whether stored as safetensors or as ``pytorch_model.bin``.
 
 A config edited by hand, or saved beside another model's weights, loads nowhere: every
 replica's ``from_pretrained`` fails the same way, with transformers' "size mismatch ... look
 at the above report" and the report only in the replica's log. The launcher can tell first
 and cheaply: the model is built from its config on the ``meta`` device (shapes, no memory,
-no weights read) and its tensors' shapes compared with the safetensors headers. Only names
-found in both are compared, so checkpoints whose keys transformers renames on load, and tied
-weights stored once, are not misread. Models that bring their own code are not built here
-(that would run it: a config with ``auto_map`` is left to the replicas, and transformers is
-told never to trust remote code here, so it raises instead of asking on the terminal), and
-neither are quantized checkpoints (a ``quantization_config``: a 4-bit weight is stored
-packed, in another shape than the config's).
+no weights read) and its tensors' shapes compared with the safetensors headers (a ``.bin``
+checkpoint's names and shapes come from its pickle, loaded memory-mapped onto the meta
+device: its data is never read). Only names found in both are compared, so checkpoints
+whose keys transformers renames on load, and tied weights stored once, are not misread.
+Models that bring their own code are not built here (that would run it: a config with
+``auto_map`` is left to the replicas, and transformers is told never to trust remote code
+here, so it raises instead of asking on the terminal), and neither are quantized
+checkpoints (a ``quantization_config``: a 4-bit weight is stored packed, in another shape
+than the config's).
 
 The same build says which tensors the checkpoint lacks (:func:`missing_weights`):
 transformers initialises a missing tensor at random, differently on every replica, so a
-model saved without its LM head would train from noise and its replicas would disagree.
+model saved without its LM head would train from noise and its replicas would disagree. And
+with ``--lora-rank``, whether peft can put adapters on the modules ``--lora-target-modules``
+names (:func:`lora_problem`): a Mamba refuses peft's default choice on every replica.
 """
 
 from __future__ import annotations
@@ -27,13 +31,71 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
+#: a zip archive's first bytes: ``torch.save``'s format since torch 1.6
+ZIP_MAGIC = b"PK\x03\x04"
+#: ``save_pretrained``'s names of a checkpoint in torch's own format, and its shards' index
+BIN_WEIGHTS = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
 
 def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors file's header (the data is not read)."""
+    """Tensor name -> shape from a safetensors file's header, or a ``pytorch_model*.bin``'s
+    pickle (the data is not read); ValueError or OSError for a file that cannot be read
+    so, and an empty mapping for a ``.bin`` in torch's pre-1.6 format (not mappable)."""
+    if path.endswith(".bin"):
+        return bin_shapes(path)
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     return {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def bin_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a ``torch.save``'d state dict, loaded memory-mapped onto the
+    meta device: its pickle is read (with ``weights_only``: no code runs), its tensor data
+    never is. A file in torch's pre-1.6 format cannot be mapped and gives {} (no claim); a
+    zip that does not open (a cut download) raises ValueError."""
+    stat = os.stat(path)
+    return dict(_bin_shapes(path, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _bin_shapes(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """:func:`bin_shapes`, read once while the file is unchanged (the weights check and the
+    shape checks read it in turn)."""
+    import torch
+
+    with open(path, "rb") as f:
+        if f.read(4) != ZIP_MAGIC:
+            return ()
+    try:
+        state = torch.load(path, mmap=True, weights_only=True, map_location="meta")
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise ValueError(f"is not a whole PyTorch checkpoint ({first})") from None
+    if not isinstance(state, dict):
+        raise ValueError("holds no state dict (tensor names -> tensors)")
+    return tuple((str(k), tuple(v.shape)) for k, v in state.items() if isinstance(v, torch.Tensor))
+
+
+def weight_files(folder: str, names: Iterable[str]) -> list[str]:
+    """The files of ``folder`` (whose entries are ``names``) that ``from_pretrained`` reads
+    the weights from: its safetensors files, else its ``pytorch_model*.bin`` shards (the
+    ones a ``pytorch_model.bin.index.json`` lists, or ``pytorch_model.bin``); other
+    ``.bin`` files (``training_args.bin``) are no weights."""
+    names = set(names)
+    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    if shards:
+        return shards
+    index = os.path.join(folder, BIN_INDEX)
+    if BIN_INDEX in names:
+        try:
+            with open(index, encoding="utf-8") as f:
+                listed = json.load(f).get("weight_map", {}).values()
+        except (OSError, ValueError, AttributeError):
+            return []
+        return sorted({str(n) for n in listed} & names)
+    return [BIN_WEIGHTS] if BIN_WEIGHTS in names else []
 
 
 def config_shapes(folder: str) -> dict[str, tuple[int, ...]] | None:
@@ -51,6 +113,18 @@ def learned_positions(folder: str) -> int | None:
 
     model = meta_model(folder)
     return None if model is None else of(model)
+
+
+def lora_problem(folder: str, targets: str | None) -> str | None:
+    """Why peft would refuse LoRA on the model in ``folder`` with ``--lora-target-modules``
+    ``targets`` (crf/replica/lora.py ``target_problem``), from its meta build; None when it
+    would not, or the model is not built here (a replica's setup checks it then)."""
+    model = meta_model(folder)
+    if model is None:
+        return None
+    from crf.replica.lora import target_problem
+
+    return target_problem(model, targets, folder)
 
 
 def meta_model(folder: str) -> Any:

@@ -206,6 +206,9 @@ def _model(spec: RunSpec) -> str:
     else:
         base = spec.model
     extra = [f"LoRA rank {spec.lora_rank}, alpha {spec.lora_alpha}"] if spec.lora_rank else []
+    extra += (
+        [f"on {spec.lora_target_modules}"] if spec.lora_rank and spec.lora_target_modules else []
+    )
     extra += [f"precision {spec.precision}"] if spec.precision != "auto" else []
     extra += [f"device {spec.device}"] if spec.device != "auto" else []
     extra += ["gradient checkpointing"] if spec.gradient_checkpointing else []

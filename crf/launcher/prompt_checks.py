@@ -59,7 +59,7 @@ def check_prompts(
     tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
     if tokenizer is None:
         return []
-    limit = _positions(folder)
+    limit = config_positions(folder)
     learned = learned_positions(folder) if new_tokens else None
     longest: tuple[int, Any, int] | None = None  # (tokens, split, row)
     for split in splits:
@@ -141,7 +141,7 @@ def check_answer_positions(
     held = [(s, _held_out_prompts(s)) for s in splits]
     held = [(s, p) for s, p in held if any(x is not None for x in p)]
     learned = learned_positions(folder) if held else None
-    limit = _positions(folder)
+    limit = config_positions(folder)
     if not held or not (learned or limit):
         return []
     tokenizer = local_tokenizer(folder, trust_remote_code=trust_remote_code)
@@ -222,7 +222,7 @@ def _check_kept(messages: list[Any], text: str, split: Any, i: int, folder: str)
         )
 
 
-def _positions(folder: str) -> int | None:
+def config_positions(folder: str) -> int | None:
     """The model's ``max_position_embeddings`` (its text config's, for a multimodal one)."""
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:

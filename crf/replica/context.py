@@ -779,6 +779,7 @@ class ReplicaContext:
             fragment_sync_delay=self.spec.fragment_sync_delay,
             final_loss=self._steps.final_loss(self.last_loss),
             weights_sha256=weights_sha256(self.model) if self.model is not None else None,
+            model_dtype=self._given_dtype(),
             wire=self.spec.wire_dtype,
             compression=wire_compression(
                 wirefmt.wire_name(self.spec.wire_dtype, self.spec.sparse_density)
@@ -822,6 +823,16 @@ class ReplicaContext:
         if self.local and self.local.mirror is not None:  # FSDP: the full copy, not a shard
             model = self.local.mirror
         self._to_save = (model, tokenizer)
+
+    def _given_dtype(self) -> str | None:
+        """The dtype ``--model``'s checkpoint is stored in, when this replica saves a model
+        (crf/replica/export.py ``stored_dtype``)."""
+        name = getattr(self.spec, "model", None)
+        if self._to_save is None or not name:
+            return None
+        from crf.replica.export import stored_dtype
+
+        return stored_dtype(str(name))
 
     def _save_model(self) -> None:
         from crf.replica import export

@@ -93,6 +93,32 @@ def save_model(
     return keys
 
 
+def stored_dtype(name: str) -> str | None:
+    """The dtype model ``name``'s checkpoint is stored in, as its config.json says
+    (``dtype``, or the older ``torch_dtype``; a multimodal model's text config), read from
+    this machine's copy (a folder, or the Hub cache its load filled); None when unsaid. The
+    run trains and saves fp32 master weights whatever the checkpoint's dtype, so ``crf
+    export`` says when they are twice the size of what was given."""
+    import json
+    import os
+
+    from huggingface_hub import try_to_load_from_cache
+
+    folder = os.path.expanduser(name)
+    path = os.path.join(folder, "config.json") if os.path.isdir(folder) else None
+    try:
+        path = path or try_to_load_from_cache(name, "config.json")
+        with open(str(path), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError, TypeError):  # not here (a cache miss), not JSON, not an id
+        return None
+    for where in (config, config.get("text_config") or {}):
+        value = where.get("dtype") or where.get("torch_dtype") if isinstance(where, dict) else None
+        if isinstance(value, str):
+            return value.removeprefix("torch.")
+    return None
+
+
 def model_complete(store: RunStore) -> bool:
     """Whether ``model/`` holds a whole model (its marker landed)."""
     return any(store.exists(layout.model_key(name)) for name in COMPLETE_MARKERS)

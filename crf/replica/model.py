@@ -14,10 +14,11 @@ everywhere:
   every replica starts from the same weights.
 - Full fine-tuning keeps fp32 master weights and trains bf16/fp16 under autocast (mixed
   precision): DiLoCo's pseudo-gradients are differences of weights, which bf16 weights would
-  round away. With LoRA (:func:`add_lora`) the frozen base is loaded in the compute dtype
-  (it never changes) and peft keeps the adapters in fp32; the adapters' random initial values
-  are drawn from the run's seed, so every replica starts bit-identical. Only parameters with
-  ``requires_grad`` are exchanged (crf/replica/context.py), so P is the adapters' size.
+  round away. With LoRA (crf/replica/lora.py: ``--lora-target-modules``, checked) the
+  frozen base is loaded in the compute dtype (it never changes) and peft keeps the adapters
+  in fp32; the adapters' random initial values are drawn from the run's seed, so every
+  replica starts bit-identical. Only parameters with ``requires_grad`` are exchanged
+  (crf/replica/context.py), so P is the adapters' size.
 """
 
 from __future__ import annotations
@@ -276,27 +277,19 @@ def load_pretrained(spec: Any, placement: Placement, *, seed: int) -> tuple[Any,
         if lora_rank:
             model.enable_input_require_grads()  # checkpointed blocks need a grad path in
     if lora_rank:
-        model = add_lora(model, lora_rank, int(getattr(spec, "lora_alpha", 16)), seed=seed)
+        from crf.replica.lora import add_lora
+
+        require_peft()
+        alpha, targets = int(getattr(spec, "lora_alpha", 16)), spec_targets(spec)
+        model = add_lora(model, lora_rank, alpha, seed=seed, targets=targets, name=spec.model)
     model.train()
     return model, tokenizer
 
 
-def add_lora(model: Any, rank: int, alpha: int, *, seed: int) -> Any:
-    """``model`` with LoRA adapters on every linear layer (peft); only they require grad.
-    Their random initial values come from ``seed`` alone, on every device, and the caller's
-    random streams are left as they were."""
-    require_peft()
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
-        task_type="CAUSAL_LM",
-    )  # fmt: skip
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        return get_peft_model(model, config)
+def spec_targets(spec: Any) -> str | None:
+    """The run's ``--lora-target-modules`` (None: peft's all-linear)."""
+    value = getattr(spec, "lora_target_modules", None)
+    return value if isinstance(value, str) else None
 
 
 def trainable_count(model: Any) -> int:

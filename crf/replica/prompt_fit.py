@@ -185,6 +185,26 @@ def learned_positions(model: Any) -> int | None:
     return None
 
 
+def max_length_past(limit: int, model_name: str, length: int) -> str:
+    """What to say when the sft job's ``max_length`` is longer than ``model_name``'s
+    ``limit`` learned positions."""
+    return (
+        f"--model {model_name} has {limit} positions (a learned table: a longer sequence "
+        f"fails, it does not run on) but the sft job's max_length is {length}: --set "
+        f"max_length={limit} (or less)"
+    )
+
+
+def check_length_room(model: Any, model_name: str, length: int) -> None:
+    """DataError when the sft job's ``max_length`` is longer than ``model``'s learned
+    position table (a Hub model, first read at a replica's setup): a sequence that long
+    would fail in a training step, on every replica, where the failure reads as a death and
+    is restarted."""
+    learned = learned_positions(model)
+    if learned is not None and length > learned:
+        raise DataError(max_length_past(learned, model_name, length))
+
+
 def past_learned(limit: int, model_name: str, longest: int, new: int, new_name: str) -> str:
     """What to say when a prompt of ``longest`` tokens and ``new`` tokens more (the setting
     ``new_name``) do not fit ``model_name``'s ``limit`` learned positions."""

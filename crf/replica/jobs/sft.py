@@ -422,9 +422,10 @@ def build(ctx: Any, cfg: Config) -> ReplicaSetup:
     settings = cfg.settings(model=given, lora=lora)
     train, held, scorable = _rows(ctx, cfg)
     if given:
-        from crf.replica.prompt_fit import check_answer_room
+        from crf.replica.prompt_fit import check_answer_room, check_length_room
 
         model, tokenizer = load_pretrained(spec, placement, seed=int(ctx.seed))
+        check_length_room(model, spec.model, int(settings["max_length"]))  # within its table
         prompts = [row["prompt"] for row in scorable]  # held-out answers within its positions
         check_answer_room(tokenizer, model, prompts, spec.model, cfg.new_tokens(spec))
     else:
