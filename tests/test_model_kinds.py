@@ -49,6 +49,30 @@ def _refused(folder: Path, **spec: Any) -> str:
     return str(e.value)
 
 
+def _own_code(module: Path, marker: Path, base: str, body: str, name: str = "Custom") -> None:
+    """A repo's own code: ``module`` defines class ``name``, a subclass of transformers'
+    ``base``, and writes ``marker`` when it is imported (so a test sees whether it ran)."""
+    module.write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        f"from transformers import {base}\n"
+        f"class {name}({base}):\n    {body}\n"
+    )
+
+
+def _set_fields(path: Path, **fields: Any) -> None:
+    """A JSON file of the model folder with ``fields`` set."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _fresh_python(code: str) -> str:
+    """``code`` run by a new Python with stdin closed (a terminal prompt would fail, not
+    wait); its stdout and stderr, once it exited 0."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout + out.stderr
+
+
 def _llama(vocab: int, *, tie: bool, head: bool = True) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
@@ -121,14 +145,9 @@ def test_custom_code_is_neither_run_nor_prompted_for(tmp_path: Path) -> None:
     the code (which would write a marker file)."""
     folder = _folder(tmp_path, "custom", _llama(_vocab(tmp_path), tie=True))
     marker = tmp_path / "ran"
-    (folder / "custom_config.py").write_text(
-        f"open({str(marker)!r}, 'w').close()\n"
-        "from transformers import LlamaConfig\n"
-        "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n"
-    )
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="custom-llama", auto_map={"AutoConfig": "custom_config.CustomConfig"})
-    (folder / "config.json").write_text(json.dumps(config))
+    _own_code(folder / "custom_config.py", marker, "LlamaConfig", "model_type = 'custom-llama'")
+    _set_fields(folder / "config.json", model_type="custom-llama",
+                auto_map={"AutoConfig": "custom_config.Custom"})  # fmt: skip
     code = (
         "import sys; from types import SimpleNamespace as S\n"
         "from crf.launcher.data_checks import check_model\n"
@@ -136,11 +155,9 @@ def test_custom_code_is_neither_run_nor_prompted_for(tmp_path: Path) -> None:
         f"check_model({str(folder)!r}, S(trust_remote_code=True))\n"
         f"print('positions', learned_positions({str(folder)!r}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                         text=True, stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "positions None" in out.stdout
-    assert "Do you wish to run the custom code" not in out.stdout + out.stderr
+    out = _fresh_python(code)
+    assert "positions None" in out
+    assert "Do you wish to run the custom code" not in out
     assert not marker.exists()
 
 
@@ -152,14 +169,9 @@ def test_a_tokenizer_with_its_own_code_is_not_run_before_launch(tmp_path: Path) 
 
     folder = _folder(tmp_path, "own-tokenizer", _llama(_vocab(tmp_path), tie=True))
     marker = tmp_path / "ran"
-    (folder / "own_tokenizer.py").write_text(
-        f"open({str(marker)!r}, 'w').close()\n"
-        "from transformers import PreTrainedTokenizerFast\n"
-        "class OwnTokenizer(PreTrainedTokenizerFast):\n    pass\n"
-    )
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    settings["auto_map"] = {"AutoTokenizer": [None, "own_tokenizer.OwnTokenizer"]}
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    _own_code(folder / "own_tokenizer.py", marker, "PreTrainedTokenizerFast", "pass")
+    _set_fields(folder / "tokenizer_config.json",
+                auto_map={"AutoTokenizer": [None, "own_tokenizer.Custom"]})  # fmt: skip
     code = (
         "from types import SimpleNamespace as S\n"
         "from crf.launcher.data_checks import check_model, check_tokenizer_for\n"
@@ -167,10 +179,7 @@ def test_a_tokenizer_with_its_own_code_is_not_run_before_launch(tmp_path: Path) 
         f"check_tokenizer_for({str(folder)!r}, [])\n"
         "print('checked')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                         text=True, stdin=subprocess.DEVNULL, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "checked" in out.stdout
+    assert "checked" in _fresh_python(code)
     assert not marker.exists()
     check_tokenizer_for(str(folder), [])  # in this process too: no refusal, nothing run
     assert not marker.exists()
