@@ -113,7 +113,8 @@ class RunResult(_Typed):
     replicas: list[ReplicaSummary] = field(default_factory=list)
     #: what the checks before launch warned of, one line each (a folder's files the
     #: replicas' reader skips, a split checked on its first rows only): the lines a launch
-    #: prints before its replicas start, kept for a caller that did not watch them
+    #: prints before its replicas start, kept for a caller that did not watch them; and, in
+    #: a summary written over a damaged ``result.json``, the line that said so
     warnings: list[str] = field(default_factory=list)
 
     @property

@@ -219,3 +219,42 @@ def test_cancel_while_the_launch_is_still_starting_says_to_try_again(tmp_path: P
         driver.wait()
     code, out = crf("cancel", "early", "--store", str(base))
     assert code == 2 and "nothing to attach to" in out and "still starting" not in out, out
+
+
+def test_a_damaged_result_is_rebuilt_with_a_warning(tmp_path: Path, script: Path) -> None:
+    """A result.json that cannot be read (torn, hand-edited) is rebuilt from what the store
+    holds when the run is gathered again, and ``crf status`` (and the SDK's wait) says so
+    in one line naming the file, rather than replacing it without a word."""
+    import warnings
+
+    import crf as sdk
+
+    base = tmp_path / "runs"
+    code, out = _launch(base, script, "torn", "--detach")
+    assert code == 0, out
+    _wait_ended(base, "torn", 2)
+    result = base / "torn" / "result.json"
+    result.write_text('{"run_id": "torn", "stat')
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0 and json.loads(out)[0]["status"] == "stopped", out  # no summary to read
+
+    code, out = crf("status", "torn", "--store", str(base))
+    assert code == 0, out
+    flat = " ".join(out.split())
+    said = f"warning: {result} was damaged (not valid JSON: Unterminated string"
+    assert said in flat and "rebuilt from what the store holds" in flat, out
+    assert flat.count("was damaged") == 1 and "Traceback" not in out
+    rebuilt = json.loads(result.read_text())
+    assert rebuilt["status"] == "ok" and rebuilt["launch"] == 0
+    assert any("was damaged" in w for w in rebuilt["warnings"])
+    code, out = crf("status", "torn", "--store", str(base))
+    assert code == 0 and "was damaged" not in out, out  # read as it is now: nothing to say
+
+    result.write_text("[1, 2]")  # JSON, but not a summary
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sdk.attach("torn", store=str(base)).wait(timeout=60)
+    lines = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(lines) == 1 and "it holds a JSON list, not a summary" in lines[0], lines
+    assert got.ok and any("was damaged" in w for w in got.warnings)
+    assert json.loads(result.read_text())["status"] == "ok"

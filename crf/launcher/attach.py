@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import socket
 import time
@@ -90,9 +91,26 @@ class AttachedRun:
             data = self.store.get_json(layout.RESULT)
         except (StoreError, OSError, ValueError):  # absent, unreadable or not JSON
             return None
-        if not isinstance(data, dict) or int(data.get("launch", 0) or 0) != self.launch_no:
+        if result_damage(data) is not None or int(data.get("launch", 0) or 0) != self.launch_no:
             return None
         return data
+
+    def result_damage(self) -> str | None:
+        """Why ``result.json`` cannot be read as a summary, when the file is there (None:
+        absent, unreadable now, or a summary, of any launch). A gather writes a new one over
+        it, and the user must hear that the old one was damaged rather than see it replaced
+        without a word."""
+        try:
+            raw = self.store.get(layout.RESULT)
+        except (StoreError, OSError):  # absent (no summary yet), or cannot be read now
+            return None
+        try:
+            data = json.loads(bytes(raw).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return f"not UTF-8 text (bad byte at offset {e.start})"
+        except json.JSONDecodeError as e:
+            return f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        return result_damage(data)
 
     def handle(self, rank: int) -> ReplicaHandle:
         for h in self.handles:
@@ -100,6 +118,20 @@ class AttachedRun:
                 return h
         ranks = ", ".join(str(h.rank) for h in self.handles)
         raise LaunchError(f"run {self.spec.run_id} has no replica {rank} (ranks: {ranks})")
+
+
+def result_damage(data: Any) -> str | None:
+    """What keeps a parsed ``result.json`` from being a run's summary (None: it is one): it
+    must be an object with a status."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not a summary (an object)"
+    if not isinstance(data.get("status"), str):
+        return "it has no status"
+    try:
+        int(data.get("launch", 0) or 0)
+    except (TypeError, ValueError):
+        return f"its launch is {data.get('launch')!r}, not a number"
+    return None
 
 
 def run_store(run_id: str, store: str | None) -> Any:
@@ -218,6 +250,9 @@ def gather(
 
     record = run.launch_record
     extra: dict[str, Any] = {"launch": run.launch_no, "ended_at": _last_beat(run)}
+    damage = run.result_damage()
+    if damage is not None:
+        extra["warnings"] = [_rebuilt_note(run, damage, console)]
     if record.get("restart_policy"):
         extra["restart_policy"] = record["restart_policy"]
     if record.get("resumed_from_round") is not None:
@@ -244,6 +279,28 @@ def gather(
         report=report,
         console=console,
     )
+
+
+def _rebuilt_note(run: AttachedRun, damage: str, console: Any) -> str:
+    """The one line that says a damaged ``result.json`` is being rebuilt, and where: shown
+    on ``console`` (the CLI's), else issued as a Python warning (an SDK caller's script
+    decides what to show), and kept in the new summary's warnings."""
+    from crf.launcher.plan import display_path
+
+    where = display_path(run.store, layout.RESULT)
+    note = (
+        f"{where} was damaged ({damage}); rebuilt from what the store holds (the replicas' "
+        f"results and round records of launch {run.launch_no})"
+    )
+    if console is not None:
+        from rich.markup import escape
+
+        console.print(f"[bold yellow]warning:[/] {escape(note)}", soft_wrap=True, highlight=False)
+    else:
+        import warnings
+
+        warnings.warn(note, RuntimeWarning, stacklevel=4)  # the caller of Run.wait/cancel
+    return note
 
 
 def _last_beat(run: AttachedRun) -> float | None:
@@ -524,7 +581,9 @@ def _run_row(st: Any) -> dict[str, Any] | None:
     try:
         result = st.get_json(layout.RESULT)
         launches = layout.launch_numbers(st)
-        if int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
+        if result_damage(result) is not None:  # crf status rebuilds it, and says so
+            result = None
+        elif int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
             status = str(result.get("status"))
     except (StoreError, OSError, ValueError, TypeError, AttributeError):  # none yet, or torn
         result = None
