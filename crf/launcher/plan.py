@@ -49,10 +49,31 @@ def store_base(store: str | None) -> str:
     (:func:`crf.store.check_uri`): a LaunchError whose message never repeats them."""
     from crf.store import StoreURIError, normalize_uri
 
+    given = DEFAULT_STORE if store is None else store
     try:
-        return normalize_uri(DEFAULT_STORE if store is None else store)
+        base = normalize_uri(given)
     except StoreURIError as e:
         raise LaunchError(f"--store: {e}") from None
+    if base.startswith("file://"):
+        _check_store_folder(given, Path(base.removeprefix("file://")))
+    return base
+
+
+def _check_store_folder(given: str, path: Path) -> None:
+    """LaunchError when a store on this machine's disk is a file, or lies under one: a file
+    holds no run folders, and every command would otherwise say only that there is no run
+    (``crf runs``: "no runs") where the user mistyped --store."""
+    found = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if found is None or os.path.isdir(found):
+        return
+    named = f"--store {given}" if found == path else f"--store {given}: {found}"
+    if os.path.islink(found):  # its target is gone
+        raise LaunchError(
+            f"{named} is a symbolic link to {os.readlink(found)}, which does not exist: "
+            "create that folder, or give another --store"
+        )
+    raise LaunchError(f"{named} is a file, not a folder: give the folder that holds the run "
+                      "folders")  # fmt: skip
 
 
 #: RunSpec fields the driver fills in itself; every other field is a run option (crf.spec)
