@@ -132,7 +132,8 @@ class RunInfo(_Typed):
     replicas: int | None = None
     rounds: int | None = None
     created_at: float | None = None
-    #: ok, failed, cancelled, running, stopped, or damaged: its run.json cannot be read
+    #: ok, failed, cancelled, starting (its replicas have not beaten yet), running, stopped,
+    #: or damaged: its run.json cannot be read
     status: str | None = None
     #: why a damaged run's run.json cannot be read (the file and the field); None otherwise
     error: str | None = None
@@ -174,7 +175,9 @@ class RunStatus(_Typed):
 
     @property
     def running(self) -> bool:
-        return self.status == "running"
+        """Whether the run has not ended: its replicas run, or are still starting (a loop
+        that waits for the end must not stop before the first heartbeat)."""
+        return self.status in ("starting", "running")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -214,11 +215,15 @@ def test_cancel_while_the_launch_is_still_starting_says_to_try_again(tmp_path: P
         flat = " ".join(out.split())
         assert code == 2 and "run early is still starting: its launch 0" in flat, out
         assert "try again in a moment" in flat
+        code, out = crf("runs", "--store", str(base), "--json")
+        assert code == 0 and json.loads(out)[0]["status"] == "starting", out
     finally:
         driver.kill()
         driver.wait()
     code, out = crf("cancel", "early", "--store", str(base))
     assert code == 2 and "nothing to attach to" in out and "still starting" not in out, out
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0 and json.loads(out)[0]["status"] == "stopped", out
 
 
 def test_a_damaged_result_is_rebuilt_with_a_warning(tmp_path: Path, script: Path) -> None:
@@ -258,3 +263,71 @@ def test_a_damaged_result_is_rebuilt_with_a_warning(tmp_path: Path, script: Path
     assert len(lines) == 1 and "it holds a JSON list, not a summary" in lines[0], lines
     assert got.ok and any("was damaged" in w for w in got.warnings)
     assert json.loads(result.read_text())["status"] == "ok"
+
+
+#: the replica script, held before its first heartbeat until the file $GATE exists
+GATED_SCRIPT = (
+    "import os, time\n"
+    "while not os.path.exists(os.environ['GATE']):\n"
+    "    time.sleep(0.05)\n" + REPLICA_SCRIPT
+)
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _statuses(base: Path) -> dict[str, str]:
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0, out
+    return {r["run_id"]: r["status"] for r in json.loads(out)}
+
+
+def test_a_launch_whose_replicas_have_not_beaten_is_starting(tmp_path: Path) -> None:
+    """A real crf launch whose replicas wait (before their first heartbeat) for a file:
+    while its driver runs, and after a detached driver is gone while the replica processes
+    it started still run, ``crf runs`` and ``crf status`` say ``starting``, not ``stopped``;
+    once the replicas beat and end, the run is what they did."""
+    import crf as sdk
+
+    base, gate = tmp_path / "runs", tmp_path / "go"
+    script = tmp_path / "gated.py"
+    script.write_text(GATED_SCRIPT)
+    env = {**os.environ, "GATE": str(gate)}
+    args = [*CRF, "launch", "--job", "lm", "--store", str(base), "-n", "2", "--rounds", "3",
+            "--entrypoint", f"python {script}", "--no-progress"]  # fmt: skip
+    with (tmp_path / "driver.log").open("w") as log:
+        driver = subprocess.Popen([*args, "--run-id", "held"], env=env, stdout=log, stderr=log)
+    try:
+        _until(lambda: (base / "held/launches/0/handles.json").exists(), "the replicas' handles")
+        assert driver.poll() is None
+        assert _statuses(base) == {"held": "starting"}
+        code, out = crf("runs", "--store", str(base), "--status", "starting")
+        assert code == 0 and "held" in out and "starting" in out, out
+        code, out = crf("status", "held", "--store", str(base), "--json")
+        assert code == 0 and json.loads(out)["status"] == "starting", out
+        status = sdk.attach("held", store=str(base)).status()
+        assert status.status == "starting" and status.running
+        gate.touch()
+        assert driver.wait(timeout=120) == 0, (tmp_path / "driver.log").read_text()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert _statuses(base) == {"held": "ok"}
+
+    gate.unlink()
+    code, out = crf(*args[len(CRF) :], "--run-id", "bg", "--detach", env={"GATE": str(gate)})
+    assert code == 0 and "detached" in out, out
+    assert _statuses(base)["bg"] == "starting"  # its driver has exited; its replicas wait
+    code, out = crf("status", "bg", "--store", str(base))
+    assert code == 0 and "starting (launch 0 on local)" in " ".join(out.split()), out
+    gate.touch()
+    _wait_ended(base, "bg", 2)
+    assert _statuses(base)["bg"] == "stopped"  # ended, and nobody gathered it yet
+    code, out = crf("status", "bg", "--store", str(base))
+    assert code == 0 and _statuses(base) == {"held": "ok", "bg": "ok"}, out

@@ -9,16 +9,14 @@ what the stopped launch left after that point, keeping it under ``launches/<k>/`
 from __future__ import annotations
 
 import contextlib
-import socket
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor
-from crf.executors.process import is_replica_process
 from crf.launcher.errors import LaunchError
+from crf.launcher.liveness import backend_live, live_replicas
 from crf.launcher.plan import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_STORE,
@@ -34,44 +32,11 @@ from crf.launcher.plan import (
     store_errors,
     validate_job,
 )
-from crf.launcher.supervise import read_heartbeat
 from crf.launcher.user_env import resolve_secrets
 from crf.spec import RunSpec, SpecError, check_run_id
 
 if TYPE_CHECKING:
     from crf.store import RunStore
-
-#: a replica on another host whose heartbeat is younger than this may still be running
-LIVE_HEARTBEAT_S = 60.0
-
-
-def live_replicas(
-    store: RunStore, replicas: int, run_id: str, now: float | None = None
-) -> list[str]:
-    """Replicas of a run that may still be running, each as a short description.
-
-    Two sets of replicas for one rank would both publish contributions under that rank, so a
-    resume must not start while the old ones live. On this host the heartbeat's pid says it
-    for sure (while held by the replica: same start time, run id and rank - pids get reused);
-    for another host a recent heartbeat is all we have.
-    """
-    now = time.time() if now is None else now
-    host = socket.gethostname()
-    live = []
-    for rank in range(replicas):
-        hb = read_heartbeat(store, rank)
-        if not hb or hb.phase in ("done", "failed"):
-            continue
-        pid, updated = hb.pid, hb.updated_at
-        age = now - updated if isinstance(updated, int | float) and updated > 0 else None
-        if hb.host == host and isinstance(pid, int):
-            started = hb.pid_started_at
-            started = started if isinstance(started, str | int | float) else None
-            if is_replica_process(pid, run_id=run_id, rank=rank, started_at=started):
-                live.append(f"replica {rank} (pid {pid} on this host)")
-        elif age is not None and age < LIVE_HEARTBEAT_S:
-            live.append(f"replica {rank} (on {hb.host}, heartbeat {age:.0f}s ago)")
-    return live
 
 
 @dataclass
@@ -119,33 +84,6 @@ def _read_found(run_store: RunStore) -> _Found:
         inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
         backend_options=saved_backend_options(run_store),
     )
-
-
-def backend_live(store: RunStore, executor: ServerlessExecutor, launches: list[int]) -> list[str]:
-    """Replicas of the newest launch that its backend still runs, each as a short
-    description. Heartbeats alone miss a replica that has not written one yet (a few seconds
-    after a detached launch on this host, minutes while a cloud container starts): its
-    handle (``launches/<k>/handles.json``) says it was started, and the backend whether it
-    still runs. A backend that cannot be asked leaves it to the heartbeats."""
-    from crf.executors.base import ReplicaHandle
-
-    if not launches:
-        return []
-    k = max(launches)
-    try:
-        saved = store.get_json(layout.handles_key(k))
-        handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
-    except Exception:  # noqa: BLE001 - none saved, or damaged: nothing to ask about
-        return []
-    live = []
-    for h in sorted(handles, key=lambda h: h.rank):
-        try:
-            status = executor.status(h)
-        except ExecutorError:
-            continue
-        if not status.terminal:
-            live.append(f"replica {h.rank} ({status.state} on {h.backend or 'its backend'})")
-    return live
 
 
 def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
