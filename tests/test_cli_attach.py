@@ -217,6 +217,14 @@ def test_cancel_while_the_launch_is_still_starting_says_to_try_again(tmp_path: P
         assert "try again in a moment" in flat
         code, out = crf("runs", "--store", str(base), "--json")
         assert code == 0 and json.loads(out)[0]["status"] == "starting", out
+        # a resume now would start a second set of replicas: refused, and not offered
+        starting = f"launch 0 (driver pid {driver.pid} on {socket.gethostname()}) is starting"
+        code, out = crf("launch", "--resume", "early", "--store", str(base), "--dry-run")
+        assert code == 2 and starting in " ".join(out.split()), out
+        code, out = crf("launch", "--job", "lm", "--run-id", "early", "--store", str(base))
+        flat = " ".join(out.split())
+        assert code == 2 and f"it is still running ({starting}" in flat, out
+        assert "crf cancel early" in flat and "--resume" not in flat, out
     finally:
         driver.kill()
         driver.wait()
@@ -224,6 +232,8 @@ def test_cancel_while_the_launch_is_still_starting_says_to_try_again(tmp_path: P
     assert code == 2 and "nothing to attach to" in out and "still starting" not in out, out
     code, out = crf("runs", "--store", str(base), "--json")
     assert code == 0 and json.loads(out)[0]["status"] == "stopped", out
+    code, out = crf("launch", "--resume", "early", "--store", str(base), "--dry-run")
+    assert code == 0, out
 
 
 def test_a_damaged_result_is_rebuilt_with_a_warning(tmp_path: Path, script: Path) -> None:
@@ -331,3 +341,39 @@ def test_a_launch_whose_replicas_have_not_beaten_is_starting(tmp_path: Path) -> 
     assert _statuses(base)["bg"] == "stopped"  # ended, and nobody gathered it yet
     code, out = crf("status", "bg", "--store", str(base))
     assert code == 0 and _statuses(base) == {"held": "ok", "bg": "ok"}, out
+
+
+def test_a_launch_into_a_run_that_still_runs_points_to_status_and_cancel(
+    tmp_path: Path,
+) -> None:
+    """A second launch into the folder of a run whose replicas still run (real local
+    processes, found by their heartbeats' pids) is refused in one line that says so and
+    names crf status and crf cancel, not --resume (a resume would be refused too); once
+    the run is cancelled, the line offers --resume."""
+    import socket
+
+    base = tmp_path / "runs"
+    here = tmp_path / "here.py"  # the replica script, its heartbeats naming this host
+    here.write_text("import socket\n" + REPLICA_SCRIPT.replace('"test"', "socket.gethostname()"))
+    code, out = _launch(base, here, "busy", "--detach", env={"SLEEP_RANKS": "0,1"})
+    assert code == 0, out
+    beats = [base / "busy" / "replicas" / str(r) / "state.json" for r in (0, 1)]
+    _until(lambda: all(p.exists() for p in beats), "the replicas' first heartbeats")
+    assert json.loads(beats[0].read_text())["host"] == socket.gethostname()
+    spec = (base / "busy" / "run.json").read_text()
+
+    code, out = _launch(base, here, "busy")
+    flat = " ".join(out.split())
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "Traceback" not in out, out
+    pid = json.loads(beats[0].read_text())["pid"]
+    assert f"it is still running (replica 0 (pid {pid} on this host), replica 1" in flat, out
+    assert f"crf status busy --store {base} --watch" in flat, out
+    assert f"crf cancel busy --store {base}" in flat and "--resume" not in flat, out
+    assert (base / "busy" / "run.json").read_text() == spec  # nothing was written
+
+    code, out = crf("cancel", "busy", "--store", str(base))
+    assert code == 0, out
+    code, out = _launch(base, here, "busy")
+    flat = " ".join(out.split())
+    assert code == 2 and "continue it with --resume busy" in flat, out
+    assert "still running" not in flat

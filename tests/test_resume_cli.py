@@ -286,6 +286,14 @@ def test_resume_refusals(tmp_path: Path) -> None:
     assert store.get_json("launches/1/previous/results/0.json")["status"] == "failed"
     assert not store.exists("results/0.json")
     assert store.get("run.json") == spec_bytes
+    # its driver (this process) lives and has started no replica yet: another resume now
+    # would start a second set of replicas
+    with pytest.raises(
+        LaunchError, match=f"launch 1 \\(driver pid {os.getpid()} on .*\\) is starting"
+    ):
+        driver.prepare_resume("old", store=str(base))
+    record = store.get_json("launches/1.json")  # once that driver has ended its launch
+    store.put_json("launches/1.json", record | {"ended_at": time.time(), "status": "failed"})
     assert driver.prepare_resume("old", store=str(base)).resume.launch == 2
 
 
@@ -408,7 +416,10 @@ def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Pat
     assert store.get(layout.global_key(1)) == b"state 1"
     assert store.get("replicas/0/inner/2.pt") == b"inner 0 2"
     assert not store.exists("rounds/2")
-    # the next resume finds global/1 complete again: nothing more to set aside
+    # the next resume (once that launch's driver ended it) finds global/1 complete again:
+    # nothing more to set aside
+    record = store.get_json("launches/1.json")
+    store.put_json("launches/1.json", record | {"ended_at": time.time(), "status": "failed"})
     again = driver.prepare_resume("old", store=str(base))
     assert again.resume is not None and again.resume.superseded == []
     assert again.resume.from_round == 1

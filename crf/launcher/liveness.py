@@ -146,34 +146,57 @@ def beaten_since(store: RunStore, replicas: int, since: float) -> bool:
     return False
 
 
-def launch_starting(store: RunStore, replicas: int, run_id: str) -> str | None:
+def launch_starting(
+    store: RunStore, replicas: int, run_id: str, *, known_only: bool = False
+) -> str | None:
     """Why the newest launch of a run is still starting its replicas (a short
     description), or None when it is not. It is when none of its replicas has beaten yet,
-    its record has no end, and: its driver still runs on this host (starting the replicas,
-    or watching them start); or that driver has gone (a detached launch) and the replica
-    processes it started on this host still run; or its driver is on another host and has
-    not saved the replicas' handles yet. Whether a cloud backend still starts replicas
-    whose handles were saved only that backend can say (``backend_live``)."""
+    neither its record nor a ``result.json`` says it ended, and: it has saved no replica
+    handles yet and its driver still runs on this host, or runs on another host (where
+    nothing can ask); or it has saved them and a local replica process it started still
+    runs here (a detached launch's, its driver gone), or its driver, still running here,
+    watches cloud replicas start. A driver that lives on after its replicas started (a
+    notebook's ``crf.launch(detach=True)``) says nothing of them by itself.
+
+    ``known_only``: only a driver seen running on this host before it saved any handle
+    counts, and the handles are left to the backend (``backend_live``). What refuses a
+    resume must know: a driver elsewhere that died before it saved any handle would
+    otherwise keep the run from ever being continued."""
     newest = newest_launch(store)
     if newest is None:
         return None
     k, record = newest
-    if not record or launch_ended(record):
+    if not record or launch_ended(record) or _summarized(store, k):
         return None
     started = record.get("started_at")
     if beaten_since(store, replicas, float(started) if isinstance(started, int | float) else 0):
         return None
     alive = driver_alive(record)
     where = f"driver pid {record.get('pid')} on {record.get('host')}"
-    if alive:
-        return f"launch {k} ({where}) is starting its replicas"
     handles = saved_handles(store, k)
-    if alive is None:
-        return None if handles else f"launch {k} ({where}) has not started its replicas yet"
-    booting = [h.rank for h in handles or [] if _local_replica_runs(h, run_id)]
+    if not handles:
+        if alive:
+            return f"launch {k} ({where}) is starting its replicas"
+        unknown = alive is None and not known_only
+        return f"launch {k} ({where}) has not started its replicas yet" if unknown else None
+    if known_only:
+        return None
+    booting = [h.rank for h in handles if _local_replica_runs(h, run_id)]
     if booting:
         return f"launch {k}: replica(s) {', '.join(map(str, booting))} started, no heartbeat yet"
+    if alive and any(h.backend != "local" for h in handles):
+        return f"launch {k} ({where}) is waiting for its replicas to start"
     return None
+
+
+def _summarized(store: RunStore, launch_no: int) -> bool:
+    """Whether ``result.json`` is launch ``launch_no``'s summary (a launch that could not
+    start its replicas writes one, and leaves its record open)."""
+    try:
+        data = store.get_json(layout.RESULT)
+    except Exception:  # noqa: BLE001 - absent, torn or any client error: no summary
+        return False
+    return isinstance(data, dict) and data.get("launch", 0) == launch_no
 
 
 def _local_replica_runs(handle: ReplicaHandle, run_id: str) -> bool:

@@ -878,13 +878,17 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
 def held_run_hint(run_store: RunStore, run_id: str) -> str:
     """What to do about a new launch into a folder that already holds run ``run_id``:
     continue it with ``--resume`` unless a resume would be refused for what the folder says
-    (it finished ok, or its run.json is damaged: crf/launcher/resume.py refuses both, and a
-    run whose replicas still run), else choose another run id, and why."""
+    (crf/launcher/resume.py refuses a run that finished ok, one whose run.json is damaged,
+    and one whose replicas still run or start: follow or stop those instead), else choose
+    another run id, and why."""
     try:
-        read_run_spec(run_store)
-        result = run_store.get_json(layout.RESULT) if run_store.exists(layout.RESULT) else {}
+        spec: RunSpec | None = read_run_spec(run_store)
     except LaunchError as e:  # a damaged run.json
         return f"choose another --run-id (it cannot be resumed: {e})"
+    except Exception:  # noqa: BLE001 - the store failed the read: the hint says less
+        spec = None
+    try:
+        result = run_store.get_json(layout.RESULT) if run_store.exists(layout.RESULT) else {}
     except Exception:  # noqa: BLE001 - a torn result.json: a resume treats it as none
         result = {}
     if isinstance(result, dict) and result.get("status") == "ok":
@@ -892,7 +896,33 @@ def held_run_hint(run_store: RunStore, run_id: str) -> str:
             f"choose another --run-id (it cannot be resumed: run {run_id} already finished "
             "(result.json says ok); there is nothing to resume)"
         )
+    live = _held_run_live(run_store, spec) if spec is not None else []
+    if live:
+        base = run_store.uri.rstrip("/").rsplit("/", 1)[0].removeprefix("file://")
+        return (
+            f"it is still running ({', '.join(live)}): follow it with `crf status {run_id} "
+            f"--store {base} --watch`, or stop it with `crf cancel {run_id} --store {base}`; "
+            "or choose another --run-id"
+        )
     return f"choose another --run-id, or continue it with --resume {run_id}"
+
+
+def _held_run_live(run_store: RunStore, spec: RunSpec) -> list[str]:
+    """What of a held run may still run, as a resume would find it (crf/launcher/liveness.py):
+    replicas by their heartbeats, a launch still starting its replicas, and replicas its
+    backend still runs. Empty when nothing says so, or when it cannot be asked (a hint
+    must never be the error)."""
+    from crf.launcher.liveness import backend_live, launch_starting, live_replicas
+
+    try:
+        live = live_replicas(run_store, spec.replicas, spec.run_id)
+        starting = launch_starting(run_store, spec.replicas, spec.run_id, known_only=True)
+        if live or starting:
+            return [*live, *([starting] if starting else [])]
+        executor = make_executor(spec.backend, saved_backend_options(run_store))
+        return backend_live(run_store, executor, layout.launch_numbers(run_store))
+    except Exception:  # noqa: BLE001 - any store or backend client error: nothing known
+        return []
 
 
 def _local_writable(store: RunStore) -> None:

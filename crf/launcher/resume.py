@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor
 from crf.launcher.errors import LaunchError
-from crf.launcher.liveness import backend_live, live_replicas
+from crf.launcher.liveness import backend_live, launch_starting, live_replicas
 from crf.launcher.plan import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_STORE,
@@ -78,12 +78,21 @@ def _read_found(run_store: RunStore) -> _Found:
         uri=run_store.uri,
         spec=spec,
         previous=previous,
-        live=live_replicas(run_store, spec.replicas, spec.run_id),
+        live=_live(run_store, spec),
         launches=layout.launch_numbers(run_store),
         rounds=layout.global_rounds(run_store, complete=True),
         inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
         backend_options=saved_backend_options(run_store),
     )
+
+
+def _live(run_store: RunStore, spec: RunSpec) -> list[str]:
+    """What of the run may still run, by the run folder alone: replicas by their
+    heartbeats, and a launch whose driver still starts replicas on this host (before it
+    saved their handles, which the backend is asked about next: ``backend_live``)."""
+    starting = launch_starting(run_store, spec.replicas, spec.run_id, known_only=True)
+    live = live_replicas(run_store, spec.replicas, spec.run_id)
+    return [*live, starting] if starting else live
 
 
 def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
