@@ -378,7 +378,7 @@ def prepare(
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     try:
-        with importable(packed if _imports_user_code(spec) else None, spec.workdir):
+        with importable(packed if imports_user_code(spec) else None, spec.workdir):
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
@@ -771,19 +771,23 @@ def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | N
 
 
 @contextlib.contextmanager
-def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iterator[None]:
-    """The packed workdir, unpacked in a temporary folder first on sys.path, so the checks
-    before launch import a job or a reward from exactly what the replicas will get. A
-    refusal that names a file of the copy names it in ``workdir`` (the user's folder)
-    instead; SIGTERM, like Ctrl-C, removes the copy on its way out."""
+def importable(packed: PackedWorkdir | bytes | None, workdir: str | None = None) -> Iterator[None]:
+    """The packed workdir (or its archive's bytes, as the run folder keeps them), unpacked
+    in a temporary folder first on sys.path, so the checks before launch import a job or a
+    reward from exactly what the replicas will get. A refusal that names a file of the copy
+    names it in ``workdir`` (the user's folder) instead; SIGTERM, like Ctrl-C, removes the
+    copy on its way out."""
     if packed is None:
         yield
         return
+    data = packed if isinstance(packed, bytes) else packed.data
     from crf.executors.workdir import unpack_workdir
     from crf.launcher.interrupts import sigterm_as_interrupt
 
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
-        where = str(unpack_workdir(packed.data, Path(tmp) / "workdir"))
+        where = str(unpack_workdir(data, Path(tmp) / "workdir"))
+        if "" not in sys.path:  # a reward's import adds the working directory (import_reward):
+            sys.path.insert(0, "")  # now, behind the copy, whose version a replica imports
         sys.path.insert(0, where)
         importlib.invalidate_caches()
         try:
@@ -799,7 +803,7 @@ def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iter
                     del sys.modules[name]
 
 
-def _imports_user_code(spec: RunSpec) -> bool:
+def imports_user_code(spec: RunSpec) -> bool:
     """Whether the checks before launch import the user's code: a module-path job or a
     ``module:function`` reward."""
     from crf.replica.jobs import JOBS

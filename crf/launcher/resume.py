@@ -9,7 +9,9 @@ what the stopped launch left after that point, keeping it under ``launches/<k>/`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import importlib
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -159,8 +161,8 @@ def prepare_resume(
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     validate_job(spec.job, spec.job_config)
-    recheck_inputs(spec)
     run_store = RunStore(found.uri)
+    recheck_inputs(spec, run_store)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
     secret_env = resolve_secrets(spec)  # read again: never kept anywhere since the launch
@@ -176,26 +178,93 @@ def prepare_resume(
                 workers=workers)  # fmt: skip
 
 
-def recheck_inputs(spec: RunSpec) -> None:
-    """The run's data and model checked again before its replicas start, as at its launch
-    (crf/launcher/data_checks.py): a file edited since, or a model folder changed, would
-    otherwise stop every replica at setup. LaunchError says what to fix and to continue the
-    run once fixed. The local backend's only: its run.json names this machine's paths (a
-    cloud run's may be paths inside its shipped --workdir, which the replicas unpack)."""
+def recheck_inputs(spec: RunSpec, store: RunStore) -> None:
+    """The run's data, model and rewards checked again before its replicas start, as at its
+    launch (crf/launcher/data_checks.py, reward_checks.py): a file edited since, a model
+    folder changed, or a reward module edited into an error would otherwise stop every
+    replica at setup (or at its first step). LaunchError says what to fix and to continue
+    the run once fixed. The local backend's only: its run.json names this machine's paths
+    (a cloud run's may be paths inside its shipped --workdir, which the replicas unpack).
+    The rewards are imported from where the replicas import them: the run's shipped
+    ``--workdir`` (the archive in its run folder, not that folder as it is now), else this
+    process's working directory; and anew, not from a module this process imported before."""
     import copy
 
-    from crf.launcher.data_checks import builtin_data, check_inputs
-    from crf.replica.data_files import DataError
+    from crf.launcher.plan import importable, imports_user_code
 
-    if spec.backend != "local" or not builtin_data(spec):
+    if spec.backend != "local":
         return
+    shipped = _shipped_workdir(spec, store) if imports_user_code(spec) else None
     try:
-        check_inputs(copy.deepcopy(spec), local=True)
-    except (LaunchError, DataError) as e:
+        with importable(shipped, spec.workdir), _imported_afresh(spec.reward):
+            _check_inputs_again(copy.deepcopy(spec))
+    except LaunchError as e:  # a file of the shipped copy named as the user's (importable)
         raise LaunchError(
             f"{e} (checked again to continue run {spec.run_id}: fix it, then run crf launch "
             f"--resume {spec.run_id} again)"
         ) from None
+
+
+def _check_inputs_again(spec: RunSpec) -> None:
+    """:func:`recheck_inputs`'s checks, in the order a launch makes them
+    (``plan.check_workload``, then ``plan._check_inputs``): each reward imported (within a
+    time limit) and parsed, the data and model, then each reward called on the sampled
+    rows."""
+    from crf.launcher.data_checks import builtin_data, check_inputs
+    from crf.launcher.reward_checks import check_rewards_on, import_rewards
+    from crf.replica.data_files import DataError
+    from crf.replica.rewards import RewardError, check_rewards
+
+    import_rewards(spec.reward)  # a module that blocks as it imports: stopped in time
+    try:
+        check_rewards(spec.reward)
+        if builtin_data(spec):
+            found = check_inputs(spec, local=True)
+            check_rewards_on(spec, found.splits)
+    except (DataError, RewardError) as e:
+        raise LaunchError(str(e)) from None
+
+
+def _shipped_workdir(spec: RunSpec, store: RunStore) -> bytes | None:
+    """The run's packed ``--workdir`` as its run folder keeps it (None: it has none), which
+    each resumed replica unpacks; LaunchError when it cannot be read."""
+    from crf.store import StoreError
+
+    if not spec.workdir_key:
+        return None
+    try:
+        return bytes(store.get(spec.workdir_key))
+    except (StoreError, OSError) as e:
+        raise LaunchError(
+            f"cannot read run {spec.run_id}'s shipped --workdir "
+            f"{display_path(store, spec.workdir_key)}: {e}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _imported_afresh(entries: list[str] | None) -> Iterator[None]:
+    """The ``module:function`` rewards' modules imported anew inside, as a replica imports
+    them: a process that launched the run has them cached, from before any edit. Put back
+    as they were afterwards, so the caller's own imports stay its own."""
+    from crf.replica.rewards import BUILTINS, RewardError, parse_rewards
+
+    try:
+        specs = parse_rewards(list(entries or []))
+    except RewardError:
+        specs = []  # said by the checks inside
+    names = {
+        s.name.partition(":")[0]
+        for s in specs
+        if s.name not in BUILTINS and not s.name.startswith("format:")
+    }
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
 
 
 def resume_point(
