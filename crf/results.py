@@ -113,7 +113,8 @@ class RunResult(_Typed):
     replicas: list[ReplicaSummary] = field(default_factory=list)
     #: what the checks before launch warned of, one line each (a folder's files the
     #: replicas' reader skips, a split checked on its first rows only): the lines a launch
-    #: prints before its replicas start, kept for a caller that did not watch them
+    #: prints before its replicas start, kept for a caller that did not watch them; and, in
+    #: a summary written over a damaged ``result.json``, the line that said so
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -131,7 +132,8 @@ class RunInfo(_Typed):
     replicas: int | None = None
     rounds: int | None = None
     created_at: float | None = None
-    #: ok, failed, cancelled, running, stopped, or damaged: its run.json cannot be read
+    #: ok, failed, cancelled, starting (its replicas have not beaten yet), running, stopped,
+    #: or damaged: its run.json cannot be read
     status: str | None = None
     #: why a damaged run's run.json cannot be read (the file and the field); None otherwise
     error: str | None = None
@@ -173,7 +175,9 @@ class RunStatus(_Typed):
 
     @property
     def running(self) -> bool:
-        return self.status == "running"
+        """Whether the run has not ended: its replicas run, or are still starting (a loop
+        that waits for the end must not stop before the first heartbeat)."""
+        return self.status in ("starting", "running")
 
 
 @dataclass

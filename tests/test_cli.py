@@ -172,7 +172,7 @@ def test_unwritable_store_is_refused(tmp_path: Path, script: Path) -> None:
     blocker.write_text("not a folder")
     result = crf(*_common(blocker / "runs", script))
     assert result.exit_code == 2
-    assert "cannot write to store" in result.output and "--store" in result.output
+    assert f"--store {blocker / 'runs'}: {blocker} is a file, not a folder" in result.output
     assert blocker.read_text() == "not a folder"
 
 
@@ -183,10 +183,11 @@ def test_dry_run_refuses_what_the_launch_would_and_writes_nothing(
     empty, as the launch would, in one line; it leaves no folder or probe behind."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    for store in (blocker / "runs", Path("/proc/crf-nope")):
+    for store, says in ((blocker / "runs", "is a file, not a folder"),
+                        (Path("/proc/crf-nope"), "cannot write to store")):  # fmt: skip
         result = crf(*_common(store, script), "--dry-run")
         assert result.exit_code == 2, result.output
-        assert "cannot write to store" in result.output and "--store" in result.output
+        assert says in result.output and "--store" in result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
     assert blocker.read_text() == "not a folder"
     (base / "t1").mkdir(parents=True)

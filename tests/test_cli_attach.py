@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -214,8 +215,165 @@ def test_cancel_while_the_launch_is_still_starting_says_to_try_again(tmp_path: P
         flat = " ".join(out.split())
         assert code == 2 and "run early is still starting: its launch 0" in flat, out
         assert "try again in a moment" in flat
+        code, out = crf("runs", "--store", str(base), "--json")
+        assert code == 0 and json.loads(out)[0]["status"] == "starting", out
+        # a resume now would start a second set of replicas: refused, and not offered
+        starting = f"launch 0 (driver pid {driver.pid} on {socket.gethostname()}) is starting"
+        code, out = crf("launch", "--resume", "early", "--store", str(base), "--dry-run")
+        assert code == 2 and starting in " ".join(out.split()), out
+        code, out = crf("launch", "--job", "lm", "--run-id", "early", "--store", str(base))
+        flat = " ".join(out.split())
+        assert code == 2 and f"it is still running ({starting}" in flat, out
+        assert "crf cancel early" in flat and "--resume" not in flat, out
     finally:
         driver.kill()
         driver.wait()
     code, out = crf("cancel", "early", "--store", str(base))
     assert code == 2 and "nothing to attach to" in out and "still starting" not in out, out
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0 and json.loads(out)[0]["status"] == "stopped", out
+    code, out = crf("launch", "--resume", "early", "--store", str(base), "--dry-run")
+    assert code == 0, out
+
+
+def test_a_damaged_result_is_rebuilt_with_a_warning(tmp_path: Path, script: Path) -> None:
+    """A result.json that cannot be read (torn, hand-edited) is rebuilt from what the store
+    holds when the run is gathered again, and ``crf status`` (and the SDK's wait) says so
+    in one line naming the file, rather than replacing it without a word."""
+    import warnings
+
+    import crf as sdk
+
+    base = tmp_path / "runs"
+    code, out = _launch(base, script, "torn", "--detach")
+    assert code == 0, out
+    _wait_ended(base, "torn", 2)
+    result = base / "torn" / "result.json"
+    result.write_text('{"run_id": "torn", "stat')
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0 and json.loads(out)[0]["status"] == "stopped", out  # no summary to read
+
+    code, out = crf("status", "torn", "--store", str(base))
+    assert code == 0, out
+    flat = " ".join(out.split())
+    said = f"warning: {result} was damaged (not valid JSON: Unterminated string"
+    assert said in flat and "rebuilt from what the store holds" in flat, out
+    assert flat.count("was damaged") == 1 and "Traceback" not in out
+    rebuilt = json.loads(result.read_text())
+    assert rebuilt["status"] == "ok" and rebuilt["launch"] == 0
+    assert any("was damaged" in w for w in rebuilt["warnings"])
+    code, out = crf("status", "torn", "--store", str(base))
+    assert code == 0 and "was damaged" not in out, out  # read as it is now: nothing to say
+
+    result.write_text("[1, 2]")  # JSON, but not a summary
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sdk.attach("torn", store=str(base)).wait(timeout=60)
+    lines = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(lines) == 1 and "it holds a JSON list, not a summary" in lines[0], lines
+    assert got.ok and any("was damaged" in w for w in got.warnings)
+    assert json.loads(result.read_text())["status"] == "ok"
+
+
+#: the replica script, held before its first heartbeat until the file $GATE exists
+GATED_SCRIPT = (
+    "import os, time\n"
+    "while not os.path.exists(os.environ['GATE']):\n"
+    "    time.sleep(0.05)\n" + REPLICA_SCRIPT
+)
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _statuses(base: Path) -> dict[str, str]:
+    code, out = crf("runs", "--store", str(base), "--json")
+    assert code == 0, out
+    return {r["run_id"]: r["status"] for r in json.loads(out)}
+
+
+def test_a_launch_whose_replicas_have_not_beaten_is_starting(tmp_path: Path) -> None:
+    """A real crf launch whose replicas wait (before their first heartbeat) for a file:
+    while its driver runs, and after a detached driver is gone while the replica processes
+    it started still run, ``crf runs`` and ``crf status`` say ``starting``, not ``stopped``;
+    once the replicas beat and end, the run is what they did."""
+    import crf as sdk
+
+    base, gate = tmp_path / "runs", tmp_path / "go"
+    script = tmp_path / "gated.py"
+    script.write_text(GATED_SCRIPT)
+    env = {**os.environ, "GATE": str(gate)}
+    args = [*CRF, "launch", "--job", "lm", "--store", str(base), "-n", "2", "--rounds", "3",
+            "--entrypoint", f"python {script}", "--no-progress"]  # fmt: skip
+    with (tmp_path / "driver.log").open("w") as log:
+        driver = subprocess.Popen([*args, "--run-id", "held"], env=env, stdout=log, stderr=log)
+    try:
+        _until(lambda: (base / "held/launches/0/handles.json").exists(), "the replicas' handles")
+        assert driver.poll() is None
+        assert _statuses(base) == {"held": "starting"}
+        code, out = crf("runs", "--store", str(base), "--status", "starting")
+        assert code == 0 and "held" in out and "starting" in out, out
+        code, out = crf("status", "held", "--store", str(base), "--json")
+        assert code == 0 and json.loads(out)["status"] == "starting", out
+        status = sdk.attach("held", store=str(base)).status()
+        assert status.status == "starting" and status.running
+        gate.touch()
+        assert driver.wait(timeout=120) == 0, (tmp_path / "driver.log").read_text()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert _statuses(base) == {"held": "ok"}
+
+    gate.unlink()
+    code, out = crf(*args[len(CRF) :], "--run-id", "bg", "--detach", env={"GATE": str(gate)})
+    assert code == 0 and "detached" in out, out
+    assert _statuses(base)["bg"] == "starting"  # its driver has exited; its replicas wait
+    code, out = crf("status", "bg", "--store", str(base))
+    assert code == 0 and "starting (launch 0 on local)" in " ".join(out.split()), out
+    gate.touch()
+    _wait_ended(base, "bg", 2)
+    assert _statuses(base)["bg"] == "stopped"  # ended, and nobody gathered it yet
+    code, out = crf("status", "bg", "--store", str(base))
+    assert code == 0 and _statuses(base) == {"held": "ok", "bg": "ok"}, out
+
+
+def test_a_launch_into_a_run_that_still_runs_points_to_status_and_cancel(
+    tmp_path: Path,
+) -> None:
+    """A second launch into the folder of a run whose replicas still run (real local
+    processes, found by their heartbeats' pids) is refused in one line that says so and
+    names crf status and crf cancel, not --resume (a resume would be refused too); once
+    the run is cancelled, the line offers --resume."""
+    import socket
+
+    base = tmp_path / "runs"
+    here = tmp_path / "here.py"  # the replica script, its heartbeats naming this host
+    here.write_text("import socket\n" + REPLICA_SCRIPT.replace('"test"', "socket.gethostname()"))
+    code, out = _launch(base, here, "busy", "--detach", env={"SLEEP_RANKS": "0,1"})
+    assert code == 0, out
+    beats = [base / "busy" / "replicas" / str(r) / "state.json" for r in (0, 1)]
+    _until(lambda: all(p.exists() for p in beats), "the replicas' first heartbeats")
+    assert json.loads(beats[0].read_text())["host"] == socket.gethostname()
+    spec = (base / "busy" / "run.json").read_text()
+
+    code, out = _launch(base, here, "busy")
+    flat = " ".join(out.split())
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "Traceback" not in out, out
+    pid = json.loads(beats[0].read_text())["pid"]
+    assert f"it is still running (replica 0 (pid {pid} on this host), replica 1" in flat, out
+    assert f"crf status busy --store {base} --watch" in flat, out
+    assert f"crf cancel busy --store {base}" in flat and "--resume" not in flat, out
+    assert (base / "busy" / "run.json").read_text() == spec  # nothing was written
+
+    code, out = crf("cancel", "busy", "--store", str(base))
+    assert code == 0, out
+    code, out = _launch(base, here, "busy")
+    flat = " ".join(out.split())
+    assert code == 2 and "continue it with --resume busy" in flat, out
+    assert "still running" not in flat

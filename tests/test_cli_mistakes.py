@@ -86,6 +86,42 @@ def test_a_store_url_with_a_typo_is_refused_by_every_command(
     assert os.listdir(tmp_path) == []  # no folder named s3: (or ./crf-runs) appeared
 
 
+@pytest.mark.parametrize(
+    ("store", "says"),
+    [
+        ("notes.txt", "--store notes.txt is a file, not a folder: give the folder that holds"),
+        ("notes.txt/runs", "--store notes.txt/runs: {tmp}/notes.txt is a file, not a folder"),
+        ("gone", "--store gone is a symbolic link to {tmp}/nowhere, which does not exist"),
+    ],
+    ids=["a file", "under a file", "a broken link"],
+)
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_a_store_that_is_a_file_is_refused_by_every_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...], store: str, says: str
+) -> None:
+    """A --store that is a file (or lies under one) holds no runs: every command says that
+    in one line, rather than that the store holds no runs or no such run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a store\n")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    code, out = crf(*command, "--store", store)
+    assert code == 2, out
+    assert says.format(tmp=tmp_path) in one_line(out)
+    assert sorted(os.listdir(tmp_path)) == ["gone", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "not a store\n"
+
+
+def test_the_sdk_refuses_a_store_that_is_a_file(tmp_path: Path) -> None:
+    import crf as sdk
+    from crf.launcher.errors import LaunchError
+
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(LaunchError, match="notes.txt is a file, not a folder"):
+        sdk.runs(store=str(tmp_path / "notes.txt"))
+    with pytest.raises(LaunchError, match="notes.txt is a file, not a folder"):
+        sdk.attach(RUN, store=str(tmp_path / "notes.txt" / "runs")).status()
+
+
 @pytest.mark.parametrize("store", ["./s3:/mybucket", "/tmp/a:b", "runs"])
 def test_a_local_folder_with_a_colon_is_still_a_folder(tmp_path: Path, store: str) -> None:
     from crf.store import normalize_uri

@@ -6,6 +6,8 @@ tests/test_e2e_local.py's lm run.)"""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -65,7 +67,11 @@ def test_saved_model_exports_to_a_folder_and_loads_with_the_same_weights(tmp_pat
 
 
 def _set_status(store: RunStore, status: str) -> None:
-    if status == "running":
+    if status == "starting":  # a launch whose driver (this process) has started no replica
+        record = {"launch": 0, "started_at": time.time(), "host": socket.gethostname(),
+                  "pid": os.getpid(), "backend": "local"}  # fmt: skip
+        store.put_json(layout.launch_key(0), record)
+    elif status == "running":
         store.put_json(layout.heartbeat_key(0), {"rank": 0, "updated_at": time.time()})
     elif status != "stopped":
         store.put_json(layout.RESULT, {"status": status, "launch": 0})
@@ -74,6 +80,7 @@ def _set_status(store: RunStore, status: str) -> None:
 @pytest.mark.parametrize(
     ("status", "says"),
     [
+        ("starting", "is still starting its replicas"),
         ("running", "is still running"),
         ("failed", "failed, so it wrote no model/"),
         ("stopped", "stopped before it finished"),

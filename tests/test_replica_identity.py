@@ -24,7 +24,7 @@ import pytest
 from crf.executors.base import ReplicaHandle
 from crf.executors.local import LocalProcessExecutor
 from crf.executors.process import PidOwner, pid_owner, process_started_at
-from crf.launcher.resume import live_replicas
+from crf.launcher.liveness import live_replicas
 from crf.store import RunStore
 from tests import test_cli_attach
 from tests.test_cli_attach import _launch, _wait_ended, crf

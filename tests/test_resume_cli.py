@@ -286,6 +286,14 @@ def test_resume_refusals(tmp_path: Path) -> None:
     assert store.get_json("launches/1/previous/results/0.json")["status"] == "failed"
     assert not store.exists("results/0.json")
     assert store.get("run.json") == spec_bytes
+    # its driver (this process) lives and has started no replica yet: another resume now
+    # would start a second set of replicas
+    with pytest.raises(
+        LaunchError, match=f"launch 1 \\(driver pid {os.getpid()} on .*\\) is starting"
+    ):
+        driver.prepare_resume("old", store=str(base))
+    record = store.get_json("launches/1.json")  # once that driver has ended its launch
+    store.put_json("launches/1.json", record | {"ended_at": time.time(), "status": "failed"})
     assert driver.prepare_resume("old", store=str(base)).resume.launch == 2
 
 
@@ -366,6 +374,116 @@ def test_a_resume_checks_the_runs_data_again_before_its_replicas_start(tmp_path:
     assert not store.exists(layout.launch_key(1)) and "\n" not in said
 
 
+SCORE = "def score(completions, **kw):\n    return [1.0 for _ in completions]\n"
+
+
+def test_a_resume_checks_the_runs_rewards_again_before_its_replicas_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local run's reward module edited since its launch, into one that fails as the
+    trainer calls it or as it is imported, would stop every replica: the resume refuses it
+    in one line that says to continue once fixed, and imports the module anew each time
+    (this process imported it at the first resume check)."""
+    monkeypatch.chdir(tmp_path)  # the replicas' working directory: the driver's
+    module = tmp_path / "rw_again.py"
+    module.write_text(SCORE)
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"{w}=", "answer": w[::-1]} for w in ["ab", "bca", "cab", "dd"] * 8]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = tmp_path / "runs"
+    store = RunStore(f"file://{base}/old")
+    spec = RunSpec(run_id="old", run_uri=store.uri, replicas=2, dataset=str(data),
+                   reward=["rw_again:score"]).validate()  # fmt: skip
+    store.put_if_absent("run.json", spec.to_json().encode())
+    assert driver.prepare_resume("old", store=str(base)).resume is not None  # as launched
+
+    def refused() -> str:
+        with pytest.raises(LaunchError) as e:
+            driver.prepare_resume("old", store=str(base))
+        said = str(e.value)
+        assert said.endswith("(checked again to continue run old: fix it, then run crf launch "
+                             "--resume old again)"), said  # fmt: skip
+        assert "\n" not in said and not store.exists(layout.launch_key(1))
+        return said
+
+    module.write_text("def score(completions, **kw):\n    raise KeyError('answer')\n")
+    assert "--reward rw_again:score raised KeyError: 'answer'" in refused()
+    module.write_text("import no_such_module_anywhere\n" + SCORE)
+    assert "--reward rw_again:score: cannot import it" in refused()
+    module.write_text(SCORE)
+    assert driver.prepare_resume("old", store=str(base)).resume is not None
+    assert "rw_again" not in sys.modules  # the checks' imports are not left behind
+
+
+def test_a_resume_checks_the_rewards_its_shipped_workdir_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --workdir the replicas import their rewards from the copy shipped into the run
+    folder at launch, not from that folder as it is now: the resume checks that copy, even
+    from inside the folder (where the folder's own module would import first otherwise)."""
+    from crf.executors.workdir import pack_workdir
+
+    wd = tmp_path / "code"
+    wd.mkdir()
+    monkeypatch.chdir(wd)
+    base = tmp_path / "runs"
+
+    def shipped(run_id: str, body: str) -> None:
+        (wd / "rw_shipped.py").write_text(body)
+        packed = pack_workdir(wd)
+        store = RunStore(f"file://{base}/{run_id}")
+        key = layout.workdir_key(packed.sha256[:16])
+        spec = RunSpec(run_id=run_id, run_uri=store.uri, replicas=2, workdir=str(wd),
+                       reward=["rw_shipped:score"], workdir_key=key)  # fmt: skip
+        store.put(spec.workdir_key, packed.data)
+        store.put_if_absent("run.json", spec.validate().to_json().encode())
+
+    shipped("broken", "def (:\n" + SCORE)
+    shipped("fine", SCORE)
+    (wd / "rw_shipped.py").write_text(SCORE)  # the folder now: fixed, but not what shipped
+    with pytest.raises(LaunchError) as refused:
+        driver.prepare_resume("broken", store=str(base))
+    said = str(refused.value)  # the shipped file, named as the user's (not the check's copy)
+    assert "importing rw_shipped raised SyntaxError" in said, said
+    assert f"({wd}/rw_shipped.py, line 1)" in said and "crf-workdir-check" not in said, said
+    (wd / "rw_shipped.py").write_text("import no_such_module_anywhere\n" + SCORE)
+    assert driver.prepare_resume("fine", store=str(base)).resume is not None
+    assert "rw_shipped" not in sys.modules
+
+
+def test_crf_launch_resume_refuses_a_reward_module_edited_into_an_error(tmp_path: Path) -> None:
+    """A real run with a ``module:function`` reward fails; its reward module is then edited
+    into one that raises as it is imported: ``crf launch --resume`` says so in one line
+    before any replica starts (no new launch is claimed), and continues the run once the
+    module is fixed."""
+    from tests.test_cli import REPLICA_SCRIPT
+
+    (tmp_path / "replica.py").write_text(REPLICA_SCRIPT)
+    module = tmp_path / "rw_edit.py"
+    module.write_text(SCORE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    def crf(*args: str, fail: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "crf.launcher.cli", *args, "--store",
+                               "runs", "--no-progress"], cwd=tmp_path, capture_output=True,
+                              text=True, env={**env, "FAIL_RANKS": fail}, timeout=300)  # fmt: skip
+
+    first = crf("launch", "--run-id", "rw", "-n", "2", "--rounds", "3", "--reward",
+                "rw_edit:score", "--entrypoint", "python replica.py", fail="1")  # fmt: skip
+    assert first.returncode == 1, first.stdout + first.stderr
+    module.write_text("raise RuntimeError('edited since the launch')\n" + SCORE)
+    again = crf("launch", "--resume", "rw")
+    out = again.stdout + again.stderr
+    assert again.returncode == 2 and len(out.strip().splitlines()) == 1, out
+    assert "--reward rw_edit:score: importing rw_edit raised RuntimeError: edited since" in out
+    assert "fix it, then run crf launch --resume rw again" in " ".join(out.split())
+    assert sorted(os.listdir(tmp_path / "runs" / "rw" / "launches")) == ["0", "0.json"]
+    module.write_text(SCORE)
+    fixed = crf("launch", "--resume", "rw")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert json.loads((tmp_path / "runs/rw/result.json").read_text())["status"] == "ok"
+
+
 def test_resume_point_is_the_newest_global_every_inner_state_exists_for() -> None:
     """A checkpoint is global/<r> plus each replica's inner/<r>: the resume starts from the
     newest complete one and sets the newer ones aside; with none complete, from the newest."""
@@ -408,7 +526,10 @@ def test_resume_sets_aside_a_global_state_without_its_inner_states(tmp_path: Pat
     assert store.get(layout.global_key(1)) == b"state 1"
     assert store.get("replicas/0/inner/2.pt") == b"inner 0 2"
     assert not store.exists("rounds/2")
-    # the next resume finds global/1 complete again: nothing more to set aside
+    # the next resume (once that launch's driver ended it) finds global/1 complete again:
+    # nothing more to set aside
+    record = store.get_json("launches/1.json")
+    store.put_json("launches/1.json", record | {"ended_at": time.time(), "status": "failed"})
     again = driver.prepare_resume("old", store=str(base))
     assert again.resume is not None and again.resume.superseded == []
     assert again.resume.from_round == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import socket
 import time
@@ -71,7 +72,7 @@ class AttachedRun:
         return self.executor, self.handles
 
     def statuses(self) -> list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]:
-        from crf.launcher.supervise import read_heartbeat
+        from crf.launcher.liveness import read_heartbeat
 
         out = []
         for h in self.handles:
@@ -90,9 +91,26 @@ class AttachedRun:
             data = self.store.get_json(layout.RESULT)
         except (StoreError, OSError, ValueError):  # absent, unreadable or not JSON
             return None
-        if not isinstance(data, dict) or int(data.get("launch", 0) or 0) != self.launch_no:
+        if result_damage(data) is not None or int(data.get("launch", 0) or 0) != self.launch_no:
             return None
         return data
+
+    def result_damage(self) -> str | None:
+        """Why ``result.json`` cannot be read as a summary, when the file is there (None:
+        absent, unreadable now, or a summary, of any launch). A gather writes a new one over
+        it, and the user must hear that the old one was damaged rather than see it replaced
+        without a word."""
+        try:
+            raw = self.store.get(layout.RESULT)
+        except (StoreError, OSError):  # absent (no summary yet), or cannot be read now
+            return None
+        try:
+            data = json.loads(bytes(raw).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return f"not UTF-8 text (bad byte at offset {e.start})"
+        except json.JSONDecodeError as e:
+            return f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        return result_damage(data)
 
     def handle(self, rank: int) -> ReplicaHandle:
         for h in self.handles:
@@ -100,6 +118,20 @@ class AttachedRun:
                 return h
         ranks = ", ".join(str(h.rank) for h in self.handles)
         raise LaunchError(f"run {self.spec.run_id} has no replica {rank} (ranks: {ranks})")
+
+
+def result_damage(data: Any) -> str | None:
+    """What keeps a parsed ``result.json`` from being a run's summary (None: it is one): it
+    must be an object with a status."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not a summary (an object)"
+    if not isinstance(data.get("status"), str):
+        return "it has no status"
+    try:
+        int(data.get("launch", 0) or 0)
+    except (TypeError, ValueError):
+        return f"its launch is {data.get('launch')!r}, not a number"
+    return None
 
 
 def run_store(run_id: str, store: str | None) -> Any:
@@ -171,12 +203,10 @@ def _no_handles(run_id: str, launch_no: int, record: dict[str, Any], why: str) -
     """Why a run has no replicas to attach to, from its launch record: a driver that is
     still starting them (its record has no end, and its process lives: try again in a
     moment), or one that ended (or died) before it started any."""
-    import psutil
+    from crf.launcher.liveness import driver_alive, launch_ended
 
     pid, host = record.get("pid"), record.get("host")
-    ended = record.get("ended_at") is not None or record.get("status") is not None
-    here = host == socket.gethostname() and isinstance(pid, int)
-    if record and not ended and (not here or psutil.pid_exists(pid)):
+    if record and not launch_ended(record) and driver_alive(record) is not False:
         age = time.time() - float(record.get("started_at") or time.time())
         return (
             f"run {run_id} is still starting: its launch {launch_no} (driver pid {pid} on "
@@ -218,6 +248,9 @@ def gather(
 
     record = run.launch_record
     extra: dict[str, Any] = {"launch": run.launch_no, "ended_at": _last_beat(run)}
+    damage = run.result_damage()
+    if damage is not None:
+        extra["warnings"] = [_rebuilt_note(run, damage, console)]
     if record.get("restart_policy"):
         extra["restart_policy"] = record["restart_policy"]
     if record.get("resumed_from_round") is not None:
@@ -246,11 +279,33 @@ def gather(
     )
 
 
+def _rebuilt_note(run: AttachedRun, damage: str, console: Any) -> str:
+    """The one line that says a damaged ``result.json`` is being rebuilt, and where: shown
+    on ``console`` (the CLI's), else issued as a Python warning (an SDK caller's script
+    decides what to show), and kept in the new summary's warnings."""
+    from crf.launcher.plan import display_path
+
+    where = display_path(run.store, layout.RESULT)
+    note = (
+        f"{where} was damaged ({damage}); rebuilt from what the store holds (the replicas' "
+        f"results and round records of launch {run.launch_no})"
+    )
+    if console is not None:
+        from rich.markup import escape
+
+        console.print(f"[bold yellow]warning:[/] {escape(note)}", soft_wrap=True, highlight=False)
+    else:
+        import warnings
+
+        warnings.warn(note, RuntimeWarning, stacklevel=4)  # the caller of Run.wait/cancel
+    return note
+
+
 def _last_beat(run: AttachedRun) -> float | None:
     """When the launch's replicas ended, as their last heartbeats say (None: none wrote
     one since the launch started: now). A detached run is gathered when someone asks (``crf
     status`` an hour later), and its wall time is the replicas', not the time until then."""
-    from crf.launcher.supervise import read_heartbeat
+    from crf.launcher.liveness import read_heartbeat
 
     started = float(run.launch_record.get("started_at") or 0)
     beats = []
@@ -335,7 +390,8 @@ def list_runs(
     status; only the runs whose status is in ``status`` (all when None), at most ``limit``.
 
     The status is the newest launch's ``result.json`` status when it exists; otherwise
-    ``running`` if a heartbeat is fresh, else ``stopped`` (a driver died, or a detached run
+    ``running`` if a heartbeat is fresh, ``starting`` while that launch is still starting
+    replicas that have not beaten yet, else ``stopped`` (a driver died, or a detached run
     that nobody gathered yet - ``crf status`` tells which).
     """
     from crf.launcher.plan import store_base
@@ -354,8 +410,9 @@ def list_runs(
     return rows if limit is None else rows[: max(0, limit)]
 
 
-#: the statuses a run can have in ``crf runs`` (result.json's, or what the heartbeats say)
-RUN_STATUSES = ("ok", "failed", "cancelled", "running", "stopped", "damaged")
+#: the statuses a run can have in ``crf runs`` (result.json's, or what the heartbeats and
+#: the newest launch's record say)
+RUN_STATUSES = ("ok", "failed", "cancelled", "starting", "running", "stopped", "damaged")
 
 
 def status_record(run: AttachedRun) -> dict[str, Any]:
@@ -364,13 +421,8 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
     now = time.time()
     replicas = [_replica_record(h, st, beat, now) for h, st, beat in run.statuses()]
     result = run.result()
-    status = (
-        result["status"]
-        if result
-        else (
-            "running" if any(r["state"] in ("pending", "running") for r in replicas) else "stopped"
-        )
-    )
+    live = any(r["state"] in ("pending", "running") for r in replicas)
+    status = result["status"] if result else unended_status(run, live)
     record = {
         "run_id": run.spec.run_id,
         "backend": run.spec.backend,
@@ -385,6 +437,20 @@ def status_record(run: AttachedRun) -> dict[str, Any]:
         record["workers"] = run.worker_rows()
         record["worker_share"] = run.trainer_rollouts()
     return record
+
+
+def unended_status(run: AttachedRun, live: bool) -> str:
+    """The status of a launch without a summary, from whether its backend still runs any
+    of its replicas (``live``): ``starting`` while none of them has written a heartbeat
+    since the launch started (a container still starting, a replica still importing),
+    ``running`` once one has, ``stopped`` when none runs."""
+    from crf.launcher.liveness import beaten_since
+
+    if not live:
+        return "stopped"
+    started = run.launch_record.get("started_at")
+    since = float(started) if isinstance(started, int | float) else 0.0
+    return "running" if beaten_since(run.store, run.spec.replicas, since) else "starting"
 
 
 def _replica_record(
@@ -410,7 +476,7 @@ def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
     """Delete every object of run ``run_id`` (``crf rm``); (objects, bytes) deleted.
     LaunchError, with nothing deleted, while any of its replicas may still be running: as its
     backend says, or - when the backend cannot be asked - as its heartbeats say."""
-    from crf.launcher.resume import live_replicas
+    from crf.launcher.liveness import live_replicas
 
     try:
         run = attach(run_id, store)
@@ -524,12 +590,14 @@ def _run_row(st: Any) -> dict[str, Any] | None:
     try:
         result = st.get_json(layout.RESULT)
         launches = layout.launch_numbers(st)
-        if int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
+        if result_damage(result) is not None:  # crf status rebuilds it, and says so
+            result = None
+        elif int(result.get("launch", 0) or 0) == (max(launches) if launches else 0):
             status = str(result.get("status"))
     except (StoreError, OSError, ValueError, TypeError, AttributeError):  # none yet, or torn
         result = None
-    if (result is None or status == "stopped") and _fresh_heartbeat(st, spec):
-        status = "running"
+    if result is None or status == "stopped":
+        status = _unended_status(st, spec)
     return {
         # the folder's name, which every command takes (a copied folder keeps its run.json)
         "run_id": st.uri.rstrip("/").rsplit("/", 1)[-1],
@@ -549,11 +617,15 @@ def _damaged_row(st: Any, why: str) -> dict[str, Any]:
     return {"run_id": name, **empty, "status": "damaged", "error": why}
 
 
-def _fresh_heartbeat(st: Any, spec: RunSpec) -> bool:
-    """Whether any replica may still be running by its heartbeat (crf/launcher/resume.py
-    ``live_replicas``): on this host its pid must still be the replica's (a killed
-    replica's fresh heartbeat says nothing), on another a heartbeat younger than
-    ``LIVE_HEARTBEAT_S``; one that says done or failed has ended, however fresh."""
-    from crf.launcher.resume import live_replicas
+def _unended_status(st: Any, spec: RunSpec) -> str:
+    """The status of a run whose newest launch has no summary: ``running`` while a replica
+    may still run by its heartbeat (crf/launcher/liveness.py ``live_replicas``: on this
+    host its pid must still be the replica's, on another a heartbeat younger than
+    ``LIVE_HEARTBEAT_S``; one that says done or failed has ended, however fresh),
+    ``starting`` while its launch is still starting replicas that have not beaten yet
+    (``launch_starting``), else ``stopped``."""
+    from crf.launcher.liveness import launch_starting, live_replicas
 
-    return bool(live_replicas(st, spec.replicas, spec.run_id))
+    if live_replicas(st, spec.replicas, spec.run_id):
+        return "running"
+    return "starting" if launch_starting(st, spec.replicas, spec.run_id) else "stopped"

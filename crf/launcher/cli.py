@@ -607,7 +607,8 @@ def runs(
     status: Annotated[
         list[str] | None,
         typer.Option("--status", help="Only runs with this status (repeatable): ok, failed, "
-                     "cancelled, running, stopped, damaged (its run.json cannot be read)."),
+                     "cancelled, starting (replicas not yet beating), running, stopped, "
+                     "damaged (its run.json cannot be read)."),
     ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", min=1, help="At most this many runs, newest first.")
@@ -646,8 +647,8 @@ def runs(
     table = Table(title=f"runs in {store or './crf-runs'}")
     for col in ("run", "backend", "job", "replicas", "rounds", "created", "status"):
         table.add_column(col, overflow="fold")
-    colors = {"ok": "green", "failed": "red", "running": "cyan", "cancelled": "yellow",
-              "damaged": "red"}  # fmt: skip
+    colors = {"ok": "green", "failed": "red", "running": "cyan", "starting": "cyan",
+              "cancelled": "yellow", "damaged": "red"}  # fmt: skip
     for r in rows:
         when = r["created_at"]
         created = "-" if when is None else datetime.datetime.fromtimestamp(when).strftime(
@@ -760,7 +761,10 @@ def _status(run_id: str, store: str | None, json_out: bool, watch: bool, interva
         _print_json(status_record(run_))
     if result is None:
         if not json_out:
-            console.print(f"[cyan]running[/] (launch {run_.launch_no} on {run_.spec.backend})")
+            from crf.launcher.attach import unended_status
+
+            now = unended_status(run_, True)  # some replica has not ended: no summary yet
+            console.print(f"[cyan]{now}[/] (launch {run_.launch_no} on {run_.spec.backend})")
         raise typer.Exit(EXIT_OK)
     raise typer.Exit(_exit_code(result))
 

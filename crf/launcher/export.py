@@ -5,7 +5,7 @@ This copies it to a local folder, or pushes it to a Hub model repo (``hf://org/n
 through ``huggingface_hub.HfApi``: ``create_repo(exist_ok=True)`` (private when it creates
 one) then ``upload_folder`` - one commit, token from ``HF_TOKEN`` (and the Hub from
 ``HF_ENDPOINT`` when set). Every refusal is one line
-saying what to do: no such run, no ``model/`` yet (the run is still running, failed, was
+saying what to do: no such run, no ``model/`` yet (the run is still starting or running, failed, was
 cancelled, stopped, or its job saves no model), a destination that is not empty.
 With ``merge`` a LoRA run's adapter is first folded into its base model
 (:mod:`crf.launcher.merge`), and what is copied or pushed is the merged model.
@@ -245,6 +245,7 @@ def _no_model_why(st: Any, run_id: str) -> str:
     row = _run_row(st) or {}
     status = row.get("status")
     why = {
+        "starting": "is still starting its replicas: its model/ is written when it finishes",
         "running": "is still running: its model/ is written when it finishes",
         "failed": "failed, so it wrote no model/ (`crf status` says why; once that is "
         f"fixed, `crf launch --resume {run_id}` continues it)",

@@ -49,10 +49,31 @@ def store_base(store: str | None) -> str:
     (:func:`crf.store.check_uri`): a LaunchError whose message never repeats them."""
     from crf.store import StoreURIError, normalize_uri
 
+    given = DEFAULT_STORE if store is None else store
     try:
-        return normalize_uri(DEFAULT_STORE if store is None else store)
+        base = normalize_uri(given)
     except StoreURIError as e:
         raise LaunchError(f"--store: {e}") from None
+    if base.startswith("file://"):
+        _check_store_folder(given, Path(base.removeprefix("file://")))
+    return base
+
+
+def _check_store_folder(given: str, path: Path) -> None:
+    """LaunchError when a store on this machine's disk is a file, or lies under one: a file
+    holds no run folders, and every command would otherwise say only that there is no run
+    (``crf runs``: "no runs") where the user mistyped --store."""
+    found = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if found is None or os.path.isdir(found):
+        return
+    named = f"--store {given}" if found == path else f"--store {given}: {found}"
+    if os.path.islink(found):  # its target is gone
+        raise LaunchError(
+            f"{named} is a symbolic link to {os.readlink(found)}, which does not exist: "
+            "create that folder, or give another --store"
+        )
+    raise LaunchError(f"{named} is a file, not a folder: give the folder that holds the run "
+                      "folders")  # fmt: skip
 
 
 #: RunSpec fields the driver fills in itself; every other field is a run option (crf.spec)
@@ -357,7 +378,7 @@ def prepare(
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     try:
-        with importable(packed if _imports_user_code(spec) else None, spec.workdir):
+        with importable(packed if imports_user_code(spec) else None, spec.workdir):
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
@@ -750,19 +771,23 @@ def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | N
 
 
 @contextlib.contextmanager
-def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iterator[None]:
-    """The packed workdir, unpacked in a temporary folder first on sys.path, so the checks
-    before launch import a job or a reward from exactly what the replicas will get. A
-    refusal that names a file of the copy names it in ``workdir`` (the user's folder)
-    instead; SIGTERM, like Ctrl-C, removes the copy on its way out."""
+def importable(packed: PackedWorkdir | bytes | None, workdir: str | None = None) -> Iterator[None]:
+    """The packed workdir (or its archive's bytes, as the run folder keeps them), unpacked
+    in a temporary folder first on sys.path, so the checks before launch import a job or a
+    reward from exactly what the replicas will get. A refusal that names a file of the copy
+    names it in ``workdir`` (the user's folder) instead; SIGTERM, like Ctrl-C, removes the
+    copy on its way out."""
     if packed is None:
         yield
         return
+    data = packed if isinstance(packed, bytes) else packed.data
     from crf.executors.workdir import unpack_workdir
     from crf.launcher.interrupts import sigterm_as_interrupt
 
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
-        where = str(unpack_workdir(packed.data, Path(tmp) / "workdir"))
+        where = str(unpack_workdir(data, Path(tmp) / "workdir"))
+        if "" not in sys.path:  # a reward's import adds the working directory (import_reward):
+            sys.path.insert(0, "")  # now, behind the copy, whose version a replica imports
         sys.path.insert(0, where)
         importlib.invalidate_caches()
         try:
@@ -778,7 +803,7 @@ def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iter
                     del sys.modules[name]
 
 
-def _imports_user_code(spec: RunSpec) -> bool:
+def imports_user_code(spec: RunSpec) -> bool:
     """Whether the checks before launch import the user's code: a module-path job or a
     ``module:function`` reward."""
     from crf.replica.jobs import JOBS
@@ -857,13 +882,17 @@ def _run_folder(run_uri: str, run_id: str, dry_run: bool) -> RunStore:
 def held_run_hint(run_store: RunStore, run_id: str) -> str:
     """What to do about a new launch into a folder that already holds run ``run_id``:
     continue it with ``--resume`` unless a resume would be refused for what the folder says
-    (it finished ok, or its run.json is damaged: crf/launcher/resume.py refuses both, and a
-    run whose replicas still run), else choose another run id, and why."""
+    (crf/launcher/resume.py refuses a run that finished ok, one whose run.json is damaged,
+    and one whose replicas still run or start: follow or stop those instead), else choose
+    another run id, and why."""
     try:
-        read_run_spec(run_store)
-        result = run_store.get_json(layout.RESULT) if run_store.exists(layout.RESULT) else {}
+        spec: RunSpec | None = read_run_spec(run_store)
     except LaunchError as e:  # a damaged run.json
         return f"choose another --run-id (it cannot be resumed: {e})"
+    except Exception:  # noqa: BLE001 - the store failed the read: the hint says less
+        spec = None
+    try:
+        result = run_store.get_json(layout.RESULT) if run_store.exists(layout.RESULT) else {}
     except Exception:  # noqa: BLE001 - a torn result.json: a resume treats it as none
         result = {}
     if isinstance(result, dict) and result.get("status") == "ok":
@@ -871,7 +900,33 @@ def held_run_hint(run_store: RunStore, run_id: str) -> str:
             f"choose another --run-id (it cannot be resumed: run {run_id} already finished "
             "(result.json says ok); there is nothing to resume)"
         )
+    live = _held_run_live(run_store, spec) if spec is not None else []
+    if live:
+        base = run_store.uri.rstrip("/").rsplit("/", 1)[0].removeprefix("file://")
+        return (
+            f"it is still running ({', '.join(live)}): follow it with `crf status {run_id} "
+            f"--store {base} --watch`, or stop it with `crf cancel {run_id} --store {base}`; "
+            "or choose another --run-id"
+        )
     return f"choose another --run-id, or continue it with --resume {run_id}"
+
+
+def _held_run_live(run_store: RunStore, spec: RunSpec) -> list[str]:
+    """What of a held run may still run, as a resume would find it (crf/launcher/liveness.py):
+    replicas by their heartbeats, a launch still starting its replicas, and replicas its
+    backend still runs. Empty when nothing says so, or when it cannot be asked (a hint
+    must never be the error)."""
+    from crf.launcher.liveness import backend_live, launch_starting, live_replicas
+
+    try:
+        live = live_replicas(run_store, spec.replicas, spec.run_id)
+        starting = launch_starting(run_store, spec.replicas, spec.run_id, known_only=True)
+        if live or starting:
+            return [*live, *([starting] if starting else [])]
+        executor = make_executor(spec.backend, saved_backend_options(run_store))
+        return backend_live(run_store, executor, layout.launch_numbers(run_store))
+    except Exception:  # noqa: BLE001 - any store or backend client error: nothing known
+        return []
 
 
 def _local_writable(store: RunStore) -> None:

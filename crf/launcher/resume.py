@@ -9,16 +9,16 @@ what the stopped launch left after that point, keeping it under ``launches/<k>/`
 from __future__ import annotations
 
 import contextlib
-import socket
-import time
-from collections.abc import Mapping
+import importlib
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from crf import layout
 from crf.executors.base import ExecutorError, ServerlessExecutor
-from crf.executors.process import is_replica_process
 from crf.launcher.errors import LaunchError
+from crf.launcher.liveness import backend_live, launch_starting, live_replicas
 from crf.launcher.plan import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_STORE,
@@ -34,44 +34,11 @@ from crf.launcher.plan import (
     store_errors,
     validate_job,
 )
-from crf.launcher.supervise import read_heartbeat
 from crf.launcher.user_env import resolve_secrets
 from crf.spec import RunSpec, SpecError, check_run_id
 
 if TYPE_CHECKING:
     from crf.store import RunStore
-
-#: a replica on another host whose heartbeat is younger than this may still be running
-LIVE_HEARTBEAT_S = 60.0
-
-
-def live_replicas(
-    store: RunStore, replicas: int, run_id: str, now: float | None = None
-) -> list[str]:
-    """Replicas of a run that may still be running, each as a short description.
-
-    Two sets of replicas for one rank would both publish contributions under that rank, so a
-    resume must not start while the old ones live. On this host the heartbeat's pid says it
-    for sure (while held by the replica: same start time, run id and rank - pids get reused);
-    for another host a recent heartbeat is all we have.
-    """
-    now = time.time() if now is None else now
-    host = socket.gethostname()
-    live = []
-    for rank in range(replicas):
-        hb = read_heartbeat(store, rank)
-        if not hb or hb.phase in ("done", "failed"):
-            continue
-        pid, updated = hb.pid, hb.updated_at
-        age = now - updated if isinstance(updated, int | float) and updated > 0 else None
-        if hb.host == host and isinstance(pid, int):
-            started = hb.pid_started_at
-            started = started if isinstance(started, str | int | float) else None
-            if is_replica_process(pid, run_id=run_id, rank=rank, started_at=started):
-                live.append(f"replica {rank} (pid {pid} on this host)")
-        elif age is not None and age < LIVE_HEARTBEAT_S:
-            live.append(f"replica {rank} (on {hb.host}, heartbeat {age:.0f}s ago)")
-    return live
 
 
 @dataclass
@@ -113,7 +80,7 @@ def _read_found(run_store: RunStore) -> _Found:
         uri=run_store.uri,
         spec=spec,
         previous=previous,
-        live=live_replicas(run_store, spec.replicas, spec.run_id),
+        live=_live(run_store, spec),
         launches=layout.launch_numbers(run_store),
         rounds=layout.global_rounds(run_store, complete=True),
         inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
@@ -121,31 +88,13 @@ def _read_found(run_store: RunStore) -> _Found:
     )
 
 
-def backend_live(store: RunStore, executor: ServerlessExecutor, launches: list[int]) -> list[str]:
-    """Replicas of the newest launch that its backend still runs, each as a short
-    description. Heartbeats alone miss a replica that has not written one yet (a few seconds
-    after a detached launch on this host, minutes while a cloud container starts): its
-    handle (``launches/<k>/handles.json``) says it was started, and the backend whether it
-    still runs. A backend that cannot be asked leaves it to the heartbeats."""
-    from crf.executors.base import ReplicaHandle
-
-    if not launches:
-        return []
-    k = max(launches)
-    try:
-        saved = store.get_json(layout.handles_key(k))
-        handles = [ReplicaHandle(**h) for h in saved.get("handles", [])]
-    except Exception:  # noqa: BLE001 - none saved, or damaged: nothing to ask about
-        return []
-    live = []
-    for h in sorted(handles, key=lambda h: h.rank):
-        try:
-            status = executor.status(h)
-        except ExecutorError:
-            continue
-        if not status.terminal:
-            live.append(f"replica {h.rank} ({status.state} on {h.backend or 'its backend'})")
-    return live
+def _live(run_store: RunStore, spec: RunSpec) -> list[str]:
+    """What of the run may still run, by the run folder alone: replicas by their
+    heartbeats, and a launch whose driver still starts replicas on this host (before it
+    saved their handles, which the backend is asked about next: ``backend_live``)."""
+    starting = launch_starting(run_store, spec.replicas, spec.run_id, known_only=True)
+    live = live_replicas(run_store, spec.replicas, spec.run_id)
+    return [*live, starting] if starting else live
 
 
 def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
@@ -212,8 +161,8 @@ def prepare_resume(
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     validate_job(spec.job, spec.job_config)
-    recheck_inputs(spec)
     run_store = RunStore(found.uri)
+    recheck_inputs(spec, run_store)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
     secret_env = resolve_secrets(spec)  # read again: never kept anywhere since the launch
@@ -229,26 +178,93 @@ def prepare_resume(
                 workers=workers)  # fmt: skip
 
 
-def recheck_inputs(spec: RunSpec) -> None:
-    """The run's data and model checked again before its replicas start, as at its launch
-    (crf/launcher/data_checks.py): a file edited since, or a model folder changed, would
-    otherwise stop every replica at setup. LaunchError says what to fix and to continue the
-    run once fixed. The local backend's only: its run.json names this machine's paths (a
-    cloud run's may be paths inside its shipped --workdir, which the replicas unpack)."""
+def recheck_inputs(spec: RunSpec, store: RunStore) -> None:
+    """The run's data, model and rewards checked again before its replicas start, as at its
+    launch (crf/launcher/data_checks.py, reward_checks.py): a file edited since, a model
+    folder changed, or a reward module edited into an error would otherwise stop every
+    replica at setup (or at its first step). LaunchError says what to fix and to continue
+    the run once fixed. The local backend's only: its run.json names this machine's paths
+    (a cloud run's may be paths inside its shipped --workdir, which the replicas unpack).
+    The rewards are imported from where the replicas import them: the run's shipped
+    ``--workdir`` (the archive in its run folder, not that folder as it is now), else this
+    process's working directory; and anew, not from a module this process imported before."""
     import copy
 
-    from crf.launcher.data_checks import builtin_data, check_inputs
-    from crf.replica.data_files import DataError
+    from crf.launcher.plan import importable, imports_user_code
 
-    if spec.backend != "local" or not builtin_data(spec):
+    if spec.backend != "local":
         return
+    shipped = _shipped_workdir(spec, store) if imports_user_code(spec) else None
     try:
-        check_inputs(copy.deepcopy(spec), local=True)
-    except (LaunchError, DataError) as e:
+        with importable(shipped, spec.workdir), _imported_afresh(spec.reward):
+            _check_inputs_again(copy.deepcopy(spec))
+    except LaunchError as e:  # a file of the shipped copy named as the user's (importable)
         raise LaunchError(
             f"{e} (checked again to continue run {spec.run_id}: fix it, then run crf launch "
             f"--resume {spec.run_id} again)"
         ) from None
+
+
+def _check_inputs_again(spec: RunSpec) -> None:
+    """:func:`recheck_inputs`'s checks, in the order a launch makes them
+    (``plan.check_workload``, then ``plan._check_inputs``): each reward imported (within a
+    time limit) and parsed, the data and model, then each reward called on the sampled
+    rows."""
+    from crf.launcher.data_checks import builtin_data, check_inputs
+    from crf.launcher.reward_checks import check_rewards_on, import_rewards
+    from crf.replica.data_files import DataError
+    from crf.replica.rewards import RewardError, check_rewards
+
+    import_rewards(spec.reward)  # a module that blocks as it imports: stopped in time
+    try:
+        check_rewards(spec.reward)
+        if builtin_data(spec):
+            found = check_inputs(spec, local=True)
+            check_rewards_on(spec, found.splits)
+    except (DataError, RewardError) as e:
+        raise LaunchError(str(e)) from None
+
+
+def _shipped_workdir(spec: RunSpec, store: RunStore) -> bytes | None:
+    """The run's packed ``--workdir`` as its run folder keeps it (None: it has none), which
+    each resumed replica unpacks; LaunchError when it cannot be read."""
+    from crf.store import StoreError
+
+    if not spec.workdir_key:
+        return None
+    try:
+        return bytes(store.get(spec.workdir_key))
+    except (StoreError, OSError) as e:
+        raise LaunchError(
+            f"cannot read run {spec.run_id}'s shipped --workdir "
+            f"{display_path(store, spec.workdir_key)}: {e}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _imported_afresh(entries: list[str] | None) -> Iterator[None]:
+    """The ``module:function`` rewards' modules imported anew inside, as a replica imports
+    them: a process that launched the run has them cached, from before any edit. Put back
+    as they were afterwards, so the caller's own imports stay its own."""
+    from crf.replica.rewards import BUILTINS, RewardError, parse_rewards
+
+    try:
+        specs = parse_rewards(list(entries or []))
+    except RewardError:
+        specs = []  # said by the checks inside
+    names = {
+        s.name.partition(":")[0]
+        for s in specs
+        if s.name not in BUILTINS and not s.name.startswith("format:")
+    }
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
 
 
 def resume_point(

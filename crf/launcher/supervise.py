@@ -24,6 +24,7 @@ from crf.executors.base import (
     ReplicaStatus,
     ServerlessExecutor,
 )
+from crf.launcher.liveness import read_heartbeat
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -37,15 +38,6 @@ NO_RESTART_EXIT_CODES = {
     2: "means its environment is broken",
     3: "means it failed with an error a restart cannot fix",
 }
-
-
-def read_heartbeat(store: RunStore, rank: int) -> layout.Heartbeat | None:
-    """Replica ``rank``'s heartbeat record, or None when there is none (yet) to read."""
-    try:
-        data = store.get_json(layout.heartbeat_key(rank))
-    except Exception:  # noqa: BLE001 - absent, torn or any client error: the watch goes on
-        return None
-    return layout.Heartbeat.from_dict(data) if isinstance(data, dict) else None
 
 
 class Supervisor:
