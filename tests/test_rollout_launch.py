@@ -461,6 +461,55 @@ def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) 
     ), out.getvalue()
 
 
+def test_workers_stopped_by_crf_cancel_are_not_restarted_and_read_as_cancelled(
+    tmp_path: Path,
+) -> None:
+    """``crf cancel`` from another process stops a watched run's workers as it stops its
+    replicas: the driver's pool finds them ended by a signal, which to its executor looks
+    like a death. It must not start them again, and its summary shows them cancelled with
+    the run (not ``failed: killed by SIGTERM``), as ``crf cancel``'s own summary does."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.driver import _stop_workers
+    from crf.launcher.workers import (
+        WorkerPlan,
+        read_worker_handles,
+        save_worker_handles,
+        start_workers,
+    )
+
+    uri = f"file://{tmp_path}/r"
+    store = RunStore(uri)
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=2).validate()
+    live = [sys.executable, "-c", "import time; time.sleep(600)"]
+    plan = WorkerPlan(2, 1, LocalProcessExecutor(), command=live)
+    out = io.StringIO()
+    handles = start_workers(plan, spec, None, {})
+    pool = WorkerPool(plan, handles, store=store, launch_no=0, max_restarts=3,
+                      console=Console(file=out, width=300))  # fmt: skip
+    save_worker_handles(store, 0, handles)
+    try:
+        assert all(not s.terminal for s in pool.poll())
+        # crf cancel, elsewhere: the request first, then its own executor stops the workers
+        store.put_json(layout.cancel_key(0), {"requested_at": time.time()})
+        LocalProcessExecutor().cancel_all(read_worker_handles(store, 0))
+
+        def ended() -> bool:  # or started again: either ends the wait
+            statuses = pool.poll()
+            return any(pool.restarts.values()) or all(s.terminal for s in statuses)
+
+        wait_for(ended, "both workers' end")
+        assert pool.restarts == {0: 0, 1: 0}, out.getvalue()
+        assert "restarted" not in out.getvalue()
+        rows = _stop_workers(pool, cancelled=True)["workers"]
+        assert [(r["worker"], r["state"]) for r in rows] == [(0, "cancelled"), (1, "cancelled")]
+        assert all("cancelled with the run" in r["message"] for r in rows), rows
+    finally:
+        pool.stop()
+
+
 def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
     """A worker that died and was started again reads as ``starting`` from the restart on
     (counts kept), before its new process writes anything: its trainer, past its first

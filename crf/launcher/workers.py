@@ -45,6 +45,10 @@ CONTRACT_EXIT = 2
 #: a worker's exit code when it failed with an error a restart would raise again (its own
 #: input: a model folder, a dataset it cannot read; crf.rollouts.worker), as a replica's
 UNRECOVERABLE_EXIT = 3
+#: why a worker that was running reads as cancelled: its trainers were done, or the run
+#: itself was cancelled (crf cancel, Ctrl-C)
+TRAINERS_ENDED = "cancelled: its trainers had ended"
+RUN_CANCELLED = "cancelled with the run"
 #: a backend option given for the workers only: ``rollout_<option>``
 PREFIX = "rollout_"
 #: the workers' hardware under the generic names (as --hardware, --gpu, --flavor, ...)
@@ -269,6 +273,11 @@ class WorkerPool:
         self.restarts = {h.rank: 0 for h in handles}
         self.not_restarted: dict[int, str] = {}
         self.stopped = False
+        #: ``crf cancel`` asked this launch to stop (``launches/<k>/cancel.json``), or the
+        #: driver was interrupted: the workers end with the run, not by a death
+        self.cancelled = False
+        #: the workers whose process ran at the latest poll before a cancel
+        self.alive: set[int] = {h.rank for h in handles}
 
     @property
     def executor(self) -> ServerlessExecutor:
@@ -286,11 +295,17 @@ class WorkerPool:
             if status.state is ReplicaState.FAILED and not self.stopped:
                 status = self._restart(i, handle, status)
             out.append(status)
+        if not self.cancelled:  # else the workers the cancel found running stay alive
+            ended = {h.rank for h, st in zip(self.handles, out, strict=True) if st.state.terminal}
+            self.alive = {h.rank for h in self.handles} - ended
         return out
 
     def _restart(self, index: int, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaStatus:
         w = handle.rank
         if w in self.not_restarted:
+            return status
+        if self._cancel_requested():  # crf cancel stopped it, elsewhere: not a death
+            self.cancelled = self.stopped = True
             return status
         why = self._no_restart(w, status)
         if why is not None:
@@ -335,6 +350,14 @@ class WorkerPool:
             )
         return None
 
+    def _cancel_requested(self) -> bool:
+        """Whether ``crf cancel`` (from any process) asked this launch to stop: it stops the
+        workers too, and to this executor a worker it stopped looks like a dead one."""
+        try:
+            return self.store.exists(layout.cancel_key(self.launch_no))
+        except Exception:  # noqa: BLE001 - unreadable: judge the worker as a death
+            return False
+
     def _mark_failed(self, w: int, status: ReplicaStatus) -> None:
         """Say in worker w's heartbeat that it is gone for good (phase ``failed``, its
         counts kept): its trainer then stops waiting for its batches at once, instead of
@@ -353,9 +376,11 @@ class WorkerPool:
         with contextlib.suppress(Exception):  # bookkeeping must never stop a run
             self.store.put_json(layout.worker_state_key(w), state.to_dict())
 
-    def stop(self) -> None:
-        """The trainers are done (or the run is stopped): cancel the workers still running."""
+    def stop(self, *, cancelled: bool = False) -> None:
+        """The trainers are done (or, ``cancelled``, the run was): cancel the workers still
+        running."""
         self.stopped = True
+        self.cancelled = self.cancelled or cancelled
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
         drop_untaken(self.store, self.plan.trainers)
@@ -377,8 +402,10 @@ class WorkerPool:
         ]
 
     def collect(self) -> list[dict[str, Any]]:
-        """One row per worker for the summary: its process's end and its own account."""
-        return worker_rows(self.executor, self.handles, self.store, self.restarts)
+        """One row per worker for the summary: its process's end and its own account; in a
+        cancelled run, the workers that ran until the cancel read as cancelled with it."""
+        rows = worker_rows(self.executor, self.handles, self.store, self.restarts)
+        return as_cancelled(rows, self.alive, RUN_CANCELLED) if self.cancelled else rows
 
     def _say(self, message: str) -> None:
         if self.console is not None:
@@ -433,13 +460,16 @@ def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandl
     return out
 
 
-def as_cancelled(rows: list[dict[str, Any]], running: set[int]) -> list[dict[str, Any]]:
-    """``rows`` with each worker that was still running when the summary cancelled it shown
-    ``cancelled``, unless it ended by itself first: from another process than the one that
-    started it, the backend sees only that it ended without an ok result (``failed``)."""
+def as_cancelled(
+    rows: list[dict[str, Any]], running: set[int], why: str = TRAINERS_ENDED
+) -> list[dict[str, Any]]:
+    """``rows`` with each worker that was still running when it was cancelled shown
+    ``cancelled`` (``why`` its message), unless it ended by itself first: from another
+    process than the one that started it, the backend sees only that it ended without an ok
+    result (``failed``)."""
     for row in rows:
         if row["worker"] in running and row["state"] != "succeeded":
-            row["state"], row["message"] = "cancelled", "cancelled: its trainers had ended"
+            row["state"], row["message"] = "cancelled", why
     return rows
 
 
