@@ -330,6 +330,30 @@ def test_dry_run_says_a_staleness_bound_a_round_cannot_reach(tmp_path: Path) -> 
     assert fits.exit_code == 0 and "--max-staleness 3:" not in fits.output
 
 
+def test_dry_run_says_a_publish_interval_the_staleness_bound_cannot_span(tmp_path: Path) -> None:
+    """A version published every 4 steps serves only the steps within --max-staleness of it:
+    at a bound of 1 the replicas would generate half their batches themselves, which the
+    plan says before launch (with the settings that cover every step); a bound that spans the
+    interval, or a round shorter than it, is silent."""
+    args = ["launch", "--dry-run", "--replicas", "2", "--rollout-workers", "2",
+            "--store", str(tmp_path)]  # fmt: skip
+    result = cli(*args, "--sync-every", "20", "--publish-every", "4")
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert (
+        "warning: --publish-every 4 with --max-staleness 1: a published version serves only "
+        "the next 2 inner step(s), so the replicas generate the batches of the other steps "
+        "themselves; set --max-staleness 3, or --publish-every 2"
+    ) in flat, flat
+    # a round of 10 steps publishes after its outer step: the bound 9 covers it whatever P
+    rounds = cli(*args, "--sync-every", "10", "--publish-every", "50")
+    assert "--max-staleness 9, or --publish-every 2" in " ".join(rounds.output.split())
+    for fits in (("--publish-every", "4", "--max-staleness", "3"),
+                 ("--publish-every", "50", "--sync-every", "2")):  # fmt: skip
+        quiet = cli(*args, *fits)
+        assert quiet.exit_code == 0 and "--publish-every" not in quiet.output, quiet.output
+
+
 def test_the_workers_resources_row_names_their_own_options() -> None:
     """The workers' CPU and memory are set with -o rollout_<option>: the dry run's hint for
     them says so (the replicas' -o cpu=N would not change them)."""
