@@ -208,6 +208,15 @@ def test_launch_refuses_what_workers_cannot_use_before_anything_starts(tmp_path:
             assert result.exit_code == 2, (args, mode, result.output)
             assert message in result.output, (args, mode, result.output)
             assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+    # the workers' hardware without workers: --print-config writes no file that would not launch
+    for mode in (["--dry-run"], ["--print-config"]):
+        idle = cli("launch", *mode, "--backend", "modal", "--gpu", "A100", "--rollout-gpu", "L4",
+                   "--store", "s3://b/r")  # fmt: skip
+        assert idle.exit_code == 2, (mode, idle.output)
+        assert (
+            "rollout_gpu (--rollout-hardware and the other rollout_<option> backend options) "
+            "configure rollout workers: add --rollout-workers M"
+        ) in " ".join(idle.output.split())
     config = tmp_path / "run.toml"
     config.write_text("replicas = 2\nmax_staleness = 3\n")
     result = cli("launch", "-c", str(config), "--store", store)

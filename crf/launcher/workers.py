@@ -150,6 +150,17 @@ def check_rollout_options(spec: RunSpec) -> None:
         )
 
 
+def check_worker_hardware(spec: RunSpec, overrides: Mapping[str, Any]) -> None:
+    """LaunchError for the workers' own backend options (``rollout_<option>``, unprefixed in
+    ``overrides``) given without ``--rollout-workers``: the run would start no worker."""
+    if overrides and not spec.rollout_workers:
+        names = ", ".join(f"{PREFIX}{k}" for k in overrides)
+        raise LaunchError(
+            f"{names} (--rollout-hardware and the other rollout_<option> backend options) "
+            "configure rollout workers: add --rollout-workers M, or leave them out"
+        )
+
+
 def plan_workers(
     spec: RunSpec,
     executor: ServerlessExecutor,
@@ -161,12 +172,7 @@ def plan_workers(
     from crf.executors.registry import make_executor
 
     if not spec.rollout_workers:
-        if overrides:
-            names = ", ".join(f"{PREFIX}{k}" for k in overrides)
-            raise LaunchError(
-                f"{names} (--rollout-hardware and the other rollout_<option> backend options) "
-                "configure rollout workers: add --rollout-workers M, or leave them out"
-            )
+        check_worker_hardware(spec, overrides)
         return None
     if not executor.starts_workers():
         raise LaunchError(
