@@ -303,6 +303,26 @@ def test_dry_run_without_workers_has_no_worker_rows(tmp_path: Path) -> None:
     assert not [k for k in keys if "worker" in k or k in ("policy", "correction", "both roles")]
 
 
+def test_workers_on_more_gpus_than_they_use_are_a_warning_before_launch() -> None:
+    """A worker generates in one process on one GPU: on hardware with two, the other is
+    paid for and idle. The dry run (CLI and SDK) says so, as it does for the replicas' idle
+    GPUs; one GPU per worker is silent."""
+    args = ["launch", "--dry-run", "--backend", "modal", "--gpu", "A100", "--replicas", "2",
+            "--rollout-workers", "2", "--store", "s3://no-such-bucket/runs"]  # fmt: skip
+    idle = cli(*args, "--rollout-gpu", "L4:2")
+    assert idle.exit_code == 0, idle.output
+    said = (
+        "warning: each rollout worker has 2 GPUs but generates on one, 1 idle: choose worker "
+        "hardware with one GPU (--rollout-hardware)"
+    )
+    assert said in " ".join(idle.output.split()), idle.output
+    one = cli(*args, "--rollout-gpu", "L4")
+    assert one.exit_code == 0 and "rollout worker has" not in one.output, one.output
+    plan = crf.dry_run(backend="modal", gpu="A100", replicas=2, rollout_workers=2,
+                       rollout_gpu="L4:2", store="s3://no-such-bucket/runs")  # fmt: skip
+    assert said.removeprefix("warning: ") in plan.warnings
+
+
 def test_dry_run_shows_both_roles_with_hardware_price_and_worst_case(tmp_path: Path) -> None:
     """Trainers on A100s, workers on L4s (HF Jobs): each role's hardware, hourly price and
     worst case, and both together; no network is needed."""

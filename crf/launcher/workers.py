@@ -195,6 +195,18 @@ def plan_workers(
     return WorkerPlan(spec.rollout_workers, spec.replicas, worker_executor, dict(overrides))
 
 
+def idle_worker_gpus(plan: WorkerPlan | None) -> list[str]:
+    """The plan's warning when each worker's hardware has more than one GPU: a worker
+    generates in one process on one GPU, so the others are paid for and sit idle."""
+    gpus = plan.executor.gpus_per_replica() if plan is not None else 0
+    if gpus <= 1:
+        return []
+    return [
+        f"each rollout worker has {gpus} GPUs but generates on one, {gpus - 1} idle: choose "
+        "worker hardware with one GPU (--rollout-hardware)"
+    ]
+
+
 def saved_rollout_options(run_uri: str) -> dict[str, Any]:
     """The workers' own backend options a run was launched with (``backend.json``)."""
     from crf.store import RunStore
