@@ -626,6 +626,24 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
 
 
+def test_a_worker_yet_to_write_its_heartbeat_reads_as_its_process_state() -> None:
+    """While a worker starts (its process runs, its heartbeat is not written yet: the first
+    seconds locally, minutes while a cloud container starts) the live table shows its
+    process's state, never "None"; once it beats, its phase."""
+    from rich.console import Console
+
+    beating = layout.WorkerState(worker=1, serves=1, phase="generating")
+    row = rollout_view.worker_row
+    rows = [row(0, "pending", None), row(2, "running", None), row(1, "running", beating)]
+    console = Console(record=True, width=120, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(rollout_view.workers_table(rows, 120))
+    text = console.export_text()
+    assert "None" not in text, text
+    cells = [line.split() for line in text.splitlines()]
+    states = {c[0]: c[2] for c in cells if c and c[0][:1] == "w" and c[0][1:].isdigit()}
+    assert states == {"w0": "pending", "w2": "running", "w1": "generating"}, text
+
+
 def test_the_summary_says_why_each_failed_worker_failed() -> None:
     """Under the workers' table, one line per failed worker with the error it recorded and
     how its process ended; a worker that succeeded or was cancelled gets none."""
