@@ -238,6 +238,30 @@ def test_launch_refuses_what_workers_cannot_use_before_anything_starts(tmp_path:
     assert uneven is not None and uneven["workers"] == 3
 
 
+def test_local_workers_and_replicas_together_are_capped_by_the_machine(tmp_path: Path) -> None:
+    """On the local backend the workers are processes of this machine beside the replicas,
+    each holding the model: more of both than its memory holds is refused before anything
+    starts, naming the limit (one replica with 1000 workers was accepted, and would have run
+    the machine out of memory after launching them)."""
+    from crf.executors.local import local_replica_limit
+
+    limit, _ = local_replica_limit()
+    workers = min(limit, 1024)  # one replica more than fits, or the most workers a run takes
+    store = tmp_path / "runs"
+    result = cli("launch", "--dry-run", "--store", str(store), "--replicas", "1",
+                 "--rollout-workers", str(workers))  # fmt: skip
+    if workers + 1 > limit:
+        assert result.exit_code == 2, result.output
+        assert (
+            f"--replicas 1 and --rollout-workers {workers} are {workers + 1} processes, more "
+            f"than the local backend can run: at most {limit}"
+        ) in " ".join(result.output.split()), result.output
+        assert len(result.output.strip().splitlines()) == 1 and not store.exists()
+    fits = cli("launch", "--dry-run", "--store", str(store), "--replicas", "1",
+               "--rollout-workers", str(max(1, min(limit - 1, 1024))))  # fmt: skip
+    assert fits.exit_code == 0, fits.output
+
+
 def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

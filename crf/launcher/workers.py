@@ -186,6 +186,7 @@ def plan_workers(
             f"replica's hardware has {spec.procs_per_replica} GPUs, which would start that "
             "many trainer processes): pass --procs-per-replica 1"
         )
+    check_machine_limit(spec, executor)
     worker_executor = executor
     if overrides:
         try:
@@ -205,6 +206,23 @@ def idle_worker_gpus(plan: WorkerPlan | None) -> list[str]:
         f"each rollout worker has {gpus} GPUs but generates on one, {gpus - 1} idle: choose "
         "worker hardware with one GPU (--rollout-hardware)"
     ]
+
+
+def check_machine_limit(spec: RunSpec, executor: ServerlessExecutor) -> None:
+    """LaunchError when the replicas and workers together are more processes than the
+    backend can run at once (the local backend: this machine's memory, where each worker
+    holds the model as a replica does); a cloud backend's quotas answer at launch."""
+    limit_of = getattr(executor, "replica_limit", None)
+    found = limit_of() if callable(limit_of) else None
+    total = spec.replicas + spec.rollout_workers
+    if found is None or total <= found[0]:
+        return
+    limit, why = found
+    raise LaunchError(
+        f"--replicas {spec.replicas} and --rollout-workers {spec.rollout_workers} are {total} "
+        f"processes, more than the {executor.name} backend can run: at most {limit} ({why}, "
+        "and a worker holds the model as a replica does); lower them or use a cloud backend"
+    )
 
 
 def saved_rollout_options(run_uri: str) -> dict[str, Any]:
