@@ -513,7 +513,8 @@ def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> N
 def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) -> None:
     """A worker that exits 3 (crf.rollouts.worker: an error a restart would raise again,
     such as a model folder only it cannot read) is left dead at once, whatever
-    --max-restarts allows, and the line says the error it recorded."""
+    --max-restarts allows, and the line says the error it recorded, verbatim (as markup, its
+    ``[/INST]`` would end the driver with a traceback)."""
     import io
 
     from rich.console import Console
@@ -523,7 +524,8 @@ def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) 
     uri = f"file://{tmp_path}/r"
     store = RunStore(uri)
     failed = layout.WorkerState(worker=0, serves=0, phase="failed", status="failed",
-                                error="FileNotFoundError: --model /m: no such folder")  # fmt: skip
+                                error="ValueError: --model /m: its chat template ends "
+                                      "without [/INST]")  # fmt: skip
     store.put_json(layout.worker_result_key(0), failed.to_dict())
     spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
     plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", "exit(3)"])
@@ -534,7 +536,8 @@ def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) 
     assert pool.restarts == {0: 0}
     assert out.getvalue().strip() == (
         "rollout worker 0 exited with code 3; not restarting it (a restart would fail the same "
-        "way: FileNotFoundError: --model /m: no such folder): its trainer generates for itself"
+        "way: ValueError: --model /m: its chat template ends without [/INST]): its trainer "
+        "generates for itself"
     ), out.getvalue()
 
 

@@ -347,8 +347,8 @@ class WorkerPool:
         if why is not None:
             self.not_restarted[w] = why
             self._say(
-                f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
-                f"({why}): its trainer generates for itself[/]"
+                f"rollout worker {w} {status.message or 'failed'}; not restarting it "
+                f"({why}): its trainer generates for itself"
             )
             self._mark_failed(w, status)
             return status
@@ -356,7 +356,7 @@ class WorkerPool:
             new = self.executor.relaunch(handle)
         except ExecutorError as e:
             self.not_restarted[w] = f"relaunch failed: {e}"
-            self._say(f"[yellow]rollout worker {w}: could not restart it: {e}[/]")
+            self._say(f"rollout worker {w}: could not restart it: {e}")
             self._mark_failed(w, status)
             return status
         new.extra["role"] = layout.ROLE_ROLLOUT
@@ -365,8 +365,8 @@ class WorkerPool:
         self.handles[index] = new
         save_worker_handles(self.store, self.launch_no, self.handles)
         self._say(
-            f"[yellow]rollout worker {w} {status.message or 'failed'}: restarted it "
-            f"({self.restarts[w]}/{self.max_restarts})[/]"
+            f"rollout worker {w} {status.message or 'failed'}: restarted it "
+            f"({self.restarts[w]}/{self.max_restarts})"
         )
         return self.executor.status(new)
 
@@ -444,8 +444,9 @@ class WorkerPool:
         return as_cancelled(rows, self.alive, RUN_CANCELLED) if self.cancelled else rows
 
     def _say(self, message: str) -> None:
+        """A yellow line, verbatim: an error's text is no markup (``[/INST]`` would be)."""
         if self.console is not None:
-            self.console.print(message, highlight=False)
+            self.console.print(message, style="yellow", markup=False, highlight=False)
 
 
 def worker_rows(
