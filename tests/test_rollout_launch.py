@@ -590,6 +590,45 @@ def test_workers_stopped_by_crf_cancel_are_not_restarted_and_read_as_cancelled(
         pool.stop()
 
 
+def test_a_restarted_worker_s_line_says_the_error_it_failed_with(tmp_path: Path) -> None:
+    """A worker that fails with an error (its result says which, then exit 1) and is started
+    again: the line says the error, verbatim (as markup, ``[/INST]`` would end the driver
+    with a traceback), which its next attempt's result replaces in the store, so the line is
+    where the user reads why it failed (a death records none: no error)."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    flag = tmp_path / "failed-once"
+    code = (
+        "import os, pathlib, sys, time\nfrom crf import layout\nfrom crf.store import RunStore\n"
+        f"flag = pathlib.Path({str(flag)!r})\n"
+        "if not flag.exists():\n    flag.touch()\n"
+        "    error = 'ValueError: the prompt does not end with [/INST]'\n"
+        "    state = layout.WorkerState(worker=0, phase='failed', status='failed',\n"
+        "        error=error, updated_at=time.time())\n"
+        "    RunStore(os.environ['CRF_RUN_URI']).put_json(layout.worker_result_key(0),\n"
+        "        state.to_dict())\n    sys.exit(1)\ntime.sleep(600)"
+    )
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", code])
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    pool = WorkerPool(plan, start_workers(plan, spec, None, {}), store=RunStore(uri),
+                      launch_no=0, max_restarts=2, console=console)  # fmt: skip
+    try:
+        wait_for(lambda: pool.poll() and pool.restarts == {0: 1}, "its restart")
+        assert out.getvalue().strip() == (
+            "rollout worker 0 exited with code 1 (ValueError: the prompt does not end with "
+            "[/INST]): restarted it (1/2)"
+        ), out.getvalue()
+    finally:
+        pool.stop()
+
+
 def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
     """A worker that died and was started again reads as ``starting`` from the restart on
     (counts kept), before its new process writes anything: its trainer, past its first

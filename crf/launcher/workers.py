@@ -352,6 +352,7 @@ class WorkerPool:
             )
             self._mark_failed(w, status)
             return status
+        said = self._error_of(w, handle)  # its next attempt's result will replace it
         try:
             new = self.executor.relaunch(handle)
         except ExecutorError as e:
@@ -365,10 +366,18 @@ class WorkerPool:
         self.handles[index] = new
         save_worker_handles(self.store, self.launch_no, self.handles)
         self._say(
-            f"rollout worker {w} {status.message or 'failed'}: restarted it "
+            f"rollout worker {w} {status.message or 'failed'}{said}: restarted it "
             f"({self.restarts[w]}/{self.max_restarts})"
         )
         return self.executor.status(new)
+
+    def _error_of(self, w: int, handle: ReplicaHandle) -> str:
+        """`` (the error)`` worker w's ended attempt recorded in its result, or ``""`` (a
+        death records none; an earlier attempt's result says nothing of this one)."""
+        record = read_worker_state(self.store, w, final=True)
+        if record is None or not record.error or record.updated_at < handle.started_at - 1:
+            return ""
+        return f" ({record.error.strip().splitlines()[0]})"
 
     def _no_restart(self, w: int, status: ReplicaStatus) -> str | None:
         """Why worker w, which failed, is not started again (None: it is): an exit that says
