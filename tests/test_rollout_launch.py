@@ -208,6 +208,15 @@ def test_launch_refuses_what_workers_cannot_use_before_anything_starts(tmp_path:
             assert result.exit_code == 2, (args, mode, result.output)
             assert message in result.output, (args, mode, result.output)
             assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
+    # the workers' hardware without workers: --print-config writes no file that would not launch
+    for mode in (["--dry-run"], ["--print-config"]):
+        idle = cli("launch", *mode, "--backend", "modal", "--gpu", "A100", "--rollout-gpu", "L4",
+                   "--store", "s3://b/r")  # fmt: skip
+        assert idle.exit_code == 2, (mode, idle.output)
+        assert (
+            "rollout_gpu (--rollout-hardware and the other rollout_<option> backend options) "
+            "configure rollout workers: add --rollout-workers M"
+        ) in " ".join(idle.output.split())
     config = tmp_path / "run.toml"
     config.write_text("replicas = 2\nmax_staleness = 3\n")
     result = cli("launch", "-c", str(config), "--store", store)
@@ -227,6 +236,30 @@ def test_launch_refuses_what_workers_cannot_use_before_anything_starts(tmp_path:
     assert crf.dry_run(replicas=2, max_staleness=1, store=store).workers is None
     uneven = crf.dry_run(replicas=2, rollout_workers=3, store=store).workers
     assert uneven is not None and uneven["workers"] == 3
+
+
+def test_local_workers_and_replicas_together_are_capped_by_the_machine(tmp_path: Path) -> None:
+    """On the local backend the workers are processes of this machine beside the replicas,
+    each holding the model: more of both than its memory holds is refused before anything
+    starts, naming the limit (one replica with 1000 workers was accepted, and would have run
+    the machine out of memory after launching them)."""
+    from crf.executors.local import local_replica_limit
+
+    limit, _ = local_replica_limit()
+    workers = min(limit, 1024)  # one replica more than fits, or the most workers a run takes
+    store = tmp_path / "runs"
+    result = cli("launch", "--dry-run", "--store", str(store), "--replicas", "1",
+                 "--rollout-workers", str(workers))  # fmt: skip
+    if workers + 1 > limit:
+        assert result.exit_code == 2, result.output
+        assert (
+            f"--replicas 1 and --rollout-workers {workers} are {workers + 1} processes, more "
+            f"than the local backend can run: at most {limit}"
+        ) in " ".join(result.output.split()), result.output
+        assert len(result.output.strip().splitlines()) == 1 and not store.exists()
+    fits = cli("launch", "--dry-run", "--store", str(store), "--replicas", "1",
+               "--rollout-workers", str(max(1, min(limit - 1, 1024))))  # fmt: skip
+    assert fits.exit_code == 0, fits.output
 
 
 def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
@@ -294,6 +327,26 @@ def test_dry_run_without_workers_has_no_worker_rows(tmp_path: Path) -> None:
     assert not [k for k in keys if "worker" in k or k in ("policy", "correction", "both roles")]
 
 
+def test_workers_on_more_gpus_than_they_use_are_a_warning_before_launch() -> None:
+    """A worker generates in one process on one GPU: on hardware with two, the other is
+    paid for and idle. The dry run (CLI and SDK) says so, as it does for the replicas' idle
+    GPUs; one GPU per worker is silent."""
+    args = ["launch", "--dry-run", "--backend", "modal", "--gpu", "A100", "--replicas", "2",
+            "--rollout-workers", "2", "--store", "s3://no-such-bucket/runs"]  # fmt: skip
+    idle = cli(*args, "--rollout-gpu", "L4:2")
+    assert idle.exit_code == 0, idle.output
+    said = (
+        "warning: each rollout worker has 2 GPUs but generates on one, 1 idle: choose worker "
+        "hardware with one GPU (--rollout-hardware)"
+    )
+    assert said in " ".join(idle.output.split()), idle.output
+    one = cli(*args, "--rollout-gpu", "L4")
+    assert one.exit_code == 0 and "rollout worker has" not in one.output, one.output
+    plan = crf.dry_run(backend="modal", gpu="A100", replicas=2, rollout_workers=2,
+                       rollout_gpu="L4:2", store="s3://no-such-bucket/runs")  # fmt: skip
+    assert said.removeprefix("warning: ") in plan.warnings
+
+
 def test_dry_run_shows_both_roles_with_hardware_price_and_worst_case(tmp_path: Path) -> None:
     """Trainers on A100s, workers on L4s (HF Jobs): each role's hardware, hourly price and
     worst case, and both together; no network is needed."""
@@ -328,6 +381,30 @@ def test_dry_run_says_a_staleness_bound_a_round_cannot_reach(tmp_path: Path) -> 
     ) in flat
     fits = cli(*args, "--max-staleness", "3")
     assert fits.exit_code == 0 and "--max-staleness 3:" not in fits.output
+
+
+def test_dry_run_says_a_publish_interval_the_staleness_bound_cannot_span(tmp_path: Path) -> None:
+    """A version published every 4 steps serves only the steps within --max-staleness of it:
+    at a bound of 1 the replicas would generate half their batches themselves, which the
+    plan says before launch (with the settings that cover every step); a bound that spans the
+    interval, or a round shorter than it, is silent."""
+    args = ["launch", "--dry-run", "--replicas", "2", "--rollout-workers", "2",
+            "--store", str(tmp_path)]  # fmt: skip
+    result = cli(*args, "--sync-every", "20", "--publish-every", "4")
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert (
+        "warning: --publish-every 4 with --max-staleness 1: a published version serves only "
+        "the next 2 inner step(s), so the replicas generate the batches of the other steps "
+        "themselves; set --max-staleness 3, or --publish-every 2"
+    ) in flat, flat
+    # a round of 10 steps publishes after its outer step: the bound 9 covers it whatever P
+    rounds = cli(*args, "--sync-every", "10", "--publish-every", "50")
+    assert "--max-staleness 9, or --publish-every 2" in " ".join(rounds.output.split())
+    for fits in (("--publish-every", "4", "--max-staleness", "3"),
+                 ("--publish-every", "50", "--sync-every", "2")):  # fmt: skip
+        quiet = cli(*args, *fits)
+        assert quiet.exit_code == 0 and "--publish-every" not in quiet.output, quiet.output
 
 
 def test_the_workers_resources_row_names_their_own_options() -> None:
@@ -436,7 +513,8 @@ def test_a_worker_past_its_restarts_is_left_dead_saying_why(tmp_path: Path) -> N
 def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) -> None:
     """A worker that exits 3 (crf.rollouts.worker: an error a restart would raise again,
     such as a model folder only it cannot read) is left dead at once, whatever
-    --max-restarts allows, and the line says the error it recorded."""
+    --max-restarts allows, and the line says the error it recorded, verbatim (as markup, its
+    ``[/INST]`` would end the driver with a traceback)."""
     import io
 
     from rich.console import Console
@@ -446,7 +524,8 @@ def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) 
     uri = f"file://{tmp_path}/r"
     store = RunStore(uri)
     failed = layout.WorkerState(worker=0, serves=0, phase="failed", status="failed",
-                                error="FileNotFoundError: --model /m: no such folder")  # fmt: skip
+                                error="ValueError: --model /m: its chat template ends "
+                                      "without [/INST]")  # fmt: skip
     store.put_json(layout.worker_result_key(0), failed.to_dict())
     spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
     plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", "exit(3)"])
@@ -457,8 +536,97 @@ def test_a_worker_whose_error_would_come_again_is_not_restarted(tmp_path: Path) 
     assert pool.restarts == {0: 0}
     assert out.getvalue().strip() == (
         "rollout worker 0 exited with code 3; not restarting it (a restart would fail the same "
-        "way: FileNotFoundError: --model /m: no such folder): its trainer generates for itself"
+        "way: ValueError: --model /m: its chat template ends without [/INST]): its trainer "
+        "generates for itself"
     ), out.getvalue()
+
+
+def test_workers_stopped_by_crf_cancel_are_not_restarted_and_read_as_cancelled(
+    tmp_path: Path,
+) -> None:
+    """``crf cancel`` from another process stops a watched run's workers as it stops its
+    replicas: the driver's pool finds them ended by a signal, which to its executor looks
+    like a death. It must not start them again, and its summary shows them cancelled with
+    the run (not ``failed: killed by SIGTERM``), as ``crf cancel``'s own summary does."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.driver import _stop_workers
+    from crf.launcher.workers import (
+        WorkerPlan,
+        read_worker_handles,
+        save_worker_handles,
+        start_workers,
+    )
+
+    uri = f"file://{tmp_path}/r"
+    store = RunStore(uri)
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=2).validate()
+    live = [sys.executable, "-c", "import time; time.sleep(600)"]
+    plan = WorkerPlan(2, 1, LocalProcessExecutor(), command=live)
+    out = io.StringIO()
+    handles = start_workers(plan, spec, None, {})
+    pool = WorkerPool(plan, handles, store=store, launch_no=0, max_restarts=3,
+                      console=Console(file=out, width=300))  # fmt: skip
+    save_worker_handles(store, 0, handles)
+    try:
+        assert all(not s.terminal for s in pool.poll())
+        # crf cancel, elsewhere: the request first, then its own executor stops the workers
+        store.put_json(layout.cancel_key(0), {"requested_at": time.time()})
+        LocalProcessExecutor().cancel_all(read_worker_handles(store, 0))
+
+        def ended() -> bool:  # or started again: either ends the wait
+            statuses = pool.poll()
+            return any(pool.restarts.values()) or all(s.terminal for s in statuses)
+
+        wait_for(ended, "both workers' end")
+        assert pool.restarts == {0: 0, 1: 0}, out.getvalue()
+        assert "restarted" not in out.getvalue()
+        rows = _stop_workers(pool, cancelled=True)["workers"]
+        assert [(r["worker"], r["state"]) for r in rows] == [(0, "cancelled"), (1, "cancelled")]
+        assert all("cancelled with the run" in r["message"] for r in rows), rows
+    finally:
+        pool.stop()
+
+
+def test_a_restarted_worker_s_line_says_the_error_it_failed_with(tmp_path: Path) -> None:
+    """A worker that fails with an error (its result says which, then exit 1) and is started
+    again: the line says the error, verbatim (as markup, ``[/INST]`` would end the driver
+    with a traceback), which its next attempt's result replaces in the store, so the line is
+    where the user reads why it failed (a death records none: no error)."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.workers import WorkerPlan, start_workers
+
+    uri = f"file://{tmp_path}/r"
+    flag = tmp_path / "failed-once"
+    code = (
+        "import os, pathlib, sys, time\nfrom crf import layout\nfrom crf.store import RunStore\n"
+        f"flag = pathlib.Path({str(flag)!r})\n"
+        "if not flag.exists():\n    flag.touch()\n"
+        "    error = 'ValueError: the prompt does not end with [/INST]'\n"
+        "    state = layout.WorkerState(worker=0, phase='failed', status='failed',\n"
+        "        error=error, updated_at=time.time())\n"
+        "    RunStore(os.environ['CRF_RUN_URI']).put_json(layout.worker_result_key(0),\n"
+        "        state.to_dict())\n    sys.exit(1)\ntime.sleep(600)"
+    )
+    spec = RunSpec(run_id="r", run_uri=uri, replicas=1, rollout_workers=1).validate()
+    plan = WorkerPlan(1, 1, LocalProcessExecutor(), command=[sys.executable, "-c", code])
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    pool = WorkerPool(plan, start_workers(plan, spec, None, {}), store=RunStore(uri),
+                      launch_no=0, max_restarts=2, console=console)  # fmt: skip
+    try:
+        wait_for(lambda: pool.poll() and pool.restarts == {0: 1}, "its restart")
+        assert out.getvalue().strip() == (
+            "rollout worker 0 exited with code 1 (ValueError: the prompt does not end with "
+            "[/INST]): restarted it (1/2)"
+        ), out.getvalue()
+    finally:
+        pool.stop()
 
 
 def test_a_restarted_worker_reads_as_starting_at_once(tmp_path: Path) -> None:
@@ -522,6 +690,24 @@ def test_summary_counts_what_workers_produced_and_what_each_trainer_used() -> No
     assert t1["staleness_mean"] == 2.0 and t1["by_worker"] == {"w1": 16}
     assert section["rollouts_used"] == 72 and section["share"] == pytest.approx(72 / 128)
     assert "workers" not in build_summary(spec=spec, results=[], started_at=0.0)
+
+
+def test_a_worker_yet_to_write_its_heartbeat_reads_as_its_process_state() -> None:
+    """While a worker starts (its process runs, its heartbeat is not written yet: the first
+    seconds locally, minutes while a cloud container starts) the live table shows its
+    process's state, never "None"; once it beats, its phase."""
+    from rich.console import Console
+
+    beating = layout.WorkerState(worker=1, serves=1, phase="generating")
+    row = rollout_view.worker_row
+    rows = [row(0, "pending", None), row(2, "running", None), row(1, "running", beating)]
+    console = Console(record=True, width=120, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(rollout_view.workers_table(rows, 120))
+    text = console.export_text()
+    assert "None" not in text, text
+    cells = [line.split() for line in text.splitlines()]
+    states = {c[0]: c[2] for c in cells if c and c[0][:1] == "w" and c[0][1:].isdigit()}
+    assert states == {"w0": "pending", "w2": "running", "w1": "generating"}, text
 
 
 def test_the_summary_says_why_each_failed_worker_failed() -> None:

@@ -256,14 +256,21 @@ def gather(
     if record.get("resumed_from_round") is not None:
         extra["resumed_from_round"] = record["resumed_from_round"]
     if run.workers and run.worker_executor is not None:
-        from crf.launcher.workers import as_cancelled, drop_untaken, running_workers
+        from crf.launcher.workers import (
+            RUN_CANCELLED,
+            TRAINERS_ENDED,
+            as_cancelled,
+            drop_untaken,
+            running_workers,
+        )
 
         # the trainers have ended: so has what their workers generate for them
         running = running_workers(run.worker_executor, run.workers)
         with contextlib.suppress(Exception):  # best effort: a worker also ends by itself
             run.worker_executor.cancel_all(run.workers)
         drop_untaken(run.store, run.spec.replicas)
-        extra["workers"] = as_cancelled(run.worker_rows(), running)
+        why = RUN_CANCELLED if cancelled else TRAINERS_ENDED
+        extra["workers"] = as_cancelled(run.worker_rows(), running, why)
     return finish_run(
         run.spec,
         run.store,

@@ -492,6 +492,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
         trl_config_name,
     )
     from crf.launcher.user_env import check_plain_env
+    from crf.launcher.workers import check_worker_hardware, split_options
 
     if flags["resume"] is not None:
         _fail("--print-config cannot be combined with --resume (the run's options are in its "
@@ -499,6 +500,7 @@ def _print_config(options: dict[str, Any], flags: dict[str, Any], backend: dict)
     try:
         RestartPolicy(flags["max_restarts"], flags["max_run_restarts"]).validate()
         spec = checked_spec(options)
+        check_worker_hardware(spec, split_options(spec.backend, backend)[1])
         knobs, trl = job_settings(spec)
         store_base(flags["store"])  # a typo or credentials in --store: refused, not printed
         check_plain_env(spec)  # a credential in --env: refused, not printed

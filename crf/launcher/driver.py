@@ -202,12 +202,13 @@ def _start_workers(
                       max_restarts=plan.restart.max_restarts, console=console)  # fmt: skip
 
 
-def _stop_workers(pool: WorkerPool | None) -> dict[str, Any]:
-    """The trainers are done, so is what the workers generate for them: cancel the ones
-    still running; their rows for the summary (``{}`` without workers)."""
+def _stop_workers(pool: WorkerPool | None, cancelled: bool = False) -> dict[str, Any]:
+    """The trainers are done (or, ``cancelled``, the run was), so is what the workers
+    generate for them: cancel the ones still running; their rows for the summary (``{}``
+    without workers)."""
     if pool is None:
         return {}
-    pool.stop()
+    pool.stop(cancelled=cancelled)
     return {"workers": pool.collect()}
 
 
@@ -284,7 +285,7 @@ def run(
     sup = Supervisor(plan, handles, launch_no=launch_no, console=console if report else None)
     sup.workers = pool
     error, cancelled = _watched(plan, sup, console, progress, timeout_s, poll_s, started)
-    extra |= _stop_workers(pool)
+    extra |= _stop_workers(pool, cancelled)
     if plan.notes:  # printed above; kept in the result for a caller that did not watch
         extra["warnings"] = list(plan.notes)
     if sup.fatal is not None:  # an input error ended the run: that is its one-line reason

@@ -32,11 +32,17 @@ from crf.launcher.user_env import (
     resolve_secrets,
     tracking_warnings,
 )
+from crf.launcher.workers import (
+    WorkerPlan,
+    check_rollout_options,
+    idle_worker_gpus,
+    plan_workers,
+    split_options,
+)
 from crf.spec import RunSpec, SpecError, new_run_id, run_options
 
 if TYPE_CHECKING:
     from crf.executors.workdir import PackedWorkdir
-    from crf.launcher.workers import WorkerPlan
     from crf.store import RunStore
 
 DEFAULT_STORE = "./crf-runs"
@@ -342,7 +348,6 @@ def prepare(
     name. With ``dry_run``, what an account or a setup step provides (credentials, store
     access, a client library) does not stop the checks: it is listed in ``Plan.missing``.
     """
-    from crf.launcher.workers import check_rollout_options, plan_workers, split_options
     from crf.store import join_uri
 
     values = launch_options(options)
@@ -390,6 +395,7 @@ def prepare(
             workers = plan_workers(spec, executor, backend_options, rollout_options)
             missing += check_workers(spec, workers, executor, dry_run, missing)
             notes = job_notes(spec, rows)  # the job may be the workdir's
+            notes += idle_worker_gpus(workers)  # GPUs paid for that no worker uses
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
             notes += tracking_warnings(spec)  # local wandb without a key: no tracking
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
@@ -495,8 +501,6 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def checked_spec(options: Mapping[str, Any] | None) -> RunSpec:
     """The RunSpec of :func:`check_options` (its job_config typed); no store, no backend."""
-    from crf.launcher.workers import check_rollout_options
-
     values = launch_options(options)
     job_options, entrypoint = values.pop("job_config", None), values.pop("entrypoint", None)
     run_id = values.pop("run_id", None)

@@ -149,8 +149,8 @@ def workers_table(
     def cells(key: str) -> list[Any]:
         return [_fmt(r.get(key)) for r in rows]
 
-    state = [
-        str(r.get("phase") if r.get("state") in ("running", "pending") else r.get("state"))
+    state = [  # its phase while it runs; its process's state before its first heartbeat
+        str((r.get("state") in ("running", "pending") and r.get("phase")) or r.get("state"))
         for r in rows
     ]
     cols = [

@@ -45,6 +45,10 @@ CONTRACT_EXIT = 2
 #: a worker's exit code when it failed with an error a restart would raise again (its own
 #: input: a model folder, a dataset it cannot read; crf.rollouts.worker), as a replica's
 UNRECOVERABLE_EXIT = 3
+#: why a worker that was running reads as cancelled: its trainers were done, or the run
+#: itself was cancelled (crf cancel, Ctrl-C)
+TRAINERS_ENDED = "cancelled: its trainers had ended"
+RUN_CANCELLED = "cancelled with the run"
 #: a backend option given for the workers only: ``rollout_<option>``
 PREFIX = "rollout_"
 #: the workers' hardware under the generic names (as --hardware, --gpu, --flavor, ...)
@@ -146,6 +150,17 @@ def check_rollout_options(spec: RunSpec) -> None:
         )
 
 
+def check_worker_hardware(spec: RunSpec, overrides: Mapping[str, Any]) -> None:
+    """LaunchError for the workers' own backend options (``rollout_<option>``, unprefixed in
+    ``overrides``) given without ``--rollout-workers``: the run would start no worker."""
+    if overrides and not spec.rollout_workers:
+        names = ", ".join(f"{PREFIX}{k}" for k in overrides)
+        raise LaunchError(
+            f"{names} (--rollout-hardware and the other rollout_<option> backend options) "
+            "configure rollout workers: add --rollout-workers M, or leave them out"
+        )
+
+
 def plan_workers(
     spec: RunSpec,
     executor: ServerlessExecutor,
@@ -157,12 +172,7 @@ def plan_workers(
     from crf.executors.registry import make_executor
 
     if not spec.rollout_workers:
-        if overrides:
-            names = ", ".join(f"{PREFIX}{k}" for k in overrides)
-            raise LaunchError(
-                f"{names} (--rollout-hardware and the other rollout_<option> backend options) "
-                "configure rollout workers: add --rollout-workers M, or leave them out"
-            )
+        check_worker_hardware(spec, overrides)
         return None
     if not executor.starts_workers():
         raise LaunchError(
@@ -176,6 +186,7 @@ def plan_workers(
             f"replica's hardware has {spec.procs_per_replica} GPUs, which would start that "
             "many trainer processes): pass --procs-per-replica 1"
         )
+    check_machine_limit(spec, executor)
     worker_executor = executor
     if overrides:
         try:
@@ -183,6 +194,35 @@ def plan_workers(
         except ExecutorError as e:
             raise LaunchError(f"rollout workers: {e}") from None
     return WorkerPlan(spec.rollout_workers, spec.replicas, worker_executor, dict(overrides))
+
+
+def idle_worker_gpus(plan: WorkerPlan | None) -> list[str]:
+    """The plan's warning when each worker's hardware has more than one GPU: a worker
+    generates in one process on one GPU, so the others are paid for and sit idle."""
+    gpus = plan.executor.gpus_per_replica() if plan is not None else 0
+    if gpus <= 1:
+        return []
+    return [
+        f"each rollout worker has {gpus} GPUs but generates on one, {gpus - 1} idle: choose "
+        "worker hardware with one GPU (--rollout-hardware)"
+    ]
+
+
+def check_machine_limit(spec: RunSpec, executor: ServerlessExecutor) -> None:
+    """LaunchError when the replicas and workers together are more processes than the
+    backend can run at once (the local backend: this machine's memory, where each worker
+    holds the model as a replica does); a cloud backend's quotas answer at launch."""
+    limit_of = getattr(executor, "replica_limit", None)
+    found = limit_of() if callable(limit_of) else None
+    total = spec.replicas + spec.rollout_workers
+    if found is None or total <= found[0]:
+        return
+    limit, why = found
+    raise LaunchError(
+        f"--replicas {spec.replicas} and --rollout-workers {spec.rollout_workers} are {total} "
+        f"processes, more than the {executor.name} backend can run: at most {limit} ({why}, "
+        "and a worker holds the model as a replica does); lower them or use a cloud backend"
+    )
 
 
 def saved_rollout_options(run_uri: str) -> dict[str, Any]:
@@ -269,6 +309,11 @@ class WorkerPool:
         self.restarts = {h.rank: 0 for h in handles}
         self.not_restarted: dict[int, str] = {}
         self.stopped = False
+        #: ``crf cancel`` asked this launch to stop (``launches/<k>/cancel.json``), or the
+        #: driver was interrupted: the workers end with the run, not by a death
+        self.cancelled = False
+        #: the workers whose process ran at the latest poll before a cancel
+        self.alive: set[int] = {h.rank for h in handles}
 
     @property
     def executor(self) -> ServerlessExecutor:
@@ -286,26 +331,33 @@ class WorkerPool:
             if status.state is ReplicaState.FAILED and not self.stopped:
                 status = self._restart(i, handle, status)
             out.append(status)
+        if not self.cancelled:  # else the workers the cancel found running stay alive
+            ended = {h.rank for h, st in zip(self.handles, out, strict=True) if st.state.terminal}
+            self.alive = {h.rank for h in self.handles} - ended
         return out
 
     def _restart(self, index: int, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaStatus:
         w = handle.rank
         if w in self.not_restarted:
             return status
+        if self._cancel_requested():  # crf cancel stopped it, elsewhere: not a death
+            self.cancelled = self.stopped = True
+            return status
         why = self._no_restart(w, status)
         if why is not None:
             self.not_restarted[w] = why
             self._say(
-                f"[yellow]rollout worker {w} {status.message or 'failed'}; not restarting it "
-                f"({why}): its trainer generates for itself[/]"
+                f"rollout worker {w} {status.message or 'failed'}; not restarting it "
+                f"({why}): its trainer generates for itself"
             )
             self._mark_failed(w, status)
             return status
+        said = self._error_of(w, handle)  # its next attempt's result will replace it
         try:
             new = self.executor.relaunch(handle)
         except ExecutorError as e:
             self.not_restarted[w] = f"relaunch failed: {e}"
-            self._say(f"[yellow]rollout worker {w}: could not restart it: {e}[/]")
+            self._say(f"rollout worker {w}: could not restart it: {e}")
             self._mark_failed(w, status)
             return status
         new.extra["role"] = layout.ROLE_ROLLOUT
@@ -314,10 +366,18 @@ class WorkerPool:
         self.handles[index] = new
         save_worker_handles(self.store, self.launch_no, self.handles)
         self._say(
-            f"[yellow]rollout worker {w} {status.message or 'failed'}: restarted it "
-            f"({self.restarts[w]}/{self.max_restarts})[/]"
+            f"rollout worker {w} {status.message or 'failed'}{said}: restarted it "
+            f"({self.restarts[w]}/{self.max_restarts})"
         )
         return self.executor.status(new)
+
+    def _error_of(self, w: int, handle: ReplicaHandle) -> str:
+        """`` (the error)`` worker w's ended attempt recorded in its result, or ``""`` (a
+        death records none; an earlier attempt's result says nothing of this one)."""
+        record = read_worker_state(self.store, w, final=True)
+        if record is None or not record.error or record.updated_at < handle.started_at - 1:
+            return ""
+        return f" ({record.error.strip().splitlines()[0]})"
 
     def _no_restart(self, w: int, status: ReplicaStatus) -> str | None:
         """Why worker w, which failed, is not started again (None: it is): an exit that says
@@ -334,6 +394,14 @@ class WorkerPool:
                 f"{self.restarts[w]} time(s)"
             )
         return None
+
+    def _cancel_requested(self) -> bool:
+        """Whether ``crf cancel`` (from any process) asked this launch to stop: it stops the
+        workers too, and to this executor a worker it stopped looks like a dead one."""
+        try:
+            return self.store.exists(layout.cancel_key(self.launch_no))
+        except Exception:  # noqa: BLE001 - unreadable: judge the worker as a death
+            return False
 
     def _mark_failed(self, w: int, status: ReplicaStatus) -> None:
         """Say in worker w's heartbeat that it is gone for good (phase ``failed``, its
@@ -353,9 +421,11 @@ class WorkerPool:
         with contextlib.suppress(Exception):  # bookkeeping must never stop a run
             self.store.put_json(layout.worker_state_key(w), state.to_dict())
 
-    def stop(self) -> None:
-        """The trainers are done (or the run is stopped): cancel the workers still running."""
+    def stop(self, *, cancelled: bool = False) -> None:
+        """The trainers are done (or, ``cancelled``, the run was): cancel the workers still
+        running."""
         self.stopped = True
+        self.cancelled = self.cancelled or cancelled
         with contextlib.suppress(Exception):  # best effort: they stop with their timeout too
             self.executor.cancel_all(self.handles)
         drop_untaken(self.store, self.plan.trainers)
@@ -377,12 +447,15 @@ class WorkerPool:
         ]
 
     def collect(self) -> list[dict[str, Any]]:
-        """One row per worker for the summary: its process's end and its own account."""
-        return worker_rows(self.executor, self.handles, self.store, self.restarts)
+        """One row per worker for the summary: its process's end and its own account; in a
+        cancelled run, the workers that ran until the cancel read as cancelled with it."""
+        rows = worker_rows(self.executor, self.handles, self.store, self.restarts)
+        return as_cancelled(rows, self.alive, RUN_CANCELLED) if self.cancelled else rows
 
     def _say(self, message: str) -> None:
+        """A yellow line, verbatim: an error's text is no markup (``[/INST]`` would be)."""
         if self.console is not None:
-            self.console.print(message, highlight=False)
+            self.console.print(message, style="yellow", markup=False, highlight=False)
 
 
 def worker_rows(
@@ -433,13 +506,16 @@ def running_workers(executor: ServerlessExecutor, handles: Sequence[ReplicaHandl
     return out
 
 
-def as_cancelled(rows: list[dict[str, Any]], running: set[int]) -> list[dict[str, Any]]:
-    """``rows`` with each worker that was still running when the summary cancelled it shown
-    ``cancelled``, unless it ended by itself first: from another process than the one that
-    started it, the backend sees only that it ended without an ok result (``failed``)."""
+def as_cancelled(
+    rows: list[dict[str, Any]], running: set[int], why: str = TRAINERS_ENDED
+) -> list[dict[str, Any]]:
+    """``rows`` with each worker that was still running when it was cancelled shown
+    ``cancelled`` (``why`` its message), unless it ended by itself first: from another
+    process than the one that started it, the backend sees only that it ended without an ok
+    result (``failed``)."""
     for row in rows:
         if row["worker"] in running and row["state"] != "succeeded":
-            row["state"], row["message"] = "cancelled", "cancelled: its trainers had ended"
+            row["state"], row["message"] = "cancelled", why
     return rows
 
 

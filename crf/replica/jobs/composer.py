@@ -569,7 +569,7 @@ def notes(cfg: Config, spec: Any, rows: list[dict[str, Any]]) -> list[str]:
     """The launch's warnings (printed by it and by its dry run): completions shorter than
     the longest answer or trace in the sampled rows of --dataset (crf/replica/
     trl_settings.py, completion_notes), and a staleness bound the rollout workers can never
-    reach (:func:`staleness_notes`)."""
+    reach or one too short for --publish-every (:func:`staleness_notes`)."""
     from crf.replica.trl_settings import completion_notes
 
     model = getattr(spec, "model", None)
@@ -582,15 +582,35 @@ def staleness_notes(spec: Any) -> list[str]:
     """A ``--max-staleness`` beyond what a round allows: no rollout crosses an outer step
     (crf.rollouts.config.in_bound), which comes every H / fragments inner steps, so a bound
     of that many steps or more allows nothing more than one step less; said so that the
-    user does not count on the larger one."""
+    user does not count on the larger one. A bound within the round is checked against
+    ``--publish-every`` (:func:`publish_notes`)."""
     period = getattr(spec, "sync_period", 0)
     bound = getattr(spec, "max_staleness", 0)
-    if not getattr(spec, "rollout_workers", 0) or not period or bound < period:
+    if not getattr(spec, "rollout_workers", 0) or not period:
         return []
+    if bound < period:
+        return publish_notes(spec, period, bound)
     return [
         f"--max-staleness {bound}: no rollout crosses an outer step (every {period} inner "
         f"step(s) here), so none is more than {period - 1} step(s) stale whatever the bound; "
         f"set --max-staleness {period - 1} or less, or raise --sync-every"
+    ]
+
+
+def publish_notes(spec: Any, period: int, bound: int) -> list[str]:
+    """A ``--publish-every`` the staleness bound cannot span: a version (published every
+    P inner steps and after each outer step, every ``period``) serves only the ``bound`` + 1
+    steps from its own, so the trainer generates the batches of the steps after those
+    itself (docs/rollout-workers.md, "When workers pay off")."""
+    every = int(getattr(spec, "publish_every", 1) or 1)
+    interval = min(every, period)  # the steps between two published versions at most
+    if bound + 1 >= interval:
+        return []
+    return [
+        f"--publish-every {every} with --max-staleness {bound}: a published version serves "
+        f"only the next {bound + 1} inner step(s), so the replicas generate the batches of "
+        f"the other steps themselves; set --max-staleness {interval - 1}, or --publish-every "
+        f"{bound + 1}"
     ]
 
 
