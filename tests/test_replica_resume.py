@@ -22,12 +22,12 @@ H, ROUNDS, N = 3, 4, 2
 _LOCK = threading.Lock()
 
 
-def new_store(**options) -> tuple[RunStore, RunSpec]:
+def new_store(n: int = N, **options) -> tuple[RunStore, RunSpec]:
     store = RunStore(f"memory://resume-test/{uuid.uuid4().hex}")
     spec = RunSpec(
         run_id="resume",
         run_uri=store.uri,
-        replicas=N,
+        replicas=n,
         sync_every=H,
         rounds=ROUNDS,
         round_timeout_s=30,
@@ -38,7 +38,7 @@ def new_store(**options) -> tuple[RunStore, RunSpec]:
 
 
 def train(store: RunStore, spec: RunSpec, rank: int, stop_after_round: int | None = None):
-    ctx = ReplicaContext(store, spec, rank, N, shard_grace_s=2.0)
+    ctx = ReplicaContext(store, spec, rank, spec.replicas, shard_grace_s=2.0)
     with _LOCK:
         torch.manual_seed(ctx.seed)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -65,18 +65,24 @@ SPARSE = {"wire_dtype": "topk4", "sparse_density": 0.1}
 SPARSE_FRAGMENTS = {"wire_dtype": "topk8", "sparse_outer": "diloco", "fragments": 3}
 
 
-@pytest.mark.parametrize("options", [{}, SPARSE, SPARSE_FRAGMENTS], ids=["fp32", "topk", "frag"])
-def test_resume_is_bit_identical_to_uninterrupted(options: dict) -> None:
-    ref_store, ref_spec = new_store(**options)
-    ref = run_threads(N, lambda r: train(ref_store, ref_spec, r))
+@pytest.mark.parametrize(
+    ("n", "options"),
+    [(N, {}), (N, SPARSE), (N, SPARSE_FRAGMENTS), (1, {}), (1, SPARSE_FRAGMENTS)],
+    ids=["fp32", "topk", "frag", "one-replica", "one-replica-frag"],
+)
+def test_resume_is_bit_identical_to_uninterrupted(n: int, options: dict) -> None:
+    """Also for a run of one replica: it exchanges nothing, but it checkpoints as any run
+    does, so a killed run continues where it was instead of starting over."""
+    ref_store, ref_spec = new_store(n, **options)
+    ref = run_threads(n, lambda r: train(ref_store, ref_spec, r))
     ref_state = ref[0][1].state_dict()
 
-    store, spec = new_store(**options)
-    run_threads(N, lambda r: train(store, spec, r, stop_after_round=1))
+    store, spec = new_store(n, **options)
+    run_threads(n, lambda r: train(store, spec, r, stop_after_round=1))
     f = spec.fragments  # exchange rounds per outer round
     last = 2 * f - 1  # the exchange round the replicas were killed after
     assert store.list("global")[-1] == str(last)
-    out = run_threads(N, lambda r: train(store, spec, r))  # restart everyone
+    out = run_threads(n, lambda r: train(store, spec, r))  # restart everyone
     for ctx, model, start in out:
         assert ctx.resumed_from == last and ctx.resumed_inner and start == 2 * H
         assert ctx.manager.rounds_committed == (ROUNDS - 2) * f

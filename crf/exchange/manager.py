@@ -377,8 +377,9 @@ class ObjectStoreManager:
             self._step = r + 1
             self.base_round = r
             parts = sorted(self.last_result.participants if self.last_result else [self.rank])
-            if self.exchange.world_size > 1 and self.rank in parts:
-                # its part (shard owner's) written after the outer step (after_outer_step)
+            if self.rank in parts:
+                # its part (shard owner's) written after the outer step (after_outer_step);
+                # a run of one replica writes the whole state, as its resume needs it too
                 self.checkpoints.owe(r, parts.index(self.rank), len(parts))
             else:
                 self.checkpoints.forget_cached()  # the participants hold the newest state
