@@ -245,6 +245,40 @@ def test_a_run_of_one_replica_resumes_where_it_was_killed(tmp_path: Path) -> Non
     assert result["weights_sha256"] == reference["weights_sha256"]
 
 
+@pytest.mark.e2e
+def test_a_run_whose_replicas_all_finished_is_not_resumed_but_gathered(tmp_path: Path) -> None:
+    """A detached run nobody gathered: its replicas all reported ok after their last step,
+    and no summary exists. ``--resume`` would start every replica again to train nothing;
+    it says the run finished and that ``crf status`` writes its summary, which it does."""
+    base = tmp_path / "bucket"
+    launch = subprocess.run(
+        crf_cmd("launch", "--store", str(base), "--run-id", "det", "--detach", "--job", "lm",
+                "-n", "2", "-H", "2", "-r", "2", *TINY_SETS),
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert launch.returncode == 0, launch.stdout + launch.stderr
+    run = base / "det"
+
+    def finished() -> bool:
+        try:
+            results = [json.loads((run / f"results/{k}.json").read_text()) for k in (0, 1)]
+        except (OSError, ValueError):
+            return False
+        return all(r["status"] == "ok" for r in results)
+
+    _wait(finished, 240, "both replicas to finish")
+    pids = [json.loads((run / f"replicas/{k}/state.json").read_text())["pid"] for k in (0, 1)]
+    _wait(lambda: not any(_alive(p) for p in pids), 60, "the replica processes to exit")
+    assert not (run / "result.json").exists()
+    resumed = _cli("launch", "--resume", "det", "--store", str(base))
+    assert resumed.exit_code == 2, resumed.output
+    assert "run det already finished: every replica reported ok" in resumed.output
+    assert f"crf status det --store file://{base}" in resumed.output
+    assert sorted(p.name for p in (run / "launches").glob("*.json")) == ["0.json"]
+    assert _cli("status", "det", "--store", str(base)).exit_code == 0
+    assert json.loads((run / "result.json").read_text())["status"] == "ok"
+
+
 # ---------------------------------------------------------------------- refusals
 
 

@@ -53,6 +53,7 @@ class _Found:
     rounds: list[int]  # global rounds whose state landed
     inner: dict[int, set[int]]  # rank -> rounds it saved its inner state for
     backend_options: dict[str, Any]  # those it was launched with (backend.json)
+    finished: bool = False  # every replica reported ok after its last step (results/<k>)
 
 
 def _read_run(store: str | None, run_id: str) -> _Found:
@@ -85,7 +86,25 @@ def _read_found(run_store: RunStore) -> _Found:
         rounds=layout.global_rounds(run_store, complete=True),
         inner={k: set(layout.inner_rounds(run_store, k)) for k in range(spec.replicas)},
         backend_options=saved_backend_options(run_store),
+        finished=_replicas_finished(run_store, spec),
     )
+
+
+def _replicas_finished(run_store: RunStore, spec: RunSpec) -> bool:
+    """Whether every replica's result says it finished ok after the run's last step: a run
+    whose driver stopped (killed, or a detached launch nobody gathered) before it wrote the
+    summary. A resume would start every replica again only to find nothing left to train."""
+    for rank in range(spec.replicas):
+        try:
+            result = run_store.get_json(layout.result_key(rank))
+        except Exception:  # noqa: BLE001 - none, or unreadable: not known to have finished
+            return False
+        if not isinstance(result, dict) or result.get("status") != "ok":
+            return False
+        steps = result.get("steps")
+        if not isinstance(steps, int) or steps < spec.total_steps:
+            return False
+    return spec.replicas > 0
 
 
 def _live(run_store: RunStore, spec: RunSpec) -> list[str]:
@@ -103,6 +122,13 @@ def _refuse(run_id: str, found: _Found, backend: str | None) -> None:
     if found.previous == "ok":
         raise LaunchError(
             f"run {run_id} already finished (result.json says ok); there is nothing to resume"
+        )
+    if found.previous is None and found.finished and not found.live:
+        raise LaunchError(
+            f"run {run_id} already finished: every replica reported ok after its last step, "
+            f"but its summary was never written (its driver stopped first); `crf status "
+            f"{run_id} --store {found.uri.rstrip('/').rsplit('/', 1)[0]}` writes it. There is "
+            "nothing to resume"
         )
     if found.live:
         raise LaunchError(
