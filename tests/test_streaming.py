@@ -129,6 +129,48 @@ def test_streaming_run_ends_identical_with_one_round_per_fragment_sync(tmp_path:
     assert len({store.get_json(f"results/{r}.json")["weights_sha256"] for r in range(N)}) == 1
 
 
+def test_a_round_end_evaluation_sees_the_global_model_and_training_goes_on_unchanged(
+    tmp_path: Path,
+) -> None:
+    """At each round's end ``global_weights`` puts every fragment's global copy in the
+    model (its own weights then hold local training since the earlier fragments' syncs): the
+    last round's global model is the model the run ends with, and the replica's own weights
+    come back bit for bit, so the run ends as one that never looked (the reference)."""
+    ref_store, ref_spec = new_run(tmp_path / "ref", fragments=F)
+    reference = run_threads(N, lambda r: train(ref_store, ref_spec, r))[0][1].state_dict()
+    store, spec = new_run(tmp_path / "looked", fragments=F)
+
+    def looking(rank: int) -> Any:
+        ctx = ReplicaContext(store, spec, rank, N, shard_grace_s=2.0)
+        model = build()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        seen: list[dict[str, torch.Tensor]] = []
+        with ctx.diloco(model, opt):
+            while ctx.step < ctx.total_steps:
+                x = torch.randn(
+                    8, 4, generator=torch.Generator().manual_seed(ctx.data_seed * 997 + ctx.step)
+                )
+                loss = ((model(x) - x[:, :2]) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ctx.log_step(loss=loss.item())
+                if ctx.step % H == 0:
+                    own = {k: v.clone() for k, v in model.state_dict().items()}
+                    with ctx.global_weights():
+                        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+                    assert all(torch.equal(own[k], v) for k, v in model.state_dict().items())
+        ctx.finish({})
+        return model, seen
+
+    for model, seen in run_threads(N, looking):
+        final = model.state_dict()
+        assert len(seen) == ROUNDS
+        assert any(not torch.equal(seen[0][k], v) for k, v in final.items())  # it moved
+        assert all(torch.equal(seen[-1][k], v) for k, v in final.items())
+        assert all(torch.equal(reference[k], v) for k, v in final.items())
+
+
 def test_streaming_resume_mid_round_matches_uninterrupted(tmp_path: Path) -> None:
     """Stopped after the first fragment's sync of outer round 1: the replicas resume from the
     end of outer round 0 (the checkpoint's period is an outer round), run round 1 again and

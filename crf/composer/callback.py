@@ -166,7 +166,11 @@ class DiLoCoCallback(TrainerCallback):
         if self.ctx is not None:
             extra = {k: v for k, v in record.items() if k not in ("step", "loss")}
             if self.round_eval is not None and _at_round_end(self.ctx):
-                extra.update({k: v for k, v in self.round_eval().items() if v is not None})
+                # the round's global model (with fragments, not the replica's own weights)
+                weights = getattr(self.ctx, "global_weights", contextlib.nullcontext)
+                with weights():
+                    scores = self.round_eval()
+                extra.update({k: v for k, v in scores.items() if v is not None})
             if self.rollouts is not None and _at_round_end(self.ctx):
                 self.ctx.log_rollouts(self.rollouts.take_counts())
             self.ctx.log_step(loss=record["loss"], **extra)

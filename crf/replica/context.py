@@ -440,6 +440,29 @@ class ReplicaContext:
                 for name, p in frag.named_parameters():
                     p.data.copy_(glob[name])
 
+    @contextlib.contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """The global model in the weights while the block runs (a held-out evaluation at a
+        round's end), then this replica's own weights back, bit for bit. With Streaming
+        DiLoCo (``fragments > 1``) a replica's weights at a round's end hold the last
+        fragment's new global copy but the other fragments' local training since their
+        syncs; the round's global model, and what the run ends with and exports, is every
+        fragment's global copy. Without fragments the weights are the global model already."""
+        if self.spec.fragments <= 1 or not self._split or self.manager is None:
+            yield
+            return
+        with torch.no_grad():
+            own = [[p.detach().to("cpu", copy=True) for p in f.parameters()]
+                   for f in self.fragments]  # fmt: skip
+        self._load_fragments(self.manager.state_dict())
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for frag, kept in zip(self.fragments, own, strict=True):
+                    for p, t in zip(frag.parameters(), kept, strict=True):
+                        p.data.copy_(t)
+
     @property
     def _split(self) -> bool:
         """Whether the exchanged parameters are fragments apart from the model (Streaming
