@@ -407,7 +407,7 @@ def list_runs(
     base = RunStore(store_base(store), retries=1)  # LaunchError: blank, a typo, credentials
     rows = []
     for name in sorted(base.list()):
-        row = _run_row(base.child(name))
+        row = run_row(base.child(name))
         if row is not None:
             rows.append(row)
     rows.sort(key=lambda r: r.get("created_at") or 0, reverse=True)
@@ -579,7 +579,7 @@ def _partly_deleted(run_id: str, st: Any, count: int, e: BaseException) -> str:
     )
 
 
-def _run_row(st: Any) -> dict[str, Any] | None:
+def run_row(st: Any) -> dict[str, Any] | None:
     """The ``crf runs`` row of one folder, or None if it holds no run. A run whose run.json
     cannot be read is listed as ``damaged`` with why (the file and the field), so one bad
     folder neither hides the others nor stops the listing."""

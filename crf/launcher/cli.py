@@ -961,9 +961,9 @@ def plot(
 def _nothing_to_plot(st: Any, run_id: str) -> str:
     """Why a run has no figure: still before its first round, or it ended (failed, was
     cancelled, stopped) before recording one, so that trying again would not help."""
-    from crf.launcher.attach import _run_row
+    from crf.launcher.attach import run_row
 
-    status = (_run_row(st) or {}).get("status")
+    status = (run_row(st) or {}).get("status")
     if status == "running":
         return f"run {run_id} has no round recorded yet: nothing to draw (try again later)"
     return (

@@ -240,9 +240,9 @@ def model_files(st: Any, run_id: str) -> list[str]:
 
 
 def _no_model_why(st: Any, run_id: str) -> str:
-    from crf.launcher.attach import _run_row
+    from crf.launcher.attach import run_row
 
-    row = _run_row(st) or {}
+    row = run_row(st) or {}
     status = row.get("status")
     why = {
         "starting": "is still starting its replicas: its model/ is written when it finishes",
