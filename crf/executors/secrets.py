@@ -168,6 +168,13 @@ def secret_values(environ: Mapping[str, str] | None = None) -> set[str]:
     return {v for v in values if len(v) >= MIN_SECRET_CHARS}
 
 
+def hide_secrets(text: str) -> str:
+    """``text`` with the value of every secret this process was given replaced by ``***``
+    (:func:`secret_values`): for what a replica writes to the run folder (its error and
+    traceback), where an exception's message may quote a key (an HTTP error's URL)."""
+    return redact(text, secret_values())
+
+
 def redact(text: str, secrets: Iterable[str]) -> str:
     """``text`` with every secret value (of 6+ characters) replaced by ``***``."""
     values = {s for s in secrets if s and len(s) >= MIN_SECRET_CHARS}

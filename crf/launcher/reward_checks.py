@@ -10,13 +10,17 @@ warns of entries that are allowed but hardly meant (a reward twice, a weight of 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
 import signal
+import sys
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TextIO
 
+from crf.executors.secrets import redact, secret_values
 from crf.launcher.data_checks import Split, in_time, shown_column, value_kind
 from crf.launcher.errors import LaunchError
 
@@ -120,7 +124,49 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
                 fn = reward_function(s)
             except RewardError as e:
                 raise LaunchError(str(e)) from None
-            call_reward(s.name, fn, rows, split, many=len(specs) > 1)
+            with secrets_hidden(_secret_values(spec)):
+                call_reward(s.name, fn, rows, split, many=len(specs) > 1)
+
+
+class _Redacting:
+    """A text stream that writes to ``out`` with the secret ``values`` replaced."""
+
+    def __init__(self, out: TextIO, values: set[str]) -> None:
+        self.out, self.values = out, values
+
+    def write(self, text: str) -> int:
+        self.out.write(redact(text, self.values))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, encoding...
+        return getattr(self.out, name)
+
+
+@contextlib.contextmanager
+def secrets_hidden(values: set[str]) -> Iterator[None]:
+    """Inside: what the user's code prints, and the refusal (LaunchError) it leads to, with
+    the secret ``values`` replaced by ``***``; a reward may print or raise with a key."""
+    if not values:
+        yield
+        return
+    out, err = sys.stdout, sys.stderr
+    try:
+        with contextlib.redirect_stdout(_Redacting(out, values)):
+            with contextlib.redirect_stderr(_Redacting(err, values)):
+                yield
+    except LaunchError as e:
+        raise LaunchError(redact(str(e), values)) from None
+
+
+def _secret_values(spec: Any) -> set[str]:
+    """The values of the run's ``--secret`` variables (and of the store credentials crf
+    knows) in this environment, where the check calls the rewards: a reward reads them from
+    there, and its error may quote one."""
+    from crf.layout import ENV_SECRET_NAMES
+    from crf.spec import secret_name
+
+    names = ",".join(secret_name(str(e)) for e in getattr(spec, "secrets", None) or ())
+    return secret_values({**os.environ, ENV_SECRET_NAMES: names})
 
 
 def reward_warnings(entries: list[str], job: str = "composer") -> list[str]:

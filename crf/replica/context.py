@@ -854,9 +854,10 @@ class ReplicaContext:
         self._beat(force=True)
 
     def fail(self, error: BaseException) -> None:
+        from crf.executors.secrets import hide_secrets
         from crf.replica.failures import deterministic, failed_in, transient
 
-        text = f"{type(error).__name__}: {error}"
+        text = hide_secrets(f"{type(error).__name__}: {error}")
         where, self.phase = self.phase, "failed"
         # an error in setup (or a reward's own) is raised again on every attempt: the
         # replica exits 3 and the driver ends the run (crf/replica/failures.py)
@@ -864,7 +865,7 @@ class ReplicaContext:
         self.tracker.close()  # what was logged up to the failure stays (it never raises)
         try:
             record = self.result_record("failed", text, {})
-            record.traceback = "".join(traceback.format_exception(error))[-4000:]
+            record.traceback = hide_secrets("".join(traceback.format_exception(error)))[-4000:]
             record.failed_in = failed_in(where)
             record.transient = transient(error)
             # the driver leaves it down, whatever the exit code

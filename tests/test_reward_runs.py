@@ -1,0 +1,84 @@
+"""A user's own reward functions in real launches: what reaches the user, the run folder and
+the driver's decisions when a reward misbehaves.
+
+- a ``--secret``'s value that a reward prints or quotes in its error (a judge's HTTP error
+  with the key in its URL) is hidden from the check's output and refusal, and from what a
+  failed replica writes to the run folder (its result, the run's summary, the launch
+  record), which the driver then prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "jt-judge-key-0123456789"
+
+LEAKS_ITS_KEY = """
+import os
+
+
+def score(completions, **kwargs):
+    key = os.environ["JUDGE_TOKEN"]
+    print("calling the judge with key=" + key)
+    raise RuntimeError("401 Unauthorized for url https://judge.example.com/score?key=" + key)
+"""
+
+
+def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "crf.launcher.cli", *args], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def _module(folder: Path, name: str, body: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(body)
+    return folder
+
+
+def _rows(path: Path, n: int = 32) -> str:
+    words = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"]
+    path.write_text("".join(json.dumps({"prompt": f"{w}=", "answer": w[::-1]}) + "\n"
+                            for w in (words * n)[:n]))  # fmt: skip
+    return str(path)
+
+
+def _files_holding(folder: Path, text: str) -> list[str]:
+    return [str(p) for p in folder.rglob("*") if p.is_file() and text.encode() in p.read_bytes()]
+
+
+def test_the_check_hides_a_secret_a_reward_prints_or_raises_with(tmp_path: Path) -> None:
+    wd = _module(tmp_path / "wd", "judge", LEAKS_ITS_KEY)
+    out = _cli("launch", "--dataset", _rows(tmp_path / "train.jsonl"), "--reward",
+               "judge:score", "--secret", "JUDGE_TOKEN", "--store", str(tmp_path / "runs"),
+               "--dry-run", cwd=wd, env={"JUDGE_TOKEN": SECRET})  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text
+    assert "--reward judge:score raised RuntimeError: 401 Unauthorized" in text, text
+    assert "key=***" in text and SECRET not in text, text
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_failed_replica_writes_no_secret_to_the_run_folder(tmp_path: Path) -> None:
+    """The embedded task's held-out scoring calls the reward as each replica sets up: the
+    error is recorded (result, summary, launch record) and printed with the key hidden."""
+    wd = _module(tmp_path / "wd", "judge", LEAKS_ITS_KEY)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "1", "-H", "1", "--reward", "judge:score",
+               "--secret", "JUDGE_TOKEN", "--store", str(runs), "--run-id", "leak",
+               "--no-progress", "--max-restarts", "0", "--timeout", "240", cwd=wd,
+               env={"JUDGE_TOKEN": SECRET})  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    summary = json.loads((runs / "leak" / "result.json").read_text())
+    assert "401 Unauthorized for url https://judge.example.com/score?key=***" in summary["error"]
+    assert SECRET not in text, text
+    assert _files_holding(runs / "leak", SECRET) == []
