@@ -222,6 +222,7 @@ REFUSED = {
     "a-number": ("1.0", "returned a float"),
     "a-dict": ("{'r': 1.0}", "returned a dict"),
     "too-few": ("np.zeros(2)", "returned 2 values"),
+    "past-float32": ("[1e40] * len(completions)", "returned 1e+40 for the 1st row"),  # inf
 }
 BODY = "import numpy as np\nimport torch\n\ndef score(completions, answer, **kw):\n    return {}\n"
 

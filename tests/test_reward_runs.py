@@ -4,7 +4,10 @@ the driver's decisions when a reward misbehaves.
 - a ``--secret``'s value that a reward prints or quotes in its error (a judge's HTTP error
   with the key in its URL) is hidden from the check's output and refusal, and from what a
   failed replica writes to the run folder (its result, the run's summary, the launch
-  record), which the driver then prints.
+  record), which the driver then prints;
+- a reward that goes wrong mid-run (values TRL cannot train on, once the model's completions
+  are not the answers the check before launch used) fails its replica with the reward's
+  error, which no restart can fix: never restarted as a death.
 """
 
 from __future__ import annotations
@@ -82,3 +85,31 @@ def test_a_failed_replica_writes_no_secret_to_the_run_folder(tmp_path: Path) -> 
     assert "401 Unauthorized for url https://judge.example.com/score?key=***" in summary["error"]
     assert SECRET not in text, text
     assert _files_holding(runs / "leak", SECRET) == []
+
+
+SHORT_FROM_STEP_3 = """
+def score(completions, prompts, trainer_state=None, **kwargs):
+    values = [float(len(c) == len(p) - 1) for p, c in zip(prompts, completions)]
+    if trainer_state is not None and trainer_state.global_step >= 3:
+        return values[:-1]  # drops a completion it cannot parse
+    return values
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_reward_that_goes_wrong_mid_run_is_not_restarted(tmp_path: Path) -> None:
+    """TRL raises its own ValueError for a wrong count, deep in a step: taken for a death,
+    each replica was restarted (and failed again) until --max-restarts."""
+    wd = _module(tmp_path / "wd", "short", SHORT_FROM_STEP_3)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "3", "-H", "2", "--reward", "short:score",
+               "--store", str(runs), "--run-id", "short", "--no-progress",
+               "--round-timeout", "60", "--timeout", "240", cwd=wd)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    summary = json.loads((runs / "short" / "result.json").read_text())
+    assert summary["restarts"] == 0, summary
+    reason = summary["error"] or summary["fatal_error"]  # the run's, or its replicas'
+    assert "reward short:score returned 31 values for 32 completions" in reason, text
+    assert "Traceback" not in text

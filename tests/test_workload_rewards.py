@@ -3,8 +3,11 @@ the working directory, a raising reward named in the failure, and the errors bef
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,3 +107,70 @@ def test_math_answer_without_math_verify_says_what_to_install(monkeypatch) -> No
     monkeypatch.setitem(sys.modules, "math_verify", None)
     with pytest.raises(RewardError, match=r"install composer-replication\[math\]"):
         build_rewards(["math_answer"])
+
+
+ROWS = {"prompts": ["ab=", "ada=", "cd="], "completions": ["ba", "xyz", "dc"],
+        "answer": ["ba", "ada", "dc"], "trainer_state": None}  # fmt: skip
+
+
+def _guarded(tmp_path: Path, monkeypatch, body: str) -> Any:
+    name = f"crf_test_rw_{abs(hash(body)) % 10**8}"
+    _module(tmp_path, monkeypatch, body, name)
+    (fn,), _ = build_rewards([f"{name}:score"])
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("returns", "message"),
+    [
+        ("[1.0] * (len(completions) - 1)", "returned 2 values for 3 completions"),
+        ("['1.0'] * len(completions)", "returned '1.0' for the completion 'ba' of the prompt"),
+        ("[[1.0]] * len(completions)", "returned [1.0] for the completion 'ba'"),
+        ("[0.0, float('inf'), 0.0]", "returned inf for the completion 'xyz' of the prompt 'ada='"),
+        ("[0.0, 0.0, 1e40]", "returned 1e+40 for the completion 'dc'"),  # inf in float32
+        ("1.0", "returned a float; a reward returns a list"),
+        ("None", "returned a NoneType"),
+        ("{'score': [1.0] * 3}", "returned a dict"),
+    ],
+)
+def test_what_trl_cannot_train_on_is_the_rewards_error_in_a_replica(
+    tmp_path: Path, monkeypatch, returns: str, message: str
+) -> None:
+    """Called as a replica calls it (TRL's keywords), a reward's values are checked as the
+    check before launch checks them: an error of the reward (RewardFailed, which a restart
+    cannot fix), not TRL's ValueError or TypeError deep in a step, which reads as a death
+    and is restarted until --max-restarts."""
+    from crf.replica.failures import deterministic
+
+    fn = _guarded(tmp_path, monkeypatch, f"def score(completions, **kw):\n    return {returns}\n")
+    with pytest.raises(RewardFailed, match=re.escape(message)) as e:
+        fn(**ROWS)
+    assert "\n" not in str(e.value)
+    assert deterministic(e.value, phase="training")
+
+
+@pytest.mark.parametrize(
+    ("returns", "expected"),
+    [
+        ("(0.5 for _ in completions)", [0.5, 0.5, 0.5]),  # a generator: its values, once
+        ("[None, float('nan'), True]", [None, "nan", True]),  # TRL's "no value", and a bool
+        ("__import__('numpy').array([1.0, 2.0, 3.0])", [1.0, 2.0, 3.0]),
+        ("__import__('torch').tensor([1.0, 2.0, 3.0])", [1.0, 2.0, 3.0]),
+    ],
+)
+def test_what_trl_trains_on_passes_the_replicas_check(
+    tmp_path: Path, monkeypatch, returns: str, expected: list[Any]
+) -> None:
+    fn = _guarded(tmp_path, monkeypatch, f"def score(completions, **kw):\n    return {returns}\n")
+    got = [v if v is None or isinstance(v, bool) else float(v) for v in fn(**ROWS)]
+    assert [("nan" if isinstance(v, float) and math.isnan(v) else v) for v in got] == expected
+
+
+@pytest.mark.parametrize("code", ["0", "1", "'no judge'"])
+def test_sys_exit_in_a_reward_is_the_rewards_error(tmp_path: Path, monkeypatch, code: str) -> None:
+    """``sys.exit()`` in a reward would end the replica with that code (0: as if it had
+    finished), unnamed; it is the reward's error instead."""
+    fn = _guarded(tmp_path, monkeypatch, f"import sys\ndef score(completions, **kw):\n"
+                                         f"    sys.exit({code})\n")  # fmt: skip
+    with pytest.raises(RewardFailed, match=re.escape(f"called sys.exit({code})")):
+        fn(**ROWS)

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from crf.executors.secrets import redact, secret_values
 from crf.launcher.data_checks import Split, in_time, shown_column, value_kind
 from crf.launcher.errors import LaunchError
+from crf.replica.rewards import listed, out_of_range, reward_value
 
 #: seconds each reward function may take on the sampled rows before the launch is refused
 REWARD_CALL_S = 60.0
@@ -112,7 +113,10 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     specs = parse_rewards(list(spec.reward))
     scored = [s for s in splits if spec.job == "composer" or s.flag != "--dataset"]
     for split in scored:
-        rows = [r for r in split.rows if r.get("prompt") is not None or r.get("messages")]
+        at = [
+            i for i, r in enumerate(split.rows) if r.get("prompt") is not None or r.get("messages")
+        ]
+        rows = [split.rows[i] for i in at]
         if split.form is None:  # composer: a row as the replicas give it (an empty hint: None)
             rows = [job_row(r, [(k, k) for k in r]) for r in rows]
         if not rows:
@@ -121,7 +125,7 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
             if s.needs_answer:
                 check_answers(spec, split, s.name)
             try:
-                fn = reward_function(s)
+                fn = reward_function(s, guarded=False)  # this check words its own refusals
             except RewardError as e:
                 raise LaunchError(str(e)) from None
             with secrets_hidden(_secret_values(spec)):
@@ -252,7 +256,12 @@ def _prompt(row: Mapping[str, Any]) -> Any:
 
 
 def call_reward(
-    name: str, fn: Callable[..., Any], rows: list[dict[str, Any]], split: Split, *, many: bool
+    name: str,
+    fn: Callable[..., Any],
+    rows: list[dict[str, Any]],
+    split: Split,
+    *,
+    many: bool,
 ) -> None:
     """LaunchError when reward ``name`` raises, exits, takes longer than
     :data:`REWARD_CALL_S` on ``rows`` or does not return one finite number per row, in any
@@ -265,21 +274,17 @@ def call_reward(
         extra = {k for r in rows for k in r if k not in ("prompt", "completion")}
     else:  # sft: a held-out row is scored with its other columns (sft._scorable)
         extra = {k for r in rows for k in r if k not in FORMAT_FIELDS}
-    kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
+    kwargs = {
+        "prompts": [_prompt(r) for r in rows],
+        "completions": [_completion(r) for r in rows],
+        "completion_ids": [[] for _ in rows],
+        **{k: [r.get(k) for r in rows] for k in sorted(extra)},
+        **outside_trainer(),
+    }
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
 
-    def scored() -> Any:
-        out = call(
-            fn,
-            prompts=[_prompt(r) for r in rows],
-            completions=[_completion(r) for r in rows],
-            completion_ids=[[] for _ in rows],
-            **(kwargs | outside_trainer()),
-        )
-        return _listed(out)  # a generator's values come from the user's code too
-
-    try:
-        out = within(scored, REWARD_CALL_S)
+    try:  # a generator's values come from the user's code too
+        out = within(lambda: listed(call(fn, **kwargs)), REWARD_CALL_S)
     except TooSlow:
         raise LaunchError(
             f"--reward {name} did not return within {REWARD_CALL_S:g}s {where}; make it "
@@ -293,24 +298,12 @@ def call_reward(
             "instead"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
-        cause = e.__cause__ or e
         raise LaunchError(
-            f"--reward {name} raised {type(cause).__name__}: {cause} {where}; fix the "
+            f"--reward {name} raised {type(e).__name__}: {e} {where}; fix the "
             "function (it is called as TRL calls it: prompts, completions, and the "
             "dataset's columns as keyword lists)"
         ) from None
     check_reward_values(name, out, len(rows), where, many=many)
-
-
-def _listed(out: Any) -> Any:
-    """``out`` as the list TRL makes of it (``[r for r in out]``): any iterable but text
-    and mappings (TRL's tensor refuses their items); anything else as it is."""
-    if inspect.iscoroutine(out) or isinstance(out, str | bytes | Mapping):
-        return out
-    try:
-        return list(out)
-    except TypeError:  # not iterable: a number, None...
-        return out
 
 
 def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) -> None:
@@ -331,28 +324,12 @@ def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) 
         if value is None and many:
             continue
         number = reward_value(value)
-        if number is None or not math.isfinite(number):
+        if number is None or math.isnan(number) or out_of_range(number):
             shown = value if number is None else number
             raise LaunchError(
                 f"--reward {name} returned {shown!r} for the {_nth(i + 1)} row {where}; a "
                 "reward returns a finite number (or a bool) per completion"
             )
-
-
-def reward_value(value: Any) -> float | None:
-    """``value`` as the number TRL's ``torch.tensor(..., dtype=float32)`` makes of it: a
-    bool, an int, a float, or a numpy or torch scalar (a 0-d array or tensor); None for
-    anything else (text, None, a list, an array of several values)."""
-    if isinstance(value, bool | int | float):
-        return float(value)
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, str):
-        try:
-            item = value.item()
-        except (TypeError, ValueError, RuntimeError):
-            return None
-        if isinstance(item, bool | int | float):
-            return float(item)
-    return None
 
 
 def _nth(n: int) -> str:

@@ -37,7 +37,7 @@ import math
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,28 +243,129 @@ def call(fn: Callable[..., Any], **kwargs: Any) -> Any:
     return box["value"]
 
 
+#: the largest magnitude TRL's float32 rewards tensor holds; a larger number becomes inf
+FLOAT32_MAX = 3.4028234663852886e38
+#: how much of a prompt or completion a message quotes
+_QUOTED_CHARS = 60
+
+
+def reward_value(value: Any) -> float | None:
+    """``value`` as the number TRL's ``torch.tensor(..., dtype=float32)`` makes of it: a
+    bool, an int, a float, or a numpy or torch scalar (a 0-d array or tensor); None for
+    anything else (text, None, a list, an array of several values)."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, str):
+        try:
+            item = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if isinstance(item, bool | int | float):
+            return float(item)
+    return None
+
+
+def out_of_range(number: float) -> bool:
+    """Infinite, or past what float32 holds (TRL's tensor would make it infinite); NaN is
+    not: TRL takes it for "no value", as None."""
+    return not math.isnan(number) and abs(number) > FLOAT32_MAX
+
+
+def listed(out: Any) -> Any:
+    """``out`` as the list TRL makes of it (``[r for r in out]``): any iterable but text
+    and mappings (TRL's tensor refuses their items); anything else as it is."""
+    if inspect.iscoroutine(out) or isinstance(out, str | bytes | Mapping):
+        return out
+    try:
+        return list(out)
+    except TypeError:  # not iterable: a number, None...
+        return out
+
+
+def quoted(value: Any) -> str:
+    """A prompt or completion as a message quotes it: its text (a conversation's last
+    message), cut to :data:`_QUOTED_CHARS` characters."""
+    text = _text(value) if value is not None else ""
+    return repr(text if len(text) <= _QUOTED_CHARS else text[: _QUOTED_CHARS - 3] + "...")
+
+
+def row_text(kwargs: Mapping[str, Any], i: int) -> str:
+    """How a message names row ``i`` of a reward call: its completion and prompt."""
+    prompts, completions = kwargs.get("prompts"), kwargs.get("completions")
+    parts = []
+    if isinstance(completions, list | tuple) and i < len(completions):
+        parts.append(f"the completion {quoted(completions[i])}")
+    if isinstance(prompts, list | tuple) and i < len(prompts):
+        parts.append(f"of the prompt {quoted(prompts[i])}")
+    return " ".join(parts) or f"row {i + 1}"
+
+
+def rows_of(kwargs: Mapping[str, Any]) -> int:
+    completions = kwargs.get("completions")
+    return len(completions) if isinstance(completions, list | tuple) else 0
+
+
+def checked(name: str, out: Any, kwargs: Mapping[str, Any]) -> list[Any]:
+    """``out`` as the list TRL turns into its rewards tensor; RewardFailed naming the reward
+    and the row for what it cannot train on: no list of one value per completion, or a
+    value that is no number (None and NaN are TRL's "no value"), or infinite."""
+    n = rows_of(kwargs)
+    values = listed(out)
+    if not isinstance(values, list):
+        if inspect.iscoroutine(out):  # a plain def's coroutine: TRL would not await it
+            out.close()
+        kind = "a coroutine" if inspect.iscoroutine(out) else f"a {type(out).__name__}"
+        raise RewardFailed(
+            f"reward {name} returned {kind}; a reward returns a list with one number per completion"
+        )
+    if n and len(values) != n:
+        raise RewardFailed(
+            f"reward {name} returned {len(values)} values for {n} completions; a reward "
+            "returns one number (or None) per completion"
+        )
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        number = reward_value(value)
+        if number is None or out_of_range(number):
+            shown = value if number is None else number
+            raise RewardFailed(
+                f"reward {name} returned {shown!r} for {row_text(kwargs, i)}; a reward "
+                "returns a finite number (or a bool, or None for no value) per completion"
+            )
+    return values
+
+
+def _failed(name: str, e: BaseException) -> RewardFailed:
+    if isinstance(e, SystemExit):
+        return RewardFailed(
+            f"reward {name} called sys.exit({e.code!r}); a reward returns its values "
+            "(raise an exception, or return None for a completion it cannot score)"
+        )
+    return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}")
+
+
 def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` raising RewardFailed naming the reward (the original traceback chained); an
-    async ``fn`` stays async, so TRL awaits it with its other async rewards."""
-
-    def failed(e: Exception) -> RewardFailed:
-        return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}")
-
+    """``fn`` raising RewardFailed naming the reward (the original traceback chained), also
+    for ``sys.exit()`` and for values TRL cannot train on (:func:`checked`); an async ``fn``
+    stays async, so TRL awaits it with its other async rewards."""
     if is_async(fn):
 
         async def reward(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await fn(*args, **kwargs)
-            except Exception as e:
-                raise failed(e) from e
+                out = await fn(*args, **kwargs)
+            except (Exception, SystemExit) as e:
+                raise _failed(name, e) from e
+            return checked(name, out, kwargs)
 
     else:
 
         def reward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:
-                raise failed(e) from e
+            try:  # a generator's values come from the user's code too
+                out = listed(fn(*args, **kwargs))
+            except (Exception, SystemExit) as e:
+                raise _failed(name, e) from e
+            return checked(name, out, kwargs)
 
     reward.__name__ = name.replace(":", ".")
     return reward
@@ -331,7 +432,9 @@ def in_dataset_forms(rewards: dict[str, Any]) -> dict[str, Any]:
     return {**rewards, "reward_funcs": in_dataset_form(funcs)}
 
 
-def reward_function(spec: RewardSpec) -> Callable[..., Any]:
+def reward_function(spec: RewardSpec, *, guarded: bool = True) -> Callable[..., Any]:
+    """The function of a ``--reward`` entry; ``guarded`` (as the replicas call it): its
+    errors and the values TRL cannot train on raised as RewardFailed (:func:`_guarded`)."""
     if spec.name == "exact_match":
         fn = exact_match
     elif spec.name == "math_answer":
@@ -341,7 +444,7 @@ def reward_function(spec: RewardSpec) -> Callable[..., Any]:
         fn = format_reward(spec.name.removeprefix("format:"))
     else:
         fn = import_reward(spec.name)
-    return _guarded(spec.name, fn)
+    return _guarded(spec.name, fn) if guarded else fn
 
 
 def build_rewards(entries: list[str]) -> tuple[list[Callable[..., Any]], list[float]]:
