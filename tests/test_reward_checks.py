@@ -277,6 +277,28 @@ def test_check_values_reads_numbers_as_torch_does() -> None:
     assert math.isnan(reward_checks.reward_value(float("nan")) or 0.0)
 
 
+ONE_ROW = """
+def score(completions, answer, **kw):
+    return [float({"ba": 1, "acb": 0, "bac": 2, "dd": 1, "cba": 0, "dc": 1}[a]) for a in answer]
+"""
+EVERY_ROW = "def score(completions, solution, **kw):\n    return [0.0] * len(completions)\n"
+
+
+def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
+    """A reward that fails on one row names that row's line in the file (the 7th row,
+    'bad=', has an answer the reward's table lacks); an error of every row (a column the
+    data does not have) is the call's, and names no row."""
+    result = crf(*_args(tmp_path, ONE_ROW), "--dry-run")
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "--reward rw_chk:score raised KeyError: 'dab' on line 7 of --dataset" in line, line
+    assert "(8 rows called)" in line
+    (tmp_path / "every").mkdir()
+    result = crf(*_args(tmp_path / "every", EVERY_ROW), "--dry-run")
+    line = " ".join(result.output.split())
+    assert "missing 1 required positional argument: 'solution' on 8 row(s) of" in line, line
+
+
 # ---------------------------------------------------------------------- warnings
 def test_a_reward_given_twice_or_weighted_zero_is_warned_about(tmp_path: Path) -> None:
     body = "def score(completions, **kw):\n    return [0.0] * len(completions)\n"

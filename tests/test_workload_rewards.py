@@ -16,6 +16,7 @@ from crf.replica.rewards import (
     RewardError,
     RewardFailed,
     build_rewards,
+    call,
     exact_match,
     format_reward,
     job_rewards,
@@ -174,3 +175,45 @@ def test_sys_exit_in_a_reward_is_the_rewards_error(tmp_path: Path, monkeypatch, 
                                          f"    sys.exit({code})\n")  # fmt: skip
     with pytest.raises(RewardFailed, match=re.escape(f"called sys.exit({code})")):
         fn(**ROWS)
+
+
+RAISES_ON_ONE_ROW = """
+CALLS = []
+
+def score(completions, prompts, **kw):
+    CALLS.append(len(completions))
+    return [{"ab=": 1.0, "cd=": 0.0}[p] for p in prompts]  # no label for 'ada='
+"""
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_rewards_error_names_the_row_that_raises(tmp_path: Path, monkeypatch, kind: str) -> None:
+    """In training a reward sees the model's completions, which no check before launch saw:
+    its error names the row it fails on (the rows are tried one by one after the error)."""
+    body = RAISES_ON_ONE_ROW.replace("def score", f"{kind} score")
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed) as e:
+        call(fn, **ROWS)
+    assert str(e.value).endswith(
+        "raised KeyError: 'ada=' on the completion 'xyz' of the prompt 'ada='"
+    ), e.value
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    ("raises", "calls"),
+    [
+        ("KeyError('solution')", [3, 1, 1, 1]),  # every row: the call's error, no row named
+        ("ConnectionError('judge unreachable')", [3]),  # the network's: not tried per row
+    ],
+)
+def test_an_error_of_every_row_or_the_network_names_no_row(
+    tmp_path: Path, monkeypatch, raises: str, calls: list[int]
+) -> None:
+    body = f"CALLS = []\ndef score(completions, **kw):\n    CALLS.append(len(completions))\n" \
+           f"    raise {raises}\n"  # fmt: skip
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed) as e:
+        fn(**ROWS)
+    assert " on the completion" not in str(e.value), e.value
+    assert sys.modules[fn.__name__.split(".")[0]].CALLS == calls

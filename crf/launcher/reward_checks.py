@@ -105,7 +105,7 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
     it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
     text) as the completion: it must not raise and must return a finite number per row."""
-    from crf.replica.data import job_row
+    from crf.replica.data import job_row, row_name
     from crf.replica.rewards import RewardError, parse_rewards, reward_function
 
     if not spec.reward:
@@ -121,6 +121,7 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
             rows = [job_row(r, [(k, k) for k in r]) for r in rows]
         if not rows:
             continue
+        names = [row_name(i, split.lines) for i in at]
         for s in specs:
             if s.needs_answer:
                 check_answers(spec, split, s.name)
@@ -129,7 +130,7 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
             except RewardError as e:
                 raise LaunchError(str(e)) from None
             with secrets_hidden(_secret_values(spec)):
-                call_reward(s.name, fn, rows, split, many=len(specs) > 1)
+                call_reward(s.name, fn, rows, split, many=len(specs) > 1, names=names)
 
 
 class _Redacting:
@@ -262,12 +263,14 @@ def call_reward(
     split: Split,
     *,
     many: bool,
+    names: list[str] | None = None,
 ) -> None:
     """LaunchError when reward ``name`` raises, exits, takes longer than
     :data:`REWARD_CALL_S` on ``rows`` or does not return one finite number per row, in any
     form TRL turns into its rewards tensor (:func:`reward_values`; None is TRL's "not
-    applicable", allowed only beside other rewards)."""
-    from crf.replica.rewards import call, outside_trainer
+    applicable", allowed only beside other rewards). An error that one row alone raises
+    names that row (its entry of ``names``: its line in the file)."""
+    from crf.replica.rewards import call, first_failing_row, outside_trainer
     from crf.replica.sft_data import FORMAT_FIELDS
 
     if split.form is None:  # composer: every column but those TRL keeps out
@@ -283,6 +286,16 @@ def call_reward(
     }
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
 
+    def failing() -> str:
+        """Where the error is: the one row that raises alone, or the rows called."""
+        try:
+            row = within(lambda: first_failing_row(fn, kwargs), REWARD_CALL_S)
+        except TooSlow:
+            row = None
+        if row is None or names is None:
+            return where
+        return f"on {names[row]} of {split.flag} {split.dataset} ({len(rows)} rows called)"
+
     try:  # a generator's values come from the user's code too
         out = within(lambda: listed(call(fn, **kwargs)), REWARD_CALL_S)
     except TooSlow:
@@ -293,13 +306,13 @@ def call_reward(
         ) from None
     except SystemExit as e:  # sys.exit() in the user's code would end the launcher
         raise LaunchError(
-            f"--reward {name} called sys.exit({e.code!r}) {where}; a reward returns its "
+            f"--reward {name} called sys.exit({e.code!r}) {failing()}; a reward returns its "
             "values: raise an exception (or return None for a completion it cannot score) "
             "instead"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
         raise LaunchError(
-            f"--reward {name} raised {type(e).__name__}: {e} {where}; fix the "
+            f"--reward {name} raised {type(e).__name__}: {e} {failing()}; fix the "
             "function (it is called as TRL calls it: prompts, completions, and the "
             "dataset's columns as keyword lists)"
         ) from None

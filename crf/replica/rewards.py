@@ -37,6 +37,7 @@ import math
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -247,6 +248,8 @@ def call(fn: Callable[..., Any], **kwargs: Any) -> Any:
 FLOAT32_MAX = 3.4028234663852886e38
 #: how much of a prompt or completion a message quotes
 _QUOTED_CHARS = 60
+#: seconds a failed reward call's rows are tried one by one, to name the row that raises
+ROW_SEARCH_S = 60.0
 
 
 def reward_value(value: Any) -> float | None:
@@ -300,9 +303,51 @@ def row_text(kwargs: Mapping[str, Any], i: int) -> str:
     return " ".join(parts) or f"row {i + 1}"
 
 
+def one_row(kwargs: Mapping[str, Any], i: int, n: int) -> dict[str, Any]:
+    """The keyword arguments of a reward call cut to its row ``i``: every list of ``n``
+    values (prompts, completions, the columns) to a list of one."""
+    return {k: [v[i]] if isinstance(v, list | tuple) and len(v) == n else v
+            for k, v in kwargs.items()}  # fmt: skip
+
+
 def rows_of(kwargs: Mapping[str, Any]) -> int:
     completions = kwargs.get("completions")
     return len(completions) if isinstance(completions, list | tuple) else 0
+
+
+def first_failing_row(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
+    """The first row on which ``fn``, called on that row alone, raises, when another row
+    does not (else the error is the whole call's: a wrong signature, a missing column):
+    None then, and when the rows take longer than :data:`ROW_SEARCH_S` to try."""
+    n = rows_of(kwargs)
+    deadline = time.monotonic() + ROW_SEARCH_S
+    first, passed = None, False
+    for i in range(n if n > 1 else 0):
+        if time.monotonic() > deadline or (first is not None and passed):
+            break
+        try:
+            listed(call(fn, **one_row(kwargs, i, n)))
+        except (Exception, SystemExit):  # the user's code: any error marks the row
+            first = i if first is None else first
+        else:
+            passed = True
+    return first if passed else None
+
+
+async def _first_failing_row_async(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
+    n = rows_of(kwargs)
+    deadline = time.monotonic() + ROW_SEARCH_S
+    first, passed = None, False
+    for i in range(n if n > 1 else 0):
+        if time.monotonic() > deadline or (first is not None and passed):
+            break
+        try:
+            await fn(**one_row(kwargs, i, n))
+        except (Exception, SystemExit):  # the user's code: any error marks the row
+            first = i if first is None else first
+        else:
+            passed = True
+    return first if passed else None
 
 
 def checked(name: str, out: Any, kwargs: Mapping[str, Any]) -> list[Any]:
@@ -336,26 +381,35 @@ def checked(name: str, out: Any, kwargs: Mapping[str, Any]) -> list[Any]:
     return values
 
 
-def _failed(name: str, e: BaseException) -> RewardFailed:
+def _failed(
+    name: str, e: BaseException, kwargs: Mapping[str, Any], row: int | None
+) -> RewardFailed:
+    on = f" on {row_text(kwargs, row)}" if row is not None else ""
     if isinstance(e, SystemExit):
         return RewardFailed(
-            f"reward {name} called sys.exit({e.code!r}); a reward returns its values "
+            f"reward {name} called sys.exit({e.code!r}){on}; a reward returns its values "
             "(raise an exception, or return None for a completion it cannot score)"
         )
-    return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}")
+    return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}{on}")
 
 
 def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` raising RewardFailed naming the reward (the original traceback chained), also
-    for ``sys.exit()`` and for values TRL cannot train on (:func:`checked`); an async ``fn``
-    stays async, so TRL awaits it with its other async rewards."""
+    """``fn`` raising RewardFailed naming the reward and, where one row alone raises, the
+    row (the original traceback chained), also for ``sys.exit()`` and for values TRL cannot
+    train on (:func:`checked`); an async ``fn`` stays async, so TRL awaits it with its other
+    async rewards. A network's error (crf.replica.failures.transient) is not tried row by
+    row: each row would wait for it again."""
+    from crf.replica.failures import transient
+
     if is_async(fn):
 
         async def reward(*args: Any, **kwargs: Any) -> Any:
             try:
                 out = await fn(*args, **kwargs)
             except (Exception, SystemExit) as e:
-                raise _failed(name, e) from e
+                search = not args and not transient(e)  # TRL passes keywords only
+                row = await _first_failing_row_async(fn, kwargs) if search else None
+                raise _failed(name, e, kwargs, row) from e
             return checked(name, out, kwargs)
 
     else:
@@ -364,7 +418,9 @@ def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             try:  # a generator's values come from the user's code too
                 out = listed(fn(*args, **kwargs))
             except (Exception, SystemExit) as e:
-                raise _failed(name, e) from e
+                search = not args and not transient(e)  # TRL passes keywords only
+                row = first_failing_row(fn, kwargs) if search else None
+                raise _failed(name, e, kwargs, row) from e
             return checked(name, out, kwargs)
 
     reward.__name__ = name.replace(":", ".")
