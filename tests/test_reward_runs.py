@@ -7,7 +7,9 @@ the driver's decisions when a reward misbehaves.
   record), which the driver then prints;
 - a reward that goes wrong mid-run (values TRL cannot train on, once the model's completions
   are not the answers the check before launch used) fails its replica with the reward's
-  error, which no restart can fix: never restarted as a death.
+  error, which no restart can fix: never restarted as a death; and since the same code
+  scores every replica's completions, the run stops at the first replica that meets it,
+  whatever the round, rather than let the others train on alone until they meet it too.
 """
 
 from __future__ import annotations
@@ -112,4 +114,42 @@ def test_a_reward_that_goes_wrong_mid_run_is_not_restarted(tmp_path: Path) -> No
     assert summary["restarts"] == 0, summary
     reason = summary["error"] or summary["fatal_error"]  # the run's, or its replicas'
     assert "reward short:score returned 31 values for 32 completions" in reason, text
+    assert "Traceback" not in text
+
+
+RAISES_ON_REPLICA_0_FROM_STEP_3 = """
+import os
+
+
+def score(completions, prompts, trainer_state=None, **kwargs):
+    if trainer_state is not None and trainer_state.global_step >= 3 and (
+        os.environ["CRF_RANK"] == "0"
+    ):
+        raise ValueError("cannot parse the judge's answer")
+    return [float(len(c) == len(p) - 1) for p, c in zip(prompts, completions)]
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_reward_that_raises_mid_run_stops_the_run(tmp_path: Path) -> None:
+    """Replica 0's reward raises in round 1: the run stops there with one line naming the
+    reward and saying to continue the run once it is fixed; replica 1 does not train on
+    alone (it went on to the last round, then the run ended failed anyway)."""
+    wd = _module(tmp_path / "wd", "late", RAISES_ON_REPLICA_0_FROM_STEP_3)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "4", "-H", "2", "--reward", "late:score",
+               "--store", str(runs), "--run-id", "late", "--no-progress",
+               "--round-timeout", "60", "--timeout", "240", cwd=wd)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    summary = json.loads((runs / "late" / "result.json").read_text())
+    assert summary["error"] == (
+        "replica 0 failed after 1 committed round(s) with RewardFailed: reward late:score "
+        "raised ValueError: cannot parse the judge's answer: a restart cannot fix it, so the "
+        "run stopped; fix the input, then continue with crf launch --resume late"
+    ), summary["error"]
+    assert summary["restarts"] == 0
+    states = {r["rank"]: r["state"] for r in summary["replicas"]}
+    assert states == {0: "failed", 1: "cancelled"}, summary["replicas"]
     assert "Traceback" not in text

@@ -855,7 +855,7 @@ class ReplicaContext:
 
     def fail(self, error: BaseException) -> None:
         from crf.executors.secrets import hide_secrets
-        from crf.replica.failures import deterministic, failed_in, transient
+        from crf.replica.failures import deterministic, failed_in, stops_run, transient
 
         text = hide_secrets(f"{type(error).__name__}: {error}")
         where, self.phase = self.phase, "failed"
@@ -868,6 +868,7 @@ class ReplicaContext:
             record.traceback = hide_secrets("".join(traceback.format_exception(error)))[-4000:]
             record.failed_in = failed_in(where)
             record.transient = transient(error)
+            record.stops_run = stops_run(error)
             # the driver leaves it down, whatever the exit code
             record.restartable = not self.failure[1]
             self.store.put_json(layout.result_key(self.rank), record.to_dict())
