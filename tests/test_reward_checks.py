@@ -299,6 +299,46 @@ def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
     assert "missing 1 required positional argument: 'solution' on 8 row(s) of" in line, line
 
 
+# ---------------------------------------------------------------------- cloud replicas
+def _cloud_dry_run(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """``crf launch --backend modal --dry-run`` in ``cwd``: the plan and what is missing (no
+    credentials here), or the one line of a refusal."""
+    full = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    out = subprocess.run([sys.executable, "-m", "crf.launcher.cli", "launch", "--backend",
+                          "modal", "--gpu", "T4", "--store", "s3://bucket/runs", "--dry-run",
+                          *args], cwd=cwd, env=full, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    return out.stdout + out.stderr
+
+
+def test_a_reward_the_cloud_replicas_cannot_import_is_refused(tmp_path: Path) -> None:
+    """A reward module in the working directory (or on PYTHONPATH) imports here, but a cloud
+    replica runs elsewhere: without --workdir shipping it, each replica would fail at setup,
+    after its container started. Shipped, or from crf itself, it passes."""
+    body = "def score(completions, **kw):\n    return [0.5] * len(completions)\n"
+    (tmp_path / "proj" / "pkg").mkdir(parents=True)
+    (tmp_path / "proj" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "pkg" / "judge.py").write_text(body)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "onpath.py").write_text(body)
+    proj = tmp_path / "proj"
+    text = _cloud_dry_run(proj, "--reward", "pkg.judge:score")
+    assert (
+        f"error: --reward pkg.judge:score: pkg.judge is imported from {proj / 'pkg' / 'judge.py'} "
+        "on this machine, which the modal replicas cannot read (no --workdir); ship its folder "
+        f"with --workdir {proj}, or install it in their image (--pip, --image)"
+    ) in text, text
+    text = _cloud_dry_run(
+        proj, "--reward", "onpath:score", env={"PYTHONPATH": f"{REPO}:{tmp_path / 'lib'}"}
+    )
+    assert f"with --workdir {tmp_path / 'lib'}," in text, text
+    for args in (["--workdir", str(proj), "--reward", "pkg.judge:score"],
+                 ["--reward", "crf.composer.task:reverse_reward"],
+                 ["--image", "me/rewards:1", "--reward", "pkg.judge:score"]):  # fmt: skip
+        text = _cloud_dry_run(proj, *args)
+        assert "error:" not in text and "nothing was launched" in text, (args, text)
+
+
 # ---------------------------------------------------------------------- warnings
 def test_a_reward_given_twice_or_weighted_zero_is_warned_about(tmp_path: Path) -> None:
     body = "def score(completions, **kw):\n    return [0.0] * len(completions)\n"

@@ -642,9 +642,14 @@ def _check_inputs(
 ) -> Any:
     """The run's data, model and rewards checked (crf/launcher/data_checks.py), then
     ``--model`` named as the replicas will find it (:func:`replica_model_path`)."""
-    from crf.launcher.reward_checks import check_rewards_on, reward_warnings
+    from crf.launcher.reward_checks import (
+        check_rewards_on,
+        check_rewards_shipped,
+        reward_warnings,
+    )
 
     local = getattr(executor, "name", spec.backend) == "local"
+    check_rewards_shipped(spec, executor, packed.names if packed else ())
     found = check_inputs(spec, local=local, dry_run=dry_run)
     if builtin_data(spec):  # each reward called on the sampled rows (none: not called)
         check_rewards_on(spec, found.splits)

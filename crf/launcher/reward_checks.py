@@ -17,7 +17,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TextIO
 
 from crf.executors.secrets import redact, secret_values
@@ -99,6 +100,78 @@ def import_rewards(entries: list[str] | None) -> None:
             ) from None
         except RewardError:
             return
+
+
+def check_rewards_shipped(spec: Any, executor: Any, shipped: Collection[str] = ()) -> None:
+    """LaunchError for a ``module:function`` reward that the replicas of a backend that runs
+    them elsewhere (one that installs their packages: a cloud backend) will not find: a
+    module this machine imports from a folder of its own (the working directory, a
+    PYTHONPATH entry, an editable install) that ``--workdir`` does not ship (``shipped``:
+    the files it packs) and no ``--pip`` entry installs. Each replica would fail at setup.
+    An installed package, crf's own modules and a run with its own ``--image`` pass."""
+    if not getattr(executor, "installs_packages", False) or _own_image(executor):
+        return
+    from crf.replica.rewards import BUILTINS, parse_rewards
+
+    for s in parse_rewards(list(spec.reward or [])):
+        if s.name in BUILTINS or s.name.startswith("format:"):
+            continue
+        module = s.name.partition(":")[0]
+        top = sys.modules.get(module.split(".")[0])
+        path = getattr(top, "__file__", None)
+        if path is None or _ships(module, shipped) or _installed(path, module, spec.pip):
+            continue
+        folder = Path(path).parent.parent if Path(path).name == "__init__.py" else Path(path).parent
+        given = f"--workdir {spec.workdir} does not ship it" if spec.workdir else "no --workdir"
+        shown = getattr(sys.modules.get(module), "__file__", None) or path
+        raise LaunchError(
+            f"--reward {s.name}: {module} is imported from {shown} on this machine, which the "
+            f"{spec.backend} replicas cannot read ({given}); ship its folder with --workdir "
+            f"{folder}, or install it in their image (--pip, --image)"
+        )
+
+
+def _ships(module: str, names: Collection[str]) -> bool:
+    """Whether the packed workdir's files (its root is on the replicas' PYTHONPATH) hold
+    ``module``."""
+    path = module.replace(".", "/")
+    return f"{path}.py" in names or f"{path}/__init__.py" in names
+
+
+def _installed(path: str, module: str, pip: list[str]) -> bool:
+    """Whether the module file at ``path`` is part of an installation the replicas get too:
+    crf itself (shipped with each run), the standard library or site-packages of an image,
+    or a distribution a ``--pip`` entry names."""
+    import importlib.metadata
+    import sysconfig
+
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    real = Path(path).resolve()
+    crf_root = Path(__file__).resolve().parents[1]
+    places = [crf_root, *(Path(p).resolve() for p in sysconfig.get_paths().values())]
+    if any(real.is_relative_to(p) for p in places) or "site-packages" in real.parts:
+        return True
+    named = set()
+    for entry in pip or ():
+        try:
+            named.add(canonicalize_name(Requirement(entry).name))
+        except InvalidRequirement:
+            continue
+    dists = importlib.metadata.packages_distributions().get(module.split(".")[0], [])
+    return any(canonicalize_name(d) in named for d in dists)
+
+
+def _own_image(executor: Any) -> bool:
+    """Whether the backend runs the replicas in an image of the user's (``--image``), which
+    may hold their code: another image than the backend's default."""
+    image = getattr(executor, "image", None)
+    try:
+        default = inspect.signature(type(executor)).parameters["image"].default
+    except (KeyError, TypeError, ValueError):
+        default = None
+    return bool(image) and image != default
 
 
 def check_rewards_on(spec: Any, splits: list[Split]) -> None:
