@@ -36,6 +36,13 @@ def score(completions, **kwargs):
 """
 
 
+LEAKS_IT_IN_TRAINING = LEAKS_ITS_KEY.replace(
+    "    key = ",
+    "    if kwargs.get('trainer_state') is None:  # the check, the held-out scoring\n"
+    "        return [0.0] * len(completions)\n    key = ",
+)
+
+
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "crf.launcher.cli", *args], cwd=cwd, env=full,
@@ -73,9 +80,10 @@ def test_the_check_hides_a_secret_a_reward_prints_or_raises_with(tmp_path: Path)
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_failed_replica_writes_no_secret_to_the_run_folder(tmp_path: Path) -> None:
-    """The embedded task's held-out scoring calls the reward as each replica sets up: the
-    error is recorded (result, summary, launch record) and printed with the key hidden."""
-    wd = _module(tmp_path / "wd", "judge", LEAKS_ITS_KEY)
+    """The reward fails in the replicas' first training step (the check before launch, like
+    the held-out scoring, calls it without a trainer_state): the error is recorded (result,
+    summary, launch record) and printed with the key hidden."""
+    wd = _module(tmp_path / "wd", "judge", LEAKS_IT_IN_TRAINING)
     runs = tmp_path / "runs"
     out = _cli("launch", "-n", "2", "-r", "1", "-H", "1", "--reward", "judge:score",
                "--secret", "JUDGE_TOKEN", "--store", str(runs), "--run-id", "leak",

@@ -645,6 +645,7 @@ def _check_inputs(
     from crf.launcher.reward_checks import (
         check_rewards_on,
         check_rewards_shipped,
+        embedded_splits,
         reward_warnings,
     )
 
@@ -652,7 +653,7 @@ def _check_inputs(
     check_rewards_shipped(spec, executor, packed.names if packed else ())
     found = check_inputs(spec, local=local, dry_run=dry_run)
     if builtin_data(spec):  # each reward called on the sampled rows (none: not called)
-        check_rewards_on(spec, found.splits)
+        check_rewards_on(spec, found.splits or embedded_splits(spec))
         found.warnings += reward_warnings(list(spec.reward or []), spec.job)
     spec.model = replica_model_path(spec, packed)
     return found

@@ -174,6 +174,22 @@ def _own_image(executor: Any) -> bool:
     return bool(image) and image != default
 
 
+def embedded_splits(spec: Any) -> list[Split]:
+    """The composer job's embedded task as the split its ``--reward`` entries are called on
+    (its first :data:`~crf.launcher.data_checks.SAMPLE_ROWS` rows, as the replicas make
+    them) when the run has no ``--dataset``: [] otherwise."""
+    if spec.job != "composer" or getattr(spec, "dataset", None) or not spec.reward:
+        return []
+    from crf.composer.task import make_examples
+    from crf.launcher.data_checks import SAMPLE_ROWS
+    from crf.replica.jobs import job_config
+
+    cfg = job_config(spec.job, dict(spec.job_config or {}))
+    shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
+    rows = make_examples(SAMPLE_ROWS, int(spec.seed), **shape)
+    return [Split("the composer job's", "embedded task", rows)]
+
+
 def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
     it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
