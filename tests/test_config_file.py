@@ -285,6 +285,35 @@ def test_secrets_are_never_printed(tmp_path: Path) -> None:
     assert parse_config(result.output).backend_options == {"namespace": "org"}
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('env = ["WANDB_API_KEY=wk_file_secret_123"]\n',
+         'env must be a mapping of variable names to values (got a list); in a config file: '
+         'env = {NAME = "value"}'),
+        ('env = {JUDGE_URL = "https://me:wk_file_secret_123@judge.example.com/v1"}\n',
+         "--env JUDGE_URL: its value, a URL with a password, would be written in run.json; "
+         "pass it with --secret JUDGE_URL"),
+        ('env = {OPENAI_KEY = "wk_file_secret_123"}\n',
+         "--env OPENAI_KEY: a credential's value would be written in run.json"),
+        ('env = {TIMEOUT = 30}\n',
+         "--env TIMEOUT: the value must be a string (got a value of type int)"),
+    ],
+)  # fmt: skip
+def test_a_secret_written_in_the_file_is_refused_and_never_quoted(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """A key written into a config file's ``env`` would be written in run.json: refused,
+    with the fix, and the value is in no message (a CI log keeps them)."""
+    path = _write(tmp_path, "job = 'lm'\n" + text)
+    for mode in ("--dry-run", "--print-config"):
+        result = crf("launch", "-c", path, "--store", tmp_path / "runs", mode)
+        assert result.exit_code == 2, result.output
+        assert message in " ".join(result.output.split()), result.output
+        assert "wk_file_secret_123" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_resume_refuses_run_defining_keys_of_the_file(example: Path) -> None:
     result = crf("launch", "-c", example, "--resume", "old-run")
     assert result.exit_code == 2
