@@ -319,6 +319,37 @@ def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path) -> None:
     assert crf(*args, "--dry-run").exit_code == 0
 
 
+READS_ITS_VARIABLES = """
+import os
+
+URL = os.environ["JUDGE_URL"]  # read as the module is imported
+
+
+def score(completions, **kw):
+    print("judge key " + os.environ["JUDGE_TOKEN"])
+    return [0.5] * len(completions)
+"""
+
+
+def test_a_reward_sees_the_runs_env_and_secrets_in_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replicas get --env and --secret KEY=@file: so does the check, which imports and
+    calls the reward in this process (it refused a reward the replicas would run); this
+    process's environment is as it was afterwards, and the key is not printed."""
+    monkeypatch.delenv("JUDGE_URL", raising=False)
+    monkeypatch.delenv("JUDGE_TOKEN", raising=False)
+    (tmp_path / "key").write_text("jk-from-a-file-0123\n")
+    args = [*_args(tmp_path, READS_ITS_VARIABLES), "--env", "JUDGE_URL=https://judge.example.com",
+            "--secret", f"JUDGE_TOKEN=@{tmp_path / 'key'}", "--dry-run"]  # fmt: skip
+    result = crf(*args)
+    assert result.exit_code == 0, result.output
+    assert "judge key ***" in result.output and "jk-from-a-file" not in result.output
+    assert "JUDGE_URL" not in os.environ and "JUDGE_TOKEN" not in os.environ
+    result = crf(*[a for a in args if not a.startswith("JUDGE_URL=") and a != "--env"])
+    assert result.exit_code == 2 and "raised KeyError: 'JUDGE_URL'" in result.output
+
+
 # ---------------------------------------------------------------------- cloud replicas
 def _cloud_dry_run(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """``crf launch --backend modal --dry-run`` in ``cwd``: the plan and what is missing (no

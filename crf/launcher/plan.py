@@ -29,6 +29,7 @@ from crf.launcher.errors import LaunchError
 from crf.launcher.user_env import (
     check_plain_env,
     check_reserved,
+    replica_variables,
     resolve_secrets,
     tracking_warnings,
 )
@@ -357,7 +358,7 @@ def prepare(
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     try:
-        with importable(packed if _imports_user_code(spec) else None, spec.workdir):
+        with importable(packed if _imports_user_code(spec) else None, spec):
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
@@ -756,14 +757,23 @@ def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | N
 
 
 @contextlib.contextmanager
-def importable(packed: PackedWorkdir | None, workdir: str | None = None) -> Iterator[None]:
-    """The packed workdir, unpacked in a temporary folder first on sys.path, so the checks
-    before launch import a job or a reward from exactly what the replicas will get. A
-    refusal that names a file of the copy names it in ``workdir`` (the user's folder)
-    instead; SIGTERM, like Ctrl-C, removes the copy on its way out."""
-    if packed is None:
-        yield
-        return
+def importable(packed: PackedWorkdir | None, spec: RunSpec) -> Iterator[None]:
+    """What the replicas of ``spec`` will have, for the checks before launch: the run's
+    ``--env`` and ``--secret`` variables (:func:`replica_variables`), and the packed workdir
+    unpacked in a temporary folder first on sys.path, so they import a job or a reward from
+    exactly what the replicas will get. A refusal that names a file of the copy names it in
+    the user's ``--workdir`` instead; SIGTERM, like Ctrl-C, removes the copy on its way
+    out."""
+    with replica_variables(spec):
+        if packed is None:
+            yield
+        else:
+            with _unpacked(packed, spec.workdir):
+                yield
+
+
+@contextlib.contextmanager
+def _unpacked(packed: PackedWorkdir, workdir: str | None) -> Iterator[None]:
     from crf.executors.workdir import unpack_workdir
     from crf.launcher.interrupts import sigterm_as_interrupt
 

@@ -17,8 +17,9 @@ store, the AWS keys for ``s3://``...).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from crf.executors.secrets import (
     credential_value,
@@ -110,6 +111,31 @@ def resolve_secrets(spec: RunSpec, environ: Mapping[str, str] | None = None) -> 
                 )
             out[name] = value
     return out
+
+
+@contextlib.contextmanager
+def replica_variables(spec: RunSpec) -> Iterator[None]:
+    """Inside: this process's environment with the run's ``--env`` values and the
+    ``--secret`` values it can read set, as every replica has them, so the checks before
+    launch import and call the user's code (a reward that reads ``JUDGE_URL`` or a key) as
+    the replicas will; the environment as it was afterwards. A secret that cannot be read is
+    left out here (the launch names it, or a dry run lists it as missing)."""
+    values = {k: v for k, v in (spec.env or {}).items() if isinstance(v, str)}
+    for entry in spec.secrets or ():
+        name, _, source = str(entry).partition("=")
+        if source.startswith("@"):
+            with contextlib.suppress(LaunchError):
+                values[name] = _read_file(name, source[1:])
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _read_file(name: str, path: str) -> str:
