@@ -314,6 +314,26 @@ def test_a_secret_written_in_the_file_is_refused_and_never_quoted(
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_path_written_for_the_files_own_folder_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's relative paths are read from where crf launch runs, as the flags' are; one
+    that names nothing there but a folder beside the file was written for the file's folder:
+    the refusal says both fixes (it said only "--workdir code: no such folder")."""
+    (tmp_path / "exp" / "code").mkdir(parents=True)
+    path = _write(tmp_path / "exp", 'job = "lm"\nworkdir = "code"\ndataset = "org/hub-data"\n')
+    monkeypatch.chdir(tmp_path)
+    result = crf("launch", "-c", "exp/run.toml", "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()) == (
+        "error: workdir = 'code' in config file exp/run.toml: there is no code here, where a "
+        "config file's paths are read from (the directory crf launch runs in), but there is "
+        "one beside the file: write workdir = 'exp/code', or run crf launch from exp"
+    )
+    monkeypatch.chdir(tmp_path / "exp")  # from the file's folder: its paths are right
+    assert load_config(path).options["workdir"] == "code"
+
+
 def test_resume_refuses_run_defining_keys_of_the_file(example: Path) -> None:
     result = crf("launch", "-c", example, "--resume", "old-run")
     assert result.exit_code == 2
