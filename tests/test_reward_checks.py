@@ -319,6 +319,18 @@ def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path) -> None:
     assert crf(*args, "--dry-run").exit_code == 0
 
 
+def test_a_reward_that_reads_the_trainer_state_is_told_it_is_none_here(tmp_path: Path) -> None:
+    body = "def score(completions, trainer_state, **kw):\n" \
+           "    return [trainer_state.global_step / 100] * len(completions)\n"  # fmt: skip
+    result = crf(*_args(tmp_path, body), "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert (
+        "raised AttributeError: 'NoneType' object has no attribute 'global_step' on 8 row(s) of "
+        f"--dataset {tmp_path / 'train.jsonl'} (trainer_state is None outside a training step: "
+        "in the held-out evaluation and the check before launch); fix the function"
+    ) in " ".join(result.output.split())
+
+
 READS_ITS_VARIABLES = """
 import os
 

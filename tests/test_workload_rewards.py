@@ -217,3 +217,20 @@ def test_an_error_of_every_row_or_the_network_names_no_row(
         fn(**ROWS)
     assert " on the completion" not in str(e.value), e.value
     assert sys.modules[fn.__name__.split(".")[0]].CALLS == calls
+
+
+def test_a_reward_that_needs_the_trainer_state_is_told_it_is_none_outside_training(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """TRL passes trainer_state to every call of a training step; the held-out evaluation
+    (and the check before launch) pass None: the error says so."""
+    body = "def score(completions, trainer_state, **kw):\n" \
+           "    return [trainer_state.global_step / 10] * 3\n"  # fmt: skip
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed, match=re.escape(
+        "'NoneType' object has no attribute 'global_step' (trainer_state is None outside a "
+        "training step: in the held-out evaluation and the check before launch)"
+    )):  # fmt: skip
+        fn(**ROWS)
+    state = type("State", (), {"global_step": 5})()
+    assert fn(**{**ROWS, "trainer_state": state}) == [0.5, 0.5, 0.5]

@@ -359,7 +359,7 @@ def call_reward(
     form TRL turns into its rewards tensor (:func:`reward_values`; None is TRL's "not
     applicable", allowed only beside other rewards). An error that one row alone raises
     names that row (its entry of ``names``: its line in the file)."""
-    from crf.replica.rewards import call, first_failing_row, outside_trainer
+    from crf.replica.rewards import call, first_failing_row, no_trainer_hint, outside_trainer
     from crf.replica.sft_data import FORMAT_FIELDS
 
     if split.form is None:  # composer: every column but those TRL keeps out
@@ -401,9 +401,9 @@ def call_reward(
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
         raise LaunchError(
-            f"--reward {name} raised {type(e).__name__}: {e} {failing()}; fix the "
-            "function (it is called as TRL calls it: prompts, completions, and the "
-            "dataset's columns as keyword lists)"
+            f"--reward {name} raised {type(e).__name__}: {e} {failing()}"
+            f"{no_trainer_hint(e, kwargs)}; fix the function (it is called as TRL calls it: "
+            "prompts, completions, and the dataset's columns as keyword lists)"
         ) from None
     check_reward_values(name, out, len(rows), where, many=many)
 

@@ -381,6 +381,20 @@ def checked(name: str, out: Any, kwargs: Mapping[str, Any]) -> list[Any]:
     return values
 
 
+def no_trainer_hint(e: BaseException, kwargs: Mapping[str, Any]) -> str:
+    """What to add to the message of an error that ``None`` caused where the call had no
+    ``trainer_state`` (outside a training step): a reward that reads
+    ``trainer_state.global_step`` meets that in the held-out evaluation and the check."""
+    if "trainer_state" not in kwargs or kwargs["trainer_state"] is not None:
+        return ""
+    if not isinstance(e, AttributeError | TypeError) or "NoneType" not in str(e):
+        return ""
+    return (
+        " (trainer_state is None outside a training step: in the held-out evaluation and "
+        "the check before launch)"
+    )
+
+
 def _failed(
     name: str, e: BaseException, kwargs: Mapping[str, Any], row: int | None
 ) -> RewardFailed:
@@ -390,7 +404,8 @@ def _failed(
             f"reward {name} called sys.exit({e.code!r}){on}; a reward returns its values "
             "(raise an exception, or return None for a completion it cannot score)"
         )
-    return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}{on}")
+    hint = no_trainer_hint(e, kwargs)
+    return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}{on}{hint}")
 
 
 def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
