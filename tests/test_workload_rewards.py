@@ -234,3 +234,16 @@ def test_a_reward_that_needs_the_trainer_state_is_told_it_is_none_outside_traini
         fn(**ROWS)
     state = type("State", (), {"global_step": 5})()
     assert fn(**{**ROWS, "trainer_state": state}) == [0.5, 0.5, 0.5]
+
+
+def test_a_reward_that_filters_the_completions_in_place_is_counted_before_the_call(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``completions[:] = [...]`` drops the completions a reward cannot parse from the very
+    list TRL passed: its values are still one short of TRL's count."""
+    body = "def score(completions, **kw):\n" \
+           "    completions[:] = [c for c in completions if c != 'xyz']\n" \
+           "    return [1.0] * len(completions)\n"  # fmt: skip
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed, match="returned 2 values for 3 completions"):
+        fn(**{**ROWS, "completions": list(ROWS["completions"])})

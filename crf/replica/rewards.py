@@ -350,11 +350,11 @@ async def _first_failing_row_async(fn: Callable[..., Any], kwargs: Mapping[str, 
     return first if passed else None
 
 
-def checked(name: str, out: Any, kwargs: Mapping[str, Any]) -> list[Any]:
+def checked(name: str, out: Any, kwargs: Mapping[str, Any], n: int) -> list[Any]:
     """``out`` as the list TRL turns into its rewards tensor; RewardFailed naming the reward
-    and the row for what it cannot train on: no list of one value per completion, or a
-    value that is no number (None and NaN are TRL's "no value"), or infinite."""
-    n = rows_of(kwargs)
+    and the row for what it cannot train on: no list of one value per completion (``n``,
+    counted before the call: a reward may empty the lists it is given), or a value that is
+    no number (None and NaN are TRL's "no value"), or infinite."""
     values = listed(out)
     if not isinstance(values, list):
         if inspect.iscoroutine(out):  # a plain def's coroutine: TRL would not await it
@@ -419,24 +419,26 @@ def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     if is_async(fn):
 
         async def reward(*args: Any, **kwargs: Any) -> Any:
+            n = rows_of(kwargs)
             try:
                 out = await fn(*args, **kwargs)
             except (Exception, SystemExit) as e:
                 search = not args and not transient(e)  # TRL passes keywords only
                 row = await _first_failing_row_async(fn, kwargs) if search else None
                 raise _failed(name, e, kwargs, row) from e
-            return checked(name, out, kwargs)
+            return checked(name, out, kwargs, n)
 
     else:
 
         def reward(*args: Any, **kwargs: Any) -> Any:
+            n = rows_of(kwargs)
             try:  # a generator's values come from the user's code too
                 out = listed(fn(*args, **kwargs))
             except (Exception, SystemExit) as e:
                 search = not args and not transient(e)  # TRL passes keywords only
                 row = first_failing_row(fn, kwargs) if search else None
                 raise _failed(name, e, kwargs, row) from e
-            return checked(name, out, kwargs)
+            return checked(name, out, kwargs, n)
 
     reward.__name__ = name.replace(":", ".")
     return reward
