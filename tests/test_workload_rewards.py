@@ -247,3 +247,20 @@ def test_a_reward_that_filters_the_completions_in_place_is_counted_before_the_ca
     fn = _guarded(tmp_path, monkeypatch, body)
     with pytest.raises(RewardFailed, match="returned 2 values for 3 completions"):
         fn(**{**ROWS, "completions": list(ROWS["completions"])})
+
+
+def test_a_reward_file_named_like_pythons_own_module_says_so(tmp_path: Path, monkeypatch) -> None:
+    """``math.py`` beside the run: Python's own math is imported, and has no ``score``; the
+    refusal said only "module 'math' has no attribute 'score'"."""
+    (tmp_path / "math.py").write_text("def score(completions, **kw):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError) as e:
+        build_rewards(["math:score"])
+    assert str(e.value).startswith(
+        "--reward math:score: math is also the name of a module Python imports before yours ("
+    ), e.value
+    assert str(e.value).endswith(
+        f"so your {tmp_path / 'math.py'} is never read; rename it (e.g. my_math.py) and pass "
+        "--reward my_math:score"
+    ), e.value

@@ -34,6 +34,7 @@ import importlib
 import inspect
 import logging
 import math
+import os
 import re
 import sys
 import threading
@@ -190,6 +191,14 @@ def import_reward(name: str) -> Callable[..., Any]:
             f"--reward {name}: cannot import it from the working directory ({e}){hint}"
         ) from None
     except (ImportError, AttributeError) as e:
+        mine = _shadowed(module)
+        if mine is not None:
+            top = module.split(".")[0]
+            raise RewardError(
+                f"--reward {name}: {top} is also the name of a module Python imports before "
+                f"yours ({_where(sys.modules[top])}), so your {mine} is never read; rename "
+                f"it (e.g. my_{top}.py) and pass --reward my_{module}:{func}"
+            ) from None
         raise RewardError(
             f"--reward {name}: cannot import it from the working directory ({e})"
         ) from None
@@ -208,6 +217,27 @@ def import_reward(name: str) -> Callable[..., Any]:
     if not callable(fn):
         raise RewardError(f"--reward {name}: {func} is not a function")
     return fn
+
+
+def _shadowed(module: str) -> str | None:
+    """The user's own file of ``module``'s top-level name (``math.py`` beside the rewards)
+    where Python imported another module of that name instead (its own ``math``, or an
+    installed package), else None."""
+    top = module.split(".")[0]
+    found = sys.modules.get(top)
+    if found is None:
+        return None
+    theirs = getattr(found, "__file__", None)
+    for entry in sys.path:
+        folder = os.path.abspath(entry or ".")
+        for mine in (os.path.join(folder, f"{top}.py"), os.path.join(folder, top, "__init__.py")):
+            if os.path.isfile(mine) and (theirs is None or not os.path.samefile(mine, theirs)):
+                return mine
+    return None
+
+
+def _where(module: Any) -> str:
+    return getattr(module, "__file__", None) or "built into Python"
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
