@@ -314,6 +314,19 @@ def test_a_secret_written_in_the_file_is_refused_and_never_quoted(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("text", ["", "# replicas = 4\n\n", "[job]\n"])
+def test_a_file_that_sets_nothing_is_refused(tmp_path: Path, text: str) -> None:
+    """An empty file (emptied by an editor, never saved, or the wrong one) launched the
+    default run: two replicas of the embedded task."""
+    path = _write(tmp_path, text)
+    result = crf("launch", "-c", path, "--store", tmp_path / "runs", "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()) == (
+        f"error: config file {path} sets no option (it is empty, or holds only comments); "
+        "give it the run's options, or leave -c out for the defaults"
+    )
+
+
 def test_a_path_written_for_the_files_own_folder_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

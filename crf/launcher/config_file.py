@@ -91,6 +91,11 @@ def load_config(path: str | Path) -> LaunchConfig:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {where} cannot be read: {e}") from None
     cfg = parse_config(text, where)
+    if not any(cfg):  # not one option: a file emptied or never saved, or the wrong one
+        raise ConfigError(
+            f"config file {where} sets no option (it is empty, or holds only comments); "
+            "give it the run's options, or leave -c out for the defaults"
+        )
     _check_paths(cfg, Path(path), where)
     return cfg
 
