@@ -264,3 +264,20 @@ def test_a_reward_file_named_like_pythons_own_module_says_so(tmp_path: Path, mon
         f"so your {tmp_path / 'math.py'} is never read; rename it (e.g. my_math.py) and pass "
         "--reward my_math:score"
     ), e.value
+
+
+def test_a_reward_that_is_a_class_says_to_name_an_instance(tmp_path: Path, monkeypatch) -> None:
+    """Calling a class makes an instance, which TRL cannot train on; the refusal said
+    "LengthReward() takes no arguments" (or returned an instance)."""
+    _module(tmp_path, monkeypatch, "class LengthReward:\n"
+            "    def __call__(self, completions, **kw):\n"
+            "        return [float(len(c)) for c in completions]\n\n"
+            "length_reward = LengthReward()\n", "crf_test_cls")  # fmt: skip
+    with pytest.raises(RewardError, match=re.escape(
+        "--reward crf_test_cls:LengthReward: LengthReward is a class; a reward is called for its "
+        "values, so name an instance of it (length_reward = LengthReward(...) in crf_test_cls, "
+        "then --reward crf_test_cls:length_reward) or a function"
+    )):  # fmt: skip
+        build_rewards(["crf_test_cls:LengthReward"])
+    (fn,), _ = build_rewards(["crf_test_cls:length_reward"])
+    assert fn(**ROWS) == [2.0, 3.0, 2.0]

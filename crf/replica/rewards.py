@@ -216,6 +216,14 @@ def import_reward(name: str) -> Callable[..., Any]:
         ) from None
     if not callable(fn):
         raise RewardError(f"--reward {name}: {func} is not a function")
+    if inspect.isclass(fn):  # calling it makes an instance, not the rewards
+        inst = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", func).lower()  # LengthReward: length_reward
+        inst = inst if inst != func else f"{func}_reward"
+        raise RewardError(
+            f"--reward {name}: {func} is a class; a reward is called for its values, so name "
+            f"an instance of it ({inst} = {func}(...) in {module}, then --reward "
+            f"{module}:{inst}) or a function"
+        )
     return fn
 
 
