@@ -299,20 +299,22 @@ def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
     assert "missing 1 required positional argument: 'solution' on 8 row(s) of" in line, line
 
 
-def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path) -> None:
-    """Without --dataset the replicas train on the composer job's embedded task and call
-    the rewards on its rows: so does the check, before anything starts (the replicas
-    failed at setup, after their start and model load)."""
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path, job: str) -> None:
+    """Without --dataset the replicas train on the job's embedded task and call the rewards
+    on its held-out rows as they set up: so does the check, before anything starts (the
+    replicas failed at setup, after their start and model load)."""
     body = "def score(completions, solution, **kw):\n    return [0.0] * len(completions)\n"
     wd, _ = _setup(tmp_path, body, "rw_emb")
     args = ["launch", "--store", str(tmp_path / "runs"), "--workdir", wd, "--reward",
-            "rw_emb:score", "--no-progress", "-n", "2", "-r", "1", "-H", "1"]  # fmt: skip
+            "rw_emb:score", "--no-progress", "-n", "2", "-r", "1", "-H", "1",
+            "--job", job]  # fmt: skip
     for extra in (["--dry-run"], []):
         result = crf(*args, *extra)
         assert result.exit_code == 2, result.output
         assert _one_line(result.output).startswith(
             "error: --reward rw_emb:score raised TypeError: score() missing 1 required "
-            "positional argument: 'solution' on 8 row(s) of the composer job's embedded task"
+            f"positional argument: 'solution' on 8 row(s) of the {job} job's embedded task"
         ), result.output
     assert not (tmp_path / "runs").exists()
     (Path(wd) / "rw_emb.py").write_text(body.replace("solution, ", ""))

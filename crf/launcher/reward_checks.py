@@ -175,10 +175,11 @@ def _own_image(executor: Any) -> bool:
 
 
 def embedded_splits(spec: Any) -> list[Split]:
-    """The composer job's embedded task as the split its ``--reward`` entries are called on
-    (its first :data:`~crf.launcher.data_checks.SAMPLE_ROWS` rows, as the replicas make
-    them) when the run has no ``--dataset``: [] otherwise."""
-    if spec.job != "composer" or getattr(spec, "dataset", None) or not spec.reward:
+    """The embedded task of the composer or sft job as the split its ``--reward`` entries
+    are called on when the run has no ``--dataset`` (its first
+    :data:`~crf.launcher.data_checks.SAMPLE_ROWS` held-out rows, as the replicas make them
+    and score them as they set up): [] otherwise."""
+    if spec.job not in ("composer", "sft") or getattr(spec, "dataset", None) or not spec.reward:
         return []
     from crf.composer.task import make_examples
     from crf.launcher.data_checks import SAMPLE_ROWS
@@ -186,8 +187,11 @@ def embedded_splits(spec: Any) -> list[Split]:
 
     cfg = job_config(spec.job, dict(spec.job_config or {}))
     shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
-    rows = make_examples(SAMPLE_ROWS, int(spec.seed), **shape)
-    return [Split("the composer job's", "embedded task", rows)]
+    rows = make_examples(SAMPLE_ROWS, int(spec.seed) + 7919, **shape)
+    if spec.job == "composer":
+        return [Split("the composer job's", "embedded task", rows)]
+    held = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]  # as sft scores them
+    return [Split("the sft job's", "embedded task", held, form="prompt-completion")]
 
 
 def check_rewards_on(spec: Any, splits: list[Split]) -> None:
