@@ -316,8 +316,8 @@ def test_a_secret_written_in_the_file_is_refused_and_never_quoted(
 
 @pytest.mark.parametrize("text", ["", "# replicas = 4\n\n", "[job]\n"])
 def test_a_file_that_sets_nothing_is_refused(tmp_path: Path, text: str) -> None:
-    """An empty file (emptied by an editor, never saved, or the wrong one) launched the
-    default run: two replicas of the embedded task."""
+    """An empty file (emptied by an editor, never saved, or the wrong one) would launch the
+    default run, two replicas of the embedded task: refused."""
     path = _write(tmp_path, text)
     result = crf("launch", "-c", path, "--store", tmp_path / "runs", "--dry-run")
     assert result.exit_code == 2, result.output
@@ -332,7 +332,7 @@ def test_a_path_written_for_the_files_own_folder_says_so(
 ) -> None:
     """A file's relative paths are read from where crf launch runs, as the flags' are; one
     that names nothing there but a folder beside the file was written for the file's folder:
-    the refusal says both fixes (it said only "--workdir code: no such folder")."""
+    the refusal says both fixes, not only that there is no such folder."""
     (tmp_path / "exp" / "code").mkdir(parents=True)
     path = _write(tmp_path / "exp", 'job = "lm"\nworkdir = "code"\ndataset = "org/hub-data"\n')
     monkeypatch.chdir(tmp_path)

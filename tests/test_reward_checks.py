@@ -302,8 +302,8 @@ def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("job", ["composer", "sft"])
 def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path, job: str) -> None:
     """Without --dataset the replicas train on the job's embedded task and call the rewards
-    on its held-out rows as they set up: so does the check, before anything starts (the
-    replicas failed at setup, after their start and model load)."""
+    on its held-out rows as they set up: so does the check, before anything starts (else
+    each replica fails at setup, after its start and model load)."""
     body = "def score(completions, solution, **kw):\n    return [0.0] * len(completions)\n"
     wd, _ = _setup(tmp_path, body, "rw_emb")
     args = ["launch", "--store", str(tmp_path / "runs"), "--workdir", wd, "--reward",
@@ -349,7 +349,7 @@ def test_a_reward_sees_the_runs_env_and_secrets_in_the_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The replicas get --env and --secret KEY=@file: so does the check, which imports and
-    calls the reward in this process (it refused a reward the replicas would run); this
+    calls the reward in this process, so a reward the replicas will run passes; this
     process's environment is as it was afterwards, and the key is not printed."""
     monkeypatch.delenv("JUDGE_URL", raising=False)
     monkeypatch.delenv("JUDGE_TOKEN", raising=False)

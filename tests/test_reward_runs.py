@@ -109,8 +109,8 @@ def score(completions, prompts, trainer_state=None, **kwargs):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_reward_that_goes_wrong_mid_run_is_not_restarted(tmp_path: Path) -> None:
-    """TRL raises its own ValueError for a wrong count, deep in a step: taken for a death,
-    each replica was restarted (and failed again) until --max-restarts."""
+    """TRL raises its own ValueError for a wrong count, deep in a step, which reads as a
+    death: the reward's error comes first, and no replica is restarted."""
     wd = _module(tmp_path / "wd", "short", SHORT_FROM_STEP_3)
     runs = tmp_path / "runs"
     out = _cli("launch", "-n", "2", "-r", "3", "-H", "2", "--reward", "short:score",
@@ -143,7 +143,7 @@ def score(completions, prompts, trainer_state=None, **kwargs):
 def test_a_reward_that_raises_mid_run_stops_the_run(tmp_path: Path) -> None:
     """Replica 0's reward raises in round 1: the run stops there with one line naming the
     reward and saying to continue the run once it is fixed; replica 1 does not train on
-    alone (it went on to the last round, then the run ended failed anyway)."""
+    alone to the last round, only for the run to end failed anyway."""
     wd = _module(tmp_path / "wd", "late", RAISES_ON_REPLICA_0_FROM_STEP_3)
     runs = tmp_path / "runs"
     out = _cli("launch", "-n", "2", "-r", "4", "-H", "2", "--reward", "late:score",

@@ -251,7 +251,7 @@ def test_a_reward_that_filters_the_completions_in_place_is_counted_before_the_ca
 
 def test_a_reward_file_named_like_pythons_own_module_says_so(tmp_path: Path, monkeypatch) -> None:
     """``math.py`` beside the run: Python's own math is imported, and has no ``score``; the
-    refusal said only "module 'math' has no attribute 'score'"."""
+    refusal says so, not only that module 'math' has no attribute 'score'."""
     (tmp_path / "math.py").write_text("def score(completions, **kw):\n    return [1.0]\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -267,8 +267,8 @@ def test_a_reward_file_named_like_pythons_own_module_says_so(tmp_path: Path, mon
 
 
 def test_a_reward_that_is_a_class_says_to_name_an_instance(tmp_path: Path, monkeypatch) -> None:
-    """Calling a class makes an instance, which TRL cannot train on; the refusal said
-    "LengthReward() takes no arguments" (or returned an instance)."""
+    """Calling a class makes an instance, which TRL cannot train on: the refusal names an
+    instance as the fix, not "LengthReward() takes no arguments"."""
     _module(tmp_path, monkeypatch, "class LengthReward:\n"
             "    def __call__(self, completions, **kw):\n"
             "        return [float(len(c)) for c in completions]\n\n"
