@@ -611,6 +611,9 @@ class ResultRecord(Record):
     failed_in: str | None = None
     #: the error says the machine or the network failed (a restart may well succeed)
     transient: bool = False
+    #: the error is one every replica meets at whatever round (a reward function's own): the
+    #: driver ends the run on it (crf.replica.failures.stops_run)
+    stops_run: bool = False
     #: what the replica ran with: torch / torchft / trl / transformers versions (crf.versions)
     versions: dict[str, str | None] = field(default_factory=dict)
     #: torch.cuda.is_available() in the replica (None: torch could not be imported)

@@ -153,7 +153,10 @@ def check_env_names(env: object, secrets: object, *, env_flag: str = "--env") ->
         if name.startswith(RESERVED_ENV_PREFIX):
             raise SpecError(f"{flag} {name}: CRF_* variables are crf's own; use another name")
         if not isinstance(value, str):
-            raise SpecError(f"{flag} {name}: the value must be a string (got {value!r})")
+            got = type(value).__name__  # not the value: it may be a secret's
+            raise SpecError(
+                f"{flag} {name}: the value must be a string (got a value of type {got})"
+            )
         if flag == "--secret" and "=" in value and not value.split("=", 1)[1].startswith("@"):
             raise SpecError(
                 f"--secret {name}: give the name only (its value is read from this "
@@ -257,6 +260,11 @@ class Option:
             self.base is list and not all(isinstance(a, str) for a in value)
         ):
             kind = _KINDS[self.base]
+            if self.name == "env":  # its values may be credentials: never quoted
+                raise SpecError(
+                    f"env must be a mapping of variable names to values (got a "
+                    f'{type(value).__name__}); in a config file: env = {{NAME = "value"}}'
+                )
             raise SpecError(f"{self.name} must be {kind} (got {value!r})")
 
     def _high(self, spec: RunSpec) -> Any:

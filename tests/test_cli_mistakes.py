@@ -392,7 +392,10 @@ def test_workdir_that_is_a_file_says_so(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["--dry-run", "--print-config"])
-@pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY"])
+@pytest.mark.parametrize(
+    "name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY", "OPENAI_KEY", "JUDGE_KEY",
+             "DB_PASS", "GITHUB_AUTH", "SERVICE_CREDENTIALS"],
+)  # fmt: skip
 def test_a_credential_in_env_is_refused_and_not_written(
     tmp_path: Path, name: str, how: str
 ) -> None:
@@ -403,9 +406,32 @@ def test_a_credential_in_env_is_refused_and_not_written(
     assert "hf_value_never_printed" not in out and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    ("value", "what"),
+    [
+        ("https://me:pw-never-printed@judge.example.com/score", "a URL with a password"),
+        ("postgres://app:pw-never-printed@db:5432/rl", "a URL with a password"),
+        ("sk-proj-" + "pw_never_printed" * 2, "an OpenAI or Anthropic key"),
+        ("hf_" + "PwNeverPrinted" * 3, "a Hugging Face token"),
+        ("ghp_" + "PwNeverPrinted" * 3, "a GitHub token"),
+    ],
+)
+def test_a_credential_value_in_env_is_refused_whatever_its_name(
+    tmp_path: Path, value: str, what: str
+) -> None:
+    """A judge's URL with its password, or a key under a name that does not say so: the
+    value would be written in run.json all the same."""
+    code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--env", f"JUDGE={value}",
+                    "--dry-run")  # fmt: skip
+    assert code == 2, out
+    assert f"--env JUDGE: its value, {what}, would be written in run.json" in one_line(out)
+    assert "ever_printed" not in out.lower() and not (tmp_path / "runs").exists()
+
+
 def test_plain_env_is_still_accepted(tmp_path: Path) -> None:
     code, out = crf(*LAUNCH, "--store", str(tmp_path / "runs"), "--env", "WANDB_PROJECT=grpo",
-                    "--env", "TOKENIZERS_PARALLELISM=false", "--dry-run")  # fmt: skip
+                    "--env", "TOKENIZERS_PARALLELISM=false", "--env", "JUDGE_URL=https://j.example.com/v1",
+                    "--env", "KEYWORDS=a,b", "--dry-run")  # fmt: skip
     assert code == 0, out
 
 

@@ -285,6 +285,68 @@ def test_secrets_are_never_printed(tmp_path: Path) -> None:
     assert parse_config(result.output).backend_options == {"namespace": "org"}
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('env = ["WANDB_API_KEY=wk_file_secret_123"]\n',
+         'env must be a mapping of variable names to values (got a list); in a config file: '
+         'env = {NAME = "value"}'),
+        ('env = {JUDGE_URL = "https://me:wk_file_secret_123@judge.example.com/v1"}\n',
+         "--env JUDGE_URL: its value, a URL with a password, would be written in run.json; "
+         "pass it with --secret JUDGE_URL"),
+        ('env = {OPENAI_KEY = "wk_file_secret_123"}\n',
+         "--env OPENAI_KEY: a credential's value would be written in run.json"),
+        ('env = {TIMEOUT = 30}\n',
+         "--env TIMEOUT: the value must be a string (got a value of type int)"),
+    ],
+)  # fmt: skip
+def test_a_secret_written_in_the_file_is_refused_and_never_quoted(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """A key written into a config file's ``env`` would be written in run.json: refused,
+    with the fix, and the value is in no message (a CI log keeps them)."""
+    path = _write(tmp_path, "job = 'lm'\n" + text)
+    for mode in ("--dry-run", "--print-config"):
+        result = crf("launch", "-c", path, "--store", tmp_path / "runs", mode)
+        assert result.exit_code == 2, result.output
+        assert message in " ".join(result.output.split()), result.output
+        assert "wk_file_secret_123" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("text", ["", "# replicas = 4\n\n", "[job]\n"])
+def test_a_file_that_sets_nothing_is_refused(tmp_path: Path, text: str) -> None:
+    """An empty file (emptied by an editor, never saved, or the wrong one) would launch the
+    default run, two replicas of the embedded task: refused."""
+    path = _write(tmp_path, text)
+    result = crf("launch", "-c", path, "--store", tmp_path / "runs", "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()) == (
+        f"error: config file {path} sets no option (it is empty, or holds only comments); "
+        "give it the run's options, or leave -c out for the defaults"
+    )
+
+
+def test_a_path_written_for_the_files_own_folder_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's relative paths are read from where crf launch runs, as the flags' are; one
+    that names nothing there but a folder beside the file was written for the file's folder:
+    the refusal says both fixes, not only that there is no such folder."""
+    (tmp_path / "exp" / "code").mkdir(parents=True)
+    path = _write(tmp_path / "exp", 'job = "lm"\nworkdir = "code"\ndataset = "org/hub-data"\n')
+    monkeypatch.chdir(tmp_path)
+    result = crf("launch", "-c", "exp/run.toml", "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()) == (
+        "error: workdir = 'code' in config file exp/run.toml: there is no code here, where a "
+        "config file's paths are read from (the directory crf launch runs in), but there is "
+        "one beside the file: write workdir = 'exp/code', or run crf launch from exp"
+    )
+    monkeypatch.chdir(tmp_path / "exp")  # from the file's folder: its paths are right
+    assert load_config(path).options["workdir"] == "code"
+
+
 def test_resume_refuses_run_defining_keys_of_the_file(example: Path) -> None:
     result = crf("launch", "-c", example, "--resume", "old-run")
     assert result.exit_code == 2

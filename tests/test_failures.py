@@ -21,7 +21,7 @@ from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState, Repli
 from crf.launcher.plan import RestartPolicy
 from crf.launcher.summary import _rounds_text, replica_row
 from crf.launcher.supervise import Supervisor
-from crf.replica.failures import deterministic, one_line, transient
+from crf.replica.failures import deterministic, one_line, stops_run, transient
 from crf.replica.rewards import RewardFailed
 from crf.store import RunStore, StoreTimeout
 
@@ -69,6 +69,12 @@ def test_what_a_replica_counts_as_deterministic(
     assert deterministic(error, phase=phase) is expected
     if not expected and phase == "starting":
         assert transient(error)
+
+
+def test_a_rewards_own_error_stops_the_run_at_any_round() -> None:
+    assert stops_run(_raised_from(RewardFailed, KeyError("label")))
+    assert not stops_run(_raised_from(RewardFailed, ConnectionError("judge")))  # the network
+    assert not stops_run(KeyError("x"))  # only a repeat says it is a bug
 
 
 def test_one_line_keeps_the_first_line() -> None:
@@ -182,6 +188,29 @@ def test_deaths_and_repeated_outages_restart_as_before(tmp_path: Path) -> None:
     _fail(store, executor, 0, "KeyError: 'x'", rounds_committed=2, failed_in="training")
     sup.check(0, None)
     assert sup.fatal is None and executor.relaunched[-1] == 0
+
+
+def test_a_rewards_error_after_committed_rounds_ends_the_run(tmp_path: Path) -> None:
+    """A reward's own error is met by every replica sooner or later (the same code scores
+    them all): the run stops at the first, naming it, and is continued once the reward is
+    fixed; the others are not left to train on alone until they meet it too."""
+    sup, executor, store = _supervisor(tmp_path, n=3)
+    store.put("global/1/part-0.safetensors", b"x")  # rounds 0 and 1 committed
+    line = "RewardFailed: reward rw:score raised KeyError: 'label' on the completion 'xy'"
+    _fail(store, executor, 2, line, rounds_committed=2, failed_in="training",
+          restartable=False, stops_run=True)  # fmt: skip
+    sup.check(2, None)
+    assert executor.relaunched == [] and sorted(executor.cancelled) == [0, 1]
+    assert sup.fatal == (
+        f"replica 2 failed after 2 committed round(s) with {line}: a restart cannot fix it, "
+        "so the run stopped; fix the input, then continue with crf launch --resume run-7"
+    )
+    # a replica's NaN (no stops_run) is its own: the others go on without it, as after a death
+    other, executor, store = _supervisor(tmp_path / "nan", n=3)
+    _fail(store, executor, 1, "NonFiniteError: round 2: weights went non-finite",
+          rounds_committed=2, failed_in="training", restartable=False)  # fmt: skip
+    other.check(1, None)
+    assert other.fatal is None and executor.cancelled == [] and executor.relaunched == []
 
 
 class _Logged(_Executor):

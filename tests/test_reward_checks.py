@@ -222,6 +222,7 @@ REFUSED = {
     "a-number": ("1.0", "returned a float"),
     "a-dict": ("{'r': 1.0}", "returned a dict"),
     "too-few": ("np.zeros(2)", "returned 2 values"),
+    "past-float32": ("[1e40] * len(completions)", "returned 1e+40 for the 1st row"),  # inf
 }
 BODY = "import numpy as np\nimport torch\n\ndef score(completions, answer, **kw):\n    return {}\n"
 
@@ -274,6 +275,133 @@ def test_check_values_reads_numbers_as_torch_does() -> None:
     for value in ["1", None, [1.0], np.array([1.0]), torch.ones(2), b"1", 1j]:
         assert reward_checks.reward_value(value) is None
     assert math.isnan(reward_checks.reward_value(float("nan")) or 0.0)
+
+
+ONE_ROW = """
+def score(completions, answer, **kw):
+    return [float({"ba": 1, "acb": 0, "bac": 2, "dd": 1, "cba": 0, "dc": 1}[a]) for a in answer]
+"""
+EVERY_ROW = "def score(completions, solution, **kw):\n    return [0.0] * len(completions)\n"
+
+
+def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
+    """A reward that fails on one row names that row's line in the file (the 7th row,
+    'bad=', has an answer the reward's table lacks); an error of every row (a column the
+    data does not have) is the call's, and names no row."""
+    result = crf(*_args(tmp_path, ONE_ROW), "--dry-run")
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "--reward rw_chk:score raised KeyError: 'dab' on line 7 of --dataset" in line, line
+    assert "(8 rows called)" in line
+    (tmp_path / "every").mkdir()
+    result = crf(*_args(tmp_path / "every", EVERY_ROW), "--dry-run")
+    line = " ".join(result.output.split())
+    assert "missing 1 required positional argument: 'solution' on 8 row(s) of" in line, line
+
+
+@pytest.mark.parametrize("job", ["composer", "sft"])
+def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path, job: str) -> None:
+    """Without --dataset the replicas train on the job's embedded task and call the rewards
+    on its held-out rows as they set up: so does the check, before anything starts (else
+    each replica fails at setup, after its start and model load)."""
+    body = "def score(completions, solution, **kw):\n    return [0.0] * len(completions)\n"
+    wd, _ = _setup(tmp_path, body, "rw_emb")
+    args = ["launch", "--store", str(tmp_path / "runs"), "--workdir", wd, "--reward",
+            "rw_emb:score", "--no-progress", "-n", "2", "-r", "1", "-H", "1",
+            "--job", job]  # fmt: skip
+    for extra in (["--dry-run"], []):
+        result = crf(*args, *extra)
+        assert result.exit_code == 2, result.output
+        assert _one_line(result.output).startswith(
+            "error: --reward rw_emb:score raised TypeError: score() missing 1 required "
+            f"positional argument: 'solution' on 8 row(s) of the {job} job's embedded task"
+        ), result.output
+    assert not (tmp_path / "runs").exists()
+    (Path(wd) / "rw_emb.py").write_text(body.replace("solution, ", ""))
+    assert crf(*args, "--dry-run").exit_code == 0
+
+
+def test_a_reward_that_reads_the_trainer_state_is_told_it_is_none_here(tmp_path: Path) -> None:
+    body = "def score(completions, trainer_state, **kw):\n" \
+           "    return [trainer_state.global_step / 100] * len(completions)\n"  # fmt: skip
+    result = crf(*_args(tmp_path, body), "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert (
+        "raised AttributeError: 'NoneType' object has no attribute 'global_step' on 8 row(s) of "
+        f"--dataset {tmp_path / 'train.jsonl'} (trainer_state is None outside a training step: "
+        "in the held-out evaluation and the check before launch); fix the function"
+    ) in " ".join(result.output.split())
+
+
+READS_ITS_VARIABLES = """
+import os
+
+URL = os.environ["JUDGE_URL"]  # read as the module is imported
+
+
+def score(completions, **kw):
+    print("judge key " + os.environ["JUDGE_TOKEN"])
+    return [0.5] * len(completions)
+"""
+
+
+def test_a_reward_sees_the_runs_env_and_secrets_in_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replicas get --env and --secret KEY=@file: so does the check, which imports and
+    calls the reward in this process, so a reward the replicas will run passes; this
+    process's environment is as it was afterwards, and the key is not printed."""
+    monkeypatch.delenv("JUDGE_URL", raising=False)
+    monkeypatch.delenv("JUDGE_TOKEN", raising=False)
+    (tmp_path / "key").write_text("jk-from-a-file-0123\n")
+    args = [*_args(tmp_path, READS_ITS_VARIABLES), "--env", "JUDGE_URL=https://judge.example.com",
+            "--secret", f"JUDGE_TOKEN=@{tmp_path / 'key'}", "--dry-run"]  # fmt: skip
+    result = crf(*args)
+    assert result.exit_code == 0, result.output
+    assert "judge key ***" in result.output and "jk-from-a-file" not in result.output
+    assert "JUDGE_URL" not in os.environ and "JUDGE_TOKEN" not in os.environ
+    result = crf(*[a for a in args if not a.startswith("JUDGE_URL=") and a != "--env"])
+    assert result.exit_code == 2 and "raised KeyError: 'JUDGE_URL'" in result.output
+
+
+# ---------------------------------------------------------------------- cloud replicas
+def _cloud_dry_run(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """``crf launch --backend modal --dry-run`` in ``cwd``: the plan and what is missing (no
+    credentials here), or the one line of a refusal."""
+    full = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    out = subprocess.run([sys.executable, "-m", "crf.launcher.cli", "launch", "--backend",
+                          "modal", "--gpu", "T4", "--store", "s3://bucket/runs", "--dry-run",
+                          *args], cwd=cwd, env=full, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    return out.stdout + out.stderr
+
+
+def test_a_reward_the_cloud_replicas_cannot_import_is_refused(tmp_path: Path) -> None:
+    """A reward module in the working directory (or on PYTHONPATH) imports here, but a cloud
+    replica runs elsewhere: without --workdir shipping it, each replica would fail at setup,
+    after its container started. Shipped, or from crf itself, it passes."""
+    body = "def score(completions, **kw):\n    return [0.5] * len(completions)\n"
+    (tmp_path / "proj" / "pkg").mkdir(parents=True)
+    (tmp_path / "proj" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "pkg" / "judge.py").write_text(body)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "onpath.py").write_text(body)
+    proj = tmp_path / "proj"
+    text = _cloud_dry_run(proj, "--reward", "pkg.judge:score")
+    assert (
+        f"error: --reward pkg.judge:score: pkg.judge is imported from {proj / 'pkg' / 'judge.py'} "
+        "on this machine, which the modal replicas cannot read (no --workdir); ship its folder "
+        f"with --workdir {proj}, or install it in their image (--pip, --image)"
+    ) in text, text
+    text = _cloud_dry_run(
+        proj, "--reward", "onpath:score", env={"PYTHONPATH": f"{REPO}:{tmp_path / 'lib'}"}
+    )
+    assert f"with --workdir {tmp_path / 'lib'}," in text, text
+    for args in (["--workdir", str(proj), "--reward", "pkg.judge:score"],
+                 ["--reward", "crf.composer.task:reverse_reward"],
+                 ["--image", "me/rewards:1", "--reward", "pkg.judge:score"]):  # fmt: skip
+        text = _cloud_dry_run(proj, *args)
+        assert "error:" not in text and "nothing was launched" in text, (args, text)
 
 
 # ---------------------------------------------------------------------- warnings

@@ -139,7 +139,9 @@ def test_prepare_packs_keys_and_keeps_the_local_store_out(tmp_path: Path) -> Non
 def test_a_reward_module_is_imported_from_the_workdir(tmp_path: Path) -> None:
     root = tmp_path / "code"
     root.mkdir()
-    (root / "my_wd_rewards.py").write_text("def score(completions, **kw):\n    return [1.0]\n")
+    (root / "my_wd_rewards.py").write_text(
+        "def score(completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
     opts = {"replicas": 1, "rounds": 1, "run_id": "rw", "reward": ["my_wd_rewards:score"]}
     with pytest.raises(LaunchError, match="cannot import"):  # not on the driver's path
         driver.prepare(opts, store=str(tmp_path / "runs"), dry_run=True)

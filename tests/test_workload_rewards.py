@@ -3,8 +3,11 @@ the working directory, a raising reward named in the failure, and the errors bef
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +16,7 @@ from crf.replica.rewards import (
     RewardError,
     RewardFailed,
     build_rewards,
+    call,
     exact_match,
     format_reward,
     job_rewards,
@@ -104,3 +108,176 @@ def test_math_answer_without_math_verify_says_what_to_install(monkeypatch) -> No
     monkeypatch.setitem(sys.modules, "math_verify", None)
     with pytest.raises(RewardError, match=r"install composer-replication\[math\]"):
         build_rewards(["math_answer"])
+
+
+ROWS = {"prompts": ["ab=", "ada=", "cd="], "completions": ["ba", "xyz", "dc"],
+        "answer": ["ba", "ada", "dc"], "trainer_state": None}  # fmt: skip
+
+
+def _guarded(tmp_path: Path, monkeypatch, body: str) -> Any:
+    name = f"crf_test_rw_{abs(hash(body)) % 10**8}"
+    _module(tmp_path, monkeypatch, body, name)
+    (fn,), _ = build_rewards([f"{name}:score"])
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("returns", "message"),
+    [
+        ("[1.0] * (len(completions) - 1)", "returned 2 values for 3 completions"),
+        ("['1.0'] * len(completions)", "returned '1.0' for the completion 'ba' of the prompt"),
+        ("[[1.0]] * len(completions)", "returned [1.0] for the completion 'ba'"),
+        ("[0.0, float('inf'), 0.0]", "returned inf for the completion 'xyz' of the prompt 'ada='"),
+        ("[0.0, 0.0, 1e40]", "returned 1e+40 for the completion 'dc'"),  # inf in float32
+        ("1.0", "returned a float; a reward returns a list"),
+        ("None", "returned a NoneType"),
+        ("{'score': [1.0] * 3}", "returned a dict"),
+    ],
+)
+def test_what_trl_cannot_train_on_is_the_rewards_error_in_a_replica(
+    tmp_path: Path, monkeypatch, returns: str, message: str
+) -> None:
+    """Called as a replica calls it (TRL's keywords), a reward's values are checked as the
+    check before launch checks them: an error of the reward (RewardFailed, which a restart
+    cannot fix), not TRL's ValueError or TypeError deep in a step, which reads as a death
+    and is restarted until --max-restarts."""
+    from crf.replica.failures import deterministic
+
+    fn = _guarded(tmp_path, monkeypatch, f"def score(completions, **kw):\n    return {returns}\n")
+    with pytest.raises(RewardFailed, match=re.escape(message)) as e:
+        fn(**ROWS)
+    assert "\n" not in str(e.value)
+    assert deterministic(e.value, phase="training")
+
+
+@pytest.mark.parametrize(
+    ("returns", "expected"),
+    [
+        ("(0.5 for _ in completions)", [0.5, 0.5, 0.5]),  # a generator: its values, once
+        ("[None, float('nan'), True]", [None, "nan", True]),  # TRL's "no value", and a bool
+        ("__import__('numpy').array([1.0, 2.0, 3.0])", [1.0, 2.0, 3.0]),
+        ("__import__('torch').tensor([1.0, 2.0, 3.0])", [1.0, 2.0, 3.0]),
+    ],
+)
+def test_what_trl_trains_on_passes_the_replicas_check(
+    tmp_path: Path, monkeypatch, returns: str, expected: list[Any]
+) -> None:
+    fn = _guarded(tmp_path, monkeypatch, f"def score(completions, **kw):\n    return {returns}\n")
+    got = [v if v is None or isinstance(v, bool) else float(v) for v in fn(**ROWS)]
+    assert [("nan" if isinstance(v, float) and math.isnan(v) else v) for v in got] == expected
+
+
+@pytest.mark.parametrize("code", ["0", "1", "'no judge'"])
+def test_sys_exit_in_a_reward_is_the_rewards_error(tmp_path: Path, monkeypatch, code: str) -> None:
+    """``sys.exit()`` in a reward would end the replica with that code (0: as if it had
+    finished), unnamed; it is the reward's error instead."""
+    fn = _guarded(tmp_path, monkeypatch, f"import sys\ndef score(completions, **kw):\n"
+                                         f"    sys.exit({code})\n")  # fmt: skip
+    with pytest.raises(RewardFailed, match=re.escape(f"called sys.exit({code})")):
+        fn(**ROWS)
+
+
+RAISES_ON_ONE_ROW = """
+CALLS = []
+
+def score(completions, prompts, **kw):
+    CALLS.append(len(completions))
+    return [{"ab=": 1.0, "cd=": 0.0}[p] for p in prompts]  # no label for 'ada='
+"""
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_rewards_error_names_the_row_that_raises(tmp_path: Path, monkeypatch, kind: str) -> None:
+    """In training a reward sees the model's completions, which no check before launch saw:
+    its error names the row it fails on (the rows are tried one by one after the error)."""
+    body = RAISES_ON_ONE_ROW.replace("def score", f"{kind} score")
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed) as e:
+        call(fn, **ROWS)
+    assert str(e.value).endswith(
+        "raised KeyError: 'ada=' on the completion 'xyz' of the prompt 'ada='"
+    ), e.value
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    ("raises", "calls"),
+    [
+        ("KeyError('solution')", [3, 1, 1, 1]),  # every row: the call's error, no row named
+        ("ConnectionError('judge unreachable')", [3]),  # the network's: not tried per row
+    ],
+)
+def test_an_error_of_every_row_or_the_network_names_no_row(
+    tmp_path: Path, monkeypatch, raises: str, calls: list[int]
+) -> None:
+    body = f"CALLS = []\ndef score(completions, **kw):\n    CALLS.append(len(completions))\n" \
+           f"    raise {raises}\n"  # fmt: skip
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed) as e:
+        fn(**ROWS)
+    assert " on the completion" not in str(e.value), e.value
+    assert sys.modules[fn.__name__.split(".")[0]].CALLS == calls
+
+
+def test_a_reward_that_needs_the_trainer_state_is_told_it_is_none_outside_training(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """TRL passes trainer_state to every call of a training step; the held-out evaluation
+    (and the check before launch) pass None: the error says so."""
+    body = "def score(completions, trainer_state, **kw):\n" \
+           "    return [trainer_state.global_step / 10] * 3\n"  # fmt: skip
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed, match=re.escape(
+        "'NoneType' object has no attribute 'global_step' (trainer_state is None outside a "
+        "training step: in the held-out evaluation and the check before launch)"
+    )):  # fmt: skip
+        fn(**ROWS)
+    state = type("State", (), {"global_step": 5})()
+    assert fn(**{**ROWS, "trainer_state": state}) == [0.5, 0.5, 0.5]
+
+
+def test_a_reward_that_filters_the_completions_in_place_is_counted_before_the_call(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``completions[:] = [...]`` drops the completions a reward cannot parse from the very
+    list TRL passed: its values are still one short of TRL's count."""
+    body = "def score(completions, **kw):\n" \
+           "    completions[:] = [c for c in completions if c != 'xyz']\n" \
+           "    return [1.0] * len(completions)\n"  # fmt: skip
+    fn = _guarded(tmp_path, monkeypatch, body)
+    with pytest.raises(RewardFailed, match="returned 2 values for 3 completions"):
+        fn(**{**ROWS, "completions": list(ROWS["completions"])})
+
+
+def test_a_reward_file_named_like_pythons_own_module_says_so(tmp_path: Path, monkeypatch) -> None:
+    """``math.py`` beside the run: Python's own math is imported, and has no ``score``; the
+    refusal says so, not only that module 'math' has no attribute 'score'."""
+    (tmp_path / "math.py").write_text("def score(completions, **kw):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError) as e:
+        build_rewards(["math:score"])
+    assert str(e.value).startswith(
+        "--reward math:score: math is also the name of a module Python imports before yours ("
+    ), e.value
+    assert str(e.value).endswith(
+        f"so your {tmp_path / 'math.py'} is never read; rename it (e.g. my_math.py) and pass "
+        "--reward my_math:score"
+    ), e.value
+
+
+def test_a_reward_that_is_a_class_says_to_name_an_instance(tmp_path: Path, monkeypatch) -> None:
+    """Calling a class makes an instance, which TRL cannot train on: the refusal names an
+    instance as the fix, not "LengthReward() takes no arguments"."""
+    _module(tmp_path, monkeypatch, "class LengthReward:\n"
+            "    def __call__(self, completions, **kw):\n"
+            "        return [float(len(c)) for c in completions]\n\n"
+            "length_reward = LengthReward()\n", "crf_test_cls")  # fmt: skip
+    with pytest.raises(RewardError, match=re.escape(
+        "--reward crf_test_cls:LengthReward: LengthReward is a class; a reward is called for its "
+        "values, so name an instance of it (length_reward = LengthReward(...) in crf_test_cls, "
+        "then --reward crf_test_cls:length_reward) or a function"
+    )):  # fmt: skip
+        build_rewards(["crf_test_cls:LengthReward"])
+    (fn,), _ = build_rewards(["crf_test_cls:length_reward"])
+    assert fn(**ROWS) == [2.0, 3.0, 2.0]

@@ -53,12 +53,34 @@ SECRET_NAMES = frozenset(
 #: a variable name that says it holds a credential (HF_TOKEN, OPENAI_API_KEY, DB_PASSWORD,
 #: AWS_SECRET_ACCESS_KEY): ``--env`` writes its value in run.json, so such a name goes
 #: through ``--secret`` (crf.launcher.user_env.check_plain_env)
-_CREDENTIAL_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|SECRET_KEY)$")
+_CREDENTIAL_NAME = re.compile(
+    r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|KEY|APIKEY|CREDENTIALS?|AUTH)$"
+)
+#: values that are credentials whatever their variable's name: a URL that carries a password
+#: (``https://user:pw@host``) and the keys of well-known services, by their fixed prefixes
+_CREDENTIAL_VALUES = (
+    ("a URL with a password", re.compile(r"[a-z][a-z0-9+.-]*://[^/\s:@]+:[^/\s@]+@", re.I)),
+    ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+    ("an OpenAI or Anthropic key", re.compile(r"\bsk-[A-Za-z0-9_-]{20,}")),
+    ("a GitHub token", re.compile(r"\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{20,})")),
+    ("an AWS access key id", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("a Slack token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+)
 
 
 def looks_like_credential(name: str) -> bool:
-    """Whether ``name`` is a credential's variable: one crf knows, or named like one."""
+    """Whether ``name`` is a credential's variable: one crf knows, or named like one
+    (``*_TOKEN``, ``*_KEY``, ``*_PASSWORD``, ``*_PASS``, ``*_CREDENTIALS``, ``*_AUTH``...)."""
     return name in SECRET_NAMES or bool(_CREDENTIAL_NAME.search(name.upper()))
+
+
+def credential_value(value: str) -> str | None:
+    """What ``value`` is when it holds a credential whatever its variable's name (see
+    :data:`_CREDENTIAL_VALUES`), else None."""
+    for what, pattern in _CREDENTIAL_VALUES:
+        if pattern.search(value):
+            return what
+    return None
 
 
 #: shorter values are not redacted: hiding every "1" or "true" would garble the logs
@@ -166,6 +188,13 @@ def secret_values(environ: Mapping[str, str] | None = None) -> set[str]:
             if "\n" in value:
                 values.update(part.strip() for part in value.splitlines())
     return {v for v in values if len(v) >= MIN_SECRET_CHARS}
+
+
+def hide_secrets(text: str) -> str:
+    """``text`` with the value of every secret this process was given replaced by ``***``
+    (:func:`secret_values`): for what a replica writes to the run folder (its error and
+    traceback), where an exception's message may quote a key (an HTTP error's URL)."""
+    return redact(text, secret_values())
 
 
 def redact(text: str, secrets: Iterable[str]) -> str:

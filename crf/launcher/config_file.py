@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -89,7 +90,41 @@ def load_config(path: str | Path) -> LaunchConfig:
         raise ConfigError(f"config file {where} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {where} cannot be read: {e}") from None
-    return parse_config(text, where)
+    cfg = parse_config(text, where)
+    if not any(cfg):  # not one option: a file emptied or never saved, or the wrong one
+        raise ConfigError(
+            f"config file {where} sets no option (it is empty, or holds only comments); "
+            "give it the run's options, or leave -c out for the defaults"
+        )
+    _check_paths(cfg, Path(path), where)
+    return cfg
+
+
+#: the keys whose values are paths on this machine (or a URL, or a Hub id)
+_PATH_KEYS = ("workdir", "dataset", "eval_dataset", "model", "requirements", "store")
+
+
+def _check_paths(cfg: LaunchConfig, path: Path, where: str) -> None:
+    """ConfigError for a relative path of the file that names nothing in the working
+    directory, where it is read from (as the flag's would be), but names something beside
+    the file: the file was written for its own folder."""
+    folder = path.resolve().parent
+    if folder == Path.cwd().resolve():
+        return
+    for key in _PATH_KEYS:
+        value = {**cfg.options, **cfg.launch_flags}.get(key)
+        if not isinstance(value, str) or not value or "://" in value:
+            continue
+        if Path(value).expanduser().is_absolute() or os.path.lexists(value):
+            continue
+        if (folder / value).exists():
+            here = os.path.relpath(folder / value)
+            raise ConfigError(
+                f"{key} = {value!r} in config file {where}: there is no {value} here, where "
+                "a config file's paths are read from (the directory crf launch runs in), but "
+                f"there is one beside the file: write {key} = {here!r}, or run crf launch "
+                f"from {os.path.relpath(folder)}"
+            )
 
 
 def parse_config(text: str, where: str = "<config>") -> LaunchConfig:

@@ -29,6 +29,7 @@ from crf.launcher.errors import LaunchError
 from crf.launcher.user_env import (
     check_plain_env,
     check_reserved,
+    replica_variables,
     resolve_secrets,
     tracking_warnings,
 )
@@ -383,7 +384,7 @@ def prepare(
     packed = check_code(spec, executor)
     check_entrypoint_options(entrypoint, job_options, job_named="job" in values)
     try:
-        with importable(packed if imports_user_code(spec) else None, spec.workdir):
+        with importable(packed if imports_user_code(spec) else None, spec):
             spec.job_config = validate_job(spec.job, job_options)
             check_job_run(spec, executor)
             rows = check_workload(spec)
@@ -667,12 +668,18 @@ def _check_inputs(
 ) -> Any:
     """The run's data, model and rewards checked (crf/launcher/data_checks.py), then
     ``--model`` named as the replicas will find it (:func:`replica_model_path`)."""
-    from crf.launcher.reward_checks import check_rewards_on, reward_warnings
+    from crf.launcher.reward_checks import (
+        check_rewards_on,
+        check_rewards_shipped,
+        embedded_splits,
+        reward_warnings,
+    )
 
     local = getattr(executor, "name", spec.backend) == "local"
+    check_rewards_shipped(spec, executor, packed.names if packed else ())
     found = check_inputs(spec, local=local, dry_run=dry_run)
     if builtin_data(spec):  # each reward called on the sampled rows (none: not called)
-        check_rewards_on(spec, found.splits)
+        check_rewards_on(spec, found.splits or embedded_splits(spec))
         found.warnings += reward_warnings(list(spec.reward or []), spec.job)
     spec.model = replica_model_path(spec, packed)
     return found
@@ -775,18 +782,28 @@ def check_code(spec: RunSpec, executor: ServerlessExecutor) -> PackedWorkdir | N
 
 
 @contextlib.contextmanager
-def importable(packed: PackedWorkdir | bytes | None, workdir: str | None = None) -> Iterator[None]:
-    """The packed workdir (or its archive's bytes, as the run folder keeps them), unpacked
-    in a temporary folder first on sys.path, so the checks before launch import a job or a
-    reward from exactly what the replicas will get. A refusal that names a file of the copy
-    names it in ``workdir`` (the user's folder) instead; SIGTERM, like Ctrl-C, removes the
-    copy on its way out."""
-    if packed is None:
-        yield
-        return
-    data = packed if isinstance(packed, bytes) else packed.data
+def importable(packed: PackedWorkdir | bytes | None, spec: RunSpec) -> Iterator[None]:
+    """What the replicas of ``spec`` will have, for the checks before launch: the run's
+    ``--env`` and ``--secret`` variables (:func:`replica_variables`), and the packed workdir
+    (or its archive's bytes, as the run folder keeps them) unpacked in a temporary folder
+    first on sys.path, so they import a job or a reward from exactly what the replicas will
+    get. A refusal that names a file of the copy names it in the user's ``--workdir``
+    instead; SIGTERM, like Ctrl-C, removes the copy on its way out."""
+    with replica_variables(spec):
+        if packed is None:
+            yield
+        else:
+            with _unpacked(packed, spec.workdir):
+                yield
+
+
+@contextlib.contextmanager
+def _unpacked(packed: PackedWorkdir | bytes, workdir: str | None) -> Iterator[None]:
+    """:func:`importable`'s copy of the packed workdir, first on sys.path while it lasts."""
     from crf.executors.workdir import unpack_workdir
     from crf.launcher.interrupts import sigterm_as_interrupt
+
+    data = packed if isinstance(packed, bytes) else packed.data
 
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="crf-workdir-check-") as tmp:
         where = str(unpack_workdir(data, Path(tmp) / "workdir"))

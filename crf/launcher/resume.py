@@ -222,7 +222,7 @@ def recheck_inputs(spec: RunSpec, store: RunStore) -> None:
         return
     shipped = _shipped_workdir(spec, store) if imports_user_code(spec) else None
     try:
-        with importable(shipped, spec.workdir), _imported_afresh(spec.reward):
+        with importable(shipped, spec), _imported_afresh(spec.reward):
             _check_inputs_again(copy.deepcopy(spec))
     except LaunchError as e:  # a file of the shipped copy named as the user's (importable)
         raise LaunchError(

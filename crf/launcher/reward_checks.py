@@ -10,15 +10,21 @@ warns of entries that are allowed but hardly meant (a reward twice, a weight of 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
 import signal
+import sys
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
 
+from crf.executors.secrets import redact, secret_values
 from crf.launcher.data_checks import Split, in_time, shown_column, value_kind
 from crf.launcher.errors import LaunchError
+from crf.replica.rewards import listed, out_of_range, reward_value
 
 #: seconds each reward function may take on the sampled rows before the launch is refused
 REWARD_CALL_S = 60.0
@@ -96,11 +102,103 @@ def import_rewards(entries: list[str] | None) -> None:
             return
 
 
+def check_rewards_shipped(spec: Any, executor: Any, shipped: Collection[str] = ()) -> None:
+    """LaunchError for a ``module:function`` reward that the replicas of a backend that runs
+    them elsewhere (one that installs their packages: a cloud backend) will not find: a
+    module this machine imports from a folder of its own (the working directory, a
+    PYTHONPATH entry, an editable install) that ``--workdir`` does not ship (``shipped``:
+    the files it packs) and no ``--pip`` entry installs. Each replica would fail at setup.
+    An installed package, crf's own modules and a run with its own ``--image`` pass."""
+    if not getattr(executor, "installs_packages", False) or _own_image(executor):
+        return
+    from crf.replica.rewards import BUILTINS, parse_rewards
+
+    for s in parse_rewards(list(spec.reward or [])):
+        if s.name in BUILTINS or s.name.startswith("format:"):
+            continue
+        module = s.name.partition(":")[0]
+        top = sys.modules.get(module.split(".")[0])
+        path = getattr(top, "__file__", None)
+        if path is None or _ships(module, shipped) or _installed(path, module, spec.pip):
+            continue
+        folder = Path(path).parent.parent if Path(path).name == "__init__.py" else Path(path).parent
+        given = f"--workdir {spec.workdir} does not ship it" if spec.workdir else "no --workdir"
+        shown = getattr(sys.modules.get(module), "__file__", None) or path
+        raise LaunchError(
+            f"--reward {s.name}: {module} is imported from {shown} on this machine, which the "
+            f"{spec.backend} replicas cannot read ({given}); ship its folder with --workdir "
+            f"{folder}, or install it in their image (--pip, --image)"
+        )
+
+
+def _ships(module: str, names: Collection[str]) -> bool:
+    """Whether the packed workdir's files (its root is on the replicas' PYTHONPATH) hold
+    ``module``."""
+    path = module.replace(".", "/")
+    return f"{path}.py" in names or f"{path}/__init__.py" in names
+
+
+def _installed(path: str, module: str, pip: list[str]) -> bool:
+    """Whether the module file at ``path`` is part of an installation the replicas get too:
+    crf itself (shipped with each run), the standard library or site-packages of an image,
+    or a distribution a ``--pip`` entry names."""
+    import importlib.metadata
+    import sysconfig
+
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    real = Path(path).resolve()
+    crf_root = Path(__file__).resolve().parents[1]
+    places = [crf_root, *(Path(p).resolve() for p in sysconfig.get_paths().values())]
+    if any(real.is_relative_to(p) for p in places) or "site-packages" in real.parts:
+        return True
+    named = set()
+    for entry in pip or ():
+        try:
+            named.add(canonicalize_name(Requirement(entry).name))
+        except InvalidRequirement:
+            continue
+    dists = importlib.metadata.packages_distributions().get(module.split(".")[0], [])
+    return any(canonicalize_name(d) in named for d in dists)
+
+
+def _own_image(executor: Any) -> bool:
+    """Whether the backend runs the replicas in an image of the user's (``--image``), which
+    may hold their code: another image than the backend's default."""
+    image = getattr(executor, "image", None)
+    try:
+        default = inspect.signature(type(executor)).parameters["image"].default
+    except (KeyError, TypeError, ValueError):
+        default = None
+    return bool(image) and image != default
+
+
+def embedded_splits(spec: Any) -> list[Split]:
+    """The embedded task of the composer or sft job as the split its ``--reward`` entries
+    are called on when the run has no ``--dataset`` (its first
+    :data:`~crf.launcher.data_checks.SAMPLE_ROWS` held-out rows, as the replicas make them
+    and score them as they set up): [] otherwise."""
+    if spec.job not in ("composer", "sft") or getattr(spec, "dataset", None) or not spec.reward:
+        return []
+    from crf.composer.task import make_examples
+    from crf.launcher.data_checks import SAMPLE_ROWS
+    from crf.replica.jobs import job_config
+
+    cfg = job_config(spec.job, dict(spec.job_config or {}))
+    shape = dict(letters=cfg.letters, min_len=cfg.min_len, max_len=cfg.max_len)
+    rows = make_examples(SAMPLE_ROWS, int(spec.seed) + 7919, **shape)
+    if spec.job == "composer":
+        return [Split("the composer job's", "embedded task", rows)]
+    held = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]  # as sft scores them
+    return [Split("the sft job's", "embedded task", held, form="prompt-completion")]
+
+
 def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     """Each ``--reward`` called as the trainer calls it, on the sampled rows of the splits
     it scores (composer: all; sft: the held-out ones), with each row's answer (or an empty
     text) as the completion: it must not raise and must return a finite number per row."""
-    from crf.replica.data import job_row
+    from crf.replica.data import job_row, row_name
     from crf.replica.rewards import RewardError, parse_rewards, reward_function
 
     if not spec.reward:
@@ -108,19 +206,65 @@ def check_rewards_on(spec: Any, splits: list[Split]) -> None:
     specs = parse_rewards(list(spec.reward))
     scored = [s for s in splits if spec.job == "composer" or s.flag != "--dataset"]
     for split in scored:
-        rows = [r for r in split.rows if r.get("prompt") is not None or r.get("messages")]
+        at = [
+            i for i, r in enumerate(split.rows) if r.get("prompt") is not None or r.get("messages")
+        ]
+        rows = [split.rows[i] for i in at]
         if split.form is None:  # composer: a row as the replicas give it (an empty hint: None)
             rows = [job_row(r, [(k, k) for k in r]) for r in rows]
         if not rows:
             continue
+        names = [row_name(i, split.lines) for i in at]
         for s in specs:
             if s.needs_answer:
                 check_answers(spec, split, s.name)
             try:
-                fn = reward_function(s)
+                fn = reward_function(s, guarded=False)  # this check words its own refusals
             except RewardError as e:
                 raise LaunchError(str(e)) from None
-            call_reward(s.name, fn, rows, split, many=len(specs) > 1)
+            with secrets_hidden(_secret_values(spec)):
+                call_reward(s.name, fn, rows, split, many=len(specs) > 1, names=names)
+
+
+class _Redacting:
+    """A text stream that writes to ``out`` with the secret ``values`` replaced."""
+
+    def __init__(self, out: TextIO, values: set[str]) -> None:
+        self.out, self.values = out, values
+
+    def write(self, text: str) -> int:
+        self.out.write(redact(text, self.values))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, encoding...
+        return getattr(self.out, name)
+
+
+@contextlib.contextmanager
+def secrets_hidden(values: set[str]) -> Iterator[None]:
+    """Inside: what the user's code prints, and the refusal (LaunchError) it leads to, with
+    the secret ``values`` replaced by ``***``; a reward may print or raise with a key."""
+    if not values:
+        yield
+        return
+    out, err = sys.stdout, sys.stderr
+    try:
+        with contextlib.redirect_stdout(_Redacting(out, values)):
+            with contextlib.redirect_stderr(_Redacting(err, values)):
+                yield
+    except LaunchError as e:
+        raise LaunchError(redact(str(e), values)) from None
+
+
+def _secret_values(spec: Any) -> set[str]:
+    """The values of the run's ``--secret`` variables (and of the store credentials crf
+    knows) in this environment, where the check calls the rewards: a reward reads them from
+    there, and its error may quote one."""
+    from crf.layout import ENV_SECRET_NAMES
+    from crf.spec import secret_name
+
+    names = ",".join(secret_name(str(e)) for e in getattr(spec, "secrets", None) or ())
+    return secret_values({**os.environ, ENV_SECRET_NAMES: names})
 
 
 def reward_warnings(entries: list[str], job: str = "composer") -> list[str]:
@@ -206,34 +350,47 @@ def _prompt(row: Mapping[str, Any]) -> Any:
 
 
 def call_reward(
-    name: str, fn: Callable[..., Any], rows: list[dict[str, Any]], split: Split, *, many: bool
+    name: str,
+    fn: Callable[..., Any],
+    rows: list[dict[str, Any]],
+    split: Split,
+    *,
+    many: bool,
+    names: list[str] | None = None,
 ) -> None:
     """LaunchError when reward ``name`` raises, exits, takes longer than
     :data:`REWARD_CALL_S` on ``rows`` or does not return one finite number per row, in any
     form TRL turns into its rewards tensor (:func:`reward_values`; None is TRL's "not
-    applicable", allowed only beside other rewards)."""
-    from crf.replica.rewards import call, outside_trainer
+    applicable", allowed only beside other rewards). An error that one row alone raises
+    names that row (its entry of ``names``: its line in the file)."""
+    from crf.replica.rewards import call, first_failing_row, no_trainer_hint, outside_trainer
     from crf.replica.sft_data import FORMAT_FIELDS
 
     if split.form is None:  # composer: every column but those TRL keeps out
         extra = {k for r in rows for k in r if k not in ("prompt", "completion")}
     else:  # sft: a held-out row is scored with its other columns (sft._scorable)
         extra = {k for r in rows for k in r if k not in FORMAT_FIELDS}
-    kwargs = {k: [r.get(k) for r in rows] for k in sorted(extra)}
+    kwargs = {
+        "prompts": [_prompt(r) for r in rows],
+        "completions": [_completion(r) for r in rows],
+        "completion_ids": [[] for _ in rows],
+        **{k: [r.get(k) for r in rows] for k in sorted(extra)},
+        **outside_trainer(),
+    }
     where = f"on {len(rows)} row(s) of {split.flag} {split.dataset}"
 
-    def scored() -> Any:
-        out = call(
-            fn,
-            prompts=[_prompt(r) for r in rows],
-            completions=[_completion(r) for r in rows],
-            completion_ids=[[] for _ in rows],
-            **(kwargs | outside_trainer()),
-        )
-        return _listed(out)  # a generator's values come from the user's code too
+    def failing() -> str:
+        """Where the error is: the one row that raises alone, or the rows called."""
+        try:
+            row = within(lambda: first_failing_row(fn, kwargs), REWARD_CALL_S)
+        except TooSlow:
+            row = None
+        if row is None or names is None:
+            return where
+        return f"on {names[row]} of {split.flag} {split.dataset} ({len(rows)} rows called)"
 
-    try:
-        out = within(scored, REWARD_CALL_S)
+    try:  # a generator's values come from the user's code too
+        out = within(lambda: listed(call(fn, **kwargs)), REWARD_CALL_S)
     except TooSlow:
         raise LaunchError(
             f"--reward {name} did not return within {REWARD_CALL_S:g}s {where}; make it "
@@ -242,29 +399,17 @@ def call_reward(
         ) from None
     except SystemExit as e:  # sys.exit() in the user's code would end the launcher
         raise LaunchError(
-            f"--reward {name} called sys.exit({e.code!r}) {where}; a reward returns its "
+            f"--reward {name} called sys.exit({e.code!r}) {failing()}; a reward returns its "
             "values: raise an exception (or return None for a completion it cannot score) "
             "instead"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
-        cause = e.__cause__ or e
         raise LaunchError(
-            f"--reward {name} raised {type(cause).__name__}: {cause} {where}; fix the "
-            "function (it is called as TRL calls it: prompts, completions, and the "
-            "dataset's columns as keyword lists)"
+            f"--reward {name} raised {type(e).__name__}: {e} {failing()}"
+            f"{no_trainer_hint(e, kwargs)}; fix the function (it is called as TRL calls it: "
+            "prompts, completions, and the dataset's columns as keyword lists)"
         ) from None
     check_reward_values(name, out, len(rows), where, many=many)
-
-
-def _listed(out: Any) -> Any:
-    """``out`` as the list TRL makes of it (``[r for r in out]``): any iterable but text
-    and mappings (TRL's tensor refuses their items); anything else as it is."""
-    if inspect.iscoroutine(out) or isinstance(out, str | bytes | Mapping):
-        return out
-    try:
-        return list(out)
-    except TypeError:  # not iterable: a number, None...
-        return out
 
 
 def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) -> None:
@@ -285,28 +430,12 @@ def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) 
         if value is None and many:
             continue
         number = reward_value(value)
-        if number is None or not math.isfinite(number):
+        if number is None or math.isnan(number) or out_of_range(number):
             shown = value if number is None else number
             raise LaunchError(
                 f"--reward {name} returned {shown!r} for the {_nth(i + 1)} row {where}; a "
                 "reward returns a finite number (or a bool) per completion"
             )
-
-
-def reward_value(value: Any) -> float | None:
-    """``value`` as the number TRL's ``torch.tensor(..., dtype=float32)`` makes of it: a
-    bool, an int, a float, or a numpy or torch scalar (a 0-d array or tensor); None for
-    anything else (text, None, a list, an array of several values)."""
-    if isinstance(value, bool | int | float):
-        return float(value)
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, str):
-        try:
-            item = value.item()
-        except (TypeError, ValueError, RuntimeError):
-            return None
-        if isinstance(item, bool | int | float):
-            return float(item)
-    return None
 
 
 def _nth(n: int) -> str:

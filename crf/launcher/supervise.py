@@ -169,25 +169,23 @@ class Supervisor:
         round with an error that a restart cannot fix: one it says is deterministic (raised
         in setup, crf/replica/failures.py), or one whose type and message another replica,
         or its own earlier attempt, failed with before (its result's, or its log's for a
-        replica that wrote none). Deaths (killed, no word, or a transient error) restart as
-        the policy allows."""
+        replica that wrote none); and at any round with an error every replica meets (a
+        reward's own: the others would train on until they meet it, and the run end failed
+        anyway). Deaths (killed, no word, or a transient error) restart as the policy
+        allows."""
         rank = handle.rank
         found = self._early_error(handle, status)
         if found is None:
             return
-        line, setup, failed_in = found
+        line, setup, where = found
         before = [r for r, seen in self.early_errors.items() if line in seen]
         self.early_errors.setdefault(rank, []).append(line)
         if not setup and not before:
             return
-        where = "at setup" if failed_in == "setup" else "before its first round"
         also = [r for r in before if r != rank]
         again = " (again)" if rank in before else ""
         others = f"; replica(s) {', '.join(map(str, also))} too" if also else ""
-        if self.plan.resume is not None:  # it has rounds to keep: continue it, not anew
-            then = f"fix the input, then continue with crf launch --resume {self.plan.spec.run_id}"
-        else:
-            then = "fix the input and launch again"
+        then = self._then()
         self.fatal = (
             f"replica {rank} failed {where}{again} with {line}{others}: a restart cannot fix "
             f"it, so the run stopped; {then}"
@@ -198,13 +196,29 @@ class Supervisor:
         with contextlib.suppress(Exception):  # the run ends either way; cancel is best effort
             self.plan.executor.cancel_all(others_running)
 
+    def _then(self) -> str:
+        """What to do once the run stopped on an error of its input: continue it, when it
+        has committed rounds to keep, with the fixed input (which a resume reads again from
+        this machine), else launch it again; a --workdir run's replicas would get the code it
+        shipped at its launch on a resume too."""
+        spec = self.plan.spec
+        try:
+            kept = self.plan.resume is not None or bool(layout.global_rounds(self.plan.store))
+        except Exception:  # noqa: BLE001 - the store cannot say: as for a run with none
+            kept = self.plan.resume is not None
+        if kept and not getattr(spec, "workdir", None):
+            return f"fix the input, then continue with crf launch --resume {spec.run_id}"
+        return "fix the input and launch again"
+
     def _early_error(
         self, handle: ReplicaHandle, status: ReplicaStatus
-    ) -> tuple[str, bool, str | None] | None:
-        """(the error's first line, whether the replica said no restart can fix it, where it
-        failed) of an attempt that failed before its first committed round; None for a
-        death, a transient error (a store or network outage repeats too, and a restart may
-        outlive it) or a failure after a committed round. A replica that wrote no result (a
+    ) -> tuple[str, bool, str] | None:
+        """(the error's first line, whether it ends the run at once, where it failed: "at
+        setup", "before its first round", "after N committed round(s)") of an attempt that
+        failed before its first committed round, or at any round with an error every replica
+        meets (``stops_run``: a reward's); None for a death, a transient error (a store or
+        network outage repeats too, and a restart may outlive it) or another failure after
+        a committed round. A replica that wrote no result (a
         user's entrypoint that never reached crf, killed or not) is judged by its exit and
         its log (:meth:`_logged_error`)."""
         try:
@@ -214,15 +228,21 @@ class Supervisor:
         if not isinstance(result, dict) or result.get("status") != "failed":
             return None
         error = str(result.get("error") or "").strip()
-        if not error or result.get("transient") or int(result.get("rounds_committed") or 0):
+        if not error or result.get("transient"):
             return None
-        failed_in = result.get("failed_in")
-        setup = failed_in == "setup" and result.get("restartable") is False
-        return error.splitlines()[0], setup, failed_in
+        setup = result.get("failed_in") == "setup"
+        where = "at setup" if setup else "before its first round"
+        committed = int(result.get("rounds_committed") or 0)
+        if result.get("stops_run") is True:  # a reward's error: every replica meets it
+            where = f"after {committed} committed round(s)" if committed and not setup else where
+            return error.splitlines()[0], True, where
+        if committed:
+            return None
+        return error.splitlines()[0], setup and result.get("restartable") is False, where
 
     def _logged_error(
         self, handle: ReplicaHandle, status: ReplicaStatus
-    ) -> tuple[str, bool, str | None] | None:
+    ) -> tuple[str, bool, str] | None:
         """The last exception line of the log of an attempt that exited by itself with an
         error status (1..127: a Python traceback's 1, ``sys.exit(2)``), before the run
         committed any round; None for a kill (a signal, or 128 + its number as a shell or a
@@ -239,7 +259,7 @@ class Supervisor:
         from crf.launcher.summary import last_exception
 
         line = last_exception(log_tail(self.plan.executor, handle))
-        return (line, False, None) if line else None
+        return (line, False, "before its first round") if line else None
 
     def _stop_for_store(self, rank: int, error: BaseException) -> None:
         """End the run: the run folder refuses the driver's writes, so it refuses the

@@ -17,23 +17,32 @@ store, the AWS keys for ``s3://``...).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
-from crf.executors.secrets import looks_like_credential, store_credential_names
+from crf.executors.secrets import (
+    credential_value,
+    looks_like_credential,
+    store_credential_names,
+)
 from crf.launcher.errors import LaunchError
 from crf.spec import WANDB_KEYS, RunSpec, secret_name
 
 
 def check_plain_env(spec: RunSpec) -> None:
     """LaunchError for an ``--env`` whose name says it is a credential (``HF_TOKEN``,
-    ``AWS_SECRET_ACCESS_KEY``, ``*_API_KEY``): an ``--env`` value is written in run.json and
+    ``AWS_SECRET_ACCESS_KEY``, ``*_API_KEY``, ``OPENAI_KEY``) or whose value is one (a URL
+    with a password, a service's key by its prefix): an ``--env`` value is written in run.json and
     shown by the platform, so a credential goes through ``--secret`` (docs/backends.md).
     Checked for a new launch only: a resume cannot change its run.json."""
-    for name in spec.env if isinstance(spec.env, dict) else ():
-        if looks_like_credential(str(name)):
+    for name, value in spec.env.items() if isinstance(spec.env, dict) else ():
+        what = "a credential's value" if looks_like_credential(str(name)) else None
+        if what is None and isinstance(value, str) and credential_value(value):
+            what = f"its value, {credential_value(value)},"
+        if what is not None:
             raise LaunchError(
-                f"--env {name}: a credential's value would be written in run.json; pass it "
+                f"--env {name}: {what} would be written in run.json; pass it "
                 f"with --secret {name} (its value read from this environment, or "
                 f"{name}=@file) instead"
             )
@@ -102,6 +111,31 @@ def resolve_secrets(spec: RunSpec, environ: Mapping[str, str] | None = None) -> 
                 )
             out[name] = value
     return out
+
+
+@contextlib.contextmanager
+def replica_variables(spec: RunSpec) -> Iterator[None]:
+    """Inside: this process's environment with the run's ``--env`` values and the
+    ``--secret`` values it can read set, as every replica has them, so the checks before
+    launch import and call the user's code (a reward that reads ``JUDGE_URL`` or a key) as
+    the replicas will; the environment as it was afterwards. A secret that cannot be read is
+    left out here (the launch names it, or a dry run lists it as missing)."""
+    values = {k: v for k, v in (spec.env or {}).items() if isinstance(v, str)}
+    for entry in spec.secrets or ():
+        name, _, source = str(entry).partition("=")
+        if source.startswith("@"):
+            with contextlib.suppress(LaunchError):
+                values[name] = _read_file(name, source[1:])
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _read_file(name: str, path: str) -> str:

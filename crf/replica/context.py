@@ -888,9 +888,10 @@ class ReplicaContext:
         self._beat(force=True)
 
     def fail(self, error: BaseException) -> None:
-        from crf.replica.failures import deterministic, failed_in, transient
+        from crf.executors.secrets import hide_secrets
+        from crf.replica.failures import deterministic, failed_in, stops_run, transient
 
-        text = f"{type(error).__name__}: {error}"
+        text = hide_secrets(f"{type(error).__name__}: {error}")
         where, self.phase = self.phase, "failed"
         # an error in setup (or a reward's own) is raised again on every attempt: the
         # replica exits 3 and the driver ends the run (crf/replica/failures.py)
@@ -898,9 +899,10 @@ class ReplicaContext:
         self.tracker.close()  # what was logged up to the failure stays (it never raises)
         try:
             record = self.result_record("failed", text, {})
-            record.traceback = "".join(traceback.format_exception(error))[-4000:]
+            record.traceback = hide_secrets("".join(traceback.format_exception(error)))[-4000:]
             record.failed_in = failed_in(where)
             record.transient = transient(error)
+            record.stops_run = stops_run(error)
             # the driver leaves it down, whatever the exit code
             record.restartable = not self.failure[1]
             self.store.put_json(layout.result_key(self.rank), record.to_dict())

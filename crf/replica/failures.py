@@ -15,7 +15,8 @@ image without a C compiler fails the same way on every attempt;
 ``crf.composer.generation.compile_failed``), and what
 ``crf.exchange.manager.restart_cannot_help`` names (the replicas disagree on the model).
 The replica then exits with code 3 and records ``restartable: false``; the driver ends the
-run with that error as its one-line reason.
+run with that error as its one-line reason (before the first committed round; a reward's or
+a compiler's error at any round: ``stops_run`` in the result).
 """
 
 from __future__ import annotations
@@ -62,16 +63,25 @@ def deterministic(error: BaseException, *, phase: str) -> bool:
     """Whether a restart would raise ``error`` again (see the module docstring): an error in
     setup (``phase`` ``starting``), of a reward function or of a compiler, not a transient
     one, or one the exchange says no restart can fix."""
-    from crf.composer.generation import compile_failed, error_chain
     from crf.exchange.manager import restart_cannot_help
 
     if restart_cannot_help(error):
         return True
     if transient(error):
         return False
-    if phase == "starting" or compile_failed(error):
-        return True
-    return any("RewardFailed" in _names(e) for e in error_chain(error))
+    return phase == "starting" or stops_run(error)
+
+
+def stops_run(error: BaseException) -> bool:
+    """Whether ``error`` is one every replica meets, at whatever round: a reward function's
+    own (the same code scores every replica's completions) or a compiler's, not a transient
+    one. The driver ends the run on it rather than let the others train on until they meet
+    it too (the run would end failed anyway)."""
+    from crf.composer.generation import compile_failed, error_chain
+
+    if transient(error):
+        return False
+    return compile_failed(error) or any("RewardFailed" in _names(e) for e in error_chain(error))
 
 
 def failed_in(phase: str) -> str:

@@ -34,10 +34,12 @@ import importlib
 import inspect
 import logging
 import math
+import os
 import re
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +191,14 @@ def import_reward(name: str) -> Callable[..., Any]:
             f"--reward {name}: cannot import it from the working directory ({e}){hint}"
         ) from None
     except (ImportError, AttributeError) as e:
+        mine = _shadowed(module)
+        if mine is not None:
+            top = module.split(".")[0]
+            raise RewardError(
+                f"--reward {name}: {top} is also the name of a module Python imports before "
+                f"yours ({_where(sys.modules[top])}), so your {mine} is never read; rename "
+                f"it (e.g. my_{top}.py) and pass --reward my_{module}:{func}"
+            ) from None
         raise RewardError(
             f"--reward {name}: cannot import it from the working directory ({e})"
         ) from None
@@ -206,7 +216,36 @@ def import_reward(name: str) -> Callable[..., Any]:
         ) from None
     if not callable(fn):
         raise RewardError(f"--reward {name}: {func} is not a function")
+    if inspect.isclass(fn):  # calling it makes an instance, not the rewards
+        inst = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", func).lower()  # LengthReward: length_reward
+        inst = inst if inst != func else f"{func}_reward"
+        raise RewardError(
+            f"--reward {name}: {func} is a class; a reward is called for its values, so name "
+            f"an instance of it ({inst} = {func}(...) in {module}, then --reward "
+            f"{module}:{inst}) or a function"
+        )
     return fn
+
+
+def _shadowed(module: str) -> str | None:
+    """The user's own file of ``module``'s top-level name (``math.py`` beside the rewards)
+    where Python imported another module of that name instead (its own ``math``, or an
+    installed package), else None."""
+    top = module.split(".")[0]
+    found = sys.modules.get(top)
+    if found is None:
+        return None
+    theirs = getattr(found, "__file__", None)
+    for entry in sys.path:
+        folder = os.path.abspath(entry or ".")
+        for mine in (os.path.join(folder, f"{top}.py"), os.path.join(folder, top, "__init__.py")):
+            if os.path.isfile(mine) and (theirs is None or not os.path.samefile(mine, theirs)):
+                return mine
+    return None
+
+
+def _where(module: Any) -> str:
+    return getattr(module, "__file__", None) or "built into Python"
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
@@ -243,28 +282,201 @@ def call(fn: Callable[..., Any], **kwargs: Any) -> Any:
     return box["value"]
 
 
-def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` raising RewardFailed naming the reward (the original traceback chained); an
-    async ``fn`` stays async, so TRL awaits it with its other async rewards."""
+#: the largest magnitude TRL's float32 rewards tensor holds; a larger number becomes inf
+FLOAT32_MAX = 3.4028234663852886e38
+#: how much of a prompt or completion a message quotes
+_QUOTED_CHARS = 60
+#: seconds a failed reward call's rows are tried one by one, to name the row that raises
+ROW_SEARCH_S = 60.0
 
-    def failed(e: Exception) -> RewardFailed:
-        return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}")
+
+def reward_value(value: Any) -> float | None:
+    """``value`` as the number TRL's ``torch.tensor(..., dtype=float32)`` makes of it: a
+    bool, an int, a float, or a numpy or torch scalar (a 0-d array or tensor); None for
+    anything else (text, None, a list, an array of several values)."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, str):
+        try:
+            item = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if isinstance(item, bool | int | float):
+            return float(item)
+    return None
+
+
+def out_of_range(number: float) -> bool:
+    """Infinite, or past what float32 holds (TRL's tensor would make it infinite); NaN is
+    not: TRL takes it for "no value", as None."""
+    return not math.isnan(number) and abs(number) > FLOAT32_MAX
+
+
+def listed(out: Any) -> Any:
+    """``out`` as the list TRL makes of it (``[r for r in out]``): any iterable but text
+    and mappings (TRL's tensor refuses their items); anything else as it is."""
+    if inspect.iscoroutine(out) or isinstance(out, str | bytes | Mapping):
+        return out
+    try:
+        return list(out)
+    except TypeError:  # not iterable: a number, None...
+        return out
+
+
+def quoted(value: Any) -> str:
+    """A prompt or completion as a message quotes it: its text (a conversation's last
+    message), cut to :data:`_QUOTED_CHARS` characters."""
+    text = _text(value) if value is not None else ""
+    return repr(text if len(text) <= _QUOTED_CHARS else text[: _QUOTED_CHARS - 3] + "...")
+
+
+def row_text(kwargs: Mapping[str, Any], i: int) -> str:
+    """How a message names row ``i`` of a reward call: its completion and prompt."""
+    prompts, completions = kwargs.get("prompts"), kwargs.get("completions")
+    parts = []
+    if isinstance(completions, list | tuple) and i < len(completions):
+        parts.append(f"the completion {quoted(completions[i])}")
+    if isinstance(prompts, list | tuple) and i < len(prompts):
+        parts.append(f"of the prompt {quoted(prompts[i])}")
+    return " ".join(parts) or f"row {i + 1}"
+
+
+def one_row(kwargs: Mapping[str, Any], i: int, n: int) -> dict[str, Any]:
+    """The keyword arguments of a reward call cut to its row ``i``: every list of ``n``
+    values (prompts, completions, the columns) to a list of one."""
+    return {k: [v[i]] if isinstance(v, list | tuple) and len(v) == n else v
+            for k, v in kwargs.items()}  # fmt: skip
+
+
+def rows_of(kwargs: Mapping[str, Any]) -> int:
+    completions = kwargs.get("completions")
+    return len(completions) if isinstance(completions, list | tuple) else 0
+
+
+def first_failing_row(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
+    """The first row on which ``fn``, called on that row alone, raises, when another row
+    does not (else the error is the whole call's: a wrong signature, a missing column):
+    None then, and when the rows take longer than :data:`ROW_SEARCH_S` to try."""
+    n = rows_of(kwargs)
+    deadline = time.monotonic() + ROW_SEARCH_S
+    first, passed = None, False
+    for i in range(n if n > 1 else 0):
+        if time.monotonic() > deadline or (first is not None and passed):
+            break
+        try:
+            listed(call(fn, **one_row(kwargs, i, n)))
+        except (Exception, SystemExit):  # the user's code: any error marks the row
+            first = i if first is None else first
+        else:
+            passed = True
+    return first if passed else None
+
+
+async def _first_failing_row_async(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
+    n = rows_of(kwargs)
+    deadline = time.monotonic() + ROW_SEARCH_S
+    first, passed = None, False
+    for i in range(n if n > 1 else 0):
+        if time.monotonic() > deadline or (first is not None and passed):
+            break
+        try:
+            await fn(**one_row(kwargs, i, n))
+        except (Exception, SystemExit):  # the user's code: any error marks the row
+            first = i if first is None else first
+        else:
+            passed = True
+    return first if passed else None
+
+
+def checked(name: str, out: Any, kwargs: Mapping[str, Any], n: int) -> list[Any]:
+    """``out`` as the list TRL turns into its rewards tensor; RewardFailed naming the reward
+    and the row for what it cannot train on: no list of one value per completion (``n``,
+    counted before the call: a reward may empty the lists it is given), or a value that is
+    no number (None and NaN are TRL's "no value"), or infinite."""
+    values = listed(out)
+    if not isinstance(values, list):
+        if inspect.iscoroutine(out):  # a plain def's coroutine: TRL would not await it
+            out.close()
+        kind = "a coroutine" if inspect.iscoroutine(out) else f"a {type(out).__name__}"
+        raise RewardFailed(
+            f"reward {name} returned {kind}; a reward returns a list with one number per completion"
+        )
+    if n and len(values) != n:
+        raise RewardFailed(
+            f"reward {name} returned {len(values)} values for {n} completions; a reward "
+            "returns one number (or None) per completion"
+        )
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        number = reward_value(value)
+        if number is None or out_of_range(number):
+            shown = value if number is None else number
+            raise RewardFailed(
+                f"reward {name} returned {shown!r} for {row_text(kwargs, i)}; a reward "
+                "returns a finite number (or a bool, or None for no value) per completion"
+            )
+    return values
+
+
+def no_trainer_hint(e: BaseException, kwargs: Mapping[str, Any]) -> str:
+    """What to add to the message of an error that ``None`` caused where the call had no
+    ``trainer_state`` (outside a training step): a reward that reads
+    ``trainer_state.global_step`` meets that in the held-out evaluation and the check."""
+    if "trainer_state" not in kwargs or kwargs["trainer_state"] is not None:
+        return ""
+    if not isinstance(e, AttributeError | TypeError) or "NoneType" not in str(e):
+        return ""
+    return (
+        " (trainer_state is None outside a training step: in the held-out evaluation and "
+        "the check before launch)"
+    )
+
+
+def _failed(
+    name: str, e: BaseException, kwargs: Mapping[str, Any], row: int | None
+) -> RewardFailed:
+    on = f" on {row_text(kwargs, row)}" if row is not None else ""
+    if isinstance(e, SystemExit):
+        return RewardFailed(
+            f"reward {name} called sys.exit({e.code!r}){on}; a reward returns its values "
+            "(raise an exception, or return None for a completion it cannot score)"
+        )
+    hint = no_trainer_hint(e, kwargs)
+    return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}{on}{hint}")
+
+
+def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` raising RewardFailed naming the reward and, where one row alone raises, the
+    row (the original traceback chained), also for ``sys.exit()`` and for values TRL cannot
+    train on (:func:`checked`); an async ``fn`` stays async, so TRL awaits it with its other
+    async rewards. A network's error (crf.replica.failures.transient) is not tried row by
+    row: each row would wait for it again."""
+    from crf.replica.failures import transient
 
     if is_async(fn):
 
         async def reward(*args: Any, **kwargs: Any) -> Any:
+            n = rows_of(kwargs)
             try:
-                return await fn(*args, **kwargs)
-            except Exception as e:
-                raise failed(e) from e
+                out = await fn(*args, **kwargs)
+            except (Exception, SystemExit) as e:
+                search = not args and not transient(e)  # TRL passes keywords only
+                row = await _first_failing_row_async(fn, kwargs) if search else None
+                raise _failed(name, e, kwargs, row) from e
+            return checked(name, out, kwargs, n)
 
     else:
 
         def reward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:
-                raise failed(e) from e
+            n = rows_of(kwargs)
+            try:  # a generator's values come from the user's code too
+                out = listed(fn(*args, **kwargs))
+            except (Exception, SystemExit) as e:
+                search = not args and not transient(e)  # TRL passes keywords only
+                row = first_failing_row(fn, kwargs) if search else None
+                raise _failed(name, e, kwargs, row) from e
+            return checked(name, out, kwargs, n)
 
     reward.__name__ = name.replace(":", ".")
     return reward
@@ -331,7 +543,9 @@ def in_dataset_forms(rewards: dict[str, Any]) -> dict[str, Any]:
     return {**rewards, "reward_funcs": in_dataset_form(funcs)}
 
 
-def reward_function(spec: RewardSpec) -> Callable[..., Any]:
+def reward_function(spec: RewardSpec, *, guarded: bool = True) -> Callable[..., Any]:
+    """The function of a ``--reward`` entry; ``guarded`` (as the replicas call it): its
+    errors and the values TRL cannot train on raised as RewardFailed (:func:`_guarded`)."""
     if spec.name == "exact_match":
         fn = exact_match
     elif spec.name == "math_answer":
@@ -341,7 +555,7 @@ def reward_function(spec: RewardSpec) -> Callable[..., Any]:
         fn = format_reward(spec.name.removeprefix("format:"))
     else:
         fn = import_reward(spec.name)
-    return _guarded(spec.name, fn)
+    return _guarded(spec.name, fn) if guarded else fn
 
 
 def build_rewards(entries: list[str]) -> tuple[list[Callable[..., Any]], list[float]]:

@@ -410,9 +410,10 @@ def _failed(w: RolloutWorker, error: Exception, phase: str) -> int:
     """Record the failure; the exit code: 3 when a restart would fail the same way (the
     worker's own input, e.g. a model folder only it cannot read; or an error its previous
     attempt failed with too, unless the machine or network failed), else 1 (a death)."""
+    from crf.executors.secrets import hide_secrets
     from crf.replica.failures import EXIT_UNRECOVERABLE, deterministic, one_line, transient
 
-    w.finish("failed", f"{type(error).__name__}: {error}")
+    w.finish("failed", hide_secrets(f"{type(error).__name__}: {error}"))
     if deterministic(error, phase=phase):
         log.error("rollout worker failed%s, and a restart cannot fix it: %s",
                   " at setup" if phase == "starting" else "", one_line(error),
