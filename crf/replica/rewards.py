@@ -39,7 +39,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,39 +353,56 @@ def rows_of(kwargs: Mapping[str, Any]) -> int:
     return len(completions) if isinstance(completions, list | tuple) else 0
 
 
+class _RowSearch:
+    """The rows of a failed reward call to try one by one, and what trying them found: the
+    first that raised, once another did not, within :data:`ROW_SEARCH_S`."""
+
+    def __init__(self, kwargs: Mapping[str, Any]) -> None:
+        self.n = rows_of(kwargs)
+        self.deadline = time.monotonic() + ROW_SEARCH_S
+        self.first: int | None = None
+        self.passed = False
+
+    def rows(self) -> Iterator[int]:
+        for i in range(self.n if self.n > 1 else 0):
+            if time.monotonic() > self.deadline or (self.first is not None and self.passed):
+                return
+            yield i
+
+    def raised(self, i: int) -> None:
+        self.first = i if self.first is None else self.first
+
+    @property
+    def row(self) -> int | None:
+        return self.first if self.passed else None
+
+
 def first_failing_row(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
     """The first row on which ``fn``, called on that row alone, raises, when another row
     does not (else the error is the whole call's: a wrong signature, a missing column):
     None then, and when the rows take longer than :data:`ROW_SEARCH_S` to try."""
-    n = rows_of(kwargs)
-    deadline = time.monotonic() + ROW_SEARCH_S
-    first, passed = None, False
-    for i in range(n if n > 1 else 0):
-        if time.monotonic() > deadline or (first is not None and passed):
-            break
+    search = _RowSearch(kwargs)
+    for i in search.rows():
         try:
-            listed(call(fn, **one_row(kwargs, i, n)))
+            listed(call(fn, **one_row(kwargs, i, search.n)))
         except (Exception, SystemExit):  # the user's code: any error marks the row
-            first = i if first is None else first
+            search.raised(i)
         else:
-            passed = True
-    return first if passed else None
+            search.passed = True
+    return search.row
 
 
 async def _first_failing_row_async(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
-    n = rows_of(kwargs)
-    deadline = time.monotonic() + ROW_SEARCH_S
-    first, passed = None, False
-    for i in range(n if n > 1 else 0):
-        if time.monotonic() > deadline or (first is not None and passed):
-            break
+    """:func:`first_failing_row` of an ``async def`` reward."""
+    search = _RowSearch(kwargs)
+    for i in search.rows():
         try:
-            await fn(**one_row(kwargs, i, n))
+            await fn(**one_row(kwargs, i, search.n))
         except (Exception, SystemExit):  # the user's code: any error marks the row
-            first = i if first is None else first
+            search.raised(i)
         else:
-            passed = True
-    return first if passed else None
+            search.passed = True
+    return search.row
 
 
 def checked(name: str, out: Any, kwargs: Mapping[str, Any], n: int) -> list[Any]:
