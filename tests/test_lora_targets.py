@@ -11,7 +11,6 @@ with the layers named trains its adapters through the real sft job.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ from crf.launcher.cli import app
 from crf.replica.data_files import DataError
 from crf.spec import RunSpec, SpecError
 from tests.hub_models import save_tiny_repo
+from tests.inprocess_replica import InProcessContext
 
 #: the linear layers of a Mamba block that peft takes (its out_proj it refuses)
 MAMBA_TARGETS = "in_proj,x_proj,dt_proj"
@@ -111,22 +111,6 @@ def test_the_option_is_checked_with_the_run_options(options: dict[str, Any], mes
         RunSpec(run_id="r", run_uri="memory://x", **options).validate()
 
 
-class _Ctx(SimpleNamespace):
-    """One in-process replica: DiLoCo is the identity, steps are counted."""
-
-    @contextlib.contextmanager
-    def diloco(self, model: Any, inner: Any) -> Any:
-        self.model = model
-        hook = inner.register_step_post_hook(lambda *_: setattr(self, "step", self.step + 1))
-        try:
-            yield
-        finally:
-            hook.remove()
-
-    def log_step(self, loss: float | None = None, **metrics: float) -> None:
-        self.logged.append(loss)
-
-
 def test_a_replica_refuses_the_same_at_setup_and_trains_the_named_layers(tmp_path: Path) -> None:
     """A model the launcher could not read (a Hub id) is checked as the replica wraps it: a
     DataError (a setup error, not restarted) in the launch's words; with the layers named,
@@ -154,10 +138,10 @@ def test_a_replica_refuses_the_same_at_setup_and_trains_the_named_layers(tmp_pat
         eval_split=None, eval_examples=0, columns={}, sync_every=2, device="cpu",
         precision="fp32", report_to="none",
     )  # fmt: skip
-    ctx = _Ctx(spec=spec, seed=0, data_seed=1, rank=0, world_size=1, total_steps=2, step=0,
-               logged=[])  # fmt: skip
+    ctx = InProcessContext(spec=spec, seed=0, data_seed=1, rank=0, world_size=1,
+                           total_steps=2, step=0, logged=[])  # fmt: skip
     sft.run(ctx, sft.Config(per_device_train_batch_size=4, max_length=16))
-    assert ctx.step == 2 and all(loss is not None for loss in ctx.logged), ctx.logged
+    assert ctx.step == 2 and all(row["loss"] is not None for row in ctx.logged), ctx.logged
     trained = [n for n, p in ctx.model.named_parameters() if p.requires_grad]
     assert trained and all(".lora_" in n for n in trained), trained
     layers = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained}

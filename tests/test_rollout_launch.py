@@ -71,6 +71,13 @@ def cli(*args: str) -> Any:
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
 
 
+def accepted(*args: str) -> str:
+    """The output of a command that must succeed, on one line (rich wraps long lines)."""
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())
+
+
 # ------------------------------------------------------------------------------- options
 def test_the_options_are_run_options_with_rollout_configs_defaults() -> None:
     declared = {n: o for n, o in run_options().items() if o.group == ROLLOUT}
@@ -371,9 +378,7 @@ def test_dry_run_says_a_staleness_bound_a_round_cannot_reach(tmp_path: Path) -> 
     allows nothing beyond 3 steps: the dry run says so; a bound within the round is silent."""
     args = ["launch", "--dry-run", "--replicas", "2", "--rollout-workers", "2", "--sync-every",
             "8", "--fragments", "2", "--store", str(tmp_path)]  # fmt: skip
-    result = cli(*args, "--max-staleness", "6")
-    assert result.exit_code == 0, result.output
-    flat = " ".join(result.output.split())
+    flat = accepted(*args, "--max-staleness", "6")
     assert (
         "warning: --max-staleness 6: no rollout crosses an outer step (every 4 inner step(s) "
         "here), so none is more than 3 step(s) stale whatever the bound; set --max-staleness 3 "
@@ -390,9 +395,7 @@ def test_dry_run_says_a_publish_interval_the_staleness_bound_cannot_span(tmp_pat
     interval, or a round shorter than it, is silent."""
     args = ["launch", "--dry-run", "--replicas", "2", "--rollout-workers", "2",
             "--store", str(tmp_path)]  # fmt: skip
-    result = cli(*args, "--sync-every", "20", "--publish-every", "4")
-    assert result.exit_code == 0, result.output
-    flat = " ".join(result.output.split())
+    flat = accepted(*args, "--sync-every", "20", "--publish-every", "4")
     assert (
         "warning: --publish-every 4 with --max-staleness 1: a published version serves only "
         "the next 2 inner step(s), so the replicas generate the batches of the other steps "

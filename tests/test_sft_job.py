@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 from pathlib import Path
@@ -25,6 +24,7 @@ from crf.launcher.plan import prepare, validate_job
 from crf.replica.evaluation import held_out, loss_per_round
 from crf.replica.jobs import sft
 from crf.replica.jobs.sft import Config, row_order
+from tests.inprocess_replica import InProcessContext
 
 WORDS = ["ab", "bca", "cab", "dd", "abc", "cd", "bad", "dab"]
 FORMATS = {
@@ -47,22 +47,6 @@ def _jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
     return str(path)
 
 
-class _Ctx(SimpleNamespace):
-    """A replica context for one in-process replica: DiLoCo is the identity, steps are
-    recorded (the real context is exercised by the end-to-end test below)."""
-
-    @contextlib.contextmanager
-    def diloco(self, model: Any, inner: Any) -> Any:
-        hook = inner.register_step_post_hook(lambda *_: setattr(self, "step", self.step + 1))
-        try:
-            yield
-        finally:
-            hook.remove()
-
-    def log_step(self, loss: float | None = None, **metrics: float) -> None:
-        self.logged.append({"loss": loss, **metrics})
-
-
 @pytest.mark.parametrize("form", list(FORMATS))
 def test_each_format_trains_with_the_column_mapping(tmp_path: Path, form: str) -> None:
     """SFTTrainer on the tiny model over each format, the file's columns mapped: one logged
@@ -74,8 +58,8 @@ def test_each_format_trains_with_the_column_mapping(tmp_path: Path, form: str) -
         eval_split=None, eval_examples=4, columns=COLUMNS[form], sync_every=2,
         device="cpu", precision="fp32", report_to="none",
     )  # fmt: skip
-    ctx = _Ctx(spec=spec, seed=0, data_seed=1, rank=0, world_size=1, total_steps=4, step=0,
-               logged=[])  # fmt: skip
+    ctx = InProcessContext(spec=spec, seed=0, data_seed=1, rank=0, world_size=1,
+                           total_steps=4, step=0, logged=[])  # fmt: skip
     cfg = Config(per_device_train_batch_size=4, hidden_size=16, num_heads=2, num_layers=1)
     metrics = sft.run(ctx, cfg)
     assert metrics["steps"] == 4 and len(ctx.logged) == 4
@@ -359,8 +343,8 @@ def test_held_out_rewards_get_every_column_of_the_row(
         report_to="none", reward=["rw_sft:score"],
         columns={"prompt": "q", "completion": "a", "answer": "a"},
     )  # fmt: skip
-    ctx = _Ctx(spec=spec, seed=0, data_seed=1, rank=0, world_size=1, total_steps=2, step=0,
-               logged=[])  # fmt: skip
+    ctx = InProcessContext(spec=spec, seed=0, data_seed=1, rank=0, world_size=1,
+                           total_steps=2, step=0, logged=[])  # fmt: skip
     cfg = Config(per_device_train_batch_size=4, hidden_size=16, num_heads=2, num_layers=1)
     setup = sft.build(ctx, cfg)
     assert set(setup.held_out.column_names) == {"prompt", "completion"}
