@@ -161,3 +161,42 @@ def test_a_reward_that_raises_mid_run_stops_the_run(tmp_path: Path) -> None:
     states = {r["rank"]: r["state"] for r in summary["replicas"]}
     assert states == {0: "failed", 1: "cancelled"}, summary["replicas"]
     assert "Traceback" not in text
+
+
+SLEEPS_IN_TRAINING = """
+import time
+
+
+def score(completions, trainer_state=None, **kwargs):
+    if trainer_state is not None:  # a training step (the check and held-out scoring: None)
+        time.sleep(3600)  # a judge that never answers
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_reward_call_past_its_time_limit_stops_the_run(tmp_path: Path) -> None:
+    """TRL has no time limit on a reward call: one that hangs would hold the run until its
+    --timeout. Past --reward-timeout the replica stops with one line naming the reward, the
+    limit and the option that raises it; it is not restarted (it would hang again), and
+    the run ends long before the reward's sleep would (the subprocess's own timeout)."""
+    wd = _module(tmp_path / "wd", "slow", SLEEPS_IN_TRAINING)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "2", "-H", "2", "--reward", "slow:score",
+               "--reward-timeout", "3", "--store", str(runs), "--run-id", "slow",
+               "--no-progress", "--round-timeout", "60", "--timeout", "900", cwd=wd)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    summary = json.loads((runs / "slow" / "result.json").read_text())
+    assert summary["restarts"] == 0, summary
+    assert summary["error"].startswith("replica "), summary["error"]
+    said = summary["error"]  # which replica meets it first, and whether the other too: timing
+    assert (
+        "with RewardTimedOut: reward slow:score did not return within 3s (--reward-timeout 3);"
+        " make it return sooner (give a call it waits on a timeout of its own) or launch with "
+        "a larger --reward-timeout (0: no limit)"
+    ) in said, said
+    assert "a restart cannot fix it, so the run stopped" in said, said
+    assert "did not return within 3s" in " ".join(text.split()), text
+    assert "Traceback" not in text

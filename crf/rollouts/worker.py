@@ -210,7 +210,9 @@ class RolloutWorker:
         cfg = job_config("composer", self.spec.job_config)
         from crf.composer.task import reverse_reward
 
-        rewards = job_rewards(list(getattr(self.spec, "reward", [])), reverse_reward)
+        rewards = job_rewards(
+            list(getattr(self.spec, "reward", [])), reverse_reward, self.spec.reward_timeout
+        )
         self.setup = job.build(ctx, cfg)
         rewards = self.setup.rewards_for(rewards)
         self.trainer = job.new_trainer(ctx, cfg, self.setup, rewards, tmp, 1, [])

@@ -694,7 +694,9 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     from crf.composer.task import reverse_reward
     from crf.replica.rewards import job_rewards
 
-    rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
+    rewards = job_rewards(
+        list(getattr(ctx.spec, "reward", [])), reverse_reward, ctx.spec.reward_timeout
+    )
     setup = build(ctx, cfg)
     rewards = setup.rewards_for(rewards)
     model, tokenizer = setup.model, setup.tokenizer

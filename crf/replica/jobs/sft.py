@@ -559,7 +559,9 @@ def _scorer(ctx: Any, cfg: Config, setup: ReplicaSetup) -> Any:
 
     if not setup.eval_rows:
         return None
-    rewards = job_rewards(list(getattr(ctx.spec, "reward", []) or []), reverse_reward)
+    rewards = job_rewards(
+        list(getattr(ctx.spec, "reward", []) or []), reverse_reward, ctx.spec.reward_timeout
+    )
     return HeldOutEval(
         setup.model, setup.tokenizer, setup.eval_rows, int(ctx.rank), int(ctx.world_size),
         rewards, cfg.new_tokens(ctx.spec), cfg.pass_threshold,
