@@ -200,3 +200,40 @@ def test_a_reward_call_past_its_time_limit_stops_the_run(tmp_path: Path) -> None
     assert "a restart cannot fix it, so the run stopped" in said, said
     assert "did not return within 3s" in " ".join(text.split()), text
     assert "Traceback" not in text
+
+
+EDITS_ITSELF = """
+from pathlib import Path
+
+VERSION = 1
+EDITED = "VERSION = " + "2\\ndef score(completions, **kwargs):\\n" \\
+    "    raise RuntimeError('the edited reward ran')\\n"
+
+
+def score(completions, prompts, trainer_state=None, **kwargs):
+    here = Path(__file__)  # the user's file, whichever copy of its code runs
+    if trainer_state is not None and not here.read_text().startswith("VERSION = 2"):
+        here.write_text(EDITED)  # the user edits the reward while the run trains
+    return [float(len(c) == len(p) - 1) for p, c in zip(prompts, completions)]
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_restarted_replica_runs_the_reward_code_its_peers_run(tmp_path: Path) -> None:
+    """A local run without --workdir: its reward file is edited in round 0 (by the reward
+    itself, so before any restart), then replica 0 is killed in round 1. The restarted
+    replica imports the code the launch checked, as its peer still runs it, not the edited
+    file (whose reward raises): the run finishes ok after one restart."""
+    wd = _module(tmp_path / "wd", "rw_pin", EDITS_ITSELF)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "3", "-H", "2", "--reward", "rw_pin:score",
+               "--store", str(runs), "--run-id", "pin", "--no-progress",
+               "--round-timeout", "60", "--timeout", "400", cwd=wd,
+               env={"CRF_FAULT": "rank=0,point=uploading,round=1"})  # fmt: skip
+    text = out.stdout + out.stderr
+    assert (wd / "rw_pin.py").read_text().startswith("VERSION = 2")  # before the restart
+    assert out.returncode == 0, text
+    summary = json.loads((runs / "pin" / "result.json").read_text())
+    assert summary["status"] == "ok" and summary["restarts"] == 1, summary
+    assert "the edited reward ran" not in (runs / "pin" / "logs" / "replica-0.log").read_text()

@@ -183,7 +183,10 @@ def format_reward(pattern: str) -> Callable[..., list[float]]:
 
 def import_reward(name: str) -> Callable[..., Any]:
     """``module:function`` imported with the working directory on sys.path."""
+    from crf.replica import reward_code
+
     module, _, func = name.partition(":")
+    reward_code.install()  # a local replica: the code its driver checked
     if "" not in sys.path:
         sys.path.insert(0, "")
     try:
@@ -696,6 +699,18 @@ def build_rewards(
     limited to ``timeout`` seconds (0: no limit)."""
     specs = parse_rewards(entries)
     return [reward_function(s, timeout=timeout) for s in specs], [s.weight for s in specs]
+
+
+def reward_modules(entries: list[str] | None) -> list[str]:
+    """The modules of the ``module:function`` entries (none for built-ins and regexes, nor
+    for entries that do not parse: their checks say so)."""
+    try:
+        specs = parse_rewards(list(entries or []))
+    except RewardError:
+        return []
+    names = [s.name.partition(":")[0] for s in specs
+             if s.name not in BUILTINS and not s.name.startswith("format:")]  # fmt: skip
+    return list(dict.fromkeys(names))
 
 
 def check_rewards(entries: list[str]) -> list[RewardSpec]:
