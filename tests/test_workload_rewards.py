@@ -3,6 +3,7 @@ the working directory, a raising reward named in the failure, and the errors bef
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -353,3 +354,40 @@ def test_a_reward_call_that_does_not_stop_ends_its_process(tmp_path: Path, kind:
     assert out.stdout.startswith("recorded: RewardTimedOut reward rw:score did not return "
                                  "within 0.5s"), out.stdout  # fmt: skip
     assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_replica_imports_the_reward_code_its_driver_checked(tmp_path: Path, monkeypatch) -> None:
+    """The driver keeps the source of the reward module and of the user's module it imports
+    (not installed packages); a replica given that copy imports it, under the files' own
+    names, though both files were edited since."""
+    import os
+    import subprocess
+
+    from crf import layout
+    from crf.replica.reward_code import key_of, snapshot
+    from crf.store import RunStore
+
+    _module(tmp_path, monkeypatch, "def value():\n    return 1.0\n", "crf_test_helper_pin")
+    body = "import json\nfrom crf_test_helper_pin import value\n\n" \
+           "def score(completions, **kw):\n    return [value() for _ in completions]\n"  # fmt: skip
+    _module(tmp_path, monkeypatch, body, "crf_test_rw_pin")
+    build_rewards(["crf_test_rw_pin:score"])  # the checks' import
+    data = snapshot(["crf_test_rw_pin"])
+    assert data is not None
+    kept = json.loads(data)["modules"]
+    assert sorted(kept) == ["crf_test_helper_pin", "crf_test_rw_pin"], sorted(kept)
+    store = RunStore(f"file://{tmp_path}/run")
+    store.put(key_of(data), data)
+    (tmp_path / "crf_test_helper_pin.py").write_text("def value():\n    return 2.0\n")
+    (tmp_path / "crf_test_rw_pin.py").write_text(body + "raise RuntimeError('edited')\n")
+    replica = (
+        "import sys\nfrom crf.replica.rewards import build_rewards\n"
+        "(fn,), _ = build_rewards(['crf_test_rw_pin:score'])\n"
+        "print(fn(completions=['a']), sys.modules['crf_test_rw_pin'].__file__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           layout.ENV_REWARD_CODE: key_of(data), layout.ENV_RUN_URI: store.uri}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", replica], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[1.0]", str(tmp_path / "crf_test_rw_pin.py")], out.stdout

@@ -132,7 +132,7 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
-        raise ConfigError(f"config file {where} is not valid TOML: {e}") from None
+        raise ConfigError(_not_toml(text, where, e)) from None
     spellings = option_spellings() | setting_spellings()
     options: dict[str, Any] = {}
     launch: dict[str, Any] = {}
@@ -171,6 +171,29 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
             kinds = " or ".join(t.__name__ for t in LAUNCH_KEYS[name])
             raise ConfigError(f"{name} in config file {where} must be {kinds} (got {value!r})")
     return LaunchConfig(options, _one_hardware_key(backend, where), job, launch)
+
+
+#: a line only YAML writes: ``key: value``, a list item ``- value`` or a document marker
+_YAML_LINE = re.compile(r"^(---|\.\.\.|- |[A-Za-z_][\w.-]*:(\s|$))")
+
+
+def _not_toml(text: str, where: str, error: Exception) -> str:
+    """The one line for a config file TOML cannot read: for one that holds YAML (a
+    ``key: value`` line, whatever the file's name) or that is named ``.yaml``, that a config
+    file is TOML and how its lines are written; else TOML's own error, with its place."""
+    lines = text.splitlines()
+    yaml = next((i for i, line in enumerate(lines) if _YAML_LINE.match(line.strip())), None)
+    how = (
+        'a config file is TOML: write key = value (replicas = 4, reward = "exact_match", '
+        'a list as ["a", "b"]) and a table as a [job] line; crf launch --print-config '
+        "writes one to start from"
+    )
+    if yaml is not None:
+        said = f"{lines[yaml].strip()!r} on line {yaml + 1}"
+        return f"config file {where} looks like YAML ({said}); {how}"
+    if where.lower().endswith((".yaml", ".yml")):
+        return f"config file {where} is named as YAML, and TOML cannot read it ({error}); {how}"
+    return f"config file {where} is not valid TOML: {error}"
 
 
 def _named_table(
