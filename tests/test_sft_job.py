@@ -174,7 +174,9 @@ def test_trl_fields_are_checked_against_sftconfig() -> None:
         ({"trl.warmup_step": "3"}, "trl.warmup_step is no SFTConfig field; did you mean "
                                    "trl.warmup_steps?"),
         ({"trl.max_steps": "9"}, "trl.max_steps is set by crf: use -H/--sync-every x --rounds"),
-        ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..., a knob"),
+        ({"trl.learning_rate": "1e-4"}, r"a knob of the sft job: set it as the job's own "
+                                        r"learning_rate \(--set learning_rate=\.\.\., or "
+                                        r"learning_rate = \.\.\. in \[job\]\)"),
         ({"trl.model_init_kwargs": '{"dtype": "float16"}'}, "use --precision for its dtype"),
         ({"trl.trust_remote_code": "true"}, "use --trust-remote-code"),
         ({"trl.warmup_steps": "many"}, "trl.warmup_steps='many' is not a valid int"),

@@ -147,6 +147,9 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
             )
         if key not in spellings:
             job_name = str(options.get("job") or RunSpec.job)
+            trl = _trl_hint(key, job_name)
+            if trl:  # a TRL setting outside the job's [job.trl] table
+                raise ConfigError(f"{key!r} in config file {where} {trl}")
             if key in _job_fields(job_name):  # a knob of the job, one level too high
                 raise ConfigError(
                     f"{key!r} in config file {where} is an option of the {job_name} job: put "
@@ -295,6 +298,33 @@ def _job_fields(job: str) -> list[str]:
         return []
 
 
+def _trl_hint(key: str, job: str) -> str:
+    """Where a key that belongs in the job's ``[job.trl]`` table goes, for a ``[trl]`` table
+    written at the top level or a field of the job's TRL config (``top_p``: GRPOConfig's)
+    written outside it; empty for any other key, or a job without a ``trl`` table."""
+    import dataclasses
+
+    from crf.replica.jobs import get_job
+
+    if "trl" not in _job_fields(job) or (key in _job_fields(job) and key != "trl"):
+        return ""
+    config = str(getattr(get_job(job), "TRL_CONFIG", "GRPOConfig"))
+    if key == "trl":
+        return f"holds TRL's {config} settings of the {job} job: write its table as [job.trl]"
+    try:
+        import trl
+
+        fields = {f.name for f in dataclasses.fields(getattr(trl, config))}
+    except (ImportError, AttributeError, TypeError):
+        return ""
+    if key not in fields:
+        return ""
+    return (
+        f"is a setting of TRL's {config}, which the {job} job takes in its trl table: put it "
+        "in a [job.trl] table (a [job.trl] line, then the setting below it)"
+    )
+
+
 def _is_backend_key(key: str) -> bool:
     """Whether a top-level key that is no run option is one of ``[backend]``'s: the
     hardware under any of its names, the image or region, or a ``rollout_<option>``."""
@@ -313,6 +343,9 @@ def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") 
         return
     for key in table:
         if key not in fields:
+            trl = _trl_hint(key, job)
+            if trl:  # a TRL setting in [job] itself, not in its trl table
+                raise ConfigError(f"{key!r} in [job] in config file {where} {trl}")
             if key in option_spellings() | setting_spellings():  # one level too low
                 raise ConfigError(
                     f"{key!r} in [job] in config file {where} is a run option, not an option "

@@ -722,6 +722,13 @@ def check_rewards(entries: list[str]) -> list[RewardSpec]:
     return specs
 
 
+def reward_timeout(spec: Any) -> float:
+    """A run's ``--reward-timeout``: its spec's, else the default (a spec from before it)."""
+    from crf.spec import REWARD_TIMEOUT_S
+
+    return float(getattr(spec, "reward_timeout", REWARD_TIMEOUT_S))
+
+
 def job_rewards(
     entries: list[str], default: Callable[..., Any], timeout: float = 0
 ) -> dict[str, Any]:

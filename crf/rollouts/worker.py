@@ -199,7 +199,7 @@ class RolloutWorker:
         """The trainer's model, shard and ComposerReplicationTrainer (never trained)."""
         from crf.replica.jobs import composer as job
         from crf.replica.jobs import job_config
-        from crf.replica.rewards import job_rewards
+        from crf.replica.rewards import job_rewards, reward_timeout
         from crf.rollouts.generate import sampling_settings, tokenizer_digest
 
         if self.spec.job != "composer":
@@ -211,7 +211,7 @@ class RolloutWorker:
         from crf.composer.task import reverse_reward
 
         rewards = job_rewards(
-            list(getattr(self.spec, "reward", [])), reverse_reward, self.spec.reward_timeout
+            list(getattr(self.spec, "reward", [])), reverse_reward, reward_timeout(self.spec)
         )
         self.setup = job.build(ctx, cfg)
         rewards = self.setup.rewards_for(rewards)

@@ -692,10 +692,10 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
 
     from crf.composer import DiLoCoCallback
     from crf.composer.task import reverse_reward
-    from crf.replica.rewards import job_rewards
+    from crf.replica.rewards import job_rewards, reward_timeout
 
     rewards = job_rewards(
-        list(getattr(ctx.spec, "reward", [])), reverse_reward, ctx.spec.reward_timeout
+        list(getattr(ctx.spec, "reward", [])), reverse_reward, reward_timeout(ctx.spec)
     )
     setup = build(ctx, cfg)
     rewards = setup.rewards_for(rewards)
