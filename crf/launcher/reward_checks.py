@@ -22,7 +22,8 @@ from typing import Any, TextIO
 from crf.executors.secrets import redact, secret_values
 from crf.launcher.data_checks import Split, shown_column, value_kind
 from crf.launcher.errors import LaunchError
-from crf.replica.rewards import listed, out_of_range, reward_value
+from crf.replica.data import listed_columns
+from crf.replica.rewards import TRL_ARGUMENTS, listed, out_of_range, reward_value
 from crf.replica.time_limit import TooSlow, within
 
 #: seconds each reward function may take on the sampled rows before the launch is refused
@@ -358,12 +359,33 @@ def call_reward(
             "instead"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
+        unfilled = _unfilled(fn, kwargs) if isinstance(e, TypeError) else []
+        if unfilled:  # a parameter named after a column the data lacks
+            given = [k for k in kwargs if k not in TRL_ARGUMENTS]
+            raise LaunchError(
+                f"--reward {name} takes a parameter {unfilled[0]!r}, which no column of "
+                f"{split.flag} {split.dataset} fills (a reward gets each column under its own "
+                f"name; here: {listed_columns(given) or 'none'}): name the parameter after a "
+                "column, or give it a default"
+            ) from None
         raise LaunchError(
             f"--reward {name} raised {type(e).__name__}: {e} {failing()}"
             f"{no_trainer_hint(e, kwargs)}; fix the function (it is called as TRL calls it: "
             "prompts, completions, and the dataset's columns as keyword lists)"
         ) from None
     check_reward_values(name, out, len(rows), where, many=many)
+
+
+def _unfilled(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> list[str]:
+    """The parameters of ``fn`` that a call with ``kwargs`` leaves without a value (no
+    default, not given): columns it expects that the data lacks."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params
+            if p.kind in named and p.default is p.empty and p.name not in kwargs]  # fmt: skip
 
 
 def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) -> None:
