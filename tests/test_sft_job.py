@@ -391,7 +391,8 @@ def test_the_check_before_launch_calls_held_out_rewards_with_every_column(
     _prepare(tmp_path, **options)
     plain = _jsonl(tmp_path / "plain.jsonl", FORMATS["prompt-completion"])
     plain_columns = {**COLUMNS["prompt-completion"], "answer": "a"}
-    with pytest.raises(LaunchError, match="--reward rw_sft:score raised TypeError") as err:
+    needs = "--reward rw_sft:score takes a parameter 'difficulty', which no column of"
+    with pytest.raises(LaunchError, match=needs) as err:
         _prepare(tmp_path, **{**options, "eval_dataset": plain, "columns": plain_columns})
     assert "\n" not in str(err.value)
 
