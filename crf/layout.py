@@ -74,6 +74,8 @@ ENV_LOCAL_WORKER = "CRF_LOCAL_WORKER"
 ENV_SECRET_NAMES = "CRF_SECRET_NAMES"
 #: the run-folder key of the packed --workdir a cloud container unpacks and runs in
 ENV_WORKDIR_KEY = "CRF_WORKDIR_KEY"
+#: the run-folder key of the reward code a local run's driver checked (crf/replica/reward_code.py)
+ENV_REWARD_CODE = "CRF_REWARD_CODE"
 #: ``trainer`` (the default) or ``rollout``: what a started process is
 ENV_ROLE = "CRF_ROLE"
 ROLE_TRAINER, ROLE_ROLLOUT = "trainer", "rollout"
@@ -292,6 +294,11 @@ def code_key(digest: str) -> str:
 def workdir_key(digest: str) -> str:
     """Where the driver puts the packed ``--workdir`` (one per content; run.json names it)."""
     return f"code/workdir-{digest}.tar.gz"
+
+
+def reward_code_key(digest: str) -> str:
+    """Where a local driver puts the reward modules it checked (one per content)."""
+    return f"code/rewards-{digest}.json"
 
 
 def fault_key(tag: str) -> str:

@@ -52,6 +52,9 @@ MAX_SEED = 2**32 - 1
 #: the longest wait Python's threading and time.sleep accept (about 292 years); a longer
 #: deadline raises OverflowError in the replica
 MAX_WAIT_S = float(threading.TIMEOUT_MAX)
+#: how long one call of a reward function may take in a replica by default (--reward-timeout):
+#: a batch scored by an LLM judge over the network takes minutes, a hung call forever
+REWARD_TIMEOUT_S = 600.0
 #: at most this many local ranks per replica: a machine has at most 8 or 16 GPUs; more
 #: CPU ranks than cores only slow it down
 MAX_PROCS_PER_REPLICA = 64
@@ -640,6 +643,16 @@ class RunSpec:
         group=WORKLOAD,
         help="Reward NAME or NAME=WEIGHT, repeatable: exact_match, math_answer, "
         "format:<regex> or module:function (default: the embedded task's).",
+    )
+    reward_timeout: float = option(
+        REWARD_TIMEOUT_S,
+        low=0,
+        high=MAX_WAIT_S,
+        must=f"0 (no limit) or a number of seconds at most {MAX_WAIT_S:.0f}",
+        group=WORKLOAD,
+        help="Seconds one call of a reward function may take in a replica (a batch of "
+        "completions; an LLM judge's too): past it the run stops, naming the reward "
+        "(0 = no limit).",
     )
     report_to: str = option(
         "none",

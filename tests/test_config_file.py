@@ -459,3 +459,72 @@ def test_a_job_option_at_the_top_level_is_sent_to_the_job_table(tmp_path) -> Non
         parse_config('job = "sft"\nmax_length = 64\n', "f.toml")
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):
         parse_config("bogus = 1\n", "f.toml")
+
+
+def _refused(tmp_path: Path, name: str, text: str) -> str:
+    """crf launch -c FILE --print-config's one line for a config file it refuses."""
+    path = tmp_path / name
+    path.write_text(text)
+    result = crf("launch", "-c", path, "--print-config")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    return " ".join(result.output.split())
+
+
+TOML_HOW = (
+    'a config file is TOML: write key = value (replicas = 4, reward = "exact_match", a list '
+    'as ["a", "b"]) and a table as a [job] line; crf launch --print-config writes one to start '
+    "from"
+)
+
+
+def test_a_config_file_in_yaml_is_told_a_config_file_is_toml(tmp_path: Path) -> None:
+    """A file of YAML, whatever its name, says it looks like YAML and how a TOML line is
+    written (TOML's own error, "Expected '=' after a key", named neither); a .yaml file TOML
+    cannot read says the same; a .toml file with a TOML mistake keeps TOML's error."""
+    yaml = "# my run\nreplicas: 2\nreward:\n  - exact_match\n"
+    for name in ("run.toml", "run.yaml"):
+        said = _refused(tmp_path, name, yaml)
+        assert said == (
+            f"error: config file {tmp_path / name} looks like YAML ('replicas: 2' on line 2); "
+            f"{TOML_HOW}"
+        ), said
+    said = _refused(tmp_path, "run.yml", "replicas = = 2\n")
+    assert said.startswith(f"error: config file {tmp_path / 'run.yml'} is named as YAML, and "
+                           "TOML cannot read it (Invalid value (at line 1"), said  # fmt: skip
+    assert said.endswith(TOML_HOW)
+    said = _refused(tmp_path, "typo.toml", "replicas = = 2\n")
+    assert said.startswith(f"error: config file {tmp_path / 'typo.toml'} is not valid TOML: "
+                           "Invalid value (at line 1"), said  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("job", "text", "says"),
+    [
+        ("composer", "[trl]\ntop_p = 0.9\n",
+         "'trl' in config file {path} holds TRL's GRPOConfig settings of the composer job: "
+         "write its table as [job.trl]"),
+        ("sft", 'job = "sft"\n[trl]\nwarmup_steps = 3\n',
+         "'trl' in config file {path} holds TRL's SFTConfig settings of the sft job: write "
+         "its table as [job.trl]"),
+        ("composer", "top_p = 0.9\n",
+         "'top_p' in config file {path} is a setting of TRL's GRPOConfig, which the composer "
+         "job takes in its trl table: put it in a [job.trl] table (a [job.trl] line, then the "
+         "setting below it)"),
+        ("composer", "[job]\ntop_p = 0.9\n",
+         "'top_p' in [job] in config file {path} is a setting of TRL's GRPOConfig, which the "
+         "composer job takes in its trl table: put it in a [job.trl] table (a [job.trl] line, "
+         "then the setting below it)"),
+        ("composer", "[job.trl]\ntemperature = 0.7\n",
+         "trl.temperature is a knob of the composer job: set it as the job's own temperature "
+         "(--set temperature=..., or temperature = ... in [job]), not in its trl table"),
+    ],
+)  # fmt: skip
+def test_a_trl_setting_out_of_place_says_where_it_is_written(
+    tmp_path: Path, job: str, text: str, says: str
+) -> None:
+    """A setting of TRL's config (the job's trl table) written anywhere but in a [job.trl]
+    table says that section as it is written, and a job's own knob written in it says to
+    set the knob instead."""
+    said = _refused(tmp_path, "run.toml", text)
+    assert said == "error: " + says.format(path=tmp_path / "run.toml"), said

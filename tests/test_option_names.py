@@ -84,6 +84,7 @@ def _samples(tmp: Path) -> dict[str, Any]:
         "eval_examples": 3,
         "columns": {"prompt": "question"},
         "reward": ["exact_match"],
+        "reward_timeout": 1200.0,
         "report_to": "tensorboard",
         # no workers: they need the built-in replica, which this walk's script replaces, and
         # without workers a rollout option is refused unless left at its default

@@ -281,7 +281,7 @@ ONE_ROW = """
 def score(completions, answer, **kw):
     return [float({"ba": 1, "acb": 0, "bac": 2, "dd": 1, "cba": 0, "dc": 1}[a]) for a in answer]
 """
-EVERY_ROW = "def score(completions, solution, **kw):\n    return [0.0] * len(completions)\n"
+EVERY_ROW = "def score(completions, **kw):\n    return [float(kw['solution']) for _ in kw]\n"
 
 
 def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
@@ -296,7 +296,7 @@ def test_an_error_that_one_row_raises_names_its_line(tmp_path: Path) -> None:
     (tmp_path / "every").mkdir()
     result = crf(*_args(tmp_path / "every", EVERY_ROW), "--dry-run")
     line = " ".join(result.output.split())
-    assert "missing 1 required positional argument: 'solution' on 8 row(s) of" in line, line
+    assert "raised KeyError: 'solution' on 8 row(s) of" in line, line
 
 
 @pytest.mark.parametrize("job", ["composer", "sft"])
@@ -313,8 +313,8 @@ def test_a_reward_is_checked_on_the_embedded_task_too(tmp_path: Path, job: str) 
         result = crf(*args, *extra)
         assert result.exit_code == 2, result.output
         assert _one_line(result.output).startswith(
-            "error: --reward rw_emb:score raised TypeError: score() missing 1 required "
-            f"positional argument: 'solution' on 8 row(s) of the {job} job's embedded task"
+            "error: --reward rw_emb:score takes a parameter 'solution', which no column of "
+            f"the {job} job's embedded task fills"
         ), result.output
     assert not (tmp_path / "runs").exists()
     (Path(wd) / "rw_emb.py").write_text(body.replace("solution, ", ""))
@@ -472,3 +472,40 @@ def test_a_run_trains_on_a_numpy_bools_reward_and_warns_of_one_that_gave_no_valu
     }
     assert any("rw_chk.nan_in_training gave no value" in w for w in summary["warnings"])
     assert summary["learning"]["reward"]["last"] is not None  # the bools reward trained
+
+
+# ---------------------------------------------------------------------- a column that is not there
+def test_a_reward_parameter_no_column_fills_names_the_columns_there_are(tmp_path: Path) -> None:
+    """TRL passes each column under its own name: a reward whose parameter names a column
+    the data lacks said "score() missing 1 required positional argument: 'solution'"; it is
+    told which columns a reward gets, and the two fixes."""
+    body = "def score(completions, solution, **kw):\n    return [0.0 for _ in completions]\n"
+    args = _args(tmp_path, body)
+    result = crf(*args, "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output) == (
+        f"error: --reward rw_chk:score takes a parameter 'solution', which no column of "
+        f"--dataset {tmp_path / 'train.jsonl'} fills (a reward gets each column under its own "
+        "name; here: answer): name the parameter after a column, or give it a default"
+    )
+
+
+def test_a_missing_column_lists_the_first_columns_there_are(tmp_path: Path) -> None:
+    """The column a job or a reward needs, missing from a file of many columns: the line
+    lists the first of those it has, and how many in all."""
+    data = tmp_path / "wide.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{w}=", **{f"feature_{i}": i
+                                        for i in range(30)}}) + "\n" for w in WORDS))  # fmt: skip
+    shown = ", ".join(["question", *(f"feature_{i}" for i in range(11))])
+    for job, says in [
+        ("composer", f"has no column 'prompt'; its columns are {shown}, ... (31 in all) (map "
+                     "one with --column prompt=COLUMN)"),
+        ("sft", f"has none of the sft formats: a 'text' column, 'prompt' and 'completion' "
+                f"columns, or 'messages'; its columns are {shown}, ... (31 in all) (map one "
+                "with --column text=COLUMN, or prompt=... and completion=...)"),
+    ]:  # fmt: skip
+        result = crf("launch", "--job", job, "--dataset", str(data), "--store",
+                     str(tmp_path / "runs"), "--dry-run")  # fmt: skip
+        assert result.exit_code == 2, result.output
+        said = _one_line(result.output)
+        assert said == f"error: --dataset {data} {says}", said

@@ -161,3 +161,79 @@ def test_a_reward_that_raises_mid_run_stops_the_run(tmp_path: Path) -> None:
     states = {r["rank"]: r["state"] for r in summary["replicas"]}
     assert states == {0: "failed", 1: "cancelled"}, summary["replicas"]
     assert "Traceback" not in text
+
+
+SLEEPS_IN_TRAINING = """
+import time
+
+
+def score(completions, trainer_state=None, **kwargs):
+    if trainer_state is not None:  # a training step (the check and held-out scoring: None)
+        time.sleep(3600)  # a judge that never answers
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_reward_call_past_its_time_limit_stops_the_run(tmp_path: Path) -> None:
+    """TRL has no time limit on a reward call: one that hangs would hold the run until its
+    --timeout. Past --reward-timeout the replica stops with one line naming the reward, the
+    limit and the option that raises it; it is not restarted (it would hang again), and
+    the run ends long before the reward's sleep would (the subprocess's own timeout)."""
+    wd = _module(tmp_path / "wd", "slow", SLEEPS_IN_TRAINING)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "2", "-H", "2", "--reward", "slow:score",
+               "--reward-timeout", "3", "--store", str(runs), "--run-id", "slow",
+               "--no-progress", "--round-timeout", "60", "--timeout", "900", cwd=wd)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    summary = json.loads((runs / "slow" / "result.json").read_text())
+    assert summary["restarts"] == 0, summary
+    assert summary["error"].startswith("replica "), summary["error"]
+    said = summary["error"]  # which replica meets it first, and whether the other too: timing
+    assert (
+        "with RewardTimedOut: reward slow:score did not return within 3s (--reward-timeout 3);"
+        " make it return sooner (give a call it waits on a timeout of its own) or launch with "
+        "a larger --reward-timeout (0: no limit)"
+    ) in said, said
+    assert "a restart cannot fix it, so the run stopped" in said, said
+    assert "did not return within 3s" in " ".join(text.split()), text
+    assert "Traceback" not in text
+
+
+EDITS_ITSELF = """
+from pathlib import Path
+
+VERSION = 1
+EDITED = "VERSION = " + "2\\ndef score(completions, **kwargs):\\n" \\
+    "    raise RuntimeError('the edited reward ran')\\n"
+
+
+def score(completions, prompts, trainer_state=None, **kwargs):
+    here = Path(__file__)  # the user's file, whichever copy of its code runs
+    if trainer_state is not None and not here.read_text().startswith("VERSION = 2"):
+        here.write_text(EDITED)  # the user edits the reward while the run trains
+    return [float(len(c) == len(p) - 1) for p, c in zip(prompts, completions)]
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_restarted_replica_runs_the_reward_code_its_peers_run(tmp_path: Path) -> None:
+    """A local run without --workdir: its reward file is edited in round 0 (by the reward
+    itself, so before any restart), then replica 0 is killed in round 1. The restarted
+    replica imports the code the launch checked, as its peer still runs it, not the edited
+    file (whose reward raises): the run finishes ok after one restart."""
+    wd = _module(tmp_path / "wd", "rw_pin", EDITS_ITSELF)
+    runs = tmp_path / "runs"
+    out = _cli("launch", "-n", "2", "-r", "3", "-H", "2", "--reward", "rw_pin:score",
+               "--store", str(runs), "--run-id", "pin", "--no-progress",
+               "--round-timeout", "60", "--timeout", "400", cwd=wd,
+               env={"CRF_FAULT": "rank=0,point=uploading,round=1"})  # fmt: skip
+    text = out.stdout + out.stderr
+    assert (wd / "rw_pin.py").read_text().startswith("VERSION = 2")  # before the restart
+    assert out.returncode == 0, text
+    summary = json.loads((runs / "pin" / "result.json").read_text())
+    assert summary["status"] == "ok" and summary["restarts"] == 1, summary
+    assert "the edited reward ran" not in (runs / "pin" / "logs" / "replica-0.log").read_text()

@@ -158,7 +158,9 @@ def test_trl_fields_are_checked_against_sftconfig() -> None:
         ({"trl.warmup_step": "3"}, "trl.warmup_step is no SFTConfig field; did you mean "
                                    "trl.warmup_steps?"),
         ({"trl.max_steps": "9"}, "trl.max_steps is set by crf: use -H/--sync-every x --rounds"),
-        ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..., a knob"),
+        ({"trl.learning_rate": "1e-4"}, r"a knob of the sft job: set it as the job's own "
+                                        r"learning_rate \(--set learning_rate=\.\.\., or "
+                                        r"learning_rate = \.\.\. in \[job\]\)"),
         ({"trl.model_init_kwargs": '{"dtype": "float16"}'}, "use --precision for its dtype"),
         ({"trl.trust_remote_code": "true"}, "use --trust-remote-code"),
         ({"trl.warmup_steps": "many"}, "trl.warmup_steps='many' is not a valid int"),
@@ -373,7 +375,8 @@ def test_the_check_before_launch_calls_held_out_rewards_with_every_column(
     _prepare(tmp_path, **options)
     plain = _jsonl(tmp_path / "plain.jsonl", FORMATS["prompt-completion"])
     plain_columns = {**COLUMNS["prompt-completion"], "answer": "a"}
-    with pytest.raises(LaunchError, match="--reward rw_sft:score raised TypeError") as err:
+    needs = "--reward rw_sft:score takes a parameter 'difficulty', which no column of"
+    with pytest.raises(LaunchError, match=needs) as err:
         _prepare(tmp_path, **{**options, "eval_dataset": plain, "columns": plain_columns})
     assert "\n" not in str(err.value)
 

@@ -109,12 +109,22 @@ def test_trl_fields_from_every_spelling_are_one_table() -> None:
         ({"trl.per_device_train_batch_size": "4"}, "use --set prompts_per_step"),
         ({"trl.model_init_kwargs": '{"dtype": "float16"}'}, "use --precision for its dtype"),
         ({"trl.trust_remote_code": "true"}, "trl.trust_remote_code is set by crf: use --trust"),
-        ({"trl.distill_alpha": "1"}, "a composer job option: --set distill_alpha=VALUE"),
-        ({"trl.beta": "0.1"}, "trl.beta: set it as --set grpo_beta=..., a knob"),
-        ({"trl.temperature": "-1"}, "trl.temperature: set it as --set temperature=..., a knob"),
-        ({"trl.max_completion_length": "0"}, "set it as --set max_completion_length=..."),
-        ({"trl.learning_rate": "1e-4"}, "set it as --set learning_rate=..."),
-        ({"trl.num_generations": "2"}, "set it as --set num_generations=..."),
+        (
+            {"trl.distill_alpha": "1"},
+            "a composer job option: set it as the job's own "
+            "distill_alpha (--set distill_alpha=..., or "
+            "distill_alpha = ... in [job])",
+        ),  # fmt: skip
+        (
+            {"trl.beta": "0.1"},
+            "trl.beta is a knob of the composer job: set it as the job's "
+            "own grpo_beta (--set grpo_beta=..., or grpo_beta = ... in "
+            "[job]), not in its trl table",
+        ),  # fmt: skip
+        ({"trl.temperature": "-1"}, "trl.temperature is a knob of the composer job"),
+        ({"trl.max_completion_length": "0"}, "(--set max_completion_length=..., or"),
+        ({"trl.learning_rate": "1e-4"}, "(--set learning_rate=..., or"),
+        ({"trl.num_generations": "2"}, "(--set num_generations=..., or"),
         ({"trl.top_k": "many"}, "trl.top_k='many' is not a valid int"),
     ],
 )
@@ -128,8 +138,9 @@ def test_a_knob_given_as_trl_field_is_refused_before_launch(tmp_path: Path) -> N
     result = crf("launch", "--set", "trl.temperature=-1", "--store", tmp_path / "runs",
                  "--dry-run")  # fmt: skip
     assert result.exit_code == 2, result.output
-    assert "trl.temperature: set it as --set temperature=..., a knob of the composer job" \
-        in result.output  # fmt: skip
+    assert "trl.temperature is a knob of the composer job: set it as the job's own " \
+           "temperature (--set temperature=..., or temperature = ... in [job]), not in its " \
+           "trl table" in " ".join(result.output.split())  # fmt: skip
     assert len(result.output.strip().splitlines()) == 1
     knob = crf("launch", "--set", "temperature=-1", "--store", tmp_path / "runs", "--dry-run")
     assert knob.exit_code == 2 and "temperature must be > 0" in knob.output, knob.output

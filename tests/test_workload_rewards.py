@@ -3,6 +3,7 @@ the working directory, a raising reward named in the failure, and the errors bef
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -281,3 +282,112 @@ def test_a_reward_that_is_a_class_says_to_name_an_instance(tmp_path: Path, monke
         build_rewards(["crf_test_cls:LengthReward"])
     (fn,), _ = build_rewards(["crf_test_cls:length_reward"])
     assert fn(**ROWS) == [2.0, 3.0, 2.0]
+
+
+HANGS = {
+    "def": "import time\ndef score(completions, **kw):\n    time.sleep(3600)\n",
+    "async def": "import asyncio\nasync def score(completions, **kw):\n"
+    "    await asyncio.sleep(3600)\n",
+}
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_reward_call_past_its_time_limit_is_the_rewards_error(
+    tmp_path: Path, monkeypatch, kind: str
+) -> None:
+    """A call past the run's --reward-timeout raises the reward's error, which stops the run
+    (not a TimeoutError, which would read as a network's and be restarted); the sync call is
+    interrupted on the main thread, where TRL makes it, the async one cancelled."""
+    from crf.replica.failures import stops_run, transient
+    from crf.replica.rewards import RewardTimedOut
+
+    name = f"crf_test_rw_hangs_{kind.replace(' ', '_')}"
+    _module(tmp_path, monkeypatch, HANGS[kind], name)
+    (fn,), _ = build_rewards([f"{name}:score"], timeout=0.5)
+    with pytest.raises(RewardTimedOut) as e:
+        call(fn, **ROWS)
+    assert str(e.value) == (
+        f"reward {name}:score did not return within 0.5s (--reward-timeout 0.5); make it "
+        "return sooner (give a call it waits on a timeout of its own) or launch with a larger "
+        "--reward-timeout (0: no limit)"
+    )
+    assert stops_run(e.value) and not transient(e.value)
+
+
+STUCK = """
+import asyncio, sys, time
+import crf.replica.rewards as rewards
+
+def swallows(completions, **kw):  # told to stop each second, it goes on
+    while True:
+        try:
+            time.sleep(3600)
+        except BaseException:
+            pass
+
+async def blocks(completions, **kw):  # sync code in an async def: TRL's loop is blocked
+    time.sleep(3600)
+
+rewards.STUCK_GRACE_S = 1.0
+rewards.record_stuck_with(lambda e: print("recorded:", type(e).__name__, e, flush=True))
+fn = rewards._guarded("rw:score", {"def": swallows, "async def": blocks}[sys.argv[1]], 0.5)
+rewards.call(fn, completions=["a"], prompts=["b"])
+"""
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_reward_call_that_does_not_stop_ends_its_process(tmp_path: Path, kind: str) -> None:
+    """A thread cannot be killed: a call that goes on past its time and its grace (it
+    swallows the interruption, or blocks the event loop) has its error recorded as the
+    replica's, and the process ends with the exit code of an error no restart fixes."""
+    import os
+    import subprocess
+
+    from crf.replica.failures import EXIT_UNRECOVERABLE
+
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, timeout=300)  # fmt: skip
+    assert out.returncode == EXIT_UNRECOVERABLE, out.stdout + out.stderr
+    assert out.stdout.startswith("recorded: RewardTimedOut reward rw:score did not return "
+                                 "within 0.5s"), out.stdout  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_replica_imports_the_reward_code_its_driver_checked(tmp_path: Path, monkeypatch) -> None:
+    """The driver keeps the source of the reward module and of the user's module it imports
+    (not installed packages); a replica given that copy imports it, under the files' own
+    names, though both files were edited since."""
+    import os
+    import subprocess
+
+    from crf import layout
+    from crf.replica.reward_code import key_of, snapshot
+    from crf.store import RunStore
+
+    _module(tmp_path, monkeypatch, "def value():\n    return 1.0\n", "crf_test_helper_pin")
+    body = "import json\nfrom crf_test_helper_pin import value\n\n" \
+           "def score(completions, **kw):\n    return [value() for _ in completions]\n"  # fmt: skip
+    _module(tmp_path, monkeypatch, body, "crf_test_rw_pin")
+    build_rewards(["crf_test_rw_pin:score"])  # the checks' import
+    data = snapshot(["crf_test_rw_pin"])
+    assert data is not None
+    kept = json.loads(data)["modules"]
+    assert sorted(kept) == ["crf_test_helper_pin", "crf_test_rw_pin"], sorted(kept)
+    store = RunStore(f"file://{tmp_path}/run")
+    store.put(key_of(data), data)
+    (tmp_path / "crf_test_helper_pin.py").write_text("def value():\n    return 2.0\n")
+    (tmp_path / "crf_test_rw_pin.py").write_text(body + "raise RuntimeError('edited')\n")
+    replica = (
+        "import sys\nfrom crf.replica.rewards import build_rewards\n"
+        "(fn,), _ = build_rewards(['crf_test_rw_pin:score'])\n"
+        "print(fn(completions=['a']), sys.modules['crf_test_rw_pin'].__file__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           layout.ENV_REWARD_CODE: key_of(data), layout.ENV_RUN_URI: store.uri}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", replica], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[1.0]", str(tmp_path / "crf_test_rw_pin.py")], out.stdout

@@ -132,7 +132,7 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
-        raise ConfigError(f"config file {where} is not valid TOML: {e}") from None
+        raise ConfigError(_not_toml(text, where, e)) from None
     spellings = option_spellings() | setting_spellings()
     options: dict[str, Any] = {}
     launch: dict[str, Any] = {}
@@ -147,6 +147,9 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
             )
         if key not in spellings:
             job_name = str(options.get("job") or RunSpec.job)
+            trl = _trl_hint(key, job_name)
+            if trl:  # a TRL setting outside the job's [job.trl] table
+                raise ConfigError(f"{key!r} in config file {where} {trl}")
             if key in _job_fields(job_name):  # a knob of the job, one level too high
                 raise ConfigError(
                     f"{key!r} in config file {where} is an option of the {job_name} job: put "
@@ -171,6 +174,29 @@ def parse_config(text: str, where: str = "<config>") -> LaunchConfig:
             kinds = " or ".join(t.__name__ for t in LAUNCH_KEYS[name])
             raise ConfigError(f"{name} in config file {where} must be {kinds} (got {value!r})")
     return LaunchConfig(options, _one_hardware_key(backend, where), job, launch)
+
+
+#: a line only YAML writes: ``key: value``, a list item ``- value`` or a document marker
+_YAML_LINE = re.compile(r"^(---|\.\.\.|- |[A-Za-z_][\w.-]*:(\s|$))")
+
+
+def _not_toml(text: str, where: str, error: Exception) -> str:
+    """The one line for a config file TOML cannot read: for one that holds YAML (a
+    ``key: value`` line, whatever the file's name) or that is named ``.yaml``, that a config
+    file is TOML and how its lines are written; else TOML's own error, with its place."""
+    lines = text.splitlines()
+    yaml = next((i for i, line in enumerate(lines) if _YAML_LINE.match(line.strip())), None)
+    how = (
+        'a config file is TOML: write key = value (replicas = 4, reward = "exact_match", '
+        'a list as ["a", "b"]) and a table as a [job] line; crf launch --print-config '
+        "writes one to start from"
+    )
+    if yaml is not None:
+        said = f"{lines[yaml].strip()!r} on line {yaml + 1}"
+        return f"config file {where} looks like YAML ({said}); {how}"
+    if where.lower().endswith((".yaml", ".yml")):
+        return f"config file {where} is named as YAML, and TOML cannot read it ({error}); {how}"
+    return f"config file {where} is not valid TOML: {error}"
 
 
 def _named_table(
@@ -272,6 +298,33 @@ def _job_fields(job: str) -> list[str]:
         return []
 
 
+def _trl_hint(key: str, job: str) -> str:
+    """Where a key that belongs in the job's ``[job.trl]`` table goes, for a ``[trl]`` table
+    written at the top level or a field of the job's TRL config (``top_p``: GRPOConfig's)
+    written outside it; empty for any other key, or a job without a ``trl`` table."""
+    import dataclasses
+
+    from crf.replica.jobs import get_job
+
+    if "trl" not in _job_fields(job) or (key in _job_fields(job) and key != "trl"):
+        return ""
+    config = str(getattr(get_job(job), "TRL_CONFIG", "GRPOConfig"))
+    if key == "trl":
+        return f"holds TRL's {config} settings of the {job} job: write its table as [job.trl]"
+    try:
+        import trl
+
+        fields = {f.name for f in dataclasses.fields(getattr(trl, config))}
+    except (ImportError, AttributeError, TypeError):
+        return ""
+    if key not in fields:
+        return ""
+    return (
+        f"is a setting of TRL's {config}, which the {job} job takes in its trl table: put it "
+        "in a [job.trl] table (a [job.trl] line, then the setting below it)"
+    )
+
+
 def _is_backend_key(key: str) -> bool:
     """Whether a top-level key that is no run option is one of ``[backend]``'s: the
     hardware under any of its names, the image or region, or a ``rollout_<option>``."""
@@ -290,6 +343,9 @@ def check_job_keys(job: str, table: Mapping[str, Any], where: str = "<config>") 
         return
     for key in table:
         if key not in fields:
+            trl = _trl_hint(key, job)
+            if trl:  # a TRL setting in [job] itself, not in its trl table
+                raise ConfigError(f"{key!r} in [job] in config file {where} {trl}")
             if key in option_spellings() | setting_spellings():  # one level too low
                 raise ConfigError(
                     f"{key!r} in [job] in config file {where} is a run option, not an option "

@@ -32,13 +32,13 @@ import json
 import os
 import re
 import struct
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from crf.launcher.errors import LaunchError
+from crf.replica.time_limit import in_time
 
 #: rows of each split read before launch (the rewards are called on them too)
 SAMPLE_ROWS = 8
@@ -738,28 +738,6 @@ def _is_hub_dataset(name: str) -> bool:
     from crf.replica.data import builder_of, is_local_folder
 
     return builder_of(name) is None and not is_local_folder(name)
-
-
-def in_time(read: Callable[[], Any], seconds: float) -> Any:
-    """``read()``'s value, or None when it takes longer than ``seconds`` (its thread, a
-    daemon, is left to end by itself: a download cannot be interrupted). Its exception is
-    raised here."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = read()
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="crf-first-rows", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        return None
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _wanted(spec: Any, flag: str) -> int:

@@ -89,7 +89,9 @@ def _start_launch(plan: Plan, started: float) -> int:
         restart_policy=plan.restart.to_dict(),
     )
     if plan.resume is not None:
-        return claim_resume(plan, record)
+        launch_no = claim_resume(plan, record)
+        _keep_reward_code(plan)
+        return launch_no
     if not store.put_if_absent(layout.RUN_SPEC, spec.to_json().encode()):
         raise LaunchError(
             f"run folder {display_path(store)} already holds a run (run.json exists); "
@@ -97,12 +99,21 @@ def _start_launch(plan: Plan, started: float) -> int:
         )
     if plan.workdir is not None and spec.workdir_key:  # one per content: put once
         store.put_if_absent(spec.workdir_key, plan.workdir.data)
+    _keep_reward_code(plan)
     store.put_json_if_absent(layout.launch_key(0), record.opening())
     backend: dict[str, Any] = {"backend": spec.backend, "options": backend_config(plan)}
     if plan.workers is not None and plan.workers.overrides:  # the workers' own hardware
         backend["rollout_options"] = plan.workers.overrides
     store.put_json(layout.BACKEND, backend)
     return 0
+
+
+def _keep_reward_code(plan: Plan) -> None:
+    """Put the reward code this session's checks read in the run folder (one per content),
+    where its replicas import it from (crf/replica/reward_code.py)."""
+    if plan.reward_code is not None:
+        key = plan.code_env()[layout.ENV_REWARD_CODE]
+        plan.store.put_if_absent(key, plan.reward_code)
 
 
 def _what(spec: RunSpec) -> str:
@@ -163,7 +174,11 @@ def _start_replicas(
                 spec.replicas,
                 plan.command,
                 (),
-                {**plan.secret_env, **(env or {})},  # secrets: through the secret mechanism
+                {
+                    **plan.secret_env,
+                    **plan.code_env(),
+                    **(env or {}),
+                },  # secrets: through the secret mechanism
                 run_uri=spec.run_uri,
                 run_id=spec.run_id,
                 max_restarts=plan.restart.max_restarts,
@@ -188,7 +203,7 @@ def _start_workers(
         return None
     try:
         handles = start_workers(plan.workers, plan.spec, plan.command,
-                                {**plan.secret_env, **(env or {})})  # fmt: skip
+                                {**plan.secret_env, **plan.code_env(), **(env or {})})  # fmt: skip
     except ExecutorError as e:
         if console is not None:
             console.print(f"[yellow]could not start the rollout workers ({e}); the replicas "

@@ -178,6 +178,15 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: the rollout workers (--rollout-workers; None: none), started after the replicas
     workers: WorkerPlan | None = None
+    #: the source of the reward modules the checks imported from the user's folder, which
+    #: this session's replicas import (crf/replica/reward_code.py; None: none to keep)
+    reward_code: bytes | None = field(default=None, repr=False)
+
+    def code_env(self) -> dict[str, str]:
+        """The variable that names :attr:`reward_code` in the run folder to the replicas."""
+        from crf.replica.reward_code import key_of
+
+        return {layout.ENV_REWARD_CODE: key_of(self.reward_code)} if self.reward_code else {}
 
 
 def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -405,12 +414,11 @@ def prepare(
         raise LaunchError(str(e)) from None
     secret_env = _read_secrets(spec, missing if dry_run else None)
     # The store last: the writability probe is the only check with a side effect.
-    if dry_run:
-        run_store = _dry_run_folder(run_uri, run_id, missing)
-    else:
-        run_store = _run_folder(run_uri, run_id, dry_run)
+    run_store = (_dry_run_folder(run_uri, run_id, missing) if dry_run
+                 else _run_folder(run_uri, run_id, dry_run))  # fmt: skip
     return Plan(spec, run_store, executor, command, restart=policy, secret_env=secret_env,
-                workdir=packed, missing=missing, notes=notes, workers=workers)  # fmt: skip
+                workdir=packed, missing=missing, notes=notes, workers=workers,
+                reward_code=kept_reward_code(spec, executor))  # fmt: skip
 
 
 def check_workers(
@@ -822,6 +830,20 @@ def _unpacked(packed: PackedWorkdir | bytes, workdir: str | None) -> Iterator[No
             for name, module in list(sys.modules.items()):  # none stays cached from it
                 if (getattr(module, "__file__", None) or "").startswith(where):
                     del sys.modules[name]
+
+
+def kept_reward_code(spec: RunSpec, executor: ServerlessExecutor | None) -> bytes | None:
+    """The source of the reward modules the checks just imported from the user's folder,
+    for a run whose replicas would import them from that folder as it is when each starts
+    (a backend that runs them on this machine, without --workdir): each replica of this
+    session imports this copy instead (crf/replica/reward_code.py)."""
+    from crf.replica.reward_code import snapshot
+    from crf.replica.rewards import reward_modules
+
+    if spec.workdir is not None or getattr(executor, "installs_packages", False):
+        return None
+    modules = reward_modules(spec.reward)
+    return snapshot(modules) if modules else None
 
 
 def imports_user_code(spec: RunSpec) -> bool:

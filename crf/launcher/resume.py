@@ -188,7 +188,7 @@ def prepare_resume(
         raise LaunchError(str(e)) from None
     validate_job(spec.job, spec.job_config)
     run_store = RunStore(found.uri)
-    recheck_inputs(spec, run_store)
+    reward_code = recheck_inputs(spec, run_store)
     # replicas find the run where it is now, even if the folder was moved since launch
     spec.run_uri = run_store.uri
     secret_env = resolve_secrets(spec)  # read again: never kept anywhere since the launch
@@ -201,10 +201,10 @@ def prepare_resume(
         fresh_inner=fresh,
     )
     return Plan(spec, run_store, executor, spec.entrypoint, policy, info, secret_env,
-                workers=workers)  # fmt: skip
+                workers=workers, reward_code=reward_code)  # fmt: skip
 
 
-def recheck_inputs(spec: RunSpec, store: RunStore) -> None:
+def recheck_inputs(spec: RunSpec, store: RunStore) -> bytes | None:
     """The run's data, model and rewards checked again before its replicas start, as at its
     launch (crf/launcher/data_checks.py, reward_checks.py): a file edited since, a model
     folder changed, or a reward module edited into an error would otherwise stop every
@@ -213,17 +213,20 @@ def recheck_inputs(spec: RunSpec, store: RunStore) -> None:
     (a cloud run's may be paths inside its shipped --workdir, which the replicas unpack).
     The rewards are imported from where the replicas import them: the run's shipped
     ``--workdir`` (the archive in its run folder, not that folder as it is now), else this
-    process's working directory; and anew, not from a module this process imported before."""
+    process's working directory; and anew, not from a module this process imported before.
+    Returns the source of the reward modules so checked, which the resumed replicas import
+    (``plan.kept_reward_code``: the code as it is now, the same for every replica)."""
     import copy
 
-    from crf.launcher.plan import importable, imports_user_code
+    from crf.launcher.plan import importable, imports_user_code, kept_reward_code
 
     if spec.backend != "local":
-        return
+        return None
     shipped = _shipped_workdir(spec, store) if imports_user_code(spec) else None
     try:
         with importable(shipped, spec), _imported_afresh(spec.reward):
             _check_inputs_again(copy.deepcopy(spec))
+            return kept_reward_code(spec, None)
     except LaunchError as e:  # a file of the shipped copy named as the user's (importable)
         raise LaunchError(
             f"{e} (checked again to continue run {spec.run_id}: fix it, then run crf launch "
@@ -272,17 +275,9 @@ def _imported_afresh(entries: list[str] | None) -> Iterator[None]:
     """The ``module:function`` rewards' modules imported anew inside, as a replica imports
     them: a process that launched the run has them cached, from before any edit. Put back
     as they were afterwards, so the caller's own imports stay its own."""
-    from crf.replica.rewards import BUILTINS, RewardError, parse_rewards
+    from crf.replica.rewards import reward_modules
 
-    try:
-        specs = parse_rewards(list(entries or []))
-    except RewardError:
-        specs = []  # said by the checks inside
-    names = {
-        s.name.partition(":")[0]
-        for s in specs
-        if s.name not in BUILTINS and not s.name.startswith("format:")
-    }
+    names = reward_modules(entries)
     saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
     importlib.invalidate_caches()
     try:

@@ -14,65 +14,20 @@ import contextlib
 import inspect
 import math
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 from crf.executors.secrets import redact, secret_values
-from crf.launcher.data_checks import Split, in_time, shown_column, value_kind
+from crf.launcher.data_checks import Split, shown_column, value_kind
 from crf.launcher.errors import LaunchError
-from crf.replica.rewards import listed, out_of_range, reward_value
+from crf.replica.data import listed_columns
+from crf.replica.rewards import TRL_ARGUMENTS, listed, out_of_range, reward_value
+from crf.replica.time_limit import TooSlow, within
 
 #: seconds each reward function may take on the sampled rows before the launch is refused
 REWARD_CALL_S = 60.0
-#: the signal that ends a reward call past its time (the main thread's; SIGALRM is left to
-#: the user's code: math-verify times its parsing with it)
-_TOO_SLOW_SIGNAL = getattr(signal, "SIGUSR1", None)
-
-
-class TooSlow(BaseException):
-    """A call did not return in time (:func:`within`). A BaseException, so that a reward's
-    own ``except Exception`` does not swallow it."""
-
-
-def within(run: Callable[[], Any], seconds: float) -> Any:
-    """``run()``'s value; TooSlow when it has not returned within ``seconds``. On the main
-    thread ``run`` runs there (a reward may use signals, as math-verify's timeouts do): a
-    watchdog thread signals the main thread, whose handler raises TooSlow into ``run``,
-    again each second until it gives up. Elsewhere (no signals but on the main thread), it
-    runs in a daemon thread (:func:`in_time`), left to end by itself."""
-    if threading.current_thread() is not threading.main_thread() or _TOO_SLOW_SIGNAL is None:
-        boxed = in_time(lambda: (run(),), seconds)
-        if boxed is None:
-            raise TooSlow
-        return boxed[0]
-    done, late = threading.Event(), threading.Event()
-    main = threading.get_ident()
-
-    def interrupt(signum: int, frame: Any) -> None:
-        if late.is_set() and not done.is_set():
-            raise TooSlow
-
-    def watch() -> None:
-        if done.wait(seconds):
-            return
-        late.set()
-        while not done.is_set():
-            signal.pthread_kill(main, _TOO_SLOW_SIGNAL)
-            done.wait(1.0)
-
-    previous = signal.signal(_TOO_SLOW_SIGNAL, interrupt)
-    watchdog = threading.Thread(target=watch, name="crf-reward-limit", daemon=True)
-    watchdog.start()
-    try:
-        return run()
-    finally:
-        done.set()
-        watchdog.join()
-        signal.signal(_TOO_SLOW_SIGNAL, previous)
 
 
 def import_rewards(entries: list[str] | None) -> None:
@@ -404,12 +359,33 @@ def call_reward(
             "instead"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error, in one line
+        unfilled = _unfilled(fn, kwargs) if isinstance(e, TypeError) else []
+        if unfilled:  # a parameter named after a column the data lacks
+            given = [k for k in kwargs if k not in TRL_ARGUMENTS]
+            raise LaunchError(
+                f"--reward {name} takes a parameter {unfilled[0]!r}, which no column of "
+                f"{split.flag} {split.dataset} fills (a reward gets each column under its own "
+                f"name; here: {listed_columns(given) or 'none'}): name the parameter after a "
+                "column, or give it a default"
+            ) from None
         raise LaunchError(
             f"--reward {name} raised {type(e).__name__}: {e} {failing()}"
             f"{no_trainer_hint(e, kwargs)}; fix the function (it is called as TRL calls it: "
             "prompts, completions, and the dataset's columns as keyword lists)"
         ) from None
     check_reward_values(name, out, len(rows), where, many=many)
+
+
+def _unfilled(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> list[str]:
+    """The parameters of ``fn`` that a call with ``kwargs`` leaves without a value (no
+    default, not given): columns it expects that the data lacks."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params
+            if p.kind in named and p.default is p.empty and p.name not in kwargs]  # fmt: skip
 
 
 def check_reward_values(name: str, out: Any, n: int, where: str, *, many: bool) -> None:

@@ -113,9 +113,12 @@ def _train(ctx: Any) -> int:
     from crf.exchange.manager import restart_cannot_help
     from crf.replica.failures import one_line
     from crf.replica.jobs import get_job, job_config
+    from crf.replica.rewards import record_stuck_with
 
     log = logging.getLogger("crf.replica")
     log.info("run %s rank %d/%d job %s", ctx.spec.run_id, ctx.rank, ctx.world_size, ctx.spec.job)
+    if hasattr(ctx, "fail"):  # a reward call that outlives its time is recorded, then ends us
+        record_stuck_with(ctx.fail)
     try:
         with ctx:
             job = get_job(ctx.spec.job)

@@ -238,6 +238,18 @@ def required_fields(needs_answer: bool) -> tuple[str, ...]:
     return ("prompt", "answer") if needs_answer else ("prompt",)
 
 
+#: how many of a file's columns a message lists
+SHOWN_COLUMNS = 12
+
+
+def listed_columns(names: list[str]) -> str:
+    """A file's columns as a message lists them: the first :data:`SHOWN_COLUMNS`, then how
+    many there are in all (a file of hundreds of feature columns stays one readable line)."""
+    if len(names) <= SHOWN_COLUMNS:
+        return ", ".join(names)
+    return f"{', '.join(names[:SHOWN_COLUMNS])}, ... ({len(names)} in all)"
+
+
 def field_columns(
     columns: Mapping[str, str],
     names: list[str],
@@ -256,7 +268,7 @@ def field_columns(
         elif field in need:
             how = f"column {column!r} (for {field})" if column != field else f"column {field!r}"
             raise DataError(
-                f"{flag} {dataset} has no {how}; its columns are {', '.join(names)} "
+                f"{flag} {dataset} has no {how}; its columns are {listed_columns(names)} "
                 f"(map one with --column {field}=COLUMN)"
             )
     return out

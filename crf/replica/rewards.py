@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from crf.replica.time_limit import TooSlow, within
+
 BUILTINS = ("exact_match", "math_answer")
 #: built-ins that read the dataset's ``answer`` field
 NEEDS_ANSWER = ("exact_match", "math_answer")
@@ -63,6 +65,12 @@ class RewardError(ValueError):
 
 class RewardFailed(RuntimeError):
     """A reward function raised during a step; the cause's traceback is chained."""
+
+
+class RewardTimedOut(RewardFailed):
+    """A reward call did not return within the run's ``--reward-timeout``; raised with no
+    exception chained (a TimeoutError in the chain would read as a network's, which a
+    restart may outlive: crf.replica.failures.transient)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,10 @@ def format_reward(pattern: str) -> Callable[..., list[float]]:
 
 def import_reward(name: str) -> Callable[..., Any]:
     """``module:function`` imported with the working directory on sys.path."""
+    from crf.replica import reward_code
+
     module, _, func = name.partition(":")
+    reward_code.install()  # a local replica: the code its driver checked
     if "" not in sys.path:
         sys.path.insert(0, "")
     try:
@@ -288,6 +299,12 @@ FLOAT32_MAX = 3.4028234663852886e38
 _QUOTED_CHARS = 60
 #: seconds a failed reward call's rows are tried one by one, to name the row that raises
 ROW_SEARCH_S = 60.0
+#: seconds past its --reward-timeout a reward call that was told to stop may take to stop
+#: (one that catches every exception, or is blocked in C code, never does) before its
+#: replica records the timeout and ends itself (:func:`_end_stuck`)
+STUCK_GRACE_S = 30.0
+#: what records a stuck call's error before its process ends (:func:`record_stuck_with`)
+_record_stuck: list[Callable[[BaseException], None]] = []
 
 
 def reward_value(value: Any) -> float | None:
@@ -377,6 +394,14 @@ class _RowSearch:
         return self.first if self.passed else None
 
 
+def _row_in_time(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
+    """:func:`first_failing_row`, None when a row's call hangs past :data:`ROW_SEARCH_S`."""
+    try:
+        return within(lambda: first_failing_row(fn, kwargs), ROW_SEARCH_S)
+    except TooSlow:
+        return None
+
+
 def first_failing_row(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> int | None:
     """The first row on which ``fn``, called on that row alone, raises, when another row
     does not (else the error is the whole call's: a wrong signature, a missing column):
@@ -463,12 +488,96 @@ def _failed(
     return RewardFailed(f"reward {name} raised {type(e).__name__}: {e}{on}{hint}")
 
 
-def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def timed_out(name: str, limit: float) -> RewardTimedOut:
+    """The one line of a reward call past the run's ``--reward-timeout``."""
+    return RewardTimedOut(
+        f"reward {name} did not return within {limit:g}s (--reward-timeout {limit:g}); make "
+        "it return sooner (give a call it waits on a timeout of its own) or launch with a "
+        "larger --reward-timeout (0: no limit)"
+    )
+
+
+def record_stuck_with(record: Callable[[BaseException], None]) -> None:
+    """Have ``record`` (a replica's ``fail``) write the error of a reward call that neither
+    returned nor stopped in time, before the process ends (:func:`_end_stuck`)."""
+    _record_stuck[:] = [record]
+
+
+def _end_stuck(error: RewardTimedOut) -> None:
+    """End this process: a reward call is past its time and did not stop when told to (a
+    thread cannot be killed). Its error is logged and recorded as the replica's failure
+    first, so the driver stops the run with that line and does not restart the replica."""
+    from crf.replica.failures import EXIT_UNRECOVERABLE
+
+    logging.getLogger("crf.replica").error(
+        "replica failed, and a restart cannot fix it: %s: %s", type(error).__name__, error
+    )
+    for record in _record_stuck:
+        try:
+            record(error)
+        except Exception as e:  # noqa: BLE001 - the process ends either way
+            logging.getLogger("crf.replica").error("could not record the failure: %s", e)
+    os._exit(EXIT_UNRECOVERABLE)
+
+
+def _limited(run: Callable[[], Any], name: str, limit: float) -> Any:
+    """``run()``, a plain reward's call; RewardTimedOut past ``limit`` seconds (0: none).
+    On the main thread, where TRL calls it, the call is interrupted (crf.replica.time_limit);
+    one that does not stop ends the process (:func:`_end_stuck`)."""
+    if not limit:
+        return run()
+    try:
+        return within(run, limit, stuck=lambda: _end_stuck(timed_out(name, limit)),
+                      grace_s=STUCK_GRACE_S)  # fmt: skip
+    except TooSlow:
+        pass
+    raise timed_out(name, limit)
+
+
+async def _awaited(coroutine: Any, seconds: float) -> tuple[bool, Any]:
+    """(True, its value) of ``coroutine`` awaited, or (False, None) when it is not done
+    within ``seconds`` (0: no limit); it is then cancelled and left, not waited for (a
+    coroutine may ignore its cancellation)."""
+    if not seconds:
+        return True, await coroutine
+    task = asyncio.ensure_future(coroutine)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        return False, None
+    return True, task.result()
+
+
+async def _limited_async(coroutine: Any, name: str, limit: float) -> Any:
+    """``coroutine``, an async reward's call; RewardTimedOut past ``limit`` seconds (0:
+    none). A call that blocks TRL's event loop (sync code in an ``async def``) cannot be
+    timed there: a timer thread ends the process once it is past its time
+    (:func:`_end_stuck`)."""
+    if not limit:
+        return await coroutine
+    timer = threading.Timer(limit + STUCK_GRACE_S, _end_stuck, (timed_out(name, limit),))
+    timer.daemon = True
+    timer.start()
+    try:
+        done, value = await _awaited(coroutine, limit)
+    finally:
+        timer.cancel()
+    if not done:
+        raise timed_out(name, limit)
+    return value
+
+
+def _guarded(name: str, fn: Callable[..., Any], limit: float = 0) -> Callable[..., Any]:
     """``fn`` raising RewardFailed naming the reward and, where one row alone raises, the
     row (the original traceback chained), also for ``sys.exit()`` and for values TRL cannot
     train on (:func:`checked`); an async ``fn`` stays async, so TRL awaits it with its other
-    async rewards. A network's error (crf.replica.failures.transient) is not tried row by
-    row: each row would wait for it again."""
+    async rewards. A call past ``limit`` seconds (the run's ``--reward-timeout``; 0: none)
+    raises RewardTimedOut. A network's error (crf.replica.failures.transient) is not tried
+    row by row: each row would wait for it again."""
     from crf.replica.failures import transient
 
     if is_async(fn):
@@ -476,10 +585,13 @@ def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         async def reward(*args: Any, **kwargs: Any) -> Any:
             n = rows_of(kwargs)
             try:
-                out = await fn(*args, **kwargs)
+                out = await _limited_async(fn(*args, **kwargs), name, limit)
+            except RewardTimedOut:
+                raise
             except (Exception, SystemExit) as e:
-                search = not args and not transient(e)  # TRL passes keywords only
-                row = await _first_failing_row_async(fn, kwargs) if search else None
+                row = None
+                if not args and not transient(e):  # TRL passes keywords only
+                    row = (await _awaited(_first_failing_row_async(fn, kwargs), ROW_SEARCH_S))[1]
                 raise _failed(name, e, kwargs, row) from e
             return checked(name, out, kwargs, n)
 
@@ -488,10 +600,12 @@ def _guarded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def reward(*args: Any, **kwargs: Any) -> Any:
             n = rows_of(kwargs)
             try:  # a generator's values come from the user's code too
-                out = listed(fn(*args, **kwargs))
+                out = _limited(lambda: listed(fn(*args, **kwargs)), name, limit)
+            except RewardTimedOut:
+                raise
             except (Exception, SystemExit) as e:
                 search = not args and not transient(e)  # TRL passes keywords only
-                row = first_failing_row(fn, kwargs) if search else None
+                row = _row_in_time(fn, kwargs) if search else None
                 raise _failed(name, e, kwargs, row) from e
             return checked(name, out, kwargs, n)
 
@@ -560,9 +674,12 @@ def in_dataset_forms(rewards: dict[str, Any]) -> dict[str, Any]:
     return {**rewards, "reward_funcs": in_dataset_form(funcs)}
 
 
-def reward_function(spec: RewardSpec, *, guarded: bool = True) -> Callable[..., Any]:
+def reward_function(
+    spec: RewardSpec, *, guarded: bool = True, timeout: float = 0
+) -> Callable[..., Any]:
     """The function of a ``--reward`` entry; ``guarded`` (as the replicas call it): its
-    errors and the values TRL cannot train on raised as RewardFailed (:func:`_guarded`)."""
+    errors, the values TRL cannot train on and a call past ``timeout`` seconds (0: no
+    limit) raised as RewardFailed (:func:`_guarded`)."""
     if spec.name == "exact_match":
         fn = exact_match
     elif spec.name == "math_answer":
@@ -572,13 +689,28 @@ def reward_function(spec: RewardSpec, *, guarded: bool = True) -> Callable[..., 
         fn = format_reward(spec.name.removeprefix("format:"))
     else:
         fn = import_reward(spec.name)
-    return _guarded(spec.name, fn) if guarded else fn
+    return _guarded(spec.name, fn, timeout) if guarded else fn
 
 
-def build_rewards(entries: list[str]) -> tuple[list[Callable[..., Any]], list[float]]:
-    """TRL's ``reward_funcs`` and ``reward_weights`` for the ``--reward`` entries."""
+def build_rewards(
+    entries: list[str], timeout: float = 0
+) -> tuple[list[Callable[..., Any]], list[float]]:
+    """TRL's ``reward_funcs`` and ``reward_weights`` for the ``--reward`` entries, each call
+    limited to ``timeout`` seconds (0: no limit)."""
     specs = parse_rewards(entries)
-    return [reward_function(s) for s in specs], [s.weight for s in specs]
+    return [reward_function(s, timeout=timeout) for s in specs], [s.weight for s in specs]
+
+
+def reward_modules(entries: list[str] | None) -> list[str]:
+    """The modules of the ``module:function`` entries (none for built-ins and regexes, nor
+    for entries that do not parse: their checks say so)."""
+    try:
+        specs = parse_rewards(list(entries or []))
+    except RewardError:
+        return []
+    names = [s.name.partition(":")[0] for s in specs
+             if s.name not in BUILTINS and not s.name.startswith("format:")]  # fmt: skip
+    return list(dict.fromkeys(names))
 
 
 def check_rewards(entries: list[str]) -> list[RewardSpec]:
@@ -590,10 +722,20 @@ def check_rewards(entries: list[str]) -> list[RewardSpec]:
     return specs
 
 
-def job_rewards(entries: list[str], default: Callable[..., Any]) -> dict[str, Any]:
+def reward_timeout(spec: Any) -> float:
+    """A run's ``--reward-timeout``: its spec's, else the default (a spec from before it)."""
+    from crf.spec import REWARD_TIMEOUT_S
+
+    return float(getattr(spec, "reward_timeout", REWARD_TIMEOUT_S))
+
+
+def job_rewards(
+    entries: list[str], default: Callable[..., Any], timeout: float = 0
+) -> dict[str, Any]:
     """The trainer's ``reward_funcs`` and the config's ``reward_weights`` for a job: the
-    ``--reward`` entries, or the job's ``default`` reward when there are none."""
+    ``--reward`` entries (each call limited to ``timeout`` seconds, the run's
+    ``--reward-timeout``; 0: no limit), or the job's ``default`` reward when there are none."""
     if not entries:
         return {"reward_funcs": default, "reward_weights": None}
-    funcs, weights = build_rewards(entries)
+    funcs, weights = build_rewards(entries, timeout)
     return {"reward_funcs": funcs, "reward_weights": weights}

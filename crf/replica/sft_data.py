@@ -31,6 +31,7 @@ from crf.replica.data import (
     first_rows,
     is_local_folder,
     is_messages,
+    listed_columns,
     messages_problem,
     mixed_problem,
     no_column,
@@ -93,7 +94,7 @@ def sft_format(
     mapped = "".join(f" (--column {k}={v})" for k, v in columns.items())
     raise DataError(
         f"--dataset {dataset}{mapped} has none of the sft formats: a 'text' column, 'prompt' "
-        f"and 'completion' columns, or 'messages'; its columns are {', '.join(names)} (map "
+        f"and 'completion' columns, or 'messages'; its columns are {listed_columns(names)} (map "
         "one with --column text=COLUMN, or prompt=... and completion=...)"
     )
 
@@ -233,7 +234,8 @@ def check_scorable(
     if "answer" in needs and answer not in names:
         raise DataError(
             f"{what} {dataset} has no column {answer!r} for --reward to check answers "
-            f"against; its columns are {', '.join(names)} (map one with --column answer=COLUMN)"
+            f"against; its columns are {listed_columns(names)} (map one with --column "
+            "answer=COLUMN)"
         )
 
 

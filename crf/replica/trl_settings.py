@@ -139,13 +139,14 @@ def check_names(trl: Mapping[str, Any], job_knobs: Mapping[str, Any]) -> None:
         if name in by_field:
             knob = by_field[name]
             raise SettingError(
-                f"trl.{name}: set it as --set {knob}=..., a knob of the composer job"
+                f"trl.{name} is a knob of the composer job: set it as the job's own {knob} "
+                f"(--set {knob}=..., or {knob} = ... in [job]), not in its trl table"
             )
         if name not in fields:
             if name in job_knobs:
                 raise SettingError(
-                    f"trl.{name} is no GRPOConfig field but a composer job option: "
-                    f"--set {name}=VALUE"
+                    f"trl.{name} is no GRPOConfig field but a composer job option: set it "
+                    f"as the job's own {name} (--set {name}=..., or {name} = ... in [job])"
                 )
             near = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"; did you mean trl.{near[0]}?" if near else ""

@@ -199,7 +199,7 @@ class RolloutWorker:
         """The trainer's model, shard and ComposerReplicationTrainer (never trained)."""
         from crf.replica.jobs import composer as job
         from crf.replica.jobs import job_config
-        from crf.replica.rewards import job_rewards
+        from crf.replica.rewards import job_rewards, reward_timeout
         from crf.rollouts.generate import sampling_settings, tokenizer_digest
 
         if self.spec.job != "composer":
@@ -210,7 +210,9 @@ class RolloutWorker:
         cfg = job_config("composer", self.spec.job_config)
         from crf.composer.task import reverse_reward
 
-        rewards = job_rewards(list(getattr(self.spec, "reward", [])), reverse_reward)
+        rewards = job_rewards(
+            list(getattr(self.spec, "reward", [])), reverse_reward, reward_timeout(self.spec)
+        )
         self.setup = job.build(ctx, cfg)
         rewards = self.setup.rewards_for(rewards)
         self.trainer = job.new_trainer(ctx, cfg, self.setup, rewards, tmp, 1, [])

@@ -692,9 +692,11 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
 
     from crf.composer import DiLoCoCallback
     from crf.composer.task import reverse_reward
-    from crf.replica.rewards import job_rewards
+    from crf.replica.rewards import job_rewards, reward_timeout
 
-    rewards = job_rewards(list(getattr(ctx.spec, "reward", [])), reverse_reward)
+    rewards = job_rewards(
+        list(getattr(ctx.spec, "reward", [])), reverse_reward, reward_timeout(ctx.spec)
+    )
     setup = build(ctx, cfg)
     rewards = setup.rewards_for(rewards)
     model, tokenizer = setup.model, setup.tokenizer

@@ -217,7 +217,10 @@ def check_trl(values: dict[str, Any], own: list[str]) -> dict[str, Any]:
     typed: dict[str, Any] = {}
     for name, value in values.items():
         if name in own:
-            raise ValueError(f"trl.{name}: set it as --set {name}=..., a knob of the sft job")
+            raise ValueError(
+                f"trl.{name} is a knob of the sft job: set it as the job's own {name} "
+                f"(--set {name}=..., or {name} = ... in [job]), not in its trl table"
+            )
         if name in RESERVED:
             raise ValueError(f"trl.{name} is set by crf: {RESERVED[name]}")
         if name not in fields:
@@ -555,11 +558,13 @@ def _scorer(ctx: Any, cfg: Config, setup: ReplicaSetup) -> Any:
     nothing is scored: the run's rewards (the embedded task's own without --dataset)."""
     from crf.composer.task import reverse_reward
     from crf.replica.evaluation import HeldOutEval
-    from crf.replica.rewards import job_rewards
+    from crf.replica.rewards import job_rewards, reward_timeout
 
     if not setup.eval_rows:
         return None
-    rewards = job_rewards(list(getattr(ctx.spec, "reward", []) or []), reverse_reward)
+    rewards = job_rewards(
+        list(getattr(ctx.spec, "reward", []) or []), reverse_reward, reward_timeout(ctx.spec)
+    )
     return HeldOutEval(
         setup.model, setup.tokenizer, setup.eval_rows, int(ctx.rank), int(ctx.world_size),
         rewards, cfg.new_tokens(ctx.spec), cfg.pass_threshold,
