@@ -48,7 +48,7 @@ from crf.exchange.manager import (
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
 from crf.replica.beacon import HeartbeatSender
-from crf.replica.local_ranks import LocalGroup, MirrorRefresh, send_start
+from crf.replica.local_ranks import LocalGroup, MirrorRefresh, idle_optimizer, send_start
 from crf.replica.rounds import (
     StepMetrics,
     SyncBook,
@@ -470,6 +470,16 @@ class ReplicaContext:
         copies are kept apart."""
         return bool(self.fragments) and self.fragments[0] is not self.model
 
+    def restore_final(self, model: torch.nn.Module) -> None:
+        """For a job whose replica (re)starts with every inner step trained (``resume_step()
+        == total_steps``: it died writing the run's model, or a resume found its training
+        done): the run's final global weights into ``model``, the way ``diloco`` leaves them
+        after the last round, and its last round's loss. Its result then reports the loss
+        and ``weights_sha256`` an uninterrupted replica reports, and ``save_model_at_end``
+        exports the same model. With local ranks, a collective, as ``diloco`` is."""
+        with self.diloco(model, idle_optimizer(model)):
+            pass
+
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used. With
@@ -491,6 +501,10 @@ class ReplicaContext:
         self.resumed_from = latest
         self.step = (latest + 1) * self.spec.sync_period
         self._recall_last_round((latest + 1) // self.spec.fragments - 1)
+        if self.step >= self.total_steps:  # trained: no inner step will use an inner state
+            log.info("resumed from global/%d with every inner step trained", latest)
+            self._beat(force=True)
+            return
         try:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = inner_state.split(manager.checkpoints.load_inner(latest))
@@ -867,7 +881,13 @@ class ReplicaContext:
         m = self.manager
         alive_s = m.exchange.alive_window_s if m is not None else self.spec.round_timeout_s
         if export.is_lowest_survivor(self.store, self.rank, alive_s):
-            export.save_model(self.store, *self._to_save, on_file=self._beat)
+            export.save_model(self.store, *self._to_save, on_file=self._saved_file)
+
+    def _saved_file(self) -> None:
+        """After each file of model/ lands: a heartbeat (the replicas above it wait while
+        it is heard from), and the ``saving`` fault point."""
+        self._beat()
+        maybe_fault("saving", self.rank, None, self.store)
 
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
         """Write the trained model (the lowest replica that finished, when the job asked:
