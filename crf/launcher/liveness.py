@@ -52,8 +52,8 @@ def live_replicas(
         hb = read_heartbeat(store, rank)
         if not hb or hb.phase in ("done", "failed"):
             continue
-        pid, updated = hb.pid, hb.updated_at
-        age = now - updated if isinstance(updated, int | float) and updated > 0 else None
+        pid, seen = hb.pid, hb.seen_at  # alive_at too: a long step writes no news
+        age = now - seen if seen > 0 else None
         if hb.host == host and isinstance(pid, int):
             started = hb.pid_started_at
             started = started if isinstance(started, str | int | float) else None

@@ -19,6 +19,7 @@ use it the same way::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -47,7 +48,7 @@ from crf.exchange.manager import (
 )
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
-from crf.replica.beacon import HeartbeatSender
+from crf.replica.beacon import HeartbeatSender, HeartbeatWriter
 from crf.replica.local_ranks import LocalGroup, MirrorRefresh, idle_optimizer, send_start
 from crf.replica.rounds import (
     StepMetrics,
@@ -66,8 +67,6 @@ from crf.versions import cuda_available, installed_versions
 log = logging.getLogger(__name__)
 
 HEARTBEAT_EVERY_S = 1.0
-#: how long heartbeats pause after one failed to write
-HEARTBEAT_BACKOFF_S = 30.0
 #: the manager's fine-grained phases, as the heartbeat shows them
 _SHOWN_PHASE = {
     "uploading": "syncing",
@@ -203,13 +202,16 @@ class ReplicaContext:
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
         self._clock = TimeAccount()
-        self._pace = HeartbeatPace()
         #: writes heartbeats off the training thread while it trains (``diloco``)
         self._sender: HeartbeatSender | None = None
         #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
         self._to_save: tuple[Any, Any] | None = None
         #: --report-to: where the steps and rounds are also logged (started on first use)
         self.tracker = new_tracker(spec.report_to, spec.run_id, rank, store)
+        #: writes the heartbeats, and again while a long step writes none (beacon.py)
+        self._beats = HeartbeatWriter(
+            functools.partial(store.put_json, layout.heartbeat_key(rank)), HeartbeatPace()
+        )
         self._beat(force=True)
 
     @property
@@ -757,7 +759,7 @@ class ReplicaContext:
 
     def _beat(self, *, force: bool = False) -> None:
         now = time.time()
-        if not self._pace.due(now, force):
+        if not self._beats.pace.due(now, force):
             return
         m = self.manager
         beat = layout.Heartbeat(
@@ -770,7 +772,7 @@ class ReplicaContext:
             loss=self.last_loss,
             updated_at=now,
             pid=os.getpid(),
-            pid_started_at=self._pace.pid_started_at,
+            pid_started_at=self._beats.pace.pid_started_at,
             host=socket.gethostname(),
             rounds_committed=m.rounds_committed if m else 0,
             **self._steps.last_closed,
@@ -781,13 +783,7 @@ class ReplicaContext:
             self._write_beat(beat.to_dict())
 
     def _write_beat(self, beat: dict[str, Any]) -> None:
-        try:
-            self.store.put_json(layout.heartbeat_key(self.rank), beat)
-        # a heartbeat must never kill training, whatever the store or its SDK raises (and
-        # must not slow every step either: it pauses after a failure)
-        except Exception as e:
-            log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
-            self._pace.paused_until = time.time() + HEARTBEAT_BACKOFF_S
+        self._beats.write(beat)  # never raises: a failure pauses heartbeats
 
     # ------------------------------------------------------------------ results
     def _rounds_result(self) -> tuple[int, list[int]]:
@@ -906,6 +902,7 @@ class ReplicaContext:
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self.phase = "done"
         self._beat(force=True)
+        self._beats.close()
 
     def fail(self, error: BaseException) -> None:
         from crf.executors.secrets import hide_secrets
@@ -931,6 +928,7 @@ class ReplicaContext:
         # this raises must not hide the job's own error, which is on its way up
         except Exception as e:
             log.error("could not record failure: %s", e)
+        self._beats.close()
 
     def __enter__(self) -> ReplicaContext:
         return self
