@@ -452,17 +452,15 @@ time.sleep(600)
 """
 
 
-GATED = """
+#: SLEEPER, once the file $GATE exists: till then a container still starting, no heartbeat
+GATED = (
+    """
 import os, time
-from crf.store import RunStore
-while not os.path.exists(os.environ["GATE"]):  # a container still starting: no heartbeat
+while not os.path.exists(os.environ["GATE"]):
     time.sleep(0.1)
-rank = int(os.environ["CRF_RANK"])
-store = RunStore(os.environ["CRF_RUN_URI"])
-store.put_json(f"replicas/{rank}/state.json", {"rank": rank, "phase": "training", "round": 0,
-               "step": 0, "updated_at": time.time(), "pid": os.getpid(), "host": "hf-job"})
-time.sleep(600)
 """
+    + SLEEPER
+)
 
 
 @pytest.mark.e2e
