@@ -88,6 +88,9 @@ def test_a_worker_stops_when_the_run_ended_or_was_cancelled(tmp_path: Path) -> N
     store.delete(layout.cancel_key(1))
     store.put_json(layout.RESULT, {"status": "failed", "launch": 1})
     assert line.why_stop() == "the run has ended (failed): its summary is written"
+    store.delete(layout.RESULT)
+    store.put_json(layout.launch_key(2), {"launch": 2})
+    assert line.why_stop() == "the run was resumed (launch 2), with workers of its own"
 
 
 def test_a_store_that_cannot_answer_stops_no_worker(tmp_path: Path) -> None:

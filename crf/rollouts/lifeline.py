@@ -8,7 +8,8 @@ until someone runs ``crf status`` or ``crf cancel`` or the backend's timeout sto
 loop; it says to stop, in one line the worker logs and records, when:
 
 - the run has ended: its launch's summary (``result.json``) is written, or ``crf cancel``
-  asked for its launch to stop (``launches/<k>/cancel.json``);
+  asked for its launch to stop (``launches/<k>/cancel.json``), or a newer launch (``crf
+  launch --resume``) has started workers of its own, one of which has its index;
 - its trainer has shown no sign of life for ``grace_s`` (``--rollout-grace``): its
   heartbeat's ``seen_at`` (``updated_at`` or ``alive_at``) is that old, counted from the
   worker's own start at the earliest (a trainer restarted by a resume, or still starting,
@@ -77,6 +78,9 @@ class Lifeline:
     def _run_ended(self) -> str | None:
         if self.launch is None:
             return None
+        newer = [k for k in layout.launch_numbers(self.store) if k > self.launch]
+        if newer:
+            return f"the run was resumed (launch {max(newer)}), with workers of its own"
         if self.store.object_exists(layout.cancel_key(self.launch)):
             return f"the run was cancelled (launch {self.launch})"
         try:
