@@ -98,8 +98,10 @@ def finish_trained(ctx: Any, model: Any, tokenizer: Any, start: int) -> dict[str
     killed writing ``model/``, or a resume found its training done): the final global
     weights go into ``model`` (``ctx.restore_final``) and are saved at the end as an
     uninterrupted replica's would be, so its result reports the same loss and
-    ``weights_sha256`` and the model it writes is byte for byte the same. A context
-    without those calls (a job run by hand) gets the counts alone."""
+    ``weights_sha256`` and the weights it writes are byte for byte the same (a config
+    field the trainer would set while it trains, such as ``use_cache``, is not set: it
+    trains nothing). A context without those calls (a job run by hand) gets the counts
+    alone."""
     if hasattr(ctx, "restore_final"):
         ctx.restore_final(model)
     if hasattr(ctx, "save_model_at_end"):
