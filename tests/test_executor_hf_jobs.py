@@ -452,6 +452,20 @@ time.sleep(600)
 """
 
 
+def _detached(emu: HFJobsEmulator, s3: Any, bucket: str, script: Path, run_id: str,
+              *more: str) -> dict[str, Any]:  # fmt: skip
+    """`crf launch --backend hf --detach` of 2 replicas running ``script`` into
+    s3://bucket/runs; the handles it saved."""
+    proc = _cli(
+        "launch", "--backend", "hf", "-o", f"endpoint={emu.endpoint}", "--replicas", "2",
+        "--job", "lm", "--rounds", "1", "--entrypoint", f"python {script}", *more,
+        "--store", f"s3://{bucket}/runs", "--run-id", run_id, "--detach", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    key = f"runs/{run_id}/launches/0/handles.json"
+    return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
 #: SLEEPER, once the file $GATE exists: till then a container still starting, no heartbeat
 GATED = (
     """
@@ -479,15 +493,9 @@ def test_crf_runs_says_starting_of_a_detached_launch_whose_jobs_have_not_beaten(
     store = f"s3://{bucket}/runs"
     script, gate = tmp_path / "gated.py", tmp_path / "go"
     script.write_text(GATED)
-    proc = _cli(
-        "launch", "--backend", "hf", "-o", f"endpoint={emu.endpoint}", "--replicas", "2",
-        "--job", "lm", "--rounds", "1", "--entrypoint", f"python {script}", "--env",
-        f"GATE={gate}", "--store", store, "--run-id", "hf-starting", "--detach", "--no-progress",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     s3 = s3_env.client()
     handles_key = "runs/hf-starting/launches/0/handles.json"
-    saved = json.loads(s3.get_object(Bucket=bucket, Key=handles_key)["Body"].read())
+    saved = _detached(emu, s3, bucket, script, "hf-starting", "--env", f"GATE={gate}")
     ids = [h["backend_id"] for h in saved["handles"]]
 
     def listed() -> dict[str, Any]:
@@ -529,15 +537,9 @@ def test_cli_detach_then_status_logs_cancel_from_other_processes(
     store = f"s3://{bucket}/runs"
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    proc = _cli(
-        "launch", "--backend", "hf", "-o", f"endpoint={emu.endpoint}", "--replicas", "2",
-        "--job", "lm", "--rounds", "1", "--entrypoint", f"python {script}",
-        "--store", store, "--run-id", "hf-detached", "--detach", "--no-progress",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     s3 = s3_env.client()
     handles_key = "runs/hf-detached/launches/0/handles.json"
-    saved = json.loads(s3.get_object(Bucket=bucket, Key=handles_key)["Body"].read())
+    saved = _detached(emu, s3, bucket, script, "hf-detached")
     ids = [h["backend_id"] for h in saved["handles"]]
     assert sorted(ids) == sorted(j.id for j in emu.jobs.values() if j.id in ids)
     for job_id in ids:
