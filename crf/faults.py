@@ -26,6 +26,7 @@ POINTS = (
     "owning_shard",  # while owning a shard: inputs read, reduced shard not published
     "after_reduce",  # after publishing owned shards, before gathering
     "inner_write",  # in the checkpoint writer, before the upload of its inner state of a round
+    "saving",  # writing the run's model/ at the end, after its first file, before the rest
 )
 POISON_POINTS = (
     "nan_contribution",  # a NaN in its uploaded contribution, after its own finiteness check

@@ -471,7 +471,8 @@ def rejected_keys(rejections: Iterable[Rejection]) -> list[str]:
 @dataclass
 class Heartbeat(Record):
     """``replicas/<rank>/state.json``: what a replica is doing now (rewritten every few
-    seconds while it lives)."""
+    seconds while it lives: ``updated_at`` when it has news, ``alive_at`` while a long step
+    has none; crf/replica/beacon.py)."""
 
     rank: int = 0
     phase: str = "starting"
@@ -493,6 +494,15 @@ class Heartbeat(Record):
     round_metrics: dict[str, float] = field(default_factory=dict)
     round_sync_s: float | None = None
     round_rejected: int = 0  # bad objects that round refused (not parts merely left out)
+    # when its process last said it lives, news or not (absent from older heartbeats)
+    alive_at: float | None = None
+
+    @property
+    def seen_at(self) -> float:
+        """When the replica's process was last known to live: the newer of ``updated_at``
+        and ``alive_at`` (0.0 when neither says)."""
+        times = [t for t in (self.updated_at, self.alive_at) if isinstance(t, int | float)]
+        return float(max(times, default=0.0))
 
 
 @dataclass
@@ -563,8 +573,10 @@ class WorkerState(Record):
     updated_at: float = 0.0
     pid: int | None = None
     host: str | None = None
-    status: str | None = None  # in result.json: ok, failed, cancelled
+    status: str | None = None  # in result.json: ok, stopped (by itself), failed, cancelled
     error: str | None = None
+    #: why a ``stopped`` worker ended by itself (its trainer gone, the run ended)
+    reason: str | None = None
 
 
 @dataclass

@@ -133,10 +133,13 @@ class RunInfo(_Typed):
     rounds: int | None = None
     created_at: float | None = None
     #: ok, failed, cancelled, starting (its replicas have not beaten yet), running, stopped,
-    #: or damaged: its run.json cannot be read
+    #: unknown (cloud replicas that have not beaten long after their launch, its driver
+    #: gone: ``Run.status()`` asks the backend), or damaged: its run.json cannot be read
     status: str | None = None
     #: why a damaged run's run.json cannot be read (the file and the field); None otherwise
     error: str | None = None
+    #: why an unknown run's status is unknown; None otherwise
+    note: str | None = None
 
 
 @dataclass

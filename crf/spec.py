@@ -704,6 +704,14 @@ class RunSpec:
         help="Seconds a replica waits for a worker's batch before it generates the batch "
         "itself (so a slow or dead worker costs only speed).",
     )
+    rollout_grace: float = option(
+        RolloutConfig.grace_s,
+        seconds=True,
+        group=ROLLOUT,
+        help="Seconds a rollout worker goes on without a sign of life from its trainer "
+        "replica before it ends itself (a detached run's trainers killed and not "
+        "restarted); keep it longer than a replica takes to restart.",
+    )
     rollout_correction: str = option(
         RolloutConfig.correction,
         choices=CORRECTION_MODES,

@@ -452,6 +452,80 @@ time.sleep(600)
 """
 
 
+def _detached(emu: HFJobsEmulator, s3: Any, bucket: str, script: Path, run_id: str,
+              *more: str) -> dict[str, Any]:  # fmt: skip
+    """`crf launch --backend hf --detach` of 2 replicas running ``script`` into
+    s3://bucket/runs; the handles it saved."""
+    proc = _cli(
+        "launch", "--backend", "hf", "-o", f"endpoint={emu.endpoint}", "--replicas", "2",
+        "--job", "lm", "--rounds", "1", "--entrypoint", f"python {script}", *more,
+        "--store", f"s3://{bucket}/runs", "--run-id", run_id, "--detach", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    key = f"runs/{run_id}/launches/0/handles.json"
+    return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+#: SLEEPER, once the file $GATE exists: till then a container still starting, no heartbeat
+GATED = (
+    """
+import os, time
+while not os.path.exists(os.environ["GATE"]):
+    time.sleep(0.1)
+"""
+    + SLEEPER
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_crf_runs_says_starting_of_a_detached_launch_whose_jobs_have_not_beaten(
+    emu: HFJobsEmulator, s3_env: MotoS3, hf_env: None, tmp_path: Path
+) -> None:
+    """`crf launch --detach` on HF Jobs returns while its jobs start (here: until a file
+    exists, writing no heartbeat). Its driver gone, `crf runs` - the store alone, no job
+    request - says ``starting`` (it said ``stopped``), then ``unknown`` once a start would
+    have taken far too long, pointing to `crf status`, which asks the backend; once the
+    jobs beat, ``running``."""
+    from crf.launcher.liveness import CLOUD_START_S
+
+    bucket = s3_env.new_bucket()
+    store = f"s3://{bucket}/runs"
+    script, gate = tmp_path / "gated.py", tmp_path / "go"
+    script.write_text(GATED)
+    s3 = s3_env.client()
+    handles_key = "runs/hf-starting/launches/0/handles.json"
+    saved = _detached(emu, s3, bucket, script, "hf-starting", "--env", f"GATE={gate}")
+    ids = [h["backend_id"] for h in saved["handles"]]
+
+    def listed() -> dict[str, Any]:
+        out = _cli("runs", "--store", store, "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        return {r["run_id"]: r for r in json.loads(out.stdout)}["hf-starting"]
+
+    try:
+        assert listed()["status"] == "starting"
+        out = _cli("status", "hf-starting", "--store", store, "--json")
+        assert json.loads(out.stdout)["status"] == "starting", out.stdout + out.stderr
+        # an hour later, still no heartbeat: only the backend knows
+        for h in saved["handles"]:
+            h["started_at"] -= CLOUD_START_S + 3600
+        s3.put_object(Bucket=bucket, Key=handles_key, Body=json.dumps(saved).encode())
+        row = listed()
+        assert row["status"] == "unknown" and "none has written a heartbeat" in row["note"], row
+        out = _cli("runs", "--store", store)
+        flat = " ".join(out.stdout.split())
+        assert f"ask it with crf status hf-starting --store {store}" in flat, flat
+        gate.touch()
+        wait_for(lambda: listed()["status"] == "running", "the jobs' heartbeats")
+    finally:
+        gate.touch()
+        _cli("cancel", "hf-starting", "--store", store)
+    for job_id in ids:
+        job = emu.jobs[job_id]
+        wait_for(lambda j=job: j.popen is not None and j.popen.poll() is not None, "killed")
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_detach_then_status_logs_cancel_from_other_processes(
@@ -463,15 +537,9 @@ def test_cli_detach_then_status_logs_cancel_from_other_processes(
     store = f"s3://{bucket}/runs"
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    proc = _cli(
-        "launch", "--backend", "hf", "-o", f"endpoint={emu.endpoint}", "--replicas", "2",
-        "--job", "lm", "--rounds", "1", "--entrypoint", f"python {script}",
-        "--store", store, "--run-id", "hf-detached", "--detach", "--no-progress",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     s3 = s3_env.client()
     handles_key = "runs/hf-detached/launches/0/handles.json"
-    saved = json.loads(s3.get_object(Bucket=bucket, Key=handles_key)["Body"].read())
+    saved = _detached(emu, s3, bucket, script, "hf-detached")
     ids = [h["backend_id"] for h in saved["handles"]]
     assert sorted(ids) == sorted(j.id for j in emu.jobs.values() if j.id in ids)
     for job_id in ids:

@@ -420,6 +420,53 @@ def test_crf_runs_says_running_only_of_a_run_whose_replicas_may_run(tmp_path: Pa
     ]  # fmt: skip
 
 
+def test_crf_runs_says_a_cloud_launch_whose_driver_is_gone_is_starting_then_unknown(
+    tmp_path: Path,
+) -> None:
+    """A detached cloud launch (its driver gone) whose replicas have not beaten: ``crf
+    runs`` reads only the store, so it calls the run ``starting`` while a container may
+    still be starting (``CLOUD_START_S`` after its handles), then ``unknown`` with why -
+    never ``stopped``, which it may not be. A resume still asks the backend itself."""
+    from crf.executors.base import ReplicaHandle
+    from crf.launcher.attach import list_runs
+    from crf.launcher.liveness import CLOUD_START_S
+
+    base = tmp_path / "runs"
+    store = _fake_run(base)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    started = time.time()
+    record = {"launch": 0, "started_at": started, "host": socket.gethostname(),
+              "pid": gone.pid, "backend": "modal"}  # fmt: skip
+    store.put_json(layout.launch_key(0), record)
+
+    def save(at: float) -> None:
+        handles = [ReplicaHandle(backend="modal", run_id="old", rank=k, world_size=2,
+                                 backend_id=f"sb-{k}", run_uri=store.uri, started_at=at)
+                   for k in range(2)]  # fmt: skip
+        store.put_json(layout.handles_key(0), {"handles": [h.to_dict() for h in handles]})
+
+    save(started)
+    [row] = list_runs(str(base))
+    assert row["status"] == "starting" and "note" not in row, row
+    save(started - CLOUD_START_S - 60)  # long past any container's start
+    [row] = list_runs(str(base))
+    assert row["status"] == "unknown", row
+    assert "started its replicas on modal 31 min ago and none has written a heartbeat" in (
+        row["note"])  # fmt: skip
+    assert [r["run_id"] for r in list_runs(str(base), status=["unknown"])] == ["old"]
+    result = _cli("runs", "--store", str(base))
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 0 and f"ask it with crf status old --store {base}" in flat, flat
+    # once a replica beats, it says what its heartbeat says; a summary ends the question
+    beat = {"rank": 0, "phase": "training", "host": "elsewhere", "updated_at": time.time()}
+    store.put_json("replicas/0/state.json", beat)
+    assert [r["status"] for r in list_runs(str(base))] == ["running"]
+    store.put_json("replicas/0/state.json", beat | {"updated_at": started - 1})  # older
+    store.put_json(layout.RESULT, {"run_id": "old", "status": "failed", "launch": 0})
+    assert [r["status"] for r in list_runs(str(base))] == ["failed"]
+
+
 def test_a_resume_checks_the_runs_data_again_before_its_replicas_start(tmp_path: Path) -> None:
     """A local run's data file edited since its launch (a null prompt) would stop every
     replica at setup: the resume refuses it in one line, and says to continue once fixed."""

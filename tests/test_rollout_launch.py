@@ -49,6 +49,7 @@ ROLLOUT_FIELDS = {
     "max_staleness": "max_staleness",
     "rollout_wire": "wire",
     "rollout_wait": "wait_s",
+    "rollout_grace": "grace_s",
     "rollout_correction": "correction",
     "rollout_clip_min": "clip_min",
     "rollout_clip_max": "clip_max",
@@ -281,7 +282,7 @@ def test_every_rollout_option_reaches_the_spec_from_flag_file_and_keyword(
         "job": "composer", "job_config": {"learning_rate": 2e-6}, "replicas": 2,
         "rollout_workers": 3, "publish_every": 3, "max_staleness": 2, "rollout_wire": "int8",
         "rollout_wait": 2.5, "rollout_correction": "token_mask", "rollout_clip_min": 0.5,
-        "rollout_clip_max": 2.5, "rollout_max_mismatch": 0.25,
+        "rollout_clip_max": 2.5, "rollout_max_mismatch": 0.25, "rollout_grace": 600.0,
     }  # fmt: skip
     rollout = [name for name, opt in run_options().items() if opt.group == ROLLOUT]
     assert set(rollout) <= set(samples), "a rollout option has no sample value"

@@ -101,6 +101,10 @@ def ended_as_recorded(
     status = record.get("status") if record is not None else None
     if status == "ok":
         return ReplicaStatus(ReplicaState.SUCCEEDED, None, f"finished (its {what} says so)")
+    if status == "stopped":  # a rollout worker that ended by itself (crf/rollouts/lifeline.py)
+        return ReplicaStatus(
+            ReplicaState.SUCCEEDED, None, f"stopped by itself ({record.get('reason')})"
+        )
     if record is None or status is None:
         return ReplicaStatus(
             ReplicaState.FAILED, None, "process ended without a result; exit code unknown"

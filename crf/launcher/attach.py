@@ -398,8 +398,10 @@ def list_runs(
 
     The status is the newest launch's ``result.json`` status when it exists; otherwise
     ``running`` if a heartbeat is fresh, ``starting`` while that launch is still starting
-    replicas that have not beaten yet, else ``stopped`` (a driver died, or a detached run
-    that nobody gathered yet - ``crf status`` tells which).
+    replicas that have not beaten yet, ``unknown`` (with a ``note`` saying why) when only
+    the backend can say whether its cloud replicas still start, else ``stopped`` (a driver
+    died, or a detached run that nobody gathered yet - ``crf status`` tells which). It
+    reads the store alone: no backend request per run.
     """
     from crf.launcher.plan import store_base
     from crf.store import RunStore
@@ -419,7 +421,9 @@ def list_runs(
 
 #: the statuses a run can have in ``crf runs`` (result.json's, or what the heartbeats and
 #: the newest launch's record say)
-RUN_STATUSES = ("ok", "failed", "cancelled", "starting", "running", "stopped", "damaged")
+RUN_STATUSES = (
+    "ok", "failed", "cancelled", "starting", "running", "stopped", "unknown", "damaged",
+)  # fmt: skip
 
 
 def status_record(run: AttachedRun) -> dict[str, Any]:
@@ -603,9 +607,10 @@ def run_row(st: Any) -> dict[str, Any] | None:
             status = str(result.get("status"))
     except (StoreError, OSError, ValueError, TypeError, AttributeError):  # none yet, or torn
         result = None
+    note = None
     if result is None or status == "stopped":
-        status = _unended_status(st, spec)
-    return {
+        status, note = _unended_status(st, spec)
+    row = {
         # the folder's name, which every command takes (a copied folder keeps its run.json)
         "run_id": st.uri.rstrip("/").rsplit("/", 1)[-1],
         "backend": spec.backend,
@@ -615,6 +620,9 @@ def run_row(st: Any) -> dict[str, Any] | None:
         "created_at": spec.created_at,
         "status": status,
     }
+    if note is not None:  # why its status is unknown: crf status RUN asks the backend
+        row["note"] = note
+    return row
 
 
 def _damaged_row(st: Any, why: str) -> dict[str, Any]:
@@ -624,15 +632,20 @@ def _damaged_row(st: Any, why: str) -> dict[str, Any]:
     return {"run_id": name, **empty, "status": "damaged", "error": why}
 
 
-def _unended_status(st: Any, spec: RunSpec) -> str:
-    """The status of a run whose newest launch has no summary: ``running`` while a replica
-    may still run by its heartbeat (crf/launcher/liveness.py ``live_replicas``: on this
-    host its pid must still be the replica's, on another a heartbeat younger than
-    ``LIVE_HEARTBEAT_S``; one that says done or failed has ended, however fresh),
-    ``starting`` while its launch is still starting replicas that have not beaten yet
-    (``launch_starting``), else ``stopped``."""
-    from crf.launcher.liveness import launch_starting, live_replicas
+def _unended_status(st: Any, spec: RunSpec) -> tuple[str, str | None]:
+    """The status of a run whose newest launch has no summary, and for ``unknown`` why:
+    ``running`` while a replica may still run by its heartbeat (crf/launcher/liveness.py
+    ``live_replicas``: on this host its pid must still be the replica's, on another a
+    heartbeat younger than ``LIVE_HEARTBEAT_S``; one that says done or failed has ended,
+    however fresh), ``starting`` while its launch is still starting replicas that have not
+    beaten yet, ``unknown`` when only the backend can say whether they still start
+    (``launch_state``), else ``stopped``."""
+    from crf.launcher.liveness import launch_state, live_replicas
 
     if live_replicas(st, spec.replicas, spec.run_id):
-        return "running"
-    return "starting" if launch_starting(st, spec.replicas, spec.run_id) else "stopped"
+        return "running", None
+    state = launch_state(st, spec.replicas, spec.run_id)
+    if state is None:
+        return "stopped", None
+    status, why = state
+    return status, (why if status == "unknown" else None)

@@ -610,7 +610,8 @@ def runs(
         list[str] | None,
         typer.Option("--status", help="Only runs with this status (repeatable): ok, failed, "
                      "cancelled, starting (replicas not yet beating), running, stopped, "
-                     "damaged (its run.json cannot be read)."),
+                     "unknown (cloud replicas that never beat: crf status RUN asks the "
+                     "backend), damaged (its run.json cannot be read)."),
     ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", min=1, help="At most this many runs, newest first.")
@@ -650,7 +651,7 @@ def runs(
     for col in ("run", "backend", "job", "replicas", "rounds", "created", "status"):
         table.add_column(col, overflow="fold")
     colors = {"ok": "green", "failed": "red", "running": "cyan", "starting": "cyan",
-              "cancelled": "yellow", "damaged": "red"}  # fmt: skip
+              "cancelled": "yellow", "unknown": "yellow", "damaged": "red"}  # fmt: skip
     for r in rows:
         when = r["created_at"]
         created = "-" if when is None else datetime.datetime.fromtimestamp(when).strftime(
@@ -667,6 +668,13 @@ def runs(
         if r["status"] == "damaged":
             console.print(f"[red]damaged[/] {escape(r['run_id'])}: {escape(r['error'])}",
                           soft_wrap=True, highlight=False)  # fmt: skip
+    where = f" --store {store}" if store else ""
+    for r in rows:  # what crf runs cannot know without asking the backend
+        if r["status"] == "unknown":
+            ask = f"crf status {r['run_id']}{where}"
+            console.print(f"[yellow]unknown[/] {escape(r['run_id'])}: {escape(r['note'])}; "
+                          f"ask it with [bold]{escape(ask)}[/]", soft_wrap=True,
+                          highlight=False)  # fmt: skip
 
 
 def _progress_of(run_: Any, width: int = 80) -> Any:

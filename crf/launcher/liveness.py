@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 #: a replica on another host whose heartbeat is younger than this may still be running
 LIVE_HEARTBEAT_S = 60.0
+#: how long after its launch saved its handle a cloud replica may still be starting without
+#: a heartbeat (a GPU container can wait for capacity: up to ~21 minutes on Modal; then it
+#: installs and imports): past it, only the backend can say (``crf status``)
+CLOUD_START_S = 1800.0
 
 
 def read_heartbeat(store: RunStore, rank: int) -> layout.Heartbeat | None:
@@ -52,8 +56,8 @@ def live_replicas(
         hb = read_heartbeat(store, rank)
         if not hb or hb.phase in ("done", "failed"):
             continue
-        pid, updated = hb.pid, hb.updated_at
-        age = now - updated if isinstance(updated, int | float) and updated > 0 else None
+        pid, seen = hb.pid, hb.seen_at  # alive_at too: a long step writes no news
+        age = now - seen if seen > 0 else None
         if hb.host == host and isinstance(pid, int):
             started = hb.pid_started_at
             started = started if isinstance(started, str | int | float) else None
@@ -155,13 +159,27 @@ def launch_starting(
     handles yet and its driver still runs on this host, or runs on another host (where
     nothing can ask); or it has saved them and a local replica process it started still
     runs here (a detached launch's, its driver gone), or its driver, still running here,
-    watches cloud replicas start. A driver that lives on after its replicas started (a
+    watches cloud replicas start, or it saved cloud replicas' handles less than
+    ``CLOUD_START_S`` ago (its driver gone or elsewhere: a detached launch's containers
+    may take many minutes to start). A driver that lives on after its replicas started (a
     notebook's ``crf.launch(detach=True)``) says nothing of them by itself.
 
     ``known_only``: only a driver seen running on this host before it saved any handle
     counts, and the handles are left to the backend (``backend_live``). What refuses a
     resume must know: a driver elsewhere that died before it saved any handle would
     otherwise keep the run from ever being continued."""
+    state = launch_state(store, replicas, run_id, known_only=known_only)
+    return state[1] if state is not None and state[0] == "starting" else None
+
+
+def launch_state(
+    store: RunStore, replicas: int, run_id: str, *, known_only: bool = False
+) -> tuple[str, str] | None:
+    """The newest launch of a run whose replicas have not beaten yet, as ``crf runs`` says
+    it from the store alone: ``("starting", why)`` (``launch_starting``), ``("unknown",
+    why)`` for cloud replicas that have not beaten ``CLOUD_START_S`` after their launch, its
+    driver gone (whether they still start, or never will, only the backend can say), or
+    None: nothing says it may still start."""
     newest = newest_launch(store)
     if newest is None:
         return None
@@ -176,17 +194,36 @@ def launch_starting(
     handles = saved_handles(store, k)
     if not handles:
         if alive:
-            return f"launch {k} ({where}) is starting its replicas"
+            return "starting", f"launch {k} ({where}) is starting its replicas"
         unknown = alive is None and not known_only
-        return f"launch {k} ({where}) has not started its replicas yet" if unknown else None
+        why = f"launch {k} ({where}) has not started its replicas yet"
+        return ("starting", why) if unknown else None
     if known_only:
         return None
     booting = [h.rank for h in handles if _local_replica_runs(h, run_id)]
     if booting:
-        return f"launch {k}: replica(s) {', '.join(map(str, booting))} started, no heartbeat yet"
-    if alive and any(h.backend != "local" for h in handles):
-        return f"launch {k} ({where}) is waiting for its replicas to start"
-    return None
+        ranks = ", ".join(map(str, booting))
+        return "starting", f"launch {k}: replica(s) {ranks} started, no heartbeat yet"
+    cloud = [h for h in handles if h.backend != "local"]
+    if not cloud:
+        return None
+    if alive:
+        return "starting", f"launch {k} ({where}) is waiting for its replicas to start"
+    return _cloud_start(k, cloud)
+
+
+def _cloud_start(k: int, cloud: list[ReplicaHandle]) -> tuple[str, str]:
+    """A launch's cloud replicas that have not beaten, its driver gone: still starting
+    within ``CLOUD_START_S`` of their start, unknown after it."""
+    since = max(float(h.started_at or 0) for h in cloud)
+    age = time.time() - since
+    on = cloud[0].backend or "its backend"
+    if age < CLOUD_START_S:
+        return "starting", f"launch {k}: replicas started on {on} {age:.0f}s ago, no heartbeat yet"
+    return "unknown", (
+        f"launch {k} started its replicas on {on} {age / 60:.0f} min ago and none has written "
+        "a heartbeat: only the backend can say whether they still start"
+    )
 
 
 def _summarized(store: RunStore, launch_no: int) -> bool:

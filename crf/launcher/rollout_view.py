@@ -115,6 +115,7 @@ def worker_row(
         "generate_s": round(rec.generate_s, 1),
         "restarts": restarts,
         "error": rec.error,
+        "reason": rec.reason,
         "heartbeat_age_s": round(time.time() - rec.updated_at, 1) if rec.updated_at else None,
     }
 
@@ -199,9 +200,12 @@ def trainers_table(trainers: Mapping[str, Mapping[str, Any]], width: int = 80) -
 
 def failure_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per failed worker: why it failed, in its own words where it recorded them
-    (its result's error), else the backend's (how its process ended)."""
+    (its result's error), else the backend's (how its process ended); and one per worker
+    that stopped by itself before its trainer had a result, saying why."""
     out = []
     for r in rows:
+        if r.get("status") == "stopped" and r.get("state") != "failed":
+            out.append(f"w{r.get('worker')} stopped by itself: {r.get('reason') or 'no reason'}")
         if r.get("state") != "failed":
             continue
         said = [str(x) for x in (r.get("error"), r.get("message")) if x]

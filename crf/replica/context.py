@@ -19,6 +19,7 @@ use it the same way::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -47,8 +48,8 @@ from crf.exchange.manager import (
 )
 from crf.executors.process import process_started_at
 from crf.faults import maybe_fault, maybe_poison
-from crf.replica.beacon import HeartbeatSender
-from crf.replica.local_ranks import LocalGroup, MirrorRefresh, send_start
+from crf.replica.beacon import HeartbeatSender, HeartbeatWriter
+from crf.replica.local_ranks import LocalGroup, MirrorRefresh, idle_optimizer, send_start
 from crf.replica.rounds import (
     StepMetrics,
     SyncBook,
@@ -66,8 +67,6 @@ from crf.versions import cuda_available, installed_versions
 log = logging.getLogger(__name__)
 
 HEARTBEAT_EVERY_S = 1.0
-#: how long heartbeats pause after one failed to write
-HEARTBEAT_BACKOFF_S = 30.0
 #: the manager's fine-grained phases, as the heartbeat shows them
 _SHOWN_PHASE = {
     "uploading": "syncing",
@@ -203,13 +202,16 @@ class ReplicaContext:
         self._steps = StepMetrics()  # the steps' loss and metrics of the round in progress
         self._syncs = SyncBook(spec.fragments, spec.sync_every)  # per sync, merged per round
         self._clock = TimeAccount()
-        self._pace = HeartbeatPace()
         #: writes heartbeats off the training thread while it trains (``diloco``)
         self._sender: HeartbeatSender | None = None
         #: the model (and tokenizer) ``finish`` saves as the run's model/ (save_model_at_end)
         self._to_save: tuple[Any, Any] | None = None
         #: --report-to: where the steps and rounds are also logged (started on first use)
         self.tracker = new_tracker(spec.report_to, spec.run_id, rank, store)
+        #: writes the heartbeats, and again while a long step writes none (beacon.py)
+        self._beats = HeartbeatWriter(
+            functools.partial(store.put_json, layout.heartbeat_key(rank)), HeartbeatPace()
+        )
         self._beat(force=True)
 
     @property
@@ -470,6 +472,16 @@ class ReplicaContext:
         copies are kept apart."""
         return bool(self.fragments) and self.fragments[0] is not self.model
 
+    def restore_final(self, model: torch.nn.Module) -> None:
+        """For a job whose replica (re)starts with every inner step trained (``resume_step()
+        == total_steps``: it died writing the run's model, or a resume found its training
+        done): the run's final global weights into ``model``, the way ``diloco`` leaves them
+        after the last round, and its last round's loss. Its result then reports the loss
+        and ``weights_sha256`` an uninterrupted replica reports, and ``save_model_at_end``
+        exports the same model. With local ranks, a collective, as ``diloco`` is."""
+        with self.diloco(model, idle_optimizer(model)):
+            pass
+
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used. With
@@ -491,6 +503,10 @@ class ReplicaContext:
         self.resumed_from = latest
         self.step = (latest + 1) * self.spec.sync_period
         self._recall_last_round((latest + 1) // self.spec.fragments - 1)
+        if self.step >= self.total_steps:  # trained: no inner step will use an inner state
+            log.info("resumed from global/%d with every inner step trained", latest)
+            self._beat(force=True)
+            return
         try:
             # refused (reported in manager.rejected) or missing: started fresh
             saved = inner_state.split(manager.checkpoints.load_inner(latest))
@@ -743,7 +759,7 @@ class ReplicaContext:
 
     def _beat(self, *, force: bool = False) -> None:
         now = time.time()
-        if not self._pace.due(now, force):
+        if not self._beats.pace.due(now, force):
             return
         m = self.manager
         beat = layout.Heartbeat(
@@ -756,7 +772,7 @@ class ReplicaContext:
             loss=self.last_loss,
             updated_at=now,
             pid=os.getpid(),
-            pid_started_at=self._pace.pid_started_at,
+            pid_started_at=self._beats.pace.pid_started_at,
             host=socket.gethostname(),
             rounds_committed=m.rounds_committed if m else 0,
             **self._steps.last_closed,
@@ -767,13 +783,7 @@ class ReplicaContext:
             self._write_beat(beat.to_dict())
 
     def _write_beat(self, beat: dict[str, Any]) -> None:
-        try:
-            self.store.put_json(layout.heartbeat_key(self.rank), beat)
-        # a heartbeat must never kill training, whatever the store or its SDK raises (and
-        # must not slow every step either: it pauses after a failure)
-        except Exception as e:
-            log.warning("heartbeat failed (pausing heartbeats for 30 s): %s", e)
-            self._pace.paused_until = time.time() + HEARTBEAT_BACKOFF_S
+        self._beats.write(beat)  # never raises: a failure pauses heartbeats
 
     # ------------------------------------------------------------------ results
     def _rounds_result(self) -> tuple[int, list[int]]:
@@ -867,7 +877,13 @@ class ReplicaContext:
         m = self.manager
         alive_s = m.exchange.alive_window_s if m is not None else self.spec.round_timeout_s
         if export.is_lowest_survivor(self.store, self.rank, alive_s):
-            export.save_model(self.store, *self._to_save, on_file=self._beat)
+            export.save_model(self.store, *self._to_save, on_file=self._saved_file)
+
+    def _saved_file(self) -> None:
+        """After each file of model/ lands: a heartbeat (the replicas above it wait while
+        it is heard from), and the ``saving`` fault point."""
+        self._beat()
+        maybe_fault("saving", self.rank, None, self.store)
 
     def finish(self, job_metrics: dict[str, Any] | None = None) -> None:
         """Write the trained model (the lowest replica that finished, when the job asked:
@@ -886,6 +902,7 @@ class ReplicaContext:
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self.phase = "done"
         self._beat(force=True)
+        self._beats.close()
 
     def fail(self, error: BaseException) -> None:
         from crf.executors.secrets import hide_secrets
@@ -911,6 +928,7 @@ class ReplicaContext:
         # this raises must not hide the job's own error, which is on its way up
         except Exception as e:
             log.error("could not record failure: %s", e)
+        self._beats.close()
 
     def __enter__(self) -> ReplicaContext:
         return self

@@ -93,6 +93,22 @@ def save_model(
     return keys
 
 
+def finish_trained(ctx: Any, model: Any, tokenizer: Any, start: int) -> dict[str, Any]:
+    """What a job returns when its replica (re)starts with every inner step trained (it was
+    killed writing ``model/``, or a resume found its training done): the final global
+    weights go into ``model`` (``ctx.restore_final``) and are saved at the end as an
+    uninterrupted replica's would be, so its result reports the same loss and
+    ``weights_sha256`` and the weights it writes are byte for byte the same (a config
+    field the trainer would set while it trains, such as ``use_cache``, is not set: it
+    trains nothing). A context without those calls (a job run by hand) gets the counts
+    alone."""
+    if hasattr(ctx, "restore_final"):
+        ctx.restore_final(model)
+    if hasattr(ctx, "save_model_at_end"):
+        ctx.save_model_at_end(model, tokenizer)
+    return {"resumed_at_step": start, "steps_trained": 0}
+
+
 def stored_dtype(name: str) -> str | None:
     """The dtype model ``name``'s checkpoint is stored in, as its config.json says
     (``dtype``, or the older ``torch_dtype``; a multimodal model's text config), read from

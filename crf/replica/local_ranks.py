@@ -332,6 +332,11 @@ class LocalFollower:
         if loss is not None:
             self.local.mean(loss)
 
+    def restore_final(self, model: Any) -> None:
+        """Local rank 0's ``restore_final`` (a collective: its weights come to this rank)."""
+        with self.diloco(model, idle_optimizer(model)):
+            pass
+
     def resume_step(self) -> int:
         """Local rank 0's (a collective: every local rank asks, or none)."""
         return int(self.local.share())
@@ -383,6 +388,15 @@ class MirrorRefresh:
         local_fsdp.gather_weights(self.local.sharded, self.local.mirror)  # None off rank 0
         if kind == local_fsdp.SYNC:
             self.inner_state = local_fsdp.gather_optimizer(self.local.sharded, self.optimizer)
+
+
+def idle_optimizer(model: Any) -> Any:
+    """The inner optimizer of a replica with no inner step left to take
+    (``restore_final``): DiLoCo needs one, and this one never steps."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params or list(model.parameters()), lr=0.0)
 
 
 def send_start(

@@ -3,7 +3,8 @@
 One dataclass, so the worker loop, the trainer's rollout source and the launcher read the
 same values under the same names (the RunSpec fields ``rollout_workers``, ``publish_every``,
 ``max_staleness``, ``rollout_wire``, ``rollout_wait``, ``rollout_correction``,
-``rollout_clip_min``, ``rollout_clip_max`` and ``rollout_max_mismatch``)."""
+``rollout_clip_min``, ``rollout_clip_max``, ``rollout_max_mismatch`` and
+``rollout_grace``)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ class RolloutConfig:
     #: other than the version it names: the trainer refuses it and generates locally
     #: (calibrated on the embedded task: see crf.rollouts.correction.refusal)
     max_mismatch: float = 0.5
+    #: seconds a worker goes on without a sign of life from its trainer before it ends
+    #: itself (crf/rollouts/lifeline.py): longer than a restart takes (a cloud GPU container
+    #: can wait many minutes for capacity), far longer than any step (its heartbeat is kept
+    #: alive every ~10 s while its process lives)
+    grace_s: float = 1800.0
     #: inner steps between two outer steps (the spec's ``sync_period``; 0: none known)
     sync_period: int = 0
 
@@ -99,6 +105,7 @@ class RolloutConfig:
             clip_min=getattr(spec, "rollout_clip_min", None),
             clip_max=float(get("rollout_clip_max", d.clip_max)),
             max_mismatch=float(get("rollout_max_mismatch", d.max_mismatch)),
+            grace_s=float(get("rollout_grace", d.grace_s)),
             sync_period=int(get("sync_period", d.sync_period)),
         )
 

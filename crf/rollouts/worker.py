@@ -20,7 +20,9 @@ Worker ``w`` (``CRF_WORKER``) serves trainer replica ``w % N`` and follows only 
    (crf/rollouts/batches.py);
 5. it heartbeats ``workers/<w>/state.json`` throughout, and stops when its trainer has a
    result, writing ``workers/<w>/result.json`` (after deleting the queued batches it wrote
-   that its trainer, finished ok, did not take).
+   that its trainer, finished ok, did not take); or, its status then ``stopped`` with the
+   reason in its log and its result, when the run has ended or its trainer has shown no
+   sign of life for ``--rollout-grace`` (crf/rollouts/lifeline.py).
 
 A worker that dies costs its trainer only speed: the trainer generates locally.
 """
@@ -157,6 +159,11 @@ class RolloutWorker:
         self.reader = PolicyReader(store, self.rank, worker, run_id=spec.run_id,
                                    wire=self.cfg.wire)  # fmt: skip
         self.queue = RolloutQueue(store, self.rank)
+        from crf.rollouts.lifeline import Lifeline
+
+        self.lifeline = Lifeline.of(store, self.rank, self.cfg.grace_s)
+        #: why it ended by itself without its trainer's result (None: it did not)
+        self.stopped_because: str | None = None
         # a restarted worker goes on where its previous attempt stopped: its counts, its
         # sequence numbers and its place in the shard (no prompt generated twice for that)
         before = self._previous_state()
@@ -271,6 +278,11 @@ class RolloutWorker:
         poll = Poll(first=0.05, cap=MAX_POLL_S)  # paced to the trainer's steps as seen
         seen: int | None = None
         while not self.trainer_done():
+            why = self.lifeline.why_stop()
+            if why is not None:  # it serves no one now: end rather than hold its GPU
+                self.stopped_because = why
+                log.warning("rollout worker %d stops: %s", self.worker, why)
+                return
             if not self.refresh():
                 poll.sleep()
                 continue
@@ -331,6 +343,8 @@ class RolloutWorker:
                          staleness_mean=mean, generate_s=s.generate_s + took)  # fmt: skip
 
     def finish(self, status: str, error: str | None = None) -> None:
+        """Write its result: ``ok`` (its trainer has one), ``stopped`` (it ended by itself
+        without: ``stopped_because``) or ``failed`` (``error``)."""
         self.beat.stop.set()
         try:
             self.reader.release()
@@ -338,8 +352,8 @@ class RolloutWorker:
             log.warning("could not release the acknowledgement: %s", e)
         if status == "ok":
             self.drop_leftovers()
-        phase = "done" if status == "ok" else "failed"
-        self.beat.update(phase=phase, status=status, error=error)
+        phase = "failed" if status == "failed" else "done"
+        self.beat.update(phase=phase, status=status, error=error, reason=self.stopped_because)
         self.beat.write(layout.worker_result_key(self.worker))
 
     def drop_leftovers(self) -> None:
@@ -403,7 +417,7 @@ def main(environ: Any = None) -> int:
             w.run()
     except Exception as e:
         return _failed(w, e, phase)
-    w.finish("ok")
+    w.finish("ok" if w.stopped_because is None else "stopped")
     log.info("done: %d batches, %d rollouts", w.beat.state.batches, w.beat.state.rollouts)
     return 0
 

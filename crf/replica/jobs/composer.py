@@ -36,6 +36,7 @@ from typing import Any
 from crf.composer.names import DISTILL_WRAPPERS, REPLAY_LOSSES, TAID_SCHEDULES
 from crf.replica import local_ranks
 from crf.replica.evaluation import as_text
+from crf.replica.export import finish_trained
 from crf.rollouts.config import RolloutConfig
 from crf.spec import coerce_text
 
@@ -711,8 +712,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     if start:
         k = (start * cfg.prompts_per_step) % len(setup.shard)
         setup.shard[:] = setup.shard[k:] + setup.shard[:k]
-    if steps <= 0:
-        return {"resumed_at_step": start, "steps_trained": 0}
+    if steps <= 0:  # every step trained (it died writing the model): finish the export
+        return finish_trained(ctx, model, tokenizer, start)
     held, exact_before = held_out_eval(ctx, setup, rewards, max_new, cfg, start)
     callback = DiLoCoCallback(ctx, round_eval=held if held.rows else None)
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:

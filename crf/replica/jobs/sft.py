@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf.replica import local_ranks
+from crf.replica.export import finish_trained
 from crf.replica.trl_settings import TRAINER_OWNED
 from crf.spec import coerce_text
 
@@ -608,8 +609,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     setup = build(ctx, cfg)
     start = int(ctx.resume_step()) if hasattr(ctx, "resume_step") else 0
     total = int(ctx.total_steps)
-    if start >= total:
-        return {"resumed_at_step": start, "steps_trained": 0}
+    if start >= total:  # every step trained (it died writing the model): finish the export
+        return finish_trained(ctx, setup.model, setup.tokenizer, start)
     per_step = setup.settings["per_device_train_batch_size"] * cfg.gradient_accumulation_steps
     order = row_order(len(setup.train), total * per_step, int(ctx.data_seed))
     train = setup.train.select(order[start * per_step :])
