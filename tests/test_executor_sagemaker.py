@@ -374,6 +374,27 @@ def test_check_backend_without_credentials(aws: Aws, monkeypatch: pytest.MonkeyP
         executor().check_backend()
 
 
+def test_rejected_credentials_are_missing_access_not_a_replica_state(
+    aws: Aws, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status or a stop that AWS refuses for the caller's credentials says what to fix
+    (MissingAccess), so crf status/cancel/rm stop with it instead of reading the replica
+    as failed (a cancel then stopped nothing)."""
+    from crf.executors.base import MissingAccess
+
+    ex = executor()
+    (h,) = ex.launch_replicas(1, ["python", str(script), "sleep"], run_uri=aws.uri("refused"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY00000000")
+    refused = executor()  # a new process's executor: the wrong key is read now
+    with pytest.raises(MissingAccess, match="AWS refused to describe .*UnrecognizedClient"):
+        refused.status(h)
+    with pytest.raises(MissingAccess, match="AWS refused to stop"):
+        refused.cancel(h)
+    assert DRIVER_SECRET not in str(h) and aws.emu.jobs[h.backend_id].status == "InProgress"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", DRIVER_KEY)
+    ex.cancel(h)
+
+
 def test_gs_store_needs_an_s3_output_path(aws: Aws, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
     with pytest.raises(ExecutorError, match="output_path=s3://"):

@@ -218,6 +218,31 @@ def _msg(e: ClientError) -> str:
     return f"{err.get('Code', '?')}: {err.get('Message', e)}"
 
 
+#: error codes AWS answers for credentials it does not accept or a caller it does not allow:
+#: they repeat on every call, so commands say them as missing access, not as a replica's state
+_ACCESS_CODES = frozenset({
+    "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken",
+    "ExpiredTokenException", "InvalidSignatureException", "SignatureDoesNotMatch",
+    "AccessDenied", "AccessDeniedException", "MissingAuthenticationTokenException",
+})  # fmt: skip
+
+
+def _call_error(e: ClientError | BotoCoreError, doing: str) -> ExecutorError:
+    """A refused or failed SageMaker call as an ExecutorError: MissingAccess (what to fix)
+    for credentials AWS rejects, none at all, or an endpoint out of reach."""
+    if isinstance(e, NoCredentialsError):
+        return MissingAccess(_NO_CREDENTIALS)
+    if isinstance(e, BotoCoreError):
+        return MissingAccess(f"cannot reach SageMaker to {doing}: {e}")
+    if _code(e) in _ACCESS_CODES:
+        return MissingAccess(
+            f"AWS refused to {doing} ({_msg(e)}): check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or refresh them (`aws sso login`), "
+            "and that they may use SageMaker"
+        )
+    return ExecutorError(f"cannot {doing}: {_msg(e)}")
+
+
 def _optional_float(value: Any, what: str) -> float | None:
     if value is None or value == "":
         return None
@@ -697,9 +722,9 @@ class SageMakerExecutor(CloudExecutor):
                     f"training job {handle.backend_id} not found in "
                     f"{self._handle_region(handle)} ({_msg(e)})",
                 )
-            raise ExecutorError(f"cannot describe {handle.backend_id}: {_msg(e)}") from None
+            raise _call_error(e, f"describe {handle.backend_id}") from None
         except BotoCoreError as e:
-            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+            raise _call_error(e, f"describe {handle.backend_id}") from None
         return self.status_from(desc)
 
     # ------------------------------------------------------------------ logs
@@ -792,9 +817,9 @@ class SageMakerExecutor(CloudExecutor):
         except ClientError as e:
             if _code(e) == "ValidationException":  # already ended (or never existed)
                 return
-            raise ExecutorError(f"cannot stop {handle.backend_id}: {_msg(e)}") from None
+            raise _call_error(e, f"stop {handle.backend_id}") from None
         except BotoCoreError as e:
-            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+            raise _call_error(e, f"stop {handle.backend_id}") from None
 
     def collect(
         self,
