@@ -228,9 +228,7 @@ def _check_bucket(uri: str, scheme: str, bucket: str, what: str) -> None:
     characters no bucket name holds (a space), which GCS answers only after ~30 s of
     retries."""
     if not bucket:
-        raise StoreURIError(
-            f"the {what} {uri!r} names no bucket: write {scheme}://BUCKET/PREFIX"
-        )
+        raise StoreURIError(f"the {what} {uri!r} names no bucket: write {scheme}://BUCKET/PREFIX")
     if not _BUCKET_NAME.match(bucket):
         bad = "".join(dict.fromkeys(c for c in bucket if not re.match(r"[A-Za-z0-9._-]", c)))
         shown = ", ".join(repr(c) for c in bad) or repr(bucket[0])
