@@ -36,6 +36,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from crf.store import client_logs
 from crf.store.conditional import (
     WRITER_META,
     created_by,
@@ -51,6 +52,7 @@ MULTIPART_CHUNKSIZE = 50 * 2**20
 
 
 require_create_mode(s3fs.S3FileSystem, "s3fs", s3fs.__version__)
+client_logs.install()
 
 
 class S3Unreachable(StoreNotWritable, ConnectionError):
