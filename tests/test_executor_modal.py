@@ -155,6 +155,9 @@ def test_registry_builds_it_from_cli_strings_and_config_round_trips() -> None:
         ModalExecutor(timeout_s=2 * 86400)
     with pytest.raises(ExecutorError, match="cpu must be a number"):
         ModalExecutor(cpu="lots")
+    # a value that is not a number names its option, not only the value
+    with pytest.raises(ExecutorError, match=r"modal backend \(-o timeout_s=abc\): could not"):
+        registry.make_executor("modal", {"timeout_s": "abc"})
 
 
 def test_describe_is_the_dry_run_plan(s3_env: MotoS3) -> None:
