@@ -381,6 +381,23 @@ def test_executor_relaunches_one_rank(tmp_path: Path) -> None:
         LocalProcessExecutor().relaunch(h)
 
 
+def test_an_attempt_that_was_not_restarted_is_not_counted_as_a_restart() -> None:
+    """A replica whose one failed attempt was recorded but never restarted (the run folder
+    refused writes, or its relaunch failed) has no restart line: the summary said 'restarted
+    1 time(s)' above 'not restarted: the run folder refuses writes'."""
+    from rich.console import Console
+
+    from crf.launcher.summary import print_restarts
+
+    attempt = {"attempt": 0, "message": "exited with code 1", "round": 11, "phase": "syncing"}
+    console = Console(record=True, width=150)
+    print_restarts([{"rank": 0, "restarts": 0, "attempts": [attempt]}], console)
+    print_restarts([{"rank": 1, "restarts": 1, "attempts": [attempt, attempt]}], console)
+    text = console.export_text()
+    assert "replica 0 restarted" not in text
+    assert "replica 1 restarted 1 time(s): attempt 0 exited with code 1 in round 11" in text
+
+
 def test_fault_columns_in_tables() -> None:
     """The summary table grows missed/restarts/rejected columns once something happened; the
     live table a restarts column once a replica was restarted."""

@@ -558,6 +558,11 @@ def print_restarts(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
     rounds it missed."""
     for row in rows:
         attempts = row.get("attempts") or []
+        # an attempt that ended the replica (its restart refused, or failed to start) is
+        # recorded too: only those followed by a restart are counted here (print_failures
+        # says why the last one was not)
+        restarts = row.get("restarts")
+        attempts = attempts[:restarts] if isinstance(restarts, int) else attempts
         if attempts:
             console.print(
                 f"[yellow]replica {row['rank']}[/] restarted {len(attempts)} time(s): "
