@@ -267,6 +267,15 @@ def test_check_writable_wrong_endpoint(s3_env: MotoS3, monkeypatch) -> None:
     assert secret not in str(exc.value)
 
 
+def test_an_endpoint_without_its_scheme_is_named(s3_env: MotoS3, monkeypatch) -> None:
+    """AWS_ENDPOINT_URL=host:port (no http://) is said in one line that names it; it was
+    botocore's bare ValueError ('Invalid endpoint'), reported as a store to check."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
+    store = RunStore("s3://crf-bucket/run", storage_options=FRESH, retries=0)
+    with pytest.raises(StoreNotWritable, match=r"'127.0.0.1:9000' is not a URL.*http://127"):
+        store.check_writable()
+
+
 def test_allreduce_over_s3(bucket: str) -> None:
     check_allreduce(RunStore(f"s3://{bucket}/crf/ar"))
 

@@ -116,6 +116,12 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
             f"cannot reach the S3 endpoint for {where}: check AWS_ENDPOINT_URL (or the "
             "endpoint_url storage option), the region and the network"
         )
+    if isinstance(e, ValueError) and str(e).startswith("Invalid endpoint"):
+        endpoint = _endpoint(store)
+        return StoreNotWritable(
+            f"the S3 endpoint {endpoint!r} is not a URL: give it with its scheme, e.g. "
+            f"AWS_ENDPOINT_URL=http://{endpoint} (or https://)"
+        )
     if isinstance(e, FileNotFoundError):  # PutObject only 404s for NoSuchBucket
         return StoreNotWritable(
             f"S3 bucket {bucket!r} does not exist at {_endpoint(store)}: create it (e.g. "
