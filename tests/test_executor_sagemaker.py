@@ -250,6 +250,9 @@ def test_unknown_instance_type_and_missing_role_fail_before_any_call() -> None:
         SageMakerExecutor("ml.h100.huge", role_arn=ROLE, region="us-east-1").check_backend()
     with pytest.raises(ExecutorError, match="IAM execution role"):
         SageMakerExecutor(region="us-east-1").check_backend()
+    # a misspelt region: it read as an STS endpoint that cannot be reached
+    with pytest.raises(ExecutorError, match="unknown AWS region 'us-east-9'.*did you mean us-east"):
+        SageMakerExecutor("ml.m5.large", role_arn=ROLE, region="us-east-9").check_backend()
 
 
 def test_long_or_multiline_arguments_are_refused() -> None:

@@ -384,6 +384,25 @@ class SageMakerExecutor(CloudExecutor):
                 )
         return cmd
 
+    def _check_region(self) -> None:
+        """A region botocore lists for SageMaker (every partition): a misspelt one showed
+        only as an STS endpoint that "cannot be reached" (``sts.us-east-9.amazonaws.com``)."""
+        if not self.region:
+            return
+        session = boto3.session.Session()
+        known = sorted({
+            r for p in session.get_available_partitions()
+            for r in session.get_available_regions("sagemaker", partition_name=p)
+        })  # fmt: skip
+        if not known or self.region in known:
+            return
+        close = difflib.get_close_matches(self.region, known, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ExecutorError(
+            f"unknown AWS region {self.region!r} for SageMaker; {hint}(boto3 "
+            f"{boto3.__version__} knows {len(known)} SageMaker regions; upgrade it for newer ones)"
+        )
+
     def _check_instance_type(self) -> None:
         known = known_instance_types()
         if self.instance_type in known:
@@ -397,9 +416,12 @@ class SageMakerExecutor(CloudExecutor):
         )
 
     def backend_checks(self) -> list[ReadyCheck]:
-        """Instance type known; a role and a region given; AWS accepts the credentials and
+        """Instance type known; a role and a known region given; AWS accepts the credentials and
         lets them use SageMaker - each said apart."""
-        return [self._check_instance_type, self._check_role, self._region, self._check_aws]
+        return [
+            self._check_instance_type, self._check_role, self._region, self._check_region,
+            self._check_aws,
+        ]  # fmt: skip
 
     def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
         """The shared checks, then an S3 location for the jobs' output."""
