@@ -432,3 +432,23 @@ def test_a_store_that_denies_access_refuses_writes_for_good(s3_env: MotoS3, monk
     with pytest.raises(StoreNotWritable, match="cannot reach") as unreachable:
         store.put_json("launches/0/attempts/0/0.json", {"attempt": 0})
     assert not refuses_writes(unreachable.value)
+
+
+@pytest.mark.parametrize("command", [("runs",), ("status", "r1"), ("logs", "r1")])
+def test_a_misspelt_bucket_is_named_by_the_run_commands(
+    s3_env: MotoS3, bucket: str, command: tuple[str, ...]
+) -> None:
+    """A bucket that does not exist holds no runs, which the commands said ('no runs in
+    s3://crf-mian/runs', exit 0; 'no run r1'): they name the bucket instead. An existing
+    bucket with nothing under the prefix still has no runs."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    result = CliRunner().invoke(app, [*command, "--store", "s3://crf-no-such-bucket/runs"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "bucket s3://crf-no-such-bucket does not exist" in line and "--store" in line
+    result = CliRunner().invoke(app, [*command, "--store", f"s3://{bucket}/runs"])
+    assert "does not exist" not in result.output
+    assert ("no runs in" if command == ("runs",) else "no run 'r1'") in result.output

@@ -174,7 +174,8 @@ def run_store(run_id: str, store: str | None) -> Any:
         st = RunStore(join_uri(base, run_id), retries=1)
         if not st.exists(layout.RUN_SPEC):
             raise LaunchError(
-                f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
+                st.missing_bucket()
+                or f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
                 "list runs with `crf runs --store ...`"
             )
     except LaunchError:
@@ -431,8 +432,12 @@ def list_runs(
     from crf.store import RunStore
 
     base = RunStore(store_base(store), retries=1)  # LaunchError: blank, a typo, credentials
+    names = sorted(base.list())
+    missing = None if names else base.missing_bucket()
+    if missing:
+        raise LaunchError(missing)
     rows = []
-    for name in sorted(base.list()):
+    for name in names:
         row = run_row(base.child(name))
         if row is not None:
             rows.append(row)

@@ -549,6 +549,24 @@ class RunStore:
             )
 
     # ---------------------------------------------------------------- checks
+    def missing_bucket(self) -> str | None:
+        """For a store in a bucket (s3://, gs://): a line saying the bucket does not exist,
+        else None (it exists, it cannot be told, or the scheme has no buckets). Reading a
+        missing bucket lists nothing, so a misspelt bucket in ``crf runs`` or ``crf
+        status`` said "no runs" / "no run" instead of naming the bucket."""
+        if self.scheme not in _BUCKET_SCHEMES:
+            return None
+        bucket = self.root.strip("/").split("/", 1)[0]
+        try:
+            if self._retry("find the bucket", lambda: self.fs.exists(bucket)):
+                return None
+        except Exception:  # noqa: BLE001 - it cannot be told: say nothing more
+            return None
+        return (
+            f"bucket {self.scheme}://{bucket} does not exist (or these credentials cannot see "
+            "it): check the bucket's name in --store"
+        )
+
     def check_writable(self) -> None:
         """Write and delete a probe object; StoreNotWritable says what to fix."""
         key = f".crf-probe-{uuid.uuid4().hex}"
