@@ -385,8 +385,9 @@ class SageMakerExecutor(CloudExecutor):
         return cmd
 
     def _check_region(self) -> None:
-        """A region botocore lists for SageMaker (every partition): a misspelt one showed
-        only as an STS endpoint that "cannot be reached" (``sts.us-east-9.amazonaws.com``)."""
+        """A region botocore lists for SageMaker (every partition): a misspelt one would
+        otherwise show only as an STS endpoint that cannot be reached
+        (``sts.us-east-9.amazonaws.com``)."""
         if not self.region:
             return
         session = boto3.session.Session()

@@ -164,8 +164,8 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
 def _check_key_file(path: str, text: str) -> None:
     """MissingCredentials unless ``text`` is a Google credentials file (JSON with a
     ``type``: a service-account key, ...). gcsfs falls back to anonymous access on any other
-    file, so the first request failed after half a minute of retries with a 401, or, off
-    Google's network, as an endpoint it "cannot reach". Nothing of the file is quoted."""
+    file, so the first request would fail half a minute later with a 401 (or, off Google's
+    network, as an endpoint it cannot reach). Nothing of the file is quoted."""
     import json
 
     try:

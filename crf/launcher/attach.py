@@ -96,9 +96,9 @@ class AttachedRun:
     def _recorded_status(self, handle: ReplicaHandle, refused: MissingAccess) -> ReplicaStatus:
         """A replica's state when the backend refuses this process (no, wrong or expired
         credentials; out of reach): as ``result.json`` records it once the run has ended;
-        before, ``refused`` itself. Taking a refusal for a failed replica made ``crf
-        cancel`` stop nothing and say so with exit 0, and ``crf rm`` delete a run whose
-        replicas still ran, on a token that had merely expired."""
+        before, ``refused`` itself. A refusal is no replica's state: read as a failed replica,
+        ``crf cancel`` would stop nothing and ``crf rm`` delete a run whose replicas still
+        run, on a token that has merely expired."""
         from crf.executors.base import ReplicaState
 
         result = self.result()

@@ -8,7 +8,7 @@ error crf itself handles, retries or says in one line (``RunStore``'s explainers
   the traceback, then raises the same error to its caller;
 * asyncio logs ``Task exception was never retrieved`` for aiohttp's request-body task of a
   request whose connection was reset (the request itself failed, and was retried or
-  explained); a store that goes away mid-run printed dozens of these as the command ended.
+  explained); a store that goes away mid-run leaves dozens of these at the command's end.
 
 :func:`install` drops those records (once per process); every other record is kept.
 """

@@ -552,8 +552,8 @@ class RunStore:
     def missing_bucket(self) -> str | None:
         """For a store in a bucket (s3://, gs://): a line saying the bucket does not exist,
         else None (it exists, it cannot be told, or the scheme has no buckets). Reading a
-        missing bucket lists nothing, so a misspelt bucket in ``crf runs`` or ``crf
-        status`` said "no runs" / "no run" instead of naming the bucket."""
+        missing bucket lists nothing, so without this a misspelt bucket in ``crf runs`` or
+        ``crf status`` would read as a store with no runs."""
         if self.scheme not in _BUCKET_SCHEMES:
             return None
         bucket = self.root.strip("/").split("/", 1)[0]
