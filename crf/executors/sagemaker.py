@@ -243,6 +243,12 @@ def _call_error(e: ClientError | BotoCoreError, doing: str) -> ExecutorError:
     return ExecutorError(f"cannot {doing}: {_msg(e)}")
 
 
+def _did_you_mean(name: str, known: list[str], cutoff: float) -> str:
+    """``did you mean A or B? `` with the known names closest to ``name`` (empty if none)."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=cutoff)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
 def _optional_float(value: Any, what: str) -> float | None:
     if value is None or value == "":
         return None
@@ -397,10 +403,9 @@ class SageMakerExecutor(CloudExecutor):
         })  # fmt: skip
         if not known or self.region in known:
             return
-        close = difflib.get_close_matches(self.region, known, n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ExecutorError(
-            f"unknown AWS region {self.region!r} for SageMaker; {hint}(boto3 "
+            f"unknown AWS region {self.region!r} for SageMaker; "
+            f"{_did_you_mean(self.region, known, 0.6)}(boto3 "
             f"{boto3.__version__} knows {len(known)} SageMaker regions; upgrade it for newer ones)"
         )
 
@@ -408,10 +413,9 @@ class SageMakerExecutor(CloudExecutor):
         known = known_instance_types()
         if self.instance_type in known:
             return
-        close = difflib.get_close_matches(self.instance_type, known, n=3, cutoff=0.75)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ExecutorError(
-            f"unknown SageMaker training instance type {self.instance_type!r}; {hint}"
+            f"unknown SageMaker training instance type {self.instance_type!r}; "
+            f"{_did_you_mean(self.instance_type, known, 0.75)}"
             f"e.g. ml.g5.xlarge (1 A10G), ml.g4dn.xlarge (1 T4), ml.m5.xlarge (CPU). "
             f"(boto3 {boto3.__version__} knows {len(known)} types; upgrade it for newer ones)"
         )
