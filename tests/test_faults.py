@@ -415,6 +415,9 @@ def test_a_death_on_a_store_error_is_its_line_not_its_traceback() -> None:
         "2026-11-30 00:03:14,424 [replica 0] INFO crf.replica: round 11 committed",
         "2026-11-30 00:03:14,424 [replica 0] ERROR crf.replica: replica failed",
         "Traceback (most recent call last):",
+        '  File "/x/crf/layout.py", line 381, in global_rounds',
+        "    rounds = numbered(store.list(GLOBAL))",
+        "                      ^^^^^^^^^^^^^^^^^^",
         '  File "/x/crf/store/run_store.py", line 349, in _raise_explained',
         "    raise explained from None",
         error,
@@ -425,12 +428,13 @@ def test_a_death_on_a_store_error_is_its_line_not_its_traceback() -> None:
     )  # fmt: skip
     res = ReplicaResult(handle, ReplicaState.FAILED, 1, None, "exited with code 1")
     row = replica_row(res, tail)
+    cut = replica_row(res, tail[5:])  # a tail that begins inside the traceback
     assert row["error"] == f"exited with code 1: {error}"
     console = Console(record=True, width=400)
-    print_failures({"replicas": [row]}, console)
+    print_failures({"replicas": [row, cut]}, console)
     text = console.export_text()
     assert error in text and "round 11 committed" in text and "log: /x/r0.log" in text
-    assert "Traceback" not in text and "File " not in text
+    assert "Traceback" not in text and "File " not in text and "^^^" not in text
 
 
 def test_fault_columns_in_tables() -> None:

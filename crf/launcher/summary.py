@@ -58,8 +58,11 @@ RESULT_FIELDS = (
 _EXCEPTION_LINE = re.compile(
     r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Timeout|Failed|Exit)\b|(?:[A-Za-z_]\w*\.)+[A-Z]\w*:).*"
 )
-#: where a traceback starts in a log tail (its header, or a frame when the tail begins inside)
-_TRACEBACK_START = re.compile(r"^(?:Traceback \(most recent call last\)|File \".*\", line \d+)")
+#: where a traceback starts in a log tail: its header, or, when the tail begins inside one,
+#: a frame or the carets under a frame's code
+_TRACEBACK_START = re.compile(
+    r"^(?:Traceback \(most recent call last\)|File \".*\", line \d+|[\^~]+$)"
+)
 
 
 def last_exception(lines: Sequence[str]) -> str | None:
