@@ -106,6 +106,36 @@ def test_dry_run_without_an_account_shows_plan_price_and_what_is_missing(
         assert text in missing_list(strict), text
 
 
+def test_an_aws_profile_that_does_not_exist_is_named(
+    no_account: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS_PROFILE naming no profile is said as such (it was 'no AWS credentials: set
+    AWS_ACCESS_KEY_ID ...', though the user had chosen a profile)."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_PROFILE", "nosuchprofile")
+    code, out = crf("launch", "--backend", "modal", "--store", "s3://crf-bucket/runs", "--dry-run")
+    assert code == 0, out
+    listed = missing_list(out)
+    assert "AWS_PROFILE=nosuchprofile names no profile in ~/.aws/config" in listed
+    assert "aws configure --profile nosuchprofile" in listed
+
+
+def test_a_google_credentials_file_that_is_no_key_is_named(
+    no_account: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GOOGLE_APPLICATION_CREDENTIALS pointing at a file that is no credentials JSON is
+    refused at once, without quoting it; gcsfs fell back to anonymous access and the launch
+    failed half a minute later with an endpoint it 'cannot reach'."""
+    key = no_account / "key.json"
+    key.write_text("PRIVATE-notjson-0123\n")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    code, out = crf("launch", "--backend", "modal", "--store", "gs://crf-bucket/runs", "--dry-run")
+    assert code == 0, out
+    listed = missing_list(out)
+    assert f"GOOGLE_APPLICATION_CREDENTIALS={key} is not a Google credentials file" in listed
+    assert "PRIVATE-notjson" not in out
+
+
 def test_s3_store_without_credentials_is_listed(no_account: Path) -> None:
     pytest.importorskip("s3fs")
     args = ("launch", "--job", "lm", "--store", "s3://crf-bucket/runs", "--dry-run")

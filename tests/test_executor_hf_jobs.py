@@ -119,6 +119,22 @@ def test_registry_builds_it_from_cli_strings_and_config_round_trips(emu: HFJobsE
         make_executor("hf", {"region": "eu"})
 
 
+def test_a_gpu_name_for_a_flavor_suggests_the_flavors_of_that_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--gpu A10G` on the hf backend (a Modal habit) names HF's A10G flavors; the
+    suggestions were a100x8 or a100x4, spelt alike but another GPU."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    out = _cli("launch", "--backend", "hf", "--gpu", "A10G", "-n", "2", "--job", "lm",
+               "--store", "s3://bucket/runs", "--dry-run")  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "unknown HF Jobs flavor 'a10g'; did you mean a10g-large or a10g-small or" in (
+        " ".join(out.stderr.split())
+    )
+    assert "Traceback" not in out.stderr
+
+
 def test_defaults_and_price_table() -> None:
     ex = HFJobsExecutor()
     assert ex.flavor == DEFAULT_FLAVOR == "cpu-basic" and ex.image == DEFAULT_IMAGE

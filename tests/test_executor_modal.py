@@ -155,6 +155,9 @@ def test_registry_builds_it_from_cli_strings_and_config_round_trips() -> None:
         ModalExecutor(timeout_s=2 * 86400)
     with pytest.raises(ExecutorError, match="cpu must be a number"):
         ModalExecutor(cpu="lots")
+    # a value that is not a number names its option, not only the value
+    with pytest.raises(ExecutorError, match=r"modal backend \(-o timeout_s=abc\): could not"):
+        registry.make_executor("modal", {"timeout_s": "abc"})
 
 
 def test_describe_is_the_dry_run_plan(s3_env: MotoS3) -> None:
@@ -537,6 +540,55 @@ def wait_output(sb: Any, text: str, timeout: float = 60) -> None:
     while text not in sb.output(1) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert text in sb.output(1), sb.output(1) + sb.output(2)
+
+
+BEATING_SLEEPER = (
+    "import os, time; from crf import layout; from crf.store import RunStore; "
+    "r = int(os.environ['CRF_RANK']); "
+    "RunStore(os.environ['CRF_RUN_URI']).put_json(layout.heartbeat_key(r), {'rank': r, "
+    "'phase': 'training', 'round': 0, 'step': 0, 'updated_at': time.time(), 'host': 'sb'}); "
+    "print(f'replica {r} waiting', flush=True); time.sleep(600)"
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_cli_with_a_rejected_token_changes_nothing_and_says_so(
+    s3_env: MotoS3, modal_env: FakeModal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """status, cancel, logs and rm of a running run with a token Modal rejects: one line
+    naming the token, exit 2; the replicas keep running and the run folder stays whole. The
+    refusal was taken for failed replicas: status showed them failed, cancel stopped none
+    and rm deleted the running run."""
+    store = f"s3://{s3_env.new_bucket()}/runs"
+    code, out = crf_cli(
+        "launch", "--backend", "modal", "-n", "2", "--job", "lm", "--store", store,
+        "--run-id", "tok", "--entrypoint", f"python -c {shlex.quote(BEATING_SLEEPER)}",
+        "--detach",
+    )  # fmt: skip
+    assert code == 0, out
+    ids = [sid for sid, sb in modal_env.sandboxes.items() if sb.tags.get("crf-run") == "tok"]
+    for sid in ids:
+        wait_output(modal_env.sandboxes[sid], "waiting")
+    bucket, prefix = store.removeprefix("s3://").split("/", 1)
+    keys = sorted(o["Key"] for o in s3_env.client().list_objects_v2(
+        Bucket=bucket, Prefix=f"{prefix}/tok/")["Contents"])  # fmt: skip
+
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-expired-secret")
+    for command in (("status",), ("cancel",), ("logs",), ("rm", "-y")):
+        code, out = crf_cli(command[0], "tok", *command[1:], "--store", store)
+        assert code == 2, out
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Modal rejected the credentials" in lines[0], out
+        assert "as-expired-secret" not in out and "Traceback" not in out
+    assert all(not modal_env.sandboxes[sid].done for sid in ids)
+    after = sorted(o["Key"] for o in s3_env.client().list_objects_v2(
+        Bucket=bucket, Prefix=f"{prefix}/tok/")["Contents"])  # fmt: skip
+    assert after == keys
+
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", TOKEN_SECRET)
+    code, out = crf_cli("cancel", "tok", "--store", store)
+    assert code == 0 and "cancelled 2" in out, out
 
 
 # --------------------------------------------------------------------------- real Modal

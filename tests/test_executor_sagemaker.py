@@ -250,6 +250,9 @@ def test_unknown_instance_type_and_missing_role_fail_before_any_call() -> None:
         SageMakerExecutor("ml.h100.huge", role_arn=ROLE, region="us-east-1").check_backend()
     with pytest.raises(ExecutorError, match="IAM execution role"):
         SageMakerExecutor(region="us-east-1").check_backend()
+    # a misspelt region: it read as an STS endpoint that cannot be reached
+    with pytest.raises(ExecutorError, match="unknown AWS region 'us-east-9'.*did you mean us-east"):
+        SageMakerExecutor("ml.m5.large", role_arn=ROLE, region="us-east-9").check_backend()
 
 
 def test_long_or_multiline_arguments_are_refused() -> None:
@@ -372,6 +375,27 @@ def test_check_backend_without_credentials(aws: Aws, monkeypatch: pytest.MonkeyP
         executor().check_ready(aws.uri("none"))  # the store's check says it first
     with pytest.raises(ExecutorError, match="no AWS credentials for SageMaker"):
         executor().check_backend()
+
+
+def test_rejected_credentials_are_missing_access_not_a_replica_state(
+    aws: Aws, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status or a stop that AWS refuses for the caller's credentials says what to fix
+    (MissingAccess), so crf status/cancel/rm stop with it instead of reading the replica
+    as failed (a cancel then stopped nothing)."""
+    from crf.executors.base import MissingAccess
+
+    ex = executor()
+    (h,) = ex.launch_replicas(1, ["python", str(script), "sleep"], run_uri=aws.uri("refused"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY00000000")
+    refused = executor()  # a new process's executor: the wrong key is read now
+    with pytest.raises(MissingAccess, match="AWS refused to describe .*UnrecognizedClient"):
+        refused.status(h)
+    with pytest.raises(MissingAccess, match="AWS refused to stop"):
+        refused.cancel(h)
+    assert DRIVER_SECRET not in str(h) and aws.emu.jobs[h.backend_id].status == "InProgress"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", DRIVER_KEY)
+    ex.cancel(h)
 
 
 def test_gs_store_needs_an_s3_output_path(aws: Aws, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -381,6 +381,62 @@ def test_executor_relaunches_one_rank(tmp_path: Path) -> None:
         LocalProcessExecutor().relaunch(h)
 
 
+def test_an_attempt_that_was_not_restarted_is_not_counted_as_a_restart() -> None:
+    """A replica whose one failed attempt was recorded but never restarted (the run folder
+    refused writes, or its relaunch failed) has no restart line: the summary said 'restarted
+    1 time(s)' above 'not restarted: the run folder refuses writes'."""
+    from rich.console import Console
+
+    from crf.launcher.summary import print_restarts
+
+    attempt = {"attempt": 0, "message": "exited with code 1", "round": 11, "phase": "syncing"}
+    console = Console(record=True, width=150)
+    print_restarts([{"rank": 0, "restarts": 0, "attempts": [attempt]}], console)
+    print_restarts([{"rank": 1, "restarts": 1, "attempts": [attempt, attempt]}], console)
+    text = console.export_text()
+    assert "replica 0 restarted" not in text
+    assert "replica 1 restarted 1 time(s): attempt 0 exited with code 1 in round 11" in text
+
+
+def test_a_death_on_a_store_error_is_its_line_not_its_traceback() -> None:
+    """A replica that died raising (its store out of reach: it could write no result) is
+    summed up by its exception's line, whatever the class is called, and the summary shows
+    the log's lines before the traceback, not the traceback."""
+    from rich.console import Console
+
+    from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState
+    from crf.launcher.summary import print_failures, replica_row
+
+    error = (
+        "crf.store.s3.S3Unreachable: cannot reach the S3 endpoint for s3://b (endpoint: "
+        "http://127.0.0.1:9): check AWS_ENDPOINT_URL"
+    )
+    tail = [
+        "2026-11-30 00:03:14,424 [replica 0] INFO crf.replica: round 11 committed",
+        "2026-11-30 00:03:14,424 [replica 0] ERROR crf.replica: replica failed",
+        "Traceback (most recent call last):",
+        '  File "/x/crf/layout.py", line 381, in global_rounds',
+        "    rounds = numbered(store.list(GLOBAL))",
+        "                      ^^^^^^^^^^^^^^^^^^",
+        '  File "/x/crf/store/run_store.py", line 349, in _raise_explained',
+        "    raise explained from None",
+        error,
+    ]
+    handle = ReplicaHandle(
+        backend="local", run_id="r", rank=0, backend_id="1", run_uri="file:///x", world_size=2,
+        log_path="/x/r0.log",
+    )  # fmt: skip
+    res = ReplicaResult(handle, ReplicaState.FAILED, 1, None, "exited with code 1")
+    row = replica_row(res, tail)
+    cut = replica_row(res, tail[5:])  # a tail that begins inside the traceback
+    assert row["error"] == f"exited with code 1: {error}"
+    console = Console(record=True, width=400)
+    print_failures({"replicas": [row, cut]}, console)
+    text = console.export_text()
+    assert error in text and "round 11 committed" in text and "log: /x/r0.log" in text
+    assert "Traceback" not in text and "File " not in text and "^^^" not in text
+
+
 def test_fault_columns_in_tables() -> None:
     """The summary table grows missed/restarts/rejected columns once something happened; the
     live table a restarts column once a replica was restarted."""

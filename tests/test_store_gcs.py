@@ -160,3 +160,14 @@ def test_check_writable_auth_and_network_errors(bucket: str, monkeypatch) -> Non
 
 def test_allreduce_over_gcs(bucket: str) -> None:
     check_allreduce(store_for(f"gs://{bucket}/crf/ar"))
+
+
+def test_a_misspelt_bucket_is_named_by_crf_runs(gcs_env: GcsEmulator) -> None:
+    """crf runs in a GCS bucket that does not exist names the bucket (it said 'no runs')."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    result = CliRunner().invoke(app, ["runs", "--store", "gs://crf-no-such-bucket/runs"])
+    assert result.exit_code == 2, result.output
+    assert "bucket gs://crf-no-such-bucket does not exist" in " ".join(result.output.split())

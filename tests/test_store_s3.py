@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import threading
 import time
 from typing import Any
@@ -266,6 +267,15 @@ def test_check_writable_wrong_endpoint(s3_env: MotoS3, monkeypatch) -> None:
     assert secret not in str(exc.value)
 
 
+def test_an_endpoint_without_its_scheme_is_named(s3_env: MotoS3, monkeypatch) -> None:
+    """AWS_ENDPOINT_URL=host:port (no http://) is said in one line that names it; it was
+    botocore's bare ValueError ('Invalid endpoint'), reported as a store to check."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
+    store = RunStore("s3://crf-bucket/run", storage_options=FRESH, retries=0)
+    with pytest.raises(StoreNotWritable, match=r"'127.0.0.1:9000' is not a URL.*http://127"):
+        store.check_writable()
+
+
 def test_allreduce_over_s3(bucket: str) -> None:
     check_allreduce(RunStore(f"s3://{bucket}/crf/ar"))
 
@@ -375,3 +385,70 @@ def test_large_reads_go_as_parallel_ranged_gets(bucket: str, monkeypatch) -> Non
     assert store.get("k", size_hint=0) == data  # a small-object read: one plain GET
     with pytest.raises(ObjectNotFound):
         store.get("missing", size_hint=5000)
+
+
+class _Denying(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint whose every answer is 403 AccessDenied (a bucket policy that denies
+    these credentials, or a grant revoked mid-run)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _deny(self) -> None:
+        body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+        self.send_response(403)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _deny
+
+
+def test_a_store_that_denies_access_refuses_writes_for_good(s3_env: MotoS3, monkeypatch) -> None:
+    """A store that answers AccessDenied refuses writes for good: the driver stops the run
+    on it, as on a read-only folder, rather than restart replicas that would meet the same
+    answer (each restart a new container on a cloud backend). An endpoint out of reach may
+    come back: it is not such a refusal."""
+    from crf.launcher.supervise import refuses_writes
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Denying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        store = RunStore("s3://crf-bucket/run", storage_options=FRESH, retries=0)
+        with pytest.raises(StoreNotWritable, match="access denied") as denied:
+            store.put_json("launches/0/attempts/0/0.json", {"attempt": 0})
+        assert refuses_writes(denied.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed_port_url())
+    fast = {**FRESH, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = RunStore("s3://crf-bucket/run", storage_options=fast, retries=0)
+    store.fs.retries = 1
+    with pytest.raises(StoreNotWritable, match="cannot reach") as unreachable:
+        store.put_json("launches/0/attempts/0/0.json", {"attempt": 0})
+    assert not refuses_writes(unreachable.value)
+
+
+@pytest.mark.parametrize("command", [("runs",), ("status", "r1"), ("logs", "r1")])
+def test_a_misspelt_bucket_is_named_by_the_run_commands(
+    s3_env: MotoS3, bucket: str, command: tuple[str, ...]
+) -> None:
+    """A bucket that does not exist holds no runs, which the commands said ('no runs in
+    s3://crf-mian/runs', exit 0; 'no run r1'): they name the bucket instead. An existing
+    bucket with nothing under the prefix still has no runs."""
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    result = CliRunner().invoke(app, [*command, "--store", "s3://crf-no-such-bucket/runs"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "bucket s3://crf-no-such-bucket does not exist" in line and "--store" in line
+    result = CliRunner().invoke(app, [*command, "--store", f"s3://{bucket}/runs"])
+    assert "does not exist" not in result.output
+    assert ("no runs in" if command == ("runs",) else "no run 'r1'") in result.output

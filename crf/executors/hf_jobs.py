@@ -121,8 +121,12 @@ def flavor_parts(flavor: str) -> tuple[str, str]:
 
 
 def unknown_flavor(flavor: str, known: list[str]) -> str:
-    """The one-line refusal of a flavor name, with the closest known names first."""
-    close = difflib.get_close_matches(flavor, known, n=3, cutoff=0.6)
+    """The one-line refusal of a flavor name, with the closest known names first: those it
+    begins (a GPU's name, ``--gpu A10G``: a10g-large, a10g-small...), shortest first, then
+    those spelt alike."""
+    begun = sorted((k for k in known if k.startswith(flavor)), key=lambda k: (len(k), k))
+    alike = difflib.get_close_matches(flavor, known, n=3, cutoff=0.6)
+    close = list(dict.fromkeys([*begun, *alike]))[:3]
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return (
         f"unknown HF Jobs flavor {flavor!r}; {hint}known flavors: {', '.join(known)} "

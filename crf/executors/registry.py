@@ -59,4 +59,7 @@ def make_executor(name: str, options: Mapping[str, Any] | None = None) -> Server
         typed = {k: coerce_text(v, sig[k].default, k) for k, v in opts.items()}
         return cls(**typed)
     except (TypeError, ValueError) as e:
-        raise ExecutorError(f"bad option for the {name} backend: {e}") from None
+        # a conversion's message quotes the value, not the option: name the option too
+        named = [f"-o {k}={v}" for k, v in opts.items() if isinstance(v, str) and repr(v) in str(e)]
+        which = f" ({', '.join(named)})" if named else ""
+        raise ExecutorError(f"bad option for the {name} backend{which}: {e}") from None

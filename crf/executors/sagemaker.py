@@ -218,6 +218,37 @@ def _msg(e: ClientError) -> str:
     return f"{err.get('Code', '?')}: {err.get('Message', e)}"
 
 
+#: error codes AWS answers for credentials it does not accept or a caller it does not allow:
+#: they repeat on every call, so commands say them as missing access, not as a replica's state
+_ACCESS_CODES = frozenset({
+    "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken",
+    "ExpiredTokenException", "InvalidSignatureException", "SignatureDoesNotMatch",
+    "AccessDenied", "AccessDeniedException", "MissingAuthenticationTokenException",
+})  # fmt: skip
+
+
+def _call_error(e: ClientError | BotoCoreError, doing: str) -> ExecutorError:
+    """A refused or failed SageMaker call as an ExecutorError: MissingAccess (what to fix)
+    for credentials AWS rejects, none at all, or an endpoint out of reach."""
+    if isinstance(e, NoCredentialsError):
+        return MissingAccess(_NO_CREDENTIALS)
+    if isinstance(e, BotoCoreError):
+        return MissingAccess(f"cannot reach SageMaker to {doing}: {e}")
+    if _code(e) in _ACCESS_CODES:
+        return MissingAccess(
+            f"AWS refused to {doing} ({_msg(e)}): check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or refresh them (`aws sso login`), "
+            "and that they may use SageMaker"
+        )
+    return ExecutorError(f"cannot {doing}: {_msg(e)}")
+
+
+def _did_you_mean(name: str, known: list[str], cutoff: float) -> str:
+    """``did you mean A or B? `` with the known names closest to ``name`` (empty if none)."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=cutoff)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
 def _optional_float(value: Any, what: str) -> float | None:
     if value is None or value == "":
         return None
@@ -359,22 +390,43 @@ class SageMakerExecutor(CloudExecutor):
                 )
         return cmd
 
+    def _check_region(self) -> None:
+        """A region botocore lists for SageMaker (every partition): a misspelt one would
+        otherwise show only as an STS endpoint that cannot be reached
+        (``sts.us-east-9.amazonaws.com``)."""
+        if not self.region:
+            return
+        session = boto3.session.Session()
+        known = sorted({
+            r for p in session.get_available_partitions()
+            for r in session.get_available_regions("sagemaker", partition_name=p)
+        })  # fmt: skip
+        if not known or self.region in known:
+            return
+        raise ExecutorError(
+            f"unknown AWS region {self.region!r} for SageMaker; "
+            f"{_did_you_mean(self.region, known, 0.6)}(boto3 "
+            f"{boto3.__version__} knows {len(known)} SageMaker regions; upgrade it for newer ones)"
+        )
+
     def _check_instance_type(self) -> None:
         known = known_instance_types()
         if self.instance_type in known:
             return
-        close = difflib.get_close_matches(self.instance_type, known, n=3, cutoff=0.75)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ExecutorError(
-            f"unknown SageMaker training instance type {self.instance_type!r}; {hint}"
+            f"unknown SageMaker training instance type {self.instance_type!r}; "
+            f"{_did_you_mean(self.instance_type, known, 0.75)}"
             f"e.g. ml.g5.xlarge (1 A10G), ml.g4dn.xlarge (1 T4), ml.m5.xlarge (CPU). "
             f"(boto3 {boto3.__version__} knows {len(known)} types; upgrade it for newer ones)"
         )
 
     def backend_checks(self) -> list[ReadyCheck]:
-        """Instance type known; a role and a region given; AWS accepts the credentials and
+        """Instance type known; a role and a known region given; AWS accepts the credentials and
         lets them use SageMaker - each said apart."""
-        return [self._check_instance_type, self._check_role, self._region, self._check_aws]
+        return [
+            self._check_instance_type, self._check_role, self._region, self._check_region,
+            self._check_aws,
+        ]  # fmt: skip
 
     def ready_checks(self, run_uri: str) -> list[ReadyCheck]:
         """The shared checks, then an S3 location for the jobs' output."""
@@ -697,9 +749,9 @@ class SageMakerExecutor(CloudExecutor):
                     f"training job {handle.backend_id} not found in "
                     f"{self._handle_region(handle)} ({_msg(e)})",
                 )
-            raise ExecutorError(f"cannot describe {handle.backend_id}: {_msg(e)}") from None
+            raise _call_error(e, f"describe {handle.backend_id}") from None
         except BotoCoreError as e:
-            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+            raise _call_error(e, f"describe {handle.backend_id}") from None
         return self.status_from(desc)
 
     # ------------------------------------------------------------------ logs
@@ -792,9 +844,9 @@ class SageMakerExecutor(CloudExecutor):
         except ClientError as e:
             if _code(e) == "ValidationException":  # already ended (or never existed)
                 return
-            raise ExecutorError(f"cannot stop {handle.backend_id}: {_msg(e)}") from None
+            raise _call_error(e, f"stop {handle.backend_id}") from None
         except BotoCoreError as e:
-            raise ExecutorError(f"cannot reach SageMaker: {e}") from None
+            raise _call_error(e, f"stop {handle.backend_id}") from None
 
     def collect(
         self,

@@ -110,7 +110,14 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
 
         try:
             creds = boto3.Session().get_credentials()
-        except (MissingSDK, *botocore.errors()):  # no boto3 or a broken profile: missing
+        except (MissingSDK, *botocore.errors()) as e:  # no boto3 or a broken profile
+            if type(e).__name__ == "ProfileNotFound":
+                profile = env.get("AWS_PROFILE")
+                raise MissingCredentials(
+                    f"AWS_PROFILE={profile} names no profile in ~/.aws/config or "
+                    f"~/.aws/credentials (for {run_uri}): fix AWS_PROFILE, or create the "
+                    f"profile with `aws configure --profile {profile}`"
+                ) from None
             creds = None
         if creds is None:
             raise MissingCredentials(
@@ -136,6 +143,9 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
             raise MissingCredentials(
                 f"GOOGLE_APPLICATION_CREDENTIALS={path} cannot be read ({e})"
             ) from None
+        except UnicodeDecodeError:
+            out[GCS_JSON_VAR] = ""
+        _check_key_file(path, out[GCS_JSON_VAR])
     elif scheme == "hf" and "HF_TOKEN" not in out:
         from crf.executors.adaptors import MissingSDK, huggingface_hub
 
@@ -149,6 +159,25 @@ def store_secrets(run_uri: str, environ: Mapping[str, str] | None = None) -> dic
             )
         out["HF_TOKEN"] = token
     return out
+
+
+def _check_key_file(path: str, text: str) -> None:
+    """MissingCredentials unless ``text`` is a Google credentials file (JSON with a
+    ``type``: a service-account key, ...). gcsfs falls back to anonymous access on any other
+    file, so the first request would fail half a minute later with a 401 (or, off Google's
+    network, as an endpoint it cannot reach). Nothing of the file is quoted."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise MissingCredentials(
+            f"GOOGLE_APPLICATION_CREDENTIALS={path} is not a Google credentials file (JSON "
+            'with a "type", such as a service-account key): point it at the key file '
+            "(`gcloud iam service-accounts keys create KEY.json --iam-account ...`)"
+        )
 
 
 def store_credential_names(run_uri: str) -> frozenset[str]:

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crf import layout
-from crf.executors.base import ExecutorError, ReplicaHandle, ReplicaStatus, ServerlessExecutor
+from crf.executors.base import (
+    ExecutorError,
+    MissingAccess,
+    ReplicaHandle,
+    ReplicaStatus,
+    ServerlessExecutor,
+)
 from crf.launcher.errors import LaunchError
 from crf.spec import RunSpec
 from crf.store.errors import StoreError
@@ -78,12 +84,32 @@ class AttachedRun:
         for h in self.handles:
             try:
                 st = self.executor.status(h)
+            except MissingAccess as e:
+                st = self._recorded_status(h, e)
             except ExecutorError as e:
                 from crf.executors.base import ReplicaState
 
                 st = ReplicaStatus(ReplicaState.FAILED, None, f"status unavailable: {e}")
             out.append((h, st, read_heartbeat(self.store, h.rank)))
         return out
+
+    def _recorded_status(self, handle: ReplicaHandle, refused: MissingAccess) -> ReplicaStatus:
+        """A replica's state when the backend refuses this process (no, wrong or expired
+        credentials; out of reach): as ``result.json`` records it once the run has ended;
+        before, ``refused`` itself. A refusal is no replica's state: read as a failed replica,
+        ``crf cancel`` would stop nothing and ``crf rm`` delete a run whose replicas still
+        run, on a token that has merely expired."""
+        from crf.executors.base import ReplicaState
+
+        result = self.result()
+        if result is None:
+            raise refused
+        row = next((r for r in result.get("replicas") or () if r.get("rank") == handle.rank), {})
+        try:
+            state = ReplicaState(row.get("state"))
+        except ValueError:
+            state = ReplicaState.SUCCEEDED if row.get("ok") else ReplicaState.FAILED
+        return ReplicaStatus(state, row.get("exit_code"), "as result.json records it")
 
     def result(self) -> dict[str, Any] | None:
         """This launch's ``result.json``, if it was written (by its driver or a gather)."""
@@ -148,7 +174,8 @@ def run_store(run_id: str, store: str | None) -> Any:
         st = RunStore(join_uri(base, run_id), retries=1)
         if not st.exists(layout.RUN_SPEC):
             raise LaunchError(
-                f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
+                st.missing_bucket()
+                or f"no run {run_id!r} in {store or DEFAULT_STORE} (no run.json there); "
                 "list runs with `crf runs --store ...`"
             )
     except LaunchError:
@@ -407,8 +434,12 @@ def list_runs(
     from crf.store import RunStore
 
     base = RunStore(store_base(store), retries=1)  # LaunchError: blank, a typo, credentials
+    names = sorted(base.list())
+    missing = None if names else base.missing_bucket()
+    if missing:
+        raise LaunchError(missing)
     rows = []
-    for name in sorted(base.list()):
+    for name in names:
         row = run_row(base.child(name))
         if row is not None:
             rows.append(row)
@@ -486,13 +517,19 @@ def _replica_record(
 def remove_run(run_id: str, store: str | None) -> tuple[int, int]:
     """Delete every object of run ``run_id`` (``crf rm``); (objects, bytes) deleted.
     LaunchError, with nothing deleted, while any of its replicas may still be running: as its
-    backend says, or - when the backend cannot be asked - as its heartbeats say."""
+    backend says, or - when no handle finds them - as its heartbeats say. A backend that
+    refuses this process's credentials cannot say, and a cloud replica writes no heartbeat
+    while its container starts, so a run with no summary is then kept."""
     from crf.launcher.liveness import live_replicas
 
     try:
         run = attach(run_id, store)
         st = run.store
         live = [f"replica {h.rank} {s.state}" for h, s, _ in run.statuses() if not s.terminal]
+    except MissingAccess as e:
+        raise LaunchError(
+            f"cannot tell whether run {run_id}'s replicas still run, so nothing was deleted: {e}"
+        ) from None
     except (LaunchError, ExecutorError):  # no handles, or the backend is out of reach
         st = run_store(run_id, store)  # (no such run: its LaunchError)
         try:

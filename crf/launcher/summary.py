@@ -53,8 +53,16 @@ RESULT_FIELDS = (
 )
 
 
-#: the last line of a Python traceback: "pkg.mod.SomeError: what happened"
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Timeout|Failed|Exit)\b.*")
+#: the last line of a Python traceback: "pkg.mod.SomeError: what happened", or any class a
+#: module path names ("crf.store.s3.S3Unreachable: cannot reach ...")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Timeout|Failed|Exit)\b|(?:[A-Za-z_]\w*\.)+[A-Z]\w*:).*"
+)
+#: where a traceback starts in a log tail: its header, or, when the tail begins inside one,
+#: a frame or the carets under a frame's code
+_TRACEBACK_START = re.compile(
+    r"^(?:Traceback \(most recent call last\)|File \".*\", line \d+|[\^~]+$)"
+)
 
 
 def last_exception(lines: Sequence[str]) -> str | None:
@@ -64,6 +72,14 @@ def last_exception(lines: Sequence[str]) -> str | None:
         if _EXCEPTION_LINE.match(line.strip()):
             return line.strip()
     return None
+
+
+def before_traceback(lines: Sequence[str]) -> list[str]:
+    """The lines of a log tail before its first traceback (all of them when it has none)."""
+    for i, line in enumerate(lines):
+        if _TRACEBACK_START.match(line.split("] ", 1)[-1].strip()):
+            return list(lines[:i])
+    return list(lines)
 
 
 def rejected_objects(reported: Iterable[Any]) -> list[str]:
@@ -155,6 +171,7 @@ def replica_row(
         reason = last_exception(log_tail)
         if reason:
             row["error"] = f"{row['error']}: {reason}"
+            row["error_in_log"] = True  # its traceback adds nothing the line does not say
     # a death's log tail is its only word; a replica that reported its error said it in
     # one line, and its traceback stays in its log and results/<rank>.json
     if log_tail and row["failure"] not in ("error", "setup error"):
@@ -558,6 +575,11 @@ def print_restarts(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
     rounds it missed."""
     for row in rows:
         attempts = row.get("attempts") or []
+        # an attempt that ended the replica (its restart refused, or failed to start) is
+        # recorded too: only those followed by a restart are counted here (print_failures
+        # says why the last one was not)
+        restarts = row.get("restarts")
+        attempts = attempts[:restarts] if isinstance(restarts, int) else attempts
         if attempts:
             console.print(
                 f"[yellow]replica {row['rank']}[/] restarted {len(attempts)} time(s): "
@@ -592,7 +614,10 @@ def print_failures(summary: Mapping[str, Any], console: Console) -> None:
             console.print(f"    not restarted: {escape(row['not_restarted'])}", highlight=False)
         # an error the replica reported says it in one line (its traceback is in
         # results/<rank>.json); the log tail is for a death, which left no word
-        for line in row.get("log_tail", []):
+        tail = row.get("log_tail", [])
+        if row.get("error_in_log"):  # the exception is in the line above: not its traceback
+            tail = before_traceback(tail)
+        for line in tail:
             console.print(Text(f"    {line}", style="dim"), soft_wrap=True)
         if row.get("log_path"):
             console.print(f"    log: {row['log_path']}", soft_wrap=True, highlight=False)

@@ -25,6 +25,7 @@ from crf.executors.base import (
     ServerlessExecutor,
 )
 from crf.launcher.liveness import read_heartbeat
+from crf.store.errors import StoreNotWritable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -335,11 +336,17 @@ _REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 def refuses_writes(error: BaseException) -> bool:
     """Whether the run store's ``error`` (or one it was raised from) says it refuses writes
-    for good, rather than that it is unreachable for a while."""
+    for good, rather than that it is unreachable for a while: a folder's permissions, or an
+    object store's answer that the credentials may not write there, no longer exist, or the
+    bucket is gone (its scheme's explained ``StoreNotWritable``; an unreachable endpoint is
+    also a ``ConnectionError``, which may pass)."""
+
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         if isinstance(current, OSError) and current.errno in _REFUSED:
+            return True
+        if isinstance(current, StoreNotWritable) and not isinstance(current, ConnectionError):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__

@@ -24,6 +24,7 @@ import gcsfs
 from gcsfs.retry import HttpError
 from google.auth.exceptions import RefreshError
 
+from crf.store import client_logs
 from crf.store.conditional import (
     WRITER_META,
     created_by,
@@ -39,6 +40,7 @@ UPLOAD_CHUNKSIZE = 50 * 2**20
 
 
 require_create_mode(gcsfs.GCSFileSystem, "gcsfs", gcsfs.__version__)
+client_logs.install()
 
 
 class GCSUnreachable(StoreNotWritable, ConnectionError):

@@ -206,7 +206,37 @@ def check_uri(uri: str, what: str = "store") -> str:
     typo = None if sep else _SCHEME_TYPO.match(uri)
     if typo and typo.group(1).lower() in _known_protocols():
         return _refuse_typo(uri, typo.group(1), typo.group(2), what)
+    if sep and scheme != scheme.lower() and scheme.lower() in _known_protocols():
+        raise StoreURIError(
+            f"the {what} {uri!r} spells its scheme in capitals, which no client reads: did you "
+            f"mean {scheme.lower()}://{rest}?"
+        )
+    if sep and scheme in _BUCKET_SCHEMES:
+        _check_bucket(uri, scheme, rest.split("/", 1)[0], what)
     return uri
+
+
+#: schemes whose URL starts with a bucket name (S3 and GCS naming rules: letters, digits,
+#: ``.``, ``-`` and, on GCS, ``_``; older S3 buckets may hold capitals)
+_BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs"})
+_BUCKET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _check_bucket(uri: str, scheme: str, bucket: str, what: str) -> None:
+    """StoreURIError for a bucket URL with no bucket (``s3://``, ``s3:///runs``), which
+    would otherwise become a path such as ``s3:/RUN`` or another bucket, or one with
+    characters no bucket name holds (a space), which GCS answers only after ~30 s of
+    retries."""
+    if not bucket:
+        raise StoreURIError(f"the {what} {uri!r} names no bucket: write {scheme}://BUCKET/PREFIX")
+    if not _BUCKET_NAME.match(bucket):
+        bad = "".join(dict.fromkeys(c for c in bucket if not re.match(r"[A-Za-z0-9._-]", c)))
+        shown = ", ".join(repr(c) for c in bad) or repr(bucket[0])
+        raise StoreURIError(
+            f"the {what} {uri!r}: {bucket!r} is not a bucket name (it holds {shown}); bucket "
+            "names are lowercase letters, digits, '.', '-' and '_', starting with a letter or "
+            "digit"
+        )
 
 
 def _refuse_typo(uri: str, scheme: str, rest: str, what: str) -> NoReturn:
@@ -216,7 +246,7 @@ def _refuse_typo(uri: str, scheme: str, rest: str, what: str) -> NoReturn:
     elif scheme.lower() == "file":
         meant = f"file://{rest}"
     else:
-        meant = f"{scheme}://{rest.lstrip('/')}"
+        meant = f"{scheme.lower()}://{rest.lstrip('/')}"
     raise StoreURIError(
         f"the {what} {uri!r} looks like a URL missing a slash: did you mean {meant}? (a local "
         f"folder with that name: write ./{uri})"
@@ -519,6 +549,24 @@ class RunStore:
             )
 
     # ---------------------------------------------------------------- checks
+    def missing_bucket(self) -> str | None:
+        """For a store in a bucket (s3://, gs://): a line saying the bucket does not exist,
+        else None (it exists, it cannot be told, or the scheme has no buckets). Reading a
+        missing bucket lists nothing, so without this a misspelt bucket in ``crf runs`` or
+        ``crf status`` would read as a store with no runs."""
+        if self.scheme not in _BUCKET_SCHEMES:
+            return None
+        bucket = self.root.strip("/").split("/", 1)[0]
+        try:
+            if self._retry("find the bucket", lambda: self.fs.exists(bucket)):
+                return None
+        except Exception:  # noqa: BLE001 - it cannot be told: say nothing more
+            return None
+        return (
+            f"bucket {self.scheme}://{bucket} does not exist (or these credentials cannot see "
+            "it): check the bucket's name in --store"
+        )
+
     def check_writable(self) -> None:
         """Write and delete a probe object; StoreNotWritable says what to fix."""
         key = f".crf-probe-{uuid.uuid4().hex}"

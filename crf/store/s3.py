@@ -36,6 +36,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
+from crf.store import client_logs
 from crf.store.conditional import (
     WRITER_META,
     created_by,
@@ -51,6 +52,7 @@ MULTIPART_CHUNKSIZE = 50 * 2**20
 
 
 require_create_mode(s3fs.S3FileSystem, "s3fs", s3fs.__version__)
+client_logs.install()
 
 
 class S3Unreachable(StoreNotWritable, ConnectionError):
@@ -113,6 +115,12 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
         return S3Unreachable(
             f"cannot reach the S3 endpoint for {where}: check AWS_ENDPOINT_URL (or the "
             "endpoint_url storage option), the region and the network"
+        )
+    if isinstance(e, ValueError) and str(e).startswith("Invalid endpoint"):
+        endpoint = _endpoint(store)
+        return StoreNotWritable(
+            f"the S3 endpoint {endpoint!r} is not a URL: give it with its scheme, e.g. "
+            f"AWS_ENDPOINT_URL=http://{endpoint} (or https://)"
         )
     if isinstance(e, FileNotFoundError):  # PutObject only 404s for NoSuchBucket
         return StoreNotWritable(
