@@ -410,9 +410,12 @@ class _Denying(http.server.BaseHTTPRequestHandler):
 def test_a_store_that_denies_access_refuses_writes_for_good(s3_env: MotoS3, monkeypatch) -> None:
     """A store that answers AccessDenied refuses writes for good: the driver stops the run
     on it, as on a read-only folder, rather than restart replicas that would meet the same
-    answer (each restart a new container on a cloud backend). An endpoint out of reach may
-    come back: it is not such a refusal."""
+    answer (each restart a new container on a cloud backend); a replica that meets it (a
+    role without access to the bucket, while the driver's credentials have it) is not
+    restarted either, and stops the run, at any round. An endpoint out of reach may come
+    back: it is not such a refusal."""
     from crf.launcher.supervise import refuses_writes
+    from crf.replica.failures import deterministic, stops_run
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Denying)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -422,6 +425,9 @@ def test_a_store_that_denies_access_refuses_writes_for_good(s3_env: MotoS3, monk
         with pytest.raises(StoreNotWritable, match="access denied") as denied:
             store.put_json("launches/0/attempts/0/0.json", {"attempt": 0})
         assert refuses_writes(denied.value)
+        for phase in ("starting", "training", "syncing"):
+            assert deterministic(denied.value, phase=phase), phase
+        assert stops_run(denied.value)
     finally:
         server.shutdown()
         server.server_close()
@@ -432,6 +438,9 @@ def test_a_store_that_denies_access_refuses_writes_for_good(s3_env: MotoS3, monk
     with pytest.raises(StoreNotWritable, match="cannot reach") as unreachable:
         store.put_json("launches/0/attempts/0/0.json", {"attempt": 0})
     assert not refuses_writes(unreachable.value)
+    assert not deterministic(unreachable.value, phase="training")
+    assert not deterministic(unreachable.value, phase="starting")
+    assert not stops_run(unreachable.value)
 
 
 @pytest.mark.parametrize("command", [("runs",), ("status", "r1"), ("logs", "r1")])

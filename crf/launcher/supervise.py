@@ -25,7 +25,7 @@ from crf.executors.base import (
     ServerlessExecutor,
 )
 from crf.launcher.liveness import read_heartbeat
-from crf.store.errors import StoreNotWritable
+from crf.store.errors import denies_access
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -338,15 +338,13 @@ def refuses_writes(error: BaseException) -> bool:
     """Whether the run store's ``error`` (or one it was raised from) says it refuses writes
     for good, rather than that it is unreachable for a while: a folder's permissions, or an
     object store's answer that the credentials may not write there, no longer exist, or the
-    bucket is gone (its scheme's explained ``StoreNotWritable``; an unreachable endpoint is
-    also a ``ConnectionError``, which may pass)."""
-
+    bucket is gone (crf.store.errors.denies_access; an unreachable endpoint may pass)."""
+    if denies_access(error):
+        return True
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         if isinstance(current, OSError) and current.errno in _REFUSED:
-            return True
-        if isinstance(current, StoreNotWritable) and not isinstance(current, ConnectionError):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__

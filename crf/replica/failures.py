@@ -13,7 +13,11 @@ machine or the network failed (:data:`TRANSIENT`); so is a reward function's own
 (not its network's) at any step, a failure to compile (``generation_compile=true`` in an
 image without a C compiler fails the same way on every attempt;
 ``crf.composer.generation.compile_failed``), and what
-``crf.exchange.manager.restart_cannot_help`` names (the replicas disagree on the model).
+``crf.exchange.manager.restart_cannot_help`` names (the replicas disagree on the model),
+and an object store's answer that the replica's credentials may not use it or that its
+bucket is gone (``crf.store.errors.denies_access``: a role without access to the bucket, a
+session token that expired), which every attempt and every replica meets again, at any
+round, while a store out of reach is a network's failure.
 The replica then exits with code 3 and records ``restartable: false``; the driver ends the
 run with that error as its one-line reason (before the first committed round; a reward's or
 a compiler's error at any round: ``stops_run`` in the result).
@@ -22,6 +26,8 @@ a compiler's error at any round: ``stops_run`` in the result).
 from __future__ import annotations
 
 from typing import Any
+
+from crf.store.errors import denies_access
 
 #: a replica's (or rollout worker's) exit code when it failed with an error a restart would
 #: raise again: the driver does not start it again
@@ -65,7 +71,7 @@ def deterministic(error: BaseException, *, phase: str) -> bool:
     one, or one the exchange says no restart can fix."""
     from crf.exchange.manager import restart_cannot_help
 
-    if restart_cannot_help(error):
+    if restart_cannot_help(error) or denies_access(error):
         return True
     if transient(error):
         return False
@@ -76,9 +82,12 @@ def stops_run(error: BaseException) -> bool:
     """Whether ``error`` is one every replica meets, at whatever round: a reward function's
     own (the same code scores every replica's completions) or a compiler's, not a transient
     one. The driver ends the run on it rather than let the others train on until they meet
-    it too (the run would end failed anyway)."""
+    it too (the run would end failed anyway); so is a store that denies the replicas access.
+    """
     from crf.composer.generation import compile_failed, error_chain
 
+    if denies_access(error):
+        return True
     if transient(error):
         return False
     return compile_failed(error) or any("RewardFailed" in _names(e) for e in error_chain(error))
