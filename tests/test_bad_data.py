@@ -568,7 +568,7 @@ CASES = [
          "returned 1 values on 8 row(s)"),
     Case("reward-reads-a-missing-column", lambda t, m: [*_composer(t), *_reward_module(
          t, "rw_col", READS_SOLUTION)],
-         "--reward rw_col:score raised TypeError"),
+         "--reward rw_col:score takes a parameter 'solution', which no column of --dataset"),
     Case("reward-column-of-text-that-reads-as-json", lambda t, m: [*_composer(t, [
          {**r, "zip": f"{i * 74:05d}" if i % 2 == 0 else i * 1000} for i, r in enumerate(_qa())]),
          *_reward_module(t, "rw_zip", "def score(completions, zip, **kw):\n"
