@@ -109,7 +109,7 @@ def _start_launch(plan: Plan, started: float) -> int:
 
 
 def _keep_reward_code(plan: Plan) -> None:
-    """Put the reward code this session's checks read in the run folder (one per content),
+    """Put the reward code this launch's checks read in the run folder (one per content),
     where its replicas import it from (crf/replica/reward_code.py)."""
     if plan.reward_code is not None:
         key = plan.code_env()[layout.ENV_REWARD_CODE]

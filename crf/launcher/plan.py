@@ -179,7 +179,7 @@ class Plan:
     #: the rollout workers (--rollout-workers; None: none), started after the replicas
     workers: WorkerPlan | None = None
     #: the source of the reward modules the checks imported from the user's folder, which
-    #: this session's replicas import (crf/replica/reward_code.py; None: none to keep)
+    #: this launch's replicas import (crf/replica/reward_code.py; None: none to keep)
     reward_code: bytes | None = field(default=None, repr=False)
 
     def code_env(self) -> dict[str, str]:
@@ -836,7 +836,7 @@ def kept_reward_code(spec: RunSpec, executor: ServerlessExecutor | None) -> byte
     """The source of the reward modules the checks just imported from the user's folder,
     for a run whose replicas would import them from that folder as it is when each starts
     (a backend that runs them on this machine, without --workdir): each replica of this
-    session imports this copy instead (crf/replica/reward_code.py)."""
+    launch imports this copy instead (crf/replica/reward_code.py)."""
     from crf.replica.reward_code import snapshot
     from crf.replica.rewards import reward_modules
 

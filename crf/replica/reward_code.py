@@ -8,7 +8,7 @@ it imported from the rewards' folder for its checks (:func:`snapshot`), puts it 
 folder (``layout.reward_code_key``, one per content) and names it in each replica's
 environment (``layout.ENV_REWARD_CODE``); a replica imports those modules from that source
 (:func:`install`), under their own file names, so a restart runs what its peers run. Each
-driver session (a launch, a resume) takes its own copy: a resume runs the code as it is then,
+launch (the first, or a resume) takes its own copy: a resume runs the code as it is then,
 checked again before any replica starts, which is how a reward is fixed and the run continued.
 A module the checks never imported (a submodule imported later), and a data file a reward
 reads, are read from the folder as they are. With ``--workdir`` the shipped copy pins all of
