@@ -167,6 +167,24 @@ def test_the_lowest_replica_that_finished_writes_the_model(tmp_path) -> None:
     assert is_lowest_survivor(store, 0, silent_after_s=30) is True
 
 
+def test_a_lower_replica_kept_alive_through_a_long_write_is_waited_for(tmp_path) -> None:
+    """A replica busy writing a large model file has no news for minutes, but its heartbeat
+    thread keeps ``alive_at`` fresh: the replicas above it wait for its result instead of
+    writing the same files alongside it."""
+    store, _ = _run(tmp_path)
+    now = time.time()
+    store.put_json(
+        layout.heartbeat_key(0),
+        {"rank": 0, "phase": "saving", "updated_at": now - 100, "alive_at": now},
+    )
+    later = threading.Timer(0.5, lambda: store.put_json(layout.result_key(0), {"status": "ok"}))
+    later.start()
+    try:
+        assert is_lowest_survivor(store, 1, silent_after_s=30, poll_s=0.05) is False
+    finally:
+        later.join()
+
+
 def test_a_peft_model_exports_its_adapter(tmp_path) -> None:
     """With LoRA the model/ is the adapter (peft's own save_pretrained), complete once its
     adapter_config.json landed, and loads back onto the base model with the same weights."""

@@ -39,9 +39,10 @@ def is_lowest_survivor(
     store: RunStore, rank: int, silent_after_s: float, poll_s: float = 0.2
 ) -> bool:
     """Whether no lower rank finished ok (it would write the model). Waits for each lower
-    rank's result while that replica's heartbeat is younger than ``silent_after_s``; a
-    replica silent for longer (one writing a large model file counts too) leaves it to the
-    next, so at worst two write the same files."""
+    rank's result while that replica's process is heard from (``Heartbeat.seen_at``: its
+    news, or the beats that keep it alive through a long step such as writing a large model
+    file) within ``silent_after_s``; a replica silent for longer leaves it to the next, so
+    at worst two write the same files."""
     for k in range(rank):
         while True:
             status = _result_status(store, k)
@@ -63,7 +64,7 @@ def _result_status(store: RunStore, rank: int) -> str | None:
 def _silent(store: RunStore, rank: int, silent_after_s: float) -> bool:
     try:
         beat = layout.Heartbeat.from_dict(store.get_json(layout.heartbeat_key(rank)))
-        return time.time() - float(beat.updated_at) > silent_after_s
+        return time.time() - beat.seen_at > silent_after_s
     except (ObjectNotFound, ValueError, TypeError, AttributeError):
         return True
 
