@@ -171,3 +171,34 @@ def test_a_misspelt_bucket_is_named_by_crf_runs(gcs_env: GcsEmulator) -> None:
     result = CliRunner().invoke(app, ["runs", "--store", "gs://crf-no-such-bucket/runs"])
     assert result.exit_code == 2, result.output
     assert "bucket gs://crf-no-such-bucket does not exist" in " ".join(result.output.split())
+
+
+def test_a_down_endpoint_is_named_without_a_request(gcs_env: GcsEmulator, monkeypatch) -> None:
+    """crf runs against an emulator address nothing listens on says so at once: it made no
+    request (each would be retried by gcsfs for ~17 s). A replica's store (more retries)
+    opens as before and leaves an endpoint that is down for a while to its retries."""
+    import socket
+
+    import gcsfs
+    from typer.testing import CliRunner
+
+    from crf.launcher.cli import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+
+    def no_request(*a, **kw):
+        raise AssertionError("a request was made")
+
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "_call", no_request)
+    result = CliRunner().invoke(app, ["runs", "--store", "gs://crf-down/runs"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert (
+        f"cannot reach the GCS endpoint for gs://crf-down (endpoint: http://127.0.0.1:{port})"
+        in line
+    )
+    assert "Traceback" not in result.output
+    RunStore("gs://crf-down/run", storage_options=gcs_options(skip_instance_cache=True))

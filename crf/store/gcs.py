@@ -33,6 +33,7 @@ from crf.store.conditional import (
     uncached_listings,
 )
 from crf.store.errors import StoreNotWritable
+from crf.store.reach import refusal
 from crf.store.run_store import RunStore, register_scheme
 
 #: objects of at least this size go up as a resumable upload in chunks of this size
@@ -88,6 +89,19 @@ def _not_writable(store: RunStore, path: str, e: BaseException) -> BaseException
     return e
 
 
+def _on_open(store: RunStore) -> None:
+    """What would otherwise fail slowly on the first request. A store opened to answer fast
+    (``retries`` ≤ 1: the look-ups of ``crf runs``, ``status``, a launch's checks) first
+    asks whether the endpoint answers at all (crf/store/reach.py): gcsfs retries a refused
+    connection for ~17 s in each request. A replica's store (more retries) rides out an
+    endpoint that is down for a while instead."""
+    if store.retries <= 1:
+        why = refusal(_endpoint(store))
+        if why is not None:
+            raise _not_writable(store, store.root.lstrip("/"), ConnectionError(why))
+    _check_credentials(store)
+
+
 def _check_credentials(store: RunStore) -> None:
     """Refresh the credentials once, now: gcsfs refreshes them inside each request and
     retries a failed refresh (wrong key, revoked grant) six times with backoff, ~35 s before
@@ -135,6 +149,4 @@ def _put_gcs(store: RunStore, path: str, data: bytes, exclusive: bool) -> bool:
 
 # the module is imported for gs:// and gcs://: register both names gcsfs answers to
 for _scheme in ("gs", "gcs"):
-    register_scheme(
-        _scheme, _put_gcs, uncached_listings, explain=_explain, on_open=_check_credentials
-    )
+    register_scheme(_scheme, _put_gcs, uncached_listings, explain=_explain, on_open=_on_open)
