@@ -13,7 +13,8 @@ Layout of one run folder::
     run.json                                  the run spec (written once, create-if-absent)
     backend.json                              the backend and its options (no secrets)
     result.json                               the driver's summary of the newest launch
-    launches/<k>.json                         who launched attempt k of the whole run, from where
+    launches/<k>.json                         who launched attempt k of the whole run, from where,
+                                              and the options a resume changed
     launches/<k>/handles.json                 the replicas' handles (to attach, cancel, resume)
     launches/<k>/workers.json                 the rollout workers' handles
     launches/<k>/attempts/<rank>-<a>.json     what a replica's failed attempt left
@@ -660,6 +661,9 @@ class LaunchRecord(Record):
     restart_policy: dict[str, Any] = field(default_factory=dict)
     resumed_from_round: int | None = None
     superseded_globals: list[int] = field(default_factory=list)
+    #: the options this launch changed from run.json's (a resume's ``--reward-timeout``:
+    #: crf.spec.AT_RESUME), by field name; they hold for the launches after it too
+    changed: dict[str, Any] = field(default_factory=dict)
     ended_at: float | None = None
     status: str | None = None
     restarts: int = 0
@@ -668,12 +672,15 @@ class LaunchRecord(Record):
     def opening(self) -> dict[str, Any]:
         """The record as its launch writes it when it starts: without the fields written when
         it ends (so a record that has them says its driver saw the end), and without
-        ``superseded_globals`` unless a resume set rounds aside."""
+        ``superseded_globals`` or ``changed`` unless a resume set rounds aside or changed an
+        option."""
         data = self.to_dict()
         for name in ("ended_at", "status", "restarts", "error"):
             data.pop(name)
         if not self.superseded_globals:
             data.pop("superseded_globals")
+        if not self.changed:
+            data.pop("changed")
         return data
 
 

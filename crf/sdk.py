@@ -30,7 +30,7 @@ from crf.launcher.names import (
     setting_spellings,
 )
 from crf.results import DryRun, RunInfo, RunResult, RunStatus
-from crf.spec import RunSpec, is_number, run_options
+from crf.spec import AT_RESUME, RunSpec, is_number, run_options
 
 if TYPE_CHECKING:
     from crf.launcher.plan import Plan, RestartPolicy
@@ -447,7 +447,9 @@ def resume(
     with ``dry_run=True`` check it and return its :class:`~crf.results.DryRun` instead
     (``crf launch --resume RUN --dry-run``), starting nothing. Takes :func:`launch`'s
     keywords but the run options: a resumed run keeps those of its run.json (``backend``
-    excepted: it may continue elsewhere)."""
+    excepted: it may continue elsewhere), and takes new limits on waiting
+    (``reward_timeout``, ``round_timeout_s``, ``rollout_grace``), which hold from this
+    launch on."""
     from crf.launcher import driver
     from crf.launcher.plan import RestartPolicy
 
@@ -455,7 +457,7 @@ def resume(
     secrets = inputs.secret_values(secret_values)
     restart = inputs.restart_policy(restart)
     req = _request(None, keywords, backend_options, function="crf.resume")
-    fixed = sorted(set(req.options) - {"backend"})
+    fixed = sorted(set(req.options) - {"backend", *AT_RESUME})
     if fixed:
         raise LaunchError(
             f"{', '.join(fixed)} cannot be combined with resume: a resumed run keeps the "
@@ -469,6 +471,7 @@ def resume(
         run_id, store=req.settings.get("store"), backend=req.options.get("backend"),
         max_restarts=policy.max_restarts, max_run_restarts=policy.max_run_restarts,
         backend_options=dict(req.backend) or None,
+        changes={k: v for k, v in req.options.items() if k in AT_RESUME},
     )  # fmt: skip
     if dry_run:
         return dry_run_of(plan)

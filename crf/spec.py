@@ -202,6 +202,11 @@ class Option:
     cli: bool = True
     #: fixed in run.json, so refused with ``crf launch --resume``
     run_defining: bool = True
+    #: a limit on waiting that a resume may change (``crf launch --resume RUN
+    #: --reward-timeout 1800``; not ``run_defining`` then): kept in the launch's record, never
+    #: in run.json, and read by every replica and worker of that launch and the ones after
+    #: (crf/resumed_options.py)
+    at_resume: bool = False
     #: the range of a number: ``low`` <= value <= ``high`` (strict with ``open_low`` /
     #: ``open_high``); a str ``high`` names another option (min_replicas <= replicas)
     low: float | None = None
@@ -449,6 +454,8 @@ class RunSpec:
         300.0,
         flag="--round-timeout",
         seconds=True,
+        run_defining=False,
+        at_resume=True,
         group=DILOCO,
         help="Seconds a replica waits for the others in one round.",
     )
@@ -649,6 +656,8 @@ class RunSpec:
         low=0,
         high=MAX_WAIT_S,
         must=f"0 (no limit) or a number of seconds at most {MAX_WAIT_S:.0f}",
+        run_defining=False,
+        at_resume=True,
         group=WORKLOAD,
         help="Seconds one call of a reward function may take in a replica (a batch of "
         "completions; an LLM judge's too): past it the run stops, naming the reward "
@@ -707,6 +716,8 @@ class RunSpec:
     rollout_grace: float = option(
         RolloutConfig.grace_s,
         seconds=True,
+        run_defining=False,
+        at_resume=True,
         group=ROLLOUT,
         help="Seconds a rollout worker goes on without a sign of life from its trainer "
         "replica before it ends itself (a detached run's trainers killed and not "
@@ -998,6 +1009,8 @@ class RunSpec:
 
 #: run options that define a run: fixed in its run.json, so ``crf launch --resume`` refuses them
 RUN_DEFINING = tuple(name for name, o in run_options().items() if o.run_defining)
+#: the options a resume may change (limits on waiting: they never change what is trained)
+AT_RESUME = tuple(name for name, o in run_options().items() if o.at_resume)
 
 
 def model_path_problem(model: str) -> str:

@@ -169,7 +169,7 @@ import time
 
 def score(completions, trainer_state=None, **kwargs):
     if trainer_state is not None:  # a training step (the check and held-out scoring: None)
-        time.sleep(3600)  # a judge that never answers
+        time.sleep(3)  # a judge slower than the run allows
     return [0.0] * len(completions)
 """
 
@@ -179,12 +179,14 @@ def score(completions, trainer_state=None, **kwargs):
 def test_a_reward_call_past_its_time_limit_stops_the_run(tmp_path: Path) -> None:
     """TRL has no time limit on a reward call: one that hangs would hold the run until its
     --timeout. Past --reward-timeout the replica stops with one line naming the reward, the
-    limit and the option that raises it; it is not restarted (it would hang again), and
-    the run ends long before the reward's sleep would (the subprocess's own timeout)."""
+    limit and the option that raises it; it is not restarted (it would be too slow again).
+    The run is then continued with a larger limit: ``--resume`` takes a new
+    --reward-timeout (and refuses one out of range in one line), keeps it in the launch's
+    record, not in run.json, and every replica of that launch honours it."""
     wd = _module(tmp_path / "wd", "slow", SLEEPS_IN_TRAINING)
     runs = tmp_path / "runs"
-    out = _cli("launch", "-n", "2", "-r", "2", "-H", "2", "--reward", "slow:score",
-               "--reward-timeout", "3", "--store", str(runs), "--run-id", "slow",
+    out = _cli("launch", "-n", "2", "-r", "1", "-H", "2", "--reward", "slow:score",
+               "--reward-timeout", "1", "--store", str(runs), "--run-id", "slow",
                "--no-progress", "--round-timeout", "60", "--timeout", "900", cwd=wd)  # fmt: skip
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
@@ -193,13 +195,26 @@ def test_a_reward_call_past_its_time_limit_stops_the_run(tmp_path: Path) -> None
     assert summary["error"].startswith("replica "), summary["error"]
     said = summary["error"]  # which replica meets it first, and whether the other too: timing
     assert (
-        "with RewardTimedOut: reward slow:score did not return within 3s (--reward-timeout 3);"
+        "with RewardTimedOut: reward slow:score did not return within 1s (--reward-timeout 1);"
         " make it return sooner (give a call it waits on a timeout of its own) or launch with "
-        "a larger --reward-timeout (0: no limit)"
+        "a larger --reward-timeout (0: no limit; a resume takes one too)"
     ) in said, said
     assert "a restart cannot fix it, so the run stopped" in said, said
-    assert "did not return within 3s" in " ".join(text.split()), text
+    assert "did not return within 1s" in " ".join(text.split()), text
     assert "Traceback" not in text
+
+    bad = _cli("launch", "--resume", "slow", "--reward-timeout", "-1", "--store", str(runs),
+               "--no-progress", cwd=wd)  # fmt: skip
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "--reward-timeout" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    out = _cli("launch", "--resume", "slow", "--reward-timeout", "60", "--store", str(runs),
+               "--no-progress", "--timeout", "900", cwd=wd)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((runs / "slow" / "result.json").read_text())["status"] == "ok"
+    assert json.loads((runs / "slow" / "run.json").read_text())["reward_timeout"] == 1
+    assert json.loads((runs / "slow" / "launches" / "1.json").read_text())["changed"] == {
+        "reward_timeout": 60.0
+    }
 
 
 EDITS_ITSELF = """

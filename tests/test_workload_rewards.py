@@ -309,7 +309,7 @@ def test_a_reward_call_past_its_time_limit_is_the_rewards_error(
     assert str(e.value) == (
         f"reward {name}:score did not return within 0.5s (--reward-timeout 0.5); make it "
         "return sooner (give a call it waits on a timeout of its own) or launch with a larger "
-        "--reward-timeout (0: no limit)"
+        "--reward-timeout (0: no limit; a resume takes one too)"
     )
     assert stops_run(e.value) and not transient(e.value)
 

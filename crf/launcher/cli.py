@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from crf.launcher.plan import DEFAULT_MAX_RESTARTS  # light: no store, no torch
-from crf.spec import BACKEND, ROLLOUT, RUN, RUN_DEFINING, Option, run_options
+from crf.spec import AT_RESUME, BACKEND, ROLLOUT, RUN, RUN_DEFINING, Option, run_options
 
 
 def _help_markup_mode() -> Literal["rich"] | None:
@@ -411,6 +411,7 @@ def launch(ctx: typer.Context, **params: Any) -> None:
                 max_restarts=policy.max_restarts,
                 max_run_restarts=policy.max_run_restarts,
                 backend_options=backend_options,
+                changes={n: options[n] for n in AT_RESUME if _given(ctx, n) or n in cfg.options},
             )
         else:
             # reading a big local split or a Hub dataset's first rows takes a while: a

@@ -147,6 +147,8 @@ class ResumeInfo:
     superseded: list[int] = field(default_factory=list)
     #: replicas that resume with a fresh inner optimizer (no saved state of from_round)
     fresh_inner: list[int] = field(default_factory=list)
+    #: the options this resume changes (crf.spec.AT_RESUME), kept in its launch record
+    changed: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -995,10 +997,16 @@ def _local_writable(store: RunStore) -> None:
 
 
 def read_run_spec(store: RunStore) -> RunSpec:
-    """The run's ``run.json`` as a valid RunSpec. A damaged one (not UTF-8, not JSON, not an
-    object, a field of the wrong type or out of range) is a LaunchError that names the file
-    and what is wrong with it, for ``--resume``, ``crf status``, ``crf logs`` and
-    ``crf cancel`` alike."""
+    """The run's ``run.json`` as a valid RunSpec, as its resumes changed it
+    (crf/resumed_options.py). A damaged one (not UTF-8, not JSON, not an object, a field of
+    the wrong type or out of range) is a LaunchError that names the file and what is wrong
+    with it, for ``--resume``, ``crf status``, ``crf logs`` and ``crf cancel`` alike."""
+    from crf.resumed_options import with_changes
+
+    return with_changes(store, _read_run_json(store))
+
+
+def _read_run_json(store: RunStore) -> RunSpec:
     where = display_path(store, layout.RUN_SPEC)
     raw = store.get(layout.RUN_SPEC)
     try:

@@ -152,11 +152,14 @@ def prepare_resume(
     max_restarts: int = DEFAULT_MAX_RESTARTS,
     max_run_restarts: int | None = None,
     backend_options: Mapping[str, Any] | None = None,
+    changes: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Validate that run ``run_id`` in ``store`` can be continued; LaunchError otherwise.
 
-    The run keeps everything in its ``run.json`` (job, N, H, rounds, deadlines...), which is
-    read and never rewritten. Refused: a run folder without ``run.json``, a run that already
+    The run keeps everything in its ``run.json`` (job, N, H, rounds...), which is read and
+    never rewritten, but for the limits on waiting in ``changes`` (crf.spec.AT_RESUME:
+    ``reward_timeout``...), which this launch's record keeps for it and the launches after
+    (crf/resumed_options.py). Refused: a run folder without ``run.json``, a run that already
     finished ok, a run whose replicas may still be running, and another backend than the one
     the run was launched on.
     """
@@ -170,7 +173,7 @@ def prepare_resume(
         raise LaunchError(str(e)) from None
     found = _read_run(store, run_id)
     _refuse(run_id, found, backend)
-    spec = found.spec
+    spec = _changed(found.spec, changes or {})
     options = {**found.backend_options, **(backend_options or {})}
     options, rollout_options = split_options(spec.backend, options)
     rollout_options = {**saved_rollout_options(found.uri), **rollout_options}
@@ -199,9 +202,20 @@ def prepare_resume(
         previous_status=found.previous,
         superseded=superseded,
         fresh_inner=fresh,
+        changed={k: v for k, v in (changes or {}).items() if v != getattr(found.spec, k)},
     )
     return Plan(spec, run_store, executor, spec.entrypoint, policy, info, secret_env,
                 workers=workers, reward_code=reward_code)  # fmt: skip
+
+
+def _changed(spec: RunSpec, changes: Mapping[str, Any]) -> RunSpec:
+    """``spec`` with the options a resume changes; LaunchError for one out of range."""
+    from crf.resumed_options import apply
+
+    try:
+        return apply(spec, changes) if changes else spec
+    except (SpecError, ValueError) as e:
+        raise LaunchError(str(e)) from None
 
 
 def recheck_inputs(spec: RunSpec, store: RunStore) -> bytes | None:
@@ -325,6 +339,7 @@ def claim_resume(plan: Plan, record: layout.LaunchRecord) -> int:
     spec, store, k = plan.spec, plan.store, plan.resume.launch
     record.launch, record.resumed_from_round = k, plan.resume.from_round
     record.superseded_globals = list(plan.resume.superseded)
+    record.changed = dict(plan.resume.changed)
     if not store.put_json_if_absent(layout.launch_key(k), record.opening()):
         raise LaunchError(
             f"another driver is resuming run {spec.run_id} right now ({layout.launch_key(k)} "

@@ -59,6 +59,7 @@ from crf.replica.rounds import (
 )
 from crf.replica.seeds import data_seed_of
 from crf.replica.tracking import new_tracker
+from crf.resumed_options import with_changes
 from crf.spec import RunSpec
 from crf.store import CorruptObjectError, ObjectNotFound, RunStore
 from crf.store.codec import raw_view
@@ -269,7 +270,7 @@ class ReplicaContext:
                 f"(got {rank_text!r}, {world_text!r})"
             ) from None
         store = RunStore(env[layout.ENV_RUN_URI])
-        spec = RunSpec.from_json(store.get(layout.RUN_SPEC))
+        spec = with_changes(store, RunSpec.from_json(store.get(layout.RUN_SPEC)))
         return store, spec, rank, world
 
     # ------------------------------------------------------------------ DiLoCo

@@ -493,7 +493,7 @@ def timed_out(name: str, limit: float) -> RewardTimedOut:
     return RewardTimedOut(
         f"reward {name} did not return within {limit:g}s (--reward-timeout {limit:g}); make "
         "it return sooner (give a call it waits on a timeout of its own) or launch with a "
-        "larger --reward-timeout (0: no limit)"
+        "larger --reward-timeout (0: no limit; a resume takes one too)"
     )
 
 

@@ -383,6 +383,7 @@ def main(environ: Any = None) -> int:
     builds its trainer's model, data and trainer, or one its previous attempt failed with
     too, unless the machine or network failed), so the launcher does not start it again."""
     from crf.replica import logs
+    from crf.resumed_options import with_changes
     from crf.spec import RunSpec
     from crf.store import RunStore
 
@@ -394,7 +395,7 @@ def main(environ: Any = None) -> int:
         worker = _env_int(layout.ENV_WORKER, env)
         world = _env_int(layout.ENV_WORLD_SIZE, env)
         store = RunStore(env[layout.ENV_RUN_URI])
-        spec = RunSpec.from_json(store.get(layout.RUN_SPEC))
+        spec = with_changes(store, RunSpec.from_json(store.get(layout.RUN_SPEC)))
         if not 0 <= worker < max(1, int(getattr(spec, "rollout_workers", 0) or 0)):
             raise ValueError(
                 f"{layout.ENV_WORKER}={worker}, but the run has "
