@@ -41,6 +41,9 @@ RESULT_FIELDS = (
     "bytes_up",
     "bytes_down",
     "sync_s",
+    # the background exchanges' own time: against sync_s, how much of it training hid
+    # (--fragments, --fragment-sync-delay; docs/design.md, "Choosing the delay")
+    "transfer_s",
     "compute_s",
     "bytes_per_round",
     "wire",
