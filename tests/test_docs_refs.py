@@ -79,8 +79,7 @@ def _has_section(page: Path, title: str) -> bool:
     want = _plain(title)
     leads = re.findall(r"^\s*(?:[-*]|\d+\.)?\s*\*\*(.+?)\*\*", _prose(page.read_text()), re.M)
     return any(
-        _plain(h).startswith(want) or want.startswith(_plain(h))
-        for h in [*_headings(page), *leads]
+        _plain(h).startswith(want) or want.startswith(_plain(h)) for h in [*_headings(page), *leads]
     )
 
 
