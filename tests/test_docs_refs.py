@@ -170,3 +170,64 @@ def test_the_option_check_knows_each_kind() -> None:
     assert {"--replicas", "--no-progress", "--store", "--follow", "--merge"} <= crf
     assert {"--wires", "--kinds", "--syncs"} <= bench
     assert not set(OTHER_PROGRAMS) & crf, set(OTHER_PROGRAMS) & crf
+
+
+#: run-folder names the pages show that are not keys of crf/layout.py's tree, and why
+NOT_KEYS: dict[str, str] = {
+    "rounds/<r>/contrib/<rank>#<shard>": "how messages name one shard's frame in a contribution",
+    "global/<r>/state.safetensors": "the one-file global state of runs of earlier versions",
+}
+
+
+def _key_parts(key: str) -> list[str]:
+    """A key's components, each placeholder (``<r>``) and number (``global/2``) as ``<>``."""
+    return [re.sub(r"<[^>]*>|\d+", "<>", part) for part in key.strip("/").split("/")]
+
+
+@cache
+def _layout_keys() -> tuple[tuple[list[str], bool], ...]:
+    """crf/layout.py's tree of the run folder: (components, is a folder) per key."""
+    import crf.layout
+
+    tree = crf.layout.__doc__.split("::", 1)[1]
+    keys = re.findall(r"^    (\S+)\s{2,}", tree, re.M)
+    return tuple((_key_parts(k), k.endswith("/")) for k in keys)
+
+
+def _part_matches(named: str, declared: str) -> bool:
+    pattern = "".join(
+        ".*" if bit == "<>" else re.escape(bit) for bit in re.split(r"(<>)", declared)
+    )
+    return named == "<>" and "<>" in declared or re.fullmatch(pattern, named) is not None
+
+
+def _is_layout_key(key: str) -> bool:
+    """The key, or the folder it names, is in the tree; ``...`` stands for the rest of a key,
+    and anything goes under a folder of the tree (``model/``: the Hugging Face files)."""
+    named = _key_parts(key)
+    if "..." in named:
+        named = named[: named.index("...")]
+    for declared, folder in _layout_keys():
+        head = named[: len(declared)]
+        if len(named) > len(declared) and not folder:
+            continue
+        if all(_part_matches(n, d) for n, d in zip(head, declared)):
+            return True
+    return False
+
+
+def test_every_run_folder_key_the_docs_name_is_in_the_layout() -> None:
+    """crf/layout.py holds the run folder's contract; a key a page names (``results/<rank>.json``,
+    ``launches/<k>/cancel.json``) is one of its keys, so a renamed key is renamed everywhere."""
+    tops = {declared[0] for declared, _ in _layout_keys()}
+    assert {"rounds", "global", "results", "launches", "policy", "code"} <= tops
+    unknown, seen = [], 0
+    for page in PAGES:
+        for key in re.findall(r"`([a-z_.]+/[^`\s]*)`", page.read_text()):
+            if _key_parts(key)[0] not in tops or key in NOT_KEYS:
+                continue
+            seen += 1
+            if not _is_layout_key(key):
+                unknown.append(f"{page.relative_to(ROOT)}: {key}")
+    assert seen >= 50, "the pages' run-folder keys were not found"
+    assert unknown == []
