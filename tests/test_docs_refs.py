@@ -211,7 +211,7 @@ def _is_layout_key(key: str) -> bool:
         head = named[: len(declared)]
         if len(named) > len(declared) and not folder:
             continue
-        if all(_part_matches(n, d) for n, d in zip(head, declared)):
+        if all(_part_matches(n, d) for n, d in zip(head, declared, strict=False)):
             return True
     return False
 

@@ -294,7 +294,7 @@ def test_the_summary_shows_committed_rounds_and_a_setup_failure() -> None:
 
 def test_the_summary_row_shows_the_sync_time_beside_the_transfer_time() -> None:
     """The summary's sync_s against transfer_s says whether the exchange hid behind training
-    (docs/design.md, "Choosing the delay"): both come from the replica's result."""
+    (docs/design.md, "Streaming DiLoCo and overlap"): both come from the replica's result."""
     from crf.results import ReplicaSummary
 
     row = _row({"status": "ok", "sync_s": 0.4, "transfer_s": 3.2}, ReplicaState.SUCCEEDED)

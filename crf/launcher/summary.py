@@ -42,7 +42,7 @@ RESULT_FIELDS = (
     "bytes_down",
     "sync_s",
     # the background exchanges' own time: against sync_s, how much of it training hid
-    # (--fragments, --fragment-sync-delay; docs/design.md, "Choosing the delay")
+    # (docs/design.md, "Streaming DiLoCo and overlap")
     "transfer_s",
     "compute_s",
     "bytes_per_round",
