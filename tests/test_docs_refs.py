@@ -231,3 +231,40 @@ def test_every_run_folder_key_the_docs_name_is_in_the_layout() -> None:
                 unknown.append(f"{page.relative_to(ROOT)}: {key}")
     assert seen >= 50, "the pages' run-folder keys were not found"
     assert unknown == []
+
+
+def _job_knobs() -> set[str]:
+    """Every knob a built-in job takes with ``--set``, and ``trl.FIELD`` for each field of
+    the TRL config a job's trl table takes (GRPOConfig for composer, SFTConfig for sft)."""
+    import dataclasses
+
+    from trl import GRPOConfig, SFTConfig
+
+    from crf.replica.jobs import JOBS, job_config
+
+    knobs = {f.name for job in JOBS for f in dataclasses.fields(job_config(job, {}))}
+    trl = {f.name for config in (GRPOConfig, SFTConfig) for f in dataclasses.fields(config)}
+    return knobs | {f"trl.{name}" for name in trl}
+
+
+def test_every_set_and_backend_option_the_docs_name_exists() -> None:
+    """``--set KEY=VALUE`` names a job's knob (or ``trl.FIELD`` a TRL config's field) and
+    ``-o KEY=VALUE`` a backend's option, as the command line would take them."""
+    from crf.executors.registry import BACKENDS, executor_class, option_names
+
+    knobs = _job_knobs()
+    backend_options = {o for b in BACKENDS for o in option_names(executor_class(b))}
+    backend_options |= {f"rollout_{o}" for o in backend_options}  # the workers' own
+    unknown, seen = [], 0
+    for page in PAGES:
+        text = page.read_text()
+        for key in re.findall(r"--set ([a-z_][\w.]*)=", text):
+            seen += 1
+            if key not in knobs and key != "key" and key == key.lower():  # FIELD: a placeholder
+                unknown.append(f"{page.relative_to(ROOT)}: --set {key}")
+        for key in re.findall(r"(?<![\w-])-o ([a-z_]+)=", text):
+            seen += 1
+            if key not in backend_options:
+                unknown.append(f"{page.relative_to(ROOT)}: -o {key}")
+    assert seen >= 40, "the pages' --set and -o settings were not found"
+    assert unknown == []
