@@ -1,8 +1,11 @@
 """What README.md and the pages under docs/ point a reader to is there: each link's
-``#anchor`` is a heading of the page it links, each section a page names in quotes
+``#anchor`` is a heading of the page it links; each section a page names in quotes
 (``docs/faults.md, "Limits (known, and what would lift them)"``, ``see "Held-out evaluation"``)
-is a heading of that page, and each ``--option`` the prose names is an option of a ``crf``
-command, of a ``bench/`` script, or of another tool the page shows.
+is a heading of that page; each ``--option`` the prose names is an option of a ``crf``
+command, of a ``bench/`` script, or of another program the page shows; each ``--set KEY=``
+a built-in job's knob (or ``trl.FIELD`` a field of TRL's config) and each ``-o KEY=`` a
+backend's option; each run-folder key (``launches/<k>/cancel.json``) a key of crf/layout.py's
+tree.
 
 tests/test_packaging.py checks that each relative link's file exists, tests/test_docs_commands.py
 runs the commands of the code blocks, and docs/cli.md is generated from the code
