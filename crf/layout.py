@@ -39,6 +39,10 @@ Layout of one run folder::
     faults/<tag>                              a fault-injection spec that has fired (tests)
     code/crf-<sha>.tar.gz                     the crf source cloud containers fetch and run
     code/workdir-<sha>.tar.gz                 the user's --workdir, unpacked for every replica
+    code/rewards-<sha>.json                   the reward modules a local launch checked, which
+                                              each replica imports (no --workdir)
+    logs/replica-<rank>.log                   local backend: a replica's output (crf logs)
+    workdir/<rank>/                           local backend: a replica's copy of --workdir
     policy/base/<r>                           rollout workers: the global weights of round r
     policy/<rank>/<step>                      trainer rank's policy after <step> inner steps
                                               (a delta against policy/base/<round>)

@@ -80,6 +80,8 @@ class ReplicaSummary(_Typed):
     bytes_up: int | None = None
     bytes_down: int | None = None
     sync_s: float | None = None
+    #: the background exchanges' own time (sync_s well below it: the exchange was hidden)
+    transfer_s: float | None = None
     compute_s: float | None = None
     restarts: int = 0
     job_metrics: dict[str, Any] = field(default_factory=dict)

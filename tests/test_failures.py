@@ -292,6 +292,17 @@ def test_the_summary_shows_committed_rounds_and_a_setup_failure() -> None:
     assert resumed["failure"] is None and _rounds_text(resumed, 2) == "2/2"
 
 
+def test_the_summary_row_shows_the_sync_time_beside_the_transfer_time() -> None:
+    """The summary's sync_s against transfer_s says whether the exchange hid behind training
+    (docs/design.md, "Streaming DiLoCo and overlap"): both come from the replica's result."""
+    from crf.results import ReplicaSummary
+
+    row = _row({"status": "ok", "sync_s": 0.4, "transfer_s": 3.2}, ReplicaState.SUCCEEDED)
+    assert (row["sync_s"], row["transfer_s"]) == (0.4, 3.2)
+    typed = ReplicaSummary.from_dict(row)
+    assert typed.transfer_s == 3.2 and typed.to_dict() == row
+
+
 def test_a_replica_dead_before_its_first_record_missed_every_round() -> None:
     from crf.launcher.summary import build_summary
     from crf.spec import RunSpec

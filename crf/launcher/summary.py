@@ -41,6 +41,9 @@ RESULT_FIELDS = (
     "bytes_up",
     "bytes_down",
     "sync_s",
+    # the background exchanges' own time: against sync_s, how much of it training hid
+    # (docs/design.md, "Streaming DiLoCo and overlap")
+    "transfer_s",
     "compute_s",
     "bytes_per_round",
     "wire",
