@@ -63,3 +63,19 @@ def test_the_sdk_resume_takes_the_limits_and_refuses_the_rest(tmp_path) -> None:
         crf.resume("r", store=str(tmp_path), rounds=3, reward_timeout=60)
     with pytest.raises(LaunchError, match="nothing to resume at"):
         crf.resume("r", store=str(tmp_path), reward_timeout=60)
+
+
+def test_a_resumes_dry_run_says_where_it_continues_and_what_it_changes(tmp_path) -> None:
+    base = tmp_path / "runs"
+    store = RunStore(f"file://{base}/old")
+    spec = RunSpec(run_id="old", run_uri=store.uri, job="lm", replicas=2).validate()
+    store.put_if_absent(layout.RUN_SPEC, spec.to_json().encode())
+    result = CliRunner().invoke(
+        app, ["launch", "--store", str(base), "--resume", "old", "--reward-timeout", "1800",
+              "--dry-run"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.replace("│", " ").split())
+    assert "resume starts over (the run committed no round), as launch 1" in said, said
+    assert "--reward-timeout 1800 from this launch on" in said, said
+    assert layout.launch_numbers(store) == []  # a dry run writes nothing

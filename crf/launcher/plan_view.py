@@ -36,6 +36,25 @@ _TRACKERS = {
 }
 
 
+def resume_text(plan: Plan) -> str:
+    """What a resume continues from, and the limits it changes (crf/resumed_options.py)."""
+    from crf.spec import run_options
+
+    info = plan.resume
+    assert info is not None
+    if info.from_round is None:
+        text = "starts over (the run committed no round)"
+    else:
+        text = f"continues from round {info.from_round}'s saved state"
+    text += f", as launch {info.launch}"
+    if info.previous_status:
+        text += f" (the last one ended {info.previous_status})"
+    declared = run_options()
+    for name, value in info.changed.items():
+        text += f"; {declared[name].flag} {value:g} from this launch on"
+    return text
+
+
 def plan_rows(plan: Plan, bp: BackendPlan | None = None) -> Rows:
     """The dry run's table as (key, value) rows, in the order they are shown (``bp``: the
     executor's ``describe`` of the plan, asked for here when not given)."""
@@ -49,6 +68,8 @@ def plan_rows(plan: Plan, bp: BackendPlan | None = None) -> Rows:
         ("replicas", str(bp.replicas)),
         ("procs per replica", local_ranks.label(spec.procs_per_replica, spec.local_parallel)),
     ]
+    if plan.resume is not None:
+        rows.append(("resume", resume_text(plan)))
     idle = idle_gpus(plan)
     if idle:
         rows.append(("warning", idle))
