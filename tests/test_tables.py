@@ -244,6 +244,25 @@ def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) ->
     assert shown(0, 6) == [*every, "replica 0 round 6 (7/8)"]
 
 
+def test_plain_reporter_shows_the_step_a_round_closed_at() -> None:
+    """A heartbeat is read a moment after its round closed, when the replica has trained on:
+    the round's line shows the step the round closed at (as its record has it), not the one
+    the replica has reached since; a heartbeat written before it said shows its step."""
+    from crf import layout
+    from crf.replica.rounds import heartbeat_fields
+
+    record = layout.RoundMetrics(round=0, rank=1, loss=0.5, step=2, sync_s=0.1)
+    beat = Heartbeat(rank=1, phase="training", step=3, **heartbeat_fields(record))
+    out = io.StringIO()
+    rep = PlainReporter(Console(file=out, width=80), rounds=2)
+    running = ReplicaStatus(ReplicaState.RUNNING)
+    rep.update([ReplicaView(1, running, beat)])
+    rep.update([ReplicaView(0, running, _beat(0, "lm", last_round=0, step=7))])
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "replica 1 round 0 (1/2) step 2 loss 0.5000 sync 0.1s"
+    assert lines[1].startswith("replica 0 round 0 (1/2) step 7 ")  # an older heartbeat
+
+
 def test_heartbeat_round_fields_round_trip() -> None:
     beat = _beat(0, "composer", round_rejected=1)
     again = Heartbeat.from_dict(beat.to_dict())

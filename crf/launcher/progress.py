@@ -323,7 +323,8 @@ def round_line(rank: int, hb: Heartbeat, rounds: int) -> str:
     """``replica 0 round 2 (3/3) step 12 loss 0.6931 reward 0.412 sync 0.3s``: one replica's
     finished round (numbered from 0, as in the run folder; then how many of the run's)."""
     r = hb.last_round if hb.last_round is not None else 0
-    parts = [f"replica {rank} round {r} ({r + 1}/{rounds})", f"step {hb.step}"]
+    step = hb.round_step if hb.round_step is not None else hb.step  # older heartbeats: now's
+    parts = [f"replica {rank} round {r} ({r + 1}/{rounds})", f"step {step}"]
     parts.append(f"loss {fmt_loss(hb.round_loss)}")
     for name, header, _ in _HEADLINE:
         if name in hb.round_metrics:
