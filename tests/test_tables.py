@@ -263,6 +263,23 @@ def test_plain_reporter_shows_the_step_a_round_closed_at() -> None:
     assert lines[1].startswith("replica 0 round 0 (1/2) step 7 ")  # an older heartbeat
 
 
+def test_a_replica_log_gets_no_progress_bars() -> None:
+    """A replica's output is a log file: the libraries' progress bars (transformers' "Writing
+    model shards", datasets' map under TRL) are off in its process, unless its environment
+    asks for them."""
+    code = (
+        "from crf.replica import logs; logs.configure('0')\n"
+        "from datasets.utils import logging as d; import transformers.utils.logging as t\n"
+        "print(d.is_progress_bar_enabled(), t.is_progress_bar_enabled())"
+    )
+    env = {k: v for k, v in _cli_env().items() if "PROGRESS_BARS" not in k}
+    env["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "0"  # datasets' bars asked for; not the hub's
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.stdout.split() == ["True", "False"], proc.stderr
+
+
 def test_heartbeat_round_fields_round_trip() -> None:
     beat = _beat(0, "composer", round_rejected=1)
     again = Heartbeat.from_dict(beat.to_dict())
