@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,6 +116,9 @@ def test_detach_then_status_logs_and_runs(tmp_path: Path, script: Path) -> None:
              for r in (0, 1)]  # fmt: skip
     assert result["ended_at"] == max(b["updated_at"] for b in beats)
     assert result["wall_s"] == round(result["ended_at"] - result["started_at"], 3)
+    # and the table above it says the same time, not the time since the run started
+    shown = re.search(r"2/2 done, (\d+)s,", out)
+    assert shown and abs(int(shown[1]) - result["wall_s"]) <= 1, out
 
     code, out = crf("runs", "--store", str(base))
     assert code == 0 and "det" in out and "ok" in out

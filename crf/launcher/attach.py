@@ -341,15 +341,23 @@ def _last_beat(run: AttachedRun) -> float | None:
     status`` an hour later), and its wall time is the replicas', not the time until then."""
     from crf.launcher.liveness import read_heartbeat
 
-    started = float(run.launch_record.get("started_at") or 0)
     beats = []
     for h in run.handles:
         with contextlib.suppress(Exception):  # unreadable: it says nothing of the end
-            beat = read_heartbeat(run.store, h.rank)
-            updated = beat.updated_at if beat is not None else None
-            if isinstance(updated, int | float) and started <= updated <= time.time():
-                beats.append(float(updated))
-    return max(beats) if beats else None
+            beats.append(read_heartbeat(run.store, h.rank))
+    return last_beat(beats, float(run.launch_record.get("started_at") or 0))
+
+
+def last_beat(beats: Iterable[layout.Heartbeat | None], started: float) -> float | None:
+    """The newest of ``beats``' updates since ``started`` (None when none is)."""
+    times = [
+        float(b.updated_at)
+        for b in beats
+        if b is not None
+        and isinstance(b.updated_at, int | float)
+        and started <= b.updated_at <= time.time()
+    ]
+    return max(times, default=None)
 
 
 def _replica_lines(
