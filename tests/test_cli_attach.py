@@ -151,6 +151,8 @@ def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path
     assert (base / "long" / "launches" / "0" / "cancel.json").exists()
     code, out = crf("status", "long", "--store", str(base))
     assert code == 130 and "cancelled" in out
+    # the replicas' table says so too, not "failed" over a summary that says "cancelled"
+    assert "failed" not in out, out
 
 
 def test_status_of_an_unknown_run_says_how_to_find_runs(tmp_path: Path) -> None:

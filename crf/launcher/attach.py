@@ -91,7 +91,28 @@ class AttachedRun:
 
                 st = ReplicaStatus(ReplicaState.FAILED, None, f"status unavailable: {e}")
             out.append((h, st, read_heartbeat(self.store, h.rank)))
-        return out
+        return self._cancelled_as_recorded(out)
+
+    def _cancelled_as_recorded(
+        self, rows: list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]
+    ) -> list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]:
+        """A replica stopped by a cancel is a process killed by a signal to its backend, so
+        a failed one: shown as ``cancelled`` where this launch's summary records it so, or
+        the table would contradict the summary printed under it."""
+        from crf.executors.base import ReplicaState
+
+        failed = ReplicaState.FAILED
+        result = self.result() if any(st.state is failed for _, st, _ in rows) else None
+        if result is None:
+            return rows
+        recorded = {r.get("rank"): r.get("state") for r in result.get("replicas") or ()}
+        cancelled = ReplicaState.CANCELLED
+        return [
+            (h, dataclasses.replace(st, state=cancelled), beat)
+            if st.state is failed and recorded.get(h.rank) == str(cancelled)
+            else (h, st, beat)
+            for h, st, beat in rows
+        ]
 
     def _recorded_status(self, handle: ReplicaHandle, refused: MissingAccess) -> ReplicaStatus:
         """A replica's state when the backend refuses this process (no, wrong or expired
