@@ -244,6 +244,29 @@ def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) ->
     assert shown(0, 6) == [*every, "replica 0 round 6 (7/8)"]
 
 
+def test_a_resumed_launch_prints_none_of_the_stopped_launchs_rounds(tmp_path) -> None:
+    """A resumed launch continues from round 5: the stopped launch's heartbeats (still in
+    the store until the new replicas write theirs) and a resumed replica's first one (which
+    shows round 4, the round it continues from) print nothing; round 5 prints when it closes
+    again, once."""
+    started = NOW - 10
+    out = io.StringIO()
+    rep = PlainReporter(Console(file=out, width=80), 8, None, 5, started)
+    running = ReplicaStatus(ReplicaState.RUNNING)
+
+    def polled(**kw: Any) -> None:
+        rep.update([ReplicaView(0, running, _beat(0, "lm", **kw))])
+
+    polled(last_round=5, step=30, updated_at=started - 60)  # the stopped launch's
+    polled(last_round=4, step=25, updated_at=started + 5)  # resumed: where it continues
+    assert out.getvalue() == ""
+    polled(last_round=5, step=30, updated_at=started + 9)
+    polled(last_round=5, step=31, updated_at=started + 10)
+    assert [line.split(" step")[0] for line in out.getvalue().splitlines()] == [
+        "replica 0 round 5 (6/8)"
+    ]
+
+
 def test_plain_reporter_shows_the_step_a_round_closed_at() -> None:
     """A heartbeat is read a moment after its round closed, when the replica has trained on:
     the round's line shows the step the round closed at (as its record has it), not the one

@@ -242,7 +242,9 @@ class PlainReporter:
     :class:`~crf.layout.RoundMetrics`, or None) and printed in order. ``first_round`` is the
     first round this launch closes (after a resume, the one after the round it continues
     from), so a resumed run does not print the earlier launches' rounds again; None (a
-    watcher that attached to a running run) starts at the round it first sees."""
+    watcher that attached to a running run) starts at the round it first sees. ``since``
+    (the launch's start) leaves out the heartbeats written before it: the stopped launch's,
+    still in the store until a resumed replica writes its first."""
 
     def __init__(
         self,
@@ -250,18 +252,29 @@ class PlainReporter:
         rounds: int,
         records: Callable[[int, int], layout.RoundMetrics | None] | None = None,
         first_round: int | None = 0,
+        since: float | None = None,
     ) -> None:
         self.console = console
         self.rounds = rounds
         self.records = records
         self.first_round = first_round
+        self.since = since
         self.last_round: dict[int, int | None] = {}
         self.ended: set[int] = set()
+
+    def _news(self, hb: Heartbeat) -> bool:
+        """Whether ``hb`` shows a round of this launch: written since it started, and not a
+        round before its first (a resumed replica shows the round it continues from)."""
+        if hb.last_round is None:
+            return False
+        if self.since is not None and hb.updated_at < self.since:
+            return False
+        return self.first_round is None or hb.last_round >= self.first_round
 
     def update(self, views: Sequence[ReplicaView]) -> None:
         for v in views:
             hb = v.heartbeat
-            if hb is not None and hb.last_round is not None:
+            if hb is not None and hb.last_round is not None and self._news(hb):
                 shown = self.last_round.get(v.rank)
                 if shown != hb.last_round:
                     self.last_round[v.rank] = hb.last_round

@@ -399,7 +399,7 @@ def watch(
     elif progress:
         resumed = plan.resume.from_round if plan.resume is not None else None
         first = 0 if resumed is None else resumed + 1
-        plain = PlainReporter(console, spec.rounds, round_records(store), first)
+        plain = PlainReporter(console, spec.rounds, round_records(store), first, started)
 
     def refresh() -> bool:
         views = []
