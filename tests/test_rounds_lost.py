@@ -46,3 +46,36 @@ def test_a_cancel_after_every_replica_reported_ok_stopped_nothing() -> None:
     assert run_status(stopped, {}, cancelled=True, error=None)[0] == "cancelled"
     silent = [{"ok": True, "reported_status": None}] * 2  # exit 0, no result of its own
     assert run_status(silent, {}, cancelled=True, error=None)[0] == "cancelled"
+
+
+def test_a_cancelled_run_s_replicas_missed_no_round_it_never_reached() -> None:
+    """Cancelled in round 5 of 8: replica 0 committed rounds 0-5, replica 1 rounds 0-4 (it
+    was still training round 5). Neither missed rounds 6 and 7, which the run never got
+    to; replica 1 missed round 5, which replica 0 committed."""
+    from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState
+    from crf.launcher.summary import build_summary
+    from crf.spec import RunSpec
+
+    spec = RunSpec(run_id="c", run_uri="memory://c", replicas=2, rounds=8)
+    metrics = {0: [_record(r, True) for r in range(6)], 1: [_record(r, True) for r in range(5)]}
+    results = [
+        ReplicaResult(
+            handle=ReplicaHandle(
+                backend="local",
+                run_id="c",
+                rank=rank,
+                backend_id=str(rank),
+                run_uri="memory://c",
+                world_size=2,
+            ),
+            state=ReplicaState.CANCELLED,
+            exit_code=None,
+            result=None,
+            error="cancelled",
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    summary = build_summary(spec=spec, results=results, started_at=0.0, cancelled=True,
+                            metrics=metrics)  # fmt: skip
+    assert [row["rounds_missed"] for row in summary["replicas"]] == [[], [5]]
+    assert summary["rounds_lost"] == []

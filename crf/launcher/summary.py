@@ -274,7 +274,8 @@ def build_summary(
         replica_row(
             r,
             (log_tails or {}).get(r.rank, ()),
-            rounds=spec.rounds if any(metrics.values()) else None,  # no record: their counts
+            # rounds the run got to; no record: the replicas' own counts
+            rounds=min(spec.rounds, last_reached(metrics) + 1) if any(metrics.values()) else None,
             metrics=metrics.get(r.rank),
             attempts=attempts.get(r.rank, ()),
             restarts=(restarts or {}).get(r.rank, 0),
@@ -387,6 +388,13 @@ def never_exchanged(
     )
 
 
+def last_reached(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> int:
+    """The last round any replica recorded (0 when none did): the rounds after it were never
+    reached (a cancelled or failed run), so no replica missed them and nobody lost them."""
+    recorded = [m.get("round") for ms in metrics.values() for m in ms]
+    return max((r for r in recorded if isinstance(r, int)), default=0)
+
+
 def run_problems(
     rows: Sequence[Mapping[str, Any]],
     reported: Sequence[Rejection],
@@ -400,8 +408,7 @@ def run_problems(
     committed &= set(range(rounds))
     # a round is lost when the run got to it and nobody committed it; the rounds after the
     # last one any replica recorded were never reached (a cancelled or failed run), not lost
-    recorded = [m.get("round") for ms in metrics.values() for m in ms]
-    reached = max((r for r in recorded if isinstance(r, int)), default=0)
+    reached = last_reached(metrics)
     all_rejected = layout.rejected_keys(reported)
     syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
     fatal = next(
