@@ -167,6 +167,8 @@ def test_summary_table_fits_80_columns(job: str, faults: bool) -> None:
     if faults:
         assert {"missed", "restarts", "rejected"} <= set(header)
     assert "last round" in text  # the same "loss" as the live table
+    # a restarted replica's traffic and time are its last process's, and the table says so
+    assert ("last process only" in " ".join(text.split())) is faults
 
 
 def test_plain_reporter_one_line_per_replica_round_and_event() -> None:

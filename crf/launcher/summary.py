@@ -558,6 +558,10 @@ def replica_table(summary: Mapping[str, Any], width: int = 80) -> Table:
     caption = "loss, reward: means over the last round; exact: held-out exact match at the end"
     if not any(m.get(k) is not None for m in jm for k, _, _ in _SUMMARY_HEADLINE):
         caption = "loss: mean over each replica's last round"
+    if summary.get("launch") or any(row.get("restarts") for row in rows):
+        # a replica's own counters start again with each process; rounds come from the
+        # run's records
+        caption += "; sent, recv, compute, sync: each replica's last process only"
     return fit_table(cols, width, title=f"crf run {summary['run_id']}: summary", caption=caption)
 
 
