@@ -79,3 +79,38 @@ def test_a_cancelled_run_s_replicas_missed_no_round_it_never_reached() -> None:
                             metrics=metrics)  # fmt: skip
     assert [row["rounds_missed"] for row in summary["replicas"]] == [[], [5]]
     assert summary["rounds_lost"] == []
+
+
+def test_a_replica_that_fails_right_after_a_round_still_records_it(tmp_path) -> None:
+    """The round's last step synced (the round is committed), then the job failed before its
+    ``log_step`` (the composer's held-out evaluation calls the rewards there): the round's
+    record is still written, so the summary does not call it committed by nobody."""
+    import json
+
+    import pytest
+    import torch
+
+    from crf.replica.context import ReplicaContext
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+
+    store = RunStore(str(tmp_path / "run"))
+    spec = RunSpec(run_id="run", run_uri=store.uri, replicas=1, sync_every=2, rounds=3)
+    store.put("run.json", spec.to_json().encode())
+    ctx = ReplicaContext(store, spec, 0, 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="the reward raised"), ctx, ctx.diloco(model, opt):
+        while True:
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # the round's last step syncs here
+            if ctx.step == 2:
+                raise ValueError("the reward raised")
+            ctx.log_step(loss=loss.item())
+    record = json.loads((tmp_path / "run" / "metrics" / "0" / "0.json").read_text())
+    assert record["committed"] is True and record["step"] == 2
+    metrics = {0: [record]}
+    assert run_problems([], [], metrics, rounds=3)["rounds_lost"] == []
