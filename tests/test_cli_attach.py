@@ -155,6 +155,29 @@ def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path
     assert "failed" not in out, out
 
 
+def test_status_of_an_ended_run_shows_its_restarts_and_exit_codes(
+    tmp_path: Path, script: Path
+) -> None:
+    """Replica 1 is killed once and restarted by the driver: `crf status` from another
+    process (whose backend knows neither the driver's restarts nor the exit codes of
+    processes it did not start) shows them as the summary records them."""
+    marker = tmp_path / "killed"
+    killer = tmp_path / "killer.py"
+    killer.write_text(
+        "import os, signal\n"
+        f"if os.environ['CRF_RANK'] == '1' and not os.path.exists({str(marker)!r}):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n" + script.read_text()
+    )
+    base = tmp_path / "runs"
+    code, out = _launch(base, killer, "re")
+    assert code == 0 and marker.exists(), out
+    code, out = crf("status", "re", "--store", str(base), "--json")
+    assert code == 0, out
+    replicas = json.loads(out)["replicas"]
+    assert [(r["restarts"], r["exit_code"]) for r in replicas] == [(0, 0), (1, 0)], replicas
+
+
 def test_status_of_an_unknown_run_says_how_to_find_runs(tmp_path: Path) -> None:
     code, out = crf("status", "nope", "--store", str(tmp_path))
     assert code == 2 and "no run 'nope'" in out and "crf runs" in out

@@ -91,28 +91,37 @@ class AttachedRun:
 
                 st = ReplicaStatus(ReplicaState.FAILED, None, f"status unavailable: {e}")
             out.append((h, st, read_heartbeat(self.store, h.rank)))
-        return self._cancelled_as_recorded(out)
+        return self._as_recorded(out)
 
-    def _cancelled_as_recorded(
+    def _as_recorded(
         self, rows: list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]
     ) -> list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]:
-        """A replica stopped by a cancel is a process killed by a signal to its backend, so
-        a failed one: shown as ``cancelled`` where this launch's summary records it so, or
-        the table would contradict the summary printed under it."""
+        """Once every replica has ended and this launch's summary is written, each one's
+        exit code and restarts as the summary records them (a backend asked from another
+        process knows no exit code of a process it did not start, nor the driver's
+        restarts), and ``cancelled`` where the summary says so (a replica stopped by a
+        cancel is, to its backend, a process killed by a signal): the table would otherwise
+        contradict the summary printed under it."""
         from crf.executors.base import ReplicaState
 
-        failed = ReplicaState.FAILED
-        result = self.result() if any(st.state is failed for _, st, _ in rows) else None
+        result = self.result() if all(st.terminal for _, st, _ in rows) else None
         if result is None:
             return rows
-        recorded = {r.get("rank"): r.get("state") for r in result.get("replicas") or ()}
-        cancelled = ReplicaState.CANCELLED
-        return [
-            (h, dataclasses.replace(st, state=cancelled), beat)
-            if st.state is failed and recorded.get(h.rank) == str(cancelled)
-            else (h, st, beat)
-            for h, st, beat in rows
-        ]
+        recorded = {r.get("rank"): r for r in result.get("replicas") or ()}
+        out = []
+        for h, st, beat in rows:
+            row = recorded.get(h.rank) or {}
+            code = row.get("exit_code")
+            restarts = row.get("restarts")
+            st = dataclasses.replace(
+                st,
+                exit_code=st.exit_code if code is None else code,
+                restarts=max(st.restarts, restarts if isinstance(restarts, int) else 0),
+            )
+            if st.state is ReplicaState.FAILED and row.get("state") == "cancelled":
+                st = dataclasses.replace(st, state=ReplicaState.CANCELLED)
+            out.append((h, st, beat))
+        return out
 
     def _recorded_status(self, handle: ReplicaHandle, refused: MissingAccess) -> ReplicaStatus:
         """A replica's state when the backend refuses this process (no, wrong or expired
