@@ -176,6 +176,12 @@ def test_status_of_an_ended_run_shows_its_restarts_and_exit_codes(
     assert code == 0, out
     replicas = json.loads(out)["replicas"]
     assert [(r["restarts"], r["exit_code"]) for r in replicas] == [(0, 0), (1, 0)], replicas
+    # the table's time is the summary's wall time (here made 100 s), not its replicas'
+    path = base / "re" / "result.json"
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "ended_at": result["started_at"] + 100.0}))
+    code, out = crf("status", "re", "--store", str(base))
+    assert code == 0 and "2/2 done, 100s," in out, out
 
 
 def test_status_of_an_unknown_run_says_how_to_find_runs(tmp_path: Path) -> None:
