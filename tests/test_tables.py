@@ -102,6 +102,22 @@ def test_progress_table_keeps_more_columns_when_wide() -> None:
     assert {"step", "exact", "sync", "beat", "phase"} <= set(header.split())
 
 
+def test_progress_title_uses_the_terminal_width() -> None:
+    """The title (run, time, held-out score) is one line on a wide terminal, not wrapped at
+    the table's narrower width."""
+    beats = [
+        _beat(r, "composer", round_metrics={"eval/n": 32.0, "eval/of": 64.0, "eval/pass": 3.0})
+        for r in range(2)
+    ]
+    views = [ReplicaView(r, ReplicaStatus(ReplicaState.RUNNING), beats[r]) for r in range(2)]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_progress(views, run_id="a-long-run-id-of-a-run", rounds=20,
+                                  sync_every=8, elapsed_s=1, now=NOW, width=200))  # fmt: skip
+    title = _lines(console)[0]
+    assert title.startswith("crf run a-long-run-id-of-a-run: 0/2 done")
+    assert title.rstrip().endswith("(round 11, 64/64 rows)"), _lines(console)
+
+
 def test_progress_table_reads_old_heartbeats() -> None:
     """A heartbeat written before it carried the round's metrics still renders (its loss is
     shown as absent, not as the last step's)."""

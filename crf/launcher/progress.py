@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich import box
-from rich.console import Console, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -161,8 +161,9 @@ def render_progress(
     elapsed_s: float,
     now: float | None = None,
     width: int = 80,
-) -> Table:
-    """Build the table for one refresh of the live display, fitted to ``width`` columns."""
+) -> Group:
+    """Build the table for one refresh of the live display, fitted to ``width`` columns, with
+    its title above it (the run, how many replicas are done, the time, the held-out score)."""
     now = time.time() if now is None else now
     done = sum(v.status.terminal for v in views)
     beats = [v.heartbeat for v in views]
@@ -184,13 +185,14 @@ def render_progress(
         restarts = [Text(str(v.restarts) if v.restarts else "-", style="yellow") for v in views]
         cols.append(Column("restarts", restarts, keep=70))
     title = f"crf run {run_id}: {done}/{len(views)} done, {elapsed_s:.0f}s, H={sync_every}"
-    return fit_table(
+    table = fit_table(
         cols,
         width,
-        title=title + held_out_headline(beats),
         caption=("loss, reward" if any(c.header == "reward" for c in cols) else "loss")
         + ": means over the replica's last finished round",
     )
+    # the title above the table, not in it: a table's title wraps at the table's width
+    return Group(Text(title + held_out_headline(beats)), table)
 
 
 #: the job metrics a table shows when the replicas log them: (name, header, priority)
