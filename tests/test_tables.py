@@ -118,6 +118,20 @@ def test_progress_title_uses_the_terminal_width() -> None:
     assert title.rstrip().endswith("(round 11, 64/64 rows)"), _lines(console)
 
 
+def test_a_replica_without_a_heartbeat_yet_is_starting() -> None:
+    """Its process runs but has written no heartbeat (it imports, loads its model): the
+    phase says so rather than nothing; a process not started yet has no phase."""
+    views = [
+        ReplicaView(0, ReplicaStatus(ReplicaState.RUNNING), None),
+        ReplicaView(1, ReplicaStatus(ReplicaState.PENDING), None),
+    ]
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(render_progress(views, run_id="r", rounds=4, sync_every=2, elapsed_s=1,
+                                  now=NOW, width=160))  # fmt: skip
+    rows = [line.split() for line in _lines(console) if line.strip()[:1].isdigit()]
+    assert [row[:3] for row in rows] == [["0", "running", "starting"], ["1", "pending", "-"]]
+
+
 def test_progress_table_reads_old_heartbeats() -> None:
     """A heartbeat written before it carried the round's metrics still renders (its loss is
     shown as absent, not as the last step's)."""

@@ -170,7 +170,7 @@ def render_progress(
     cols = [
         Column("rank", [str(v.rank) for v in views], keep=100),
         Column("process", [process_text(v.status) for v in views], keep=90, justify="left"),
-        Column("phase", [_phase_text(hb) for hb in beats], keep=40, justify="left"),
+        Column("phase", [_phase_text(v) for v in views], keep=40, justify="left"),
         Column("round", [_round_text(hb, rounds) for hb in beats], keep=95),
         Column("step", [str(hb.step) if hb else "-" for hb in beats], keep=60),
         Column("loss", [fmt_loss(hb.round_loss if hb else None) for hb in beats], keep=80),
@@ -214,8 +214,13 @@ def held_out_headline(beats: Sequence[Heartbeat | None]) -> str:
     return f", held-out pass@1 {p.passed / p.n:.3f} (round {r}, {p.n}/{p.of} rows)"
 
 
-def _phase_text(hb: Heartbeat | None) -> Text:
-    phase = hb.phase if hb else "-"
+def _phase_text(v: ReplicaView) -> Text:
+    """The replica's phase; before its first heartbeat, ``starting`` while its process runs
+    (it is importing, loading its model: what its first heartbeat will say too)."""
+    if v.heartbeat is not None:
+        phase = v.heartbeat.phase
+    else:
+        phase = "starting" if v.status.state is ReplicaState.RUNNING else "-"
     return Text(phase, style=_PHASE_STYLE.get(phase, ""))
 
 
