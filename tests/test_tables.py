@@ -201,6 +201,20 @@ def test_summary_table_fits_80_columns(job: str, faults: bool) -> None:
     assert ("last process only" in " ".join(text.split())) is faults
 
 
+def test_a_cancelled_replicas_rounds_come_from_the_run_records() -> None:
+    """A replica stopped by a cancel wrote no result of its own: its rounds are the ones the
+    run's records say it committed, not "-"."""
+    row = {"rank": 0, "state": "cancelled", "exit_code": None, "ok": False,
+           "rounds_committed": None, "rounds_trained": 5, "rounds_missed": [],
+           "restarts": 0, "error": "cancelled"}  # fmt: skip
+    summary = {"run_id": "c", "rounds": 8, "replicas": [row], "status": "cancelled",
+               "weights_identical": False}  # fmt: skip
+    console = Console(width=80, record=True, file=io.StringIO())
+    render_summary(summary, console)
+    row_line = next(line for line in _lines(console) if line.strip().startswith("0 "))
+    assert "5/8" in row_line.split(), row_line
+
+
 def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
     """Off a terminal: a line when a replica's heartbeat shows a newly finished round, none
     when it shows the same one again, and one when a replica ends or a round refused

@@ -465,10 +465,11 @@ def _exit_text(row: dict[str, Any]) -> Text:
 
 def _rounds_text(row: dict[str, Any], rounds: Any) -> str:
     """Committed rounds: the replica's own count, or - when it ran in several attempts (a
-    restart, a resume) - the whole run's count from its per-round metrics."""
+    restart, a resume) or reported none (cancelled, killed) - the whole run's count from its
+    per-round metrics."""
     committed = row.get("rounds_committed")
     several = row.get("restarts") or row.get("resumed_from") is not None
-    if several and isinstance(row.get("rounds_trained"), int):
+    if (several or committed is None) and isinstance(row.get("rounds_trained"), int):
         committed = row["rounds_trained"]
     return f"{committed}/{rounds}" if committed is not None else "-"
 
