@@ -231,7 +231,8 @@ def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
         rep.update([ReplicaView(0, running, r0), ReplicaView(1, s1, r1)])
 
     polled(None, starting)
-    assert out.getvalue() == ""
+    assert out.getvalue() == "replica 1 starting: loading its model and data\n"
+    out.truncate(0), out.seek(0)
     r0 = _beat(0, "composer", last_round=0, step=4, round_loss=0.5)
     polled(r0, starting)
     polled(r0, starting)  # the same round again: no new line
@@ -251,6 +252,36 @@ def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
     assert "replica 1 round 1: rejected 2 object(s) (never averaged)" in lines
     assert "replica 1 ended: succeeded" in lines
     assert all("reward" not in line for line in lines if line.startswith("replica 1 round"))
+
+
+def test_plain_reporter_says_when_a_replica_starts_trains_and_saves() -> None:
+    """Off a terminal, what a replica does before its first round closes (minutes of model
+    loading) shows too: a line the first time each replica attempt is seen starting,
+    training, healing or saving, none for the phases of every round; a restarted replica
+    starts again; the stopped launch's heartbeat (before ``since``) says nothing."""
+    out = io.StringIO()
+    rep = PlainReporter(Console(file=out, width=80), 3, None, 0, NOW - 100)
+    running = ReplicaStatus(ReplicaState.RUNNING)
+    failed = ReplicaStatus(ReplicaState.FAILED, exit_code=-9)
+
+    def polled(phase: str, status: ReplicaStatus = running, at: float = NOW) -> None:
+        beat = Heartbeat(rank=0, phase=phase, updated_at=at)
+        rep.update([ReplicaView(0, status, beat)])
+
+    polled("done", at=NOW - 200)  # the stopped launch's
+    for phase in ("starting", "training", "syncing", "training", "syncing", "healing"):
+        polled(phase)
+    polled("healing", failed)
+    polled("starting")
+    polled("saving")
+    assert out.getvalue().splitlines() == [
+        "replica 0 starting: loading its model and data",
+        "replica 0 training",
+        "replica 0 healing: loading the newest global state",
+        "replica 0 ended: failed (-9)",
+        "replica 0 starting: loading its model and data",
+        "replica 0 saving the trained model",
+    ]
 
 
 def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) -> None:
@@ -327,7 +358,7 @@ def test_plain_reporter_shows_the_step_a_round_closed_at() -> None:
     running = ReplicaStatus(ReplicaState.RUNNING)
     rep.update([ReplicaView(1, running, beat)])
     rep.update([ReplicaView(0, running, _beat(0, "lm", last_round=0, step=7))])
-    lines = out.getvalue().splitlines()
+    lines = [line for line in out.getvalue().splitlines() if " round " in line]
     assert lines[0] == "replica 1 round 0 (1/2) step 2 loss 0.5000 sync 0.1s"
     assert lines[1].startswith("replica 0 round 0 (1/2) step 7 ")  # an older heartbeat
 

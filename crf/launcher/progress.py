@@ -268,6 +268,7 @@ class PlainReporter:
         self.since = since
         self.last_round: dict[int, int | None] = {}
         self.ended: set[int] = set()
+        self.phases: dict[int, set[str]] = {}  # the phases announced, per replica attempt
 
     def _news(self, hb: Heartbeat) -> bool:
         """Whether ``hb`` shows a round of this launch: written since it started, and not a
@@ -281,6 +282,10 @@ class PlainReporter:
     def update(self, views: Sequence[ReplicaView]) -> None:
         for v in views:
             hb = v.heartbeat
+            if not v.status.terminal and v.rank in self.ended:  # restarted: it starts again
+                self.ended.discard(v.rank)  # and will end again
+                self.phases.pop(v.rank, None)
+            self._phase(v)
             if hb is not None and hb.last_round is not None and self._news(hb):
                 shown = self.last_round.get(v.rank)
                 if shown != hb.last_round:
@@ -295,8 +300,19 @@ class PlainReporter:
             if v.status.terminal and v.rank not in self.ended:
                 self.ended.add(v.rank)
                 self._say(f"replica {v.rank} ended: {process_text(v.status).plain}")
-            elif not v.status.terminal:
-                self.ended.discard(v.rank)  # restarted: it will end again
+
+    def _phase(self, v: ReplicaView) -> None:
+        """A line the first time a replica (attempt) is seen in a phase that is not part of
+        every round (loading before its first step can take minutes: a log shows it)."""
+        hb = v.heartbeat
+        if hb is None or hb.phase not in _ANNOUNCED or v.status.terminal:
+            return
+        if self.since is not None and hb.updated_at < self.since:
+            return  # the stopped launch's heartbeat
+        seen = self.phases.setdefault(v.rank, set())
+        if hb.phase not in seen:
+            seen.add(hb.phase)
+            self._say(f"replica {v.rank} {_ANNOUNCED[hb.phase]}")
 
     def _record(self, rank: int, r: int) -> layout.Heartbeat | None:
         """Round ``r`` of ``rank`` as the heartbeat showed it when it closed (None: no
@@ -323,6 +339,15 @@ class PlainReporter:
 
     def _say(self, line: str) -> None:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+#: the phases a plain log announces, once per replica attempt, and what it says of them
+_ANNOUNCED = {
+    "starting": "starting: loading its model and data",
+    "training": "training",
+    "healing": "healing: loading the newest global state",
+    "saving": "saving the trained model",
+}
 
 
 def round_records(store: Any) -> Callable[[int, int], layout.RoundMetrics | None]:
