@@ -264,16 +264,19 @@ def test_plain_reporter_says_when_a_replica_starts_trains_and_saves() -> None:
     running = ReplicaStatus(ReplicaState.RUNNING)
     failed = ReplicaStatus(ReplicaState.FAILED, exit_code=-9)
 
-    def polled(phase: str, status: ReplicaStatus = running, at: float = NOW) -> None:
+    def polled(phase: str, status=running, at: float = NOW, restarts: int = 0) -> None:
         beat = Heartbeat(rank=0, phase=phase, updated_at=at)
-        rep.update([ReplicaView(0, status, beat)])
+        rep.update([ReplicaView(0, status, beat, restarts)])
 
     polled("done", at=NOW - 200)  # the stopped launch's
     for phase in ("starting", "training", "syncing", "training", "syncing", "healing"):
         polled(phase)
     polled("healing", failed)
-    polled("starting")
-    polled("saving")
+    polled("starting", at=NOW + 1)
+    polled("saving", at=NOW + 2)
+    # restarted by the driver between two polls: its last heartbeat is the killed attempt's
+    polled("training", at=NOW + 3, restarts=1)
+    polled("starting", at=NOW + 4, restarts=1)
     assert out.getvalue().splitlines() == [
         "replica 0 starting: loading its model and data",
         "replica 0 training",
@@ -281,6 +284,7 @@ def test_plain_reporter_says_when_a_replica_starts_trains_and_saves() -> None:
         "replica 0 ended: failed (-9)",
         "replica 0 starting: loading its model and data",
         "replica 0 saving the trained model",
+        "replica 0 starting: loading its model and data",
     ]
 
 

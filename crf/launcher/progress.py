@@ -269,6 +269,10 @@ class PlainReporter:
         self.last_round: dict[int, int | None] = {}
         self.ended: set[int] = set()
         self.phases: dict[int, set[str]] = {}  # the phases announced, per replica attempt
+        self.restarts: dict[int, int] = {}
+        # restarted replicas whose new process has not been seen starting: until it is, the
+        # heartbeat may still be the attempt before's
+        self.restarting: set[int] = set()
 
     def _news(self, hb: Heartbeat) -> bool:
         """Whether ``hb`` shows a round of this launch: written since it started, and not a
@@ -282,9 +286,12 @@ class PlainReporter:
     def update(self, views: Sequence[ReplicaView]) -> None:
         for v in views:
             hb = v.heartbeat
-            if not v.status.terminal and v.rank in self.ended:  # restarted: it starts again
-                self.ended.discard(v.rank)  # and will end again
+            restarted = v.restarts != self.restarts.setdefault(v.rank, v.restarts)
+            if restarted or (not v.status.terminal and v.rank in self.ended):
+                self.restarts[v.rank] = v.restarts  # restarted: it starts (and ends) again
+                self.ended.discard(v.rank)
                 self.phases.pop(v.rank, None)
+                self.restarting.add(v.rank)
             self._phase(v)
             if hb is not None and hb.last_round is not None and self._news(hb):
                 shown = self.last_round.get(v.rank)
@@ -309,6 +316,10 @@ class PlainReporter:
             return
         if self.since is not None and hb.updated_at < self.since:
             return  # the stopped launch's heartbeat
+        if v.rank in self.restarting:
+            if hb.phase != "starting":
+                return  # the attempt before's, or the new one's seen after it started
+            self.restarting.discard(v.rank)
         seen = self.phases.setdefault(v.rank, set())
         if hb.phase not in seen:
             seen.add(hb.phase)
