@@ -201,6 +201,19 @@ def test_summary_table_fits_80_columns(job: str, faults: bool) -> None:
     assert ("last process only" in " ".join(text.split())) is faults
 
 
+def test_off_a_terminal_the_closing_line_is_one_line() -> None:
+    """In a log or a pipe the closing line is not broken at 80 columns (a grep for it finds
+    it whole); on a terminal it wraps at words."""
+    error = "replica 1 failed after 3 committed round(s) with ValueError: " + "x" * 80
+    summary = {**_summary("lm", False), "status": "failed", "error": error}
+    for terminal in (False, True):
+        console = Console(width=80, record=True, file=io.StringIO(), force_terminal=terminal)
+        render_summary(summary, console)
+        text = console.export_text()
+        verdict = text[text.index("run failed") : text.index("ValueError:")]
+        assert (len(verdict.splitlines()) == 1) is not terminal, text
+
+
 def test_a_cancelled_replicas_rounds_come_from_the_run_records() -> None:
     """A replica stopped by a cancel wrote no result of its own: its rounds are the ones the
     run's records say it committed, not "-"."""

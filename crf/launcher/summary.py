@@ -516,7 +516,8 @@ def render_summary(
     print_version_warnings(summary, console)
     for line in reward_warnings(summary.get("rewards_missing") or {}):
         console.print(f"[bold yellow]warning:[/] {escape(line)}", soft_wrap=True, highlight=False)
-    console.print("run " + " - ".join(verdict_parts(summary)))
+    # one line in a log or a pipe (grep finds it whole); wrapped at words on a terminal
+    console.print("run " + " - ".join(verdict_parts(summary)), soft_wrap=not console.is_terminal)
     if result_path:
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
     if plot_path:
