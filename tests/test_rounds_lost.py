@@ -51,13 +51,16 @@ def test_a_cancel_after_every_replica_reported_ok_stopped_nothing() -> None:
 def test_a_cancelled_run_s_replicas_missed_no_round_it_never_reached() -> None:
     """Cancelled in round 5 of 8: replica 0 committed rounds 0-5, replica 1 rounds 0-4 (it
     was still training round 5). Neither missed rounds 6 and 7, which the run never got
-    to; replica 1 missed round 5, which replica 0 committed."""
+    to; replica 1 missed round 5, which replica 0 committed. Neither wrote a result: each
+    one's loss is that of the last round it committed, as its records say."""
     from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState
     from crf.launcher.summary import build_summary
     from crf.spec import RunSpec
 
     spec = RunSpec(run_id="c", run_uri="memory://c", replicas=2, rounds=8)
     metrics = {0: [_record(r, True) for r in range(6)], 1: [_record(r, True) for r in range(5)]}
+    metrics[1][4]["loss"] = 0.5  # its last committed round's loss is its "loss"
+    metrics[1].append({"round": 5, "committed": False, "loss": 9.0})  # not committed
     results = [
         ReplicaResult(
             handle=ReplicaHandle(
@@ -78,6 +81,7 @@ def test_a_cancelled_run_s_replicas_missed_no_round_it_never_reached() -> None:
     summary = build_summary(spec=spec, results=results, started_at=0.0, cancelled=True,
                             metrics=metrics)  # fmt: skip
     assert [row["rounds_missed"] for row in summary["replicas"]] == [[], [5]]
+    assert [row["final_loss"] for row in summary["replicas"]] == [1.0, 0.5]
     assert summary["rounds_lost"] == []
 
 

@@ -115,6 +115,15 @@ def rounds_missed(metrics: Sequence[Mapping[str, Any]], rounds: int) -> list[int
     return [r for r in range(rounds) if r not in committed]
 
 
+def last_committed_loss(metrics: Sequence[Mapping[str, Any]]) -> float | None:
+    """The mean loss of the last round this replica committed, as its record has it (None
+    without one): the "loss" of a replica that wrote no result of its own."""
+    committed = [m for m in metrics if m.get("committed") and isinstance(m.get("round"), int)]
+    if not committed:
+        return None
+    return jsonsafe.number(max(committed, key=lambda m: m["round"]).get("loss"))
+
+
 def replica_row(
     res: ReplicaResult,
     log_tail: Sequence[str] = (),
@@ -138,6 +147,8 @@ def replica_row(
     }
     for key in RESULT_FIELDS:
         row[key] = data.get(key)
+    if res.result is None and row["final_loss"] is None:  # it reported nothing (cancelled,
+        row["final_loss"] = last_committed_loss(metrics or ())  # killed): its records say
     # rounds missed over the whole run, not just the last attempt, from the run's per-round
     # records (``rounds`` is None when there are none to go by): a replica with no record
     # committed nothing, as one that died before its first record landed; otherwise what
