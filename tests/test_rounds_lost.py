@@ -82,6 +82,7 @@ def test_a_cancelled_run_s_replicas_missed_no_round_it_never_reached() -> None:
                             metrics=metrics)  # fmt: skip
     assert [row["rounds_missed"] for row in summary["replicas"]] == [[], [5]]
     assert [row["final_loss"] for row in summary["replicas"]] == [1.0, 0.5]
+    assert summary["bytes_up"] is None  # nobody reported it: unknown, not 0 bytes
     assert summary["rounds_lost"] == []
 
 

@@ -203,6 +203,12 @@ def failure_kind(res: ReplicaResult, data: Mapping[str, Any]) -> str | None:
     return "death"
 
 
+def _total(values: Iterable[Any]) -> int | float | None:
+    """The sum of the values reported (None when none was)."""
+    known = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return sum(known) if known else None
+
+
 def _mean(values: Sequence[Any]) -> float | None:
     nums = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
     nums = [v for v in nums if math.isfinite(v)]
@@ -316,8 +322,9 @@ def build_summary(
         "weights_identical": identical,
         "weights_sha256": hashes[0] if identical else None,
         "final_loss": _mean([row["final_loss"] for row in rows if row["ok"]]),
-        "bytes_up": sum(row["bytes_up"] or 0 for row in rows),
-        "bytes_down": sum(row["bytes_down"] or 0 for row in rows),
+        # None, not 0, when no replica reported its traffic (a cancelled run's)
+        "bytes_up": _total(row["bytes_up"] for row in rows),
+        "bytes_down": _total(row["bytes_down"] for row in rows),
         "launch": launch,
         "resumed_from_round": resumed_from_round,
         "restart_policy": dict(restart_policy or {}),
