@@ -204,7 +204,8 @@ def failure_kind(res: ReplicaResult, data: Mapping[str, Any]) -> str | None:
 
 
 def _total(values: Iterable[Any]) -> int | float | None:
-    """The sum of the values reported (None when none was)."""
+    """The sum of the values reported; None, not 0, when none was (the traffic of a run
+    whose replicas were all cancelled before they could report it)."""
     known = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
     return sum(known) if known else None
 
@@ -322,7 +323,6 @@ def build_summary(
         "weights_identical": identical,
         "weights_sha256": hashes[0] if identical else None,
         "final_loss": _mean([row["final_loss"] for row in rows if row["ok"]]),
-        # None, not 0, when no replica reported its traffic (a cancelled run's)
         "bytes_up": _total(row["bytes_up"] for row in rows),
         "bytes_down": _total(row["bytes_down"] for row in rows),
         "launch": launch,
