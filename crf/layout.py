@@ -499,6 +499,9 @@ class Heartbeat(Record):
     round_metrics: dict[str, float] = field(default_factory=dict)
     round_sync_s: float | None = None
     round_rejected: int = 0  # bad objects that round refused (not parts merely left out)
+    # the inner step that round closed at (``step`` has moved on by the time it is read);
+    # absent from older heartbeats
+    round_step: int | None = None
     # when its process last said it lives, news or not (absent from older heartbeats)
     alive_at: float | None = None
 

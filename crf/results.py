@@ -71,7 +71,10 @@ class ReplicaSummary(_Typed):
 
     rank: int
     ok: bool = False
-    status: str | None = None
+    #: how its backend saw it end: succeeded, failed or cancelled
+    state: str | None = None
+    #: what the replica itself reported (ok, failed; None: it wrote no result)
+    reported_status: str | None = None
     exit_code: int | None = None
     error: str | None = None
     rounds_committed: int | None = None
@@ -85,6 +88,11 @@ class ReplicaSummary(_Typed):
     compute_s: float | None = None
     restarts: int = 0
     job_metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str | None:
+        """The replica's own word (``reported_status``): ok or failed, None without one."""
+        return self.reported_status
 
 
 @dataclass

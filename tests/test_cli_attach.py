@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,6 +116,9 @@ def test_detach_then_status_logs_and_runs(tmp_path: Path, script: Path) -> None:
              for r in (0, 1)]  # fmt: skip
     assert result["ended_at"] == max(b["updated_at"] for b in beats)
     assert result["wall_s"] == round(result["ended_at"] - result["started_at"], 3)
+    # and the table above it says the same time, not the time since the run started
+    shown = re.search(r"2/2 done, (\d+)s,", out)
+    assert shown and abs(int(shown[1]) - result["wall_s"]) <= 1, out
 
     code, out = crf("runs", "--store", str(base))
     assert code == 0 and "det" in out and "ok" in out
@@ -147,6 +151,37 @@ def test_cancel_a_detached_run_from_another_process(tmp_path: Path, script: Path
     assert (base / "long" / "launches" / "0" / "cancel.json").exists()
     code, out = crf("status", "long", "--store", str(base))
     assert code == 130 and "cancelled" in out
+    # the replicas' table says so too, not "failed" over a summary that says "cancelled"
+    assert "failed" not in out, out
+
+
+def test_status_of_an_ended_run_shows_its_restarts_and_exit_codes(
+    tmp_path: Path, script: Path
+) -> None:
+    """Replica 1 is killed once and restarted by the driver: `crf status` from another
+    process (whose backend knows neither the driver's restarts nor the exit codes of
+    processes it did not start) shows them as the summary records them."""
+    marker = tmp_path / "killed"
+    killer = tmp_path / "killer.py"
+    killer.write_text(
+        "import os, signal\n"
+        f"if os.environ['CRF_RANK'] == '1' and not os.path.exists({str(marker)!r}):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n" + script.read_text()
+    )
+    base = tmp_path / "runs"
+    code, out = _launch(base, killer, "re")
+    assert code == 0 and marker.exists(), out
+    code, out = crf("status", "re", "--store", str(base), "--json")
+    assert code == 0, out
+    replicas = json.loads(out)["replicas"]
+    assert [(r["restarts"], r["exit_code"]) for r in replicas] == [(0, 0), (1, 0)], replicas
+    # the table's time is the summary's wall time (here made 100 s), not its replicas'
+    path = base / "re" / "result.json"
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "ended_at": result["started_at"] + 100.0}))
+    code, out = crf("status", "re", "--store", str(base))
+    assert code == 0 and "2/2 done, 100s," in out, out
 
 
 def test_status_of_an_unknown_run_says_how_to_find_runs(tmp_path: Path) -> None:

@@ -60,6 +60,21 @@ def test_a_custom_entrypoint_gets_one_panel_per_numeric_metric() -> None:
                       "sync vs compute time per round"]  # fmt: skip
 
 
+def test_a_single_round_is_ticked_as_a_whole_round() -> None:
+    """A run that ended after its first round: the round axis shows round 0, not fractions
+    of a round."""
+    from matplotlib.figure import Figure
+
+    from crf.launcher.figure import _draw
+
+    recs = _records({"eval_loss": 2.0}, rounds=1)
+    for panel in panels_for("lm", recs):
+        ax = Figure().add_subplot()
+        _draw(ax, panel, recs)
+        lo, hi = ax.get_xlim()
+        assert [t for t in ax.get_xticks() if lo <= t <= hi] == [0.0], panel.title
+
+
 def test_nothing_to_draw_is_none_and_compute_time_is_per_round() -> None:
     assert draw_figure({0: [], 1: []}, job="lm") is None
     rows = [{"round": 0, "compute_s": 2.0}, {"round": 1, "compute_s": 5.0},

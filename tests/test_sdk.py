@@ -47,6 +47,8 @@ def test_detached_run_round_trip(tmp_path: Path, script: Path) -> None:
     result = run.wait(timeout=120)
     assert isinstance(result, RunResult) and result.ok and result.status == "ok"
     assert [r.rank for r in result.replicas] == [0, 1] and result.replicas[0].ok
+    # each row's fields are the row's: how it ended, and what it reported itself
+    assert [(r.state, r.status) for r in result.replicas] == [("succeeded", "ok")] * 2
     assert result.weights_identical is True
     on_disk = json.loads((tmp_path / "runs" / "sdk" / "result.json").read_text())
     assert result.to_dict() == on_disk  # typed, and nothing lost
@@ -76,6 +78,8 @@ def test_wait_times_out_and_cancel_ends_a_run(tmp_path: Path, script: Path, monk
         run.wait(timeout=1, poll_s=0.2)
     result = run.cancel()
     assert result is not None and result.status == "cancelled"
+    # the replicas' progress says what the summary says: cancelled, not failed
+    assert [r.state for r in run.status().replicas] == ["cancelled", "cancelled"]
     assert run.wait(timeout=30).status == "cancelled"
 
 

@@ -102,6 +102,36 @@ def test_progress_table_keeps_more_columns_when_wide() -> None:
     assert {"step", "exact", "sync", "beat", "phase"} <= set(header.split())
 
 
+def test_progress_title_uses_the_terminal_width() -> None:
+    """The title (run, time, held-out score) is one line on a wide terminal, not wrapped at
+    the table's narrower width."""
+    beats = [
+        _beat(r, "composer", round_metrics={"eval/n": 32.0, "eval/of": 64.0, "eval/pass": 3.0})
+        for r in range(2)
+    ]
+    views = [ReplicaView(r, ReplicaStatus(ReplicaState.RUNNING), beats[r]) for r in range(2)]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_progress(views, run_id="a-long-run-id-of-a-run", rounds=20,
+                                  sync_every=8, elapsed_s=1, now=NOW, width=200))  # fmt: skip
+    title = _lines(console)[0]
+    assert title.startswith("crf run a-long-run-id-of-a-run: 0/2 done")
+    assert title.rstrip().endswith("(round 11, 64/64 rows)"), _lines(console)
+
+
+def test_a_replica_without_a_heartbeat_yet_is_starting() -> None:
+    """Its process runs but has written no heartbeat (it imports, loads its model): the
+    phase says so rather than nothing; a process not started yet has no phase."""
+    views = [
+        ReplicaView(0, ReplicaStatus(ReplicaState.RUNNING), None),
+        ReplicaView(1, ReplicaStatus(ReplicaState.PENDING), None),
+    ]
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(render_progress(views, run_id="r", rounds=4, sync_every=2, elapsed_s=1,
+                                  now=NOW, width=160))  # fmt: skip
+    rows = [line.split() for line in _lines(console) if line.strip()[:1].isdigit()]
+    assert [row[:3] for row in rows] == [["0", "running", "starting"], ["1", "pending", "-"]]
+
+
 def test_progress_table_reads_old_heartbeats() -> None:
     """A heartbeat written before it carried the round's metrics still renders (its loss is
     shown as absent, not as the last step's)."""
@@ -167,6 +197,35 @@ def test_summary_table_fits_80_columns(job: str, faults: bool) -> None:
     if faults:
         assert {"missed", "restarts", "rejected"} <= set(header)
     assert "last round" in text  # the same "loss" as the live table
+    # a restarted replica's traffic and time are its last process's, and the table says so
+    assert ("last process only" in " ".join(text.split())) is faults
+
+
+def test_off_a_terminal_the_closing_line_is_one_line() -> None:
+    """In a log or a pipe the closing line is not broken at 80 columns (a grep for it finds
+    it whole); on a terminal it wraps at words."""
+    error = "replica 1 failed after 3 committed round(s) with ValueError: " + "x" * 80
+    summary = {**_summary("lm", False), "status": "failed", "error": error}
+    for terminal in (False, True):
+        console = Console(width=80, record=True, file=io.StringIO(), force_terminal=terminal)
+        render_summary(summary, console)
+        text = console.export_text()
+        verdict = text[text.index("run failed") : text.index("ValueError:")]
+        assert (len(verdict.splitlines()) == 1) is not terminal, text
+
+
+def test_a_cancelled_replicas_rounds_come_from_the_run_records() -> None:
+    """A replica stopped by a cancel wrote no result of its own: its rounds are the ones the
+    run's records say it committed, not "-"."""
+    row = {"rank": 0, "state": "cancelled", "exit_code": None, "ok": False,
+           "rounds_committed": None, "rounds_trained": 5, "rounds_missed": [],
+           "restarts": 0, "error": "cancelled"}  # fmt: skip
+    summary = {"run_id": "c", "rounds": 8, "replicas": [row], "status": "cancelled",
+               "weights_identical": False}  # fmt: skip
+    console = Console(width=80, record=True, file=io.StringIO())
+    render_summary(summary, console)
+    row_line = next(line for line in _lines(console) if line.strip().startswith("0 "))
+    assert "5/8" in row_line.split(), row_line
 
 
 def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
@@ -185,7 +244,8 @@ def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
         rep.update([ReplicaView(0, running, r0), ReplicaView(1, s1, r1)])
 
     polled(None, starting)
-    assert out.getvalue() == ""
+    assert out.getvalue() == "replica 1 starting: loading its model and data\n"
+    out.truncate(0), out.seek(0)
     r0 = _beat(0, "composer", last_round=0, step=4, round_loss=0.5)
     polled(r0, starting)
     polled(r0, starting)  # the same round again: no new line
@@ -205,6 +265,40 @@ def test_plain_reporter_one_line_per_replica_round_and_event() -> None:
     assert "replica 1 round 1: rejected 2 object(s) (never averaged)" in lines
     assert "replica 1 ended: succeeded" in lines
     assert all("reward" not in line for line in lines if line.startswith("replica 1 round"))
+
+
+def test_plain_reporter_says_when_a_replica_starts_trains_and_saves() -> None:
+    """Off a terminal, what a replica does before its first round closes (minutes of model
+    loading) shows too: a line the first time each replica attempt is seen starting,
+    training, healing or saving, none for the phases of every round; a restarted replica
+    starts again; the stopped launch's heartbeat (before ``since``) says nothing."""
+    out = io.StringIO()
+    rep = PlainReporter(Console(file=out, width=80), 3, None, 0, NOW - 100)
+    running = ReplicaStatus(ReplicaState.RUNNING)
+    failed = ReplicaStatus(ReplicaState.FAILED, exit_code=-9)
+
+    def polled(phase: str, status=running, at: float = NOW, restarts: int = 0) -> None:
+        beat = Heartbeat(rank=0, phase=phase, updated_at=at)
+        rep.update([ReplicaView(0, status, beat, restarts)])
+
+    polled("done", at=NOW - 200)  # the stopped launch's
+    for phase in ("starting", "training", "syncing", "training", "syncing", "healing"):
+        polled(phase)
+    polled("healing", failed)
+    polled("starting", at=NOW + 1)
+    polled("saving", at=NOW + 2)
+    # restarted by the driver between two polls: its last heartbeat is the killed attempt's
+    polled("training", at=NOW + 3, restarts=1)
+    polled("starting", at=NOW + 4, restarts=1)
+    assert out.getvalue().splitlines() == [
+        "replica 0 starting: loading its model and data",
+        "replica 0 training",
+        "replica 0 healing: loading the newest global state",
+        "replica 0 ended: failed (-9)",
+        "replica 0 starting: loading its model and data",
+        "replica 0 saving the trained model",
+        "replica 0 starting: loading its model and data",
+    ]
 
 
 def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) -> None:
@@ -242,6 +336,65 @@ def test_plain_reporter_prints_rounds_that_closed_between_two_polls(tmp_path) ->
     assert "replica 0 round 1 (2/8) step 4 loss 0.2000 sync 0.5s" in text.getvalue()
     # a record not there (yet): the round is left out, the newest still printed
     assert shown(0, 6) == [*every, "replica 0 round 6 (7/8)"]
+
+
+def test_a_resumed_launch_prints_none_of_the_stopped_launchs_rounds(tmp_path) -> None:
+    """A resumed launch continues from round 5: the stopped launch's heartbeats (still in
+    the store until the new replicas write theirs) and a resumed replica's first one (which
+    shows round 4, the round it continues from) print nothing; round 5 prints when it closes
+    again, once."""
+    started = NOW - 10
+    out = io.StringIO()
+    rep = PlainReporter(Console(file=out, width=80), 8, None, 5, started)
+    running = ReplicaStatus(ReplicaState.RUNNING)
+
+    def polled(**kw: Any) -> None:
+        rep.update([ReplicaView(0, running, _beat(0, "lm", **kw))])
+
+    polled(last_round=5, step=30, updated_at=started - 60)  # the stopped launch's
+    polled(last_round=4, step=25, updated_at=started + 5)  # resumed: where it continues
+    assert out.getvalue() == ""
+    polled(last_round=5, step=30, updated_at=started + 9)
+    polled(last_round=5, step=31, updated_at=started + 10)
+    assert [line.split(" step")[0] for line in out.getvalue().splitlines()] == [
+        "replica 0 round 5 (6/8)"
+    ]
+
+
+def test_plain_reporter_shows_the_step_a_round_closed_at() -> None:
+    """A heartbeat is read a moment after its round closed, when the replica has trained on:
+    the round's line shows the step the round closed at (as its record has it), not the one
+    the replica has reached since; a heartbeat written before it said shows its step."""
+    from crf import layout
+    from crf.replica.rounds import heartbeat_fields
+
+    record = layout.RoundMetrics(round=0, rank=1, loss=0.5, step=2, sync_s=0.1)
+    beat = Heartbeat(rank=1, phase="training", step=3, **heartbeat_fields(record))
+    out = io.StringIO()
+    rep = PlainReporter(Console(file=out, width=80), rounds=2)
+    running = ReplicaStatus(ReplicaState.RUNNING)
+    rep.update([ReplicaView(1, running, beat)])
+    rep.update([ReplicaView(0, running, _beat(0, "lm", last_round=0, step=7))])
+    lines = [line for line in out.getvalue().splitlines() if " round " in line]
+    assert lines[0] == "replica 1 round 0 (1/2) step 2 loss 0.5000 sync 0.1s"
+    assert lines[1].startswith("replica 0 round 0 (1/2) step 7 ")  # an older heartbeat
+
+
+def test_a_replica_log_gets_no_progress_bars() -> None:
+    """A replica's output is a log file: the libraries' progress bars (transformers' "Writing
+    model shards", datasets' map under TRL) are off in its process, unless its environment
+    asks for them."""
+    code = (
+        "from crf.replica import logs; logs.configure('0')\n"
+        "from datasets.utils import logging as d; import transformers.utils.logging as t\n"
+        "print(d.is_progress_bar_enabled(), t.is_progress_bar_enabled())"
+    )
+    env = {k: v for k, v in _cli_env().items() if "PROGRESS_BARS" not in k}
+    env["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "0"  # datasets' bars asked for; not the hub's
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.stdout.split() == ["True", "False"], proc.stderr
 
 
 def test_heartbeat_round_fields_round_trip() -> None:

@@ -91,6 +91,36 @@ class AttachedRun:
 
                 st = ReplicaStatus(ReplicaState.FAILED, None, f"status unavailable: {e}")
             out.append((h, st, read_heartbeat(self.store, h.rank)))
+        return self._as_recorded(out)
+
+    def _as_recorded(
+        self, rows: list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]
+    ) -> list[tuple[ReplicaHandle, ReplicaStatus, layout.Heartbeat | None]]:
+        """Once every replica has ended and this launch's summary is written, each one's
+        exit code and restarts as the summary records them (a backend asked from another
+        process knows no exit code of a process it did not start, nor the driver's
+        restarts), and ``cancelled`` where the summary says so (a replica stopped by a
+        cancel is, to its backend, a process killed by a signal): the table would otherwise
+        contradict the summary printed under it."""
+        from crf.executors.base import ReplicaState
+
+        result = self.result() if all(st.terminal for _, st, _ in rows) else None
+        if result is None:
+            return rows
+        recorded = {r.get("rank"): r for r in result.get("replicas") or ()}
+        out = []
+        for h, st, beat in rows:
+            row = recorded.get(h.rank) or {}
+            code = row.get("exit_code")
+            restarts = row.get("restarts")
+            st = dataclasses.replace(
+                st,
+                exit_code=st.exit_code if code is None else code,
+                restarts=max(st.restarts, restarts if isinstance(restarts, int) else 0),
+            )
+            if st.state is ReplicaState.FAILED and row.get("state") == "cancelled":
+                st = dataclasses.replace(st, state=ReplicaState.CANCELLED)
+            out.append((h, st, beat))
         return out
 
     def _recorded_status(self, handle: ReplicaHandle, refused: MissingAccess) -> ReplicaStatus:
@@ -341,15 +371,23 @@ def _last_beat(run: AttachedRun) -> float | None:
     status`` an hour later), and its wall time is the replicas', not the time until then."""
     from crf.launcher.liveness import read_heartbeat
 
-    started = float(run.launch_record.get("started_at") or 0)
     beats = []
     for h in run.handles:
         with contextlib.suppress(Exception):  # unreadable: it says nothing of the end
-            beat = read_heartbeat(run.store, h.rank)
-            updated = beat.updated_at if beat is not None else None
-            if isinstance(updated, int | float) and started <= updated <= time.time():
-                beats.append(float(updated))
-    return max(beats) if beats else None
+            beats.append(read_heartbeat(run.store, h.rank))
+    return last_beat(beats, float(run.launch_record.get("started_at") or 0))
+
+
+def last_beat(beats: Iterable[layout.Heartbeat | None], started: float) -> float | None:
+    """The newest of ``beats``' updates since ``started`` (None when none is)."""
+    times = [
+        float(b.updated_at)
+        for b in beats
+        if b is not None
+        and isinstance(b.updated_at, int | float)
+        and started <= b.updated_at <= time.time()
+    ]
+    return max(times, default=None)
 
 
 def _replica_lines(

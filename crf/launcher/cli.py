@@ -679,14 +679,22 @@ def runs(
 
 
 def _progress_of(run_: Any, width: int = 80) -> Any:
-    """The live table of an attached run, as crf launch shows it."""
+    """The live table of an attached run, as crf launch shows it; an ended run's time is
+    its summary's wall time (before the summary is written: until its replicas' last
+    heartbeat, as a gather will count it), not the time until now."""
+    from crf.launcher.attach import last_beat
     from crf.launcher.progress import ReplicaView, render_progress
 
     spec = run_.spec
     started = float(run_.launch_record.get("started_at") or spec.created_at)
     views = [ReplicaView(h.rank, st, beat, st.restarts) for h, st, beat in run_.statuses()]
+    now = time.time()
+    if views and all(v.status.terminal for v in views):  # how long it ran, not since when
+        ended = (run_.result() or {}).get("ended_at")
+        ended = ended if isinstance(ended, int | float) else None
+        now = ended or last_beat((v.heartbeat for v in views), started) or now
     return render_progress(views, run_id=spec.run_id, rounds=spec.rounds, width=width,
-                           sync_every=spec.sync_every, elapsed_s=time.time() - started)  # fmt: skip
+                           sync_every=spec.sync_every, elapsed_s=now - started)  # fmt: skip
 
 
 def _watch(run_: Any, console: Console, interval: float) -> None:

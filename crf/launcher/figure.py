@@ -248,7 +248,9 @@ def _draw(ax: Any, panel: Panel, metrics: Records) -> None:
                 xs = sorted(per_round)
                 ax.plot(xs, [sum(per_round[x]) / len(per_round[x]) for x in xs],
                         marker="o", markersize=4, label=label)  # fmt: skip
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # rounds are whole numbers, even when only one was recorded (a run that failed in its
+    # second round): not -0.045 ... 0.045
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_title(panel.title, fontsize="medium")
     ax.set_xlabel("round")
     ax.set_ylabel(panel.ylabel)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich import box
-from rich.console import Console, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -161,15 +161,16 @@ def render_progress(
     elapsed_s: float,
     now: float | None = None,
     width: int = 80,
-) -> Table:
-    """Build the table for one refresh of the live display, fitted to ``width`` columns."""
+) -> Group:
+    """Build the table for one refresh of the live display, fitted to ``width`` columns, with
+    its title above it (the run, how many replicas are done, the time, the held-out score)."""
     now = time.time() if now is None else now
     done = sum(v.status.terminal for v in views)
     beats = [v.heartbeat for v in views]
     cols = [
         Column("rank", [str(v.rank) for v in views], keep=100),
         Column("process", [process_text(v.status) for v in views], keep=90, justify="left"),
-        Column("phase", [_phase_text(hb) for hb in beats], keep=40, justify="left"),
+        Column("phase", [_phase_text(v) for v in views], keep=40, justify="left"),
         Column("round", [_round_text(hb, rounds) for hb in beats], keep=95),
         Column("step", [str(hb.step) if hb else "-" for hb in beats], keep=60),
         Column("loss", [fmt_loss(hb.round_loss if hb else None) for hb in beats], keep=80),
@@ -184,13 +185,14 @@ def render_progress(
         restarts = [Text(str(v.restarts) if v.restarts else "-", style="yellow") for v in views]
         cols.append(Column("restarts", restarts, keep=70))
     title = f"crf run {run_id}: {done}/{len(views)} done, {elapsed_s:.0f}s, H={sync_every}"
-    return fit_table(
+    table = fit_table(
         cols,
         width,
-        title=title + held_out_headline(beats),
         caption=("loss, reward" if any(c.header == "reward" for c in cols) else "loss")
         + ": means over the replica's last finished round",
     )
+    # the title above the table, not in it: a table's title wraps at the table's width
+    return Group(Text(title + held_out_headline(beats)), table)
 
 
 #: the job metrics a table shows when the replicas log them: (name, header, priority)
@@ -212,8 +214,13 @@ def held_out_headline(beats: Sequence[Heartbeat | None]) -> str:
     return f", held-out pass@1 {p.passed / p.n:.3f} (round {r}, {p.n}/{p.of} rows)"
 
 
-def _phase_text(hb: Heartbeat | None) -> Text:
-    phase = hb.phase if hb else "-"
+def _phase_text(v: ReplicaView) -> Text:
+    """The replica's phase; before its first heartbeat, ``starting`` while its process runs
+    (it is importing, loading its model: what its first heartbeat will say too)."""
+    if v.heartbeat is not None:
+        phase = v.heartbeat.phase
+    else:
+        phase = "starting" if v.status.state is ReplicaState.RUNNING else "-"
     return Text(phase, style=_PHASE_STYLE.get(phase, ""))
 
 
@@ -242,7 +249,9 @@ class PlainReporter:
     :class:`~crf.layout.RoundMetrics`, or None) and printed in order. ``first_round`` is the
     first round this launch closes (after a resume, the one after the round it continues
     from), so a resumed run does not print the earlier launches' rounds again; None (a
-    watcher that attached to a running run) starts at the round it first sees."""
+    watcher that attached to a running run) starts at the round it first sees. ``since``
+    (the launch's start) leaves out the heartbeats written before it: the stopped launch's,
+    still in the store until a resumed replica writes its first."""
 
     def __init__(
         self,
@@ -250,18 +259,41 @@ class PlainReporter:
         rounds: int,
         records: Callable[[int, int], layout.RoundMetrics | None] | None = None,
         first_round: int | None = 0,
+        since: float | None = None,
     ) -> None:
         self.console = console
         self.rounds = rounds
         self.records = records
         self.first_round = first_round
+        self.since = since
         self.last_round: dict[int, int | None] = {}
         self.ended: set[int] = set()
+        self.phases: dict[int, set[str]] = {}  # the phases announced, per replica attempt
+        self.restarts: dict[int, int] = {}
+        # restarted replicas whose new process has not been seen starting: until it is, the
+        # heartbeat may still be the attempt before's
+        self.restarting: set[int] = set()
+
+    def _news(self, hb: Heartbeat) -> bool:
+        """Whether ``hb`` shows a round of this launch: written since it started, and not a
+        round before its first (a resumed replica shows the round it continues from)."""
+        if hb.last_round is None:
+            return False
+        if self.since is not None and hb.updated_at < self.since:
+            return False
+        return self.first_round is None or hb.last_round >= self.first_round
 
     def update(self, views: Sequence[ReplicaView]) -> None:
         for v in views:
             hb = v.heartbeat
-            if hb is not None and hb.last_round is not None:
+            restarted = v.restarts != self.restarts.setdefault(v.rank, v.restarts)
+            if restarted or (not v.status.terminal and v.rank in self.ended):
+                self.restarts[v.rank] = v.restarts  # restarted: it starts (and ends) again
+                self.ended.discard(v.rank)
+                self.phases.pop(v.rank, None)
+                self.restarting.add(v.rank)
+            self._phase(v)
+            if hb is not None and hb.last_round is not None and self._news(hb):
                 shown = self.last_round.get(v.rank)
                 if shown != hb.last_round:
                     self.last_round[v.rank] = hb.last_round
@@ -275,8 +307,23 @@ class PlainReporter:
             if v.status.terminal and v.rank not in self.ended:
                 self.ended.add(v.rank)
                 self._say(f"replica {v.rank} ended: {process_text(v.status).plain}")
-            elif not v.status.terminal:
-                self.ended.discard(v.rank)  # restarted: it will end again
+
+    def _phase(self, v: ReplicaView) -> None:
+        """A line the first time a replica (attempt) is seen in a phase that is not part of
+        every round (loading before its first step can take minutes: a log shows it)."""
+        hb = v.heartbeat
+        if hb is None or hb.phase not in _ANNOUNCED or v.status.terminal:
+            return
+        if self.since is not None and hb.updated_at < self.since:
+            return  # the stopped launch's heartbeat
+        if v.rank in self.restarting:
+            if hb.phase != "starting":
+                return  # the attempt before's, or the new one's seen after it started
+            self.restarting.discard(v.rank)
+        seen = self.phases.setdefault(v.rank, set())
+        if hb.phase not in seen:
+            seen.add(hb.phase)
+            self._say(f"replica {v.rank} {_ANNOUNCED[hb.phase]}")
 
     def _record(self, rank: int, r: int) -> layout.Heartbeat | None:
         """Round ``r`` of ``rank`` as the heartbeat showed it when it closed (None: no
@@ -305,6 +352,15 @@ class PlainReporter:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
+#: the phases a plain log announces, once per replica attempt, and what it says of them
+_ANNOUNCED = {
+    "starting": "starting: loading its model and data",
+    "training": "training",
+    "healing": "healing: loading the newest global state",
+    "saving": "saving the trained model",
+}
+
+
 def round_records(store: Any) -> Callable[[int, int], layout.RoundMetrics | None]:
     """What :class:`PlainReporter` reads a missed round from: the run store's round record
     (``metrics/<rank>/<r>.json``), None while it is not there."""
@@ -323,7 +379,8 @@ def round_line(rank: int, hb: Heartbeat, rounds: int) -> str:
     """``replica 0 round 2 (3/3) step 12 loss 0.6931 reward 0.412 sync 0.3s``: one replica's
     finished round (numbered from 0, as in the run folder; then how many of the run's)."""
     r = hb.last_round if hb.last_round is not None else 0
-    parts = [f"replica {rank} round {r} ({r + 1}/{rounds})", f"step {hb.step}"]
+    step = hb.round_step if hb.round_step is not None else hb.step  # older heartbeats: now's
+    parts = [f"replica {rank} round {r} ({r + 1}/{rounds})", f"step {step}"]
     parts.append(f"loss {fmt_loss(hb.round_loss)}")
     for name, header, _ in _HEADLINE:
         if name in hb.round_metrics:

@@ -118,6 +118,15 @@ def rounds_missed(metrics: Sequence[Mapping[str, Any]], rounds: int) -> list[int
     return [r for r in range(rounds) if r not in committed]
 
 
+def last_committed_loss(metrics: Sequence[Mapping[str, Any]]) -> float | None:
+    """The mean loss of the last round this replica committed, as its record has it (None
+    without one): the "loss" of a replica that wrote no result of its own."""
+    committed = [m for m in metrics if m.get("committed") and isinstance(m.get("round"), int)]
+    if not committed:
+        return None
+    return jsonsafe.number(max(committed, key=lambda m: m["round"]).get("loss"))
+
+
 def replica_row(
     res: ReplicaResult,
     log_tail: Sequence[str] = (),
@@ -141,6 +150,8 @@ def replica_row(
     }
     for key in RESULT_FIELDS:
         row[key] = data.get(key)
+    if res.result is None and row["final_loss"] is None:  # it reported nothing (cancelled,
+        row["final_loss"] = last_committed_loss(metrics or ())  # killed): its records say
     # rounds missed over the whole run, not just the last attempt, from the run's per-round
     # records (``rounds`` is None when there are none to go by): a replica with no record
     # committed nothing, as one that died before its first record landed; otherwise what
@@ -193,6 +204,13 @@ def failure_kind(res: ReplicaResult, data: Mapping[str, Any]) -> str | None:
     if data.get("status") == "failed" and data.get("error"):
         return "setup error" if data.get("failed_in") == "setup" else "error"
     return "death"
+
+
+def _total(values: Iterable[Any]) -> int | float | None:
+    """The sum of the values reported; None, not 0, when none was (the traffic of a run
+    whose replicas were all cancelled before they could report it)."""
+    known = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return sum(known) if known else None
 
 
 def _mean(values: Sequence[Any]) -> float | None:
@@ -277,7 +295,8 @@ def build_summary(
         replica_row(
             r,
             (log_tails or {}).get(r.rank, ()),
-            rounds=spec.rounds if any(metrics.values()) else None,  # no record: their counts
+            # rounds the run got to; no record: the replicas' own counts
+            rounds=min(spec.rounds, last_reached(metrics) + 1) if any(metrics.values()) else None,
             metrics=metrics.get(r.rank),
             attempts=attempts.get(r.rank, ()),
             restarts=(restarts or {}).get(r.rank, 0),
@@ -307,8 +326,8 @@ def build_summary(
         "weights_identical": identical,
         "weights_sha256": hashes[0] if identical else None,
         "final_loss": _mean([row["final_loss"] for row in rows if row["ok"]]),
-        "bytes_up": sum(row["bytes_up"] or 0 for row in rows),
-        "bytes_down": sum(row["bytes_down"] or 0 for row in rows),
+        "bytes_up": _total(row["bytes_up"] for row in rows),
+        "bytes_down": _total(row["bytes_down"] for row in rows),
         "launch": launch,
         "resumed_from_round": resumed_from_round,
         "restart_policy": dict(restart_policy or {}),
@@ -390,6 +409,13 @@ def never_exchanged(
     )
 
 
+def last_reached(metrics: Mapping[int, Sequence[Mapping[str, Any]]]) -> int:
+    """The last round any replica recorded (0 when none did): the rounds after it were never
+    reached (a cancelled or failed run), so no replica missed them and nobody lost them."""
+    recorded = [m.get("round") for ms in metrics.values() for m in ms]
+    return max((r for r in recorded if isinstance(r, int)), default=0)
+
+
 def run_problems(
     rows: Sequence[Mapping[str, Any]],
     reported: Sequence[Rejection],
@@ -403,8 +429,7 @@ def run_problems(
     committed &= set(range(rounds))
     # a round is lost when the run got to it and nobody committed it; the rounds after the
     # last one any replica recorded were never reached (a cancelled or failed run), not lost
-    recorded = [m.get("round") for ms in metrics.values() for m in ms]
-    reached = max((r for r in recorded if isinstance(r, int)), default=0)
+    reached = last_reached(metrics)
     all_rejected = layout.rejected_keys(reported)
     syncs = [row["max_sync_s"] for row in rows if row["max_sync_s"] is not None]
     fatal = next(
@@ -461,10 +486,11 @@ def _exit_text(row: dict[str, Any]) -> Text:
 
 def _rounds_text(row: dict[str, Any], rounds: Any) -> str:
     """Committed rounds: the replica's own count, or - when it ran in several attempts (a
-    restart, a resume) - the whole run's count from its per-round metrics."""
+    restart, a resume) or reported none (cancelled, killed) - the whole run's count from its
+    per-round metrics."""
     committed = row.get("rounds_committed")
     several = row.get("restarts") or row.get("resumed_from") is not None
-    if several and isinstance(row.get("rounds_trained"), int):
+    if (several or committed is None) and isinstance(row.get("rounds_trained"), int):
         committed = row["rounds_trained"]
     return f"{committed}/{rounds}" if committed is not None else "-"
 
@@ -511,7 +537,8 @@ def render_summary(
     print_version_warnings(summary, console)
     for line in reward_warnings(summary.get("rewards_missing") or {}):
         console.print(f"[bold yellow]warning:[/] {escape(line)}", soft_wrap=True, highlight=False)
-    console.print("run " + " - ".join(verdict_parts(summary)))
+    # one line in a log or a pipe (grep finds it whole); wrapped at words on a terminal
+    console.print("run " + " - ".join(verdict_parts(summary)), soft_wrap=not console.is_terminal)
     if result_path:
         console.print(f"result: {result_path}", soft_wrap=True, highlight=False)
     if plot_path:
@@ -554,6 +581,10 @@ def replica_table(summary: Mapping[str, Any], width: int = 80) -> Table:
     caption = "loss, reward: means over the last round; exact: held-out exact match at the end"
     if not any(m.get(k) is not None for m in jm for k, _, _ in _SUMMARY_HEADLINE):
         caption = "loss: mean over each replica's last round"
+    if summary.get("launch") or any(row.get("restarts") for row in rows):
+        # a replica's own counters start again with each process; rounds come from the
+        # run's records
+        caption += "; sent, recv, compute, sync: each replica's last process only"
     return fit_table(cols, width, title=f"crf run {summary['run_id']}: summary", caption=caption)
 
 

@@ -325,8 +325,8 @@ class Supervisor:
 
     def _say(self, message: str) -> None:
         """Tell the user at once (above the live table): a restart is news, not a summary."""
-        if self.console is not None:
-            self.console.print(message, highlight=False)
+        if self.console is not None:  # one line in a log, wrapped at words on a terminal
+            self.console.print(message, highlight=False, soft_wrap=not self.console.is_terminal)
 
 
 #: errno values of a folder that refuses writes for good: no permission, a read-only file
@@ -399,7 +399,7 @@ def watch(
     elif progress:
         resumed = plan.resume.from_round if plan.resume is not None else None
         first = 0 if resumed is None else resumed + 1
-        plain = PlainReporter(console, spec.rounds, round_records(store), first)
+        plain = PlainReporter(console, spec.rounds, round_records(store), first, started)
 
     def refresh() -> bool:
         views = []

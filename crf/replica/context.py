@@ -914,6 +914,10 @@ class ReplicaContext:
         # an error in setup (or a reward's own) is raised again on every attempt: the
         # replica exits 3 and the driver ends the run (crf/replica/failures.py)
         self.failure = (where, deterministic(error, phase=where))
+        try:
+            self._record_closed_rounds()
+        except Exception as e:  # noqa: BLE001 - the job's own error is on its way up
+            log.error("could not record the last round: %s", e)
         self.tracker.close()  # what was logged up to the failure stays (it never raises)
         try:
             record = self.result_record("failed", text, {})
@@ -930,6 +934,17 @@ class ReplicaContext:
         except Exception as e:
             log.error("could not record failure: %s", e)
         self._beats.close()
+
+    def _record_closed_rounds(self) -> None:
+        """A round whose syncs are all in gets its record at the next ``log_step``; a job
+        that fails before it (the composer's held-out evaluation calls the rewards at the
+        round's end) would leave a committed round without one, and the summary would say
+        nobody committed it. Written here with the steps logged so far, and landed."""
+        if not self._syncs.finished:
+            return
+        self._flush_round_metrics()
+        if self.manager is not None:
+            self.manager.checkpoints.writer.records_landed()
 
     def __enter__(self) -> ReplicaContext:
         return self

@@ -18,8 +18,9 @@ from crf.layout import Rejection
 
 def heartbeat_fields(record: layout.RoundMetrics) -> dict[str, Any]:
     """The heartbeat's view of a closed round: its mean loss and metrics (the job's headline
-    metric, e.g. the composer's reward), its sync time and how many bad objects it refused,
-    so the live table shows the same "loss" as the summary (the last round's mean)."""
+    metric, e.g. the composer's reward), its sync time, how many bad objects it refused and
+    the step it closed at, so the live table shows the same "loss" as the summary (the last
+    round's mean) and a round's line its own step, not the one the replica has reached."""
     refused = (x for x in map(Rejection.from_dict, record.rejected) if not x.left_out)
     return {
         "last_round": record.round,
@@ -27,6 +28,7 @@ def heartbeat_fields(record: layout.RoundMetrics) -> dict[str, Any]:
         "round_metrics": dict(record.metrics),
         "round_sync_s": record.sync_s,
         "round_rejected": len(layout.rejected_keys(refused)),
+        "round_step": record.step,
     }
 
 
