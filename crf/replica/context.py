@@ -482,6 +482,16 @@ class ReplicaContext:
         with self.diloco(model, idle_optimizer(model)):
             pass
 
+    def trained_metrics(self) -> dict[str, Any]:
+        """The job's metrics this replica wrote when it finished training in an earlier
+        attempt (:meth:`finish`), for a restart that trains nothing (``restore_final``): its
+        result then says what the uninterrupted replica's said; {} when none landed."""
+        try:
+            saved = self.store.get_json(layout.trained_metrics_key(self.rank))
+        except (ObjectNotFound, CorruptObjectError, ValueError):
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used. With
@@ -890,6 +900,8 @@ class ReplicaContext:
         :meth:`save_model_at_end`), this replica's result (``results/<rank>.json``) and the
         final heartbeat. The model lands before the result: once the run is over, it is
         there."""
+        if job_metrics:  # a restart that only finishes the export reports them too
+            self.store.put_json(layout.trained_metrics_key(self.rank), job_metrics)
         self._syncs.fold(self.step, final=True)
         if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()
