@@ -93,6 +93,29 @@ def test_resume_is_bit_identical_to_uninterrupted(n: int, options: dict) -> None
     assert store.list("metrics/0") == [f"{r}.json" for r in range(ROUNDS)]
 
 
+@pytest.mark.parametrize("options", [{}, SPARSE_FRAGMENTS], ids=["fp32", "frag"])
+def test_a_replica_alone_resumes_from_its_newest_whole_round(options: dict) -> None:
+    """A run of one replica killed after a round committed but before its background writer
+    uploaded that round's inner state: the restart resumes from the round before (global
+    state and inner state both there) and trains the round again, so the run still ends
+    bit-identical to one nobody killed; going on from the newer global state would start
+    a fresh inner optimizer."""
+    ref_store, ref_spec = new_store(1, **options)
+    ref_state = train(ref_store, ref_spec, 0)[1].state_dict()
+
+    store, spec = new_store(1, **options)
+    f = spec.fragments
+    ctx, _, _ = train(store, spec, 0, stop_after_round=2)
+    ctx.manager.close()  # its writes land; then the newest inner state is lost
+    newest, whole = 3 * f - 1, 2 * f - 1
+    store.delete(layout.inner_key(0, newest))
+    assert layout.global_rounds(store)[-1] == newest
+    ctx, model, start = train(store, spec, 0)
+    assert ctx.resumed_from == whole and ctx.resumed_inner and start == 2 * H
+    assert all(torch.equal(ref_state[k], v) for k, v in model.state_dict().items())
+    assert json.loads(store.get("results/0.json"))["status"] == "ok"
+
+
 def test_heartbeat_metrics_and_result_written() -> None:
     store, spec = new_store()
     out = run_threads(N, lambda r: train(store, spec, r))

@@ -496,10 +496,14 @@ class Checkpoints:
         self._bad.add(r)
         self._reject(_rejection(key, e, where))
 
-    def resume(self, load: Callable[[int], None]) -> int | None:
+    def resume(self, load: Callable[[int], None], newest: int | None = None) -> int | None:
         """``load`` the newest usable global round (a corrupt or vanished one falls back to
-        the one before it); returns that round, or None when there is none."""
-        for r in reversed(layout.global_rounds(self.store)):
+        the one before it); returns that round, or None when there is none. ``newest``:
+        start from that round instead (the newer ones are tried last)."""
+        rounds = layout.global_rounds(self.store)
+        if newest is not None:
+            rounds = [r for r in rounds if r > newest] + [r for r in rounds if r <= newest]
+        for r in reversed(rounds):
             try:
                 load(r)
                 return r
