@@ -116,6 +116,21 @@ def test_a_replica_alone_resumes_from_its_newest_whole_round(options: dict) -> N
     assert json.loads(store.get("results/0.json"))["status"] == "ok"
 
 
+def test_keep_rounds_1_keeps_the_checkpoint_before_until_the_newest_is_whole() -> None:
+    """global/<r> lands before the replicas' inner states of r, written after it in the
+    background: until they land, the checkpoint before stays, even with keep_rounds=1 (a
+    kill in between resumes from it, exactly); once they have, only the newest is kept."""
+    store = RunStore(f"memory://resume-test/{uuid.uuid4().hex}")
+    m = ObjectStoreManager(store, 1, 0, run_id="t", keep_rounds=1)
+    for r in (0, 1):
+        store.put(layout.global_part_key(r, 0, 1), b"state")
+    store.put(layout.inner_key(0, 0), b"inner")
+    assert m.checkpoints.keep_from(1) == 0
+    store.put(layout.inner_key(0, 1), b"inner")
+    assert m.checkpoints.keep_from(1) == 1
+    m.close()
+
+
 def test_heartbeat_metrics_and_result_written() -> None:
     store, spec = new_store()
     out = run_threads(N, lambda r: train(store, spec, r))

@@ -375,10 +375,12 @@ class Checkpoints:
         rule, ``crf.launcher.resume.resume_point``). Older ones are never read again. If
         there is none within ``keep_rounds`` checkpoint periods (a replica stopped saving:
         it is gone), the newest whole global state, which such a resume starts from. None:
-        no whole global state yet."""
+        no whole global state yet. The window is at least two periods: with ``keep_rounds``
+        1, the checkpoint before round ``r`` stays while r's inner states are on their way
+        (they land after its global state), so a kill in between still resumes exactly."""
         whole = layout.global_rounds(self.store, complete=True)
         inner = [set(layout.inner_rounds(self.store, k)) for k in range(self.exchange.world_size)]
-        horizon = r - self.exchange.config.keep_rounds * self.period
+        horizon = r - max(2, self.exchange.config.keep_rounds) * self.period
         for g in reversed(whole):
             if g <= horizon:
                 break
