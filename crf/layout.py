@@ -131,6 +131,13 @@ def inner_key(rank: int, r: int) -> str:
     return f"{inner_dir(rank)}/{r}.pt"
 
 
+def trained_metrics_key(rank: int) -> str:
+    """The job's metrics as a replica had them once every inner step was trained, written
+    before ``model/`` and its result: a restart that only finishes the export (it died
+    writing the model) reports them rather than none."""
+    return f"{REPLICAS}/{rank}/trained.json"
+
+
 def result_key(rank: int) -> str:
     return f"{RESULTS}/{rank}.json"
 

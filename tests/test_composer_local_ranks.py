@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from crf.exchange.checkpoints import read_global_state
 from crf.executors.local import LocalProcessExecutor
 from crf.launcher import driver
 from crf.launcher.cli import app
+from crf.replica.context import weights_sha256
 from crf.replica.jobs import composer
 from crf.replica.local_ranks import LocalGroup, batch_error, trainer_args
 from crf.store import RunStore
@@ -104,15 +106,28 @@ def _global_model(run: Path, r: int) -> dict[str, Any]:
 def test_two_replicas_of_two_local_ranks(tmp_path: Path) -> None:
     """2 x 2 (gloo), replica 0's local rank 1 killed at inner step 3 (round 1): the replica
     fails, the driver restarts it, it resumes from global/0 and the run ends with both
-    replicas bit-identical. Round 0 (before the kill) matches a 2 x 1 run at the same batch:
-    the global model both wrote as global/0."""
+    replicas bit-identical. Killed again while it writes the run's model, its local ranks
+    restart with every step trained and finish the export (``restore_final``, a collective
+    of the K ranks) with the final weights and the job's metrics it had. Round 0 (before
+    the kill) matches a 2 x 1 run at the same batch: the global model both wrote as
+    global/0."""
     runs = tmp_path / "runs"
-    kill = {"CRF_FAULT": "rank=0,point=inner_step,step=3,local_rank=1"}
+    kill = {"CRF_FAULT": "rank=0,point=inner_step,step=3,local_rank=1;rank=0,point=saving"}
     four = _launch(runs, "k2", 2, rounds=2, env=kill)
     assert four["weights_identical"] is True
-    dead = four["replicas"][0]
-    assert dead["restarts"] == 1 and any(a["exit_code"] == 1 for a in dead["attempts"]), dead
-    assert dead["resumed_from"] == 0 and four["replicas"][1]["restarts"] == 0
+    dead, alive = four["replicas"]
+    assert dead["restarts"] == 2 and any(a["exit_code"] == 1 for a in dead["attempts"]), dead
+    assert dead["resumed_from"] == 1 and alive["restarts"] == 0
+    assert dead["attempts"][-1]["phase"] == "saving", dead["attempts"]
+    # the export's restart reports what it had: the final weights, its last round's loss,
+    # the held-out exact match (the same greedy answers as the other replica's)
+    assert dead["weights_sha256"] == alive["weights_sha256"] == four["weights_sha256"]
+    last = json.loads((runs / "k2" / "metrics" / "0" / "1.json").read_text())
+    assert dead["final_loss"] == last["loss"]
+    exact = dead["job_metrics"].get("exact_match_after")
+    assert exact is not None and exact == alive["job_metrics"]["exact_match_after"], dead
+    model = AutoModelForCausalLM.from_pretrained(runs / "k2" / "model")
+    assert weights_sha256(model) == four["weights_sha256"]
     for r in range(2):
         result = json.loads((runs / "k2" / "results" / f"{r}.json").read_text())
         assert result["local_ranks"] == 2 and result["status"] == "ok"

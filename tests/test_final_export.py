@@ -48,6 +48,11 @@ def test_a_replica_killed_writing_the_model_finishes_it_on_restart(tmp_path: Pat
     assert killed["weights_sha256"] == whole["weights_sha256"]
     assert killed["final_loss"] == whole["final_loss"]
     assert row["weights_sha256"] == whole["replicas"][0]["weights_sha256"]
+    # and the job's metrics (held-out exact match, last round's loss and reward) that the
+    # replica had before it died, not none
+    kept = {k: v for k, v in row["job_metrics"].items() if k in whole["replicas"][0]["job_metrics"]}
+    assert kept == whole["replicas"][0]["job_metrics"], row["job_metrics"]
+    assert row["job_metrics"]["steps_trained"] == 0
     # and the model it wrote is whole (its files, the config last), with the same weights
     # file byte for byte (config fields TRL sets while it trains, such as use_cache, may
     # differ: the restart trains nothing)

@@ -93,6 +93,44 @@ def test_resume_is_bit_identical_to_uninterrupted(n: int, options: dict) -> None
     assert store.list("metrics/0") == [f"{r}.json" for r in range(ROUNDS)]
 
 
+@pytest.mark.parametrize("options", [{}, SPARSE_FRAGMENTS], ids=["fp32", "frag"])
+def test_a_replica_alone_resumes_from_its_newest_whole_round(options: dict) -> None:
+    """A run of one replica killed after a round committed but before its background writer
+    uploaded that round's inner state: the restart resumes from the round before (global
+    state and inner state both there) and trains the round again, so the run still ends
+    bit-identical to one nobody killed; going on from the newer global state would start
+    a fresh inner optimizer."""
+    ref_store, ref_spec = new_store(1, **options)
+    ref_state = train(ref_store, ref_spec, 0)[1].state_dict()
+
+    store, spec = new_store(1, **options)
+    f = spec.fragments
+    ctx, _, _ = train(store, spec, 0, stop_after_round=2)
+    ctx.manager.close()  # its writes land; then the newest inner state is lost
+    newest, whole = 3 * f - 1, 2 * f - 1
+    store.delete(layout.inner_key(0, newest))
+    assert layout.global_rounds(store)[-1] == newest
+    ctx, model, start = train(store, spec, 0)
+    assert ctx.resumed_from == whole and ctx.resumed_inner and start == 2 * H
+    assert all(torch.equal(ref_state[k], v) for k, v in model.state_dict().items())
+    assert json.loads(store.get("results/0.json"))["status"] == "ok"
+
+
+def test_keep_rounds_1_keeps_the_checkpoint_before_until_the_newest_is_whole() -> None:
+    """global/<r> lands before the replicas' inner states of r, written after it in the
+    background: until they land, the checkpoint before stays, even with keep_rounds=1 (a
+    kill in between resumes from it, exactly); once they have, only the newest is kept."""
+    store = RunStore(f"memory://resume-test/{uuid.uuid4().hex}")
+    m = ObjectStoreManager(store, 1, 0, run_id="t", keep_rounds=1)
+    for r in (0, 1):
+        store.put(layout.global_part_key(r, 0, 1), b"state")
+    store.put(layout.inner_key(0, 0), b"inner")
+    assert m.checkpoints.keep_from(1) == 0
+    store.put(layout.inner_key(0, 1), b"inner")
+    assert m.checkpoints.keep_from(1) == 1
+    m.close()
+
+
 def test_heartbeat_metrics_and_result_written() -> None:
     store, spec = new_store()
     out = run_threads(N, lambda r: train(store, spec, r))

@@ -375,10 +375,12 @@ class Checkpoints:
         rule, ``crf.launcher.resume.resume_point``). Older ones are never read again. If
         there is none within ``keep_rounds`` checkpoint periods (a replica stopped saving:
         it is gone), the newest whole global state, which such a resume starts from. None:
-        no whole global state yet."""
+        no whole global state yet. The window is at least two periods: with ``keep_rounds``
+        1, the checkpoint before round ``r`` stays while r's inner states are on their way
+        (they land after its global state), so a kill in between still resumes exactly."""
         whole = layout.global_rounds(self.store, complete=True)
         inner = [set(layout.inner_rounds(self.store, k)) for k in range(self.exchange.world_size)]
-        horizon = r - self.exchange.config.keep_rounds * self.period
+        horizon = r - max(2, self.exchange.config.keep_rounds) * self.period
         for g in reversed(whole):
             if g <= horizon:
                 break
@@ -496,10 +498,14 @@ class Checkpoints:
         self._bad.add(r)
         self._reject(_rejection(key, e, where))
 
-    def resume(self, load: Callable[[int], None]) -> int | None:
+    def resume(self, load: Callable[[int], None], newest: int | None = None) -> int | None:
         """``load`` the newest usable global round (a corrupt or vanished one falls back to
-        the one before it); returns that round, or None when there is none."""
-        for r in reversed(layout.global_rounds(self.store)):
+        the one before it); returns that round, or None when there is none. ``newest``:
+        start from that round instead (the newer ones are tried last)."""
+        rounds = layout.global_rounds(self.store)
+        if newest is not None:
+            rounds = [r for r in rounds if r > newest] + [r for r in rounds if r <= newest]
+        for r in reversed(rounds):
             try:
                 load(r)
                 return r

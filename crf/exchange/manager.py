@@ -650,10 +650,11 @@ class ObjectStoreManager:
         self.base_round = r
         self._step = r + 1
 
-    def load_newest_global(self) -> int | None:
+    def load_newest_global(self, newest: int | None = None) -> int | None:
         """Resume: load the newest usable global state (a corrupt or vanished one falls back
-        to the one before it); returns its round, or None when there is none."""
-        return self.checkpoints.resume(self.load_global)
+        to the one before it), or round ``newest`` when given; returns its round, or None
+        when there is none."""
+        return self.checkpoints.resume(self.load_global, newest)
 
     def heal(self, r: int) -> bool:
         """Catch up after missing round ``r`` (see :meth:`Checkpoints.heal

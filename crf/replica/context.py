@@ -483,11 +483,23 @@ class ReplicaContext:
         with self.diloco(model, idle_optimizer(model)):
             pass
 
+    def trained_metrics(self) -> dict[str, Any]:
+        """The job's metrics this replica wrote when it finished training in an earlier
+        attempt (:meth:`finish`), for a restart that trains nothing (``restore_final``): its
+        result then says what the uninterrupted replica's said; {} when none landed."""
+        try:
+            saved = self.store.get_json(layout.trained_metrics_key(self.rank))
+        except (ObjectNotFound, CorruptObjectError, ValueError):
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
     def resume_step(self) -> int:
         """The inner step this replica will start from (0 unless a global state exists):
         lets a job that builds its data pipeline before ``diloco()`` skip what it used. With
         local ranks, a collective: each of them calls it once, and all start from here."""
         rounds = layout.global_rounds(self.store, complete=True)
+        whole = self._whole_round(rounds)
+        rounds = [r for r in rounds if whole is None or r <= whole] or rounds
         step = (rounds[-1] + 1) * self.spec.sync_period if rounds else 0
         if self.local:  # the other local ranks ask too (LocalFollower.resume_step)
             self.local.share(step)
@@ -498,7 +510,7 @@ class ReplicaContext:
         momentum from ``global/<r>``, its own inner-optimizer state if it saved one for that
         round, and its step counter (= data position) at the start of round r + 1. (Rounds
         here are exchange rounds: one per fragment sync, ``sync_every / fragments`` steps.)"""
-        latest = manager.load_newest_global()
+        latest = manager.load_newest_global(self._whole_round(layout.global_rounds(self.store)))
         if latest is None:
             return
         self.resumed_from = latest
@@ -529,6 +541,21 @@ class ReplicaContext:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
+
+    def _whole_round(self, rounds: list[int]) -> int | None:
+        """For a replica alone in its run: the newest of the global ``rounds`` whose inner
+        state it saved too, when a newer one lacks it (it died before its background writer
+        uploaded it) and still leaves steps to train. It resumes there and trains the round
+        after again, bit for bit, rather than go on from the newer one with a fresh inner
+        optimizer, as ``crf launch --resume`` does for a whole run. None otherwise: with
+        other replicas the run has gone on without it, and it joins at the newest round."""
+        if self.world_size != 1 or not rounds:
+            return None
+        if (rounds[-1] + 1) * self.spec.sync_period >= self.total_steps:
+            return None  # every step trained: no inner state is needed to finish
+        saved = set(layout.inner_rounds(self.store, self.rank))
+        whole = [r for r in rounds if self.spec.saves_inner_state(r) and r in saved]
+        return whole[-1] if whole and whole[-1] < rounds[-1] else None
 
     def _recall_last_round(self, last: int) -> None:
         """Start from the newest round record this replica wrote up to outer round ``last``
@@ -891,6 +918,8 @@ class ReplicaContext:
         :meth:`save_model_at_end`), this replica's result (``results/<rank>.json``) and the
         final heartbeat. The model lands before the result: once the run is over, it is
         there."""
+        if job_metrics:  # a restart that only finishes the export reports them too
+            self.store.put_json(layout.trained_metrics_key(self.rank), job_metrics)
         self._syncs.fold(self.step, final=True)
         if self._syncs.finished or self._steps.losses:
             self._flush_round_metrics()

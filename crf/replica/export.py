@@ -101,13 +101,16 @@ def finish_trained(ctx: Any, model: Any, tokenizer: Any, start: int) -> dict[str
     uninterrupted replica's would be, so its result reports the same loss and
     ``weights_sha256`` and the weights it writes are byte for byte the same (a config
     field the trainer would set while it trains, such as ``use_cache``, is not set: it
-    trains nothing). A context without those calls (a job run by hand) gets the counts
-    alone."""
+    trains nothing). The job's metrics are those the replica wrote when it finished
+    training (``ctx.trained_metrics``: held-out scores, the last round's loss and reward),
+    as an uninterrupted replica reports them; a context without those calls (a job run by
+    hand) gets the counts alone."""
     if hasattr(ctx, "restore_final"):
         ctx.restore_final(model)
     if hasattr(ctx, "save_model_at_end"):
         ctx.save_model_at_end(model, tokenizer)
-    return {"resumed_at_step": start, "steps_trained": 0}
+    trained = ctx.trained_metrics() if hasattr(ctx, "trained_metrics") else {}
+    return {**trained, "resumed_at_step": start, "steps_trained": 0}
 
 
 def stored_dtype(name: str) -> str | None:
