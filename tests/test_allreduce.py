@@ -837,3 +837,58 @@ def test_without_heartbeats_a_replica_left_out_is_waited_for_as_before(store: Ru
     out = run_threads(3, replica)
     assert out[0] == out[1] == [[0, 1], [0, 1]]
     assert json.loads(store.get("rounds/1/quorum.json"))["reason"] == "deadline"
+
+
+def test_a_member_in_a_long_step_is_waited_for_while_it_is_heard_from(store: RunStore) -> None:
+    """A member whose last news is old (one long step: a generation, an evaluation) but
+    whose heartbeat thread keeps ``alive_at`` fresh has not gone quiet: round 1 waits for
+    it and averages its part, instead of closing without it."""
+    deadline = 4.0
+
+    def replica(rank: int):
+        ar = ObjectStoreAllReduce(
+            store, 2, rank, run_id="t", min_replicas=1, round_timeout_s=deadline,
+            follow_liveness=True,
+        )  # fmt: skip
+        out = {}
+        for r in range(2):
+            if rank == 1 and r == 1:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 1.5:  # one long step: no news, alive
+                    now = time.time()
+                    body = {"phase": "training", "exchange_round": 0, "updated_at": now - 60,
+                            "alive_at": now}  # fmt: skip
+                    store.put_json("replicas/1/state.json", body)
+                    time.sleep(0.1)
+            out[r] = ar.allreduce(make_tensors(rank), round=r).participants
+        return out
+
+    out = run_threads(2, replica)
+    assert out[0] == out[1] == {0: [0, 1], 1: [0, 1]}, out
+
+
+def test_a_resumed_launch_waits_for_a_member_that_starts_late(store: RunStore) -> None:
+    """Every replica of a resumed launch knows round 0's members only from the store, and
+    their heartbeats are the stopped launch's, long stale. A replica that starts late (a
+    slow import) is waited for - its heartbeat is older than the others' start, it may be
+    starting too - and takes part, so the resumed run matches one left alone."""
+
+    def stopped_launch(rank: int):
+        ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", min_replicas=1,
+                                  round_timeout_s=4.0, follow_liveness=True)  # fmt: skip
+        return ar.allreduce(make_tensors(rank), round=0).participants
+
+    assert run_threads(2, stopped_launch) == [[0, 1], [0, 1]]
+    for rank in range(2):  # what the killed launch left: heartbeats a minute old
+        old = time.time() - 60
+        body = {"phase": "training", "exchange_round": 0, "updated_at": old, "alive_at": old}
+        store.put_json(f"replicas/{rank}/state.json", body)
+
+    def resumed(rank: int):
+        ar = ObjectStoreAllReduce(store, 2, rank, run_id="t", min_replicas=1,
+                                  round_timeout_s=6.0, follow_liveness=True)  # fmt: skip
+        if rank == 1:
+            time.sleep(1.5)  # still importing when rank 0 arrives
+        return ar.allreduce(make_tensors(rank), round=1).participants
+
+    assert run_threads(2, resumed) == [[0, 1], [0, 1]]

@@ -159,6 +159,11 @@ class ObjectStoreAllReduce(
         #: who arrived for a decided round (participants and stale), by round: the members
         #: the next round waits for (None: the decision is not in the store)
         self._members: dict[int, frozenset[int] | None] = {}
+        #: rounds whose members were read from the store, not seen by this process
+        self._members_read: set[int] = set()
+        #: when this exchange started (a member last heard from before it, known only from
+        #: the store, may be starting too: Membership._gone_quiet)
+        self.started_at = time.time()
         self._count_lock = threading.Lock()
         self.history: list[AllReduceResult] = []
         #: per layout hash, the lengths of the tensors' pieces in each shard (int8 blocks

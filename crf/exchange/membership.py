@@ -217,6 +217,7 @@ class Membership(ExchangeState):
         except (TypeError, ValueError):
             members = None
         self._members = {k: v for k, v in self._members.items() if k >= r - 1}
+        self._members_read = {k for k in self._members_read if k >= r - 1}
         self._members[r] = members
 
     def _members_before(self, res: AllReduceResult, r: int) -> frozenset[int] | None:
@@ -226,6 +227,7 @@ class Membership(ExchangeState):
         if r == 0:
             return None
         if r - 1 not in self._members:
+            self._members_read.add(r - 1)  # not seen by this process: see _gone_quiet
             data = self._get_if_there(res, layout.quorum_key(r - 1), 0)
             decided: Any = None
             if data is not None:
@@ -269,20 +271,32 @@ class Membership(ExchangeState):
 
     def _gone_quiet(self, k: int, r: int) -> bool:
         """Whether replica k, a member of round r - 1 with no contribution to round r, has
-        gone quiet: its heartbeat is older than ``alive_window_s``. A live replica writes
-        one about every second, also while it waits for an exchange or a global state, so
-        only a dead (or cut off) one ages past the window. A heartbeat that is missing,
-        unreadable or without a time answers no: the member is waited for, as it was before
-        heartbeats were asked."""
+        gone quiet: its process was last heard from (``Heartbeat.seen_at``: its news, or the
+        beats that keep it alive through one long step, a generation or an evaluation of
+        minutes) longer than ``alive_window_s`` ago. A live replica is heard from every few
+        seconds, so only a dead (or cut off) one ages past the window; a hung one that is
+        still heard from is waited for until the deadline, once.
+
+        A member known only from the store (this process did not see round r - 1: a
+        restart, or every replica of a resumed launch) whose last sign is older than this
+        process's start may be starting too, as slowly as this one did: it is waited for,
+        at most the deadline. A heartbeat that is missing, unreadable or without a time
+        answers no: the member is waited for, as it was before heartbeats were asked."""
         try:
             beat = json.loads(self.store.get(layout.heartbeat_key(k)))
         except (ObjectNotFound, ValueError, CorruptObjectError, StoreError, OSError) as e:
             log.debug("round %d: cannot read member %d's heartbeat (%s): waiting for it", r, k, e)
             return False
-        updated = beat.get("updated_at") if isinstance(beat, dict) else None
-        if isinstance(updated, bool) or not isinstance(updated, int | float):
+        if not isinstance(beat, dict):
             return False
-        return time.time() - updated > self.alive_window_s
+        times = [beat.get("updated_at"), beat.get("alive_at")]
+        times = [t for t in times if isinstance(t, int | float) and not isinstance(t, bool)]
+        if not times:
+            return False
+        seen = max(times)
+        if r - 1 in self._members_read and seen < self.started_at:
+            return False
+        return time.time() - seen > self.alive_window_s
 
     def _lag_behind(self, r: int) -> int | None:
         """The global round this replica must heal to if the others are past round r."""

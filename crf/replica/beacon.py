@@ -20,7 +20,9 @@ newest heartbeat again with a fresh ``alive_at`` (never a fresh ``updated_at``, 
 the time of the news it carries) whenever none was written for ``ALIVE_EVERY_S``. A reader
 that asks whether the replica's process still lives (a rollout worker: crf/rollouts/
 worker.py; ``crf runs``: crf/launcher/liveness.py) reads ``Heartbeat.seen_at``, the newer of
-the two; the exchange's membership reads ``updated_at``, as before.
+the two, and so does the exchange for a member of the round before
+(crf/exchange/membership.py ``_gone_quiet``); whether a replica that is no member shows life
+is its news alone (``updated_at``).
 """
 
 from __future__ import annotations
