@@ -95,11 +95,11 @@ def _on_open(store: RunStore) -> None:
     asks whether the endpoint answers at all (crf/store/reach.py): gcsfs retries a refused
     connection for ~17 s in each request. A replica's store (more retries) rides out an
     endpoint that is down for a while instead."""
+    _check_credentials(store)  # first: wrong credentials are named as such, network or not
     if store.retries <= 1:
         why = refusal(_endpoint(store))
         if why is not None:
             raise _not_writable(store, store.root.lstrip("/"), ConnectionError(why))
-    _check_credentials(store)
 
 
 def _check_credentials(store: RunStore) -> None:
