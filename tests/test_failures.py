@@ -21,6 +21,7 @@ from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState, Repli
 from crf.launcher.plan import RestartPolicy
 from crf.launcher.summary import _rounds_text, replica_row
 from crf.launcher.supervise import Supervisor
+from crf.replica.context import ContractError
 from crf.replica.failures import deterministic, one_line, stops_run, transient
 from crf.replica.rewards import RewardFailed
 from crf.store import RunStore, StoreTimeout
@@ -57,6 +58,7 @@ def _compiler(message: str) -> BaseException:
         (RuntimeError("CUDA out of memory"), "starting", False),
         (StoreTimeout("store down"), "starting", False),
         (KeyError("x"), "training", False),  # later on: only a repeat says it is a bug
+        (ContractError("hook.step() after hook.done"), "training", True),  # a misused hook
         (_raised_from(RewardFailed, KeyError("answer")), "training", True),
         (_raised_from(RewardFailed, ConnectionError("api")), "training", False),
         (_compiler("Failed to find C compiler. Please specify via CC"), "training", True),

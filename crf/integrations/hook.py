@@ -104,6 +104,60 @@ def _local_part(x: Any) -> Any:
     return local_tensor(x) if isinstance(x, torch.Tensor) else x
 
 
+def misuse(model: torch.nn.Module, optimizer: Any) -> Exception | None:
+    """What is wrong with the hook's arguments, before anything starts (None: nothing).
+
+    ``optimizer`` must be a ``torch.optim.Optimizer`` that holds every trainable parameter of
+    ``model``: DiLoCo runs its sync in that optimizer's step hooks and takes the outer step
+    over the model's parameters, so a parameter another optimizer trains (or none) would be
+    averaged at a moment its own optimizer does not know of, and an optimizer of another
+    model would leave this one untrained while the run reports it ok. A parameter on the
+    meta device has no values to send."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return TypeError(
+            f"DiLoCoHook needs a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+            "torchft's DiLoCo runs its sync in that optimizer's step hooks; pass the inner "
+            "optimizer itself (e.g. turn off a framework's CPU-offload wrapper)"
+        )
+    named = list(model.named_parameters())
+    meta = [name for name, p in named if p.is_meta]
+    if meta:
+        return ValueError(
+            f"DiLoCoHook: {len(meta)} parameter(s) of the model are on the meta device "
+            f"({_some(meta)}), with no values to exchange: materialize the model (load or "
+            "initialize its weights) before making the hook"
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [name for name, p in named if p.requires_grad]
+    missing = [name for name, p in named if p.requires_grad and id(p) not in held]
+    if missing:
+        return ValueError(
+            f"DiLoCoHook: {len(missing)} of the model's {len(trainable)} trainable "
+            f"parameter(s) are not in the optimizer ({_some(missing)}): give the hook the "
+            "optimizer that trains this model, holding all of its trainable parameters (one "
+            "optimizer, with param groups if they need different settings; "
+            "requires_grad_(False) on a parameter that is not to be trained)"
+        )
+    return None
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _record_setup_failure(error: BaseException, environ: Mapping[str, str] | None) -> None:
+    """Record ``error`` as this replica's failure at setup (local rank 0, when the replica
+    contract is there to read): an error in the script's own setup is raised again on every
+    attempt, so the driver ends the run at once rather than restart the replica."""
+    if _local_group()[0] != 0:
+        return
+    try:
+        store, spec, rank, world = ReplicaContext.read_contract(environ)
+        ReplicaContext(store, spec, rank, world).fail(error)
+    except Exception as e:  # noqa: BLE001 - no contract or no store: the error goes up as it is
+        log.debug("could not record the setup failure: %s", e)
+
+
 class DiLoCoHook:
     """One process's part in a crf run, for a loop that calls :meth:`step` after each of
     its optimizer steps (see the module docstring). ``optimizer`` must be a
@@ -120,20 +174,20 @@ class DiLoCoHook:
         *,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"DiLoCoHook needs a torch.optim.Optimizer, got {type(optimizer).__name__}: "
-                "torchft's DiLoCo runs its sync in that optimizer's step hooks; pass the inner "
-                "optimizer itself (e.g. turn off a framework's CPU-offload wrapper)"
-            )
+        problem = misuse(model, optimizer)
+        if problem is not None:
+            _record_setup_failure(problem, environ)
+            raise problem
         from torchft.local_sgd import DiLoCo
 
         store, spec, rank, world = ReplicaContext.read_contract(environ)
         if spec.fragments != 1:
-            raise ContractError(
+            error = ContractError(
                 f"run {spec.run_id} has --fragments {spec.fragments}: DiLoCoHook syncs the "
                 "whole model each round; launch with --fragments 1"
             )
+            _record_setup_failure(error, environ)
+            raise error
         self.spec, self.rank, self.world_size = spec, rank, world
         self.local_rank, self.local_size = _local_group()
         self.model, self.optimizer = model, optimizer
@@ -205,6 +259,15 @@ class DiLoCoHook:
         after a sync (which ran inside that ``optimizer.step()``), writes the round's
         global state when one is due; local rank 0 also records the step's ``loss`` and
         ``metrics`` for the run's tables."""
+        if self.done:
+            self._raise(
+                ContractError(
+                    f"hook.step() after hook.done: the run's {self.spec.total_steps} inner "
+                    f"steps (--rounds {self.spec.rounds} x --sync-every {self.spec.sync_every})"
+                    " are all taken and its last round exchanged; end the loop when hook.done "
+                    "is true (while not hook.done: ...), or launch with more --rounds"
+                )
+            )
         if self._taken == self._taken_before:
             self._take_skipped_step()
         self._taken_before = self._taken
@@ -214,7 +277,9 @@ class DiLoCoHook:
         if synced:
             m.after_outer_step()
             if m.fatal_error is not None:
-                raise m.fatal_error
+                self._raise(m.fatal_error)
+        if self.done:  # the last round is in: an optimizer step after it must not sync
+            self._algo.__exit__(None, None, None)
         ctx = self.ctx
         if ctx is None:
             return
@@ -223,6 +288,15 @@ class DiLoCoHook:
             ctx._syncs.add(ctx._sync_entry(m, self.step_count // self.spec.sync_period - 1))
             ctx._syncs.fold(self.step_count, final=False)
         ctx.log_step(loss=None if loss is None else float(loss), **metrics)
+
+    def _raise(self, error: BaseException) -> None:
+        """Record ``error`` as this replica's failure (local rank 0; a restart cannot fix a
+        misused hook or replicas that build different models, crf/replica/failures.py) and
+        raise it: a loop without ``with hook:`` would otherwise exit with no result, and the
+        driver restart it into the same error."""
+        if self.ctx is not None and self.ctx.failure is None:
+            self.ctx.fail(error)
+        raise error
 
     def close(self, job_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Leave the run (every rank): the optimizer's hooks go, pending global-state writes
@@ -253,7 +327,7 @@ class DiLoCoHook:
             return False
         self._algo.__exit__(exc_type, exc, tb)
         self._counting.remove()
-        if self.ctx is not None:
+        if self.ctx is not None and self.ctx.failure is None:
             self.ctx.fail(exc)
         log.error("rank %d/%d of replica %d failed: %s", self.local_rank, self.local_size,
                   self.rank, exc)  # fmt: skip
