@@ -167,6 +167,40 @@ def test_bad_input_fails_before_launch(
     assert not (base / "t1").exists()  # nothing written, nothing launched
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize(
+    ("source", "command", "message"),
+    [
+        (None, "python -u {dir}/nope.py --lr 1", "entrypoint script '{dir}/nope.py' does not"),
+        ("def main(:\n", "python {dir}/bad.py", "does not compile: line 1: SyntaxError"),
+        ("x = 1\n", "python -W ignore {dir}/bad.py", None),  # compiles: launched
+        (None, "python -m no_such_module_crf_test", None),  # -m: the replica's to import
+    ],
+)
+def test_a_script_that_is_missing_or_does_not_compile_fails_before_launch(
+    source: str | None,
+    command: str,
+    message: str | None,
+    dry_run: bool,
+    base: Path,
+    script: Path,
+    tmp_path: Path,
+) -> None:
+    """Every replica would fail the same way at once (exit code 2 for a missing file, a
+    traceback for a syntax error): the launch, and the dry run, refuse it in one line."""
+    if source is not None:
+        (tmp_path / "bad.py").write_text(source)
+    entry = command.format(dir=tmp_path)
+    result = crf(*_common(base, script), "--entrypoint", entry, *(["--dry-run"] * dry_run))
+    if message is None:
+        assert "entrypoint script" not in result.output
+        return
+    assert result.exit_code == 2, result.output
+    assert message.format(dir=tmp_path) in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (base / "t1").exists()
+
+
 def test_unwritable_store_is_refused(tmp_path: Path, script: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

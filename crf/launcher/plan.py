@@ -411,7 +411,10 @@ def prepare(
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
             notes += tracking_warnings(spec)  # local wandb without a key: no tracking
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
-            executor.check_command(command)
+            argv = executor.check_command(command)
+            check_script = getattr(executor, "check_script", None)
+            if packed is None and check_script is not None:  # a local python script
+                check_script(argv)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     secret_env = _read_secrets(spec, missing if dry_run else None)
