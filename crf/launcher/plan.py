@@ -414,7 +414,7 @@ def prepare(
             argv = executor.check_command(command)
             check_script = getattr(executor, "check_script", None)
             if packed is None and check_script is not None:  # a local python script
-                check_script(argv)
+                _check_script(check_script, argv, missing if dry_run else None)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     secret_env = _read_secrets(spec, missing if dry_run else None)
@@ -479,6 +479,18 @@ def store_access(run_uri: str) -> list[str]:
     except LaunchError as e:
         return [str(e)]
     return []
+
+
+def _check_script(check: Any, argv: list[str], missing: list[str] | None) -> None:
+    """Run the local executor's check of the entrypoint's script: at launch its refusal is
+    the launch's; in a dry run (``missing`` given), which may run from another folder than
+    the launch, it is listed among what is missing (``--strict`` makes that exit 2)."""
+    try:
+        check(argv)
+    except ExecutorError as e:
+        if missing is None:
+            raise
+        missing.append(str(e))
 
 
 def _dry_run_folder(run_uri: str, run_id: str, missing: list[str]) -> RunStore | None:
