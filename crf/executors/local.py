@@ -289,7 +289,7 @@ class LocalProcessExecutor(ServerlessExecutor):
             return
         path = Path(self.cwd or os.getcwd(), script)
         if not path.is_file():
-            raise ExecutorError(f"entrypoint script {script!r} does not exist (in {path.parent})")
+            raise ExecutorError(f"entrypoint script {script!r} does not exist (no file {path})")
         try:
             compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
         except (SyntaxError, ValueError) as e:
