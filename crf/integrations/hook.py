@@ -52,7 +52,7 @@ from crf.exchange.allreduce import tensors_layout_hash
 from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import ObjectStoreManager, turn_off_bucketization
 from crf.layout import shard_prefix
-from crf.replica.context import ContractError, ReplicaContext, outer_lr
+from crf.replica.context import ContractError, ReplicaContext, job_metrics_of, outer_lr
 from crf.store.codec import raw_view
 
 log = logging.getLogger(__name__)
@@ -312,7 +312,8 @@ class DiLoCoHook:
 
             digests = [None] * self.local_size
             dist.all_gather_object(digests, digest)
-        out = {**(job_metrics or {}), "shard_sha256": digests, "local_ranks": self.local_size}
+        out = {**job_metrics_of(job_metrics), "shard_sha256": digests,
+               "local_ranks": self.local_size}  # fmt: skip
         if self.ctx is None:
             self.manager.close()
         else:

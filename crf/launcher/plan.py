@@ -199,7 +199,11 @@ def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
         options = nest_dotted(dict(options or {}))
         cfg = job_config(job, options)
     except ImportError as e:
-        raise LaunchError(f"job {job!r} cannot be loaded ({e}); is crf fully installed?") from None
+        from crf.replica.jobs import JOBS
+
+        why = ("is crf fully installed?" if job in JOBS else
+               "install what it imports where the driver and the replicas run")  # fmt: skip
+        raise LaunchError(f"job {job!r} cannot be loaded ({e}); {why}") from None
     except (TypeError, ValueError) as e:
         raise LaunchError(str(e)) from None
     except Exception as e:  # a module-path job failing at import: a SyntaxError, its own code

@@ -524,7 +524,9 @@ def replica_table(summary: Mapping[str, Any], width: int = 80) -> Table:
     ``width`` columns (the least important columns are left out; no value is cut)."""
     rounds = summary.get("rounds")
     rows = summary["replicas"]
-    jm = [row.get("job_metrics") or {} for row in rows]
+    # a result's job_metrics is a dict (crf.replica.context.job_metrics_of); one written
+    # otherwise (by hand, or an older replica) shows no headline metric, not a crash
+    jm = [m if isinstance(m := row.get("job_metrics"), dict) else {} for row in rows]
     cols = [
         Column("rank", [str(row["rank"]) for row in rows], keep=100),
         Column("exit", [_exit_text(row) for row in rows], keep=95, justify="left"),

@@ -159,6 +159,24 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def job_metrics_of(value: Any) -> dict[str, Any]:
+    """What a job's ``run`` returned (or a loop gave ``DiLoCoHook.close``) as the result's
+    ``job_metrics``: a mapping as it is, None as none, anything else kept under ``result``
+    with a warning. The contract asks for a dict; a job that returns its final loss as a
+    number has still trained, and the run keeps what it returned rather than fail (or
+    restart) a replica whose rounds are all in."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items()}
+    log.warning(
+        "the job returned %s, not a dict of metrics: it is kept as job_metrics.result "
+        "(return a dict, e.g. {'final_loss': loss})",
+        type(value).__name__,
+    )
+    return {"result": value}
+
+
 class ReplicaContext:
     """One replica's view of the run (see module docstring)."""
 
@@ -899,7 +917,7 @@ class ReplicaContext:
             self.manager.close()  # pending checkpoint writes land before the result
         self.tracker.close()
         self._save_model()
-        record = self.result_record("ok", None, job_metrics or {})
+        record = self.result_record("ok", None, job_metrics_of(job_metrics))
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self.phase = "done"
         self._beat(force=True)
