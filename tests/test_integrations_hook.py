@@ -164,3 +164,28 @@ def test_a_step_after_done_is_refused_and_not_exchanged(tmp_path: Path) -> None:
         hook.step(loss=1.0)
     assert not (tmp_path / "run" / "rounds" / "1").exists()
     assert _result(tmp_path)["restartable"] is False
+
+
+def test_close_reports_the_weights_once(tmp_path: Path) -> None:
+    """The result carries weights_sha256 (the summary compares replicas by it, as for crf's
+    own jobs); a number given to close() is kept as a job's return value is; a second
+    close() writes nothing more, and a step after close() is refused."""
+    import torch
+
+    from crf.integrations.hook import DiLoCoHook
+    from crf.replica.context import ContractError
+
+    environ = _one_replica_run(tmp_path, rounds=1, sync_every=1)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = DiLoCoHook(model, opt, environ=environ)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    hook.step()
+    out = hook.close(0.5)
+    assert out["result"] == 0.5 and hook.close({"other": 1}) is out
+    result = _result(tmp_path)
+    assert result["status"] == "ok" and result["job_metrics"]["result"] == 0.5
+    assert result["weights_sha256"] == result["job_metrics"]["shard_sha256"][0]
+    with pytest.raises(ContractError, match=r"after hook.close\(\)"):
+        hook.step()

@@ -226,6 +226,7 @@ class DiLoCoHook:
         #: optimizer steps taken (counted after DiLoCo's hooks), and fp16's skipped ones
         self._taken = self._taken_before = 0
         self.skipped_steps = 0
+        self._closed: dict[str, Any] | None = None  # what close() wrote, once it has
         self._counting = optimizer.register_step_post_hook(self._count_step)
         if any(t.is_cuda for t in local):  # page-locked before the first round, not by it
             self.manager.reserve_host_buffers([local])
@@ -259,6 +260,8 @@ class DiLoCoHook:
         after a sync (which ran inside that ``optimizer.step()``), writes the round's
         global state when one is due; local rank 0 also records the step's ``loss`` and
         ``metrics`` for the run's tables."""
+        if self._closed is not None:
+            raise ContractError("hook.step() after hook.close(): the replica has left the run")
         if self.done:
             self._raise(
                 ContractError(
@@ -302,7 +305,9 @@ class DiLoCoHook:
         """Leave the run (every rank): the optimizer's hooks go, pending global-state writes
         land, and local rank 0 writes the replica's result, with ``job_metrics`` and each
         local rank's ``shard_sha256`` (equal across replicas when they ended in sync).
-        Returns the metrics written."""
+        Returns the metrics written; a second call writes nothing and returns them again."""
+        if self._closed is not None:
+            return self._closed
         self._algo.__exit__(None, None, None)
         self._counting.remove()
         digest = shard_sha256(self.model)
@@ -317,7 +322,10 @@ class DiLoCoHook:
         if self.ctx is None:
             self.manager.close()
         else:
+            if self.local_size == 1:  # the whole model here: its digest, as crf's own jobs
+                self.ctx.model = self.model  # report it (the summary compares replicas)
             self.ctx.finish(out)  # closes the manager first
+        self._closed = out
         return out
 
     def __enter__(self) -> DiLoCoHook:
