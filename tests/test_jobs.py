@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,3 +118,29 @@ def test_a_summary_of_results_whose_job_metrics_are_no_dict_still_renders() -> N
     console = Console(width=80, record=True, file=io.StringIO())
     console.print(replica_table({"run_id": "r", "rounds": 1, "replicas": [row]}))
     assert "ok (0)" in console.export_text()
+
+
+def test_a_job_stepping_past_the_last_step_is_refused_before_it_syncs(tmp_path: Path) -> None:
+    """A job whose loop runs past ctx.total_steps would sync a round the run never asked
+    for; the step is refused (a ContractError: no restart is for it) before it syncs."""
+    import torch
+
+    from crf import layout
+    from crf.replica.context import ContractError, ReplicaContext
+    from crf.spec import RunSpec
+    from crf.store import RunStore
+
+    uri = f"file://{tmp_path}/run"
+    spec = RunSpec(run_id="own", run_uri=uri, replicas=1, rounds=1, sync_every=1)
+    RunStore(uri).put(layout.RUN_SPEC, spec.validate().to_json().encode())
+    ctx = ReplicaContext.from_env({"CRF_RUN_URI": uri, "CRF_RANK": "0", "CRF_WORLD_SIZE": "1"})
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ContractError, match=r"after ctx.step reached ctx.total_steps \(1: --r"):
+        with ctx, ctx.diloco(model, opt):
+            for _ in range(2):  # one step too many
+                model(torch.ones(1, 2)).sum().backward()
+                opt.step()
+    assert ctx.step == 1 and not (tmp_path / "run" / "rounds" / "1").exists()
+    result = json.loads((tmp_path / "run" / "results" / "0.json").read_text())
+    assert result["restartable"] is False
