@@ -289,7 +289,8 @@ def build_summary(
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
     rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
-    status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
+    status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds,
+                               entrypoint=bool(spec.entrypoint))  # fmt: skip
     problems = run_problems(rows, reported, metrics, spec.rounds)
     missing = rewards_missing(metrics)  # a reward that gave no value in a round: said so
     notes = {"rewards_missing": missing, "warnings": reward_warnings(missing)} if missing else {}
@@ -343,12 +344,13 @@ def run_status(
     cancelled: bool,
     error: str | None,
     rounds: int | None = None,
+    entrypoint: bool = True,
 ) -> tuple[str, str | None]:
     """The run's verdict and error (see :func:`build_summary`): ``cancelled`` unless every
     replica had already reported its own ok result; a loss that went NaN/Inf
     fails a run whatever its exit codes, and is added to the error; so does a run that asked
     for ``rounds`` and exchanged none (:func:`never_exchanged`)."""
-    idle = never_exchanged(rows, metrics, rounds) if rounds is not None else None
+    idle = never_exchanged(rows, metrics, rounds, entrypoint) if rounds is not None else None
     # a cancel that came once every replica had reported its own ok result stopped nothing
     # (Ctrl-C as the run ended): the run finished
     finished = bool(rows) and all(r["ok"] and r.get("reported_status") == "ok" for r in rows)
@@ -371,12 +373,14 @@ def never_exchanged(
     rows: Sequence[Mapping[str, Any]],
     metrics: Mapping[int, Sequence[Mapping[str, Any]]],
     rounds: int,
+    entrypoint: bool = True,
 ) -> str | None:
     """Why a run whose replicas all exited cleanly is still not ok: it asked for ``rounds``
     exchange rounds and no replica committed one (no per-round record says so, no result
     counts one). The usual cause is an ``--entrypoint`` (verl, PRIME-RL, a torchrun script)
-    that trains but never calls ``DiLoCoHook.step``, so its replicas trained alone. None when
-    some round was exchanged, or when a replica failed anyway (its own error says more)."""
+    that trains but never calls ``DiLoCoHook.step``, so its replicas trained alone, or a
+    job module (``entrypoint`` False) that trains outside ``ctx.diloco``. None when some
+    round was exchanged, or when a replica failed anyway (its own error says more)."""
     if not rows or not all(row["ok"] for row in rows):
         return None
     if any(m.get("committed") for ms in metrics.values() for m in ms):
@@ -385,8 +389,14 @@ def never_exchanged(
         return None
     return (
         f"no round was exchanged: {len(rows)} replica(s) exited cleanly but none committed any "
-        f"of the {rounds} round(s) asked for; the entrypoint likely never calls "
-        "DiLoCoHook.step after its optimizer step (docs/integrations.md)"
+        f"of the {rounds} round(s) asked for; "
+        + (
+            "the entrypoint likely never calls DiLoCoHook.step after its optimizer step "
+            "(docs/integrations.md)"
+            if entrypoint
+            else "the job likely trains outside ctx.diloco(model, optimizer), or takes no "
+            "step in it (docs/extending.md)"
+        )
     )
 
 
