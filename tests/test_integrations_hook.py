@@ -189,3 +189,18 @@ def test_close_reports_the_weights_once(tmp_path: Path) -> None:
     assert result["weights_sha256"] == result["job_metrics"]["shard_sha256"][0]
     with pytest.raises(ContractError, match=r"after hook.close\(\)"):
         hook.step()
+
+
+def test_torchrun_ranks_without_a_process_group_are_refused_in_one_line() -> None:
+    """Without a group each of torchrun's ranks would take itself for the whole replica:
+    two writers of one replica's objects, and a run that says ok."""
+    import torch
+
+    from crf.integrations.hook import DiLoCoHook
+    from crf.replica.context import ContractError
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ContractError, match="one of 2 ranks .* not initialized: call") as e:
+        DiLoCoHook(model, opt, environ={"WORLD_SIZE": "2"})
+    assert "\n" not in str(e.value)

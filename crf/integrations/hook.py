@@ -141,6 +141,25 @@ def misuse(model: torch.nn.Module, optimizer: Any) -> Exception | None:
     return None
 
 
+def _ungrouped_launch(environ: Mapping[str, str] | None) -> Exception | None:
+    """A process that a launcher started as one of several ranks (torchrun sets
+    ``WORLD_SIZE``) with no ``torch.distributed`` group: each rank would take itself for the
+    whole replica and exchange as it, several writers of one replica's objects."""
+    import os
+
+    import torch.distributed as dist
+
+    size = (os.environ if environ is None else environ).get("WORLD_SIZE", "1")
+    if not size.isdigit() or int(size) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return None
+    return ContractError(
+        f"DiLoCoHook: this process is one of {size} ranks (WORLD_SIZE={size}, as torchrun "
+        "sets it) but torch.distributed is not initialized: call "
+        "torch.distributed.init_process_group() before making the hook, or start one "
+        "process per replica"
+    )
+
+
 def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
@@ -174,7 +193,7 @@ class DiLoCoHook:
         *,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        problem = misuse(model, optimizer)
+        problem = misuse(model, optimizer) or _ungrouped_launch(environ)
         if problem is not None:
             _record_setup_failure(problem, environ)
             raise problem
