@@ -415,10 +415,7 @@ def prepare(
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
             notes += tracking_warnings(spec)  # local wandb without a key: no tracking
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
-            argv = executor.check_command(command)
-            check_script = getattr(executor, "check_script", None)
-            if packed is None and check_script is not None:  # a local python script
-                _check_script(check_script, argv, missing if dry_run else None)
+            _check_command(executor, command, packed, missing if dry_run else None)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     secret_env = _read_secrets(spec, missing if dry_run else None)
@@ -485,10 +482,20 @@ def store_access(run_uri: str) -> list[str]:
     return []
 
 
-def _check_script(check: Any, argv: list[str], missing: list[str] | None) -> None:
-    """Run the local executor's check of the entrypoint's script: at launch its refusal is
-    the launch's; in a dry run (``missing`` given), which may run from another folder than
-    the launch, it is listed among what is missing (``--strict`` makes that exit 2)."""
+def _check_command(
+    executor: ServerlessExecutor,
+    command: list[str] | None,
+    packed: PackedWorkdir | None,
+    missing: list[str] | None,
+) -> None:
+    """The executor's check of the command, then the local executor's of the Python script
+    it runs (without ``--workdir``, whose copy is where the replicas run): at launch its
+    refusal is the launch's; in a dry run (``missing`` given), which may run from another
+    folder than the launch, it is listed among what is missing (``--strict``: exit 2)."""
+    argv = executor.check_command(command)
+    check = getattr(executor, "check_script", None)
+    if packed is not None or check is None:
+        return
     try:
         check(argv)
     except ExecutorError as e:
