@@ -190,6 +190,29 @@ def test_deaths_and_repeated_outages_restart_as_before(tmp_path: Path) -> None:
     _fail(store, executor, 0, "KeyError: 'x'", rounds_committed=2, failed_in="training")
     sup.check(0, None)
     assert sup.fatal is None and executor.relaunched[-1] == 0
+    # another replica's alike error is no repeat (two deaths may read alike)
+    _fail(store, executor, 1, "KeyError: 'x'", rounds_committed=2, failed_in="training")
+    sup.check(1, None)
+    assert sup.fatal is None and executor.relaunched[-1] == 1
+
+
+def test_the_same_error_on_a_restart_after_committed_rounds_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """A user's loop that raises at step k after a committed round: its restart resumes
+    there and raises again; the second time ends the run rather than restart it
+    --max-restarts times."""
+    sup, executor, store = _supervisor(tmp_path)
+    line = "RuntimeError: user bug at step 3"
+    _fail(store, executor, 0, line, rounds_committed=1, failed_in="training")
+    sup.check(0, None)
+    assert sup.fatal is None and executor.relaunched == [0]
+    _fail(store, executor, 0, line, rounds_committed=1, failed_in="training")
+    sup.check(0, None)
+    assert executor.relaunched == [0] and executor.cancelled == [1]
+    assert sup.fatal is not None and sup.fatal.startswith(
+        f"replica 0 failed after 1 committed round(s) (again) with {line}: a restart cannot"
+    )
 
 
 def test_a_rewards_error_after_committed_rounds_ends_the_run(tmp_path: Path) -> None:

@@ -73,6 +73,9 @@ class Supervisor:
         #: the errors (``Type: message``) each rank failed with before its first committed
         #: round, over its attempts: one seen twice is a bug, not a death
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
+        #: the errors each rank reported after a committed round: one its own restart
+        #: reports again is a bug too (the restart resumed where it failed, and failed again)
+        self.late_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
         #: the run's one-line reason when an early error ended it (None: it did not)
         self.fatal: str | None = None
         #: the run's rollout workers (a crf.launcher.workers.WorkerPool, which imports this
@@ -170,17 +173,23 @@ class Supervisor:
         round with an error that a restart cannot fix: one it says is deterministic (raised
         in setup, crf/replica/failures.py), or one whose type and message another replica,
         or its own earlier attempt, failed with before (its result's, or its log's for a
-        replica that wrote none); and at any round with an error every replica meets (a
+        replica that wrote none); at any round with an error every replica meets (a
         reward's own: the others would train on until they meet it, and the run end failed
-        anyway). Deaths (killed, no word, or a transient error) restart as the policy
-        allows."""
+        anyway); and after a committed round with the error its own earlier attempt
+        reported (the restart resumed where it failed and failed the same way; another
+        replica's alike error then is not enough, as two deaths may read alike). Deaths
+        (killed, no word, or a transient error) restart as the policy allows."""
         rank = handle.rank
         found = self._early_error(handle, status)
         if found is None:
             return
         line, setup, where = found
-        before = [r for r, seen in self.early_errors.items() if line in seen]
-        self.early_errors.setdefault(rank, []).append(line)
+        if where.startswith("after") and not setup:  # past a committed round: its own only
+            before = [rank] if line in self.late_errors.setdefault(rank, []) else []
+            self.late_errors[rank].append(line)
+        else:
+            before = [r for r, seen in self.early_errors.items() if line in seen]
+            self.early_errors.setdefault(rank, []).append(line)
         if not setup and not before:
             return
         also = [r for r in before if r != rank]
@@ -237,8 +246,8 @@ class Supervisor:
         if result.get("stops_run") is True:  # a reward's error: every replica meets it
             where = f"after {committed} committed round(s)" if committed and not setup else where
             return error.splitlines()[0], True, where
-        if committed:
-            return None
+        if committed:  # ends the run only when this rank's own restart reports it again
+            return error.splitlines()[0], False, f"after {committed} committed round(s)"
         return error.splitlines()[0], setup and result.get("restartable") is False, where
 
     def _logged_error(
