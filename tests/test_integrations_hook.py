@@ -204,3 +204,24 @@ def test_torchrun_ranks_without_a_process_group_are_refused_in_one_line() -> Non
     with pytest.raises(ContractError, match="one of 2 ranks .* not initialized: call") as e:
         DiLoCoHook(model, opt, environ={"WORLD_SIZE": "2"})
     assert "\n" not in str(e.value)
+
+
+def test_an_error_escaping_the_script_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop without ``with hook:`` that raises: the replica's result names the error
+    (the driver then tells a restart that fails the same way from a death)."""
+    import sys
+
+    import torch
+
+    from crf.integrations.hook import DiLoCoHook
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # put back after the test
+    environ = _one_replica_run(tmp_path)
+    model = torch.nn.Linear(2, 1)
+    DiLoCoHook(model, torch.optim.SGD(model.parameters(), lr=0.1), environ=environ)
+    error = RuntimeError("user bug at step 3")
+    sys.excepthook(RuntimeError, error, None)  # as Python does for an uncaught error
+    result = _result(tmp_path)
+    assert (result["status"], result["error"]) == ("failed", "RuntimeError: user bug at step 3")

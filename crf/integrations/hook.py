@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -253,6 +254,8 @@ class DiLoCoHook:
             self.ctx.manager = self.manager
             self.ctx._set_phase("training")
             self.ctx._clock.restart()
+            self._excepthook = sys.excepthook
+            sys.excepthook = self._record_uncaught
 
     @property
     def done(self) -> bool:
@@ -311,6 +314,18 @@ class DiLoCoHook:
             ctx._syncs.fold(self.step_count, final=False)
         ctx.log_step(loss=None if loss is None else float(loss), **metrics)
 
+    def _record_uncaught(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        """``sys.excepthook`` while the hook is open: an error that escapes the script (a
+        loop without ``with hook:``) is shown as Python shows it, then recorded as this
+        replica's failure, so that its result says what failed, and the driver can tell
+        the same error from a restart of this replica from a death."""
+        self._excepthook(kind, error, tb)
+        if self._closed is None and self.ctx is not None and self.ctx.failure is None:
+            try:
+                self.ctx.fail(error)
+            except Exception as e:  # noqa: BLE001 - the process is ending on the user's error
+                log.debug("could not record the failure: %s", e)
+
     def _raise(self, error: BaseException) -> None:
         """Record ``error`` as this replica's failure (local rank 0; a restart cannot fix a
         misused hook or replicas that build different models, crf/replica/failures.py) and
@@ -344,6 +359,8 @@ class DiLoCoHook:
             if self.local_size == 1:  # the whole model here: its digest, as crf's own jobs
                 self.ctx.model = self.model  # report it (the summary compares replicas)
             self.ctx.finish(out)  # closes the manager first
+            if sys.excepthook == self._record_uncaught:
+                sys.excepthook = self._excepthook
         self._closed = out
         return out
 
