@@ -297,6 +297,51 @@ def test_an_entrypoint_that_writes_no_result_is_judged_by_its_exit_and_log(
     assert logged.relaunched == [0, 1] and after.fatal is None
 
 
+def _torchrun_log(rank_error: str | None) -> list[str]:
+    """An attempt's log as torchrun leaves it when one of its ranks fails: the rank's own
+    traceback (when it raised), the others' echo, then torchrun's report, whose table pushes
+    the cause out of the tail."""
+    cause = ["[rank1]: Traceback (most recent call last):", f"[rank1]: {rank_error}"]
+    echo = ["[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21930"]
+    report = ["Traceback (most recent call last):", '  File "torch/run.py", line 9',
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+              "=" * 60, "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
+              "  exitcode  : -15 (pid: 24011)  (SIGTERM)", *[f"  line {i}" for i in range(9)],
+              "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+              f"  exitcode  : {1 if rank_error else -9} (pid: 24012)", "=" * 60]  # fmt: skip
+    return (cause if rank_error else []) + echo + report
+
+
+def test_torchrun_s_first_failing_rank_is_the_error_and_a_repeat_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """A rank that raised under torchrun: its exception line is the replica's error (not the
+    report's table), and the same rank failing alike after its restart, past a committed
+    round, ends the run; a rank killed (torchrun's report alone) restarts as a death."""
+    from crf.launcher.summary import last_exception
+    from crf.launcher.supervise import log_tail
+
+    store = RunStore(f"file://{tmp_path}/run")
+    store.put("global/0/part-0.safetensors", b"x")  # a committed round
+    raised = _Logged(1, _torchrun_log("RuntimeError: rank 1 bug at step 2"))
+    handle = ReplicaHandle("local", "r", 0, "0", store.uri, 2)
+    assert last_exception(log_tail(raised, handle)) == "RuntimeError: rank 1 bug at step 2"
+    sup, _, _ = _supervisor(tmp_path)
+    sup.plan.executor = raised  # type: ignore[misc]
+    for _ in range(2):
+        raised.states[0] = ReplicaState.FAILED
+        sup.check(0, None)
+    assert raised.relaunched == [0] and sup.fatal is not None
+    assert "(again) with RuntimeError: rank 1 bug at step 2" in sup.fatal
+    killed, _, _ = _supervisor(tmp_path / "killed")
+    killed.plan.store.put("global/0/part-0.safetensors", b"x")
+    killed.plan.executor = dead = _Logged(1, _torchrun_log(None))  # type: ignore[misc]
+    for _ in range(2):
+        dead.states[0] = ReplicaState.FAILED
+        killed.check(0, None)
+    assert dead.relaunched == [0, 0] and killed.fatal is None
+
+
 def _row(result: dict[str, Any] | None, state: ReplicaState, **kw: Any) -> dict[str, Any]:
     handle = ReplicaHandle("local", "r", 0, "1", "file:///x", 1)
     res = ReplicaResult(handle, state, 3 if state is ReplicaState.FAILED else 0, result)

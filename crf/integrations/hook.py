@@ -255,7 +255,8 @@ class DiLoCoHook:
             self.ctx._set_phase("training")
             self.ctx._clock.restart()
             self._excepthook = sys.excepthook
-            sys.excepthook = self._record_uncaught
+            if self.local_size == 1:  # with more, its error may be another rank's echo
+                sys.excepthook = self._record_uncaught
 
     @property
     def done(self) -> bool:

@@ -72,9 +72,13 @@ def last_exception(lines: Sequence[str]) -> str | None:
     """The last exception line in a log tail, if any: the reason a replica that could not
     write its own result (e.g. its store was down) died, for the summary's error column."""
     for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line.strip()):
-            return line.strip()
+        text = _RANK_PREFIX.sub("", line.strip())  # torchrun's "[rank1]: " before a rank's
+        if _EXCEPTION_LINE.match(text):
+            return text
     return None
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def before_traceback(lines: Sequence[str]) -> list[str]:

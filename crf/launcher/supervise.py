@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -254,22 +255,27 @@ class Supervisor:
         self, handle: ReplicaHandle, status: ReplicaStatus
     ) -> tuple[str, bool, str] | None:
         """The last exception line of the log of an attempt that exited by itself with an
-        error status (1..127: a Python traceback's 1, ``sys.exit(2)``), before the run
-        committed any round; None for a kill (a signal, or 128 + its number as a shell or a
-        container reports an OOM kill's 137), an unknown exit, or a log with no exception
-        line. Such an error repeats on every restart just as a reported one does."""
+        error status (1..127: a Python traceback's 1, ``sys.exit(2)``; for torchrun, the
+        first failing rank's, :func:`log_tail`), and where: before the run committed any
+        round, or after (then only this rank's own restart failing alike ends the run, and
+        torchrun's bare report of a rank's death is no error); None for a kill (a signal,
+        or 128 + its number as a shell or a container reports an OOM kill's 137), an unknown
+        exit, or a log with no exception line. Such an error repeats on every restart just
+        as a reported one does."""
         code = status.exit_code
         if not isinstance(code, int) or not 0 < code < 128:
             return None
         try:
-            if layout.global_rounds(self.plan.store):
-                return None  # the run got past its first round: this may be a death
+            committed = bool(layout.global_rounds(self.plan.store))
         except Exception:  # noqa: BLE001 - the store cannot say: restart, as for a death
             return None
         from crf.launcher.summary import last_exception
 
         line = last_exception(log_tail(self.plan.executor, handle))
-        return (line, False, "before its first round") if line else None
+        if not line or (committed and "ChildFailedError" in line):
+            return None  # past a round, torchrun's own report says no more than a death
+        # past its first round, only this rank's own restart failing the same way counts
+        return line, False, "after a committed round" if committed else "before its first round"
 
     def _stop_for_store(self, rank: int, error: BaseException) -> None:
         """End the run: the run folder refuses the driver's writes, so it refuses the
@@ -461,7 +467,53 @@ def with_workers(table: Any, rows: Sequence[Mapping[str, Any]], width: int) -> A
 
 
 def log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:
+    """The last lines of the replica's log; when the log ends with torchrun's report of a
+    failed rank (``ChildFailedError``, whose table pushes the cause out of the tail), then
+    also the first exception line that the report's root-cause rank printed in that attempt
+    (``[rank1]: KeyError: 'x'``), when that rank exited with an error code: a rank killed by
+    a signal is a death, whatever the other ranks printed after it."""
     try:
-        return list(deque(executor.logs(handle), maxlen=LOG_TAIL_LINES))
+        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        report = _TorchrunReport()
+        for line in executor.logs(handle):
+            tail.append(line)
+            report.read(line)
     except Exception:  # logs are a courtesy; never let them hide the real result
         return []
+    cause = report.cause()
+    if cause is not None and tail and tail[-1].startswith("=" * 20):  # the report's end
+        tail.append(cause)
+    return list(tail)
+
+
+#: an exception line that torchrun prefixes with the rank that printed it
+_RANK_EXCEPTION = re.compile(r"^\[rank(\d+)\]:\s*[A-Za-z_][\w.]*(?:Error|Exception)\b.*:")
+#: a field of a rank's entry in torchrun's report ("  rank      : 1 (local_rank: 1)")
+_REPORT_FIELD = re.compile(r"^\s+(rank|exitcode)\s*:\s*(-?\d+)")
+
+
+class _TorchrunReport:
+    """Reads a log line by line: each rank's first exception line in the attempt under way,
+    and, from torchrun's last report, its root-cause rank and that rank's exit code."""
+
+    def __init__(self) -> None:
+        self.firsts: dict[str, str] = {}  # rank -> its first exception line, this attempt
+        self.reported: dict[str, str] = {}  # the same, of the attempt the report ended
+        self.root: dict[str, str] = {}  # the report's root-cause entry: rank, exitcode
+        self.in_root = False
+
+    def read(self, line: str) -> None:
+        if "ChildFailedError" in line:
+            self.reported, self.firsts, self.root, self.in_root = self.firsts, {}, {}, False
+        elif line.startswith("Root Cause"):
+            self.in_root = True
+        elif self.in_root and (field := _REPORT_FIELD.match(line)):
+            self.root.setdefault(field.group(1), field.group(2))
+        elif found := _RANK_EXCEPTION.match(line):
+            self.firsts.setdefault(found.group(1), line.strip())
+
+    def cause(self) -> str | None:
+        """The root-cause rank's first exception line, when it exited with an error code."""
+        if self.firsts or int(self.root.get("exitcode", "0")) <= 0:
+            return None  # an attempt after the report, or a rank killed by a signal
+        return self.reported.get(self.root.get("rank", ""))
