@@ -303,7 +303,7 @@ def _torchrun_log(rank_error: str | None) -> list[str]:
     the cause out of the tail."""
     cause = ["[rank1]: Traceback (most recent call last):", f"[rank1]: {rank_error}"]
     echo = ["[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21930"]
-    report = ["Traceback (most recent call last):", '  File "torch/run.py", line 9',
+    report = ["Traceback (most recent call last):", "    raise ChildFailedError(",
               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
               "=" * 60, "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
               "  exitcode  : -15 (pid: 24011)  (SIGTERM)", *[f"  line {i}" for i in range(9)],

@@ -488,6 +488,8 @@ def log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:
 
 #: an exception line that torchrun prefixes with the rank that printed it
 _RANK_EXCEPTION = re.compile(r"^\[rank(\d+)\]:\s*[A-Za-z_][\w.]*(?:Error|Exception)\b.*:")
+#: the exception line that opens torchrun's report (not the ``raise`` above it)
+_REPORT_START = re.compile(r"^[\w.]*ChildFailedError:")
 #: a field of a rank's entry in torchrun's report ("  rank      : 1 (local_rank: 1)")
 _REPORT_FIELD = re.compile(r"^\s+(rank|exitcode)\s*:\s*(-?\d+)")
 
@@ -503,7 +505,7 @@ class _TorchrunReport:
         self.in_root = False
 
     def read(self, line: str) -> None:
-        if "ChildFailedError" in line:
+        if _REPORT_START.match(line):
             self.reported, self.firsts, self.root, self.in_root = self.firsts, {}, {}, False
         elif line.startswith("Root Cause"):
             self.in_root = True
