@@ -49,6 +49,28 @@ def test_clean_exits_without_a_committed_round_fail_the_run() -> None:
     assert done["status"] == "ok"
 
 
+def test_clean_exits_without_a_result_are_said_to_lack_hook_close() -> None:
+    """Rounds were exchanged (the run is ok), but no replica wrote its result: the script
+    never called DiLoCoHook.close(), and the summary says so rather than show empty rows."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.summary import render_summary
+
+    spec = RunSpec(run_id="idle", run_uri="memory://idle", replicas=2, rounds=1,
+                   entrypoint=["python", "train.py"])  # fmt: skip
+    metrics = {r: [{"round": 0, "committed": True}] for r in (0, 1)}
+    summary = build_summary(spec=spec, results=[_ok(0), _ok(1)], started_at=0.0,
+                            metrics=metrics)  # fmt: skip
+    console = Console(width=200, record=True, file=io.StringIO())
+    render_summary(summary, console)
+    text = console.export_text()
+    assert summary["status"] == "ok"
+    assert "replica(s) 0, 1 exited cleanly without writing a result: the script never " in text
+    assert "DiLoCoHook.close()" in text
+
+
 @pytest.mark.e2e
 def test_an_entrypoint_that_never_calls_the_hook_exits_failed(tmp_path: Path) -> None:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

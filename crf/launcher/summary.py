@@ -523,7 +523,10 @@ def render_summary(
     print_workers(summary, console)
     print_failures(summary, console)
     print_version_warnings(summary, console)
-    for line in reward_warnings(summary.get("rewards_missing") or {}):
+    for line in [
+        *unreported_warnings(summary),
+        *reward_warnings(summary.get("rewards_missing") or {}),
+    ]:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", soft_wrap=True, highlight=False)
     console.print("run " + " - ".join(verdict_parts(summary)))
     if result_path:
@@ -734,6 +737,21 @@ def reward_warnings(missing: Mapping[str, Sequence[int]]) -> list[str]:
         f"{', '.join(map(str, rounds))}: TRL leaves such completions out of it, so it "
         "trained nothing there; make it return a number for the completions it scores"
         for name, rounds in missing.items()
+    ]
+
+
+def unreported_warnings(summary: Mapping[str, Any]) -> list[str]:
+    """A line for the replicas that exited cleanly without writing their result: a script
+    that never called ``DiLoCoHook.close()``. Its rounds are in the run folder (the run may
+    be ok), but its row shows none of them, and its job metrics are lost."""
+    silent = [str(r.get("rank")) for r in summary.get("replicas") or []
+              if r.get("exit_code") == 0 and r.get("reported_status") is None]  # fmt: skip
+    if not silent:
+        return []
+    return [
+        f"replica(s) {', '.join(silent)} exited cleanly without writing a result: the "
+        "script never called DiLoCoHook.close() (or ctx.finish()), so the table shows none "
+        "of their rounds and their job metrics are lost (docs/integrations.md)"
     ]
 
 
