@@ -745,7 +745,8 @@ def unreported_warnings(summary: Mapping[str, Any]) -> list[str]:
     that never called ``DiLoCoHook.close()``. Its rounds are in the run folder (the run may
     be ok), but its row shows none of them, and its job metrics are lost."""
     silent = [str(r.get("rank")) for r in summary.get("replicas") or []
-              if r.get("exit_code") == 0 and r.get("reported_status") is None]  # fmt: skip
+              if r.get("exit_code") == 0 and "reported_status" in r
+              and r["reported_status"] is None]  # fmt: skip
     if not silent:
         return []
     return [
