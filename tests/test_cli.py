@@ -149,6 +149,12 @@ def test_version() -> None:
         (["--set", "lr=-1"], "testjob option lr must be > 0"),
         (["--entrypoint", "no-such-program-crf-test x.py"], "was not found on PATH"),
         (["--entrypoint", "python 'unclosed"], "cannot be parsed"),
+        (
+            ["--entrypoint", "LR=0.1 python x.py"],
+            "but no shell runs it: give the variable with --env LR=0.1",
+        ),
+        (["--entrypoint", "cd src && python x.py"], "has '&&', but no shell runs it"),
+        (["--entrypoint", "python x.py > out.log"], "has '>', but no shell runs it"),
         (["--store", "memory://crf/runs"], "memory://"),
         (["--store", "nosuch://bucket/crf"], "store scheme 'nosuch' is not supported"),
         (["--timeout", "0"], "--timeout must be > 0"),

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -899,10 +900,36 @@ def _command(entrypoint: str | Sequence[str] | None) -> list[str] | None:
     """The replica command of ``--entrypoint`` (a shell-quoted string or a list)."""
     if entrypoint is None:
         return None
+    if not isinstance(entrypoint, str):
+        return list(entrypoint)
     try:
-        return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+        argv = shlex.split(entrypoint)
     except ValueError as e:
         raise LaunchError(f"--entrypoint {entrypoint!r} cannot be parsed: {e}") from None
+    _check_no_shell(entrypoint, argv)
+    return argv
+
+
+#: what a shell would act on, and the replica's program would get as an argument
+_SHELL_OPERATORS = frozenset({"&&", "||", "|", ";", "&", ">", ">>", "<", "2>", "2>&1", "1>"})
+
+
+def _check_no_shell(text: str, argv: list[str]) -> None:
+    """LaunchError for an ``--entrypoint`` written for a shell: it is split as a shell
+    would split it but run without one (on every backend), so ``VAR=value`` before the
+    program is no variable and ``&&``, ``|`` or ``>`` would reach the program as arguments."""
+    if argv and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
+        raise LaunchError(
+            f"--entrypoint {text!r} starts with {argv[0]!r}, but no shell runs it: give the "
+            f"variable with --env {argv[0]}"
+        )
+    ops = [a for a in argv if a in _SHELL_OPERATORS]
+    if ops:
+        raise LaunchError(
+            f"--entrypoint {text!r} has {ops[0]!r}, but no shell runs it (the program would "
+            "get it as an argument): put the commands in a script, or give "
+            "--entrypoint \"bash -c '...'\""
+        )
 
 
 @contextlib.contextmanager
