@@ -149,6 +149,12 @@ def test_version() -> None:
         (["--set", "lr=-1"], "testjob option lr must be > 0"),
         (["--entrypoint", "no-such-program-crf-test x.py"], "was not found on PATH"),
         (["--entrypoint", "python 'unclosed"], "cannot be parsed"),
+        (
+            ["--entrypoint", "LR=0.1 python x.py"],
+            "but no shell runs it: give the variable with --env LR=0.1",
+        ),
+        (["--entrypoint", "cd src && python x.py"], "has '&&', but no shell runs it"),
+        (["--entrypoint", "python x.py > out.log"], "has '>', but no shell runs it"),
         (["--store", "memory://crf/runs"], "memory://"),
         (["--store", "nosuch://bucket/crf"], "store scheme 'nosuch' is not supported"),
         (["--timeout", "0"], "--timeout must be > 0"),
@@ -165,6 +171,37 @@ def test_bad_input_fails_before_launch(
     assert "error:" in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1  # one line, no traceback
     assert not (base / "t1").exists()  # nothing written, nothing launched
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run", "--strict"]])
+@pytest.mark.parametrize(
+    ("source", "command", "message"),
+    [
+        (None, "python -u {dir}/nope.py --lr 1", "entrypoint script '{dir}/nope.py' does not"),
+        ("def main(:\n", "python {dir}/bad.py", "does not compile: line 1: SyntaxError"),
+        ("x = 1\n", "python -W ignore {dir}/bad.py", None),  # compiles: launched
+        (None, "python -m no_such_module_crf_test", None),  # -m: the replica's to import
+    ],
+)
+def test_a_script_that_is_missing_or_does_not_compile_fails_before_launch(
+    source: str | None, command: str, message: str | None, dry_run: list[str], base: Path,
+    script: Path, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Every replica would fail the same way at once (exit code 2 for a missing file, a
+    traceback for a syntax error): the launch refuses it in one line; a dry run (which may
+    run from another folder) lists it as missing, and --strict exits 2 on it."""
+    if source is not None:
+        (tmp_path / "bad.py").write_text(source)
+    entry = command.format(dir=tmp_path)
+    result = crf(*_common(base, script), "--entrypoint", entry, *dry_run)
+    if message is None:
+        assert "entrypoint script" not in result.output
+        return
+    assert result.exit_code == 2, result.output
+    assert message.format(dir=tmp_path) in " ".join(result.output.split())
+    assert "Traceback" not in result.output and not (base / "t1").exists()
+    if not dry_run:
+        assert len(result.output.strip().splitlines()) == 1
 
 
 def test_unwritable_store_is_refused(tmp_path: Path, script: Path) -> None:

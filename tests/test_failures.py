@@ -21,6 +21,7 @@ from crf.executors.base import ReplicaHandle, ReplicaResult, ReplicaState, Repli
 from crf.launcher.plan import RestartPolicy
 from crf.launcher.summary import _rounds_text, replica_row
 from crf.launcher.supervise import Supervisor
+from crf.replica.context import ContractError
 from crf.replica.failures import deterministic, one_line, stops_run, transient
 from crf.replica.rewards import RewardFailed
 from crf.store import RunStore, StoreTimeout
@@ -57,6 +58,7 @@ def _compiler(message: str) -> BaseException:
         (RuntimeError("CUDA out of memory"), "starting", False),
         (StoreTimeout("store down"), "starting", False),
         (KeyError("x"), "training", False),  # later on: only a repeat says it is a bug
+        (ContractError("hook.step() after hook.done"), "training", True),  # a misused hook
         (_raised_from(RewardFailed, KeyError("answer")), "training", True),
         (_raised_from(RewardFailed, ConnectionError("api")), "training", False),
         (_compiler("Failed to find C compiler. Please specify via CC"), "training", True),
@@ -188,6 +190,29 @@ def test_deaths_and_repeated_outages_restart_as_before(tmp_path: Path) -> None:
     _fail(store, executor, 0, "KeyError: 'x'", rounds_committed=2, failed_in="training")
     sup.check(0, None)
     assert sup.fatal is None and executor.relaunched[-1] == 0
+    # another replica's alike error is no repeat (two deaths may read alike)
+    _fail(store, executor, 1, "KeyError: 'x'", rounds_committed=2, failed_in="training")
+    sup.check(1, None)
+    assert sup.fatal is None and executor.relaunched[-1] == 1
+
+
+def test_the_same_error_on_a_restart_after_committed_rounds_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """A user's loop that raises at step k after a committed round: its restart resumes
+    there and raises again; the second time ends the run rather than restart it
+    --max-restarts times."""
+    sup, executor, store = _supervisor(tmp_path)
+    line = "RuntimeError: user bug at step 3"
+    _fail(store, executor, 0, line, rounds_committed=1, failed_in="training")
+    sup.check(0, None)
+    assert sup.fatal is None and executor.relaunched == [0]
+    _fail(store, executor, 0, line, rounds_committed=1, failed_in="training")
+    sup.check(0, None)
+    assert executor.relaunched == [0] and executor.cancelled == [1]
+    assert sup.fatal is not None and sup.fatal.startswith(
+        f"replica 0 failed after 1 committed round(s) (again) with {line}: a restart cannot"
+    )
 
 
 def test_a_rewards_error_after_committed_rounds_ends_the_run(tmp_path: Path) -> None:
@@ -270,6 +295,51 @@ def test_an_entrypoint_that_writes_no_result_is_judged_by_its_exit_and_log(
         logged.states[rank] = ReplicaState.FAILED
         after.check(rank, None)
     assert logged.relaunched == [0, 1] and after.fatal is None
+
+
+def _torchrun_log(rank_error: str | None) -> list[str]:
+    """An attempt's log as torchrun leaves it when one of its ranks fails: the rank's own
+    traceback (when it raised), the others' echo, then torchrun's report, whose table pushes
+    the cause out of the tail."""
+    cause = ["[rank1]: Traceback (most recent call last):", f"[rank1]: {rank_error}"]
+    echo = ["[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21930"]
+    report = ["Traceback (most recent call last):", "    raise ChildFailedError(",
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+              "=" * 60, "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
+              "  exitcode  : -15 (pid: 24011)  (SIGTERM)", *[f"  line {i}" for i in range(9)],
+              "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+              f"  exitcode  : {1 if rank_error else -9} (pid: 24012)", "=" * 60]  # fmt: skip
+    return (cause if rank_error else []) + echo + report
+
+
+def test_torchrun_s_first_failing_rank_is_the_error_and_a_repeat_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """A rank that raised under torchrun: its exception line is the replica's error (not the
+    report's table), and the same rank failing alike after its restart, past a committed
+    round, ends the run; a rank killed (torchrun's report alone) restarts as a death."""
+    from crf.launcher.summary import last_exception
+    from crf.launcher.supervise import log_tail
+
+    store = RunStore(f"file://{tmp_path}/run")
+    store.put("global/0/part-0.safetensors", b"x")  # a committed round
+    raised = _Logged(1, _torchrun_log("RuntimeError: rank 1 bug at step 2"))
+    handle = ReplicaHandle("local", "r", 0, "0", store.uri, 2)
+    assert last_exception(log_tail(raised, handle)) == "RuntimeError: rank 1 bug at step 2"
+    sup, _, _ = _supervisor(tmp_path)
+    sup.plan.executor = raised  # type: ignore[misc]
+    for _ in range(2):
+        raised.states[0] = ReplicaState.FAILED
+        sup.check(0, None)
+    assert raised.relaunched == [0] and sup.fatal is not None
+    assert "(again) with RuntimeError: rank 1 bug at step 2" in sup.fatal
+    killed, _, _ = _supervisor(tmp_path / "killed")
+    killed.plan.store.put("global/0/part-0.safetensors", b"x")
+    killed.plan.executor = dead = _Logged(1, _torchrun_log(None))  # type: ignore[misc]
+    for _ in range(2):
+        dead.states[0] = ReplicaState.FAILED
+        killed.check(0, None)
+    assert dead.relaunched == [0, 0] and killed.fatal is None
 
 
 def _row(result: dict[str, Any] | None, state: ReplicaState, **kw: Any) -> dict[str, Any]:

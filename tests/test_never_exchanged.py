@@ -26,11 +26,16 @@ def _ok(rank: int, result: dict | None = None) -> ReplicaResult:
 
 
 def test_clean_exits_without_a_committed_round_fail_the_run() -> None:
-    spec = RunSpec(run_id="idle", run_uri="memory://idle", replicas=2, rounds=3)
+    spec = RunSpec(run_id="idle", run_uri="memory://idle", replicas=2, rounds=3,
+                   entrypoint=["python", "train.py"])  # fmt: skip
     summary = build_summary(spec=spec, results=[_ok(0), _ok(1)], started_at=0.0)
     assert summary["status"] == "failed"
     assert summary["error"].startswith("no round was exchanged: 2 replica(s) exited cleanly")
     assert "DiLoCoHook.step" in summary["error"] and "3 round(s)" in summary["error"]
+    # a job module (no --entrypoint) is told of ctx.diloco, not of the hook
+    job = RunSpec(run_id="idle", run_uri="memory://idle", replicas=2, rounds=3, job="my.job")
+    told_job = build_summary(spec=job, results=[_ok(0), _ok(1)], started_at=0.0)["error"]
+    assert "ctx.diloco(model, optimizer)" in told_job and "DiLoCoHook" not in told_job
     # one committed round anywhere (a record, or a replica's result) is an exchange
     metrics = {0: [{"round": 0, "committed": True}], 1: []}
     ok = build_summary(spec=spec, results=[_ok(0), _ok(1)], started_at=0.0, metrics=metrics)
@@ -42,6 +47,28 @@ def test_clean_exits_without_a_committed_round_fail_the_run() -> None:
     done = build_summary(spec=spec, results=[_ok(0), _ok(1)], started_at=0.0,
                          resumed_from_round=3)  # fmt: skip
     assert done["status"] == "ok"
+
+
+def test_clean_exits_without_a_result_are_said_to_lack_hook_close() -> None:
+    """Rounds were exchanged (the run is ok), but no replica wrote its result: the script
+    never called DiLoCoHook.close(), and the summary says so rather than show empty rows."""
+    import io
+
+    from rich.console import Console
+
+    from crf.launcher.summary import render_summary
+
+    spec = RunSpec(run_id="idle", run_uri="memory://idle", replicas=2, rounds=1,
+                   entrypoint=["python", "train.py"])  # fmt: skip
+    metrics = {r: [{"round": 0, "committed": True}] for r in (0, 1)}
+    summary = build_summary(spec=spec, results=[_ok(0), _ok(1)], started_at=0.0,
+                            metrics=metrics)  # fmt: skip
+    console = Console(width=200, record=True, file=io.StringIO())
+    render_summary(summary, console)
+    text = console.export_text()
+    assert summary["status"] == "ok"
+    assert "replica(s) 0, 1 exited cleanly without writing a result: the script never " in text
+    assert "DiLoCoHook.close()" in text
 
 
 @pytest.mark.e2e

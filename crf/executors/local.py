@@ -279,6 +279,27 @@ class LocalProcessExecutor(ServerlessExecutor):
             )
         return cmd
 
+    def check_script(self, cmd: Sequence[str]) -> None:
+        """ExecutorError when ``cmd`` runs a Python script (``python [options] FILE ...``)
+        that is not there, or does not compile: every replica would fail the same way the
+        moment it starts, so the launch is refused before any starts. Relative to where the
+        replicas start (without ``--workdir``: its copy is checked where it is packed)."""
+        script = python_script(cmd)
+        if script is None:
+            return
+        path = Path(self.cwd or os.getcwd(), script)
+        if not path.is_file():
+            raise ExecutorError(f"entrypoint script {script!r} does not exist (no file {path})")
+        try:
+            compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:
+            where = f" line {e.lineno}:" if isinstance(e, SyntaxError) and e.lineno else ""
+            message = e.msg if isinstance(e, SyntaxError) else str(e)
+            raise ExecutorError(
+                f"entrypoint script {script!r} does not compile:{where} "
+                f"{type(e).__name__}: {message}"
+            ) from None
+
     def launch_replicas(
         self,
         n_replicas: int,
@@ -601,3 +622,25 @@ class LocalProcessExecutor(ServerlessExecutor):
                     proc.popen.wait(timeout=5)
                 except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                     pass
+
+
+#: the Python interpreter's options that take a value as the next argument
+_PYTHON_VALUE_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def python_script(cmd: Sequence[str]) -> str | None:
+    """The script file ``cmd`` runs when it is a Python interpreter's command line
+    (``python -u train.py --lr 1``: ``train.py``); None for ``-m``, ``-c``, stdin or another
+    program (torchrun's and other launchers' arguments are theirs to read)."""
+    if not cmd or not Path(cmd[0]).name.startswith("python"):
+        return None
+    args = iter(cmd[1:])
+    for arg in args:
+        if arg == "-" or (arg.startswith("-") and not arg.startswith("--") and
+                          ("c" in arg[1:] or "m" in arg[1:])):  # fmt: skip
+            return None
+        if arg in _PYTHON_VALUE_OPTIONS:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None

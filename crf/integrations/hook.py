@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,7 +53,7 @@ from crf.exchange.allreduce import tensors_layout_hash
 from crf.exchange.config import ExchangeConfig
 from crf.exchange.manager import ObjectStoreManager, turn_off_bucketization
 from crf.layout import shard_prefix
-from crf.replica.context import ContractError, ReplicaContext, outer_lr
+from crf.replica.context import ContractError, ReplicaContext, job_metrics_of, outer_lr
 from crf.store.codec import raw_view
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,79 @@ def _local_part(x: Any) -> Any:
     return local_tensor(x) if isinstance(x, torch.Tensor) else x
 
 
+def misuse(model: torch.nn.Module, optimizer: Any) -> Exception | None:
+    """What is wrong with the hook's arguments, before anything starts (None: nothing).
+
+    ``optimizer`` must be a ``torch.optim.Optimizer`` that holds every trainable parameter of
+    ``model``: DiLoCo runs its sync in that optimizer's step hooks and takes the outer step
+    over the model's parameters, so a parameter another optimizer trains (or none) would be
+    averaged at a moment its own optimizer does not know of, and an optimizer of another
+    model would leave this one untrained while the run reports it ok. A parameter on the
+    meta device has no values to send."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return TypeError(
+            f"DiLoCoHook needs a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+            "torchft's DiLoCo runs its sync in that optimizer's step hooks; pass the inner "
+            "optimizer itself (e.g. turn off a framework's CPU-offload wrapper)"
+        )
+    named = list(model.named_parameters())
+    meta = [name for name, p in named if p.is_meta]
+    if meta:
+        return ValueError(
+            f"DiLoCoHook: {len(meta)} parameter(s) of the model are on the meta device "
+            f"({_some(meta)}), with no values to exchange: materialize the model (load or "
+            "initialize its weights) before making the hook"
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [name for name, p in named if p.requires_grad]
+    missing = [name for name, p in named if p.requires_grad and id(p) not in held]
+    if missing:
+        return ValueError(
+            f"DiLoCoHook: {len(missing)} of the model's {len(trainable)} trainable "
+            f"parameter(s) are not in the optimizer ({_some(missing)}): give the hook the "
+            "optimizer that trains this model, holding all of its trainable parameters (one "
+            "optimizer, with param groups if they need different settings; "
+            "requires_grad_(False) on a parameter that is not to be trained)"
+        )
+    return None
+
+
+def _ungrouped_launch(environ: Mapping[str, str] | None) -> Exception | None:
+    """A process that a launcher started as one of several ranks (torchrun sets
+    ``WORLD_SIZE``) with no ``torch.distributed`` group: each rank would take itself for the
+    whole replica and exchange as it, several writers of one replica's objects."""
+    import os
+
+    import torch.distributed as dist
+
+    size = (os.environ if environ is None else environ).get("WORLD_SIZE", "1")
+    if not size.isdigit() or int(size) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return None
+    return ContractError(
+        f"DiLoCoHook: this process is one of {size} ranks (WORLD_SIZE={size}, as torchrun "
+        "sets it) but torch.distributed is not initialized: call "
+        "torch.distributed.init_process_group() before making the hook, or start one "
+        "process per replica"
+    )
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _record_setup_failure(error: BaseException, environ: Mapping[str, str] | None) -> None:
+    """Record ``error`` as this replica's failure at setup (local rank 0, when the replica
+    contract is there to read): an error in the script's own setup is raised again on every
+    attempt, so the driver ends the run at once rather than restart the replica."""
+    if _local_group()[0] != 0:
+        return
+    try:
+        store, spec, rank, world = ReplicaContext.read_contract(environ)
+        ReplicaContext(store, spec, rank, world).fail(error)
+    except Exception as e:  # noqa: BLE001 - no contract or no store: the error goes up as it is
+        log.debug("could not record the setup failure: %s", e)
+
+
 class DiLoCoHook:
     """One process's part in a crf run, for a loop that calls :meth:`step` after each of
     its optimizer steps (see the module docstring). ``optimizer`` must be a
@@ -120,20 +194,20 @@ class DiLoCoHook:
         *,
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"DiLoCoHook needs a torch.optim.Optimizer, got {type(optimizer).__name__}: "
-                "torchft's DiLoCo runs its sync in that optimizer's step hooks; pass the inner "
-                "optimizer itself (e.g. turn off a framework's CPU-offload wrapper)"
-            )
+        problem = misuse(model, optimizer) or _ungrouped_launch(environ)
+        if problem is not None:
+            _record_setup_failure(problem, environ)
+            raise problem
         from torchft.local_sgd import DiLoCo
 
         store, spec, rank, world = ReplicaContext.read_contract(environ)
         if spec.fragments != 1:
-            raise ContractError(
+            error = ContractError(
                 f"run {spec.run_id} has --fragments {spec.fragments}: DiLoCoHook syncs the "
                 "whole model each round; launch with --fragments 1"
             )
+            _record_setup_failure(error, environ)
+            raise error
         self.spec, self.rank, self.world_size = spec, rank, world
         self.local_rank, self.local_size = _local_group()
         self.model, self.optimizer = model, optimizer
@@ -172,6 +246,7 @@ class DiLoCoHook:
         #: optimizer steps taken (counted after DiLoCo's hooks), and fp16's skipped ones
         self._taken = self._taken_before = 0
         self.skipped_steps = 0
+        self._closed: dict[str, Any] | None = None  # what close() wrote, once it has
         self._counting = optimizer.register_step_post_hook(self._count_step)
         if any(t.is_cuda for t in local):  # page-locked before the first round, not by it
             self.manager.reserve_host_buffers([local])
@@ -179,6 +254,9 @@ class DiLoCoHook:
             self.ctx.manager = self.manager
             self.ctx._set_phase("training")
             self.ctx._clock.restart()
+            self._excepthook = sys.excepthook
+            if self.local_size == 1:  # with more, its error may be another rank's echo
+                sys.excepthook = self._record_uncaught
 
     @property
     def done(self) -> bool:
@@ -205,6 +283,17 @@ class DiLoCoHook:
         after a sync (which ran inside that ``optimizer.step()``), writes the round's
         global state when one is due; local rank 0 also records the step's ``loss`` and
         ``metrics`` for the run's tables."""
+        if self._closed is not None:
+            raise ContractError("hook.step() after hook.close(): the replica has left the run")
+        if self.done:
+            self._raise(
+                ContractError(
+                    f"hook.step() after hook.done: the run's {self.spec.total_steps} inner "
+                    f"steps (--rounds {self.spec.rounds} x --sync-every {self.spec.sync_every})"
+                    " are all taken and its last round exchanged; end the loop when hook.done "
+                    "is true (while not hook.done: ...), or launch with more --rounds"
+                )
+            )
         if self._taken == self._taken_before:
             self._take_skipped_step()
         self._taken_before = self._taken
@@ -214,7 +303,9 @@ class DiLoCoHook:
         if synced:
             m.after_outer_step()
             if m.fatal_error is not None:
-                raise m.fatal_error
+                self._raise(m.fatal_error)
+        if self.done:  # the last round is in: an optimizer step after it must not sync
+            self._algo.__exit__(None, None, None)
         ctx = self.ctx
         if ctx is None:
             return
@@ -224,11 +315,34 @@ class DiLoCoHook:
             ctx._syncs.fold(self.step_count, final=False)
         ctx.log_step(loss=None if loss is None else float(loss), **metrics)
 
+    def _record_uncaught(self, kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        """``sys.excepthook`` while the hook is open: an error that escapes the script (a
+        loop without ``with hook:``) is shown as Python shows it, then recorded as this
+        replica's failure, so that its result says what failed, and the driver can tell
+        the same error from a restart of this replica from a death."""
+        self._excepthook(kind, error, tb)
+        if self._closed is None and self.ctx is not None and self.ctx.failure is None:
+            try:
+                self.ctx.fail(error)
+            except Exception as e:  # noqa: BLE001 - the process is ending on the user's error
+                log.debug("could not record the failure: %s", e)
+
+    def _raise(self, error: BaseException) -> None:
+        """Record ``error`` as this replica's failure (local rank 0; a restart cannot fix a
+        misused hook or replicas that build different models, crf/replica/failures.py) and
+        raise it: a loop without ``with hook:`` would otherwise exit with no result, and the
+        driver restart it into the same error."""
+        if self.ctx is not None and self.ctx.failure is None:
+            self.ctx.fail(error)
+        raise error
+
     def close(self, job_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Leave the run (every rank): the optimizer's hooks go, pending global-state writes
         land, and local rank 0 writes the replica's result, with ``job_metrics`` and each
         local rank's ``shard_sha256`` (equal across replicas when they ended in sync).
-        Returns the metrics written."""
+        Returns the metrics written; a second call writes nothing and returns them again."""
+        if self._closed is not None:
+            return self._closed
         self._algo.__exit__(None, None, None)
         self._counting.remove()
         digest = shard_sha256(self.model)
@@ -238,11 +352,17 @@ class DiLoCoHook:
 
             digests = [None] * self.local_size
             dist.all_gather_object(digests, digest)
-        out = {**(job_metrics or {}), "shard_sha256": digests, "local_ranks": self.local_size}
+        out = {**job_metrics_of(job_metrics), "shard_sha256": digests,
+               "local_ranks": self.local_size}  # fmt: skip
         if self.ctx is None:
             self.manager.close()
         else:
+            if self.local_size == 1:  # the whole model here: its digest, as crf's own jobs
+                self.ctx.model = self.model  # report it (the summary compares replicas)
             self.ctx.finish(out)  # closes the manager first
+            if sys.excepthook == self._record_uncaught:
+                sys.excepthook = self._excepthook
+        self._closed = out
         return out
 
     def __enter__(self) -> DiLoCoHook:
@@ -253,7 +373,7 @@ class DiLoCoHook:
             return False
         self._algo.__exit__(exc_type, exc, tb)
         self._counting.remove()
-        if self.ctx is not None:
+        if self.ctx is not None and self.ctx.failure is None:
             self.ctx.fail(exc)
         log.error("rank %d/%d of replica %d failed: %s", self.local_rank, self.local_size,
                   self.rank, exc)  # fmt: skip

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -199,7 +200,11 @@ def validate_job(job: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
         options = nest_dotted(dict(options or {}))
         cfg = job_config(job, options)
     except ImportError as e:
-        raise LaunchError(f"job {job!r} cannot be loaded ({e}); is crf fully installed?") from None
+        from crf.replica.jobs import JOBS
+
+        why = ("is crf fully installed?" if job in JOBS else
+               "install what it imports where the driver and the replicas run")  # fmt: skip
+        raise LaunchError(f"job {job!r} cannot be loaded ({e}); {why}") from None
     except (TypeError, ValueError) as e:
         raise LaunchError(str(e)) from None
     except Exception as e:  # a module-path job failing at import: a SyntaxError, its own code
@@ -411,7 +416,7 @@ def prepare(
             notes += found.warnings  # a cloud backend's Hub repos not reached from here
             notes += tracking_warnings(spec)  # local wandb without a key: no tracking
         if not _shipped_program(command, packed):  # ./run.sh runs from the unpacked copy
-            executor.check_command(command)
+            _check_command(executor, command, packed, missing if dry_run else None)
     except ExecutorError as e:
         raise LaunchError(str(e)) from None
     secret_env = _read_secrets(spec, missing if dry_run else None)
@@ -476,6 +481,28 @@ def store_access(run_uri: str) -> list[str]:
     except LaunchError as e:
         return [str(e)]
     return []
+
+
+def _check_command(
+    executor: ServerlessExecutor,
+    command: list[str] | None,
+    packed: PackedWorkdir | None,
+    missing: list[str] | None,
+) -> None:
+    """The executor's check of the command, then the local executor's of the Python script
+    it runs (without ``--workdir``, whose copy is where the replicas run): at launch its
+    refusal is the launch's; in a dry run (``missing`` given), which may run from another
+    folder than the launch, it is listed among what is missing (``--strict``: exit 2)."""
+    argv = executor.check_command(command)
+    check = getattr(executor, "check_script", None)
+    if packed is not None or check is None:
+        return
+    try:
+        check(argv)
+    except ExecutorError as e:
+        if missing is None:
+            raise
+        missing.append(str(e))
 
 
 def _dry_run_folder(run_uri: str, run_id: str, missing: list[str]) -> RunStore | None:
@@ -873,10 +900,36 @@ def _command(entrypoint: str | Sequence[str] | None) -> list[str] | None:
     """The replica command of ``--entrypoint`` (a shell-quoted string or a list)."""
     if entrypoint is None:
         return None
+    if not isinstance(entrypoint, str):
+        return list(entrypoint)
     try:
-        return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+        argv = shlex.split(entrypoint)
     except ValueError as e:
         raise LaunchError(f"--entrypoint {entrypoint!r} cannot be parsed: {e}") from None
+    _check_no_shell(entrypoint, argv)
+    return argv
+
+
+#: what a shell would act on, and the replica's program would get as an argument
+_SHELL_OPERATORS = frozenset({"&&", "||", "|", ";", "&", ">", ">>", "<", "2>", "2>&1", "1>"})
+
+
+def _check_no_shell(text: str, argv: list[str]) -> None:
+    """LaunchError for an ``--entrypoint`` written for a shell: it is split as a shell
+    would split it but run without one (on every backend), so ``VAR=value`` before the
+    program is no variable and ``&&``, ``|`` or ``>`` would reach the program as arguments."""
+    if argv and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
+        raise LaunchError(
+            f"--entrypoint {text!r} starts with {argv[0]!r}, but no shell runs it: give the "
+            f"variable with --env {argv[0]}"
+        )
+    ops = [a for a in argv if a in _SHELL_OPERATORS]
+    if ops:
+        raise LaunchError(
+            f"--entrypoint {text!r} has {ops[0]!r}, but no shell runs it (the program would "
+            "get it as an argument): put the commands in a script, or give "
+            "--entrypoint \"bash -c '...'\""
+        )
 
 
 @contextlib.contextmanager

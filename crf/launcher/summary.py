@@ -72,9 +72,13 @@ def last_exception(lines: Sequence[str]) -> str | None:
     """The last exception line in a log tail, if any: the reason a replica that could not
     write its own result (e.g. its store was down) died, for the summary's error column."""
     for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line.strip()):
-            return line.strip()
+        text = _RANK_PREFIX.sub("", line.strip())  # torchrun's "[rank1]: " before a rank's
+        if _EXCEPTION_LINE.match(text):
+            return text
     return None
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def before_traceback(lines: Sequence[str]) -> list[str]:
@@ -308,7 +312,8 @@ def build_summary(
     hashes = [row["weights_sha256"] for row in rows]
     identical = bool(hashes) and None not in hashes and len(set(hashes)) == 1
     rounds = None if resumed_from_round else spec.rounds  # a resumed run exchanged before
-    status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds)
+    status, error = run_status(rows, metrics, cancelled=cancelled, error=error, rounds=rounds,
+                               entrypoint=bool(spec.entrypoint))  # fmt: skip
     problems = run_problems(rows, reported, metrics, spec.rounds)
     missing = rewards_missing(metrics)  # a reward that gave no value in a round: said so
     notes = {"rewards_missing": missing, "warnings": reward_warnings(missing)} if missing else {}
@@ -362,12 +367,13 @@ def run_status(
     cancelled: bool,
     error: str | None,
     rounds: int | None = None,
+    entrypoint: bool = True,
 ) -> tuple[str, str | None]:
     """The run's verdict and error (see :func:`build_summary`): ``cancelled`` unless every
     replica had already reported its own ok result; a loss that went NaN/Inf
     fails a run whatever its exit codes, and is added to the error; so does a run that asked
     for ``rounds`` and exchanged none (:func:`never_exchanged`)."""
-    idle = never_exchanged(rows, metrics, rounds) if rounds is not None else None
+    idle = never_exchanged(rows, metrics, rounds, entrypoint) if rounds is not None else None
     # a cancel that came once every replica had reported its own ok result stopped nothing
     # (Ctrl-C as the run ended): the run finished
     finished = bool(rows) and all(r["ok"] and r.get("reported_status") == "ok" for r in rows)
@@ -390,12 +396,14 @@ def never_exchanged(
     rows: Sequence[Mapping[str, Any]],
     metrics: Mapping[int, Sequence[Mapping[str, Any]]],
     rounds: int,
+    entrypoint: bool = True,
 ) -> str | None:
     """Why a run whose replicas all exited cleanly is still not ok: it asked for ``rounds``
     exchange rounds and no replica committed one (no per-round record says so, no result
     counts one). The usual cause is an ``--entrypoint`` (verl, PRIME-RL, a torchrun script)
-    that trains but never calls ``DiLoCoHook.step``, so its replicas trained alone. None when
-    some round was exchanged, or when a replica failed anyway (its own error says more)."""
+    that trains but never calls ``DiLoCoHook.step``, so its replicas trained alone, or a
+    job module (``entrypoint`` False) that trains outside ``ctx.diloco``. None when some
+    round was exchanged, or when a replica failed anyway (its own error says more)."""
     if not rows or not all(row["ok"] for row in rows):
         return None
     if any(m.get("committed") for ms in metrics.values() for m in ms):
@@ -404,8 +412,14 @@ def never_exchanged(
         return None
     return (
         f"no round was exchanged: {len(rows)} replica(s) exited cleanly but none committed any "
-        f"of the {rounds} round(s) asked for; the entrypoint likely never calls "
-        "DiLoCoHook.step after its optimizer step (docs/integrations.md)"
+        f"of the {rounds} round(s) asked for; "
+        + (
+            "the entrypoint likely never calls DiLoCoHook.step after its optimizer step "
+            "(docs/integrations.md)"
+            if entrypoint
+            else "the job likely trains outside ctx.diloco(model, optimizer), or takes no "
+            "step in it (docs/extending.md)"
+        )
     )
 
 
@@ -535,7 +549,10 @@ def render_summary(
     print_workers(summary, console)
     print_failures(summary, console)
     print_version_warnings(summary, console)
-    for line in reward_warnings(summary.get("rewards_missing") or {}):
+    for line in [
+        *unreported_warnings(summary),
+        *reward_warnings(summary.get("rewards_missing") or {}),
+    ]:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", soft_wrap=True, highlight=False)
     # one line in a log or a pipe (grep finds it whole); wrapped at words on a terminal
     console.print("run " + " - ".join(verdict_parts(summary)), soft_wrap=not console.is_terminal)
@@ -551,7 +568,9 @@ def replica_table(summary: Mapping[str, Any], width: int = 80) -> Table:
     ``width`` columns (the least important columns are left out; no value is cut)."""
     rounds = summary.get("rounds")
     rows = summary["replicas"]
-    jm = [row.get("job_metrics") or {} for row in rows]
+    # a result's job_metrics is a dict (crf.replica.context.job_metrics_of); one written
+    # otherwise (by hand, or an older replica) shows no headline metric, not a crash
+    jm = [m if isinstance(m := row.get("job_metrics"), dict) else {} for row in rows]
     cols = [
         Column("rank", [str(row["rank"]) for row in rows], keep=100),
         Column("exit", [_exit_text(row) for row in rows], keep=95, justify="left"),
@@ -749,6 +768,22 @@ def reward_warnings(missing: Mapping[str, Sequence[int]]) -> list[str]:
         f"{', '.join(map(str, rounds))}: TRL leaves such completions out of it, so it "
         "trained nothing there; make it return a number for the completions it scores"
         for name, rounds in missing.items()
+    ]
+
+
+def unreported_warnings(summary: Mapping[str, Any]) -> list[str]:
+    """A line for the replicas that exited cleanly without writing their result: a script
+    that never called ``DiLoCoHook.close()``. Its rounds are in the run folder (the run may
+    be ok), but its row shows none of them, and its job metrics are lost."""
+    silent = [str(r.get("rank")) for r in summary.get("replicas") or []
+              if r.get("exit_code") == 0 and "reported_status" in r
+              and r["reported_status"] is None]  # fmt: skip
+    if not silent:
+        return []
+    return [
+        f"replica(s) {', '.join(silent)} exited cleanly without writing a result: the "
+        "script never called DiLoCoHook.close() (or ctx.finish()), so the table shows none "
+        "of their rounds and their job metrics are lost (docs/integrations.md)"
     ]
 
 

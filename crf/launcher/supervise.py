@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -73,6 +74,9 @@ class Supervisor:
         #: the errors (``Type: message``) each rank failed with before its first committed
         #: round, over its attempts: one seen twice is a bug, not a death
         self.early_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
+        #: the errors each rank reported after a committed round: one its own restart
+        #: reports again is a bug too (the restart resumed where it failed, and failed again)
+        self.late_errors: dict[int, list[str]] = {h.rank: [] for h in handles}
         #: the run's one-line reason when an early error ended it (None: it did not)
         self.fatal: str | None = None
         #: the run's rollout workers (a crf.launcher.workers.WorkerPool, which imports this
@@ -170,17 +174,23 @@ class Supervisor:
         round with an error that a restart cannot fix: one it says is deterministic (raised
         in setup, crf/replica/failures.py), or one whose type and message another replica,
         or its own earlier attempt, failed with before (its result's, or its log's for a
-        replica that wrote none); and at any round with an error every replica meets (a
+        replica that wrote none); at any round with an error every replica meets (a
         reward's own: the others would train on until they meet it, and the run end failed
-        anyway). Deaths (killed, no word, or a transient error) restart as the policy
-        allows."""
+        anyway); and after a committed round with the error its own earlier attempt
+        reported (the restart resumed where it failed and failed the same way; another
+        replica's alike error then is not enough, as two deaths may read alike). Deaths
+        (killed, no word, or a transient error) restart as the policy allows."""
         rank = handle.rank
         found = self._early_error(handle, status)
         if found is None:
             return
         line, setup, where = found
-        before = [r for r, seen in self.early_errors.items() if line in seen]
-        self.early_errors.setdefault(rank, []).append(line)
+        if where.startswith("after") and not setup:  # past a committed round: its own only
+            before = [rank] if line in self.late_errors.setdefault(rank, []) else []
+            self.late_errors[rank].append(line)
+        else:
+            before = [r for r, seen in self.early_errors.items() if line in seen]
+            self.early_errors.setdefault(rank, []).append(line)
         if not setup and not before:
             return
         also = [r for r in before if r != rank]
@@ -237,30 +247,35 @@ class Supervisor:
         if result.get("stops_run") is True:  # a reward's error: every replica meets it
             where = f"after {committed} committed round(s)" if committed and not setup else where
             return error.splitlines()[0], True, where
-        if committed:
-            return None
+        if committed:  # ends the run only when this rank's own restart reports it again
+            return error.splitlines()[0], False, f"after {committed} committed round(s)"
         return error.splitlines()[0], setup and result.get("restartable") is False, where
 
     def _logged_error(
         self, handle: ReplicaHandle, status: ReplicaStatus
     ) -> tuple[str, bool, str] | None:
         """The last exception line of the log of an attempt that exited by itself with an
-        error status (1..127: a Python traceback's 1, ``sys.exit(2)``), before the run
-        committed any round; None for a kill (a signal, or 128 + its number as a shell or a
-        container reports an OOM kill's 137), an unknown exit, or a log with no exception
-        line. Such an error repeats on every restart just as a reported one does."""
+        error status (1..127: a Python traceback's 1, ``sys.exit(2)``; for torchrun, the
+        first failing rank's, :func:`log_tail`), and where: before the run committed any
+        round, or after (then only this rank's own restart failing alike ends the run, and
+        torchrun's bare report of a rank's death is no error); None for a kill (a signal,
+        or 128 + its number as a shell or a container reports an OOM kill's 137), an unknown
+        exit, or a log with no exception line. Such an error repeats on every restart just
+        as a reported one does."""
         code = status.exit_code
         if not isinstance(code, int) or not 0 < code < 128:
             return None
         try:
-            if layout.global_rounds(self.plan.store):
-                return None  # the run got past its first round: this may be a death
+            committed = bool(layout.global_rounds(self.plan.store))
         except Exception:  # noqa: BLE001 - the store cannot say: restart, as for a death
             return None
         from crf.launcher.summary import last_exception
 
         line = last_exception(log_tail(self.plan.executor, handle))
-        return (line, False, "before its first round") if line else None
+        if not line or (committed and "ChildFailedError" in line):
+            return None  # past a round, torchrun's own report says no more than a death
+        # past its first round, only this rank's own restart failing the same way counts
+        return line, False, "after a committed round" if committed else "before its first round"
 
     def _stop_for_store(self, rank: int, error: BaseException) -> None:
         """End the run: the run folder refuses the driver's writes, so it refuses the
@@ -452,7 +467,55 @@ def with_workers(table: Any, rows: Sequence[Mapping[str, Any]], width: int) -> A
 
 
 def log_tail(executor: ServerlessExecutor, handle: ReplicaHandle) -> list[str]:
+    """The last lines of the replica's log; when the log ends with torchrun's report of a
+    failed rank (``ChildFailedError``, whose table pushes the cause out of the tail), then
+    also the first exception line that the report's root-cause rank printed in that attempt
+    (``[rank1]: KeyError: 'x'``), when that rank exited with an error code: a rank killed by
+    a signal is a death, whatever the other ranks printed after it."""
     try:
-        return list(deque(executor.logs(handle), maxlen=LOG_TAIL_LINES))
+        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        report = _TorchrunReport()
+        for line in executor.logs(handle):
+            tail.append(line)
+            report.read(line)
     except Exception:  # logs are a courtesy; never let them hide the real result
         return []
+    cause = report.cause()
+    if cause is not None and tail and tail[-1].startswith("=" * 20):  # the report's end
+        tail.append(cause)
+    return list(tail)
+
+
+#: an exception line that torchrun prefixes with the rank that printed it
+_RANK_EXCEPTION = re.compile(r"^\[rank(\d+)\]:\s*[A-Za-z_][\w.]*(?:Error|Exception)\b.*:")
+#: the exception line that opens torchrun's report (not the ``raise`` above it)
+_REPORT_START = re.compile(r"^[\w.]*ChildFailedError:")
+#: a field of a rank's entry in torchrun's report ("  rank      : 1 (local_rank: 1)")
+_REPORT_FIELD = re.compile(r"^\s+(rank|exitcode)\s*:\s*(-?\d+)")
+
+
+class _TorchrunReport:
+    """Reads a log line by line: each rank's first exception line in the attempt under way,
+    and, from torchrun's last report, its root-cause rank and that rank's exit code."""
+
+    def __init__(self) -> None:
+        self.firsts: dict[str, str] = {}  # rank -> its first exception line, this attempt
+        self.reported: dict[str, str] = {}  # the same, of the attempt the report ended
+        self.root: dict[str, str] = {}  # the report's root-cause entry: rank, exitcode
+        self.in_root = False
+
+    def read(self, line: str) -> None:
+        if _REPORT_START.match(line):
+            self.reported, self.firsts, self.root, self.in_root = self.firsts, {}, {}, False
+        elif line.startswith("Root Cause"):
+            self.in_root = True
+        elif self.in_root and (field := _REPORT_FIELD.match(line)):
+            self.root.setdefault(field.group(1), field.group(2))
+        elif found := _RANK_EXCEPTION.match(line):
+            self.firsts.setdefault(found.group(1), line.strip())
+
+    def cause(self) -> str | None:
+        """The root-cause rank's first exception line, when it exited with an error code."""
+        if self.firsts or int(self.root.get("exitcode", "0")) <= 0:
+            return None  # an attempt after the report, or a rank killed by a signal
+        return self.reported.get(self.root.get("rank", ""))

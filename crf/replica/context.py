@@ -159,6 +159,24 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def job_metrics_of(value: Any) -> dict[str, Any]:
+    """What a job's ``run`` returned (or a loop gave ``DiLoCoHook.close``) as the result's
+    ``job_metrics``: a mapping as it is, None as none, anything else kept under ``result``
+    with a warning. The contract asks for a dict; a job that returns its final loss as a
+    number has still trained, and the run keeps what it returned rather than fail (or
+    restart) a replica whose rounds are all in."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items()}
+    log.warning(
+        "the job returned %s, not a dict of metrics: it is kept as job_metrics.result "
+        "(return a dict, e.g. {'final_loss': loss})",
+        type(value).__name__,
+    )
+    return {"result": value}
+
+
 class ReplicaContext:
     """One replica's view of the run (see module docstring)."""
 
@@ -304,6 +322,8 @@ class ReplicaContext:
             gathering = inner_optimizer.register_step_post_hook(local.refresh)
         # also before DiLoCo's: where a sync step's own work ends and DiLoCo's begins
         marking = inner_optimizer.register_step_post_hook(self._mark_step_end)
+        # before DiLoCo's pre-hook: a step past the run's last is refused before it can sync
+        past_end = inner_optimizer.register_step_pre_hook(self._refuse_step_past_end)
         with algo:
             self._inner = inner_optimizer
             self._resume(manager, inner_optimizer)
@@ -319,6 +339,7 @@ class ReplicaContext:
             finally:
                 hook.remove()
                 marking.remove()
+                past_end.remove()
                 if gathering is not None:
                     gathering.remove()
                 self._close_manager(manager, ok)
@@ -326,6 +347,19 @@ class ReplicaContext:
                 sender.close()
         if local:  # the final weights (the global copies with fragments) to the others
             local.share_weights(model)
+
+    def _refuse_step_past_end(self, *_: Any) -> None:
+        """An inner optimizer step once ``ctx.step`` reached ``ctx.total_steps``: the job's
+        loop runs past the run's end, and the step would sync a round the run never asked
+        for (the replicas' rounds would no longer match). The same loop does it on every
+        attempt: a ContractError, which no restart is for."""
+        total = self.spec.total_steps
+        if self.step >= total:
+            raise ContractError(
+                f"an inner optimizer step after ctx.step reached ctx.total_steps ({total}: "
+                f"--rounds {self.spec.rounds} x --sync-every {self.spec.sync_every}); train "
+                "while ctx.step < ctx.total_steps"
+            )
 
     def _at(self) -> int:
         """The inner steps taken (what the FSDP gathering hook counts from)."""
@@ -928,7 +962,7 @@ class ReplicaContext:
             self.manager.close()  # pending checkpoint writes land before the result
         self.tracker.close()
         self._save_model()
-        record = self.result_record("ok", None, job_metrics or {})
+        record = self.result_record("ok", None, job_metrics_of(job_metrics))
         self.store.put_json(layout.result_key(self.rank), record.to_dict())
         self.phase = "done"
         self._beat(force=True)

@@ -14,10 +14,11 @@ machine or the network failed (:data:`TRANSIENT`); so is a reward function's own
 image without a C compiler fails the same way on every attempt;
 ``crf.composer.generation.compile_failed``), and what
 ``crf.exchange.manager.restart_cannot_help`` names (the replicas disagree on the model),
-and an object store's answer that the replica's credentials may not use it or that its
-bucket is gone (``crf.store.errors.denies_access``: a role without access to the bucket, a
-session token that expired), which every attempt and every replica meets again, at any
-round, while a store out of reach is a network's failure.
+a ``ContractError`` (the replica's contract broken: its variables, or a
+``DiLoCoHook`` the script misuses), and an object store's answer that the replica's
+credentials may not use it or that its bucket is gone (``crf.store.errors.denies_access``: a
+role without access to the bucket, a session token that expired), which every attempt and
+every replica meets again, at any round, while a store out of reach is a network's failure.
 The replica then exits with code 3 and records ``restartable: false``; the driver ends the
 run with that error as its one-line reason (before the first committed round; a reward's or
 a compiler's error at any round: ``stops_run`` in the result).
@@ -71,7 +72,7 @@ def deterministic(error: BaseException, *, phase: str) -> bool:
     one, or one the exchange says no restart can fix."""
     from crf.exchange.manager import restart_cannot_help
 
-    if restart_cannot_help(error) or denies_access(error):
+    if restart_cannot_help(error) or denies_access(error) or "ContractError" in _names(error):
         return True
     if transient(error):
         return False

@@ -55,8 +55,9 @@ def get_job(name: str) -> ModuleType:
         if name in JOBS or (e.name != module and not module.startswith(f"{e.name}.")):
             raise  # a built-in or the job's own dependency is missing: an install problem
         raise ValueError(
-            f"job {name!r}: no module {module!r} can be imported here; a job given by module "
-            "path must be installed, or on PYTHONPATH, where the driver and the replicas run"
+            f"job {name!r}: no module {module!r} can be imported here{_hint(module)}; a job "
+            "given by module path must be installed, or on PYTHONPATH, where the driver and "
+            "the replicas run"
         ) from None
     missing = [attr for attr in ("Config", "run") if not hasattr(job, attr)]
     if missing:
@@ -64,7 +65,33 @@ def get_job(name: str) -> ModuleType:
             f"job {name!r}: module {module!r} is not a job (it has no {' and no '.join(missing)}"
             "; a job module exposes a Config dataclass and run(ctx, config))"
         )
+    if not dataclasses.is_dataclass(job.Config):
+        raise ValueError(
+            f"job {name!r}: its Config is not a dataclass; decorate it with "
+            "@dataclasses.dataclass (its fields, with defaults, are the job's options)"
+        )
     return job
+
+
+def _hint(module: str) -> str:
+    """Why ``module`` may not import: a close name in its package (a typo), or a folder of
+    that name here that is not on the path (``crf`` does not import from the current
+    folder by itself, as ``python -m`` does)."""
+    import difflib
+    import os
+    import pkgutil
+
+    parent, _, leaf = module.rpartition(".")
+    try:
+        package = importlib.import_module(parent)
+    except ImportError:
+        top = module.split(".")[0]
+        if os.path.isdir(top) or os.path.isfile(f"{top}.py"):
+            return f" (./{top} is here but not on the path: PYTHONPATH=. crf launch ...)"
+        return ""
+    names = [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))]
+    close = difflib.get_close_matches(leaf, names, n=1)
+    return f" (did you mean {parent}.{close[0]}?)" if close else ""
 
 
 def nest_dotted(values: dict[str, Any] | None) -> dict[str, Any]:
