@@ -142,7 +142,7 @@ def test_a_resumed_replica_draws_on_where_its_random_generators_were() -> None:
     ctx, _, _ = train(store, spec, 0, stop_after_round=1, draws=True)
     ctx.manager.close()  # its writes land
     ctx, model, start = train(store, spec, 0, draws=True)
-    assert ctx.resumed_from == 1 and ctx.resumed_rng is not None and start == 2 * H
+    assert ctx.resumed_from == 1 and ctx.resumed_inner and start == 2 * H
     assert all(torch.equal(ref_state[k], v) for k, v in model.state_dict().items())
 
 
