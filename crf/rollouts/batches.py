@@ -2,8 +2,7 @@
 
 A :class:`RolloutBatch` holds exactly one TRL generation batch of its trainer (prompts x
 num_generations rollouts, each prompt's generations consecutive, as TRL's RepeatSampler
-yields them): the dataset row ids into the trainer's shard (as ``build()`` makes it, before
-any resume rotation), prompt and completion token ids, the behaviour log-prob of every
+yields them): the dataset row ids into the trainer's shard (as ``build()`` makes it), prompt and completion token ids, the behaviour log-prob of every
 completion token, the policy version that generated it and that version's digest, the
 sampling settings, the tokenizer's digest, the worker, its sequence number and when it was
 made.
