@@ -190,10 +190,9 @@ class ReplicaContext:
         self.manager: ObjectStoreManager | None = None
         self._inner: torch.optim.Optimizer | None = None
         self.resumed_from: int | None = None  # global round this replica resumed from
-        self.resumed_inner = False
-        #: the random-number generators' states this replica's inner state saved where it
-        #: resumed (None: none saved, or not resumed): :meth:`restore_rng`
-        self.resumed_rng: dict[str, Any] | None = None
+        #: the inner state this replica resumed from, its generators alone (None: it started
+        #: its inner optimizer fresh): they go back at :meth:`restore_rng`
+        self._resumed: inner_state.InnerState | None = None
         self.model: torch.nn.Module | None = None
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
@@ -539,13 +538,18 @@ class ReplicaContext:
                 inner.load_state_dict(saved.optimizer)
             if saved.error_feedback is not None:  # what the wire dropped, still to be resent
                 manager.exchange.load_error_feedback_state(saved.error_feedback)
-            self.resumed_inner = True
-            self.resumed_rng = saved.rng
+            # only its generators are kept: the rest is loaded (a second copy would hold memory)
+            self._resumed = inner_state.InnerState(None, None, None, saved.rng)
             self.restore_rng()
         except (CorruptObjectError, ObjectNotFound, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
+
+    @property
+    def resumed_inner(self) -> bool:
+        """Whether this replica resumed its inner optimizer from its saved inner state."""
+        return self._resumed is not None
 
     def restore_rng(self) -> None:
         """Set the random-number generators to where they were when the inner state this
@@ -554,8 +558,8 @@ class ReplicaContext:
         the state has none (an older run's). ``diloco()`` calls it on resuming; a job that
         draws from the generators between entering ``diloco()`` and its next step (a
         trainer's data loader, started after it) calls it again just before that step."""
-        if self.resumed_rng is not None:
-            inner_state.restore_rng(self.resumed_rng)
+        if self._resumed is not None and self._resumed.rng is not None:
+            inner_state.restore_rng(self._resumed.rng)
 
     def _whole_round(self, rounds: list[int]) -> int | None:
         """For a replica alone in its run: the newest of the global ``rounds`` whose inner
