@@ -183,7 +183,9 @@ def test_composer_job_variant_taid_dpo_grpo_kl() -> None:
 
 
 # --------------------------------------------------------------------------- real context
-def _real_context(tmp_path: Path, entrypoint: list[str] | None = None, job: str = "composer"):
+def _real_context(
+    tmp_path: Path, entrypoint: list[str] | None = None, job: str = "composer", rounds: int = 2
+):
     from crf.replica.context import ReplicaContext
     from crf.spec import RunSpec
     from crf.store import RunStore
@@ -196,12 +198,13 @@ def _real_context(tmp_path: Path, entrypoint: list[str] | None = None, job: str 
         entrypoint=entrypoint,
         replicas=1,
         sync_every=2,
-        rounds=2,
+        rounds=rounds,
         round_timeout_s=30.0,
         eval_examples=8,
     ).validate()
     store = RunStore(uri)
-    store.put("run.json", spec.to_json().encode())
+    if not store.exists("run.json"):  # a restart reads the run's own
+        store.put("run.json", spec.to_json().encode())
     env = {"CRF_RUN_URI": uri, "CRF_RANK": "0", "CRF_WORLD_SIZE": "1", "CRF_RUN_ID": spec.run_id}
     return ReplicaContext, store, env
 
@@ -344,3 +347,46 @@ def test_conversations_without_a_chat_template_fail_at_setup(tmp_path: Path) -> 
     with pytest.raises(DataError, match="the prompts hold conversations .* the composer job's "
                        "embedded model has no chat template"):  # fmt: skip
         build(ctx, Config())
+
+
+class _Killed(Exception):
+    """Stands in for the SIGKILL of a fault point (``CRF_FAULT``) in-process."""
+
+
+@pytest.mark.parametrize(
+    ("num_examples", "killed_at"),
+    [(24, 3), (16, 3)],
+    ids=["resumes-mid-epoch", "resumes-at-an-epoch-start"],
+)
+def test_a_restarted_composer_replica_ends_bit_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_examples: int, killed_at: int
+) -> None:
+    """A composer replica dies in round 1 (after inner step 3) and starts again: it resumes
+    from global/0 at step 2 and ends with the weights of the run nobody stopped. GRPO samples
+    its completions from the random-number generators, which the restarted trainer seeds
+    afresh: the inner state saves them and the restart restores them; and the prompts go on
+    in the uninterrupted trainer's shuffled order (24 rows: 3 steps an epoch, the resume
+    lands inside one; 16 rows: 2 steps, at an epoch's start)."""
+    from crf.replica import context
+    from crf.replica.jobs.composer import Config, run
+
+    def train(where: Path) -> dict[str, Any]:
+        ReplicaContext, store, env = _real_context(where, rounds=3)
+        with contextlib.suppress(_Killed), ReplicaContext.from_env(env) as ctx:
+            ctx.finish(run(ctx, Config(num_examples=num_examples)))
+        return store.get_json("results/0.json")
+
+    reference = train(tmp_path / "ref")
+    real_fault = context.maybe_fault
+
+    def fault(point: str, rank: int, round: Any, store: Any, step: Any = None, **kw: Any) -> None:
+        if point == "inner_step" and step == killed_at:
+            raise _Killed
+        real_fault(point, rank, round, store, step=step, **kw)
+
+    monkeypatch.setattr(context, "maybe_fault", fault)
+    assert train(tmp_path / "victim")["status"] == "failed"
+    monkeypatch.setattr(context, "maybe_fault", real_fault)
+    result = train(tmp_path / "victim")
+    assert result["status"] == "ok" and result["resumed_from"] == 0
+    assert result["weights_sha256"] == reference["weights_sha256"]

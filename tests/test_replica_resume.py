@@ -5,9 +5,11 @@ run. Replicas are threads over one in-memory store."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,10 +39,21 @@ def new_store(n: int = N, **options) -> tuple[RunStore, RunSpec]:
     return store, spec
 
 
-def train(store: RunStore, spec: RunSpec, rank: int, stop_after_round: int | None = None):
+def train(
+    store: RunStore,
+    spec: RunSpec,
+    rank: int,
+    stop_after_round: int | None = None,
+    draws: bool = False,
+):
+    """``draws``: each step also draws noise from the process's random-number generators
+    (torch's, Python's, NumPy's), which every (re)start seeds as a job would (one replica
+    only: threads share them)."""
     ctx = ReplicaContext(store, spec, rank, spec.replicas, shard_grace_s=2.0)
     with _LOCK:
         torch.manual_seed(ctx.seed)
+        random.seed(ctx.seed)
+        np.random.seed(ctx.seed)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with ctx.diloco(model, opt):
@@ -48,6 +61,8 @@ def train(store: RunStore, spec: RunSpec, rank: int, stop_after_round: int | Non
         while ctx.step < ctx.total_steps:
             g = torch.Generator().manual_seed(ctx.data_seed * 997 + ctx.step)  # data position
             x = torch.randn(8, 4, generator=g)
+            if draws:  # a sampling job: e.g. GRPO's completions
+                x = x + torch.randn(8, 4) * random.random() * float(np.random.rand())
             loss = ((model(x) - x[:, :2]) ** 2).mean()
             opt.zero_grad()
             loss.backward()
@@ -114,6 +129,34 @@ def test_a_replica_alone_resumes_from_its_newest_whole_round(options: dict) -> N
     assert ctx.resumed_from == whole and ctx.resumed_inner and start == 2 * H
     assert all(torch.equal(ref_state[k], v) for k, v in model.state_dict().items())
     assert json.loads(store.get("results/0.json"))["status"] == "ok"
+
+
+def test_a_resumed_replica_draws_on_where_its_random_generators_were() -> None:
+    """A job whose steps draw from the random-number generators, seeded again by every
+    (re)start: the inner state saves the generators' states at the round's end and a resume
+    restores them, so the run still ends bit-identical to one nobody stopped."""
+    ref_store, ref_spec = new_store(1)
+    ref_state = train(ref_store, ref_spec, 0, draws=True)[1].state_dict()
+
+    store, spec = new_store(1)
+    ctx, _, _ = train(store, spec, 0, stop_after_round=1, draws=True)
+    ctx.manager.close()  # its writes land
+    ctx, model, start = train(store, spec, 0, draws=True)
+    assert ctx.resumed_from == 1 and ctx.resumed_inner and start == 2 * H
+    assert all(torch.equal(ref_state[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_inner_state_without_random_generators_still_loads() -> None:
+    """An older run's inner states (the optimizer's state alone, or the dict without
+    ``rng``) load as they did: the generators stay as the job seeded them."""
+    from crf.exchange import inner_state
+
+    bare = {"state": {}, "param_groups": []}
+    assert inner_state.split(bare).optimizer is bare and inner_state.split(bare).rng is None
+    older = {"inner_optimizer": bare, "error_feedback": {"-": torch.zeros(2)}}
+    assert inner_state.split(older).rng is None
+    saved = inner_state.compose(bare, rng=inner_state.rng_states())
+    assert inner_state.split(saved).optimizer is bare and saved["rng"] is not None
 
 
 def test_keep_rounds_1_keeps_the_checkpoint_before_until_the_newest_is_whole() -> None:

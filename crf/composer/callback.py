@@ -76,6 +76,10 @@ class DiLoCoCallback(TrainerCallback):
         self.skipped_steps = 0
         #: crf.rollouts.replica.TrainerRollouts with rollout workers, else None
         self.rollouts: Any = None
+        #: a resumed trainer whose data loader drew from the random-number generators after
+        #: ``diloco()`` restored them (its data resumes inside an epoch): restore them again
+        #: at the first step (``ctx.restore_rng``), where the uninterrupted trainer was
+        self.restore_rng_at_step = False
 
     # ------------------------------------------------------------------ DiLoCo
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -99,6 +103,13 @@ class DiLoCoCallback(TrainerCallback):
         self._replaced()  # a restarted replica holds the global weights now
         if self.rollouts is not None:
             self.rollouts.begin(model, self._ctx_step)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.restore_rng_at_step and self.ctx is not None:
+            self.restore_rng_at_step = False
+            restore = getattr(self.ctx, "restore_rng", None)  # a local follower has none
+            if restore is not None:
+                restore()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()

@@ -59,6 +59,7 @@ from crf.composer.losses import (
     sequence_logps,
     simpo_loss,
 )
+from crf.composer.resume import ResumedSampler, indices_per_step, mid_epoch
 from crf.rollouts.config import RolloutConfig
 from crf.rollouts.intake import RolloutIntake, RolloutSource, Taken
 
@@ -172,6 +173,35 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._plain_decoding = compile_decoding(self.generation_config)
         elif note := no_compiler_note(args, self.model):
             log.warning(note)
+        #: optimizer steps already trained (a resumed replica): the data goes on after them
+        self._resume_steps = 0
+        self._mid_epoch = False
+
+    # ------------------------------------------------------------------ resuming
+    def resume_data_at(self, steps: int) -> bool:
+        """Train on from optimizer step ``steps`` of the data (a restarted or resumed
+        replica): the prompts the uninterrupted trainer would draw next, in its epochs
+        (crf/composer/resume.py). Returns whether that falls inside an epoch: then the
+        random-number generators are restored again before the first step (the first
+        epoch's data loader drew from them; ``DiLoCoCallback.restore_rng_at_step``)."""
+        self._resume_steps = int(steps)
+        self._mid_epoch = mid_epoch(super()._get_train_sampler(), self._skipped())
+        return self._mid_epoch
+
+    def _skipped(self) -> int:
+        return self._resume_steps * indices_per_step(self)
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        sampler = super()._get_train_sampler(dataset)
+        return ResumedSampler(sampler, self._skipped()) if self._resume_steps else sampler
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        """transformers' epoch count, plus one when the data resumes inside an epoch (its
+        rest is the first, partial epoch; ``max_steps`` still ends training)."""
+        values = super().set_initial_training_values(args, dataloader)
+        if self._mid_epoch:
+            return (values[0] + 1, *values[1:])
+        return values
 
     # ------------------------------------------------------------------ public helpers
     @property

@@ -21,8 +21,9 @@ folder and how it is checked:
   enough asks for one; the participants that hold the newest state unwritten write their
   parts.
 * ``replicas/<rank>/inner/<r>.pt``: a replica's inner-optimizer state (with fragments, also its
-  local weights) after round ``r``, which a restarted replica loads beside ``global/<r>``: a
-  ``torch.save`` pickle in crf's checked blob container (only crf reads it).
+  local weights; its random-number generators) after round ``r``, which a restarted replica loads
+  beside ``global/<r>``: a ``torch.save`` pickle in crf's checked blob container (only crf reads
+  it).
 
 The training thread's part of a checkpoint is one copy into reused host buffers; the
 serialization, checksum and upload run off it when asked (:class:`CheckpointWriter`), from

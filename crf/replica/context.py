@@ -208,7 +208,9 @@ class ReplicaContext:
         self.manager: ObjectStoreManager | None = None
         self._inner: torch.optim.Optimizer | None = None
         self.resumed_from: int | None = None  # global round this replica resumed from
-        self.resumed_inner = False
+        #: the inner state this replica resumed from, its generators alone (None: it started
+        #: its inner optimizer fresh): they go back at :meth:`restore_rng`
+        self._resumed: inner_state.InnerState | None = None
         self.model: torch.nn.Module | None = None
         self.layout: str | None = None  # digest of the model's tensors (diloco())
         self.step = 0  # inner optimizer steps taken
@@ -570,11 +572,28 @@ class ReplicaContext:
                 inner.load_state_dict(saved.optimizer)
             if saved.error_feedback is not None:  # what the wire dropped, still to be resent
                 manager.exchange.load_error_feedback_state(saved.error_feedback)
-            self.resumed_inner = True
+            # only its generators are kept: the rest is loaded (a second copy would hold memory)
+            self._resumed = inner_state.InnerState(None, None, None, saved.rng)
+            self.restore_rng()
         except (CorruptObjectError, ObjectNotFound, KeyError) as e:
             log.warning("no usable inner-optimizer state to resume (%s): starting it fresh", e)
         log.info("resumed from global/%d at step %d", latest, self.step)
         self._beat(force=True)
+
+    @property
+    def resumed_inner(self) -> bool:
+        """Whether this replica resumed its inner optimizer from its saved inner state."""
+        return self._resumed is not None
+
+    def restore_rng(self) -> None:
+        """Set the random-number generators to where they were when the inner state this
+        replica resumed from was saved (the end of that round's last inner step), so it
+        draws on as the uninterrupted replica did; nothing when it did not resume one, or
+        the state has none (an older run's). ``diloco()`` calls it on resuming; a job that
+        draws from the generators between entering ``diloco()`` and its next step (a
+        trainer's data loader, started after it) calls it again just before that step."""
+        if self._resumed is not None and self._resumed.rng is not None:
+            inner_state.restore_rng(self._resumed.rng)
 
     def _whole_round(self, rounds: list[int]) -> int | None:
         """For a replica alone in its run: the newest of the global ``rounds`` whose inner
@@ -620,6 +639,9 @@ class ReplicaContext:
             if self._split and self.model is not None
             else None,
             self.manager.exchange.error_feedback_state(),
+            # where the training thread's generators are at the round's end: a resume from
+            # this round draws on from here (restore_rng)
+            inner_state.rng_states(),
         )
 
     def _reserve_host_buffers(self, fragments: list[torch.nn.Module]) -> None:

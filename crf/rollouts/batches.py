@@ -1,12 +1,11 @@
 """Rollouts in: the rollout batch a worker writes for its trainer, and the queue they form.
 
 A :class:`RolloutBatch` holds exactly one TRL generation batch of its trainer (prompts x
-num_generations rollouts, each prompt's generations consecutive, as TRL's RepeatSampler
-yields them): the dataset row ids into the trainer's shard (as ``build()`` makes it, before
-any resume rotation), prompt and completion token ids, the behaviour log-prob of every
-completion token, the policy version that generated it and that version's digest, the
-sampling settings, the tokenizer's digest, the worker, its sequence number and when it was
-made.
+num_generations rollouts, each prompt's generations consecutive, as TRL's RepeatSampler yields
+them): the dataset row ids into the trainer's shard (as ``build()`` makes it), prompt and completion
+token ids, the behaviour log-prob of every completion token, the policy version that generated it
+and that version's digest, the sampling settings, the tokenizer's digest, the worker, its sequence
+number and when it was made.
 
 On the wire a batch is a crf blob (crf/store/codec.py: checksum, sizes): a json header with
 the scalar fields and the lengths, then the token ids as int32 and the log-probs as float64

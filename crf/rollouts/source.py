@@ -125,10 +125,10 @@ class StoreRolloutSource:
         step_of: Callable[[], int] | None = None,
         poll_s: float = 0.05,
     ) -> None:
-        """``rows``: the trainer's shard as ``build()`` makes it, before any resume rotation
-        (a batch's row ids index it); ``digests``: what answers ``expected_digest`` (the
-        trainer's PolicyPublisher); ``step_of``: the replica's global inner step, used in
-        place of the step ``take`` is given (a resumed trainer's TRL counts from 0)."""
+        """``rows``: the trainer's shard as ``build()`` makes it (a batch's row ids index it);
+        ``digests``: what answers ``expected_digest`` (the trainer's PolicyPublisher); ``step_of``:
+        the replica's global inner step, used in place of the step ``take`` is given (a resumed
+        trainer's TRL counts from 0)."""
         self.store = store
         self.rank = rank
         self.cfg = cfg

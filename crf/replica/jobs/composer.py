@@ -704,14 +704,10 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     max_new = completion_tokens(cfg, ctx.spec)
 
     # a restarted replica resumes at the round after the newest global state: train only the
-    # remaining steps, on the data it has not seen yet (the shard rotated past what it used)
+    # remaining steps, on the prompts the uninterrupted one would draw next (resume_data_at)
     start = int(ctx.resume_step()) if hasattr(ctx, "resume_step") else 0
     steps = int(ctx.total_steps) - start
-    # rollout workers index the shard as build() makes it, before the resume rotation
     rows = list(setup.shard) if RolloutConfig.from_spec(ctx.spec).enabled else None
-    if start:
-        k = (start * cfg.prompts_per_step) % len(setup.shard)
-        setup.shard[:] = setup.shard[k:] + setup.shard[:k]
     if steps <= 0:  # every step trained (it died writing the model): finish the export
         return finish_trained(ctx, model, tokenizer, start)
     held, exact_before = held_out_eval(ctx, setup, rewards, max_new, cfg, start)
@@ -719,6 +715,8 @@ def run(ctx: Any, cfg: Config) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="crf-composer-") as tmp:
         trainer = new_trainer(ctx, cfg, setup, rewards, tmp, steps, [callback])
         callback.weights_replaced.append(trainer.weights_replaced)  # vLLM: push after syncs
+        if start:  # the same prompts, and random draws, as the uninterrupted replica's
+            callback.restore_rng_at_step = trainer.resume_data_at(start)
         if rows is not None:  # rollout workers: publish the policy, take their batches
             from crf.rollouts.replica import attach
 
