@@ -23,6 +23,7 @@ Layout of one run folder::
     launches/<k>/superseded/global/<r>/...    global states a resume started past
     replicas/<rank>/state.json                heartbeat
     replicas/<rank>/inner/<r>.pt              inner-optimizer state after exchange round r
+    replicas/<rank>/trained.json              the job's metrics once every step was trained
     results/<rank>.json                       a replica's final result
     metrics/<rank>/<r>.json                   per-round metrics
     rounds/<r>/contrib/<rank>.<base>.<facts>  a contribution (manifest + shards, one object)

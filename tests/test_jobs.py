@@ -83,7 +83,9 @@ def test_a_typo_or_a_folder_off_the_path_is_named(
         get_job("userjobs.god")
     monkeypatch.chdir(tmp_path)  # ./userjobs is here; the crf program does not import from
     monkeypatch.delitem(sys.modules, "userjobs")  # the current folder by itself
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    # nor from the current folder by its other names ('' in a worker process's path)
+    here = ("", ".", str(tmp_path))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in here])
     with pytest.raises(ValueError, match=r"\(./userjobs is here but not on the path: PYTHONPA"):
         get_job("userjobs.good")
 

@@ -293,8 +293,7 @@ def build_summary(
     went NaN/Inf is never ok, whatever the exit codes say.
     """
     ended_at = time.time() if ended_at is None else ended_at
-    metrics = metrics or {}
-    attempts = attempts or {}
+    metrics, attempts = metrics or {}, attempts or {}
     rows = [
         replica_row(
             r,
